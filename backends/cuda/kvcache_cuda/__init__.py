@@ -1,0 +1,1 @@
+"""kvcache backend plugin cuda (work in progress)."""

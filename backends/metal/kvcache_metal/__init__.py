@@ -1,0 +1,1 @@
+"""kvcache backend plugin metal (work in progress)."""

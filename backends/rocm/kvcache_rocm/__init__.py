@@ -1,0 +1,1 @@
+"""kvcache backend plugin rocm (work in progress)."""

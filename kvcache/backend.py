@@ -1,0 +1,301 @@
+"""The contract between the core and a backend.
+
+The core owns sequences, blocks and pages and builds every index array on the host. A backend
+owns memory, streams and kernels, and knows nothing about sequences: each kernel below receives
+page arrays and int32 index arrays (already on the backend's device) and is specified by its
+docstring plus the reference implementation in ``kvcache.reference``.
+
+Shared conventions
+------------------
+* ``pages``: one array per layer, shape ``(num_pages, 2, num_kv_heads, page_size, head_dim)`` in
+  the cache dtype; ``[:, 0]`` is K, ``[:, 1]`` is V.  A *slot* is ``page * page_size + offset``.
+* New tokens of a forward are packed: ``q`` is ``(T, num_qo_heads, D)``, ``k``/``v`` are
+  ``(T, num_kv_heads, D)``; tokens of entry ``i`` are rows ``qo_indptr[i]:qo_indptr[i+1]``.
+* Grouped-query attention: query head ``h`` reads KV head ``h // (num_qo_heads // num_kv_heads)``.
+* Attention kernels return ``(o, lse)``: ``o`` ``(T, num_qo_heads, D)`` in the cache dtype and
+  ``lse`` ``(T, num_qo_heads)`` float32, natural log of the softmax denominator (with the
+  ``sm_scale`` already applied to the logits).  A row that sees no key has ``o = 0`` and
+  ``lse = -inf``.
+* RoPE (``RopeSpec``): rotate-half; for position ``p`` and ``i < D/2``,
+  ``angle_i = p * scale * theta ** (-2i / D)``; ``out[:D/2] = x1*cos - x2*sin``,
+  ``out[D/2:] = x2*cos + x1*sin``.  Kernels compute in float32 (or wider) and round once.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Optional, Sequence
+
+
+def _cap(default, doc: str):
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do. Defaults are conservative; each field's doc sentence is the reason a
+    conformance test is skipped when the backend lacks it."""
+
+    dtypes: tuple = _cap(("float32",), "Storage dtypes the backend supports.")
+    copy_stream: bool = _cap(False, "Moves aux arrays to the device on a separate copy stream.")
+    merged_aux: bool = _cap(False, "Packs all aux arrays into one pinned host buffer and copies "
+                                   "them in one transfer.")
+    cuda_graph: bool = _cap(False, "Decode attention can be captured in a CUDA/HIP graph and "
+                                   "replayed with other lengths.")
+    tree_attention: bool = _cap(False, "Token-tree (speculative decoding) attention masks and "
+                                       "commit compaction.")
+    sliding_window: bool = _cap(False, "Sliding-window attention with attention sinks.")
+    fused_rope_append: bool = _cap(False, "Rotates q/k and writes K/V into pages in one kernel launch.")
+    inline_rope: bool = _cap(False, "Applies RoPE to cached K inside attention (rope_mode 'inline').")
+    head_dims: tuple = _cap((64, 128, 256), "Head dimensions the kernels support.")
+
+    def describe(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def reason(cls, name: str) -> str:
+        """'name: doc sentence', the skip reason for a missing capability."""
+        doc = {f.name: f.metadata["doc"] for f in fields(cls)}[name]
+        return f"capability {name!r} not declared ({doc})"
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters handed to kernels."""
+
+    theta: float = 10000.0
+    scale: float = 1.0
+
+
+@dataclass
+class TreeMask:
+    """Token-tree visibility for the last ``tree_len`` keys of each entry.
+
+    ``indptr`` (n+1,) int32: entry ``i`` owns tree nodes ``indptr[i]:indptr[i+1]``; its tree size
+    is ``indptr[i+1] - indptr[i]`` (0: no tree, every key visible).
+    ``mask`` (2 * indptr[-1],) int32: for each node, ``(order, upper)`` of a depth-first walk; key
+    node ``m`` is visible to query node ``n`` iff ``order[m] <= order[n] < upper[m]``
+    (m is n or an ancestor of n).
+    The entry's queries are its *last* tree nodes: query row ``r`` of an entry with ``nq`` queries
+    and tree size ``t`` is node ``t - nq + r``.
+    """
+
+    indptr: Any
+    mask: Any
+
+
+@dataclass
+class DepthAux:
+    """Index arrays of one block depth, on the backend's device (int32).
+
+    ``n`` entries; entry ``i`` reads the queries ``q[qo_indptr[i]:qo_indptr[i+1]]`` and the keys
+    in pages ``page_indices[page_indptr[i]:page_indptr[i+1]]``.
+    Keys are numbered ``j = 0 .. kv_len[i]-1``; key ``j`` lives at in-entry offset
+    ``off = j if j < sink_size[i] else j - sink_size[i] + window_offset[i]`` (a sliding window
+    keeps its sinks at the front and its window after a gap), i.e. in page
+    ``page_indices[page_indptr[i] + off // page_size]`` at row ``off % page_size``.
+    ``last_page_len[i]`` is the used rows of the entry's last page (FlashInfer convention).
+    Inline RoPE rotates key ``j`` at position ``k_rope_offset[i] + j``.
+    Attention over a depth is *not* causal: every key of the entry is visible to every query of
+    the entry, except the tree part (``tree``) when given.
+    ``use_decode``: every entry has exactly one query (a decode kernel may be used).
+    """
+
+    qo_indptr: Any
+    page_indptr: Any
+    page_indices: Any
+    last_page_len: Any
+    kv_len: Any
+    sink_size: Any
+    window_offset: Any
+    k_rope_offset: Any
+    num_entries: int
+    use_decode: bool
+    tree: Optional[TreeMask] = None
+    max_kv_len: int = 0
+    """Host-side maximum of kv_len (for launch sizing; graph mode uses a bound instead)."""
+
+
+class Backend(abc.ABC):
+    """One device family. Subclasses set ``name``, ``priority`` and ``capabilities`` and implement
+    the abstract methods. Public cache methods validate; backends may assume valid input."""
+
+    name: ClassVar[str] = "abstract"
+    priority: ClassVar[int] = 0
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    description: ClassVar[str] = ""
+
+    # ------------------------------------------------------------------ discovery
+    @classmethod
+    @abc.abstractmethod
+    def availability(cls, device: Optional[str] = None) -> tuple[bool, str]:
+        """(True, what will run) or (False, why not); never a bare False."""
+
+    @classmethod
+    def devices(cls) -> list[str]:
+        """Device names this backend can run on here (for ``kvcache info``)."""
+        return []
+
+    @classmethod
+    def platform(cls) -> dict:
+        """Vendor / runtime facts for ``kvcache info`` (e.g. {'vendor': 'nvidia', 'runtime': 'cuda'})."""
+        return {}
+
+    def __init__(self, config, device: Optional[str] = None):
+        self.config = config
+        self.device = device
+
+    # ------------------------------------------------------------------ memory
+    @abc.abstractmethod
+    def allocate_pages(self, num_pages: int) -> list:
+        """Zeroed page arrays, one per layer, shape (num_pages, 2, Hkv, page_size, D)."""
+
+    @abc.abstractmethod
+    def from_numpy(self, array, dtype: Optional[str] = None):
+        """A native array on the device with the given dtype name (None: keep int32 / use cache dtype
+        for floats)."""
+
+    @abc.abstractmethod
+    def to_numpy(self, array):
+        """A host numpy copy of a native array (float arrays as float32, bf16 widened)."""
+
+    @abc.abstractmethod
+    def is_native(self, array) -> bool:
+        """Whether ``array`` is this backend's array type (for input validation)."""
+
+    @abc.abstractmethod
+    def dtype_name(self, array) -> str:
+        """'float16' | 'bfloat16' | 'float32' | 'int32' | ... for a native array."""
+
+    def device_of(self, array) -> Optional[str]:
+        """The device an array lives on (None: the backend has a single device)."""
+        return None
+
+    # ------------------------------------------------------------------ streams
+    def create_stream(self):
+        """A new stream (the copy stream); backends without streams return None."""
+        return None
+
+    def current_stream(self):
+        """The stream kernels are launched on now."""
+        return None
+
+    def wait_stream(self, stream) -> None:
+        """Make the current stream wait for work queued on ``stream`` (an event, never a device sync)."""
+
+    def synchronize(self) -> None:
+        """Wait on the host for all queued device work."""
+
+    # ------------------------------------------------------------------ aux transfer
+    def aux_to_device(self, host_array):
+        """Plain path: a device copy of one host int32 numpy array."""
+        return self.from_numpy(host_array)
+
+    def aux_alloc_host(self, num_int32: int):
+        """Merged path: (handle, numpy int32 view) of a host staging buffer (pinned where it matters)."""
+        raise NotImplementedError
+
+    def aux_alloc_device(self, num_int32: int):
+        """Merged path: a device int32 buffer."""
+        raise NotImplementedError
+
+    def aux_copy_async(self, device_buffer, host_handle, num_int32: int, stream):
+        """Merged path: copy the first ``num_int32`` elements host->device on ``stream``; return an
+        event recorded after the copy (``None`` where copies are synchronous)."""
+        raise NotImplementedError
+
+    def aux_view(self, device_buffer, offset: int, length: int):
+        """Merged path: a view of ``length`` int32 at ``offset`` (no copy)."""
+        raise NotImplementedError
+
+    def event_synchronize(self, event) -> None:
+        """Host waits until ``event`` has completed (guards reuse of a staging buffer)."""
+
+    def stream_wait_event(self, event, stream=None) -> None:
+        """``stream`` (default: current) waits on ``event`` on the device."""
+
+    def record_event(self, stream=None):
+        """An event recorded on ``stream`` (default current); None where there are no streams."""
+        return None
+
+    # ------------------------------------------------------------------ kernels
+    @abc.abstractmethod
+    def rope(self, x, positions, rope: RopeSpec):
+        """``x`` (T, H, D) rotated at ``positions`` (T,) int32; returns a new array, cache dtype."""
+
+    @abc.abstractmethod
+    def append_kv(self, pages, k, v, slots, positions=None, rope: Optional[RopeSpec] = None) -> None:
+        """Write ``k[t]``/``v[t]`` (T, Hkv, D) into ``pages`` at ``slots[t]`` (-1: skip the token).
+        With ``rope``, K is rotated at ``positions[t]`` before it is stored (fused RoPE)."""
+
+    def rope_append(self, pages, q, k, v, slots, positions, rope: RopeSpec):
+        """Rotate q and k at ``positions``, store rotated K and V at ``slots``; return (q_rot, k_rot).
+        Backends with ``fused_rope_append`` do this in one launch; this default uses two kernels."""
+        q_rot = self.rope(q, positions, rope)
+        k_rot = self.rope(k, positions, rope)
+        self.append_kv(pages, k_rot, v, slots)
+        return q_rot, k_rot
+
+    @abc.abstractmethod
+    def ragged_attention(self, q, k, v, qo_indptr, sm_scale: float, *, num_seqs: int,
+                         max_len: int, tree: Optional[TreeMask] = None,
+                         rope: Optional[RopeSpec] = None, q_positions=None, k_rope_offset=None):
+        """Causal self-attention among each sequence's new tokens (rows ``qo_indptr[i]:qo_indptr[i+1]``
+        of q, k, v): row ``r`` sees rows ``0..r`` of its sequence; with ``tree`` (tree size equal to
+        the append length) row ``r`` sees only its tree ancestors and itself. With ``rope`` (inline
+        mode) q row is rotated at ``q_positions`` and key row ``r`` at ``k_rope_offset[i] + r``.
+        Returns (o, lse)."""
+
+    @abc.abstractmethod
+    def paged_attention(self, q, pages, depth: DepthAux, sm_scale: float, *,
+                        rope: Optional[RopeSpec] = None, q_positions=None):
+        """Attention of each entry's queries over that entry's keys in ``pages`` (see ``DepthAux``).
+        Returns (o, lse) for all T rows of ``q``; rows covered by no entry get o = 0, lse = -inf."""
+
+    @abc.abstractmethod
+    def merge_attention(self, o_a, lse_a, o_b, lse_b):
+        """Combine two partial attentions over disjoint key sets:
+        ``lse = logaddexp(lse_a, lse_b)``, ``o = o_a*exp(lse_a-lse) + o_b*exp(lse_b-lse)``
+        (both -inf: o = 0, lse = -inf). Returns (o, lse); may reuse the inputs' storage."""
+
+    @abc.abstractmethod
+    def copy_page_prefix(self, pages_per_layer: Sequence, src_page: int, dst_page: int,
+                         length: int) -> None:
+        """Copy rows ``0..length-1`` of page ``src_page`` into ``dst_page`` in every layer (fork)."""
+
+    @abc.abstractmethod
+    def compact_kv(self, pages_per_layer: Sequence, src_slots, dst_slots) -> None:
+        """For every layer and every i, copy the K/V row at ``src_slots[i]`` to ``dst_slots[i]``
+        (tree commit). Sources are read before any destination is written."""
+
+    @abc.abstractmethod
+    def gather_kv(self, pages_per_layer: Sequence, slots):
+        """(k, v), each (num_layers, len(slots), Hkv, D): the rows at ``slots`` in every layer."""
+
+    # ------------------------------------------------------------------ helpers for the core
+    def empty_like_output(self, num_tokens: int):
+        """Scratch for outputs; backends may override to reuse buffers."""
+        raise NotImplementedError
+
+    def split_qkv(self, qkv):
+        """Split fused (T, Hq + 2*Hkv, D) into views q, k, v."""
+        hq, hkv = self.config.num_qo_heads, self.config.num_kv_heads
+        return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+
+    def slice_rows(self, array, start: int, stop: int):
+        """Rows ``start:stop`` of a native array (a view where the library allows)."""
+        return array[start:stop]
+
+    def shape_of(self, array) -> tuple:
+        return tuple(array.shape)
+
+
+def backend_summary(cls) -> dict:
+    ok, reason = cls.availability()
+    return {"name": cls.name, "priority": cls.priority, "available": ok, "reason": reason,
+            "capabilities": cls.capabilities.describe(), "platform": cls.platform(),
+            "devices": cls.devices() if ok else []}
+
+
+__all__ = ["Backend", "Capabilities", "RopeSpec", "TreeMask", "DepthAux", "field"]

@@ -1,0 +1,274 @@
+"""``PagedKVCache``: the public API. Validates, then drives the core (sequences, pages, index
+arrays) and the backend (memory, streams, kernels)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from .backend import Capabilities, DepthAux, RopeSpec, TreeMask
+from .config import CacheConfig
+from .core.aux import MergedAuxManager, PlainAuxManager
+from .core.forward import ForwardBuilder, ForwardPlan
+from .core.state import CacheState, as_int
+from .errors import (ForwardStateError, InvalidArgumentError, UnsupportedFeatureError)
+from .plugins import resolve_backend
+
+
+class PagedKVCache:
+    def __init__(self, config: CacheConfig, backend: str = "auto", device: Optional[str] = None):
+        if not isinstance(config, CacheConfig):
+            raise InvalidArgumentError(f"config must be a kvcache.CacheConfig, got {type(config).__name__}")
+        cls = resolve_backend(backend, device)
+        caps = cls.capabilities
+        self._require(config.dtype in caps.dtypes, "dtypes", f"dtype {config.dtype!r}", cls)
+        self._require(config.head_dim in caps.head_dims, "head_dims", f"head_dim {config.head_dim}", cls)
+        self._require(not config.support_sliding_window or caps.sliding_window, "sliding_window",
+                      "support_sliding_window=True", cls)
+        self._require(config.effective_rope_mode != "inline" or caps.inline_rope, "inline_rope",
+                      "inline RoPE (rope_mode='inline', or sliding windows with RoPE)", cls)
+        self._require(not config.cuda_graph or caps.cuda_graph, "cuda_graph", "cuda_graph=True", cls)
+        self.config = config
+        self.backend = cls(config, device)
+        self.capabilities: Capabilities = caps
+        self.state = CacheState(config.num_pages, config.page_size, config.support_sliding_window)
+        self.pages = self.backend.allocate_pages(config.num_pages)
+        self.copy_stream = self.backend.create_stream() if caps.copy_stream else None
+        if caps.merged_aux:
+            self.aux_manager = MergedAuxManager(self.backend, self.copy_stream)
+        else:
+            self.aux_manager = PlainAuxManager(self.backend)
+        self._builder = ForwardBuilder(self.state, config, caps)
+        self._rope = RopeSpec(config.rope_theta, config.rope_scale)
+        self._plan: Optional[ForwardPlan] = None
+        self._aux: Optional[dict] = None
+        self._layers_done: set = set()
+
+    @staticmethod
+    def _require(ok, capability, what, cls):
+        if not ok:
+            raise UnsupportedFeatureError(
+                f"backend {cls.name!r} does not support {what}: {Capabilities.reason(capability)}")
+
+    def __repr__(self):
+        c = self.config
+        return (f"PagedKVCache(backend={self.backend.name!r}, layers={c.num_layers}, "
+                f"pages={c.num_pages}x{c.page_size}, sequences={self.num_sequences}, "
+                f"free_pages={self.num_available_pages})")
+
+    # ------------------------------------------------------------------ arrays
+    def from_numpy(self, array):
+        """A native array on the cache's device: floats in the cache dtype, ints as int32."""
+        return self.backend.from_numpy(np.asarray(array))
+
+    # ------------------------------------------------------------------ sequences
+    def _no_forward(self, what: str) -> None:
+        if self._plan is not None:
+            raise ForwardStateError(
+                f"{what} is not allowed between begin_forward and end_forward "
+                f"(forward over sequences {self._plan.seq_ids} is open)")
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._no_forward("add_sequence")
+        self.state.add_sequence(seq_id)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._no_forward("remove_sequence")
+        self.state.remove_sequence(seq_id)
+
+    def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> None:
+        self._no_forward("fork_sequence")
+        self._copy_pages(self.state.fork_sequence(parent_id, child_id, fork_pos))
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self._no_forward("popn")
+        self._copy_pages(self.state.popn(seq_id, n))
+
+    def _copy_pages(self, copies) -> None:
+        for c in copies:
+            self.backend.copy_page_prefix(self.pages, c.src_page, c.dst_page, c.length)
+
+    def enable_sliding_window(self, seq_id: int, window_size: int, sink_size: int) -> None:
+        self._no_forward("enable_sliding_window")
+        self.state.enable_sliding_window(seq_id, window_size, sink_size)
+
+    def clear(self) -> None:
+        """Drop every sequence and free every page (also ends an open forward)."""
+        self._plan, self._aux = None, None
+        self._layers_done = set()
+        self.state.clear()
+
+    def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices) -> None:
+        self._no_forward("commit_accepted_token_tree_nodes")
+        items = self.state.check_commit(seq_ids, leaf_indices)
+        src, dst = self.state.commit_plan(items)
+        if len(src):
+            self.backend.compact_kv(self.pages, self.backend.aux_to_device(src),
+                                    self.backend.aux_to_device(dst))
+        self.state.commit(items)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_available_pages(self) -> int:
+        return int(self.state.pt.num_free)
+
+    @property
+    def num_total_pages(self) -> int:
+        return int(self.state.pt.num_pages)
+
+    @property
+    def total_sequence_length(self) -> int:
+        pt = self.state.pt
+        return int(sum(int(pt.s_len[s.slot]) for s in pt.seqs.values()))
+
+    def sequence_length(self, seq_id: int) -> int:
+        return self.state.length(seq_id)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.state.pt.seqs)
+
+    @property
+    def sequence_ids(self) -> list:
+        return list(self.state.pt.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.state.pt.seqs and self.state.pt.num_free == self.state.pt.num_pages
+
+    def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None):
+        """(k, v), each (num_layers, end-start, num_kv_heads, head_dim), K as stored."""
+        self._no_forward("get_kv")
+        seq = self.state.seq(seq_id)
+        length = self.state.pt.length(seq)
+        start = as_int(start, "start")
+        end = length if end is None else as_int(end, "end")
+        if not 0 <= start <= end <= length:
+            raise InvalidArgumentError(
+                f"get_kv range [{start}, {end}) of sequence {seq.seq_id} must lie in [0, {length}]")
+        slots = self.state.pt.position_slots(seq, start, end)
+        return self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+
+    def query_positions(self):
+        """RoPE position of each new token of the open forward (device int32 array)."""
+        self._open("query_positions")
+        return self._device_aux()["q_positions"]
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
+        self._no_forward("begin_forward")
+        self._plan = self._builder.begin(seq_ids, append_lengths, token_tree_parent_ptr)
+        self._aux = None
+        self._layers_done = set()
+
+    def end_forward(self) -> None:
+        self._open("end_forward")
+        if self._aux is not None:
+            self.aux_manager.release()
+        self._plan, self._aux = None, None
+        self._layers_done = set()
+
+    @contextlib.contextmanager
+    def forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None):
+        """``with cache.forward(ids, lengths): ...`` runs begin_forward / end_forward."""
+        self.begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)
+        try:
+            yield self
+        finally:
+            if self._plan is not None:
+                self.end_forward()
+
+    def _open(self, what: str) -> ForwardPlan:
+        if self._plan is None:
+            raise ForwardStateError(f"{what} needs an open forward: call begin_forward first")
+        return self._plan
+
+    def _device_aux(self) -> dict:
+        """Upload this forward's index arrays on first use (lazy; see core.aux)."""
+        if self._aux is None:
+            self._aux = self.aux_manager.upload(self._plan.arrays)
+        return self._aux
+
+    def _check_input(self, name, array, heads, total):
+        b, c = self.backend, self.config
+        if not b.is_native(array):
+            raise InvalidArgumentError(
+                f"{name} must be a {b.name} backend array (use cache.from_numpy), got {type(array).__name__}")
+        shape = b.shape_of(array)
+        if shape != (total, heads, c.head_dim):
+            raise InvalidArgumentError(
+                f"{name} has shape {shape}, expected ({total}, {heads}, {c.head_dim}) "
+                f"for {total} new tokens of sequences {self._plan.seq_ids}")
+        if b.dtype_name(array) != c.dtype:
+            raise InvalidArgumentError(f"{name} has dtype {b.dtype_name(array)}, the cache stores {c.dtype}")
+
+    def attention(self, layer_id: int, q, k, v, sm_scale: Optional[float] = None,
+                  return_lse: bool = False):
+        plan = self._open("attention")
+        c = self.config
+        layer_id = as_int(layer_id, "layer_id")
+        if not 0 <= layer_id < c.num_layers:
+            raise InvalidArgumentError(f"layer_id {layer_id} must be in [0, {c.num_layers})")
+        if layer_id in self._layers_done:
+            raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
+        total = plan.total_tokens
+        self._check_input("q", q, c.num_qo_heads, total)
+        self._check_input("k", k, c.num_kv_heads, total)
+        self._check_input("v", v, c.num_kv_heads, total)
+        scale = c.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+        if not np.isfinite(scale):
+            raise InvalidArgumentError(f"sm_scale must be finite, got {sm_scale!r}")
+        aux = self._device_aux()
+        self._layers_done.add(layer_id)
+        o, lse = self._attend(plan, aux, self.pages[layer_id], q, k, v, scale)
+        return (o, lse) if return_lse else o
+
+    def attention_with_fused_qkv(self, layer_id: int, qkv, sm_scale: Optional[float] = None,
+                                 return_lse: bool = False):
+        plan = self._open("attention_with_fused_qkv")
+        c = self.config
+        self._check_input("qkv", qkv, c.num_qo_heads + 2 * c.num_kv_heads, plan.total_tokens)
+        q, k, v = self.backend.split_qkv(qkv)
+        return self.attention(layer_id, q, k, v, sm_scale, return_lse)
+
+    def _attend(self, plan, aux, pages, q, k, v, scale):
+        b, mode = self.backend, self.config.effective_rope_mode
+        inline = self._rope if mode == "inline" else None
+        positions, slots = aux["q_positions"], aux["append_slots"]
+        if not plan.write_after:
+            if mode == "normal":
+                q, k = b.rope_append(pages, q, k, v, slots, positions, self._rope)
+            else:
+                b.append_kv(pages, k, v, slots)
+        o = lse = None
+        if not plan.append_first:
+            tree = None
+            if plan.self_tree:
+                tree = TreeMask(aux["self_tree_indptr"], aux["self_tree_mask"])
+            o, lse = b.ragged_attention(q, k, v, aux["qo_indptr"], scale,
+                                        num_seqs=len(plan.seq_ids), max_len=plan.max_append,
+                                        tree=tree, rope=inline, q_positions=positions,
+                                        k_rope_offset=aux["k_ragged_offset"])
+        for d, meta in enumerate(plan.depths):
+            if meta.num_pages == 0:
+                continue
+            depth = self._depth_aux(aux, d, meta)
+            o_d, lse_d = b.paged_attention(q, pages, depth, scale, rope=inline, q_positions=positions)
+            if o is None:
+                o, lse = o_d, lse_d
+            else:
+                o, lse = b.merge_attention(o, lse, o_d, lse_d)
+        if plan.write_after:
+            b.append_kv(pages, k, v, slots)
+        return o, lse
+
+    @staticmethod
+    def _depth_aux(aux, d, meta) -> DepthAux:
+        p = f"d{d}."
+        tree = TreeMask(aux[p + "tree_indptr"], aux[p + "tree_mask"]) if meta.has_tree else None
+        return DepthAux(aux[p + "qo_indptr"], aux[p + "page_indptr"], aux[p + "page_indices"],
+                        aux[p + "last_page_len"], aux[p + "kv_len"], aux[p + "sink_size"],
+                        aux[p + "window_offset"], aux[p + "k_rope_offset"], meta.num_entries,
+                        meta.use_decode, tree, meta.max_kv_len)

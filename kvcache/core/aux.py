@@ -1,0 +1,113 @@
+"""Aux-data managers: move a forward's host int32 index arrays to the device.
+
+* ``PlainAuxManager`` (Metal, reference): one copy per array on the compute stream.
+* ``MergedAuxManager`` (CUDA, ROCm): every array packed at aligned offsets into one host staging
+  buffer, one host-to-device copy on the copy stream, device views sliced from one device buffer;
+  the compute stream waits on an event recorded after the copy. Two staging/device buffer pairs
+  alternate: the host waits for the copy that last read a staging buffer before rewriting it, and
+  the copy stream waits for the compute work that last read a device buffer before overwriting it.
+
+Both are driven lazily by ``PagedKVCache``: the copy is issued by the first call that needs
+device aux data after ``begin_forward``, never eagerly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ALIGN = 16  # int32 elements: 64-byte alignment for every packed array
+
+
+class PlainAuxManager:
+    kind = "plain"
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.copies = 0
+
+    def upload(self, arrays: dict) -> dict:
+        self.copies += len(arrays)
+        return {name: self.backend.aux_to_device(array) for name, array in arrays.items()}
+
+    def release(self) -> None:
+        pass
+
+
+class _Slot:
+    def __init__(self):
+        self.capacity = 0
+        self.host_handle = None
+        self.host = None
+        self.device = None
+        self.copy_event = None
+        self.release_event = None
+
+
+class MergedAuxManager:
+    kind = "merged"
+
+    def __init__(self, backend, copy_stream, num_buffers: int = 2, initial_capacity: int = 1 << 14):
+        self.backend = backend
+        self.copy_stream = copy_stream
+        self.slots = [_Slot() for _ in range(num_buffers)]
+        self.initial_capacity = initial_capacity
+        self.next = 0
+        self.current = None
+        self.copies = 0
+        self.allocations = 0
+
+    @staticmethod
+    def layout(arrays: dict) -> tuple[dict, int]:
+        """Aligned offsets of each array in the packed buffer, and the packed length."""
+        offsets, top = {}, 0
+        for name, array in arrays.items():
+            offsets[name] = top
+            top += -(-max(len(array), 1) // ALIGN) * ALIGN
+        return offsets, top
+
+    def _ensure(self, slot: _Slot, total: int) -> None:
+        if total <= slot.capacity:
+            return
+        if slot.copy_event is not None:
+            self.backend.event_synchronize(slot.copy_event)
+        capacity = max(total, 2 * slot.capacity, self.initial_capacity)
+        slot.host_handle, slot.host = self.backend.aux_alloc_host(capacity)
+        slot.device = self.backend.aux_alloc_device(capacity)
+        slot.capacity = capacity
+        slot.copy_event = slot.release_event = None
+        self.allocations += 1
+
+    def upload(self, arrays: dict) -> dict:
+        offsets, total = self.layout(arrays)
+        slot = self.slots[self.next]
+        self._ensure(slot, total)
+        if slot.copy_event is not None:          # the last copy from this staging buffer is done
+            self.backend.event_synchronize(slot.copy_event)
+        host = slot.host
+        for name, array in arrays.items():
+            off = offsets[name]
+            host[off:off + len(array)] = array
+        if slot.release_event is not None:       # kernels that read this device buffer are done
+            self.backend.stream_wait_event(slot.release_event, self.copy_stream)
+        slot.copy_event = self.backend.aux_copy_async(slot.device, slot.host_handle, total,
+                                                      self.copy_stream)
+        if slot.copy_event is not None:
+            self.backend.stream_wait_event(slot.copy_event)
+        self.copies += 1
+        self.current = self.next
+        self.next = (self.next + 1) % len(self.slots)
+        return {name: self.backend.aux_view(slot.device, offsets[name], len(array))
+                for name, array in arrays.items()}
+
+    def release(self) -> None:
+        if self.current is not None:
+            self.slots[self.current].release_event = self.backend.record_event()
+
+
+def pack_reference(arrays: dict) -> np.ndarray:
+    """The packed buffer as the merged manager lays it out (tests compare device views to it)."""
+    offsets, total = MergedAuxManager.layout(arrays)
+    out = np.zeros(total, np.int32)
+    for name, array in arrays.items():
+        out[offsets[name]:offsets[name] + len(array)] = array
+    return out

@@ -1,0 +1,355 @@
+"""``begin_forward``: validate a batch, reserve its pages and build the forward's int32 index
+arrays on the host, vectorised over the batch (numpy only; no per-sequence Python on the decode
+steady-state path except for sequences that need a new page).
+
+Attention of one layer then runs, per the plan:
+* ``append_first`` (decode batches without sliding windows, or a token tree continuing an
+  uncommitted tree): K/V are written first and one paged attention per block depth covers
+  history and new tokens (tree masks hide non-ancestors);
+* otherwise: causal (or tree-masked) ragged self-attention over the new tokens, plus one paged
+  attention per block depth over the history as it was before this forward, merged by lse.
+Block depths: sequences sharing a prefix share its blocks; depth ``d`` holds each sequence's
+``d``-th block (the last depth also holds every deeper block), and consecutive sequences with
+the same block at a depth are coalesced into one entry so the shared pages are read once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
+                      SequenceNotFoundError)
+from .state import CacheState
+
+MAX_BLOCK_DEPTH = 2
+"""Depths beyond this are folded into the last depth (bounds kernel launches per layer)."""
+COALESCE_RATIO = 1.1
+"""Use the decode kernel (no coalescing) unless coalescing saves at least this factor of pages."""
+
+
+@dataclass
+class DepthMeta:
+    num_entries: int
+    use_decode: bool
+    has_tree: bool
+    max_kv_len: int
+    num_pages: int
+
+
+@dataclass
+class ForwardPlan:
+    seq_ids: list
+    append_lengths: np.ndarray
+    total_tokens: int
+    append_first: bool
+    write_after: bool
+    self_tree: bool
+    max_append: int
+    arrays: dict = field(default_factory=dict)
+    depths: list = field(default_factory=list)
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(x) + 1, np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+def _tree_order(parents: list) -> tuple[np.ndarray, np.ndarray]:
+    """(order, upper) of a preorder walk; children visited in index order (parents precede
+    children, so one forward and one backward pass suffice)."""
+    n = len(parents)
+    size = [1] * n
+    for node in range(n - 1, -1, -1):
+        p = parents[node]
+        if p >= 0:
+            size[p] += size[node]
+    order = [0] * n
+    next_free = [0] * n
+    next_root = 0
+    for node in range(n):
+        p = parents[node]
+        if p < 0:
+            order[node] = next_root
+            next_root += size[node]
+        else:
+            order[node] = next_free[p]
+            next_free[p] += size[node]
+        next_free[node] = order[node] + 1
+    order_a = np.asarray(order, np.int32)
+    return order_a, order_a + np.asarray(size, np.int32)
+
+
+class ForwardBuilder:
+    def __init__(self, state: CacheState, config, capabilities):
+        self.state = state
+        self.config = config
+        self.capabilities = capabilities
+
+    # ------------------------------------------------------------------ entry point
+    def begin(self, seq_ids, append_lengths, tree_parent_ptr=None) -> ForwardPlan:
+        cfg, pt = self.config, self.state.pt
+        seq_ids = list(seq_ids)
+        batch = len(seq_ids)
+        if not 1 <= batch <= cfg.max_batch_size:
+            raise InvalidArgumentError(
+                f"a forward needs 1 to max_batch_size={cfg.max_batch_size} sequences, got {batch}")
+        append = np.asarray(append_lengths)
+        if append.shape != (batch,) or append.dtype.kind not in "iu":
+            raise InvalidArgumentError(
+                f"append_lengths must be {batch} ints (one per sequence), got {append_lengths!r}")
+        append = append.astype(np.int64)
+        if append.min() < 1:
+            i = int(np.argmin(append))
+            raise InvalidArgumentError(
+                f"append length {int(append[i])} of sequence {seq_ids[i]} must be at least 1")
+        total = int(append.sum())
+        if total > cfg.prefill_chunk_size:
+            raise InvalidArgumentError(
+                f"forward of {total} tokens exceeds prefill_chunk_size={cfg.prefill_chunk_size}")
+        try:
+            seqs = [pt.seqs[s] for s in seq_ids]
+        except (KeyError, TypeError):
+            missing = next(s for s in seq_ids if not isinstance(s, (int, np.integer)) or s not in pt.seqs)
+            raise SequenceNotFoundError(
+                f"sequence {missing!r} in begin_forward is not in the cache") from None
+        if len(set(seq_ids)) != batch:
+            dup = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
+            raise InvalidArgumentError(f"sequence {dup} appears twice in one forward")
+        slots = np.fromiter((s.slot for s in seqs), np.int64, count=batch)
+        tree_before = pt.s_tree[slots].astype(np.int64)
+        has_prev_tree = bool(tree_before.any())
+        if tree_parent_ptr is None and has_prev_tree:
+            i = int(np.argmax(tree_before > 0))
+            raise ForwardStateError(
+                f"sequence {seq_ids[i]} has {int(tree_before[i])} uncommitted token-tree tokens; "
+                f"call commit_accepted_token_tree_nodes or pass token_tree_parent_ptr")
+        parents = None
+        if tree_parent_ptr is not None:
+            parents = self._check_tree(seq_ids, append, tree_before, tree_parent_ptr, total)
+        sliding = (pt.s_window[slots] >= 0) if cfg.support_sliding_window else np.zeros(batch, bool)
+        last = pt.s_last[slots].astype(np.int64)
+        blen_before = pt.b_len[last].astype(np.int64)
+        need = np.maximum(-(-(blen_before + append) // cfg.page_size) - pt.b_npages[last], 0)
+        plans = {}
+        for i in np.nonzero(sliding)[0]:
+            plans[int(i)] = self.state.slide_plan(seqs[i], int(append[i]))
+            need[i] = plans[int(i)].net_pages
+        needed = int(need.sum())
+        if needed > pt.num_free:
+            worst = int(np.argmax(need))
+            raise CacheFullError(
+                f"forward needs {needed} new pages but {pt.num_free} of {pt.num_pages} are free "
+                f"(sequence {seq_ids[worst]} alone needs {int(need[worst])} for {int(append[worst])} tokens)")
+
+        # ---------------------------------------------------------- mutate from here on
+        is_decode = bool((append == 1).all())
+        write_after = bool(cfg.support_sliding_window)
+        append_first = (is_decode and not write_after) or has_prev_tree
+        plan = ForwardPlan(seq_ids, append, total, append_first, write_after,
+                           self_tree=parents is not None and not append_first,
+                           max_append=int(append.max()))
+        qo_indptr = _exclusive_cumsum(append)
+        seq_len_before = pt.s_len[slots].astype(np.int64)
+        if not append_first:
+            self._build_depths(plan, last, qo_indptr, append, is_decode, None, seqs)
+        # reserve: sliding sequences first (they may free pages), by net need
+        for i in sorted(plans, key=lambda j: plans[j].net_pages):
+            self.state.apply_slide(seqs[i], int(append[i]))
+        plain = np.nonzero(~sliding)[0]
+        grow = plain[need[plain] > 0]
+        if len(grow):
+            fresh = pt.take_pages(int(need[grow].sum()))
+            offsets = _exclusive_cumsum(need[grow])
+            for j, i in enumerate(grow):
+                pt.push_pages(int(last[i]), fresh[offsets[j]:offsets[j + 1]])
+        pt.b_len[last[plain]] += append[plain].astype(np.int32)
+        pt.s_len[slots[plain]] += append[plain].astype(np.int32)
+
+        # per-token arrays
+        seq_of_token = np.repeat(np.arange(batch), append)
+        r = np.arange(total) - qo_indptr[seq_of_token]
+        ps = cfg.page_size
+        in_block = blen_before[seq_of_token] + r
+        store_idx = pt.b_pstart[last][seq_of_token] + in_block // ps
+        slots_new = pt.page_store[store_idx].astype(np.int64) * ps + in_block % ps
+        for i, sp in plans.items():
+            lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
+            slots_new[lo:hi] = self._sliding_slots(seqs[i], int(blen_before[i]), int(append[i]))
+        committed = seq_len_before - tree_before
+        positions = committed[seq_of_token] + r
+        if parents is not None:
+            positions = self._apply_tree(plan, seqs, slots, append, qo_indptr, parents, committed)
+        plan.arrays.update(qo_indptr=qo_indptr.astype(np.int32),
+                           q_positions=positions.astype(np.int32),
+                           append_slots=slots_new.astype(np.int32),
+                           k_ragged_offset=committed.astype(np.int32))
+        if append_first:
+            tree_sizes = pt.s_tree[slots].astype(np.int64) if parents is not None else None
+            self._build_depths(plan, last, qo_indptr, append, is_decode, tree_sizes, seqs)
+        return plan
+
+    # ------------------------------------------------------------------ validation helpers
+    def _check_tree(self, seq_ids, append, tree_before, tree_parent_ptr, total):
+        cfg = self.config
+        from ..errors import UnsupportedFeatureError
+        if not self.capabilities.tree_attention:
+            from ..backend import Capabilities
+            raise UnsupportedFeatureError(Capabilities.reason("tree_attention"))
+        if cfg.support_sliding_window:
+            raise InvalidArgumentError(
+                "token trees are not supported in a cache built with support_sliding_window=True")
+        if cfg.effective_rope_mode == "inline":
+            raise InvalidArgumentError("token trees need rope_mode 'none' or 'normal', not 'inline'")
+        ptr = np.asarray(tree_parent_ptr)
+        if ptr.shape != (total,) or (total and ptr.dtype.kind not in "iu"):
+            raise InvalidArgumentError(
+                f"token_tree_parent_ptr must hold {total} ints (one per new token), got shape {ptr.shape}")
+        ptr = ptr.astype(np.int64)
+        qo = _exclusive_cumsum(append)
+        seq_of_token = np.repeat(np.arange(len(append)), append)
+        own = tree_before[seq_of_token] + np.arange(total) - qo[seq_of_token]
+        bad = np.nonzero((ptr < -1) | (ptr >= own))[0]
+        if len(bad):
+            t = int(bad[0])
+            raise InvalidArgumentError(
+                f"token_tree_parent_ptr[{t}] = {int(ptr[t])} for sequence {seq_ids[seq_of_token[t]]}: "
+                f"a parent must be -1 or smaller than the token's tree index {int(own[t])}")
+        return ptr
+
+    # ------------------------------------------------------------------ sliding windows
+    def _sliding_slots(self, seq, block_len_before: int, append: int) -> np.ndarray:
+        """Seed semantics: a new token is stored if it is a first-time sink or inside the kept
+        window; tokens that slid out within this forward get slot -1."""
+        pt, ps = self.state.pt, self.config.page_size
+        b = int(pt.s_last[seq.slot])
+        blen, sink, gap = int(pt.b_len[b]), int(pt.b_sink[b]), int(pt.b_gap[b])
+        pages = pt.pages_of(b)
+        out = np.full(append, -1, np.int64)
+        for r in range(append):
+            pos_in_block = blen - append + r
+            if block_len_before + r < sink:
+                off = block_len_before + r
+            elif pos_in_block < sink:
+                continue
+            else:
+                off = pos_in_block - sink + gap
+            out[r] = int(pages[off // ps]) * ps + off % ps
+        return out
+
+    # ------------------------------------------------------------------ token trees
+    def _apply_tree(self, plan, seqs, slots, append, qo_indptr, parents, committed):
+        pt = self.state.pt
+        positions = np.zeros(plan.total_tokens, np.int64)
+        masks, sizes = [], []
+        for i, seq in enumerate(seqs):
+            lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
+            seq.tree_parent.extend(int(p) for p in parents[lo:hi])
+            for node in range(len(seq.tree_depth), len(seq.tree_parent)):
+                p = seq.tree_parent[node]
+                seq.tree_depth.append(0 if p < 0 else seq.tree_depth[p] + 1)
+            pt.s_tree[seq.slot] = len(seq.tree_parent)
+            positions[lo:hi] = int(committed[i]) + np.asarray(seq.tree_depth[-(hi - lo):])
+            order, upper = _tree_order(seq.tree_parent)
+            masks.append(np.stack([order, upper], axis=1).reshape(-1))
+            sizes.append(len(seq.tree_parent))
+        plan.tree_masks = masks
+        plan.tree_sizes = np.asarray(sizes, np.int64)
+        if plan.self_tree:
+            plan.arrays["self_tree_indptr"] = _exclusive_cumsum(plan.tree_sizes).astype(np.int32)
+            plan.arrays["self_tree_mask"] = np.concatenate(masks).astype(np.int32)
+        return positions
+
+    # ------------------------------------------------------------------ block depths
+    def _build_depths(self, plan, last, qo_indptr, append, is_decode, tree_sizes, seqs):
+        pt, ps = self.state.pt, self.config.page_size
+        batch = len(last)
+        # walk parents for the whole batch at once: chain[k, i] is the k-th ancestor of i's last block
+        chain = [last]
+        cur = last
+        while True:
+            cur = np.where(cur >= 0, pt.b_parent[np.maximum(cur, 0)], -1)
+            if not (cur >= 0).any():
+                break
+            chain.append(cur)
+        chain = np.stack(chain)                         # (K, B), leaf first
+        ndepth = (chain >= 0).sum(axis=0)
+        width = chain.shape[0]
+        src = ndepth[:, None] - 1 - np.arange(width)[None, :]
+        trace = np.where(src >= 0, chain[np.maximum(src, 0), np.arange(batch)[:, None]], -1)  # (B, K) root first
+        num_depths = min(int(ndepth.max()), MAX_BLOCK_DEPTH)
+        for d in range(num_depths):
+            at_d = trace[:, d]
+            coalesce_ok = d != MAX_BLOCK_DEPTH - 1
+            npages_d = np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0)
+            starts = np.concatenate([[0], np.nonzero(at_d[1:] != at_d[:-1])[0] + 1])
+            blocks_c = at_d[starts]
+            pages_c = int(np.where(blocks_c >= 0, pt.b_npages[np.maximum(blocks_c, 0)], 0).sum())
+            ratio = npages_d.sum() / pages_c if pages_c else 0.0
+            use_decode = is_decode and ratio < COALESCE_RATIO
+            if use_decode or not coalesce_ok or len(starts) == batch:
+                entry_qo = qo_indptr
+                entry_seq = np.arange(batch)
+                if d == MAX_BLOCK_DEPTH - 1:
+                    pair_entry, pair_block = np.nonzero(trace[:, d:] >= 0)
+                    pair_block = trace[:, d:][pair_entry, pair_block]
+                else:
+                    pair_entry = np.nonzero(at_d >= 0)[0]
+                    pair_block = at_d[pair_entry]
+            else:
+                entry_qo = np.concatenate([qo_indptr[starts], [qo_indptr[-1]]])
+                entry_seq = starts                      # first sequence of each group
+                pair_entry = np.nonzero(blocks_c >= 0)[0]
+                pair_block = blocks_c[pair_entry]
+            self._emit_depth(plan, d, entry_qo, pair_entry, pair_block, use_decode,
+                             tree_sizes, seqs, entry_seq, last)
+
+    def _emit_depth(self, plan, d, entry_qo, pair_entry, pair_block, use_decode, tree_sizes,
+                    seqs, entry_seq, last):
+        pt, ps = self.state.pt, self.config.page_size
+        n = len(entry_qo) - 1
+        counts = pt.b_npages[pair_block].astype(np.int64)
+        page_indptr = np.zeros(n + 1, np.int64)
+        np.cumsum(np.bincount(pair_entry, counts, minlength=n), out=page_indptr[1:])
+        total_pages = int(page_indptr[-1])
+        before = _exclusive_cumsum(counts)[:-1]
+        gather = np.repeat(pt.b_pstart[pair_block] - before, counts) + np.arange(total_pages)
+        page_indices = pt.page_store[gather]
+        lens = pt.b_len[pair_block].astype(np.int64)
+        kv_len = np.bincount(pair_entry, lens, minlength=n).astype(np.int64)
+        # first and last block of each entry (pairs are sorted by entry, root first)
+        entries = np.arange(n)
+        lo = np.searchsorted(pair_entry, entries, "left")
+        hi = np.searchsorted(pair_entry, entries, "right")
+        has = hi > lo
+        if len(pair_block):
+            fb = np.where(has, pair_block[np.minimum(lo, len(pair_block) - 1)], -1)
+            lb = np.where(has, pair_block[np.maximum(hi - 1, 0)], -1)
+        else:
+            fb = lb = np.full(n, -1, np.int64)
+        lb0 = np.maximum(lb, 0)
+        slid = has & (pt.b_gap[lb0] > 0)
+        prefix = kv_len - np.where(has, pt.b_len[lb0], 0)
+        sink = np.where(slid, prefix + pt.b_sink[lb0], 0)
+        gap = np.where(slid, prefix + pt.b_gap[lb0], 0)
+        span = np.where(slid, gap + kv_len - sink, kv_len)
+        last_page_len = np.where(span > 0, (span - 1) % ps + 1, 0)
+        k_rope_offset = np.where(has, pt.b_start[np.maximum(fb, 0)], 0)
+        arrays = {"qo_indptr": entry_qo, "page_indptr": page_indptr, "page_indices": page_indices,
+                  "last_page_len": last_page_len, "kv_len": kv_len, "sink_size": sink,
+                  "window_offset": gap, "k_rope_offset": k_rope_offset}
+        has_tree = False
+        if tree_sizes is not None:
+            # only the entry holding a sequence's last block carries its tree
+            holds = (lb == last[entry_seq]) & has
+            sizes = np.where(holds, tree_sizes[entry_seq], 0)
+            if sizes.any():
+                has_tree = True
+                arrays["tree_indptr"] = _exclusive_cumsum(sizes)
+                arrays["tree_mask"] = np.concatenate(
+                    [plan.tree_masks[entry_seq[e]] for e in np.nonzero(sizes)[0]])
+        for key, value in arrays.items():
+            plan.arrays[f"d{d}.{key}"] = np.ascontiguousarray(value, dtype=np.int32)
+        plan.depths.append(DepthMeta(n, use_decode, has_tree, int(kv_len.max()) if n else 0, total_pages))

@@ -1,0 +1,350 @@
+"""Sequence operations on the page table (the seed's semantics), each validate-then-mutate.
+
+Operations that need device work (copying a partial page on fork, compacting a token tree on
+commit) return the work as plain data; ``PagedKVCache`` hands it to the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
+                      SequenceExistsError, SequenceNotFoundError)
+from .pagetable import TEMP_PAGE, PageTable, SeqState
+from .sliding import plan_slide
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    src_page: int
+    dst_page: int
+    length: int
+
+
+def as_int(value, what: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"{what} must be an int, got {value!r}")
+    return int(value)
+
+
+class CacheState:
+    def __init__(self, num_pages: int, page_size: int, support_sliding_window: bool):
+        self.page_size = page_size
+        self.support_sliding_window = support_sliding_window
+        self.pt = PageTable(num_pages, page_size)
+
+    # ------------------------------------------------------------------ lookups
+    def seq(self, seq_id) -> SeqState:
+        try:
+            return self.pt.seqs[seq_id]
+        except (KeyError, TypeError):
+            raise SequenceNotFoundError(
+                f"sequence {seq_id!r} is not in the cache ({len(self.pt.seqs)} sequences held)") from None
+
+    def length(self, seq_id) -> int:
+        return self.pt.length(self.seq(seq_id))
+
+    # ------------------------------------------------------------------ add / remove
+    def add_sequence(self, seq_id) -> None:
+        seq_id = as_int(seq_id, "seq_id")
+        if seq_id in self.pt.seqs:
+            raise SequenceExistsError(f"sequence {seq_id} is already in the cache")
+        self.pt.add_sequence(seq_id, self.pt.new_block())
+
+    def remove_sequence(self, seq_id) -> None:
+        seq = self.seq(seq_id)
+        pt = self.pt
+        b = int(pt.s_last[seq.slot])
+        while b != -1 and pt.b_ref[b] == 1:
+            parent = int(pt.b_parent[b])
+            pt.free_block(b)
+            b = parent
+        if b != -1:
+            pt.b_ref[b] -= 1
+        pt.drop_sequence(seq.seq_id)
+
+    # ------------------------------------------------------------------ fork
+    def check_fork(self, parent_id, child_id, fork_pos) -> tuple[SeqState, int, int]:
+        parent = self.seq(parent_id)
+        child_id = as_int(child_id, "child_id")
+        fork_pos = as_int(fork_pos, "fork_pos")
+        if child_id in self.pt.seqs:
+            raise SequenceExistsError(f"cannot fork into sequence {child_id}: it is already in the cache")
+        length = self.pt.length(parent)
+        if fork_pos == -1:
+            fork_pos = length
+        if not 0 <= fork_pos <= length:
+            raise InvalidArgumentError(
+                f"fork_pos {fork_pos} of sequence {parent.seq_id} must be in [0, {length}] (or -1)")
+        if not parent.committed:
+            raise ForwardStateError(
+                f"sequence {parent.seq_id} has {len(parent.tree_parent)} uncommitted token-tree "
+                f"tokens; call commit_accepted_token_tree_nodes before forking it")
+        if parent.window != -1:
+            last = int(self.pt.s_last[parent.slot])
+            sinks = length - int(self.pt.b_len[last]) + parent.last_block_sink
+            if fork_pos > sinks:
+                raise InvalidArgumentError(
+                    f"sequence {parent.seq_id} has a sliding window; it can be forked only within "
+                    f"its {sinks} sink tokens, not at {fork_pos}")
+        if fork_pos % self.page_size and self.pt.num_free < 1:
+            raise CacheFullError(
+                f"forking sequence {parent.seq_id} at {fork_pos} copies a partial page; 0 of "
+                f"{self.pt.num_pages} pages are free")
+        return parent, child_id, fork_pos
+
+    def fork_sequence(self, parent_id, child_id, fork_pos=-1) -> list[PageCopy]:
+        parent, child_id, fork_pos = self.check_fork(parent_id, child_id, fork_pos)
+        return self._fork(parent, child_id, fork_pos)
+
+    def _fork(self, parent: SeqState, child_id: int, fork_pos: int) -> list[PageCopy]:
+        pt, ps = self.pt, self.page_size
+        copies = []
+        last = int(pt.s_last[parent.slot])
+        if fork_pos == pt.length(parent) and fork_pos % ps == 0 and pt.b_len[last] > 0:
+            # the parent keeps decoding into a fresh block; its old last block becomes shared
+            nb = pt.new_block()
+            pt.b_start[nb] = fork_pos
+            pt.b_parent[nb] = last
+            pt.s_last[parent.slot] = nb
+        child = pt.new_block()
+        trace = pt.trace(parent)
+        offset = fork_pos
+        for b in trace:
+            if b != trace[-1] and pt.b_len[b] <= offset:
+                offset -= int(pt.b_len[b])
+                continue
+            in_page = offset % ps
+            moved = offset - in_page
+            if moved == 0:
+                up = int(pt.b_parent[b])
+                if up != -1:
+                    pt.b_ref[up] += 1
+                pt.b_parent[child] = up
+            else:
+                # split b: its first `moved` tokens become a new shared parent block
+                up = pt.new_block()
+                pt.b_parent[up] = pt.b_parent[b]
+                pt.b_parent[b] = up
+                pt.b_parent[child] = up
+                pt.b_ref[up] = 2
+                pages = pt.pages_of(b)
+                npm = moved // ps
+                pt.set_pages(up, pages[:npm].copy())
+                rest = pages[npm:].copy()
+                pt.set_pages(b, rest)
+                pt.b_start[up] = pt.b_start[b]
+                pt.b_start[b] += moved
+                pt.b_len[up] = moved
+                pt.b_len[b] -= moved
+                if pt.b_gap[b]:
+                    pt.b_sink[b] -= moved
+                    pt.b_gap[b] -= moved
+                if parent.window != -1 and b == int(pt.s_last[parent.slot]):
+                    parent.last_block_sink -= moved
+            pt.b_start[child] = fork_pos - in_page
+            pt.b_len[child] = in_page
+            if in_page:
+                src = int(pt.pages_of(b)[0])
+                dst = int(pt.take_pages(1)[0])
+                pt.set_pages(child, [dst])
+                copies.append(PageCopy(src, dst, in_page))
+            break
+        pt.add_sequence(child_id, child)
+        return copies
+
+    # ------------------------------------------------------------------ popn
+    def check_popn(self, seq_id, n) -> tuple[SeqState, int]:
+        seq = self.seq(seq_id)
+        n = as_int(n, "n")
+        length = self.pt.length(seq)
+        if not 0 <= n <= length:
+            raise InvalidArgumentError(f"cannot pop {n} tokens from sequence {seq.seq_id} of length {length}")
+        if not seq.committed:
+            raise ForwardStateError(
+                f"sequence {seq.seq_id} has an uncommitted token tree; commit it before popn")
+        last = int(self.pt.s_last[seq.slot])
+        if self.pt.b_gap[last] or self.pt.b_sink[last]:
+            keep_min = length - int(self.pt.b_len[last]) + int(self.pt.b_sink[last])
+            if length - n < keep_min:
+                raise InvalidArgumentError(
+                    f"sequence {seq.seq_id} has slid its window; popn may remove at most "
+                    f"{length - keep_min} tokens (its sinks stay), not {n}")
+        if n and self._popn_needs_fork(seq, n) and (length - n) % self.page_size and self.pt.num_free < 1:
+            raise CacheFullError(f"popn {n} on sequence {seq.seq_id} copies a partial page; no page is free")
+        return seq, n
+
+    def _popn_needs_fork(self, seq: SeqState, n: int) -> bool:
+        pt = self.pt
+        b = int(pt.s_last[seq.slot])
+        while b != -1 and pt.b_ref[b] == 1:
+            if n <= pt.b_len[b]:
+                return False
+            n -= int(pt.b_len[b])
+            b = int(pt.b_parent[b])
+        return n > 0
+
+    def popn(self, seq_id, n) -> list[PageCopy]:
+        seq, n = self.check_popn(seq_id, n)
+        return self._popn(seq, n)
+
+    def _popn(self, seq: SeqState, n: int) -> list[PageCopy]:
+        if n == 0:
+            return []
+        pt, ps = self.pt, self.page_size
+        b = int(pt.s_last[seq.slot])
+        while b != -1 and pt.b_ref[b] == 1:
+            blen = int(pt.b_len[b])
+            if n > blen:
+                n -= blen
+                pt.s_len[seq.slot] -= blen
+                parent = int(pt.b_parent[b])
+                pt.free_block(b)
+                b = parent
+                pt.s_last[seq.slot] = b
+                continue
+            span = int(pt.b_gap[b]) + blen - n - int(pt.b_sink[b])
+            keep = -(-span // ps)
+            pages = pt.pages_of(b)
+            pt.give_pages(pages[keep:].copy())
+            pt.b_npages[b] = keep
+            pt.b_len[b] -= n
+            pt.s_len[seq.slot] -= n
+            n = 0
+            break
+        if n == 0:
+            return []
+        # the rest lies in a shared prefix: fork at the new length, then drop the old sequence
+        seq_id, slot = seq.seq_id, seq.slot
+        temp_id = object()
+        new_len = int(pt.s_len[slot]) - n
+        copies = self._fork(seq, temp_id, new_len)
+        child = pt.seqs[temp_id]
+        # drop the old sequence's own reference (its last block is shared here)
+        b = int(pt.s_last[slot])
+        while b != -1 and pt.b_ref[b] == 1:
+            parent = int(pt.b_parent[b])
+            pt.free_block(b)
+            b = parent
+        if b != -1:
+            pt.b_ref[b] -= 1
+        pt.drop_sequence(seq_id)
+        del pt.seqs[temp_id]
+        child.seq_id = seq_id
+        pt.seqs[seq_id] = child
+        if seq.window != -1:   # keep the window; the sinks now count from the new prefix
+            child.window, child.sink_request = seq.window, seq.sink_request
+            last = int(pt.s_last[child.slot])
+            prefix = new_len - int(pt.b_len[last])
+            child.last_block_sink = max(seq.sink_request - prefix, 0)
+            pt.s_window[child.slot] = seq.window
+        return copies
+
+    # ------------------------------------------------------------------ sliding window
+    def enable_sliding_window(self, seq_id, window_size, sink_size) -> None:
+        seq = self.seq(seq_id)
+        window_size = as_int(window_size, "window_size")
+        sink_size = as_int(sink_size, "sink_size")
+        if not self.support_sliding_window:
+            raise InvalidArgumentError(
+                f"sequence {seq.seq_id}: this cache was built with support_sliding_window=False")
+        if window_size <= 0 or not 0 <= sink_size < window_size:
+            raise InvalidArgumentError(
+                f"sequence {seq.seq_id}: need window_size > 0 and 0 <= sink_size < window_size, "
+                f"got window_size={window_size}, sink_size={sink_size}")
+        if seq.window != -1:
+            raise InvalidArgumentError(f"sequence {seq.seq_id} already has a sliding window ({seq.window})")
+        if not seq.committed:
+            raise ForwardStateError(f"sequence {seq.seq_id} has an uncommitted token tree")
+        last = int(self.pt.s_last[seq.slot])
+        prefix = self.pt.length(seq) - int(self.pt.b_len[last])
+        seq.last_block_sink = max(sink_size - prefix, 0)
+        seq.window, seq.sink_request = window_size, sink_size
+        self.pt.s_window[seq.slot] = window_size
+
+    def slide_plan(self, seq: SeqState, append: int):
+        pt = self.pt
+        b = int(pt.s_last[seq.slot])
+        return plan_slide(seq_len=int(pt.s_len[seq.slot]), block_len=int(pt.b_len[b]),
+                          sink=int(pt.b_sink[b]), gap=int(pt.b_gap[b]), npages=int(pt.b_npages[b]),
+                          window=seq.window, last_block_sink=seq.last_block_sink, append=append,
+                          page_size=self.page_size)
+
+    def apply_slide(self, seq: SeqState, append: int) -> None:
+        """Reserve ``append`` tokens in a sliding sequence's last block, then slide (may borrow a
+        temporary page while the slide has not yet freed one)."""
+        pt = self.pt
+        b = int(pt.s_last[seq.slot])
+        plan = self.slide_plan(seq, append)
+        borrowed = min(plan.new_pages, pt.num_free)
+        fresh = pt.take_pages(borrowed)
+        pt.push_pages(b, np.concatenate([fresh, np.full(plan.new_pages - borrowed, TEMP_PAGE, np.int32)]))
+        if plan.erase_count:
+            pages = pt.pages_of(b).copy()
+            lo, hi = plan.erase_at, plan.erase_at + plan.erase_count
+            pt.give_pages(pages[lo:hi])
+            pt.set_pages(b, np.concatenate([pages[:lo], pages[hi:]]))
+        pages = pt.pages_of(b)
+        temps = np.nonzero(pages == TEMP_PAGE)[0]
+        if len(temps):
+            pages[temps] = pt.take_pages(len(temps))
+        pt.b_len[b], pt.b_sink[b], pt.b_gap[b] = plan.block_len, plan.sink, plan.gap
+        pt.s_len[seq.slot] = plan.seq_len
+
+    # ------------------------------------------------------------------ tree commit
+    def check_commit(self, seq_ids, leaf_indices) -> list[tuple[SeqState, int]]:
+        seq_ids, leaf_indices = list(seq_ids), list(leaf_indices)
+        if len(seq_ids) != len(leaf_indices):
+            raise InvalidArgumentError(
+                f"commit got {len(seq_ids)} seq_ids but {len(leaf_indices)} leaf_indices")
+        out, seen = [], set()
+        for sid, leaf in zip(seq_ids, leaf_indices):
+            seq = self.seq(sid)
+            if seq.seq_id in seen:
+                raise InvalidArgumentError(f"sequence {seq.seq_id} appears twice in the commit")
+            seen.add(seq.seq_id)
+            leaf = as_int(leaf, "leaf index")
+            size = len(seq.tree_parent)
+            if not -1 <= leaf < size:
+                raise InvalidArgumentError(
+                    f"leaf index {leaf} of sequence {seq.seq_id} must be in [-1, {size}) "
+                    f"(its uncommitted tree has {size} tokens)")
+            out.append((seq, leaf))
+        return out
+
+    def commit_plan(self, items) -> tuple[np.ndarray, np.ndarray]:
+        """Source and destination slots of the KV rows that move so each accepted path becomes
+        contiguous right after the committed history."""
+        src, dst = [], []
+        for seq, leaf in items:
+            if leaf < 0:
+                continue
+            path = []
+            node = leaf
+            while node != -1:
+                path.append(node)
+                node = seq.tree_parent[node]
+            path.reverse()
+            moves = [(node, p) for p, node in enumerate(path) if node != p]
+            if not moves:
+                continue
+            length = self.pt.length(seq)
+            base = length - len(seq.tree_parent)
+            slots = self.pt.position_slots(seq, base, length)
+            src.extend(int(slots[node]) for node, _ in moves)
+            dst.extend(int(slots[p]) for _, p in moves)
+        return np.asarray(src, np.int32), np.asarray(dst, np.int32)
+
+    def commit(self, items) -> None:
+        for seq, leaf in items:
+            size = len(seq.tree_parent)
+            keep = seq.tree_depth[leaf] + 1 if leaf >= 0 else 0
+            seq.tree_parent, seq.tree_depth = [], []
+            self.pt.s_tree[seq.slot] = 0
+            self._popn(seq, size - keep)
+
+    # ------------------------------------------------------------------ misc
+    def clear(self) -> None:
+        self.pt = PageTable(self.pt.num_pages, self.page_size)

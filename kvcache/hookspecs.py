@@ -1,0 +1,16 @@
+"""Plugin hooks (pluggy project name ``kvcache``, entry-point group ``kvcache``).
+
+A plugin is a module with ``@hookimpl``-decorated functions, registered under the ``kvcache``
+entry-point group in its distribution's metadata. The built-in reference backend is registered
+the same way.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("kvcache")
+hookimpl = pluggy.HookimplMarker("kvcache")
+
+
+@hookspec
+def kvcache_register_backends():
+    """Return a list of ``kvcache.Backend`` subclasses this plugin provides."""

@@ -1,0 +1,112 @@
+"""Backend discovery: pluggy over the ``kvcache`` entry-point group.
+
+``KVCACHE_PLUGINS`` (comma-separated entry-point names) limits which plugins load; empty string
+loads none but the built-in reference backend's entry point is still subject to the filter.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import entry_points
+from typing import Optional
+
+import pluggy
+
+from . import hookspecs
+from .backend import Backend
+from .errors import BackendNotAvailableError
+
+ENTRY_POINT_GROUP = "kvcache"
+_manager: Optional[pluggy.PluginManager] = None
+_load_errors: dict[str, str] = {}
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, loading entry points on first use."""
+    global _manager
+    if _manager is None:
+        pm = pluggy.PluginManager("kvcache")
+        pm.add_hookspecs(hookspecs)
+        allowed = os.environ.get("KVCACHE_PLUGINS")
+        wanted = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if wanted is not None and ep.name not in wanted:
+                continue
+            if pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                pm.register(ep.load(), name=ep.name)
+            except Exception as exc:  # a broken plugin must not hide the others
+                _load_errors[ep.name] = f"failed to load: {type(exc).__name__}: {exc}"
+        pm.check_pending()
+        _manager = pm
+    return _manager
+
+
+def reset_plugins() -> None:
+    """Forget loaded plugins (tests, or after installing a plugin at run time)."""
+    global _manager
+    _manager = None
+    _load_errors.clear()
+
+
+def register_plugin(module_or_object, name: Optional[str] = None) -> None:
+    """Register a plugin object in-process (tests, notebooks); same hooks as entry points."""
+    pm = get_plugin_manager()
+    pm.register(module_or_object, name=name)
+    pm.check_pending()
+
+
+def backend_classes() -> dict[str, type[Backend]]:
+    """Every registered backend class by name."""
+    found: dict[str, type[Backend]] = {}
+    for result in get_plugin_manager().hook.kvcache_register_backends():
+        for cls in result or ():
+            if not (isinstance(cls, type) and issubclass(cls, Backend)):
+                raise TypeError(f"kvcache_register_backends returned {cls!r}, not a Backend subclass")
+            found.setdefault(cls.name, cls)
+    return found
+
+
+def list_backends(device: Optional[str] = None) -> list[dict]:
+    """All registered backends, highest priority first: name, priority, available, reason."""
+    rows = []
+    for cls in sorted(backend_classes().values(), key=lambda c: -c.priority):
+        try:
+            ok, reason = cls.availability(device)
+        except Exception as exc:
+            ok, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
+        rows.append({"name": cls.name, "priority": cls.priority, "available": bool(ok),
+                     "reason": reason, "class": cls})
+    for name, why in _load_errors.items():
+        rows.append({"name": name, "priority": None, "available": False, "reason": why, "class": None})
+    return rows
+
+
+def available_backends(device: Optional[str] = None) -> list[str]:
+    """Names of the backends that can run here, highest priority first."""
+    return [row["name"] for row in list_backends(device) if row["available"]]
+
+
+def _table(rows) -> str:
+    return "\n".join(f"  - {r['name']}: {'available' if r['available'] else 'unavailable'} ({r['reason']})"
+                     for r in rows)
+
+
+def resolve_backend(name: str = "auto", device: Optional[str] = None) -> type[Backend]:
+    """The backend class for ``name`` ('auto': the highest-priority available one)."""
+    rows = list_backends(device)
+    if name == "auto":
+        for row in rows:
+            if row["available"] and row["class"] is not None:
+                return row["class"]
+        raise BackendNotAvailableError(
+            f"no kvcache backend is available for device={device!r}; registered backends:\n{_table(rows)}")
+    for row in rows:
+        if row["name"] == name:
+            if row["available"]:
+                return row["class"]
+            raise BackendNotAvailableError(
+                f"backend {name!r} is not available: {row['reason']}; registered backends:\n{_table(rows)}")
+    raise BackendNotAvailableError(
+        f"unknown backend {name!r}; registered backends:\n{_table(rows)}")

@@ -1,0 +1,220 @@
+"""The reference backend: numpy, float64 math, obviously correct.
+
+It reads every key through the page table and the core's index arrays, so that it checks those
+arrays rather than taking a shortcut. It is the conformance oracle and the default backend where
+no accelerator exists. Readability beats speed here; loops are per entry, math is vectorised
+inside an entry.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import ml_dtypes
+import numpy as np
+
+from .backend import Backend, Capabilities, DepthAux, RopeSpec, TreeMask
+
+NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+             "float32": np.dtype(np.float32), "int32": np.dtype(np.int32)}
+
+
+def rope_angles(positions: np.ndarray, head_dim: int, rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of shape (T, 1, D/2) in float64 (rotate-half convention)."""
+    half = head_dim // 2
+    inv_freq = rope.theta ** (-2.0 * np.arange(half, dtype=np.float64) / head_dim)
+    angles = positions.astype(np.float64)[:, None] * rope.scale * inv_freq[None, :]
+    return np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+
+
+def rotate(x: np.ndarray, positions: np.ndarray, rope: RopeSpec) -> np.ndarray:
+    """Rotate-half RoPE of x (T, H, D) in float64."""
+    x = x.astype(np.float64)
+    half = x.shape[-1] // 2
+    cos, sin = rope_angles(positions, x.shape[-1], rope)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def tree_visible(tree: TreeMask, entry: int, n_q: int) -> np.ndarray:
+    """(n_q, tree_size) bool: which tree keys each of the entry's last n_q tree nodes sees."""
+    lo, hi = int(tree.indptr[entry]), int(tree.indptr[entry + 1])
+    pairs = np.asarray(tree.mask[2 * lo:2 * hi]).reshape(-1, 2)
+    order, upper = pairs[:, 0], pairs[:, 1]
+    q_order = order[hi - lo - n_q:]
+    return (order[None, :] <= q_order[:, None]) & (q_order[:, None] < upper[None, :])
+
+
+def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray,
+                   sm_scale: float, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """q (n, Hq, D), k/v (m, Hkv, D) float64, visible (n, m) bool -> o (n, Hq, D), lse (n, Hq)."""
+    k = np.repeat(k, group, axis=1)
+    v = np.repeat(v, group, axis=1)
+    logits = np.einsum("nhd,mhd->hnm", q, k) * sm_scale
+    logits = np.where(visible[None, :, :], logits, -np.inf)
+    peak = logits.max(axis=-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    weights = np.exp(logits - peak)
+    denom = weights.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.einsum("hnm,mhd->nhd", weights / np.where(denom > 0, denom, 1.0), v)
+        lse = (np.log(denom) + peak)[..., 0].T
+    return out, lse
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    priority = 0
+    description = "numpy, float64 math; the conformance oracle"
+    capabilities = Capabilities(
+        dtypes=("float16", "bfloat16", "float32"),
+        tree_attention=True, sliding_window=True, inline_rope=True,
+        head_dims=tuple(range(2, 1025, 2)),
+    )
+
+    @classmethod
+    def availability(cls, device=None):
+        if device not in (None, "cpu"):
+            return False, f"the reference backend runs on the host CPU only, not {device!r}"
+        return True, "numpy on the host CPU (always available)"
+
+    @classmethod
+    def devices(cls):
+        return ["cpu"]
+
+    @classmethod
+    def platform(cls):
+        return {"vendor": "any", "runtime": "numpy"}
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device or "cpu")
+        self.dtype = NP_DTYPES[config.dtype]
+
+    # ------------------------------------------------------------------ memory
+    def allocate_pages(self, num_pages):
+        c = self.config
+        shape = (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
+        return [np.zeros(shape, dtype=self.dtype) for _ in range(c.num_layers)]
+
+    def from_numpy(self, array, dtype=None):
+        array = np.asarray(array)
+        if dtype is None:
+            dtype = "int32" if array.dtype.kind in "iu" else self.config.dtype
+        return np.array(array.astype(np.float64) if array.dtype == ml_dtypes.bfloat16 else array,
+                        dtype=NP_DTYPES[dtype], copy=True)
+
+    def to_numpy(self, array):
+        array = np.asarray(array)
+        if array.dtype in (np.float16, ml_dtypes.bfloat16):
+            return array.astype(np.float32)
+        return array.copy()
+
+    def is_native(self, array):
+        return isinstance(array, np.ndarray)
+
+    def dtype_name(self, array):
+        for name, dt in NP_DTYPES.items():
+            if array.dtype == dt:
+                return name
+        return str(array.dtype)
+
+    # ------------------------------------------------------------------ kernels
+    def _store(self, x):
+        return np.asarray(x).astype(self.dtype)
+
+    def rope(self, x, positions, rope):
+        return self._store(rotate(x, np.asarray(positions), rope))
+
+    def append_kv(self, pages, k, v, slots, positions=None, rope=None):
+        slots = np.asarray(slots)
+        keep = slots >= 0
+        if rope is not None:
+            k = rotate(k, np.asarray(positions), rope)
+        ps = self.config.page_size
+        page, row = slots[keep] // ps, slots[keep] % ps
+        pages[page, 0, :, row, :] = self._store(np.asarray(k)[keep])
+        pages[page, 1, :, row, :] = self._store(np.asarray(v)[keep])
+
+    def _output(self, t):
+        c = self.config
+        return np.zeros((t, c.num_qo_heads, c.head_dim)), np.full((t, c.num_qo_heads), -np.inf)
+
+    def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
+                         rope=None, q_positions=None, k_rope_offset=None):
+        qo_indptr = np.asarray(qo_indptr)
+        o, lse = self._output(q.shape[0])
+        for i in range(num_seqs):
+            lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
+            n = hi - lo
+            if n == 0:
+                continue
+            qi, ki = q[lo:hi].astype(np.float64), k[lo:hi].astype(np.float64)
+            if rope is not None:
+                qi = rotate(qi, np.asarray(q_positions)[lo:hi], rope)
+                ki = rotate(ki, int(k_rope_offset[i]) + np.arange(n), rope)
+            if tree is not None:
+                visible = tree_visible(tree, i, n)
+            else:
+                visible = np.tril(np.ones((n, n), dtype=bool))
+            o[lo:hi], lse[lo:hi] = softmax_attend(qi, ki, v[lo:hi].astype(np.float64), visible,
+                                                  sm_scale, self.config.group_size)
+        return self._store(o), lse.astype(np.float32)
+
+    def _entry_keys(self, pages, depth: DepthAux, i: int):
+        """Rows of entry i's keys and values, read through the page table."""
+        ps = self.config.page_size
+        kv_len, sink, gap = int(depth.kv_len[i]), int(depth.sink_size[i]), int(depth.window_offset[i])
+        j = np.arange(kv_len)
+        off = np.where(j < sink, j, j - sink + gap)
+        page_ids = np.asarray(depth.page_indices)[int(depth.page_indptr[i]) + off // ps]
+        rows = off % ps
+        return pages[page_ids, 0, :, rows, :], pages[page_ids, 1, :, rows, :]
+
+    def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+        o, lse = self._output(q.shape[0])
+        qo_indptr = np.asarray(depth.qo_indptr)
+        for i in range(depth.num_entries):
+            lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
+            kv_len = int(depth.kv_len[i])
+            if hi == lo or kv_len == 0:
+                continue
+            keys, values = self._entry_keys(pages, depth, i)
+            qi, keys = q[lo:hi].astype(np.float64), keys.astype(np.float64)
+            if rope is not None:
+                qi = rotate(qi, np.asarray(q_positions)[lo:hi], rope)
+                keys = rotate(keys, int(depth.k_rope_offset[i]) + np.arange(kv_len), rope)
+            visible = np.ones((hi - lo, kv_len), dtype=bool)
+            if depth.tree is not None:
+                t = int(depth.tree.indptr[i + 1]) - int(depth.tree.indptr[i])
+                if t:
+                    visible[:, kv_len - t:] = tree_visible(depth.tree, i, hi - lo)
+            o[lo:hi], lse[lo:hi] = softmax_attend(qi, keys, values.astype(np.float64), visible,
+                                                  sm_scale, self.config.group_size)
+        return self._store(o), lse.astype(np.float32)
+
+    def merge_attention(self, o_a, lse_a, o_b, lse_b):
+        la, lb = np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)
+        lse = np.logaddexp(la, lb)
+        safe = np.where(np.isfinite(lse), lse, 0.0)
+        wa = np.where(np.isfinite(la), np.exp(la - safe), 0.0)[..., None]
+        wb = np.where(np.isfinite(lb), np.exp(lb - safe), 0.0)[..., None]
+        o = o_a.astype(np.float64) * wa + o_b.astype(np.float64) * wb
+        return self._store(o), lse.astype(np.float32)
+
+    def copy_page_prefix(self, pages_per_layer, src_page, dst_page, length):
+        for pages in pages_per_layer:
+            pages[dst_page, :, :, :length, :] = pages[src_page, :, :, :length, :]
+
+    def compact_kv(self, pages_per_layer, src_slots, dst_slots):
+        ps = self.config.page_size
+        src, dst = np.asarray(src_slots), np.asarray(dst_slots)
+        for pages in pages_per_layer:
+            rows = pages[src // ps, :, :, src % ps, :].copy()
+            pages[dst // ps, :, :, dst % ps, :] = rows
+
+    def gather_kv(self, pages_per_layer, slots):
+        ps = self.config.page_size
+        slots = np.asarray(slots)
+        k = np.stack([p[slots // ps, 0, :, slots % ps, :] for p in pages_per_layer])
+        v = np.stack([p[slots // ps, 1, :, slots % ps, :] for p in pages_per_layer])
+        return k, v
