@@ -83,6 +83,9 @@ def _tree_order(parents: list) -> tuple[np.ndarray, np.ndarray]:
 
 
 class ForwardBuilder:
+    fast_path = True
+    """Take the decode fast path when it applies (tests turn it off to compare the two)."""
+
     def __init__(self, state: CacheState, config, capabilities):
         self.state = state
         self.config = config
@@ -118,7 +121,11 @@ class ForwardBuilder:
         if len(set(seq_ids)) != batch:
             dup = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
             raise InvalidArgumentError(f"sequence {dup} appears twice in one forward")
-        slots = np.fromiter((s.slot for s in seqs), np.int64, count=batch)
+        slots = np.array([s.slot for s in seqs], np.int64)
+        if self.fast_path and tree_parent_ptr is None and total == batch and not cfg.support_sliding_window:
+            last = pt.s_last[slots]
+            if not pt.s_tree[slots].any() and (pt.b_parent[last] < 0).all():
+                return self._decode_fast(seq_ids, slots, last)
         tree_before = pt.s_tree[slots].astype(np.int64)
         has_prev_tree = bool(tree_before.any())
         if tree_parent_ptr is None and has_prev_tree:
@@ -189,6 +196,47 @@ class ForwardBuilder:
         if append_first:
             tree_sizes = pt.s_tree[slots].astype(np.int64) if parents is not None else None
             self._build_depths(plan, last, qo_indptr, append, is_decode, tree_sizes, seqs)
+        return plan
+
+    # ------------------------------------------------------------------ decode fast path
+    def _decode_fast(self, seq_ids, slots, last) -> ForwardPlan:
+        """Steady-state decode: one token per committed sequence, no windows, no shared prefix
+        (one block per sequence). Same arrays as the general path (tested), fewer numpy calls."""
+        pt, ps = self.state.pt, self.config.page_size
+        batch = len(seq_ids)
+        blen = pt.b_len[last].astype(np.int64)
+        grow = np.nonzero(blen == pt.b_npages[last].astype(np.int64) * ps)[0]
+        if len(grow) > pt.num_free:
+            raise CacheFullError(
+                f"forward needs {len(grow)} new pages but {pt.num_free} of {pt.num_pages} are free "
+                f"(sequence {seq_ids[int(grow[0])]} alone needs 1 for 1 tokens)")
+        if len(grow):
+            fresh = pt.take_pages(len(grow))
+            for j, i in enumerate(grow):
+                pt.push_pages(int(last[i]), fresh[j:j + 1])
+        pt.b_len[last] += 1
+        pt.s_len[slots] += 1
+        kv_len = blen + 1
+        counts = pt.b_npages[last].astype(np.int64)
+        pstart = pt.b_pstart[last]
+        page_indptr = np.zeros(batch + 1, np.int64)
+        np.cumsum(counts, out=page_indptr[1:])
+        gather = np.repeat(pstart - page_indptr[:-1], counts) + np.arange(page_indptr[-1])
+        qo = np.arange(batch + 1, dtype=np.int32)
+        zeros = np.zeros(batch, np.int32)
+        plan = ForwardPlan(list(seq_ids), np.ones(batch, np.int64), batch, append_first=True,
+                           write_after=False, self_tree=False, max_append=1)
+        plan.arrays.update({
+            "qo_indptr": qo, "q_positions": blen.astype(np.int32),
+            "append_slots": (pt.page_store[pstart + blen // ps].astype(np.int64) * ps + blen % ps).astype(np.int32),
+            "k_ragged_offset": blen.astype(np.int32),
+            "d0.qo_indptr": qo, "d0.page_indptr": page_indptr.astype(np.int32),
+            "d0.page_indices": pt.page_store[gather],
+            "d0.last_page_len": ((kv_len - 1) % ps + 1).astype(np.int32),
+            "d0.kv_len": kv_len.astype(np.int32), "d0.sink_size": zeros, "d0.window_offset": zeros,
+            "d0.k_rope_offset": pt.b_start[last],
+        })
+        plan.depths.append(DepthMeta(batch, True, False, int(kv_len.max()), int(page_indptr[-1])))
         return plan
 
     # ------------------------------------------------------------------ validation helpers

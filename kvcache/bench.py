@@ -1,0 +1,109 @@
+"""``kvcache bench``: host overhead of ``begin_forward`` (``--host``) and, for backends that
+provide them, kernel benchmarks against the memory-bandwidth floor (``--backend NAME``)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import numpy as np
+
+from .cache import PagedKVCache
+from .config import CacheConfig
+from .plugins import resolve_backend
+
+BATCHES = (1, 16, 64, 256, 1024)
+
+
+def _decode_cache(batch: int, pages_each: tuple, page_size: int, shared_prefix_pages: int, seed: int,
+                  steps: int):
+    """A reference-backend cache (no KV math is timed) holding ``batch`` sequences of 8..64 pages,
+    optionally all forked from one shared prefix."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(pages_each[0] * page_size, pages_each[1] * page_size, size=batch)
+    total = int(lengths.sum()) + shared_prefix_pages * page_size + batch * (steps + 2 * page_size)
+    cfg = CacheConfig(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=2, page_size=page_size,
+                      max_batch_size=max(batch, 1), max_total_tokens=total,
+                      prefill_chunk_size=max(total, 1), dtype="float32", rope_mode="none")
+    cache = PagedKVCache(cfg, backend="reference")
+    state = cache.state
+    if shared_prefix_pages:
+        state.add_sequence(-1)
+        _grow(cache, -1, shared_prefix_pages * page_size)
+    for i in range(batch):
+        if shared_prefix_pages:
+            state.fork_sequence(-1, i)
+        else:
+            state.add_sequence(i)
+        _grow(cache, i, int(lengths[i]))
+    return cache
+
+
+def _grow(cache, seq_id, n):
+    """Append n tokens through the planner only (no kernels): this measures index work alone."""
+    chunk = cache.config.prefill_chunk_size
+    while n > 0:
+        step = min(n, chunk)
+        cache._builder.begin([seq_id], [step])
+        n -= step
+
+
+def host_bench(repeat: int = 200, page_size: int = 16) -> list[dict]:
+    rows = []
+    for shared in (0, 8):
+        for batch in BATCHES:
+            steps = repeat if batch <= 256 else max(repeat // 4, 20)
+            cache = _decode_cache(batch, (8, 64), page_size, shared, seed=batch, steps=steps + 5)
+            ids = list(range(batch))
+            ones = [1] * batch
+            builder, upload = cache._builder, cache.aux_manager.upload
+            for _ in range(5):
+                upload(builder.begin(ids, ones).arrays)
+            times_plan, times_total = [], []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                plan = builder.begin(ids, ones)
+                t1 = time.perf_counter()
+                upload(plan.arrays)
+                t2 = time.perf_counter()
+                times_plan.append(t1 - t0)
+                times_total.append(t2 - t0)
+            med_plan = float(np.median(times_plan)) * 1e6
+            med_total = float(np.median(times_total)) * 1e6
+            rows.append({"batch": batch, "shared_prefix_pages": shared,
+                         "depths": len(plan.depths), "begin_forward_us": med_plan,
+                         "with_plain_aux_us": med_total, "us_per_seq": med_plan / batch,
+                         "pages": int(sum(d.num_pages for d in plan.depths))})
+    return rows
+
+
+def print_host(rows) -> None:
+    print(f"begin_forward host overhead (decode, 8..64 pages per sequence, page 16), "
+          f"{platform.processor() or platform.machine()}, python {platform.python_version()}")
+    print(f"{'batch':>6} {'shared':>7} {'depths':>6} {'pages':>7} {'begin_fwd us':>13} "
+          f"{'+aux copy us':>13} {'us/seq':>8}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['shared_prefix_pages']:>7} {r['depths']:>6} {r['pages']:>7} "
+              f"{r['begin_forward_us']:>13.1f} {r['with_plain_aux_us']:>13.1f} {r['us_per_seq']:>8.3f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kvcache bench")
+    parser.add_argument("--host", action="store_true", help="time begin_forward + aux arrays on the host")
+    parser.add_argument("--backend", default=None, help="run the backend's kernel benchmarks")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--repeat", type=int, default=200)
+    args, rest = parser.parse_known_args(argv)
+    if not args.host and args.backend is None:
+        args.host = True
+    if args.host:
+        print_host(host_bench(args.repeat))
+    if args.backend is not None:
+        cls = resolve_backend(args.backend, args.device)
+        run = getattr(cls, "run_benchmarks", None)
+        if run is None:
+            print(f"backend {cls.name!r} ships no kernel benchmarks")
+            return 1
+        return int(run(rest + (["--device", args.device] if args.device else [])) or 0)
+    return 0
