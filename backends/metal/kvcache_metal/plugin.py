@@ -1,8 +1,9 @@
-"""Entry point of the metal plugin."""
+"""Entry point of the 'metal' plugin (works without MLX: availability() then says why)."""
 
 from kvcache.hookspecs import hookimpl
 
 
 @hookimpl
 def kvcache_register_backends():
-    return []
+    from .backend import MetalBackend
+    return [MetalBackend]
