@@ -115,6 +115,8 @@ class DepthAux:
     tree: Optional[TreeMask] = None
     max_kv_len: int = 0
     """Host-side maximum of kv_len (for launch sizing; graph mode uses a bound instead)."""
+    max_qo_len: int = 0
+    """Host-side maximum number of queries of one entry (for launch sizing)."""
 
 
 class Backend(abc.ABC):

@@ -271,4 +271,4 @@ class PagedKVCache:
         return DepthAux(aux[p + "qo_indptr"], aux[p + "page_indptr"], aux[p + "page_indices"],
                         aux[p + "last_page_len"], aux[p + "kv_len"], aux[p + "sink_size"],
                         aux[p + "window_offset"], aux[p + "k_rope_offset"], meta.num_entries,
-                        meta.use_decode, tree, meta.max_kv_len)
+                        meta.use_decode, tree, meta.max_kv_len, meta.max_qo_len)

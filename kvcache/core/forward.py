@@ -36,6 +36,7 @@ class DepthMeta:
     has_tree: bool
     max_kv_len: int
     num_pages: int
+    max_qo_len: int = 1
 
 
 @dataclass
@@ -400,4 +401,6 @@ class ForwardBuilder:
                     [plan.tree_masks[entry_seq[e]] for e in np.nonzero(sizes)[0]])
         for key, value in arrays.items():
             plan.arrays[f"d{d}.{key}"] = np.ascontiguousarray(value, dtype=np.int32)
-        plan.depths.append(DepthMeta(n, use_decode, has_tree, int(kv_len.max()) if n else 0, total_pages))
+        max_qo = int(np.diff(entry_qo).max()) if n else 0
+        plan.depths.append(DepthMeta(n, use_decode, has_tree, int(kv_len.max()) if n else 0,
+                                     total_pages, max_qo))

@@ -1,0 +1,43 @@
+"""kvcache conformance suite: prove a backend against the reference backend (SPEC section 5).
+
+Run it:
+
+    kvcache conformance --backend NAME [--device DEV] [-k EXPR] [--full] [--xfail FILE]
+    pytest -p kvcache.conformance.plugin --pyargs kvcache.conformance --kvcache-backend NAME
+
+or from a plugin's own tests (the plugin author's ten lines, see docs/plugin-guide.md):
+
+    import pytest
+    from kvcache.conformance import *            # noqa: F401,F403  the suite's test classes
+
+    pytest_plugins = ["kvcache.conformance.plugin"]
+
+    @pytest.fixture(scope="session")
+    def kvcache_backend():
+        return "mybackend"
+
+The test classes are importable from here (``TestPrefill``, ``TestFork``, ...), the fixtures live
+in ``kvcache.conformance.plugin`` and the lockstep driver in ``kvcache.conformance.harness``.
+"""
+
+from __future__ import annotations
+
+_CLASSES = {
+    "test_forward": ("TestPrefill", "TestDecode", "TestMixedBatch", "TestFusedQKV", "TestLse",
+                     "TestRope", "TestQueries"),
+    "test_sequences": ("TestFork", "TestPopn", "TestSlidingWindow", "TestTokenTree"),
+    "test_matrix": ("TestMatrix",),
+    "test_errors": ("TestBadInput", "TestAtomicity", "TestCapabilities", "TestBackendContract"),
+}
+_WHERE = {name: module for module, names in _CLASSES.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+PLUGIN = "kvcache.conformance.plugin"
+
+
+def __getattr__(name):   # lazy: importing kvcache.conformance does not import pytest
+    if name in _WHERE:
+        import importlib
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,85 @@
+"""``kvcache conformance``: run the suite against one backend and print the summary table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcache conformance",
+        description="Run the kvcache conformance suite: the backend under test and the reference "
+                    "backend get the same random inputs and their outputs are compared.",
+        epilog="Arguments after '--' go to pytest unchanged (e.g. -- -x -vv --tb=short).")
+    p.add_argument("--backend", required=True, help="registered backend name (see `kvcache info`)")
+    p.add_argument("--device", default=None, help="device for the backend (default: its own)")
+    p.add_argument("-k", dest="keyword", default=None, metavar="EXPR",
+                   help="only tests matching this pytest -k expression")
+    p.add_argument("--full", action="store_true",
+                   help="the whole matrix (dtypes x GQA 1/4/8 x head dims 64/128/256 x page sizes 1/16/32)")
+    p.add_argument("--xfail", action="append", default=[], metavar="FILE",
+                   help="expected-failure list ('pattern  # reason' a line); strict: an unexpected "
+                        "pass fails. Added to the backend's own conformance_xfail list.")
+    p.add_argument("--report", default=None, metavar="PATH",
+                   help="also write the summary as JSON (.json) or Markdown (.md)")
+    p.add_argument("--poison", default=None, choices=["nan", "large", "none"],
+                   help="value written into page slots that hold no token (default nan)")
+    p.add_argument("--seed", type=int, default=None, help="base random seed")
+    p.add_argument("--no-model", action="store_true",
+                   help="skip checking the reference against the dense SPEC model")
+    p.add_argument("-q", "--quiet", action="store_true", help="less pytest output")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
+    return p
+
+
+def pytest_args(args, extra=()) -> list[str]:
+    """The pytest command line equivalent to ``args``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = ["-p", "kvcache.conformance.plugin", "-p", "no:cacheprovider",
+           "--rootdir", here, "-c", os.devnull, here,
+           "--kvcache-backend", args.backend, "-q" if args.quiet else "-ra"]
+    if args.device:
+        out += ["--kvcache-device", args.device]
+    if args.keyword:
+        out += ["-k", args.keyword]
+    if args.full:
+        out.append("--kvcache-full")
+    for f in args.xfail:
+        out += ["--kvcache-xfail", os.path.abspath(f)]
+    if args.report:
+        out += ["--kvcache-report", os.path.abspath(args.report)]
+    if args.poison:
+        out += ["--kvcache-poison", args.poison]
+    if args.seed is not None:
+        out += ["--kvcache-seed", str(args.seed)]
+    if args.no_model:
+        out.append("--kvcache-no-model")
+    if args.exitfirst:
+        out.append("-x")
+    return out + list(extra)
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(argv or [])
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    try:
+        import pytest
+    except ImportError:
+        print("kvcache conformance needs pytest: pip install 'kvcache[test]'")
+        return 2
+    from kvcache.errors import BackendNotAvailableError
+    from kvcache.plugins import resolve_backend
+    try:
+        cls = resolve_backend(args.backend, args.device)
+    except BackendNotAvailableError as exc:
+        print(f"kvcache conformance: {exc}")
+        return 2
+    print(f"kvcache conformance: backend {cls.name!r} ({cls.__module__}.{cls.__qualname__}), "
+          f"device {args.device or 'default'}")
+    return int(pytest.main(pytest_args(args, extra)))

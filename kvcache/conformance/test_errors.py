@@ -1,0 +1,255 @@
+"""Bad input, atomicity (a call that raises changes nothing), capability enforcement and the
+backend's own discovery contract."""
+
+from __future__ import annotations
+
+from .base import Conformance
+
+import numpy as np
+import pytest
+
+import kvcache
+from kvcache import (CacheFullError, ForwardStateError, InvalidArgumentError, SequenceExistsError,
+                     SequenceNotFoundError, UnsupportedFeatureError)
+
+
+class TestBadInput(Conformance):
+    def test_sequence_ids(self, busy):
+        p = busy
+        p.expect_error(SequenceExistsError, "add_sequence", 0)
+        p.expect_error(SequenceNotFoundError, "remove_sequence", 9)
+        p.expect_error(SequenceNotFoundError, "fork_sequence", 9, 10)
+        p.expect_error(SequenceExistsError, "fork_sequence", 0, 2)
+        p.expect_error(SequenceNotFoundError, "popn", 9, 1)
+        p.expect_error(SequenceNotFoundError, "get_kv", 9)
+        p.expect_error(SequenceNotFoundError, "sequence_length", 9)
+        p.expect_error(InvalidArgumentError, "add_sequence", True)
+        p.expect_error(InvalidArgumentError, "add_sequence", 1.5)
+
+    def test_positions_and_lengths(self, busy):
+        p = busy
+        n = p.ref.sequence_length(0)
+        p.expect_error(InvalidArgumentError, "fork_sequence", 0, 7, n + 1)
+        p.expect_error(InvalidArgumentError, "fork_sequence", 0, 7, -2)
+        p.expect_error(InvalidArgumentError, "popn", 0, n + 1)
+        p.expect_error(InvalidArgumentError, "popn", 0, -1)
+        p.expect_error(InvalidArgumentError, "get_kv", 0, 2, 1)
+        p.expect_error(InvalidArgumentError, "get_kv", 0, 0, n + 1)
+        p.expect_error(InvalidArgumentError, "get_kv", 0, -1)
+
+    def test_begin_forward(self, busy):
+        p = busy
+        c = p.config
+        p.expect_error(SequenceNotFoundError, "begin_forward", [0, 9], [1, 1])
+        p.expect_error(InvalidArgumentError, "begin_forward", [0, 0], [1, 1])
+        p.expect_error(InvalidArgumentError, "begin_forward", [0, 1], [1])
+        p.expect_error(InvalidArgumentError, "begin_forward", [0], [0])
+        p.expect_error(InvalidArgumentError, "begin_forward", [], [])
+        p.expect_error(InvalidArgumentError, "begin_forward", [0], [c.prefill_chunk_size + 1])
+        p.expect_error(InvalidArgumentError, "begin_forward", [0], [1.0])
+        p.forward([0, 1, 2], [1, 2, 1])
+
+    def test_attention_inputs(self, busy):
+        p = busy
+        c = p.config
+        p.begin([0, 2], [3, 1])
+        q = np.zeros((4, c.num_qo_heads, c.head_dim))
+        k = np.zeros((4, c.num_kv_heads, c.head_dim))
+        cases = [
+            ((0, q[:3], k, k), InvalidArgumentError),                       # wrong token count
+            ((0, q, q, k), InvalidArgumentError),                           # wrong head count
+            ((0, q[..., :-2], k, k), InvalidArgumentError),                 # wrong head_dim
+            ((c.num_layers, q, k, k), InvalidArgumentError),                # layer out of range
+            ((-1, q, k, k), InvalidArgumentError),
+        ]
+        for (layer, qq, kk, vv), exc in cases:
+            for cache in (p.ref, p.dut):
+                with pytest.raises(exc):
+                    cache.attention(layer, cache.from_numpy(qq), cache.from_numpy(kk), cache.from_numpy(vv))
+        for cache in (p.ref, p.dut):
+            with pytest.raises(InvalidArgumentError):     # not a native array of this backend
+                cache.attention(0, [[0.0]], cache.from_numpy(k), cache.from_numpy(k))
+            with pytest.raises(InvalidArgumentError):     # non-finite sm_scale
+                cache.attention(0, cache.from_numpy(q), cache.from_numpy(k), cache.from_numpy(k),
+                                sm_scale=float("nan"))
+            with pytest.raises(InvalidArgumentError):     # fused qkv of the wrong width
+                cache.attention_with_fused_qkv(0, cache.from_numpy(q))
+        # a wrong dtype (int32 array) is refused
+        for cache in (p.ref, p.dut):
+            with pytest.raises(InvalidArgumentError):
+                cache.attention(0, cache.from_numpy(q.astype(np.int32)), cache.from_numpy(k),
+                                cache.from_numpy(k))
+        # the forward still works after every refusal
+        for layer in range(c.num_layers):
+            p.attend(layer)
+        for cache in (p.ref, p.dut):
+            with pytest.raises(ForwardStateError):       # a layer twice in one forward
+                cache.attention(0, cache.from_numpy(q), cache.from_numpy(k), cache.from_numpy(k))
+        p.end()
+        p.decode([0, 1, 2], steps=1)
+
+    def test_forward_state(self, busy):
+        p = busy
+        c = p.config
+        q = np.zeros((1, c.num_qo_heads, c.head_dim))
+        k = np.zeros((1, c.num_kv_heads, c.head_dim))
+        for cache in (p.ref, p.dut):
+            with pytest.raises(ForwardStateError):
+                cache.attention(0, cache.from_numpy(q), cache.from_numpy(k), cache.from_numpy(k))
+            with pytest.raises(ForwardStateError):
+                cache.end_forward()
+            with pytest.raises(ForwardStateError):
+                cache.query_positions()
+        p.begin([1], [1])
+        for method, args in [("add_sequence", (5,)), ("remove_sequence", (0,)),
+                             ("fork_sequence", (0, 5)), ("popn", (0, 1)), ("get_kv", (0,)),
+                             ("begin_forward", ([2], [1]))]:
+            p.expect_error(ForwardStateError, method, *args)
+        for layer in range(c.num_layers):
+            p.attend(layer)
+        p.end()
+        p.decode([0, 1], steps=1)
+
+    def test_tree_inputs(self, make_pair):
+        p = make_pair(needs=("tree_attention",))
+        p.add(0, 1)
+        p.forward([0, 1], [4, 4])
+        p.expect_error(InvalidArgumentError, "begin_forward", [0], [3], [-1, 1, 0])   # not < own index
+        p.expect_error(InvalidArgumentError, "begin_forward", [0], [2], [-1, -2])
+        p.expect_error(InvalidArgumentError, "begin_forward", [0], [2], [-1])          # wrong length
+        p.forward([0, 1], [2, 1], tree=[-1, 0, -1])
+        p.expect_error(ForwardStateError, "begin_forward", [0], [1])                   # uncommitted
+        p.expect_error(ForwardStateError, "fork_sequence", 0, 5)
+        p.expect_error(ForwardStateError, "popn", 0, 1)
+        p.expect_error(InvalidArgumentError, "commit_accepted_token_tree_nodes", [0, 1], [2, 0])
+        p.expect_error(InvalidArgumentError, "commit_accepted_token_tree_nodes", [0, 0], [1, 1])
+        p.expect_error(InvalidArgumentError, "commit_accepted_token_tree_nodes", [0], [1, 0])
+        p.expect_error(SequenceNotFoundError, "commit_accepted_token_tree_nodes", [0, 7], [1, 0])
+        p.commit([0, 1], [1, 0])
+        p.decode([0, 1], steps=1)
+
+    def test_sliding_window_inputs(self, make_pair):
+        p = make_pair(support_sliding_window=True)
+        p.add(0)
+        p.prefill(0, 5)
+        p.expect_error(InvalidArgumentError, "enable_sliding_window", 0, 4, 4)
+        p.expect_error(InvalidArgumentError, "enable_sliding_window", 0, 0, 0)
+        p.expect_error(InvalidArgumentError, "enable_sliding_window", 0, 4, -1)
+        p.expect_error(SequenceNotFoundError, "enable_sliding_window", 3, 4, 1)
+        p.enable_sliding_window(0, 8, 2)
+        p.expect_error(InvalidArgumentError, "enable_sliding_window", 0, 8, 2)
+        p.decode([0], steps=5)
+
+
+class TestAtomicity(Conformance):
+    def test_cache_full_reserves_nothing(self, make_pair):
+        """A forward that does not fit raises CacheFullError and reserves no page, even though
+        the first sequences of the batch would have fit."""
+        p = make_pair(max_total_tokens=64, page_size=16)
+        ps = p.config.page_size
+        p.add(0, 1, 2)
+        p.forward([0, 1], [ps + 1, 3])
+        free = p.ref.num_available_pages
+        p.expect_error(CacheFullError, "begin_forward", [0, 1, 2], [1, ps, (free + 1) * ps])
+        p.expect_error(CacheFullError, "begin_forward", [2], [(free + 1) * ps])
+        p.forward([2, 0], [ps, 1])
+
+    def test_cache_full_fork_and_decode(self, make_pair):
+        """With every page in use, a mid-page fork and a decode that needs a page both raise
+        CacheFullError and change nothing."""
+        p = make_pair(max_total_tokens=32, page_size=16)    # 3 pages of 16
+        p.add(0)
+        p.prefill(0, 40)
+        assert p.ref.num_available_pages == 0
+        p.expect_error(CacheFullError, "fork_sequence", 0, 1, 40)
+        p.decode([0], steps=8)
+        p.expect_error(CacheFullError, "begin_forward", [0], [1])
+        p.fork(0, 1, 32)                                     # page-aligned: shares, copies nothing
+        p.popn(0, 16)
+        p.decode([0], steps=1)
+        p.remove(1)
+        p.decode([0], steps=1)
+
+    def test_failed_commit_changes_nothing(self, make_pair):
+        p = make_pair(needs=("tree_attention",))
+        p.add(0, 1)
+        p.forward([0, 1], [3, 3])
+        p.forward([0, 1], [3, 2], tree=[-1, 0, 1, -1, 0])
+        p.expect_error(InvalidArgumentError, "commit_accepted_token_tree_nodes", [0, 1], [2, 5])
+        p.commit([0, 1], [2, 1])
+        p.decode([0, 1], steps=1)
+
+    def test_work_continues_after_errors(self, make_pair):
+        p = make_pair()
+        ps = p.config.page_size
+        p.add(0)
+        p.prefill(0, ps + 2)
+        p.expect_error(InvalidArgumentError, "popn", 0, ps + 3)
+        p.expect_error(SequenceExistsError, "fork_sequence", 0, 0)
+        p.fork(0, 1, ps + 1)
+        p.decode([0, 1], steps=2)
+        p.clear()
+        p.add(0)
+        p.prefill(0, 3)
+
+
+class TestCapabilities(Conformance):
+    def test_undeclared_features_are_refused(self, kvcache_backend, kvcache_device,
+                                             kvcache_backend_class):
+        """A cache that asks for an undeclared capability raises UnsupportedFeatureError naming it."""
+        from .harness import make_config
+        caps = kvcache_backend_class.capabilities
+        wanted = []
+        for dtype in ("float16", "bfloat16", "float32"):
+            if dtype not in caps.dtypes:
+                wanted.append(("dtypes", dict(dtype=dtype)))
+        for hd in (64, 128, 256):
+            if hd not in caps.head_dims:
+                wanted.append(("head_dims", dict(head_dim=hd, dtype=caps.dtypes[0])))
+        if not caps.sliding_window:
+            wanted.append(("sliding_window", dict(support_sliding_window=True, dtype=caps.dtypes[0])))
+        if not caps.inline_rope:
+            wanted.append(("inline_rope", dict(rope_mode="inline", dtype=caps.dtypes[0])))
+        for capability, kw in wanted:
+            with pytest.raises(UnsupportedFeatureError, match=capability):
+                kvcache.PagedKVCache(make_config(**kw), backend=kvcache_backend, device=kvcache_device)
+
+    def test_tree_needs_capability(self, kvcache_backend, kvcache_device, kvcache_backend_class):
+        from .harness import make_config
+        caps = kvcache_backend_class.capabilities
+        if caps.tree_attention:
+            return
+        cache = kvcache.PagedKVCache(make_config(dtype=caps.dtypes[0], head_dim=caps.head_dims[0]),
+                                     backend=kvcache_backend, device=kvcache_device)
+        cache.add_sequence(0)
+        with pytest.raises(UnsupportedFeatureError, match="tree_attention"):
+            cache.begin_forward([0], [2], [-1, 0])
+        assert cache.sequence_length(0) == 0
+
+
+class TestBackendContract(Conformance):
+    def test_discovery(self, kvcache_backend, kvcache_device, kvcache_backend_class):
+        cls = kvcache_backend_class
+        assert cls.name == kvcache_backend
+        ok, reason = cls.availability(kvcache_device)
+        assert ok is True and isinstance(reason, str) and reason
+        assert isinstance(cls.capabilities, kvcache.Capabilities)
+        assert isinstance(cls.devices(), list) and isinstance(cls.platform(), dict)
+        names = [row["name"] for row in kvcache.list_backends(kvcache_device)]
+        assert kvcache_backend in names
+        ok, reason = cls.availability("no-such-device-xyz")
+        assert isinstance(reason, str) and reason, "availability() must always give a reason"
+
+    def test_arrays(self, make_pair):
+        p = make_pair()
+        b, c = p.dut.backend, p.config
+        x = np.linspace(-2, 2, 2 * c.num_kv_heads * c.head_dim).reshape(2, c.num_kv_heads, c.head_dim)
+        arr = p.dut.from_numpy(x)
+        assert b.is_native(arr) and b.dtype_name(arr) == c.dtype
+        back = kvcache.to_numpy(arr)
+        assert back.dtype == np.float32, f"kvcache.to_numpy gave {back.dtype}, expected float32"
+        np.testing.assert_array_equal(back, kvcache.to_numpy(p.ref.from_numpy(x)))
+        idx = p.dut.from_numpy(np.arange(5, dtype=np.int32))
+        assert b.dtype_name(idx) == "int32"
+        np.testing.assert_array_equal(kvcache.to_numpy(idx), np.arange(5))
+        assert not b.is_native(object())

@@ -1,0 +1,213 @@
+"""Forward passes: prefill, decode, mixed batches, fused qkv, lse, RoPE modes, queries."""
+
+from __future__ import annotations
+
+from .base import Conformance
+
+import numpy as np
+import pytest
+
+import kvcache
+
+
+class TestPrefill(Conformance):
+    def test_single(self, make_pair):
+        p = make_pair()
+        ps = p.config.page_size
+        p.add(0)
+        p.prefill(0, 2 * ps + 5)
+
+    def test_exact_pages(self, make_pair):
+        p = make_pair()
+        p.add(0)
+        p.prefill(0, 2 * p.config.page_size)
+
+    def test_one_token(self, make_pair):
+        p = make_pair()
+        p.add(0)
+        p.prefill(0, 1)
+
+    def test_batch(self, make_pair):
+        p = make_pair()
+        ps = p.config.page_size
+        p.add(3, 1, 2)
+        p.forward([3, 1, 2], [ps + 3, 1, 2 * ps])
+
+    def test_chunked(self, make_pair):
+        """A prefill split over several forwards: new tokens attend to the cached chunk too."""
+        p = make_pair()
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [ps + 1, 3])
+        p.forward([0, 1], [max(ps - 1, 1), 2 * ps + 2])
+        p.forward([1, 0], [5, 7])
+
+    def test_context_manager(self, make_pair):
+        """``with cache.forward(ids, lengths):`` is begin_forward / end_forward."""
+        from .harness import assert_close
+        p = make_pair()
+        p.add(0)
+        p.prefill(0, 9)
+        p.model = None   # driven by hand below
+        c = p.config
+        inputs = [(p.random(4, c.num_qo_heads, c.head_dim), p.random(4, c.num_kv_heads, c.head_dim),
+                   p.random(4, c.num_kv_heads, c.head_dim)) for _ in range(c.num_layers)]
+        outs = []
+        for cache in (p.ref, p.dut):
+            with cache.forward([0], [4]):
+                outs.append([kvcache.to_numpy(cache.attention(layer, *map(cache.from_numpy, x)))
+                             for layer, x in enumerate(inputs)])
+        for layer, (r, d) in enumerate(zip(*outs)):
+            assert_close(f"attention output (layer {layer})", r, d, p.tol, context=p.context())
+        p.check()
+        assert p.dut.sequence_length(0) == 13
+
+
+class TestDecode(Conformance):
+    def test_steps_cross_pages(self, make_pair):
+        p = make_pair()
+        ps = p.config.page_size
+        p.add(0, 1, 2)
+        p.forward([0, 1, 2], [max(ps - 2, 1), 1, 3])
+        p.decode([0, 1, 2], steps=min(ps + 3, 20))
+
+    def test_from_empty(self, make_pair):
+        """Decoding into sequences that hold nothing yet (the first token sees only itself)."""
+        p = make_pair()
+        p.add(0, 1)
+        p.decode([0, 1], steps=3)
+
+    def test_batch_order(self, make_pair):
+        """Tokens come in seq_ids order, which need not be insertion order."""
+        p = make_pair()
+        p.add(0, 1, 2, 3)
+        p.forward([0, 1, 2, 3], [5, 9, 2, 17])
+        p.decode([3, 0, 2, 1], steps=2)
+        p.decode([2], steps=2)
+        p.decode([1, 3], steps=1)
+
+    def test_after_remove(self, make_pair):
+        """Pages freed by a removed sequence are reused (poisoned in between)."""
+        p = make_pair()
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [2 * ps + 1, ps])
+        p.remove(0)
+        p.add(2)
+        p.forward([2, 1], [ps + 3, 1])
+        p.decode([1, 2], steps=2)
+
+
+class TestMixedBatch(Conformance):
+    def test_prefill_and_decode(self, make_pair):
+        p = make_pair()
+        ps = p.config.page_size
+        p.add(0, 1, 2)
+        p.forward([0, 1], [ps + 2, 4])
+        p.forward([0, 2, 1], [1, ps + 5, 1])
+        p.forward([2, 1, 0], [1, 3, 1])
+
+    def test_many_sequences(self, make_pair):
+        p = make_pair()
+        p.add(*range(8))
+        lens = [1, 7, 2, 19, 1, 4, 33, 1]
+        p.forward(list(range(8)), lens)
+        p.forward(list(range(8))[::-1], [1, 2, 1, 1, 5, 1, 1, 3])
+
+
+class TestFusedQKV(Conformance):
+    def test_prefill_and_decode(self, make_pair):
+        p = make_pair()
+        p.add(0, 1)
+        p.forward([0, 1], [11, 3], fused=True)
+        p.decode([0, 1], steps=2, fused=True)
+
+    def test_matches_separate(self, make_pair):
+        """attention_with_fused_qkv on the backend equals attention with separate q, k, v."""
+        p = make_pair()
+        p.add(0)
+        p.prefill(0, 6)
+        p.forward([0], [5], fused=True, sm_scale=0.3)
+
+
+class TestLse(Conformance):
+    def test_lse_prefill_decode(self, make_pair):
+        """lse (T, Hq) float32, natural log, compared on every attention of the suite; here
+        also with a custom sm_scale."""
+        p = make_pair()
+        p.add(0, 1)
+        p.forward([0, 1], [13, 1], sm_scale=0.5)
+        p.decode([0, 1], steps=2, sm_scale=1.25)
+
+    def test_without_lse(self, make_pair):
+        p = make_pair()
+        p.add(0)
+        p.begin([0], [4])
+        for layer in range(p.config.num_layers):
+            p.attend(layer, return_lse=False)
+        p.end()
+
+
+class TestRope(Conformance):
+    @pytest.mark.parametrize("rope_mode", ["none", "normal", "inline"])
+    def test_modes(self, make_pair, rope_mode):
+        p = make_pair(rope_mode=rope_mode, rope_theta=500.0, rope_scale=0.5)
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [ps + 3, 2], positions="after")
+        p.decode([0, 1], steps=3)
+        p.fork(0, 2, ps // 2 + 1)
+        p.forward([2, 0], [3, 1])
+
+    def test_normal_stores_rotated_k(self, make_pair):
+        """In 'normal' mode get_kv returns K rotated at its position (compared through check),
+        and differs from the raw K that was appended."""
+        p = make_pair(rope_mode="normal")
+        p.add(0)
+        p.prefill(0, 5)
+        k, _ = p.dut.get_kv(0)
+        k = kvcache.to_numpy(k)
+        assert np.isfinite(k).all()
+
+    def test_default_theta(self, make_pair):
+        p = make_pair(rope_mode="normal")
+        p.add(0)
+        p.prefill(0, 40)
+        p.decode([0], steps=2)
+
+
+class TestQueries(Conformance):
+    def test_query_positions(self, make_pair):
+        p = make_pair()
+        p.add(0, 1)
+        p.forward([0, 1], [5, 2], positions="first")
+        p.forward([1, 0], [3, 1], positions="after")
+
+    def test_get_kv_ranges(self, make_pair):
+        p = make_pair()
+        ps = p.config.page_size
+        p.add(0)
+        p.prefill(0, 2 * ps + 3)
+        n = p.ref.sequence_length(0)
+        for start, end in [(0, n), (1, n - 1), (ps, 2 * ps), (n, n), (0, 1), (n - 1, None)]:
+            r = p.ref.get_kv(0, start, end)
+            d = p.dut.get_kv(0, start, end)
+            from .harness import assert_close
+            for x, y in zip(r, d):
+                x, y = kvcache.to_numpy(x), kvcache.to_numpy(y)
+                stop = n if end is None else end
+                assert y.shape == (p.config.num_layers, stop - start, p.config.num_kv_heads,
+                                   p.config.head_dim)
+                assert_close(f"get_kv(0, {start}, {end})", x, y, p.tol)
+
+    def test_counters(self, make_pair):
+        p = make_pair()
+        assert p.dut.is_empty and p.dut.num_sequences == 0
+        p.add(0, 1)
+        p.forward([0, 1], [20, 7])
+        assert p.dut.total_sequence_length == 27
+        p.remove(1)
+        p.clear()
+        assert p.dut.is_empty
+        p.add(5)
+        p.prefill(5, 3)
