@@ -7,12 +7,14 @@ STAMP := $(VENV)/.kvcache-installed
 
 .PHONY: test demo bench info clean
 
-$(STAMP): pyproject.toml backends/cuda/pyproject.toml backends/rocm/pyproject.toml backends/metal/pyproject.toml
+$(STAMP): pyproject.toml backends/cuda/pyproject.toml backends/rocm/pyproject.toml backends/metal/pyproject.toml \
+		docs/examples/kvcache-example/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "mlx[cpu]" numpy pluggy ml_dtypes \
 		pytest hypothesis rich matplotlib
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/metal
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e docs/examples/kvcache-example
 	touch $(STAMP)
 
 test: $(STAMP)

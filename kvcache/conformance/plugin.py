@@ -31,7 +31,6 @@ from typing import Optional
 
 import pytest
 
-MARK = "kvcache_conformance"
 PLUGIN_NAME = "kvcache.conformance.plugin"
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -94,8 +93,12 @@ def _full(config) -> bool:
     return bool(value)
 
 
+def is_suite_class(cls) -> bool:
+    from .base import Conformance
+    return isinstance(cls, type) and issubclass(cls, Conformance)
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", f"{MARK}: a test of the kvcache conformance suite")
     config._kvcache_results = []   # (backend, device, area, name, outcome, detail)
     config._kvcache_xfail_used = set()
 
@@ -110,7 +113,7 @@ def _shape_id(s):
 
 
 def pytest_generate_tests(metafunc):
-    if metafunc.definition.get_closest_marker(MARK) is None:
+    if not is_suite_class(metafunc.cls):
         return
     full = _full(metafunc.config)
     if "shape" in metafunc.fixturenames:
@@ -207,7 +210,7 @@ def _base_name(item) -> str:
 @pytest.fixture(autouse=True)
 def _kvcache_expected_failure(request):
     item = request.node
-    if item.get_closest_marker(MARK) is None:
+    if not is_suite_class(getattr(item, "cls", None)):
         return
     failures = request.getfixturevalue("kvcache_expected_failures")
     full, base = suite_name(item), _base_name(item)
@@ -279,7 +282,7 @@ _CAP = re.compile(r"capability '(\w+)'")
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    if item.get_closest_marker(MARK) is None:
+    if not is_suite_class(getattr(item, "cls", None)):
         return report
     outcome = None
     detail = ""

@@ -253,3 +253,17 @@ class TestBackendContract(Conformance):
         assert b.dtype_name(idx) == "int32"
         np.testing.assert_array_equal(kvcache.to_numpy(idx), np.arange(5))
         assert not b.is_native(object())
+
+    def test_append_kv_writes_pages_in_place(self, make_pair):
+        """The suite's page poisoning goes through append_kv; it must land in cache.pages
+        (read back with gather_kv), or the suite could not see reads of unwritten slots."""
+        p = make_pair()
+        if p.poison_value is None:
+            return
+        b, pt = p.dut.backend, p.dut.state.pt
+        slots = np.arange(0, pt.num_pages * p.config.page_size, 7, dtype=np.int32)
+        k, v = b.gather_kv(p.dut.pages, b.aux_to_device(slots))
+        k = kvcache.to_numpy(k)
+        assert k.shape == (p.config.num_layers, len(slots), p.config.num_kv_heads, p.config.head_dim)
+        assert np.isnan(k).all() or not np.isnan(p.poison_value), \
+            "append_kv did not write into the page arrays held by the cache (cache.pages)"
