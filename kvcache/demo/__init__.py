@@ -105,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache dtype (default: float32 on the reference backend, bfloat16 elsewhere)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="main cache capacity in tokens (default 7168 x scale: tight, so requests get preempted)")
+                   help="main cache capacity in tokens (default 4096 x scale: tight, so requests get preempted)")
     p.add_argument("--window-max-total-tokens", type=int, default=None,
-                   help="sliding-window cache capacity in tokens (default 2048 x scale)")
-    p.add_argument("--prefill-chunk-size", type=int, default=512, help="tokens in one forward")
+                   help="sliding-window cache capacity in tokens (default 1024 x scale)")
+    p.add_argument("--prefill-chunk-size", type=int, default=256, help="tokens in one forward")
     p.add_argument("--max-batch-size", type=int, default=None, help="sequences in one forward (default 32 x scale)")
     p.add_argument("--max-prompt", type=int, default=3000, help="longest prompt in tokens")
     p.add_argument("--max-output", type=int, default=40, help="longest output in tokens")
@@ -126,9 +126,9 @@ def _configs(opts, backend: str) -> tuple:
     common = dict(num_layers=layers, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                   page_size=opts.page_size, max_batch_size=batch,
                   prefill_chunk_size=opts.prefill_chunk_size, dtype=dtype)
-    main = kvcache.CacheConfig(max_total_tokens=opts.max_total_tokens or int(7168 * scale),
+    main = kvcache.CacheConfig(max_total_tokens=opts.max_total_tokens or int(4096 * scale),
                                rope_mode="normal", **common)
-    window = kvcache.CacheConfig(max_total_tokens=opts.window_max_total_tokens or int(2048 * scale),
+    window = kvcache.CacheConfig(max_total_tokens=opts.window_max_total_tokens or int(1024 * scale),
                                  rope_mode="normal", support_sliding_window=True, **common)
     return main, window
 
@@ -139,14 +139,19 @@ def _choose_checked(workload: Workload, k: int, seed: int) -> set:
     if k <= 0 or k >= len(reqs):
         return {r.rid for r in reqs}
     rng = np.random.default_rng([seed, 0xC4EC])
+    by_rid = {r.rid: r for r in reqs}
     chosen: list = []
     for feature in sorted({f for r in reqs for f in r.features}):
         with_f = [r.rid for r in reqs if feature in r.features and r.rid not in chosen]
         if with_f and len(chosen) < k:
             chosen.append(int(rng.choice(with_f)))
+    # the sliding-window cache gets at least two
+    windowed = [r.rid for r in reqs if r.sliding and r.rid not in chosen]
+    if windowed and sum(by_rid[c].sliding for c in chosen) < 2:
+        chosen.append(int(rng.choice(windowed)))
     rest = [r.rid for r in reqs if r.rid not in chosen]
     rng.shuffle(rest)
-    return set(chosen + rest[:k - len(chosen)])
+    return set(chosen + rest[:max(k - len(chosen), 0)])
 
 
 class _Progress:
@@ -186,7 +191,8 @@ def run_demo(opts: argparse.Namespace, tamper=None) -> DemoResult:
     main_cfg, window_cfg = _configs(opts, backend_name)
     n = opts.requests if opts.requests is not None else max(8, int(48 * opts.scale))
     workload = make_workload(n, opts.seed, max_prompt=opts.max_prompt, max_output=opts.max_output,
-                             arrival_rate=1.0 * max(opts.scale, 1.0))
+                             arrival_rate=1.0 * max(opts.scale, 1.0),
+                             long_fraction=0.0 if opts.scale <= 1 else 0.05)
     main_cache = kvcache.PagedKVCache(main_cfg, backend=backend_name, device=opts.device)
     window_cache = kvcache.PagedKVCache(window_cfg, backend=main_cache.backend.name, device=opts.device)
     model = ToyModel(main_cfg, opts.seed)
@@ -219,11 +225,8 @@ def run_demo(opts: argparse.Namespace, tamper=None) -> DemoResult:
                     idle += 1
                     now += 1
                     if idle > 3:
-                        stuck = [f"{e.name}: {len(e.waiting)} waiting, {len(e.running)} running, "
-                                 f"{e.cache.num_available_pages} of {e.cache.num_total_pages} pages free"
-                                 for e in engines if not e.done]
-                        raise SchedulerError("the scheduler cannot make progress (" + "; ".join(stuck) +
-                                             "): a request needs more pages than the cache holds")
+                        raise SchedulerError("the scheduler cannot make progress: " + "; ".join(
+                            e.describe_stuck() for e in engines if not e.done))
             progress.update(sum(len(e.finished) for e in engines),
                             f"step {steps}  batch {sum(e.history[-1].batch for e in engines if e.history)}"
                             f"  preemptions {sum(e.preemptions for e in engines)}")
@@ -347,10 +350,12 @@ def plot(result: DemoResult, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def main(argv=None, tamper=None) -> int:
+    """``kvcache demo ARGS``: 0 when the run finished and the check passed, 1 when the check
+    failed, 2 when the workload could not run."""
     opts = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        result = run_demo(opts)
+        result = run_demo(opts, tamper=tamper)
     except (SchedulerError, kvcache.KVCacheError) as exc:
         print(f"kvcache demo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

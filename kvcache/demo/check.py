@@ -76,11 +76,12 @@ def replay_check(name: str, config: kvcache.CacheConfig, model: ToyModel, worklo
         if key in prefix_sid:
             return prefix_sid[key]
         p = workload.prefixes[key]
+        parent = None if p.parent is None else build_prefix(p.parent)
         sid = PREFIX_SID + len(prefix_sid)
-        if p.parent is None:
+        if parent is None:
             ref.add_sequence(sid)
         else:
-            ref.fork_sequence(build_prefix(p.parent), sid)
+            ref.fork_sequence(parent, sid)
         _prefill(ref, sid, p.tokens, bound, config.prefill_chunk_size)
         prefix_sid[key] = sid
         return sid

@@ -101,6 +101,8 @@ class Engine:
                 st = self.prefixes.setdefault(p.key, PrefixState(p.key, PREFIX_SEQ_BASE + len(self.prefixes)))
                 st.users += 1
         self.order = 0
+        self.prefix_evictions = 0
+        self.admission_paused = False
         self.preemptions = 0
         self.preempted_rids: set = set()
         self.tokens_prefilled = 0
@@ -114,6 +116,17 @@ class Engine:
     @property
     def done(self) -> bool:
         return len(self.finished) == self.total
+
+    def describe_stuck(self) -> str:
+        head = ""
+        if self.waiting:
+            r = self.waiting[0]
+            tokens = self.workload.prefix_length(r.prefix) + len(r.prompt)
+            head = (f"; the next request ({r.rid}) needs {self._pages(tokens)} pages for its "
+                    f"{tokens}-token prompt{' (with its prefix)' if r.prefix else ''}")
+        return (f"[{self.name} cache] {len(self.waiting)} waiting, {len(self.running)} running, "
+                f"{self.cache.num_available_pages} of {self.cache.num_total_pages} pages free{head}: "
+                f"a request needs more pages than the cache holds (raise --max-total-tokens)")
 
     def next_arrival(self) -> Optional[int]:
         return self.pending[0].arrival if self.pending else None
@@ -140,6 +153,7 @@ class Engine:
         self.waiting.append(victim.req)
         self.waiting.sort(key=lambda r: (r.arrival, r.rid))
         self.preemptions += 1
+        self.admission_paused = True
         self.preempted_rids.add(victim.req.rid)
         return victim
 
@@ -178,11 +192,20 @@ class Engine:
             if seqs_now + building + req.n_samples > self.cfg.max_batch_size:
                 return
             if req.prefix is not None and not self._prefix_ready(req.prefix):
+                st = self.prefixes[req.prefix]
+                if not self.running and st.seq is None and self._evict_prefixes(keep=req.prefix):
+                    continue
                 return                        # FIFO: wait for the shared prefix
-            prompt = len(req.prompt) if req.window is None else min(
-                len(req.prompt), req.window[0] + self.cfg.prefill_chunk_size)
-            need = self._pages(prompt) + 1 + self.watermark
+            # admit while the whole prompt fits in the free pages (as vLLM's v0 scheduler). The
+            # pages are taken chunk by chunk, so prompts admitted together, plus the decodes, may
+            # not fit later: then the youngest request is preempted, and nothing is admitted
+            # until a request finishes (no thrashing)
+            if self.admission_paused and self.running:
+                return
+            need = self._pages(self._prompt_tokens(req, len(req.prompt))) + 1 + self.watermark
             if self.cache.num_available_pages < need:
+                if not self.running and self._evict_prefixes(keep=req.prefix):
+                    continue
                 return
             base = req.rid * MAX_SAMPLES
             main = Seq(base, 0, req.prompt, req.outputs[0])
@@ -208,6 +231,13 @@ class Engine:
             if log is not None:
                 self.logs[req.rid] = log      # replaces the log of a preempted earlier run
 
+    def _prompt_tokens(self, req: Request, tokens: int) -> int:
+        """Tokens of a prompt that will be held at once (a sliding window holds at most its
+        window plus one chunk)."""
+        if req.window is None:
+            return tokens
+        return min(tokens, req.window[0] + self.cfg.prefill_chunk_size)
+
     def _prefix_ready(self, key: str) -> bool:
         """Whether prefix ``key`` is built; starts building it (and its parents) if not."""
         st = self.prefixes[key]
@@ -230,6 +260,22 @@ class Engine:
         self._live.add(st.sid)
         st.seq = Seq(st.sid, 0, p.tokens)
         return False
+
+    def _evict_prefixes(self, keep) -> bool:
+        """Drop built prefixes that no running request uses and ``keep`` does not need (like a
+        prefix cache evicting under pressure; they are rebuilt when needed). Whether any was."""
+        needed = {p.key for p in self.workload.prefix_chain(keep)}
+        for run in self.running:
+            needed |= {p.key for p in self.workload.prefix_chain(run.req.prefix)}
+        evicted = False
+        for st in self.prefixes.values():
+            if st.seq is not None and st.ready and st.key not in needed:
+                self.cache.remove_sequence(st.sid)
+                self._live.discard(st.sid)
+                st.seq, st.ready = None, False
+                self.prefix_evictions += 1
+                evicted = True
+        return evicted
 
     def _release_prefixes(self, req: Request) -> None:
         for p in reversed(self.workload.prefix_chain(req.prefix)):
@@ -271,9 +317,14 @@ class Engine:
         self._pending_forks()
         self._admit(now)
         entries = self._schedule()
+        while not entries and self.running and any(
+                s.done_prefill < len(s.prefill) for r in self.running for s in r.seqs):
+            # every admitted prompt waits for pages that only a preemption can free
+            self._preempt_youngest("no prompt chunk fits in the free pages")
+            entries = self._schedule()
         if not entries:
             return False
-        # begin_forward; on CacheFullError preempt the youngest request and retry
+        # begin_forward; on CacheFullError shrink the prompt chunks or preempt, and retry
         while True:
             ids = [e[0].sid for e in entries]
             lens = [len(e[1]) for e in entries]
@@ -290,8 +341,20 @@ class Engine:
                 self.begin_times.append(time.perf_counter() - t0)
                 break
             except kvcache.CacheFullError as exc:
+                # prompt chunks are optional work: shrink the last one first (halve it, drop it);
+                # preempt only when the decodes themselves do not fit
+                prefill = [i for i, e in enumerate(entries) if e[0].done_prefill < len(e[0].prefill)]
+                if prefill:
+                    i = prefill[-1]
+                    s, toks, p = entries[i]
+                    if len(toks) > self.cfg.page_size:
+                        entries[i] = (s, toks[:len(toks) // 2], p)
+                    else:
+                        del entries[i]
+                    if entries:
+                        continue
                 victim = self._preempt_youngest(f"begin_forward of {sum(lens)} tokens failed ({exc})")
-                entries = [e for e in entries if all(e[0] is not s for s in victim.seqs)]
+                entries = [e for e in entries if all(e[0] is not s for s in victim.seqs)] or self._schedule()
                 if not entries:
                     return False
         self.peak_pages = max(self.peak_pages, self.cache.num_total_pages - self.cache.num_available_pages)
@@ -312,11 +375,9 @@ class Engine:
             if self.tamper is not None:
                 out = self.tamper(self, layer, entries, out)
             for key, (run, rows) in rec_rows.items():
-                idx = np.concatenate(rows)
-                rec_out[key].append(out[idx] if self.model.host else out[self.cache.from_numpy(idx)])
+                rec_out[key].append(self.model.rows(out, np.concatenate(rows)))
         # "the sampler": read back the last layer's output of each sequence's last new token
-        last = np.asarray([offsets[i + 1] - 1 for i in range(len(entries))])
-        kvcache.to_numpy(out[last] if self.model.host else out[self.cache.from_numpy(last)])
+        kvcache.to_numpy(self.model.rows(out, offsets[1:] - 1))
         self.cache.end_forward()
         for key, (run, rows) in rec_rows.items():
             run.log.ops.append(("fwd", [(s.local, toks.copy(), None if ptr is None else
@@ -356,12 +417,15 @@ class Engine:
         prefill = [st.seq for st in self.prefixes.values() if st.seq is not None and not st.ready]
         prefill += [s for run in sorted(self.running, key=lambda r: r.order) for s in run.seqs
                     if not s.fork_pending and s.done_prefill < len(s.prefill)]
+        # pages for prompt chunks: what is free, less a reserve so the decodes can grow
+        pages = self.cache.num_available_pages - self.watermark - len(entries)
         for s in prefill:
-            if budget <= 0 or len(entries) >= limit:
+            if budget <= 0 or len(entries) >= limit or pages < 2:
                 break
-            n = min(budget, len(s.prefill) - s.done_prefill)
+            n = min(budget, len(s.prefill) - s.done_prefill, (pages - 1) * self.cfg.page_size)
             entries.append((s, s.prefill[s.done_prefill:s.done_prefill + n], None))
             budget -= n
+            pages -= self._pages(n) + 1
         return entries[:limit]
 
     def _advance(self, entries, owners, tree_forward: bool) -> None:
@@ -415,6 +479,7 @@ class Engine:
             if all(s.finished for s in run.seqs):
                 self.running.remove(run)
                 self.finished.append(run.req)
+                self.admission_paused = False
                 self._release_prefixes(run.req)
 
     def _prefix_key(self, sid: int) -> str:

@@ -108,26 +108,34 @@ def _log_uniform(rng, lo, hi) -> int:
 
 
 def make_workload(num_requests: int, seed: int, *, max_prompt: int = 3000,
-                  max_output: int = 40, arrival_rate: float = 1.0,
+                  max_output: int = 40, arrival_rate: float = 1.0, long_fraction: float = 0.0,
+                  burst: int = 4,
                   windows: tuple = ((128, 4), (256, 16), (192, 0))) -> Workload:
     """``num_requests`` requests arriving as a Poisson process (``arrival_rate`` per step).
 
-    Prompts are log-uniform between a few tokens and ``max_prompt / 4``, one in ten (plus one
-    forced) between ``max_prompt / 2`` and ``max_prompt``; windowed prompts are log-uniform up to
-    ``max_prompt``. Some requests share a system
-    prompt (two roots and one nested few-shot prefix), ask for 2-4 parallel samples, run one round
-    of speculative decoding, or use a sliding window with attention sinks. The first requests are
-    forced to cover every feature so that any run of 9 or more requests exercises all of them."""
+    Prompts are log-uniform between a few tokens and ``max_prompt / 4``; one request (plus a
+    ``long_fraction`` of the plain ones) has a long prompt between ``max_prompt / 2`` and
+    ``max_prompt``; windowed prompts are log-uniform up to ``max_prompt``. Outputs are 4 to
+    ``max_output`` tokens, except for a burst of ``burst`` requests that arrive together and
+    generate 2 samples of 3 to 4 times ``max_output`` tokens each: their growth is what fills the
+    cache and makes the scheduler preempt. Some requests share a system prompt (two roots and one
+    nested few-shot prefix), ask for 2-4 parallel samples, run one round of speculative decoding,
+    or use a sliding window with attention sinks. The first requests are forced to cover every
+    feature, so any run of ``9 + burst`` or more requests exercises all of them."""
     rng = np.random.default_rng([seed, 0xDE30])
-    prefixes = {
-        "sys-a": Prefix("sys-a", rng.integers(0, VOCAB, _log_uniform(rng, 200, 600))),
-        "sys-b": Prefix("sys-b", rng.integers(0, VOCAB, int(rng.integers(40, 200)))),
-    }
-    prefixes["sys-a+fewshot"] = Prefix("sys-a+fewshot", rng.integers(0, VOCAB, int(rng.integers(100, 400))),
-                                       parent="sys-a")
+    # shared prefixes (sizes for max_prompt=3000): a 200-600 token system prompt, a 40-200 one,
+    # and 100-400 tokens of few-shot examples after the first
+    unit = max_prompt / 3000
+
+    def tokens(lo, hi):
+        return rng.integers(0, VOCAB, _log_uniform(rng, max(2, lo * unit), max(3, hi * unit)))
+
+    prefixes = {"sys-a": Prefix("sys-a", tokens(200, 600)), "sys-b": Prefix("sys-b", tokens(40, 200))}
+    prefixes["sys-a+fewshot"] = Prefix("sys-a+fewshot", tokens(100, 400), parent="sys-a")
     forced = ["nested-prefix+parallel", "spec:two-step", "window", "parallel", "prefix",
-              "spec:one-step", "long", "window", "spec:rejected"]
+              "spec:one-step", "long", "window", "spec:rejected"] + ["burst"] * burst
     rng.shuffle(forced)
+    burst_at = int(0.4 * num_requests / arrival_rate)
     requests, t = [], 0.0
     for rid in range(num_requests):
         t += rng.exponential(1.0 / arrival_rate)
@@ -149,7 +157,11 @@ def make_workload(num_requests: int, seed: int, *, max_prompt: int = 3000,
             window = tuple(int(x) for x in windows[int(rng.integers(len(windows)))])
             features.append("sliding window")
             prompt_len = _log_uniform(rng, 64, max(max_prompt, 128))
-        elif want == "long" or (want == "plain" and rng.random() < 0.1):
+        elif want == "burst":
+            prompt_len = int(rng.integers(max_prompt // 8, max_prompt // 4 + 1))
+            n_samples = 2
+            features.append("burst of long generations")
+        elif want == "long" or (want == "plain" and rng.random() < long_fraction):
             prompt_len = int(rng.integers(max_prompt // 2, max_prompt + 1))
             features.append("long prompt")
         else:
@@ -157,6 +169,8 @@ def make_workload(num_requests: int, seed: int, *, max_prompt: int = 3000,
             if prefix is not None:
                 prompt_len = max(1, prompt_len // 4)   # a question after the shared context
         output_len = int(rng.integers(4, max_output + 1))
+        if want == "burst":
+            output_len = int(rng.integers(3 * max_output, 4 * max_output + 1))
         if want.startswith("spec"):
             kind = want.split(":")[1] if ":" in want else str(rng.choice(list(SPEC_TREES)))
             levels, leaf = SPEC_TREES[kind]
@@ -167,7 +181,8 @@ def make_workload(num_requests: int, seed: int, *, max_prompt: int = 3000,
             spec = SpecPlan(kind, at, [list(level) for level in levels], leaf, wrong)
             features.append(f"speculative ({kind})")
         outputs = [rng.integers(0, VOCAB, output_len) for _ in range(n_samples)]
-        requests.append(Request(rid, int(t), rng.integers(0, VOCAB, prompt_len), output_len, outputs,
+        arrival = burst_at if want == "burst" else int(t)
+        requests.append(Request(rid, arrival, rng.integers(0, VOCAB, prompt_len), output_len, outputs,
                                 prefix=prefix, spec=spec, window=window,
                                 features=tuple(features) or ("plain",)))
     return Workload(requests, prefixes)

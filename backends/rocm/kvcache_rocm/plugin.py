@@ -1,8 +1,12 @@
-"""Entry point of the rocm plugin."""
+"""Entry point of the ``rocm`` plugin (group ``kvcache``)."""
 
 from kvcache.hookspecs import hookimpl
 
 
 @hookimpl
 def kvcache_register_backends():
-    return []
+    try:
+        from .backend import RocmBackend
+    except ImportError:          # kvcache-cuda not installed: nothing to register
+        return []
+    return [RocmBackend]

@@ -1,0 +1,369 @@
+"""``CudaBackend``: torch for memory and streams, Triton kernels (torch fallback on CPU tensors).
+
+Importing this module needs neither torch nor a GPU: ``availability`` reports what is missing.
+
+Device modes
+------------
+* ``device=None | "cuda" | "cuda:N"``: the real backend. A dedicated copy stream carries the one
+  merged aux upload per forward; the compute stream waits on it with an event.
+* ``device="cpu"``: a *test mode* (enabled with ``KVCACHE_CUDA_CPU=1`` so that ``backend="auto"``
+  never picks it by accident): the same Python paths on CPU tensors; streams and events are
+  host objects that record what happened, pinned memory is plain memory. Kernels run the torch
+  implementation, or the Triton kernels through Triton's interpreter when ``TRITON_INTERPRET=1``.
+
+Subclassing (ROCm): override ``name``, ``priority``, ``TUNING``, ``_runtime_problem`` and
+``platform``; everything else is shared.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from kvcache.backend import Backend, Capabilities
+
+from .tuning import CUDA_TUNING, Tuning
+
+try:  # torch is optional at import time; availability() explains its absence
+    import torch
+except Exception:  # pragma: no cover - exercised only where torch is missing
+    torch = None
+
+CPU_TEST_ENV = "KVCACHE_CUDA_CPU"
+IMPL_ENV = "KVCACHE_CUDA_IMPL"          # "auto" (default) | "torch" | "triton"
+
+
+def _torch_dtypes():
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+            "int32": torch.int32, "int64": torch.int64}
+
+
+@dataclass
+class KernelCtx:
+    """What kernels need to know about the cache, fixed per backend instance."""
+
+    page_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    group: int
+    dtype: object
+    tuning: Tuning
+    num_sms: int
+
+
+class HostStream:
+    """Stand-in for a CUDA stream in CPU test mode: work runs synchronously, events are counted."""
+
+    def __init__(self, name="copy"):
+        self.name = name
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class HostEvent:
+    """Stand-in for a CUDA event in CPU test mode (always complete)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+    def query(self):
+        return True
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    priority = 100
+    description = "torch + Triton on NVIDIA GPUs (copy stream, merged aux, split-K decode)"
+    capabilities = Capabilities(
+        dtypes=("float16", "bfloat16", "float32"),
+        copy_stream=True, merged_aux=True, cuda_graph=False,
+        tree_attention=True, sliding_window=True, fused_rope_append=True, inline_rope=True,
+        head_dims=(64, 128, 256),
+    )
+    TUNING: Tuning = CUDA_TUNING
+    CPU_TEST_SMS = 4          # pretend SM count in CPU test mode: small, so split-K triggers
+
+    # ------------------------------------------------------------------ discovery
+    @classmethod
+    def _runtime_problem(cls) -> Optional[str]:
+        """Why the GPU runtime this class targets is unusable (None: usable)."""
+        if torch.version.hip is not None:
+            return "torch built for ROCm (HIP), use the rocm backend"
+        if not torch.cuda.is_available():
+            return "no CUDA device visible (torch.cuda.is_available() is False)"
+        return None
+
+    @classmethod
+    def _runtime_label(cls) -> str:
+        return f"CUDA {torch.version.cuda}"
+
+    @classmethod
+    def availability(cls, device=None):
+        if torch is None:
+            return False, "torch is not installed"
+        if device is not None and str(device).startswith("cpu"):
+            if os.environ.get(CPU_TEST_ENV) == "1":
+                return True, (f"CPU test mode (torch {torch.__version__} on CPU tensors; "
+                              "not a production device)")
+            return False, (f"device {device!r} is only a test mode of the {cls.name} backend; "
+                           f"set {CPU_TEST_ENV}=1 to enable it")
+        problem = cls._runtime_problem()
+        if problem:
+            return False, problem
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:
+            return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+        if device is not None:
+            try:
+                dev = torch.device(device)
+            except Exception as exc:
+                return False, f"bad device {device!r}: {exc}"
+            if dev.type != "cuda":
+                return False, f"the {cls.name} backend runs on GPU devices, not {device!r}"
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                return False, f"{device!r} does not exist ({torch.cuda.device_count()} devices visible)"
+        idx = 0 if device is None else (torch.device(device).index or 0)
+        return True, f"{torch.cuda.get_device_name(idx)} ({cls._runtime_label()}, torch {torch.__version__})"
+
+    @classmethod
+    def devices(cls):
+        if torch is None or cls._runtime_problem():
+            return []
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+    @classmethod
+    def platform(cls):
+        info = {"vendor": "nvidia", "runtime": "cuda"}
+        if torch is not None:
+            info["torch"] = torch.__version__
+            if torch.version.cuda:
+                info["cuda"] = torch.version.cuda
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except Exception:
+            pass
+        return info
+
+    @classmethod
+    def run_benchmarks(cls, argv=None):
+        """``kvcache bench --backend cuda`` entry: GPU kernel benchmarks (see kvcache_cuda.bench)."""
+        from .bench import run_benchmarks
+        return run_benchmarks(list(argv or []), backend_cls=cls)
+
+    # ------------------------------------------------------------------ construction
+    def __init__(self, config, device=None):
+        if torch is None:
+            raise RuntimeError("the cuda backend needs torch")
+        dev = torch.device("cuda" if device is None else device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(config, str(dev))
+        self.torch_device = dev
+        self.on_gpu = dev.type != "cpu"
+        self.dtype = _torch_dtypes()[config.dtype]
+        self.impl = os.environ.get(IMPL_ENV, "auto")
+        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+                         if self.on_gpu else self.CPU_TEST_SMS)
+        self.tuning = self.TUNING
+        self.streams_created = []
+        self.host_compute_stream = None if self.on_gpu else HostStream("compute")
+
+    @property
+    def tuning(self) -> Tuning:
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, value: Tuning) -> None:
+        # kernels get one immutable context per tuning (no per-call construction on the hot path)
+        self._tuning = value
+        c = self.config
+        self.ctx = KernelCtx(c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim,
+                             c.group_size, self.dtype, value, self._num_sms)
+
+    def kernels(self, tensor=None):
+        """The kernel module for this call: Triton on GPU tensors (or under TRITON_INTERPRET=1),
+        torch otherwise; ``impl`` ('torch' / 'triton') forces one (tests compare them)."""
+        impl = self.impl
+        if impl == "auto":
+            on_gpu = self.on_gpu if tensor is None else tensor.device.type != "cpu"
+            impl = "triton" if (on_gpu or self.interpret) else "torch"
+        if impl == "triton":
+            from . import triton_kernels
+            return triton_kernels
+        from . import torch_kernels
+        return torch_kernels
+
+    def _guard(self):
+        # Triton launches on the *current* device; only switch when this cache lives elsewhere
+        if self.on_gpu and self.torch_device.index != torch.cuda.current_device():
+            return torch.cuda.device(self.torch_device)
+        return _NULL
+
+    # ------------------------------------------------------------------ memory
+    def allocate_pages(self, num_pages):
+        c = self.config
+        shape = (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
+                for _ in range(c.num_layers)]
+
+    def from_numpy(self, array, dtype=None):
+        array = np.asarray(array)
+        if dtype is None:
+            dtype = "int32" if array.dtype.kind in "iub" else self.config.dtype
+        if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
+            if array.dtype not in (np.float16, np.float32, np.float64):
+                array = array.astype(np.float32)       # bfloat16 (ml_dtypes) goes via float32
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        return t.to(device=self.torch_device, dtype=_torch_dtypes()[dtype])
+
+    def to_numpy(self, array):
+        t = array.detach()
+        if t.is_floating_point() and t.element_size() < 4:
+            t = t.float()
+        return t.cpu().numpy().copy()
+
+    def is_native(self, array):
+        return (torch is not None and isinstance(array, torch.Tensor)
+                and array.device.type == self.torch_device.type)
+
+    def dtype_name(self, array):
+        for name, dt in _torch_dtypes().items():
+            if array.dtype == dt:
+                return name
+        return str(array.dtype).replace("torch.", "")
+
+    def device_of(self, array):
+        return str(array.device)
+
+    def empty_like_output(self, num_tokens):
+        c = self.config
+        return torch.empty((num_tokens, c.num_qo_heads, c.head_dim), dtype=self.dtype,
+                           device=self.torch_device)
+
+    # ------------------------------------------------------------------ streams and events
+    def create_stream(self):
+        s = torch.cuda.Stream(device=self.torch_device) if self.on_gpu else HostStream()
+        self.streams_created.append(s)
+        return s
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.torch_device) if self.on_gpu else self.host_compute_stream
+
+    def wait_stream(self, stream):
+        if self.on_gpu:
+            self.current_stream().wait_stream(stream)     # an event under the hood, no host sync
+
+    def synchronize(self):
+        if self.on_gpu:
+            torch.cuda.synchronize(self.torch_device)
+
+    def record_event(self, stream=None):
+        stream = stream or self.current_stream()
+        if not self.on_gpu:
+            return HostEvent(stream)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def stream_wait_event(self, event, stream=None):
+        if event is None:
+            return
+        (stream or self.current_stream()).wait_event(event)
+
+    def event_synchronize(self, event):
+        if event is not None:
+            event.synchronize()
+
+    # ------------------------------------------------------------------ aux transfer
+    def aux_to_device(self, host_array):
+        t = torch.from_numpy(np.ascontiguousarray(host_array, dtype=np.int32))
+        if self.on_gpu:
+            # a pinned staging copy makes the upload asynchronous w.r.t. the host
+            return t.pin_memory().to(self.torch_device, non_blocking=True)
+        return t.clone()
+
+    def aux_alloc_host(self, num_int32):
+        t = torch.empty(num_int32, dtype=torch.int32, pin_memory=self.on_gpu)
+        return t, t.numpy()        # the numpy view aliases the (pinned) tensor's memory
+
+    def aux_alloc_device(self, num_int32):
+        return torch.empty(num_int32, dtype=torch.int32, device=self.torch_device)
+
+    def aux_copy_async(self, device_buffer, host_handle, num_int32, stream):
+        if not self.on_gpu:
+            device_buffer[:num_int32].copy_(host_handle[:num_int32])
+            return HostEvent(stream)
+        with torch.cuda.stream(stream):
+            device_buffer[:num_int32].copy_(host_handle[:num_int32], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
+
+    def aux_view(self, device_buffer, offset, length):
+        return device_buffer[offset:offset + length]
+
+    # ------------------------------------------------------------------ kernels
+    def rope(self, x, positions, rope):
+        with self._guard():
+            return self.kernels(x).rope(self.ctx, x, positions, rope)
+
+    def append_kv(self, pages, k, v, slots, positions=None, rope=None):
+        with self._guard():
+            self.kernels(k).append_kv(self.ctx, pages, k, v, slots, positions, rope)
+
+    def rope_append(self, pages, q, k, v, slots, positions, rope):
+        with self._guard():
+            return self.kernels(q).rope_append(self.ctx, pages, q, k, v, slots, positions, rope)
+
+    def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
+                         rope=None, q_positions=None, k_rope_offset=None):
+        with self._guard():
+            return self.kernels(q).ragged_attention(
+                self.ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len,
+                tree=tree, rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset)
+
+    def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+        with self._guard():
+            return self.kernels(q).paged_attention(self.ctx, q, pages, depth, sm_scale, rope=rope,
+                                                   q_positions=q_positions)
+
+    def merge_attention(self, o_a, lse_a, o_b, lse_b):
+        with self._guard():
+            return self.kernels(o_a).merge_attention(self.ctx, o_a, lse_a, o_b, lse_b)
+
+    def copy_page_prefix(self, pages_per_layer, src_page, dst_page, length):
+        with self._guard():
+            self.kernels(pages_per_layer[0]).copy_page_prefix(
+                self.ctx, pages_per_layer, int(src_page), int(dst_page), int(length))
+
+    def compact_kv(self, pages_per_layer, src_slots, dst_slots):
+        with self._guard():
+            self.kernels(pages_per_layer[0]).compact_kv(self.ctx, pages_per_layer, src_slots, dst_slots)
+
+    def gather_kv(self, pages_per_layer, slots):
+        with self._guard():
+            return self.kernels(pages_per_layer[0]).gather_kv(self.ctx, pages_per_layer, slots)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()

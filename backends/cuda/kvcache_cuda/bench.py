@@ -1,0 +1,330 @@
+"""GPU kernel benchmarks of the cuda backend against the memory-bandwidth floor and torch SDPA.
+
+``kvcache bench --backend cuda`` calls ``CudaBackend.run_benchmarks(argv)``; also runnable as
+``python -m kvcache_cuda.bench [--iters N] [--json PATH] [--sweep]``.
+
+Method: each measured call is captured once in a CUDA graph and replayed (so Python launch
+overhead is excluded; an "eager" column shows the launch-bound time too); before every timed
+replay a 256 MiB buffer is zeroed so L2 holds nothing useful; CUDA events bracket each replay
+and the median of N is reported. The floor is ``bytes moved / device-to-device copy bandwidth``
+measured in the same run (copy bandwidth counts read + write bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+DECODE_CASES = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 1024)]
+PREFILL_CASES = [(1, 8192), (8, 2048)]
+APPEND_TOKENS = [64, 8192]
+FLUSH_BYTES = 256 << 20          # > L2 of any current GPU (H100: 50 MB)
+COPY_BYTES = 1 << 30
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="kvcache bench --backend cuda")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    p.add_argument("--only", default="decode,prefill,append", help="comma list of sections")
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    p.add_argument("--sweep", action="store_true", help="also sweep split-K factors of B=1 decode")
+    p.add_argument("--device", default="cuda")
+    return p
+
+
+class Timer:
+    def __init__(self, torch, device, iters, warmup):
+        self.torch, self.device, self.iters, self.warmup = torch, device, iters, warmup
+        self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+    def _median(self, run):
+        torch = self.torch
+        times = []
+        for _ in range(self.iters):
+            self.flush_buf.zero_()                         # evict L2 (not timed)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+    def measure(self, fn):
+        """(graph-replay median us, eager median us) of ``fn``."""
+        torch = self.torch
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        eager = self._median(fn)
+        graph_us = float("nan")
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):                     # warm the allocator on a side stream
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            for _ in range(self.warmup):
+                g.replay()
+            graph_us = self._median(g.replay)
+        except Exception as exc:  # capture can fail for reasons outside the kernel (report it)
+            print(f"    (graph capture failed: {type(exc).__name__}: {exc}; eager time only)")
+        return graph_us, eager
+
+
+def copy_bandwidth(torch, timer, device):
+    """Device-to-device copy bandwidth in bytes/s (read + write), COPY_BYTES buffers."""
+    n = COPY_BYTES
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    us, _ = timer.measure(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (us * 1e-6)
+
+
+def _paged_setup(torch, backend, batch, kv_len, nq, rng, device):
+    """Pages in a random permutation and one DepthAux with ``batch`` entries of ``kv_len`` keys
+    and ``nq`` queries each."""
+    from kvcache.backend import DepthAux
+    pages_per = -(-kv_len // PS)
+    total = batch * pages_per
+    pages = torch.randn((total + 1, 2, HKV, PS, D), device=device).to(backend.dtype)
+    perm = torch.from_numpy(rng.permutation(total + 1)[:total].astype(np.int32)).to(device)
+    i32 = lambda a: torch.as_tensor(np.asarray(a, np.int32), device=device)
+    ar = np.arange(batch + 1)
+    depth = DepthAux(
+        qo_indptr=i32(ar * nq), page_indptr=i32(ar * pages_per), page_indices=perm,
+        last_page_len=i32(np.full(batch, (kv_len - 1) % PS + 1)), kv_len=i32(np.full(batch, kv_len)),
+        sink_size=i32(np.zeros(batch)), window_offset=i32(np.zeros(batch)),
+        k_rope_offset=i32(np.zeros(batch)), num_entries=batch, use_decode=nq == 1,
+        max_kv_len=kv_len)
+    q = torch.randn((batch * nq, HQ, D), device=device).to(backend.dtype)
+    return pages, depth, q
+
+
+def _sdpa(torch, q, k, v, causal=False):
+    """Contiguous-KV SDPA (flash where available); q (B, Hq, n, D), k/v (B, Hkv, L, D)."""
+    F = torch.nn.functional
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    except Exception:
+        g = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1),
+                                              v.repeat_interleave(g, 1), is_causal=causal)
+
+
+def run_benchmarks(argv=None, backend_cls=None):
+    args = _parser().parse_args(list(argv or []))
+    try:
+        import torch
+    except Exception:
+        print("kvcache-cuda bench: torch is not installed")
+        return 2
+    if backend_cls is None:
+        from .backend import CudaBackend as backend_cls
+    ok, why = backend_cls.availability(args.device)
+    if not ok:
+        print(f"kvcache-cuda bench: backend {backend_cls.name!r} unavailable: {why}")
+        return 2
+    import kvcache
+    device = torch.device(args.device)
+    rng = np.random.default_rng(0)
+    timer = Timer(torch, device, args.iters, args.warmup)
+    bw = copy_bandwidth(torch, timer, device)
+    elem = 2
+    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                              page_size=PS, dtype=args.dtype, max_total_tokens=PS,
+                              rope_mode="normal", max_batch_size=256)
+    backend = backend_cls(cfg, args.device)
+    sections = set(args.only.split(","))
+    rows, results = [], {"device": torch.cuda.get_device_name(device),
+                         "copy_bandwidth_GBps": bw / 1e9, "cases": []}
+    print(f"# kvcache-cuda bench on {results['device']}: Hq={HQ} Hkv={HKV} D={D} {args.dtype} "
+          f"page={PS}; d2d copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
+    scale = D ** -0.5
+
+    def add(kind, shape, us, eager, nbytes, sdpa_us=None, target=None, note=""):
+        floor = nbytes / bw * 1e6 if nbytes else float("nan")
+        row = {"kind": kind, "shape": shape, "us": us, "eager_us": eager, "bytes": nbytes,
+               "floor_us": floor, "floor_ratio": floor / us if us == us and us > 0 else float("nan"),
+               "sdpa_us": sdpa_us, "vs_sdpa": (sdpa_us / us) if sdpa_us and us == us else None,
+               "target": target, "note": note}
+        results["cases"].append(row)
+        rows.append(row)
+        vs = f"{row['vs_sdpa']:.2f}x" if row["vs_sdpa"] else "-"
+        sd = f"{sdpa_us:9.1f}" if sdpa_us else "        -"
+        print(f"{kind:<16} {shape:<14} {us:9.1f} {eager:9.1f} {nbytes / 1e6:10.1f} {floor:9.1f} "
+              f"{row['floor_ratio']:7.2f} {sd} {vs:>7}  {target or ''} {note}", flush=True)
+
+    print(f"{'kind':<16} {'shape':<14} {'us(graph)':>9} {'us(eager)':>9} {'MB moved':>10} "
+          f"{'floor_us':>9} {'floor/x':>7} {'sdpa_us':>9} {'sdpa/x':>7}  target")
+
+    if "decode" in sections:
+        for batch, kv_len in DECODE_CASES:
+            pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
+            fn = lambda: backend.paged_attention(q, pages, depth, scale)
+            us, eager = timer.measure(fn)
+            nbytes = batch * kv_len * HKV * D * 2 * elem + 2 * q.numel() * elem
+            qs = q.view(batch, HQ, 1, D)
+            kc = torch.randn((batch, HKV, kv_len, D), device=device, dtype=backend.dtype)
+            vc = torch.randn_like(kc)
+            sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc))
+            if batch >= 16:
+                target = ">=0.90 floor"
+            elif kv_len >= 32768:
+                target = ">=0.80 floor"
+            else:
+                target = "<=15us"
+            add("decode", f"B={batch},L={kv_len}", us, eager, nbytes, sdpa_us, target)
+            del pages, kc, vc
+            if args.sweep and batch == 1:
+                from .tuning import num_splits
+                base = backend.tuning
+                auto = num_splits(base, HKV, kv_len, backend._num_sms)
+                for s in (1, 2, 4, 8, 16, 32, 64):
+                    backend.tuning = base.with_(force_splits=s)
+                    pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
+                    us_s, _ = timer.measure(lambda: backend.paged_attention(q, pages, depth, scale))
+                    print(f"    sweep B=1 L={kv_len} splits={s:<3} {us_s:8.1f} us"
+                          f"{'  <- heuristic' if s == auto else ''}")
+                    del pages
+                backend.tuning = base
+            torch.cuda.empty_cache()
+
+    if "prefill" in sections:
+        for batch, n in PREFILL_CASES:
+            # paged prefill kernel: n queries per entry over n paged keys (non-causal, as a depth)
+            pages, depth, q = _paged_setup(torch, backend, batch, n, n, rng, device)
+            us, eager = timer.measure(lambda: backend.paged_attention(q, pages, depth, scale))
+            qs = q.view(batch, n, HQ, D).transpose(1, 2)
+            kc = torch.randn((batch, HKV, n, D), device=device, dtype=backend.dtype)
+            vc = torch.randn_like(kc)
+            sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc))
+            flops = 4 * batch * n * n * HQ * D
+            add("prefill-paged", f"B={batch},L={n}", us, eager, 0, sdpa_us, ">=0.6 sdpa",
+                f"{flops / us / 1e6:.0f} TFLOP/s")
+            # ragged causal self-attention over new tokens vs causal SDPA
+            k = torch.randn((batch * n, HKV, D), device=device).to(backend.dtype)
+            v = torch.randn_like(k)
+            qo = torch.arange(0, batch * n + 1, n, device=device, dtype=torch.int32)
+            us, eager = timer.measure(lambda: backend.ragged_attention(
+                q, k, v, qo, scale, num_seqs=batch, max_len=n))
+            sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc, causal=True))
+            add("prefill-ragged", f"B={batch},L={n}", us, eager, 0, sdpa_us, "",
+                f"{flops / 2 / us / 1e6:.0f} TFLOP/s (causal)")
+            del pages, kc, vc, k, v
+            torch.cuda.empty_cache()
+
+    if "append" in sections:
+        from kvcache.backend import Backend, RopeSpec
+        rope = RopeSpec()
+        for t in APPEND_TOKENS:
+            pages = torch.zeros((t // PS + 2, 2, HKV, PS, D), device=device, dtype=backend.dtype)
+            q = torch.randn((t, HQ, D), device=device).to(backend.dtype)
+            k = torch.randn((t, HKV, D), device=device).to(backend.dtype)
+            v = torch.randn_like(k)
+            slots = torch.from_numpy(rng.permutation(t + PS)[:t].astype(np.int32)).to(device)
+            pos = torch.arange(t, device=device, dtype=torch.int32)
+            fused, fe = timer.measure(lambda: backend.rope_append(pages, q, k, v, slots, pos, rope))
+            unfused, ue = timer.measure(lambda: Backend.rope_append(backend, pages, q, k, v, slots, pos, rope))
+            nbytes = (2 * q.numel() + 4 * k.numel() + 2 * v.numel()) * elem
+            add("append-fused", f"T={t}", fused, fe, nbytes, None, ">=1.5x unfused")
+            add("append-unfused", f"T={t}", unfused, ue, nbytes, None, "",
+                f"fused speedup {unfused / fused:.2f}x (eager {ue / fe:.2f}x)")
+            results.setdefault("append_speedup", {})[t] = unfused / fused
+            del pages
+
+    if args.sweep:
+        tile_sweep(torch, backend, timer, rng, device, scale, results)
+
+    verdicts = _verdicts(rows)
+    results["verdicts"] = verdicts
+    print("\n# targets")
+    for line in verdicts:
+        print("  " + line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1, default=lambda x: None if x != x else x)
+    return 0
+
+
+DECODE_TILES = [(16, bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+SWEEP_DECODE = (64, 4096)          # (batch, kv_len) of the tile sweeps
+SWEEP_PREFILL = (1, 4096)          # (batch, tokens = keys)
+PREFILL_TILES = [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3),
+                 (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)]
+
+
+def tile_sweep(torch, backend, timer, rng, device, scale, results):
+    """Time decode (B=64, L=4096) and paged prefill (B=1, L=4096) over candidate tile tables, so
+    a new GPU's best entries can be copied into its Tuning (printed as Python)."""
+    from .tuning import AttnTiles
+    base = backend.tuning
+    out = {}
+    for kind, tiles, (batch, n, nq) in (("decode", DECODE_TILES, SWEEP_DECODE + (1,)),
+                                        ("prefill", PREFILL_TILES, SWEEP_PREFILL + SWEEP_PREFILL[1:])):
+        pages, depth, q = _paged_setup(torch, backend, batch, n, nq, rng, device)
+        timings = []
+        for t in tiles:
+            table = dict(base.by_head_dim)
+            table[D] = dict(table.get(D, {}), **{kind: AttnTiles(*t)})
+            backend.tuning = base.with_(by_head_dim=table)
+            try:
+                us, _ = timer.measure(lambda: backend.paged_attention(q, pages, depth, scale))
+            except Exception as exc:            # e.g. out of shared memory for big tiles
+                print(f"    sweep {kind} {t}: failed ({type(exc).__name__})")
+                continue
+            timings.append((us, t))
+            print(f"    sweep {kind} B={batch} L={n} tiles={t}: {us:8.1f} us", flush=True)
+        backend.tuning = base
+        if timings:
+            best = min(timings)
+            out[kind] = {"best_us": best[0], "best": best[1]}
+            print(f"  best {kind}: AttnTiles{best[1]} at {best[0]:.1f} us "
+                  f"(for Tuning.by_head_dim[{D}][{kind!r}])")
+        del pages
+        torch.cuda.empty_cache()
+    results["tile_sweep"] = out
+
+
+def _verdicts(rows):
+    out = []
+    for r in rows:
+        us = r["us"] if r["us"] == r["us"] else r["eager_us"]
+        if r["kind"] == "decode":
+            if r["target"] == "<=15us":
+                ok = us <= 15.0
+                out.append(f"{'PASS' if ok else 'MISS'} decode {r['shape']}: {us:.1f} us (target <= 15)")
+            else:
+                want = 0.9 if r["target"].startswith(">=0.90") else 0.8
+                fr = r["floor_us"] / us
+                out.append(f"{'PASS' if fr >= want else 'MISS'} decode {r['shape']}: "
+                           f"{fr:.2f} of floor (target >= {want})")
+        elif r["kind"] == "prefill-paged" and r["sdpa_us"]:
+            fr = r["sdpa_us"] / us
+            out.append(f"{'PASS' if fr >= 0.6 else 'MISS'} paged prefill {r['shape']}: "
+                       f"{fr:.2f} of contiguous SDPA (target >= 0.6)")
+        elif r["kind"] == "append-unfused":
+            fused = next(x for x in rows if x["kind"] == "append-fused" and x["shape"] == r["shape"])
+            sp = us / (fused["us"] if fused["us"] == fused["us"] else fused["eager_us"])
+            out.append(f"{'PASS' if sp >= 1.5 else 'MISS'} fused append {r['shape']}: "
+                       f"{sp:.2f}x unfused (target >= 1.5)")
+    return out
+
+
+def main(argv=None):
+    return run_benchmarks(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Pure-torch implementation of every kernel: vectorised, float32 math (float64 RoPE angles).
+
+It runs on CPU tensors (what CI exercises through ``CudaBackend(device="cpu")``) and on GPU
+tensors (the cross-check for the Triton kernels). Unlike the Triton path it may synchronise the
+host (boolean masks, one ``.item()`` for the widest entry); it is a fallback and an oracle, not
+the fast path.
+
+Every function takes ``ctx`` (page_size, num_qo_heads, num_kv_heads, head_dim, group, dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------- RoPE
+def rope_cos_sin(positions, head_dim: int, rope):
+    """cos, sin of shape positions.shape + (D/2,), float32, angles computed in float64."""
+    half = head_dim // 2
+    dev = positions.device
+    inv = rope.theta ** (-2.0 * torch.arange(half, dtype=torch.float64, device=dev) / head_dim)
+    ang = positions.to(torch.float64)[..., None] * rope.scale * inv
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
+def rotate(x, positions, rope):
+    """Rotate-half RoPE in float32. x (..., H, D), positions x.shape[:-2]."""
+    x = x.float()
+    half = x.shape[-1] // 2
+    cos, sin = rope_cos_sin(positions, x.shape[-1], rope)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope(ctx, x, positions, rope_spec):
+    return rotate(x, positions.long(), rope_spec).to(ctx.dtype)
+
+
+def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None):
+    slots = slots.long()
+    keep = (slots >= 0).nonzero().squeeze(1)      # host sync: fine for the fallback path
+    if keep.numel() == 0:
+        return
+    s = slots[keep]
+    page, row = s // ctx.page_size, s % ctx.page_size
+    kk = k[keep]
+    if rope_spec is not None:
+        kk = rotate(kk, positions.long()[keep], rope_spec)
+    # advanced indices split by a slice: the indexed dims come first -> (n, Hkv, D)
+    pages[page, 0, :, row, :] = kk.to(pages.dtype)
+    pages[page, 1, :, row, :] = v[keep].to(pages.dtype)
+
+
+def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec):
+    q_rot = rope(ctx, q, positions, rope_spec)
+    k_rot = rope(ctx, k, positions, rope_spec)
+    append_kv(ctx, pages, k_rot, v, slots)
+    return q_rot, k_rot
+
+
+# ---------------------------------------------------------------------- softmax core
+def _attend(q, k, v, visible, sm_scale, group):
+    """q (B, n, Hq, D), k/v (B, m, Hkv, D) float32, visible (B, n, m) bool or (B, Hq?, ...)
+    -> o (B, n, Hq, D), lse (B, n, Hq)."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, n, hkv, group, d)
+    logits = torch.einsum("bnhgd,bmhd->bhgnm", qg, k) * sm_scale
+    logits = logits.masked_fill(~visible[:, None, None], NEG_INF)
+    peak = logits.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    w = torch.exp(logits - peak)
+    denom = w.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bhgnm,bmhd->bnhgd", w / torch.where(denom > 0, denom, torch.ones_like(denom)), v)
+    lse = torch.where(denom > 0, torch.log(denom) + peak, torch.full_like(peak, NEG_INF))[..., 0]
+    return out.reshape(b, n, hq, d), lse.permute(0, 3, 1, 2).reshape(b, n, hq)
+
+
+def _tree_nodes(tree, entry_idx, node_idx, ok):
+    """(order, upper) of node ``node_idx`` of entry ``entry_idx`` (any broadcastable shapes)."""
+    base = tree.indptr.long()[entry_idx] + node_idx
+    base = torch.where(ok, base, torch.zeros_like(base))
+    mask = tree.mask.long()
+    return mask[2 * base], mask[2 * base + 1]
+
+
+# ---------------------------------------------------------------------- ragged
+def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
+                     rope=None, q_positions=None, k_rope_offset=None):
+    t_total = q.shape[0]
+    dev = q.device
+    qo = qo_indptr.long()[: num_seqs + 1]
+    tok = torch.arange(t_total, device=dev)
+    seq = torch.searchsorted(qo[1:].contiguous(), tok, right=True).clamp(max=num_seqs - 1)
+    r = tok - qo[seq]
+    covered = (tok >= qo[0]) & (tok < qo[-1])
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if rope is not None:
+        qf = rotate(qf, q_positions.long(), rope)
+        kf = rotate(kf, k_rope_offset.long()[seq] + r, rope)
+    L = max(int(max_len), 1)
+    qp = q.new_zeros((num_seqs, L) + q.shape[1:], dtype=torch.float32)
+    kp = q.new_zeros((num_seqs, L) + k.shape[1:], dtype=torch.float32)
+    vp = q.new_zeros((num_seqs, L) + v.shape[1:], dtype=torch.float32)
+    sel = covered.nonzero().squeeze(1)
+    qp[seq[sel], r[sel]] = qf[sel]
+    kp[seq[sel], r[sel]] = kf[sel]
+    vp[seq[sel], r[sel]] = vf[sel]
+    n = (qo[1:] - qo[:-1])[:, None, None]                      # (B, 1, 1)
+    ar = torch.arange(L, device=dev)
+    rows, cols = ar[None, :, None], ar[None, None, :]
+    visible = (cols <= rows) & (cols < n) & (rows < n)
+    if tree is not None:
+        ok = (ar[None, :] < n[:, :, 0])                         # (B, L)
+        ent = torch.arange(num_seqs, device=dev)[:, None]
+        order, upper = _tree_nodes(tree, ent, ar[None, :], ok)  # tree size == append length
+        visible = visible & (order[:, None, :] <= order[:, :, None]) & (order[:, :, None] < upper[:, None, :])
+    o, lse = _attend(qp, kp, vp, visible, sm_scale, ctx.group)
+    o_out = q.new_zeros(q.shape, dtype=ctx.dtype)
+    lse_out = torch.full((t_total, q.shape[1]), NEG_INF, dtype=torch.float32, device=dev)
+    o_out[sel] = o[seq[sel], r[sel]].to(ctx.dtype)
+    lse_out[sel] = lse[seq[sel], r[sel]]
+    return o_out, lse_out
+
+
+# ---------------------------------------------------------------------- paged
+def entry_key_slots(ctx, depth, max_kv):
+    """(slots (n, max_kv) int64, valid (n, max_kv) bool): where key j of entry i lives."""
+    n = depth.num_entries
+    dev = depth.kv_len.device
+    j = torch.arange(max_kv, device=dev)[None, :]
+    kv_len = depth.kv_len.long()[:n, None]
+    sink, gap = depth.sink_size.long()[:n, None], depth.window_offset.long()[:n, None]
+    off = torch.where(j < sink, j, j - sink + gap)
+    valid = j < kv_len
+    pidx = depth.page_indptr.long()[:n, None] + off // ctx.page_size
+    pidx = torch.where(valid, pidx, torch.zeros_like(pidx))
+    indices = depth.page_indices.long()
+    if indices.numel() == 0:
+        return torch.zeros_like(pidx), valid & False
+    page = indices[pidx.clamp(max=indices.numel() - 1)]
+    return page * ctx.page_size + off % ctx.page_size, valid
+
+
+def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+    t_total, hq, d = q.shape
+    dev = q.device
+    o_out = torch.zeros((t_total, hq, d), dtype=ctx.dtype, device=dev)
+    lse_out = torch.full((t_total, hq), NEG_INF, dtype=torch.float32, device=dev)
+    n, max_kv = depth.num_entries, int(depth.max_kv_len)
+    if n == 0 or max_kv == 0 or t_total == 0:
+        return o_out, lse_out
+    qo = depth.qo_indptr.long()[: n + 1]
+    nq = qo[1:] - qo[:-1]
+    max_q = int(nq.max().item()) if n else 0               # host sync: fallback path only
+    if max_q == 0:
+        return o_out, lse_out
+    slots, valid = entry_key_slots(ctx, depth, max_kv)
+    ps = ctx.page_size
+    keys = pages[slots // ps, 0, :, slots % ps, :].float()    # (n, M, Hkv, D)
+    vals = pages[slots // ps, 1, :, slots % ps, :].float()
+    tok = torch.arange(t_total, device=dev)
+    ent = torch.searchsorted(qo[1:].contiguous(), tok, right=True).clamp(max=n - 1)
+    r = tok - qo[ent]
+    sel = ((tok >= qo[0]) & (tok < qo[-1])).nonzero().squeeze(1)
+    qf = q.float()
+    if rope is not None:
+        qf = rotate(qf, q_positions.long(), rope)
+        kpos = depth.k_rope_offset.long()[:n, None] + torch.arange(max_kv, device=dev)[None, :]
+        keys = rotate(keys, kpos, rope)
+    qp = q.new_zeros((n, max_q, hq, d), dtype=torch.float32)
+    qp[ent[sel], r[sel]] = qf[sel]
+    rows = torch.arange(max_q, device=dev)
+    visible = valid[:, None, :] & (rows[None, :, None] < nq[:, None, None])   # (n, max_q, M)
+    if depth.tree is not None:
+        tind = depth.tree.indptr.long()
+        ts = (tind[1:n + 1] - tind[:n])[:, None]                      # (n, 1)
+        kv_len = depth.kv_len.long()[:n, None]
+        j = torch.arange(max_kv, device=dev)[None, :]
+        in_tree = (j >= kv_len - ts) & valid                          # (n, M)
+        ent_ix = torch.arange(n, device=dev)[:, None]
+        k_ord, k_up = _tree_nodes(depth.tree, ent_ix, j - (kv_len - ts), in_tree)
+        q_node = ts - nq[:, None] + rows[None, :]                     # (n, max_q)
+        q_ok = (rows[None, :] < nq[:, None]) & (ts > 0) & (q_node >= 0)
+        q_ord, _ = _tree_nodes(depth.tree, ent_ix, q_node, q_ok)
+        tree_vis = (k_ord[:, None, :] <= q_ord[:, :, None]) & (q_ord[:, :, None] < k_up[:, None, :])
+        visible = visible & (~in_tree[:, None, :] | tree_vis)
+    o, lse = _attend(qp, keys, vals, visible, sm_scale, ctx.group)
+    o_out[sel] = o[ent[sel], r[sel]].to(ctx.dtype)
+    lse_out[sel] = lse[ent[sel], r[sel]]
+    return o_out, lse_out
+
+
+# ---------------------------------------------------------------------- merge / copies
+def merge_attention(ctx, o_a, lse_a, o_b, lse_b):
+    la, lb = lse_a.float(), lse_b.float()
+    lse = torch.logaddexp(la, lb)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.where(torch.isfinite(la), torch.exp(la - safe), torch.zeros_like(la))[..., None]
+    wb = torch.where(torch.isfinite(lb), torch.exp(lb - safe), torch.zeros_like(lb))[..., None]
+    o = o_a.float() * wa + o_b.float() * wb
+    return o.to(ctx.dtype), lse
+
+
+def copy_page_prefix(ctx, pages_per_layer, src_page, dst_page, length):
+    for pages in pages_per_layer:
+        pages[dst_page, :, :, :length].copy_(pages[src_page, :, :, :length])
+
+
+def gather_rows(ctx, pages, slots):
+    """(k, v) each (n, Hkv, D) of the rows at ``slots`` of one layer."""
+    slots = slots.long()
+    page, row = slots // ctx.page_size, slots % ctx.page_size
+    return pages[page, 0, :, row, :], pages[page, 1, :, row, :]
+
+
+def compact_kv(ctx, pages_per_layer, src_slots, dst_slots):
+    dst = dst_slots.long()
+    page, row = dst // ctx.page_size, dst % ctx.page_size
+    for pages in pages_per_layer:
+        k, v = gather_rows(ctx, pages, src_slots)      # advanced indexing copies: read-before-write
+        pages[page, 0, :, row, :] = k
+        pages[page, 1, :, row, :] = v
+
+
+def gather_kv(ctx, pages_per_layer, slots):
+    rows = [gather_rows(ctx, p, slots) for p in pages_per_layer]
+    return torch.stack([k for k, _ in rows]), torch.stack([v for _, v in rows])

@@ -1,0 +1,740 @@
+"""Triton kernels: one source for CUDA and (through the ROCm package) HIP.
+
+Imported lazily by ``CudaBackend`` the first time a Triton kernel is needed, so that
+``TRITON_INTERPRET=1`` (set before this import) runs the very same kernels on CPU tensors.
+
+Layout conventions shared by the attention kernels
+--------------------------------------------------
+* A program owns one KV head and a tile of ``BLOCK_R`` *rows*; row ``ri`` is query token
+  ``ri // GROUP`` of the tile and query head ``kvh * GROUP + ri % GROUP``. The whole GQA group of a
+  KV head therefore shares every K/V tile load.
+* Head dims are split into halves (``q1 = x[:D/2]``, ``q2 = x[D/2:]``) and ``q.k = q1.k1 + q2.k2``,
+  so inline RoPE is elementwise on the halves (rotate-half needs no permutes). Non-power-of-two
+  halves are masked.
+* Online softmax in fp32 in the log2 domain (``exp2``); ``lse`` is stored as a natural log. A row
+  that sees no key ends with ``l == 0``: o = 0, lse = -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tuning import num_splits
+
+LOG2E = 1.4426950408889634
+
+
+def _interpreter_numpy24_shim():
+    """Triton 3.6's interpreter converts 1-element arrays with int(), which numpy >= 2.4 rejects,
+    so every runtime-bound ``range`` loop fails (triton-lang/triton#9171). Re-patch ``__index__``
+    with the upstream fix; only under TRITON_INTERPRET=1 and only where the bug exists."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except Exception:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_kvcache_shim", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._kvcache_shim = True
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_numpy24_shim()
+
+
+# ====================================================================== jit helpers
+@triton.jit
+def _inv_freq(dh, HEAD_DIM: tl.constexpr, log2_theta):
+    # theta ** (-2i/D) computed as exp2 so only one transcendental per lane
+    return tl.exp2(-(2.0 * dh.to(tl.float32) / HEAD_DIM) * log2_theta)
+
+
+@triton.jit
+def _rotate(x1, x2, pos, inv_freq):
+    """Rotate-half of halves x1, x2 (rows, half) at positions pos (rows,) already scaled."""
+    ang = pos[:, None] * inv_freq[None, :]
+    c = tl.cos(ang)
+    s = tl.sin(ang)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # fp32 caches must not silently drop to tf32
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE: tl.constexpr):
+    qk = tl.where(vis, qk * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # all-masked so far: avoid inf-inf
+    p = tl.exp2(qk - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(acc, m_i, l_i):
+    ok = l_i > 0
+    o = acc / tl.where(ok, l_i, 1.0)[:, None]
+    lse = tl.where(ok, (m_i + tl.log2(tl.where(ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_ptr, kvh,
+                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
+                krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE)."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    j_ok = j < kv_len
+    off = tl.where(j < sink, j, j - sink + gap)               # sinks, then window after a gap
+    pg = tl.load(pind_ptr + off // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
+    base = pg * sp_page + kvh * sp_head + (off % PAGE_SIZE).to(tl.int64) * sp_row
+    kmask = j_ok[:, None] & dh_ok[None, :]
+    k1 = tl.load(pages_ptr + base[:, None] + dh[None, :], mask=kmask, other=0.0)
+    k2 = tl.load(pages_ptr + base[:, None] + HALF + dh[None, :], mask=kmask, other=0.0)
+    if ROPE:
+        kpos = (krope + j).to(tl.float32) * rope_scale
+        r1, r2 = _rotate(k1, k2, kpos, inv_freq)
+        k1 = r1.to(q1.dtype)
+        k2 = r2.to(q1.dtype)
+    qk = _dot(q1, tl.trans(k1), IEEE) + _dot(q2, tl.trans(k2), IEEE)
+    vis = j_ok[None, :]
+    if TREE:
+        in_tree = j_ok & (j >= tree_start)
+        node = tlo + j - tree_start
+        k_order = tl.load(tmask_ptr + 2 * node, mask=in_tree, other=0)
+        k_upper = tl.load(tmask_ptr + 2 * node + 1, mask=in_tree, other=0)
+        anc = (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
+        vis = vis & (anc | (~in_tree)[None, :])
+    v = tl.load(pages_ptr + sp_kv + base[:, None] + dd[None, :],
+                mask=j_ok[:, None] & dd_ok[None, :], other=0.0)
+    return _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE)
+
+
+# ====================================================================== append / rope
+@triton.jit
+def _rope_append_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pages_ptr, slots_ptr, pos_ptr,
+                        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, sko_t, sko_h,
+                        sp_page, sp_kv, sp_head, sp_row, HQ, HKV, log2_theta, rope_scale,
+                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                        HB: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_Q: tl.constexpr,
+                        STORE_KV: tl.constexpr, ROPE: tl.constexpr, K_OUT: tl.constexpr):
+    """One token per program: rotate q (HAS_Q), rotate k and write k/v to its slot (STORE_KV),
+    optionally returning rotated k (K_OUT). slot -1 skips the store."""
+    t = tl.program_id(0).to(tl.int64)
+    dh = tl.arange(0, BLOCK_HALF)
+    dh_ok = dh < HALF
+    hb = tl.arange(0, HB)
+    inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+    pos = 0.0
+    if ROPE:
+        pos = tl.load(pos_ptr + t).to(tl.float32) * rope_scale
+    if HAS_Q:
+        for h0 in range(0, HQ, HB):
+            h = h0 + hb
+            m = (h < HQ)[:, None] & dh_ok[None, :]
+            src = q_ptr + t * sq_t + h[:, None] * sq_h + dh[None, :]
+            x1 = tl.load(src, mask=m, other=0.0)
+            x2 = tl.load(src + HALF, mask=m, other=0.0)
+            if ROPE:
+                y1, y2 = _rotate(x1, x2, tl.zeros([HB], tl.float32) + pos, inv)
+            else:
+                y1, y2 = x1, x2
+            dst = qo_ptr + t * sqo_t + h[:, None] * sqo_h + dh[None, :]
+            tl.store(dst, y1.to(qo_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + HALF, y2.to(qo_ptr.dtype.element_ty), mask=m)
+    if STORE_KV:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        keep = slot >= 0
+        pbase = (slot // PAGE_SIZE) * sp_page + (slot % PAGE_SIZE) * sp_row
+        for h0 in range(0, HKV, HB):
+            h = h0 + hb
+            m = (h < HKV)[:, None] & dh_ok[None, :]
+            src = k_ptr + t * sk_t + h[:, None] * sk_h + dh[None, :]
+            x1 = tl.load(src, mask=m, other=0.0)
+            x2 = tl.load(src + HALF, mask=m, other=0.0)
+            if ROPE:
+                y1, y2 = _rotate(x1, x2, tl.zeros([HB], tl.float32) + pos, inv)
+            else:
+                y1, y2 = x1, x2
+            if K_OUT:
+                dst = ko_ptr + t * sko_t + h[:, None] * sko_h + dh[None, :]
+                tl.store(dst, y1.to(ko_ptr.dtype.element_ty), mask=m)
+                tl.store(dst + HALF, y2.to(ko_ptr.dtype.element_ty), mask=m)
+            pk = pages_ptr + pbase + h[:, None] * sp_head + dh[None, :]
+            tl.store(pk, y1.to(pages_ptr.dtype.element_ty), mask=m & keep)
+            tl.store(pk + HALF, y2.to(pages_ptr.dtype.element_ty), mask=m & keep)
+            vs = v_ptr + t * sv_t + h[:, None] * sv_h + dh[None, :]
+            v1 = tl.load(vs, mask=m & keep, other=0.0)
+            v2 = tl.load(vs + HALF, mask=m & keep, other=0.0)
+            tl.store(pk + sp_kv, v1.to(pages_ptr.dtype.element_ty), mask=m & keep)
+            tl.store(pk + sp_kv + HALF, v2.to(pages_ptr.dtype.element_ty), mask=m & keep)
+
+
+@triton.jit
+def _gather_rows_kernel(pages_ptr, slots_ptr, ok_ptr, ov_ptr, HKV,
+                        sp_page, sp_kv, sp_head, sp_row, so_t, so_h,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr):
+    """Row ``slots[i]`` of K and V (all heads) into out_k[i], out_v[i]."""
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    pbase = (slot // PAGE_SIZE) * sp_page + (slot % PAGE_SIZE) * sp_row
+    d = tl.arange(0, BLOCK_D)
+    hb = tl.arange(0, HB)
+    for h0 in range(0, HKV, HB):
+        h = h0 + hb
+        m = (h < HKV)[:, None] & (d < HEAD_DIM)[None, :]
+        src = pages_ptr + pbase + h[:, None] * sp_head + d[None, :]
+        dst = i * so_t + h[:, None] * so_h + d[None, :]
+        tl.store(ok_ptr + dst, tl.load(src, mask=m), mask=m)
+        tl.store(ov_ptr + dst, tl.load(src + sp_kv, mask=m), mask=m)
+
+
+@triton.jit
+def _copy_rows_kernel(pages_ptr, src_base, dst_base, HKV,
+                      sp_kv, sp_head, sp_row,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr):
+    """Row ``program_id`` of the page at element offset src_base -> same row of the page at
+    dst_base (offsets computed on the host so they are 64-bit where they need to be)."""
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    hb = tl.arange(0, HB)
+    for h0 in range(0, HKV, HB):
+        h = h0 + hb
+        m = (h < HKV)[:, None] & (d < HEAD_DIM)[None, :]
+        off = r * sp_row + h[:, None] * sp_head + d[None, :]
+        s = pages_ptr + src_base + off
+        t = pages_ptr + dst_base + off
+        tl.store(t, tl.load(s, mask=m), mask=m)
+        tl.store(t + sp_kv, tl.load(s + sp_kv, mask=m), mask=m)
+
+
+# ====================================================================== attention
+@triton.jit
+def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_ptr,
+                   tind_ptr, tmask_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_t,
+                   sm_scale_log2, log2_theta, rope_scale,
+                   GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr,
+                   ROPE: tl.constexpr, IEEE: tl.constexpr):
+    """Causal (or tree) attention among one sequence's new tokens; grid (q tiles, seqs, Hkv)."""
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    lo = tl.load(qo_ptr + seq)
+    n = tl.load(qo_ptr + seq + 1) - lo
+    m0 = pid_m * M_TOK
+    if m0 < n:
+        ri = tl.arange(0, BLOCK_R)
+        r = m0 + ri // GROUP
+        head = kvh * GROUP + ri % GROUP
+        row_ok = (ri < M_TOK * GROUP) & (r < n)
+        tok = (lo + r).to(tl.int64)
+        dh = tl.arange(0, BLOCK_HALF)
+        dh_ok = dh < HALF
+        dd = tl.arange(0, BLOCK_D)
+        dd_ok = dd < HEAD_DIM
+        qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
+        qm = row_ok[:, None] & dh_ok[None, :]
+        q1 = tl.load(qb, mask=qm, other=0.0)
+        q2 = tl.load(qb + HALF, mask=qm, other=0.0)
+        inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+        krope = 0
+        if ROPE:
+            qpos = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.float32) * rope_scale
+            r1, r2 = _rotate(q1, q2, qpos, inv)
+            q1 = r1.to(q_ptr.dtype.element_ty)
+            q2 = r2.to(q_ptr.dtype.element_ty)
+            krope = tl.load(krope_ptr + seq)
+        tlo = 0
+        q_order = tl.zeros([BLOCK_R], tl.int32)
+        if TREE:
+            tlo = tl.load(tind_ptr + seq)                      # tree size == n: node of row r is r
+            q_order = tl.load(tmask_ptr + 2 * (tlo + r), mask=row_ok, other=0)
+        m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        end = tl.minimum(m0 + M_TOK, n)                        # causal: no key past the last row
+        for c0 in range(0, end, BLOCK_N):
+            c = c0 + tl.arange(0, BLOCK_N)
+            c_ok = c < end
+            kt = (lo + c).to(tl.int64)
+            km = c_ok[:, None] & dh_ok[None, :]
+            kb = k_ptr + kt[:, None] * sk_t + kvh * sk_h + dh[None, :]
+            k1 = tl.load(kb, mask=km, other=0.0)
+            k2 = tl.load(kb + HALF, mask=km, other=0.0)
+            if ROPE:
+                kpos = (krope + c).to(tl.float32) * rope_scale
+                kr1, kr2 = _rotate(k1, k2, kpos, inv)      # not r1/r2: loop-carried types
+                k1 = kr1.to(q1.dtype)
+                k2 = kr2.to(q1.dtype)
+            qk = _dot(q1, tl.trans(k1), IEEE) + _dot(q2, tl.trans(k2), IEEE)
+            vis = c_ok[None, :] & (c[None, :] <= r[:, None])
+            if TREE:
+                k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
+                k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
+                vis = vis & (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
+            v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
+                        mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
+            m_i, l_i, acc = _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE)
+        o, lse = _finish(acc, m_i, l_i)
+        tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dd_ok[None, :])
+        tl.store(lse_ptr + tok * sl_t + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, pind_ptr,
+                          kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
+                          n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t, so_h, sl_t,
+                          sm_scale_log2, log2_theta, rope_scale,
+                          GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr,
+                          IEEE: tl.constexpr):
+    """Entries with many queries; grid (sum of q tiles upper bound, Hkv). Tile -> entry by a
+    vector prefix sum over all entries (no host-side tile plan, no extra launches)."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ei = tl.arange(0, BLOCK_E)
+    e_ok = ei < n_entries
+    e_lo = tl.load(qo_ptr + ei, mask=e_ok, other=0)
+    e_hi = tl.load(qo_ptr + ei + 1, mask=e_ok, other=0)
+    nb = (e_hi - e_lo + M_TOK - 1) // M_TOK
+    cum = tl.cumsum(nb, 0)
+    e = tl.sum((cum <= pid).to(tl.int32), 0)
+    if e < n_entries:
+        m0 = (pid - tl.sum(tl.where(ei < e, nb, 0), 0)) * M_TOK
+        lo = tl.load(qo_ptr + e)
+        nq = tl.load(qo_ptr + e + 1) - lo
+        kv_len = tl.load(kvlen_ptr + e)
+        sink = tl.load(sink_ptr + e)
+        gap = tl.load(gap_ptr + e)
+        pstart = tl.load(pindptr_ptr + e)
+        ri = tl.arange(0, BLOCK_R)
+        r = m0 + ri // GROUP
+        head = kvh * GROUP + ri % GROUP
+        row_ok = (ri < M_TOK * GROUP) & (r < nq)
+        tok = (lo + r).to(tl.int64)
+        dh = tl.arange(0, BLOCK_HALF)
+        dh_ok = dh < HALF
+        dd = tl.arange(0, BLOCK_D)
+        dd_ok = dd < HEAD_DIM
+        qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
+        qm = row_ok[:, None] & dh_ok[None, :]
+        q1 = tl.load(qb, mask=qm, other=0.0)
+        q2 = tl.load(qb + HALF, mask=qm, other=0.0)
+        inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+        krope = 0
+        if ROPE:
+            qpos = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.float32) * rope_scale
+            r1, r2 = _rotate(q1, q2, qpos, inv)
+            q1 = r1.to(q_ptr.dtype.element_ty)
+            q2 = r2.to(q_ptr.dtype.element_ty)
+            krope = tl.load(krope_ptr + e)
+        tlo = 0
+        tree_start = kv_len
+        q_order = tl.zeros([BLOCK_R], tl.int32)
+        if TREE:
+            tlo = tl.load(tind_ptr + e)
+            ts = tl.load(tind_ptr + e + 1) - tlo
+            tree_start = kv_len - ts
+            q_node = ts - nq + r
+            q_order = tl.load(tmask_ptr + 2 * (tlo + q_node), mask=row_ok & (ts > 0), other=0)
+        m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for j0 in range(0, kv_len, BLOCK_N):
+            m_i, l_i, acc = _paged_step(
+                q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
+                krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
+        o, lse = _finish(acc, m_i, l_i)
+        tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dd_ok[None, :])
+        tl.store(lse_ptr + tok * sl_t + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, pind_ptr,
+                         kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
+                         n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row,
+                         so_t, so_s, so_h, sl_t, sl_s,
+                         sm_scale_log2, log2_theta, rope_scale,
+                         GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         TREE: tl.constexpr, ROPE: tl.constexpr, IEEE: tl.constexpr):
+    """One query per entry; grid (rows T, Hkv, splits). Row t belongs to entry t - qo[0] (every
+    decode entry holds exactly one row), so rows no entry covers get o = 0 / lse = -inf here too.
+    With NUM_SPLITS > 1 each program covers one contiguous key chunk and writes an fp32 partial
+    (o, lse) that ``_merge_splits_kernel`` combines."""
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    e = t - tl.load(qo_ptr)
+    covered = (e >= 0) & (e < n_entries)
+    e = tl.where(covered, e, 0)
+    kv_len = tl.where(covered, tl.load(kvlen_ptr + e), 0)
+    sink = tl.load(sink_ptr + e)
+    gap = tl.load(gap_ptr + e)
+    pstart = tl.load(pindptr_ptr + e)
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    j_lo = s * chunk
+    j_hi = tl.minimum(j_lo + chunk, kv_len)
+    g = tl.arange(0, BLOCK_R)
+    row_ok = g < GROUP
+    head = kvh * GROUP + g
+    t64 = t.to(tl.int64)
+    dh = tl.arange(0, BLOCK_HALF)
+    dh_ok = dh < HALF
+    dd = tl.arange(0, BLOCK_D)
+    dd_ok = dd < HEAD_DIM
+    qb = q_ptr + t64 * sq_t + head[:, None] * sq_h + dh[None, :]
+    qm = row_ok[:, None] & dh_ok[None, :]
+    q1 = tl.load(qb, mask=qm, other=0.0)
+    q2 = tl.load(qb + HALF, mask=qm, other=0.0)
+    inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+    krope = 0
+    if ROPE:
+        qpos = tl.zeros([BLOCK_R], tl.float32) + tl.load(qpos_ptr + t64).to(tl.float32) * rope_scale
+        r1, r2 = _rotate(q1, q2, qpos, inv)
+        q1 = r1.to(q_ptr.dtype.element_ty)
+        q2 = r2.to(q_ptr.dtype.element_ty)
+        krope = tl.load(krope_ptr + e)
+    tlo = 0
+    tree_start = kv_len
+    q_order = tl.zeros([BLOCK_R], tl.int32)
+    if TREE:
+        tlo = tl.load(tind_ptr + e)
+        ts = tl.where(covered, tl.load(tind_ptr + e + 1) - tlo, 0)
+        tree_start = kv_len - ts
+        q_order = tl.zeros([BLOCK_R], tl.int32) + tl.load(tmask_ptr + 2 * (tlo + ts - 1), mask=ts > 0, other=0)
+    m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        m_i, l_i, acc = _paged_step(
+            q1, q2, m_i, l_i, acc, j0, j_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+            sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
+            krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+            HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
+    o, lse = _finish(acc, m_i, l_i)
+    tl.store(o_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dd_ok[None, :])
+    tl.store(lse_ptr + t64 * sl_t + s * sl_s + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, n_rows, HQ,
+                         spo_t, spo_s, spo_h, spl_t, spl_s, so_t, so_h, sl_t,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Combine the split-K partials of one (row, head) by lse."""
+    pid = tl.program_id(0)
+    t = (pid // HQ).to(tl.int64)
+    h = pid % HQ
+    sidx = tl.arange(0, BLOCK_S)
+    s_ok = sidx < NUM_SPLITS
+    lse_s = tl.load(plse_ptr + t * spl_t + sidx * spl_s + h, mask=s_ok, other=float("-inf"))
+    peak = tl.max(lse_s, 0)
+    peak_use = tl.where(peak == float("-inf"), 0.0, peak)
+    w = tl.exp(lse_s - peak_use)
+    total = tl.sum(w, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    po = tl.load(po_ptr + t * spo_t + sidx[:, None] * spo_s + h * spo_h + d[None, :],
+                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    ok = total > 0
+    o = tl.sum(po * w[:, None], 0) / tl.where(ok, total, 1.0)
+    lse = tl.where(ok, peak_use + tl.log(tl.where(ok, total, 1.0)), float("-inf"))
+    tl.store(o_ptr + t * so_t + h * so_h + d, o.to(o_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(lse_ptr + t * sl_t + h, lse)
+
+
+@triton.jit
+def _merge2_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, l_ptr, n_rows,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Merge two partial states over disjoint keys; rows are flattened (token, head)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r_ok = rows < n_rows
+    rows = rows.to(tl.int64)
+    la = tl.load(la_ptr + rows, mask=r_ok, other=float("-inf"))
+    lb = tl.load(lb_ptr + rows, mask=r_ok, other=float("-inf"))
+    peak = tl.maximum(la, lb)
+    peak_use = tl.where(peak == float("-inf"), 0.0, peak)
+    wa = tl.exp(la - peak_use)
+    wb = tl.exp(lb - peak_use)
+    tot = wa + wb
+    ok = tot > 0
+    inv = 1.0 / tl.where(ok, tot, 1.0)
+    d = tl.arange(0, BLOCK_D)
+    m = r_ok[:, None] & (d < HEAD_DIM)[None, :]
+    off = rows[:, None] * HEAD_DIM + d[None, :]
+    oa = tl.load(oa_ptr + off, mask=m, other=0.0).to(tl.float32)
+    ob = tl.load(ob_ptr + off, mask=m, other=0.0).to(tl.float32)
+    o = oa * (wa * inv)[:, None] + ob * (wb * inv)[:, None]
+    tl.store(o_ptr + off, o.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(l_ptr + rows, tl.where(ok, peak_use + tl.log(tl.where(ok, tot, 1.0)), float("-inf")),
+             mask=r_ok)
+
+
+# ====================================================================== launchers
+def _p2(x: int) -> int:
+    return triton.next_power_of_2(max(int(x), 1))
+
+
+def _dims(head_dim: int):
+    half = head_dim // 2
+    return half, _p2(half), _p2(head_dim)
+
+
+def _rope_args(rope_spec):
+    import math
+    if rope_spec is None:
+        return 0.0, 1.0
+    return math.log2(rope_spec.theta), float(rope_spec.scale)
+
+
+def _ieee(dtype) -> bool:
+    return dtype == torch.float32
+
+
+def _last_dim_contig(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, positions=None,
+                        rope_spec=None, want_k=False):
+    t_total = (q if q is not None else k).shape[0]
+    half, block_half, _ = _dims(ctx.head_dim)
+    dummy = (q if q is not None else k)
+    q = _last_dim_contig(q) if q is not None else None
+    k = _last_dim_contig(k) if k is not None else None
+    v = _last_dim_contig(v) if v is not None else None
+    q_out = torch.empty(q.shape, dtype=ctx.dtype, device=q.device) if q is not None else None
+    k_out = torch.empty(k.shape, dtype=ctx.dtype, device=k.device) if want_k else None
+    has_q, store = q is not None, pages is not None
+    qq, kk, vv = (q if has_q else dummy), (k if store else dummy), (v if store else dummy)
+    qo, ko = (q_out if has_q else dummy), (k_out if want_k else dummy)
+    pg = pages if store else dummy
+    sp = pages.stride() if store else (0, 0, 0, 0, 0)
+    sl = slots if store else dummy
+    ps = positions if rope_spec is not None else dummy
+    log2_theta, scale = _rope_args(rope_spec)
+    if t_total == 0:
+        return q_out, k_out
+    _rope_append_kernel[(t_total,)](
+        qq, kk, vv, qo, ko, pg, sl, ps,
+        qq.stride(0), qq.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
+        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+        sp[0], sp[1], sp[2], sp[3],
+        ctx.num_qo_heads if has_q else 0, ctx.num_kv_heads if store else 0, log2_theta, scale,
+        HEAD_DIM=ctx.head_dim, HALF=half, BLOCK_HALF=block_half,
+        HB=min(_p2(max(ctx.num_qo_heads, ctx.num_kv_heads)), ctx.tuning.elementwise_heads),
+        PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=rope_spec is not None,
+        K_OUT=want_k, num_warps=ctx.tuning.elementwise_warps)
+    return q_out, k_out
+
+
+def rope(ctx, x, positions, rope_spec):
+    q_out, _ = _launch_rope_append(ctx, q=x, positions=positions, rope_spec=rope_spec)
+    return q_out
+
+
+def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None):
+    _launch_rope_append(ctx, k=k, v=v, pages=pages, slots=slots, positions=positions,
+                        rope_spec=rope_spec)
+
+
+def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec):
+    return _launch_rope_append(ctx, q=q, k=k, v=v, pages=pages, slots=slots, positions=positions,
+                               rope_spec=rope_spec, want_k=True)
+
+
+def _tree_args(tree, fallback):
+    if tree is None:
+        return fallback, fallback
+    return tree.indptr, tree.mask
+
+
+def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
+                     rope=None, q_positions=None, k_rope_offset=None):
+    t_total, hq, d = q.shape
+    q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
+    o = torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device)
+    lse = torch.empty((t_total, hq), dtype=torch.float32, device=q.device)
+    if t_total == 0 or num_seqs == 0 or max_len == 0:
+        return o, lse
+    tiles = ctx.tuning.tiles("prefill", d)
+    block_r = max(tiles.block_rows, _p2(ctx.group))
+    m_tok = block_r // ctx.group
+    half, block_half, block_d = _dims(d)
+    tind, tmask = _tree_args(tree, qo_indptr)
+    log2_theta, scale = _rope_args(rope)
+    qpos = q_positions if rope is not None else qo_indptr
+    krope = k_rope_offset if rope is not None else qo_indptr
+    grid = (triton.cdiv(max_len, m_tok), num_seqs, ctx.num_kv_heads)
+    _ragged_kernel[grid](
+        q, k, v, o, lse, qo_indptr, qpos, krope, tind, tmask,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale,
+        GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n, HEAD_DIM=d,
+        HALF=half, BLOCK_HALF=block_half, BLOCK_D=block_d, TREE=tree is not None,
+        ROPE=rope is not None, IEEE=_ieee(ctx.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return o, lse
+
+
+def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+    t_total, hq, d = q.shape
+    q = _last_dim_contig(q)
+    n = depth.num_entries
+    half, block_half, block_d = _dims(d)
+    tind, tmask = _tree_args(depth.tree, depth.qo_indptr)
+    log2_theta, scale = _rope_args(rope)
+    qpos = q_positions if rope is not None else depth.qo_indptr
+    sp = pages.stride()
+    common = (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.kv_len,
+              depth.sink_size, depth.window_offset, depth.k_rope_offset, qpos, tind, tmask, n)
+    flags = dict(HEAD_DIM=d, HALF=half, BLOCK_HALF=block_half, BLOCK_D=block_d,
+                 PAGE_SIZE=ctx.page_size, TREE=depth.tree is not None, ROPE=rope is not None,
+                 IEEE=_ieee(ctx.dtype))
+    if depth.use_decode:
+        o = torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device)
+        lse = torch.empty((t_total, hq), dtype=torch.float32, device=q.device)
+        if t_total == 0:
+            return o, lse
+        tiles = ctx.tuning.tiles("decode", d)
+        block_r = max(tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
+        splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len), ctx.num_sms)
+        if splits > 1:
+            po = torch.empty((t_total, splits, hq, d), dtype=torch.float32, device=q.device)
+            pl = torch.empty((t_total, splits, hq), dtype=torch.float32, device=q.device)
+            dst, dstl = po, pl
+            so = (po.stride(0), po.stride(1), po.stride(2))
+            sl = (pl.stride(0), pl.stride(1))
+        else:
+            dst, dstl = o, lse
+            so = (o.stride(0), 0, o.stride(1))
+            sl = (lse.stride(0), 0)
+        _paged_decode_kernel[(t_total, ctx.num_kv_heads, splits)](
+            q, pages, dst, dstl, *common, q.stride(0), q.stride(1), sp[0], sp[1], sp[2], sp[3],
+            *so, *sl, sm_scale * LOG2E, log2_theta, scale,
+            GROUP=ctx.group, BLOCK_R=block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, **flags,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        if splits > 1:
+            _merge_splits_kernel[(t_total * hq,)](
+                po, pl, o, lse, t_total, hq, po.stride(0), po.stride(1), po.stride(2),
+                pl.stride(0), pl.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+                NUM_SPLITS=splits, BLOCK_S=_p2(splits), HEAD_DIM=d, BLOCK_D=block_d,
+                num_warps=ctx.tuning.elementwise_warps)
+        return o, lse
+    # prefill: rows no entry covers must read o = 0 / lse = -inf
+    o = torch.zeros((t_total, hq, d), dtype=ctx.dtype, device=q.device)
+    lse = torch.full((t_total, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    if t_total == 0 or n == 0:
+        return o, lse
+    tiles = ctx.tuning.tiles("prefill", d)
+    block_r = max(tiles.block_rows, _p2(ctx.group))
+    m_tok = block_r // ctx.group
+    grid = (triton.cdiv(t_total, m_tok) + n, ctx.num_kv_heads)
+    _paged_prefill_kernel[grid](
+        q, pages, o, lse, *common, q.stride(0), q.stride(1), sp[0], sp[1], sp[2], sp[3],
+        o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale,
+        GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
+        BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return o, lse
+
+
+def merge_attention(ctx, o_a, lse_a, o_b, lse_b):
+    o_a, o_b = o_a.contiguous(), o_b.contiguous()
+    lse_a, lse_b = lse_a.contiguous(), lse_b.contiguous()
+    n_rows = lse_a.numel()
+    if n_rows == 0:
+        return o_a, lse_a
+    rows = ctx.tuning.merge_rows
+    # fresh outputs (no launch, the caching allocator serves them): aliasing an input as the
+    # output would be fine on a GPU but not under the interpreter, which copies each argument
+    o = torch.empty(o_a.shape, dtype=ctx.dtype, device=o_a.device)
+    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
+    _merge2_kernel[(triton.cdiv(n_rows, rows),)](
+        o_a, lse_a, o_b, lse_b, o, lse, n_rows, HEAD_DIM=ctx.head_dim,
+        BLOCK_D=_p2(ctx.head_dim), ROWS=rows, num_warps=ctx.tuning.elementwise_warps)
+    return o, lse
+
+
+def _row_kernel_args(ctx, pages):
+    sp = pages.stride()
+    return (ctx.num_kv_heads, sp[0], sp[1], sp[2], sp[3])
+
+
+def copy_page_prefix(ctx, pages_per_layer, src_page, dst_page, length):
+    if length <= 0:
+        return
+    hb = min(_p2(ctx.num_kv_heads), ctx.tuning.elementwise_heads)
+    for pages in pages_per_layer:
+        sp = pages.stride()
+        _copy_rows_kernel[(length,)](pages, src_page * sp[0], dst_page * sp[0], ctx.num_kv_heads,
+                                     sp[1], sp[2], sp[3], HEAD_DIM=ctx.head_dim, BLOCK_D=_p2(ctx.head_dim), HB=hb,
+                                     num_warps=ctx.tuning.elementwise_warps)
+
+
+def gather_rows(ctx, pages, slots, out_k=None, out_v=None):
+    n = slots.shape[0]
+    shape = (n, ctx.num_kv_heads, ctx.head_dim)
+    out_k = torch.empty(shape, dtype=pages.dtype, device=pages.device) if out_k is None else out_k
+    out_v = torch.empty(shape, dtype=pages.dtype, device=pages.device) if out_v is None else out_v
+    if n:
+        hb = min(_p2(ctx.num_kv_heads), ctx.tuning.elementwise_heads)
+        _gather_rows_kernel[(n,)](pages, slots, out_k, out_v, *_row_kernel_args(ctx, pages),
+                                  out_k.stride(0), out_k.stride(1), HEAD_DIM=ctx.head_dim,
+                                  BLOCK_D=_p2(ctx.head_dim), HB=hb, PAGE_SIZE=ctx.page_size,
+                                  num_warps=ctx.tuning.elementwise_warps)
+    return out_k, out_v
+
+
+def compact_kv(ctx, pages_per_layer, src_slots, dst_slots):
+    # gather every source row first (scratch), then scatter: a destination may be another
+    # pair's source, and programs of one launch run in no particular order
+    for pages in pages_per_layer:
+        k, v = gather_rows(ctx, pages, src_slots)
+        append_kv(ctx, pages, k, v, dst_slots)
+
+
+def gather_kv(ctx, pages_per_layer, slots):
+    n = slots.shape[0]
+    layers = len(pages_per_layer)
+    p0 = pages_per_layer[0]
+    shape = (layers, n, ctx.num_kv_heads, ctx.head_dim)
+    out_k = torch.empty(shape, dtype=p0.dtype, device=p0.device)
+    out_v = torch.empty(shape, dtype=p0.dtype, device=p0.device)
+    for i, pages in enumerate(pages_per_layer):
+        gather_rows(ctx, pages, slots, out_k[i], out_v[i])
+    return out_k, out_v

@@ -1,0 +1,174 @@
+"""Random kernel inputs with real page tables, and comparisons against the reference backend."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import kvcache
+from kvcache.backend import DepthAux, RopeSpec, TreeMask
+from kvcache.core.forward import _tree_order
+from kvcache.reference import ReferenceBackend
+
+DEVICE = os.environ.get("KVCACHE_CUDA_TEST_DEVICE", "cpu")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ON_GPU = DEVICE.startswith("cuda")
+if ON_GPU:
+    IMPLS = ["torch", "triton"]
+    DTYPES = ["float32", "float16", "bfloat16"]
+elif INTERPRET:
+    IMPLS = ["triton"]
+    DTYPES = ["float32", "float16"]      # the interpreter (numpy) has no bfloat16
+else:
+    IMPLS = ["torch"]
+    DTYPES = ["float32", "float16", "bfloat16"]
+
+# (atol, rtol) for outputs in the cache dtype, and atol for lse
+TOL = {"float32": (2e-4, 2e-4, 2e-4), "float16": (4e-3, 4e-3, 4e-3),
+       "bfloat16": (3e-2, 3e-2, 3e-2)}
+
+
+def config(hq=4, hkv=2, d=64, ps=16, dtype="float32", layers=1, **kw):
+    kw.setdefault("rope_mode", "none")
+    return kvcache.CacheConfig(num_layers=layers, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               page_size=ps, dtype=dtype, max_total_tokens=4096,
+                               prefill_chunk_size=1024, **kw)
+
+
+def pair(cfg, impl):
+    """(reference backend, cuda backend forced to ``impl``)."""
+    from kvcache_cuda.backend import CudaBackend
+    mine = CudaBackend(cfg, DEVICE)
+    mine.impl = impl
+    return ReferenceBackend(cfg), mine
+
+
+def to_ref(ref, mine, x, dtype=None):
+    """The same values as a reference (numpy) array; floats keep the cache dtype exactly."""
+    arr = mine.to_numpy(x)
+    if dtype is None:
+        dtype = "int32" if arr.dtype.kind in "iu" else ref.config.dtype
+    return ref.from_numpy(arr, dtype)
+
+
+def rand(mine, rng, shape, dtype=None):
+    return mine.from_numpy(rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def ints(mine, values):
+    return mine.from_numpy(np.asarray(values, np.int32), "int32")
+
+
+def assert_close(mine, ref_backend, got, want, what="o"):
+    atol, rtol, _ = TOL[ref_backend.config.dtype]
+    g = mine.to_numpy(got).astype(np.float64)
+    w = ref_backend.to_numpy(want).astype(np.float64)
+    assert g.shape == w.shape, f"{what}: shape {g.shape} != {w.shape}"
+    np.testing.assert_allclose(g, w, atol=atol, rtol=rtol, err_msg=what)
+
+
+def assert_lse(mine, ref_backend, got, want, what="lse"):
+    _, _, atol = TOL[ref_backend.config.dtype]
+    g = mine.to_numpy(got).astype(np.float64)
+    w = np.asarray(want, np.float64)
+    assert g.shape == w.shape
+    assert np.array_equal(np.isneginf(g), np.isneginf(w)), f"{what}: -inf pattern differs"
+    fin = np.isfinite(w)
+    np.testing.assert_allclose(g[fin], w[fin], atol=atol, rtol=atol, err_msg=what)
+
+
+def random_tree(rng, size):
+    """(order, upper) interleaved of a random tree whose parents precede children."""
+    parents = [-1 if i == 0 or rng.random() < 0.15 else int(rng.integers(0, i)) for i in range(size)]
+    order, upper = _tree_order(parents)
+    return np.stack([order, upper], 1).reshape(-1).astype(np.int32)
+
+
+@dataclass
+class Entry:
+    nq: int
+    kv_len: int
+    sink: int = 0
+    gap: int = 0          # window_offset; sink == gap == 0: no sliding window
+    tree: int = 0         # tree size (the last ``tree`` keys), 0: none
+
+    @property
+    def span(self):
+        return self.gap + self.kv_len - self.sink if self.kv_len > self.sink else self.kv_len
+
+
+@dataclass
+class PagedCase:
+    q: object
+    pages: object
+    depth: DepthAux
+    q_positions: object
+    ref_q: object
+    ref_pages: object
+    ref_depth: DepthAux
+    ref_q_positions: object
+    extra: dict = field(default_factory=dict)
+
+
+def paged_case(rng, ref, mine, entries, *, use_decode=False, row_offset=0, tail_rows=0,
+               spare_pages=5):
+    """Entries over pages drawn from a random permutation of a pool bigger than needed (stale
+    random data in unused pages catches wrong reads). Rows ``[0, row_offset)`` and the last
+    ``tail_rows`` rows belong to no entry."""
+    c = ref.config
+    ps = c.page_size
+    npages = [-(-e.span // ps) for e in entries]
+    pool = sum(npages) + spare_pages
+    perm = rng.permutation(pool).astype(np.int32)
+    page_indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    page_indices = perm[: page_indptr[-1]]
+    nq = np.array([e.nq for e in entries], np.int32)
+    qo = (row_offset + np.concatenate([[0], np.cumsum(nq)])).astype(np.int32)
+    total = int(qo[-1]) + tail_rows
+    spans = np.array([e.span for e in entries], np.int64)
+    arrays = dict(
+        qo_indptr=qo, page_indptr=page_indptr, page_indices=page_indices,
+        last_page_len=np.where(spans > 0, (spans - 1) % ps + 1, 0).astype(np.int32),
+        kv_len=np.array([e.kv_len for e in entries], np.int32),
+        sink_size=np.array([e.sink for e in entries], np.int32),
+        window_offset=np.array([e.gap for e in entries], np.int32),
+        k_rope_offset=rng.integers(0, 40, len(entries)).astype(np.int32))
+    tree_np = None
+    if any(e.tree for e in entries):
+        sizes = np.array([e.tree for e in entries], np.int32)
+        masks = [random_tree(rng, e.tree) for e in entries if e.tree]
+        tree_np = (np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32), np.concatenate(masks))
+    pages = rand(mine, rng, (pool, 2, c.num_kv_heads, ps, c.head_dim))
+    q = rand(mine, rng, (total, c.num_qo_heads, c.head_dim))
+    qpos = rng.integers(0, 200, total).astype(np.int32)
+
+    def depth_for(conv):
+        tree = TreeMask(conv(tree_np[0]), conv(tree_np[1])) if tree_np is not None else None
+        return DepthAux(**{k: conv(v) for k, v in arrays.items()}, num_entries=len(entries),
+                        use_decode=use_decode, tree=tree,
+                        max_kv_len=int(max([e.kv_len for e in entries], default=0)))
+
+    return PagedCase(q, pages, depth_for(lambda a: ints(mine, a)), ints(mine, qpos),
+                     to_ref(ref, mine, q), to_ref(ref, mine, pages), depth_for(np.asarray), qpos)
+
+
+def ragged_case(rng, ref, mine, lengths, *, tree=False):
+    c = ref.config
+    qo = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(qo[-1])
+    q = rand(mine, rng, (total, c.num_qo_heads, c.head_dim))
+    k = rand(mine, rng, (total, c.num_kv_heads, c.head_dim))
+    v = rand(mine, rng, (total, c.num_kv_heads, c.head_dim))
+    qpos = rng.integers(0, 300, total).astype(np.int32)
+    krope = rng.integers(0, 300, len(lengths)).astype(np.int32)
+    tree_np = None
+    if tree:
+        masks = [random_tree(rng, n) for n in lengths if n]
+        tree_np = (qo.copy(), np.concatenate(masks) if masks else np.zeros(0, np.int32))
+    return dict(q=q, k=k, v=v, qo=qo, qpos=qpos, krope=krope, tree=tree_np, total=total)
+
+
+ROPE = RopeSpec(theta=10000.0, scale=1.0)
+ROPE_SCALED = RopeSpec(theta=500000.0, scale=0.5)

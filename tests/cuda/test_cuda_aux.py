@@ -1,0 +1,126 @@
+"""Merged aux path of the CUDA backend: one packed upload per forward on the copy stream, device
+views equal to the packed reference layout, double-buffer alternation, event ordering.
+
+On CPU the streams and events are ``HostStream``/``HostEvent`` recorders, so the same manager
+logic runs and its stream/event traffic is observable."""
+
+import numpy as np
+import pytest
+
+import cuda_cases as cc
+import kvcache
+from kvcache.core.aux import MergedAuxManager, pack_reference
+
+pytestmark = pytest.mark.skipif(cc.ON_GPU, reason="host stream/event recorders are CPU-mode only; "
+                                "the GPU proof is gpu_check.sh's profiler section")
+
+
+def _cache(**kw):
+    cfg = cc.config(hq=4, hkv=2, d=64, ps=16, layers=2, dtype="float32", rope_mode="normal", **kw)
+    return kvcache.PagedKVCache(cfg, backend="cuda", device="cpu")
+
+
+def _qkv(cache, rng, t):
+    c = cache.config
+    return [cache.from_numpy(rng.standard_normal((t, h, c.head_dim)).astype(np.float32))
+            for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads)]
+
+
+def test_merged_manager_and_copy_stream_are_used():
+    cache = _cache()
+    from kvcache_cuda.backend import HostStream
+    assert isinstance(cache.aux_manager, MergedAuxManager)
+    assert isinstance(cache.copy_stream, HostStream)
+    assert cache.copy_stream is not cache.backend.current_stream()
+
+
+def test_one_lazy_copy_per_forward_and_views_match_pack_reference():
+    cache = _cache()
+    rng = np.random.default_rng(0)
+    for s in (0, 1, 2):
+        cache.add_sequence(s)
+    cache.begin_forward([0, 1, 2], [5, 17, 9])
+    mgr = cache.aux_manager
+    assert mgr.copies == 0, "the copy must be lazy (not issued by begin_forward)"
+    arrays = cache._plan.arrays
+    for layer in range(2):
+        cache.attention(layer, *_qkv(cache, rng, 31))
+    pos = cache.query_positions()
+    assert mgr.copies == 1, "one merged host->device copy per forward"
+    aux = cache._aux
+    packed = pack_reference(arrays)
+    offsets, total = MergedAuxManager.layout(arrays)
+    slot = mgr.slots[mgr.current]
+    device_buf = slot.device
+    for name, array in arrays.items():
+        view = aux[name]
+        np.testing.assert_array_equal(view.numpy(), array, err_msg=name)
+        np.testing.assert_array_equal(view.numpy(), packed[offsets[name]:offsets[name] + len(array)])
+        # a view into the one device buffer, not a copy
+        assert view.untyped_storage().data_ptr() == device_buf.untyped_storage().data_ptr()
+        assert view.storage_offset() == offsets[name]
+    assert total <= device_buf.numel()
+    np.testing.assert_array_equal(pos.numpy(), arrays["q_positions"])
+    # the device buffer is distinct memory from the (pinned on GPU) staging buffer
+    assert device_buf.untyped_storage().data_ptr() != slot.host_handle.untyped_storage().data_ptr()
+    cache.end_forward()
+
+
+def test_double_buffer_alternates_and_orders_by_events():
+    cache = _cache()
+    b, mgr, copy_stream = cache.backend, cache.aux_manager, cache.copy_stream
+    compute = b.current_stream()
+    rng = np.random.default_rng(1)
+    cache.add_sequence(0)
+    used, storages = [], []
+    for step in range(4):
+        n_before_compute = len(compute.waited)
+        cache.begin_forward([0], [3 if step == 0 else 1])
+        cache.attention(0, *_qkv(cache, rng, 3 if step == 0 else 1))
+        used.append(mgr.current)
+        storages.append(cache._aux["qo_indptr"].untyped_storage().data_ptr())
+        # the compute stream waited on the event recorded on the copy stream after the copy
+        new = compute.waited[n_before_compute:]
+        assert len(new) == 1 and new[0].stream is copy_stream
+        assert new[0] is mgr.slots[mgr.current].copy_event
+        cache.end_forward()
+        assert mgr.slots[mgr.current].release_event is not None
+    assert used == [0, 1, 0, 1]
+    assert storages[0] == storages[2] != storages[1] == storages[3]
+    # reusing a device buffer: the copy stream waited on the compute work that last read it
+    release_events = [e for e in copy_stream.waited]
+    assert len(release_events) == 2 and all(e.stream is compute for e in release_events)
+    # reusing a staging buffer: the host waited for the copy that last read it
+    assert mgr.slots[0].copy_event is not None
+    assert mgr.copies == 4 and mgr.allocations == 2
+
+
+def test_upload_is_a_copy_not_an_alias_of_staging():
+    cache = _cache()
+    cache.add_sequence(0)
+    cache.begin_forward([0], [4])
+    pos = cache.query_positions()
+    before = pos.clone()
+    cache.aux_manager.slots[cache.aux_manager.current].host[:] = -7   # scribble on staging
+    assert (pos == before).all()
+    cache.end_forward()
+
+
+def test_aux_primitives_directly():
+    cfg = cc.config()
+    from kvcache_cuda.backend import CudaBackend, HostEvent
+    b = CudaBackend(cfg, "cpu")
+    handle, host = b.aux_alloc_host(64)
+    assert host.dtype == np.int32 and host.shape == (64,)
+    host[:] = np.arange(64)
+    assert int(handle[5]) == 5                       # the numpy view aliases the handle
+    dev = b.aux_alloc_device(64)
+    stream = b.create_stream()
+    ev = b.aux_copy_async(dev, handle, 40, stream)
+    assert isinstance(ev, HostEvent) and ev.stream is stream
+    np.testing.assert_array_equal(dev[:40].numpy(), np.arange(40))
+    v = b.aux_view(dev, 16, 8)
+    np.testing.assert_array_equal(v.numpy(), np.arange(16, 24))
+    assert v.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr()
+    up = b.aux_to_device(np.array([3, 1, 2], np.int32))
+    assert b.dtype_name(up) == "int32"

@@ -1,0 +1,52 @@
+"""The benchmark driver's Python paths on CPU (tiny shapes, fake CUDA events): catches errors in
+setup, table and verdict code before the GPU run; the numbers themselves mean nothing here."""
+
+import json
+
+import pytest
+import torch
+
+import cuda_cases as cc
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.01            # ms
+
+
+@pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU smoke test of the bench driver")
+def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
+    from kvcache_cuda import bench
+    monkeypatch.setattr(bench, "DECODE_CASES", [(1, 40), (16, 20)])
+    monkeypatch.setattr(bench, "PREFILL_CASES", [(2, 24)])
+    monkeypatch.setattr(bench, "APPEND_TOKENS", [8])
+    monkeypatch.setattr(bench, "DECODE_TILES", bench.DECODE_TILES[:2])
+    monkeypatch.setattr(bench, "PREFILL_TILES", bench.PREFILL_TILES[:2])
+    monkeypatch.setattr(bench, "SWEEP_DECODE", (2, 40))
+    monkeypatch.setattr(bench, "SWEEP_PREFILL", (1, 24))
+    monkeypatch.setattr(bench, "FLUSH_BYTES", 1024)
+    monkeypatch.setattr(bench, "COPY_BYTES", 1 << 16)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    out = tmp_path / "bench.json"
+    from kvcache_cuda.backend import CudaBackend
+    rc = CudaBackend.run_benchmarks(["--device", "cpu", "--iters", "1", "--warmup", "0",
+                                     "--json", str(out), "--sweep"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    kinds = {c["kind"] for c in data["cases"]}
+    assert kinds == {"decode", "prefill-paged", "prefill-ragged", "append-fused", "append-unfused"}
+    assert len(data["verdicts"]) == 2 + 1 + 1        # decode x2, paged prefill, fused append
+    assert "# targets" in text and "sweep decode" in text and "best prefill" in text

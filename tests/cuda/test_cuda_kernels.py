@@ -1,0 +1,309 @@
+"""Every kernel of CudaBackend against ReferenceBackend on random inputs with real page tables.
+
+Runs with whichever implementation(s) the mode selects (see conftest): torch on CPU in CI, Triton
+through the interpreter, or both on a GPU."""
+
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+
+import cuda_cases as cc
+from cuda_cases import Entry
+
+GQA = [(2, 2), (8, 2), (6, 2)]          # group 1, 4 and a non-power-of-two group 3
+# Grids per mode: the interpreter runs every program in numpy, and on a GPU every distinct
+# constexpr combination is a Triton compile; both get a slimmer grid (float32 only in the
+# interpreter; page size 16 and groups 4/3 in both), and test_attention_coverage_extras /
+# test_head_dims cover the rest. CPU torch mode runs the full grid.
+SLIM = cc.INTERPRET or cc.ON_GPU
+ATTN_DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
+GQA_ATTN = [(8, 2), (6, 2)] if SLIM else GQA
+PAGE_SIZES = [16] if SLIM else [1, 16]
+HEAD_DIMS = [64, 128, 256]
+
+
+def _rng(*key):
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))  # stable across runs
+
+
+# ---------------------------------------------------------------------- rope / append
+@pytest.mark.parametrize("rope", [cc.ROPE, cc.ROPE_SCALED])
+def test_rope(impl, dtype, rope):
+    cfg = cc.config(hq=6, hkv=2, d=64, dtype=dtype)
+    ref, mine = cc.pair(cfg, impl)
+    rng = _rng("rope", impl, dtype)
+    x = cc.rand(mine, rng, (9, 6, 64))
+    pos = rng.integers(0, 500, 9).astype(np.int32)
+    got = mine.rope(x, cc.ints(mine, pos), rope)
+    assert mine.dtype_name(got) == dtype
+    cc.assert_close(mine, ref, got, ref.rope(cc.to_ref(ref, mine, x), pos, rope))
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("with_rope", [False, True])
+def test_append_kv(impl, dtype, ps, with_rope):
+    cfg = cc.config(hq=8, hkv=2, d=64, ps=ps, dtype=dtype)
+    ref, mine = cc.pair(cfg, impl)
+    rng = _rng("append", impl, dtype, ps, with_rope)
+    pool = 40 // ps + 3
+    pages = cc.rand(mine, rng, (pool, 2, 2, ps, 64))
+    t = 12
+    slots = rng.permutation(pool * ps)[:t].astype(np.int32)
+    slots[[2, 7]] = -1                                   # skipped tokens (slid out)
+    k, v = cc.rand(mine, rng, (t, 2, 64)), cc.rand(mine, rng, (t, 2, 64))
+    pos = rng.integers(0, 300, t).astype(np.int32)
+    rope = cc.ROPE if with_rope else None
+    ref_pages = cc.to_ref(ref, mine, pages)
+    mine.append_kv(pages, k, v, cc.ints(mine, slots), cc.ints(mine, pos), rope)
+    ref.append_kv(ref_pages, cc.to_ref(ref, mine, k), cc.to_ref(ref, mine, v), slots, pos, rope)
+    cc.assert_close(mine, ref, pages, ref_pages, "pages")
+
+
+def test_rope_append_fused(impl, dtype):
+    cfg = cc.config(hq=8, hkv=2, d=64, ps=16, dtype=dtype, rope_mode="normal")
+    ref, mine = cc.pair(cfg, impl)
+    rng = _rng("rope_append", impl, dtype)
+    pages = cc.rand(mine, rng, (6, 2, 2, 16, 64))
+    t = 10
+    slots = rng.permutation(96)[:t].astype(np.int32)
+    slots[4] = -1
+    q, k, v = (cc.rand(mine, rng, (t, h, 64)) for h in (8, 2, 2))
+    pos = rng.integers(0, 1000, t).astype(np.int32)
+    ref_pages = cc.to_ref(ref, mine, pages)
+    q_rot, k_rot = mine.rope_append(pages, q, k, v, cc.ints(mine, slots), cc.ints(mine, pos), cc.ROPE)
+    rq, rk = ref.rope_append(ref_pages, cc.to_ref(ref, mine, q), cc.to_ref(ref, mine, k),
+                             cc.to_ref(ref, mine, v), slots, pos, cc.ROPE)
+    cc.assert_close(mine, ref, q_rot, rq, "q_rot")
+    cc.assert_close(mine, ref, k_rot, rk, "k_rot")
+    cc.assert_close(mine, ref, pages, ref_pages, "pages")
+
+
+def test_append_strided_views(impl):
+    """q/k/v split from a fused qkv tensor are strided views; kernels must honour the strides."""
+    cfg = cc.config(hq=4, hkv=2, d=64, ps=16, dtype="float32", rope_mode="normal")
+    ref, mine = cc.pair(cfg, impl)
+    rng = _rng("strided", impl)
+    qkv = cc.rand(mine, rng, (5, 8, 64))
+    q, k, v = mine.split_qkv(qkv)
+    assert not k.is_contiguous()
+    pages = mine.allocate_pages(3)[0]
+    ref_pages = ref.allocate_pages(3)[0]
+    slots = np.array([0, 1, 17, 33, 2], np.int32)
+    pos = np.arange(5, dtype=np.int32)
+    mine.rope_append(pages, q, k, v, cc.ints(mine, slots), cc.ints(mine, pos), cc.ROPE)
+    ref.rope_append(ref_pages, *(cc.to_ref(ref, mine, x) for x in (q, k, v)), slots, pos, cc.ROPE)
+    cc.assert_close(mine, ref, pages, ref_pages, "pages")
+
+
+# ---------------------------------------------------------------------- ragged
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("hq,hkv", GQA_ATTN)
+@pytest.mark.parametrize("variant", ["causal", "tree", "rope"])
+def test_ragged_attention(impl, dtype, hq, hkv, variant):
+    d = 64
+    cfg = cc.config(hq=hq, hkv=hkv, d=d, dtype=dtype)
+    ref, mine = cc.pair(cfg, impl)
+    rng = _rng("ragged", impl, dtype, hq, variant)
+    lengths = [5, 1, 37, 0, 12] if variant != "tree" else [6, 1, 19]
+    case = cc.ragged_case(rng, ref, mine, lengths, tree=variant == "tree")
+    rope = cc.ROPE if variant == "rope" else None
+    tree_m = tree_r = None
+    if case["tree"] is not None:
+        tree_m = cc.TreeMask(cc.ints(mine, case["tree"][0]), cc.ints(mine, case["tree"][1]))
+        tree_r = cc.TreeMask(*case["tree"])
+    kw = dict(num_seqs=len(lengths), max_len=max(lengths), rope=rope)
+    o, lse = mine.ragged_attention(case["q"], case["k"], case["v"], cc.ints(mine, case["qo"]), 0.11,
+                                   tree=tree_m, q_positions=cc.ints(mine, case["qpos"]),
+                                   k_rope_offset=cc.ints(mine, case["krope"]), **kw)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qkv"), case["qo"], 0.11,
+                                  tree=tree_r, q_positions=case["qpos"], k_rope_offset=case["krope"],
+                                  **kw)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+
+
+# ---------------------------------------------------------------------- paged
+PAGED = {
+    "plain": [Entry(3, 40), Entry(0, 17), Entry(1, 0), Entry(7, 1), Entry(2, 100)],
+    "sliding": [Entry(3, 40, sink=4, gap=21), Entry(2, 33, sink=0, gap=9), Entry(4, 5, sink=8, gap=8)],
+    "tree": [Entry(2, 30, tree=5), Entry(1, 9, tree=9), Entry(3, 20)],
+}
+
+
+def _run_paged(impl, dtype, hq, hkv, d, ps, entries, *, use_decode, rope=False, seed=(),
+               row_offset=1, tail_rows=2, tuning=None):
+    cfg = cc.config(hq=hq, hkv=hkv, d=d, ps=ps, dtype=dtype)
+    ref, mine = cc.pair(cfg, impl)
+    if tuning:
+        mine.tuning = mine.tuning.with_(**tuning)
+    rng = _rng("paged", impl, dtype, hq, d, ps, use_decode, rope, *seed)
+    case = cc.paged_case(rng, ref, mine, entries, use_decode=use_decode, row_offset=row_offset,
+                         tail_rows=tail_rows)
+    spec = cc.ROPE_SCALED if rope else None
+    o, lse = mine.paged_attention(case.q, case.pages, case.depth, 0.13, rope=spec,
+                                  q_positions=case.q_positions)
+    ro, rl = ref.paged_attention(case.ref_q, case.ref_pages, case.ref_depth, 0.13, rope=spec,
+                                 q_positions=case.ref_q_positions)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    return lse
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("hq,hkv", GQA_ATTN)
+@pytest.mark.parametrize("kind", sorted(PAGED))
+def test_paged_prefill(impl, dtype, ps, hq, hkv, kind):
+    lse = _run_paged(impl, dtype, hq, hkv, 64, ps, PAGED[kind], use_decode=False, seed=(kind,))
+    assert np.isneginf(lse[0].cpu().numpy()).all()          # row 0 belongs to no entry
+
+
+def test_paged_prefill_inline_rope(impl, dtype):
+    _run_paged(impl, dtype, 8, 2, 64, 16, PAGED["sliding"], use_decode=False, rope=True)
+
+
+DECODE = [Entry(1, 70), Entry(1, 0), Entry(1, 1), Entry(1, 129), Entry(1, 16)]
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("hq,hkv", GQA_ATTN)
+@pytest.mark.parametrize("splits", [1, 3] if cc.INTERPRET else [1, 3, 0])   # 0: the heuristic
+def test_paged_decode(impl, dtype, ps, hq, hkv, splits):
+    _run_paged(impl, dtype, hq, hkv, 64, ps, DECODE, use_decode=True, seed=(splits,),
+               tuning={"force_splits": splits, "split_min_keys": 16})
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("variant", ["sliding", "tree", "rope"])
+def test_paged_decode_variants(impl, dtype, variant):
+    entries = {
+        "sliding": [Entry(1, 40, sink=4, gap=21), Entry(1, 33, gap=9), Entry(1, 5, sink=8, gap=8)],
+        "tree": [Entry(1, 30, tree=5), Entry(1, 9, tree=9), Entry(1, 20)],
+        "rope": [Entry(1, 40, sink=3, gap=10), Entry(1, 60)],
+    }[variant]
+    for splits in (1, 4):
+        _run_paged(impl, dtype, 8, 2, 64, 16, entries, use_decode=True, rope=variant == "rope",
+                   seed=(variant, splits), tuning={"force_splits": splits}, row_offset=0,
+                   tail_rows=0)
+
+
+@pytest.mark.parametrize("case", ["ragged", "prefill", "decode"])
+def test_attention_coverage_extras(impl, case):
+    """What the slim interpreter grid leaves out, one case each: float16, page size 1, group 1."""
+    if case == "ragged":
+        cfg = cc.config(hq=2, hkv=2, d=64, ps=1, dtype="float16")
+        ref, mine = cc.pair(cfg, impl)
+        c = cc.ragged_case(_rng("extra", impl), ref, mine, [9, 4])
+        args = dict(num_seqs=2, max_len=9)
+        o, lse = mine.ragged_attention(c["q"], c["k"], c["v"], cc.ints(mine, c["qo"]), 0.2, **args)
+        ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, c[x]) for x in "qkv"), c["qo"], 0.2, **args)
+        cc.assert_close(mine, ref, o, ro)
+        cc.assert_lse(mine, ref, lse, rl)
+    elif case == "prefill":
+        _run_paged(impl, "float16", 2, 2, 64, 1, PAGED["tree"] + PAGED["sliding"], use_decode=False)
+    else:
+        _run_paged(impl, "float16", 2, 2, 64, 1, DECODE, use_decode=True,
+                   tuning={"force_splits": 2})
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_head_dims(impl, dtype, d):
+    """Every declared head dim through ragged, paged prefill and split-K decode (group 4)."""
+    if cc.INTERPRET and d == 256:
+        pytest.skip("d=256 tiles are slow in the interpreter; covered on CPU torch and GPU")
+    cfg = cc.config(hq=8, hkv=2, d=d, dtype=dtype)
+    ref, mine = cc.pair(cfg, impl)
+    c = cc.ragged_case(_rng("hd", impl, dtype, d), ref, mine, [7, 20])
+    args = dict(num_seqs=2, max_len=20)
+    o, lse = mine.ragged_attention(c["q"], c["k"], c["v"], cc.ints(mine, c["qo"]), 0.09, **args)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, c[x]) for x in "qkv"), c["qo"], 0.09, **args)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    _run_paged(impl, dtype, 8, 2, d, 16, PAGED["sliding"], use_decode=False, seed=("hd",))
+    _run_paged(impl, dtype, 8, 2, d, 16, DECODE, use_decode=True, seed=("hd",),
+               tuning={"force_splits": 2})
+
+
+def test_split_heuristic():
+    from kvcache_cuda.tuning import CUDA_TUNING, num_splits
+    t = CUDA_TUNING
+    assert num_splits(t, 8, 4096, 132) == 16        # B=1, 8 KV heads: split to fill 132 SMs
+    assert num_splits(t, 8, 32768, 132) == 33
+    assert num_splits(t, 64 * 8, 4096, 132) == 1    # enough programs already
+    assert num_splits(t, 8, 300, 132) == 1          # too few keys to be worth a merge pass
+    assert num_splits(t.with_(force_splits=5), 512, 10, 132) == 5
+
+
+# ---------------------------------------------------------------------- merge / copies
+def test_merge_attention(impl, dtype):
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype=dtype)
+    ref, mine = cc.pair(cfg, impl)
+    rng = _rng("merge", impl, dtype)
+    oa, ob = cc.rand(mine, rng, (7, 4, 64)), cc.rand(mine, rng, (7, 4, 64))
+    la = rng.standard_normal((7, 4)).astype(np.float32) * 3
+    lb = rng.standard_normal((7, 4)).astype(np.float32) * 3
+    la[0, :], lb[1, :] = -np.inf, -np.inf            # one side empty
+    la[2, 1] = lb[2, 1] = -np.inf                    # both empty: o = 0, lse = -inf
+    ra, rb = cc.to_ref(ref, mine, oa), cc.to_ref(ref, mine, ob)
+    o, lse = mine.merge_attention(oa, mine.from_numpy(la, "float32"), ob, mine.from_numpy(lb, "float32"))
+    ro, rl = ref.merge_attention(ra, la, rb, lb)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    assert not mine.to_numpy(o)[2, 1].any()
+
+
+def _layers(mine, ref, rng, layers, pool):
+    c = mine.config
+    mp = [cc.rand(mine, rng, (pool, 2, c.num_kv_heads, c.page_size, c.head_dim)) for _ in range(layers)]
+    return mp, [cc.to_ref(ref, mine, p) for p in mp]
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_copy_page_prefix(impl, dtype, ps):
+    cfg = cc.config(hq=4, hkv=2, d=64, ps=ps, dtype=dtype, layers=3)
+    ref, mine = cc.pair(cfg, impl)
+    mp, rp = _layers(mine, ref, _rng("fork", impl, dtype, ps), 3, 6)
+    length = max(ps - 3, 1)
+    mine.copy_page_prefix(mp, 4, 1, length)
+    ref.copy_page_prefix(rp, 4, 1, length)
+    for a, b in zip(mp, rp):
+        cc.assert_close(mine, ref, a, b, "pages")
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_compact_kv_overlapping(impl, dtype, ps):
+    """Destinations that are also sources: every source must be read before any write."""
+    cfg = cc.config(hq=4, hkv=2, d=64, ps=ps, dtype=dtype, layers=2)
+    ref, mine = cc.pair(cfg, impl)
+    mp, rp = _layers(mine, ref, _rng("compact", impl, dtype, ps), 2, 48 // ps + 1)
+    src = np.array([3, 5, 9, 10, 20], np.int32)
+    dst = np.array([2, 3, 4, 5, 6], np.int32)          # 3 and 5 are read and written
+    mine.compact_kv(mp, cc.ints(mine, src), cc.ints(mine, dst))
+    ref.compact_kv(rp, src, dst)
+    for a, b in zip(mp, rp):
+        cc.assert_close(mine, ref, a, b, "pages")
+
+
+def test_gather_kv(impl, dtype):
+    cfg = cc.config(hq=4, hkv=2, d=64, ps=16, dtype=dtype, layers=3)
+    ref, mine = cc.pair(cfg, impl)
+    mp, rp = _layers(mine, ref, _rng("gather", impl, dtype), 3, 4)
+    slots = np.array([17, 0, 63, 5, 40], np.int32)
+    k, v = mine.gather_kv(mp, cc.ints(mine, slots))
+    rk, rv = ref.gather_kv(rp, slots)
+    assert tuple(k.shape) == (3, 5, 2, 64)
+    cc.assert_close(mine, ref, k, rk, "k")
+    cc.assert_close(mine, ref, v, rv, "v")
+
+
+def test_tuning_is_data():
+    from kvcache_cuda.backend import CudaBackend
+    from kvcache_cuda.tuning import AttnTiles, Tuning
+    t = CudaBackend.TUNING
+    assert isinstance(t, Tuning)
+    assert isinstance(t.tiles("decode", 128), AttnTiles)
+    assert t.tiles("prefill", 256) != t.tiles("prefill", 128)     # per-head-dim override
+    assert dataclasses.is_dataclass(t)

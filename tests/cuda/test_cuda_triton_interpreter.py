@@ -1,0 +1,46 @@
+"""Run the Triton kernels on CPU tensors through Triton's interpreter, in a subprocess:
+TRITON_INTERPRET must be set before triton is first imported, and this process may already have
+imported it. The subprocess runs the kernel tests (every kernel vs the reference) and two
+end-to-end scenarios (token tree, fused qkv) with the backend selecting Triton for CPU tensors."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cuda_cases as cc
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.skipif(cc.INTERPRET or cc.ON_GPU, reason="this is the spawner; it runs in CPU mode only")
+def test_triton_kernels_under_interpreter():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k not in ("KVCACHE_CUDA_IMPL", "KVCACHE_CUDA_TEST_DEVICE")}
+    env.update(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+           str(HERE / "test_cuda_kernels.py"), str(HERE / "test_cuda_end_to_end.py"),
+           "-k", "not end_to_end or token_tree or fused_qkv"]
+    r = subprocess.run(cmd, cwd=HERE.parent.parent, env=env, capture_output=True, text=True,
+                       timeout=900)
+    tail = r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and int(passed.group(1)) >= 50, tail
+    assert "failed" not in r.stdout.splitlines()[-1], tail
+
+
+@pytest.mark.skipif(os.environ.get("KVCACHE_CUDA_COMPILE_CHECK") != "1" or cc.ON_GPU,
+                    reason="opt-in, 1-2 min cold: KVCACHE_CUDA_COMPILE_CHECK=1 compiles every "
+                           "Triton kernel for sm_90 without a GPU (triton_compile_check.py)")
+def test_triton_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(HERE / "triton_compile_check.py"), "90"],
+                       cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    compiled = re.search(r"COMPILED (\d+)", r.stdout)
+    assert compiled and int(compiled.group(1)) >= 30, r.stdout[-4000:]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One GPU session (run on the lent H100 from the repo root): install, kernel tests on CUDA,
+# conformance for `cuda`, the profiler proof, benchmarks, the demo. Each section is independent;
+# logs land in $OUT (or ./gpu-out).
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+section() { echo; echo "=================== $1 ($(date +%T))"; }
+section "setup"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda -e backends/rocm -e docs/examples/kvcache-example 2>&1 | grep -v -i warning | tail -3
+python3 -m kvcache.cli info 2>&1 | head -8
+for step in ${STEPS:-tests conformance profile bench demo}; do
+  case $step in
+    tests) section "tests/cuda on the GPU"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x tests/cuda -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -25 ;;
+    conformance) section "conformance --backend cuda"
+      timeout 300 python3 -m kvcache.cli conformance --backend cuda ${CONF_ARGS:-} --report "$OUT/conformance_cuda.md" 2>&1 | tee "$OUT/conformance.log" | tail -40 ;;
+    profile) section "profiler proof"
+      timeout 120 python3 tests/cuda/gpu_profile_check.py "$OUT" 2>&1 | tail -25 ;;
+    bench) section "kvcache bench --backend cuda"
+      timeout 300 python3 -m kvcache.cli bench --backend cuda 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    demo) section "kvcache demo --backend cuda"
+      timeout 200 python3 -m kvcache.cli demo --backend cuda ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" | tail -30 ;;
+  esac
+done
