@@ -28,7 +28,7 @@ import numpy as np
 
 import kvcache
 
-from .check import CheckFailed, CheckResult, replay_check
+from .check import CheckResult, replay_check
 from .engine import Engine, SchedulerError
 from .model import ToyModel
 from .workload import Workload, make_workload
@@ -40,7 +40,7 @@ MODELS = {
     "llama-8b-heads": (4, 32, 8, 128),
 }
 
-__all__ = ["DemoResult", "main", "pick_backend", "run_demo", "CheckFailed", "SchedulerError"]
+__all__ = ["DemoResult", "SchedulerError", "build_parser", "main", "pick_backend", "report", "run_demo"]
 
 
 @dataclasses.dataclass

@@ -27,10 +27,6 @@ TOLERANCES = {"float32": (1e-3, 1e-3), "float16": (1e-2, 1e-2), "bfloat16": (3e-
 PREFIX_SID = 1000
 
 
-class CheckFailed(AssertionError):
-    """An attention output of the run differs from the reference replay."""
-
-
 @dataclass
 class CheckResult:
     cache: str

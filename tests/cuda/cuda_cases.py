@@ -140,7 +140,17 @@ def paged_case(rng, ref, mine, entries, *, use_decode=False, row_offset=0, tail_
         sizes = np.array([e.tree for e in entries], np.int32)
         masks = [random_tree(rng, e.tree) for e in entries if e.tree]
         tree_np = (np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32), np.concatenate(masks))
-    pages = rand(mine, rng, (pool, 2, c.num_kv_heads, ps, c.head_dim))
+    # every row no key of any entry maps to is NaN: a kernel that reads it, or lets a masked
+    # padding key's value leak into the output (0 * NaN), fails
+    used = np.zeros((pool, ps), bool)
+    for i, e in enumerate(entries):
+        j = np.arange(e.kv_len)
+        off = np.where(j < e.sink, j, j - e.sink + e.gap)
+        used[page_indices[page_indptr[i] + off // ps], off % ps] = True
+    pool_np = rng.standard_normal((pool, 2, c.num_kv_heads, ps, c.head_dim)).astype(np.float32)
+    pool_np.transpose(0, 3, 1, 2, 4)[~used] = np.nan      # (page, row) are axes 0 and 3
+    assert np.isnan(pool_np).any() or used.all()
+    pages = mine.from_numpy(pool_np)
     q = rand(mine, rng, (total, c.num_qo_heads, c.head_dim))
     qpos = rng.integers(0, 200, total).astype(np.int32)
 

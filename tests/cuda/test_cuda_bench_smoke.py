@@ -31,6 +31,7 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "APPEND_TOKENS", [8])
     monkeypatch.setattr(bench, "DECODE_TILES", bench.DECODE_TILES[:2])
     monkeypatch.setattr(bench, "PREFILL_TILES", bench.PREFILL_TILES[:2])
+    monkeypatch.setattr(bench, "SPLITS", (1, 2))
     monkeypatch.setattr(bench, "SWEEP_DECODE", (2, 40))
     monkeypatch.setattr(bench, "SWEEP_PREFILL", (1, 24))
     monkeypatch.setattr(bench, "FLUSH_BYTES", 1024)
@@ -50,3 +51,4 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     assert kinds == {"decode", "prefill-paged", "prefill-ragged", "append-fused", "append-unfused"}
     assert len(data["verdicts"]) == 2 + 1 + 1        # decode x2, paged prefill, fused append
     assert "# targets" in text and "sweep decode" in text and "best prefill" in text
+    assert "sweep B=1 L=40 splits=2" in text and set(data["split_sweep"]) == {"L=40,splits=1", "L=40,splits=2"}

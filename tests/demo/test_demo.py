@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvcache
-from kvcache.demo import SchedulerError, build_parser, main, run_demo
+from kvcache.demo import build_parser, main, run_demo
 from kvcache.demo.engine import Engine
 
 # a small workload that still covers every feature (9 forced kinds + a burst of 4)

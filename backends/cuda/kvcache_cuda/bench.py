@@ -187,18 +187,6 @@ def run_benchmarks(argv=None, backend_cls=None):
                 target = "<=15us"
             add("decode", f"B={batch},L={kv_len}", us, eager, nbytes, sdpa_us, target)
             del pages, kc, vc
-            if args.sweep and batch == 1:
-                from .tuning import num_splits
-                base = backend.tuning
-                auto = num_splits(base, HKV, kv_len, backend._num_sms)
-                for s in (1, 2, 4, 8, 16, 32, 64):
-                    backend.tuning = base.with_(force_splits=s)
-                    pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
-                    us_s, _ = timer.measure(lambda: backend.paged_attention(q, pages, depth, scale))
-                    print(f"    sweep B=1 L={kv_len} splits={s:<3} {us_s:8.1f} us"
-                          f"{'  <- heuristic' if s == auto else ''}")
-                    del pages
-                backend.tuning = base
             torch.cuda.empty_cache()
 
     if "prefill" in sections:
@@ -244,7 +232,8 @@ def run_benchmarks(argv=None, backend_cls=None):
             results.setdefault("append_speedup", {})[t] = unfused / fused
             del pages
 
-    if args.sweep:
+    if args.sweep:                     # after the main table, so a time limit cuts only sweeps
+        split_sweep(torch, backend, timer, rng, device, scale, results)
         tile_sweep(torch, backend, timer, rng, device, scale, results)
 
     verdicts = _verdicts(rows)
@@ -258,6 +247,28 @@ def run_benchmarks(argv=None, backend_cls=None):
     return 0
 
 
+def split_sweep(torch, backend, timer, rng, device, scale, results):
+    """B=1 decode time for each split-K factor next to the heuristic's choice."""
+    from .tuning import num_splits
+    base = backend.tuning
+    out = results.setdefault("split_sweep", {})
+    for batch, kv_len in DECODE_CASES:
+        if batch != 1:
+            continue
+        auto = num_splits(base, HKV, kv_len, backend._num_sms)
+        pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
+        for s in SPLITS:
+            backend.tuning = base.with_(force_splits=s)
+            us, _ = timer.measure(lambda: backend.paged_attention(q, pages, depth, scale))
+            out[f"L={kv_len},splits={s}"] = us
+            print(f"    sweep B=1 L={kv_len} splits={s:<3} {us:8.1f} us"
+                  f"{'  <- heuristic' if s == auto else ''}", flush=True)
+        backend.tuning = base
+        del pages
+        torch.cuda.empty_cache()
+
+
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
 DECODE_TILES = [(16, bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
 SWEEP_DECODE = (64, 4096)          # (batch, kv_len) of the tile sweeps
 SWEEP_PREFILL = (1, 4096)          # (batch, tokens = keys)

@@ -160,8 +160,11 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         return o_out, lse_out
     slots, valid = entry_key_slots(ctx, depth, max_kv)
     ps = ctx.page_size
-    keys = pages[slots // ps, 0, :, slots % ps, :].float()    # (n, M, Hkv, D)
-    vals = pages[slots // ps, 1, :, slots % ps, :].float()
+    # padding keys read whatever sits in page 0 (maybe NaN-poisoned freed pages): zero them, as
+    # a masked weight of 0 times a NaN value would still be NaN
+    pad = ~valid[:, :, None, None]
+    keys = pages[slots // ps, 0, :, slots % ps, :].float().masked_fill(pad, 0.0)   # (n, M, Hkv, D)
+    vals = pages[slots // ps, 1, :, slots % ps, :].float().masked_fill(pad, 0.0)
     tok = torch.arange(t_total, device=dev)
     ent = torch.searchsorted(qo[1:].contiguous(), tok, right=True).clamp(max=n - 1)
     r = tok - qo[ent]
