@@ -3,7 +3,8 @@
 Run it:
 
     kvcache conformance --backend NAME [--device DEV] [-k EXPR] [--full] [--xfail FILE]
-    pytest -p kvcache.conformance.plugin --pyargs kvcache.conformance --kvcache-backend NAME
+    pytest --pyargs kvcache.conformance --kvcache-backend NAME [--kvcache-device DEV]
+    KVCACHE_CONFORMANCE_BACKEND=NAME pytest --pyargs kvcache.conformance
 
 or from a plugin's own tests (the plugin author's ten lines, see docs/plugin-guide.md):
 
@@ -15,6 +16,11 @@ or from a plugin's own tests (the plugin author's ten lines, see docs/plugin-gui
     @pytest.fixture(scope="session")
     def kvcache_backend():
         return "mybackend"
+
+The ``--kvcache-*`` options come from kvcache's ``pytest11`` entry point (``_kvcache_pytestplugin``),
+which imports nothing from kvcache and loads the suite's plugin only when such an option is given,
+so the suite never loads into unrelated pytest runs. With ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` add
+``-p kvcache.conformance.plugin``.
 
 The test classes are importable from here (``TestPrefill``, ``TestFork``, ...), the fixtures live
 in ``kvcache.conformance.plugin`` and the lockstep driver in ``kvcache.conformance.harness``.

@@ -1,9 +1,11 @@
 """Loads the suite's plugin when pytest collects this package directly
-(``pytest --pyargs kvcache.conformance``) without ``-p kvcache.conformance.plugin``.
+(``pytest --pyargs kvcache.conformance``), also when no ``--kvcache-*`` option is given
+(``KVCACHE_CONFORMANCE_BACKEND=NAME pytest --pyargs kvcache.conformance``).
 
-pytest reads command-line options before it sees this file, so in that form use the
-environment (``KVCACHE_CONFORMANCE_BACKEND=NAME``) or add ``-p kvcache.conformance.plugin`` for
-the ``--kvcache-*`` options.
+pytest parses the command line before it imports this file, so the ``--kvcache-*`` options are
+defined by kvcache's ``pytest11`` entry point (``_kvcache_pytestplugin``), which also loads the
+plugin when one of them is given; registering here again is a no-op. With
+``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` use the environment or ``-p kvcache.conformance.plugin``.
 """
 
 

@@ -1,9 +1,15 @@
-"""The pytest plugin of the conformance suite: options, fixtures, expected failures, summary.
+"""The pytest plugin of the conformance suite: fixtures, parametrization, expected failures,
+summary.
 
-Loaded on request only (never through a ``pytest11`` entry point):
+Opt-in, never autoloaded. kvcache's ``pytest11`` entry point (module ``_kvcache_pytestplugin``)
+only defines the ``--kvcache-*`` options and registers this module when a run opts in:
 
 * ``kvcache conformance --backend NAME`` (the CLI loads it for you);
-* ``pytest -p kvcache.conformance.plugin --pyargs kvcache.conformance --kvcache-backend NAME``;
+* ``pytest --pyargs kvcache.conformance --kvcache-backend NAME`` (any ``--kvcache-*`` option
+  registers it; so does ``kvcache.conformance``'s ``conftest.py``, e.g. for
+  ``KVCACHE_CONFORMANCE_BACKEND=NAME pytest --pyargs kvcache.conformance``);
+* ``-p kvcache.conformance.plugin`` (works with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` too: the
+  options are then added from here);
 * ``pytest_plugins = ["kvcache.conformance.plugin"]`` in a plugin author's root ``conftest.py``
   or test module (see ``docs/plugin-guide.md``).
 
@@ -63,20 +69,10 @@ def register(pluginmanager) -> None:
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("kvcache", "kvcache conformance suite")
-    group.addoption("--kvcache-backend", default=None, help="backend under test (default: reference)")
-    group.addoption("--kvcache-device", default=None, help="device for the backend under test")
-    group.addoption("--kvcache-full", action="store_true", default=None,
-                    help="the whole matrix of dtypes x GQA x head dims x page sizes")
-    group.addoption("--kvcache-xfail", action="append", default=None, metavar="FILE",
-                    help="expected-failure list (one 'pattern  # reason' a line); strict")
-    group.addoption("--kvcache-poison", default=None, choices=["nan", "large", "none"],
-                    help="value written into page slots that hold no token (default nan)")
-    group.addoption("--kvcache-no-model", action="store_true", default=None,
-                    help="do not check the reference against the dense SPEC model")
-    group.addoption("--kvcache-seed", type=int, default=None, help="base random seed")
-    group.addoption("--kvcache-report", default=None, metavar="PATH",
-                    help="write the summary as JSON (.json) or Markdown (.md)")
+    # Defined once, in kvcache's pytest11 entry point module; adding them again is a no-op, so this
+    # works with or without that entry point loaded (-p here plus PYTEST_DISABLE_PLUGIN_AUTOLOAD=1).
+    from _kvcache_pytestplugin import add_options
+    add_options(parser)
 
 
 def _opt(config, name: str, default=None):

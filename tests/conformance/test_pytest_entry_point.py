@@ -1,0 +1,198 @@
+"""``pytest --pyargs kvcache.conformance --kvcache-backend NAME`` works as written (SPEC section 5),
+and kvcache's ``pytest11`` entry point loads nothing of the suite into unrelated pytest runs.
+
+Every run is a fresh pytest in a subprocess, in an empty directory (as a backend author would run
+it), on a small ``-k`` selection.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import kvcache
+
+SELECTION = "TestPrefill"
+SUITE = "kvcache.conformance.plugin"
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    for key in list(env):
+        if key.startswith(("PYTEST_", "KVCACHE_CONFORMANCE_")) or key == "KVCACHE_EXAMPLE_BROKEN":
+            del env[key]
+    env.update(extra)
+    return env
+
+
+def run_pytest(args, cwd, **env):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                          capture_output=True, text=True, cwd=str(cwd), env=_env(**env),
+                          timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def counts(out):
+    """pytest's final line -> {"passed": n, "skipped": n, ...}."""
+    last = [line for line in out.splitlines() if re.search(r"\d+ (passed|failed|error|skipped)", line)]
+    assert last, out[-3000:]
+    return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", last[-1])}
+
+
+def table(out, backend):
+    """The summary table's rows for ``backend`` -> {area: (passed, failed, xfail, skipped)}."""
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith(f"backend {backend!r} on "))
+    rows = {}
+    for line in lines[head + 2:]:
+        m = re.match(r"\s+(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", line)
+        if not m:
+            break
+        rows[m.group(1)] = tuple(int(g) for g in m.groups()[1:])
+    return lines[head], rows
+
+
+@pytest.fixture(scope="module")
+def selected(tmp_path_factory):
+    """Node ids the selection collects (the same for every backend)."""
+    rc, out = run_pytest(["--pyargs", "kvcache.conformance", "--kvcache-backend", "reference",
+                          "-k", SELECTION, "--collect-only", "-q"], tmp_path_factory.mktemp("collect"))
+    assert rc == 0, out[-3000:]
+    ids = [line for line in out.splitlines() if "::" in line]
+    assert ids and all(SELECTION in i for i in ids), out[-3000:]
+    return ids
+
+
+def _backend_row(name):
+    return next((r for r in kvcache.list_backends() if r["name"] == name and r["class"]), None)
+
+
+def _target(name):
+    if name == "example":
+        pytest.importorskip("kvcache_example", reason="pip install -e docs/examples/kvcache-example")
+    row = _backend_row(name)
+    if row is None:
+        pytest.skip(f"backend {name!r} is not installed")
+    device = "cpu" if name == "metal" else None     # metal runs on the MLX CPU device here
+    ok, why = row["class"].availability(device)
+    if not ok:
+        pytest.skip(f"backend {name!r} cannot run here: {why}")
+    return device
+
+
+@pytest.mark.parametrize("backend", ["reference", "metal", "example"])
+def test_exact_form(backend, selected, tmp_path):
+    device = _target(backend)
+    args = ["--pyargs", "kvcache.conformance", "--kvcache-backend", backend]
+    if device:
+        args += ["--kvcache-device", device]
+    rc, out = run_pytest(args + ["-k", SELECTION, "-q"], tmp_path,
+                         KVCACHE_PLUGINS=f"reference,{backend}")
+    assert rc == 0, out[-4000:]
+    assert "unrecognized arguments" not in out
+    got = counts(out)
+    assert got.get("failed", 0) == 0 and got.get("error", 0) == 0, out[-4000:]
+    assert got["passed"] + got.get("skipped", 0) == len(selected), (got, len(selected))
+    if backend in ("reference", "example"):      # both declare every capability TestPrefill needs
+        assert got["passed"] == len(selected)
+    assert "kvcache conformance summary" in out
+    head, rows = table(out, backend)
+    assert head == f"backend {backend!r} on {device or 'default device'} (quick matrix)"
+    assert rows["TestPrefill"] == rows["total"] == (got["passed"], 0, 0, got.get("skipped", 0))
+    assert "verdict: CONFORMS" in out
+
+
+def test_named_plugin_with_and_without_autoload(tmp_path):
+    """-p kvcache.conformance.plugin next to the entry point defines the options once; with
+    autoload off it defines them itself."""
+    args = ["-p", SUITE, "--pyargs", "kvcache.conformance", "--kvcache-backend", "reference",
+            "-k", "TestPrefill and test_batch", "-q"]
+    for env in ({}, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}):
+        rc, out = run_pytest(args, tmp_path, **env)
+        assert rc == 0, (env, out[-4000:])
+        assert counts(out)["passed"] == 2 and "verdict: CONFORMS" in out, out[-4000:]
+
+
+def test_environment_form(tmp_path):
+    rc, out = run_pytest(["--pyargs", "kvcache.conformance", "-k", "TestPrefill and test_batch", "-q"],
+                         tmp_path, KVCACHE_CONFORMANCE_BACKEND="reference")
+    assert rc == 0, out[-4000:]
+    assert counts(out)["passed"] == 2 and "backend 'reference' on default device" in out
+
+
+UNRELATED = textwrap.dedent('''
+    import os
+    import sys
+
+
+    def test_unrelated(request):
+        pm = request.config.pluginmanager
+        # kvcache's pytest11 entry point is loaded (so this test means something) ...
+        assert "_kvcache_pytestplugin" in sys.modules
+        assert request.config.getoption("kvcache_backend") == os.environ.get("EXPECT_BACKEND")
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("kvcache", "numpy"))
+        if os.environ.get("EXPECT_SUITE"):
+            assert pm.has_plugin("kvcache.conformance.plugin")
+        else:
+            # ... but neither the suite nor kvcache / numpy
+            assert not pm.has_plugin("kvcache.conformance.plugin")
+            assert heavy == [], heavy
+''')
+
+
+def test_unrelated_run_loads_nothing(tmp_path):
+    (tmp_path / "test_unrelated.py").write_text(UNRELATED)
+    rc, out = run_pytest(["-q", "test_unrelated.py"], tmp_path)
+    assert rc == 0, out[-4000:]
+    assert counts(out) == {"passed": 1}
+    assert "kvcache conformance summary" not in out
+    # a --kvcache-* option is the opt-in, in any run
+    rc, out = run_pytest(["-q", "test_unrelated.py", "--kvcache-backend", "reference"], tmp_path,
+                         EXPECT_SUITE="1", EXPECT_BACKEND="reference")
+    assert rc == 0, out[-4000:]
+
+
+def test_help_lists_the_options(tmp_path):
+    rc, out = run_pytest(["--help"], tmp_path)
+    assert rc == 0, out[-4000:]
+    assert "kvcache conformance suite" in out and "--kvcache-backend" in out
+
+
+def test_options_are_defined_once():
+    """The entry point and the suite's plugin share one definition; adding twice is a no-op."""
+    import _kvcache_pytestplugin as options
+    from kvcache.conformance import plugin
+
+    class Option:
+        def __init__(self, flag):
+            self.flag = flag
+
+        def names(self):
+            return [self.flag]
+
+    class Group:
+        def __init__(self):
+            self.options = []
+
+        def addoption(self, flag, **kwargs):
+            assert flag not in [o.flag for o in self.options], f"{flag} added twice"
+            self.options.append(Option(flag))
+
+    class Parser:
+        def __init__(self):
+            self.groups = {}
+
+        def getgroup(self, name, description=""):
+            return self.groups.setdefault(name, Group())
+
+    parser = Parser()
+    options.pytest_addoption(parser)
+    plugin.pytest_addoption(parser)
+    options.add_options(parser)
+    assert list(parser.groups) == ["kvcache"]
+    assert [o.flag for o in parser.groups["kvcache"].options] == [f for f, _ in options.OPTIONS]
+    import inspect
+    assert ".addoption(" not in inspect.getsource(plugin)
