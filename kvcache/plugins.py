@@ -57,28 +57,54 @@ def register_plugin(module_or_object, name: Optional[str] = None) -> None:
     pm.check_pending()
 
 
-def backend_classes() -> dict[str, type[Backend]]:
-    """Every registered backend class by name."""
+def _plugin_backends() -> tuple[dict[str, type[Backend]], dict[str, str]]:
+    """Every registered backend class by name, and {plugin name: why it is unusable} for each
+    plugin whose ``kvcache_register_backends`` raised or returned something that is not a list of
+    Backend subclasses. Each plugin's hook is called on its own, so one broken plugin (a missing
+    dependency, a bug) does not hide the others."""
     found: dict[str, type[Backend]] = {}
-    for result in get_plugin_manager().hook.kvcache_register_backends():
-        for cls in result or ():
-            if not (isinstance(cls, type) and issubclass(cls, Backend)):
-                raise TypeError(f"kvcache_register_backends returned {cls!r}, not a Backend subclass")
+    broken: dict[str, str] = {}
+    hook = get_plugin_manager().hook.kvcache_register_backends
+    # pluggy calls the last registered implementation first; keep that order (first name wins).
+    for impl in reversed(hook.get_hookimpls()):
+        if impl.hookwrapper or impl.wrapper:
+            broken[impl.plugin_name] = "hook wrappers are not supported for kvcache_register_backends"
+            continue
+        try:
+            classes = list(impl.function() or ())
+        except Exception as exc:   # reported by list_backends, never raised from here
+            broken[impl.plugin_name] = f"kvcache_register_backends raised {type(exc).__name__}: {exc}"
+            continue
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, Backend))]
+        if bad:
+            broken[impl.plugin_name] = (f"kvcache_register_backends returned {bad[0]!r}, "
+                                        f"not a Backend subclass")
+            continue
+        for cls in classes:
             found.setdefault(cls.name, cls)
-    return found
+    return found, broken
+
+
+def backend_classes() -> dict[str, type[Backend]]:
+    """Every registered backend class by name (plugins whose hook fails are left out; see
+    ``list_backends`` for why)."""
+    return _plugin_backends()[0]
 
 
 def list_backends(device: Optional[str] = None) -> list[dict]:
-    """All registered backends, highest priority first: name, priority, available, reason."""
+    """All registered backends, highest priority first: name, priority, available, reason. A plugin
+    that failed to load or whose hook raised is listed by its plugin name as unavailable (class
+    None) with the error as its reason."""
+    classes, broken = _plugin_backends()
     rows = []
-    for cls in sorted(backend_classes().values(), key=lambda c: -c.priority):
+    for cls in sorted(classes.values(), key=lambda c: -c.priority):
         try:
             ok, reason = cls.availability(device)
         except Exception as exc:
             ok, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
         rows.append({"name": cls.name, "priority": cls.priority, "available": bool(ok),
                      "reason": reason, "class": cls})
-    for name, why in _load_errors.items():
+    for name, why in list(_load_errors.items()) + list(broken.items()):
         rows.append({"name": name, "priority": None, "available": False, "reason": why, "class": None})
     return rows
 

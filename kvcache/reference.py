@@ -10,13 +10,34 @@ from __future__ import annotations
 
 from typing import Optional
 
-import ml_dtypes
 import numpy as np
 
 from .backend import Backend, Capabilities, DepthAux, RopeSpec, TreeMask
 
-NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-             "float32": np.dtype(np.float32), "int32": np.dtype(np.int32)}
+try:   # numpy has no bfloat16; without ml_dtypes the reference backend stores fp16/fp32 only
+    import ml_dtypes
+except ImportError as exc:
+    ml_dtypes = None
+    BFLOAT16_MISSING: Optional[str] = f"no bfloat16 storage: ml_dtypes cannot be imported ({exc})"
+else:
+    BFLOAT16_MISSING = None
+
+NP_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+             "int32": np.dtype(np.int32)}
+if ml_dtypes is not None:
+    NP_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+_NARROW = tuple(NP_DTYPES[name] for name in ("float16", "bfloat16") if name in NP_DTYPES)
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a storage dtype name; UnsupportedFeatureError for bfloat16 without
+    ml_dtypes (``PagedKVCache`` raises the same error earlier, from the capabilities)."""
+    if name not in NP_DTYPES:
+        from .errors import UnsupportedFeatureError
+        extra = f"; {BFLOAT16_MISSING}" if name == "bfloat16" and BFLOAT16_MISSING else ""
+        raise UnsupportedFeatureError(f"backend 'reference' does not support dtype {name!r}: "
+                                      f"{Capabilities.reason('dtypes')}{extra}")
+    return NP_DTYPES[name]
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +88,8 @@ class ReferenceBackend(Backend):
     priority = 0
     description = "numpy, float64 math; the conformance oracle"
     capabilities = Capabilities(
-        dtypes=("float16", "bfloat16", "float32"),
+        # bfloat16 only with ml_dtypes: PagedKVCache then raises UnsupportedFeatureError for it
+        dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES),
         tree_attention=True, sliding_window=True, inline_rope=True,
         head_dims=tuple(range(2, 1025, 2)),
     )
@@ -76,6 +98,8 @@ class ReferenceBackend(Backend):
     def availability(cls, device=None):
         if device not in (None, "cpu"):
             return False, f"the reference backend runs on the host CPU only, not {device!r}"
+        if BFLOAT16_MISSING:
+            return True, f"numpy on the host CPU (always available; {BFLOAT16_MISSING})"
         return True, "numpy on the host CPU (always available)"
 
     @classmethod
@@ -88,7 +112,7 @@ class ReferenceBackend(Backend):
 
     def __init__(self, config, device=None):
         super().__init__(config, device or "cpu")
-        self.dtype = NP_DTYPES[config.dtype]
+        self.dtype = np_dtype(config.dtype)
 
     # ------------------------------------------------------------------ memory
     def allocate_pages(self, num_pages):
@@ -100,12 +124,12 @@ class ReferenceBackend(Backend):
         array = np.asarray(array)
         if dtype is None:
             dtype = "int32" if array.dtype.kind in "iu" else self.config.dtype
-        return np.array(array.astype(np.float64) if array.dtype == ml_dtypes.bfloat16 else array,
-                        dtype=NP_DTYPES[dtype], copy=True)
+        bf16 = "bfloat16" in NP_DTYPES and array.dtype == NP_DTYPES["bfloat16"]
+        return np.array(array.astype(np.float64) if bf16 else array, dtype=np_dtype(dtype), copy=True)
 
     def to_numpy(self, array):
         array = np.asarray(array)
-        if array.dtype in (np.float16, ml_dtypes.bfloat16):
+        if array.dtype in _NARROW:
             return array.astype(np.float32)
         return array.copy()
 
