@@ -36,8 +36,11 @@ class PagedKVCache:
         self.state = CacheState(config.num_pages, config.page_size, config.support_sliding_window)
         self.pages = self.backend.allocate_pages(config.num_pages)
         self.copy_stream = self.backend.create_stream() if caps.copy_stream else None
+        self._require(not config.cuda_graph or caps.merged_aux, "merged_aux", "cuda_graph=True", cls)
         if caps.merged_aux:
-            self.aux_manager = MergedAuxManager(self.backend, self.copy_stream)
+            self.aux_manager = MergedAuxManager(
+                self.backend, self.copy_stream,
+                graph_capacities=self._graph_capacities(config) if config.cuda_graph else None)
         else:
             self.aux_manager = PlainAuxManager(self.backend)
         self._builder = ForwardBuilder(self.state, config, caps)
@@ -45,6 +48,18 @@ class PagedKVCache:
         self._plan: Optional[ForwardPlan] = None
         self._aux: Optional[dict] = None
         self._layers_done: set = set()
+
+    @staticmethod
+    def _graph_capacities(config) -> dict:
+        """Sizes of the fixed graph-mode aux arrays: the largest bucket's rows, and page lists
+        for every row reading a whole cache's worth of pages (shared prefixes repeat per row)."""
+        rows = config.graph_buckets[-1]
+        caps = {name: rows for name in ("q_positions", "append_slots", "k_ragged_offset",
+                                        "d0.last_page_len", "d0.kv_len", "d0.sink_size",
+                                        "d0.window_offset", "d0.k_rope_offset")}
+        caps.update({"qo_indptr": rows + 1, "d0.qo_indptr": rows + 1, "d0.page_indptr": rows + 1,
+                     "d0.page_indices": rows * config.num_pages})
+        return caps
 
     @staticmethod
     def _require(ok, capability, what, cls):
@@ -162,6 +177,15 @@ class PagedKVCache:
         self._plan = self._builder.begin(seq_ids, append_lengths, token_tree_parent_ptr)
         self._aux = None
         self._layers_done = set()
+        if self._plan.graph_bucket is not None:
+            # graph mode: a replayed graph runs no Python, so the copy cannot wait for attention
+            self._aux = self.aux_manager.upload_graph(self._plan.arrays)
+
+    @property
+    def graph_batch_size(self) -> Optional[int]:
+        """The batch bucket of the open forward when it is a graph-mode decode step (its q/k/v
+        may have this many rows, padded rows give zeros), else None."""
+        return None if self._plan is None else self._plan.graph_bucket
 
     def end_forward(self) -> None:
         self._open("end_forward")
@@ -197,9 +221,11 @@ class PagedKVCache:
             raise InvalidArgumentError(
                 f"{name} must be a {b.name} backend array (use cache.from_numpy), got {type(array).__name__}")
         shape = b.shape_of(array)
-        if shape != (total, heads, c.head_dim):
+        bucket = self._plan.graph_bucket
+        if shape != (total, heads, c.head_dim) and (bucket is None or shape != (bucket, heads, c.head_dim)):
+            padded = f" (or {bucket} rows: the graph bucket)" if bucket is not None else ""
             raise InvalidArgumentError(
-                f"{name} has shape {shape}, expected ({total}, {heads}, {c.head_dim}) "
+                f"{name} has shape {shape}, expected ({total}, {heads}, {c.head_dim}){padded} "
                 f"for {total} new tokens of sequences {self._plan.seq_ids}")
         if b.dtype_name(array) != c.dtype:
             raise InvalidArgumentError(f"{name} has dtype {b.dtype_name(array)}, the cache stores {c.dtype}")
@@ -215,8 +241,9 @@ class PagedKVCache:
             raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
         total = plan.total_tokens
         self._check_input("q", q, c.num_qo_heads, total)
-        self._check_input("k", k, c.num_kv_heads, total)
-        self._check_input("v", v, c.num_kv_heads, total)
+        rows = self.backend.shape_of(q)[0]
+        self._check_input("k", k, c.num_kv_heads, rows)
+        self._check_input("v", v, c.num_kv_heads, rows)
         scale = c.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
         if not np.isfinite(scale):
             raise InvalidArgumentError(f"sm_scale must be finite, got {sm_scale!r}")
@@ -237,6 +264,9 @@ class PagedKVCache:
         b, mode = self.backend, self.config.effective_rope_mode
         inline = self._rope if mode == "inline" else None
         positions, slots = aux["q_positions"], aux["append_slots"]
+        rows = b.shape_of(q)[0]
+        if plan.graph_bucket is not None and rows != plan.graph_bucket:
+            positions, slots = positions[:rows], slots[:rows]     # unpadded inputs, run eagerly
         if not plan.write_after:
             if mode == "normal":
                 q, k = b.rope_append(pages, q, k, v, slots, positions, self._rope)
@@ -252,7 +282,7 @@ class PagedKVCache:
                                         tree=tree, rope=inline, q_positions=positions,
                                         k_rope_offset=aux["k_ragged_offset"])
         for d, meta in enumerate(plan.depths):
-            if meta.num_pages == 0:
+            if meta.num_pages == 0 and plan.graph_bucket is None:
                 continue
             depth = self._depth_aux(aux, d, meta)
             o_d, lse_d = b.paged_attention(q, pages, depth, scale, rope=inline, q_positions=positions)

@@ -28,6 +28,9 @@ class CacheConfig:
     support_sliding_window: bool = False
     cuda_graph: bool = False
     """Fixed-address aux buffers and batch-bucketed grids so decode can be captured in a CUDA graph."""
+    cuda_graph_batch_sizes: tuple = ()
+    """Batch buckets a graph-mode decode is padded to (default: powers of two up to and
+    including max_batch_size)."""
 
     def __post_init__(self):
         for name in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
@@ -49,6 +52,35 @@ class CacheConfig:
             raise InvalidArgumentError(f"CacheConfig.rope_theta={self.rope_theta!r} must be positive")
         if not math.isfinite(self.rope_scale):
             raise InvalidArgumentError(f"CacheConfig.rope_scale={self.rope_scale!r} must be finite")
+
+        sizes = self.cuda_graph_batch_sizes
+        if not isinstance(sizes, tuple) or any(
+                isinstance(b, bool) or not isinstance(b, int) for b in sizes) or list(sizes) != sorted(set(sizes)) \
+                or (sizes and not 1 <= sizes[0] <= sizes[-1] <= self.max_batch_size):
+            raise InvalidArgumentError(
+                f"CacheConfig.cuda_graph_batch_sizes={sizes!r} must be a strictly increasing tuple "
+                f"of ints in [1, max_batch_size={self.max_batch_size}]")
+
+    @property
+    def graph_buckets(self) -> tuple:
+        """The batch sizes a graph-mode decode batch is padded to; the last one is the largest
+        batch a graph-mode decode step takes."""
+        if self.cuda_graph_batch_sizes:
+            return self.cuda_graph_batch_sizes
+        sizes, b = [], 1
+        while b < self.max_batch_size:
+            sizes.append(b)
+            b *= 2
+        return tuple(sizes) + (self.max_batch_size,)
+
+    def graph_bucket(self, batch: int) -> int:
+        """The bucket a decode batch of ``batch`` sequences is padded to in graph mode."""
+        for size in self.graph_buckets:
+            if batch <= size:
+                return size
+        raise InvalidArgumentError(
+            f"a graph-mode decode batch of {batch} sequences exceeds the largest bucket "
+            f"{self.graph_buckets[-1]} (cuda_graph_batch_sizes={self.graph_buckets})")
 
     @property
     def group_size(self) -> int:

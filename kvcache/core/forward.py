@@ -50,6 +50,11 @@ class ForwardPlan:
     max_append: int
     arrays: dict = field(default_factory=dict)
     depths: list = field(default_factory=list)
+    decode_info: object = None
+    graph_bucket: object = None
+    """Graph mode: the batch bucket this decode plan is padded to (None: an eager plan)."""
+    """For a plain decode plan: per depth, where each sequence's last block sits and the page
+    counts behind the coalescing choice (``ForwardBuilder`` updates such plans step to step)."""
 
 
 def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
@@ -64,6 +69,29 @@ def _gather_page_ids(pt, region_starts: np.ndarray, counts: np.ndarray) -> np.nd
     before = _exclusive_cumsum(counts)
     index = np.repeat(region_starts - before[:-1], counts) + np.arange(before[-1])
     return pt.page_store[index]
+
+
+class _DecodeLayout:
+    """A decode batch's last plan, updated instead of rebuilt while the same ids come back and
+    no structural change bumped the state's epoch: then only each sequence's last block grows,
+    and that block ends exactly one entry (of one depth) which holds only that sequence."""
+
+    def __init__(self, plan, epoch, slots, last, own, pages):
+        self.seq_ids, self.epoch, self.slots, self.last = plan.seq_ids, epoch, slots, last
+        self.append_lengths = plan.append_lengths
+        self.arrays = plan.arrays
+        self.depths = plan.depths
+        self.own = own          # per depth: (sequence index, entry index) of last blocks there
+        self.pages = pages      # per depth: [pages at that depth, pages after coalescing, mask of
+                                #   sequences whose last block is the depth's own block]
+
+
+def _all_ones(lengths, batch: int) -> bool:
+    """True when ``lengths`` is ``batch`` ones (a list or an int array), without numpy for lists."""
+    if isinstance(lengths, list):
+        return len(lengths) == batch and lengths.count(1) == batch
+    a = np.asarray(lengths)
+    return a.shape == (batch,) and a.dtype.kind in "iu" and bool((a == 1).all())
 
 
 def _tree_order(parents: list) -> tuple[np.ndarray, np.ndarray]:
@@ -99,12 +127,26 @@ class ForwardBuilder:
         self.state = state
         self.config = config
         self.capabilities = capabilities
+        self._layout = None
 
     # ------------------------------------------------------------------ entry point
     def begin(self, seq_ids, append_lengths, tree_parent_ptr=None) -> ForwardPlan:
+        plan = self._begin(seq_ids, append_lengths, tree_parent_ptr)
+        if (self.config.cuda_graph and plan.decode_info is not None
+                and len(plan.seq_ids) <= self.config.graph_buckets[-1]):
+            return self._pad_for_graph(plan)
+        return plan
+
+    def _begin(self, seq_ids, append_lengths, tree_parent_ptr=None) -> ForwardPlan:
         cfg, pt = self.config, self.state.pt
         seq_ids = list(seq_ids)
         batch = len(seq_ids)
+        layout = self._layout
+        if (layout is not None and tree_parent_ptr is None and layout.epoch == self.state.epoch
+                and seq_ids == layout.seq_ids and _all_ones(append_lengths, batch)):
+            plan = self._decode_step(layout)
+            if plan is not None:
+                return plan
         if not 1 <= batch <= cfg.max_batch_size:
             raise InvalidArgumentError(
                 f"a forward needs 1 to max_batch_size={cfg.max_batch_size} sequences, got {batch}")
@@ -134,7 +176,9 @@ class ForwardBuilder:
         if self.fast_path and tree_parent_ptr is None and total == batch and not cfg.support_sliding_window:
             last = pt.s_last[slots]
             if not pt.s_tree[slots].any() and (pt.b_parent[last] < 0).all():
-                return self._decode_fast(seq_ids, slots, last)
+                plan = self._decode_fast(seq_ids, slots, last)
+                self._remember(plan, slots, last)
+                return plan
         tree_before = pt.s_tree[slots].astype(np.int64)
         has_prev_tree = bool(tree_before.any())
         if tree_parent_ptr is None and has_prev_tree:
@@ -161,6 +205,7 @@ class ForwardBuilder:
                 f"(sequence {seq_ids[worst]} alone needs {int(need[worst])} for {int(append[worst])} tokens)")
 
         # ---------------------------------------------------------- mutate from here on
+        self.state.epoch += 1
         is_decode = bool((append == 1).all())
         write_after = bool(cfg.support_sliding_window)
         append_first = (is_decode and not write_after) or has_prev_tree
@@ -205,47 +250,187 @@ class ForwardBuilder:
         if append_first:
             tree_sizes = pt.s_tree[slots].astype(np.int64) if parents is not None else None
             self._build_depths(plan, last, qo_indptr, append, is_decode, tree_sizes, seqs)
+        if self.fast_path and is_decode and parents is None and not write_after:
+            self._remember(plan, slots, last)
+        else:
+            plan.decode_info = None
         return plan
 
-    # ------------------------------------------------------------------ decode fast path
-    def _decode_fast(self, seq_ids, slots, last) -> ForwardPlan:
-        """Steady-state decode: one token per committed sequence, no windows, no shared prefix
-        (one block per sequence). Same arrays as the general path (tested), fewer numpy calls."""
+    # ------------------------------------------------------------------ decode fast paths
+    def _reserve_decode_pages(self, seq_ids, last, blen, npages):
+        """One new page for each sequence whose last page is full; returns their batch indices
+        and the pages (vectorised: no per-sequence Python unless a block's region must move)."""
         pt, ps = self.state.pt, self.config.page_size
-        batch = len(seq_ids)
-        blen = pt.b_len[last].astype(np.int64)
-        grow = np.nonzero(blen == pt.b_npages[last].astype(np.int64) * ps)[0]
+        grow = np.flatnonzero(blen == npages * ps)
         if len(grow) > pt.num_free:
             raise CacheFullError(
-                f"forward needs {len(grow)} new pages but {pt.num_free} of {pt.num_pages} are free "
-                f"(sequence {seq_ids[int(grow[0])]} alone needs 1 for 1 tokens)")
+                f"forward needs {len(grow)} new pages but {pt.num_free} of {pt.num_pages} are "
+                f"free (sequence {seq_ids[int(grow[0])]} alone needs 1 for 1 tokens)")
+        return grow
+
+    def _take_decode_pages(self, last, npages, grow):
+        pt = self.state.pt
+        fresh = pt.take_pages(len(grow))
+        grown = last[grow]
+        room = npages[grow] < pt.b_pcap[grown]
+        fits = grown[room]
+        pt.page_store[pt.b_pstart[fits] + npages[grow][room]] = fresh[room]
+        pt.b_npages[fits] += 1
+        for j in np.flatnonzero(~room):             # a full region moves (amortised rare)
+            pt.push_pages(int(grown[j]), fresh[j:j + 1])
+        return fresh
+
+    def _decode_fast(self, seq_ids, slots, last) -> ForwardPlan:
+        """First step of a decode batch whose sequences are one block each (no shared prefix):
+        the general path's arrays (tested equal) in a fixed number of numpy calls."""
+        pt, ps = self.state.pt, self.config.page_size
+        batch = len(seq_ids)
+        blen = pt.b_len[last]
+        npages = pt.b_npages[last]
+        grow = self._reserve_decode_pages(seq_ids, last, blen, npages)
         if len(grow):
-            fresh = pt.take_pages(len(grow))
-            for j, i in enumerate(grow):
-                pt.push_pages(int(last[i]), fresh[j:j + 1])
-        pt.b_len[last] += 1
+            self._take_decode_pages(last, npages, grow)
+            npages = pt.b_npages[last]
+        pt.b_len[last] = blen + 1
         pt.s_len[slots] += 1
         kv_len = blen + 1
-        counts = pt.b_npages[last].astype(np.int64)
-        pstart = pt.b_pstart[last]
-        page_indptr = np.zeros(batch + 1, np.int64)
-        np.cumsum(counts, out=page_indptr[1:])
+        in_page = blen % ps
+        page_indptr = np.zeros(batch + 1, np.int32)
+        np.cumsum(npages, out=page_indptr[1:])
+        page_indices = _gather_page_ids(pt, pt.b_pstart[last], npages)
         qo = np.arange(batch + 1, dtype=np.int32)
         zeros = np.zeros(batch, np.int32)
-        plan = ForwardPlan(list(seq_ids), np.ones(batch, np.int64), batch, append_first=True,
+        plan = ForwardPlan(seq_ids, np.ones(batch, np.int64), batch, append_first=True,
                            write_after=False, self_tree=False, max_append=1)
         plan.arrays.update({
-            "qo_indptr": qo, "q_positions": blen.astype(np.int32),
-            "append_slots": (pt.page_store[pstart + blen // ps].astype(np.int64) * ps + blen % ps).astype(np.int32),
-            "k_ragged_offset": blen.astype(np.int32),
-            "d0.qo_indptr": qo, "d0.page_indptr": page_indptr.astype(np.int32),
-            "d0.page_indices": _gather_page_ids(pt, pstart, counts),
-            "d0.last_page_len": ((kv_len - 1) % ps + 1).astype(np.int32),
-            "d0.kv_len": kv_len.astype(np.int32), "d0.sink_size": zeros, "d0.window_offset": zeros,
-            "d0.k_rope_offset": pt.b_start[last],
+            "qo_indptr": qo, "q_positions": blen,
+            "append_slots": page_indices[page_indptr[1:] - 1] * ps + in_page,
+            "k_ragged_offset": blen,
+            "d0.qo_indptr": qo, "d0.page_indptr": page_indptr, "d0.page_indices": page_indices,
+            "d0.last_page_len": in_page + 1, "d0.kv_len": kv_len, "d0.sink_size": zeros,
+            "d0.window_offset": zeros, "d0.k_rope_offset": zeros,
         })
         plan.depths.append(DepthMeta(batch, True, False, int(kv_len.max()), int(page_indptr[-1])))
+        pages = int(page_indptr[-1])
+        everyone = np.arange(batch)
+        plan.decode_info = ([(everyone, everyone)], [[pages, pages, np.ones(batch, bool)]])
         return plan
+
+    def _remember(self, plan, slots, last) -> None:
+        own, pages = plan.decode_info
+        self._layout = _DecodeLayout(plan, self.state.epoch, slots, last, own, pages)
+
+    def _decode_step(self, layout: _DecodeLayout):
+        """A repeat of the last decode batch: update its arrays (lengths +1, a new page at the
+        end of the entry holding a sequence's last block) instead of rebuilding them. Returns
+        None, having changed nothing, when a depth's coalescing choice would flip."""
+        pt, ps = self.state.pt, self.config.page_size
+        last, slots = layout.last, layout.slots
+        batch = len(last)
+        blen = pt.b_len[last]
+        npages = pt.b_npages[last]
+        grow = self._reserve_decode_pages(layout.seq_ids, last, blen, npages)
+        k = len(grow)
+        counts = []
+        if k:
+            grew = np.zeros(batch, bool)
+            grew[grow] = True
+            for d, (total, grouped, exact) in enumerate(layout.pages):
+                g = int(np.count_nonzero(grew & exact)) if len(layout.pages) > 1 else k
+                ratio = (total + g) / (grouped + g) if grouped + g else 0.0
+                if not self.config.cuda_graph and (ratio < COALESCE_RATIO) != layout.depths[d].use_decode:
+                    self._layout = None
+                    return None
+                counts.append(g)
+            fresh_of = np.zeros(batch, np.int32)
+            fresh_of[grow] = self._take_decode_pages(last, npages, grow)
+            for d, g in enumerate(counts):
+                layout.pages[d][0] += g
+                layout.pages[d][1] += g
+        pt.b_len[last] = blen + 1
+        pt.s_len[slots] += 1
+        a = layout.arrays
+        arrays = dict(a)
+        arrays["q_positions"] = a["q_positions"] + 1
+        arrays["k_ragged_offset"] = a["k_ragged_offset"] + 1
+        in_page = blen % ps
+        append_slots = np.empty(batch, np.int32) if len(layout.own) > 1 else None
+        depths = []
+        for d, (seq_i, ent) in enumerate(layout.own):
+            meta = layout.depths[d]
+            if not len(seq_i):
+                depths.append(meta)
+                continue
+            p = f"d{d}."
+            kv_len = a[p + "kv_len"].copy()
+            kv_len[ent] += 1
+            last_page_len = a[p + "last_page_len"].copy()
+            last_page_len[ent] = in_page[seq_i] + 1
+            indptr, indices = a[p + "page_indptr"], a[p + "page_indices"]
+            if k:
+                g = grew[seq_i]
+                if g.any():       # entries are ascending, so each insert lands after the ones before
+                    at_entry = ent[g]
+                    at = indptr[at_entry + 1] + np.arange(len(at_entry), dtype=np.int32)
+                    keep = np.ones(len(indices) + len(at), bool)
+                    keep[at] = False
+                    grown = np.empty(len(keep), np.int32)
+                    grown[keep] = indices
+                    grown[at] = fresh_of[seq_i[g]]
+                    shift = np.zeros(len(indptr), np.int32)
+                    shift[at_entry + 1] = 1
+                    indices, indptr = grown, indptr + np.cumsum(shift, dtype=np.int32)
+            new_slots = indices[indptr[ent + 1] - 1] * ps + in_page[seq_i]
+            if append_slots is None:
+                append_slots = new_slots          # one depth: seq_i is the whole batch, in order
+            else:
+                append_slots[seq_i] = new_slots
+            arrays.update({p + "kv_len": kv_len, p + "last_page_len": last_page_len,
+                           p + "page_indptr": indptr, p + "page_indices": indices})
+            depths.append(DepthMeta(meta.num_entries, meta.use_decode, meta.has_tree,
+                                    int(kv_len.max()), int(indptr[-1]), meta.max_qo_len))
+        arrays["append_slots"] = append_slots
+        plan = ForwardPlan(layout.seq_ids, layout.append_lengths, batch, append_first=True,
+                           write_after=False, self_tree=False, max_append=1)
+        plan.arrays, plan.depths = arrays, depths
+        plan.decode_info = (layout.own, layout.pages)
+        layout.arrays, layout.depths = arrays, depths
+        return plan
+
+    # ------------------------------------------------------------------ CUDA-graph decode
+    def _pad_for_graph(self, plan: ForwardPlan) -> ForwardPlan:
+        """Pad a plain decode plan to its batch bucket: padded rows append nowhere (slot -1) and
+        their entries hold no keys, so they read o = 0 / lse = -inf. Every shape and launch
+        parameter now depends on the bucket alone (``max_kv_len`` is the cache's bound, kernels
+        read the real lengths from the arrays), which makes the plan capturable."""
+        cfg = self.config
+        batch = len(plan.seq_ids)
+        bucket = cfg.graph_bucket(batch)
+        pad = bucket - batch
+        a = plan.arrays
+        rows = np.arange(bucket + 1, dtype=np.int32)
+        zeros = np.zeros(pad, np.int32)
+
+        def tail(array, fill):
+            return np.concatenate([array, np.full(pad, fill, np.int32)]) if pad else array
+
+        meta = plan.depths[0]
+        arrays = {
+            "qo_indptr": rows, "q_positions": tail(a["q_positions"], 0),
+            "append_slots": tail(a["append_slots"], -1),
+            "k_ragged_offset": tail(a["k_ragged_offset"], 0),
+            "d0.qo_indptr": rows,
+            "d0.page_indptr": tail(a["d0.page_indptr"], a["d0.page_indptr"][-1]),
+            "d0.page_indices": a["d0.page_indices"],
+        }
+        for key in ("last_page_len", "kv_len", "sink_size", "window_offset", "k_rope_offset"):
+            arrays[f"d0.{key}"] = np.concatenate([a[f"d0.{key}"], zeros]) if pad else a[f"d0.{key}"]
+        graph = ForwardPlan(plan.seq_ids, plan.append_lengths, plan.total_tokens, True, False,
+                            False, 1, arrays=arrays, decode_info=plan.decode_info)
+        graph.depths = [DepthMeta(bucket, True, False, cfg.num_pages * cfg.page_size,
+                                  meta.num_pages, 1)]
+        graph.graph_bucket = bucket
+        return graph
 
     # ------------------------------------------------------------------ validation helpers
     def _check_tree(self, seq_ids, append, tree_before, tree_parent_ptr, total):
@@ -335,20 +520,26 @@ class ForwardBuilder:
         width = chain.shape[0]
         src = ndepth[:, None] - 1 - np.arange(width)[None, :]
         trace = np.where(src >= 0, chain[np.maximum(src, 0), np.arange(batch)[:, None]], -1)  # (B, K) root first
-        num_depths = min(int(ndepth.max()), MAX_BLOCK_DEPTH)
+        # graph mode: decode reads each sequence's whole page list as one entry (one launch per
+        # layer whatever the fork structure, so one captured graph fits every batch)
+        flat = self.config.cuda_graph and is_decode
+        max_depth = 1 if flat else MAX_BLOCK_DEPTH
+        num_depths = min(int(ndepth.max()), max_depth)
+        plan.decode_info = ([], pages_info := [])
         for d in range(num_depths):
             at_d = trace[:, d]
-            coalesce_ok = d != MAX_BLOCK_DEPTH - 1
+            coalesce_ok = d != max_depth - 1
             npages_d = np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0)
             starts = np.concatenate([[0], np.nonzero(at_d[1:] != at_d[:-1])[0] + 1])
             blocks_c = at_d[starts]
             pages_c = int(np.where(blocks_c >= 0, pt.b_npages[np.maximum(blocks_c, 0)], 0).sum())
             ratio = npages_d.sum() / pages_c if pages_c else 0.0
-            use_decode = is_decode and ratio < COALESCE_RATIO
+            use_decode = is_decode and (ratio < COALESCE_RATIO or flat)
+            pages_info.append([int(npages_d.sum()), pages_c, ndepth - 1 == d])
             if use_decode or not coalesce_ok or len(starts) == batch:
                 entry_qo = qo_indptr
                 entry_seq = np.arange(batch)
-                if d == MAX_BLOCK_DEPTH - 1:
+                if d == max_depth - 1:
                     pair_entry, pair_block = np.nonzero(trace[:, d:] >= 0)
                     pair_block = trace[:, d:][pair_entry, pair_block]
                 else:
@@ -406,6 +597,8 @@ class ForwardBuilder:
                     [plan.tree_masks[entry_seq[e]] for e in np.nonzero(sizes)[0]])
         for key, value in arrays.items():
             plan.arrays[f"d{d}.{key}"] = np.ascontiguousarray(value, dtype=np.int32)
+        holds_last = np.flatnonzero(has & (lb == last[entry_seq]))
+        plan.decode_info[0].append((entry_seq[holds_last], holds_last))
         max_qo = int(np.diff(entry_qo).max()) if n else 0
         plan.depths.append(DepthMeta(n, use_decode, has_tree, int(kv_len.max()) if n else 0,
                                      total_pages, max_qo))

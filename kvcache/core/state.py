@@ -34,6 +34,9 @@ class CacheState:
         self.page_size = page_size
         self.support_sliding_window = support_sliding_window
         self.pt = PageTable(num_pages, page_size)
+        self.epoch = 0
+        """Bumped by every change of the block/sequence structure (not by a plain decode step);
+        the decode fast path reuses its batch layout while it is unchanged."""
 
     # ------------------------------------------------------------------ lookups
     def seq(self, seq_id) -> SeqState:
@@ -48,12 +51,14 @@ class CacheState:
 
     # ------------------------------------------------------------------ add / remove
     def add_sequence(self, seq_id) -> None:
+        self.epoch += 1
         seq_id = as_int(seq_id, "seq_id")
         if seq_id in self.pt.seqs:
             raise SequenceExistsError(f"sequence {seq_id} is already in the cache")
         self.pt.add_sequence(seq_id, self.pt.new_block())
 
     def remove_sequence(self, seq_id) -> None:
+        self.epoch += 1
         seq = self.seq(seq_id)
         pt = self.pt
         b = int(pt.s_last[seq.slot])
@@ -100,6 +105,7 @@ class CacheState:
         return self._fork(parent, child_id, fork_pos)
 
     def _fork(self, parent: SeqState, child_id: int, fork_pos: int) -> list[PageCopy]:
+        self.epoch += 1
         pt, ps = self.pt, self.page_size
         copies = []
         last = int(pt.s_last[parent.slot])
@@ -191,6 +197,7 @@ class CacheState:
         return self._popn(seq, n)
 
     def _popn(self, seq: SeqState, n: int) -> list[PageCopy]:
+        self.epoch += 1
         if n == 0:
             return []
         pt, ps = self.pt, self.page_size
@@ -260,6 +267,7 @@ class CacheState:
             raise ForwardStateError(f"sequence {seq.seq_id} has an uncommitted token tree")
         last = int(self.pt.s_last[seq.slot])
         prefix = self.pt.length(seq) - int(self.pt.b_len[last])
+        self.epoch += 1
         seq.last_block_sink = max(sink_size - prefix, 0)
         seq.window, seq.sink_request = window_size, sink_size
         self.pt.s_window[seq.slot] = window_size
@@ -273,6 +281,7 @@ class CacheState:
                           page_size=self.page_size)
 
     def apply_slide(self, seq: SeqState, append: int) -> None:
+        self.epoch += 1
         """Reserve ``append`` tokens in a sliding sequence's last block, then slide (may borrow a
         temporary page while the slide has not yet freed one)."""
         pt = self.pt
@@ -338,6 +347,7 @@ class CacheState:
         return np.asarray(src, np.int32), np.asarray(dst, np.int32)
 
     def commit(self, items) -> None:
+        self.epoch += 1
         for seq, leaf in items:
             size = len(seq.tree_parent)
             keep = seq.tree_depth[leaf] + 1 if leaf >= 0 else 0
@@ -347,4 +357,5 @@ class CacheState:
 
     # ------------------------------------------------------------------ misc
     def clear(self) -> None:
+        self.epoch += 1
         self.pt = PageTable(self.pt.num_pages, self.page_size)

@@ -93,3 +93,89 @@ def test_deep_fork_chain_folds_into_last_depth():
     np.testing.assert_array_equal(plan.arrays["d0.kv_len"], [2])
     np.testing.assert_array_equal(plan.arrays["d1.kv_len"], [11])          # 5 folded blocks + new token
     assert cache.sequence_length(parent) == 13
+
+
+def _assert_same_plan(fast_plan, slow_plan, fast_pt, slow_pt):
+    assert set(fast_plan.arrays) == set(slow_plan.arrays)
+    for key in fast_plan.arrays:
+        np.testing.assert_array_equal(fast_plan.arrays[key], slow_plan.arrays[key], err_msg=key)
+        assert fast_plan.arrays[key].dtype == np.int32, key
+    assert [vars(d) for d in fast_plan.depths] == [vars(d) for d in slow_plan.depths]
+    np.testing.assert_array_equal(fast_pt.free_pages[:fast_pt.num_free],
+                                  slow_pt.free_pages[:slow_pt.num_free])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_repeated_decode_batches_update_their_layout_like_a_rebuild(seed):
+    """Decode steps of the same batch reuse and update the previous plan (shared prefixes,
+    several depths, page growth); any structural change in between must invalidate it. A twin
+    builder with the fast paths off rebuilds every plan from scratch."""
+    rng = np.random.default_rng(seed)
+    ps = int(rng.choice([1, 2, 4, 16]))
+    fast = make_cache(page_size=ps, tokens=6000)
+    fast.config.__class__  # noqa: B018
+    slow = copy.deepcopy(fast)
+    slow._builder.fast_path = False
+
+    def both(op, *args):
+        getattr(fast, op)(*args)
+        getattr(slow, op)(*args)
+
+    both("add_sequence", 0)
+    n0 = int(rng.integers(1, 40))
+    fast._builder.begin([0], [n0])
+    slow._builder.begin([0], [n0])
+    live = [0]
+    next_id = 1
+    for _ in range(int(rng.integers(3, 9))):          # a forked family: up to 3 levels
+        parent = int(rng.choice(live))
+        pos = int(rng.integers(0, fast.sequence_length(parent) + 1))
+        both("fork_sequence", parent, next_id, pos)
+        n = int(rng.integers(1, 20))
+        fast._builder.begin([next_id], [n])
+        slow._builder.begin([next_id], [n])
+        live.append(next_id)
+        next_id += 1
+    batch = [int(x) for x in rng.permutation(live)[:int(rng.integers(1, len(live) + 1))]]
+    for step in range(40):
+        if rng.random() < 0.15:                         # a structural change between steps
+            op = rng.choice(["popn", "fork", "add", "remove"])
+            victim = int(rng.choice(batch))
+            if op == "popn" and fast.sequence_length(victim) > 1:
+                both("popn", victim, int(rng.integers(1, fast.sequence_length(victim))))
+            elif op == "fork":
+                both("fork_sequence", victim, next_id, -1)
+                batch.append(next_id)
+                next_id += 1
+            elif op == "add":
+                both("add_sequence", next_id)
+                fast._builder.begin([next_id], [3])
+                slow._builder.begin([next_id], [3])
+                batch.append(next_id)
+                next_id += 1
+            elif op == "remove" and len(batch) > 1:
+                both("remove_sequence", victim)
+                batch.remove(victim)
+        fast_plan = fast._builder.begin(batch, [1] * len(batch))
+        slow_plan = slow._builder.begin(batch, [1] * len(batch))
+        _assert_same_plan(fast_plan, slow_plan, fast.state.pt, slow.state.pt)
+        assert fast.sequence_length(batch[0]) == slow.sequence_length(batch[0])
+    fast.state.pt.check_invariants()
+
+
+def test_repeated_decode_reuses_the_layout():
+    """The update path is taken (not a rebuild that happens to match)."""
+    cache = make_cache(page_size=4, tokens=2000)
+    cache.add_sequence(0)
+    grow(cache, 0, 16)
+    for child in (1, 2, 3):
+        cache.fork_sequence(0, child)
+    first = cache._builder.begin([1, 2, 3], [1, 1, 1])
+    layout = cache._builder._layout
+    assert layout is not None and len(first.depths) == 2
+    second = cache._builder.begin([1, 2, 3], [1, 1, 1])
+    assert cache._builder._layout is layout
+    np.testing.assert_array_equal(second.arrays["d1.kv_len"], first.arrays["d1.kv_len"] + 1)
+    cache.add_sequence(9)                              # any structural change: rebuild
+    cache._builder.begin([1, 2, 3], [1, 1, 1])
+    assert cache._builder._layout is not layout

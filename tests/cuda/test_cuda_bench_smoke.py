@@ -34,6 +34,10 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "SPLITS", (1, 2))
     monkeypatch.setattr(bench, "SWEEP_DECODE", (2, 40))
     monkeypatch.setattr(bench, "SWEEP_PREFILL", (1, 24))
+    monkeypatch.setattr(bench, "GRAPH_LAYERS", 2)
+    monkeypatch.setattr(bench, "GRAPH_KV", 20)
+    monkeypatch.setattr(bench, "GRAPH_BATCHES", (1, 2))
+    monkeypatch.setattr(bench, "_kernel_time_us", lambda torch, fn: (fn(), 5.0)[1])
     monkeypatch.setattr(bench, "FLUSH_BYTES", 1024)
     monkeypatch.setattr(bench, "COPY_BYTES", 1 << 16)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
@@ -49,6 +53,8 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     data = json.loads(out.read_text())
     kinds = {c["kind"] for c in data["cases"]}
     assert kinds == {"decode", "prefill-paged", "prefill-ragged", "append-fused", "append-unfused"}
-    assert len(data["verdicts"]) == 2 + 1 + 1        # decode x2, paged prefill, fused append
+    assert len(data["verdicts"]) == 2 + 1 + 1 + 1    # decode x2, paged prefill, fused append, graph
+    assert [r["batch"] for r in data["graphs"]] == [1, 2] and "CUDA-graph decode" in text
+    assert any(v.endswith("(target <= 1.3)") for v in data["verdicts"])
     assert "# targets" in text and "sweep decode" in text and "best prefill" in text
     assert "sweep B=1 L=40 splits=2" in text and set(data["split_sweep"]) == {"L=40,splits=1", "L=40,splits=2"}

@@ -1,7 +1,8 @@
 """Run the Triton kernels on CPU tensors through Triton's interpreter, in a subprocess:
 TRITON_INTERPRET must be set before triton is first imported, and this process may already have
-imported it. The subprocess runs the kernel tests (every kernel vs the reference) and two
-end-to-end scenarios (token tree, fused qkv) with the backend selecting Triton for CPU tensors."""
+imported it. The subprocess runs the kernel tests (every kernel vs the reference), two
+end-to-end scenarios (token tree, fused qkv) and the graph-mode decode scenario (padded buckets,
+forks) with the backend selecting Triton for CPU tensors."""
 
 import os
 import re
@@ -23,7 +24,9 @@ def test_triton_kernels_under_interpreter():
     env.update(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
            str(HERE / "test_cuda_kernels.py"), str(HERE / "test_cuda_end_to_end.py"),
-           "-k", "not end_to_end or token_tree or fused_qkv"]
+           str(HERE / "test_cuda_graph_mode.py"),
+           "-k", "(not end_to_end and not graph) or token_tree or fused_qkv "
+                 "or graph_mode_decode_equals"]
     r = subprocess.run(cmd, cwd=HERE.parent.parent, env=env, capture_output=True, text=True,
                        timeout=900)
     tail = r.stdout[-6000:] + r.stderr[-3000:]

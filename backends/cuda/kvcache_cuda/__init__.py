@@ -1,6 +1,6 @@
 """kvcache backend plugin 'cuda': torch memory/streams, Triton kernels, torch fallback."""
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "DecodeGraphs"]
 
 
 def __getattr__(name):
@@ -8,4 +8,7 @@ def __getattr__(name):
     if name == "CudaBackend":
         from .backend import CudaBackend
         return CudaBackend
+    if name == "DecodeGraphs":
+        from .graphs import DecodeGraphs
+        return DecodeGraphs
     raise AttributeError(name)

@@ -32,7 +32,7 @@ def _parser():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
-    p.add_argument("--only", default="decode,prefill,append", help="comma list of sections")
+    p.add_argument("--only", default="decode,prefill,append,graphs", help="comma list of sections")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--sweep", action="store_true", help="also sweep split-K factors of B=1 decode")
     p.add_argument("--device", default="cuda")
@@ -232,11 +232,14 @@ def run_benchmarks(argv=None, backend_cls=None):
             results.setdefault("append_speedup", {})[t] = unfused / fused
             del pages
 
+    if "graphs" in sections:
+        graph_bench(torch, backend_cls, device, args, results)
+
     if args.sweep:                     # after the main table, so a time limit cuts only sweeps
         split_sweep(torch, backend, timer, rng, device, scale, results)
         tile_sweep(torch, backend, timer, rng, device, scale, results)
 
-    verdicts = _verdicts(rows)
+    verdicts = _verdicts(rows) + results.get("graph_verdicts", [])
     results["verdicts"] = verdicts
     print("\n# targets")
     for line in verdicts:
@@ -245,6 +248,112 @@ def run_benchmarks(argv=None, backend_cls=None):
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1, default=lambda x: None if x != x else x)
     return 0
+
+
+GRAPH_LAYERS, GRAPH_KV, GRAPH_BATCHES = 32, 1024, (1, 8, 32, 128)
+
+
+def _kernel_time_us(torch, fn):
+    """Sum of the GPU kernels' own durations in one call of ``fn`` (torch profiler / CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).endswith("CUDA") and "memcpy" not in ev.name.lower() \
+                and "memset" not in ev.name.lower():
+            total += getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
+    return total
+
+
+def graph_bench(torch, backend_cls, device, args, results):
+    """Per-step latency of a 32-layer decode (attention only: fused RoPE append + paged decode
+    per layer) at B = 1, 8, 32, 128 and L = 1024: eager calls vs replay of a captured graph,
+    and the replay's GPU time vs the sum of its kernels' own times."""
+    import time
+
+    import kvcache
+    from .graphs import DecodeGraphs
+    print(f"\n# CUDA-graph decode: {GRAPH_LAYERS} layers, L={GRAPH_KV}, attention only "
+          f"(append + decode per layer); per-step medians of {args.iters}")
+    print(f"{'batch':>6} {'eager step us':>14} {'graph step us':>14} {'replay gpu us':>14} "
+          f"{'kernel sum us':>14} {'replay/kern':>11} {'eager/graph':>11}")
+    out = results.setdefault("graphs", [])
+    for batch in GRAPH_BATCHES:
+        cfg = kvcache.CacheConfig(
+            num_layers=GRAPH_LAYERS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
+            dtype=args.dtype, rope_mode="normal", max_batch_size=max(GRAPH_BATCHES),
+            max_total_tokens=batch * (GRAPH_KV + 4 * args.iters + 64) + PS,
+            prefill_chunk_size=GRAPH_KV, cuda_graph=True, cuda_graph_batch_sizes=GRAPH_BATCHES)
+        cache = kvcache.PagedKVCache(cfg, backend=backend_cls.name, device=args.device)
+        ids = list(range(batch))
+        for sid in ids:              # histories through the planner only: timing needs no values
+            cache.add_sequence(sid)
+            cache._builder.begin([sid], [GRAPH_KV])
+        static = [[torch.randn((batch, h, D), device=device).to(cache.backend.dtype)
+                   for h in (HQ, HKV, HKV)] for _ in range(GRAPH_LAYERS)]
+
+        def layers():
+            return [cache.attention(layer, *static[layer]) for layer in range(GRAPH_LAYERS)]
+
+        graphs = DecodeGraphs(cache, warmup=2)
+        cache.begin_forward(ids, [1] * batch)
+        graphs.capture(layers)
+        cache.end_forward()
+
+        def step_eager():
+            cache.begin_forward(ids, [1] * batch)
+            layers()
+            cache.end_forward()
+
+        def step_graph():
+            cache.begin_forward(ids, [1] * batch)
+            graphs.replay()
+            cache.end_forward()
+
+        def wall(fn):
+            times = []
+            for _ in range(args.iters):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e6)
+            return statistics.median(times)
+
+        for fn in (step_eager, step_graph):
+            fn()
+        eager_us, graph_us = wall(step_eager), wall(step_graph)
+        replays = []
+        for _ in range(args.iters):
+            cache.begin_forward(ids, [1] * batch)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs.replay()
+            end.record()
+            end.synchronize()
+            cache.end_forward()
+            replays.append(start.elapsed_time(end) * 1e3)
+        replay_us = statistics.median(replays)
+        cache.begin_forward(ids, [1] * batch)
+        kern_us = _kernel_time_us(torch, graphs.replay)
+        cache.end_forward()
+        ratio = replay_us / kern_us if kern_us else float("nan")
+        row = {"batch": batch, "eager_step_us": eager_us, "graph_step_us": graph_us,
+               "replay_gpu_us": replay_us, "kernel_sum_us": kern_us, "replay_over_kernels": ratio}
+        out.append(row)
+        print(f"{batch:>6} {eager_us:14.1f} {graph_us:14.1f} {replay_us:14.1f} {kern_us:14.1f} "
+              f"{ratio:11.2f} {eager_us / graph_us:11.2f}", flush=True)
+        del cache, graphs, static
+        torch.cuda.empty_cache()
+    b1 = next((r for r in out if r["batch"] == 1), None)
+    if b1 is not None:
+        ok = b1["replay_over_kernels"] <= 1.3
+        results.setdefault("graph_verdicts", []).append(
+            f"{'PASS' if ok else 'MISS'} graph replay B=1: {b1['replay_over_kernels']:.2f}x the "
+            f"kernels' own time (target <= 1.3)")
 
 
 def split_sweep(torch, backend, timer, rng, device, scale, results):

@@ -150,8 +150,12 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     dev = q.device
     o_out = torch.zeros((t_total, hq, d), dtype=ctx.dtype, device=dev)
     lse_out = torch.full((t_total, hq), NEG_INF, dtype=torch.float32, device=dev)
-    n, max_kv = depth.num_entries, int(depth.max_kv_len)
-    if n == 0 or max_kv == 0 or t_total == 0:
+    n = depth.num_entries
+    if n == 0 or t_total == 0:
+        return o_out, lse_out
+    # graph mode passes the cache's bound as max_kv_len; the fallback sizes by the real lengths
+    max_kv = min(int(depth.max_kv_len), int(depth.kv_len[:n].max().item()))   # host sync: fallback only
+    if max_kv == 0:
         return o_out, lse_out
     qo = depth.qo_indptr.long()[: n + 1]
     nq = qo[1:] - qo[:-1]

@@ -111,15 +111,17 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
     off = tl.where(j < sink, j, j - sink + gap)               # sinks, then window after a gap
     pg = tl.load(pind_ptr + off // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
     base = pg * sp_page + kvh * sp_head + (off % PAGE_SIZE).to(tl.int64) * sp_row
-    kmask = j_ok[:, None] & dh_ok[None, :]
-    k1 = tl.load(pages_ptr + base[:, None] + dh[None, :], mask=kmask, other=0.0)
-    k2 = tl.load(pages_ptr + base[:, None] + HALF + dh[None, :], mask=kmask, other=0.0)
-    if ROPE:
+    if ROPE:       # halves, rotated here: q1 / q2 are the query's rotated halves
+        kmask = j_ok[:, None] & dh_ok[None, :]
+        k1 = tl.load(pages_ptr + base[:, None] + dh[None, :], mask=kmask, other=0.0)
+        k2 = tl.load(pages_ptr + base[:, None] + HALF + dh[None, :], mask=kmask, other=0.0)
         kpos = (krope + j).to(tl.float32) * rope_scale
         r1, r2 = _rotate(k1, k2, kpos, inv_freq)
-        k1 = r1.to(q1.dtype)
-        k2 = r2.to(q1.dtype)
-    qk = _dot(q1, tl.trans(k1), IEEE) + _dot(q2, tl.trans(k2), IEEE)
+        qk = _dot(q1, tl.trans(r1.to(q1.dtype)), IEEE) + _dot(q2, tl.trans(r2.to(q1.dtype)), IEEE)
+    else:          # one full-width dot: q1 is the whole query row (q2 unused)
+        k = tl.load(pages_ptr + base[:, None] + dd[None, :], mask=j_ok[:, None] & dd_ok[None, :],
+                    other=0.0)
+        qk = _dot(q1, tl.trans(k), IEEE)
     vis = j_ok[None, :]
     if TREE:
         in_tree = j_ok & (j >= tree_start)
@@ -258,18 +260,21 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         dh_ok = dh < HALF
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
-        qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
-        qm = row_ok[:, None] & dh_ok[None, :]
-        q1 = tl.load(qb, mask=qm, other=0.0)
-        q2 = tl.load(qb + HALF, mask=qm, other=0.0)
         inv = _inv_freq(dh, HEAD_DIM, log2_theta)
         krope = 0
         if ROPE:
+            qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
+            qm = row_ok[:, None] & dh_ok[None, :]
             qpos = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.float32) * rope_scale
-            r1, r2 = _rotate(q1, q2, qpos, inv)
+            r1, r2 = _rotate(tl.load(qb, mask=qm, other=0.0), tl.load(qb + HALF, mask=qm, other=0.0),
+                             qpos, inv)
             q1 = r1.to(q_ptr.dtype.element_ty)
             q2 = r2.to(q_ptr.dtype.element_ty)
             krope = tl.load(krope_ptr + seq)
+        else:
+            q1 = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
+                         mask=row_ok[:, None] & dd_ok[None, :], other=0.0)
+            q2 = q1
         tlo = 0
         q_order = tl.zeros([BLOCK_R], tl.int32)
         if TREE:
@@ -283,16 +288,18 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
             c = c0 + tl.arange(0, BLOCK_N)
             c_ok = c < end
             kt = (lo + c).to(tl.int64)
-            km = c_ok[:, None] & dh_ok[None, :]
-            kb = k_ptr + kt[:, None] * sk_t + kvh * sk_h + dh[None, :]
-            k1 = tl.load(kb, mask=km, other=0.0)
-            k2 = tl.load(kb + HALF, mask=km, other=0.0)
             if ROPE:
+                km = c_ok[:, None] & dh_ok[None, :]
+                kb = k_ptr + kt[:, None] * sk_t + kvh * sk_h + dh[None, :]
                 kpos = (krope + c).to(tl.float32) * rope_scale
-                kr1, kr2 = _rotate(k1, k2, kpos, inv)      # not r1/r2: loop-carried types
-                k1 = kr1.to(q1.dtype)
-                k2 = kr2.to(q1.dtype)
-            qk = _dot(q1, tl.trans(k1), IEEE) + _dot(q2, tl.trans(k2), IEEE)
+                kr1, kr2 = _rotate(tl.load(kb, mask=km, other=0.0),
+                                   tl.load(kb + HALF, mask=km, other=0.0), kpos, inv)
+                qk = (_dot(q1, tl.trans(kr1.to(q1.dtype)), IEEE)
+                      + _dot(q2, tl.trans(kr2.to(q1.dtype)), IEEE))
+            else:
+                kf = tl.load(k_ptr + kt[:, None] * sk_t + kvh * sk_h + dd[None, :],
+                             mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
+                qk = _dot(q1, tl.trans(kf), IEEE)
             vis = c_ok[None, :] & (c[None, :] <= r[:, None])
             if TREE:
                 k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
@@ -345,18 +352,21 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         dh_ok = dh < HALF
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
-        qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
-        qm = row_ok[:, None] & dh_ok[None, :]
-        q1 = tl.load(qb, mask=qm, other=0.0)
-        q2 = tl.load(qb + HALF, mask=qm, other=0.0)
         inv = _inv_freq(dh, HEAD_DIM, log2_theta)
         krope = 0
         if ROPE:
+            qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
+            qm = row_ok[:, None] & dh_ok[None, :]
             qpos = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.float32) * rope_scale
-            r1, r2 = _rotate(q1, q2, qpos, inv)
+            r1, r2 = _rotate(tl.load(qb, mask=qm, other=0.0), tl.load(qb + HALF, mask=qm, other=0.0),
+                             qpos, inv)
             q1 = r1.to(q_ptr.dtype.element_ty)
             q2 = r2.to(q_ptr.dtype.element_ty)
             krope = tl.load(krope_ptr + e)
+        else:
+            q1 = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
+                         mask=row_ok[:, None] & dd_ok[None, :], other=0.0)
+            q2 = q1
         tlo = 0
         tree_start = kv_len
         q_order = tl.zeros([BLOCK_R], tl.int32)
@@ -416,18 +426,21 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
     dh_ok = dh < HALF
     dd = tl.arange(0, BLOCK_D)
     dd_ok = dd < HEAD_DIM
-    qb = q_ptr + t64 * sq_t + head[:, None] * sq_h + dh[None, :]
-    qm = row_ok[:, None] & dh_ok[None, :]
-    q1 = tl.load(qb, mask=qm, other=0.0)
-    q2 = tl.load(qb + HALF, mask=qm, other=0.0)
     inv = _inv_freq(dh, HEAD_DIM, log2_theta)
     krope = 0
     if ROPE:
+        qb = q_ptr + t64 * sq_t + head[:, None] * sq_h + dh[None, :]
+        qm = row_ok[:, None] & dh_ok[None, :]
         qpos = tl.zeros([BLOCK_R], tl.float32) + tl.load(qpos_ptr + t64).to(tl.float32) * rope_scale
-        r1, r2 = _rotate(q1, q2, qpos, inv)
+        r1, r2 = _rotate(tl.load(qb, mask=qm, other=0.0), tl.load(qb + HALF, mask=qm, other=0.0),
+                         qpos, inv)
         q1 = r1.to(q_ptr.dtype.element_ty)
         q2 = r2.to(q_ptr.dtype.element_ty)
         krope = tl.load(krope_ptr + e)
+    else:
+        q1 = tl.load(q_ptr + t64 * sq_t + head[:, None] * sq_h + dd[None, :],
+                     mask=row_ok[:, None] & dd_ok[None, :], other=0.0)
+        q2 = q1
     tlo = 0
     tree_start = kv_len
     q_order = tl.zeros([BLOCK_R], tl.int32)

@@ -1,0 +1,324 @@
+"""Graph mode (``CacheConfig(cuda_graph=True)``): padded decode plans in one fixed-address aux
+buffer, outputs equal to eager non-graph execution and to the reference (forks at several
+depths, histories growing 100x), and ``DecodeGraphs`` capture/replay with its refusals.
+
+On CPU the capture is a stand-in that re-runs the step; the same tests run real CUDA graphs with
+``KVCACHE_CUDA_TEST_DEVICE=cuda`` (see docs/backends/cuda.md)."""
+
+import numpy as np
+import pytest
+
+import cuda_cases as cc
+import kvcache
+from kvcache.errors import ForwardStateError, InvalidArgumentError
+
+DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
+
+
+def make(dtype, graph, backend="cuda", rope="normal", buckets=(), max_tokens=8192):
+    cfg = kvcache.CacheConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                              page_size=16, max_batch_size=8, max_total_tokens=max_tokens,
+                              prefill_chunk_size=2048, dtype=dtype, rope_mode=rope,
+                              cuda_graph=graph, cuda_graph_batch_sizes=buckets)
+    if backend == "reference":
+        return kvcache.PagedKVCache(cfg.__class__(**{**cfg.__dict__, "cuda_graph": False}),
+                                    backend="reference")
+    return kvcache.PagedKVCache(cfg, backend=backend, device=cc.DEVICE)
+
+
+class Trio:
+    """A graph-mode cuda cache, an eager cuda cache and the reference, driven identically."""
+
+    def __init__(self, dtype, seed=0, **kw):
+        self.graph = make(dtype, True, **kw)
+        self.eager = make(dtype, False, **kw)
+        self.ref = make(dtype, False, backend="reference", **kw)
+        self.caches = (self.graph, self.eager, self.ref)
+        self.cfg = self.graph.config
+        self.rng = np.random.default_rng(seed)
+
+    def each(self, method, *args):
+        for c in self.caches:
+            getattr(c, method)(*args)
+
+    def inputs(self, rows):
+        c = self.cfg
+        return [self.rng.standard_normal((rows, h, c.head_dim)).astype(np.float32)
+                for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads)]
+
+    def prefill(self, sid, n):
+        self.each("begin_forward", [sid], [n])
+        for layer in range(self.cfg.num_layers):
+            parts = self.inputs(n)
+            for c in self.caches:
+                c.attention(layer, *map(c.from_numpy, parts))
+        self.each("end_forward")
+
+    def decode(self, ids, padded_inputs=False):
+        """One decode step; the graph cache gets bucket-row inputs when ``padded_inputs``."""
+        self.each("begin_forward", ids, [1] * len(ids))
+        bucket = self.graph.graph_batch_size
+        assert bucket == self.cfg.graph_bucket(len(ids))
+        outs = []
+        for layer in range(self.cfg.num_layers):
+            parts = self.inputs(bucket)
+            real = [p[:len(ids)] for p in parts]
+            o_g, l_g = self.graph.attention(layer, *map(self.graph.from_numpy, parts if padded_inputs else real),
+                                            return_lse=True)
+            o_e, l_e = self.eager.attention(layer, *map(self.eager.from_numpy, real), return_lse=True)
+            o_r, l_r = self.ref.attention(layer, *map(self.ref.from_numpy, real), return_lse=True)
+            outs.append((o_g, l_g, o_e, l_e, o_r, l_r))
+        self.each("end_forward")
+        return outs
+
+
+def _np(x):
+    return kvcache.to_numpy(x).astype(np.float64)
+
+
+def check(outs, n, dtype, padded):
+    atol, rtol, latol = cc.TOL[dtype]
+    for o_g, l_g, o_e, l_e, o_r, l_r in outs:
+        g, lg = _np(o_g), _np(l_g)
+        np.testing.assert_allclose(g[:n], _np(o_e), atol=atol, rtol=rtol)
+        np.testing.assert_allclose(g[:n], _np(o_r), atol=atol, rtol=rtol)
+        np.testing.assert_allclose(lg[:n], _np(l_r), atol=latol, rtol=latol)
+        if padded:
+            assert (g[n:] == 0).all() and np.isneginf(lg[n:]).all()
+
+
+def family(trio, lengths=(40, 7, 3)):
+    """Sequence 0, a fork 1 of it, a fork 2 of 1 mid-page, a fork 3 of 0 at a page boundary,
+    and an unrelated sequence 4: histories of one to three blocks."""
+    trio.each("add_sequence", 0)
+    trio.prefill(0, lengths[0])
+    trio.each("fork_sequence", 0, 1, -1)
+    trio.prefill(1, lengths[1])
+    trio.each("fork_sequence", 1, 2, 45)
+    trio.prefill(2, lengths[2])
+    trio.each("fork_sequence", 0, 3, 32)
+    trio.prefill(3, 5)
+    trio.each("add_sequence", 4)
+    trio.prefill(4, 9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_graph_mode_decode_equals_eager_and_reference(dtype):
+    trio = Trio(dtype, rope="normal")
+    family(trio)
+    ids = [2, 0, 4, 1, 3]                       # pads to bucket 8
+    for step in range(6):
+        check(trio.decode(ids, padded_inputs=step % 2 == 0), len(ids), dtype, step % 2 == 0)
+    check(trio.decode([3]), 1, dtype, False)     # bucket 1
+    check(trio.decode([1, 4]), 2, dtype, False)  # bucket 2
+
+
+def test_graph_aux_buffer_has_fixed_addresses_and_one_copy_per_step():
+    cache = make("float32", True)
+    for sid in range(3):
+        cache.add_sequence(sid)
+        cache.begin_forward([sid], [20 + 17 * sid])
+        cache.end_forward()
+    manager = cache.aux_manager
+    seen = None
+    for step in range(40):                       # crosses page boundaries: page lists grow
+        copies = manager.copies
+        ids = [0, 1, 2] if step % 5 else [2, 0, 1]
+        cache.begin_forward(ids, [1, 1, 1])
+        assert manager.copies == copies + 1      # copied by begin_forward itself
+        ptrs = {k: v.data_ptr() for k, v in cache._aux.items()}
+        shapes = {k: tuple(v.shape) for k, v in cache._aux.items()}
+        if seen is None:
+            seen = (ptrs, shapes)
+        assert (ptrs, shapes) == seen, f"step {step}: the graph aux views moved or changed shape"
+        cache.end_forward()
+    assert manager.allocations == 1
+
+
+def test_graph_plan_pads_and_keeps_launch_parameters_fixed():
+    cache = make("float32", True, max_tokens=4096)
+    for sid in range(5):
+        cache.add_sequence(sid)
+        cache.begin_forward([sid], [3 + 30 * sid])
+        cache.end_forward()
+    cache.fork_sequence(4, 9, 50)
+    metas = set()
+    for ids in ([0, 1, 2], [4, 9, 0], [9, 3, 1]):
+        cache.begin_forward(ids, [1, 1, 1])
+        plan = cache._plan
+        a = plan.arrays
+        assert plan.graph_bucket == 4 and len(plan.depths) == 1
+        np.testing.assert_array_equal(a["qo_indptr"], np.arange(5))
+        assert a["append_slots"][3] == -1 and a["d0.kv_len"][3] == 0
+        assert a["d0.page_indptr"][4] == a["d0.page_indptr"][3]
+        d = plan.depths[0]
+        metas.add((d.num_entries, d.use_decode, d.max_kv_len, d.has_tree))
+        cache.end_forward()
+    assert metas == {(4, True, cache.config.num_pages * 16, False)}
+
+
+def test_prefill_and_oversized_batches_stay_eager():
+    cache = make("float32", True, buckets=(1, 2, 4))
+    for sid in range(6):
+        cache.add_sequence(sid)
+    cache.begin_forward([0, 1], [5, 3])
+    assert cache.graph_batch_size is None        # prefill: eager plan
+    cache.end_forward()
+    cache.begin_forward(list(range(6)), [1] * 6)
+    assert cache.graph_batch_size is None        # beyond the largest bucket: eager
+    cache.end_forward()
+    cache.begin_forward([0, 1, 2], [1, 1, 1])
+    assert cache.graph_batch_size == 4
+    cache.end_forward()
+
+
+def test_wrong_row_counts_are_refused():
+    cache = make("float32", True)
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    cache.begin_forward([0, 1, 0][:2], [1, 1])
+    c = cache.config
+    q = cache.from_numpy(np.zeros((3, c.num_qo_heads, c.head_dim), np.float32))
+    kv = cache.from_numpy(np.zeros((3, c.num_kv_heads, c.head_dim), np.float32))
+    with pytest.raises(InvalidArgumentError, match="or 2 rows: the graph bucket"):
+        cache.attention(0, q, kv, kv)
+
+
+def test_graph_mode_needs_the_capability():
+    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=64,
+                              dtype="float32", cuda_graph=True)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="cuda_graph"):
+        kvcache.PagedKVCache(cfg, backend="reference")
+
+
+# ---------------------------------------------------------------------- DecodeGraphs
+class Engine:
+    """A minimal engine: static per-bucket inputs, a step over all layers, capture and replay."""
+
+    def __init__(self, cache, seed=0):
+        from kvcache_cuda import DecodeGraphs
+        self.cache = cache
+        self.graphs = DecodeGraphs(cache)
+        self.static = {}
+        self.rng = np.random.default_rng(seed)
+
+    def buffers(self, bucket):
+        if bucket not in self.static:
+            c = self.cache.config
+            self.static[bucket] = [[self.cache.from_numpy(np.zeros((bucket, h, c.head_dim), np.float32))
+                                    for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads)]
+                                   for _ in range(c.num_layers)]
+        return self.static[bucket]
+
+    def fill(self, bucket, n):
+        """New random inputs for n real rows (padding rows zero); returns them as numpy."""
+        c = self.cache.config
+        values = []
+        for layer in self.buffers(bucket):
+            vals = []
+            for buf, h in zip(layer, (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads)):
+                x = np.zeros((bucket, h, c.head_dim), np.float32)
+                x[:n] = self.rng.standard_normal((n, h, c.head_dim))
+                buf.copy_(self.cache.from_numpy(x))
+                vals.append(x[:n])
+            values.append(vals)
+        return values
+
+    def step_fn(self, bucket):
+        bufs = self.buffers(bucket)
+
+        def step():
+            return [self.cache.attention(layer, *bufs[layer], return_lse=True)
+                    for layer in range(self.cache.config.num_layers)]
+        return step
+
+
+def test_decode_graphs_capture_short_replay_long_with_forks():
+    """Capture at ~10-token histories, replay at 100x longer ones and after forks; every replay
+    equals the reference fed the same inputs."""
+    dtype = "float32"
+    graph_cache = make(dtype, True, max_tokens=16384)
+    ref = make(dtype, False, backend="reference", max_tokens=16384)
+    engine = Engine(graph_cache)
+    caches = (graph_cache, ref)
+
+    def both(method, *args):
+        for c in caches:
+            getattr(c, method)(*args)
+
+    def prefill(sid, n):
+        both("begin_forward", [sid], [n])
+        for layer in range(graph_cache.config.num_layers):
+            parts = engine.rng.standard_normal((3, n, 8, 64)).astype(np.float32)
+            for c in caches:
+                c.attention(layer, c.from_numpy(parts[0]), c.from_numpy(parts[1][:, :2]),
+                            c.from_numpy(parts[2][:, :2]))
+        both("end_forward")
+
+    def step(ids, capture=False):
+        both("begin_forward", ids, [1] * len(ids))
+        bucket = graph_cache.graph_batch_size
+        values = engine.fill(bucket, len(ids))
+        outs = engine.graphs.capture(engine.step_fn(bucket)) if capture else engine.graphs.replay()
+        atol, rtol, latol = cc.TOL[dtype]
+        for layer, (o, lse) in enumerate(outs):
+            o_r, l_r = ref.attention(layer, *map(ref.from_numpy, values[layer]), return_lse=True)
+            np.testing.assert_allclose(_np(o)[:len(ids)], _np(o_r), atol=atol, rtol=rtol)
+            np.testing.assert_allclose(_np(lse)[:len(ids)], _np(l_r), atol=latol, rtol=latol)
+        both("end_forward")
+
+    for sid in range(3):
+        both("add_sequence", sid)
+        prefill(sid, 8 + sid)
+    step([0, 1, 2], capture=True)                # bucket 4, short histories
+    step([2, 1, 0])
+    for sid in (0, 1):                           # 100x longer histories
+        for _ in range(2):
+            prefill(sid, 600)
+    both("fork_sequence", 0, 5, 700)             # several depths: 0 -> 5 -> 6
+    prefill(5, 40)
+    both("fork_sequence", 5, 6, -1)
+    prefill(6, 3)
+    step([5, 6, 1])
+    step([6, 0, 5, 2])
+    assert graph_cache.sequence_length(0) > 100 * 10
+
+    # a batch that pads to a bucket with no graph is refused, and nothing ran
+    both("begin_forward", [0], [1])
+    with pytest.raises(InvalidArgumentError, match="pads to bucket 1, but graphs were captured for buckets \\[4\\]"):
+        engine.graphs.replay()
+    both("end_forward")
+    # replaying twice in one forward, or outside a forward, is refused
+    both("begin_forward", [0, 1], [1, 1])
+    engine.fill(2, 2) if False else None
+    with pytest.raises(InvalidArgumentError):
+        engine.graphs.replay()                   # bucket 2 has no graph either
+    both("end_forward")
+    with pytest.raises(ForwardStateError):
+        engine.graphs.replay()
+
+
+def test_decode_graphs_refuse_eager_forwards_and_double_replay():
+    cache = make("float32", True, buckets=(2, 4))
+    engine = Engine(cache)
+    for sid in range(6):
+        cache.add_sequence(sid)
+        cache.begin_forward([sid], [4])
+        cache.end_forward()
+    cache.begin_forward([0, 1], [1, 1])
+    engine.fill(2, 2)
+    engine.graphs.capture(engine.step_fn(2))
+    with pytest.raises(ForwardStateError, match="already ran"):
+        engine.graphs.replay()
+    cache.end_forward()
+    cache.begin_forward([0, 1], [2, 1])          # prefill: eager only
+    with pytest.raises(InvalidArgumentError, match="not a graph-mode decode step"):
+        engine.graphs.replay()
+    cache.end_forward()
+    cache.begin_forward(list(range(6)), [1] * 6)  # beyond the largest bucket
+    with pytest.raises(InvalidArgumentError, match="not a graph-mode decode step"):
+        engine.graphs.replay()
+    cache.end_forward()
+    with pytest.raises(InvalidArgumentError, match="cuda_graph=True"):
+        from kvcache_cuda import DecodeGraphs
+        DecodeGraphs(make("float32", False))
