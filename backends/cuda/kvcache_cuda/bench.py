@@ -382,7 +382,8 @@ DECODE_TILES = [(16, bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st i
 SWEEP_DECODE = (64, 4096)          # (batch, kv_len) of the tile sweeps
 SWEEP_PREFILL = (1, 4096)          # (batch, tokens = keys)
 PREFILL_TILES = [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3),
-                 (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)]
+                 (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
+                 (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 2), (128, 32, 4, 4)]
 
 
 def tile_sweep(torch, backend, timer, rng, device, scale, results):
@@ -391,7 +392,8 @@ def tile_sweep(torch, backend, timer, rng, device, scale, results):
     from .tuning import AttnTiles
     base = backend.tuning
     out = {}
-    for kind, tiles, (batch, n, nq) in (("decode", DECODE_TILES, SWEEP_DECODE + (1,)),
+    for kind, tiles, (batch, n, nq) in (("decode", DECODE_TILES, (1, SWEEP_DECODE[1], 1)),
+                                        ("decode", DECODE_TILES, SWEEP_DECODE + (1,)),
                                         ("prefill", PREFILL_TILES, SWEEP_PREFILL + SWEEP_PREFILL[1:])):
         pages, depth, q = _paged_setup(torch, backend, batch, n, nq, rng, device)
         timings = []
@@ -409,7 +411,7 @@ def tile_sweep(torch, backend, timer, rng, device, scale, results):
         backend.tuning = base
         if timings:
             best = min(timings)
-            out[kind] = {"best_us": best[0], "best": best[1]}
+            out[f"{kind} B={batch}"] = {"best_us": best[0], "best": best[1]}
             print(f"  best {kind}: AttnTiles{best[1]} at {best[0]:.1f} us "
                   f"(for Tuning.by_head_dim[{D}][{kind!r}])")
         del pages

@@ -77,9 +77,10 @@ class DecodeGraphs:
 
     def capture(self, step: Callable):
         """Run ``step()`` eagerly ``warmup`` times, then capture it for the open forward's bucket
-        (replacing an earlier graph of that bucket). ``step`` calls ``cache.attention`` for every
-        layer on fixed input tensors of the bucket's rows and returns its outputs, which become
-        the graph's static outputs."""
+        (replacing an earlier graph of that bucket) and replay it once. ``step`` calls
+        ``cache.attention`` for every layer on fixed input tensors of the bucket's rows and
+        returns its outputs, which become the graph's static outputs; they hold this step's
+        values on return (appends are idempotent, so the repeated runs write the same KV)."""
         bucket = self._bucket("capture")
         backend = self.cache.backend
         if not backend.on_gpu:
@@ -101,6 +102,7 @@ class DecodeGraphs:
             self._reset_layers()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = step()
+            graph.replay()       # capture only records: run it so ``out`` holds this step's values
             self.graphs[bucket] = (graph, out)
         self._buffer_ptr = self._buffer()
         self._last_plan = self.cache._plan
