@@ -277,7 +277,7 @@ def graph_bench(torch, backend_cls, device, args, results):
     from .graphs import DecodeGraphs
     print(f"\n# CUDA-graph decode: {GRAPH_LAYERS} layers, L={GRAPH_KV}, attention only "
           f"(append + decode per layer); per-step medians of {args.iters}")
-    print(f"{'batch':>6} {'eager step us':>14} {'graph step us':>14} {'replay gpu us':>14} "
+    print(f"{'batch':>6} {'begin us':>9} {'eager step us':>14} {'graph step us':>14} {'replay gpu us':>14} "
           f"{'kernel sum us':>14} {'replay/kern':>11} {'eager/graph':>11}")
     out = results.setdefault("graphs", [])
     for batch in GRAPH_BATCHES:
@@ -325,6 +325,13 @@ def graph_bench(torch, backend_cls, device, args, results):
         for fn in (step_eager, step_graph):
             fn()
         eager_us, graph_us = wall(step_eager), wall(step_graph)
+        begins = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            cache.begin_forward(ids, [1] * batch)
+            begins.append((time.perf_counter() - t0) * 1e6)
+            cache.end_forward()
+        begin_us = statistics.median(begins)
         replays = []
         for _ in range(args.iters):
             cache.begin_forward(ids, [1] * batch)
@@ -341,11 +348,11 @@ def graph_bench(torch, backend_cls, device, args, results):
         kern_us = _kernel_time_us(torch, graphs.replay)
         cache.end_forward()
         ratio = replay_us / kern_us if kern_us else float("nan")
-        row = {"batch": batch, "eager_step_us": eager_us, "graph_step_us": graph_us,
+        row = {"batch": batch, "begin_forward_us": begin_us, "eager_step_us": eager_us, "graph_step_us": graph_us,
                "replay_gpu_us": replay_us, "kernel_sum_us": kern_us, "replay_over_kernels": ratio}
         out.append(row)
-        print(f"{batch:>6} {eager_us:14.1f} {graph_us:14.1f} {replay_us:14.1f} {kern_us:14.1f} "
-              f"{ratio:11.2f} {eager_us / graph_us:11.2f}", flush=True)
+        print(f"{batch:>6} {begin_us:9.1f} {eager_us:14.1f} {graph_us:14.1f} {replay_us:14.1f} "
+              f"{kern_us:14.1f} {ratio:11.2f} {eager_us / graph_us:11.2f}", flush=True)
         del cache, graphs, static
         torch.cuda.empty_cache()
     b1 = next((r for r in out if r["batch"] == 1), None)
@@ -383,7 +390,8 @@ SWEEP_DECODE = (64, 4096)          # (batch, kv_len) of the tile sweeps
 SWEEP_PREFILL = (1, 4096)          # (batch, tokens = keys)
 PREFILL_TILES = [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3),
                  (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
-                 (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 2), (128, 32, 4, 4)]
+                 (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 2), (128, 32, 4, 4),
+                 (128, 128, 4, 3), (256, 128, 8, 2), (256, 64, 16, 3), (128, 128, 16, 3)]
 
 
 def tile_sweep(torch, backend, timer, rng, device, scale, results):

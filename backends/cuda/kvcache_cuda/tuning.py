@@ -22,10 +22,11 @@ class AttnTiles:
 
 @dataclass(frozen=True)
 class Tuning:
-    # ragged (causal self-attention over new tokens) and paged prefill
-    prefill: AttnTiles = AttnTiles(block_rows=128, block_n=64, num_warps=8, num_stages=2)
+    # ragged (causal self-attention over new tokens) and paged prefill; the head_dim 128
+    # defaults are the H100 sweep's best (docs/performance.md, `kvcache bench --sweep`)
+    prefill: AttnTiles = AttnTiles(block_rows=128, block_n=128, num_warps=8, num_stages=3)
     # paged decode: rows are one token's group of heads, padded to >= 16 for tl.dot
-    decode: AttnTiles = AttnTiles(block_rows=16, block_n=64, num_warps=4, num_stages=2)
+    decode: AttnTiles = AttnTiles(block_rows=16, block_n=128, num_warps=8, num_stages=3)
     # per head_dim overrides of the two tile tables: {head_dim: {"prefill": AttnTiles, ...}}
     by_head_dim: dict = field(default_factory=lambda: {
         64: {"prefill": AttnTiles(128, 64, 4, 2), "decode": AttnTiles(16, 128, 4, 2)},
