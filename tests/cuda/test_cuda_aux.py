@@ -124,3 +124,14 @@ def test_aux_primitives_directly():
     assert v.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr()
     up = b.aux_to_device(np.array([3, 1, 2], np.int32))
     assert b.dtype_name(up) == "int32"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("elem", [2, 4])
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_tiles_fit_h100_shared_memory(head_dim, elem, kind):
+    """K and V tiles of every pipeline stage must fit the H100's 227 KiB of shared memory (the
+    CPU interpreter cannot see this limit: a too-big table first failed on the GPU)."""
+    from kvcache_cuda.tuning import CUDA_TUNING
+    t = CUDA_TUNING.tiles(kind, head_dim, float32=elem == 4)
+    assert 2 * t.block_n * head_dim * elem * t.num_stages <= 232448, t

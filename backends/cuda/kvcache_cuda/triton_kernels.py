@@ -605,7 +605,7 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     lse = torch.empty((t_total, hq), dtype=torch.float32, device=q.device)
     if t_total == 0 or num_seqs == 0 or max_len == 0:
         return o, lse
-    tiles = ctx.tuning.tiles("prefill", d)
+    tiles = ctx.tuning.tiles("prefill", d, _ieee(ctx.dtype))
     block_r = max(tiles.block_rows, _p2(ctx.group))
     m_tok = block_r // ctx.group
     half, block_half, block_d = _dims(d)
@@ -644,7 +644,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         lse = torch.empty((t_total, hq), dtype=torch.float32, device=q.device)
         if t_total == 0:
             return o, lse
-        tiles = ctx.tuning.tiles("decode", d)
+        tiles = ctx.tuning.tiles("decode", d, _ieee(ctx.dtype))
         block_r = max(tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
         splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len), ctx.num_sms)
         if splits > 1:
@@ -674,7 +674,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     lse = torch.full((t_total, hq), float("-inf"), dtype=torch.float32, device=q.device)
     if t_total == 0 or n == 0:
         return o, lse
-    tiles = ctx.tuning.tiles("prefill", d)
+    tiles = ctx.tuning.tiles("prefill", d, _ieee(ctx.dtype))
     block_r = max(tiles.block_rows, _p2(ctx.group))
     m_tok = block_r // ctx.group
     grid = (triton.cdiv(t_total, m_tok) + n, ctx.num_kv_heads)

@@ -43,7 +43,14 @@ class Tuning:
     merge_rows: int = 16             # (token, head) rows per program of the merge kernels
     min_dot_rows: int = 16           # tl.dot needs M >= 16
 
-    def tiles(self, kind: str, head_dim: int) -> AttnTiles:
+    # float32 caches: twice the bytes per tile, so the 2-byte defaults can exceed shared memory
+    float32_by_head_dim: dict = field(default_factory=lambda: {
+        128: {"prefill": AttnTiles(128, 64, 8, 2), "decode": AttnTiles(16, 64, 4, 2)},
+    })
+
+    def tiles(self, kind: str, head_dim: int, float32: bool = False) -> AttnTiles:
+        if float32 and kind in self.float32_by_head_dim.get(head_dim, {}):
+            return self.float32_by_head_dim[head_dim][kind]
         return self.by_head_dim.get(head_dim, {}).get(kind, getattr(self, kind))
 
     def with_(self, **changes) -> "Tuning":

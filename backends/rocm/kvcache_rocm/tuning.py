@@ -18,6 +18,7 @@ ROCM_TUNING = Tuning(
         64: {"prefill": AttnTiles(64, 64, 4, 1), "decode": AttnTiles(16, 64, 2, 1)},
         256: {"prefill": AttnTiles(32, 32, 4, 1), "decode": AttnTiles(16, 32, 2, 1)},
     },
+    float32_by_head_dim={},          # the base tiles above already fit float32 in 64 KiB LDS
     split_programs_per_sm=1,
     elementwise_warps=2,
 )
