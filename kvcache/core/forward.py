@@ -82,6 +82,18 @@ class _DecodeLayout:
         self.arrays = plan.arrays
         self.depths = plan.depths
         self.own = own          # per depth: (sequence index, entry index) of last blocks there
+        batch = len(slots)
+        everyone = np.arange(batch)
+        # the common layout: one depth holds every last block, entry i = sequence i (no shared
+        # prefix, a shared prefix in the depths above, or graph mode); None otherwise
+        self.flat = None
+        holders = [d for d, (seq_i, _) in enumerate(own) if len(seq_i)]
+        if len(holders) == 1:
+            d = holders[0]
+            seq_i, ent = own[d]
+            if (len(seq_i) == batch and not plan.depths[d].has_tree and plan.depths[d].num_entries == batch
+                    and np.array_equal(seq_i, everyone) and np.array_equal(ent, everyone)):
+                self.flat = d
         self.pages = pages      # per depth: [pages at that depth, pages after coalescing, mask of
                                 #   sequences whose last block is the depth's own block]
 
@@ -144,7 +156,7 @@ class ForwardBuilder:
         layout = self._layout
         if (layout is not None and tree_parent_ptr is None and layout.epoch == self.state.epoch
                 and seq_ids == layout.seq_ids and _all_ones(append_lengths, batch)):
-            plan = self._decode_step(layout)
+            plan = (self._decode_step if layout.flat is None else self._decode_step_flat)(layout)
             if plan is not None:
                 return plan
         if not 1 <= batch <= cfg.max_batch_size:
@@ -272,7 +284,12 @@ class ForwardBuilder:
         pt = self.state.pt
         fresh = pt.take_pages(len(grow))
         grown = last[grow]
-        room = npages[grow] < pt.b_pcap[grown]
+        before = npages[grow]
+        room = before < pt.b_pcap[grown]
+        if room.all():                              # the common case: every region has room
+            pt.page_store[pt.b_pstart[grown] + before] = fresh
+            pt.b_npages[grown] = before + 1
+            return fresh
         fits = grown[room]
         pt.page_store[pt.b_pstart[fits] + npages[grow][room]] = fresh[room]
         pt.b_npages[fits] += 1
@@ -319,6 +336,64 @@ class ForwardBuilder:
     def _remember(self, plan, slots, last) -> None:
         own, pages = plan.decode_info
         self._layout = _DecodeLayout(plan, self.state.epoch, slots, last, own, pages)
+
+    def _decode_step_flat(self, layout: _DecodeLayout):
+        """``_decode_step`` for the common layout: one depth holds every last block and its
+        entries are the batch's sequences in order (depths above it do not change): the same
+        updates on whole arrays."""
+        pt, ps = self.state.pt, self.config.page_size
+        last = layout.last
+        blen = pt.b_len[last]
+        npages = pt.b_npages[last]
+        grow = self._reserve_decode_pages(layout.seq_ids, last, blen, npages)
+        a = layout.arrays
+        d = layout.flat
+        p = f"d{d}."
+        indptr, indices = a[p + "page_indptr"], a[p + "page_indices"]
+        k = len(grow)
+        meta = layout.depths[d]
+        if k:
+            pages = layout.pages[d]
+            if len(layout.pages) > 1:       # growth counts where the block is the depth's own
+                k_own = int(np.count_nonzero(pages[2][grow]))
+            else:
+                k_own = k
+            for dd, (total, grouped, _) in enumerate(layout.pages):
+                g = k_own if dd == d else 0
+                ratio = (total + g) / (grouped + g) if grouped + g else 0.0
+                if not self.config.cuda_graph and (ratio < COALESCE_RATIO) != layout.depths[dd].use_decode:
+                    self._layout = None
+                    return None
+            pages[0] += k_own
+            pages[1] += k_own
+            fresh = self._take_decode_pages(last, npages, grow)
+            ends = grow + 1
+            at = indptr[ends] + np.arange(k)               # where the new pages land
+            keep = np.ones(len(indices) + k, bool)
+            keep[at] = False
+            grown = np.empty(len(keep), np.int32)
+            grown[keep] = indices
+            grown[at] = fresh
+            shift = np.zeros(len(indptr), np.int32)
+            shift[ends] = 1
+            indices, indptr = grown, indptr + np.cumsum(shift, dtype=np.int32)
+        pt.b_len[last] = blen + 1
+        pt.s_len[layout.slots] += 1
+        in_page = blen % ps
+        kv_len = a[p + "kv_len"] + 1
+        arrays = dict(a)
+        positions = a["q_positions"] + 1                  # = committed length: both arrays
+        arrays.update({"q_positions": positions, "k_ragged_offset": positions,
+                       "append_slots": indices[indptr[1:] - 1] * ps + in_page,
+                       p + "kv_len": kv_len, p + "last_page_len": in_page + 1,
+                       p + "page_indptr": indptr, p + "page_indices": indices})
+        depths = list(layout.depths)
+        depths[d] = DepthMeta(meta.num_entries, meta.use_decode, False, int(kv_len.max()),
+                              int(indptr[-1]), meta.max_qo_len)
+        plan = ForwardPlan(layout.seq_ids, layout.append_lengths, len(last), True, False, False, 1,
+                           arrays=arrays, depths=depths, decode_info=(layout.own, layout.pages))
+        layout.arrays, layout.depths = arrays, depths
+        return plan
 
     def _decode_step(self, layout: _DecodeLayout):
         """A repeat of the last decode batch: update its arrays (lengths +1, a new page at the
