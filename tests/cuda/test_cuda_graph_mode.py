@@ -235,12 +235,13 @@ class Engine:
 
 def test_decode_graphs_capture_short_replay_long_with_forks():
     """Capture at ~10-token histories, replay at 100x longer ones and after forks; every replay
-    equals the reference fed the same inputs."""
+    equals eager execution on a non-graph cuda cache and the reference, fed the same inputs."""
     dtype = "float32"
     graph_cache = make(dtype, True, max_tokens=16384)
+    eager = make(dtype, False, max_tokens=16384)
     ref = make(dtype, False, backend="reference", max_tokens=16384)
     engine = Engine(graph_cache)
-    caches = (graph_cache, ref)
+    caches = (graph_cache, eager, ref)
 
     def both(method, *args):
         for c in caches:
@@ -263,8 +264,12 @@ def test_decode_graphs_capture_short_replay_long_with_forks():
         atol, rtol, latol = cc.TOL[dtype]
         for layer, (o, lse) in enumerate(outs):
             o_r, l_r = ref.attention(layer, *map(ref.from_numpy, values[layer]), return_lse=True)
+            o_e, l_e = eager.attention(layer, *map(eager.from_numpy, values[layer]), return_lse=True)
             np.testing.assert_allclose(_np(o)[:len(ids)], _np(o_r), atol=atol, rtol=rtol)
             np.testing.assert_allclose(_np(lse)[:len(ids)], _np(l_r), atol=latol, rtol=latol)
+            np.testing.assert_allclose(_np(o)[:len(ids)], _np(o_e), atol=atol, rtol=rtol)
+            np.testing.assert_allclose(_np(lse)[:len(ids)], _np(l_e), atol=latol, rtol=latol)
+            assert (_np(o)[len(ids):] == 0).all() and np.isneginf(_np(lse)[len(ids):]).all()
         both("end_forward")
 
     for sid in range(3):
@@ -290,7 +295,6 @@ def test_decode_graphs_capture_short_replay_long_with_forks():
     both("end_forward")
     # replaying twice in one forward, or outside a forward, is refused
     both("begin_forward", [0, 1], [1, 1])
-    engine.fill(2, 2) if False else None
     with pytest.raises(InvalidArgumentError):
         engine.graphs.replay()                   # bucket 2 has no graph either
     both("end_forward")
