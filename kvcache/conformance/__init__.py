@@ -34,6 +34,7 @@ _CLASSES = {
     "test_sequences": ("TestFork", "TestPopn", "TestSlidingWindow", "TestTokenTree"),
     "test_matrix": ("TestMatrix",),
     "test_errors": ("TestBadInput", "TestAtomicity", "TestCapabilities", "TestBackendContract"),
+    "test_graph": ("TestGraphMode",),
 }
 _WHERE = {name: module for module, names in _CLASSES.items() for name in names}
 

@@ -1,0 +1,100 @@
+"""CUDA-graph mode (``CacheConfig(cuda_graph=True)``), for backends declaring ``cuda_graph``:
+decode batches padded to their bucket give the reference's results on the real rows and
+o = 0 / lse = -inf on padded rows, one fixed device buffer holds every step's index arrays, and
+forwards that are not plain decode steps stay eager. Capturing a graph is the backend package's
+own API (e.g. ``kvcache_cuda.DecodeGraphs``) and is tested there."""
+
+from __future__ import annotations
+
+from .base import Conformance
+
+import numpy as np
+
+from .harness import Mismatch, assert_close
+
+
+def _family(p):
+    """Histories of one to three blocks: 0, its fork 1, 1's mid-page fork 2, and 3 unrelated."""
+    ps = p.config.page_size
+    p.add(0)
+    p.prefill(0, 2 * ps + 3)
+    p.fork(0, 1)
+    p.prefill(1, ps // 2 + 1)
+    p.fork(1, 2, 2 * ps + 2)
+    p.prefill(2, 3)
+    p.add(3)
+    p.prefill(3, 5)
+
+
+class TestGraphMode(Conformance):
+    def test_decode_padded_to_bucket(self, make_pair):
+        p = make_pair(needs=("cuda_graph",), cuda_graph=True, rope_mode="normal")
+        _family(p)
+        for ids, bucket in (([2, 0, 3], 4), ([1], 1), ([3, 2, 1, 0], 4), ([0, 2], 2)):
+            p.begin(ids, [1] * len(ids))
+            if p.dut.graph_batch_size != bucket:
+                raise Mismatch(f"graph mode: a decode batch of {len(ids)} should pad to bucket "
+                               f"{bucket}, graph_batch_size is {p.dut.graph_batch_size}{p.context()}")
+            p.check_positions()
+            for layer in range(p.config.num_layers):
+                p.attend(layer)
+            p.end()
+
+    def test_bucket_rows_and_padding(self, make_pair):
+        """Inputs of the bucket's rows (what a captured step feeds) are accepted; real rows match
+        the reference, padded rows give o = 0 and lse = -inf."""
+        p = make_pair(needs=("cuda_graph",), cuda_graph=True)
+        _family(p)
+        ids = [3, 1, 0]
+        p.begin(ids, [1, 1, 1])
+        bucket = p.dut.graph_batch_size
+        c = p.config
+        for layer in range(c.num_layers):
+            q, k, v = (p.random(bucket, h, c.head_dim) for h in (c.num_qo_heads, c.num_kv_heads,
+                                                                 c.num_kv_heads))
+            o_r, l_r = p.ref.attention(layer, *(p.ref.from_numpy(x[:3]) for x in (q, k, v)),
+                                       return_lse=True)
+            o_d, l_d = p.dut.attention(layer, *(p.dut.from_numpy(x) for x in (q, k, v)),
+                                       return_lse=True)
+            o_d, l_d = p.dut.backend.to_numpy(o_d), p.dut.backend.to_numpy(l_d)
+            assert_close(f"graph-mode output (layer {layer})", p.ref.backend.to_numpy(o_r), o_d[:3],
+                         p.tol, context=p.context())
+            assert_close(f"graph-mode lse (layer {layer})", p.ref.backend.to_numpy(l_r), l_d[:3],
+                         p.tol, lse=True, context=p.context())
+            if not (np.all(o_d[3:] == 0) and np.all(np.isneginf(l_d[3:]))):
+                raise Mismatch(f"graph mode: padded rows must give o = 0 and lse = -inf (layer "
+                               f"{layer}){p.context()}")
+        p.model = None           # the dense model saw no attention calls this forward
+        p.end()
+
+    def test_one_fixed_buffer_across_steps(self, make_pair):
+        p = make_pair(needs=("cuda_graph",), cuda_graph=True)
+        _family(p)
+        manager = p.dut.aux_manager
+        buffers = set()
+        for step in range(2 * p.config.page_size + 2):       # page lists grow meanwhile
+            copies = manager.copies
+            p.begin([0, 1, 2, 3], [1, 1, 1, 1])
+            if manager.copies != copies + 1:
+                raise Mismatch(f"graph mode: begin_forward must issue the step's one aux copy "
+                               f"(step {step}: {manager.copies - copies} copies){p.context()}")
+            buffers.add(id(manager.graph_device_buffer))
+            p.attend(0)
+            p.attend(1)
+            p.end()
+        if len(buffers) != 1:
+            raise Mismatch(f"graph mode: the device aux buffer moved ({len(buffers)} buffers over "
+                           f"the steps); captured graphs would read stale data{p.context()}")
+
+    def test_other_forwards_stay_eager(self, make_pair):
+        p = make_pair(needs=("cuda_graph",), cuda_graph=True, cuda_graph_batch_sizes=(1, 2))
+        _family(p)
+        for ids, lens in (([0, 1], [3, 1]), ([0, 1, 2], [1, 1, 1])):   # prefill; too many rows
+            p.begin(ids, lens)
+            if p.dut.graph_batch_size is not None:
+                raise Mismatch(f"graph mode: forward {ids} {lens} is not a bucketed decode step "
+                               f"but got bucket {p.dut.graph_batch_size}{p.context()}")
+            for layer in range(p.config.num_layers):
+                p.attend(layer)
+            p.end()
+        p.decode([3, 0], steps=2)
