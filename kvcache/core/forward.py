@@ -51,10 +51,10 @@ class ForwardPlan:
     arrays: dict = field(default_factory=dict)
     depths: list = field(default_factory=list)
     decode_info: object = None
-    graph_bucket: object = None
-    """Graph mode: the batch bucket this decode plan is padded to (None: an eager plan)."""
     """For a plain decode plan: per depth, where each sequence's last block sits and the page
     counts behind the coalescing choice (``ForwardBuilder`` updates such plans step to step)."""
+    graph_bucket: object = None
+    """Graph mode: the batch bucket this decode plan is padded to (None: an eager plan)."""
 
 
 def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
@@ -270,8 +270,8 @@ class ForwardBuilder:
 
     # ------------------------------------------------------------------ decode fast paths
     def _reserve_decode_pages(self, seq_ids, last, blen, npages):
-        """One new page for each sequence whose last page is full; returns their batch indices
-        and the pages (vectorised: no per-sequence Python unless a block's region must move)."""
+        """Batch indices of the sequences whose last page is full (each needs one new page);
+        raises CacheFullError, having changed nothing, when the free pages do not cover them."""
         pt, ps = self.state.pt, self.config.page_size
         grow = np.flatnonzero(blen == npages * ps)
         if len(grow) > pt.num_free:
@@ -281,6 +281,8 @@ class ForwardBuilder:
         return grow
 
     def _take_decode_pages(self, last, npages, grow):
+        """Take one page for each growing sequence and append it to its last block's region
+        (vectorised: per-sequence Python only where a region is full and must move)."""
         pt = self.state.pt
         fresh = pt.take_pages(len(grow))
         grown = last[grow]
@@ -484,7 +486,6 @@ class ForwardBuilder:
         pad = bucket - batch
         a = plan.arrays
         rows = np.arange(bucket + 1, dtype=np.int32)
-        zeros = np.zeros(pad, np.int32)
 
         def tail(array, fill):
             return np.concatenate([array, np.full(pad, fill, np.int32)]) if pad else array
@@ -499,7 +500,7 @@ class ForwardBuilder:
             "d0.page_indices": a["d0.page_indices"],
         }
         for key in ("last_page_len", "kv_len", "sink_size", "window_offset", "k_rope_offset"):
-            arrays[f"d0.{key}"] = np.concatenate([a[f"d0.{key}"], zeros]) if pad else a[f"d0.{key}"]
+            arrays[f"d0.{key}"] = tail(a[f"d0.{key}"], 0)
         graph = ForwardPlan(plan.seq_ids, plan.append_lengths, plan.total_tokens, True, False,
                             False, 1, arrays=arrays, decode_info=plan.decode_info)
         graph.depths = [DepthMeta(bucket, True, False, cfg.num_pages * cfg.page_size,

@@ -197,6 +197,11 @@ class CacheMachine(RuleBasedStateMachine):
                 base = len(self.model[s].tree_parent)
                 parents += [data.draw(st.integers(-1, base + r - 1)) for r in range(n)]
         before = self.snapshot()
+        if sum(lens) > self.cfg.prefill_chunk_size:      # too many tokens for one forward
+            with pytest.raises(kvcache.InvalidArgumentError, match="prefill_chunk_size"):
+                self.cache.begin_forward(ids, lens, parents)
+            self.expect_unchanged(before)
+            return
         try:
             self.cache.begin_forward(ids, lens, parents)
         except kvcache.CacheFullError:
