@@ -111,6 +111,8 @@ class PagedKVCache:
 
     def clear(self) -> None:
         """Drop every sequence and free every page (also ends an open forward)."""
+        if self._aux is not None:       # the next copy into that aux buffer waits for its readers
+            self.aux_manager.release()
         self._plan, self._aux = None, None
         self._layers_done = set()
         self.state.clear()

@@ -135,3 +135,18 @@ def test_tiles_fit_h100_shared_memory(head_dim, elem, kind):
     from kvcache_cuda.tuning import CUDA_TUNING
     t = CUDA_TUNING.tiles(kind, head_dim, float32=elem == 4)
     assert 2 * t.block_n * head_dim * elem * t.num_stages <= 232448, t
+
+
+def test_clear_inside_a_forward_releases_the_aux_buffer():
+    """clear() ends an open forward: its aux buffer gets a release event, so the next copy into
+    that buffer waits for the kernels that read it (graph mode's single buffer included)."""
+    cfg = cc.config(cuda_graph=True, max_batch_size=4)
+    cache = kvcache.PagedKVCache(cfg, backend="cuda", device=cc.DEVICE)
+    cache.add_sequence(0)
+    cache.begin_forward([0], [3])
+    cache.end_forward()
+    cache.begin_forward([0], [1])                       # a graph-mode step: buffer uploaded
+    assert cache.graph_batch_size == 1
+    cache.clear()
+    assert cache.aux_manager._graph.release_event is not None
+    assert not cache.aux_manager._graph_open
