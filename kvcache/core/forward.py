@@ -98,6 +98,22 @@ class _DecodeLayout:
                                 #   sequences whose last block is the depth's own block]
 
 
+def _append_pages(indptr: np.ndarray, indices: np.ndarray, entries: np.ndarray,
+                  pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """CSR page lists with ``pages[i]`` appended to entry ``entries[i]`` (entries ascending, so
+    each insert lands after the ones before it): one masked scatter, no per-entry Python."""
+    ends = entries + 1
+    at = indptr[ends] + np.arange(len(entries))          # where the new pages land
+    keep = np.ones(len(indices) + len(entries), bool)
+    keep[at] = False
+    grown = np.empty(len(keep), np.int32)
+    grown[keep] = indices
+    grown[at] = pages
+    shift = np.zeros(len(indptr), np.int32)
+    shift[ends] = 1
+    return indptr + np.cumsum(shift, dtype=np.int32), grown
+
+
 def _all_ones(lengths, batch: int) -> bool:
     """True when ``lengths`` is ``batch`` ones (a list or an int array), without numpy for lists."""
     if isinstance(lengths, list):
@@ -369,16 +385,7 @@ class ForwardBuilder:
             pages[0] += k_own
             pages[1] += k_own
             fresh = self._take_decode_pages(last, npages, grow)
-            ends = grow + 1
-            at = indptr[ends] + np.arange(k)               # where the new pages land
-            keep = np.ones(len(indices) + k, bool)
-            keep[at] = False
-            grown = np.empty(len(keep), np.int32)
-            grown[keep] = indices
-            grown[at] = fresh
-            shift = np.zeros(len(indptr), np.int32)
-            shift[ends] = 1
-            indices, indptr = grown, indptr + np.cumsum(shift, dtype=np.int32)
+            indptr, indices = _append_pages(indptr, indices, grow, fresh)
         pt.b_len[last] = blen + 1
         pt.s_len[layout.slots] += 1
         in_page = blen % ps
@@ -446,17 +453,8 @@ class ForwardBuilder:
             indptr, indices = a[p + "page_indptr"], a[p + "page_indices"]
             if k:
                 g = grew[seq_i]
-                if g.any():       # entries are ascending, so each insert lands after the ones before
-                    at_entry = ent[g]
-                    at = indptr[at_entry + 1] + np.arange(len(at_entry), dtype=np.int32)
-                    keep = np.ones(len(indices) + len(at), bool)
-                    keep[at] = False
-                    grown = np.empty(len(keep), np.int32)
-                    grown[keep] = indices
-                    grown[at] = fresh_of[seq_i[g]]
-                    shift = np.zeros(len(indptr), np.int32)
-                    shift[at_entry + 1] = 1
-                    indices, indptr = grown, indptr + np.cumsum(shift, dtype=np.int32)
+                if g.any():
+                    indptr, indices = _append_pages(indptr, indices, ent[g], fresh_of[seq_i[g]])
             new_slots = indices[indptr[ent + 1] - 1] * ps + in_page[seq_i]
             if append_slots is None:
                 append_slots = new_slots          # one depth: seq_i is the whole batch, in order
