@@ -100,6 +100,27 @@ def _finish(acc, m_i, l_i):
 
 
 @triton.jit
+def _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok, inv,
+                rope_scale, HALF: tl.constexpr, ROPE: tl.constexpr):
+    """Query rows (token ``tok``, head ``head``) of a program. Inline RoPE: the rotated halves
+    (q1, q2) for two half-width dots; otherwise the whole row as q1 (q2 = q1, unused) for one
+    full-width dot."""
+    if ROPE:
+        qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
+        qm = row_ok[:, None] & dh_ok[None, :]
+        qpos = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.float32) * rope_scale
+        r1, r2 = _rotate(tl.load(qb, mask=qm, other=0.0), tl.load(qb + HALF, mask=qm, other=0.0),
+                         qpos, inv)
+        q1 = r1.to(q_ptr.dtype.element_ty)
+        q2 = r2.to(q_ptr.dtype.element_ty)
+    else:
+        q1 = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
+                     mask=row_ok[:, None] & dd_ok[None, :], other=0.0)
+        q2 = q1
+    return q1, q2
+
+
+@triton.jit
 def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
                 krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order,
@@ -261,20 +282,11 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
         inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+        q1, q2 = _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok,
+                             inv, rope_scale, HALF, ROPE)
         krope = 0
         if ROPE:
-            qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
-            qm = row_ok[:, None] & dh_ok[None, :]
-            qpos = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.float32) * rope_scale
-            r1, r2 = _rotate(tl.load(qb, mask=qm, other=0.0), tl.load(qb + HALF, mask=qm, other=0.0),
-                             qpos, inv)
-            q1 = r1.to(q_ptr.dtype.element_ty)
-            q2 = r2.to(q_ptr.dtype.element_ty)
             krope = tl.load(krope_ptr + seq)
-        else:
-            q1 = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
-                         mask=row_ok[:, None] & dd_ok[None, :], other=0.0)
-            q2 = q1
         tlo = 0
         q_order = tl.zeros([BLOCK_R], tl.int32)
         if TREE:
@@ -353,20 +365,11 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
         inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+        q1, q2 = _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok,
+                             inv, rope_scale, HALF, ROPE)
         krope = 0
         if ROPE:
-            qb = q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dh[None, :]
-            qm = row_ok[:, None] & dh_ok[None, :]
-            qpos = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.float32) * rope_scale
-            r1, r2 = _rotate(tl.load(qb, mask=qm, other=0.0), tl.load(qb + HALF, mask=qm, other=0.0),
-                             qpos, inv)
-            q1 = r1.to(q_ptr.dtype.element_ty)
-            q2 = r2.to(q_ptr.dtype.element_ty)
             krope = tl.load(krope_ptr + e)
-        else:
-            q1 = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dd[None, :],
-                         mask=row_ok[:, None] & dd_ok[None, :], other=0.0)
-            q2 = q1
         tlo = 0
         tree_start = kv_len
         q_order = tl.zeros([BLOCK_R], tl.int32)
@@ -427,20 +430,12 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
     dd = tl.arange(0, BLOCK_D)
     dd_ok = dd < HEAD_DIM
     inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+    # one token, GROUP heads: every row reads token t (a broadcast index for the shared loader)
+    q1, q2 = _load_query(q_ptr, qpos_ptr, tl.zeros([BLOCK_R], tl.int64) + t64, head, row_ok,
+                         sq_t, sq_h, dh, dh_ok, dd, dd_ok, inv, rope_scale, HALF, ROPE)
     krope = 0
     if ROPE:
-        qb = q_ptr + t64 * sq_t + head[:, None] * sq_h + dh[None, :]
-        qm = row_ok[:, None] & dh_ok[None, :]
-        qpos = tl.zeros([BLOCK_R], tl.float32) + tl.load(qpos_ptr + t64).to(tl.float32) * rope_scale
-        r1, r2 = _rotate(tl.load(qb, mask=qm, other=0.0), tl.load(qb + HALF, mask=qm, other=0.0),
-                         qpos, inv)
-        q1 = r1.to(q_ptr.dtype.element_ty)
-        q2 = r2.to(q_ptr.dtype.element_ty)
         krope = tl.load(krope_ptr + e)
-    else:
-        q1 = tl.load(q_ptr + t64 * sq_t + head[:, None] * sq_h + dd[None, :],
-                     mask=row_ok[:, None] & dd_ok[None, :], other=0.0)
-        q2 = q1
     tlo = 0
     tree_start = kv_len
     q_order = tl.zeros([BLOCK_R], tl.int32)
