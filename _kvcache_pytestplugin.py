@@ -39,6 +39,9 @@ OPTIONS = (
     ("--kvcache-no-model", dict(action="store_true", default=None,
                                 help="do not check the reference against the dense SPEC model")),
     ("--kvcache-seed", dict(type=int, default=None, help="base random seed")),
+    ("--kvcache-ballast", dict(type=int, default=None, metavar="TOKENS",
+                               help="run-ahead tests: tokens of the prefill that keeps the device "
+                                    "busy (default 4096 on an accelerator, 64 on a CPU device)")),
     ("--kvcache-report", dict(default=None, metavar="PATH",
                               help="write the summary as JSON (.json) or Markdown (.md)")),
 )

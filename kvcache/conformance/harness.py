@@ -612,3 +612,107 @@ class CachePair:
                                            f"the stored KV of sequence {s} in the "
                                            f"{cache.backend.name} cache{self.context()}")
         return caught
+
+
+# ---------------------------------------------------------------------------- run-ahead driver
+class RunAhead:
+    """Drive a ``CachePair`` the way a serving loop does: the backend under test gets every call
+    queued with no host read in between, outputs are kept and compared only in ``finish()``.
+
+    Inputs come from pools of random rows made on the device before the first call (a forward
+    slices them at random offsets), because turning host arrays into device arrays may wait for
+    the device. ``ballast()`` queues a long prefill on a second cache of the same backend and
+    device, whose outputs are dropped at once: the device is then busy long after the host has
+    moved on, and the allocator holds freed blocks that queued kernels still write, which is
+    where buffer reuse races show. Everything the reference does is checked the same way at the
+    end: per forward and layer the output and lse, and ``get_kv`` of every sequence.
+    """
+
+    POOL_ROWS = 1024
+
+    def __init__(self, pair: CachePair, ballast_tokens: int = 64):
+        self.pair = pair
+        pair.model = None                   # the reference is the judge of the run
+        c = pair.config
+        self.forwards = 0
+        self.outputs: list = []             # (label, layer, ref (o, lse), dut (o, lse))
+        rows = self.POOL_ROWS
+        pools = [pair.random(rows, h, c.head_dim) for h in (c.num_qo_heads, c.num_kv_heads,
+                                                           c.num_kv_heads)]
+        self.pools = {cache: [cache.from_numpy(x) for x in pools] for cache in (pair.ref, pair.dut)}
+        self.ballast_cache = None
+        self.ballast_tokens = ballast_tokens
+        if ballast_tokens:
+            b = CacheConfig(num_layers=4, num_qo_heads=16, num_kv_heads=4, head_dim=c.head_dim,
+                            page_size=c.page_size, max_batch_size=1, max_total_tokens=ballast_tokens,
+                            prefill_chunk_size=ballast_tokens, dtype=c.dtype, rope_mode="none")
+            self.ballast_cache = PagedKVCache(b, backend=pair.dut.backend.name,
+                                              device=pair.dut.backend.device)
+            rng = np.random.default_rng(1)
+            self.ballast_inputs = [self.ballast_cache.from_numpy(rng.standard_normal((ballast_tokens, h, b.head_dim)))
+                                   for h in (b.num_qo_heads, b.num_kv_heads)]
+
+    # ------------------------------------------------------------------ calls
+    def call(self, method: str, *args):
+        """A sequence operation on both caches (both must succeed; nothing is read back)."""
+        self.pair._note(f"{method}{args}")
+        for cache in (self.pair.ref, self.pair.dut):
+            getattr(cache, method)(*args)
+
+    def add(self, *sids):
+        for sid in sids:
+            self.call("add_sequence", sid)
+            self.pair.seqs.append(sid)
+
+    def remove(self, sid):
+        self.call("remove_sequence", sid)
+        self.pair.seqs.remove(sid)
+
+    def fork(self, parent, child, fork_pos=-1):
+        self.call("fork_sequence", parent, child, fork_pos)
+        self.pair.seqs.append(child)
+
+    def forward(self, sids, lens, tree=None):
+        """begin, attention on every layer (outputs kept on the device), end."""
+        pair, c = self.pair, self.pair.config
+        total = sum(lens)
+        label = f"forward {self.forwards} {list(sids)} {list(lens)}{' tree' if tree else ''}"
+        pair._note(label)
+        self.forwards += 1
+        starts = [int(pair.rng.integers(0, self.POOL_ROWS - total + 1)) for _ in range(3 * c.num_layers)]
+        kept = {}
+        for cache in (pair.ref, pair.dut):
+            pools = self.pools[cache]
+            cache.begin_forward(list(sids), list(lens), tree)
+            outs = []
+            for layer in range(c.num_layers):
+                q, k, v = (pool[s:s + total] for pool, s in zip(pools, starts[3 * layer:3 * layer + 3]))
+                outs.append(cache.attention(layer, q, k, v, return_lse=True))
+            cache.end_forward()
+            kept[cache] = outs
+        for layer in range(c.num_layers):
+            self.outputs.append((label, layer, kept[pair.ref][layer], kept[pair.dut][layer]))
+
+    def decode(self, sids, steps=1):
+        for _ in range(steps):
+            self.forward(sids, [1] * len(sids))
+
+    def ballast(self):
+        """Queue a long prefill on the ballast cache and drop its outputs."""
+        if self.ballast_cache is None:
+            return
+        b, (q, kv) = self.ballast_cache, self.ballast_inputs
+        b.clear()
+        b.add_sequence(0)
+        with b.forward([0], [self.ballast_tokens]):
+            for layer in range(b.config.num_layers):
+                b.attention(layer, q, kv, kv)
+
+    # ------------------------------------------------------------------ the only reads
+    def finish(self) -> None:
+        pair = self.pair
+        for label, layer, (o_r, l_r), (o_d, l_d) in self.outputs:
+            ctx = f"\n  {label}, layer {layer} (outputs read after {self.forwards} queued forwards)"
+            assert_close("run-ahead attention output", to_numpy(o_r), to_numpy(o_d), pair.tol, context=ctx)
+            assert_close("run-ahead lse", to_numpy(l_r), to_numpy(l_d), pair.tol, lse=True, context=ctx)
+        pair.check()

@@ -58,7 +58,8 @@ _ENV = {"kvcache_backend": "KVCACHE_CONFORMANCE_BACKEND",
         "kvcache_full": "KVCACHE_CONFORMANCE_FULL",
         "kvcache_xfail": "KVCACHE_CONFORMANCE_XFAIL",
         "kvcache_poison": "KVCACHE_CONFORMANCE_POISON",
-        "kvcache_report": "KVCACHE_CONFORMANCE_REPORT"}
+        "kvcache_report": "KVCACHE_CONFORMANCE_REPORT",
+        "kvcache_ballast": "KVCACHE_CONFORMANCE_BALLAST"}
 
 
 def register(pluginmanager) -> None:
@@ -262,6 +263,23 @@ def make_pair(request, variant, kvcache_backend, kvcache_device, kvcache_backend
         seed = seed_for(suite_name(request.node), int(base_seed))
         return CachePair(config, kvcache_backend, kvcache_device, seed=seed,
                          poison=kvcache_poison, model=kvcache_model_check)
+
+    return factory
+
+
+@pytest.fixture
+def run_ahead(request, make_pair):
+    """Factory: ``run_ahead(needs=(...), **config)`` -> ``RunAhead`` over a new pair. The ballast
+    prefill is ``--kvcache-ballast`` tokens (default: 4096 on an accelerator, 64 on a CPU
+    device, where nothing runs ahead and a long prefill would only cost time)."""
+    from .harness import RunAhead
+
+    def factory(needs=(), **overrides):
+        pair = make_pair(needs=needs, **overrides)
+        tokens = _opt(request.config, "kvcache_ballast", None)
+        if tokens is None:
+            tokens = 64 if str(pair.dut.backend.device).startswith("cpu") else 4096
+        return RunAhead(pair, int(tokens))
 
     return factory
 

@@ -55,17 +55,22 @@ class _GraphBuffers:
         self.capacities = {n: capacities[n] for n in names}
         self.offsets, self.total = MergedAuxManager.layout(
             {n: range(c) for n, c in self.capacities.items()})
-        self.device = backend.aux_alloc_device(self.total)
+        self.device, self.release_event = _fresh_device(backend, self.total)
         self.hosts = [backend.aux_alloc_host(self.total) for _ in range(2)]
         self.copy_events = [None, None]
         self.next = 0
-        self.release_event = None
+
+
+def _fresh_device(backend, num_int32):
+    """A new device buffer and the compute-stream event its first copy must wait on: the memory
+    may have been freed by kernels still queued on the compute stream."""
+    return backend.aux_alloc_device(num_int32), backend.record_event()
 
 
 class MergedAuxManager:
     kind = "merged"
 
-    def __init__(self, backend, copy_stream, num_buffers: int = 2, initial_capacity: int = 1 << 14,
+    def __init__(self, backend, copy_stream, num_buffers: int = 2, initial_capacity: int = 1 << 10,
                  graph_capacities: dict | None = None):
         self.backend = backend
         self.copy_stream = copy_stream
@@ -95,9 +100,9 @@ class MergedAuxManager:
             self.backend.event_synchronize(slot.copy_event)
         capacity = max(total, 2 * slot.capacity, self.initial_capacity)
         slot.host_handle, slot.host = self.backend.aux_alloc_host(capacity)
-        slot.device = self.backend.aux_alloc_device(capacity)
+        slot.device, slot.release_event = _fresh_device(self.backend, capacity)
         slot.capacity = capacity
-        slot.copy_event = slot.release_event = None
+        slot.copy_event = None
         self.allocations += 1
 
     def upload(self, arrays: dict) -> dict:

@@ -87,9 +87,10 @@ def test_double_buffer_alternates_and_orders_by_events():
         assert mgr.slots[mgr.current].release_event is not None
     assert used == [0, 1, 0, 1]
     assert storages[0] == storages[2] != storages[1] == storages[3]
-    # reusing a device buffer: the copy stream waited on the compute work that last read it
+    # every copy into a device buffer waited on compute work: for a new buffer, the work queued
+    # when it was allocated; for a reused one, the work that last read it
     release_events = [e for e in copy_stream.waited]
-    assert len(release_events) == 2 and all(e.stream is compute for e in release_events)
+    assert len(release_events) == 4 and all(e.stream is compute for e in release_events)
     # reusing a staging buffer: the host waited for the copy that last read it
     assert mgr.slots[0].copy_event is not None
     assert mgr.copies == 4 and mgr.allocations == 2
@@ -150,3 +151,47 @@ def test_clear_inside_a_forward_releases_the_aux_buffer():
     cache.clear()
     assert cache.aux_manager._graph.release_event is not None
     assert not cache.aux_manager._graph_open
+
+
+def _copy_waits(cache):
+    """Events the copy stream waited on that were recorded on the compute stream."""
+    compute = cache.backend.current_stream()
+    return [e for e in cache.copy_stream.waited if getattr(e, "stream", None) is compute]
+
+
+def test_first_copy_into_a_new_device_buffer_waits_for_the_compute_stream():
+    """The allocator may hand a new aux device buffer memory that kernels still queued on the
+    compute stream write (a host running ahead of the GPU). The copy stream is not ordered after
+    them, so the first copy into every new buffer (each slot's first use, each growth, the
+    graph-mode buffer) must wait on a compute-stream event recorded at allocation. Without it the
+    H100 hit illegal memory accesses (tools/gpu_run_ahead.sh)."""
+    cache = _cache()
+    rng = np.random.default_rng(0)
+    cache.add_sequence(0)
+    mgr = cache.aux_manager
+    waits = []
+    for n in (3, 1, 1, 700, 1):        # slot 0 new, slot 1 new, reuse, growth, reuse
+        before = len(_copy_waits(cache))
+        allocations = mgr.allocations
+        with cache.forward([0], [n]):
+            for layer in range(2):
+                cache.attention(layer, *_qkv(cache, rng, n))
+        waits.append((mgr.allocations - allocations, len(_copy_waits(cache)) - before))
+    for step, (allocated, waited) in enumerate(waits):
+        assert waited >= allocated, (f"forward {step}: {allocated} new device buffer(s) but the copy "
+                                     f"stream waited on {waited} compute-stream event(s)")
+    assert [a for a, _ in waits] == [1, 1, 0, 1, 0]
+
+
+def test_graph_buffer_first_copy_waits_for_the_compute_stream():
+    cache = _cache(cuda_graph=True)
+    cache.add_sequence(0)
+    rng = np.random.default_rng(1)
+    with cache.forward([0], [4]):
+        for layer in range(2):
+            cache.attention(layer, *_qkv(cache, rng, 4))
+    before = len(_copy_waits(cache))
+    cache.begin_forward([0], [1])          # graph mode: begin_forward copies into the new buffer
+    assert cache.graph_batch_size is not None
+    assert len(_copy_waits(cache)) > before, "the graph buffer's first copy did not wait"
+    cache.end_forward()
