@@ -19,16 +19,23 @@ def _info(args) -> int:
         if cls is None:
             continue
         print(f"\n[{cls.name}] {cls.description}")
-        platform = cls.platform()
-        if platform:
-            print("  platform:     " + ", ".join(f"{k}={v}" for k, v in platform.items()))
-        if row["available"]:
-            print("  devices:      " + ", ".join(cls.devices()))
-        for key, value in cls.capabilities.describe().items():
-            if key == "head_dims" and len(value) > 8:
-                value = f"{value[0]}..{value[-1]}"
-            print(f"  {key + ':':<18}{value}")
+        try:
+            _details(cls, row["available"])
+        except Exception as exc:   # one plugin's bug must not hide the other backends
+            print(f"  error:        {type(exc).__name__}: {exc}")
     return 0
+
+
+def _details(cls, available: bool) -> None:
+    platform = cls.platform()
+    if platform:
+        print("  platform:     " + ", ".join(f"{k}={v}" for k, v in platform.items()))
+    if available:
+        print("  devices:      " + ", ".join(cls.devices()))
+    for key, value in cls.capabilities.describe().items():
+        if key == "head_dims" and len(value) > 8:
+            value = f"{value[0]}..{value[-1]}"
+        print(f"  {key + ':':<18}{value}")
 
 
 def main(argv=None) -> int:

@@ -13,4 +13,7 @@ hookimpl = pluggy.HookimplMarker("kvcache")
 
 @hookspec
 def kvcache_register_backends():
-    """Return a list of ``kvcache.Backend`` subclasses this plugin provides."""
+    """Return a list of ``kvcache.Backend`` subclasses this plugin provides: concrete classes
+    with a ``str`` name (not ``"auto"``), an ``int`` priority and a ``kvcache.Capabilities``.
+    Anything else makes this plugin unusable (listed with the reason); a name that another
+    class also claims makes that name unusable."""

@@ -2,23 +2,31 @@
 
 ``KVCACHE_PLUGINS`` (comma-separated entry-point names) limits which plugins load; empty string
 loads none but the built-in reference backend's entry point is still subject to the filter.
+
+Each plugin is checked on its own (its hooks when it registers, its backend classes whenever they
+are listed), so a bad plugin is listed as unusable and hides no other backend. A backend name that
+two different classes claim is unusable too: neither is picked, by name or by ``"auto"``.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+from collections.abc import Iterable
 from importlib.metadata import entry_points
 from typing import Optional
 
 import pluggy
 
 from . import hookspecs
-from .backend import Backend
+from .backend import Backend, Capabilities
 from .errors import BackendNotAvailableError
 
 ENTRY_POINT_GROUP = "kvcache"
 _manager: Optional[pluggy.PluginManager] = None
 _load_errors: dict[str, str] = {}
+_origins: dict[str, str] = {}     # plugin name -> where it came from, for duplicate-name reports
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -30,17 +38,48 @@ def get_plugin_manager() -> pluggy.PluginManager:
         allowed = os.environ.get("KVCACHE_PLUGINS")
         wanted = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
         for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if wanted is not None and ep.name not in wanted:
-                continue
-            if pm.get_plugin(ep.name) is not None:
-                continue
-            try:
-                pm.register(ep.load(), name=ep.name)
-            except Exception as exc:  # a broken plugin must not hide the others
-                _load_errors[ep.name] = f"failed to load: {type(exc).__name__}: {exc}"
-        pm.check_pending()
+            if wanted is None or ep.name in wanted:
+                _load_entry_point(pm, ep)
         _manager = pm
     return _manager
+
+
+def _load_entry_point(pm: pluggy.PluginManager, ep) -> None:
+    """Load and register one entry point; any failure is recorded, never raised."""
+    dist = f"{ep.dist.name} {ep.dist.version}" if getattr(ep, "dist", None) else "unknown"
+    name = ep.name
+    if pm.has_plugin(name) or name in _load_errors:   # a second distribution uses this name
+        name = f"{ep.name} ({dist})"                  # load it too: its backends may clash
+    _origins[name] = f"distribution {dist}, entry point {ep.name!r}"
+    try:
+        _register(pm, ep.load(), name)
+    except Exception as exc:  # a broken plugin must not hide the others
+        _load_errors[name] = f"failed to load: {type(exc).__name__}: {exc}"
+
+
+def _register(pm: pluggy.PluginManager, plugin, name: Optional[str]) -> Optional[str]:
+    """``pm.register`` plus pluggy's ``check_pending`` for this plugin alone (the global check
+    would let one plugin's typo break every lookup); a plugin that fails is not kept."""
+    was_registered = pm.get_name(plugin) is not None
+    try:
+        name = pm.register(plugin, name=name)
+        _check_hook_names(pm, plugin)
+    except Exception:
+        if not was_registered and pm.get_name(plugin) is not None:  # also: pluggy < 1.6 keeps
+            pm.unregister(plugin)                                   # a plugin that fails to verify
+        raise
+    return name
+
+
+def _check_hook_names(pm: pluggy.PluginManager, plugin) -> None:
+    unknown = [caller.name for caller in pm.get_hookcallers(plugin) or ()
+               if not caller.has_spec()
+               and any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls())]
+    if unknown:
+        specs = [n for n, c in vars(pm.hook).items() if not n.startswith("_") and c.has_spec()]
+        close = difflib.get_close_matches(unknown[0], specs, n=1)
+        raise pluggy.PluginValidationError(
+            plugin, f"unknown hook {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def reset_plugins() -> None:
@@ -48,54 +87,94 @@ def reset_plugins() -> None:
     global _manager
     _manager = None
     _load_errors.clear()
+    _origins.clear()
 
 
 def register_plugin(module_or_object, name: Optional[str] = None) -> None:
-    """Register a plugin object in-process (tests, notebooks); same hooks as entry points."""
-    pm = get_plugin_manager()
-    pm.register(module_or_object, name=name)
-    pm.check_pending()
+    """Register a plugin object in-process (tests, notebooks); same hooks as entry points. A plugin
+    with an unknown hook raises ``pluggy.PluginValidationError`` and is not registered."""
+    name = _register(get_plugin_manager(), module_or_object, name)
+    if name is not None:
+        _origins[name] = f"plugin {name!r}, registered in-process"
 
 
-def _plugin_backends() -> tuple[dict[str, type[Backend]], dict[str, str]]:
-    """Every registered backend class by name, and {plugin name: why it is unusable} for each
-    plugin whose ``kvcache_register_backends`` raised or returned something that is not a list of
-    Backend subclasses. Each plugin's hook is called on its own, so one broken plugin (a missing
-    dependency, a bug) does not hide the others."""
-    found: dict[str, type[Backend]] = {}
+def _class_problem(cls) -> Optional[str]:
+    """Why ``cls`` cannot serve as a backend class, or None. Checked before any use: the name is
+    a dict key, the priority is sorted, the capabilities are read by every feature check."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        return f"kvcache_register_backends returned {cls!r}, not a Backend subclass"
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        return f"{where} does not implement the abstract methods {missing}"
+    checks = (("name", lambda v: isinstance(v, str) and v not in ("", "auto"),
+               "a non-empty string other than 'auto'"),
+              ("priority", lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+              ("capabilities", lambda v: isinstance(v, Capabilities), "a kvcache.Capabilities"))
+    for attr, ok, expected in checks:
+        value = getattr(cls, attr)
+        if not ok(value):
+            return f"{where}.{attr} is {value!r} ({type(value).__name__}), not {expected}"
+    return None
+
+
+def _hook_classes(impl) -> tuple[list, Optional[str]]:
+    """The backend classes one plugin's hook returns, or why that plugin is unusable."""
+    if impl.hookwrapper or impl.wrapper:
+        return [], "hook wrappers are not supported for kvcache_register_backends"
+    try:
+        result = impl.function()
+        classes = list(result or ()) if isinstance(result, (Iterable, type(None))) else None
+    except Exception as exc:   # reported by list_backends, never raised from here
+        return [], f"kvcache_register_backends raised {type(exc).__name__}: {exc}"
+    if classes is None:
+        return [], f"kvcache_register_backends returned {result!r}, not a list of Backend subclasses"
+    for cls in classes:
+        problem = _class_problem(cls)
+        if problem:
+            return [], problem
+    return classes, None
+
+
+def _duplicate_reason(name: str, providers: list) -> str:
+    who = " and ".join(f"{cls.__module__}.{cls.__qualname__} ({_origins.get(p, f'plugin {p!r}')})"
+                       for cls, p in providers)
+    return f"duplicate backend name {name!r}: {who}; uninstall one of them"
+
+
+def _plugin_backends() -> tuple[dict[str, type[Backend]], dict[str, str], dict[str, str]]:
+    """Every usable backend class by name; {plugin name: why it is unusable} for each plugin whose
+    hook raised or returned something unusable; {backend name: why} for each name that two
+    different classes claim. Each plugin's hook is called on its own, so one broken plugin (a
+    missing dependency, a bug) does not hide the others."""
+    providers: dict[str, list[tuple[type[Backend], str]]] = {}
     broken: dict[str, str] = {}
-    hook = get_plugin_manager().hook.kvcache_register_backends
-    # pluggy calls the last registered implementation first; keep that order (first name wins).
-    for impl in reversed(hook.get_hookimpls()):
-        if impl.hookwrapper or impl.wrapper:
-            broken[impl.plugin_name] = "hook wrappers are not supported for kvcache_register_backends"
-            continue
-        try:
-            classes = list(impl.function() or ())
-        except Exception as exc:   # reported by list_backends, never raised from here
-            broken[impl.plugin_name] = f"kvcache_register_backends raised {type(exc).__name__}: {exc}"
-            continue
-        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, Backend))]
-        if bad:
-            broken[impl.plugin_name] = (f"kvcache_register_backends returned {bad[0]!r}, "
-                                        f"not a Backend subclass")
-            continue
+    # pluggy calls the last registered implementation first; list in registration order.
+    for impl in reversed(get_plugin_manager().hook.kvcache_register_backends.get_hookimpls()):
+        classes, why = _hook_classes(impl)
+        if why:
+            broken[impl.plugin_name] = why
         for cls in classes:
-            found.setdefault(cls.name, cls)
-    return found, broken
+            claims = providers.setdefault(cls.name, [])
+            if all(cls is not other for other, _ in claims):   # the same class twice is no clash
+                claims.append((cls, impl.plugin_name))
+    found = {name: claims[0][0] for name, claims in providers.items() if len(claims) == 1}
+    duplicates = {name: _duplicate_reason(name, claims)
+                  for name, claims in providers.items() if len(claims) > 1}
+    return found, broken, duplicates
 
 
 def backend_classes() -> dict[str, type[Backend]]:
-    """Every registered backend class by name (plugins whose hook fails are left out; see
-    ``list_backends`` for why)."""
+    """Every usable backend class by name (plugins whose hook fails, and names two classes claim,
+    are left out; see ``list_backends`` for why)."""
     return _plugin_backends()[0]
 
 
 def list_backends(device: Optional[str] = None) -> list[dict]:
     """All registered backends, highest priority first: name, priority, available, reason. A plugin
-    that failed to load or whose hook raised is listed by its plugin name as unavailable (class
-    None) with the error as its reason."""
-    classes, broken = _plugin_backends()
+    that failed to load or whose hook failed is listed by its plugin name, and a backend name that
+    two classes claim by that name, as unavailable (class and priority None) with the reason."""
+    classes, broken, duplicates = _plugin_backends()
     rows = []
     for cls in sorted(classes.values(), key=lambda c: -c.priority):
         try:
@@ -104,7 +183,7 @@ def list_backends(device: Optional[str] = None) -> list[dict]:
             ok, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
         rows.append({"name": cls.name, "priority": cls.priority, "available": bool(ok),
                      "reason": reason, "class": cls})
-    for name, why in list(_load_errors.items()) + list(broken.items()):
+    for name, why in [*_load_errors.items(), *broken.items(), *duplicates.items()]:
         rows.append({"name": name, "priority": None, "available": False, "reason": why, "class": None})
     return rows
 
