@@ -24,6 +24,7 @@ Shared conventions
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional, Sequence
 
@@ -149,6 +150,15 @@ class Backend(abc.ABC):
         self.device = device
 
     # ------------------------------------------------------------------ memory
+    def memory_capacity(self) -> Optional[int]:
+        """Bytes the device can hold: ``PagedKVCache`` refuses (``CacheFullError``) page arrays
+        larger than this before allocating. None: no bound. Default: the host's physical
+        memory (right for host backends and unified-memory devices)."""
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return None
+
     @abc.abstractmethod
     def allocate_pages(self, num_pages: int) -> list:
         """Zeroed page arrays, one per layer, shape (num_pages, 2, Hkv, page_size, D)."""

@@ -13,7 +13,9 @@ from .config import CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
 from .core.forward import ForwardBuilder, ForwardPlan
 from .core.state import CacheState, as_int
-from .errors import (ForwardStateError, InvalidArgumentError, UnsupportedFeatureError)
+from .core.validate import bool_arg, float_arg
+from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
+                     UnsupportedFeatureError)
 from .plugins import resolve_backend
 
 
@@ -34,7 +36,7 @@ class PagedKVCache:
         self.backend = cls(config, device)
         self.capabilities: Capabilities = caps
         self.state = CacheState(config.num_pages, config.page_size, config.support_sliding_window)
-        self.pages = self.backend.allocate_pages(config.num_pages)
+        self.pages = self._allocate_pages(config)
         self.copy_stream = self.backend.create_stream() if caps.copy_stream else None
         self._require(not config.cuda_graph or caps.merged_aux, "merged_aux", "cuda_graph=True", cls)
         if caps.merged_aux:
@@ -48,6 +50,22 @@ class PagedKVCache:
         self._plan: Optional[ForwardPlan] = None
         self._aux: Optional[dict] = None
         self._layers_done: set = set()
+
+    def _allocate_pages(self, config):
+        """The page arrays, refused up front (CacheFullError, nothing allocated) when they
+        exceed the memory the backend says its device has."""
+        need, capacity = config.kv_bytes, self.backend.memory_capacity()
+        what = (f"{config.num_layers} layers x {config.num_pages} pages of {config.page_size} "
+                f"tokens in {config.dtype}: {need} bytes ({need / 2**30:,.1f} GiB)")
+        if capacity is not None and need > capacity:
+            raise CacheFullError(
+                f"the cache's page arrays need {what}, but the {self.backend.name!r} backend's "
+                f"device holds {capacity} bytes ({capacity / 2**30:,.1f} GiB); lower "
+                f"max_total_tokens or num_layers")
+        try:
+            return self.backend.allocate_pages(config.num_pages)
+        except MemoryError as e:
+            raise CacheFullError(f"allocating the cache's page arrays ({what}) failed: {e}") from None
 
     @staticmethod
     def _graph_capacities(config) -> dict:
@@ -76,7 +94,14 @@ class PagedKVCache:
     # ------------------------------------------------------------------ arrays
     def from_numpy(self, array):
         """A native array on the cache's device: floats in the cache dtype, ints as int32."""
-        return self.backend.from_numpy(np.asarray(array))
+        try:
+            host = np.asarray(array)
+        except Exception as e:
+            raise InvalidArgumentError(f"from_numpy needs a numeric array, got {type(array).__name__}: {e}") from None
+        if host.dtype.kind in "OUSMmc":
+            raise InvalidArgumentError(
+                f"from_numpy needs a real numeric array, got dtype {host.dtype} from {type(array).__name__}")
+        return self.backend.from_numpy(host)
 
     # ------------------------------------------------------------------ sequences
     def _no_forward(self, what: str) -> None:
@@ -237,6 +262,8 @@ class PagedKVCache:
         plan = self._open("attention")
         c = self.config
         layer_id = as_int(layer_id, "layer_id")
+        return_lse = bool_arg(return_lse, "return_lse")
+        scale = c.head_dim ** -0.5 if sm_scale is None else float_arg(sm_scale, "sm_scale")
         if not 0 <= layer_id < c.num_layers:
             raise InvalidArgumentError(f"layer_id {layer_id} must be in [0, {c.num_layers})")
         if layer_id in self._layers_done:
@@ -246,9 +273,6 @@ class PagedKVCache:
         rows = self.backend.shape_of(q)[0]
         self._check_input("k", k, c.num_kv_heads, rows)
         self._check_input("v", v, c.num_kv_heads, rows)
-        scale = c.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-        if not np.isfinite(scale):
-            raise InvalidArgumentError(f"sm_scale must be finite, got {sm_scale!r}")
         aux = self._device_aux()
         self._layers_done.add(layer_id)
         o, lse = self._attend(plan, aux, self.pages[layer_id], q, k, v, scale)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from .core.validate import INT32_MAX, bool_arg, float_arg, int_arg, int_values
 from .errors import InvalidArgumentError
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -33,33 +33,48 @@ class CacheConfig:
     including max_batch_size)."""
 
     def __post_init__(self):
+        # normalise numpy scalars to Python ints / floats / bools (the dataclass is frozen)
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
         for name in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
-                     "max_batch_size", "max_total_tokens", "prefill_chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+                     "max_batch_size", "prefill_chunk_size"):
+            put(name, int_arg(getattr(self, name), f"CacheConfig.{name}", 1, INT32_MAX))
+        # bounded above by the int32 page slots it implies (checked below, with the page count)
+        put("max_total_tokens", int_arg(self.max_total_tokens, "CacheConfig.max_total_tokens", 1))
         if self.num_qo_heads % self.num_kv_heads:
             raise InvalidArgumentError(
                 f"CacheConfig.num_qo_heads={self.num_qo_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise InvalidArgumentError(f"CacheConfig.head_dim={self.head_dim} must be even (RoPE halves)")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidArgumentError(f"CacheConfig.dtype={self.dtype!r} is not one of {DTYPES}")
-        if self.rope_mode not in ROPE_MODES:
+        if not isinstance(self.rope_mode, str) or self.rope_mode not in ROPE_MODES:
             raise InvalidArgumentError(f"CacheConfig.rope_mode={self.rope_mode!r} is not one of {ROPE_MODES}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise InvalidArgumentError(f"CacheConfig.rope_theta={self.rope_theta!r} must be positive")
-        if not math.isfinite(self.rope_scale):
-            raise InvalidArgumentError(f"CacheConfig.rope_scale={self.rope_scale!r} must be finite")
+        put("rope_theta", float_arg(self.rope_theta, "CacheConfig.rope_theta", positive=True))
+        put("rope_scale", float_arg(self.rope_scale, "CacheConfig.rope_scale"))
+        put("support_sliding_window",
+            bool_arg(self.support_sliding_window, "CacheConfig.support_sliding_window"))
+        put("cuda_graph", bool_arg(self.cuda_graph, "CacheConfig.cuda_graph"))
 
-        sizes = self.cuda_graph_batch_sizes
-        if not isinstance(sizes, tuple) or any(
-                isinstance(b, bool) or not isinstance(b, int) for b in sizes) or list(sizes) != sorted(set(sizes)) \
-                or (sizes and not 1 <= sizes[0] <= sizes[-1] <= self.max_batch_size):
+        name = "CacheConfig.cuda_graph_batch_sizes"
+        if not isinstance(self.cuda_graph_batch_sizes, (tuple, list)):
+            raise InvalidArgumentError(f"{name} must be a tuple of ints, got {self.cuda_graph_batch_sizes!r}")
+        sizes = tuple(int_values(self.cuda_graph_batch_sizes, name, 1, self.max_batch_size,
+                                 limit="max_batch_size"))
+        if list(sizes) != sorted(set(sizes)):
             raise InvalidArgumentError(
-                f"CacheConfig.cuda_graph_batch_sizes={sizes!r} must be a strictly increasing tuple "
+                f"{name}={sizes!r} must be a strictly increasing tuple "
                 f"of ints in [1, max_batch_size={self.max_batch_size}]")
+        put("cuda_graph_batch_sizes", sizes)
+
+        slots = self.num_pages * self.page_size
+        if slots > INT32_MAX:
+            raise InvalidArgumentError(
+                f"CacheConfig.max_total_tokens={self.max_total_tokens} needs {self.num_pages} pages "
+                f"of {self.page_size} tokens ({self.kv_bytes} bytes of KV): {slots} token slots, "
+                f"but slots are int32 (at most {INT32_MAX})")
 
     @property
     def graph_buckets(self) -> tuple:
@@ -95,6 +110,14 @@ class CacheConfig:
         if self.support_sliding_window:
             pages += self.max_batch_size
         return pages
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the page arrays: ``num_pages`` pages of (2, num_kv_heads, page_size,
+        head_dim) per layer, in the cache dtype."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return (self.num_layers * self.num_pages * 2 * self.num_kv_heads * self.page_size
+                * self.head_dim * itemsize)
 
     @property
     def effective_rope_mode(self) -> str:

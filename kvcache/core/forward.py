@@ -22,6 +22,8 @@ import numpy as np
 from ..errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
                       SequenceNotFoundError)
 from .state import CacheState
+from .validate import (INT32_MAX, all_int_ones, bool_like_positions, int_array, same_int_ids,
+                       seq_id_list)
 
 MAX_BLOCK_DEPTH = 2
 """Depths beyond this are folded into the last depth (bounds kernel launches per layer)."""
@@ -78,6 +80,7 @@ class _DecodeLayout:
 
     def __init__(self, plan, epoch, slots, last, own, pages):
         self.seq_ids, self.epoch, self.slots, self.last = plan.seq_ids, epoch, slots, last
+        self.bool_like = bool_like_positions(plan.seq_ids)
         self.append_lengths = plan.append_lengths
         self.arrays = plan.arrays
         self.depths = plan.depths
@@ -115,11 +118,9 @@ def _append_pages(indptr: np.ndarray, indices: np.ndarray, entries: np.ndarray,
 
 
 def _all_ones(lengths, batch: int) -> bool:
-    """True when ``lengths`` is ``batch`` ones (a list or an int array), without numpy for lists."""
-    if isinstance(lengths, list):
-        return len(lengths) == batch and lengths.count(1) == batch
-    a = np.asarray(lengths)
-    return a.shape == (batch,) and a.dtype.kind in "iu" and bool((a == 1).all())
+    """True when ``lengths`` is ``batch`` int ones (a list, tuple or int array; True and 1.0
+    compare equal to 1 but are not ints), without per-element Python."""
+    return all_int_ones(lengths, batch)
 
 
 def _tree_order(parents: list) -> tuple[np.ndarray, np.ndarray]:
@@ -167,26 +168,22 @@ class ForwardBuilder:
 
     def _begin(self, seq_ids, append_lengths, tree_parent_ptr=None) -> ForwardPlan:
         cfg, pt = self.config, self.state.pt
-        seq_ids = list(seq_ids)
-        batch = len(seq_ids)
         layout = self._layout
-        if (layout is not None and tree_parent_ptr is None and layout.epoch == self.state.epoch
-                and seq_ids == layout.seq_ids and _all_ones(append_lengths, batch)):
-            plan = (self._decode_step if layout.flat is None else self._decode_step_flat)(layout)
-            if plan is not None:
-                return plan
+        if layout is not None and tree_parent_ptr is None and layout.epoch == self.state.epoch:
+            if (same_int_ids(seq_ids, layout.seq_ids, layout.bool_like)
+                    and _all_ones(append_lengths, len(layout.seq_ids))):
+                plan = (self._decode_step if layout.flat is None else self._decode_step_flat)(layout)
+                if plan is not None:
+                    return plan
+        seq_ids = seq_id_list(seq_ids, "seq_ids")
+        batch = len(seq_ids)
         if not 1 <= batch <= cfg.max_batch_size:
             raise InvalidArgumentError(
                 f"a forward needs 1 to max_batch_size={cfg.max_batch_size} sequences, got {batch}")
-        append = np.asarray(append_lengths)
-        if append.shape != (batch,) or append.dtype.kind not in "iu":
-            raise InvalidArgumentError(
-                f"append_lengths must be {batch} ints (one per sequence), got {append_lengths!r}")
-        append = append.astype(np.int64)
-        if append.min() < 1:
-            i = int(np.argmin(append))
-            raise InvalidArgumentError(
-                f"append length {int(append[i])} of sequence {seq_ids[i]} must be at least 1")
+        # each length bounded in Python ints first, so the int64 sum below cannot wrap
+        append = int_array(append_lengths, "append_lengths", 1, cfg.prefill_chunk_size, length=batch,
+                           owner=lambda i: f"sequence {seq_ids[i]}",
+                           limit=f"prefill_chunk_size={cfg.prefill_chunk_size}")
         total = int(append.sum())
         if total > cfg.prefill_chunk_size:
             raise InvalidArgumentError(
@@ -518,13 +515,11 @@ class ForwardBuilder:
                 "token trees are not supported in a cache built with support_sliding_window=True")
         if cfg.effective_rope_mode == "inline":
             raise InvalidArgumentError("token trees need rope_mode 'none' or 'normal', not 'inline'")
-        ptr = np.asarray(tree_parent_ptr)
-        if ptr.shape != (total,) or (total and ptr.dtype.kind not in "iu"):
-            raise InvalidArgumentError(
-                f"token_tree_parent_ptr must hold {total} ints (one per new token), got shape {ptr.shape}")
-        ptr = ptr.astype(np.int64)
         qo = _exclusive_cumsum(append)
         seq_of_token = np.repeat(np.arange(len(append)), append)
+        # int64 without wrapping (a uint64 2**64-1 is not -1); the own-index bound follows
+        ptr = int_array(tree_parent_ptr, "token_tree_parent_ptr", -1, INT32_MAX, length=total,
+                        owner=lambda t: f"sequence {seq_ids[seq_of_token[t]]}")
         own = tree_before[seq_of_token] + np.arange(total) - qo[seq_of_token]
         bad = np.nonzero((ptr < -1) | (ptr >= own))[0]
         if len(bad):

@@ -14,6 +14,8 @@ from ..errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
                       SequenceExistsError, SequenceNotFoundError)
 from .pagetable import TEMP_PAGE, PageTable, SeqState
 from .sliding import plan_slide
+from .validate import INT32_MAX, int_values, seq_id_arg, seq_id_list
+from .validate import int_arg as as_int     # the shared int check, under its old name here
 
 
 @dataclass(frozen=True)
@@ -21,12 +23,6 @@ class PageCopy:
     src_page: int
     dst_page: int
     length: int
-
-
-def as_int(value, what: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentError(f"{what} must be an int, got {value!r}")
-    return int(value)
 
 
 class CacheState:
@@ -40,9 +36,10 @@ class CacheState:
 
     # ------------------------------------------------------------------ lookups
     def seq(self, seq_id) -> SeqState:
+        seq_id = seq_id_arg(seq_id)     # a bool or 1.0 would find sequence 1 by hash
         try:
             return self.pt.seqs[seq_id]
-        except (KeyError, TypeError):
+        except KeyError:
             raise SequenceNotFoundError(
                 f"sequence {seq_id!r} is not in the cache ({len(self.pt.seqs)} sequences held)") from None
 
@@ -51,15 +48,15 @@ class CacheState:
 
     # ------------------------------------------------------------------ add / remove
     def add_sequence(self, seq_id) -> None:
-        self.epoch += 1
-        seq_id = as_int(seq_id, "seq_id")
+        seq_id = seq_id_arg(seq_id)
         if seq_id in self.pt.seqs:
             raise SequenceExistsError(f"sequence {seq_id} is already in the cache")
+        self.epoch += 1
         self.pt.add_sequence(seq_id, self.pt.new_block())
 
     def remove_sequence(self, seq_id) -> None:
-        self.epoch += 1
         seq = self.seq(seq_id)
+        self.epoch += 1
         pt = self.pt
         b = int(pt.s_last[seq.slot])
         while b != -1 and pt.b_ref[b] == 1:
@@ -73,7 +70,7 @@ class CacheState:
     # ------------------------------------------------------------------ fork
     def check_fork(self, parent_id, child_id, fork_pos) -> tuple[SeqState, int, int]:
         parent = self.seq(parent_id)
-        child_id = as_int(child_id, "child_id")
+        child_id = seq_id_arg(child_id, "child_id")
         fork_pos = as_int(fork_pos, "fork_pos")
         if child_id in self.pt.seqs:
             raise SequenceExistsError(f"cannot fork into sequence {child_id}: it is already in the cache")
@@ -252,8 +249,9 @@ class CacheState:
     # ------------------------------------------------------------------ sliding window
     def enable_sliding_window(self, seq_id, window_size, sink_size) -> None:
         seq = self.seq(seq_id)
-        window_size = as_int(window_size, "window_size")
-        sink_size = as_int(sink_size, "sink_size")
+        # stored as int32: bounded like every other length
+        window_size = as_int(window_size, f"sequence {seq.seq_id}: window_size", hi=INT32_MAX)
+        sink_size = as_int(sink_size, f"sequence {seq.seq_id}: sink_size", hi=INT32_MAX)
         if not self.support_sliding_window:
             raise InvalidArgumentError(
                 f"sequence {seq.seq_id}: this cache was built with support_sliding_window=False")
@@ -304,7 +302,8 @@ class CacheState:
 
     # ------------------------------------------------------------------ tree commit
     def check_commit(self, seq_ids, leaf_indices) -> list[tuple[SeqState, int]]:
-        seq_ids, leaf_indices = list(seq_ids), list(leaf_indices)
+        seq_ids = seq_id_list(seq_ids, "seq_ids")
+        leaf_indices = int_values(leaf_indices, "leaf_indices")
         if len(seq_ids) != len(leaf_indices):
             raise InvalidArgumentError(
                 f"commit got {len(seq_ids)} seq_ids but {len(leaf_indices)} leaf_indices")

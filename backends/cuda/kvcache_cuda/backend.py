@@ -213,6 +213,11 @@ class CudaBackend(Backend):
         return _NULL
 
     # ------------------------------------------------------------------ memory
+    def memory_capacity(self):
+        if self.on_gpu:
+            return torch.cuda.get_device_properties(self.torch_device).total_memory
+        return super().memory_capacity()
+
     def allocate_pages(self, num_pages):
         c = self.config
         shape = (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
