@@ -259,7 +259,7 @@ class DenseModel:
             if s.window is not None:
                 w, sink = s.window
                 length = s.k.shape[1]
-                if length > w:
+                if length > w:   # exactly ``sink`` sinks and the last ``w - sink`` tokens
                     idx = list(range(sink)) + list(range(length - (w - sink), length))
                     s.k, s.v = s.k[:, idx], s.v[:, idx]
             t += n

@@ -140,6 +140,23 @@ class TestBadInput(Conformance):
         p.expect_error(InvalidArgumentError, "enable_sliding_window", 0, 8, 2)
         p.decode([0], steps=5)
 
+    def test_window_over_shared_prefix(self, make_pair):
+        """Pages shared with another sequence cannot slide out: the sinks must cover a shared
+        prefix, and a windowed sequence forks only within its sinks."""
+        p = make_pair(support_sliding_window=True)
+        ps = p.config.page_size
+        p.add(0)
+        p.prefill(0, 2 * ps)
+        p.fork(0, 1)
+        p.expect_error(InvalidArgumentError, "enable_sliding_window", 1, 2 * ps, 1)
+        p.expect_error(InvalidArgumentError, "enable_sliding_window", 0, 4 * ps, 2 * ps - 1)
+        p.enable_sliding_window(0, 4 * ps, 2 * ps)
+        p.add(2)
+        p.prefill(2, 5)
+        p.enable_sliding_window(2, 8, 2)
+        p.expect_error(InvalidArgumentError, "fork_sequence", 2, 3, 3)
+        p.decode([0, 1, 2], steps=2)
+
 
 class TestAtomicity(Conformance):
     def test_cache_full_reserves_nothing(self, make_pair):

@@ -175,6 +175,22 @@ class TestSlidingWindow(Conformance):
         p.popn(2, 1)
         p.decode([0, 1, 2], steps=2)
 
+    def test_windows_next_to_forks(self, make_pair):
+        """A child whose shared prefix lies within its sinks; a windowed parent forked at its
+        page-aligned end (within its sinks); popn through the window into the sinks."""
+        p = _sliding(make_pair, "normal")
+        ps = p.config.page_size
+        p.add(0)
+        p.prefill(0, 2 * ps)
+        p.fork(0, 1, ps + 1)                         # shares ps tokens, copies a partial page
+        p.enable_sliding_window(1, ps + 4, ps + 1)
+        p.enable_sliding_window(0, 3 * ps + 2, 2 * ps + 1)
+        p.fork(0, 2)
+        p.forward([0, 1, 2], [ps + 3, 6, 2])
+        p.decode([0, 1, 2], steps=ps + 2)
+        p.popn(1, ps + 3)
+        p.decode([1, 0], steps=3)
+
 
 def _tree_pair(make_pair, **kw):
     return make_pair(needs=("tree_attention",), **kw)

@@ -36,7 +36,6 @@ class SeqState:
     seq_id: int
     slot: int
     window: int = -1            # sliding window size, -1: off
-    last_block_sink: int = 0    # sink tokens inside the last block (shared prefix acts as sinks)
     sink_request: int = 0       # sink size asked for in enable_sliding_window
     tree_parent: list = field(default_factory=list)   # uncommitted tree, parent per node
     tree_depth: list = field(default_factory=list)
@@ -254,3 +253,23 @@ class PageTable:
         for seq in self.seqs.values():
             assert self.s_len[seq.slot] == self.trace_length(int(self.s_last[seq.slot])), (
                 f"sequence {seq.seq_id}: length {self.s_len[seq.slot]} != blocks' total")
+        self._check_windows(live)
+
+    def _check_windows(self, live) -> None:
+        """Only a windowed sequence's last block slides; the tokens before it are all sinks."""
+        lasts = {int(self.s_last[seq.slot]): seq for seq in self.seqs.values()}
+        for b in live:
+            seq = lasts.get(int(b))
+            if seq is None:
+                assert not self.b_gap[b] and not self.b_sink[b] and self.b_len[b] % self.page_size == 0, (
+                    f"shared block {b}: len {self.b_len[b]}, sink {self.b_sink[b]}, gap {self.b_gap[b]}")
+            elif seq.window == -1:
+                assert not self.b_gap[b] and not self.b_sink[b], f"sequence {seq.seq_id} has no window"
+            else:
+                prefix = int(self.s_len[seq.slot]) - int(self.b_len[b])
+                assert prefix <= seq.sink_request, (
+                    f"sequence {seq.seq_id}: {prefix} tokens before its last block > {seq.sink_request} sinks")
+                if self.b_gap[b]:
+                    assert self.b_sink[b] == seq.sink_request - prefix < self.b_len[b], (
+                        f"sequence {seq.seq_id}: block sinks {self.b_sink[b]}, prefix {prefix}, "
+                        f"len {self.b_len[b]}, sinks {seq.sink_request}")

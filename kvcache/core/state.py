@@ -84,13 +84,12 @@ class CacheState:
             raise ForwardStateError(
                 f"sequence {parent.seq_id} has {len(parent.tree_parent)} uncommitted token-tree "
                 f"tokens; call commit_accepted_token_tree_nodes before forking it")
-        if parent.window != -1:
-            last = int(self.pt.s_last[parent.slot])
-            sinks = length - int(self.pt.b_len[last]) + parent.last_block_sink
-            if fork_pos > sinks:
-                raise InvalidArgumentError(
-                    f"sequence {parent.seq_id} has a sliding window; it can be forked only within "
-                    f"its {sinks} sink tokens, not at {fork_pos}")
+        if parent.window != -1 and fork_pos > parent.sink_request:
+            # the child's prefix must be stored contiguously, and the parent may share no more
+            # than its sinks (shared pages cannot slide out)
+            raise InvalidArgumentError(
+                f"sequence {parent.seq_id} has a sliding window; it can be forked only within "
+                f"its {parent.sink_request} sink tokens, not at {fork_pos}")
         if fork_pos % self.page_size and self.pt.num_free < 1:
             raise CacheFullError(
                 f"forking sequence {parent.seq_id} at {fork_pos} copies a partial page; 0 of "
@@ -145,8 +144,6 @@ class CacheState:
                 if pt.b_gap[b]:
                     pt.b_sink[b] -= moved
                     pt.b_gap[b] -= moved
-                if parent.window != -1 and b == int(pt.s_last[parent.slot]):
-                    parent.last_block_sink -= moved
             pt.b_start[child] = fork_pos - in_page
             pt.b_len[child] = in_page
             if in_page:
@@ -168,13 +165,6 @@ class CacheState:
         if not seq.committed:
             raise ForwardStateError(
                 f"sequence {seq.seq_id} has an uncommitted token tree; commit it before popn")
-        last = int(self.pt.s_last[seq.slot])
-        if self.pt.b_gap[last] or self.pt.b_sink[last]:
-            keep_min = length - int(self.pt.b_len[last]) + int(self.pt.b_sink[last])
-            if length - n < keep_min:
-                raise InvalidArgumentError(
-                    f"sequence {seq.seq_id} has slid its window; popn may remove at most "
-                    f"{length - keep_min} tokens (its sinks stay), not {n}")
         if n and self._popn_needs_fork(seq, n) and (length - n) % self.page_size and self.pt.num_free < 1:
             raise CacheFullError(f"popn {n} on sequence {seq.seq_id} copies a partial page; no page is free")
         return seq, n
@@ -209,6 +199,8 @@ class CacheState:
                 b = parent
                 pt.s_last[seq.slot] = b
                 continue
+            if pt.b_gap[b] and blen - n <= pt.b_sink[b]:
+                pt.b_sink[b] = pt.b_gap[b] = 0   # the window is gone: the sinks are a plain block
             span = int(pt.b_gap[b]) + blen - n - int(pt.b_sink[b])
             keep = -(-span // ps)
             pages = pt.pages_of(b)
@@ -238,11 +230,8 @@ class CacheState:
         del pt.seqs[temp_id]
         child.seq_id = seq_id
         pt.seqs[seq_id] = child
-        if seq.window != -1:   # keep the window; the sinks now count from the new prefix
+        if seq.window != -1:   # keep the window
             child.window, child.sink_request = seq.window, seq.sink_request
-            last = int(pt.s_last[child.slot])
-            prefix = new_len - int(pt.b_len[last])
-            child.last_block_sink = max(seq.sink_request - prefix, 0)
             pt.s_window[child.slot] = seq.window
         return copies
 
@@ -263,19 +252,52 @@ class CacheState:
             raise InvalidArgumentError(f"sequence {seq.seq_id} already has a sliding window ({seq.window})")
         if not seq.committed:
             raise ForwardStateError(f"sequence {seq.seq_id} has an uncommitted token tree")
-        last = int(self.pt.s_last[seq.slot])
-        prefix = self.pt.length(seq) - int(self.pt.b_len[last])
+        trace = self.pt.trace(seq)
+        own = self._own_blocks(trace)
+        shared = int(self.pt.b_start[trace[own]])
+        if shared > sink_size:
+            raise InvalidArgumentError(
+                f"sequence {seq.seq_id} shares its first {shared} tokens with other sequences "
+                f"and shared pages cannot slide out: sink_size must be at least {shared}, "
+                f"got {sink_size}")
         self.epoch += 1
-        seq.last_block_sink = max(sink_size - prefix, 0)
+        self._merge_blocks(trace[own:])
         seq.window, seq.sink_request = window_size, sink_size
         self.pt.s_window[seq.slot] = window_size
+
+    def _own_blocks(self, trace) -> int:
+        """Index in ``trace`` of the first block that no other sequence reaches."""
+        own = len(trace) - 1
+        while own > 0 and self.pt.b_ref[trace[own - 1]] == 1:
+            own -= 1
+        return own
+
+    def _merge_blocks(self, chain) -> None:
+        """Fold a chain of blocks held by one sequence (what a removed fork leaves behind) into
+        its last block, so the window can slide over all of it."""
+        if len(chain) < 2:
+            return
+        pt, last = self.pt, chain[-1]
+        pages = np.concatenate([pt.pages_of(b) for b in chain])
+        pt.b_len[last] = sum(int(pt.b_len[b]) for b in chain)
+        pt.b_start[last], pt.b_parent[last] = pt.b_start[chain[0]], pt.b_parent[chain[0]]
+        for b in chain[:-1]:
+            pt.b_npages[b] = 0     # its pages move to ``last``
+            pt.free_block(b)
+        pt.set_pages(last, pages)
+
+    def block_sinks(self, seq: SeqState) -> int:
+        """Sink tokens of a windowed sequence inside its last block (the tokens before it, at
+        most ``sink_request`` of them, are all sinks)."""
+        last = int(self.pt.s_last[seq.slot])
+        return max(seq.sink_request - (self.pt.length(seq) - int(self.pt.b_len[last])), 0)
 
     def slide_plan(self, seq: SeqState, append: int):
         pt = self.pt
         b = int(pt.s_last[seq.slot])
         return plan_slide(seq_len=int(pt.s_len[seq.slot]), block_len=int(pt.b_len[b]),
                           sink=int(pt.b_sink[b]), gap=int(pt.b_gap[b]), npages=int(pt.b_npages[b]),
-                          window=seq.window, last_block_sink=seq.last_block_sink, append=append,
+                          window=seq.window, last_block_sink=self.block_sinks(seq), append=append,
                           page_size=self.page_size)
 
     def apply_slide(self, seq: SeqState, append: int) -> None:

@@ -3,7 +3,9 @@ commit / sliding window run on the cache and on a plain token-list model.
 
 The model knows nothing of pages or blocks: each sequence is a list of per-layer K/V rows and
 attention is dense softmax over that list. It catches page-table bugs that the reference backend
-(which reads through the page table) would share with the core.
+(which reads through the page table) would share with the core. For sliding windows next to forks
+it also tracks how many tokens two sequences hold in the same pages (whole pages up to a fork
+point), which decides the windows the cache must refuse.
 """
 
 import numpy as np
@@ -46,8 +48,7 @@ class Seq:
         self.tree_parent = []
         self.tree_depth = []
         self.window = None            # (w, s)
-        self.slid = False
-        self.shared = False           # ever a fork parent or child
+        self.share = {}               # other sequence -> tokens both hold in the same pages
 
     def copy(self, n):
         c = Seq()
@@ -77,6 +78,14 @@ class CacheMachine(RuleBasedStateMachine):
             rope_mode=self.rope_mode, support_sliding_window=self.sliding)
         self.cache = kvcache.PagedKVCache(self.cfg, backend="reference")
         self.model: dict[int, Seq] = {}
+
+    def cut_share(self, sid, length):
+        """Sequence ``sid`` now holds ``length`` tokens: pages are shared whole (a fork copies a
+        partial page), so it shares at most the whole pages of them with anyone."""
+        m = self.model[sid]
+        for other in m.share:
+            m.share[other] = min(m.share[other], length // PS * PS)
+            self.model[other].share[sid] = m.share[other]
 
     # ------------------------------------------------------------------ helpers
     def snapshot(self):
@@ -121,17 +130,22 @@ class CacheMachine(RuleBasedStateMachine):
     def remove(self, data):
         sid = data.draw(st.sampled_from(sorted(self.model)))
         self.cache.remove_sequence(sid)
-        del self.model[sid]
+        for other in self.model.pop(sid).share:
+            del self.model[other].share[sid]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.model)))
+        self._fork(data)
+
+    def _fork(self, data, parent=None):
+        """Returns the new child's id, or None."""
+        if parent is None:
+            parent = data.draw(st.sampled_from(sorted(self.model)))
         m = self.model[parent]
-        limit = len(m)
-        if m.window is not None:
-            limit = min(limit, m.window[1])
-        pos = data.draw(st.integers(0, max(limit, 0)) | st.just(-1))
+        special = list(range(0, len(m) + 1, PS)) + ([min(m.window[1], len(m))] if m.window else [])
+        pos = data.draw(st.integers(0, len(m)) | st.just(-1) | st.sampled_from(special))
+        n = len(m) if pos == -1 else pos
         before = self.snapshot()
         child = self.next_id
         try:
@@ -140,14 +154,18 @@ class CacheMachine(RuleBasedStateMachine):
             self.expect_unchanged(before)
             ok = (m.tree_parent and isinstance(exc, kvcache.ForwardStateError)) or \
                  (isinstance(exc, kvcache.CacheFullError)) or \
-                 (m.window is not None and pos == -1 and isinstance(exc, kvcache.InvalidArgumentError))
+                 (m.window is not None and n > m.window[1] and isinstance(exc, kvcache.InvalidArgumentError))
             assert ok, exc
-            return
+            return None
         assert not m.tree_parent
+        assert m.window is None or n <= m.window[1], "a windowed sequence forked past its sinks"
         self.next_id += 1
-        n = len(m) if pos == -1 else pos
-        self.model[child] = m.copy(n)
-        self.model[child].shared = m.shared = True
+        c = self.model[child] = m.copy(n)
+        c.share = {o: min(k, n // PS * PS) for o, k in m.share.items()}
+        c.share[parent] = n // PS * PS
+        for o, k in c.share.items():
+            self.model[o].share[child] = k
+        return child
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -161,8 +179,7 @@ class CacheMachine(RuleBasedStateMachine):
         except kvcache.KVCacheError as exc:
             self.expect_unchanged(before)
             assert (m.tree_parent and isinstance(exc, kvcache.ForwardStateError)) or \
-                   isinstance(exc, kvcache.CacheFullError) or \
-                   (m.slid and isinstance(exc, kvcache.InvalidArgumentError)), exc
+                   isinstance(exc, kvcache.CacheFullError), exc
             return
         assert not m.tree_parent
         if n:
@@ -170,16 +187,57 @@ class CacheMachine(RuleBasedStateMachine):
                 m.k[layer] = m.k[layer][:-n]
                 m.v[layer] = m.v[layer][:-n]
             m.pos = m.pos[:-n]
+        self.cut_share(sid, len(m))
 
     @precondition(lambda self: self.sliding and self.model)
     @rule(data=st.data())
     def enable_window(self, data):
-        candidates = [s for s, m in sorted(self.model.items()) if m.window is None and not m.shared]
+        candidates = [s for s, m in sorted(self.model.items()) if m.window is None]
         if not candidates:
             return
-        sid = data.draw(st.sampled_from(candidates))
-        w = data.draw(st.integers(2, 14))
-        s = data.draw(st.integers(0, w - 1))
+        self._enable(data.draw(st.sampled_from(candidates)), data)
+
+    @precondition(lambda self: self.sliding and self.model)
+    @rule(data=st.data())
+    def window_fork(self, data):
+        """A fork next to sliding windows, then forwards on both sides: a windowed parent forked
+        within its sinks or past them, at its page-aligned end or not; a window on the child (its
+        shared prefix longer or shorter than the window and the sinks)."""
+        parent = data.draw(st.sampled_from(sorted(self.model)))
+        n = data.draw(st.sampled_from([0, PS, 2 * PS, 3 * PS]) | st.integers(0, 16))
+        if n:
+            self._plain_forward([parent], [n])
+        if self.model[parent].window is None:
+            self._enable(parent, data)
+        child = self._fork(data, parent)
+        if child is None:
+            return
+        if data.draw(st.booleans()):
+            self._enable(child, data)
+        for _ in range(data.draw(st.integers(0, 4))):
+            ids = data.draw(st.lists(st.sampled_from([parent, child]), min_size=1, unique=True))
+            self._plain_forward(ids, [data.draw(st.integers(1, 7)) for _ in ids])
+
+    def _plain_forward(self, ids, lens):
+        before = self.snapshot()
+        try:
+            self.cache.begin_forward(ids, lens)
+        except kvcache.CacheFullError:
+            self.expect_unchanged(before)
+            return
+        self._run_forward(ids, lens, None)
+
+    def _enable(self, sid, data):
+        m = self.model[sid]
+        shared = max(m.share.values(), default=0)
+        w = data.draw(st.integers(2, 20) | st.integers(len(m) + 1, len(m) + 8))
+        s = data.draw(st.integers(0, w - 1) | st.sampled_from([min(x, w - 1) for x in (shared, len(m))]))
+        before = self.snapshot()
+        if shared > s:      # pages shared with another sequence cannot slide out
+            with pytest.raises(kvcache.InvalidArgumentError, match=f"sequence {sid} .*{shared}"):
+                self.cache.enable_sliding_window(sid, w, s)
+            self.expect_unchanged(before)
+            return
         self.cache.enable_sliding_window(sid, w, s)
         self.model[sid].window = (w, s)
 
@@ -253,7 +311,6 @@ class CacheMachine(RuleBasedStateMachine):
                         m.k[layer] = [m.k[layer][j] for j in keep]
                         m.v[layer] = [m.v[layer][j] for j in keep]
                     m.pos = list(range(w))   # inline RoPE: kept tokens renumbered
-                    m.slid = True
                 elif m.window is not None and mode == "inline":
                     m.pos = list(range(len(m.pos)))
             off += n
@@ -312,6 +369,7 @@ class CacheMachine(RuleBasedStateMachine):
             m.tree_k = [[] for _ in range(L)]
             m.tree_v = [[] for _ in range(L)]
             m.tree_parent, m.tree_depth = [], []
+            self.cut_share(s, len(m))
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -352,6 +410,6 @@ SETTINGS = settings(max_examples=40, stateful_step_count=25, deadline=None,
 TestCacheModel = CacheMachine.TestCase
 TestCacheModel.settings = SETTINGS
 TestSlidingModel = SlidingMachine.TestCase
-TestSlidingModel.settings = SETTINGS
+TestSlidingModel.settings = settings(SETTINGS, max_examples=100, stateful_step_count=30)
 TestNoRopeModel = NoRopeMachine.TestCase
 TestNoRopeModel.settings = settings(SETTINGS, max_examples=15)
