@@ -35,6 +35,7 @@ _CLASSES = {
     "test_matrix": ("TestMatrix",),
     "test_errors": ("TestBadInput", "TestAtomicity", "TestCapabilities", "TestBackendContract"),
     "test_graph": ("TestGraphMode",),
+    "test_numerics": ("TestMaskedNonFinite",),
 }
 _WHERE = {name: module for module, names in _CLASSES.items() for name in names}
 
