@@ -323,9 +323,10 @@ def _strict(ref, got, want, blind, clean, what, lse=False):
 
 
 # NaN / inf in keys that earlier tokens (causal) or other branches (tree) must not see, inside
-# the ragged kernels' query tiles; {token: (k or v, value)} over sequences of 37 and 12 tokens
-RAGGED_BAD = {30: ("v", np.nan), 20: ("k", np.nan), 42: ("k", np.inf), 45: ("v", -np.inf),
-              47: ("v", np.inf)}
+# the ragged kernels' query tiles; {token: (k or v, value)} over sequences of 37 and 12 tokens.
+# Causal: rows 20-24 see +inf V (o = +inf), rows 25.. also -inf (NaN), 40.. NaN V, 44.. inf K
+RAGGED_BAD = {20: ("v", np.inf), 25: ("v", -np.inf), 33: ("k", np.nan), 40: ("v", np.nan),
+              44: ("k", np.inf)}
 
 
 @pytest.mark.parametrize("variant", ["causal", "tree"])
@@ -361,6 +362,8 @@ def test_ragged_masked_nonfinite_keys(impl, variant):
     _strict(ref, mine.to_numpy(o), ref.to_numpy(ro), blind, ref.to_numpy(co), "o")
     _strict(ref, mine.to_numpy(lse), rl, blind, cl, "lse", lse=True)
     assert not np.isfinite(mine.to_numpy(o)[sees]).any()
+    if variant == "causal":
+        assert np.isposinf(mine.to_numpy(o)[20:25]).all()
 
 
 @pytest.mark.parametrize("kind,splits", [("prefill", 1), ("decode", 1), ("decode", 4)])

@@ -96,22 +96,25 @@ def _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE: tl.constexpr,
         bad = (v != v) | (tl.abs(v) == float("inf"))
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), IEEE)
         if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
-            acc = _nonfinite_values(acc, tl.where(vis, 1.0, 0.0) + tl.zeros_like(p), v)
+            acc = _nonfinite_values(acc, tl.where(vis, 1.0, 0.0) + tl.zeros_like(p), v, IEEE)
     else:
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _nonfinite_values(acc, vis_f, v):
-    """acc with the NaN / +inf / -inf that the non-finite V values of visible keys (vis_f: 1.0)
-    put in each (row, dim): one exact fp32 dot counts them in base-256 digits (NaN 1, +inf 256,
-    -inf 65536; fewer than 256 keys per step)."""
-    tl.static_assert(v.shape[0] < 256)
+def _nonfinite_values(acc, vis, v, IEEE: tl.constexpr):
+    """acc with the NaN / +inf / -inf that the non-finite V values of visible keys (vis: 1)
+    put in each (row, dim). One dot of the tile's dtype counts them exactly (fp32 accumulation):
+    a NaN adds 1, +inf 256, -inf 1/256, and a tile has at most 128 keys."""
+    tl.static_assert(v.shape[0] <= 128)
     code = tl.where(v != v, 1.0, tl.where(v == float("inf"), 256.0,
-                                          tl.where(v == float("-inf"), 65536.0, 0.0)))
-    cnt = tl.dot(vis_f, code, input_precision="ieee").to(tl.int32)
-    n_nan, n_pos, n_neg = cnt & 255, (cnt >> 8) & 255, cnt >> 16
+                                          tl.where(v == float("-inf"), 0.00390625, 0.0)))
+    cnt = _dot(vis.to(v.dtype), code.to(v.dtype), IEEE)
+    n_pos = tl.floor(cnt * 0.00390625)
+    rest = cnt - n_pos * 256.0
+    n_nan = tl.floor(rest)
+    n_neg = rest - n_nan
     acc = tl.where(n_pos > 0, float("inf"), acc)
     acc = tl.where(n_neg > 0, float("-inf"), acc)
     return tl.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), float("nan"), acc)
