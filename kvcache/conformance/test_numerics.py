@@ -91,8 +91,9 @@ class TestMaskedNonFinite(Conformance):
         t.forward([4, 0, 1, 2], [2, 1, 1, 1], sees=[2, 3, 4])    # decode reads the bad history
 
     def test_token_tree_siblings(self, make_pair):
-        """A NaN in one tree node reaches its descendants only: siblings, cousins (also read from
-        pages in later forwards, and in one-token decode steps) and the committed path stay finite."""
+        """A NaN in one tree node reaches its descendants only: siblings, cousins (also read
+        from pages in later forwards, and in one-token decode steps) and the committed path stay
+        finite."""
         t = _Twin(make_pair, needs=("tree_attention",))
         ps = t.p.config.page_size
         t.add(0, 1)
