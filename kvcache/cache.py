@@ -4,6 +4,8 @@ arrays) and the backend (memory, streams, kernels)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from typing import Optional
 
 import numpy as np
@@ -17,6 +19,33 @@ from .core.validate import bool_arg, float_arg
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
                      UnsupportedFeatureError)
 from .plugins import resolve_backend
+
+_thread_id = threading.get_ident
+
+
+def _exclusive(method):
+    """A public call that runs only while no other thread uses the cache: the calling thread
+    takes the cache's lock without waiting (else ForwardStateError naming the holder) and gives
+    it back on return, except that a forward keeps it from begin_forward to end / abort."""
+    what = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        me = _thread_id()
+        if self._owner == me:                   # inside its own forward (or call)
+            took = False
+        elif self._lock.acquire(False):
+            self._owner, took = me, True
+        else:
+            raise self._busy(what)
+        held = self._plan is not None
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if self._plan is None and (took or held):
+                self._owner = None
+                self._lock.release()
+    return call
 
 
 class PagedKVCache:
@@ -50,6 +79,28 @@ class PagedKVCache:
         self._plan: Optional[ForwardPlan] = None
         self._aux: Optional[dict] = None
         self._layers_done: set = set()
+        self._lock = threading.Lock()      # held by the thread using the cache (see _exclusive)
+        self._owner: Optional[int] = None  # that thread's id
+
+    # ------------------------------------------------------------------ threads
+    def _busy(self, what: str) -> ForwardStateError:
+        """The error for a call from a thread while another one uses the cache."""
+        owner, plan = self._owner, self._plan
+        doing = (f"holds an open forward over sequences {plan.seq_ids}" if plan is not None
+                 else "is inside a call")
+        names = {t.ident: t.name for t in threading.enumerate()}
+        who = f"thread {names.get(owner, '?')!r} (id {owner})" if owner is not None else "another thread"
+        me = threading.current_thread()
+        return ForwardStateError(
+            f"{what} from thread {me.name!r} (id {me.ident}) while {who} {doing}: a cache is "
+            f"used by one thread at a time")
+
+    def __getstate__(self):             # copies start unowned, with a lock of their own
+        return dict(self.__dict__, _lock=None, _owner=None)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def _allocate_pages(self, config):
         """The page arrays, refused up front (CacheFullError, nothing allocated) when they
@@ -86,10 +137,10 @@ class PagedKVCache:
                 f"backend {cls.name!r} does not support {what}: {Capabilities.reason(capability)}")
 
     def __repr__(self):
-        c = self.config
+        c, pt = self.config, self.state.pt     # unguarded: a repr from any thread never raises
         return (f"PagedKVCache(backend={self.backend.name!r}, layers={c.num_layers}, "
-                f"pages={c.num_pages}x{c.page_size}, sequences={self.num_sequences}, "
-                f"free_pages={self.num_available_pages})")
+                f"pages={c.num_pages}x{c.page_size}, sequences={len(pt.seqs)}, "
+                f"free_pages={pt.num_free})")
 
     # ------------------------------------------------------------------ arrays
     def from_numpy(self, array):
@@ -110,18 +161,22 @@ class PagedKVCache:
                 f"{what} is not allowed between begin_forward and end_forward "
                 f"(forward over sequences {self._plan.seq_ids} is open)")
 
+    @_exclusive
     def add_sequence(self, seq_id: int) -> None:
         self._no_forward("add_sequence")
         self.state.add_sequence(seq_id)
 
+    @_exclusive
     def remove_sequence(self, seq_id: int) -> None:
         self._no_forward("remove_sequence")
         self.state.remove_sequence(seq_id)
 
+    @_exclusive
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> None:
         self._no_forward("fork_sequence")
         self._copy_pages(self.state.fork_sequence(parent_id, child_id, fork_pos))
 
+    @_exclusive
     def popn(self, seq_id: int, n: int) -> None:
         self._no_forward("popn")
         self._copy_pages(self.state.popn(seq_id, n))
@@ -130,18 +185,18 @@ class PagedKVCache:
         for c in copies:
             self.backend.copy_page_prefix(self.pages, c.src_page, c.dst_page, c.length)
 
+    @_exclusive
     def enable_sliding_window(self, seq_id: int, window_size: int, sink_size: int) -> None:
         self._no_forward("enable_sliding_window")
         self.state.enable_sliding_window(seq_id, window_size, sink_size)
 
+    @_exclusive
     def clear(self) -> None:
         """Drop every sequence and free every page (also ends an open forward)."""
-        if self._aux is not None:       # the next copy into that aux buffer waits for its readers
-            self.aux_manager.release()
-        self._plan, self._aux = None, None
-        self._layers_done = set()
+        self._close()
         self.state.clear()
 
+    @_exclusive
     def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices) -> None:
         self._no_forward("commit_accepted_token_tree_nodes")
         items = self.state.check_commit(seq_ids, leaf_indices)
@@ -153,6 +208,7 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ queries
     @property
+    @_exclusive
     def num_available_pages(self) -> int:
         return int(self.state.pt.num_free)
 
@@ -161,25 +217,31 @@ class PagedKVCache:
         return int(self.state.pt.num_pages)
 
     @property
+    @_exclusive
     def total_sequence_length(self) -> int:
         pt = self.state.pt
         return int(sum(int(pt.s_len[s.slot]) for s in pt.seqs.values()))
 
+    @_exclusive
     def sequence_length(self, seq_id: int) -> int:
         return self.state.length(seq_id)
 
     @property
+    @_exclusive
     def num_sequences(self) -> int:
         return len(self.state.pt.seqs)
 
     @property
+    @_exclusive
     def sequence_ids(self) -> list:
         return list(self.state.pt.seqs)
 
     @property
+    @_exclusive
     def is_empty(self) -> bool:
         return not self.state.pt.seqs and self.state.pt.num_free == self.state.pt.num_pages
 
+    @_exclusive
     def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None):
         """(k, v), each (num_layers, end-start, num_kv_heads, head_dim), K as stored."""
         self._no_forward("get_kv")
@@ -199,42 +261,84 @@ class PagedKVCache:
         return self._device_aux()["q_positions"]
 
     # ------------------------------------------------------------------ forward
+    @_exclusive
     def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
         self._no_forward("begin_forward")
-        self._plan = self._builder.begin(seq_ids, append_lengths, token_tree_parent_ptr)
-        self._aux = None
-        self._layers_done = set()
-        if self._plan.graph_bucket is not None:
+        plan = self._builder.begin(seq_ids, append_lengths, token_tree_parent_ptr)
+        aux = None
+        if plan.graph_bucket is not None:
             # graph mode: a replayed graph runs no Python, so the copy cannot wait for attention
-            self._aux = self.aux_manager.upload_graph(self._plan.arrays)
+            try:
+                aux = self.aux_manager.upload_graph(plan.arrays)
+            except BaseException:
+                self._builder.rollback(plan.undo)
+                raise
+        self._plan, self._aux, self._layers_done = plan, aux, set()
 
     @property
+    @_exclusive
     def graph_batch_size(self) -> Optional[int]:
         """The batch bucket of the open forward when it is a graph-mode decode step (its q/k/v
         may have this many rows, padded rows give zeros), else None."""
         return None if self._plan is None else self._plan.graph_bucket
 
+    @_exclusive
     def end_forward(self) -> None:
-        self._open("end_forward")
-        if self._aux is not None:
+        """Commit the open forward; every layer must have run attention (else ForwardStateError,
+        and the forward stays open to finish or abort)."""
+        plan = self._open("end_forward")
+        n = self.config.num_layers
+        if len(self._layers_done) != n:
+            missing = sorted(set(range(n)) - self._layers_done)
+            raise ForwardStateError(
+                f"end_forward: layers {missing} of {n} have not run attention in the forward over "
+                f"sequences {plan.seq_ids}; run them, or call abort_forward")
+        self._close()
+
+    @_exclusive
+    def abort_forward(self) -> None:
+        """Undo the open forward: the cache returns to its state before begin_forward."""
+        plan = self._open("abort_forward")
+        self._builder.rollback(plan.undo)
+        self._close()
+
+    def _close(self) -> None:
+        if self._aux is not None:       # the next copy into that aux buffer waits for its readers
             self.aux_manager.release()
         self._plan, self._aux = None, None
         self._layers_done = set()
 
     @contextlib.contextmanager
     def forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None):
-        """``with cache.forward(ids, lengths): ...`` runs begin_forward / end_forward."""
+        """``with cache.forward(ids, lengths): ...`` runs begin_forward / end_forward; an
+        exception inside the block aborts the forward instead (nothing of it is kept)."""
         self.begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)
+        plan = self._plan
         try:
             yield self
-        finally:
-            if self._plan is not None:
+        except BaseException:
+            if self._plan is plan:
+                self.abort_forward()
+            raise
+        if self._plan is plan:
+            try:
                 self.end_forward()
+            except ForwardStateError as exc:     # layers missing: the block cannot finish them
+                self.abort_forward()
+                raise ForwardStateError(
+                    f"{exc} (the with block ended, so the forward was aborted)") from None
 
     def _open(self, what: str) -> ForwardPlan:
-        if self._plan is None:
+        """The open forward, if the calling thread holds it (a thread id compare: attention
+        takes no lock)."""
+        if self._owner != _thread_id():
+            if self._owner is not None:
+                raise self._busy(what)
             raise ForwardStateError(f"{what} needs an open forward: call begin_forward first")
-        return self._plan
+        plan = self._plan
+        if plan is None:
+            raise ForwardStateError(f"{what} needs an open forward: call begin_forward first")
+        return plan
 
     def _device_aux(self) -> dict:
         """Upload this forward's index arrays on first use (lazy; see core.aux)."""
@@ -274,8 +378,8 @@ class PagedKVCache:
         self._check_input("k", k, c.num_kv_heads, rows)
         self._check_input("v", v, c.num_kv_heads, rows)
         aux = self._device_aux()
-        self._layers_done.add(layer_id)
         o, lse = self._attend(plan, aux, self.pages[layer_id], q, k, v, scale)
+        self._layers_done.add(layer_id)         # a layer that raised has not run
         return (o, lse) if return_lse else o
 
     def attention_with_fused_qkv(self, layer_id: int, qkv, sm_scale: Optional[float] = None,

@@ -105,7 +105,7 @@ class CacheConfig:
     @property
     def num_pages(self) -> int:
         """Pages per layer: capacity plus one spare, and with sliding window one spare page per
-        sequence of a batch (a window may borrow a page before it slides one out)."""
+        sequence of a batch (a window's forward takes its new pages before its slide frees any)."""
         pages = -(-self.max_total_tokens // self.page_size) + 1
         if self.support_sliding_window:
             pages += self.max_batch_size

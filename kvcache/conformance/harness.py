@@ -274,6 +274,14 @@ class DenseModel:
             t += n
         self.pending, self._new_kv = None, {}
 
+    def abort(self):
+        """Forget the pending forward (its tree tokens too)."""
+        for sid, _, tree_first, _ in self.pending[2]:
+            s = self.seqs[sid]
+            if tree_first is not None:
+                del s.tree_parent[tree_first:], s.tree_depth[tree_first:]
+        self.pending, self._new_kv = None, {}
+
     def get_kv(self, sid, start, end):
         s = self.seqs[sid]
         return s.k[:, start:end], s.v[:, start:end]
@@ -324,6 +332,7 @@ class CachePair:
         self.seqs: list = []
         self.history: list[str] = []
         self.in_forward = False
+        self._with = None
         self.poison()
 
     # ------------------------------------------------------------------ helpers
@@ -416,8 +425,15 @@ class CachePair:
     def random(self, *shape):
         return self.rng.standard_normal(shape)
 
-    def begin(self, sids, lens, tree=None):
-        self.both("begin_forward", list(sids), list(lens), tree)
+    def begin(self, sids, lens, tree=None, *, via_with=False):
+        """begin_forward on both caches (``via_with``: by entering ``cache.forward(...)``, so
+        that ``abort(how="raise")`` can leave the with block by an exception)."""
+        if via_with:
+            self._with = self.both("forward", list(sids), list(lens), tree)
+            for manager in self._with:
+                manager.__enter__()
+        else:
+            self.both("begin_forward", list(sids), list(lens), tree)
         self.in_forward = True
         self.sids, self.lens = list(sids), list(lens)
         self.expected_positions = None
@@ -514,6 +530,44 @@ class CachePair:
         if self.model is not None:
             self.model.end()
         self.check()
+
+    def abort(self, how="abort"):
+        """Undo the open forward on both caches: ``abort_forward()``, or (``how="raise"``, after
+        ``begin(via_with=True)``) an exception raised inside the ``with cache.forward`` block."""
+        if how == "raise":
+            self._note("exception inside with cache.forward")
+            for manager in self._with:
+                error = RuntimeError("the model failed")
+                if manager.__exit__(RuntimeError, error, None):
+                    raise Mismatch(f"cache.forward swallowed an exception{self.context()}")
+        else:
+            self.both("abort_forward")
+        self._with = None
+        self.in_forward = False
+        if self.model is not None:
+            self.model.abort()
+        self.check()
+
+    def aborted(self, sids, lens, tree=None, *, layers=1, how="abort"):
+        """A forward that runs attention on its first ``layers`` layers and is then undone
+        ``how`` (see ``abort``); both caches must be exactly as before it, bit for bit."""
+        before = [self.raw_snapshot(cache) for cache in (self.ref, self.dut)]
+        self.begin(sids, lens, tree, via_with=how == "raise")
+        for layer in range(layers):
+            self.attend(layer)
+        self.abort(how)
+        for cache, snap in zip((self.ref, self.dut), before):
+            after = self.raw_snapshot(cache)
+            for key in ("num_available_pages", "total_sequence_length", "num_sequences",
+                        "is_empty", "lengths"):
+                if after[key] != snap[key]:
+                    raise Mismatch(f"an aborted forward changed {key} of the {cache.backend.name} "
+                                   f"cache: {snap[key]} -> {after[key]}{self.context()}")
+            for s in self.seqs:
+                for name, x, y in zip("KV", snap["kv"][s], after["kv"][s]):
+                    if not np.array_equal(x, y, equal_nan=True):
+                        raise Mismatch(f"an aborted forward changed the stored {name} of sequence "
+                                       f"{s} in the {cache.backend.name} cache{self.context()}")
 
     def forward(self, sids, lens, tree=None, *, fused=False, sm_scale=None, positions="first",
                 layers=None):

@@ -209,6 +209,72 @@ class TestAtomicity(Conformance):
         p.add(0)
         p.prefill(0, 3)
 
+    @pytest.mark.parametrize("how", ["abort", "raise"])
+    def test_aborted_forward_changes_nothing(self, make_pair, how):
+        """abort_forward after some layers (or none, or all), or an exception inside
+        ``with cache.forward``: the cache is exactly as before begin_forward (lengths, free pages,
+        get_kv bit for bit), and later forwards, decode steps included, run as if it never
+        happened."""
+        p = make_pair()
+        ps, layers = p.config.page_size, p.config.num_layers
+        p.add(0, 1)
+        p.aborted([0], [ps + 2], how=how)
+        p.forward([0, 1], [ps + 3, 2])
+        p.decode([0, 1], steps=2)
+        p.aborted([0, 1], [1, 1], how=how)
+        p.decode([0, 1], steps=1)
+        p.aborted([1, 0], [ps + 1, 3], layers=layers, how=how)
+        p.fork(0, 2, ps)
+        p.aborted([2, 0, 1], [2, 1, ps], layers=0, how=how)
+        p.decode([0, 1, 2], steps=ps + 1)
+
+    def test_aborted_tree_forward_keeps_earlier_tree_tokens(self, make_pair):
+        p = make_pair(needs=("tree_attention",))
+        p.add(0, 1)
+        p.forward([0, 1], [5, 3])
+        p.forward([0, 1], [2, 1], tree=[-1, 0, -1])
+        p.aborted([0, 1], [2, 2], tree=[1, 0, 0, 1], how="raise")
+        p.aborted([0], [3], tree=[-1, 2, 3], layers=p.config.num_layers)
+        p.forward([0, 1], [1, 2], tree=[1, 0, 0])
+        p.commit([0, 1], [2, 2])
+        p.decode([0, 1], steps=1)
+
+    def test_aborted_sliding_forward_changes_nothing(self, make_pair):
+        """Sliding windows free the pages that slide out: an aborted forward must leave the
+        rows it slid out intact (the window keeps them again)."""
+        p = make_pair(support_sliding_window=True)
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.enable_sliding_window(0, ps + 2, 1)
+        p.forward([0, 1], [ps + 1, 2])
+        for step in range(ps + 2):
+            p.aborted([0, 1], [1, 1], layers=step % 2, how="raise" if step % 3 else "abort")
+            p.decode([0, 1], steps=1)
+        p.aborted([1, 0], [3, 2 * ps + 1])
+        p.decode([1, 0], steps=2)
+
+    def test_end_forward_too_early(self, make_pair):
+        """end_forward before every layer ran raises ForwardStateError naming the missing
+        layers; the forward stays open to finish, or to abort."""
+        p = make_pair()
+        layers = p.config.num_layers
+        p.add(0)
+        p.prefill(0, 5)
+        p.begin([0], [2])
+        p.attend(layers - 1)
+        err = p.expect_error(ForwardStateError, "end_forward")
+        assert str(list(range(layers - 1))) in str(err), str(err)
+        for layer in range(layers - 1):
+            p.attend(layer)
+        p.end()
+        before = p.raw_snapshot(p.dut)["lengths"]
+        p.begin([0], [3])
+        p.attend(0)
+        p.expect_error(ForwardStateError, "end_forward")
+        p.abort()
+        assert p.raw_snapshot(p.dut)["lengths"] == before
+        p.decode([0], steps=2)
+
 
 class TestCapabilities(Conformance):
     def test_undeclared_features_are_refused(self, kvcache_backend, kvcache_device,

@@ -98,3 +98,13 @@ class TestGraphMode(Conformance):
                 p.attend(layer)
             p.end()
         p.decode([3, 0], steps=2)
+
+    def test_aborted_step_changes_nothing(self, make_pair):
+        """A graph-mode decode step (its index arrays already copied by begin_forward) that is
+        aborted leaves the cache exactly as before it; the next steps use the buffer as usual."""
+        p = make_pair(needs=("cuda_graph",), cuda_graph=True, rope_mode="normal")
+        _family(p)
+        p.aborted([2, 0, 3], [1, 1, 1])
+        p.decode([2, 0, 3], steps=2)
+        p.aborted([2, 0, 3], [1, 1, 1], layers=p.config.num_layers, how="raise")
+        p.decode([0, 2, 3], steps=1)

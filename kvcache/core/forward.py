@@ -57,6 +57,24 @@ class ForwardPlan:
     counts behind the coalescing choice (``ForwardBuilder`` updates such plans step to step)."""
     graph_bucket: object = None
     """Graph mode: the batch bucket this decode plan is padded to (None: an eager plan)."""
+    undo: object = None
+    """What this forward changed in the page table (``ForwardUndo``), for ``rollback``."""
+
+
+class ForwardUndo:
+    """The state a forward changed, recorded as it reserved (no copy of the page table): its
+    sequences' lengths, their last blocks' lengths and page counts, the free-page count, and for
+    the rare cases a sliding block's pages and the tree sizes."""
+
+    __slots__ = ("num_free", "slots", "last", "seq_len", "block_len", "npages", "free_top",
+                 "slid", "trees")
+
+    def __init__(self, num_free, slots, last, seq_len, block_len, npages):
+        self.num_free, self.slots, self.last = num_free, slots, last
+        self.seq_len, self.block_len, self.npages = seq_len, block_len, npages
+        self.free_top = None    # free-stack entries above the reserved pages, as they were
+        self.slid = ()          # (block, pages, sink, gap) of each sliding sequence
+        self.trees = ()         # (sequence, uncommitted tree size) of each tree sequence
 
 
 def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
@@ -221,7 +239,7 @@ class ForwardBuilder:
         plans = {}
         for i in np.nonzero(sliding)[0]:
             plans[int(i)] = self.state.slide_plan(seqs[i], int(append[i]))
-            need[i] = plans[int(i)].net_pages
+            need[i] = plans[int(i)].new_pages     # before its slide frees any (see _reserve)
         needed = int(need.sum())
         if needed > pt.num_free:
             worst = int(np.argmax(need))
@@ -239,20 +257,13 @@ class ForwardBuilder:
                            max_append=int(append.max()))
         qo_indptr = _exclusive_cumsum(append)
         seq_len_before = pt.s_len[slots].astype(np.int64)
+        plan.undo = ForwardUndo(pt.num_free, slots, last, pt.s_len[slots], pt.b_len[last],
+                                pt.b_npages[last])
+        if parents is not None:
+            plan.undo.trees = [(seq, len(seq.tree_parent)) for seq in seqs]
         if not append_first:
             self._build_depths(plan, last, qo_indptr, append, is_decode, None, seqs)
-        # reserve: sliding sequences first (they may free pages), by net need
-        for i in sorted(plans, key=lambda j: plans[j].net_pages):
-            self.state.apply_slide(seqs[i], int(append[i]))
-        plain = np.nonzero(~sliding)[0]
-        grow = plain[need[plain] > 0]
-        if len(grow):
-            fresh = pt.take_pages(int(need[grow].sum()))
-            offsets = _exclusive_cumsum(need[grow])
-            for j, i in enumerate(grow):
-                pt.push_pages(int(last[i]), fresh[offsets[j]:offsets[j + 1]])
-        pt.b_len[last[plain]] += append[plain].astype(np.int32)
-        pt.s_len[slots[plain]] += append[plain].astype(np.int32)
+        self._reserve(plan.undo, seqs, last, append, need, sliding, plans)
 
         # per-token arrays
         seq_of_token = np.repeat(np.arange(batch), append)
@@ -280,6 +291,47 @@ class ForwardBuilder:
         else:
             plan.decode_info = None
         return plan
+
+    def _reserve(self, undo, seqs, last, append, need, sliding, plans):
+        """Take every new page of the forward, then slide: a page that slides out goes back to
+        the free list but is never handed to this same forward, so an aborted forward has
+        written nothing into the rows its sequences keep again."""
+        pt = self.state.pt
+        offsets = _exclusive_cumsum(need)
+        fresh = pt.take_pages(int(offsets[-1]))
+        for i in np.flatnonzero(need > 0):
+            if not sliding[i]:
+                pt.push_pages(int(last[i]), fresh[offsets[i]:offsets[i + 1]])
+        if plans:
+            undo.free_top = pt.free_pages[pt.num_free:undo.num_free].copy()
+            undo.slid = []
+            for i in plans:
+                b = int(last[i])
+                undo.slid.append((b, pt.pages_of(b).copy(), int(pt.b_sink[b]), int(pt.b_gap[b])))
+                self.state.apply_slide(seqs[i], int(append[i]), fresh[offsets[i]:offsets[i + 1]])
+        plain = np.flatnonzero(~sliding)
+        pt.b_len[last[plain]] += append[plain].astype(np.int32)
+        pt.s_len[undo.slots[plain]] += append[plain].astype(np.int32)
+
+    def rollback(self, undo: ForwardUndo) -> None:
+        """Undo a forward that ``begin`` planned: the page table, the free pages and the token
+        trees as they were before it. The decode layout is dropped (it may describe the undone
+        step), and the epoch moves on so that nothing built on the undone state is reused."""
+        pt = self.state.pt
+        pt.b_len[undo.last] = undo.block_len
+        pt.b_npages[undo.last] = undo.npages
+        pt.s_len[undo.slots] = undo.seq_len
+        for b, pages, sink, gap in undo.slid:
+            pt.set_pages(b, pages)
+            pt.b_sink[b], pt.b_gap[b] = sink, gap
+        if undo.free_top is not None:
+            pt.free_pages[undo.num_free - len(undo.free_top):undo.num_free] = undo.free_top
+        pt.num_free = undo.num_free
+        for seq, size in undo.trees:
+            del seq.tree_parent[size:], seq.tree_depth[size:]
+            pt.s_tree[seq.slot] = size
+        self._layout = None
+        self.state.epoch += 1
 
     # ------------------------------------------------------------------ decode fast paths
     def _reserve_decode_pages(self, seq_ids, last, blen, npages):
@@ -320,11 +372,12 @@ class ForwardBuilder:
         blen = pt.b_len[last]
         npages = pt.b_npages[last]
         grow = self._reserve_decode_pages(seq_ids, last, blen, npages)
+        undo = ForwardUndo(pt.num_free, slots, last, pt.s_len[slots], blen, npages)
         if len(grow):
             self._take_decode_pages(last, npages, grow)
             npages = pt.b_npages[last]
         pt.b_len[last] = blen + 1
-        pt.s_len[slots] += 1
+        pt.s_len[slots] = undo.seq_len + 1
         kv_len = blen + 1
         in_page = blen % ps
         page_indptr = np.zeros(batch + 1, np.int32)
@@ -333,7 +386,7 @@ class ForwardBuilder:
         qo = np.arange(batch + 1, dtype=np.int32)
         zeros = np.zeros(batch, np.int32)
         plan = ForwardPlan(seq_ids, np.ones(batch, np.int64), batch, append_first=True,
-                           write_after=False, self_tree=False, max_append=1)
+                           write_after=False, self_tree=False, max_append=1, undo=undo)
         plan.arrays.update({
             "qo_indptr": qo, "q_positions": blen,
             "append_slots": page_indices[page_indptr[1:] - 1] * ps + in_page,
@@ -361,6 +414,7 @@ class ForwardBuilder:
         blen = pt.b_len[last]
         npages = pt.b_npages[last]
         grow = self._reserve_decode_pages(layout.seq_ids, last, blen, npages)
+        undo = ForwardUndo(pt.num_free, layout.slots, last, pt.s_len[layout.slots], blen, npages)
         a = layout.arrays
         d = layout.flat
         p = f"d{d}."
@@ -384,7 +438,7 @@ class ForwardBuilder:
             fresh = self._take_decode_pages(last, npages, grow)
             indptr, indices = _append_pages(indptr, indices, grow, fresh)
         pt.b_len[last] = blen + 1
-        pt.s_len[layout.slots] += 1
+        pt.s_len[layout.slots] = undo.seq_len + 1
         in_page = blen % ps
         kv_len = a[p + "kv_len"] + 1
         arrays = dict(a)
@@ -397,7 +451,8 @@ class ForwardBuilder:
         depths[d] = DepthMeta(meta.num_entries, meta.use_decode, False, int(kv_len.max()),
                               int(indptr[-1]), meta.max_qo_len)
         plan = ForwardPlan(layout.seq_ids, layout.append_lengths, len(last), True, False, False, 1,
-                           arrays=arrays, depths=depths, decode_info=(layout.own, layout.pages))
+                           arrays=arrays, depths=depths, decode_info=(layout.own, layout.pages),
+                           undo=undo)
         layout.arrays, layout.depths = arrays, depths
         return plan
 
@@ -411,6 +466,7 @@ class ForwardBuilder:
         blen = pt.b_len[last]
         npages = pt.b_npages[last]
         grow = self._reserve_decode_pages(layout.seq_ids, last, blen, npages)
+        undo = ForwardUndo(pt.num_free, slots, last, pt.s_len[slots], blen, npages)
         k = len(grow)
         counts = []
         if k:
@@ -429,7 +485,7 @@ class ForwardBuilder:
                 layout.pages[d][0] += g
                 layout.pages[d][1] += g
         pt.b_len[last] = blen + 1
-        pt.s_len[slots] += 1
+        pt.s_len[slots] = undo.seq_len + 1
         a = layout.arrays
         arrays = dict(a)
         arrays["q_positions"] = a["q_positions"] + 1
@@ -466,6 +522,7 @@ class ForwardBuilder:
                            write_after=False, self_tree=False, max_append=1)
         plan.arrays, plan.depths = arrays, depths
         plan.decode_info = (layout.own, layout.pages)
+        plan.undo = undo
         layout.arrays, layout.depths = arrays, depths
         return plan
 
@@ -497,7 +554,7 @@ class ForwardBuilder:
         for key in ("last_page_len", "kv_len", "sink_size", "window_offset", "k_rope_offset"):
             arrays[f"d0.{key}"] = tail(a[f"d0.{key}"], 0)
         graph = ForwardPlan(plan.seq_ids, plan.append_lengths, plan.total_tokens, True, False,
-                            False, 1, arrays=arrays, decode_info=plan.decode_info)
+                            False, 1, arrays=arrays, decode_info=plan.decode_info, undo=plan.undo)
         graph.depths = [DepthMeta(bucket, True, False, cfg.num_pages * cfg.page_size,
                                   meta.num_pages, 1)]
         graph.graph_bucket = bucket

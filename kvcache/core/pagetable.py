@@ -18,8 +18,6 @@ import numpy as np
 
 from ..errors import CacheFullError
 
-TEMP_PAGE = -1  # a page a sliding window borrows until it frees one
-
 
 def _grow(array: np.ndarray, size: int, fill) -> np.ndarray:
     if size <= len(array):
@@ -86,7 +84,6 @@ class PageTable:
 
     def give_pages(self, pages) -> None:
         pages = np.asarray(pages, np.int32)
-        pages = pages[pages != TEMP_PAGE]
         n = len(pages)
         self.free_pages[self.num_free:self.num_free + n] = pages[::-1]
         self.num_free += n
@@ -228,7 +225,6 @@ class PageTable:
     def check_invariants(self) -> None:
         """Raise AssertionError if page or reference accounting is broken (tests call this)."""
         used = self.used_pages()
-        used = used[used != TEMP_PAGE]
         free = self.free_pages[:self.num_free]
         assert len(np.unique(used)) == len(used), "a page is held by two blocks"
         assert len(np.unique(free)) == len(free), "a page is free twice"

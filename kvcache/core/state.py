@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
                       SequenceExistsError, SequenceNotFoundError)
-from .pagetable import TEMP_PAGE, PageTable, SeqState
+from .pagetable import PageTable, SeqState
 from .sliding import plan_slide
 from .validate import INT32_MAX, int_values, seq_id_arg, seq_id_list
 from .validate import int_arg as as_int     # the shared int check, under its old name here
@@ -300,25 +300,20 @@ class CacheState:
                           window=seq.window, last_block_sink=self.block_sinks(seq), append=append,
                           page_size=self.page_size)
 
-    def apply_slide(self, seq: SeqState, append: int) -> None:
+    def apply_slide(self, seq: SeqState, append: int, fresh) -> None:
+        """Reserve ``append`` tokens in a sliding sequence's last block (``fresh``: its new
+        pages, taken before any slide of the forward freed one), then slide: the pages that
+        slide out go back to the free list."""
         self.epoch += 1
-        """Reserve ``append`` tokens in a sliding sequence's last block, then slide (may borrow a
-        temporary page while the slide has not yet freed one)."""
         pt = self.pt
         b = int(pt.s_last[seq.slot])
         plan = self.slide_plan(seq, append)
-        borrowed = min(plan.new_pages, pt.num_free)
-        fresh = pt.take_pages(borrowed)
-        pt.push_pages(b, np.concatenate([fresh, np.full(plan.new_pages - borrowed, TEMP_PAGE, np.int32)]))
+        pt.push_pages(b, fresh)
         if plan.erase_count:
             pages = pt.pages_of(b).copy()
             lo, hi = plan.erase_at, plan.erase_at + plan.erase_count
             pt.give_pages(pages[lo:hi])
             pt.set_pages(b, np.concatenate([pages[:lo], pages[hi:]]))
-        pages = pt.pages_of(b)
-        temps = np.nonzero(pages == TEMP_PAGE)[0]
-        if len(temps):
-            pages[temps] = pt.take_pages(len(temps))
         pt.b_len[b], pt.b_sink[b], pt.b_gap[b] = plan.block_len, plan.sink, plan.gap
         pt.s_len[seq.slot] = plan.seq_len
 

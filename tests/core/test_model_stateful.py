@@ -23,6 +23,10 @@ L, HQ, HKV, D, PS = 2, 4, 2, 8, 4
 ROPE = RopeSpec(10000.0, 1.0)
 
 
+class _ModelFailed(Exception):
+    """Raised inside a forward by the aborted_forward rule."""
+
+
 def dense(q, keys, vals, visible):
     """q (n,HQ,D), keys/vals (m,HKV,D), visible (n,m) -> o (n,HQ,D) in float64."""
     g = HQ // HKV
@@ -370,6 +374,48 @@ class CacheMachine(RuleBasedStateMachine):
             m.tree_v = [[] for _ in range(L)]
             m.tree_parent, m.tree_depth = [], []
             self.cut_share(s, len(m))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), how=st.sampled_from(["raise", "abort"]))
+    def aborted_forward(self, data, how):
+        """A forward undone after some layers (an exception inside ``with cache.forward``, or
+        abort_forward): the model does not change, so the cache must not either."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=4, unique=True))
+        use_tree = (not self.sliding and self.rope_mode != "inline"
+                    and (data.draw(st.booleans()) or any(self.model[s].tree_parent for s in ids)))
+        lens = [data.draw(st.integers(1, 1 if data.draw(st.booleans()) else 7)) for _ in ids]
+        parents = None
+        if use_tree:
+            parents = []
+            for s, n in zip(ids, lens):
+                base = len(self.model[s].tree_parent)
+                parents += [data.draw(st.integers(-1, base + r - 1)) for r in range(n)]
+        if sum(lens) > self.cfg.prefill_chunk_size:
+            return
+        layers = data.draw(st.integers(0, L))
+        before = self.snapshot()
+        total = sum(lens)
+        try:
+            if how == "raise":
+                with pytest.raises(_ModelFailed):
+                    with self.cache.forward(ids, lens, parents):
+                        self._run_layers(total, layers)
+                        raise _ModelFailed
+            else:
+                self.cache.begin_forward(ids, lens, parents)
+                self._run_layers(total, layers)
+                self.cache.abort_forward()
+        except kvcache.CacheFullError:
+            pass
+        self.expect_unchanged(before)
+        for s, m in self.model.items():
+            assert self.cache.state.pt.seqs[s].tree_parent == m.tree_parent, s
+
+    def _run_layers(self, total, layers):
+        for layer in range(layers):
+            q, k, v = (self.cache.from_numpy(self.rng.standard_normal((total, h, D)).astype(np.float32))
+                       for h in (HQ, HKV, HKV))
+            self.cache.attention(layer, q, k, v)
 
     # ------------------------------------------------------------------ invariants
     @invariant()

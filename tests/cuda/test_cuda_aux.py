@@ -76,13 +76,15 @@ def test_double_buffer_alternates_and_orders_by_events():
     for step in range(4):
         n_before_compute = len(compute.waited)
         cache.begin_forward([0], [3 if step == 0 else 1])
-        cache.attention(0, *_qkv(cache, rng, 3 if step == 0 else 1))
+        qkv = _qkv(cache, rng, 3 if step == 0 else 1)
+        cache.attention(0, *qkv)
         used.append(mgr.current)
         storages.append(cache._aux["qo_indptr"].untyped_storage().data_ptr())
         # the compute stream waited on the event recorded on the copy stream after the copy
         new = compute.waited[n_before_compute:]
         assert len(new) == 1 and new[0].stream is copy_stream
         assert new[0] is mgr.slots[mgr.current].copy_event
+        cache.attention(1, *qkv)
         cache.end_forward()
         assert mgr.slots[mgr.current].release_event is not None
     assert used == [0, 1, 0, 1]
@@ -104,7 +106,7 @@ def test_upload_is_a_copy_not_an_alias_of_staging():
     before = pos.clone()
     cache.aux_manager.slots[cache.aux_manager.current].host[:] = -7   # scribble on staging
     assert (pos == before).all()
-    cache.end_forward()
+    cache.abort_forward()
 
 
 def test_aux_primitives_directly():
@@ -144,8 +146,6 @@ def test_clear_inside_a_forward_releases_the_aux_buffer():
     cfg = cc.config(cuda_graph=True, max_batch_size=4)
     cache = kvcache.PagedKVCache(cfg, backend="cuda", device=cc.DEVICE)
     cache.add_sequence(0)
-    cache.begin_forward([0], [3])
-    cache.end_forward()
     cache.begin_forward([0], [1])                       # a graph-mode step: buffer uploaded
     assert cache.graph_batch_size == 1
     cache.clear()
@@ -194,4 +194,22 @@ def test_graph_buffer_first_copy_waits_for_the_compute_stream():
     cache.begin_forward([0], [1])          # graph mode: begin_forward copies into the new buffer
     assert cache.graph_batch_size is not None
     assert len(_copy_waits(cache)) > before, "the graph buffer's first copy did not wait"
-    cache.end_forward()
+    cache.abort_forward()
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_abort_forward_releases_the_aux_buffer(graph):
+    """An aborted forward's aux buffer gets a release event like an ended one's, so the next
+    copy into it waits for the kernels that may still read it."""
+    cache = kvcache.PagedKVCache(cc.config(cuda_graph=graph, max_batch_size=4), backend="cuda",
+                                 device=cc.DEVICE)
+    mgr = cache.aux_manager
+    cache.add_sequence(0)
+    cache.begin_forward([0], [1])
+    cache.query_positions()                             # eager: the lazy copy happens here
+    cache.abort_forward()
+    if graph:
+        assert mgr._graph.release_event is not None and not mgr._graph_open
+    else:
+        assert mgr.slots[mgr.current].release_event is not None
+    assert cache.sequence_length(0) == 0

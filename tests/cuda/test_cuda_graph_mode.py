@@ -26,6 +26,15 @@ def make(dtype, graph, backend="cuda", rope="normal", buckets=(), max_tokens=819
     return kvcache.PagedKVCache(cfg, backend=backend, device=cc.DEVICE)
 
 
+def run_layers(cache, rows):
+    """Attention on every layer with zero inputs, so that end_forward may commit the forward."""
+    c = cache.config
+    q, kv = (cache.from_numpy(np.zeros((rows, h, c.head_dim), np.float32))
+             for h in (c.num_qo_heads, c.num_kv_heads))
+    for layer in range(c.num_layers):
+        cache.attention(layer, q, kv, kv)
+
+
 class Trio:
     """A graph-mode cuda cache, an eager cuda cache and the reference, driven identically."""
 
@@ -118,8 +127,10 @@ def test_graph_aux_buffer_has_fixed_addresses_and_one_copy_per_step():
     for sid in range(3):
         cache.add_sequence(sid)
         cache.begin_forward([sid], [20 + 17 * sid])
+        run_layers(cache, 20 + 17 * sid)
         cache.end_forward()
     manager = cache.aux_manager
+    allocations = manager.allocations            # the eager prefills' buffers
     seen = None
     for step in range(40):                       # crosses page boundaries: page lists grow
         copies = manager.copies
@@ -131,8 +142,9 @@ def test_graph_aux_buffer_has_fixed_addresses_and_one_copy_per_step():
         if seen is None:
             seen = (ptrs, shapes)
         assert (ptrs, shapes) == seen, f"step {step}: the graph aux views moved or changed shape"
+        run_layers(cache, 3)
         cache.end_forward()
-    assert manager.allocations == 1
+    assert manager.allocations == allocations + 1
 
 
 def test_graph_plan_pads_and_keeps_launch_parameters_fixed():
@@ -140,6 +152,7 @@ def test_graph_plan_pads_and_keeps_launch_parameters_fixed():
     for sid in range(5):
         cache.add_sequence(sid)
         cache.begin_forward([sid], [3 + 30 * sid])
+        run_layers(cache, 3 + 30 * sid)
         cache.end_forward()
     cache.fork_sequence(4, 9, 50)
     metas = set()
@@ -153,7 +166,7 @@ def test_graph_plan_pads_and_keeps_launch_parameters_fixed():
         assert a["d0.page_indptr"][4] == a["d0.page_indptr"][3]
         d = plan.depths[0]
         metas.add((d.num_entries, d.use_decode, d.max_kv_len, d.has_tree))
-        cache.end_forward()
+        cache.abort_forward()
     assert metas == {(4, True, cache.config.num_pages * 16, False)}
 
 
@@ -163,13 +176,13 @@ def test_prefill_and_oversized_batches_stay_eager():
         cache.add_sequence(sid)
     cache.begin_forward([0, 1], [5, 3])
     assert cache.graph_batch_size is None        # prefill: eager plan
-    cache.end_forward()
+    cache.abort_forward()
     cache.begin_forward(list(range(6)), [1] * 6)
     assert cache.graph_batch_size is None        # beyond the largest bucket: eager
-    cache.end_forward()
+    cache.abort_forward()
     cache.begin_forward([0, 1, 2], [1, 1, 1])
     assert cache.graph_batch_size == 4
-    cache.end_forward()
+    cache.abort_forward()
 
 
 def test_wrong_row_counts_are_refused():
@@ -292,12 +305,12 @@ def test_decode_graphs_capture_short_replay_long_with_forks():
     both("begin_forward", [0], [1])
     with pytest.raises(InvalidArgumentError, match="pads to bucket 1, but graphs were captured for buckets \\[4\\]"):
         engine.graphs.replay()
-    both("end_forward")
+    both("abort_forward")
     # replaying twice in one forward, or outside a forward, is refused
     both("begin_forward", [0, 1], [1, 1])
     with pytest.raises(InvalidArgumentError):
         engine.graphs.replay()                   # bucket 2 has no graph either
-    both("end_forward")
+    both("abort_forward")
     with pytest.raises(ForwardStateError):
         engine.graphs.replay()
 
@@ -308,6 +321,7 @@ def test_decode_graphs_refuse_eager_forwards_and_double_replay():
     for sid in range(6):
         cache.add_sequence(sid)
         cache.begin_forward([sid], [4])
+        run_layers(cache, 4)
         cache.end_forward()
     cache.begin_forward([0, 1], [1, 1])
     engine.fill(2, 2)
@@ -318,14 +332,82 @@ def test_decode_graphs_refuse_eager_forwards_and_double_replay():
     cache.begin_forward([0, 1], [2, 1])          # prefill: eager only
     with pytest.raises(InvalidArgumentError, match="not a graph-mode decode step"):
         engine.graphs.replay()
-    cache.end_forward()
+    cache.abort_forward()
     cache.begin_forward(list(range(6)), [1] * 6)  # beyond the largest bucket
     with pytest.raises(InvalidArgumentError, match="not a graph-mode decode step"):
         engine.graphs.replay()
-    cache.end_forward()
+    cache.abort_forward()
     with pytest.raises(InvalidArgumentError, match="cuda_graph=True"):
         from kvcache_cuda import DecodeGraphs
         DecodeGraphs(make("float32", False))
+
+
+def test_aborted_graph_step_is_undone_and_the_graphs_still_serve():
+    """A graph-mode decode step aborted after its replay leaves the cache as before it (lengths,
+    free pages, get_kv bit for bit); later replays of the same graph equal the reference."""
+    graph_cache = make("float32", True)
+    ref = make("float32", False, backend="reference")
+    engine = Engine(graph_cache)
+    for c in (graph_cache, ref):
+        for sid in range(3):
+            c.add_sequence(sid)
+    for sid, n in enumerate((15, 16, 31)):          # the step grows pages of 1 and 2
+        values = [engine.rng.standard_normal((n, h, 64)).astype(np.float32) for h in (8, 2, 2)]
+        for c in (graph_cache, ref):
+            with c.forward([sid], [n]):
+                for layer in range(2):
+                    c.attention(layer, *map(c.from_numpy, values))
+
+    def snapshot():
+        return (graph_cache.num_available_pages, [graph_cache.sequence_length(s) for s in range(3)],
+                [_np(a) for s in range(3) for a in graph_cache.get_kv(s)])
+
+    def step(ids, capture=False, abort=False):
+        graph_cache.begin_forward(ids, [1] * len(ids))
+        values = engine.fill(graph_cache.graph_batch_size, len(ids))
+        outs = engine.graphs.capture(engine.step_fn(graph_cache.graph_batch_size)) if capture \
+            else engine.graphs.replay()
+        if abort:
+            graph_cache.abort_forward()
+            return
+        graph_cache.end_forward()
+        with ref.forward(ids, [1] * len(ids)):
+            for layer, (o, _) in enumerate(outs):
+                o_r = ref.attention(layer, *map(ref.from_numpy, values[layer]))
+                np.testing.assert_allclose(_np(o)[:len(ids)], _np(o_r), atol=1e-4, rtol=1e-4)
+
+    step([0, 1, 2], capture=True)
+    before = snapshot()
+    step([2, 1, 0], abort=True)
+    after = snapshot()
+    assert before[:2] == after[:2]
+    for x, y in zip(before[2], after[2]):
+        np.testing.assert_array_equal(x, y)
+    for _ in range(3):
+        step([2, 1, 0])
+
+
+def test_replay_counts_every_captured_layer_as_run():
+    """A real CUDA graph replay runs no Python: replay itself marks the captured layers as run,
+    so end_forward accepts the step."""
+    cache = make("float32", True, buckets=(2,))
+    engine = Engine(cache)
+    for sid in range(2):
+        cache.add_sequence(sid)
+    cache.begin_forward([0, 1], [1, 1])
+    engine.fill(2, 2)
+    engine.graphs.capture(engine.step_fn(2))
+    cache.end_forward()
+
+    class Silent:                                  # what a device graph's replay does in Python
+        def replay(self):
+            return None
+
+    engine.graphs.graphs[2] = (Silent(), engine.graphs.graphs[2][1])
+    cache.begin_forward([0, 1], [1, 1])
+    engine.graphs.replay()
+    cache.end_forward()
+    assert cache.sequence_length(0) == 2
 
 
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU run of the suite's graph-mode class")
@@ -341,5 +423,5 @@ def test_conformance_graph_mode_class_on_cpu_test_mode():
                        text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "TestGraphMode                8       0       0        0" in out, out[-3000:]
+    assert "TestGraphMode               10       0       0        0" in out, out[-3000:]
     assert "verdict: CONFORMS" in out

@@ -53,6 +53,7 @@ class DecodeGraphs:
         self._buffer_ptr = None
         self._pool = None
         self._last_plan = None
+        self._layers: dict = {}         # bucket -> the layers its step runs (end_forward needs all)
 
     @property
     def buckets(self) -> list:
@@ -106,6 +107,7 @@ class DecodeGraphs:
             self.graphs[bucket] = (graph, out)
         self._buffer_ptr = self._buffer()
         self._last_plan = self.cache._plan
+        self._layers[bucket] = frozenset(self.cache._layers_done)
         return out
 
     def replay(self):
@@ -125,4 +127,5 @@ class DecodeGraphs:
         graph, out = self.graphs[bucket]
         self._last_plan = plan
         result = graph.replay()
+        self.cache._layers_done = set(self._layers[bucket])    # the replay ran them
         return out if result is None else result

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import os
+import threading
 from typing import Optional
 
 import numpy as np
@@ -110,13 +111,25 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         self._ops = ops
         self.mx_device = mx.gpu if dev == "gpu" else mx.cpu
         self.on_gpu = dev == "gpu"
-        self.stream = mx.new_stream(self.mx_device)
+        self._streams = threading.local()
+        self._streams.stream = mx.new_stream(self.mx_device)
         self.dtype = ops.MX_DTYPES[config.dtype]
         self.precise_rope = not self.on_gpu          # float64 exists on MLX's CPU device only
         ops_only = os.environ.get("KVCACHE_METAL_OPS_ONLY", "") not in ("", "0")
         self.use_metal_kernels = self.on_gpu and not ops_only   # UNVERIFIED path
         self.use_fast_sdpa = self.on_gpu and not ops_only       # UNVERIFIED path on GPU
         self.stats = {"metal_decode": 0, "sdpa_ragged": 0}
+
+    @property
+    def stream(self):
+        """The calling thread's stream: MLX streams belong to the thread that made them, so a
+        cache built on one thread and used on another (one at a time) runs there on that
+        thread's default stream; arrays carry their dependencies across streams."""
+        try:
+            return self._streams.stream
+        except AttributeError:
+            self._streams.stream = stream = mx.default_stream(self.mx_device)
+            return stream
 
     # ------------------------------------------------------------------ memory
     def allocate_pages(self, num_pages):
