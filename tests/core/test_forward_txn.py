@@ -41,7 +41,7 @@ def state(cache):
         seq = pt.seqs[sid]
         k, v = (kvcache.to_numpy(a) for a in cache.get_kv(sid))
         seqs[sid] = (cache.sequence_length(sid), list(seq.tree_parent), list(seq.tree_depth),
-                     seq.window, seq.last_block_sink, k, v)
+                     seq.window, seq.sink_request, k, v)
     return cache.num_available_pages, cache.total_sequence_length, seqs
 
 
