@@ -66,19 +66,35 @@ def tree_visible(tree: TreeMask, entry: int, n_q: int) -> np.ndarray:
     return (order[None, :] <= q_order[:, None]) & (q_order[:, None] < upper[None, :])
 
 
+def weighted_values(w: np.ndarray, visible: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """sum over the keys m that row n sees of w[h, n, m] * v[m, h]: w (H, n, m), visible (n, m),
+    v (m, H, D) -> (n, H, D). A masked key's weight is 0, but its V may hold NaN/inf and
+    0 * NaN = NaN, so such V rows stay out of the einsum and are added back, key by key, only
+    to the rows that see them."""
+    bad = ~np.isfinite(v)
+    out = np.einsum("hnm,mhd->nhd", w, np.where(bad, 0.0, v))
+    for m in np.flatnonzero(bad.any(axis=(1, 2))):
+        with np.errstate(invalid="ignore"):     # 0 * inf where masked: dropped below
+            add = w[:, :, m].T[:, :, None] * np.where(bad[m], v[m], 0.0)[None]
+        out += np.where(visible[:, m, None, None], add, 0.0)
+    return out
+
+
 def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray,
                    sm_scale: float, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """q (n, Hq, D), k/v (m, Hkv, D) float64, visible (n, m) bool -> o (n, Hq, D), lse (n, Hq)."""
+    """q (n, Hq, D), k/v (m, Hkv, D) float64, visible (n, m) bool -> o (n, Hq, D), lse (n, Hq).
+    Keys a row does not see add nothing to it, whatever their K/V hold (NaN, inf)."""
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
-    logits = np.einsum("nhd,mhd->hnm", q, k) * sm_scale
+    with np.errstate(invalid="ignore"):     # a NaN/inf K gives NaN logits (masked ones dropped)
+        logits = np.einsum("nhd,mhd->hnm", q, k) * sm_scale
     logits = np.where(visible[None, :, :], logits, -np.inf)
     peak = logits.max(axis=-1, keepdims=True)
     peak = np.where(np.isfinite(peak), peak, 0.0)
     weights = np.exp(logits - peak)
     denom = weights.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.einsum("hnm,mhd->nhd", weights / np.where(denom > 0, denom, 1.0), v)
+        out = weighted_values(weights / np.where(denom > 0, denom, 1.0), visible, v)
         lse = (np.log(denom) + peak)[..., 0].T
     return out, lse
 
@@ -218,7 +234,8 @@ class ReferenceBackend(Backend):
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
         la, lb = np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)
-        lse = np.logaddexp(la, lb)
+        with np.errstate(invalid="ignore"):     # a NaN lse (a NaN key was seen) stays NaN
+            lse = np.logaddexp(la, lb)
         safe = np.where(np.isfinite(lse), lse, 0.0)
         wa = np.where(np.isfinite(la), np.exp(la - safe), 0.0)[..., None]
         wb = np.where(np.isfinite(lb), np.exp(lb - safe), 0.0)[..., None]

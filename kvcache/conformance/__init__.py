@@ -36,6 +36,7 @@ _CLASSES = {
     "test_errors": ("TestBadInput", "TestAtomicity", "TestCapabilities", "TestBackendContract"),
     "test_graph": ("TestGraphMode",),
     "test_run_ahead": ("TestRunAhead",),
+    "test_numerics": ("TestMaskedNonFinite",),
 }
 _WHERE = {name: module for module, names in _CLASSES.items() for name in names}
 

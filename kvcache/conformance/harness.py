@@ -4,9 +4,10 @@
 the reference backend (the oracle) and ``dut`` (device under test) on the backend being proved.
 Every public call goes to both; results are compared:
 
-* attention outputs and lse with per-dtype tolerances (``TOLERANCES``), NaN-sensitive: a NaN or
-  an infinity in the backend's output where the reference has a finite value fails, and ``-inf``
-  lse (a row that sees no key) must be ``-inf`` in both;
+* attention outputs and lse with per-dtype tolerances (``TOLERANCES``), strict about non-finite
+  values both ways: NaN and +-inf must be exactly where the reference has them (a NaN where the
+  reference is finite fails, and so does a finite value where the reference is NaN; ``-inf`` lse,
+  a row that sees no key, must be ``-inf`` in both);
 * ``query_positions``, ``sequence_length``, ``num_available_pages``, ``total_sequence_length``,
   ``num_sequences``, ``is_empty`` exactly; ``get_kv`` of every sequence with the dtype tolerance;
 * errors: the same exception type from both, and neither cache changed (lengths, free pages and
@@ -68,20 +69,27 @@ def _round(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(x, np.float64).astype(NP_DTYPES[dtype]).astype(np.float64)
 
 
+_SPURIOUS_NAN = (" (NaN where the reference has none: an unwritten output, a read of an "
+                 "unwritten/poisoned page slot, or a masked key's NaN K/V let through)")
+
+
 def assert_close(what: str, expected, actual, tol: Tolerance, *, lse: bool = False,
                  context: str = "", row_label=None) -> None:
-    """NaN-sensitive comparison with a readable message (first bad element, count, max error)."""
+    """Tolerance comparison, strict about NaN / +-inf positions both ways, with a readable message
+    (first bad element, count, max error)."""
     e = np.asarray(expected, np.float64)
     a = np.asarray(actual, np.float64)
     if e.shape != a.shape:
         raise Mismatch(f"{what}: shape {a.shape}, reference {e.shape}{context}")
     atol = tol.lse_atol if lse else tol.atol
     rtol = 0.0 if lse else tol.rtol
+    # strict both ways: NaN and +-inf must sit where the reference has them (a NaN in a K or V
+    # that a query sees is NaN in its output; a key it must not see adds nothing)
     e_inf, a_inf = np.isinf(e), np.isinf(a)
-    bad = np.isnan(a) | np.isnan(e)
+    bad = np.isnan(a) != np.isnan(e)
     bad |= e_inf != a_inf
     bad |= e_inf & a_inf & (np.sign(e) != np.sign(a))
-    finite = ~(np.isnan(a) | np.isnan(e) | e_inf | a_inf)
+    finite = np.isfinite(a) & np.isfinite(e)
     diff = np.where(finite, np.abs(np.where(finite, a, 0) - np.where(finite, e, 0)), 0.0)
     bad |= finite & (diff > atol + rtol * np.abs(np.where(finite, e, 0)))
     if not bad.any():
@@ -90,13 +98,14 @@ def assert_close(what: str, expected, actual, tol: Tolerance, *, lse: bool = Fal
     where = f"index {idx}"
     if row_label is not None and idx:
         where += f" ({row_label(idx[0])})"
-    nan = int(np.isnan(a).sum())
+    spurious_nan = int((np.isnan(a) & ~np.isnan(e)).sum())
     maxerr = float(diff.max()) if diff.size else 0.0
     raise Mismatch(
         f"{what}: {int(bad.sum())} of {bad.size} elements differ from the reference "
         f"(atol={atol}, rtol={rtol}); first at {where}: backend {float(a[idx])!r}, reference {float(e[idx])!r}; "
-        f"max finite |diff| {maxerr:.3g}; NaNs in backend output: {nan}"
-        f"{' (NaN: an unwritten output or a read of an unwritten/poisoned page slot)' if nan else ''}"
+        f"max finite |diff| {maxerr:.3g}; non-finite: backend {int((~np.isfinite(a)).sum())}, "
+        f"reference {int((~np.isfinite(e)).sum())}"
+        f"{_SPURIOUS_NAN if spurious_nan else ''}"
         f"{context}")
 
 

@@ -307,3 +307,123 @@ def test_tuning_is_data():
     assert isinstance(t.tiles("decode", 128), AttnTiles)
     assert t.tiles("prefill", 256) != t.tiles("prefill", 128)     # per-head-dim override
     assert dataclasses.is_dataclass(t)
+
+
+# ---------------------------------------------------------------------- non-finite K / V
+def _strict(ref, got, want, blind, clean, what, lse=False):
+    """got vs want with NaN / inf at the same places (the conformance comparison); the rows in
+    ``blind`` (they see no bad key) also finite and equal to the clean reference ``clean``."""
+    from kvcache.conformance.harness import Tolerance, assert_close
+    tol = Tolerance(*cc.TOL[ref.config.dtype])
+    got, want, clean = (np.asarray(x, np.float64) for x in (got, want, clean))
+    assert_close(what, want, got, tol, lse=lse)
+    assert np.isfinite(got[blind]).all(), f"{what}: a row that sees no bad key is not finite"
+    assert_close(f"{what} (rows that see no bad key) vs the clean reference", clean[blind],
+                 got[blind], tol, lse=lse)
+
+
+# NaN / inf in keys that earlier tokens (causal) or other branches (tree) must not see, inside
+# the ragged kernels' query tiles; {token: (k or v, value)} over sequences of 37 and 12 tokens.
+# Causal: rows 20-24 see +inf V (o = +inf), rows 25.. also -inf (NaN), 40.. NaN V, 44.. inf K
+RAGGED_BAD = {20: ("v", np.inf), 25: ("v", -np.inf), 33: ("k", np.nan), 40: ("v", np.nan),
+              44: ("k", np.inf)}
+
+
+@pytest.mark.parametrize("variant", ["causal", "tree"])
+def test_ragged_masked_nonfinite_keys(impl, variant):
+    """A NaN / inf in the K or V of a token reaches only the rows that see it."""
+    from kvcache.reference import tree_visible
+    cfg = cc.config(hq=8, hkv=2, d=64, dtype="float32")
+    ref, mine = cc.pair(cfg, impl)
+    lengths, bad = [37, 12], RAGGED_BAD
+    c = cc.ragged_case(_rng("ragged-nonfinite", impl, variant), ref, mine, lengths,
+                       tree=variant == "tree")
+    tree_r = cc.TreeMask(*c["tree"]) if c["tree"] is not None else None
+    tree_m = cc.TreeMask(*(cc.ints(mine, a) for a in c["tree"])) if tree_r else None
+    k, v = mine.to_numpy(c["k"]), mine.to_numpy(c["v"])
+    kb, vb = k.copy(), v.copy()
+    sees = np.zeros(c["total"], bool)
+    for tok, (which, value) in bad.items():
+        (kb if which == "k" else vb)[tok] = value
+        i = int(np.searchsorted(c["qo"], tok, side="right")) - 1
+        lo, n = int(c["qo"][i]), lengths[i]
+        vis = tree_visible(tree_r, i, n) if tree_r else np.tri(n, dtype=bool)
+        sees[lo:lo + n] |= vis[:, tok - lo]
+    assert sees.any() and not sees.all()
+    args = dict(num_seqs=len(lengths), max_len=max(lengths))
+    o, lse = mine.ragged_attention(c["q"], mine.from_numpy(kb), mine.from_numpy(vb),
+                                   cc.ints(mine, c["qo"]), 0.11, tree=tree_m, **args)
+    q_r = cc.to_ref(ref, mine, c["q"])
+    ro, rl = ref.ragged_attention(q_r, ref.from_numpy(kb), ref.from_numpy(vb), c["qo"], 0.11,
+                                  tree=tree_r, **args)
+    co, cl = ref.ragged_attention(q_r, ref.from_numpy(k), ref.from_numpy(v), c["qo"], 0.11,
+                                  tree=tree_r, **args)
+    blind = ~sees
+    _strict(ref, mine.to_numpy(o), ref.to_numpy(ro), blind, ref.to_numpy(co), "o")
+    _strict(ref, mine.to_numpy(lse), rl, blind, cl, "lse", lse=True)
+    assert not np.isfinite(mine.to_numpy(o)[sees]).any()
+    if variant == "causal":
+        assert np.isposinf(mine.to_numpy(o)[20:25]).all()
+
+
+@pytest.mark.parametrize("kind,splits", [("prefill", 1), ("decode", 1), ("decode", 4)])
+def test_paged_masked_nonfinite_tree_keys(impl, kind, splits):
+    """NaN / inf in tree keys (read through the page table): only the query nodes that descend
+    from them see them, in paged prefill and in split-K decode (where a split may hold nothing
+    but masked keys)."""
+    from kvcache.reference import tree_visible
+    cfg = cc.config(hq=8, hkv=2, d=64, ps=16, dtype="float32")
+    ref, mine = cc.pair(cfg, impl)
+    mine.tuning = mine.tuning.with_(force_splits=splits)
+    decode = kind == "decode"
+    nq = 1 if decode else 3
+    # decode: 260 keys over 4 splits of 128 (the tile) -> the tree (keys 251..259) straddles the
+    # last split boundary
+    entries = [Entry(nq, 260 if decode else 30, tree=9), Entry(nq, 9, tree=9), Entry(nq, 20)]
+    rng = _rng("paged-nonfinite", impl, kind, splits)
+    case = cc.paged_case(rng, ref, mine, entries, use_decode=decode, row_offset=0, tail_rows=0)
+    d = case.ref_depth
+    pool = mine.to_numpy(case.pages)
+    clean = case.ref_pages
+    sees = np.zeros(case.ref_q.shape[0], bool)
+    values = [("v", np.nan), ("k", np.nan), ("v", np.inf)]
+    for i, e in enumerate(entries):
+        if not e.tree:
+            continue
+        vis = tree_visible(d.tree, i, e.nq)                     # (nq, tree size)
+        for node in range(e.tree - (i == 0)):                   # entry 1: its last query's too
+            which, value = values[node % 3]
+            key = e.kv_len - e.tree + node
+            page = d.page_indices[d.page_indptr[i] + key // 16]
+            pool[page, 0 if which == "k" else 1, :, key % 16, :] = value
+            sees[d.qo_indptr[i]:d.qo_indptr[i + 1]] |= vis[:, node]
+    assert sees.any() and not sees.all()
+    pages = mine.from_numpy(pool)
+    o, lse = mine.paged_attention(case.q, pages, case.depth, 0.13)
+    ro, rl = ref.paged_attention(case.ref_q, cc.to_ref(ref, mine, pages), d, 0.13)
+    co, cl = ref.paged_attention(case.ref_q, clean, d, 0.13)
+    _strict(ref, mine.to_numpy(o), ref.to_numpy(ro), ~sees, ref.to_numpy(co), "o")
+    _strict(ref, mine.to_numpy(lse), rl, ~sees, cl, "lse", lse=True)
+    assert not np.isfinite(mine.to_numpy(o)[sees]).any()
+
+
+def test_merge_attention_nan_lse(impl):
+    """A NaN lse (a part saw a NaN K) gives NaN o and lse; -inf parts still add nothing."""
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="float32")
+    ref, mine = cc.pair(cfg, impl)
+    rng = _rng("merge-nan", impl)
+    oa, ob = rng.standard_normal((2, 3, 4, 64)).astype(np.float32)
+    la, lb = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    la[0, 0], lb[0, 0] = np.nan, 0.5                 # NaN with finite
+    la[1, 1], lb[1, 1] = np.nan, -np.inf             # NaN with empty
+    oa[0, 0] = np.nan
+    oa[1, 1] = np.nan
+    la[2, 2], lb[2, 2] = -np.inf, 0.25               # empty with finite: finite
+    f = lambda x: mine.from_numpy(x, "float32")      # noqa: E731
+    o, lse = mine.merge_attention(f(oa), f(la), f(ob), f(lb))
+    ro, rl = ref.merge_attention(oa, la, ob, lb)
+    nan_rows = np.zeros((3, 4), bool)
+    nan_rows[0, 0] = nan_rows[1, 1] = True
+    _strict(ref, mine.to_numpy(o), ro, ~nan_rows, ro, "o")
+    _strict(ref, mine.to_numpy(lse), rl, ~nan_rows, rl, "lse", lse=True)
+    assert np.isnan(mine.to_numpy(lse)[nan_rows]).all()

@@ -74,9 +74,23 @@ def _attend(q, k, v, visible, sm_scale, group):
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     w = torch.exp(logits - peak)
     denom = w.sum(dim=-1, keepdim=True)
-    out = torch.einsum("bhgnm,bmhd->bnhgd", w / torch.where(denom > 0, denom, torch.ones_like(denom)), v)
-    lse = torch.where(denom > 0, torch.log(denom) + peak, torch.full_like(peak, NEG_INF))[..., 0]
+    empty = denom == 0                        # sees no key; a NaN denom (a NaN K seen) stays NaN
+    out = _visible_sum(w / torch.where(empty, torch.ones_like(denom), denom), visible, v)
+    lse = torch.where(empty, torch.full_like(peak, NEG_INF), torch.log(denom) + peak)[..., 0]
     return out.reshape(b, n, hq, d), lse.permute(0, 3, 1, 2).reshape(b, n, hq)
+
+
+def _visible_sum(w, visible, v):
+    """einsum("bhgnm,bmhd->bnhgd", w, v) over the keys each row sees. A masked key's weight is 0
+    but its V may hold NaN/inf (a later token, a sibling branch) and 0 * NaN = NaN: non-finite
+    values stay out of the einsum and are added back, key by key, to the rows that see them."""
+    bad = ~torch.isfinite(v)
+    out = torch.einsum("bhgnm,bmhd->bnhgd", w, v.masked_fill(bad, 0.0))
+    for m in bad.any(dim=3).any(dim=2).any(dim=0).nonzero().flatten().tolist():   # host sync
+        vm = v[:, m].masked_fill(~bad[:, m], 0.0)[:, None, :, None, :]          # (B, 1, Hkv, 1, D)
+        add = w[..., m].permute(0, 3, 1, 2)[..., None] * vm                     # (B, n, Hkv, G, D)
+        out = out + torch.where(visible[:, :, m, None, None, None], add, torch.zeros_like(add))
+    return out
 
 
 def _tree_nodes(tree, entry_idx, node_idx, ok):

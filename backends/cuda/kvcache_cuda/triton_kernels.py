@@ -80,22 +80,52 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE: tl.constexpr):
+def _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE: tl.constexpr,
+                  MASKED: tl.constexpr):
     qk = tl.where(vis, qk * sm_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # all-masked so far: avoid inf-inf
     p = tl.exp2(qk - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    if MASKED:
+        # a masked key's p is 0 but its V may hold NaN/inf (a later token, a sibling branch),
+        # and 0 * NaN = NaN in the dot: non-finite V values stay out of it; the rare tiles
+        # holding one add them back to the rows that see them. (Without MASKED every loaded
+        # key is visible to every row and out-of-range V loads are 0: the plain dot is exact.)
+        bad = (v != v) | (tl.abs(v) == float("inf"))
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), IEEE)
+        if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+            acc = _nonfinite_values(acc, tl.where(vis, 1.0, 0.0) + tl.zeros_like(p), v, IEEE)
+    else:
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
 
 @triton.jit
+def _nonfinite_values(acc, vis, v, IEEE: tl.constexpr):
+    """acc with the NaN / +inf / -inf that the non-finite V values of visible keys (vis: 1)
+    put in each (row, dim). One dot of the tile's dtype counts them exactly (fp32 accumulation):
+    a NaN adds 1, +inf 256, -inf 1/256, and a tile has at most 128 keys."""
+    tl.static_assert(v.shape[0] <= 128)
+    code = tl.where(v != v, 1.0, tl.where(v == float("inf"), 256.0,
+                                          tl.where(v == float("-inf"), 0.00390625, 0.0)))
+    cnt = _dot(vis.to(v.dtype), code.to(v.dtype), IEEE)
+    n_pos = tl.floor(cnt * 0.00390625)
+    rest = cnt - n_pos * 256.0
+    n_nan = tl.floor(rest)
+    n_neg = rest - n_nan
+    acc = tl.where(n_pos > 0, float("inf"), acc)
+    acc = tl.where(n_neg > 0, float("-inf"), acc)
+    return tl.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), float("nan"), acc)
+
+
+@triton.jit
 def _finish(acc, m_i, l_i):
-    ok = l_i > 0
-    o = acc / tl.where(ok, l_i, 1.0)[:, None]
-    lse = tl.where(ok, (m_i + tl.log2(tl.where(ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    # l == 0: the row saw no key; a NaN l (a NaN K it saw) gives NaN o and lse
+    empty = l_i == 0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     return o, lse
 
 
@@ -153,7 +183,7 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
         vis = vis & (anc | (~in_tree)[None, :])
     v = tl.load(pages_ptr + sp_kv + base[:, None] + dd[None, :],
                 mask=j_ok[:, None] & dd_ok[None, :], other=0.0)
-    return _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE)
+    return _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE, TREE)
 
 
 # ====================================================================== append / rope
@@ -319,7 +349,7 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
                 vis = vis & (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
             v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
                         mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
-            m_i, l_i, acc = _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE)
+            m_i, l_i, acc = _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE, True)
         o, lse = _finish(acc, m_i, l_i)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dd_ok[None, :])
@@ -479,7 +509,7 @@ def _merge_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, n_rows, HQ,
     d_ok = d < HEAD_DIM
     po = tl.load(po_ptr + t * spo_t + sidx[:, None] * spo_s + h * spo_h + d[None, :],
                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    ok = total > 0
+    ok = total != 0                  # a NaN partial lse (a NaN K seen) stays NaN
     o = tl.sum(po * w[:, None], 0) / tl.where(ok, total, 1.0)
     lse = tl.where(ok, peak_use + tl.log(tl.where(ok, total, 1.0)), float("-inf"))
     tl.store(o_ptr + t * so_t + h * so_h + d, o.to(o_ptr.dtype.element_ty), mask=d_ok)
@@ -500,7 +530,7 @@ def _merge2_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, l_ptr, n_rows,
     wa = tl.exp(la - peak_use)
     wb = tl.exp(lb - peak_use)
     tot = wa + wb
-    ok = tot > 0
+    ok = tot != 0                    # a NaN lse (a NaN K seen) stays NaN
     inv = 1.0 / tl.where(ok, tot, 1.0)
     d = tl.arange(0, BLOCK_D)
     m = r_ok[:, None] & (d < HEAD_DIM)[None, :]

@@ -367,7 +367,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                     visible = visible & vis_t
                 for r0, r1 in ops._tiles(len(ent), hq, lq, lk):
                     o, lse = ops.softmax_attend(qg[:, r0:r1], kg, vg, visible[:, r0:r1],
-                                                sm_scale, c.group_size)
+                                                sm_scale, c.group_size,
+                                                masked=depth.tree is not None)
                     out.put(rows[:, r0:r1], valid_q[:, r0:r1], o, lse)
             return out.result(self.dtype)
 
@@ -378,9 +379,10 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             safe = mx.where(mx.isinf(peak), 0.0, peak)
             wa, wb = mx.exp(la - safe), mx.exp(lb - safe)       # exp(-inf) = 0
             s = wa + wb
-            lse = mx.where(s > 0, mx.log(mx.maximum(s, 1e-38)) + safe, self._ops.NEG_INF)
+            empty = s == 0                       # a NaN lse (a NaN key was seen) stays NaN
+            lse = mx.where(empty, self._ops.NEG_INF, mx.log(mx.maximum(s, 1e-38)) + safe)
             o = (o_a.astype(mx.float32) * wa[..., None] + o_b.astype(mx.float32) * wb[..., None])
-            o = o / mx.where(s > 0, s, 1.0)[..., None]
+            o = o / mx.where(empty, 1.0, s)[..., None]
             return o.astype(self.dtype), lse
 
     def copy_page_prefix(self, pages_per_layer, src_page, dst_page, length):

@@ -92,9 +92,11 @@ def buckets(qlens: np.ndarray, klens: np.ndarray, slack: int = 4096) -> list[np.
 
 
 # ------------------------------------------------------------------------------- attention core
-def softmax_attend(q, k, v, visible, sm_scale: float, group: int):
+def softmax_attend(q, k, v, visible, sm_scale: float, group: int, masked: bool = True):
     """q (m, Lq, Hq, D), k/v (m, Lk, Hkv, D) float32, visible (m, Lq, Lk) bool
-    -> o (m, Lq, Hq, D) float32, lse (m, Lq, Hq) float32 (rows seeing nothing: o = 0, lse = -inf)."""
+    -> o (m, Lq, Hq, D) float32, lse (m, Lq, Hq) float32 (rows seeing nothing: o = 0, lse = -inf).
+    ``masked=False``: the caller zeroed every key that some valid row does not see (padding), so
+    a non-finite V is seen and the plain matmul is exact."""
     m, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     qh = q.reshape(m, lq, hkv, group, d).transpose(0, 2, 3, 1, 4).reshape(m, hkv, group * lq, d)
@@ -106,12 +108,33 @@ def softmax_attend(q, k, v, visible, sm_scale: float, group: int):
     peak = mx.where(mx.isinf(peak), 0.0, peak)
     w = mx.exp(logits - peak)
     denom = w.sum(axis=-1, keepdims=True)
-    o = (w.reshape(m, hkv, group * lq, lk) @ vh).reshape(m, hkv, group, lq, d)
-    o = o / mx.where(denom > 0, denom, 1.0)
-    lse = mx.where(denom > 0, mx.log(mx.maximum(denom, 1e-38)) + peak, NEG_INF)[..., 0]
+    if masked:
+        # a masked key's weight is 0 but its V may hold NaN/inf (a later token, a sibling
+        # branch), and 0 * NaN = NaN: non-finite V values stay out of the matmul (added back to
+        # the rows that see them); the host check is one reduction of V
+        bad = ~mx.isfinite(vh)
+        o = w.reshape(m, hkv, group * lq, lk) @ mx.where(bad, 0.0, vh)
+        o = o.reshape(m, hkv, group, lq, d)
+        if mx.any(bad).item():
+            o = o + _nonfinite_values(w, visible, vh, bad)
+    else:
+        o = (w.reshape(m, hkv, group * lq, lk) @ vh).reshape(m, hkv, group, lq, d)
+    empty = denom == 0                          # sees no key; a NaN denom (a NaN K seen) stays NaN
+    o = o / mx.where(empty, 1.0, denom)
+    lse = mx.where(empty, NEG_INF, mx.log(mx.maximum(denom, 1e-38)) + peak)[..., 0]
     o = o.transpose(0, 3, 1, 2, 4).reshape(m, lq, hq, d)
     lse = lse.transpose(0, 3, 1, 2).reshape(m, lq, hq)
     return o, lse
+
+
+def _nonfinite_values(w, visible, vh, bad):
+    """The NaN/inf that non-finite V values add to the rows that see them, one key at a time:
+    w (m, Hkv, G, Lq, Lk), visible (m, Lq, Lk), vh/bad (m, Hkv, Lk, D) -> (m, Hkv, G, Lq, D)."""
+    extra = mx.zeros(w.shape[:-1] + (vh.shape[-1],), dtype=mx.float32)
+    for j in np.flatnonzero(np.asarray(mx.any(bad, axis=(0, 1, 3)))).tolist():
+        vj = mx.where(bad[:, :, j], vh[:, :, j], 0.0)[:, :, None, None, :]
+        extra = extra + mx.where(visible[:, None, None, :, j, None], w[..., j, None] * vj, 0.0)
+    return extra
 
 
 class Output:

@@ -37,6 +37,19 @@ def _tree_visible(tree: TreeMask, entry: int, n_q: int) -> np.ndarray:
     return (order[None, :] <= q_order[:, None]) & (q_order[:, None] < upper[None, :])
 
 
+def _visible_sum(w, visible, v):
+    """``einsum("kgnm,kmd->kgnd", w, v)`` over the keys each query row sees (``visible`` (n, m);
+    None: all). A masked key's weight is 0 but its V may hold NaN/inf, and 0 * NaN = NaN: such
+    values stay out of the einsum and are added back, key by key, to the rows that see them."""
+    bad = ~np.isfinite(v)
+    out = np.einsum("kgnm,kmd->kgnd", w, np.where(bad, np.float32(0), v))
+    for m in np.flatnonzero(bad.any(axis=(0, 2))):           # rare: non-finite V values
+        with np.errstate(invalid="ignore"):                   # 0 * inf where masked: dropped
+            add = w[..., m, None] * np.where(bad[:, m], v[:, m], np.float32(0))[:, None, None, :]
+        out += add if visible is None else np.where(visible[:, m, None], add, np.float32(0))
+    return out
+
+
 class ExampleBackend(Backend):
     name = "example"
     priority = -10          # below the reference: backend="auto" never picks an example
@@ -145,11 +158,11 @@ class ExampleBackend(Backend):
             vi = np.asarray(v[lo:hi], np.float32).transpose(1, 0, 2)
             s = np.einsum("kgnd,kmd->kgnm", qi, ki) * np.float32(sm_scale)
             visible = _tree_visible(tree, i, n) if tree is not None else np.tri(n, dtype=bool)
-            s = np.where(visible, s, -np.inf)
+            s = np.where(visible, s, -np.inf)                              # drops masked NaN scores too
             m = s.max(axis=-1, keepdims=True)                              # the diagonal is always visible
             p = np.exp(s - m)
             den = p.sum(axis=-1, keepdims=True)
-            o[lo:hi] = self._join_heads(np.einsum("kgnm,kmd->kgnd", p / den, vi))
+            o[lo:hi] = self._join_heads(_visible_sum(p / den, visible, vi))
             lse[lo:hi] = self._join_heads((m + np.log(den))[..., 0])
         return o.astype(self.dtype), lse
 
@@ -184,6 +197,7 @@ class ExampleBackend(Backend):
                 kp = pages[page, 0, :, :rows, :].astype(np.float32)       # (Hkv, rows, D)
                 vp = pages[page, 1, :, :rows, :].astype(np.float32)
                 s = np.einsum("kgnd,krd->kgnr", qi, kp)
+                vis = None
                 if tree_vis is not None:                                  # the last t keys are tree nodes
                     j = start + np.arange(rows) - (kv_len - t)
                     in_tree = j >= 0
@@ -195,18 +209,19 @@ class ExampleBackend(Backend):
                 alpha = np.where(np.isfinite(m), np.exp(m - safe), 0.0)
                 w = np.exp(s - safe[..., None])
                 den = den * alpha + w.sum(axis=-1)
-                acc = acc * alpha[..., None] + np.einsum("kgnr,krd->kgnd", w, vp)
+                acc = acc * alpha[..., None] + _visible_sum(w, vis, vp)
                 m = m_new
-            seen = den > 0
-            out = np.where(seen[..., None], acc / np.where(seen, den, 1)[..., None], 0.0)
+            empty = den == 0                  # saw no key (a NaN den, from a NaN key, stays NaN)
+            out = np.where(empty[..., None], 0.0, acc / np.where(empty, 1, den)[..., None])
             o[lo:hi] = self._join_heads(out)
             with np.errstate(divide="ignore"):
-                lse[lo:hi] = self._join_heads(np.where(seen, m + np.log(den), -np.inf))
+                lse[lo:hi] = self._join_heads(np.where(empty, -np.inf, m + np.log(den)))
         return o.astype(self.dtype), lse
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
         la, lb = np.asarray(lse_a, np.float32), np.asarray(lse_b, np.float32)
-        lse = np.logaddexp(la, lb)
+        with np.errstate(invalid="ignore"):                   # a NaN lse stays NaN
+            lse = np.logaddexp(la, lb)
         safe = np.where(np.isfinite(lse), lse, 0.0)
         wa = np.where(np.isfinite(la), np.exp(la - safe), 0.0)[..., None]
         wb = np.where(np.isfinite(lb), np.exp(lb - safe), 0.0)[..., None]
