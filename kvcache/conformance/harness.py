@@ -377,6 +377,7 @@ class CachePair:
         return {"num_available_pages": cache.num_available_pages,
                 "total_sequence_length": cache.total_sequence_length,
                 "num_sequences": cache.num_sequences, "is_empty": cache.is_empty,
+                "sequence_ids": sorted(cache.sequence_ids),
                 "lengths": {s: cache.sequence_length(s) for s in self.seqs},
                 "kv": {s: tuple(to_numpy(x) for x in cache.get_kv(s)) for s in self.seqs}}
 
@@ -387,7 +388,7 @@ class CachePair:
         r, d = self.snapshot(self.ref), self.snapshot(self.dut)
         ctx = self.context()
         for key in ("num_available_pages", "total_sequence_length", "num_sequences", "is_empty",
-                    "lengths"):
+                    "sequence_ids", "lengths"):
             if r[key] != d[key]:
                 raise Mismatch(f"{key}: backend {d[key]}, reference {r[key]}{ctx}")
         for s in self.seqs:
