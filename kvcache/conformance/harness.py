@@ -47,6 +47,7 @@ from .tolerance import TOLERANCES, Mismatch, assert_close, round_to
 
 
 def seed_for(text: str, base: int = 0) -> int:
+    """A stable 31-bit seed from ``text`` (a test name) plus ``base``."""
     return (zlib.crc32(text.encode()) + base) & 0x7FFFFFFF
 
 
@@ -99,6 +100,7 @@ class CachePair:
 
     # ------------------------------------------------------------------ helpers
     def context(self) -> str:
+        """The config and the last calls, appended to every mismatch message."""
         c = self.config
         hist = "; ".join(self.history[-12:])
         more = f"... ({len(self.history) - 12} earlier) " if len(self.history) > 12 else ""
@@ -151,40 +153,48 @@ class CachePair:
 
     # ------------------------------------------------------------------ sequence ops
     def add(self, *sids):
+        """``add_sequence`` of each id on both caches."""
         for sid in sids:
             self.both("add_sequence", sid)
             self.seqs.append(sid)
         self.check()
 
     def remove(self, sid):
+        """``remove_sequence`` on both caches."""
         self.both("remove_sequence", sid)
         self.seqs.remove(sid)
         self.check()
 
     def fork(self, parent, child, fork_pos=-1):
+        """``fork_sequence`` on both caches."""
         self.both("fork_sequence", parent, child, fork_pos)
         self.seqs.append(child)
         self.check()
 
     def popn(self, sid, n):
+        """``popn`` on both caches."""
         self.both("popn", sid, n)
         self.check()
 
     def enable_sliding_window(self, sid, window, sink):
+        """``enable_sliding_window`` on both caches."""
         self.both("enable_sliding_window", sid, window, sink)
         self.check()
 
     def clear(self):
+        """``clear`` on both caches."""
         self.both("clear")
         self.seqs.clear()
         self.check()
 
     def commit(self, sids, leaves):
+        """``commit_accepted_token_tree_nodes`` on both caches."""
         self.both("commit_accepted_token_tree_nodes", list(sids), list(leaves))
         self.check()
 
     # ------------------------------------------------------------------ forward
     def random(self, *shape):
+        """Standard-normal float64 host array of ``shape`` from the pair's seeded generator."""
         return self.rng.standard_normal(shape)
 
     def begin(self, sids, lens, tree=None, *, via_with=False):
@@ -204,6 +214,7 @@ class CachePair:
             self.expected_positions = self.model.begin(sids, lens, tree)
 
     def row_label(self, t: int) -> str:
+        """Which sequence and new token row ``t`` of the open forward is."""
         for sid, n in zip(self.sids, self.lens):
             if t < n:
                 return f"sequence {sid}, new token {t}"
@@ -211,6 +222,7 @@ class CachePair:
         return "?"
 
     def check_positions(self):
+        """``query_positions`` of both caches (and the dense model) agree."""
         r, d = self.both("query_positions")
         r, d = to_numpy(r), to_numpy(d)
         bucket = self.dut.graph_batch_size
@@ -309,6 +321,7 @@ class CachePair:
         return (o_r, lse_r), (o_d, lse_d)
 
     def end(self):
+        """``end_forward`` on both caches, then ``check``."""
         self.both("end_forward")
         self.in_forward = False
         if self.model is not None:
@@ -366,14 +379,17 @@ class CachePair:
         self.end()
 
     def prefill(self, sid, n, **kw):
+        """One forward of ``n`` new tokens of sequence ``sid``."""
         self.forward([sid], [n], **kw)
 
     def decode(self, sids, steps=1, **kw):
+        """``steps`` forwards of one new token for each of ``sids``."""
         for _ in range(steps):
             self.forward(list(sids), [1] * len(sids), **kw)
 
     # ------------------------------------------------------------------ state
     def snapshot(self, cache) -> dict:
+        """Everything observable of ``cache``: counters, ids, lengths and ``get_kv`` (host arrays)."""
         return {"num_available_pages": cache.num_available_pages,
                 "total_sequence_length": cache.total_sequence_length,
                 "num_sequences": cache.num_sequences, "is_empty": cache.is_empty,
@@ -418,6 +434,7 @@ class CachePair:
         self.poison()
 
     def raw_snapshot(self, cache) -> dict:
+        """``snapshot`` with its own copy of the lengths (for before/after comparisons)."""
         s = self.snapshot(cache)
         s["lengths"] = dict(s["lengths"])
         return s

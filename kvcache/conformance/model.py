@@ -80,25 +80,31 @@ class DenseModel:
         self.seqs[sid] = _Seq(c.num_layers, c.num_kv_heads, c.head_dim)
 
     def remove(self, sid):
+        """Forget a sequence."""
         del self.seqs[sid]
 
     def fork(self, parent, child, pos):
+        """``child`` holds the first ``pos`` tokens of ``parent`` (-1: all of them)."""
         p = self.seqs[parent]
         n = p.k.shape[1] if pos == -1 else pos
         self.seqs[child] = p.copy_prefix(n)
 
     def popn(self, sid, n):
+        """Drop the last ``n`` tokens."""
         s = self.seqs[sid]
         keep = s.k.shape[1] - n
         s.k, s.v = s.k[:, :keep], s.v[:, :keep]
 
     def enable_window(self, sid, w, s):
+        """Keep ``s`` sink tokens and the last ``w - s`` tokens from the next forward on."""
         self.seqs[sid].window = (w, s)
 
     def clear(self):
+        """Forget every sequence."""
         self.seqs.clear()
 
     def commit(self, sids, leaves):
+        """Keep each tree's path from a root to its leaf (-1: none) after the committed tokens."""
         for sid, leaf in zip(sids, leaves):
             s = self.seqs[sid]
             base = s.committed

@@ -64,6 +64,7 @@ class HostStream:
         self.waited = []
 
     def wait_event(self, event):
+        """Record that this stream waited on ``event``."""
         self.waited.append(event)
 
 
@@ -78,6 +79,7 @@ class HostEvent:
         self.synchronized += 1
 
     def query(self):
+        """Always complete."""
         return True
 
 
@@ -183,6 +185,7 @@ class CudaBackend(Backend):
 
     @property
     def tuning(self) -> Tuning:
+        """The kernel tile table in use (``TUNING`` unless a test or sweep sets another)."""
         return self._tuning
 
     @tuning.setter
