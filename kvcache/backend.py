@@ -305,4 +305,4 @@ class Backend(abc.ABC):
         return tuple(array.shape)
 
 
-__all__ = ["Backend", "Capabilities", "RopeSpec", "TreeMask", "DepthAux", "field"]
+__all__ = ["Backend", "Capabilities", "RopeSpec", "TreeMask", "DepthAux"]
