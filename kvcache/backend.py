@@ -7,8 +7,9 @@ docstring plus the reference implementation in ``kvcache.reference``.
 
 Shared conventions
 ------------------
-* ``pages``: one array per layer, shape ``(num_pages, 2, num_kv_heads, page_size, head_dim)`` in
-  the cache dtype; ``[:, 0]`` is K, ``[:, 1]`` is V.  A *slot* is ``page * page_size + offset``.
+* ``pages``: one array per layer, of the shape ``Backend.page_shape`` declares (by default
+  ``(num_pages, 2, num_kv_heads, page_size, head_dim)``, ``[:, 0]`` K and ``[:, 1]`` V) in the
+  config's ``kv_dtype``.  A *slot* is ``page * page_size + offset``.
 * New tokens of a forward are packed: ``q`` is ``(T, num_qo_heads, D)``, ``k``/``v`` are
   ``(T, num_kv_heads, D)``; tokens of entry ``i`` are rows ``qo_indptr[i]:qo_indptr[i+1]``.
 * Grouped-query attention: query head ``h`` reads KV head ``h // (num_qo_heads // num_kv_heads)``.
@@ -38,7 +39,8 @@ class Capabilities:
     """What a backend can do. Defaults are conservative; each field's doc sentence is the reason a
     conformance test is skipped when the backend lacks it."""
 
-    dtypes: tuple = _cap(("float32",), "Storage dtypes the backend supports.")
+    dtypes: tuple = _cap(("float32",), "Compute dtypes of q, k, v and the attention output.")
+    kv_dtypes: tuple = _cap((), "Storage formats of the KV pages (default: the compute dtypes).")
     copy_stream: bool = _cap(False, "Moves aux arrays to the device on a separate copy stream.")
     merged_aux: bool = _cap(False, "Packs all aux arrays into one pinned host buffer and copies "
                                    "them in one transfer.")
@@ -51,7 +53,12 @@ class Capabilities:
     inline_rope: bool = _cap(False, "Applies RoPE to cached K inside attention (rope_mode 'inline').")
     head_dims: tuple = _cap((64, 128, 256), "Head dimensions the kernels support.")
 
+    def __post_init__(self):
+        if not self.kv_dtypes:      # pages stored as computed, the only format today
+            object.__setattr__(self, "kv_dtypes", tuple(self.dtypes))
+
     def describe(self) -> dict:
+        """{field name: value} of every capability (for ``kvcache info``)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
@@ -159,9 +166,18 @@ class Backend(abc.ABC):
         except (AttributeError, ValueError, OSError):
             return None
 
+    def page_shape(self, num_pages: int) -> tuple:
+        """The page layout: shape of one layer's page array of ``num_pages`` pages,
+        ``(num_pages, 2, num_kv_heads, page_size, head_dim)`` with ``[:, 0]`` K and ``[:, 1]`` V.
+        A backend that stores pages otherwise overrides this and its kernels together; nothing
+        outside the backend indexes a page array."""
+        c = self.config
+        return (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
+
     @abc.abstractmethod
     def allocate_pages(self, num_pages: int) -> list:
-        """Zeroed page arrays, one per layer, shape (num_pages, 2, Hkv, page_size, D)."""
+        """Zeroed page arrays, one per layer, of shape ``page_shape(num_pages)`` in the config's
+        ``kv_dtype``."""
 
     @abc.abstractmethod
     def from_numpy(self, array, dtype: Optional[str] = None):
@@ -180,10 +196,6 @@ class Backend(abc.ABC):
     def dtype_name(self, array) -> str:
         """'float16' | 'bfloat16' | 'float32' | 'int32' | ... for a native array."""
 
-    def device_of(self, array) -> Optional[str]:
-        """The device an array lives on (None: the backend has a single device)."""
-        return None
-
     # ------------------------------------------------------------------ streams
     def create_stream(self):
         """A new stream (the copy stream); backends without streams return None."""
@@ -192,9 +204,6 @@ class Backend(abc.ABC):
     def current_stream(self):
         """The stream kernels are launched on now."""
         return None
-
-    def wait_stream(self, stream) -> None:
-        """Make the current stream wait for work queued on ``stream`` (an event, never a device sync)."""
 
     def synchronize(self) -> None:
         """Wait on the host for all queued device work."""
@@ -286,28 +295,14 @@ class Backend(abc.ABC):
         """(k, v), each (num_layers, len(slots), Hkv, D): the rows at ``slots`` in every layer."""
 
     # ------------------------------------------------------------------ helpers for the core
-    def empty_like_output(self, num_tokens: int):
-        """Scratch for outputs; backends may override to reuse buffers."""
-        raise NotImplementedError
-
     def split_qkv(self, qkv):
         """Split fused (T, Hq + 2*Hkv, D) into views q, k, v."""
         hq, hkv = self.config.num_qo_heads, self.config.num_kv_heads
         return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
 
-    def slice_rows(self, array, start: int, stop: int):
-        """Rows ``start:stop`` of a native array (a view where the library allows)."""
-        return array[start:stop]
-
     def shape_of(self, array) -> tuple:
+        """The shape of a native array as a tuple of ints."""
         return tuple(array.shape)
 
 
-def backend_summary(cls) -> dict:
-    ok, reason = cls.availability()
-    return {"name": cls.name, "priority": cls.priority, "available": ok, "reason": reason,
-            "capabilities": cls.capabilities.describe(), "platform": cls.platform(),
-            "devices": cls.devices() if ok else []}
-
-
-__all__ = ["Backend", "Capabilities", "RopeSpec", "TreeMask", "DepthAux", "field"]
+__all__ = ["Backend", "Capabilities", "RopeSpec", "TreeMask", "DepthAux"]

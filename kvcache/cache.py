@@ -55,6 +55,8 @@ class PagedKVCache:
         cls = resolve_backend(backend, device)
         caps = cls.capabilities
         self._require(config.dtype in caps.dtypes, "dtypes", f"dtype {config.dtype!r}", cls)
+        self._require(config.kv_dtype in caps.kv_dtypes, "kv_dtypes",
+                      f"kv_dtype {config.kv_dtype!r}", cls)
         self._require(config.head_dim in caps.head_dims, "head_dims", f"head_dim {config.head_dim}", cls)
         self._require(not config.support_sliding_window or caps.sliding_window, "sliding_window",
                       "support_sliding_window=True", cls)

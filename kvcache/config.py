@@ -98,6 +98,12 @@ class CacheConfig:
             f"{self.graph_buckets[-1]} (cuda_graph_batch_sizes={self.graph_buckets})")
 
     @property
+    def kv_dtype(self) -> str:
+        """The storage format of the pages (a backend's ``Capabilities.kv_dtypes``); today
+        always the compute ``dtype``."""
+        return self.dtype
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_qo_heads // self.num_kv_heads

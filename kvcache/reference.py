@@ -129,12 +129,12 @@ class ReferenceBackend(Backend):
     def __init__(self, config, device=None):
         super().__init__(config, device or "cpu")
         self.dtype = np_dtype(config.dtype)
+        self.kv_dtype = np_dtype(config.kv_dtype)
 
     # ------------------------------------------------------------------ memory
     def allocate_pages(self, num_pages):
-        c = self.config
-        shape = (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
-        return [np.zeros(shape, dtype=self.dtype) for _ in range(c.num_layers)]
+        return [np.zeros(self.page_shape(num_pages), dtype=self.kv_dtype)
+                for _ in range(self.config.num_layers)]
 
     def from_numpy(self, array, dtype=None):
         array = np.asarray(array)
@@ -172,8 +172,8 @@ class ReferenceBackend(Backend):
             k = rotate(k, np.asarray(positions), rope)
         ps = self.config.page_size
         page, row = slots[keep] // ps, slots[keep] % ps
-        pages[page, 0, :, row, :] = self._store(np.asarray(k)[keep])
-        pages[page, 1, :, row, :] = self._store(np.asarray(v)[keep])
+        pages[page, 0, :, row, :] = np.asarray(k)[keep].astype(self.kv_dtype)
+        pages[page, 1, :, row, :] = np.asarray(v)[keep].astype(self.kv_dtype)
 
     def _output(self, t):
         c = self.config

@@ -1,4 +1,4 @@
-"""kvcache conformance suite: prove a backend against the reference backend (SPEC section 5).
+"""kvcache conformance suite: prove a backend against the reference backend.
 
 Run it:
 
@@ -22,8 +22,15 @@ which imports nothing from kvcache and loads the suite's plugin only when such a
 so the suite never loads into unrelated pytest runs. With ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` add
 ``-p kvcache.conformance.plugin``.
 
-The test classes are importable from here (``TestPrefill``, ``TestFork``, ...), the fixtures live
-in ``kvcache.conformance.plugin`` and the lockstep driver in ``kvcache.conformance.harness``.
+The test classes are importable from here (``TestPrefill``, ``TestFork``, ...); the fixtures live
+in ``kvcache.conformance.plugin``. So are the test building blocks, the one set that the suite,
+kvcache's backend tests and a plugin author's own tests share:
+
+``CachePair``, ``RunAhead``   the twin driver: a backend and the reference in lockstep (harness)
+``make_config``              a small ``CacheConfig`` for tests (harness)
+``DenseModel``, ``dense_attention``  the cache without pages, the oracle of the core (model)
+``TOLERANCES``, ``Tolerance``, ``assert_close``, ``Mismatch``  the one tolerance table (tolerance)
+``random_tree``, ``random_parents``, ``tree_mask``  random token trees as ``TreeMask`` (trees)
 """
 
 from __future__ import annotations
@@ -38,9 +45,17 @@ _CLASSES = {
     "test_run_ahead": ("TestRunAhead",),
     "test_numerics": ("TestMaskedNonFinite",),
 }
-_WHERE = {name: module for module, names in _CLASSES.items() for name in names}
+_HELPERS = {
+    "harness": ("CachePair", "RunAhead", "make_config"),
+    "model": ("DenseModel", "dense_attention"),
+    "tolerance": ("TOLERANCES", "Tolerance", "assert_close", "Mismatch", "round_to"),
+    "trees": ("random_tree", "random_parents", "tree_mask"),
+}
+_WHERE = {name: module for table in (_CLASSES, _HELPERS)
+          for module, names in table.items() for name in names}
 
-__all__ = sorted(_WHERE)
+# ``from kvcache.conformance import *`` brings in the test classes only (pytest collects them)
+__all__ = sorted(name for names in _CLASSES.values() for name in names)
 
 PLUGIN = "kvcache.conformance.plugin"
 

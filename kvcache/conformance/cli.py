@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="value written into page slots that hold no token (default nan)")
     p.add_argument("--seed", type=int, default=None, help="base random seed")
     p.add_argument("--no-model", action="store_true",
-                   help="skip checking the reference against the dense SPEC model")
+                   help="skip checking the reference against the dense model")
     p.add_argument("-q", "--quiet", action="store_true", help="less pytest output")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     return p

@@ -21,7 +21,7 @@ Fixtures a plugin author may override (all session-scoped):
 ``kvcache_expected_failures``  {pattern: reason}: the backend class's ``conformance_xfail`` plus
                                ``--kvcache-xfail FILE`` entries; strict (an unexpected pass fails)
 ``kvcache_poison``             "nan" (default), "large" (a huge finite value) or "none"
-``kvcache_model_check``        also check the reference against the dense SPEC model (default on)
+``kvcache_model_check``        also check the reference against the dense model (default on)
 """
 
 from __future__ import annotations
@@ -231,12 +231,35 @@ def make_pair(request, variant, kvcache_backend, kvcache_device, kvcache_backend
               kvcache_poison, kvcache_model_check):
     """Factory: ``make_pair(needs=(capability, ...), **config)`` -> ``CachePair``. Skips, naming
     the capability, when the backend does not declare what the config needs."""
+    from .harness import CachePair
+    return _pair_factory(request, variant, kvcache_backend_class, lambda config, seed: CachePair(
+        config, kvcache_backend, kvcache_device, seed=seed, poison=kvcache_poison,
+        model=kvcache_model_check))
+
+
+@pytest.fixture
+def run_ahead(request, variant, kvcache_backend, kvcache_device, kvcache_backend_class,
+              kvcache_poison):
+    """Factory: ``run_ahead(needs=(...), **config)`` -> ``RunAhead``. The ballast prefill is
+    ``--kvcache-ballast`` tokens (default: 4096 on an accelerator, 64 on a CPU device, where
+    nothing runs ahead and a long prefill would only cost time)."""
+    from .harness import RunAhead
+    tokens = _opt(request.config, "kvcache_ballast", None)
+    return _pair_factory(request, variant, kvcache_backend_class, lambda config, seed: RunAhead(
+        config, kvcache_backend, kvcache_device, seed=seed, poison=kvcache_poison,
+        ballast_tokens=None if tokens is None else int(tokens)))
+
+
+def _pair_factory(request, variant, backend_class, build):
+    """``factory(needs=(), **config)``: the config of the running test's variant with
+    ``config`` applied, skipped by capability where the backend lacks what it needs, then
+    ``build(config, seed)``."""
     from kvcache import Capabilities
     from kvcache.reference import BFLOAT16_MISSING, ReferenceBackend
 
-    from .harness import CachePair, make_config, seed_for
+    from .harness import make_config, seed_for
 
-    caps = kvcache_backend_class.capabilities
+    caps = backend_class.capabilities
     base_seed = _opt(request.config, "kvcache_seed", 0)
 
     def factory(needs=(), **overrides):
@@ -253,6 +276,8 @@ def make_pair(request, variant, kvcache_backend, kvcache_device, kvcache_backend
         if head_dim not in caps.head_dims:
             pytest.skip(Capabilities.reason("head_dims") + f" [{head_dim}]")
         config = make_config(**kw)
+        if config.kv_dtype not in caps.kv_dtypes:
+            pytest.skip(Capabilities.reason("kv_dtypes") + f" [{config.kv_dtype}]")
         if config.support_sliding_window:
             skip_unless(caps, "sliding_window")
         if config.effective_rope_mode == "inline":
@@ -260,26 +285,7 @@ def make_pair(request, variant, kvcache_backend, kvcache_device, kvcache_backend
                         else "sliding window with RoPE")
         for name in needs:
             skip_unless(caps, name)
-        seed = seed_for(suite_name(request.node), int(base_seed))
-        return CachePair(config, kvcache_backend, kvcache_device, seed=seed,
-                         poison=kvcache_poison, model=kvcache_model_check)
-
-    return factory
-
-
-@pytest.fixture
-def run_ahead(request, make_pair):
-    """Factory: ``run_ahead(needs=(...), **config)`` -> ``RunAhead`` over a new pair. The ballast
-    prefill is ``--kvcache-ballast`` tokens (default: 4096 on an accelerator, 64 on a CPU
-    device, where nothing runs ahead and a long prefill would only cost time)."""
-    from .harness import RunAhead
-
-    def factory(needs=(), **overrides):
-        pair = make_pair(needs=needs, **overrides)
-        tokens = _opt(request.config, "kvcache_ballast", None)
-        if tokens is None:
-            tokens = 64 if str(pair.dut.backend.device).startswith("cpu") else 4096
-        return RunAhead(pair, int(tokens))
+        return build(config, seed_for(suite_name(request.node), int(base_seed)))
 
     return factory
 

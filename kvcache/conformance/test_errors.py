@@ -286,6 +286,8 @@ class TestCapabilities(Conformance):
         for dtype in ("float16", "bfloat16", "float32"):
             if dtype not in caps.dtypes:
                 wanted.append(("dtypes", dict(dtype=dtype)))
+            elif dtype not in caps.kv_dtypes:      # pages are stored in the compute dtype
+                wanted.append(("kv_dtypes", dict(dtype=dtype)))
         for hd in (64, 128, 256):
             if hd not in caps.head_dims:
                 wanted.append(("head_dims", dict(head_dim=hd, dtype=caps.dtypes[0])))
@@ -336,6 +338,15 @@ class TestBackendContract(Conformance):
         assert b.dtype_name(idx) == "int32"
         np.testing.assert_array_equal(kvcache.to_numpy(idx), np.arange(5))
         assert not b.is_native(object())
+
+    def test_page_layout(self, make_pair):
+        """Pages have the layout the backend declares (``page_shape``) in the config's kv dtype."""
+        p = make_pair()
+        b, c = p.dut.backend, p.config
+        assert len(p.dut.pages) == c.num_layers
+        for pages in p.dut.pages:
+            assert b.shape_of(pages) == b.page_shape(c.num_pages)
+            assert b.dtype_name(pages) == c.kv_dtype
 
     def test_append_kv_writes_pages_in_place(self, make_pair):
         """The suite's page poisoning goes through append_kv; it must land in cache.pages

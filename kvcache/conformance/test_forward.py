@@ -44,7 +44,7 @@ class TestPrefill(Conformance):
 
     def test_context_manager(self, make_pair):
         """``with cache.forward(ids, lengths):`` is begin_forward / end_forward."""
-        from .harness import assert_close
+        from .tolerance import assert_close
         p = make_pair()
         p.add(0)
         p.prefill(0, 9)
@@ -192,7 +192,7 @@ class TestQueries(Conformance):
         for start, end in [(0, n), (1, n - 1), (ps, 2 * ps), (n, n), (0, 1), (n - 1, None)]:
             r = p.ref.get_kv(0, start, end)
             d = p.dut.get_kv(0, start, end)
-            from .harness import assert_close
+            from .tolerance import assert_close
             for x, y in zip(r, d):
                 x, y = kvcache.to_numpy(x), kvcache.to_numpy(y)
                 stop = n if end is None else end

@@ -10,7 +10,7 @@ from .base import Conformance
 
 import numpy as np
 
-from .harness import Mismatch, assert_close
+from .tolerance import Mismatch, assert_close
 
 
 def _family(p):

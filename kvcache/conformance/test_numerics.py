@@ -11,7 +11,7 @@ import numpy as np
 import kvcache
 
 from .base import Conformance
-from .harness import assert_close
+from .tolerance import assert_close
 
 NAN, INF = float("nan"), float("inf")
 

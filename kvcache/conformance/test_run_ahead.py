@@ -17,7 +17,7 @@ class TestRunAhead(Conformance):
         """Prefill, decode, forks mid-page and at page ends, popn into a shared prefix, removes
         and adds (freed pages handed out again), all queued behind a busy device."""
         r = run_ahead()
-        ps = r.pair.config.page_size
+        ps = r.config.page_size
         r.ballast()
         r.add(0)
         r.forward([0], [3 * ps + 5])
@@ -26,7 +26,7 @@ class TestRunAhead(Conformance):
         r.fork(0, 2, ps + 1)
         r.ballast()
         r.decode([0, 1, 2], steps=4)
-        r.call("popn", 1, 5)              # into the prefix shared with 0
+        r.popn(1, 5)              # into the prefix shared with 0
         r.forward([1, 2], [ps + 2, 3])
         r.remove(0)
         r.add(3)
@@ -56,29 +56,29 @@ class TestRunAhead(Conformance):
     def test_token_trees(self, run_ahead):
         """Draft trees grown over forwards and committed (KV compaction), queued."""
         r = run_ahead(needs=("tree_attention",), rope_mode="normal")
-        ps = r.pair.config.page_size
+        ps = r.config.page_size
         r.ballast()
         r.add(0, 1)
         r.forward([0, 1], [ps + 3, 4])
         r.forward([0, 1], [2, 1], tree=[-1, -1, -1])
         r.forward([0, 1], [3, 2], tree=[0, 0, 1, 0, 0])
-        r.call("commit_accepted_token_tree_nodes", [0, 1], [3, 2])
+        r.commit([0, 1], [3, 2])
         r.decode([0, 1], steps=2)
         r.ballast()
         r.forward([1, 0], [3, 2], tree=[-1, 0, 0, -1, 0])
-        r.call("commit_accepted_token_tree_nodes", [0, 1], [1, 2])
+        r.commit([0, 1], [1, 2])
         r.decode([0, 1], steps=2)
         r.finish()
 
     def test_sliding_windows(self, run_ahead):
         """Windows slide (pages freed and reused inside the run) while the device is behind."""
         r = run_ahead(support_sliding_window=True)
-        ps = r.pair.config.page_size
+        ps = r.config.page_size
         r.ballast()
         r.add(0, 1)
         r.forward([0, 1], [ps + 3, 5])
-        r.call("enable_sliding_window", 0, max(2 * ps, 8), 4)
-        r.call("enable_sliding_window", 1, ps + 1, 0)
+        r.enable_sliding_window(0, max(2 * ps, 8), 4)
+        r.enable_sliding_window(1, ps + 1, 0)
         r.decode([0, 1], steps=ps + 4)
         r.ballast()
         r.forward([0, 1], [ps + 2, 2 * ps])
@@ -89,7 +89,7 @@ class TestRunAhead(Conformance):
         """Graph mode's fixed index buffer, refilled every decode step, with eager prefills
         between steps."""
         r = run_ahead(needs=("cuda_graph",), cuda_graph=True)
-        ps = r.pair.config.page_size
+        ps = r.config.page_size
         r.ballast()
         r.add(0, 1)
         r.forward([0, 1], [2 * ps + 3, 5])

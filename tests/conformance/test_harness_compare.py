@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from kvcache.conformance.harness import TOLERANCES, Mismatch, assert_close
+from kvcache.conformance import TOLERANCES, Mismatch, assert_close
 
 TOL = TOLERANCES["float32"]
 NAN, INF = float("nan"), float("inf")

@@ -1,4 +1,4 @@
-"""``pytest --pyargs kvcache.conformance --kvcache-backend NAME`` works as written (SPEC section 5),
+"""``pytest --pyargs kvcache.conformance --kvcache-backend NAME`` works as the plugin guide shows,
 and kvcache's ``pytest11`` entry point loads nothing of the suite into unrelated pytest runs.
 
 Every run is a fresh pytest in a subprocess, in an empty directory (as a backend author would run

@@ -17,6 +17,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import kvcache
 from kvcache.backend import RopeSpec
+from kvcache.conformance import dense_attention
 from kvcache.reference import rotate
 
 L, HQ, HKV, D, PS = 2, 4, 2, 8, 4
@@ -29,14 +30,7 @@ class _ModelFailed(Exception):
 
 def dense(q, keys, vals, visible):
     """q (n,HQ,D), keys/vals (m,HKV,D), visible (n,m) -> o (n,HQ,D) in float64."""
-    g = HQ // HKV
-    k = np.repeat(keys, g, axis=1)
-    v = np.repeat(vals, g, axis=1)
-    logits = np.einsum("nhd,mhd->hnm", q, k) * D ** -0.5
-    logits = np.where(visible[None], logits, -np.inf)
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    w /= w.sum(-1, keepdims=True)
-    return np.einsum("hnm,mhd->nhd", w, v)
+    return dense_attention(q, keys, vals, visible, D ** -0.5, HQ // HKV)[0]
 
 
 class Seq:

@@ -9,7 +9,7 @@ import numpy as np
 
 import kvcache
 from kvcache.backend import DepthAux, RopeSpec, TreeMask
-from kvcache.core.forward import _tree_order
+from kvcache.conformance import assert_close as close, random_tree
 from kvcache.reference import ReferenceBackend
 
 DEVICE = os.environ.get("KVCACHE_CUDA_TEST_DEVICE", "cpu")
@@ -24,11 +24,6 @@ elif INTERPRET:
 else:
     IMPLS = ["torch"]
     DTYPES = ["float32", "float16", "bfloat16"]
-
-# (atol, rtol) for outputs in the cache dtype, and atol for lse
-TOL = {"float32": (2e-4, 2e-4, 2e-4), "float16": (4e-3, 4e-3, 4e-3),
-       "bfloat16": (3e-2, 3e-2, 3e-2)}
-
 
 def config(hq=4, hkv=2, d=64, ps=16, dtype="float32", layers=1, **kw):
     kw.setdefault("rope_mode", "none")
@@ -62,28 +57,13 @@ def ints(mine, values):
 
 
 def assert_close(mine, ref_backend, got, want, what="o"):
-    atol, rtol, _ = TOL[ref_backend.config.dtype]
-    g = mine.to_numpy(got).astype(np.float64)
-    w = ref_backend.to_numpy(want).astype(np.float64)
-    assert g.shape == w.shape, f"{what}: shape {g.shape} != {w.shape}"
-    np.testing.assert_allclose(g, w, atol=atol, rtol=rtol, err_msg=what)
+    """A cuda-backend array against a reference one, within the suite's dtype tolerance."""
+    close(what, ref_backend.to_numpy(want), mine.to_numpy(got), ref_backend.config.dtype)
 
 
 def assert_lse(mine, ref_backend, got, want, what="lse"):
-    _, _, atol = TOL[ref_backend.config.dtype]
-    g = mine.to_numpy(got).astype(np.float64)
-    w = np.asarray(want, np.float64)
-    assert g.shape == w.shape
-    assert np.array_equal(np.isneginf(g), np.isneginf(w)), f"{what}: -inf pattern differs"
-    fin = np.isfinite(w)
-    np.testing.assert_allclose(g[fin], w[fin], atol=atol, rtol=atol, err_msg=what)
-
-
-def random_tree(rng, size):
-    """(order, upper) interleaved of a random tree whose parents precede children."""
-    parents = [-1 if i == 0 or rng.random() < 0.15 else int(rng.integers(0, i)) for i in range(size)]
-    order, upper = _tree_order(parents)
-    return np.stack([order, upper], 1).reshape(-1).astype(np.int32)
+    """A cuda-backend lse against the reference's (-inf rows must match)."""
+    close(what, np.asarray(want), mine.to_numpy(got), ref_backend.config.dtype, lse=True)
 
 
 @dataclass
@@ -147,7 +127,7 @@ def paged_case(rng, ref, mine, entries, *, use_decode=False, row_offset=0, tail_
         j = np.arange(e.kv_len)
         off = np.where(j < e.sink, j, j - e.sink + e.gap)
         used[page_indices[page_indptr[i] + off // ps], off % ps] = True
-    pool_np = rng.standard_normal((pool, 2, c.num_kv_heads, ps, c.head_dim)).astype(np.float32)
+    pool_np = rng.standard_normal(mine.page_shape(pool)).astype(np.float32)
     pool_np.transpose(0, 3, 1, 2, 4)[~used] = np.nan      # (page, row) are axes 0 and 3
     assert np.isnan(pool_np).any() or used.all()
     pages = mine.from_numpy(pool_np)

@@ -10,6 +10,7 @@ import pytest
 
 import cuda_cases as cc
 import kvcache
+from kvcache.conformance import assert_close
 from kvcache.errors import ForwardStateError, InvalidArgumentError
 
 DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
@@ -86,12 +87,11 @@ def _np(x):
 
 
 def check(outs, n, dtype, padded):
-    atol, rtol, latol = cc.TOL[dtype]
     for o_g, l_g, o_e, l_e, o_r, l_r in outs:
         g, lg = _np(o_g), _np(l_g)
-        np.testing.assert_allclose(g[:n], _np(o_e), atol=atol, rtol=rtol)
-        np.testing.assert_allclose(g[:n], _np(o_r), atol=atol, rtol=rtol)
-        np.testing.assert_allclose(lg[:n], _np(l_r), atol=latol, rtol=latol)
+        assert_close("graph vs eager o", _np(o_e), g[:n], dtype)
+        assert_close("graph vs reference o", _np(o_r), g[:n], dtype)
+        assert_close("graph vs reference lse", _np(l_r), lg[:n], dtype, lse=True)
         if padded:
             assert (g[n:] == 0).all() and np.isneginf(lg[n:]).all()
 
@@ -274,14 +274,14 @@ def test_decode_graphs_capture_short_replay_long_with_forks():
         bucket = graph_cache.graph_batch_size
         values = engine.fill(bucket, len(ids))
         outs = engine.graphs.capture(engine.step_fn(bucket)) if capture else engine.graphs.replay()
-        atol, rtol, latol = cc.TOL[dtype]
         for layer, (o, lse) in enumerate(outs):
             o_r, l_r = ref.attention(layer, *map(ref.from_numpy, values[layer]), return_lse=True)
             o_e, l_e = eager.attention(layer, *map(eager.from_numpy, values[layer]), return_lse=True)
-            np.testing.assert_allclose(_np(o)[:len(ids)], _np(o_r), atol=atol, rtol=rtol)
-            np.testing.assert_allclose(_np(lse)[:len(ids)], _np(l_r), atol=latol, rtol=latol)
-            np.testing.assert_allclose(_np(o)[:len(ids)], _np(o_e), atol=atol, rtol=rtol)
-            np.testing.assert_allclose(_np(lse)[:len(ids)], _np(l_e), atol=latol, rtol=latol)
+            n = len(ids)
+            assert_close("graph vs reference o", _np(o_r), _np(o)[:n], dtype)
+            assert_close("graph vs reference lse", _np(l_r), _np(lse)[:n], dtype, lse=True)
+            assert_close("graph vs eager o", _np(o_e), _np(o)[:n], dtype)
+            assert_close("graph vs eager lse", _np(l_e), _np(lse)[:n], dtype, lse=True)
             assert (_np(o)[len(ids):] == 0).all() and np.isneginf(_np(lse)[len(ids):]).all()
         both("end_forward")
 
@@ -374,7 +374,8 @@ def test_aborted_graph_step_is_undone_and_the_graphs_still_serve():
         with ref.forward(ids, [1] * len(ids)):
             for layer, (o, _) in enumerate(outs):
                 o_r = ref.attention(layer, *map(ref.from_numpy, values[layer]))
-                np.testing.assert_allclose(_np(o)[:len(ids)], _np(o_r), atol=1e-4, rtol=1e-4)
+                assert_close("graph vs reference o", _np(o_r), _np(o)[:len(ids)],
+                             graph_cache.config.dtype)
 
     step([0, 1, 2], capture=True)
     before = snapshot()

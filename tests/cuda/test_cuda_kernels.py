@@ -48,7 +48,7 @@ def test_append_kv(impl, dtype, ps, with_rope):
     ref, mine = cc.pair(cfg, impl)
     rng = _rng("append", impl, dtype, ps, with_rope)
     pool = 40 // ps + 3
-    pages = cc.rand(mine, rng, (pool, 2, 2, ps, 64))
+    pages = cc.rand(mine, rng, mine.page_shape(pool))
     t = 12
     slots = rng.permutation(pool * ps)[:t].astype(np.int32)
     slots[[2, 7]] = -1                                   # skipped tokens (slid out)
@@ -65,7 +65,7 @@ def test_rope_append_fused(impl, dtype):
     cfg = cc.config(hq=8, hkv=2, d=64, ps=16, dtype=dtype, rope_mode="normal")
     ref, mine = cc.pair(cfg, impl)
     rng = _rng("rope_append", impl, dtype)
-    pages = cc.rand(mine, rng, (6, 2, 2, 16, 64))
+    pages = cc.rand(mine, rng, mine.page_shape(6))
     t = 10
     slots = rng.permutation(96)[:t].astype(np.int32)
     slots[4] = -1
@@ -256,8 +256,7 @@ def test_merge_attention(impl, dtype):
 
 
 def _layers(mine, ref, rng, layers, pool):
-    c = mine.config
-    mp = [cc.rand(mine, rng, (pool, 2, c.num_kv_heads, c.page_size, c.head_dim)) for _ in range(layers)]
+    mp = [cc.rand(mine, rng, mine.page_shape(pool)) for _ in range(layers)]
     return mp, [cc.to_ref(ref, mine, p) for p in mp]
 
 

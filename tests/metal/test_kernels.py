@@ -8,7 +8,7 @@ import pytest
 
 import kvcache
 from kvcache.backend import DepthAux, RopeSpec, TreeMask
-from kvcache.core.forward import _tree_order
+from kvcache.conformance import random_tree
 from kvcache.reference import ReferenceBackend
 from kvcache_metal.backend import MetalBackend
 
@@ -44,8 +44,7 @@ def key_slots(arrays, page_size):
 def both_pages(cfg, mb, rb, rng, num_pages, poison_except=None):
     """Identical random pages for both backends; with ``poison_except`` (a depth's arrays) every
     row that is not one of its keys is NaN, so a kernel that reads outside the keys fails."""
-    shape = (num_pages, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
-    host = [rand(rng, shape, cfg.dtype) for _ in range(cfg.num_layers)]
+    host = [rand(rng, mb.page_shape(num_pages), cfg.dtype) for _ in range(cfg.num_layers)]
     if poison_except is not None:
         keep = np.zeros((num_pages, cfg.page_size), bool)
         for page, row in key_slots(poison_except, cfg.page_size):
@@ -53,12 +52,6 @@ def both_pages(cfg, mb, rb, rng, num_pages, poison_except=None):
         for h in host:
             h.transpose(0, 3, 1, 2, 4)[~keep] = np.nan
     return [mb.from_numpy(h) for h in host], [rb.from_numpy(h) for h in host]
-
-
-def random_tree(rng, size):
-    parents = [-1 if i == 0 or rng.random() < 0.15 else int(rng.integers(0, i)) for i in range(size)]
-    order, upper = _tree_order(parents)
-    return np.stack([order, upper], 1).reshape(-1)
 
 
 def make_depth(rng, cfg, num_pages, qlens, klens, sliding=False, tree=False, uncovered=0):

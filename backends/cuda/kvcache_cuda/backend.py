@@ -17,6 +17,7 @@ Subclassing (ROCm): override ``name``, ``priority``, ``TUNING``, ``_runtime_prob
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -63,6 +64,7 @@ class HostStream:
         self.waited = []
 
     def wait_event(self, event):
+        """Record that this stream waited on ``event``."""
         self.waited.append(event)
 
 
@@ -77,6 +79,7 @@ class HostEvent:
         self.synchronized += 1
 
     def query(self):
+        """Always complete."""
         return True
 
 
@@ -178,11 +181,11 @@ class CudaBackend(Backend):
         self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if self.on_gpu else self.CPU_TEST_SMS)
         self.tuning = self.TUNING
-        self.streams_created = []
         self.host_compute_stream = None if self.on_gpu else HostStream("compute")
 
     @property
     def tuning(self) -> Tuning:
+        """The kernel tile table in use (``TUNING`` unless a test or sweep sets another)."""
         return self._tuning
 
     @tuning.setter
@@ -210,7 +213,7 @@ class CudaBackend(Backend):
         # Triton launches on the *current* device; only switch when this cache lives elsewhere
         if self.on_gpu and self.torch_device.index != torch.cuda.current_device():
             return torch.cuda.device(self.torch_device)
-        return _NULL
+        return _NO_SWITCH
 
     # ------------------------------------------------------------------ memory
     def memory_capacity(self):
@@ -219,10 +222,9 @@ class CudaBackend(Backend):
         return super().memory_capacity()
 
     def allocate_pages(self, num_pages):
-        c = self.config
-        shape = (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
-                for _ in range(c.num_layers)]
+        kv_dtype = _torch_dtypes()[self.config.kv_dtype]
+        return [torch.zeros(self.page_shape(num_pages), dtype=kv_dtype, device=self.torch_device)
+                for _ in range(self.config.num_layers)]
 
     def from_numpy(self, array, dtype=None):
         array = np.asarray(array)
@@ -250,26 +252,12 @@ class CudaBackend(Backend):
                 return name
         return str(array.dtype).replace("torch.", "")
 
-    def device_of(self, array):
-        return str(array.device)
-
-    def empty_like_output(self, num_tokens):
-        c = self.config
-        return torch.empty((num_tokens, c.num_qo_heads, c.head_dim), dtype=self.dtype,
-                           device=self.torch_device)
-
     # ------------------------------------------------------------------ streams and events
     def create_stream(self):
-        s = torch.cuda.Stream(device=self.torch_device) if self.on_gpu else HostStream()
-        self.streams_created.append(s)
-        return s
+        return torch.cuda.Stream(device=self.torch_device) if self.on_gpu else HostStream()
 
     def current_stream(self):
         return torch.cuda.current_stream(self.torch_device) if self.on_gpu else self.host_compute_stream
-
-    def wait_stream(self, stream):
-        if self.on_gpu:
-            self.current_stream().wait_stream(stream)     # an event under the hood, no host sync
 
     def synchronize(self):
         if self.on_gpu:
@@ -363,12 +351,4 @@ class CudaBackend(Backend):
             return self.kernels(pages_per_layer[0]).gather_kv(self.ctx, pages_per_layer, slots)
 
 
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()
+_NO_SWITCH = contextlib.nullcontext()     # reusable: it holds no state

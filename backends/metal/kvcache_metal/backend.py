@@ -1,6 +1,6 @@
 """``MetalBackend``: kvcache on MLX (Apple GPU through Metal; MLX's CPU device elsewhere).
 
-Memory: one ``mx.array`` per layer, ``(num_pages, 2, Hkv, page_size, D)``. Writes into pages use
+Memory: one ``mx.array`` per layer, of the base class's ``page_shape``. Writes into pages use
 MLX slice/scatter assignment (``pages[idx] = rows``): it rebinds the *same Python array object*
 to the scatter's result (so the core's ``cache.pages[layer]`` sees every write) and, because the
 old buffer has no other reference, MLX donates it to the scatter, which then writes only the
@@ -133,12 +133,11 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
 
     # ------------------------------------------------------------------ memory
     def allocate_pages(self, num_pages):
-        c = self.config
-        shape = (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
+        shape, kv_dtype = self.page_shape(num_pages), self._ops.MX_DTYPES[self.config.kv_dtype]
         pages = []
         with mx.stream(self.stream):
-            for _ in range(c.num_layers):
-                p = mx.zeros(shape, dtype=self.dtype)
+            for _ in range(self.config.num_layers):
+                p = mx.zeros(shape, dtype=kv_dtype)
                 mx.eval(p)
                 pages.append(p)
         return pages
@@ -183,11 +182,6 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
 
     def current_stream(self):
         return self.stream
-
-    def wait_stream(self, stream) -> None:
-        # MLX orders work across streams through array dependencies; a kernel that reads an
-        # array produced on ``stream`` waits for it on the device. Nothing to record here.
-        return None
 
     def synchronize(self) -> None:
         mx.synchronize(self.stream)

@@ -22,5 +22,3 @@ ROCM_TUNING = Tuning(
     split_programs_per_sm=1,
     elementwise_warps=2,
 )
-
-WAVEFRONT = 64

@@ -77,13 +77,14 @@ class ExampleBackend(Backend):
 
     def __init__(self, config, device=None):
         super().__init__(config, device or "cpu")
-        self.dtype = _NP[config.dtype]
+        self.dtype = _NP[config.dtype]              # q, k, v and outputs
+        self.kv_dtype = _NP[config.kv_dtype]        # pages
 
     # ------------------------------------------------------------------ memory
     def allocate_pages(self, num_pages):
-        c = self.config
-        shape = (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
-        return [np.zeros(shape, self.dtype) for _ in range(c.num_layers)]
+        # page_shape: the base class's layout, (num_pages, 2, Hkv, page_size, D)
+        return [np.zeros(self.page_shape(num_pages), self.kv_dtype)
+                for _ in range(self.config.num_layers)]
 
     def from_numpy(self, array, dtype=None):
         array = np.asarray(array)
@@ -123,8 +124,8 @@ class ExampleBackend(Backend):
         if rope is not None:
             k = self.rope(k, positions, rope)
         page, row = np.divmod(slots[keep], self.config.page_size)
-        pages[page, 0, :, row, :] = np.asarray(k)[keep].astype(self.dtype)
-        pages[page, 1, :, row, :] = np.asarray(v)[keep].astype(self.dtype)
+        pages[page, 0, :, row, :] = np.asarray(k)[keep].astype(self.kv_dtype)
+        pages[page, 1, :, row, :] = np.asarray(v)[keep].astype(self.kv_dtype)
 
     def _split_heads(self, q):
         """(n, Hq, D) -> (Hkv, G, n, D) float32: query head h = kv head h // G, member h % G."""
