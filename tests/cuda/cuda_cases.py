@@ -9,7 +9,7 @@ import numpy as np
 
 import kvcache
 from kvcache.backend import DepthAux, RopeSpec, TreeMask
-from kvcache.core.forward import _tree_order
+from kvcache.core.tokens import tree_order as _tree_order
 from kvcache.reference import ReferenceBackend
 
 DEVICE = os.environ.get("KVCACHE_CUDA_TEST_DEVICE", "cpu")

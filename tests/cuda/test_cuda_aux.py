@@ -143,11 +143,11 @@ def test_tiles_fit_h100_shared_memory(head_dim, elem, kind):
 def test_clear_inside_a_forward_releases_the_aux_buffer():
     """clear() ends an open forward: its aux buffer gets a release event, so the next copy into
     that buffer waits for the kernels that read it (graph mode's single buffer included)."""
-    cfg = cc.config(cuda_graph=True, max_batch_size=4)
+    cfg = cc.config(static_decode=True, max_batch_size=4)
     cache = kvcache.PagedKVCache(cfg, backend="cuda", device=cc.DEVICE)
     cache.add_sequence(0)
     cache.begin_forward([0], [1])                       # a graph-mode step: buffer uploaded
-    assert cache.graph_batch_size == 1
+    assert cache.static_bucket == 1
     cache.clear()
     assert cache.aux_manager._graph.release_event is not None
     assert not cache.aux_manager._graph_open
@@ -184,7 +184,7 @@ def test_first_copy_into_a_new_device_buffer_waits_for_the_compute_stream():
 
 
 def test_graph_buffer_first_copy_waits_for_the_compute_stream():
-    cache = _cache(cuda_graph=True)
+    cache = _cache(static_decode=True)
     cache.add_sequence(0)
     rng = np.random.default_rng(1)
     with cache.forward([0], [4]):
@@ -192,7 +192,7 @@ def test_graph_buffer_first_copy_waits_for_the_compute_stream():
             cache.attention(layer, *_qkv(cache, rng, 4))
     before = len(_copy_waits(cache))
     cache.begin_forward([0], [1])          # graph mode: begin_forward copies into the new buffer
-    assert cache.graph_batch_size is not None
+    assert cache.static_bucket is not None
     assert len(_copy_waits(cache)) > before, "the graph buffer's first copy did not wait"
     cache.abort_forward()
 
@@ -201,7 +201,7 @@ def test_graph_buffer_first_copy_waits_for_the_compute_stream():
 def test_abort_forward_releases_the_aux_buffer(graph):
     """An aborted forward's aux buffer gets a release event like an ended one's, so the next
     copy into it waits for the kernels that may still read it."""
-    cache = kvcache.PagedKVCache(cc.config(cuda_graph=graph, max_batch_size=4), backend="cuda",
+    cache = kvcache.PagedKVCache(cc.config(static_decode=graph, max_batch_size=4), backend="cuda",
                                  device=cc.DEVICE)
     mgr = cache.aux_manager
     cache.add_sequence(0)

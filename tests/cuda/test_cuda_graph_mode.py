@@ -1,4 +1,4 @@
-"""Graph mode (``CacheConfig(cuda_graph=True)``): padded decode plans in one fixed-address aux
+"""Graph mode (``CacheConfig(static_decode=True)``): padded decode plans in one fixed-address aux
 buffer, outputs equal to eager non-graph execution and to the reference (forks at several
 depths, histories growing 100x), and ``DecodeGraphs`` capture/replay with its refusals.
 
@@ -19,9 +19,9 @@ def make(dtype, graph, backend="cuda", rope="normal", buckets=(), max_tokens=819
     cfg = kvcache.CacheConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                               page_size=16, max_batch_size=8, max_total_tokens=max_tokens,
                               prefill_chunk_size=2048, dtype=dtype, rope_mode=rope,
-                              cuda_graph=graph, cuda_graph_batch_sizes=buckets)
+                              static_decode=graph, static_decode_batch_sizes=buckets)
     if backend == "reference":
-        return kvcache.PagedKVCache(cfg.__class__(**{**cfg.__dict__, "cuda_graph": False}),
+        return kvcache.PagedKVCache(cfg.__class__(**{**cfg.__dict__, "static_decode": False}),
                                     backend="reference")
     return kvcache.PagedKVCache(cfg, backend=backend, device=cc.DEVICE)
 
@@ -66,8 +66,8 @@ class Trio:
     def decode(self, ids, padded_inputs=False):
         """One decode step; the graph cache gets bucket-row inputs when ``padded_inputs``."""
         self.each("begin_forward", ids, [1] * len(ids))
-        bucket = self.graph.graph_batch_size
-        assert bucket == self.cfg.graph_bucket(len(ids))
+        bucket = self.graph.static_bucket
+        assert bucket == self.cfg.static_bucket(len(ids))
         outs = []
         for layer in range(self.cfg.num_layers):
             parts = self.inputs(bucket)
@@ -160,7 +160,7 @@ def test_graph_plan_pads_and_keeps_launch_parameters_fixed():
         cache.begin_forward(ids, [1, 1, 1])
         plan = cache._plan
         a = plan.arrays
-        assert plan.graph_bucket == 4 and len(plan.depths) == 1
+        assert plan.static_bucket == 4 and len(plan.depths) == 1
         np.testing.assert_array_equal(a["qo_indptr"], np.arange(5))
         assert a["append_slots"][3] == -1 and a["d0.kv_len"][3] == 0
         assert a["d0.page_indptr"][4] == a["d0.page_indptr"][3]
@@ -175,13 +175,13 @@ def test_prefill_and_oversized_batches_stay_eager():
     for sid in range(6):
         cache.add_sequence(sid)
     cache.begin_forward([0, 1], [5, 3])
-    assert cache.graph_batch_size is None        # prefill: eager plan
+    assert cache.static_bucket is None        # prefill: eager plan
     cache.abort_forward()
     cache.begin_forward(list(range(6)), [1] * 6)
-    assert cache.graph_batch_size is None        # beyond the largest bucket: eager
+    assert cache.static_bucket is None        # beyond the largest bucket: eager
     cache.abort_forward()
     cache.begin_forward([0, 1, 2], [1, 1, 1])
-    assert cache.graph_batch_size == 4
+    assert cache.static_bucket == 4
     cache.abort_forward()
 
 
@@ -199,8 +199,8 @@ def test_wrong_row_counts_are_refused():
 
 def test_graph_mode_needs_the_capability():
     cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=64,
-                              dtype="float32", cuda_graph=True)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="cuda_graph"):
+                              dtype="float32", static_decode=True)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="static_decode"):
         kvcache.PagedKVCache(cfg, backend="reference")
 
 
@@ -271,7 +271,7 @@ def test_decode_graphs_capture_short_replay_long_with_forks():
 
     def step(ids, capture=False):
         both("begin_forward", ids, [1] * len(ids))
-        bucket = graph_cache.graph_batch_size
+        bucket = graph_cache.static_bucket
         values = engine.fill(bucket, len(ids))
         outs = engine.graphs.capture(engine.step_fn(bucket)) if capture else engine.graphs.replay()
         atol, rtol, latol = cc.TOL[dtype]
@@ -330,14 +330,14 @@ def test_decode_graphs_refuse_eager_forwards_and_double_replay():
         engine.graphs.replay()
     cache.end_forward()
     cache.begin_forward([0, 1], [2, 1])          # prefill: eager only
-    with pytest.raises(InvalidArgumentError, match="not a graph-mode decode step"):
+    with pytest.raises(InvalidArgumentError, match="not a static-shape decode step"):
         engine.graphs.replay()
     cache.abort_forward()
     cache.begin_forward(list(range(6)), [1] * 6)  # beyond the largest bucket
-    with pytest.raises(InvalidArgumentError, match="not a graph-mode decode step"):
+    with pytest.raises(InvalidArgumentError, match="not a static-shape decode step"):
         engine.graphs.replay()
     cache.abort_forward()
-    with pytest.raises(InvalidArgumentError, match="cuda_graph=True"):
+    with pytest.raises(InvalidArgumentError, match="static_decode=True"):
         from kvcache_cuda import DecodeGraphs
         DecodeGraphs(make("float32", False))
 
@@ -364,8 +364,8 @@ def test_aborted_graph_step_is_undone_and_the_graphs_still_serve():
 
     def step(ids, capture=False, abort=False):
         graph_cache.begin_forward(ids, [1] * len(ids))
-        values = engine.fill(graph_cache.graph_batch_size, len(ids))
-        outs = engine.graphs.capture(engine.step_fn(graph_cache.graph_batch_size)) if capture \
+        values = engine.fill(graph_cache.static_bucket, len(ids))
+        outs = engine.graphs.capture(engine.step_fn(graph_cache.static_bucket)) if capture \
             else engine.graphs.replay()
         if abort:
             graph_cache.abort_forward()

@@ -8,7 +8,7 @@ import pytest
 
 import kvcache
 from kvcache.backend import DepthAux, RopeSpec, TreeMask
-from kvcache.core.forward import _tree_order
+from kvcache.core.tokens import tree_order as _tree_order
 from kvcache.reference import ReferenceBackend
 from kvcache_metal.backend import MetalBackend
 
