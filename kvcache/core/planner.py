@@ -75,7 +75,8 @@ class Planner:
         """The last decode batch again, one token each, nothing structural changed since: its
         plan updated (None when that does not apply)."""
         reuse = self._reuse
-        if (reuse is None or tree_parent_ptr is not None or reuse.epoch != self.state.epoch
+        if (reuse is None or not self.fast_path or tree_parent_ptr is not None
+                or reuse.epoch != self.state.epoch
                 or not same_int_ids(seq_ids, reuse.seq_ids, reuse.bool_like)
                 or not all_int_ones(append_lengths, len(reuse.seq_ids))):
             return None

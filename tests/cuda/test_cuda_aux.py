@@ -9,6 +9,7 @@ import pytest
 
 import cuda_cases as cc
 import kvcache
+from kvcache.core.plan import walk
 from kvcache.core.aux import MergedAuxManager, pack_reference
 
 pytestmark = pytest.mark.skipif(cc.ON_GPU, reason="host stream/event recorders are CPU-mode only; "
@@ -42,25 +43,25 @@ def test_one_lazy_copy_per_forward_and_views_match_pack_reference():
     cache.begin_forward([0, 1, 2], [5, 17, 9])
     mgr = cache.aux_manager
     assert mgr.copies == 0, "the copy must be lazy (not issued by begin_forward)"
-    arrays = cache._plan.arrays
+    plan = cache.open_plan
     for layer in range(2):
         cache.attention(layer, *_qkv(cache, rng, 31))
     pos = cache.query_positions()
     assert mgr.copies == 1, "one merged host->device copy per forward"
-    aux = cache._aux
-    packed = pack_reference(arrays)
+    views = [view for _, _, view in walk(cache.forward_aux())]
+    arrays = [array for _, _, array in walk(plan)]
+    packed = pack_reference(plan)
     offsets, total = MergedAuxManager.layout(arrays)
     slot = mgr.slots[mgr.current]
     device_buf = slot.device
-    for name, array in arrays.items():
-        view = aux[name]
-        np.testing.assert_array_equal(view.numpy(), array, err_msg=name)
-        np.testing.assert_array_equal(view.numpy(), packed[offsets[name]:offsets[name] + len(array)])
+    for view, array, off in zip(views, arrays, offsets, strict=True):
+        np.testing.assert_array_equal(view.numpy(), array)
+        np.testing.assert_array_equal(view.numpy(), packed[off:off + len(array)])
         # a view into the one device buffer, not a copy
         assert view.untyped_storage().data_ptr() == device_buf.untyped_storage().data_ptr()
-        assert view.storage_offset() == offsets[name]
+        assert view.storage_offset() == off
     assert total <= device_buf.numel()
-    np.testing.assert_array_equal(pos.numpy(), arrays["q_positions"])
+    np.testing.assert_array_equal(pos.numpy(), plan.tokens.q_positions)
     # the device buffer is distinct memory from the (pinned on GPU) staging buffer
     assert device_buf.untyped_storage().data_ptr() != slot.host_handle.untyped_storage().data_ptr()
     cache.end_forward()
@@ -79,7 +80,7 @@ def test_double_buffer_alternates_and_orders_by_events():
         qkv = _qkv(cache, rng, 3 if step == 0 else 1)
         cache.attention(0, *qkv)
         used.append(mgr.current)
-        storages.append(cache._aux["qo_indptr"].untyped_storage().data_ptr())
+        storages.append(cache.forward_aux().tokens.qo_indptr.untyped_storage().data_ptr())
         # the compute stream waited on the event recorded on the copy stream after the copy
         new = compute.waited[n_before_compute:]
         assert len(new) == 1 and new[0].stream is copy_stream

@@ -10,6 +10,7 @@ import pytest
 
 import cuda_cases as cc
 import kvcache
+from kvcache.core.plan import walk
 from kvcache.errors import ForwardStateError, InvalidArgumentError
 
 DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
@@ -137,8 +138,9 @@ def test_graph_aux_buffer_has_fixed_addresses_and_one_copy_per_step():
         ids = [0, 1, 2] if step % 5 else [2, 0, 1]
         cache.begin_forward(ids, [1, 1, 1])
         assert manager.copies == copies + 1      # copied by begin_forward itself
-        ptrs = {k: v.data_ptr() for k, v in cache._aux.items()}
-        shapes = {k: tuple(v.shape) for k, v in cache._aux.items()}
+        views = list(walk(cache.forward_aux()))
+        ptrs = {(d, k): v.data_ptr() for d, k, v in views}
+        shapes = {(d, k): tuple(v.shape) for d, k, v in views}
         if seen is None:
             seen = (ptrs, shapes)
         assert (ptrs, shapes) == seen, f"step {step}: the graph aux views moved or changed shape"
@@ -158,14 +160,13 @@ def test_graph_plan_pads_and_keeps_launch_parameters_fixed():
     metas = set()
     for ids in ([0, 1, 2], [4, 9, 0], [9, 3, 1]):
         cache.begin_forward(ids, [1, 1, 1])
-        plan = cache._plan
-        a = plan.arrays
-        assert plan.static_bucket == 4 and len(plan.depths) == 1
-        np.testing.assert_array_equal(a["qo_indptr"], np.arange(5))
-        assert a["append_slots"][3] == -1 and a["d0.kv_len"][3] == 0
-        assert a["d0.page_indptr"][4] == a["d0.page_indptr"][3]
+        plan = cache.open_plan
         d = plan.depths[0]
-        metas.add((d.num_entries, d.use_decode, d.max_kv_len, d.has_tree))
+        assert plan.static_bucket == 4 and len(plan.depths) == 1
+        np.testing.assert_array_equal(plan.tokens.qo_indptr, np.arange(5))
+        assert plan.tokens.append_slots[3] == -1 and d.kv_len[3] == 0
+        assert d.page_indptr[4] == d.page_indptr[3]
+        metas.add((d.num_entries, d.use_decode, d.max_kv_len, d.tree is not None))
         cache.abort_forward()
     assert metas == {(4, True, cache.config.num_pages * 16, False)}
 
