@@ -134,15 +134,19 @@ class DecodeReuse:
     def _growth(self, grow, batch):
         """New pages per depth when sequences ``grow`` gain a page, or None when a depth's
         coalescing choice would flip (the plan must be rebuilt)."""
-        if len(self.holders) > 1:
+        holders = self.holders
+        if len(holders) == 1:
+            counts = [len(grow)]
+        elif self.flat is not None:         # only the depth holding every last block grows
+            counts = [0] * len(holders)
+            counts[self.flat] = int(np.count_nonzero(holders[self.flat].own_block[grow]))
+        else:
             grew = np.zeros(batch, bool)
             grew[grow] = True
-            counts = [int(np.count_nonzero(grew & h.own_block)) for h in self.holders]
-        else:
-            counts = [len(grow)]
+            counts = [int(np.count_nonzero(grew & h.own_block)) for h in holders]
         if not self.keep_choice:
-            for h, g, depth in zip(self.holders, counts, self.plan.depths):
-                if decode_kernel_wins(h.pages + g, h.grouped_pages + g) != depth.use_decode:
+            for h, g, depth in zip(holders, counts, self.plan.depths):
+                if g and decode_kernel_wins(h.pages + g, h.grouped_pages + g) != depth.use_decode:
                     return None
         return counts
 

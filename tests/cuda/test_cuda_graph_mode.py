@@ -194,7 +194,7 @@ def test_wrong_row_counts_are_refused():
     c = cache.config
     q = cache.from_numpy(np.zeros((3, c.num_qo_heads, c.head_dim), np.float32))
     kv = cache.from_numpy(np.zeros((3, c.num_kv_heads, c.head_dim), np.float32))
-    with pytest.raises(InvalidArgumentError, match="or 2 rows: the graph bucket"):
+    with pytest.raises(InvalidArgumentError, match="or 2 rows: the static-shape bucket"):
         cache.attention(0, q, kv, kv)
 
 
