@@ -335,8 +335,9 @@ class CacheState:
         pt = self.pt
         b = int(pt.s_last[seq.slot])
         return plan_slide(seq_len=int(pt.s_len[seq.slot]), block_len=int(pt.b_len[b]),
-                          sink=int(pt.b_sink[b]), window_offset=int(pt.b_window_offset[b]), npages=int(pt.b_npages[b]),
-                          window=seq.window, last_block_sink=self.block_sinks(seq), append=append,
+                          sink=int(pt.b_sink[b]), window_offset=int(pt.b_window_offset[b]),
+                          npages=int(pt.b_npages[b]), window=seq.window,
+                          last_block_sink=self.block_sinks(seq), append=append,
                           page_size=self.page_size)
 
     def _slide(self, seq: SeqState, append: int, fresh) -> None:
@@ -352,7 +353,8 @@ class CacheState:
             lo, hi = plan.erase_at, plan.erase_at + plan.erase_count
             pt.give_pages(pages[lo:hi])
             pt.set_pages(b, np.concatenate([pages[:lo], pages[hi:]]))
-        pt.b_len[b], pt.b_sink[b], pt.b_window_offset[b] = plan.block_len, plan.sink, plan.window_offset
+        pt.b_len[b], pt.b_sink[b] = plan.block_len, plan.sink
+        pt.b_window_offset[b] = plan.window_offset
         pt.s_len[seq.slot] = plan.seq_len
 
     # ------------------------------------------------------------------ tree commit
