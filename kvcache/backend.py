@@ -44,8 +44,9 @@ class Capabilities:
     copy_stream: bool = _cap(False, "Moves aux arrays to the device on a separate copy stream.")
     merged_aux: bool = _cap(False, "Packs all aux arrays into one pinned host buffer and copies "
                                    "them in one transfer.")
-    cuda_graph: bool = _cap(False, "Decode attention can be captured in a CUDA/HIP graph and "
-                                   "replayed with other lengths.")
+    static_decode: bool = _cap(False, "Static-shape decode (CacheConfig(static_decode=True)): decode "
+                                      "reads fixed-address index arrays with launch shapes set by "
+                                      "the batch bucket alone, so it can be captured and replayed.")
     tree_attention: bool = _cap(False, "Token-tree (speculative decoding) attention masks and "
                                        "commit compaction.")
     sliding_window: bool = _cap(False, "Sliding-window attention with attention sinks.")
@@ -122,9 +123,11 @@ class DepthAux:
     use_decode: bool
     tree: Optional[TreeMask] = None
     max_kv_len: int = 0
-    """Host-side maximum of kv_len (for launch sizing; graph mode uses a bound instead)."""
+    """Host-side maximum of kv_len (for launch sizing; static-shape decode uses a bound instead)."""
     max_qo_len: int = 0
     """Host-side maximum number of queries of one entry (for launch sizing)."""
+    num_pages: int = 0
+    """Pages in use in ``page_indices`` (a static-shape plan's list may be longer)."""
 
 
 class Backend(abc.ABC):

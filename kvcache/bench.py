@@ -46,7 +46,7 @@ def _grow(cache, seq_id, n):
     chunk = cache.config.prefill_chunk_size
     while n > 0:
         step = min(n, chunk)
-        cache._builder.begin([seq_id], [step])
+        cache.planner.begin([seq_id], [step])
         n -= step
 
 
@@ -71,9 +71,9 @@ def host_bench(repeat: int = 200, page_size: int = 16) -> list[dict]:
             cache = _decode_cache(batch, (8, 64), page_size, shared, seed=batch, steps=steps + 5)
             ids = list(range(batch))
             ones = [1] * batch
-            builder, upload = cache._builder, cache.aux_manager.upload
+            planner, upload = cache.planner, cache.aux_manager.upload
             for _ in range(5):
-                upload(builder.begin(ids, ones).arrays)
+                upload(planner.begin(ids, ones))
             # ROUNDS rounds of steps / ROUNDS calls each; the best round's median is the
             # machine's cost without neighbours' noise (as timeit's min), the overall median
             # what a loaded machine sees
@@ -83,9 +83,9 @@ def host_bench(repeat: int = 200, page_size: int = 16) -> list[dict]:
                 this = []
                 for _ in range(per_round):
                     t0 = time.perf_counter()
-                    plan = builder.begin(ids, ones)
+                    plan = planner.begin(ids, ones)
                     t1 = time.perf_counter()
-                    upload(plan.arrays)
+                    upload(plan)
                     t2 = time.perf_counter()
                     times_plan.append(t1 - t0)
                     times_total.append(t2 - t0)

@@ -10,10 +10,12 @@ from typing import Optional
 
 import numpy as np
 
-from .backend import Capabilities, DepthAux, RopeSpec, TreeMask
+from .backend import Capabilities, RopeSpec
 from .config import CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
-from .core.forward import ForwardBuilder, ForwardPlan
+from .core.plan import ForwardAux, ForwardPlan
+from .core.planner import Planner
+from .core.static import capacity_plan
 from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
@@ -49,6 +51,15 @@ def _exclusive(method):
 
 
 class PagedKVCache:
+    """A paged KV cache for ``config.num_layers`` attention layers on one backend's device.
+
+    ``config``: a ``CacheConfig``; ``backend``: a registered backend name, or "auto" for the
+    highest-priority available one; ``device``: the backend's device name (None: its default).
+    Sequences are added, forked, popped and removed between forwards; a forward
+    (``begin_forward`` .. ``attention`` per layer .. ``end_forward``) appends tokens to a batch
+    of sequences and attends over their history. A cache is used by one thread at a time.
+    """
+
     def __init__(self, config: CacheConfig, backend: str = "auto", device: Optional[str] = None):
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError(f"config must be a kvcache.CacheConfig, got {type(config).__name__}")
@@ -62,24 +73,26 @@ class PagedKVCache:
                       "support_sliding_window=True", cls)
         self._require(config.effective_rope_mode != "inline" or caps.inline_rope, "inline_rope",
                       "inline RoPE (rope_mode='inline', or sliding windows with RoPE)", cls)
-        self._require(not config.cuda_graph or caps.cuda_graph, "cuda_graph", "cuda_graph=True", cls)
+        self._require(not config.static_decode or caps.static_decode, "static_decode", "static_decode=True", cls)
         self.config = config
         self.backend = cls(config, device)
         self.capabilities: Capabilities = caps
         self.state = CacheState(config.num_pages, config.page_size, config.support_sliding_window)
         self.pages = self._allocate_pages(config)
         self.copy_stream = self.backend.create_stream() if caps.copy_stream else None
-        self._require(not config.cuda_graph or caps.merged_aux, "merged_aux", "cuda_graph=True", cls)
+        self._require(not config.static_decode or caps.merged_aux, "merged_aux", "static_decode=True", cls)
         if caps.merged_aux:
             self.aux_manager = MergedAuxManager(
                 self.backend, self.copy_stream,
-                graph_capacities=self._graph_capacities(config) if config.cuda_graph else None)
+                static_capacity=capacity_plan(config) if config.static_decode else None)
         else:
             self.aux_manager = PlainAuxManager(self.backend)
-        self._builder = ForwardBuilder(self.state, config, caps)
+        self.planner = Planner(self.state, config, caps)
+        """Plans forwards; ``planner.begin`` plans and reserves without opening a forward
+        (benchmarks and tests of the host work use it)."""
         self._rope = RopeSpec(config.rope_theta, config.rope_scale)
         self._plan: Optional[ForwardPlan] = None
-        self._aux: Optional[dict] = None
+        self._aux: Optional[ForwardAux] = None
         self._layers_done: set = set()
         self._lock = threading.Lock()      # held by the thread using the cache (see _exclusive)
         self._owner: Optional[int] = None  # that thread's id
@@ -119,18 +132,6 @@ class PagedKVCache:
             return self.backend.allocate_pages(config.num_pages)
         except MemoryError as e:
             raise CacheFullError(f"allocating the cache's page arrays ({what}) failed: {e}") from None
-
-    @staticmethod
-    def _graph_capacities(config) -> dict:
-        """Sizes of the fixed graph-mode aux arrays: the largest bucket's rows, and page lists
-        for every row reading a whole cache's worth of pages (shared prefixes repeat per row)."""
-        rows = config.graph_buckets[-1]
-        caps = {name: rows for name in ("q_positions", "append_slots", "k_ragged_offset",
-                                        "d0.last_page_len", "d0.kv_len", "d0.sink_size",
-                                        "d0.window_offset", "d0.k_rope_offset")}
-        caps.update({"qo_indptr": rows + 1, "d0.qo_indptr": rows + 1, "d0.page_indptr": rows + 1,
-                     "d0.page_indices": rows * config.num_pages})
-        return caps
 
     @staticmethod
     def _require(ok, capability, what, cls):
@@ -175,6 +176,12 @@ class PagedKVCache:
 
     @_exclusive
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> None:
+        """Add sequence ``child_id`` holding the first ``fork_pos`` tokens of ``parent_id``
+        (-1: all of them). Whole pages are shared, not copied; a partial last page is copied.
+        Raises SequenceNotFoundError / SequenceExistsError for the ids, InvalidArgumentError
+        for ``fork_pos`` outside [0, length] (or beyond a windowed parent's sinks),
+        ForwardStateError inside a forward or on an uncommitted token tree, CacheFullError
+        when a partial page must be copied and no page is free; nothing changes then."""
         self._no_forward("fork_sequence")
         self._copy_pages(self.state.fork_sequence(parent_id, child_id, fork_pos))
 
@@ -260,29 +267,82 @@ class PagedKVCache:
     def query_positions(self):
         """RoPE position of each new token of the open forward (device int32 array)."""
         self._open("query_positions")
-        return self._device_aux()["q_positions"]
+        return self._device_aux().tokens.q_positions
 
     # ------------------------------------------------------------------ forward
     @_exclusive
     def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
+        """Open a forward appending ``append_lengths[i]`` tokens to sequence ``seq_ids[i]``.
+
+        ``seq_ids``: B distinct ids of sequences in the cache (1 <= B <= max_batch_size);
+        ``append_lengths``: B ints >= 1 summing to at most ``prefill_chunk_size`` (T tokens);
+        ``token_tree_parent_ptr``: None, or T ints: each new token's parent among its
+        sequence's uncommitted tree nodes (-1: a root), for speculative decoding.
+        The new tokens' pages are reserved now; each layer's ``attention`` then takes the
+        forward's q/k/v rows in this order. Raises a typed error and changes nothing on bad
+        input or when the pages do not suffice (CacheFullError)."""
         self._no_forward("begin_forward")
-        plan = self._builder.begin(seq_ids, append_lengths, token_tree_parent_ptr)
+        plan = self.planner.begin(seq_ids, append_lengths, token_tree_parent_ptr)
         aux = None
-        if plan.graph_bucket is not None:
-            # graph mode: a replayed graph runs no Python, so the copy cannot wait for attention
+        if plan.static_bucket is not None:
+            # a replayed capture runs no Python, so the copy cannot wait for attention
             try:
-                aux = self.aux_manager.upload_graph(plan.arrays)
+                aux = self.aux_manager.upload_static(plan)
             except BaseException:
-                self._builder.rollback(plan.undo)
+                self.planner.rollback(plan.undo)
                 raise
         self._plan, self._aux, self._layers_done = plan, aux, set()
 
     @property
     @_exclusive
-    def graph_batch_size(self) -> Optional[int]:
-        """The batch bucket of the open forward when it is a graph-mode decode step (its q/k/v
-        may have this many rows, padded rows give zeros), else None."""
-        return None if self._plan is None else self._plan.graph_bucket
+    def static_bucket(self) -> Optional[int]:
+        """The batch bucket of the open forward when it is a static-shape decode step (its
+        q/k/v may have this many rows, padded rows give zeros), else None."""
+        return None if self._plan is None else self._plan.static_bucket
+
+    @property
+    @_exclusive
+    def open_plan(self) -> Optional[ForwardPlan]:
+        """The open forward's plan (a frozen ``ForwardPlan``: read it, never change it), or
+        None between forwards."""
+        return self._plan
+
+    @property
+    @_exclusive
+    def layers_run(self) -> frozenset:
+        """The layers that have run attention in the open forward (empty between forwards)."""
+        return frozenset(self._layers_done)
+
+    @_exclusive
+    def rerun_layers(self, layers=None) -> None:
+        """Let ``layers`` (None: every layer) of the open forward run attention again: capture
+        helpers run one step's layers several times (warm-up, capture). Appending the same
+        K/V again writes the same rows, so the repeated runs leave the cache as one run."""
+        self._open("rerun_layers")
+        self._layers_done = set() if layers is None else self._layers_done - set(
+            self._layer_list(layers, "rerun_layers"))
+
+    @_exclusive
+    def mark_layers_run(self, layers) -> None:
+        """Record that ``layers`` ran attention in the open forward without ``attention``
+        being called: a replayed capture of a step ran them."""
+        self._open("mark_layers_run")
+        self._layers_done |= set(self._layer_list(layers, "mark_layers_run"))
+
+    def _layer_list(self, layers, what: str) -> list:
+        n = self.config.num_layers
+        out = [as_int(layer, f"{what}: layer") for layer in layers]
+        bad = [layer for layer in out if not 0 <= layer < n]
+        if bad:
+            raise InvalidArgumentError(f"{what}: layers {bad} are not in [0, {n})")
+        return out
+
+    @_exclusive
+    def forward_aux(self) -> ForwardAux:
+        """The open forward's index arrays on the device (``ForwardAux``, read-only), copying
+        them now if no call has yet."""
+        self._open("forward_aux")
+        return self._device_aux()
 
     @_exclusive
     def end_forward(self) -> None:
@@ -301,7 +361,7 @@ class PagedKVCache:
     def abort_forward(self) -> None:
         """Undo the open forward: the cache returns to its state before begin_forward."""
         plan = self._open("abort_forward")
-        self._builder.rollback(plan.undo)
+        self.planner.rollback(plan.undo)
         self._close()
 
     def _close(self) -> None:
@@ -342,10 +402,10 @@ class PagedKVCache:
             raise ForwardStateError(f"{what} needs an open forward: call begin_forward first")
         return plan
 
-    def _device_aux(self) -> dict:
+    def _device_aux(self) -> ForwardAux:
         """Upload this forward's index arrays on first use (lazy; see core.aux)."""
         if self._aux is None:
-            self._aux = self.aux_manager.upload(self._plan.arrays)
+            self._aux = self.aux_manager.upload(self._plan)
         return self._aux
 
     def _check_input(self, name, array, heads, total):
@@ -354,9 +414,9 @@ class PagedKVCache:
             raise InvalidArgumentError(
                 f"{name} must be a {b.name} backend array (use cache.from_numpy), got {type(array).__name__}")
         shape = b.shape_of(array)
-        bucket = self._plan.graph_bucket
+        bucket = self._plan.static_bucket
         if shape != (total, heads, c.head_dim) and (bucket is None or shape != (bucket, heads, c.head_dim)):
-            padded = f" (or {bucket} rows: the graph bucket)" if bucket is not None else ""
+            padded = f" (or {bucket} rows: the static-shape bucket)" if bucket is not None else ""
             raise InvalidArgumentError(
                 f"{name} has shape {shape}, expected ({total}, {heads}, {c.head_dim}){padded} "
                 f"for {total} new tokens of sequences {self._plan.seq_ids}")
@@ -365,6 +425,16 @@ class PagedKVCache:
 
     def attention(self, layer_id: int, q, k, v, sm_scale: Optional[float] = None,
                   return_lse: bool = False):
+        """Write layer ``layer_id``'s new K/V into the cache and attend: each new token's query
+        over its sequence's history and the new tokens before it (its tree ancestors in a
+        token tree, the window and sinks of a sliding window).
+
+        ``q``: (T, num_qo_heads, head_dim), ``k``/``v``: (T, num_kv_heads, head_dim), backend
+        arrays in the cache dtype, rows in ``begin_forward`` order (a static-shape step may
+        pass ``static_bucket`` rows; padded rows give zeros); ``sm_scale``: logit scale
+        (default ``head_dim ** -0.5``). Returns ``o`` (T, num_qo_heads, head_dim), with
+        ``return_lse`` also ``lse`` (T, num_qo_heads) float32. Each layer runs once per
+        forward."""
         plan = self._open("attention")
         c = self.config
         layer_id = as_int(layer_id, "layer_id")
@@ -392,12 +462,13 @@ class PagedKVCache:
         q, k, v = self.backend.split_qkv(qkv)
         return self.attention(layer_id, q, k, v, sm_scale, return_lse)
 
-    def _attend(self, plan, aux, pages, q, k, v, scale):
+    def _attend(self, plan: ForwardPlan, aux: ForwardAux, pages, q, k, v, scale):
         b, mode = self.backend, self.config.effective_rope_mode
         inline = self._rope if mode == "inline" else None
-        positions, slots = aux["q_positions"], aux["append_slots"]
+        tokens = aux.tokens
+        positions, slots = tokens.q_positions, tokens.append_slots
         rows = b.shape_of(q)[0]
-        if plan.graph_bucket is not None and rows != plan.graph_bucket:
+        if plan.static_bucket is not None and rows != plan.static_bucket:
             positions, slots = positions[:rows], slots[:rows]     # unpadded inputs, run eagerly
         if not plan.write_after:
             if mode == "normal":
@@ -405,18 +476,14 @@ class PagedKVCache:
             else:
                 b.append_kv(pages, k, v, slots)
         o = lse = None
-        if not plan.append_first:
-            tree = None
-            if plan.self_tree:
-                tree = TreeMask(aux["self_tree_indptr"], aux["self_tree_mask"])
-            o, lse = b.ragged_attention(q, k, v, aux["qo_indptr"], scale,
+        if not plan.paged_only:
+            o, lse = b.ragged_attention(q, k, v, tokens.qo_indptr, scale,
                                         num_seqs=len(plan.seq_ids), max_len=plan.max_append,
-                                        tree=tree, rope=inline, q_positions=positions,
-                                        k_rope_offset=aux["k_ragged_offset"])
-        for d, meta in enumerate(plan.depths):
-            if meta.num_pages == 0 and plan.graph_bucket is None:
+                                        tree=tokens.self_tree, rope=inline, q_positions=positions,
+                                        k_rope_offset=tokens.k_rope_offset)
+        for depth in aux.depths:
+            if depth.num_pages == 0 and plan.static_bucket is None:
                 continue
-            depth = self._depth_aux(aux, d, meta)
             o_d, lse_d = b.paged_attention(q, pages, depth, scale, rope=inline, q_positions=positions)
             if o is None:
                 o, lse = o_d, lse_d
@@ -425,12 +492,3 @@ class PagedKVCache:
         if plan.write_after:
             b.append_kv(pages, k, v, slots)
         return o, lse
-
-    @staticmethod
-    def _depth_aux(aux, d, meta) -> DepthAux:
-        p = f"d{d}."
-        tree = TreeMask(aux[p + "tree_indptr"], aux[p + "tree_mask"]) if meta.has_tree else None
-        return DepthAux(aux[p + "qo_indptr"], aux[p + "page_indptr"], aux[p + "page_indices"],
-                        aux[p + "last_page_len"], aux[p + "kv_len"], aux[p + "sink_size"],
-                        aux[p + "window_offset"], aux[p + "k_rope_offset"], meta.num_entries,
-                        meta.use_decode, tree, meta.max_kv_len, meta.max_qo_len)

@@ -26,10 +26,14 @@ class CacheConfig:
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
     support_sliding_window: bool = False
-    cuda_graph: bool = False
-    """Fixed-address aux buffers and batch-bucketed grids so decode can be captured in a CUDA graph."""
-    cuda_graph_batch_sizes: tuple = ()
-    """Batch buckets a graph-mode decode is padded to (default: powers of two up to and
+    static_decode: bool = False
+    """Static-shape decode: a decode step's batch is padded to a bucket, its index arrays go to
+    one fixed-address device buffer at ``begin_forward``, and every shape and launch parameter
+    depends on the bucket alone, so a backend can capture the step once per bucket and replay
+    it (CUDA/HIP graphs; ``mx.compile``). Needs a backend declaring the ``static_decode``
+    capability."""
+    static_decode_batch_sizes: tuple = ()
+    """Batch buckets a static-shape decode is padded to (default: powers of two up to and
     including max_batch_size)."""
 
     def __post_init__(self):
@@ -56,18 +60,18 @@ class CacheConfig:
         put("rope_scale", float_arg(self.rope_scale, "CacheConfig.rope_scale"))
         put("support_sliding_window",
             bool_arg(self.support_sliding_window, "CacheConfig.support_sliding_window"))
-        put("cuda_graph", bool_arg(self.cuda_graph, "CacheConfig.cuda_graph"))
+        put("static_decode", bool_arg(self.static_decode, "CacheConfig.static_decode"))
 
-        name = "CacheConfig.cuda_graph_batch_sizes"
-        if not isinstance(self.cuda_graph_batch_sizes, (tuple, list)):
-            raise InvalidArgumentError(f"{name} must be a tuple of ints, got {self.cuda_graph_batch_sizes!r}")
-        sizes = tuple(int_values(self.cuda_graph_batch_sizes, name, 1, self.max_batch_size,
+        name = "CacheConfig.static_decode_batch_sizes"
+        if not isinstance(self.static_decode_batch_sizes, (tuple, list)):
+            raise InvalidArgumentError(f"{name} must be a tuple of ints, got {self.static_decode_batch_sizes!r}")
+        sizes = tuple(int_values(self.static_decode_batch_sizes, name, 1, self.max_batch_size,
                                  limit="max_batch_size"))
         if list(sizes) != sorted(set(sizes)):
             raise InvalidArgumentError(
                 f"{name}={sizes!r} must be a strictly increasing tuple "
                 f"of ints in [1, max_batch_size={self.max_batch_size}]")
-        put("cuda_graph_batch_sizes", sizes)
+        put("static_decode_batch_sizes", sizes)
 
         slots = self.num_pages * self.page_size
         if slots > INT32_MAX:
@@ -77,25 +81,25 @@ class CacheConfig:
                 f"but slots are int32 (at most {INT32_MAX})")
 
     @property
-    def graph_buckets(self) -> tuple:
-        """The batch sizes a graph-mode decode batch is padded to; the last one is the largest
-        batch a graph-mode decode step takes."""
-        if self.cuda_graph_batch_sizes:
-            return self.cuda_graph_batch_sizes
+    def static_buckets(self) -> tuple:
+        """The batch sizes a static-shape decode batch is padded to; the last one is the
+        largest batch a static-shape decode step takes (larger ones run eagerly)."""
+        if self.static_decode_batch_sizes:
+            return self.static_decode_batch_sizes
         sizes, b = [], 1
         while b < self.max_batch_size:
             sizes.append(b)
             b *= 2
         return tuple(sizes) + (self.max_batch_size,)
 
-    def graph_bucket(self, batch: int) -> int:
-        """The bucket a decode batch of ``batch`` sequences is padded to in graph mode."""
-        for size in self.graph_buckets:
+    def static_bucket(self, batch: int) -> int:
+        """The bucket a static-shape decode batch of ``batch`` sequences is padded to."""
+        for size in self.static_buckets:
             if batch <= size:
                 return size
         raise InvalidArgumentError(
-            f"a graph-mode decode batch of {batch} sequences exceeds the largest bucket "
-            f"{self.graph_buckets[-1]} (cuda_graph_batch_sizes={self.graph_buckets})")
+            f"a static-shape decode batch of {batch} sequences exceeds the largest bucket "
+            f"{self.static_buckets[-1]} (static_decode_batch_sizes={self.static_buckets})")
 
     @property
     def kv_dtype(self) -> str:

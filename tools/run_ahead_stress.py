@@ -88,7 +88,7 @@ class Soak:
             num_layers=args.layers, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
             page_size=16, max_batch_size=64, max_total_tokens=args.max_tokens,
             prefill_chunk_size=args.chunk, dtype="bfloat16", rope_mode="none",
-            cuda_graph=args.graph)
+            static_decode=args.graph)
         self.cache = kvcache.PagedKVCache(cfg, backend="cuda", device=args.device)
         self.dev = self.cache.backend.torch_device
         g = torch.Generator(device=self.dev).manual_seed(args.seed)
@@ -140,7 +140,7 @@ class Soak:
         c = self.cache
         self._count_in_flight()
         c.begin_forward(list(sids), list(lens))
-        bucket = c.graph_batch_size
+        bucket = c.static_bucket
         if bucket is not None and self.graphs is not None:
             o_check = self._graph_step(sids, off, check, bucket)
         else:
@@ -185,7 +185,7 @@ class Soak:
         replay; returns the checked layer's real rows (cloned: the next replay rewrites them)."""
         n = len(sids)
         if self.static is None:     # fixed addresses for every bucket's graph: the largest bucket
-            rows = self.cache.config.graph_buckets[-1]
+            rows = self.cache.config.static_buckets[-1]
             self.static = [[torch.zeros(rows, h, D, device=self.dev, dtype=torch.bfloat16)
                             for h in (H_Q, H_KV, H_KV)] for _ in range(self.layers)]
         for layer in range(self.layers):

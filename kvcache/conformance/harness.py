@@ -54,8 +54,8 @@ def seed_for(text: str, base: int = 0) -> int:
 def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers=2,
                 rope_mode="none", max_total_tokens=512, max_batch_size=16,
                 prefill_chunk_size=512, support_sliding_window=False, num_kv_heads=None,
-                rope_theta=10000.0, rope_scale=1.0, cuda_graph=False,
-                cuda_graph_batch_sizes=()) -> CacheConfig:
+                rope_theta=10000.0, rope_scale=1.0, static_decode=False,
+                static_decode_batch_sizes=()) -> CacheConfig:
     """A small config for the suite: GQA ratio ``gqa`` with 2 KV heads (1 for ratio 8)."""
     hkv = num_kv_heads or (1 if gqa >= 8 else 2)
     return CacheConfig(num_layers=num_layers, num_qo_heads=hkv * gqa, num_kv_heads=hkv,
@@ -63,7 +63,7 @@ def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers
                        max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
                        dtype=dtype, rope_mode=rope_mode, rope_theta=rope_theta,
                        rope_scale=rope_scale, support_sliding_window=support_sliding_window,
-                       cuda_graph=cuda_graph, cuda_graph_batch_sizes=cuda_graph_batch_sizes)
+                       static_decode=static_decode, static_decode_batch_sizes=static_decode_batch_sizes)
 
 
 _CALLS = {
@@ -82,7 +82,7 @@ class CachePair:
         self.tol = TOLERANCES[config.dtype]
         self.rng = np.random.default_rng(seed)
         # graph mode is the backend's (the reference runs the same forwards eagerly)
-        ref_config = dataclasses.replace(config, cuda_graph=False) if config.cuda_graph else config
+        ref_config = dataclasses.replace(config, static_decode=False) if config.static_decode else config
         self.ref = PagedKVCache(ref_config, backend="reference")
         self.dut = PagedKVCache(config, backend=backend, device=device)
         self.model = DenseModel(config) if model else None
@@ -225,7 +225,7 @@ class CachePair:
         """``query_positions`` of both caches (and the dense model) agree."""
         r, d = self.both("query_positions")
         r, d = to_numpy(r), to_numpy(d)
-        bucket = self.dut.graph_batch_size
+        bucket = self.dut.static_bucket
         if bucket is not None:      # graph mode: the bucket's rows, padding at position 0
             if len(d) != bucket or d[len(r):].any():
                 raise Mismatch(f"graph mode: query_positions {d.tolist()} should be the {len(r)} "

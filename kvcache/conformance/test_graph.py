@@ -1,4 +1,4 @@
-"""CUDA-graph mode (``CacheConfig(cuda_graph=True)``), for backends declaring ``cuda_graph``:
+"""CUDA-graph mode (``CacheConfig(static_decode=True)``), for backends declaring ``static_decode``:
 decode batches padded to their bucket give the reference's results on the real rows and
 o = 0 / lse = -inf on padded rows, one fixed device buffer holds every step's index arrays, and
 forwards that are not plain decode steps stay eager. Capturing a graph is the backend package's
@@ -28,13 +28,13 @@ def _family(p):
 
 class TestGraphMode(Conformance):
     def test_decode_padded_to_bucket(self, make_pair):
-        p = make_pair(needs=("cuda_graph",), cuda_graph=True, rope_mode="normal")
+        p = make_pair(needs=("static_decode",), static_decode=True, rope_mode="normal")
         _family(p)
         for ids, bucket in (([2, 0, 3], 4), ([1], 1), ([3, 2, 1, 0], 4), ([0, 2], 2)):
             p.begin(ids, [1] * len(ids))
-            if p.dut.graph_batch_size != bucket:
+            if p.dut.static_bucket != bucket:
                 raise Mismatch(f"graph mode: a decode batch of {len(ids)} should pad to bucket "
-                               f"{bucket}, graph_batch_size is {p.dut.graph_batch_size}{p.context()}")
+                               f"{bucket}, static_bucket is {p.dut.static_bucket}{p.context()}")
             p.check_positions()
             for layer in range(p.config.num_layers):
                 p.attend(layer)
@@ -43,11 +43,11 @@ class TestGraphMode(Conformance):
     def test_bucket_rows_and_padding(self, make_pair):
         """Inputs of the bucket's rows (what a captured step feeds) are accepted; real rows match
         the reference, padded rows give o = 0 and lse = -inf."""
-        p = make_pair(needs=("cuda_graph",), cuda_graph=True)
+        p = make_pair(needs=("static_decode",), static_decode=True)
         _family(p)
         ids = [3, 1, 0]
         p.begin(ids, [1, 1, 1])
-        bucket = p.dut.graph_batch_size
+        bucket = p.dut.static_bucket
         c = p.config
         for layer in range(c.num_layers):
             q, k, v = (p.random(bucket, h, c.head_dim) for h in (c.num_qo_heads, c.num_kv_heads,
@@ -68,7 +68,7 @@ class TestGraphMode(Conformance):
         p.end()
 
     def test_one_fixed_buffer_across_steps(self, make_pair):
-        p = make_pair(needs=("cuda_graph",), cuda_graph=True)
+        p = make_pair(needs=("static_decode",), static_decode=True)
         _family(p)
         manager = p.dut.aux_manager
         buffers = set()
@@ -78,7 +78,7 @@ class TestGraphMode(Conformance):
             if manager.copies != copies + 1:
                 raise Mismatch(f"graph mode: begin_forward must issue the step's one aux copy "
                                f"(step {step}: {manager.copies - copies} copies){p.context()}")
-            buffers.add(id(manager.graph_device_buffer))
+            buffers.add(id(manager.static_device_buffer))
             p.attend(0)
             p.attend(1)
             p.end()
@@ -87,13 +87,13 @@ class TestGraphMode(Conformance):
                            f"the steps); captured graphs would read stale data{p.context()}")
 
     def test_other_forwards_stay_eager(self, make_pair):
-        p = make_pair(needs=("cuda_graph",), cuda_graph=True, cuda_graph_batch_sizes=(1, 2))
+        p = make_pair(needs=("static_decode",), static_decode=True, static_decode_batch_sizes=(1, 2))
         _family(p)
         for ids, lens in (([0, 1], [3, 1]), ([0, 1, 2], [1, 1, 1])):   # prefill; too many rows
             p.begin(ids, lens)
-            if p.dut.graph_batch_size is not None:
+            if p.dut.static_bucket is not None:
                 raise Mismatch(f"graph mode: forward {ids} {lens} is not a bucketed decode step "
-                               f"but got bucket {p.dut.graph_batch_size}{p.context()}")
+                               f"but got bucket {p.dut.static_bucket}{p.context()}")
             for layer in range(p.config.num_layers):
                 p.attend(layer)
             p.end()
@@ -102,7 +102,7 @@ class TestGraphMode(Conformance):
     def test_aborted_step_changes_nothing(self, make_pair):
         """A graph-mode decode step (its index arrays already copied by begin_forward) that is
         aborted leaves the cache exactly as before it; the next steps use the buffer as usual."""
-        p = make_pair(needs=("cuda_graph",), cuda_graph=True, rope_mode="normal")
+        p = make_pair(needs=("static_decode",), static_decode=True, rope_mode="normal")
         _family(p)
         p.aborted([2, 0, 3], [1, 1, 1])
         p.decode([2, 0, 3], steps=2)

@@ -24,7 +24,7 @@ class _Twin:
 
     def __init__(self, make_pair, **config):
         self.p = make_pair(num_layers=1, **config)
-        self.clean = kvcache.PagedKVCache(dataclasses.replace(self.p.config, cuda_graph=False),
+        self.clean = kvcache.PagedKVCache(dataclasses.replace(self.p.config, static_decode=False),
                                           backend="reference")
 
     def add(self, *sids):

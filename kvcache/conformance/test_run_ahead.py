@@ -88,7 +88,7 @@ class TestRunAhead(Conformance):
     def test_graph_mode_buffers(self, run_ahead):
         """Graph mode's fixed index buffer, refilled every decode step, with eager prefills
         between steps."""
-        r = run_ahead(needs=("cuda_graph",), cuda_graph=True)
+        r = run_ahead(needs=("static_decode",), static_decode=True)
         ps = r.config.page_size
         r.ballast()
         r.add(0, 1)

@@ -1,4 +1,5 @@
-"""Aux-data managers: move a forward's host int32 index arrays to the device.
+"""Aux-data managers: move a forward's host int32 index arrays (``ForwardPlan``) to the device
+and hand back their device twin (``ForwardAux``: the same records, the same field names).
 
 * ``PlainAuxManager`` (Metal, reference): one copy per array on the compute stream.
 * ``MergedAuxManager`` (CUDA, ROCm): every array packed at aligned offsets into one host staging
@@ -8,14 +9,17 @@
   the copy stream waits for the compute work that last read a device buffer before overwriting it.
 
 Both are driven lazily by ``PagedKVCache``: the copy is issued by the first call that needs
-device aux data after ``begin_forward``, never eagerly. The exception is a graph-mode decode
-step (``CacheConfig(cuda_graph=True)``): ``begin_forward`` itself copies into one fixed-address
-device buffer (``upload_graph``), since a replayed graph runs no Python that could issue it.
+device aux data after ``begin_forward``, never eagerly. The exception is a static-shape decode
+step (``CacheConfig(static_decode=True)``): ``begin_forward`` itself copies into one
+fixed-address device buffer (``upload_static``), since a replayed capture runs no Python that
+could issue it.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .plan import ForwardAux, ForwardPlan, device_twin, walk
 
 ALIGN = 16  # int32 elements: 64-byte alignment for every packed array
 
@@ -27,9 +31,12 @@ class PlainAuxManager:
         self.backend = backend
         self.copies = 0
 
-    def upload(self, arrays: dict) -> dict:
-        self.copies += len(arrays)
-        return {name: self.backend.aux_to_device(array) for name, array in arrays.items()}
+    def upload(self, plan: ForwardPlan) -> ForwardAux:
+        """One copy per array, in ``walk`` order."""
+        to_device = self.backend.aux_to_device
+        views = [to_device(array) for _, _, array in walk(plan)]
+        self.copies += len(views)
+        return device_twin(plan, iter(views).__next__)
 
     def release(self) -> None:
         pass
@@ -45,16 +52,16 @@ class _Slot:
         self.release_event = None
 
 
-class _GraphBuffers:
-    """Graph mode: one device buffer at a fixed address (captured graphs read it), laid out
-    once from capacities, fed from two alternating pinned staging buffers."""
+class _StaticBuffers:
+    """Static-shape decode: one device buffer at a fixed address (captured steps read it), laid
+    out once from the capacity plan (page list last: each copy stops at the end of the data,
+    not of the capacity), fed from two alternating pinned staging buffers."""
 
-    def __init__(self, backend, capacities: dict):
-        # page lists go last: each copy stops at the end of the data, not of the capacity
-        names = sorted(capacities, key=lambda n: n.endswith("page_indices"))
-        self.capacities = {n: capacities[n] for n in names}
-        self.offsets, self.total = MergedAuxManager.layout(
-            {n: range(c) for n, c in self.capacities.items()})
+    def __init__(self, backend, capacity: ForwardPlan):
+        arrays = [array for _, _, array in walk(capacity)]
+        self.capacities = [len(a) for a in arrays]
+        self.page_list = [name == "page_indices" for _, name, _ in walk(capacity)]
+        self.offsets, self.total = MergedAuxManager.layout(arrays)
         self.device, self.release_event = _fresh_device(backend, self.total)
         self.hosts = [backend.aux_alloc_host(self.total) for _ in range(2)]
         self.copy_events = [None, None]
@@ -71,7 +78,7 @@ class MergedAuxManager:
     kind = "merged"
 
     def __init__(self, backend, copy_stream, num_buffers: int = 2, initial_capacity: int = 1 << 10,
-                 graph_capacities: dict | None = None):
+                 static_capacity: ForwardPlan | None = None):
         self.backend = backend
         self.copy_stream = copy_stream
         self.slots = [_Slot() for _ in range(num_buffers)]
@@ -80,16 +87,16 @@ class MergedAuxManager:
         self.current = None
         self.copies = 0
         self.allocations = 0
-        self.graph_capacities = graph_capacities
-        self._graph = None
-        self._graph_open = False
+        self.static_capacity = static_capacity
+        self._static = None
+        self._static_open = False
 
     @staticmethod
-    def layout(arrays: dict) -> tuple[dict, int]:
+    def layout(arrays: list) -> tuple[list, int]:
         """Aligned offsets of each array in the packed buffer, and the packed length."""
-        offsets, top = {}, 0
-        for name, array in arrays.items():
-            offsets[name] = top
+        offsets, top = [], 0
+        for array in arrays:
+            offsets.append(top)
             top += -(-max(len(array), 1) // ALIGN) * ALIGN
         return offsets, top
 
@@ -105,15 +112,16 @@ class MergedAuxManager:
         slot.copy_event = None
         self.allocations += 1
 
-    def upload(self, arrays: dict) -> dict:
+    def upload(self, plan: ForwardPlan) -> ForwardAux:
+        """Pack, copy once on the copy stream, and view (see the module docstring)."""
+        arrays = [array for _, _, array in walk(plan)]
         offsets, total = self.layout(arrays)
         slot = self.slots[self.next]
         self._ensure(slot, total)
         if slot.copy_event is not None:          # the last copy from this staging buffer is done
             self.backend.event_synchronize(slot.copy_event)
         host = slot.host
-        for name, array in arrays.items():
-            off = offsets[name]
+        for off, array in zip(offsets, arrays):
             host[off:off + len(array)] = array
         if slot.release_event is not None:       # kernels that read this device buffer are done
             self.backend.stream_wait_event(slot.release_event, self.copy_stream)
@@ -124,26 +132,27 @@ class MergedAuxManager:
         self.copies += 1
         self.current = self.next
         self.next = (self.next + 1) % len(self.slots)
-        return {name: self.backend.aux_view(slot.device, offsets[name], len(array))
-                for name, array in arrays.items()}
+        view = self.backend.aux_view
+        views = iter([view(slot.device, off, len(array)) for off, array in zip(offsets, arrays)])
+        return device_twin(plan, views.__next__)
 
-    def upload_graph(self, arrays: dict) -> dict:
-        """Like ``upload`` but into the fixed graph buffer: the device views have the same
-        addresses every step (page lists: their whole capacity), so a graph captured on one
-        step reads the next step's arrays."""
-        if self._graph is None:
-            self._graph = _GraphBuffers(self.backend, self.graph_capacities)
+    def upload_static(self, plan: ForwardPlan) -> ForwardAux:
+        """Like ``upload`` but into the fixed static-shape buffer: the device views have the same
+        addresses every step (page lists: their whole capacity), so a step captured once reads
+        every later step's arrays."""
+        if self._static is None:
+            self._static = _StaticBuffers(self.backend, self.static_capacity)
             self.allocations += 1
-        g = self._graph
-        for name, array in arrays.items():
-            if len(array) > g.capacities[name]:
-                raise AssertionError(f"graph aux array {name} of {len(array)} exceeds its capacity")
+        g = self._static
+        arrays = [array for _, _, array in walk(plan)]
+        if len(arrays) != len(g.capacities) or any(
+                len(a) > c for a, c in zip(arrays, g.capacities)):
+            raise AssertionError("a static-shape plan's arrays exceed the capacity plan's")
         host_handle, host = g.hosts[g.next]
         if g.copy_events[g.next] is not None:      # the last copy from this staging buffer is done
             self.backend.event_synchronize(g.copy_events[g.next])
         end = 0
-        for name, array in arrays.items():
-            off = g.offsets[name]
+        for off, array in zip(g.offsets, arrays):
             host[off:off + len(array)] = array
             end = max(end, off + len(array))
         if g.release_event is not None:            # kernels that read the device buffer are done
@@ -154,29 +163,30 @@ class MergedAuxManager:
             self.backend.stream_wait_event(event)
         g.next ^= 1
         self.copies += 1
-        self._graph_open = True
-        return {name: self.backend.aux_view(
-                    g.device, g.offsets[name],
-                    g.capacities[name] if name.endswith("page_indices") else len(array))
-                for name, array in arrays.items()}
+        self._static_open = True
+        views = iter([self.backend.aux_view(g.device, off, cap if full else len(array))
+                      for off, cap, full, array in zip(g.offsets, g.capacities, g.page_list,
+                                                       arrays)])
+        return device_twin(plan, views.__next__)
 
     @property
-    def graph_device_buffer(self):
-        """The fixed device buffer of graph mode (None before the first graph-mode step)."""
-        return None if self._graph is None else self._graph.device
+    def static_device_buffer(self):
+        """The fixed device buffer of static-shape decode (None before its first step)."""
+        return None if self._static is None else self._static.device
 
     def release(self) -> None:
-        if self._graph_open:
-            self._graph.release_event = self.backend.record_event()
-            self._graph_open = False
+        if self._static_open:
+            self._static.release_event = self.backend.record_event()
+            self._static_open = False
         elif self.current is not None:
             self.slots[self.current].release_event = self.backend.record_event()
 
 
-def pack_reference(arrays: dict) -> np.ndarray:
+def pack_reference(plan: ForwardPlan) -> np.ndarray:
     """The packed buffer as the merged manager lays it out (tests compare device views to it)."""
+    arrays = [array for _, _, array in walk(plan)]
     offsets, total = MergedAuxManager.layout(arrays)
     out = np.zeros(total, np.int32)
-    for name, array in arrays.items():
-        out[offsets[name]:offsets[name] + len(array)] = array
+    for off, array in zip(offsets, arrays):
+        out[off:off + len(array)] = array
     return out

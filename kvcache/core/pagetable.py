@@ -57,7 +57,7 @@ class PageTable:
         self.b_parent = np.full(cap, -1, np.int32)
         self.b_ref = np.zeros(cap, np.int32)
         self.b_sink = np.zeros(cap, np.int32)       # attention-sink tokens kept at the block front
-        self.b_gap = np.zeros(cap, np.int32)        # in-block offset where the sliding window starts
+        self.b_window_offset = np.zeros(cap, np.int32)        # in-block offset where the sliding window starts
         self.b_pstart = np.zeros(cap, np.int64)     # region of the block's page ids in page_store
         self.b_npages = np.zeros(cap, np.int32)
         self.b_pcap = np.zeros(cap, np.int32)
@@ -95,12 +95,12 @@ class PageTable:
         else:
             b = self.num_blocks
             self.num_blocks += 1
-            for name in ("b_len", "b_start", "b_ref", "b_sink", "b_gap", "b_npages", "b_pcap"):
+            for name in ("b_len", "b_start", "b_ref", "b_sink", "b_window_offset", "b_npages", "b_pcap"):
                 setattr(self, name, _grow(getattr(self, name), self.num_blocks, 0))
             self.b_parent = _grow(self.b_parent, self.num_blocks, -1)
             self.b_pstart = _grow(self.b_pstart, self.num_blocks, 0)
             self.b_live = _grow(self.b_live, self.num_blocks, False)
-        self.b_len[b] = self.b_start[b] = self.b_sink[b] = self.b_gap[b] = 0
+        self.b_len[b] = self.b_start[b] = self.b_sink[b] = self.b_window_offset[b] = 0
         self.b_parent[b] = -1
         self.b_ref[b] = 1
         self.b_npages[b] = self.b_pcap[b] = 0
@@ -208,8 +208,8 @@ class PageTable:
             if n == 0:
                 continue
             j = np.arange(n)
-            sink, gap = int(self.b_sink[b]), int(self.b_gap[b])
-            off = np.where(j < sink, j, j - sink + gap)
+            sink, window_offset = int(self.b_sink[b]), int(self.b_window_offset[b])
+            off = np.where(j < sink, j, j - sink + window_offset)
             pages = self.pages_of(b)
             out.append(pages[off // ps].astype(np.int64) * ps + off % ps)
         slots = np.concatenate(out) if out else np.zeros(0, np.int64)
@@ -243,7 +243,7 @@ class PageTable:
         for b in live:
             assert refs[b] == self.b_ref[b], f"block {b}: ref {self.b_ref[b]} != counted {refs[b]}"
             assert refs[b] >= 1, f"live block {b} is unreferenced"
-            span = int(self.b_gap[b]) + int(self.b_len[b]) - int(self.b_sink[b])
+            span = int(self.b_window_offset[b]) + int(self.b_len[b]) - int(self.b_sink[b])
             assert int(self.b_npages[b]) == -(-span // self.page_size), (
                 f"block {b}: {self.b_npages[b]} pages for {span} rows")
         for seq in self.seqs.values():
@@ -257,15 +257,15 @@ class PageTable:
         for b in live:
             seq = lasts.get(int(b))
             if seq is None:
-                assert not self.b_gap[b] and not self.b_sink[b] and self.b_len[b] % self.page_size == 0, (
-                    f"shared block {b}: len {self.b_len[b]}, sink {self.b_sink[b]}, gap {self.b_gap[b]}")
+                assert not self.b_window_offset[b] and not self.b_sink[b] and self.b_len[b] % self.page_size == 0, (
+                    f"shared block {b}: len {self.b_len[b]}, sink {self.b_sink[b]}, window offset {self.b_window_offset[b]}")
             elif seq.window == -1:
-                assert not self.b_gap[b] and not self.b_sink[b], f"sequence {seq.seq_id} has no window"
+                assert not self.b_window_offset[b] and not self.b_sink[b], f"sequence {seq.seq_id} has no window"
             else:
                 prefix = int(self.s_len[seq.slot]) - int(self.b_len[b])
                 assert prefix <= seq.sink_request, (
                     f"sequence {seq.seq_id}: {prefix} tokens before its last block > {seq.sink_request} sinks")
-                if self.b_gap[b]:
+                if self.b_window_offset[b]:
                     assert self.b_sink[b] == seq.sink_request - prefix < self.b_len[b], (
                         f"sequence {seq.seq_id}: block sinks {self.b_sink[b]}, prefix {prefix}, "
                         f"len {self.b_len[b]}, sinks {seq.sink_request}")

@@ -1,11 +1,16 @@
-"""Sequence operations on the page table (the seed's semantics), each validate-then-mutate.
+"""Sequence operations on the page table, each validate-then-mutate.
 
 Operations that need device work (copying a partial page on fork, compacting a token tree on
 commit) return the work as plain data; ``PagedKVCache`` hands it to the backend.
+
+Every public method of ``CacheState`` (and of a subclass) bumps ``epoch`` before it runs unless
+it is marked ``@query``: the planner reuses a decode batch's plan only while the epoch is
+unchanged, so an operation added here cannot forget to invalidate it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +18,7 @@ import numpy as np
 from ..errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
                       SequenceExistsError, SequenceNotFoundError)
 from .pagetable import PageTable, SeqState
+from .plan import ForwardUndo
 from .sliding import plan_slide
 from .validate import INT32_MAX, int_values, seq_id_arg, seq_id_list
 from .validate import int_arg as as_int     # the shared int check, under its old name here
@@ -25,16 +31,49 @@ class PageCopy:
     length: int
 
 
+def query(method):
+    """Mark a ``CacheState`` method that changes no state: it leaves the plan epoch alone."""
+    method.is_query = True
+    return method
+
+
+def _bumps_epoch(method):
+    @functools.wraps(method)
+    def mutator(self, *args, **kwargs):
+        self.epoch += 1
+        return method(self, *args, **kwargs)
+    mutator.is_query = False
+    return mutator
+
+
+def _bump_epoch_in_mutators(cls) -> None:
+    """Wrap every public method of ``cls`` not marked ``@query`` so it bumps the epoch."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("_") or not callable(member) or hasattr(member, "is_query"):
+            continue
+        setattr(cls, name, _bumps_epoch(member))
+
+
 class CacheState:
+    """The cache's sequences, blocks and pages (``pt``) and the operations on them.
+
+    ``epoch`` counts structural changes: every public method not marked ``@query`` bumps it
+    (see the module docstring). Only a decode step changes the page table without a bump: it
+    grows each sequence's last block by one token, which the reused plan accounts for.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _bump_epoch_in_mutators(cls)
+
     def __init__(self, num_pages: int, page_size: int, support_sliding_window: bool):
         self.page_size = page_size
         self.support_sliding_window = support_sliding_window
         self.pt = PageTable(num_pages, page_size)
         self.epoch = 0
-        """Bumped by every change of the block/sequence structure (not by a plain decode step);
-        the decode fast path reuses its batch layout while it is unchanged."""
 
     # ------------------------------------------------------------------ lookups
+    @query
     def seq(self, seq_id) -> SeqState:
         seq_id = seq_id_arg(seq_id)     # a bool or 1.0 would find sequence 1 by hash
         try:
@@ -43,6 +82,7 @@ class CacheState:
             raise SequenceNotFoundError(
                 f"sequence {seq_id!r} is not in the cache ({len(self.pt.seqs)} sequences held)") from None
 
+    @query
     def length(self, seq_id) -> int:
         return self.pt.length(self.seq(seq_id))
 
@@ -51,12 +91,10 @@ class CacheState:
         seq_id = seq_id_arg(seq_id)
         if seq_id in self.pt.seqs:
             raise SequenceExistsError(f"sequence {seq_id} is already in the cache")
-        self.epoch += 1
         self.pt.add_sequence(seq_id, self.pt.new_block())
 
     def remove_sequence(self, seq_id) -> None:
         seq = self.seq(seq_id)
-        self.epoch += 1
         pt = self.pt
         b = int(pt.s_last[seq.slot])
         while b != -1 and pt.b_ref[b] == 1:
@@ -68,6 +106,7 @@ class CacheState:
         pt.drop_sequence(seq.seq_id)
 
     # ------------------------------------------------------------------ fork
+    @query
     def check_fork(self, parent_id, child_id, fork_pos) -> tuple[SeqState, int, int]:
         parent = self.seq(parent_id)
         child_id = seq_id_arg(child_id, "child_id")
@@ -101,7 +140,6 @@ class CacheState:
         return self._fork(parent, child_id, fork_pos)
 
     def _fork(self, parent: SeqState, child_id: int, fork_pos: int) -> list[PageCopy]:
-        self.epoch += 1
         pt, ps = self.pt, self.page_size
         copies = []
         last = int(pt.s_last[parent.slot])
@@ -141,9 +179,9 @@ class CacheState:
                 pt.b_start[b] += moved
                 pt.b_len[up] = moved
                 pt.b_len[b] -= moved
-                if pt.b_gap[b]:
+                if pt.b_window_offset[b]:
                     pt.b_sink[b] -= moved
-                    pt.b_gap[b] -= moved
+                    pt.b_window_offset[b] -= moved
             pt.b_start[child] = fork_pos - in_page
             pt.b_len[child] = in_page
             if in_page:
@@ -156,6 +194,7 @@ class CacheState:
         return copies
 
     # ------------------------------------------------------------------ popn
+    @query
     def check_popn(self, seq_id, n) -> tuple[SeqState, int]:
         seq = self.seq(seq_id)
         n = as_int(n, "n")
@@ -184,7 +223,6 @@ class CacheState:
         return self._popn(seq, n)
 
     def _popn(self, seq: SeqState, n: int) -> list[PageCopy]:
-        self.epoch += 1
         if n == 0:
             return []
         pt, ps = self.pt, self.page_size
@@ -199,9 +237,9 @@ class CacheState:
                 b = parent
                 pt.s_last[seq.slot] = b
                 continue
-            if pt.b_gap[b] and blen - n <= pt.b_sink[b]:
-                pt.b_sink[b] = pt.b_gap[b] = 0   # the window is gone: the sinks are a plain block
-            span = int(pt.b_gap[b]) + blen - n - int(pt.b_sink[b])
+            if pt.b_window_offset[b] and blen - n <= pt.b_sink[b]:
+                pt.b_sink[b] = pt.b_window_offset[b] = 0   # the window is gone: the sinks are a plain block
+            span = int(pt.b_window_offset[b]) + blen - n - int(pt.b_sink[b])
             keep = -(-span // ps)
             pages = pt.pages_of(b)
             pt.give_pages(pages[keep:].copy())
@@ -260,7 +298,6 @@ class CacheState:
                 f"sequence {seq.seq_id} shares its first {shared} tokens with other sequences "
                 f"and shared pages cannot slide out: sink_size must be at least {shared}, "
                 f"got {sink_size}")
-        self.epoch += 1
         self._merge_blocks(trace[own:])
         seq.window, seq.sink_request = window_size, sink_size
         self.pt.s_window[seq.slot] = window_size
@@ -286,25 +323,27 @@ class CacheState:
             pt.free_block(b)
         pt.set_pages(last, pages)
 
+    @query
     def block_sinks(self, seq: SeqState) -> int:
         """Sink tokens of a windowed sequence inside its last block (the tokens before it, at
         most ``sink_request`` of them, are all sinks)."""
         last = int(self.pt.s_last[seq.slot])
         return max(seq.sink_request - (self.pt.length(seq) - int(self.pt.b_len[last])), 0)
 
+    @query
     def slide_plan(self, seq: SeqState, append: int):
         pt = self.pt
         b = int(pt.s_last[seq.slot])
         return plan_slide(seq_len=int(pt.s_len[seq.slot]), block_len=int(pt.b_len[b]),
-                          sink=int(pt.b_sink[b]), gap=int(pt.b_gap[b]), npages=int(pt.b_npages[b]),
-                          window=seq.window, last_block_sink=self.block_sinks(seq), append=append,
+                          sink=int(pt.b_sink[b]), window_offset=int(pt.b_window_offset[b]),
+                          npages=int(pt.b_npages[b]), window=seq.window,
+                          last_block_sink=self.block_sinks(seq), append=append,
                           page_size=self.page_size)
 
-    def apply_slide(self, seq: SeqState, append: int, fresh) -> None:
+    def _slide(self, seq: SeqState, append: int, fresh) -> None:
         """Reserve ``append`` tokens in a sliding sequence's last block (``fresh``: its new
         pages, taken before any slide of the forward freed one), then slide: the pages that
         slide out go back to the free list."""
-        self.epoch += 1
         pt = self.pt
         b = int(pt.s_last[seq.slot])
         plan = self.slide_plan(seq, append)
@@ -314,10 +353,12 @@ class CacheState:
             lo, hi = plan.erase_at, plan.erase_at + plan.erase_count
             pt.give_pages(pages[lo:hi])
             pt.set_pages(b, np.concatenate([pages[:lo], pages[hi:]]))
-        pt.b_len[b], pt.b_sink[b], pt.b_gap[b] = plan.block_len, plan.sink, plan.gap
+        pt.b_len[b], pt.b_sink[b] = plan.block_len, plan.sink
+        pt.b_window_offset[b] = plan.window_offset
         pt.s_len[seq.slot] = plan.seq_len
 
     # ------------------------------------------------------------------ tree commit
+    @query
     def check_commit(self, seq_ids, leaf_indices) -> list[tuple[SeqState, int]]:
         seq_ids = seq_id_list(seq_ids, "seq_ids")
         leaf_indices = int_values(leaf_indices, "leaf_indices")
@@ -339,6 +380,7 @@ class CacheState:
             out.append((seq, leaf))
         return out
 
+    @query
     def commit_plan(self, items) -> tuple[np.ndarray, np.ndarray]:
         """Source and destination slots of the KV rows that move so each accepted path becomes
         contiguous right after the committed history."""
@@ -363,7 +405,6 @@ class CacheState:
         return np.asarray(src, np.int32), np.asarray(dst, np.int32)
 
     def commit(self, items) -> None:
-        self.epoch += 1
         for seq, leaf in items:
             size = len(seq.tree_parent)
             keep = seq.tree_depth[leaf] + 1 if leaf >= 0 else 0
@@ -373,5 +414,70 @@ class CacheState:
 
     # ------------------------------------------------------------------ misc
     def clear(self) -> None:
-        self.epoch += 1
         self.pt = PageTable(self.pt.num_pages, self.page_size)
+
+
+    # ------------------------------------------------------------------ forwards
+    def reserve_forward(self, seqs, last, append, need, slides: dict) -> ForwardUndo:
+        """Reserve a forward's tokens: ``need[i]`` new pages for sequence ``seqs[i]`` (last block
+        ``last[i]``) and ``append[i]`` tokens; ``slides`` maps the index of each sliding
+        sequence to its ``SlidePlan``. Every new page is taken first, then windows slide: a page
+        that slides out goes back to the free list but is never handed to this same forward, so
+        an aborted forward has written nothing into the rows its sequences keep again. Returns
+        the ``ForwardUndo`` that ``rollback_forward`` restores."""
+        pt = self.pt
+        slots = np.array([s.slot for s in seqs], np.int64)
+        undo = ForwardUndo(pt.num_free, slots, last, pt.s_len[slots], pt.b_len[last],
+                           pt.b_npages[last])
+        offsets = np.zeros(len(need) + 1, np.int64)
+        np.cumsum(need, out=offsets[1:])
+        fresh = pt.take_pages(int(offsets[-1]))
+        sliding = np.zeros(len(seqs), bool)
+        sliding[list(slides)] = True
+        for i in np.flatnonzero(need > 0):
+            if not sliding[i]:
+                pt.push_pages(int(last[i]), fresh[offsets[i]:offsets[i + 1]])
+        if slides:
+            undo.free_top = pt.free_pages[pt.num_free:undo.num_free].copy()
+            undo.slid = []
+            for i in slides:
+                b = int(last[i])
+                undo.slid.append((b, pt.pages_of(b).copy(), int(pt.b_sink[b]),
+                                  int(pt.b_window_offset[b])))
+                self._slide(seqs[i], int(append[i]), fresh[offsets[i]:offsets[i + 1]])
+        plain = np.flatnonzero(~sliding)
+        pt.b_len[last[plain]] += append[plain].astype(np.int32)
+        pt.s_len[slots[plain]] += append[plain].astype(np.int32)
+        return undo
+
+    def extend_trees(self, undo: ForwardUndo, seqs, parents, qo_indptr) -> None:
+        """Append each sequence's new token-tree nodes (``parents[qo_indptr[i]:qo_indptr[i+1]]``
+        for ``seqs[i]``) to its uncommitted tree; ``undo`` records the sizes before."""
+        undo.trees = [(seq, len(seq.tree_parent)) for seq in seqs]
+        for i, seq in enumerate(seqs):
+            lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
+            seq.tree_parent.extend(int(p) for p in parents[lo:hi])
+            for node in range(len(seq.tree_depth), len(seq.tree_parent)):
+                p = seq.tree_parent[node]
+                seq.tree_depth.append(0 if p < 0 else seq.tree_depth[p] + 1)
+            self.pt.s_tree[seq.slot] = len(seq.tree_parent)
+
+    def rollback_forward(self, undo: ForwardUndo) -> None:
+        """Undo a reserved forward: the page table, the free pages and the token trees as they
+        were before ``reserve_forward``."""
+        pt = self.pt
+        pt.b_len[undo.last] = undo.block_len
+        pt.b_npages[undo.last] = undo.npages
+        pt.s_len[undo.slots] = undo.seq_len
+        for b, pages, sink, window_offset in undo.slid:
+            pt.set_pages(b, pages)
+            pt.b_sink[b], pt.b_window_offset[b] = sink, window_offset
+        if undo.free_top is not None:
+            pt.free_pages[undo.num_free - len(undo.free_top):undo.num_free] = undo.free_top
+        pt.num_free = undo.num_free
+        for seq, size in undo.trees:
+            del seq.tree_parent[size:], seq.tree_depth[size:]
+            pt.s_tree[seq.slot] = size
+
+
+_bump_epoch_in_mutators(CacheState)

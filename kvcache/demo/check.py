@@ -63,7 +63,7 @@ def replay_check(name: str, config: kvcache.CacheConfig, model: ToyModel, worklo
     t0 = time.perf_counter()
     atol, rtol = TOLERANCES[config.dtype]
     result = CheckResult(name, config.dtype)
-    ref = kvcache.PagedKVCache(dataclasses.replace(config, cuda_graph=False), backend="reference")
+    ref = kvcache.PagedKVCache(dataclasses.replace(config, static_decode=False), backend="reference")
     bound = model.bind(ref)
     by_rid = {r.rid: r for r in workload.requests}
     prefix_sid: dict = {}     # shared prefixes are built once and kept, as in the run

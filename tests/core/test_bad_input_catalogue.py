@@ -76,7 +76,7 @@ def snapshot(cache):
 
 
 def assert_unchanged(cache, twin):
-    assert cache._plan is None, "a failed call left a forward open"
+    assert cache.open_plan is None, "a failed call left a forward open"
     assert snapshot(cache) == snapshot(twin)
     # the next forward (a repeat of the last decode batch, then a wider one) agrees bit for bit
     for ids in ([1, 2], [1, 2, 3]):
@@ -263,8 +263,8 @@ config_case("rope_theta", [None, "x", "10000", 0, -1.0, float("nan"), float("inf
                            [1.0]])
 config_case("rope_scale", [None, "x", float("nan"), -math.inf, True, np.True_, [1.0]])
 config_case("support_sliding_window", ["no", "", 1, 0, None, 1.0, [True]])
-config_case("cuda_graph", ["no", 1, 0, None])
-config_case("cuda_graph_batch_sizes", [None, 1, "1", (True,), (1.0,), (0,), (2, 1), (1, 1), (5,),
+config_case("static_decode", ["no", 1, 0, None])
+config_case("static_decode_batch_sizes", [None, 1, "1", (True,), (1.0,), (0,), (2, 1), (1, 1), (5,),
                                        (2**64,), (np.uint64(2**64 - 1),), ((1,),)])
 
 
@@ -277,13 +277,13 @@ def test_bad_config_is_typed_and_named(name, field, value):
 
 def test_config_accepts_numpy_ints_and_stores_python_ints():
     cfg = config(num_layers=np.int64(2), page_size=np.int32(4), max_total_tokens=np.uint16(64),
-                 cuda_graph_batch_sizes=(np.int64(1), 2), support_sliding_window=np.False_,
+                 static_decode_batch_sizes=(np.int64(1), 2), support_sliding_window=np.False_,
                  rope_theta=np.float32(500.0), rope_scale=2)
     assert cfg == config(num_layers=2, page_size=4, max_total_tokens=64,
-                         cuda_graph_batch_sizes=(1, 2), rope_theta=500.0, rope_scale=2.0)
+                         static_decode_batch_sizes=(1, 2), rope_theta=500.0, rope_scale=2.0)
     assert type(cfg.num_layers) is int and type(cfg.max_total_tokens) is int
     assert type(cfg.support_sliding_window) is bool and type(cfg.rope_theta) is float
-    assert all(type(b) is int for b in cfg.cuda_graph_batch_sizes)
+    assert all(type(b) is int for b in cfg.static_decode_batch_sizes)
     kvcache.PagedKVCache(cfg, backend="reference")
 
 

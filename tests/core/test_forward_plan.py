@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvcache
-from kvcache.core.forward import ForwardBuilder
+from kvcache.core.plan import DEPTH_SIZES, walk
 
 
 def make_cache(page_size=4, tokens=400):
@@ -18,7 +18,16 @@ def make_cache(page_size=4, tokens=400):
 
 
 def grow(cache, sid, n):
-    cache._builder.begin([sid], [n])
+    cache.planner.begin([sid], [n])
+
+
+def arrays(plan) -> dict:
+    """Every array of a plan by (depth or None, field name)."""
+    return {(d, name): a for d, name, a in walk(plan)}
+
+
+def sizes(plan) -> list:
+    return [{name: getattr(d, name) for name in DEPTH_SIZES} for d in plan.depths]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -35,16 +44,17 @@ def test_decode_fast_path_equals_general_path(seed):
         ids.append(i)
     rng.shuffle(ids)
     for step in range(int(rng.integers(1, 20))):
-        general = copy.deepcopy(cache._builder)
+        general = copy.deepcopy(cache.planner)
         general.fast_path = False
-        fast_plan = cache._builder.begin(ids, [1] * len(ids))
+        fast_plan = cache.planner.begin(ids, [1] * len(ids))
         slow_plan = general.begin(ids, [1] * len(ids))
-        assert set(fast_plan.arrays) == set(slow_plan.arrays)
-        for key in fast_plan.arrays:
-            np.testing.assert_array_equal(fast_plan.arrays[key], slow_plan.arrays[key], err_msg=key)
-            assert fast_plan.arrays[key].dtype == np.int32, key
-        assert fast_plan.append_first and slow_plan.append_first
-        assert [vars(d) for d in fast_plan.depths] == [vars(d) for d in slow_plan.depths]
+        fast_a, slow_a = arrays(fast_plan), arrays(slow_plan)
+        assert set(fast_a) == set(slow_a)
+        for key in fast_a:
+            np.testing.assert_array_equal(fast_a[key], slow_a[key], err_msg=str(key))
+            assert fast_a[key].dtype == np.int32, key
+        assert fast_plan.paged_only and slow_plan.paged_only
+        assert sizes(fast_plan) == sizes(slow_plan)
         np.testing.assert_array_equal(cache.state.pt.free_pages[:cache.state.pt.num_free],
                                       general.state.pt.free_pages[:general.state.pt.num_free])
 
@@ -55,17 +65,16 @@ def test_shared_prefix_is_coalesced_into_one_entry():
     grow(cache, 0, 16)                      # 4 full pages
     for child in (1, 2, 3):
         cache.fork_sequence(0, child)
-    plan = cache._builder.begin([1, 2, 3], [3, 2, 5])   # prefill: not decode, coalesce allowed
-    a = plan.arrays
+    plan = cache.planner.begin([1, 2, 3], [3, 2, 5])   # prefill: not decode, coalesce allowed
     assert len(plan.depths) == 2
     # depth 0: the shared 16-token block once, read by all 10 queries
-    np.testing.assert_array_equal(a["d0.qo_indptr"], [0, 10])
-    np.testing.assert_array_equal(a["d0.kv_len"], [16])
-    np.testing.assert_array_equal(a["d0.page_indices"], [0, 1, 2, 3])
+    np.testing.assert_array_equal(plan.depths[0].qo_indptr, [0, 10])
+    np.testing.assert_array_equal(plan.depths[0].kv_len, [16])
+    np.testing.assert_array_equal(plan.depths[0].page_indices, [0, 1, 2, 3])
     # depth 1: each child's own (empty before this forward) block
-    np.testing.assert_array_equal(a["d1.qo_indptr"], [0, 3, 5, 10])
-    np.testing.assert_array_equal(a["d1.kv_len"], [0, 0, 0])
-    np.testing.assert_array_equal(a["q_positions"], [16, 17, 18, 16, 17, 16, 17, 18, 19, 20])
+    np.testing.assert_array_equal(plan.depths[1].qo_indptr, [0, 3, 5, 10])
+    np.testing.assert_array_equal(plan.depths[1].kv_len, [0, 0, 0])
+    np.testing.assert_array_equal(plan.tokens.q_positions, [16, 17, 18, 16, 17, 16, 17, 18, 19, 20])
 
 
 def test_decode_over_shared_prefix_uses_uncoalesced_decode_entries():
@@ -73,11 +82,11 @@ def test_decode_over_shared_prefix_uses_uncoalesced_decode_entries():
     cache.add_sequence(0)
     grow(cache, 0, 8)
     cache.fork_sequence(0, 1)
-    plan = cache._builder.begin([0, 1], [1, 1])
+    plan = cache.planner.begin([0, 1], [1, 1])
     # decode with a 2-way share of 2 pages: coalescing saves 2x < threshold? no: 4/2 = 2 >= 1.1
     assert not plan.depths[0].use_decode
-    np.testing.assert_array_equal(plan.arrays["d0.qo_indptr"], [0, 2])
-    np.testing.assert_array_equal(plan.arrays["d1.kv_len"], [1, 1])      # append-first: includes new token
+    np.testing.assert_array_equal(plan.depths[0].qo_indptr, [0, 2])
+    np.testing.assert_array_equal(plan.depths[1].kv_len, [1, 1])      # append-first: includes new token
 
 
 def test_deep_fork_chain_folds_into_last_depth():
@@ -88,19 +97,20 @@ def test_deep_fork_chain_folds_into_last_depth():
         grow(cache, parent, 2)
         cache.fork_sequence(parent, child)
         parent = child
-    plan = cache._builder.begin([parent], [1])
+    plan = cache.planner.begin([parent], [1])
     assert len(plan.depths) == 2
-    np.testing.assert_array_equal(plan.arrays["d0.kv_len"], [2])
-    np.testing.assert_array_equal(plan.arrays["d1.kv_len"], [11])          # 5 folded blocks + new token
+    np.testing.assert_array_equal(plan.depths[0].kv_len, [2])
+    np.testing.assert_array_equal(plan.depths[1].kv_len, [11])          # 5 folded blocks + new token
     assert cache.sequence_length(parent) == 13
 
 
 def _assert_same_plan(fast_plan, slow_plan, fast_pt, slow_pt):
-    assert set(fast_plan.arrays) == set(slow_plan.arrays)
-    for key in fast_plan.arrays:
-        np.testing.assert_array_equal(fast_plan.arrays[key], slow_plan.arrays[key], err_msg=key)
-        assert fast_plan.arrays[key].dtype == np.int32, key
-    assert [vars(d) for d in fast_plan.depths] == [vars(d) for d in slow_plan.depths]
+    fast_a, slow_a = arrays(fast_plan), arrays(slow_plan)
+    assert set(fast_a) == set(slow_a)
+    for key in fast_a:
+        np.testing.assert_array_equal(fast_a[key], slow_a[key], err_msg=str(key))
+        assert fast_a[key].dtype == np.int32, key
+    assert sizes(fast_plan) == sizes(slow_plan)
     np.testing.assert_array_equal(fast_pt.free_pages[:fast_pt.num_free],
                                   slow_pt.free_pages[:slow_pt.num_free])
 
@@ -115,7 +125,7 @@ def test_repeated_decode_batches_update_their_layout_like_a_rebuild(seed):
     fast = make_cache(page_size=ps, tokens=6000)
     fast.config.__class__  # noqa: B018
     slow = copy.deepcopy(fast)
-    slow._builder.fast_path = False
+    slow.planner.fast_path = False
 
     def both(op, *args):
         getattr(fast, op)(*args)
@@ -123,8 +133,8 @@ def test_repeated_decode_batches_update_their_layout_like_a_rebuild(seed):
 
     both("add_sequence", 0)
     n0 = int(rng.integers(1, 40))
-    fast._builder.begin([0], [n0])
-    slow._builder.begin([0], [n0])
+    fast.planner.begin([0], [n0])
+    slow.planner.begin([0], [n0])
     live = [0]
     next_id = 1
     for _ in range(int(rng.integers(3, 9))):          # a forked family: up to 3 levels
@@ -132,8 +142,8 @@ def test_repeated_decode_batches_update_their_layout_like_a_rebuild(seed):
         pos = int(rng.integers(0, fast.sequence_length(parent) + 1))
         both("fork_sequence", parent, next_id, pos)
         n = int(rng.integers(1, 20))
-        fast._builder.begin([next_id], [n])
-        slow._builder.begin([next_id], [n])
+        fast.planner.begin([next_id], [n])
+        slow.planner.begin([next_id], [n])
         live.append(next_id)
         next_id += 1
     batch = [int(x) for x in rng.permutation(live)[:int(rng.integers(1, len(live) + 1))]]
@@ -149,15 +159,15 @@ def test_repeated_decode_batches_update_their_layout_like_a_rebuild(seed):
                 next_id += 1
             elif op == "add":
                 both("add_sequence", next_id)
-                fast._builder.begin([next_id], [3])
-                slow._builder.begin([next_id], [3])
+                fast.planner.begin([next_id], [3])
+                slow.planner.begin([next_id], [3])
                 batch.append(next_id)
                 next_id += 1
             elif op == "remove" and len(batch) > 1:
                 both("remove_sequence", victim)
                 batch.remove(victim)
-        fast_plan = fast._builder.begin(batch, [1] * len(batch))
-        slow_plan = slow._builder.begin(batch, [1] * len(batch))
+        fast_plan = fast.planner.begin(batch, [1] * len(batch))
+        slow_plan = slow.planner.begin(batch, [1] * len(batch))
         _assert_same_plan(fast_plan, slow_plan, fast.state.pt, slow.state.pt)
         assert fast.sequence_length(batch[0]) == slow.sequence_length(batch[0])
     fast.state.pt.check_invariants()
@@ -170,12 +180,12 @@ def test_repeated_decode_reuses_the_layout():
     grow(cache, 0, 16)
     for child in (1, 2, 3):
         cache.fork_sequence(0, child)
-    first = cache._builder.begin([1, 2, 3], [1, 1, 1])
-    layout = cache._builder._layout
+    first = cache.planner.begin([1, 2, 3], [1, 1, 1])
+    layout = cache.planner.decode_reuse
     assert layout is not None and len(first.depths) == 2
-    second = cache._builder.begin([1, 2, 3], [1, 1, 1])
-    assert cache._builder._layout is layout
-    np.testing.assert_array_equal(second.arrays["d1.kv_len"], first.arrays["d1.kv_len"] + 1)
+    second = cache.planner.begin([1, 2, 3], [1, 1, 1])
+    assert cache.planner.decode_reuse is layout
+    np.testing.assert_array_equal(second.depths[1].kv_len, first.depths[1].kv_len + 1)
     cache.add_sequence(9)                              # any structural change: rebuild
-    cache._builder.begin([1, 2, 3], [1, 1, 1])
-    assert cache._builder._layout is not layout
+    cache.planner.begin([1, 2, 3], [1, 1, 1])
+    assert cache.planner.decode_reuse is not layout

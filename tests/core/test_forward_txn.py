@@ -99,7 +99,7 @@ class Twins:
                 cache.end_forward()
             missing = [str(x) for x in range(layers, cache.config.num_layers)]
             assert all(m in str(info.value) for m in missing), str(info.value)
-            assert cache.graph_batch_size is None and cache._plan is not None   # still open
+            assert cache.static_bucket is None and cache.open_plan is not None   # still open
             cache.abort_forward()
         else:
             cache.begin_forward(ids, lens, tree)
@@ -277,5 +277,5 @@ def test_decode_plan_of_an_aborted_step_is_not_reused():
     t.decode([0, 1], steps=2)
     epoch = t.a.state.epoch
     t.aborted([0, 1], [1, 1])
-    assert t.a._builder._layout is None and t.a.state.epoch != epoch
+    assert t.a.planner.decode_reuse is None and t.a.state.epoch != epoch
     t.decode([0, 1], steps=3)

@@ -8,6 +8,7 @@ import pytest
 import kvcache
 from kvcache import plugins
 from kvcache.core.aux import ALIGN, MergedAuxManager, pack_reference
+from kvcache.core.plan import walk
 from kvcache.reference import ReferenceBackend
 
 
@@ -135,7 +136,7 @@ def test_merged_aux_one_copy_per_forward_lazy_and_views_match_packing():
     for step, lens in enumerate(([5, 3], [1, 1], [2, 1])):
         cache.begin_forward([0, 1], lens)
         assert not [e for e in log if e[0] == "copy"][step:], "copy must be lazy"
-        plan = cache._plan
+        plan = cache.open_plan
         t = sum(lens)
         for layer in range(2):
             q = rng.standard_normal((t, 4, 8)).astype(np.float32)
@@ -143,10 +144,12 @@ def test_merged_aux_one_copy_per_forward_lazy_and_views_match_packing():
             cache.attention(layer, q, kv, kv)
         copies = [e for e in log if e[0] == "copy"]
         assert len(copies) == step + 1 and copies[-1][2] == "copy-stream"
-        packed = pack_reference(plan.arrays)
+        packed = pack_reference(plan)
         assert copies[-1][1] == len(packed) and len(packed) % ALIGN == 0
-        for name, view in cache._aux.items():
-            np.testing.assert_array_equal(view, plan.arrays[name])
+        views, host = list(walk(cache.forward_aux())), list(walk(plan))
+        assert [(d, name) for d, name, _ in views] == [(d, name) for d, name, _ in host]
+        for (d, name, view), (_, _, array) in zip(views, host):
+            np.testing.assert_array_equal(view, array, err_msg=f"depth {d} {name}")
         cache.end_forward()
     waits = [e for e in log if e[0] == "wait" and e[2] is None]
     assert len(waits) == 3                                   # compute waits once per forward

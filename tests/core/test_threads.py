@@ -76,7 +76,7 @@ def test_a_call_from_another_thread_during_a_forward_raises_naming_the_owner(nam
     msg = str(box["error"])
     assert threading.current_thread().name in msg and str(threading.get_ident()) in msg, msg
     # the owner's forward is untouched and finishes
-    assert cache.num_available_pages == free and cache._plan is not None
+    assert cache.num_available_pages == free and cache.open_plan is not None
     cache.attention(1, *qkv(cache, 2, 1.0))
     cache.end_forward()
     assert cache.sequence_length(0) == 2 and cache.sequence_length(1) == 0

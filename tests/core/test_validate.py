@@ -150,11 +150,11 @@ def test_repeat_decode_step_still_takes_the_fast_path(monkeypatch, ids, lengths)
     _finish(cache)
     cache.begin_forward([0, 1], [1, 1])
     _finish(cache)
-    from kvcache.core.forward import ForwardBuilder
+    from kvcache.core.decode import DecodeReuse
     taken = []
-    real = ForwardBuilder._decode_step_flat
-    monkeypatch.setattr(ForwardBuilder, "_decode_step_flat",
-                        lambda self, layout: taken.append(1) or real(self, layout))
+    real = DecodeReuse.next_step
+    monkeypatch.setattr(DecodeReuse, "next_step",
+                        lambda self, *args: taken.append(1) or real(self, *args))
     for _ in range(3):
         cache.begin_forward(ids, lengths)
         _finish(cache)

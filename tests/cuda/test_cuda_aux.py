@@ -9,6 +9,7 @@ import pytest
 
 import cuda_cases as cc
 import kvcache
+from kvcache.core.plan import walk
 from kvcache.core.aux import MergedAuxManager, pack_reference
 
 pytestmark = pytest.mark.skipif(cc.ON_GPU, reason="host stream/event recorders are CPU-mode only; "
@@ -42,25 +43,25 @@ def test_one_lazy_copy_per_forward_and_views_match_pack_reference():
     cache.begin_forward([0, 1, 2], [5, 17, 9])
     mgr = cache.aux_manager
     assert mgr.copies == 0, "the copy must be lazy (not issued by begin_forward)"
-    arrays = cache._plan.arrays
+    plan = cache.open_plan
     for layer in range(2):
         cache.attention(layer, *_qkv(cache, rng, 31))
     pos = cache.query_positions()
     assert mgr.copies == 1, "one merged host->device copy per forward"
-    aux = cache._aux
-    packed = pack_reference(arrays)
+    views = [view for _, _, view in walk(cache.forward_aux())]
+    arrays = [array for _, _, array in walk(plan)]
+    packed = pack_reference(plan)
     offsets, total = MergedAuxManager.layout(arrays)
     slot = mgr.slots[mgr.current]
     device_buf = slot.device
-    for name, array in arrays.items():
-        view = aux[name]
-        np.testing.assert_array_equal(view.numpy(), array, err_msg=name)
-        np.testing.assert_array_equal(view.numpy(), packed[offsets[name]:offsets[name] + len(array)])
+    for view, array, off in zip(views, arrays, offsets, strict=True):
+        np.testing.assert_array_equal(view.numpy(), array)
+        np.testing.assert_array_equal(view.numpy(), packed[off:off + len(array)])
         # a view into the one device buffer, not a copy
         assert view.untyped_storage().data_ptr() == device_buf.untyped_storage().data_ptr()
-        assert view.storage_offset() == offsets[name]
+        assert view.storage_offset() == off
     assert total <= device_buf.numel()
-    np.testing.assert_array_equal(pos.numpy(), arrays["q_positions"])
+    np.testing.assert_array_equal(pos.numpy(), plan.tokens.q_positions)
     # the device buffer is distinct memory from the (pinned on GPU) staging buffer
     assert device_buf.untyped_storage().data_ptr() != slot.host_handle.untyped_storage().data_ptr()
     cache.end_forward()
@@ -79,7 +80,7 @@ def test_double_buffer_alternates_and_orders_by_events():
         qkv = _qkv(cache, rng, 3 if step == 0 else 1)
         cache.attention(0, *qkv)
         used.append(mgr.current)
-        storages.append(cache._aux["qo_indptr"].untyped_storage().data_ptr())
+        storages.append(cache.forward_aux().tokens.qo_indptr.untyped_storage().data_ptr())
         # the compute stream waited on the event recorded on the copy stream after the copy
         new = compute.waited[n_before_compute:]
         assert len(new) == 1 and new[0].stream is copy_stream
@@ -143,14 +144,14 @@ def test_tiles_fit_h100_shared_memory(head_dim, elem, kind):
 def test_clear_inside_a_forward_releases_the_aux_buffer():
     """clear() ends an open forward: its aux buffer gets a release event, so the next copy into
     that buffer waits for the kernels that read it (graph mode's single buffer included)."""
-    cfg = cc.config(cuda_graph=True, max_batch_size=4)
+    cfg = cc.config(static_decode=True, max_batch_size=4)
     cache = kvcache.PagedKVCache(cfg, backend="cuda", device=cc.DEVICE)
     cache.add_sequence(0)
     cache.begin_forward([0], [1])                       # a graph-mode step: buffer uploaded
-    assert cache.graph_batch_size == 1
+    assert cache.static_bucket == 1
     cache.clear()
-    assert cache.aux_manager._graph.release_event is not None
-    assert not cache.aux_manager._graph_open
+    assert cache.aux_manager._static.release_event is not None
+    assert not cache.aux_manager._static_open
 
 
 def _copy_waits(cache):
@@ -184,7 +185,7 @@ def test_first_copy_into_a_new_device_buffer_waits_for_the_compute_stream():
 
 
 def test_graph_buffer_first_copy_waits_for_the_compute_stream():
-    cache = _cache(cuda_graph=True)
+    cache = _cache(static_decode=True)
     cache.add_sequence(0)
     rng = np.random.default_rng(1)
     with cache.forward([0], [4]):
@@ -192,7 +193,7 @@ def test_graph_buffer_first_copy_waits_for_the_compute_stream():
             cache.attention(layer, *_qkv(cache, rng, 4))
     before = len(_copy_waits(cache))
     cache.begin_forward([0], [1])          # graph mode: begin_forward copies into the new buffer
-    assert cache.graph_batch_size is not None
+    assert cache.static_bucket is not None
     assert len(_copy_waits(cache)) > before, "the graph buffer's first copy did not wait"
     cache.abort_forward()
 
@@ -201,7 +202,7 @@ def test_graph_buffer_first_copy_waits_for_the_compute_stream():
 def test_abort_forward_releases_the_aux_buffer(graph):
     """An aborted forward's aux buffer gets a release event like an ended one's, so the next
     copy into it waits for the kernels that may still read it."""
-    cache = kvcache.PagedKVCache(cc.config(cuda_graph=graph, max_batch_size=4), backend="cuda",
+    cache = kvcache.PagedKVCache(cc.config(static_decode=graph, max_batch_size=4), backend="cuda",
                                  device=cc.DEVICE)
     mgr = cache.aux_manager
     cache.add_sequence(0)
@@ -209,7 +210,7 @@ def test_abort_forward_releases_the_aux_buffer(graph):
     cache.query_positions()                             # eager: the lazy copy happens here
     cache.abort_forward()
     if graph:
-        assert mgr._graph.release_event is not None and not mgr._graph_open
+        assert mgr._static.release_event is not None and not mgr._static_open
     else:
         assert mgr.slots[mgr.current].release_event is not None
     assert cache.sequence_length(0) == 0

@@ -18,7 +18,7 @@ def test_registered_through_the_entry_point():
     assert rows["cuda"]["priority"] == 100
     caps = CudaBackend.capabilities
     assert caps.copy_stream and caps.merged_aux and caps.fused_rope_append and caps.inline_rope
-    assert caps.tree_attention and caps.sliding_window and caps.cuda_graph
+    assert caps.tree_attention and caps.sliding_window and caps.static_decode
     assert set(caps.dtypes) == {"float16", "bfloat16", "float32"}
     assert {64, 128, 256} <= set(caps.head_dims)
 

@@ -1,4 +1,4 @@
-"""Graph mode (``CacheConfig(cuda_graph=True)``): padded decode plans in one fixed-address aux
+"""Graph mode (``CacheConfig(static_decode=True)``): padded decode plans in one fixed-address aux
 buffer, outputs equal to eager non-graph execution and to the reference (forks at several
 depths, histories growing 100x), and ``DecodeGraphs`` capture/replay with its refusals.
 
@@ -11,6 +11,7 @@ import pytest
 import cuda_cases as cc
 import kvcache
 from kvcache.conformance import assert_close
+from kvcache.core.plan import walk
 from kvcache.errors import ForwardStateError, InvalidArgumentError
 
 DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
@@ -20,9 +21,9 @@ def make(dtype, graph, backend="cuda", rope="normal", buckets=(), max_tokens=819
     cfg = kvcache.CacheConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                               page_size=16, max_batch_size=8, max_total_tokens=max_tokens,
                               prefill_chunk_size=2048, dtype=dtype, rope_mode=rope,
-                              cuda_graph=graph, cuda_graph_batch_sizes=buckets)
+                              static_decode=graph, static_decode_batch_sizes=buckets)
     if backend == "reference":
-        return kvcache.PagedKVCache(cfg.__class__(**{**cfg.__dict__, "cuda_graph": False}),
+        return kvcache.PagedKVCache(cfg.__class__(**{**cfg.__dict__, "static_decode": False}),
                                     backend="reference")
     return kvcache.PagedKVCache(cfg, backend=backend, device=cc.DEVICE)
 
@@ -67,8 +68,8 @@ class Trio:
     def decode(self, ids, padded_inputs=False):
         """One decode step; the graph cache gets bucket-row inputs when ``padded_inputs``."""
         self.each("begin_forward", ids, [1] * len(ids))
-        bucket = self.graph.graph_batch_size
-        assert bucket == self.cfg.graph_bucket(len(ids))
+        bucket = self.graph.static_bucket
+        assert bucket == self.cfg.static_bucket(len(ids))
         outs = []
         for layer in range(self.cfg.num_layers):
             parts = self.inputs(bucket)
@@ -137,8 +138,9 @@ def test_graph_aux_buffer_has_fixed_addresses_and_one_copy_per_step():
         ids = [0, 1, 2] if step % 5 else [2, 0, 1]
         cache.begin_forward(ids, [1, 1, 1])
         assert manager.copies == copies + 1      # copied by begin_forward itself
-        ptrs = {k: v.data_ptr() for k, v in cache._aux.items()}
-        shapes = {k: tuple(v.shape) for k, v in cache._aux.items()}
+        views = list(walk(cache.forward_aux()))
+        ptrs = {(d, k): v.data_ptr() for d, k, v in views}
+        shapes = {(d, k): tuple(v.shape) for d, k, v in views}
         if seen is None:
             seen = (ptrs, shapes)
         assert (ptrs, shapes) == seen, f"step {step}: the graph aux views moved or changed shape"
@@ -158,14 +160,13 @@ def test_graph_plan_pads_and_keeps_launch_parameters_fixed():
     metas = set()
     for ids in ([0, 1, 2], [4, 9, 0], [9, 3, 1]):
         cache.begin_forward(ids, [1, 1, 1])
-        plan = cache._plan
-        a = plan.arrays
-        assert plan.graph_bucket == 4 and len(plan.depths) == 1
-        np.testing.assert_array_equal(a["qo_indptr"], np.arange(5))
-        assert a["append_slots"][3] == -1 and a["d0.kv_len"][3] == 0
-        assert a["d0.page_indptr"][4] == a["d0.page_indptr"][3]
+        plan = cache.open_plan
         d = plan.depths[0]
-        metas.add((d.num_entries, d.use_decode, d.max_kv_len, d.has_tree))
+        assert plan.static_bucket == 4 and len(plan.depths) == 1
+        np.testing.assert_array_equal(plan.tokens.qo_indptr, np.arange(5))
+        assert plan.tokens.append_slots[3] == -1 and d.kv_len[3] == 0
+        assert d.page_indptr[4] == d.page_indptr[3]
+        metas.add((d.num_entries, d.use_decode, d.max_kv_len, d.tree is not None))
         cache.abort_forward()
     assert metas == {(4, True, cache.config.num_pages * 16, False)}
 
@@ -175,13 +176,13 @@ def test_prefill_and_oversized_batches_stay_eager():
     for sid in range(6):
         cache.add_sequence(sid)
     cache.begin_forward([0, 1], [5, 3])
-    assert cache.graph_batch_size is None        # prefill: eager plan
+    assert cache.static_bucket is None        # prefill: eager plan
     cache.abort_forward()
     cache.begin_forward(list(range(6)), [1] * 6)
-    assert cache.graph_batch_size is None        # beyond the largest bucket: eager
+    assert cache.static_bucket is None        # beyond the largest bucket: eager
     cache.abort_forward()
     cache.begin_forward([0, 1, 2], [1, 1, 1])
-    assert cache.graph_batch_size == 4
+    assert cache.static_bucket == 4
     cache.abort_forward()
 
 
@@ -193,14 +194,14 @@ def test_wrong_row_counts_are_refused():
     c = cache.config
     q = cache.from_numpy(np.zeros((3, c.num_qo_heads, c.head_dim), np.float32))
     kv = cache.from_numpy(np.zeros((3, c.num_kv_heads, c.head_dim), np.float32))
-    with pytest.raises(InvalidArgumentError, match="or 2 rows: the graph bucket"):
+    with pytest.raises(InvalidArgumentError, match="or 2 rows: the static-shape bucket"):
         cache.attention(0, q, kv, kv)
 
 
 def test_graph_mode_needs_the_capability():
     cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=64,
-                              dtype="float32", cuda_graph=True)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="cuda_graph"):
+                              dtype="float32", static_decode=True)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="static_decode"):
         kvcache.PagedKVCache(cfg, backend="reference")
 
 
@@ -271,7 +272,7 @@ def test_decode_graphs_capture_short_replay_long_with_forks():
 
     def step(ids, capture=False):
         both("begin_forward", ids, [1] * len(ids))
-        bucket = graph_cache.graph_batch_size
+        bucket = graph_cache.static_bucket
         values = engine.fill(bucket, len(ids))
         outs = engine.graphs.capture(engine.step_fn(bucket)) if capture else engine.graphs.replay()
         for layer, (o, lse) in enumerate(outs):
@@ -330,14 +331,14 @@ def test_decode_graphs_refuse_eager_forwards_and_double_replay():
         engine.graphs.replay()
     cache.end_forward()
     cache.begin_forward([0, 1], [2, 1])          # prefill: eager only
-    with pytest.raises(InvalidArgumentError, match="not a graph-mode decode step"):
+    with pytest.raises(InvalidArgumentError, match="not a static-shape decode step"):
         engine.graphs.replay()
     cache.abort_forward()
     cache.begin_forward(list(range(6)), [1] * 6)  # beyond the largest bucket
-    with pytest.raises(InvalidArgumentError, match="not a graph-mode decode step"):
+    with pytest.raises(InvalidArgumentError, match="not a static-shape decode step"):
         engine.graphs.replay()
     cache.abort_forward()
-    with pytest.raises(InvalidArgumentError, match="cuda_graph=True"):
+    with pytest.raises(InvalidArgumentError, match="static_decode=True"):
         from kvcache_cuda import DecodeGraphs
         DecodeGraphs(make("float32", False))
 
@@ -364,8 +365,8 @@ def test_aborted_graph_step_is_undone_and_the_graphs_still_serve():
 
     def step(ids, capture=False, abort=False):
         graph_cache.begin_forward(ids, [1] * len(ids))
-        values = engine.fill(graph_cache.graph_batch_size, len(ids))
-        outs = engine.graphs.capture(engine.step_fn(graph_cache.graph_batch_size)) if capture \
+        values = engine.fill(graph_cache.static_bucket, len(ids))
+        outs = engine.graphs.capture(engine.step_fn(graph_cache.static_bucket)) if capture \
             else engine.graphs.replay()
         if abort:
             graph_cache.abort_forward()

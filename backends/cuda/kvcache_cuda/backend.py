@@ -89,7 +89,7 @@ class CudaBackend(Backend):
     description = "torch + Triton on NVIDIA GPUs (copy stream, merged aux, split-K decode)"
     capabilities = Capabilities(
         dtypes=("float16", "bfloat16", "float32"),
-        copy_stream=True, merged_aux=True, cuda_graph=True,
+        copy_stream=True, merged_aux=True, static_decode=True,
         tree_attention=True, sliding_window=True, fused_rope_append=True, inline_rope=True,
         head_dims=(64, 128, 256),
     )

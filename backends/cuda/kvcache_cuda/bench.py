@@ -285,12 +285,12 @@ def graph_bench(torch, backend_cls, device, args, results):
             num_layers=GRAPH_LAYERS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
             dtype=args.dtype, rope_mode="normal", max_batch_size=max(GRAPH_BATCHES),
             max_total_tokens=batch * (GRAPH_KV + 4 * args.iters + 64) + PS,
-            prefill_chunk_size=GRAPH_KV, cuda_graph=True, cuda_graph_batch_sizes=GRAPH_BATCHES)
+            prefill_chunk_size=GRAPH_KV, static_decode=True, static_decode_batch_sizes=GRAPH_BATCHES)
         cache = kvcache.PagedKVCache(cfg, backend=backend_cls.name, device=args.device)
         ids = list(range(batch))
         for sid in ids:              # histories through the planner only: timing needs no values
             cache.add_sequence(sid)
-            cache._builder.begin([sid], [GRAPH_KV])
+            cache.planner.begin([sid], [GRAPH_KV])
         static = [[torch.randn((batch, h, D), device=device).to(cache.backend.dtype)
                    for h in (HQ, HKV, HKV)] for _ in range(GRAPH_LAYERS)]
 

@@ -1,8 +1,8 @@
 """Capture a decode step in a CUDA (or HIP) graph once per batch bucket, replay it every step.
 
-In graph mode (``CacheConfig(cuda_graph=True)``) a decode ``begin_forward`` pads the batch to a
-bucket, copies the step's index arrays into one fixed-address device buffer, and makes every
-launch parameter depend on the bucket alone; kernels read lengths and page lists from that
+With static-shape decode (``CacheConfig(static_decode=True)``) a decode ``begin_forward`` pads
+the batch to a bucket, copies the step's index arrays into one fixed-address device buffer, and
+makes every launch parameter depend on the bucket alone; kernels read lengths and page lists from that
 buffer. A graph captured on one step therefore serves any later step of the same bucket, with
 other sequences and longer histories::
 
@@ -16,7 +16,7 @@ other sequences and longer histories::
     out = graphs.replay()                              # the bucket's graph; raises if none fits
     cache.end_forward()
 
-``replay`` refuses (typed error, nothing launched) when the open forward is not a graph-mode
+``replay`` refuses (typed error, nothing launched) when the open forward is not a static-shape
 decode step, when no graph was captured for its bucket, when the cache's graph buffer moved, or
 when the step was already replayed, so a graph never runs on stale index data.
 """
@@ -43,8 +43,8 @@ class _HostGraph:
 
 class DecodeGraphs:
     def __init__(self, cache, warmup: int = 1):
-        if not cache.config.cuda_graph:
-            raise InvalidArgumentError("DecodeGraphs needs a cache built with CacheConfig(cuda_graph=True)")
+        if not cache.config.static_decode:
+            raise InvalidArgumentError("DecodeGraphs needs a cache built with CacheConfig(static_decode=True)")
         if warmup < 1:
             raise InvalidArgumentError(f"warmup must be at least 1 (Triton compiles outside capture), got {warmup}")
         self.cache = cache
@@ -61,20 +61,22 @@ class DecodeGraphs:
         return sorted(self.graphs)
 
     def _bucket(self, what: str) -> int:
-        plan = self.cache._open(what)
-        if plan.graph_bucket is None:
+        plan = self.cache.open_plan
+        if plan is None:
+            raise ForwardStateError(f"{what} needs an open forward: call begin_forward first")
+        if plan.static_bucket is None:
             raise InvalidArgumentError(
-                f"{what}: the open forward over sequences {plan.seq_ids} is not a graph-mode decode "
+                f"{what}: the open forward over sequences {plan.seq_ids} is not a static-shape decode "
                 f"step (one token per committed sequence, at most "
-                f"{self.cache.config.graph_buckets[-1]} sequences); run it eagerly")
-        return plan.graph_bucket
+                f"{self.cache.config.static_buckets[-1]} sequences); run it eagerly")
+        return plan.static_bucket
 
     def _buffer(self) -> int:
-        buf = self.cache.aux_manager.graph_device_buffer
+        buf = self.cache.aux_manager.static_device_buffer
         return buf.data_ptr() if hasattr(buf, "data_ptr") else id(buf)
 
     def _reset_layers(self) -> None:
-        self.cache._layers_done = set()   # warm-up and capture run every layer again
+        self.cache.rerun_layers()   # warm-up and capture run every layer again
 
     def capture(self, step: Callable):
         """Run ``step()`` eagerly ``warmup`` times, then capture it for the open forward's bucket
@@ -106,14 +108,14 @@ class DecodeGraphs:
             graph.replay()       # capture only records: run it so ``out`` holds this step's values
             self.graphs[bucket] = (graph, out)
         self._buffer_ptr = self._buffer()
-        self._last_plan = self.cache._plan
-        self._layers[bucket] = frozenset(self.cache._layers_done)
+        self._last_plan = self.cache.open_plan
+        self._layers[bucket] = self.cache.layers_run
         return out
 
     def replay(self):
         """Replay the graph of the open forward's bucket; returns its static outputs."""
         bucket = self._bucket("replay")
-        plan = self.cache._plan
+        plan = self.cache.open_plan
         if bucket not in self.graphs:
             raise InvalidArgumentError(
                 f"decode batch of {len(plan.seq_ids)} sequences pads to bucket {bucket}, but graphs "
@@ -127,5 +129,5 @@ class DecodeGraphs:
         graph, out = self.graphs[bucket]
         self._last_plan = plan
         result = graph.replay()
-        self.cache._layers_done = set(self._layers[bucket])    # the replay ran them
+        self.cache.mark_layers_run(self._layers[bucket])    # the replay ran them
         return out if result is None else result

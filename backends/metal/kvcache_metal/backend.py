@@ -60,7 +60,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
     description = "MLX arrays and streams; Metal kernels on Apple GPUs, MLX ops on MLX's CPU device"
     capabilities = Capabilities(
         dtypes=("float16", "bfloat16", "float32"),
-        copy_stream=False, merged_aux=False, cuda_graph=False,
+        copy_stream=False, merged_aux=False, static_decode=False,
         tree_attention=True, sliding_window=True, fused_rope_append=False, inline_rope=True,
         head_dims=tuple(range(2, 1025, 2)),
     )

@@ -1,0 +1,155 @@
+"""Planner step 4, block depths: one ``HostDepth`` of paged-attention entries per depth.
+
+Sequences sharing a prefix share its blocks; depth ``d`` holds each sequence's ``d``-th block
+(the last depth also holds every deeper block), and consecutive sequences with the same block
+at a depth are coalesced into one entry so the shared pages are read once, unless a decode
+batch gains too little from it (``decode_kernel_wins``): then every sequence keeps its own
+entry and the decode kernel runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..backend import TreeMask
+from .plan import HostDepth
+from .request import exclusive_cumsum
+
+MAX_BLOCK_DEPTH = 2
+"""Depths beyond this are folded into the last depth (bounds kernel launches per layer)."""
+COALESCE_RATIO = 1.1
+"""Use the decode kernel (no coalescing) unless coalescing saves at least this factor of pages."""
+
+
+def decode_kernel_wins(pages: int, grouped_pages: int) -> bool:
+    """The coalescing choice of a decode depth reading ``pages`` pages, ``grouped_pages`` of
+    them after coalescing: True when coalescing saves too little to give up the decode kernel.
+    The one rule both the depth builder and the decode-step reuse apply."""
+    return (pages / grouped_pages if grouped_pages else 0.0) < COALESCE_RATIO
+
+
+@dataclass
+class DepthLastBlocks:
+    """Where a depth holds the batch's last blocks, and its page counts behind the coalescing
+    choice; the decode-step reuse updates the counts as last blocks grow.
+
+    ``seq_index``/``entry_index``: the sequences whose last block this depth holds, and the
+    entry holding each. ``pages``/``grouped_pages``: pages of each sequence's block at this
+    depth, summed, before and after coalescing. ``own_block`` (B,) bool: the sequence's last
+    block is its block at exactly this depth (growth changes this depth's counts)."""
+
+    seq_index: np.ndarray
+    entry_index: np.ndarray
+    pages: int
+    grouped_pages: int
+    own_block: np.ndarray
+
+
+def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=None,
+                 tree_masks: Optional[list] = None) -> tuple[tuple, list]:
+    """(the ``HostDepth`` of each depth, the ``DepthLastBlocks`` of each) for sequences with
+    last blocks ``last`` (B,) and queries ``qo_indptr`` (B+1,). ``tree_sizes`` (B,) and
+    ``tree_masks``: the sequences' token trees, carried by the entry holding the last block."""
+    batch = len(last)
+    # walk parents for the whole batch at once: chain[k, i] is the k-th ancestor of i's last block
+    chain = [last]
+    cur = last
+    while True:
+        cur = np.where(cur >= 0, pt.b_parent[np.maximum(cur, 0)], -1)
+        if not (cur >= 0).any():
+            break
+        chain.append(cur)
+    chain = np.stack(chain)                         # (K, B), leaf first
+    ndepth = (chain >= 0).sum(axis=0)
+    width = chain.shape[0]
+    src = ndepth[:, None] - 1 - np.arange(width)[None, :]
+    trace = np.where(src >= 0, chain[np.maximum(src, 0), np.arange(batch)[:, None]], -1)  # (B, K) root first
+    # static-shape decode reads each sequence's whole page list as one entry (one launch per
+    # layer whatever the fork structure, so one captured step fits every batch of its bucket)
+    flat = config.static_decode and is_decode
+    max_depth = 1 if flat else MAX_BLOCK_DEPTH
+    num_depths = min(int(ndepth.max()), max_depth)
+    depths, holders = [], []
+    for d in range(num_depths):
+        at_d = trace[:, d]
+        npages_d = int(np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0).sum())
+        starts = np.concatenate([[0], np.nonzero(at_d[1:] != at_d[:-1])[0] + 1])
+        blocks_c = at_d[starts]
+        pages_c = int(np.where(blocks_c >= 0, pt.b_npages[np.maximum(blocks_c, 0)], 0).sum())
+        use_decode = is_decode and (flat or decode_kernel_wins(npages_d, pages_c))
+        if use_decode or d == max_depth - 1 or len(starts) == batch:
+            entry_qo = qo_indptr
+            entry_seq = np.arange(batch)
+            if d == max_depth - 1:
+                pair_entry, pair_block = np.nonzero(trace[:, d:] >= 0)
+                pair_block = trace[:, d:][pair_entry, pair_block]
+            else:
+                pair_entry = np.nonzero(at_d >= 0)[0]
+                pair_block = at_d[pair_entry]
+        else:
+            entry_qo = np.concatenate([qo_indptr[starts], [qo_indptr[-1]]])
+            entry_seq = starts                      # first sequence of each group
+            pair_entry = np.nonzero(blocks_c >= 0)[0]
+            pair_block = blocks_c[pair_entry]
+        depth, holds_last = _depth(pt, config.page_size, entry_qo, pair_entry, pair_block,
+                                   use_decode, entry_seq, last, tree_sizes, tree_masks)
+        depths.append(depth)
+        holders.append(DepthLastBlocks(entry_seq[holds_last], holds_last, npages_d, pages_c,
+                                       ndepth - 1 == d))
+    return tuple(depths), holders
+
+
+def _depth(pt, ps, entry_qo, pair_entry, pair_block, use_decode, entry_seq, last, tree_sizes,
+           tree_masks) -> tuple[HostDepth, np.ndarray]:
+    """The ``HostDepth`` whose entry ``pair_entry[j]`` reads block ``pair_block[j]`` (pairs
+    sorted by entry, root first), and the entries holding a sequence's last block."""
+    n = len(entry_qo) - 1
+    counts = pt.b_npages[pair_block].astype(np.int64)
+    page_indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(pair_entry, counts, minlength=n), out=page_indptr[1:])
+    before = exclusive_cumsum(counts)
+    store = np.repeat(pt.b_pstart[pair_block] - before[:-1], counts) + np.arange(before[-1])
+    page_indices = pt.page_store[store]
+    kv_len = np.bincount(pair_entry, pt.b_len[pair_block].astype(np.int64), minlength=n)
+    kv_len = kv_len.astype(np.int64)
+    # first and last block of each entry
+    entries = np.arange(n)
+    lo = np.searchsorted(pair_entry, entries, "left")
+    hi = np.searchsorted(pair_entry, entries, "right")
+    has = hi > lo
+    if len(pair_block):
+        fb = np.where(has, pair_block[np.minimum(lo, len(pair_block) - 1)], -1)
+        lb = np.where(has, pair_block[np.maximum(hi - 1, 0)], -1)
+    else:
+        fb = lb = np.full(n, -1, np.int64)
+    lb0 = np.maximum(lb, 0)
+    slid = has & (pt.b_window_offset[lb0] > 0)
+    prefix = kv_len - np.where(has, pt.b_len[lb0], 0)
+    sink = np.where(slid, prefix + pt.b_sink[lb0], 0)
+    window_offset = np.where(slid, prefix + pt.b_window_offset[lb0], 0)
+    span = np.where(slid, window_offset + kv_len - sink, kv_len)
+    holds_last = has & (lb == last[entry_seq])
+    tree = None
+    if tree_sizes is not None:
+        # only the entry holding a sequence's last block carries its tree
+        sizes = np.where(holds_last, tree_sizes[entry_seq], 0)
+        if sizes.any():
+            tree = TreeMask(exclusive_cumsum(sizes).astype(np.int32),
+                            np.concatenate([tree_masks[entry_seq[e]]
+                                            for e in np.nonzero(sizes)[0]]).astype(np.int32))
+
+    def i32(x):
+        return np.ascontiguousarray(x, dtype=np.int32)
+
+    depth = HostDepth(
+        qo_indptr=i32(entry_qo), page_indptr=i32(page_indptr), page_indices=i32(page_indices),
+        last_page_len=i32(np.where(span > 0, (span - 1) % ps + 1, 0)), kv_len=i32(kv_len),
+        sink_size=i32(sink), window_offset=i32(window_offset),
+        k_rope_offset=i32(np.where(has, pt.b_start[np.maximum(fb, 0)], 0)),
+        num_entries=n, use_decode=bool(use_decode), tree=tree,
+        max_kv_len=int(kv_len.max()) if n else 0,
+        max_qo_len=int(np.diff(entry_qo).max()) if n else 0, num_pages=int(page_indptr[-1]))
+    return depth, np.flatnonzero(holds_last)

@@ -1,0 +1,165 @@
+"""The forward plan: what ``begin_forward`` decided, as frozen records whose fields are the
+int32 index arrays the kernels read.
+
+``ForwardPlan`` holds the host arrays (``TokenArrays`` for the new tokens, one ``HostDepth`` per
+block depth); the aux managers (``core.aux``) move them to the device and hand back
+``ForwardAux``, the same records with device arrays under the same names (each ``HostDepth``
+becomes the backend-facing ``DepthAux``, whose fields it mirrors). Arrays travel in one fixed
+order, ``walk`` (page lists last in every depth), and ``device_twin`` rebuilds the records
+from the device arrays in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from ..backend import DepthAux, TreeMask
+
+
+@dataclass(frozen=True)
+class TokenArrays:
+    """Per-token and per-sequence arrays of a forward (``T`` new tokens of ``B`` sequences).
+
+    ``qo_indptr`` (B+1,): sequence ``i``'s tokens are rows ``qo_indptr[i]:qo_indptr[i+1]``.
+    ``q_positions`` (T,): RoPE position of each new token.
+    ``append_slots`` (T,): page slot (``page * page_size + row``) each new token's K/V is
+    written to; -1: written nowhere (a token that slid out within this forward, or a padded row).
+    ``k_rope_offset`` (B,): position of each sequence's first new key (its committed length):
+    the ragged pass rotates new key ``r`` of sequence ``i`` at ``k_rope_offset[i] + r``.
+    ``self_tree``: token-tree visibility among the new tokens, for the ragged pass (None: causal).
+    """
+
+    qo_indptr: Any
+    q_positions: Any
+    append_slots: Any
+    k_rope_offset: Any
+    self_tree: Optional[TreeMask] = None
+
+
+@dataclass(frozen=True)
+class HostDepth:
+    """One block depth on the host; the fields are those of ``kvcache.backend.DepthAux`` (which
+    documents the arrays) and ``num_pages``, the length of ``page_indices`` in use."""
+
+    qo_indptr: Any
+    page_indptr: Any
+    page_indices: Any
+    last_page_len: Any
+    kv_len: Any
+    sink_size: Any
+    window_offset: Any
+    k_rope_offset: Any
+    num_entries: int
+    use_decode: bool
+    tree: Optional[TreeMask] = None
+    max_kv_len: int = 0
+    max_qo_len: int = 0
+    num_pages: int = 0
+
+
+DEPTH_ARRAYS = ("qo_indptr", "page_indptr", "last_page_len", "kv_len", "sink_size",
+                "window_offset", "k_rope_offset", "page_indices")
+"""The array fields of a depth in transfer order: the page list last, so a static-shape copy
+stops at the end of the data, not of the list's capacity."""
+DEPTH_SIZES = ("num_entries", "use_decode", "max_kv_len", "max_qo_len", "num_pages")
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """A forward as ``begin_forward`` planned it.
+
+    ``seq_ids`` (B ids), ``append_lengths`` (B,) int64, ``total_tokens`` (T) and
+    ``max_append`` (longest append) describe the batch.
+    ``paged_only``: no ragged pass; K/V are written first and the paged depths cover the new
+    tokens too (decode batches without sliding windows, token trees continuing a tree).
+    Otherwise a ragged pass attends among the new tokens and the depths cover the history.
+    ``write_after``: K/V are written after attention (sliding windows: a token may overwrite a
+    row that slides out in this forward).
+    ``static_bucket``: static-shape decode (``CacheConfig(static_decode=True)``): the batch bucket the
+    plan is padded to; None for an eager plan.
+    ``undo``: what the forward changed in the page table (``ForwardUndo``), for ``rollback``.
+    """
+
+    seq_ids: list
+    append_lengths: np.ndarray
+    total_tokens: int
+    max_append: int
+    paged_only: bool
+    write_after: bool
+    tokens: TokenArrays
+    depths: tuple
+    undo: Any = None
+    static_bucket: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ForwardAux:
+    """The device twin of a plan's arrays: ``tokens`` and one ``DepthAux`` per depth."""
+
+    tokens: TokenArrays
+    depths: tuple
+
+
+def evolve(record, **changes):
+    """A copy of a frozen record with ``changes``: the decode-step path's constructor (a frozen
+    dataclass's ``__init__`` costs microseconds a step; this copies its dict)."""
+    new = object.__new__(type(record))
+    fields = new.__dict__
+    fields.update(record.__dict__)
+    fields.update(changes)
+    return new
+
+
+def walk(record) -> Iterator[tuple[Optional[int], str, Any]]:
+    """Every array of a ``ForwardPlan`` or ``ForwardAux`` in transfer order, as
+    ``(depth index or None for the token arrays, field name, array)``; tree arrays are named
+    ``"tree.indptr"`` / ``"tree.mask"`` (``"self_tree.*"`` among the token arrays)."""
+    t = record.tokens
+    yield None, "qo_indptr", t.qo_indptr
+    yield None, "q_positions", t.q_positions
+    yield None, "append_slots", t.append_slots
+    yield None, "k_rope_offset", t.k_rope_offset
+    if t.self_tree is not None:
+        yield None, "self_tree.indptr", t.self_tree.indptr
+        yield None, "self_tree.mask", t.self_tree.mask
+    for d, depth in enumerate(record.depths):
+        for name in DEPTH_ARRAYS:
+            yield d, name, getattr(depth, name)
+        if depth.tree is not None:
+            yield d, "tree.indptr", depth.tree.indptr
+            yield d, "tree.mask", depth.tree.mask
+
+
+def device_twin(plan: ForwardPlan, device: Callable[[], Any]) -> ForwardAux:
+    """``ForwardAux`` of ``plan``: ``device()`` returns the device array of each host array in
+    ``walk`` order."""
+    t = plan.tokens
+    tokens = TokenArrays(device(), device(), device(), device())
+    if t.self_tree is not None:
+        tokens = evolve(tokens, self_tree=TreeMask(device(), device()))
+    depths = []
+    for depth in plan.depths:
+        arrays = {name: device() for name in DEPTH_ARRAYS}
+        tree = None if depth.tree is None else TreeMask(device(), device())
+        depths.append(DepthAux(**arrays, tree=tree,
+                               **{name: getattr(depth, name) for name in DEPTH_SIZES}))
+    return ForwardAux(tokens, tuple(depths))
+
+
+class ForwardUndo:
+    """The state a forward changed, recorded as it reserved (no copy of the page table): its
+    sequences' lengths, their last blocks' lengths and page counts, the free-page count, and for
+    the rare cases a sliding block's pages and the tree sizes."""
+
+    __slots__ = ("num_free", "slots", "last", "seq_len", "block_len", "npages", "free_top",
+                 "slid", "trees")
+
+    def __init__(self, num_free, slots, last, seq_len, block_len, npages):
+        self.num_free, self.slots, self.last = num_free, slots, last
+        self.seq_len, self.block_len, self.npages = seq_len, block_len, npages
+        self.free_top = None    # free-stack entries above the reserved pages, as they were
+        self.slid = ()          # (block, pages, sink, window offset) of each sliding sequence
+        self.trees = ()         # (sequence, uncommitted tree size) of each tree sequence

@@ -1,0 +1,141 @@
+"""The forward planner: ``begin_forward``'s host work, vectorised over the batch (numpy only; no
+per-sequence Python on the decode steady-state path except for sequences that need a page).
+
+One forward is planned in named steps, each in its own module:
+
+1. validate (``request``): the batch, its lengths and token tree, nothing changed;
+2. reserve (``reserve``, ``CacheState.reserve_forward``): new pages and tokens, undo recorded;
+3. token arrays (``tokens``): positions, append slots, the new tokens' tree mask;
+4. depths (``depths``): one ``HostDepth`` of paged-attention entries per block depth.
+
+Decode batches take shortcuts (``decode``): a repeat of the last decode batch updates its plan
+while the state's epoch is unchanged; the first step of unshared sequences is built directly.
+Static-shape decode (``static``) pads a plain decode plan to its batch bucket.
+
+Attention of one layer then runs, per the plan: when ``paged_only``, K/V are written first and
+one paged attention per depth covers history and new tokens (tree masks hide non-ancestors);
+otherwise a causal (or tree-masked) ragged pass over the new tokens plus one paged attention
+per depth over the history as it was before this forward, merged by lse.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .decode import DecodeReuse, first_step
+from .depths import build_depths
+from .plan import ForwardPlan, ForwardUndo
+from .request import ForwardRequest, check_batch, check_forward, exclusive_cumsum
+from .reserve import count_pages
+from .state import CacheState
+from .static import pad_to_bucket
+from .tokens import token_arrays, tree_masks
+from .validate import all_int_ones, same_int_ids
+
+
+class Planner:
+    """Plans forwards over a ``CacheState`` for a configuration and backend capabilities."""
+
+    fast_path = True
+    """Take the decode shortcuts when they apply (tests turn them off to compare)."""
+
+    def __init__(self, state: CacheState, config, capabilities):
+        self.state = state
+        self.config = config
+        self.capabilities = capabilities
+        self._reuse = None
+
+    @property
+    def decode_reuse(self):
+        """The decode batch whose plan the next identical decode step updates (``DecodeReuse``),
+        or None."""
+        return self._reuse
+
+    def begin(self, seq_ids, append_lengths, tree_parent_ptr=None) -> ForwardPlan:
+        """Plan (and reserve) a forward: ``seq_ids`` (B ids), ``append_lengths`` (B ints),
+        ``tree_parent_ptr`` (T ints or None). Raises a typed error, changing nothing, on bad
+        input or when the pages do not suffice; ``rollback(plan.undo)`` undoes it."""
+        plan = self._repeat_decode(seq_ids, append_lengths, tree_parent_ptr)
+        if plan is None:
+            plan = self._plan(seq_ids, append_lengths, tree_parent_ptr)
+        if (self.config.static_decode and self._reuse is not None and self._reuse.plan is plan
+                and len(plan.seq_ids) <= self.config.static_buckets[-1]):
+            return pad_to_bucket(plan, self.config)
+        return plan
+
+    def rollback(self, undo: ForwardUndo) -> None:
+        """Undo a forward that ``begin`` planned: the page table, the free pages and the token
+        trees as they were before it (the epoch moves on: nothing built on the undone state is
+        reused)."""
+        self._reuse = None
+        self.state.rollback_forward(undo)
+
+    # ------------------------------------------------------------------ the steps
+    def _repeat_decode(self, seq_ids, append_lengths, tree_parent_ptr):
+        """The last decode batch again, one token each, nothing structural changed since: its
+        plan updated (None when that does not apply)."""
+        reuse = self._reuse
+        if (reuse is None or not self.fast_path or tree_parent_ptr is not None
+                or reuse.epoch != self.state.epoch
+                or not same_int_ids(seq_ids, reuse.seq_ids, reuse.bool_like)
+                or not all_int_ones(append_lengths, len(reuse.seq_ids))):
+            return None
+        plan = reuse.next_step(self.state.pt, self.config.page_size)
+        if plan is None:
+            self._reuse = None      # a coalescing choice flips: rebuild
+        return plan
+
+    def _plan(self, seq_ids, append_lengths, tree_parent_ptr) -> ForwardPlan:
+        cfg, pt = self.config, self.state.pt
+        self._reuse = None
+        seq_ids, seqs, append = check_batch(pt, cfg, seq_ids, append_lengths)
+        req = check_forward(pt, cfg, self.capabilities, seq_ids, seqs, append, tree_parent_ptr)
+        if self._unshared_decode(req):
+            plan, holders = first_step(pt, cfg.page_size, seq_ids, req.slots, req.last)
+            return self._remember(plan, req, holders)
+        need, slides = count_pages(self.state, cfg, req)
+        return self._general(req, need, slides)
+
+    def _unshared_decode(self, req: ForwardRequest) -> bool:
+        """A decode batch of sequences that are one block each, without trees or windows."""
+        pt = self.state.pt
+        return (self.fast_path and req.tree_parents is None and req.is_decode
+                and not self.config.support_sliding_window
+                and not req.tree_before.any() and bool((pt.b_parent[req.last] < 0).all()))
+
+    def _general(self, req: ForwardRequest, need, slides) -> ForwardPlan:
+        cfg, pt = self.config, self.state.pt
+        write_after = cfg.support_sliding_window
+        had_tree = bool(req.tree_before.any())
+        paged_only = (req.is_decode and not write_after) or had_tree
+        qo_indptr = exclusive_cumsum(req.append)
+        blen_before = pt.b_len[req.last].astype(np.int64)
+        seq_len_before = pt.s_len[req.slots].astype(np.int64)
+        depths = holders = None
+        if not paged_only:          # the ragged pass covers the new tokens: depths see history
+            depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode)
+        undo = self.state.reserve_forward(req.seqs, req.last, req.append, need, slides)
+        masks = None
+        if req.tree_parents is not None:
+            self.state.extend_trees(undo, req.seqs, req.tree_parents, qo_indptr)
+            masks = tree_masks(req.seqs)
+        tokens = token_arrays(self.state, cfg, req, qo_indptr, blen_before, seq_len_before,
+                              slides, None if paged_only else masks)
+        if paged_only:
+            sizes = pt.s_tree[req.slots].astype(np.int64) if masks is not None else None
+            depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode,
+                                           tree_sizes=sizes, tree_masks=masks)
+        plan = ForwardPlan(seq_ids=req.seq_ids, append_lengths=req.append,
+                           total_tokens=req.total, max_append=int(req.append.max()),
+                           paged_only=paged_only, write_after=write_after, tokens=tokens,
+                           depths=depths, undo=undo)
+        if req.is_decode and req.tree_parents is None and not write_after:
+            return self._remember(plan, req, holders)
+        return plan
+
+    def _remember(self, plan: ForwardPlan, req: ForwardRequest, holders: list) -> ForwardPlan:
+        """Keep a plain decode plan for the next step to update."""
+        if self.fast_path:
+            self._reuse = DecodeReuse(plan, self.state.epoch, req.slots, req.last, holders,
+                                      keep_choice=self.config.static_decode)
+        return plan

@@ -1,0 +1,31 @@
+"""Planner step 2, reserve: count the new pages a forward needs, refusing (nothing changed)
+when the free pages do not cover them. The planner then reserves them through
+``CacheState.reserve_forward``, which bumps the plan epoch and records the ``ForwardUndo``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CacheFullError
+from .request import ForwardRequest
+
+
+def count_pages(state, config, req: ForwardRequest) -> tuple[np.ndarray, dict]:
+    """(new pages per sequence, ``SlidePlan`` per index of each sliding sequence)."""
+    pt = state.pt
+    blen = pt.b_len[req.last].astype(np.int64)
+    need = np.maximum(-(-(blen + req.append) // config.page_size) - pt.b_npages[req.last], 0)
+    slides = {}
+    if config.support_sliding_window:
+        for i in np.flatnonzero(pt.s_window[req.slots] >= 0):
+            slides[int(i)] = state.slide_plan(req.seqs[i], int(req.append[i]))
+            need[i] = slides[int(i)].new_pages     # before its slide frees any
+    needed = int(need.sum())
+    if needed > pt.num_free:
+        worst = int(np.argmax(need))
+        raise CacheFullError(
+            f"forward needs {needed} new pages but {pt.num_free} of {pt.num_pages} are free "
+            f"(sequence {req.seq_ids[worst]} alone needs {int(need[worst])} for "
+            f"{int(req.append[worst])} tokens)")
+    return need, slides
+

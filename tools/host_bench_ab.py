@@ -1,0 +1,54 @@
+"""A/B the host bench (``kvcache bench --host``) of two source trees in one run: alternate
+rounds in fresh processes, each tree first on its PYTHONPATH, and report each row's median
+``begin_forward_us`` (and its best round) over the rounds of each tree.
+
+    python tools/host_bench_ab.py OLD_TREE NEW_TREE [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+CHILD = "import json, kvcache.bench as b; print(json.dumps(b.host_bench()))"
+
+
+def run(tree: str) -> list:
+    env = dict(os.environ, PYTHONPATH=tree)
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, check=True, text=True,
+                         capture_output=True, cwd=tree).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    results = {args.old: [], args.new: []}
+    for _ in range(args.rounds):
+        for tree in (args.old, args.new):
+            results[tree].append(run(tree))
+    rows = results[args.old][0]
+    print(f"{'batch':>6} {'shared':>6} {'old us':>8} {'new us':>8} {'new/old':>8} "
+          f"{'old best':>9} {'new best':>9}")
+    ratios = []
+    for i, row in enumerate(rows):
+        old = float(np.median([r[i]["begin_forward_us"] for r in results[args.old]]))
+        new = float(np.median([r[i]["begin_forward_us"] for r in results[args.new]]))
+        old_best = min(r[i]["best_round_us"] for r in results[args.old])
+        new_best = min(r[i]["best_round_us"] for r in results[args.new])
+        ratios.append(new / old)
+        print(f"{row['batch']:>6} {row['shared_prefix_pages']:>6} {old:>8.1f} {new:>8.1f} "
+              f"{new / old:>8.3f} {old_best:>9.1f} {new_best:>9.1f}")
+    print(f"median new/old over rows: {float(np.median(ratios)):.3f}")
+
+
+if __name__ == "__main__":
+    main()
