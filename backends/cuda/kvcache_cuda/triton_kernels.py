@@ -93,31 +93,40 @@ def _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE: tl.constexpr,
         # and 0 * NaN = NaN in the dot: non-finite V values stay out of it; the rare tiles
         # holding one add them back to the rows that see them. (Without MASKED every loaded
         # key is visible to every row and out-of-range V loads are 0: the plain dot is exact.)
-        bad = (v != v) | (tl.abs(v) == float("inf"))
+        bad = (v - v) != 0.0                                   # NaN or +-inf
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), IEEE)
-        if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
-            acc = _nonfinite_values(acc, tl.where(vis, 1.0, 0.0) + tl.zeros_like(p), v, IEEE)
+        key_bad = tl.max(bad.to(tl.int32), 1)
+        if tl.max(key_bad, 0) > 0:
+            seen = _nonfinite_codes(tl.zeros(acc.shape, tl.int32), tl.broadcast_to(vis, qk.shape),
+                                    v, key_bad)
+            acc = _apply_nonfinite(acc, seen)
     else:
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _nonfinite_values(acc, vis, v, IEEE: tl.constexpr):
-    """acc with the NaN / +inf / -inf that the non-finite V values of visible keys (vis: 1)
-    put in each (row, dim). One dot of the tile's dtype counts them exactly (fp32 accumulation):
-    a NaN adds 1, +inf 256, -inf 1/256, and a tile has at most 128 keys."""
-    tl.static_assert(v.shape[0] <= 128)
-    code = tl.where(v != v, 1.0, tl.where(v == float("inf"), 256.0,
-                                          tl.where(v == float("-inf"), 0.00390625, 0.0)))
-    cnt = _dot(vis.to(v.dtype), code.to(v.dtype), IEEE)
-    n_pos = tl.floor(cnt * 0.00390625)
-    rest = cnt - n_pos * 256.0
-    n_nan = tl.floor(rest)
-    n_neg = rest - n_nan
-    acc = tl.where(n_pos > 0, float("inf"), acc)
-    acc = tl.where(n_neg > 0, float("-inf"), acc)
-    return tl.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), float("nan"), acc)
+def _nonfinite_codes(seen, vis, v, key_bad):
+    """seen | the non-finite V values of the visible keys (vis: rows x keys) per (row, dim):
+    bit 1 NaN, 2 +inf, 4 -inf; visits only the keys that hold one (key_bad). No dot: a second
+    dot's shared memory does not fit beside a pipelined attention loop at head_dim 128."""
+    keys = tl.arange(0, v.shape[0])
+    code = tl.where(v != v, 1, tl.where(v == float("inf"), 2, tl.where(v == float("-inf"), 4, 0)))
+    for j in range(0, v.shape[0]):
+        if tl.sum(tl.where(keys == j, key_bad, 0), 0) > 0:
+            row_sees = tl.max(tl.where((keys == j)[None, :] & vis, 1, 0), 1)          # (rows,)
+            code_j = tl.max(tl.where((keys == j)[:, None], code, 0), 0)               # (dims,)
+            seen = seen | (row_sees[:, None] * code_j[None, :])
+    return seen
+
+
+@triton.jit
+def _apply_nonfinite(x, seen):
+    """x (rows, dims) with the NaN / +-inf that ``seen`` codes put there (a NaN in x stays)."""
+    y = tl.where((seen & 2) != 0, float("inf"), x)
+    y = tl.where((seen & 4) != 0, float("-inf"), y)
+    y = tl.where(((seen & 1) != 0) | ((seen & 6) == 6), float("nan"), y)
+    return tl.where(x != x, x, y)
 
 
 @triton.jit
@@ -287,6 +296,39 @@ def _copy_rows_kernel(pages_ptr, src_base, dst_base, HKV,
 
 # ====================================================================== attention
 @triton.jit
+def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr,
+                 sm_scale_log2, HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
+                 TREE: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_N step over the new keys c0.. of a sequence (rows r: its query tokens). V holds
+    no non-finite value here (``ragged_attention`` zeroes them and puts them back afterwards), so
+    the plain dot is exact although masked keys sit in the tile."""
+    c = c0 + tl.arange(0, BLOCK_N)
+    c_ok = c < end
+    kt = (lo + c).to(tl.int64)
+    if ROPE:
+        km = c_ok[:, None] & dh_ok[None, :]
+        kb = k_ptr + kt[:, None] * sk_t + kvh * sk_h + dh[None, :]
+        kpos = (krope + c).to(tl.float32) * rope_scale
+        kr1, kr2 = _rotate(tl.load(kb, mask=km, other=0.0),
+                           tl.load(kb + HALF, mask=km, other=0.0), kpos, inv)
+        qk = (_dot(q1, tl.trans(kr1.to(q1.dtype)), IEEE)
+              + _dot(q2, tl.trans(kr2.to(q1.dtype)), IEEE))
+    else:
+        kf = tl.load(k_ptr + kt[:, None] * sk_t + kvh * sk_h + dd[None, :],
+                     mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
+        qk = _dot(q1, tl.trans(kf), IEEE)
+    vis = c_ok[None, :] & (c[None, :] <= r[:, None])
+    if TREE:
+        k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
+        k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
+        vis = vis & (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
+    v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
+                mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
+    return _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE, False)
+
+
+@triton.jit
 def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_ptr,
                    tind_ptr, tmask_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_t,
                    sm_scale_log2, log2_theta, rope_scale,
@@ -327,33 +369,85 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         end = tl.minimum(m0 + M_TOK, n)                        # causal: no key past the last row
         for c0 in range(0, end, BLOCK_N):
-            c = c0 + tl.arange(0, BLOCK_N)
-            c_ok = c < end
-            kt = (lo + c).to(tl.int64)
-            if ROPE:
-                km = c_ok[:, None] & dh_ok[None, :]
-                kb = k_ptr + kt[:, None] * sk_t + kvh * sk_h + dh[None, :]
-                kpos = (krope + c).to(tl.float32) * rope_scale
-                kr1, kr2 = _rotate(tl.load(kb, mask=km, other=0.0),
-                                   tl.load(kb + HALF, mask=km, other=0.0), kpos, inv)
-                qk = (_dot(q1, tl.trans(kr1.to(q1.dtype)), IEEE)
-                      + _dot(q2, tl.trans(kr2.to(q1.dtype)), IEEE))
-            else:
-                kf = tl.load(k_ptr + kt[:, None] * sk_t + kvh * sk_h + dd[None, :],
-                             mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
-                qk = _dot(q1, tl.trans(kf), IEEE)
-            vis = c_ok[None, :] & (c[None, :] <= r[:, None])
-            if TREE:
-                k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
-                k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
-                vis = vis & (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
-            v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
-                        mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
-            m_i, l_i, acc = _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE, True)
+            m_i, l_i, acc = _ragged_tile(
+                q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+                krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr,
+                sm_scale_log2, HALF, BLOCK_N, ROPE, TREE, IEEE)
         o, lse = _finish(acc, m_i, l_i)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dd_ok[None, :])
         tl.store(lse_ptr + tok * sl_t + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, so_h, HKV,
+                     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = v with NaN / +-inf set to 0; bad[t, h] = 1 where v[t, h] held one; any = 1 if one
+    did anywhere (any must be 0 before). Grid (T tiles, Hkv)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    t_ok = t < n_tok
+    m = t_ok[:, None] & (d < HEAD_DIM)[None, :]
+    t64 = t.to(tl.int64)
+    x = tl.load(v_ptr + t64[:, None] * sv_t + h * sv_h + d[None, :], mask=m, other=0.0)
+    bad = (x - x) != 0.0                                      # NaN or +-inf
+    tl.store(out_ptr + t64[:, None] * so_t + h * so_h + d[None, :], tl.where(bad, 0.0, x), mask=m)
+    row_bad = tl.max(bad.to(tl.int32), 1)
+    tl.store(bad_ptr + t64 * HKV + h, row_bad, mask=t_ok)
+    if tl.max(row_bad, 0) > 0:
+        tl.atomic_max(any_ptr, 1)
+
+
+@triton.jit
+def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, tmask_ptr,
+                             sv_t, sv_h, so_t, so_h, HKV,
+                             GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                             TREE: tl.constexpr):
+    """Put the non-finite V values that ``_ragged_kernel`` ran without back into the outputs of
+    the rows that see their keys (same grid and rows as ``_ragged_kernel``). Without any such
+    value (``any`` 0: nearly always) a program reads one flag and stops."""
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    lo = tl.load(qo_ptr + seq)
+    n = tl.load(qo_ptr + seq + 1) - lo
+    m0 = pid_m * M_TOK
+    if (tl.load(any_ptr) > 0) & (m0 < n):
+        ri = tl.arange(0, BLOCK_R)
+        r = m0 + ri // GROUP
+        head = kvh * GROUP + ri % GROUP
+        row_ok = (ri < M_TOK * GROUP) & (r < n)
+        dd = tl.arange(0, BLOCK_D)
+        dd_ok = dd < HEAD_DIM
+        tlo = 0
+        q_order = tl.zeros([BLOCK_R], tl.int32)
+        if TREE:
+            tlo = tl.load(tind_ptr + seq)
+            q_order = tl.load(tmask_ptr + 2 * (tlo + r), mask=row_ok, other=0)
+        end = tl.minimum(m0 + M_TOK, n)
+        seen = tl.zeros([BLOCK_R, BLOCK_D], tl.int32)
+        for c0 in range(0, end, BLOCK_N):
+            c = c0 + tl.arange(0, BLOCK_N)
+            c_ok = c < end
+            kt = (lo + c).to(tl.int64)
+            key_bad = tl.load(bad_ptr + kt * HKV + kvh, mask=c_ok, other=0)
+            if tl.max(key_bad, 0) > 0:
+                vis = c_ok[None, :] & (c[None, :] <= r[:, None])
+                if TREE:
+                    k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
+                    k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
+                    vis = vis & (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
+                v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
+                            mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
+                seen = _nonfinite_codes(seen, vis, v, key_bad)
+        if tl.max(tl.max(seen, 1), 0) > 0:
+            tok = (lo + r).to(tl.int64)
+            ptr = o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :]
+            m = row_ok[:, None] & dd_ok[None, :]
+            o = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+            tl.store(ptr, _apply_nonfinite(o, seen).to(o_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -639,15 +733,42 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     qpos = q_positions if rope is not None else qo_indptr
     krope = k_rope_offset if rope is not None else qo_indptr
     grid = (triton.cdiv(max_len, m_tok), num_seqs, ctx.num_kv_heads)
+    v_in = v
+    if max_len > 1:
+        # a row's causal / tree mask hides later keys of its own forward, and a masked key's
+        # p = 0 times a NaN / inf V is NaN: the kernel runs on V with those zeroed, and a second
+        # pass (it reads only flags unless one is set) puts them back where a row sees the key
+        v_in, bad, any_bad = _finite_v(ctx, v)
     _ragged_kernel[grid](
-        q, k, v, o, lse, qo_indptr, qpos, krope, tind, tmask,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale,
         GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n, HEAD_DIM=d,
         HALF=half, BLOCK_HALF=block_half, BLOCK_D=block_d, TREE=tree is not None,
         ROPE=rope is not None, IEEE=_ieee(ctx.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if max_len > 1:
+        _ragged_nonfinite_kernel[grid](
+            v, bad, any_bad, o, qo_indptr, tind, tmask, v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+            ctx.num_kv_heads, GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r,
+            BLOCK_N=tiles.block_n, HEAD_DIM=d, BLOCK_D=block_d, TREE=tree is not None,
+            num_warps=ctx.tuning.elementwise_warps)
     return o, lse
+
+
+def _finite_v(ctx, v):
+    """(v with NaN / +-inf zeroed, int32 flags (T, Hkv): 1 where a row held one, int32 (1,): 1 if
+    any did)."""
+    t_total, hkv, d = v.shape
+    out = torch.empty((t_total, hkv, d), dtype=v.dtype, device=v.device)
+    bad = torch.empty((t_total, hkv), dtype=torch.int32, device=v.device)
+    any_bad = torch.zeros((1,), dtype=torch.int32, device=v.device)
+    block_d = _p2(d)
+    block_t = max(1, 4096 // block_d)
+    _finite_v_kernel[(triton.cdiv(t_total, block_t), hkv)](
+        v, out, bad, any_bad, t_total, v.stride(0), v.stride(1), out.stride(0), out.stride(1), hkv,
+        HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=ctx.tuning.elementwise_warps)
+    return out, bad, any_bad
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
