@@ -105,3 +105,13 @@ def window_left_reason() -> str:
         return Capabilities.reason("window_left")
     return ("capability 'window_left' not declared (per-query sliding-window attention, "
             "FlashInfer's window_left)")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    # these models are tiny: torch's thread pool only adds contention (several times slower on
+    # a loaded machine); restored afterwards for the other test folders
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
