@@ -393,7 +393,8 @@ class Engine:
             free -= -(-(start + chunk) // ps) - -(-start // ps) + (1 if not s.live and s.parent else 0)
         if not batch:
             # nothing fits: free pages by preempting (the youngest first), then plan again
-            self._preempt("no sequence fits in the free pages")
+            head = next((s for s in rest if self._ready(s)), None)
+            self._preempt("no sequence fits in the free pages", keep=head)
             return self._schedule()
         return batch
 
@@ -421,22 +422,29 @@ class Engine:
                 self.cache.remove_sequence(seq.sid)
             seq.live, seq.retired = False, True
 
-    def _preempt(self, why: str) -> None:
-        live = [s for s in self._seqs if s.live]
-        if len(live) <= 1:
-            if live:
-                s = live[0]
-                raise CacheFullError(
-                    f"sequence {s.sid} ({len(s.tokens)} tokens) alone does not fit in the cache "
-                    f"({self.cache.num_total_pages} pages of {self.config.page_size}, "
-                    f"max_total_tokens={self.config.max_total_tokens}): {why}")
-            raise CacheFullError(f"the cache cannot hold the next forward: {why}")
+    def _preempt(self, why: str, keep: Optional[_Seq] = None) -> None:
+        """Remove the youngest sequence in the cache (other than ``keep``, the work that waits
+        for room) to free its pages; it is recomputed later."""
+        live = [s for s in self._seqs if s.live and s is not keep]
+        if not live:
+            raise CacheFullError(
+                f"the cache ({self.cache.num_total_pages} pages of {self.config.page_size} "
+                f"tokens, max_total_tokens={self.config.max_total_tokens}) cannot hold the next "
+                f"forward even alone: {why}")
         victim = max(live, key=lambda s: s.order)
         self.cache.remove_sequence(victim.sid)
         self.stats.preemptions += 1
         victim.live, victim.cached = False, 0
-        # dependants that have not forked yet wait for it to be recomputed; the victim itself
-        # re-forks from its prefix if that is still in use
+        if victim.kind == "prefix":
+            # sharing is an optimisation: a preempted prefix is dropped for good, and the
+            # sequences that would have forked from it start from its own prefix (or nothing)
+            victim.retired = True
+            for s in self._seqs:
+                if s.parent is victim and not s.live:
+                    victim.waiting -= 1
+                    self._attach(s, victim.origin)
+            return
+        # the victim re-forks from its prefix if that is still in use
         self._attach(victim, victim.origin)
 
     def _step(self, batch):
