@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=3, help="parallel samples per sampled request")
     p.add_argument("--max-output", type=int, default=24, help="new tokens per sample")
     p.add_argument("--long-prompt", type=int, default=700, help="tokens of a long prompt")
-    p.add_argument("--max-total-tokens", type=int, default=3072,
+    p.add_argument("--max-total-tokens", type=int, default=2560,
                    help="cache capacity in tokens (default small: requests get preempted)")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--prefill-chunk-size", type=int, default=256)
