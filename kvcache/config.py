@@ -10,6 +10,7 @@ from .errors import InvalidArgumentError
 
 DTYPES = ("float16", "bfloat16", "float32")
 ROPE_MODES = ("none", "normal", "inline")
+_UNSET = type("RopeModeUnset", (), {"__repr__": lambda self: "'normal' (unset)"})()
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class CacheConfig:
     max_total_tokens: int = 65536
     prefill_chunk_size: int = 4096
     dtype: str = "bfloat16"
-    rope_mode: str = None
+    rope_mode: str = _UNSET
     """"none" (the model rotates q/k itself) | "normal" | "inline"; left out: "normal", with a
     FutureWarning (a model that applies its own RoPE would be rotated twice)."""
     rope_theta: float = 10000.0
@@ -53,7 +54,7 @@ class CacheConfig:
             raise InvalidArgumentError(f"CacheConfig.head_dim={self.head_dim} must be even (RoPE halves)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidArgumentError(f"CacheConfig.dtype={self.dtype!r} is not one of {DTYPES}")
-        if self.rope_mode is None:
+        if self.rope_mode is _UNSET:
             warnings.warn("CacheConfig without rope_mode: the cache rotates q and k itself "
                           "('normal'); pass rope_mode='none' if the model applies its own RoPE, "
                           "or rope_mode='normal' to keep this", FutureWarning, stacklevel=3)
