@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from .core.validate import INT32_MAX, bool_arg, float_arg, int_arg, int_values
@@ -9,6 +10,7 @@ from .errors import InvalidArgumentError
 
 DTYPES = ("float16", "bfloat16", "float32")
 ROPE_MODES = ("none", "normal", "inline")
+_UNSET = type("RopeModeUnset", (), {"__repr__": lambda self: "'normal' (unset)"})()
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,9 @@ class CacheConfig:
     max_total_tokens: int = 65536
     prefill_chunk_size: int = 4096
     dtype: str = "bfloat16"
-    rope_mode: str = "normal"
+    rope_mode: str = _UNSET
+    """"none" (the model rotates q/k itself) | "normal" | "inline"; left out: "normal", with a
+    FutureWarning (a model that applies its own RoPE would be rotated twice)."""
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
     support_sliding_window: bool = False
@@ -54,6 +58,11 @@ class CacheConfig:
             raise InvalidArgumentError(f"CacheConfig.head_dim={self.head_dim} must be even (RoPE halves)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidArgumentError(f"CacheConfig.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.rope_mode is _UNSET:
+            warnings.warn("CacheConfig without rope_mode: the cache rotates q and k itself "
+                          "('normal'); pass rope_mode='none' if the model applies its own RoPE, "
+                          "or rope_mode='normal' to keep this", FutureWarning, stacklevel=3)
+            put("rope_mode", "normal")
         if not isinstance(self.rope_mode, str) or self.rope_mode not in ROPE_MODES:
             raise InvalidArgumentError(f"CacheConfig.rope_mode={self.rope_mode!r} is not one of {ROPE_MODES}")
         put("rope_theta", float_arg(self.rope_theta, "CacheConfig.rope_theta", positive=True))

@@ -99,8 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests replayed by the check, plus up to 4 preempted ones (0: all)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply requests, cache capacity and batch size (e.g. --scale 8 on a GPU)")
-    p.add_argument("--model", choices=sorted(MODELS), default=None,
-                   help="layer/head shape (default: tiny on the reference backend, small elsewhere)")
+    p.add_argument("--model", default="synthetic",
+                   help="synthetic (default: the toy model below, every cache feature), or a real "
+                        "architecture through the transformers Engine: llama, qwen2, mistral, "
+                        "phi3, gemma (small random weights) or a checkpoint directory")
+    p.add_argument("--shape", choices=sorted(MODELS), default=None,
+                   help="synthetic model's layer/head shape (default: tiny on the reference "
+                        "backend, small elsewhere)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="cache dtype (default: float32 on the reference backend, bfloat16 elsewhere)")
     p.add_argument("--page-size", type=int, default=16)
@@ -118,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _configs(opts, backend: str) -> tuple:
     ref = backend == "reference"
-    model = opts.model or ("tiny" if ref else "small")
+    model = opts.shape or ("tiny" if ref else "small")
     layers, hq, hkv, d = MODELS[model]
     dtype = opts.dtype or ("float32" if ref else "bfloat16")
     scale = opts.scale
@@ -350,10 +355,24 @@ def plot(result: DemoResult, path: str) -> None:
     plt.close(fig)
 
 
+def _model_arg(argv):
+    for i, a in enumerate(argv):
+        if a == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv=None, tamper=None) -> int:
     """``kvcache demo ARGS``: 0 when the run finished and the check passed, 1 when the check
     failed, 2 when the workload could not run."""
-    opts = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model = _model_arg(argv)
+    if model is not None and model != "synthetic":
+        from .real import main as real_main      # a real architecture (transformers)
+        return real_main(argv)
+    opts = build_parser().parse_args(argv)
     try:
         result = run_demo(opts, tamper=tamper)
     except (SchedulerError, kvcache.KVCacheError) as exc:

@@ -1,0 +1,576 @@
+"""A continuous-batching generator over a ``PagedKVCache``, neutral to the model library.
+
+The scheduler owns requests, samples and sequences; a ``ModelAdapter`` owns the model (one
+forward over the packed batch, returning the logits of the tokens that need them). The
+transformers integration and the mlx-lm integration each provide an adapter and reuse
+``Engine`` unchanged.
+
+Scheduling, per step (one forward):
+
+* every sequence holds ``tokens`` (what it must have in the cache) and ``cached`` (what it has);
+  its pending tokens ``tokens[cached:]`` are one token for a decoding sample and a chunk of the
+  prompt for a prefill;
+* decodes first, oldest first; then prefills oldest first, chunked to the forward's token budget
+  (``prefill_chunk_size``) and admitted only while the free pages cover them;
+* prompts with a common prefix (at least one page long) get a *prefix sequence* that is
+  prefilled once; each prompt forks from it (the pages are shared). Prefixes nest;
+* ``n > 1`` samples: the prompt's sequence is prefilled once, then each sample forks from it;
+* a forward that does not fit (``CacheFullError``) preempts the youngest sequence in the cache
+  (removed, its pages freed) and is retried; the preempted sequence is recomputed later from its
+  tokens (re-forking from its prefix when that is still in the cache).
+
+Sampling is on the host in float64: greedy (``temperature == 0``) is the first argmax; otherwise
+each sample draws from ``softmax(logits / temperature)`` with its own generator seeded by
+``(seed, prompt index, sample index)``, so the result does not depend on batching or preemption.
+The log-probability reported for a token is ``log_softmax(logits)`` at that token (the model's
+distribution, before temperature).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import math
+import sys
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..cache import PagedKVCache
+from ..config import CacheConfig
+from ..errors import CacheFullError, InvalidArgumentError, KVCacheError
+
+__all__ = ["Engine", "EngineStats", "ModelAdapter"]
+
+
+class ModelAdapter(abc.ABC):
+    """What the engine needs from a model library (one instance wraps one model)."""
+
+    family: str = ""
+    """The model family (e.g. ``"llama"``), for messages."""
+    vocab_size: int = 0
+    """Logits per token; prompt token ids must lie in ``[0, vocab_size)``."""
+
+    @abc.abstractmethod
+    def cache_config(self, *, dtype: Optional[str], page_size: int, max_total_tokens: int,
+                     max_batch_size: int, prefill_chunk_size: int) -> CacheConfig:
+        """The cache configuration for this model: layers, heads and head_dim from the model's
+        config, ``rope_mode="none"`` when the model rotates q/k itself, ``dtype`` (None: the
+        model's own dtype) and the given sizes."""
+
+    def default_device(self) -> Optional[str]:
+        """The device the cache is created on when the engine is given none (the model's)."""
+        return None
+
+    def check(self, cache: PagedKVCache) -> None:
+        """Raise ``UnsupportedFeatureError`` if the cache's backend lacks what the model needs
+        (called once, right after the cache is created)."""
+
+    def check_request(self, cache: PagedKVCache, index: int, length: int) -> None:
+        """Raise ``UnsupportedFeatureError`` if a request of ``length`` tokens (prompt plus new
+        tokens), prompt number ``index``, needs a feature the backend lacks."""
+
+    @abc.abstractmethod
+    def forward(self, cache: PagedKVCache, tokens: np.ndarray, positions: np.ndarray,
+                logit_rows: np.ndarray):
+        """Run the model over one packed batch inside the cache's open forward.
+
+        ``tokens`` (T,) int64: the new tokens of every sequence of the forward, in its order;
+        ``positions`` (T,) int64: each token's position in its sequence; ``logit_rows`` (B,)
+        int64: the rows of ``tokens`` whose next-token logits are wanted (B may be 0).
+        Returns the logits ``(B, vocab_size)`` as any array ``to_numpy`` accepts.
+        """
+
+    def session(self):
+        """A context manager around one ``generate`` call (e.g. switching the model's attention
+        to the cache and back)."""
+        return contextlib.nullcontext()
+
+    def to_numpy(self, logits) -> np.ndarray:
+        """Logits as a host float64 array."""
+        from ..arrays import to_numpy
+        return np.asarray(to_numpy(logits), np.float64)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters over the engine's life (``generate`` adds to them)."""
+
+    forwards: int = 0
+    """Model forwards run (one per scheduler step that ran)."""
+    prefill_tokens: int = 0
+    """Tokens run as prompt chunks (including recomputation after preemption)."""
+    decode_tokens: int = 0
+    """Tokens run as one-token decode steps."""
+    forks: int = 0
+    """Sequences started by forking (shared prefix or parallel sample)."""
+    shared_prefix_tokens: int = 0
+    """Prompt tokens not computed because a fork shared them."""
+    preemptions: int = 0
+    """Sequences removed to make room, recomputed later."""
+    recomputed_tokens: int = 0
+    """Tokens computed again after preemption."""
+
+    @property
+    def forward_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    sid: int
+    kind: str                          # "prefix" | "prompt" | "sample"
+    tokens: list
+    order: tuple                       # smaller is older; the youngest is preempted first
+    parent: Optional["_Seq"] = None    # sequence it forks from when admitted
+    origin: Optional["_Seq"] = None    # the sequence it shares a prefix with (re-fork after preemption)
+    fork_pos: int = 0
+    cached: int = 0
+    live: bool = False                 # holds a sequence in the cache
+    retired: bool = False              # done (removed for good): dependants start from scratch
+    waiting: int = 0                   # dependants not yet forked from it
+    request: int = -1
+    sample: int = -1
+    computed: int = 0                  # tokens ever run for it (recompute accounting)
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.cached
+
+
+@dataclasses.dataclass(eq=False)
+class _Sample:
+    rng: np.random.Generator
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    done: bool = False
+
+
+class Engine:
+    """Continuous-batching generation on one ``PagedKVCache`` for one model adapter.
+
+    ``backend``/``device``: as ``PagedKVCache`` (device None: the adapter's default, the
+    model's device). ``dtype``: cache dtype (None: the model's). ``page_size``,
+    ``max_batch_size`` (sequences in one forward), ``max_total_tokens`` (token capacity; None:
+    ``512 * max_batch_size``), ``prefill_chunk_size`` (tokens in one forward; None:
+    ``min(2048, max_total_tokens)``). The cache is ``self.cache``; counters are ``self.stats``.
+    """
+
+    def __init__(self, adapter: ModelAdapter, backend: str = "auto", device: Optional[str] = None,
+                 dtype: Optional[str] = None, page_size: int = 16,
+                 max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
+                 prefill_chunk_size: Optional[int] = None):
+        if max_total_tokens is None:
+            max_total_tokens = 512 * int(max_batch_size)
+        if prefill_chunk_size is None:
+            prefill_chunk_size = min(2048, int(max_total_tokens))
+        self.adapter = adapter
+        config = adapter.cache_config(dtype=dtype, page_size=page_size,
+                                      max_total_tokens=max_total_tokens,
+                                      max_batch_size=max_batch_size,
+                                      prefill_chunk_size=prefill_chunk_size)
+        self.cache = PagedKVCache(config, backend=backend,
+                                  device=device if device is not None else adapter.default_device())
+        adapter.check(self.cache)
+        self.config = config
+        self.stats = EngineStats()
+        self.progress = None           # None: a bar on a TTY only; True / False force it
+        self._next_sid = 0
+
+    # ------------------------------------------------------------------ public
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, n: int = 1,
+                 temperature: float = 0.0, seed: int = 0,
+                 stop_token_ids: Optional[Sequence[int]] = None, return_logprobs: bool = False):
+        """Generate ``max_new_tokens`` tokens (fewer when a stop token is produced; it is kept)
+        for each of ``n`` samples of each prompt.
+
+        ``prompts``: token id lists (each non-empty). Returns ``out[i][j]``: the new token ids of
+        sample ``j`` of prompt ``i``; with ``return_logprobs`` the pair ``(out, logprobs)``,
+        ``logprobs[i][j][t]`` the model's log-probability of token ``out[i][j][t]``. Greedy when
+        ``temperature == 0``; otherwise sampling, reproducible for a given ``seed``.
+        """
+        prompts, max_new, n, temperature, stops = self._check_args(
+            prompts, max_new_tokens, n, temperature, stop_token_ids)
+        if not self.cache.is_empty:
+            raise InvalidArgumentError(
+                f"generate needs an empty cache, but it holds {self.cache.num_sequences} sequences "
+                f"(another generate did not finish?); call engine.cache.clear()")
+        try:
+            with self.adapter.session():
+                out = self._run(prompts, max_new, n, temperature, int(seed), stops)
+        except BaseException:
+            self.cache.clear()
+            raise
+        tokens = [[s.tokens for s in req] for req in out]
+        if return_logprobs:
+            return tokens, [[s.logprobs for s in req] for req in out]
+        return tokens
+
+    # ------------------------------------------------------------------ checks
+    def _check_args(self, prompts, max_new_tokens, n, temperature, stop_token_ids):
+        def whole(value, name, low):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {low}")
+            return int(value)
+
+        max_new = whole(max_new_tokens, "max_new_tokens", 1)
+        n = whole(n, "n", 1)
+        try:
+            temperature = float(temperature)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"temperature={temperature!r} must be a number >= 0") from None
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidArgumentError(f"temperature={temperature!r} must be a finite number >= 0")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InvalidArgumentError(
+                f"prompts must be a list of token id lists, got {type(prompts).__name__}")
+        vocab = int(self.adapter.vocab_size)
+        cfg, out = self.config, []
+        pages = self.cache.num_total_pages - 1
+        for i, p in enumerate(prompts):
+            try:
+                arr = np.asarray(p)
+            except Exception:
+                arr = np.asarray([None])
+            if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+                raise InvalidArgumentError(
+                    f"prompt {i} must be a non-empty list of integer token ids, got {p!r:.80}")
+            bad = (arr < 0) | (arr >= vocab)
+            if bad.any():
+                k = int(np.argmax(bad))
+                raise InvalidArgumentError(
+                    f"prompt {i}: token {int(arr[k])} at index {k} is outside the model's "
+                    f"vocabulary [0, {vocab})")
+            length = arr.size + max_new
+            need = -(-length // cfg.page_size) + 1
+            if need > pages:
+                raise InvalidArgumentError(
+                    f"prompt {i}: {arr.size} tokens + max_new_tokens={max_new} need {need} pages "
+                    f"of {cfg.page_size}, more than the cache holds ({pages} pages, "
+                    f"max_total_tokens={cfg.max_total_tokens}); raise max_total_tokens")
+            self.adapter.check_request(self.cache, i, length)
+            out.append([int(t) for t in arr])
+        stops = set()
+        for t in stop_token_ids or ():
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise InvalidArgumentError(f"stop_token_ids must hold integer ids, got {t!r}")
+            stops.add(int(t))
+        return out, max_new, n, temperature, stops
+
+    # ------------------------------------------------------------------ scheduler
+    def _new_seq(self, **kw) -> _Seq:
+        seq = _Seq(sid=self._next_sid, **kw)
+        self._next_sid += 1
+        return seq
+
+    def _plan_prefixes(self, prompts) -> list:
+        """A prefix sequence for each group of prompts sharing at least a page; returns, per
+        prompt, the prefix sequence it forks from (or None)."""
+        minimum = self.config.page_size
+        parents: list = [None] * len(prompts)
+        arrays = [np.asarray(p) for p in prompts]
+
+        def common(idx, start):
+            first = arrays[idx[0]]
+            length = len(first)
+            for i in idx[1:]:
+                other = arrays[i]
+                m = min(length, len(other))
+                diff = np.nonzero(first[start:m] != other[start:m])[0]
+                length = start + int(diff[0]) if diff.size else m
+            return length
+
+        def build(idx, depth, parent):
+            # every prompt of idx shares its first `depth` tokens (held by `parent`, if any)
+            groups: dict = {}
+            for i in idx:
+                if len(arrays[i]) > depth:
+                    groups.setdefault(int(arrays[i][depth]), []).append(i)
+                else:
+                    parents[i] = parent
+            for members in groups.values():
+                if len(members) == 1:
+                    parents[members[0]] = parent
+                    continue
+                length = common(members, depth)
+                node = parent
+                if length >= minimum and (parent is None or length > len(parent.tokens)):
+                    node = self._new_seq(kind="prefix", tokens=list(prompts[members[0]][:length]),
+                                         order=(min(members), 0, length), origin=parent)
+                    self._attach(node, parent)
+                    self._prefixes.append(node)
+                build(members, length, node)
+
+        build(list(range(len(prompts))), 0, None)
+        return parents
+
+    def _run(self, prompts, max_new, n, temperature, seed, stops):
+        cache, stats = self.cache, self.stats
+        self._prefixes: list = []
+        parents = self._plan_prefixes(prompts)
+        samples = [[_Sample(np.random.default_rng([seed, i, j])) for j in range(n)]
+                   for i in range(len(prompts))]
+        seqs: list = list(self._prefixes)
+        for i, p in enumerate(prompts):
+            seq = self._new_seq(kind="prompt", tokens=list(p), order=(i, 1, 0), request=i)
+            seq.origin = parents[i]
+            self._attach(seq, parents[i])
+            seqs.append(seq)
+        self._seqs = seqs
+        total = len(prompts) * n * max_new
+        produced = 0
+        bar = _Progress(total, self.progress)
+        try:
+            while True:
+                batch = self._schedule()
+                if batch is None:
+                    break
+                ran = self._step(batch)
+                if ran is None:
+                    continue                            # preempted: plan again
+                for seq, row in ran:
+                    produced += self._consume(seq, row, samples, max_new, n, temperature, stops)
+                bar.update(produced)
+        finally:
+            bar.close()
+        return samples
+
+    def _attach(self, seq: _Seq, parent: Optional[_Seq]) -> None:
+        """Make ``seq`` fork from ``parent`` (a prefix sequence, or the nearest one of its
+        origins still in use) when admitted; from nothing when none is."""
+        while parent is not None and parent.retired:
+            parent = parent.origin
+        if parent is not None:
+            seq.parent = parent
+            seq.fork_pos = min(len(parent.tokens), len(seq.tokens) - 1)
+            parent.waiting += 1
+        else:
+            seq.parent, seq.fork_pos = None, 0
+
+    def _ready(self, seq: _Seq) -> bool:
+        p = seq.parent
+        return p is None or p.retired or (p.live and p.cached >= seq.fork_pos)
+
+    def _schedule(self):
+        """The next forward: a list of (seq, chunk length), or None when all work is done."""
+        cfg, cache = self.config, self.cache
+        work = [s for s in self._seqs if not s.retired and s.pending > 0]
+        if not work:
+            return None
+        decodes = sorted((s for s in work if s.live and s.kind == "sample" and s.pending == 1),
+                         key=lambda s: s.order)
+        rest = sorted((s for s in work if not (s.live and s.kind == "sample" and s.pending == 1)),
+                      key=lambda s: s.order)
+        budget, batch = cfg.prefill_chunk_size, []
+        free = cache.num_available_pages
+        ps = cfg.page_size
+        for s in decodes:
+            if len(batch) == cfg.max_batch_size or budget == 0:
+                break
+            batch.append((s, 1))
+            budget -= 1
+            free -= 1 if s.cached % ps == 0 else 0
+        reserve = len(decodes)              # a page per running decode for the steps to come
+        for s in rest:
+            if len(batch) == cfg.max_batch_size or budget == 0:
+                break
+            if not self._ready(s):
+                continue
+            start = s.cached if s.live else (s.fork_pos if s.parent is not None and not s.parent.retired else 0)
+            want = min(len(s.tokens) - start, budget)
+            have = free - (0 if s.live else reserve)
+            pages = max(have, 0) * ps + ((-start) % ps)       # room left in its last page
+            if not s.live and s.parent is not None:
+                pages -= ps                                   # the fork copies a partial page
+            chunk = min(want, pages)
+            if chunk <= 0:
+                if batch or any(x.live for x in self._seqs):
+                    continue                                  # wait for pages to free up
+                chunk = want                                  # nothing else runs: try anyway
+            batch.append((s, chunk))
+            budget -= chunk
+            free -= -(-(start + chunk) // ps) - -(-start // ps) + (1 if not s.live and s.parent else 0)
+        if not batch:
+            # nothing fits: free pages by preempting (the youngest first), then plan again
+            head = next((s for s in rest if self._ready(s)), None)
+            self._preempt("no sequence fits in the free pages", keep=head)
+            return self._schedule()
+        return batch
+
+    def _admit(self, seq: _Seq) -> None:
+        cache, stats = self.cache, self.stats
+        parent = seq.parent
+        if parent is not None and not parent.retired:
+            cache.fork_sequence(parent.sid, seq.sid, seq.fork_pos)
+            seq.cached = seq.fork_pos
+            stats.forks += 1
+            stats.shared_prefix_tokens += seq.fork_pos
+        else:
+            cache.add_sequence(seq.sid)
+            seq.cached = 0
+        seq.live = True
+        if parent is not None:
+            parent.waiting -= 1
+            seq.parent = None
+            self._maybe_retire(parent)
+
+    def _maybe_retire(self, seq: _Seq) -> None:
+        """A prefix sequence that nobody waits on any more leaves the cache."""
+        if seq.kind == "prefix" and seq.waiting == 0 and seq.pending == 0 and not seq.retired:
+            if seq.live:
+                self.cache.remove_sequence(seq.sid)
+            seq.live, seq.retired = False, True
+
+    def _preempt(self, why: str, keep: Optional[_Seq] = None) -> None:
+        """Remove the youngest sequence in the cache (other than ``keep``, the work that waits
+        for room) to free its pages; it is recomputed later."""
+        live = [s for s in self._seqs if s.live and s is not keep]
+        if not live:
+            raise CacheFullError(
+                f"the cache ({self.cache.num_total_pages} pages of {self.config.page_size} "
+                f"tokens, max_total_tokens={self.config.max_total_tokens}) cannot hold the next "
+                f"forward even alone: {why}")
+        victim = max(live, key=lambda s: s.order)
+        self.cache.remove_sequence(victim.sid)
+        self.stats.preemptions += 1
+        victim.live, victim.cached = False, 0
+        if victim.kind == "prefix":
+            # sharing is an optimisation: a preempted prefix is dropped for good, and the
+            # sequences that would have forked from it start from its own prefix (or nothing)
+            victim.retired = True
+            for s in self._seqs:
+                if s.parent is victim and not s.live:
+                    victim.waiting -= 1
+                    self._attach(s, victim.origin)
+            return
+        # the victim re-forks from its prefix if that is still in use
+        self._attach(victim, victim.origin)
+
+    def _step(self, batch):
+        """Admit, run one forward; returns [(seq, logits row)] of the sequences that produced
+        logits, or None when the forward did not fit (a sequence was preempted)."""
+        cache, stats = self.cache, self.stats
+        try:
+            for seq, _ in batch:
+                if not seq.live:
+                    self._admit(seq)
+        except CacheFullError as exc:
+            self._preempt(str(exc))
+            return None
+        ids, lens, toks, pos, rows, wants = [], [], [], [], [], []
+        offset = 0
+        for seq, chunk in batch:
+            chunk = min(chunk, seq.pending)
+            ids.append(seq.sid)
+            lens.append(chunk)
+            toks.extend(seq.tokens[seq.cached:seq.cached + chunk])
+            pos.extend(range(seq.cached, seq.cached + chunk))
+            offset += chunk
+            if seq.cached + chunk == len(seq.tokens) and seq.kind != "prefix":
+                rows.append(offset - 1)
+                wants.append(seq)
+        try:
+            with cache.forward(ids, lens):
+                logits = self.adapter.forward(cache, np.asarray(toks, np.int64),
+                                              np.asarray(pos, np.int64), np.asarray(rows, np.int64))
+        except CacheFullError as exc:
+            self._preempt(str(exc))
+            return None
+        stats.forwards += 1
+        for (seq, _), chunk in zip(batch, lens):
+            if seq.kind == "sample" and chunk == 1 and seq.computed == seq.cached:
+                stats.decode_tokens += 1
+            else:
+                stats.prefill_tokens += chunk
+            stats.recomputed_tokens += max(0, min(chunk, seq.computed - seq.cached))
+            seq.cached += chunk
+            seq.computed = max(seq.computed, seq.cached)
+            if seq.kind == "prefix":
+                self._maybe_retire(seq)
+        logits = self.adapter.to_numpy(logits) if wants else None
+        return [(seq, logits[k]) for k, seq in enumerate(wants)]
+
+    def _consume(self, seq, row, samples, max_new, n, temperature, stops) -> int:
+        """Sample from a sequence's logits row; returns the number of tokens produced."""
+        i = seq.request
+        if seq.kind == "prompt":
+            made = 0
+            for j, smp in enumerate(samples[i]):
+                made += self._draw(smp, row, temperature, max_new, stops)
+            if n == 1:                      # the prompt's sequence goes on as the sample
+                seq.kind, seq.sample = "sample", 0
+                seq.order = (i, 2, 0)
+                self._after(seq, samples[i][0])
+                return made
+            # the prompt's sequence becomes the samples' shared prefix: each sample forks from it
+            seq.kind = "prefix"
+            for j, smp in enumerate(samples[i]):
+                if smp.done:
+                    continue
+                child = self._new_seq(kind="sample", tokens=seq.tokens + [smp.tokens[-1]],
+                                      order=(i, 2, j), request=i, sample=j, origin=seq,
+                                      computed=len(seq.tokens))
+                self._attach(child, seq)
+                self._seqs.append(child)
+            self._maybe_retire(seq)
+            return made
+        smp = samples[i][seq.sample]
+        made = self._draw(smp, row, temperature, max_new, stops)
+        self._after(seq, smp)
+        return made
+
+    def _after(self, seq, smp) -> None:
+        if smp.done:
+            if seq.live:
+                self.cache.remove_sequence(seq.sid)
+            seq.live, seq.retired = False, True
+        else:
+            seq.tokens.append(smp.tokens[-1])
+
+    @staticmethod
+    def _draw(smp: _Sample, row: np.ndarray, temperature: float, max_new: int, stops) -> int:
+        if smp.done:
+            return 0
+        top = float(row.max())
+        logz = top + math.log(float(np.exp(row - top).sum()))
+        if temperature == 0.0:
+            token = int(np.argmax(row))
+        else:
+            scaled = (row - top) / temperature
+            p = np.exp(scaled - scaled.max())
+            cdf = np.cumsum(p)
+            token = int(np.searchsorted(cdf, smp.rng.random() * cdf[-1], side="right"))
+            token = min(token, row.shape[0] - 1)
+        smp.tokens.append(token)
+        smp.logprobs.append(float(row[token]) - logz)
+        if len(smp.tokens) >= max_new or token in stops:
+            smp.done = True
+        return 1
+
+
+class _Progress:
+    """A progress bar on stderr over new tokens, shown on a TTY only (``force`` True/False
+    overrides); uses rich when installed, nothing otherwise."""
+
+    def __init__(self, total: int, force: Optional[bool]):
+        self.bar = None
+        show = sys.stderr.isatty() if force is None else force
+        if not show:
+            return
+        try:
+            from rich.progress import Progress
+        except ImportError:
+            return
+        self.bar = Progress(transient=True)
+        self.task = self.bar.add_task("kvcache generate", total=total)
+        self.bar.start()
+
+    def update(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None

@@ -1,0 +1,291 @@
+"""Hugging Face transformers models on a ``PagedKVCache`` (extra ``kvcache[transformers]``).
+
+Two ways in:
+
+* your own loop: ``register()`` adds an attention implementation named ``"kvcache"``; after
+  ``model.set_attn_implementation("kvcache")`` a forward run inside ``cache.forward(seq_ids,
+  lengths)`` with the batch packed into one row (``input_ids`` of shape (1, T), per-token
+  ``position_ids`` (1, T)), ``use_cache=False`` and ``kvcache=cache`` sends each decoder layer's
+  attention to ``cache.attention(layer_idx, q, k, v)``. Build the cache with
+  ``cache_config(model)`` (``rope_mode="none"``: the model applies its own RoPE);
+* ``Engine(model, ...)``: continuous-batching generation (see ``kvcache.integrations.engine``).
+
+The model keeps its own rotary embedding, so the cache must not rotate: a cache whose
+``rope_mode`` is not ``"none"`` is refused by the attention function (it would rotate q and k
+a second time). Sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Phi-3 with a
+``sliding_window``) see the previous ``sliding_window`` positions including their own, as
+transformers defines it; that is ``window_left = sliding_window - 1`` in the cache's terms and
+needs the backend capability ``window_left`` once a sequence outgrows the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from . import MissingExtraError, require
+from .engine import Engine as _Engine
+from .engine import ModelAdapter
+from ..arrays import to_numpy
+from ..config import CacheConfig
+from ..errors import InvalidArgumentError, UnsupportedFeatureError
+
+MIN_VERSION = (5, 17)
+torch = require("torch", "transformers")
+transformers = require("transformers", "transformers", "5.17")
+
+
+def _version(text: str) -> tuple:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+if _version(transformers.__version__) < MIN_VERSION:
+    raise MissingExtraError(
+        f"kvcache.integrations.transformers needs transformers >= "
+        f"{'.'.join(map(str, MIN_VERSION))}, found {transformers.__version__}; install it with: "
+        f"pip install -U 'kvcache[transformers]'")
+
+__all__ = ["ATTN_IMPLEMENTATION", "Engine", "FAMILIES", "TransformersAdapter", "attention",
+           "cache_config", "register", "sliding_windows"]
+
+ATTN_IMPLEMENTATION = "kvcache"
+"""The name ``register()`` gives the attention implementation."""
+
+FAMILIES = {
+    "llama": "grouped-query attention",
+    "qwen2": "q/k/v projection bias (inside the model); sliding-window layers when "
+             "use_sliding_window=True need the backend capability 'window_left'",
+    "mistral": "sliding-window attention: sequences longer than config.sliding_window need "
+               "the backend capability 'window_left'",
+    "phi3": "head_dim 96 (the backend's head_dims); a config.sliding_window needs "
+            "'window_left' for longer sequences",
+    "gemma": "head_dim 256 with one KV head (the backend's head_dims)",
+}
+"""Model families (``config.model_type``) the Engine runs, and what each needs of a backend."""
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# attention arguments whose meaning the cache does not implement
+_REFUSED = ("softcap", "s_aux", "sinks", "attention_chunk_size", "position_bias")
+
+
+# ---------------------------------------------------------------------- model description
+def _head_dim(config) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def sliding_windows(config) -> dict:
+    """``{layer index: sliding_window}`` for the model's sliding-window layers (empty: none).
+    Layers listed in ``config.layer_types`` as ``"sliding_attention"`` use the window; without
+    ``layer_types`` a set ``config.sliding_window`` applies to every layer (Mistral, Phi-3)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return {}
+    types = getattr(config, "layer_types", None)
+    layers = range(config.num_hidden_layers)
+    if types is not None:
+        return {i: int(window) for i in layers if types[i] == "sliding_attention"}
+    return {i: int(window) for i in layers}
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    if dtype not in _DTYPES:
+        raise UnsupportedFeatureError(f"the cache stores float32, float16 or bfloat16, not {dtype}")
+    return _DTYPES[dtype]
+
+
+def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: int = 65536,
+                 max_batch_size: int = 64, prefill_chunk_size: int = 2048) -> CacheConfig:
+    """A ``CacheConfig`` for a transformers causal LM: layers, query/KV heads and head_dim from
+    ``model.config``, ``rope_mode="none"`` (the model rotates q and k itself), ``dtype`` (None:
+    the model's parameter dtype) and the given sizes."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    return CacheConfig(
+        num_layers=int(config.num_hidden_layers), num_qo_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=_head_dim(config), page_size=page_size, max_batch_size=max_batch_size,
+        max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
+        dtype=_dtype_name(dtype if dtype is not None else model.dtype), rope_mode="none",
+        rope_theta=float(getattr(config, "rope_theta", None) or 10000.0))
+
+
+# ---------------------------------------------------------------------- attention function
+def _to_cache(cache, x):
+    """(T, H, D) torch tensor -> the cache backend's native array in the cache dtype."""
+    if cache.backend.is_native(x):
+        return x.contiguous()
+    return cache.from_numpy(x.detach().to("cpu", torch.float32).numpy())
+
+
+def _window_unsupported(cache, layer: int, window: int) -> UnsupportedFeatureError:
+    return UnsupportedFeatureError(
+        f"backend {cache.backend.name!r} does not support per-query sliding-window attention "
+        f"(capability 'window_left' not declared): layer {layer} of the model attends to the "
+        f"previous sliding_window={window} positions only, and this forward has queries past "
+        f"that window")
+
+
+def attention(module, query, key, value, attention_mask, scaling: Optional[float] = None,
+              dropout: float = 0.0, sliding_window: Optional[int] = None, **kwargs):
+    """The ``"kvcache"`` attention implementation (transformers' attention-function signature).
+
+    ``query`` (1, num_qo_heads, T, head_dim), ``key``/``value`` (1, num_kv_heads, T, head_dim):
+    the T new tokens of the open forward of ``kwargs["kvcache"]``, already rotated by the model.
+    Returns ``(output (1, T, num_qo_heads, head_dim) in query's dtype, None)``.
+    """
+    cache = kwargs.get("kvcache")
+    if cache is None:
+        raise InvalidArgumentError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} needs the cache: call the model "
+            f"with kvcache=cache (and use_cache=False) inside `with cache.forward(seq_ids, "
+            f"lengths):`, or switch back with model.set_attn_implementation('sdpa')")
+    if cache.config.rope_mode != "none":
+        raise InvalidArgumentError(
+            f"the cache has rope_mode={cache.config.rope_mode!r}, but a transformers model "
+            f"applies its own RoPE before attention: the cache would rotate q and k a second "
+            f"time. Create the cache with rope_mode='none' (kvcache.integrations.transformers."
+            f"cache_config(model) does)")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise InvalidArgumentError(f"{type(module).__name__} has no layer_idx: cannot tell which "
+                                   f"cache layer its attention uses")
+    if query.shape[0] != 1:
+        raise InvalidArgumentError(
+            f"the batch must be packed into one row (input_ids of shape (1, T)), got a batch "
+            f"of {query.shape[0]} rows")
+    for name in _REFUSED:
+        if kwargs.get(name) is not None:
+            raise UnsupportedFeatureError(
+                f"layer {layer} passes {name}={kwargs[name]!r} to attention; the kvcache "
+                f"attention does not implement {name}")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise UnsupportedFeatureError(f"layer {layer} asks for non-causal attention; the cache's "
+                                      f"attention is causal")
+    extra = {}
+    if sliding_window is not None:
+        if getattr(cache.capabilities, "window_left", False):
+            extra["window_left"] = int(sliding_window) - 1
+        else:
+            # fine while no query is as far as the window from the start of its sequence
+            positions = to_numpy(cache.query_positions())
+            if positions.size and int(positions.max()) >= int(sliding_window):
+                raise _window_unsupported(cache, layer, int(sliding_window))
+    q = _to_cache(cache, query[0].transpose(0, 1))
+    k = _to_cache(cache, key[0].transpose(0, 1))
+    v = _to_cache(cache, value[0].transpose(0, 1))
+    out = cache.attention(layer, q, k, v, sm_scale=scaling, **extra)
+    if not isinstance(out, torch.Tensor):
+        out = torch.from_numpy(np.ascontiguousarray(to_numpy(out)))
+    return out.to(device=query.device, dtype=query.dtype).unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the ``"kvcache"`` attention implementation with transformers (idempotent); no
+    mask function is registered, so the model builds no (T, T) attention mask for it.
+    Returns the name to pass to ``model.set_attn_implementation``."""
+    transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
+    return ATTN_IMPLEMENTATION
+
+
+# ---------------------------------------------------------------------- engine adapter
+class TransformersAdapter(ModelAdapter):
+    """A transformers causal LM (a supported family) as the engine's model."""
+
+    def __init__(self, model):
+        config = getattr(model, "config", None)
+        family = getattr(config, "model_type", None)
+        if family not in FAMILIES:
+            raise UnsupportedFeatureError(
+                f"model family {family!r} ({type(model).__name__}) is not supported by the kvcache "
+                f"Engine; supported: {', '.join(sorted(FAMILIES))}. A new family needs its attention "
+                f"to reach the cache through transformers' attention interface with no feature the "
+                f"cache lacks (see docs/integrations.md)")
+        if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+            raise UnsupportedFeatureError(f"{type(model).__name__} has no language-model head: the "
+                                          f"Engine needs a *ForCausalLM model")
+        self.model = model
+        self.family = family
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.windows = sliding_windows(config)
+        self.device = next(model.parameters()).device
+
+    def cache_config(self, *, dtype, page_size, max_total_tokens, max_batch_size,
+                     prefill_chunk_size) -> CacheConfig:
+        return cache_config(self.model, dtype=dtype, page_size=page_size,
+                            max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
+                            prefill_chunk_size=prefill_chunk_size)
+
+    def default_device(self) -> Optional[str]:
+        return str(self.device)
+
+    def check(self, cache) -> None:
+        dtype = _dtype_name(self.model.dtype)
+        if cache.config.dtype != dtype and cache.backend.is_native(torch.zeros(1, device=self.device)):
+            raise UnsupportedFeatureError(
+                f"the model computes in {dtype} but the cache stores {cache.config.dtype}; the "
+                f"{cache.backend.name!r} backend takes the model's tensors as they are, so the "
+                f"dtypes must match (pass dtype=None)")
+
+    def check_request(self, cache, index: int, length: int) -> None:
+        if not self.windows or getattr(cache.capabilities, "window_left", False):
+            return
+        layer, window = min(self.windows.items(), key=lambda kv: kv[1])
+        if length > window:
+            raise UnsupportedFeatureError(
+                f"prompt {index}: {length} tokens (prompt + max_new_tokens) outgrow the "
+                f"{self.family} model's sliding_window={window} (layer {layer}), and backend "
+                f"{cache.backend.name!r} does not support per-query sliding-window attention "
+                f"(capability 'window_left' not declared)")
+
+    @contextlib.contextmanager
+    def session(self):
+        """The model runs the "kvcache" attention for the duration (restored afterwards)."""
+        register()
+        before = self.model.config._attn_implementation
+        if before != ATTN_IMPLEMENTATION:
+            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            with torch.inference_mode():
+                yield
+        finally:
+            if before != ATTN_IMPLEMENTATION:
+                self.model.set_attn_implementation(before)
+
+    def forward(self, cache, tokens, positions, logit_rows):
+        dev = self.device
+        ids = torch.from_numpy(tokens).to(dev).unsqueeze(0)
+        pos = torch.from_numpy(positions).to(dev).unsqueeze(0)
+        keep = torch.from_numpy(logit_rows).to(dev) if len(logit_rows) else 1
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
+                         kvcache=cache)
+        return out.logits[0] if len(logit_rows) else None
+
+    def to_numpy(self, logits) -> np.ndarray:
+        return logits.detach().to("cpu", torch.float64).numpy()
+
+
+class Engine(_Engine):
+    """Continuous-batching generation of a transformers causal LM on a ``PagedKVCache``.
+
+    ``model``: a ``*ForCausalLM`` of a family in ``FAMILIES``. ``backend``: a backend name or
+    ``"auto"``; ``device``: the cache's device (None: the model's); ``dtype``: the cache dtype
+    (None: the model's); ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``),
+    ``max_batch_size``, ``prefill_chunk_size`` (None: ``min(2048, max_total_tokens)``): as in
+    ``CacheConfig``. See ``kvcache.integrations.engine.Engine.generate``.
+    """
+
+    def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
+                 dtype=None, page_size: int = 16, max_total_tokens: Optional[int] = None,
+                 max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None):
+        self.model = model
+        super().__init__(TransformersAdapter(model), backend=backend, device=device, dtype=dtype,
+                         page_size=page_size, max_total_tokens=max_total_tokens,
+                         max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size)

@@ -1,0 +1,43 @@
+"""``kvcache demo --model FAMILY|PATH``: the serving workload on a real architecture, checked
+against transformers' own generation."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_model, torch  # noqa: F401
+
+from kvcache.demo import main
+from kvcache.demo.real import build_parser, run
+
+SMALL = ["--requests", "8", "--max-output", "16", "--long-prompt", "300", "--max-total-tokens",
+         "512", "--max-batch-size", "6", "--prefill-chunk-size", "128", "--check-requests", "3",
+         "--quiet", "--samples", "2"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_a_family_runs_every_feature_and_the_check_passes(family):
+    r = run(build_parser().parse_args(["--model", family, "--backend", "reference"] + SMALL))
+    assert r["ok"], r["failures"]
+    assert r["backend"] == "reference" and r["checked"] >= 3
+    s = r["stats"]
+    assert s.preemptions > 0, "the small cache should preempt"
+    assert s.forks > 0 and s.shared_prefix_tokens > 0
+    assert all(v > 0 for v in r["features"].values()), r["features"]
+    assert all(d > 1 for d in r["distinct"]), "parallel samples should differ"
+
+
+def test_a_checkpoint_directory_loads_without_network(tmp_path, capsys):
+    model = make_model("qwen2", seed=4)
+    model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    assert (tmp_path / "ckpt" / "config.json").exists()
+    assert list((tmp_path / "ckpt").glob("*.safetensors"))
+    rc = main(["--model", str(tmp_path / "ckpt"), "--backend", "reference"] + SMALL)
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "qwen2 checkpoint" in out and "PASSED" in out
+
+
+def test_an_unknown_model_name_is_refused():
+    with pytest.raises(SystemExit, match="neither a family"):
+        main(["--model", "not-a-family-or-dir", "--backend", "reference"] + SMALL)

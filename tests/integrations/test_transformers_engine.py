@@ -1,0 +1,183 @@
+"""The Engine's features over a transformers model: parallel samples forked from one prefill,
+reproducible sampling with log-probabilities that match the model's own forward, preemption,
+stop tokens, bad input; the user-loop attention path; the RoPE-mode guard; the missing extra."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import hf_greedy, hf_logits, make_model, make_prompts, torch
+
+import kvcache
+from kvcache.integrations import MissingExtraError
+from kvcache.integrations import transformers as kvt
+from kvcache.integrations.transformers import Engine
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_model("llama", seed=3)
+
+
+def test_parallel_samples_prefill_once_and_match_teacher_forcing(llama):
+    prompt = make_prompts(seed=11)[3]                     # 128 tokens
+    n, new = 4, 24
+    engine = Engine(llama, backend="reference", max_total_tokens=4096, prefill_chunk_size=256)
+    calls = []
+    forward = engine.adapter.forward
+
+    def count(cache, tokens, positions, rows):
+        calls.append(len(tokens))
+        return forward(cache, tokens, positions, rows)
+
+    engine.adapter.forward = count
+    out, logprobs = engine.generate([prompt], max_new_tokens=new, n=n, temperature=1.0, seed=5,
+                                    return_logprobs=True)
+    # the prompt ran once (one forward of 128 tokens), then every step decodes the n samples
+    assert calls[0] == len(prompt) and sum(calls) == len(prompt) + n * (new - 1)
+    assert engine.stats.prefill_tokens == len(prompt)
+    assert engine.stats.decode_tokens == n * (new - 1)
+    assert engine.stats.forks == n and engine.stats.shared_prefix_tokens == n * len(prompt)
+    samples = out[0]
+    assert len(samples) == n and all(len(s) == new for s in samples)
+    assert len({tuple(s) for s in samples}) == n, "the samples should differ"
+    # the same seed gives the same samples (a fresh engine), another seed other samples
+    again = Engine(llama, backend="reference", max_total_tokens=4096).generate(
+        [prompt], max_new_tokens=new, n=n, temperature=1.0, seed=5)
+    assert again[0] == samples
+    other = engine.generate([prompt], max_new_tokens=new, n=n, temperature=1.0, seed=6)
+    assert other[0] != samples
+    # every sampled sequence re-scored by transformers' own forward (teacher forcing)
+    for s, lp in zip(samples, logprobs[0]):
+        logits = hf_logits(llama, prompt + s)[len(prompt) - 1:-1]
+        top = logits.max(-1, keepdims=True)
+        logz = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[:, 0]
+        want = logits[np.arange(new), s] - logz
+        np.testing.assert_allclose(lp, want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_samples_are_identical_and_match_transformers(llama):
+    prompt = make_prompts(seed=12)[2]
+    out = Engine(llama, backend="reference").generate([prompt], max_new_tokens=12, n=3)
+    want = hf_greedy(llama, prompt, 12)
+    assert out[0] == [want] * 3
+
+
+def test_preemption_recomputes_and_keeps_the_tokens(llama):
+    prompts = make_prompts(seed=13)[:6]
+    new = 40
+    want = [hf_greedy(llama, p, new) for p in prompts]
+    # 40 pages of 16 tokens: not enough for the six requests together
+    engine = Engine(llama, backend="reference", max_total_tokens=640, prefill_chunk_size=64,
+                    max_batch_size=8)
+    out = engine.generate(prompts, max_new_tokens=new)
+    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
+    assert [o[0] for o in out] == want
+    assert engine.cache.is_empty
+
+
+def test_stop_tokens_end_a_sample(llama):
+    prompt = make_prompts(seed=14)[0]
+    want = hf_greedy(llama, prompt, 20)
+    stop = want[5]
+    cut = want[:want.index(stop) + 1]
+    engine = Engine(llama, backend="reference")
+    assert engine.generate([prompt], max_new_tokens=20, stop_token_ids=[stop])[0][0] == cut
+
+
+def test_bad_input_is_refused_before_anything_runs(llama):
+    engine = Engine(llama, backend="reference", max_total_tokens=256)
+    with pytest.raises(kvcache.InvalidArgumentError, match="prompt 1.*token 9999"):
+        engine.generate([[1, 2], [3, 9999]], max_new_tokens=2)
+    with pytest.raises(kvcache.InvalidArgumentError, match="prompt 0 must be a non-empty"):
+        engine.generate([[]])
+    with pytest.raises(kvcache.InvalidArgumentError, match="max_total_tokens=256"):
+        engine.generate([[1] * 250], max_new_tokens=20)
+    with pytest.raises(kvcache.InvalidArgumentError, match="temperature"):
+        engine.generate([[1]], temperature=-1)
+    with pytest.raises(kvcache.InvalidArgumentError, match="n=0"):
+        engine.generate([[1]], n=0)
+    assert engine.cache.is_empty and engine.stats.forwards == 0
+
+
+def test_unsupported_family_is_named():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="'gpt2'.*gemma, llama, mistral, phi3, qwen2"):
+        Engine(model, backend="reference")
+
+
+def test_user_loop_with_the_registered_attention(llama):
+    """The documented loop: register, set_attn_implementation, packed batch, cache.forward."""
+    prompts = make_prompts(seed=15)[:3]
+    name = kvt.register()
+    assert name == "kvcache"
+    llama.set_attn_implementation("kvcache")
+    try:
+        cache = kvcache.PagedKVCache(kvt.cache_config(llama, max_total_tokens=2048), backend="reference")
+        for i in range(3):
+            cache.add_sequence(i)
+        lens = [len(p) for p in prompts]
+        ids = torch.tensor([sum(prompts, [])])
+        pos = torch.tensor([sum((list(range(n)) for n in lens), [])])
+        last = torch.tensor(np.cumsum(lens) - 1)
+        with cache.forward([0, 1, 2], lens), torch.no_grad():
+            logits = llama(ids, position_ids=pos, use_cache=False, kvcache=cache,
+                           logits_to_keep=last).logits[0]
+        # one decode step for the three sequences
+        nxt = logits.argmax(-1)
+        with cache.forward([0, 1, 2], [1, 1, 1]), torch.no_grad():
+            step = llama(nxt[None], position_ids=torch.tensor([lens]), use_cache=False,
+                         kvcache=cache).logits[0]
+        # without the cache, the attention says what it needs
+        with pytest.raises(kvcache.InvalidArgumentError, match="kvcache=cache"):
+            with torch.no_grad():
+                llama(ids[:, :4])
+    finally:
+        llama.set_attn_implementation("sdpa")
+    for i, p in enumerate(prompts):
+        want = hf_logits(llama, p + [int(nxt[i])])
+        np.testing.assert_allclose(logits[i].numpy(), want[-2], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(step[i].numpy(), want[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_rotating_cache_is_refused_not_rotated_twice(llama):
+    """The model applies its own RoPE: a cache in rope_mode 'normal' would rotate again."""
+    cfg = kvt.cache_config(llama)
+    assert cfg.rope_mode == "none"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=8, rope_mode="none")
+    with pytest.warns(FutureWarning, match="rope_mode"):
+        implicit = kvcache.CacheConfig(num_layers=cfg.num_layers, num_qo_heads=cfg.num_qo_heads,
+                                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                       dtype="float32")
+    assert implicit.rope_mode == "normal"
+    cache = kvcache.PagedKVCache(implicit, backend="reference")
+    cache.add_sequence(0)
+    kvt.register()
+    llama.set_attn_implementation("kvcache")
+    try:
+        with pytest.raises(kvcache.InvalidArgumentError, match="second time"):
+            with cache.forward([0], [4]), torch.no_grad():
+                llama(torch.tensor([[1, 2, 3, 4]]), position_ids=torch.arange(4)[None],
+                      use_cache=False, kvcache=cache)
+    finally:
+        llama.set_attn_implementation("sdpa")
+    assert cache.sequence_length(0) == 0          # the forward was aborted, nothing stored
+    # the Engine always builds its cache with rope_mode 'none'
+    assert Engine(llama, backend="reference").cache.config.rope_mode == "none"
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)     # as if not installed
+    monkeypatch.delitem(sys.modules, "kvcache.integrations.transformers")
+    with pytest.raises(MissingExtraError, match=r"kvcache\[transformers\]") as err:
+        importlib.import_module("kvcache.integrations.transformers")
+    assert isinstance(err.value, ImportError) and isinstance(err.value, kvcache.KVCacheError)
