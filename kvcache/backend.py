@@ -94,7 +94,7 @@ class TreeMask:
     mask: Any
 
 
-@dataclass
+@dataclass(frozen=True)
 class DepthAux:
     """Index arrays of one block depth, on the backend's device (int32).
 

@@ -40,24 +40,9 @@ class TokenArrays:
 
 
 @dataclass(frozen=True)
-class HostDepth:
-    """One block depth on the host; the fields are those of ``kvcache.backend.DepthAux`` (which
-    documents the arrays) and ``num_pages``, the length of ``page_indices`` in use."""
-
-    qo_indptr: Any
-    page_indptr: Any
-    page_indices: Any
-    last_page_len: Any
-    kv_len: Any
-    sink_size: Any
-    window_offset: Any
-    k_rope_offset: Any
-    num_entries: int
-    use_decode: bool
-    tree: Optional[TreeMask] = None
-    max_kv_len: int = 0
-    max_qo_len: int = 0
-    num_pages: int = 0
+class HostDepth(DepthAux):
+    """One block depth on the host: the fields of ``kvcache.backend.DepthAux`` (which documents
+    them) as host arrays; ``num_pages`` is the length of ``page_indices`` in use."""
 
 
 DEPTH_ARRAYS = ("qo_indptr", "page_indptr", "last_page_len", "kv_len", "sink_size",

@@ -11,6 +11,7 @@ Usage: python tests/cuda/triton_compile_check.py [sm ...]     (default: 90)
 Prints one line per compiled kernel and "COMPILED n" at the end; exit 0 when all compiled.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -76,7 +77,7 @@ def matrix():
             mine.tuning = mine.tuning.with_(force_splits=splits)
             mine.paged_attention(case.q, case.pages, case.depth, 0.1, rope=spec,
                                  q_positions=case.q_positions)
-        case.depth.use_decode = False
+        case.depth = dataclasses.replace(case.depth, use_decode=False)
         mine.paged_attention(case.q, case.pages, case.depth, 0.1, rope=spec,
                              q_positions=case.q_positions)
         c = cc.ragged_case(rng, ref, mine, [5, 9], tree=tree)
