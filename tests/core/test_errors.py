@@ -1,4 +1,4 @@
-"""Every error type of SPEC 3: the right type, a message naming the sequence / value / limit, and
+"""Every public error type: the right type, a message naming the sequence / value / limit, and
 nothing changed (lengths, free pages, stored KV)."""
 
 import numpy as np

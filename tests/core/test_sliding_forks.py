@@ -97,7 +97,7 @@ def test_window_smaller_than_shared_prefix_is_refused(cache):
 
 @pytest.mark.parametrize("fork_pos", [8, 10, 16])
 def test_shared_prefix_longer_than_sinks_is_refused(cache, fork_pos):
-    """Sinks 6 < the 8 or 16 tokens shared with the parent: the SPEC window (drop tokens 6..)
+    """Sinks 6 < the 8 or 16 tokens shared with the parent: the window as specified (drop tokens 6..)
     would free shared pages."""
     t = Tokens(cache)
     cache.add_sequence(0)
