@@ -65,7 +65,7 @@ def test_parallel_samples_prefill_once_and_match_teacher_forcing(llama):
 
 
 def test_preemption_recomputes_and_keeps_the_tokens(llama):
-    prompts = make_prompts(seed=13)[:4]
+    prompts = make_prompts(seed=14)[:4]      # (seed 13 has a greedy near-tie: 6e-7 apart)
     # too few pages for all four at once: sequences are preempted and recomputed
     engine = _engine(llama, max_total_tokens=512, page_size=16, prefill_chunk_size=128)
     out = engine.generate(prompts, max_new_tokens=16)
