@@ -99,3 +99,14 @@ def test_missing_mlx_lm_names_the_extra(monkeypatch):
     with pytest.raises(MissingExtraError, match=r"kvcache\[mlx-lm\]") as err:
         importlib.import_module("kvcache.integrations.mlx_lm")
     assert isinstance(err.value, ImportError) and isinstance(err.value, kvcache.KVCacheError)
+
+
+def test_other_backends_take_converted_arrays():
+    """On a backend whose arrays are not MLX's (reference, numpy) q/k/v are converted; the
+    tokens are still mlx-lm's own."""
+    model = make_model("qwen2", seed=3)
+    prompts = make_prompts(seed=14)[:3]
+    engine = Engine(model, backend="reference", device="cpu", max_total_tokens=2048)
+    out = engine.generate(prompts, max_new_tokens=16)
+    for i, p in enumerate(prompts):
+        assert out[i][0] == mlx_greedy(model, p, 16), f"prompt {i}"
