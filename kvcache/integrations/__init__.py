@@ -3,6 +3,8 @@
 * ``kvcache.integrations.transformers`` (extra ``kvcache[transformers]``): Hugging Face
   transformers models on the torch backends (cuda, rocm, cuda's CPU test mode) and the
   reference backend;
+* ``kvcache.integrations.mlx_lm`` (extra ``kvcache[mlx-lm]``): mlx-lm models on the metal
+  backend (Apple GPU, or MLX's CPU device);
 * ``kvcache.integrations.engine``: the continuous-batching ``Engine`` they share (neutral to
   the model library; an adapter supplies the model's forward).
 """
