@@ -123,7 +123,7 @@ def _info_rows(device: Optional[str]) -> list[dict]:
 
 def _info(args: argparse.Namespace) -> int:
     rows = _info_rows(args.device)
-    if args.json:
+    if getattr(args, "json", False):
         print(json.dumps(_jsonable(rows), indent=2))
         return 0
     print(f"{'backend':<12} {'prio':>4}  {'status':<11}  reason")
