@@ -51,8 +51,8 @@ def test_wheels_declare_what_they_need(wheels):
     assert "Requires-Dist: kvcache>=0.1.0" in cuda and "Requires-Dist: torch>=2.4" in cuda
     with zipfile.ZipFile(wheels["kvcache"]) as z:
         names = z.namelist()
-    assert "kvcache/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names)
         entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "kvcache/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names)
     assert not [n for n in names if "/" not in n], "a top-level module"   # e.g. a pytest plugin
     assert "[pytest11]" not in entry_points and "[kvcache]" in entry_points
     with zipfile.ZipFile(wheels["kvcache_cuda"]) as z:
