@@ -13,7 +13,10 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .backend import Backend
 
 USAGE_ERROR = 2
 
@@ -29,7 +32,7 @@ def fail(prog: str, message: object) -> int:
     return USAGE_ERROR
 
 
-def backend_for(name: str, device: Optional[str] = None) -> type:
+def backend_for(name: str, device: Optional[str] = None) -> type[Backend]:
     """The backend class ``name`` names ('auto': the best available one), or a ``UsageError``
     naming the fix: the close match for a typo, the backend's unavailability reason otherwise."""
     from .plugins import list_backends, resolve_backend
