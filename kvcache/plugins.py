@@ -231,7 +231,7 @@ def _table(rows) -> str:
 def resolve_backend(name: str = "auto", device: Optional[str] = None) -> type[Backend]:
     """The backend class for ``name`` ('auto': the highest-priority available one). A name loads
     only the plugins whose entry point has that name, unless they do not provide it."""
-    if name != "auto":
+    if isinstance(name, str) and name != "auto":     # anything else fails below, with the table
         _load_entry_points(name)
         classes, _, duplicates = _plugin_backends(everything=False)
         cls = classes.get(name)
