@@ -294,7 +294,9 @@ class PagedKVCache:
         if plan.static_bucket is not None:
             # a replayed capture runs no Python, so the copy cannot wait for attention
             try:
-                aux = self.aux_manager.upload_static(plan)
+                manager = self.aux_manager
+                assert isinstance(manager, MergedAuxManager)   # static_decode requires merged_aux
+                aux = manager.upload_static(plan)
             except BaseException:
                 self.planner.rollback(plan.undo)
                 raise

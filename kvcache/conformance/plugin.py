@@ -340,7 +340,7 @@ def pytest_runtest_makereport(item, call):
 def summarize(results) -> dict:
     """{backend: {"device", "areas": {area: counts}, "total": counts, "capabilities": {...},
     "other_skips": [...], "failures": [...]}}."""
-    out = {}
+    out: dict[str, dict] = {}
     for backend, device, area, name, outcome, detail in results:
         b = out.setdefault(backend, {"device": device, "areas": {}, "capabilities": defaultdict(int),
                                      "other_skips": [], "failures": [], "xfailed": []})
