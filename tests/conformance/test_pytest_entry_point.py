@@ -33,8 +33,10 @@ def _stale_entry_point():
     """An environment installed from an older kvcache still declares a ``pytest11`` entry point
     named ``kvcache`` (reinstalling removes it); these runs block it to see what a fresh install
     sees. The repository's own pyproject is checked in ``test_no_pytest11_entry_point``."""
-    from importlib.metadata import entry_points
-    return any(ep.name == "kvcache" for ep in entry_points(group="pytest11"))
+    from importlib.metadata import distributions
+    # every distribution on the path, as pytest scans them (entry_points() keeps one per name)
+    return any(ep.group == "pytest11" and ep.name == "kvcache"
+               for dist in distributions() for ep in dist.entry_points)
 
 
 def run_pytest(args, cwd, **env):
