@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml backends/cuda/pyproject.toml backends/rocm/pyproject.to
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "mlx[cpu]" numpy pluggy ml_dtypes \
-		pytest hypothesis rich matplotlib "transformers>=5.17" safetensors "mlx-lm>=0.32"
+		pytest hypothesis mypy rich matplotlib "transformers>=5.17" safetensors "mlx-lm>=0.32"
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/metal
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e docs/examples/kvcache-example
 	touch $(STAMP)

@@ -4,8 +4,10 @@ provide them, kernel benchmarks against the memory-bandwidth floor (``--backend 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -116,24 +118,79 @@ def print_host(rows, call_us: float) -> None:
               f"{r['with_plain_aux_us']:>13.1f} {r['us_per_seq']:>8.3f}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kvcache bench")
-    parser.add_argument("--host", action="store_true", help="time begin_forward + aux arrays on the host")
-    parser.add_argument("--backend", default=None, help="run the backend's kernel benchmarks")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--repeat", type=int, default=200)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcache bench",
+        description="Benchmarks. --host (the default): host time of begin_forward and the aux "
+                    "upload for decode batches of 1..1024 sequences on the reference backend. "
+                    "--backend NAME: that backend's kernel benchmarks against the memory-bandwidth "
+                    "floor (a GPU backend needs its GPU).",
+        epilog="Options this parser does not know are passed to the backend's benchmarks "
+               "(e.g. kvcache bench --backend cuda --iters 50 --only decode); "
+               "`kvcache bench --backend NAME --help` lists them.")
+    p.add_argument("--host", action="store_true",
+                   help="time begin_forward + the aux upload on the host (default without --backend)")
+    p.add_argument("--backend", default=None, metavar="NAME",
+                   help="run this backend's kernel benchmarks (see `kvcache info` for names)")
+    p.add_argument("--device", default=None, metavar="DEV",
+                   help="device for the backend's benchmarks (default: the backend's own)")
+    p.add_argument("--repeat", type=_positive_int, default=200, metavar="N",
+                   help="begin_forward calls timed per batch size for --host (default 200)")
+    p.add_argument("--json", action="store_true",
+                   help="print the --host results as JSON (for machines) instead of a table")
+    return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def main(argv: Optional[list] = None) -> int:
+    """``kvcache bench ARGS``: 0 on success, 2 for a usage mistake (unknown or unavailable
+    backend, an option no part of the bench knows)."""
+    from .cli import UsageError, backend_for
+    parser = build_parser()
+    argv = list(argv or [])
+    wants_help = [a for a in argv if a in ("-h", "--help")]
+    if wants_help and any(a == "--backend" or a.startswith("--backend=") for a in argv):
+        # --backend NAME --help: the backend's own options (after the backend check below)
+        argv = [a for a in argv if a not in wants_help]
+    else:
+        wants_help = []
     args, rest = parser.parse_known_args(argv)
+    rest += wants_help
+    if rest and args.backend is None:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if not args.host and args.backend is None:
         args.host = True
+    run = None
+    if args.backend is not None:
+        # checked before any host work: a missing GPU or backend fails at once
+        cls = backend_for(args.backend, args.device)
+        run = getattr(cls, "run_benchmarks", None)
+        if run is None:
+            raise UsageError(f"backend {cls.name!r} ships no kernel benchmarks; "
+                             "use --host, or a backend that has them (e.g. cuda)")
+        if args.json:
+            raise UsageError("--json applies to --host; the backend's benchmarks write JSON "
+                             "with their own option (see `kvcache bench --backend NAME --help`)")
     if args.host:
         call_us = numpy_call_us()
         rows = host_bench(args.repeat)
-        print_host(rows, (call_us + numpy_call_us()) / 2)
-    if args.backend is not None:
-        cls = resolve_backend(args.backend, args.device)
-        run = getattr(cls, "run_benchmarks", None)
-        if run is None:
-            print(f"backend {cls.name!r} ships no kernel benchmarks")
-            return 1
+        call_us = (call_us + numpy_call_us()) / 2
+        if args.json:
+            print(json.dumps({"numpy_call_us": call_us, "python": platform.python_version(),
+                              "numpy": np.__version__,
+                              "machine": platform.processor() or platform.machine(),
+                              "rows": rows}, indent=2))
+        else:
+            print_host(rows, call_us)
+    if run is not None:
         return int(run(rest + (["--device", args.device] if args.device else [])) or 0)
     return 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Optional
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from .core.validate import bool_arg, float_arg
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
                      UnsupportedFeatureError)
 from .plugins import resolve_backend
+
+# A backend-native array (numpy.ndarray, torch.Tensor, mlx.core.array): the core never looks inside.
+Array = Any
 
 _thread_id = threading.get_ident
 
@@ -60,7 +64,7 @@ class PagedKVCache:
     of sequences and attends over their history. A cache is used by one thread at a time.
     """
 
-    def __init__(self, config: CacheConfig, backend: str = "auto", device: Optional[str] = None):
+    def __init__(self, config: CacheConfig, backend: str = "auto", device: Optional[str] = None) -> None:
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError(f"config must be a kvcache.CacheConfig, got {type(config).__name__}")
         cls = resolve_backend(backend, device)
@@ -81,6 +85,7 @@ class PagedKVCache:
         self.pages = self._allocate_pages(config)
         self.copy_stream = self.backend.create_stream() if caps.copy_stream else None
         self._require(not config.static_decode or caps.merged_aux, "merged_aux", "static_decode=True", cls)
+        self.aux_manager: Union[MergedAuxManager, PlainAuxManager]
         if caps.merged_aux:
             self.aux_manager = MergedAuxManager(
                 self.backend, self.copy_stream,
@@ -139,14 +144,14 @@ class PagedKVCache:
             raise UnsupportedFeatureError(
                 f"backend {cls.name!r} does not support {what}: {Capabilities.reason(capability)}")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         c, pt = self.config, self.state.pt     # unguarded: a repr from any thread never raises
         return (f"PagedKVCache(backend={self.backend.name!r}, layers={c.num_layers}, "
                 f"pages={c.num_pages}x{c.page_size}, sequences={len(pt.seqs)}, "
                 f"free_pages={pt.num_free})")
 
     # ------------------------------------------------------------------ arrays
-    def from_numpy(self, array):
+    def from_numpy(self, array: Any) -> Array:
         """A native array on the cache's device: floats in the cache dtype, ints as int32."""
         try:
             host = np.asarray(array)
@@ -206,7 +211,8 @@ class PagedKVCache:
         self.state.clear()
 
     @_exclusive
-    def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices) -> None:
+    def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int],
+                                         leaf_indices: Sequence[int]) -> None:
         self._no_forward("commit_accepted_token_tree_nodes")
         items = self.state.check_commit(seq_ids, leaf_indices)
         src, dst = self.state.commit_plan(items)
@@ -242,7 +248,7 @@ class PagedKVCache:
 
     @property
     @_exclusive
-    def sequence_ids(self) -> list:
+    def sequence_ids(self) -> list[int]:
         return list(self.state.pt.seqs)
 
     @property
@@ -251,7 +257,7 @@ class PagedKVCache:
         return not self.state.pt.seqs and self.state.pt.num_free == self.state.pt.num_pages
 
     @_exclusive
-    def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None):
+    def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None) -> tuple[Array, Array]:
         """(k, v), each (num_layers, end-start, num_kv_heads, head_dim), K as stored."""
         self._no_forward("get_kv")
         seq = self.state.seq(seq_id)
@@ -264,14 +270,15 @@ class PagedKVCache:
         slots = self.state.pt.position_slots(seq, start, end)
         return self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
 
-    def query_positions(self):
+    def query_positions(self) -> Array:
         """RoPE position of each new token of the open forward (device int32 array)."""
         self._open("query_positions")
         return self._device_aux().tokens.q_positions
 
     # ------------------------------------------------------------------ forward
     @_exclusive
-    def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
+    def begin_forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
+                      token_tree_parent_ptr: Optional[Sequence[int]] = None) -> None:
         """Open a forward appending ``append_lengths[i]`` tokens to sequence ``seq_ids[i]``.
 
         ``seq_ids``: B distinct ids of sequences in the cache (1 <= B <= max_batch_size);
@@ -287,7 +294,9 @@ class PagedKVCache:
         if plan.static_bucket is not None:
             # a replayed capture runs no Python, so the copy cannot wait for attention
             try:
-                aux = self.aux_manager.upload_static(plan)
+                manager = self.aux_manager
+                assert isinstance(manager, MergedAuxManager)   # static_decode requires merged_aux
+                aux = manager.upload_static(plan)
             except BaseException:
                 self.planner.rollback(plan.undo)
                 raise
@@ -309,12 +318,12 @@ class PagedKVCache:
 
     @property
     @_exclusive
-    def layers_run(self) -> frozenset:
+    def layers_run(self) -> frozenset[int]:
         """The layers that have run attention in the open forward (empty between forwards)."""
         return frozenset(self._layers_done)
 
     @_exclusive
-    def rerun_layers(self, layers=None) -> None:
+    def rerun_layers(self, layers: Optional[Sequence[int]] = None) -> None:
         """Let ``layers`` (None: every layer) of the open forward run attention again: capture
         helpers run one step's layers several times (warm-up, capture). Appending the same
         K/V again writes the same rows, so the repeated runs leave the cache as one run."""
@@ -323,7 +332,7 @@ class PagedKVCache:
             self._layer_list(layers, "rerun_layers"))
 
     @_exclusive
-    def mark_layers_run(self, layers) -> None:
+    def mark_layers_run(self, layers: Sequence[int]) -> None:
         """Record that ``layers`` ran attention in the open forward without ``attention``
         being called: a replayed capture of a step ran them."""
         self._open("mark_layers_run")
@@ -371,7 +380,8 @@ class PagedKVCache:
         self._layers_done = set()
 
     @contextlib.contextmanager
-    def forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None):
+    def forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
+                token_tree_parent_ptr: Optional[Sequence[int]] = None) -> Iterator[PagedKVCache]:
         """``with cache.forward(ids, lengths): ...`` runs begin_forward / end_forward; an
         exception inside the block aborts the forward instead (nothing of it is kept)."""
         self.begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)
@@ -405,7 +415,10 @@ class PagedKVCache:
     def _device_aux(self) -> ForwardAux:
         """Upload this forward's index arrays on first use (lazy; see core.aux)."""
         if self._aux is None:
-            self._aux = self.aux_manager.upload(self._plan)
+            plan = self._plan
+            if plan is None:     # callers open the forward first; this keeps the types honest
+                raise ForwardStateError("no open forward: call begin_forward first")
+            self._aux = self.aux_manager.upload(plan)
         return self._aux
 
     def _check_input(self, name, array, heads, total):
@@ -423,8 +436,9 @@ class PagedKVCache:
         if b.dtype_name(array) != c.dtype:
             raise InvalidArgumentError(f"{name} has dtype {b.dtype_name(array)}, the cache stores {c.dtype}")
 
-    def attention(self, layer_id: int, q, k, v, sm_scale: Optional[float] = None,
-                  return_lse: bool = False):
+    def attention(self, layer_id: int, q: Array, k: Array, v: Array,
+                  sm_scale: Optional[float] = None,
+                  return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
         """Write layer ``layer_id``'s new K/V into the cache and attend: each new token's query
         over its sequence's history and the new tokens before it (its tree ancestors in a
         token tree, the window and sinks of a sliding window).
@@ -454,8 +468,10 @@ class PagedKVCache:
         self._layers_done.add(layer_id)         # a layer that raised has not run
         return (o, lse) if return_lse else o
 
-    def attention_with_fused_qkv(self, layer_id: int, qkv, sm_scale: Optional[float] = None,
-                                 return_lse: bool = False):
+    def attention_with_fused_qkv(self, layer_id: int, qkv: Array, sm_scale: Optional[float] = None,
+                                 return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
+        """``attention`` with q, k and v in one array ``qkv`` of shape
+        (T, num_qo_heads + 2 * num_kv_heads, head_dim): q heads first, then k, then v."""
         plan = self._open("attention_with_fused_qkv")
         c = self.config
         self._check_input("qkv", qkv, c.num_qo_heads + 2 * c.num_kv_heads, plan.total_tokens)

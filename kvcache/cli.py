@@ -1,53 +1,176 @@
-"""``kvcache`` command line: info, conformance, bench, demo."""
+"""``kvcache`` command line: info, conformance, bench, demo.
+
+A user mistake (an unknown backend, a missing prerequisite, a bad option) ends in one line on
+stderr naming the fix and exit status 2, never a traceback; a closed pipe (``kvcache info | head``)
+ends quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
+import os
 import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .backend import Backend
+
+USAGE_ERROR = 2
 
 
-def _info(args) -> int:
+class UsageError(Exception):
+    """A command-line mistake: printed as ``PROG: error: MESSAGE`` (one line), exit status 2."""
+
+
+def fail(prog: str, message: object) -> int:
+    """Print ``message`` as the one-line error of ``prog``; returns the usage exit status."""
+    text = " ".join(str(message).split())   # one line, whatever the message held
+    print(f"{prog}: error: {text}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def backend_for(name: str, device: Optional[str] = None) -> type[Backend]:
+    """The backend class ``name`` names ('auto': the best available one), or a ``UsageError``
+    naming the fix: the close match for a typo, the backend's unavailability reason otherwise."""
+    from .plugins import list_backends, resolve_backend
+    from .errors import BackendNotAvailableError
+    on = "" if device is None else f" on device {device!r}"
+    if name == "auto":
+        try:
+            return resolve_backend("auto", device)
+        except BackendNotAvailableError:
+            raise UsageError(f"no backend is available{on}; run `kvcache info` to see why") from None
+    rows = list_backends(device)
+    row = next((r for r in rows if r["name"] == name), None)
+    if row is None:
+        names = [r["name"] for r in rows if r["class"] is not None]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(f"unknown backend {name!r}; {hint}choose one of: {', '.join(names)} "
+                         "(`kvcache info` lists them)")
+    if not row["available"]:
+        raise UsageError(f"backend {name!r} is not available{on}: {row['reason']}")
+    return row["class"]
+
+
+def guarded(prog: str, run: Callable[[list[str]], Optional[int]], argv: Sequence[str]) -> int:
+    """``run(argv)`` with the command line's error handling: ``UsageError`` -> one line and 2,
+    a closed stdout -> 0 without a traceback, Ctrl-C -> 130."""
+    try:
+        code = int(run(list(argv)) or 0)
+        sys.stdout.flush()       # a pipe closed early fails here, inside the handler
+        return code
+    except UsageError as exc:
+        return fail(prog, exc)
+    except BrokenPipeError:
+        # the reader went away (``| head``): point stdout at devnull so the interpreter's final
+        # flush does not raise again
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def readable(value: Any) -> str:
+    """A capability value as a person reads it: yes/no, comma lists, ranges for long lists."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None:
+        return "-"
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+        if len(items) > 8:
+            return f"{items[0]}..{items[-1]} ({len(items)} values)"
+        return ", ".join(str(v) for v in items) or "-"
+    return str(value)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return [_jsonable(v) for v in items]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _info_rows(device: Optional[str]) -> list[dict]:
+    """One dict per registered backend: name, priority, available, reason, and (for a usable
+    class) description, platform, devices, capabilities or the error that hid them."""
     from .plugins import list_backends
-    rows = list_backends(args.device)
+    out = []
+    for row in list_backends(device):
+        item: dict[str, Any] = {k: row[k] for k in ("name", "priority", "available", "reason")}
+        cls = row["class"]
+        if cls is not None:
+            item["description"] = cls.description
+            try:   # one plugin's bug must not hide the other backends
+                item["platform"] = dict(cls.platform() or {})
+                item["devices"] = [str(d) for d in cls.devices()] if row["available"] else []
+                item["capabilities"] = dict(cls.capabilities.describe())
+            except Exception as exc:
+                item["error"] = f"{type(exc).__name__}: {exc}"
+        out.append(item)
+    return out
+
+
+def _info(args: argparse.Namespace) -> int:
+    rows = _info_rows(args.device)
+    if getattr(args, "json", False):
+        print(json.dumps(_jsonable(rows), indent=2))
+        return 0
     print(f"{'backend':<12} {'prio':>4}  {'status':<11}  reason")
     for row in rows:
         status = "available" if row["available"] else "unavailable"
         prio = "" if row["priority"] is None else row["priority"]
         print(f"{row['name']:<12} {prio:>4}  {status:<11}  {row['reason']}")
     for row in rows:
-        cls = row["class"]
-        if cls is None:
+        if "description" not in row:
             continue
-        print(f"\n[{cls.name}] {cls.description}")
-        try:
-            _details(cls, row["available"])
-        except Exception as exc:   # one plugin's bug must not hide the other backends
-            print(f"  error:        {type(exc).__name__}: {exc}")
+        print(f"\n[{row['name']}] {row['description']}")
+        if row.get("platform"):
+            print("  platform:           " + ", ".join(f"{k}={v}" for k, v in row["platform"].items()))
+        if row.get("devices"):
+            print("  devices:            " + ", ".join(row["devices"]))
+        if "error" in row:
+            print(f"  error:              {row['error']}")
+        for key, value in row.get("capabilities", {}).items():
+            print(f"  {key + ':':<20}{readable(value)}")
     return 0
 
 
-def _details(cls, available: bool) -> None:
-    platform = cls.platform()
-    if platform:
-        print("  platform:     " + ", ".join(f"{k}={v}" for k, v in platform.items()))
-    if available:
-        print("  devices:      " + ", ".join(cls.devices()))
-    for key, value in cls.capabilities.describe().items():
-        if key == "head_dims" and len(value) > 8:
-            value = f"{value[0]}..{value[-1]}"
-        print(f"  {key + ':':<18}{value}")
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kvcache", description="paged KV cache for LLM inference")
-    sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="backends, availability and reason, capabilities, devices")
-    info.add_argument("--device", default=None)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcache", description="paged KV cache for LLM inference",
+        epilog="`kvcache COMMAND --help` describes each command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    info = sub.add_parser("info", help="backends, availability and reason, capabilities, devices",
+                          description="List every registered backend: priority, whether it can "
+                                      "run here (and why not), platform, devices, capabilities.")
+    info.add_argument("--device", default=None, metavar="DEV",
+                      help="check availability for this device (e.g. cuda:1, cpu); "
+                           "default: each backend's own")
+    info.add_argument("--json", action="store_true", help="print the same as JSON (for machines)")
     for name, text in (("conformance", "run the conformance suite against a backend"),
                        ("bench", "benchmarks (host overhead, kernels against the bandwidth floor)"),
                        ("demo", "a continuous-batching serving workload on the best backend")):
         sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``kvcache COMMAND ...``: the exit status of the command (2 for a usage mistake)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("conformance", "bench", "demo"):
         command, rest = argv[0], argv[1:]
         if command == "conformance":
@@ -56,10 +179,12 @@ def main(argv=None) -> int:
             from .bench import main as run
         else:
             from .demo import main as run
-        return int(run(rest) or 0)
-    args = parser.parse_args(argv)
-    return _info(args)
+        return guarded(f"kvcache {command}", run, rest)
+    parser = build_parser()
+    return guarded("kvcache", lambda a: _info(parser.parse_args(a)), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # through the package, so that the UsageError the commands raise is this one
+    from kvcache.cli import main as _main
+    sys.exit(_main())

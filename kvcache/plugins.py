@@ -3,6 +3,10 @@
 ``KVCACHE_PLUGINS`` (comma-separated entry-point names) limits which plugins load; empty string
 loads none but the built-in reference backend's entry point is still subject to the filter.
 
+Looking up a backend by name loads only the entry points of that name (a plugin's entry point is
+named after its backend, so ``backend="reference"`` imports neither torch nor MLX); only if that
+does not find it, and for ``"auto"`` and ``list_backends``, are all plugins loaded.
+
 Each plugin is checked on its own (its hooks when it registers, its backend classes whenever they
 are listed), so a bad plugin is listed as unusable and hides no other backend. A backend name that
 two different classes claim is unusable too: neither is picked, by name or by ``"auto"``.
@@ -27,21 +31,43 @@ ENTRY_POINT_GROUP = "kvcache"
 _manager: Optional[pluggy.PluginManager] = None
 _load_errors: dict[str, str] = {}
 _origins: dict[str, str] = {}     # plugin name -> where it came from, for duplicate-name reports
+_loaded: set[tuple[str, str]] = set()   # (entry point name, value) already loaded
+_all_loaded = False
 
 
-def get_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide plugin manager, loading entry points on first use."""
+def _manager_only() -> pluggy.PluginManager:
+    """The process-wide plugin manager, with whatever entry points are loaded so far."""
     global _manager
     if _manager is None:
         pm = pluggy.PluginManager("kvcache")
         pm.add_hookspecs(hookspecs)
-        allowed = os.environ.get("KVCACHE_PLUGINS")
-        wanted = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if wanted is None or ep.name in wanted:
-                _load_entry_point(pm, ep)
         _manager = pm
     return _manager
+
+
+def _load_entry_points(name: Optional[str] = None) -> pluggy.PluginManager:
+    """Load the entry points named ``name`` (None: all) that ``KVCACHE_PLUGINS`` allows and that
+    are not loaded yet."""
+    global _all_loaded
+    pm = _manager_only()
+    if _all_loaded:
+        return pm
+    allowed = os.environ.get("KVCACHE_PLUGINS")
+    wanted = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        key = (ep.name, ep.value)
+        if (wanted is None or ep.name in wanted) and (name is None or ep.name == name) \
+                and key not in _loaded:
+            _loaded.add(key)
+            _load_entry_point(pm, ep)
+    if name is None:
+        _all_loaded = True
+    return pm
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager with every allowed entry point loaded."""
+    return _load_entry_points()
 
 
 def _load_entry_point(pm: pluggy.PluginManager, ep) -> None:
@@ -84,8 +110,10 @@ def _check_hook_names(pm: pluggy.PluginManager, plugin) -> None:
 
 def reset_plugins() -> None:
     """Forget loaded plugins (tests, or after installing a plugin at run time)."""
-    global _manager
+    global _manager, _all_loaded
     _manager = None
+    _all_loaded = False
+    _loaded.clear()
     _load_errors.clear()
     _origins.clear()
 
@@ -93,7 +121,7 @@ def reset_plugins() -> None:
 def register_plugin(module_or_object, name: Optional[str] = None) -> None:
     """Register a plugin object in-process (tests, notebooks); same hooks as entry points. A plugin
     with an unknown hook raises ``pluggy.PluginValidationError`` and is not registered."""
-    name = _register(get_plugin_manager(), module_or_object, name)
+    name = _register(_manager_only(), module_or_object, name)
     if name is not None:
         _origins[name] = f"plugin {name!r}, registered in-process"
 
@@ -142,7 +170,8 @@ def _duplicate_reason(name: str, providers: list) -> str:
     return f"duplicate backend name {name!r}: {who}; uninstall one of them"
 
 
-def _plugin_backends() -> tuple[dict[str, type[Backend]], dict[str, str], dict[str, str]]:
+def _plugin_backends(everything: bool = True
+                     ) -> tuple[dict[str, type[Backend]], dict[str, str], dict[str, str]]:
     """Every usable backend class by name; {plugin name: why it is unusable} for each plugin whose
     hook raised or returned something unusable; {backend name: why} for each name that two
     different classes claim. Each plugin's hook is called on its own, so one broken plugin (a
@@ -150,7 +179,8 @@ def _plugin_backends() -> tuple[dict[str, type[Backend]], dict[str, str], dict[s
     providers: dict[str, list[tuple[type[Backend], str]]] = {}
     broken: dict[str, str] = {}
     # pluggy calls the last registered implementation first; list in registration order.
-    for impl in reversed(get_plugin_manager().hook.kvcache_register_backends.get_hookimpls()):
+    pm = get_plugin_manager() if everything else _manager_only()
+    for impl in reversed(pm.hook.kvcache_register_backends.get_hookimpls()):
         classes, why = _hook_classes(impl)
         if why:
             broken[impl.plugin_name] = why
@@ -199,7 +229,19 @@ def _table(rows) -> str:
 
 
 def resolve_backend(name: str = "auto", device: Optional[str] = None) -> type[Backend]:
-    """The backend class for ``name`` ('auto': the highest-priority available one)."""
+    """The backend class for ``name`` ('auto': the highest-priority available one). A name loads
+    only the plugins whose entry point has that name, unless they do not provide it."""
+    if isinstance(name, str) and name != "auto":     # anything else fails below, with the table
+        _load_entry_points(name)
+        classes, _, duplicates = _plugin_backends(everything=False)
+        cls = classes.get(name)
+        if cls is not None and name not in duplicates:
+            try:
+                ok, reason = cls.availability(device)
+            except Exception as exc:
+                ok, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
+            if ok:
+                return cls
     rows = list_backends(device)
     if name == "auto":
         for row in rows:

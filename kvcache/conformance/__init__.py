@@ -3,7 +3,7 @@
 Run it:
 
     kvcache conformance --backend NAME [--device DEV] [-k EXPR] [--full] [--xfail FILE]
-    pytest --pyargs kvcache.conformance --kvcache-backend NAME [--kvcache-device DEV]
+    pytest -p kvcache.conformance.plugin --pyargs kvcache.conformance --kvcache-backend NAME
     KVCACHE_CONFORMANCE_BACKEND=NAME pytest --pyargs kvcache.conformance
 
 or from a plugin's own tests (the plugin author's ten lines, see docs/plugin-guide.md):
@@ -17,10 +17,8 @@ or from a plugin's own tests (the plugin author's ten lines, see docs/plugin-gui
     def kvcache_backend():
         return "mybackend"
 
-The ``--kvcache-*`` options come from kvcache's ``pytest11`` entry point (``_kvcache_pytestplugin``),
-which imports nothing from kvcache and loads the suite's plugin only when such an option is given,
-so the suite never loads into unrelated pytest runs. With ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` add
-``-p kvcache.conformance.plugin``.
+The ``--kvcache-*`` options come with the suite's plugin (``-p kvcache.conformance.plugin``);
+kvcache registers nothing with pytest on install, so unrelated pytest runs never see the suite.
 
 The test classes are importable from here (``TestPrefill``, ``TestFork``, ...); the fixtures live
 in ``kvcache.conformance.plugin``. So are the test building blocks, the one set that the suite,

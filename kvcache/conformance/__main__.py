@@ -2,6 +2,8 @@
 
 import sys
 
+from kvcache.cli import guarded
+
 from .cli import main
 
-sys.exit(main(sys.argv[1:]))
+sys.exit(guarded("kvcache conformance", main, sys.argv[1:]))

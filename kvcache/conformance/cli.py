@@ -62,24 +62,21 @@ def pytest_args(args, extra=()) -> list[str]:
 
 
 def main(argv: Optional[list] = None) -> int:
+    """``kvcache conformance ARGS [-- PYTEST ARGS]``: pytest's exit status; a usage mistake (no
+    pytest, an unknown or unavailable backend) raises ``kvcache.cli.UsageError`` (exit 2 through
+    ``kvcache``)."""
     argv = list(argv or [])
     extra = []
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
+    from kvcache.cli import UsageError, backend_for
     try:
         import pytest
     except ImportError:
-        print("kvcache conformance needs pytest: pip install 'kvcache[test]'")
-        return 2
-    from kvcache.errors import BackendNotAvailableError
-    from kvcache.plugins import resolve_backend
-    try:
-        cls = resolve_backend(args.backend, args.device)
-    except BackendNotAvailableError as exc:
-        print(f"kvcache conformance: {exc}")
-        return 2
+        raise UsageError("kvcache conformance needs pytest: pip install 'kvcache[test]'") from None
+    cls = backend_for(args.backend, args.device)
     print(f"kvcache conformance: backend {cls.name!r} ({cls.__module__}.{cls.__qualname__}), "
           f"device {args.device or 'default'}")
     return int(pytest.main(pytest_args(args, extra)))

@@ -1,15 +1,13 @@
 """The pytest plugin of the conformance suite: fixtures, parametrization, expected failures,
 summary.
 
-Opt-in, never autoloaded. kvcache's ``pytest11`` entry point (module ``_kvcache_pytestplugin``)
-only defines the ``--kvcache-*`` options and registers this module when a run opts in:
+Opt-in, never autoloaded (kvcache registers nothing with pytest on install). A run opts in with:
 
 * ``kvcache conformance --backend NAME`` (the CLI loads it for you);
-* ``pytest --pyargs kvcache.conformance --kvcache-backend NAME`` (any ``--kvcache-*`` option
-  registers it; so does ``kvcache.conformance``'s ``conftest.py``, e.g. for
-  ``KVCACHE_CONFORMANCE_BACKEND=NAME pytest --pyargs kvcache.conformance``);
-* ``-p kvcache.conformance.plugin`` (works with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` too: the
-  options are then added from here);
+* ``pytest -p kvcache.conformance.plugin --pyargs kvcache.conformance --kvcache-backend NAME``
+  (this module defines the ``--kvcache-*`` options, from ``kvcache.conformance.options``);
+* ``KVCACHE_CONFORMANCE_BACKEND=NAME pytest --pyargs kvcache.conformance`` (the package's
+  ``conftest.py`` registers this module);
 * ``pytest_plugins = ["kvcache.conformance.plugin"]`` in a plugin author's root ``conftest.py``
   or test module (see ``docs/plugin-guide.md``).
 
@@ -70,9 +68,8 @@ def register(pluginmanager) -> None:
 
 
 def pytest_addoption(parser):
-    # Defined once, in kvcache's pytest11 entry point module; adding them again is a no-op, so this
-    # works with or without that entry point loaded (-p here plus PYTEST_DISABLE_PLUGIN_AUTOLOAD=1).
-    from _kvcache_pytestplugin import add_options
+    # defined once, in kvcache.conformance.options; adding them again is a no-op
+    from .options import add_options
     add_options(parser)
 
 
@@ -343,7 +340,7 @@ def pytest_runtest_makereport(item, call):
 def summarize(results) -> dict:
     """{backend: {"device", "areas": {area: counts}, "total": counts, "capabilities": {...},
     "other_skips": [...], "failures": [...]}}."""
-    out = {}
+    out: dict[str, dict] = {}
     for backend, device, area, name, outcome, detail in results:
         b = out.setdefault(backend, {"device": device, "areas": {}, "capabilities": defaultdict(int),
                                      "other_skips": [], "failures": [], "xfailed": []})

@@ -17,6 +17,8 @@ could issue it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from .plan import ForwardAux, ForwardPlan, device_twin, walk
@@ -84,11 +86,11 @@ class MergedAuxManager:
         self.slots = [_Slot() for _ in range(num_buffers)]
         self.initial_capacity = initial_capacity
         self.next = 0
-        self.current = None
+        self.current: Optional[int] = None
         self.copies = 0
         self.allocations = 0
         self.static_capacity = static_capacity
-        self._static = None
+        self._static: Optional[_StaticBuffers] = None
         self._static_open = False
 
     @staticmethod
@@ -141,6 +143,8 @@ class MergedAuxManager:
         addresses every step (page lists: their whole capacity), so a step captured once reads
         every later step's arrays."""
         if self._static is None:
+            if self.static_capacity is None:
+                raise AssertionError("upload_static on a cache built without static_decode")
             self._static = _StaticBuffers(self.backend, self.static_capacity)
             self.allocations += 1
         g = self._static
@@ -175,7 +179,7 @@ class MergedAuxManager:
         return None if self._static is None else self._static.device
 
     def release(self) -> None:
-        if self._static_open:
+        if self._static_open and self._static is not None:
             self._static.release_event = self.backend.record_event()
             self._static_open = False
         elif self.current is not None:

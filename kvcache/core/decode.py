@@ -10,6 +10,8 @@ lengths), without bumping the epoch: the reused plan accounts for exactly that c
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from ..errors import CacheFullError
@@ -121,7 +123,7 @@ class DecodeReuse:
         self.keep_choice = keep_choice  # static-shape decode: the flat choice never flips
         batch = len(slots)
         everyone = np.arange(batch)
-        self.flat = None
+        self.flat: Optional[int] = None
         held = [d for d, h in enumerate(holders) if len(h.seq_index)]
         if len(held) == 1:
             d = held[0]
@@ -182,6 +184,7 @@ class DecodeReuse:
         """One depth holds every last block, entry ``i`` = sequence ``i``: whole-array updates."""
         old = self.plan
         d = self.flat
+        assert d is not None     # callers take this path only with a flat depth
         depth = old.depths[d]
         indptr, indices = depth.page_indptr, depth.page_indices
         if fresh is not None:

@@ -62,11 +62,11 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
         if not (cur >= 0).any():
             break
         chain.append(cur)
-    chain = np.stack(chain)                         # (K, B), leaf first
-    ndepth = (chain >= 0).sum(axis=0)
-    width = chain.shape[0]
+    ancestors = np.stack(chain)                         # (K, B), leaf first
+    ndepth = (ancestors >= 0).sum(axis=0)
+    width = ancestors.shape[0]
     src = ndepth[:, None] - 1 - np.arange(width)[None, :]
-    trace = np.where(src >= 0, chain[np.maximum(src, 0), np.arange(batch)[:, None]], -1)  # (B, K) root first
+    trace = np.where(src >= 0, ancestors[np.maximum(src, 0), np.arange(batch)[:, None]], -1)  # (B, K) root first
     # static-shape decode reads each sequence's whole page list as one entry (one launch per
     # layer whatever the fork structure, so one captured step fits every batch of its bucket)
     flat = config.static_decode and is_decode

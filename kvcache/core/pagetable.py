@@ -219,7 +219,7 @@ class PageTable:
     def used_pages(self) -> np.ndarray:
         """Page ids referenced by live blocks (each once per block that holds it)."""
         live = np.nonzero(self.b_live[:self.num_blocks])[0]
-        parts = [self.pages_of(b) for b in live]
+        parts = [self.pages_of(int(b)) for b in live]
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
     def check_invariants(self) -> None:

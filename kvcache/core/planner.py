@@ -20,6 +20,8 @@ per depth over the history as it was before this forward, merged by lse.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from .decode import DecodeReuse, first_step
@@ -43,7 +45,7 @@ class Planner:
         self.state = state
         self.config = config
         self.capabilities = capabilities
-        self._reuse = None
+        self._reuse: Optional[DecodeReuse] = None
 
     @property
     def decode_reuse(self):
@@ -125,6 +127,7 @@ class Planner:
             sizes = pt.s_tree[req.slots].astype(np.int64) if masks is not None else None
             depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode,
                                            tree_sizes=sizes, tree_masks=masks)
+        assert depths is not None and holders is not None     # set on either branch above
         plan = ForwardPlan(seq_ids=req.seq_ids, append_lengths=req.append,
                            total_tokens=req.total, max_append=int(req.append.max()),
                            paged_only=paged_only, write_after=write_after, tokens=tokens,

@@ -11,6 +11,7 @@ unchanged, so an operation added here cannot forget to invalidate it.
 from __future__ import annotations
 
 import functools
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -252,7 +253,7 @@ class CacheState:
             return []
         # the rest lies in a shared prefix: fork at the new length, then drop the old sequence
         seq_id, slot = seq.seq_id, seq.slot
-        temp_id = object()
+        temp_id: Any = object()     # a key no caller can pass
         new_len = int(pt.s_len[slot]) - n
         copies = self._fork(seq, temp_id, new_len)
         child = pt.seqs[temp_id]
@@ -384,7 +385,8 @@ class CacheState:
     def commit_plan(self, items) -> tuple[np.ndarray, np.ndarray]:
         """Source and destination slots of the KV rows that move so each accepted path becomes
         contiguous right after the committed history."""
-        src, dst = [], []
+        src: list[int] = []
+        dst: list[int] = []
         for seq, leaf in items:
             if leaf < 0:
                 continue

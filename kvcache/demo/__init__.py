@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
 import time
 from typing import Optional
@@ -40,7 +42,8 @@ MODELS = {
     "llama-8b-heads": (4, 32, 8, 128),
 }
 
-__all__ = ["DemoResult", "SchedulerError", "build_parser", "main", "pick_backend", "report", "run_demo"]
+__all__ = ["DemoResult", "SchedulerError", "build_parser", "main", "pick_backend", "report", "run_demo",
+           "summary"]
 
 
 @dataclasses.dataclass
@@ -79,6 +82,40 @@ def pick_backend(name: str, device: Optional[str]) -> str:
     return "reference"
 
 
+def _number(kind, test, what):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+    parse.__name__ = what       # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _number(int, lambda v: v >= 0, "a non-negative integer")
+positive_float = _number(float, lambda v: v > 0, "a positive number")
+
+
+def check_plot_prerequisite(path: Optional[str]) -> None:
+    """``--plot FILE`` needs matplotlib and a writable folder: checked before the workload runs.
+    Raises ``kvcache.cli.UsageError`` naming the fix."""
+    if not path:
+        return
+    from kvcache.cli import UsageError
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'kvcache[plot]' "
+                         "(or leave out --plot)") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--plot {path}: the folder {folder} does not exist")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcache demo",
@@ -88,16 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="backend name, or 'auto' (default): the best "
                    "accelerator backend available, else the reference backend")
     p.add_argument("--device", default=None, help="device for the backend (e.g. cuda:1)")
-    p.add_argument("--requests", type=int, default=None, help="number of requests (default 48, x --scale)")
+    p.add_argument("--requests", type=positive_int, default=None, help="number of requests (default 48, x --scale)")
     p.add_argument("--seed", type=int, default=0, help="workload and model seed (default 0)")
     p.add_argument("--plot", metavar="FILE", default=None,
                    help="write a PNG of batch size, pages in use and preemptions per step (needs matplotlib)")
     p.add_argument("--check", dest="check", action="store_true", default=True,
                    help="replay a sample of requests on the reference backend (default)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the replay check")
-    p.add_argument("--check-requests", type=int, default=8,
+    p.add_argument("--check-requests", type=non_negative_int, default=8,
                    help="requests replayed by the check, plus up to 4 preempted ones (0: all)")
-    p.add_argument("--scale", type=float, default=1.0,
+    p.add_argument("--scale", type=positive_float, default=1.0,
                    help="multiply requests, cache capacity and batch size (e.g. --scale 8 on a GPU)")
     p.add_argument("--model", default="synthetic",
                    help="synthetic (default: the toy model below, every cache feature), or a real "
@@ -108,16 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "backend, small elsewhere)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="cache dtype (default: float32 on the reference backend, bfloat16 elsewhere)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-total-tokens", type=int, default=None,
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
+    p.add_argument("--max-total-tokens", type=positive_int, default=None,
                    help="main cache capacity in tokens (default 4096 x scale: tight, so requests get preempted)")
-    p.add_argument("--window-max-total-tokens", type=int, default=None,
+    p.add_argument("--window-max-total-tokens", type=positive_int, default=None,
                    help="sliding-window cache capacity in tokens (default 1024 x scale)")
-    p.add_argument("--prefill-chunk-size", type=int, default=256, help="tokens in one forward")
-    p.add_argument("--max-batch-size", type=int, default=None, help="sequences in one forward (default 32 x scale)")
-    p.add_argument("--max-prompt", type=int, default=3000, help="longest prompt in tokens")
-    p.add_argument("--max-output", type=int, default=40, help="longest output in tokens")
+    p.add_argument("--prefill-chunk-size", type=positive_int, default=256,
+                   help="most tokens in one forward (default 256)")
+    p.add_argument("--max-batch-size", type=positive_int, default=None, help="sequences in one forward (default 32 x scale)")
+    p.add_argument("--max-prompt", type=positive_int, default=3000,
+                   help="longest prompt in tokens (default 3000)")
+    p.add_argument("--max-output", type=positive_int, default=40,
+                   help="longest output in tokens (default 40)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as JSON (for machines) instead of a table; implies --quiet")
     return p
 
 
@@ -263,7 +305,8 @@ def _check_text(check: Optional[CheckResult]) -> str:
             f"{check.values:,} values, max |err| {check.max_err:.2g} (tol {atol:g})")
 
 
-def report(result: DemoResult, console=None) -> None:
+def _report_rows(result: DemoResult) -> tuple[str, list]:
+    """The report's title and one {row name: text} dict per cache."""
     rows = []
     totals = {"prefilled": 0, "decoded": 0, "busy": 0.0, "pre": 0}
     for e in result.engines:
@@ -303,13 +346,58 @@ def report(result: DemoResult, console=None) -> None:
     title = (f"kvcache demo: backend {result.backend} on {result.device}, seed {result.options.seed}, "
              f"{len(result.workload.requests)} requests, {result.steps} steps in {result.wall_s:.1f} s "
              f"({(totals['prefilled'] + totals['decoded']) / result.wall_s:,.0f} tokens/s overall)")
+    return title, rows
+
+
+def summary(result: DemoResult) -> dict:
+    """The run as plain data (what ``--json`` prints): backend, device, seed, steps, wall time,
+    check status and, per cache, the counters behind the table."""
+    caches = []
+    for e in result.engines:
+        check = next((c for c in result.checks if c.cache == e.name), None)
+        caches.append({
+            "cache": e.name, "requests": e.total, "finished": len(e.finished),
+            "tokens_prefilled": e.tokens_prefilled, "tokens_decoded": e.tokens_decoded,
+            "busy_s": e.busy_s, "forwards": len(e.history),
+            "max_batch": max((h.batch for h in e.history), default=0),
+            "peak_pages": e.peak_pages, "total_pages": e.cache.num_total_pages,
+            "preemptions": e.preemptions, "preempted_requests": len(e.preempted_rids),
+            "begin_forward_us": [t * 1e6 for t in e.begin_times],
+            "check": None if check is None else {
+                "ok": check.ok, "requests": check.requests, "tokens": check.tokens,
+                "values": check.values, "max_err": check.max_err,
+                "failures": [str(f) for f in check.failures]},
+        })
+    for c in caches:   # the per-call list is long: keep its summary only
+        us = np.asarray(c.pop("begin_forward_us"), dtype=float)
+        c["begin_forward_us"] = ({} if us.size == 0 else
+                                 {"mean": float(us.mean()), "p50": float(np.percentile(us, 50)),
+                                  "p99": float(np.percentile(us, 99))})
+    return {"backend": result.backend, "device": result.device, "seed": result.options.seed,
+            "requests": len(result.workload.requests), "steps": result.steps,
+            "wall_s": result.wall_s, "check_ok": result.check_ok, "caches": caches}
+
+
+def report(result: DemoResult, console=None, plain: Optional[bool] = None) -> None:
+    """Print the result table: rich box drawing on a terminal (or into ``console``), plain
+    ``name: value`` lines otherwise (``plain`` forces either)."""
+    title, rows = _report_rows(result)
+    if plain is None:
+        plain = console is None and not sys.stdout.isatty()
     try:
         from rich.console import Console
         from rich.table import Table
-    except ImportError:  # pragma: no cover
+    except ImportError:  # pragma: no cover - rich is in the 'demo' extra
+        plain = True
+    if plain:
         print(title)
-        for key in rows[0]:
-            print(f"  {key:<24}" + " | ".join(r[key] for r in rows))
+        for e, r in zip(result.engines, rows):
+            print(f"{e.name} cache:")
+            for key, text in r.items():
+                print(f"  {key + ':':<25}{text}")
+        for check in result.checks:
+            for failure in check.failures:
+                print(f"check failed: {failure}")
         return
     console = console or Console()
     table = Table(title=title, title_justify="left", show_lines=False)
@@ -373,15 +461,23 @@ def main(argv=None, tamper=None) -> int:
         from .real import main as real_main      # a real architecture (transformers)
         return real_main(argv)
     opts = build_parser().parse_args(argv)
+    from kvcache.cli import backend_for
+    check_plot_prerequisite(opts.plot)
+    backend_for(pick_backend(opts.backend, opts.device), opts.device)   # before any work
+    if opts.json:
+        opts.quiet = True
     try:
         result = run_demo(opts, tamper=tamper)
     except (SchedulerError, kvcache.KVCacheError) as exc:
         print(f"kvcache demo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    report(result)
+    if opts.json:
+        print(json.dumps(summary(result), indent=2))
+    else:
+        report(result)
     if opts.plot:
         plot(result, opts.plot)
-        print(f"plot written to {opts.plot}")
+        print(f"plot written to {opts.plot}", file=sys.stderr if opts.json else sys.stdout)
     if result.check_ok is False:
         print("kvcache demo: the check FAILED: attention outputs differ from the reference backend "
               "(see above)", file=sys.stderr)

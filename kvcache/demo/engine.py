@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -303,9 +303,10 @@ class Engine:
                     continue
                 if run not in self.running:
                     break
+                def fork(s=s) -> None:
+                    self.cache.fork_sequence(main.sid, s.sid)
                 ok = self._with_preemption(
-                    f"forking sample {s.local} of request {run.req.rid}",
-                    lambda s=s: self.cache.fork_sequence(main.sid, s.sid), owner=run)
+                    f"forking sample {s.local} of request {run.req.rid}", fork, owner=run)
                 if not ok:
                     break
                 self._live.add(s.sid)
@@ -329,7 +330,7 @@ class Engine:
             ids = [e[0].sid for e in entries]
             lens = [len(e[1]) for e in entries]
             tree = any(e[2] is not None for e in entries)
-            ptr = None
+            ptr: Optional[list] = None
             if tree:
                 ptr = []
                 for s, toks, p in entries:
@@ -368,7 +369,7 @@ class Engine:
             run = owners.get(s.sid)
             if run is not None and run.log is not None:
                 rec_rows.setdefault(id(run), (run, []))[1].append(np.arange(offsets[i], offsets[i + 1]))
-        rec_out = {k: [] for k in rec_rows}
+        rec_out: dict = {k: [] for k in rec_rows}
         out = None
         for layer in range(self.cfg.num_layers):
             out = self.cache.attention_with_fused_qkv(layer, self.model.qkv(handle, layer))
@@ -396,7 +397,8 @@ class Engine:
 
     def _schedule(self) -> list:
         """[(seq, tokens, tree parent ptr or None)] for this step's forward."""
-        budget, entries = self.cfg.prefill_chunk_size, []
+        budget = self.cfg.prefill_chunk_size
+        entries: list[tuple[Any, Any, Optional[list]]] = []     # (sequence, tokens, tree parents)
         limit = self.cfg.max_batch_size
         for run in sorted(self.running, key=lambda r: r.order):
             for s in run.seqs:

@@ -9,6 +9,8 @@ output of a token depends only on its own sequence's history, which is what the 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 import kvcache
@@ -21,7 +23,7 @@ class ToyModel:
         c = self.config = config
         self.width = c.num_qo_heads + 2 * c.num_kv_heads
         self.seed = seed
-        self._host = None
+        self._host: Optional[list] = None
 
     def host_tables(self) -> list:
         """Per layer, the (VOCAB, Hq + 2*Hkv, D) float32 table: q entries have standard deviation

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
 
 import numpy as np
+
+from . import non_negative_int, positive_int
 
 FAMILY_SHAPES = {
     # family: (config class, model class, config fields)
@@ -110,22 +113,33 @@ def build_parser() -> argparse.ArgumentParser:
                    "available, else cpu)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="model and cache dtype (default float32 on the CPU, bfloat16 on a GPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--requests", type=int, default=28)
-    p.add_argument("--samples", type=int, default=3, help="parallel samples per sampled request")
-    p.add_argument("--max-output", type=int, default=24, help="new tokens per sample")
-    p.add_argument("--long-prompt", type=int, default=700, help="tokens of a long prompt")
-    p.add_argument("--max-total-tokens", type=int, default=2560,
-                   help="cache capacity in tokens (default small: requests get preempted)")
-    p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--prefill-chunk-size", type=int, default=256)
-    p.add_argument("--check-requests", type=int, default=4,
+    p.add_argument("--seed", type=int, default=0, help="workload and weight seed (default 0)")
+    p.add_argument("--requests", type=positive_int, default=28, help="number of requests (default 28)")
+    p.add_argument("--samples", type=positive_int, default=3,
+                   help="parallel samples per sampled request (default 3)")
+    p.add_argument("--max-output", type=positive_int, default=24, help="new tokens per sample (default 24)")
+    p.add_argument("--long-prompt", type=positive_int, default=700,
+                   help="tokens of a long prompt (default 700)")
+    p.add_argument("--max-total-tokens", type=positive_int, default=2560,
+                   help="cache capacity in tokens (default 2560, small: requests get preempted)")
+    p.add_argument("--max-batch-size", type=positive_int, default=16,
+                   help="sequences in one forward (default 16)")
+    p.add_argument("--prefill-chunk-size", type=positive_int, default=256,
+                   help="most tokens in one forward (default 256)")
+    p.add_argument("--check-requests", type=non_negative_int, default=4,
                    help="greedy requests replayed through transformers' generate (0: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as JSON (for machines) instead of a table; implies --quiet")
     return p
 
 
 def _print_table(title: str, rows: list) -> None:
+    if not sys.stdout.isatty():      # a file or a pipe: plain lines, no box drawing
+        print(title)
+        for k, v in rows:
+            print(f"  {k + ':':<26}{v}")
+        return
     try:
         from rich.console import Console
         from rich.table import Table
@@ -212,12 +226,33 @@ def run(opts) -> dict:
 def main(argv) -> int:
     opts = build_parser().parse_args(argv)
     import kvcache
+    from kvcache.cli import UsageError, backend_for
+    if opts.backend != "auto":
+        backend_for(opts.backend, None)         # before the model is built
+    try:
+        import transformers  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError("--model needs torch and transformers: pip install 'kvcache[transformers]'") from None
+    if opts.json:
+        opts.quiet = True
     try:
         r = run(opts)
     except (kvcache.KVCacheError, ImportError) as exc:
         print(f"kvcache demo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     s = r["stats"]
+    if opts.json:
+        print(json.dumps({
+            "model": r["model"], "backend": r["backend"], "device": str(r["device"]),
+            "dtype": r["dtype"], "requests": r["requests"], "features": dict(r["features"]),
+            "new_tokens": r["new_tokens"], "wall_s": r["wall"], "forwards": s.forwards,
+            "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
+            "forks": s.forks, "shared_prefix_tokens": s.shared_prefix_tokens,
+            "preemptions": s.preemptions, "recomputed_tokens": s.recomputed_tokens,
+            "pages": r["pages"], "checked": r["checked"], "check_ok": r["ok"],
+            "failures": list(r["failures"])}, indent=2, default=str))
+        return 0 if r["ok"] else 1
     check = (f"PASSED: {r['checked']} requests/samples replayed through transformers "
              f"({r['check_s']:.1f} s), tokens identical, log-probabilities within tolerance"
              if r["ok"] else "FAILED: " + "; ".join(r["failures"]))

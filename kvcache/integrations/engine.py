@@ -175,7 +175,7 @@ class Engine:
         adapter.check(self.cache)
         self.config = config
         self.stats = EngineStats()
-        self.progress = None           # None: a bar on a TTY only; True / False force it
+        self.progress: Optional[bool] = None           # None: a bar on a TTY only; True / False force it
         self._next_sid = 0
 
     # ------------------------------------------------------------------ public

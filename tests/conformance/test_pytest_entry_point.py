@@ -1,5 +1,6 @@
-"""``pytest --pyargs kvcache.conformance --kvcache-backend NAME`` works as the plugin guide shows,
-and kvcache's ``pytest11`` entry point loads nothing of the suite into unrelated pytest runs.
+"""``pytest -p kvcache.conformance.plugin --pyargs kvcache.conformance --kvcache-backend NAME``
+works as the plugin guide shows, and kvcache registers nothing with pytest: unrelated pytest runs
+see no kvcache option or module.
 
 Every run is a fresh pytest in a subprocess, in an empty directory (as a backend author would run
 it), on a small ``-k`` selection.
@@ -28,8 +29,19 @@ def _env(**extra):
     return env
 
 
+def _stale_entry_point():
+    """An environment installed from an older kvcache still declares a ``pytest11`` entry point
+    named ``kvcache`` (reinstalling removes it); these runs block it to see what a fresh install
+    sees. The repository's own pyproject is checked in ``test_no_pytest11_entry_point``."""
+    from importlib.metadata import distributions
+    # every distribution on the path, as pytest scans them (entry_points() keeps one per name)
+    return any(ep.group == "pytest11" and ep.name == "kvcache"
+               for dist in distributions() for ep in dist.entry_points)
+
+
 def run_pytest(args, cwd, **env):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+    block = ["-p", "no:kvcache"] if _stale_entry_point() else []
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *block, *args],
                           capture_output=True, text=True, cwd=str(cwd), env=_env(**env),
                           timeout=600)
     return proc.returncode, proc.stdout + proc.stderr
@@ -58,8 +70,8 @@ def table(out, backend):
 @pytest.fixture(scope="module")
 def selected(tmp_path_factory):
     """Node ids the selection collects (the same for every backend)."""
-    rc, out = run_pytest(["--pyargs", "kvcache.conformance", "--kvcache-backend", "reference",
-                          "-k", SELECTION, "--collect-only", "-q"], tmp_path_factory.mktemp("collect"))
+    rc, out = run_pytest(["-p", SUITE, "--pyargs", "kvcache.conformance",
+                          "--kvcache-backend", "reference", "-k", SELECTION, "--collect-only", "-q"], tmp_path_factory.mktemp("collect"))
     assert rc == 0, out[-3000:]
     ids = [line for line in out.splitlines() if "::" in line]
     assert ids and all(SELECTION in i for i in ids), out[-3000:]
@@ -86,7 +98,7 @@ def _target(name):
 @pytest.mark.parametrize("backend", ["reference", "metal", "example"])
 def test_exact_form(backend, selected, tmp_path):
     device = _target(backend)
-    args = ["--pyargs", "kvcache.conformance", "--kvcache-backend", backend]
+    args = ["-p", SUITE, "--pyargs", "kvcache.conformance", "--kvcache-backend", backend]
     if device:
         args += ["--kvcache-device", device]
     rc, out = run_pytest(args + ["-k", SELECTION, "-q"], tmp_path,
@@ -106,8 +118,7 @@ def test_exact_form(backend, selected, tmp_path):
 
 
 def test_named_plugin_with_and_without_autoload(tmp_path):
-    """-p kvcache.conformance.plugin next to the entry point defines the options once; with
-    autoload off it defines them itself."""
+    """-p kvcache.conformance.plugin defines the options, with pytest's plugin autoload on or off."""
     args = ["-p", SUITE, "--pyargs", "kvcache.conformance", "--kvcache-backend", "reference",
             "-k", "TestPrefill and test_batch", "-q"]
     for env in ({}, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}):
@@ -124,22 +135,18 @@ def test_environment_form(tmp_path):
 
 
 UNRELATED = textwrap.dedent('''
-    import os
     import sys
+
+    import pytest
 
 
     def test_unrelated(request):
         pm = request.config.pluginmanager
-        # kvcache's pytest11 entry point is loaded (so this test means something) ...
-        assert "_kvcache_pytestplugin" in sys.modules
-        assert request.config.getoption("kvcache_backend") == os.environ.get("EXPECT_BACKEND")
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("kvcache", "numpy"))
-        if os.environ.get("EXPECT_SUITE"):
-            assert pm.has_plugin("kvcache.conformance.plugin")
-        else:
-            # ... but neither the suite nor kvcache / numpy
-            assert not pm.has_plugin("kvcache.conformance.plugin")
-            assert heavy == [], heavy
+        assert heavy == [], heavy
+        assert not pm.has_plugin("kvcache.conformance.plugin")
+        with pytest.raises(ValueError):
+            request.config.getoption("kvcache_backend")
 ''')
 
 
@@ -149,22 +156,33 @@ def test_unrelated_run_loads_nothing(tmp_path):
     assert rc == 0, out[-4000:]
     assert counts(out) == {"passed": 1}
     assert "kvcache conformance summary" not in out
-    # a --kvcache-* option is the opt-in, in any run
-    rc, out = run_pytest(["-q", "test_unrelated.py", "--kvcache-backend", "reference"], tmp_path,
-                         EXPECT_SUITE="1", EXPECT_BACKEND="reference")
-    assert rc == 0, out[-4000:]
+    # the options are the suite's: without it, pytest does not know them
+    rc, out = run_pytest(["-q", "test_unrelated.py", "--kvcache-backend", "reference"], tmp_path)
+    assert rc == 4 and "unrecognized arguments: --kvcache-backend" in out, out[-4000:]
 
 
-def test_help_lists_the_options(tmp_path):
+def test_help_lists_the_options_only_with_the_suite(tmp_path):
     rc, out = run_pytest(["--help"], tmp_path)
+    assert rc == 0, out[-4000:]
+    assert "kvcache" not in out
+    rc, out = run_pytest(["-p", SUITE, "--help"], tmp_path)
     assert rc == 0, out[-4000:]
     assert "kvcache conformance suite" in out and "--kvcache-backend" in out
 
 
+def test_no_pytest11_entry_point():
+    """The core's metadata registers nothing with pytest and ships no top-level module."""
+    import tomllib
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert "pytest11" not in project["project"].get("entry-points", {})
+    assert "py-modules" not in project.get("tool", {}).get("setuptools", {})
+
+
 def test_options_are_defined_once():
-    """The entry point and the suite's plugin share one definition; adding twice is a no-op."""
-    import _kvcache_pytestplugin as options
-    from kvcache.conformance import plugin
+    """The options module and the suite's plugin share one definition; adding twice is a no-op."""
+    from kvcache.conformance import options, plugin
 
     class Option:
         def __init__(self, flag):
@@ -189,7 +207,7 @@ def test_options_are_defined_once():
             return self.groups.setdefault(name, Group())
 
     parser = Parser()
-    options.pytest_addoption(parser)
+    plugin.pytest_addoption(parser)
     plugin.pytest_addoption(parser)
     options.add_options(parser)
     assert list(parser.groups) == ["kvcache"]

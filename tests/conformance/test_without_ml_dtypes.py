@@ -35,7 +35,8 @@ CODE = textwrap.dedent("""
 
     register_plugin(Plugin(), name="declares-bf16")
     sys.exit(pytest.main(["-p", "no:cacheprovider", "--pyargs", "kvcache.conformance",
-                          "--kvcache-backend", sys.argv[1], "-k", "TestMatrix", "-q"]))
+                          "--kvcache-backend", sys.argv[1], "-k", "TestMatrix", "-q",
+                          "-p", "kvcache.conformance.plugin"]))
 """)
 
 

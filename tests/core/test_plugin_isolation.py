@@ -145,7 +145,7 @@ def test_kvcache_info_without_ml_dtypes():
     out = proc.stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("reference "))
     assert "available" in line and "no bfloat16" in line and "ml_dtypes" in line
-    assert "dtypes:           ('float16', 'float32')" in out
+    assert "dtypes:             float16, float32\n" in out
     try:
         import kvcache_example  # noqa: F401
     except ImportError:

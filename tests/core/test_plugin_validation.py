@@ -143,7 +143,7 @@ def test_kvcache_info_survives_a_backend_whose_platform_raises(site, capsys):
                 raise RuntimeError("driver query failed")
     """)})
     out = info_output(capsys)
-    assert "[odd-test]" in out and "  error:        RuntimeError: driver query failed" in out
+    assert "[odd-test]" in out and "  error:              RuntimeError: driver query failed" in out
     assert "[reference]" in out.split("[odd-test]")[1]          # listed after the failing one
 
 

@@ -39,7 +39,8 @@ def test_no_cuda_device(monkeypatch):
 
 def test_torch_missing(monkeypatch):
     monkeypatch.setattr(cb, "torch", None)
-    assert CudaBackend.availability() == (False, "torch is not installed")
+    ok, why = CudaBackend.availability()
+    assert not ok and why.startswith("torch is not installed") and "pip install 'kvcache[cuda]'" in why
 
 
 def test_visible_gpu_is_available(monkeypatch):
@@ -78,4 +79,4 @@ def test_import_and_register_without_torch():
             "print(cls.name, cls.availability())\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "cuda (False, 'torch is not installed')" in r.stdout
+    assert "cuda (False, \"torch is not installed (pip install 'kvcache[cuda]'" in r.stdout, r.stdout

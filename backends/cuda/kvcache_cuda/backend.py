@@ -113,7 +113,8 @@ class CudaBackend(Backend):
     @classmethod
     def availability(cls, device=None):
         if torch is None:
-            return False, "torch is not installed"
+            return False, ("torch is not installed (pip install 'kvcache[cuda]', or a CUDA build of "
+                           "torch>=2.4 from https://pytorch.org/get-started/locally/)")
         if device is not None and str(device).startswith("cpu"):
             if os.environ.get(CPU_TEST_ENV) == "1":
                 return True, (f"CPU test mode (torch {torch.__version__} on CPU tensors; "
@@ -126,7 +127,8 @@ class CudaBackend(Backend):
         try:
             import triton  # noqa: F401
         except Exception as exc:
-            return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+            return False, (f"triton is not importable ({type(exc).__name__}: {exc}); "
+                           "pip install 'triton>=3.0'")
         if device is not None:
             try:
                 dev = torch.device(device)
