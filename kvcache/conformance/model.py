@@ -152,8 +152,10 @@ class DenseModel:
         self.pending = (list(sids), list(lens), plan, np.concatenate(positions))
         return self.pending[3]
 
-    def attention(self, layer, q, k, v, sm_scale):
-        """q, k, v float64 (already rounded to the cache dtype). Returns o (rounded), lse."""
+    def attention(self, layer, q, k, v, sm_scale, window_left: int = -1):
+        """q, k, v float64 (already rounded to the cache dtype). ``window_left`` >= 0: a query at
+        position p sees no key at a position below p - window_left (key m of a sequence sits at
+        position m). Returns o (rounded), lse."""
         c = self.c
         sids, lens, plan, positions = self.pending
         mode = c.effective_rope_mode
@@ -183,6 +185,8 @@ class DenseModel:
                     while node != -1:
                         visible[r, committed + node] = True
                         node = s.tree_parent[node]
+            if window_left >= 0:
+                visible &= np.arange(total)[None, :] >= (pos - window_left)[:, None]
             if mode == "inline":
                 qi = self._rope(qi, pos)
                 keys = self._rope(keys, np.arange(total))
