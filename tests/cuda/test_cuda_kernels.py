@@ -21,7 +21,7 @@ SLIM = cc.INTERPRET or cc.ON_GPU
 ATTN_DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
 GQA_ATTN = [(8, 2), (6, 2)] if SLIM else GQA
 PAGE_SIZES = [16] if SLIM else [1, 16]
-HEAD_DIMS = [64, 128, 256]
+HEAD_DIMS = [64, 80, 96, 128, 256]
 
 
 def _rng(*key):
@@ -133,7 +133,7 @@ PAGED = {
 
 
 def _run_paged(impl, dtype, hq, hkv, d, ps, entries, *, use_decode, rope=False, seed=(),
-               row_offset=1, tail_rows=2, tuning=None):
+               row_offset=1, tail_rows=2, tuning=None, window_left=-1):
     cfg = cc.config(hq=hq, hkv=hkv, d=d, ps=ps, dtype=dtype)
     ref, mine = cc.pair(cfg, impl)
     if tuning:
@@ -142,10 +142,11 @@ def _run_paged(impl, dtype, hq, hkv, d, ps, entries, *, use_decode, rope=False, 
     case = cc.paged_case(rng, ref, mine, entries, use_decode=use_decode, row_offset=row_offset,
                          tail_rows=tail_rows)
     spec = cc.ROPE_SCALED if rope else None
+    win = {"window_left": window_left} if window_left >= 0 else {}
     o, lse = mine.paged_attention(case.q, case.pages, case.depth, 0.13, rope=spec,
-                                  q_positions=case.q_positions)
+                                  q_positions=case.q_positions, **win)
     ro, rl = ref.paged_attention(case.ref_q, case.ref_pages, case.ref_depth, 0.13, rope=spec,
-                                 q_positions=case.ref_q_positions)
+                                 q_positions=case.ref_q_positions, **win)
     cc.assert_close(mine, ref, o, ro)
     cc.assert_lse(mine, ref, lse, rl)
     return lse
@@ -188,6 +189,48 @@ def test_paged_decode_variants(impl, dtype, variant):
         _run_paged(impl, dtype, 8, 2, 64, 16, entries, use_decode=True, rope=variant == "rope",
                    seed=(variant, splits), tuning={"force_splits": splits}, row_offset=0,
                    tail_rows=0)
+
+
+@pytest.mark.parametrize("window_left", [0, 5, 30])
+def test_ragged_window_left(impl, window_left):
+    """Per-query window among new tokens (with a masked NaN/inf V that must stay masked)."""
+    from kvcache_cuda.tuning import AttnTiles
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="float32")
+    ref, mine = cc.pair(cfg, impl)
+    if impl == "triton":      # small key tiles: the window skips whole tiles
+        small = AttnTiles(block_rows=16, block_n=16, num_warps=4, num_stages=1)
+        mine.tuning = mine.tuning.with_(prefill=small, by_head_dim={}, float32_by_head_dim={})
+    rng = _rng("ragged_window", impl, window_left)
+    lengths = [40, 1, 9]
+    case = cc.ragged_case(rng, ref, mine, lengths)
+    v_host = cc.to_ref(ref, mine, case["v"]).copy()
+    v_host[0, 0, 3], v_host[41, 1, 0] = np.nan, np.inf     # row 0 / row 41 (seq 2's first key)
+    v = mine.from_numpy(v_host)
+    kw = dict(num_seqs=len(lengths), max_len=max(lengths), window_left=window_left)
+    o, lse = mine.ragged_attention(case["q"], case["k"], v, cc.ints(mine, case["qo"]), 0.11, **kw)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qk"), v_host,
+                                  case["qo"], 0.11, **kw)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    nan_rows = np.flatnonzero(np.isnan(mine.to_numpy(o)[:40]).any(axis=(1, 2)))
+    assert nan_rows.tolist() == list(range(window_left + 1))    # key 0's NaN V: its window only
+    plain = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qk"), v_host,
+                                 case["qo"], 0.11, num_seqs=3, max_len=40)[1]
+    assert not np.allclose(plain[:40], rl[:40])          # the window changed something
+
+
+@pytest.mark.parametrize("window_left", [3, 30])
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_paged_window_left(impl, kind, window_left):
+    """Per-query window over paged keys: prefill, and decode with and without split-K."""
+    if kind == "prefill":
+        _run_paged(impl, "float32", 8, 2, 64, 16, PAGED["plain"] + PAGED["sliding"],
+                   use_decode=False, seed=("win", window_left), window_left=window_left)
+    else:
+        for splits in (1, 3):
+            _run_paged(impl, "float32", 8, 2, 64, 16, DECODE, use_decode=True,
+                       seed=("win", window_left, splits), tuning={"force_splits": splits},
+                       window_left=window_left)
 
 
 @pytest.mark.parametrize("case", ["ragged", "prefill", "decode"])

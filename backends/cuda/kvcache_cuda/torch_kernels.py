@@ -103,7 +103,7 @@ def _tree_nodes(tree, entry_idx, node_idx, ok):
 
 # ---------------------------------------------------------------------- ragged
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                     rope=None, q_positions=None, k_rope_offset=None):
+                     rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
     t_total = q.shape[0]
     dev = q.device
     qo = qo_indptr.long()[: num_seqs + 1]
@@ -127,6 +127,8 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     ar = torch.arange(L, device=dev)
     rows, cols = ar[None, :, None], ar[None, None, :]
     visible = (cols <= rows) & (cols < n) & (rows < n)
+    if window_left >= 0:
+        visible = visible & (cols >= rows - window_left)
     if tree is not None:
         ok = (ar[None, :] < n[:, :, 0])                         # (B, L)
         ent = torch.arange(num_seqs, device=dev)[:, None]
@@ -159,7 +161,8 @@ def entry_key_slots(ctx, depth, max_kv):
     return page * ctx.page_size + off % ctx.page_size, valid
 
 
-def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
+                    window_left=-1):
     t_total, hq, d = q.shape
     dev = q.device
     o_out = torch.zeros((t_total, hq, d), dtype=ctx.dtype, device=dev)
@@ -209,6 +212,11 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         q_ord, _ = _tree_nodes(depth.tree, ent_ix, q_node, q_ok)
         tree_vis = (k_ord[:, None, :] <= q_ord[:, :, None]) & (q_ord[:, :, None] < k_up[:, None, :])
         visible = visible & (~in_tree[:, None, :] | tree_vis)
+    if window_left >= 0:
+        qpos = torch.zeros((n, max_q), dtype=torch.long, device=dev)
+        qpos[ent[sel], r[sel]] = q_positions.long()[sel]
+        kpos = depth.k_rope_offset.long()[:n, None] + torch.arange(max_kv, device=dev)[None, :]
+        visible = visible & (kpos[:, None, :] >= (qpos - window_left)[:, :, None])
     o, lse = _attend(qp, keys, vals, visible, sm_scale, ctx.group)
     o_out[sel] = o[ent[sel], r[sel]].to(ctx.dtype)
     lse_out[sel] = lse[ent[sel], r[sel]]

@@ -160,9 +160,19 @@ def _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, d
 
 
 @triton.jit
+def _window_floor(qpos_ptr, tok, row_ok, window_left, BLOCK_R: tl.constexpr):
+    """Per row, the lowest key position it sees: q_position - window_left, or a bound below
+    every position when window_left < 0 (no window; q positions are then not read)."""
+    floor = tl.zeros([BLOCK_R], tl.int32) - 2147483647
+    if window_left >= 0:
+        floor = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.int32) - window_left
+    return floor
+
+
+@triton.jit
 def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-                krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
                 HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE)."""
@@ -182,7 +192,7 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
         k = tl.load(pages_ptr + base[:, None] + dd[None, :], mask=j_ok[:, None] & dd_ok[None, :],
                     other=0.0)
         qk = _dot(q1, tl.trans(k), IEEE)
-    vis = j_ok[None, :]
+    vis = j_ok[None, :] & ((krope + j)[None, :] >= kfloor[:, None])     # per-query window
     if TREE:
         in_tree = j_ok & (j >= tree_start)
         node = tlo + j - tree_start
@@ -296,8 +306,17 @@ def _copy_rows_kernel(pages_ptr, src_base, dst_base, HKV,
 
 # ====================================================================== attention
 @triton.jit
+def _ragged_visible(c, c_ok, r, window_left):
+    """Which new keys c each row r sees: causal, and (window_left >= 0) no key more than
+    window_left rows before it (new tokens of a sequence sit at consecutive positions). The
+    attention kernel and the non-finite pass share it, so both mask alike."""
+    lo_key = tl.where(window_left >= 0, r - window_left, -2147483647)
+    return c_ok[None, :] & (c[None, :] <= r[:, None]) & (c[None, :] >= lo_key[:, None])
+
+
+@triton.jit
 def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
-                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr,
+                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr, window_left,
                  sm_scale_log2, HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
                  TREE: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_N step over the new keys c0.. of a sequence (rows r: its query tokens). V holds
@@ -318,7 +337,7 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
         kf = tl.load(k_ptr + kt[:, None] * sk_t + kvh * sk_h + dd[None, :],
                      mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
         qk = _dot(q1, tl.trans(kf), IEEE)
-    vis = c_ok[None, :] & (c[None, :] <= r[:, None])
+    vis = _ragged_visible(c, c_ok, r, window_left)
     if TREE:
         k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
         k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
@@ -331,7 +350,7 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
 @triton.jit
 def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_ptr,
                    tind_ptr, tmask_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_t,
-                   sm_scale_log2, log2_theta, rope_scale,
+                   sm_scale_log2, log2_theta, rope_scale, window_left,
                    GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr,
@@ -368,10 +387,13 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         end = tl.minimum(m0 + M_TOK, n)                        # causal: no key past the last row
-        for c0 in range(0, end, BLOCK_N):
+        start = 0
+        if window_left >= 0:        # tiles wholly before the first row's window hold no visible key
+            start = (tl.maximum(m0 - window_left, 0) // BLOCK_N) * BLOCK_N
+        for c0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _ragged_tile(
                 q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
-                krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr,
+                krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr, window_left,
                 sm_scale_log2, HALF, BLOCK_N, ROPE, TREE, IEEE)
         o, lse = _finish(acc, m_i, l_i)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
@@ -401,7 +423,7 @@ def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, 
 
 @triton.jit
 def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, tmask_ptr,
-                             sv_t, sv_h, so_t, so_h, HKV,
+                             sv_t, sv_h, so_t, so_h, HKV, window_left,
                              GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                              TREE: tl.constexpr):
@@ -434,7 +456,7 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
             kt = (lo + c).to(tl.int64)
             key_bad = tl.load(bad_ptr + kt * HKV + kvh, mask=c_ok, other=0)
             if tl.max(key_bad, 0) > 0:
-                vis = c_ok[None, :] & (c[None, :] <= r[:, None])
+                vis = _ragged_visible(c, c_ok, r, window_left)
                 if TREE:
                     k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
                     k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
@@ -454,7 +476,7 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
 def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, pind_ptr,
                           kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                           n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t, so_h, sl_t,
-                          sm_scale_log2, log2_theta, rope_scale,
+                          sm_scale_log2, log2_theta, rope_scale, window_left,
                           GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -491,9 +513,8 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         inv = _inv_freq(dh, HEAD_DIM, log2_theta)
         q1, q2 = _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok,
                              inv, rope_scale, HALF, ROPE)
-        krope = 0
-        if ROPE:
-            krope = tl.load(krope_ptr + e)
+        krope = tl.load(krope_ptr + e)         # inline RoPE and the per-query window use it
+        kfloor = _window_floor(qpos_ptr, tok, row_ok, window_left, BLOCK_R)
         tlo = 0
         tree_start = kv_len
         q_order = tl.zeros([BLOCK_R], tl.int32)
@@ -510,7 +531,7 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
             m_i, l_i, acc = _paged_step(
                 q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-                krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
                 HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
         o, lse = _finish(acc, m_i, l_i)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
@@ -523,7 +544,7 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
                          kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                          n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row,
                          so_t, so_s, so_h, sl_t, sl_s,
-                         sm_scale_log2, log2_theta, rope_scale,
+                         sm_scale_log2, log2_theta, rope_scale, window_left,
                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -557,9 +578,9 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
     # one token, GROUP heads: every row reads token t (a broadcast index for the shared loader)
     q1, q2 = _load_query(q_ptr, qpos_ptr, tl.zeros([BLOCK_R], tl.int64) + t64, head, row_ok,
                          sq_t, sq_h, dh, dh_ok, dd, dd_ok, inv, rope_scale, HALF, ROPE)
-    krope = 0
-    if ROPE:
-        krope = tl.load(krope_ptr + e)
+    krope = tl.load(krope_ptr + e)             # inline RoPE and the per-query window use it
+    kfloor = _window_floor(qpos_ptr, tl.zeros([BLOCK_R], tl.int64) + t64, row_ok & covered,
+                           window_left, BLOCK_R)
     tlo = 0
     tree_start = kv_len
     q_order = tl.zeros([BLOCK_R], tl.int32)
@@ -575,7 +596,7 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
         m_i, l_i, acc = _paged_step(
             q1, q2, m_i, l_i, acc, j0, j_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
             sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-            krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+            krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
             HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
     o, lse = _finish(acc, m_i, l_i)
     tl.store(o_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
@@ -717,7 +738,7 @@ def _tree_args(tree, fallback):
 
 
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                     rope=None, q_positions=None, k_rope_offset=None):
+                     rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
     t_total, hq, d = q.shape
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
     o = torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device)
@@ -743,14 +764,14 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale,
-        GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n, HEAD_DIM=d,
+        int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n, HEAD_DIM=d,
         HALF=half, BLOCK_HALF=block_half, BLOCK_D=block_d, TREE=tree is not None,
         ROPE=rope is not None, IEEE=_ieee(ctx.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if max_len > 1:
         _ragged_nonfinite_kernel[grid](
             v, bad, any_bad, o, qo_indptr, tind, tmask, v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            ctx.num_kv_heads, GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r,
+            ctx.num_kv_heads, int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r,
             BLOCK_N=tiles.block_n, HEAD_DIM=d, BLOCK_D=block_d, TREE=tree is not None,
             num_warps=ctx.tuning.elementwise_warps)
     return o, lse
@@ -771,14 +792,17 @@ def _finite_v(ctx, v):
     return out, bad, any_bad
 
 
-def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
+                    window_left=-1):
     t_total, hq, d = q.shape
     q = _last_dim_contig(q)
     n = depth.num_entries
     half, block_half, block_d = _dims(d)
     tind, tmask = _tree_args(depth.tree, depth.qo_indptr)
     log2_theta, scale = _rope_args(rope)
-    qpos = q_positions if rope is not None else depth.qo_indptr
+    # window_left is a plain int argument (not a compile-time constant): a captured static decode
+    # step replays with the window of its capture, and a new window needs no recompile
+    qpos = q_positions if rope is not None or window_left >= 0 else depth.qo_indptr
     sp = pages.stride()
     common = (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.kv_len,
               depth.sink_size, depth.window_offset, depth.k_rope_offset, qpos, tind, tmask, n)
@@ -805,7 +829,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
             sl = (lse.stride(0), 0)
         _paged_decode_kernel[(t_total, ctx.num_kv_heads, splits)](
             q, pages, dst, dstl, *common, q.stride(0), q.stride(1), sp[0], sp[1], sp[2], sp[3],
-            *so, *sl, sm_scale * LOG2E, log2_theta, scale,
+            *so, *sl, sm_scale * LOG2E, log2_theta, scale, int(window_left),
             GROUP=ctx.group, BLOCK_R=block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, **flags,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         if splits > 1:
@@ -827,7 +851,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     _paged_prefill_kernel[grid](
         q, pages, o, lse, *common, q.stride(0), q.stride(1), sp[0], sp[1], sp[2], sp[3],
         o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale,
-        GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
+        int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
         BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return o, lse
 
