@@ -61,15 +61,16 @@ def test_append_kv(impl, dtype, ps, with_rope):
     cc.assert_close(mine, ref, pages, ref_pages, "pages")
 
 
-def test_rope_append_fused(impl, dtype):
-    cfg = cc.config(hq=8, hkv=2, d=64, ps=16, dtype=dtype, rope_mode="normal")
+@pytest.mark.parametrize("d", [64, 80, 96])      # 80 / 96: a RoPE half (40 / 48) padded to 64
+def test_rope_append_fused(impl, dtype, d):
+    cfg = cc.config(hq=8, hkv=2, d=d, ps=16, dtype=dtype, rope_mode="normal")
     ref, mine = cc.pair(cfg, impl)
     rng = _rng("rope_append", impl, dtype)
     pages = cc.rand(mine, rng, mine.page_shape(6))
     t = 10
     slots = rng.permutation(96)[:t].astype(np.int32)
     slots[4] = -1
-    q, k, v = (cc.rand(mine, rng, (t, h, 64)) for h in (8, 2, 2))
+    q, k, v = (cc.rand(mine, rng, (t, h, d)) for h in (8, 2, 2))
     pos = rng.integers(0, 1000, t).astype(np.int32)
     ref_pages = cc.to_ref(ref, mine, pages)
     q_rot, k_rot = mine.rope_append(pages, q, k, v, cc.ints(mine, slots), cc.ints(mine, pos), cc.ROPE)
@@ -254,7 +255,7 @@ def test_attention_coverage_extras(impl, case):
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_head_dims(impl, dtype, d):
-    """Every declared head dim through ragged, paged prefill and split-K decode (group 4)."""
+    """Head dims (powers of two, and 80 / 96 padded to 128 inside the kernels) through ragged, paged prefill and split-K decode (group 4)."""
     if cc.INTERPRET and d == 256:
         pytest.skip("d=256 tiles are slow in the interpreter; covered on CPU torch and GPU")
     cfg = cc.config(hq=8, hkv=2, d=d, dtype=dtype)
@@ -268,6 +269,9 @@ def test_head_dims(impl, dtype, d):
     _run_paged(impl, dtype, 8, 2, d, 16, PAGED["sliding"], use_decode=False, seed=("hd",))
     _run_paged(impl, dtype, 8, 2, d, 16, DECODE, use_decode=True, seed=("hd",),
                tuning={"force_splits": 2})
+    if d in (80, 96):      # inline RoPE rotates the padded halves inside attention
+        _run_paged(impl, dtype, 8, 2, d, 16, PAGED["plain"], use_decode=False, rope=True,
+                   seed=("hd-rope",))
 
 
 def test_split_heuristic():
