@@ -24,9 +24,12 @@ Shared conventions
   before query row ``r``.  (Under sliding-window eviction these are the cache's positions: the
   sinks keep theirs and the kept window follows them, so distances within the window are the
   original ones.)
-* RoPE (``RopeSpec``): rotate-half; for position ``p`` and ``i < D/2``,
-  ``angle_i = p * scale * theta ** (-2i / D)``; ``out[:D/2] = x1*cos - x2*sin``,
-  ``out[D/2:] = x2*cos + x1*sin``.  Kernels compute in float32 (or wider) and round once.
+* RoPE (``RopeSpec``): rotate-half over the first ``R = rope.rotary(D)`` dims (``D`` unless a
+  partial ``rotary_dim``); for position ``p`` and ``i < R/2``,
+  ``angle_i = p * scale * inv_freq_i`` with ``inv_freq_i = theta ** (-2i / R)`` unless the spec
+  carries the model's own ``inv_freq`` (``rope.frequencies(D)`` gives ``scale * inv_freq``);
+  ``out[:R/2] = x1*cos - x2*sin``, ``out[R/2:R] = x2*cos + x1*sin``, ``out[R:] = x[R:]``.
+  Kernels compute in float32 (or wider) and round once.
 """
 
 from __future__ import annotations
@@ -80,10 +83,38 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding parameters handed to kernels."""
+    """Rotary embedding parameters handed to kernels.
+
+    ``theta``: the base of the default frequencies ``theta ** (-2i / R)``; ``scale``: multiplies
+    every position before the rotation (``angle_i = p * scale * inv_freq_i``; linear position
+    interpolation by a factor f is ``scale = 1/f``); ``inv_freq``: the model's own inverse
+    frequencies, ``R/2`` floats (they replace theta's and already hold any scaling the model
+    applies: linear, llama3, YaRN; keep ``scale = 1`` then); ``rotary_dim``: ``R``, the leading
+    dims that rotate (0: all of them; partial rotary leaves ``x[R:]`` as is)."""
 
     theta: float = 10000.0
     scale: float = 1.0
+    inv_freq: Optional[tuple] = None
+    rotary_dim: int = 0
+
+    def rotary(self, head_dim: int) -> int:
+        """R: the number of leading dims that rotate."""
+        return self.rotary_dim or head_dim
+
+    @property
+    def default_frequencies(self) -> bool:
+        """Whether this is plain theta RoPE over every dim (the kernels' fast path)."""
+        return self.inv_freq is None and self.rotary_dim == 0
+
+    def frequencies(self, head_dim: int):
+        """``scale * inv_freq`` as float64 numpy (R/2,): the angle per unit position."""
+        import numpy as np
+        rot = self.rotary(head_dim)
+        if self.inv_freq is not None:
+            inv = np.asarray(self.inv_freq, dtype=np.float64)
+        else:
+            inv = self.theta ** (-2.0 * np.arange(rot // 2, dtype=np.float64) / rot)
+        return self.scale * inv
 
 
 @dataclass

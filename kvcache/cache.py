@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from .backend import Capabilities, RopeSpec
+from .backend import Capabilities
 from .config import CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
 from .core.plan import ForwardAux, ForwardPlan
@@ -90,7 +90,7 @@ class PagedKVCache:
         self.planner = Planner(self.state, config, caps)
         """Plans forwards; ``planner.begin`` plans and reserves without opening a forward
         (benchmarks and tests of the host work use it)."""
-        self._rope = RopeSpec(config.rope_theta, config.rope_scale)
+        self._rope = config.rope_spec()
         self._plan: Optional[ForwardPlan] = None
         self._aux: Optional[ForwardAux] = None
         self._layers_done: set = set()

@@ -41,20 +41,19 @@ def np_dtype(name: str) -> np.dtype:
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of shape (T, 1, D/2) in float64 (rotate-half convention)."""
-    half = head_dim // 2
-    inv_freq = rope.theta ** (-2.0 * np.arange(half, dtype=np.float64) / head_dim)
-    angles = positions.astype(np.float64)[:, None] * rope.scale * inv_freq[None, :]
+    """cos, sin of shape (T, 1, R/2) in float64 (rotate-half convention, R the rotary dims)."""
+    angles = positions.astype(np.float64)[:, None] * rope.frequencies(head_dim)[None, :]
     return np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
 
 
 def rotate(x: np.ndarray, positions: np.ndarray, rope: RopeSpec) -> np.ndarray:
-    """Rotate-half RoPE of x (T, H, D) in float64."""
+    """Rotate-half RoPE of x (T, H, D) in float64 (dims from R on pass through)."""
     x = x.astype(np.float64)
-    half = x.shape[-1] // 2
+    rot = rope.rotary(x.shape[-1])
+    half = rot // 2
     cos, sin = rope_angles(positions, x.shape[-1], rope)
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = x[..., :half], x[..., half:rot]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], axis=-1)
 
 
 def tree_visible(tree: TreeMask, entry: int, n_q: int) -> np.ndarray:

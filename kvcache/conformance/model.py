@@ -12,7 +12,6 @@ from typing import Optional
 
 import numpy as np
 
-from kvcache.backend import RopeSpec
 from kvcache.config import CacheConfig
 from kvcache.reference import rotate
 
@@ -82,7 +81,7 @@ class DenseModel:
         self._new_kv: dict = {}         # layer -> (k, v) of the open forward
 
     def _rope(self, x, pos):
-        return rotate(x, np.asarray(pos), RopeSpec(self.c.rope_theta, self.c.rope_scale))
+        return rotate(x, np.asarray(pos), self.c.rope_spec())
 
     def add(self, sid):
         """A new empty sequence."""

@@ -29,7 +29,8 @@ def _rng(*key):
 
 
 # ---------------------------------------------------------------------- rope / append
-@pytest.mark.parametrize("rope", [cc.ROPE, cc.ROPE_SCALED])
+@pytest.mark.parametrize("rope", [cc.ROPE, cc.ROPE_SCALED, cc.ROPE_FREQ, cc.ROPE_PARTIAL],
+                         ids=["theta", "scaled", "inv_freq", "partial"])
 def test_rope(impl, dtype, rope):
     cfg = cc.config(hq=6, hkv=2, d=64, dtype=dtype)
     ref, mine = cc.pair(cfg, impl)
@@ -42,7 +43,7 @@ def test_rope(impl, dtype, rope):
 
 
 @pytest.mark.parametrize("ps", [1, 16])
-@pytest.mark.parametrize("with_rope", [False, True])
+@pytest.mark.parametrize("with_rope", [False, True, "inv_freq", "partial"])
 def test_append_kv(impl, dtype, ps, with_rope):
     cfg = cc.config(hq=8, hkv=2, d=64, ps=ps, dtype=dtype)
     ref, mine = cc.pair(cfg, impl)
@@ -54,7 +55,8 @@ def test_append_kv(impl, dtype, ps, with_rope):
     slots[[2, 7]] = -1                                   # skipped tokens (slid out)
     k, v = cc.rand(mine, rng, (t, 2, 64)), cc.rand(mine, rng, (t, 2, 64))
     pos = rng.integers(0, 300, t).astype(np.int32)
-    rope = cc.ROPE if with_rope else None
+    rope = {False: None, True: cc.ROPE, "inv_freq": cc.ROPE_FREQ,
+            "partial": cc.ROPE_PARTIAL}[with_rope]
     ref_pages = cc.to_ref(ref, mine, pages)
     mine.append_kv(pages, k, v, cc.ints(mine, slots), cc.ints(mine, pos), rope)
     ref.append_kv(ref_pages, cc.to_ref(ref, mine, k), cc.to_ref(ref, mine, v), slots, pos, rope)
@@ -73,9 +75,10 @@ def test_rope_append_fused(impl, dtype, d):
     q, k, v = (cc.rand(mine, rng, (t, h, d)) for h in (8, 2, 2))
     pos = rng.integers(0, 1000, t).astype(np.int32)
     ref_pages = cc.to_ref(ref, mine, pages)
-    q_rot, k_rot = mine.rope_append(pages, q, k, v, cc.ints(mine, slots), cc.ints(mine, pos), cc.ROPE)
+    spec = cc.ROPE_FREQ if d == 64 else cc.ROPE      # 64: the model's own frequency table
+    q_rot, k_rot = mine.rope_append(pages, q, k, v, cc.ints(mine, slots), cc.ints(mine, pos), spec)
     rq, rk = ref.rope_append(ref_pages, cc.to_ref(ref, mine, q), cc.to_ref(ref, mine, k),
-                             cc.to_ref(ref, mine, v), slots, pos, cc.ROPE)
+                             cc.to_ref(ref, mine, v), slots, pos, spec)
     cc.assert_close(mine, ref, q_rot, rq, "q_rot")
     cc.assert_close(mine, ref, k_rot, rk, "k_rot")
     cc.assert_close(mine, ref, pages, ref_pages, "pages")
@@ -142,7 +145,7 @@ def _run_paged(impl, dtype, hq, hkv, d, ps, entries, *, use_decode, rope=False, 
     rng = _rng("paged", impl, dtype, hq, d, ps, use_decode, rope, *seed)
     case = cc.paged_case(rng, ref, mine, entries, use_decode=use_decode, row_offset=row_offset,
                          tail_rows=tail_rows)
-    spec = cc.ROPE_SCALED if rope else None
+    spec = rope if isinstance(rope, cc.RopeSpec) else cc.ROPE_SCALED if rope else None
     win = {"window_left": window_left} if window_left >= 0 else {}
     o, lse = mine.paged_attention(case.q, case.pages, case.depth, 0.13, rope=spec,
                                   q_positions=case.q_positions, **win)
@@ -232,6 +235,27 @@ def test_paged_window_left(impl, kind, window_left):
             _run_paged(impl, "float32", 8, 2, 64, 16, DECODE, use_decode=True,
                        seed=("win", window_left, splits), tuning={"force_splits": splits},
                        window_left=window_left)
+
+
+@pytest.mark.parametrize("spec", ["inv_freq", "partial"])
+def test_inline_rope_model_frequencies(impl, spec):
+    """Inline RoPE with the model's own frequencies / partial rotary: ragged, prefill, decode."""
+    rope = {"inv_freq": cc.ROPE_FREQ, "partial": cc.ROPE_PARTIAL}[spec]
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="float32")
+    ref, mine = cc.pair(cfg, impl)
+    c = cc.ragged_case(_rng("rope-model", impl, spec), ref, mine, [9, 4])
+    args = dict(num_seqs=2, max_len=9, rope=rope)
+    o, lse = mine.ragged_attention(c["q"], c["k"], c["v"], cc.ints(mine, c["qo"]), 0.2,
+                                   q_positions=cc.ints(mine, c["qpos"]),
+                                   k_rope_offset=cc.ints(mine, c["krope"]), **args)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, c[x]) for x in "qkv"), c["qo"], 0.2,
+                                  q_positions=c["qpos"], k_rope_offset=c["krope"], **args)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    _run_paged(impl, "float32", 8, 2, 64, 16, PAGED["plain"], use_decode=False, rope=rope,
+               seed=("rope-model", spec))
+    _run_paged(impl, "float32", 8, 2, 64, 16, DECODE, use_decode=True, rope=rope,
+               seed=("rope-model-dec", spec), tuning={"force_splits": 2})
 
 
 @pytest.mark.parametrize("case", ["ragged", "prefill", "decode"])

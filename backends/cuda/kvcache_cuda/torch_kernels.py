@@ -17,22 +17,23 @@ NEG_INF = float("-inf")
 
 # ---------------------------------------------------------------------- RoPE
 def rope_cos_sin(positions, head_dim: int, rope):
-    """cos, sin of shape positions.shape + (D/2,), float32, angles computed in float64."""
-    half = head_dim // 2
-    dev = positions.device
-    inv = rope.theta ** (-2.0 * torch.arange(half, dtype=torch.float64, device=dev) / head_dim)
-    ang = positions.to(torch.float64)[..., None] * rope.scale * inv
+    """cos, sin of shape positions.shape + (R/2,) (R: the rotary dims), float32, angles computed
+    in float64."""
+    freqs = torch.as_tensor(rope.frequencies(head_dim), dtype=torch.float64, device=positions.device)
+    ang = positions.to(torch.float64)[..., None] * freqs
     return torch.cos(ang).float(), torch.sin(ang).float()
 
 
 def rotate(x, positions, rope):
-    """Rotate-half RoPE in float32. x (..., H, D), positions x.shape[:-2]."""
+    """Rotate-half RoPE in float32 over the first R dims (the rest pass through). x (..., H, D),
+    positions x.shape[:-2]."""
     x = x.float()
-    half = x.shape[-1] // 2
+    rot = rope.rotary(x.shape[-1])
+    half = rot // 2
     cos, sin = rope_cos_sin(positions, x.shape[-1], rope)
     cos, sin = cos[..., None, :], sin[..., None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., :half], x[..., half:rot]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
 
 
 def rope(ctx, x, positions, rope_spec):

@@ -191,7 +191,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
     def rope(self, x, positions, rope):
         ops = self._ops
         with mx.stream(self.stream):
-            cos, sin = ops.rope_cos_sin(positions, x.shape[-1], rope.theta, rope.scale,
+            cos, sin = ops.rope_cos_sin(positions, x.shape[-1], rope,
                                         self.precise_rope)
             return ops.rotate(x.astype(mx.float32), cos, sin).astype(self.dtype)
 
@@ -213,7 +213,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 if positions is not None:
                     positions = positions[sel]
             if rope is not None:
-                cos, sin = ops.rope_cos_sin(positions, k.shape[-1], rope.theta, rope.scale,
+                cos, sin = ops.rope_cos_sin(positions, k.shape[-1], rope,
                                             self.precise_rope)
                 k = ops.rotate(k.astype(mx.float32), cos, sin)
             kv = mx.stack([k.astype(self.dtype), v.astype(self.dtype)], axis=1)   # (T, 2, Hkv, D)
@@ -249,11 +249,11 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 kg = mx.where(pad, k[rows_c].astype(mx.float32), 0.0)
                 vg = mx.where(pad, v[rows_c].astype(mx.float32), 0.0)
                 if rope is not None:
-                    cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope.theta, rope.scale,
+                    cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope,
                                               self.precise_rope)
                     qg = ops.rotate(qg, cq, sq)
                     kpos = k_rope_offset[e][:, None] + r[None, :]
-                    ck, sk = ops.rope_cos_sin(kpos, d, rope.theta, rope.scale, self.precise_rope)
+                    ck, sk = ops.rope_cos_sin(kpos, d, rope, self.precise_rope)
                     kg = ops.rotate(kg, ck, sk)
                 causal = r[None, :, None] >= r[None, None, :]
                 visible = causal & valid[:, :, None] & valid[:, None, :]
@@ -346,11 +346,11 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 kg, vg = kv[:, :, 0], kv[:, :, 1]                       # (m, Lk, Hkv, D)
                 qg = q[rows_c].astype(mx.float32)                       # (m, Lq, Hq, D)
                 if rope is not None:
-                    cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope.theta, rope.scale,
+                    cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope,
                                               self.precise_rope)
                     qg = ops.rotate(qg, cq, sq)
                     kpos = depth.k_rope_offset[e][:, None] + j[None, :]
-                    ck, sk = ops.rope_cos_sin(kpos, d, rope.theta, rope.scale, self.precise_rope)
+                    ck, sk = ops.rope_cos_sin(kpos, d, rope, self.precise_rope)
                     kg = ops.rotate(kg, ck, sk)
                 visible = valid_q[:, :, None] & valid_k[:, None, :]
                 if depth.tree is not None and depth.tree.mask.shape[0] > 0:
