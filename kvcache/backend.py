@@ -62,6 +62,8 @@ class Capabilities:
     sliding_window: bool = _cap(False, "Sliding-window attention with attention sinks.")
     fused_rope_append: bool = _cap(False, "Rotates q/k and writes K/V into pages in one kernel launch.")
     inline_rope: bool = _cap(False, "Applies RoPE to cached K inside attention (rope_mode 'inline').")
+    rope_frequencies: bool = _cap(False, "RoPE with the model's own inverse frequencies "
+                                         "(rope_inv_freq) and partial rotary (rope_rotary_dim).")
     window_left: bool = _cap(False, "Per-query sliding-window attention (window_left: a query at "
                                     "position p sees only keys at positions p-window_left..p).")
     head_dims: tuple = _cap((64, 128, 256), "Head dimensions the kernels support.")

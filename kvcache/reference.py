@@ -106,6 +106,7 @@ class ReferenceBackend(Backend):
         # bfloat16 only with ml_dtypes: PagedKVCache then raises UnsupportedFeatureError for it
         dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES),
         tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
+        rope_frequencies=True,
         head_dims=tuple(range(2, 1025, 2)),
     )
 

@@ -283,6 +283,8 @@ def _pair_factory(request, variant, backend_class, build):
         if config.effective_rope_mode == "inline":
             skip_unless(caps, "inline_rope", "rope_mode inline" if config.rope_mode == "inline"
                         else "sliding window with RoPE")
+        if config.effective_rope_mode != "none" and not config.rope_spec().default_frequencies:
+            skip_unless(caps, "rope_frequencies")
         for name in needs:
             skip_unless(caps, name)
         return build(config, seed_for(suite_name(request.node), int(base_seed)))

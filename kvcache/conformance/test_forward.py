@@ -159,6 +159,23 @@ class TestRope(Conformance):
         p.fork(0, 2, ps // 2 + 1)
         p.forward([2, 0], [3, 1])
 
+    @pytest.mark.parametrize("rope_mode", ["normal", "inline"])
+    @pytest.mark.parametrize("spec", ["inv_freq", "partial"])
+    def test_model_frequencies(self, make_pair, rope_mode, spec):
+        """RoPE with the model's own inverse frequencies (a llama3-style table: low frequencies
+        divided by 8) or a partial rotary dimension (half the head), fused and inline."""
+        d = 64
+        inv = 500000.0 ** (-np.arange(0, d, 2) / d)
+        kw = ({"rope_inv_freq": tuple(np.where(np.arange(d // 2) > d // 4, inv / 8, inv))}
+              if spec == "inv_freq" else {"rope_rotary_dim": d // 2})
+        p = make_pair(rope_mode=rope_mode, head_dim=d, **kw)
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [ps + 3, 2], positions="after")
+        p.decode([0, 1], steps=2)
+        p.fork(0, 2, ps // 2 + 1)
+        p.forward([2, 0], [3, 1])
+
     def test_normal_stores_rotated_k(self, make_pair):
         """In 'normal' mode get_kv returns K rotated at its position (compared through check),
         and differs from the raw K that was appended."""
@@ -286,3 +303,16 @@ def test_window_left_unsupported_raises(kvcache_backend_class, kvcache_backend, 
     with pytest.raises(kvcache.UnsupportedFeatureError, match="window_left"):
         cache.attention(0, q, kv, kv, window_left=3)
     cache.attention(0, q, kv, kv, window_left=-1)
+
+
+def test_rope_frequencies_unsupported_raises(kvcache_backend_class, kvcache_backend, kvcache_device):
+    """A backend without ``rope_frequencies`` refuses a config with the model's frequencies or
+    partial rotary (RoPE on), and accepts it with rope_mode 'none'."""
+    if kvcache_backend_class.capabilities.rope_frequencies:
+        pytest.skip(f"{kvcache_backend} declares rope_frequencies (TestRope checks it)")
+    from .harness import make_config
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="rope_frequencies"):
+        kvcache.PagedKVCache(make_config(rope_mode="normal", rope_rotary_dim=32), kvcache_backend,
+                             kvcache_device)
+    kvcache.PagedKVCache(make_config(rope_mode="none", rope_rotary_dim=32), kvcache_backend,
+                         kvcache_device)

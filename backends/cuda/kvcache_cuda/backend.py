@@ -91,7 +91,7 @@ class CudaBackend(Backend):
         dtypes=("float16", "bfloat16", "float32"),
         copy_stream=True, merged_aux=True, static_decode=True,
         tree_attention=True, sliding_window=True, fused_rope_append=True, inline_rope=True,
-        window_left=True,
+        window_left=True, rope_frequencies=True,
         # the Triton kernels pad head_dim (and its RoPE half) to a power of two, masked
         head_dims=tuple(range(32, 257, 8)),
     )

@@ -62,7 +62,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         dtypes=("float16", "bfloat16", "float32"),
         copy_stream=False, merged_aux=False, static_decode=False,
         tree_attention=True, sliding_window=True, fused_rope_append=False, inline_rope=True,
-        window_left=True,
+        window_left=True, rope_frequencies=True,
         head_dims=tuple(range(2, 1025, 2)),
     )
 
