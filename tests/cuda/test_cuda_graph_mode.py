@@ -437,5 +437,5 @@ def test_conformance_graph_mode_class_on_cpu_test_mode():
                        text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "TestGraphMode               10       0       0        0" in out, out[-3000:]
+    assert "TestGraphMode               12       0       0        0" in out, out[-3000:]
     assert "verdict: CONFORMS" in out
