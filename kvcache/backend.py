@@ -17,9 +17,19 @@ Shared conventions
   ``lse`` ``(T, num_qo_heads)`` float32, natural log of the softmax denominator (with the
   ``sm_scale`` already applied to the logits).  A row that sees no key has ``o = 0`` and
   ``lse = -inf``.
-* RoPE (``RopeSpec``): rotate-half; for position ``p`` and ``i < D/2``,
-  ``angle_i = p * scale * theta ** (-2i / D)``; ``out[:D/2] = x1*cos - x2*sin``,
-  ``out[D/2:] = x2*cos + x1*sin``.  Kernels compute in float32 (or wider) and round once.
+* Per-query window (``window_left``, capability ``window_left``): -1 sees every key; ``w >= 0``
+  hides from a query at position ``p`` every key at a position below ``p - w``.  Positions are
+  the cache's RoPE positions: ``q_positions`` for queries, ``k_rope_offset[i] + j`` for key ``j``
+  of a paged entry, and in the ragged pass key row ``c`` of a sequence sits ``r - c`` positions
+  before query row ``r``.  (Under sliding-window eviction these are the cache's positions: the
+  sinks keep theirs and the kept window follows them, so distances within the window are the
+  original ones.)
+* RoPE (``RopeSpec``): rotate-half over the first ``R = rope.rotary(D)`` dims (``D`` unless a
+  partial ``rotary_dim``); for position ``p`` and ``i < R/2``,
+  ``angle_i = p * scale * inv_freq_i`` with ``inv_freq_i = theta ** (-2i / R)`` unless the spec
+  carries the model's own ``inv_freq`` (``rope.frequencies(D)`` gives ``scale * inv_freq``);
+  ``out[:R/2] = x1*cos - x2*sin``, ``out[R/2:R] = x2*cos + x1*sin``, ``out[R:] = x[R:]``.
+  Kernels compute in float32 (or wider) and round once.
 """
 
 from __future__ import annotations
@@ -52,6 +62,10 @@ class Capabilities:
     sliding_window: bool = _cap(False, "Sliding-window attention with attention sinks.")
     fused_rope_append: bool = _cap(False, "Rotates q/k and writes K/V into pages in one kernel launch.")
     inline_rope: bool = _cap(False, "Applies RoPE to cached K inside attention (rope_mode 'inline').")
+    rope_frequencies: bool = _cap(False, "RoPE with the model's own inverse frequencies "
+                                         "(rope_inv_freq) and partial rotary (rope_rotary_dim).")
+    window_left: bool = _cap(False, "Per-query sliding-window attention (window_left: a query at "
+                                    "position p sees only keys at positions p-window_left..p).")
     head_dims: tuple = _cap((64, 128, 256), "Head dimensions the kernels support.")
 
     def __post_init__(self):
@@ -71,10 +85,38 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding parameters handed to kernels."""
+    """Rotary embedding parameters handed to kernels.
+
+    ``theta``: the base of the default frequencies ``theta ** (-2i / R)``; ``scale``: multiplies
+    every position before the rotation (``angle_i = p * scale * inv_freq_i``; linear position
+    interpolation by a factor f is ``scale = 1/f``); ``inv_freq``: the model's own inverse
+    frequencies, ``R/2`` floats (they replace theta's and already hold any scaling the model
+    applies: linear, llama3, YaRN; keep ``scale = 1`` then); ``rotary_dim``: ``R``, the leading
+    dims that rotate (0: all of them; partial rotary leaves ``x[R:]`` as is)."""
 
     theta: float = 10000.0
     scale: float = 1.0
+    inv_freq: Optional[tuple] = None
+    rotary_dim: int = 0
+
+    def rotary(self, head_dim: int) -> int:
+        """R: the number of leading dims that rotate."""
+        return self.rotary_dim or head_dim
+
+    @property
+    def default_frequencies(self) -> bool:
+        """Whether this is plain theta RoPE over every dim (the kernels' fast path)."""
+        return self.inv_freq is None and self.rotary_dim == 0
+
+    def frequencies(self, head_dim: int):
+        """``scale * inv_freq`` as float64 numpy (R/2,): the angle per unit position."""
+        import numpy as np
+        rot = self.rotary(head_dim)
+        if self.inv_freq is not None:
+            inv = np.asarray(self.inv_freq, dtype=np.float64)
+        else:
+            inv = self.theta ** (-2.0 * np.arange(rot // 2, dtype=np.float64) / rot)
+        return self.scale * inv
 
 
 @dataclass
@@ -264,18 +306,22 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale: float, *, num_seqs: int,
                          max_len: int, tree: Optional[TreeMask] = None,
-                         rope: Optional[RopeSpec] = None, q_positions=None, k_rope_offset=None):
+                         rope: Optional[RopeSpec] = None, q_positions=None, k_rope_offset=None,
+                         window_left: int = -1):
         """Causal self-attention among each sequence's new tokens (rows ``qo_indptr[i]:qo_indptr[i+1]``
         of q, k, v): row ``r`` sees rows ``0..r`` of its sequence; with ``tree`` (tree size equal to
         the append length) row ``r`` sees only its tree ancestors and itself. With ``rope`` (inline
         mode) q row is rotated at ``q_positions`` and key row ``r`` at ``k_rope_offset[i] + r``.
-        Returns (o, lse)."""
+        ``window_left`` >= 0 (never with ``tree``): row ``r`` also sees no row below
+        ``r - window_left``. Returns (o, lse)."""
 
     @abc.abstractmethod
     def paged_attention(self, q, pages, depth: DepthAux, sm_scale: float, *,
-                        rope: Optional[RopeSpec] = None, q_positions=None):
+                        rope: Optional[RopeSpec] = None, q_positions=None, window_left: int = -1):
         """Attention of each entry's queries over that entry's keys in ``pages`` (see ``DepthAux``).
-        Returns (o, lse) for all T rows of ``q``; rows covered by no entry get o = 0, lse = -inf."""
+        ``window_left`` >= 0: query row ``t`` sees key ``j`` of entry ``i`` only if
+        ``k_rope_offset[i] + j >= q_positions[t] - window_left`` (``q_positions`` is then always
+        given; never with a tree). Returns (o, lse) for all T rows of ``q``; rows covered by no entry get o = 0, lse = -inf."""
 
     @abc.abstractmethod
     def merge_attention(self, o_a, lse_a, o_b, lse_b):

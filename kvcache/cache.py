@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .backend import Capabilities, RopeSpec
+from .backend import Capabilities
 from .config import CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
 from .core.plan import ForwardAux, ForwardPlan
@@ -78,6 +78,9 @@ class PagedKVCache:
         self._require(config.effective_rope_mode != "inline" or caps.inline_rope, "inline_rope",
                       "inline RoPE (rope_mode='inline', or sliding windows with RoPE)", cls)
         self._require(not config.static_decode or caps.static_decode, "static_decode", "static_decode=True", cls)
+        self._require(config.effective_rope_mode == "none" or config.rope_spec().default_frequencies
+                      or caps.rope_frequencies, "rope_frequencies",
+                      "rope_inv_freq / rope_rotary_dim with RoPE on", cls)
         self.config = config
         self.backend = cls(config, device)
         self.capabilities: Capabilities = caps
@@ -95,7 +98,7 @@ class PagedKVCache:
         self.planner = Planner(self.state, config, caps)
         """Plans forwards; ``planner.begin`` plans and reserves without opening a forward
         (benchmarks and tests of the host work use it)."""
-        self._rope = RopeSpec(config.rope_theta, config.rope_scale)
+        self._rope = config.rope_spec()
         self._plan: Optional[ForwardPlan] = None
         self._aux: Optional[ForwardAux] = None
         self._layers_done: set = set()
@@ -437,8 +440,8 @@ class PagedKVCache:
             raise InvalidArgumentError(f"{name} has dtype {b.dtype_name(array)}, the cache stores {c.dtype}")
 
     def attention(self, layer_id: int, q: Array, k: Array, v: Array,
-                  sm_scale: Optional[float] = None,
-                  return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
+                  sm_scale: Optional[float] = None, return_lse: bool = False,
+                  window_left: int = -1) -> Union[Array, tuple[Array, Array]]:
         """Write layer ``layer_id``'s new K/V into the cache and attend: each new token's query
         over its sequence's history and the new tokens before it (its tree ancestors in a
         token tree, the window and sinks of a sliding window).
@@ -446,7 +449,10 @@ class PagedKVCache:
         ``q``: (T, num_qo_heads, head_dim), ``k``/``v``: (T, num_kv_heads, head_dim), backend
         arrays in the cache dtype, rows in ``begin_forward`` order (a static-shape step may
         pass ``static_bucket`` rows; padded rows give zeros); ``sm_scale``: logit scale
-        (default ``head_dim ** -0.5``). Returns ``o`` (T, num_qo_heads, head_dim), with
+        (default ``head_dim ** -0.5``); ``window_left``: -1 (every key), or ``w >= 0``: a query
+        at position ``p`` sees only keys at positions ``p - w .. p`` (FlashInfer's
+        ``window_left``; capability ``window_left``; not with a token tree). Positions are
+        the cache's (``query_positions``). Returns ``o`` (T, num_qo_heads, head_dim), with
         ``return_lse`` also ``lse`` (T, num_qo_heads) float32. Each layer runs once per
         forward."""
         plan = self._open("attention")
@@ -454,6 +460,7 @@ class PagedKVCache:
         layer_id = as_int(layer_id, "layer_id")
         return_lse = bool_arg(return_lse, "return_lse")
         scale = c.head_dim ** -0.5 if sm_scale is None else float_arg(sm_scale, "sm_scale")
+        window_left = self._window_left(plan, window_left)
         if not 0 <= layer_id < c.num_layers:
             raise InvalidArgumentError(f"layer_id {layer_id} must be in [0, {c.num_layers})")
         if layer_id in self._layers_done:
@@ -464,21 +471,45 @@ class PagedKVCache:
         self._check_input("k", k, c.num_kv_heads, rows)
         self._check_input("v", v, c.num_kv_heads, rows)
         aux = self._device_aux()
-        o, lse = self._attend(plan, aux, self.pages[layer_id], q, k, v, scale)
+        o, lse = self._attend(plan, aux, self.pages[layer_id], q, k, v, scale, window_left)
         self._layers_done.add(layer_id)         # a layer that raised has not run
         return (o, lse) if return_lse else o
 
+    def _window_left(self, plan: ForwardPlan, window_left) -> int:
+        """The validated ``window_left`` of an attention call (an int >= -1)."""
+        if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)):
+            raise InvalidArgumentError(
+                f"window_left must be an int >= -1, got {type(window_left).__name__} "
+                f"{window_left!r} (forward over sequences {plan.seq_ids})")
+        window_left = int(window_left)
+        if window_left < -1:
+            raise InvalidArgumentError(
+                f"window_left {window_left} must be >= -1 (-1: no window) in the forward over "
+                f"sequences {plan.seq_ids}")
+        if window_left >= 0:
+            if not self.capabilities.window_left:
+                raise UnsupportedFeatureError(
+                    f"backend {self.backend.name!r} does not support window_left={window_left} "
+                    f"(forward over sequences {plan.seq_ids}): "
+                    f"{Capabilities.reason('window_left')}")
+            if plan.tokens.self_tree is not None or any(d.tree is not None for d in plan.depths):
+                raise UnsupportedFeatureError(
+                    f"window_left={window_left} with a token tree (forward over sequences "
+                    f"{plan.seq_ids}): tree attention has no per-query window")
+        return window_left
+
     def attention_with_fused_qkv(self, layer_id: int, qkv: Array, sm_scale: Optional[float] = None,
-                                 return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
-        """``attention`` with q, k and v in one array ``qkv`` of shape
-        (T, num_qo_heads + 2 * num_kv_heads, head_dim): q heads first, then k, then v."""
+                                 return_lse: bool = False,
+                                 window_left: int = -1) -> Union[Array, tuple[Array, Array]]:
+        """``attention`` with q, k, v packed in ``qkv`` (T, num_qo_heads + 2*num_kv_heads,
+        head_dim); the other parameters as there."""
         plan = self._open("attention_with_fused_qkv")
         c = self.config
         self._check_input("qkv", qkv, c.num_qo_heads + 2 * c.num_kv_heads, plan.total_tokens)
         q, k, v = self.backend.split_qkv(qkv)
-        return self.attention(layer_id, q, k, v, sm_scale, return_lse)
+        return self.attention(layer_id, q, k, v, sm_scale, return_lse, window_left)
 
-    def _attend(self, plan: ForwardPlan, aux: ForwardAux, pages, q, k, v, scale):
+    def _attend(self, plan: ForwardPlan, aux: ForwardAux, pages, q, k, v, scale, window_left=-1):
         b, mode = self.backend, self.config.effective_rope_mode
         inline = self._rope if mode == "inline" else None
         tokens = aux.tokens
@@ -496,11 +527,13 @@ class PagedKVCache:
             o, lse = b.ragged_attention(q, k, v, tokens.qo_indptr, scale,
                                         num_seqs=len(plan.seq_ids), max_len=plan.max_append,
                                         tree=tokens.self_tree, rope=inline, q_positions=positions,
-                                        k_rope_offset=tokens.k_rope_offset)
+                                        k_rope_offset=tokens.k_rope_offset,
+                                        **({"window_left": window_left} if window_left >= 0 else {}))
         for depth in aux.depths:
             if depth.num_pages == 0 and plan.static_bucket is None:
                 continue
-            o_d, lse_d = b.paged_attention(q, pages, depth, scale, rope=inline, q_positions=positions)
+            o_d, lse_d = b.paged_attention(q, pages, depth, scale, rope=inline, q_positions=positions,
+                                           **({"window_left": window_left} if window_left >= 0 else {}))
             if o is None:
                 o, lse = o_d, lse_d
             else:

@@ -28,7 +28,18 @@ class CacheConfig:
     """"none" (the model rotates q/k itself) | "normal" | "inline"; left out: "normal", with a
     FutureWarning (a model that applies its own RoPE would be rotated twice)."""
     rope_theta: float = 10000.0
+    """Base of the default RoPE frequencies ``rope_theta ** (-2i / R)``."""
     rope_scale: float = 1.0
+    """Multiplies every RoPE position: ``angle_i = position * rope_scale * inv_freq_i`` (linear
+    position interpolation by a factor f is ``rope_scale = 1/f``). Not a frequency scaling
+    scheme: llama3 / YaRN scaling is given as ``rope_inv_freq``."""
+    rope_inv_freq: tuple = ()
+    """The model's own RoPE inverse frequencies, ``R/2`` floats (R: ``rope_rotary_dim`` or
+    head_dim), e.g. a transformers model's ``rotary_emb.inv_freq``; they replace the
+    ``rope_theta`` ones and carry the model's scaling (linear, llama3, YaRN). Empty: theta's."""
+    rope_rotary_dim: int = 0
+    """Partial rotary: RoPE rotates the first ``rope_rotary_dim`` dims of each head (even,
+    at most head_dim) and leaves the rest; 0: every dim."""
     support_sliding_window: bool = False
     static_decode: bool = False
     """Static-shape decode: a decode step's batch is padded to a bucket, its index arrays go to
@@ -67,6 +78,24 @@ class CacheConfig:
             raise InvalidArgumentError(f"CacheConfig.rope_mode={self.rope_mode!r} is not one of {ROPE_MODES}")
         put("rope_theta", float_arg(self.rope_theta, "CacheConfig.rope_theta", positive=True))
         put("rope_scale", float_arg(self.rope_scale, "CacheConfig.rope_scale"))
+        rot = int_arg(self.rope_rotary_dim, "CacheConfig.rope_rotary_dim", 0, self.head_dim)
+        if rot % 2:
+            raise InvalidArgumentError(
+                f"CacheConfig.rope_rotary_dim={rot} must be even (RoPE halves), 0 for every dim")
+        put("rope_rotary_dim", rot)
+        freqs = self.rope_inv_freq
+        if hasattr(freqs, "tolist"):                 # a numpy / torch / mlx array
+            freqs = freqs.tolist()
+        if not isinstance(freqs, (tuple, list)):
+            raise InvalidArgumentError(
+                f"CacheConfig.rope_inv_freq must be a sequence of floats, got {type(freqs).__name__}")
+        freqs = tuple(float_arg(f, f"CacheConfig.rope_inv_freq[{i}]") for i, f in enumerate(freqs))
+        want = (rot or self.head_dim) // 2
+        if freqs and len(freqs) != want:
+            raise InvalidArgumentError(
+                f"CacheConfig.rope_inv_freq has {len(freqs)} values, expected {want} "
+                f"(half of {'rope_rotary_dim' if rot else 'head_dim'} {rot or self.head_dim})")
+        put("rope_inv_freq", freqs)
         put("support_sliding_window",
             bool_arg(self.support_sliding_window, "CacheConfig.support_sliding_window"))
         put("static_decode", bool_arg(self.static_decode, "CacheConfig.static_decode"))
@@ -88,6 +117,12 @@ class CacheConfig:
                 f"CacheConfig.max_total_tokens={self.max_total_tokens} needs {self.num_pages} pages "
                 f"of {self.page_size} tokens ({self.kv_bytes} bytes of KV): {slots} token slots, "
                 f"but slots are int32 (at most {INT32_MAX})")
+
+    def rope_spec(self):
+        """The ``RopeSpec`` the kernels get (theta, scale, the model's frequencies, rotary dims)."""
+        from .backend import RopeSpec
+        return RopeSpec(self.rope_theta, self.rope_scale, self.rope_inv_freq or None,
+                        self.rope_rotary_dim if self.rope_rotary_dim != self.head_dim else 0)
 
     @property
     def static_buckets(self) -> tuple:

@@ -41,20 +41,19 @@ def np_dtype(name: str) -> np.dtype:
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of shape (T, 1, D/2) in float64 (rotate-half convention)."""
-    half = head_dim // 2
-    inv_freq = rope.theta ** (-2.0 * np.arange(half, dtype=np.float64) / head_dim)
-    angles = positions.astype(np.float64)[:, None] * rope.scale * inv_freq[None, :]
+    """cos, sin of shape (T, 1, R/2) in float64 (rotate-half convention, R the rotary dims)."""
+    angles = positions.astype(np.float64)[:, None] * rope.frequencies(head_dim)[None, :]
     return np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
 
 
 def rotate(x: np.ndarray, positions: np.ndarray, rope: RopeSpec) -> np.ndarray:
-    """Rotate-half RoPE of x (T, H, D) in float64."""
+    """Rotate-half RoPE of x (T, H, D) in float64 (dims from R on pass through)."""
     x = x.astype(np.float64)
-    half = x.shape[-1] // 2
+    rot = rope.rotary(x.shape[-1])
+    half = rot // 2
     cos, sin = rope_angles(positions, x.shape[-1], rope)
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = x[..., :half], x[..., half:rot]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], axis=-1)
 
 
 def tree_visible(tree: TreeMask, entry: int, n_q: int) -> np.ndarray:
@@ -106,7 +105,8 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         # bfloat16 only with ml_dtypes: PagedKVCache then raises UnsupportedFeatureError for it
         dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES),
-        tree_attention=True, sliding_window=True, inline_rope=True,
+        tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
+        rope_frequencies=True,
         head_dims=tuple(range(2, 1025, 2)),
     )
 
@@ -180,7 +180,7 @@ class ReferenceBackend(Backend):
         return np.zeros((t, c.num_qo_heads, c.head_dim)), np.full((t, c.num_qo_heads), -np.inf)
 
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                         rope=None, q_positions=None, k_rope_offset=None):
+                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
         qo_indptr = np.asarray(qo_indptr)
         o, lse = self._output(q.shape[0])
         for i in range(num_seqs):
@@ -196,6 +196,8 @@ class ReferenceBackend(Backend):
                 visible = tree_visible(tree, i, n)
             else:
                 visible = np.tril(np.ones((n, n), dtype=bool))
+                if window_left >= 0:
+                    visible &= np.triu(np.ones((n, n), dtype=bool), -window_left)
             o[lo:hi], lse[lo:hi] = softmax_attend(qi, ki, v[lo:hi].astype(np.float64), visible,
                                                   sm_scale, self.config.group_size)
         return self._store(o), lse.astype(np.float32)
@@ -210,7 +212,8 @@ class ReferenceBackend(Backend):
         rows = off % ps
         return pages[page_ids, 0, :, rows, :], pages[page_ids, 1, :, rows, :]
 
-    def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+    def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
+                        window_left=-1):
         o, lse = self._output(q.shape[0])
         qo_indptr = np.asarray(depth.qo_indptr)
         for i in range(depth.num_entries):
@@ -228,6 +231,10 @@ class ReferenceBackend(Backend):
                 t = int(depth.tree.indptr[i + 1]) - int(depth.tree.indptr[i])
                 if t:
                     visible[:, kv_len - t:] = tree_visible(depth.tree, i, hi - lo)
+            if window_left >= 0:
+                k_pos = int(depth.k_rope_offset[i]) + np.arange(kv_len)
+                q_pos = np.asarray(q_positions)[lo:hi].astype(np.int64)
+                visible &= k_pos[None, :] >= (q_pos - window_left)[:, None]
             o[lo:hi], lse[lo:hi] = softmax_attend(qi, keys, values.astype(np.float64), visible,
                                                   sm_scale, self.config.group_size)
         return self._store(o), lse.astype(np.float32)

@@ -55,14 +55,15 @@ def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers
                 rope_mode="none", max_total_tokens=512, max_batch_size=16,
                 prefill_chunk_size=512, support_sliding_window=False, num_kv_heads=None,
                 rope_theta=10000.0, rope_scale=1.0, static_decode=False,
-                static_decode_batch_sizes=()) -> CacheConfig:
+                static_decode_batch_sizes=(), rope_inv_freq=(), rope_rotary_dim=0) -> CacheConfig:
     """A small config for the suite: GQA ratio ``gqa`` with 2 KV heads (1 for ratio 8)."""
     hkv = num_kv_heads or (1 if gqa >= 8 else 2)
     return CacheConfig(num_layers=num_layers, num_qo_heads=hkv * gqa, num_kv_heads=hkv,
                        head_dim=head_dim, page_size=page_size, max_batch_size=max_batch_size,
                        max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
                        dtype=dtype, rope_mode=rope_mode, rope_theta=rope_theta,
-                       rope_scale=rope_scale, support_sliding_window=support_sliding_window,
+                       rope_scale=rope_scale, rope_inv_freq=rope_inv_freq,
+                       rope_rotary_dim=rope_rotary_dim, support_sliding_window=support_sliding_window,
                        static_decode=static_decode, static_decode_batch_sizes=static_decode_batch_sizes)
 
 
@@ -244,11 +245,14 @@ class CachePair:
         return tuple(self.random(total, h, c.head_dim)
                      for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads))
 
-    def attend(self, layer, *, fused=False, sm_scale=None, return_lse=True, inputs=None):
+    def attend(self, layer, *, fused=False, sm_scale=None, return_lse=True, inputs=None,
+               window_left=-1):
         """q/k/v for ``layer`` (``inputs``: host arrays, or a function ``cache -> (q, k, v)`` of
         native arrays; default ``layer_inputs``) through both caches; compares o and lse (and
-        the reference with the dense model); returns the backend's (o, lse) as host arrays."""
+        the reference with the dense model); ``window_left`` is passed on when >= 0; returns the
+        backend's (o, lse) as host arrays."""
         c = self.config
+        win = {"window_left": window_left} if window_left >= 0 else {}
         if inputs is None:
             inputs = self.layer_inputs(layer)
         if callable(inputs):
@@ -264,11 +268,13 @@ class CachePair:
             try:
                 if fused and cache is self.dut:
                     qkv = cache.from_numpy(np.concatenate(host, axis=1))
-                    res = cache.attention_with_fused_qkv(layer, qkv, sm_scale, return_lse=return_lse) \
-                        if return_lse else cache.attention_with_fused_qkv(layer, qkv, sm_scale)
+                    res = cache.attention_with_fused_qkv(layer, qkv, sm_scale, return_lse=return_lse,
+                                                         **win) \
+                        if return_lse else cache.attention_with_fused_qkv(layer, qkv, sm_scale, **win)
                 else:
                     args = (layer, *native(cache), sm_scale)
-                    res = cache.attention(*args, return_lse=return_lse) if return_lse else cache.attention(*args)
+                    res = cache.attention(*args, return_lse=return_lse, **win) if return_lse \
+                        else cache.attention(*args, **win)
                 outs.append((True, res))
             except Exception as exc:  # noqa: BLE001
                 outs.append((False, exc))
@@ -293,7 +299,7 @@ class CachePair:
         (o_r, lse_r), (o_d, lse_d) = compared
         if self.model is not None:
             qd, kd, vd = (round_to(x, c.dtype) for x in host)
-            o_m, lse_m = self.model.attention(layer, qd, kd, vd, sm_scale)
+            o_m, lse_m = self.model.attention(layer, qd, kd, vd, sm_scale, window_left)
             try:
                 assert_close(f"reference attention output (layer {layer}) vs the dense model",
                              o_m, o_r, self.tol, row_label=self.row_label)
@@ -367,13 +373,14 @@ class CachePair:
                                        f"{s} in the {cache.backend.name} cache{self.context()}")
 
     def forward(self, sids, lens, tree=None, *, fused=False, sm_scale=None, positions="first",
-                layers=None):
-        """One complete forward: begin, attention on every layer, end; compares everything."""
+                layers=None, window_left=-1):
+        """One complete forward: begin, attention on every layer (with ``window_left``), end;
+        compares everything."""
         self.begin(sids, lens, tree)
         if positions == "first":
             self.check_positions()
         for layer in (range(self.config.num_layers) if layers is None else layers):
-            self.attend(layer, fused=fused, sm_scale=sm_scale)
+            self.attend(layer, fused=fused, sm_scale=sm_scale, window_left=window_left)
         if positions == "after":
             self.check_positions()
         self.end()

@@ -12,7 +12,6 @@ from typing import Optional
 
 import numpy as np
 
-from kvcache.backend import RopeSpec
 from kvcache.config import CacheConfig
 from kvcache.reference import rotate
 
@@ -82,7 +81,7 @@ class DenseModel:
         self._new_kv: dict = {}         # layer -> (k, v) of the open forward
 
     def _rope(self, x, pos):
-        return rotate(x, np.asarray(pos), RopeSpec(self.c.rope_theta, self.c.rope_scale))
+        return rotate(x, np.asarray(pos), self.c.rope_spec())
 
     def add(self, sid):
         """A new empty sequence."""
@@ -152,8 +151,10 @@ class DenseModel:
         self.pending = (list(sids), list(lens), plan, np.concatenate(positions))
         return self.pending[3]
 
-    def attention(self, layer, q, k, v, sm_scale):
-        """q, k, v float64 (already rounded to the cache dtype). Returns o (rounded), lse."""
+    def attention(self, layer, q, k, v, sm_scale, window_left: int = -1):
+        """q, k, v float64 (already rounded to the cache dtype). ``window_left`` >= 0: a query at
+        position p sees no key at a position below p - window_left (key m of a sequence sits at
+        position m). Returns o (rounded), lse."""
         c = self.c
         sids, lens, plan, positions = self.pending
         mode = c.effective_rope_mode
@@ -183,6 +184,8 @@ class DenseModel:
                     while node != -1:
                         visible[r, committed + node] = True
                         node = s.tree_parent[node]
+            if window_left >= 0:
+                visible &= np.arange(total)[None, :] >= (pos - window_left)[:, None]
             if mode == "inline":
                 qi = self._rope(qi, pos)
                 keys = self._rope(keys, np.arange(total))

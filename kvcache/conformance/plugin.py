@@ -39,7 +39,7 @@ PLUGIN_NAME = "kvcache.conformance.plugin"
 
 DTYPES = ("float32", "float16", "bfloat16")
 GQA = (1, 4, 8)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 256)
 PAGE_SIZES = (1, 16, 32)
 
 # Operation tests run on these (dtype, page_size) variants; the shape matrix below covers the
@@ -48,7 +48,7 @@ QUICK_VARIANTS = [("float32", 16), ("float16", 1)]
 FULL_VARIANTS = list(itertools.product(DTYPES, PAGE_SIZES))
 # (dtype, gqa, head_dim, page_size); the quick rows form a Latin square over the four axes.
 QUICK_SHAPES = [("float32", 1, 64, 1), ("float16", 4, 128, 16), ("bfloat16", 8, 256, 32),
-                ("bfloat16", 4, 64, 16)]
+                ("bfloat16", 4, 64, 16), ("float32", 4, 80, 16), ("float16", 8, 96, 1)]
 FULL_SHAPES = list(itertools.product(DTYPES, GQA, HEAD_DIMS, PAGE_SIZES))
 
 _ENV = {"kvcache_backend": "KVCACHE_CONFORMANCE_BACKEND",
@@ -280,6 +280,8 @@ def _pair_factory(request, variant, backend_class, build):
         if config.effective_rope_mode == "inline":
             skip_unless(caps, "inline_rope", "rope_mode inline" if config.rope_mode == "inline"
                         else "sliding window with RoPE")
+        if config.effective_rope_mode != "none" and not config.rope_spec().default_frequencies:
+            skip_unless(caps, "rope_frequencies")
         for name in needs:
             skip_unless(caps, name)
         return build(config, seed_for(suite_name(request.node), int(base_seed)))

@@ -159,6 +159,23 @@ class TestRope(Conformance):
         p.fork(0, 2, ps // 2 + 1)
         p.forward([2, 0], [3, 1])
 
+    @pytest.mark.parametrize("rope_mode", ["normal", "inline"])
+    @pytest.mark.parametrize("spec", ["inv_freq", "partial"])
+    def test_model_frequencies(self, make_pair, rope_mode, spec):
+        """RoPE with the model's own inverse frequencies (a llama3-style table: low frequencies
+        divided by 8) or a partial rotary dimension (half the head), fused and inline."""
+        d = 64
+        inv = 500000.0 ** (-np.arange(0, d, 2) / d)
+        kw = ({"rope_inv_freq": tuple(np.where(np.arange(d // 2) > d // 4, inv / 8, inv))}
+              if spec == "inv_freq" else {"rope_rotary_dim": d // 2})
+        p = make_pair(rope_mode=rope_mode, head_dim=d, **kw)
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [ps + 3, 2], positions="after")
+        p.decode([0, 1], steps=2)
+        p.fork(0, 2, ps // 2 + 1)
+        p.forward([2, 0], [3, 1])
+
     def test_normal_stores_rotated_k(self, make_pair):
         """In 'normal' mode get_kv returns K rotated at its position (compared through check),
         and differs from the raw K that was appended."""
@@ -211,3 +228,91 @@ class TestQueries(Conformance):
         assert p.dut.is_empty
         p.add(5)
         p.prefill(5, 3)
+
+
+class TestWindowLeft(Conformance):
+    """Per-query sliding window (``attention(..., window_left=w)``): a query at position p sees
+    the keys at positions p-w..p; checked against the reference and the dense model."""
+
+    @pytest.mark.parametrize("pages", [0, 1], ids=["within_page", "spanning_pages"])
+    def test_prefill_decode_fork(self, make_pair, pages):
+        p = make_pair(needs=("window_left",))
+        ps = p.config.page_size
+        w = max(ps // 2 - 1, 0) if pages == 0 else ps + 2
+        p.add(0, 1)
+        p.forward([0, 1], [2 * ps + 5, 3], window_left=w)
+        p.forward([1, 0], [ps + 4, 2], window_left=w)          # chunked: cached keys drop out too
+        p.decode([0, 1], steps=3, window_left=w)
+        p.fork(0, 2, ps + 1)
+        p.forward([2, 0], [3, 1], window_left=w)
+        p.decode([0, 1, 2], steps=2, window_left=w)
+
+    def test_zero_sees_itself(self, make_pair):
+        """window_left=0: each query sees only its own key."""
+        p = make_pair(needs=("window_left",))
+        p.add(0)
+        p.forward([0], [5], window_left=0)
+        p.decode([0], steps=2, window_left=0)
+
+    def test_fused_qkv_and_unlimited(self, make_pair):
+        p = make_pair(needs=("window_left",))
+        ps = p.config.page_size
+        p.add(0)
+        p.forward([0], [ps + 3], window_left=2, fused=True)
+        p.forward([0], [2], window_left=-1)
+        p.decode([0], window_left=10 * ps)       # wider than the sequence: the plain result
+
+    def test_with_eviction(self, make_pair):
+        """With sliding-window eviction the window counts the cache's positions."""
+        p = make_pair(needs=("window_left", "sliding_window"), support_sliding_window=True,
+                      rope_mode="none")
+        ps = p.config.page_size
+        p.add(0)
+        p.enable_sliding_window(0, ps + 3, 2)
+        p.forward([0], [2 * ps], window_left=ps)
+        p.decode([0], steps=3, window_left=ps // 2)
+
+    def test_bad_values(self, make_pair):
+        p = make_pair(needs=("window_left",))
+        p.add(0)
+        for cache in (p.ref, p.dut):
+            c = cache.config
+            cache.begin_forward([0], [2])
+            q = cache.from_numpy(np.zeros((2, c.num_qo_heads, c.head_dim)))
+            kv = cache.from_numpy(np.zeros((2, c.num_kv_heads, c.head_dim)))
+            for bad, err in ((-2, "must be >= -1"), (1.5, "must be an int"), (True, "must be an int"),
+                             ("3", "must be an int")):
+                with pytest.raises(kvcache.InvalidArgumentError, match=err):
+                    cache.attention(0, q, kv, kv, window_left=bad)
+            assert cache.layers_run == frozenset()
+            cache.abort_forward()
+        p.check()
+
+
+def test_window_left_unsupported_raises(kvcache_backend_class, kvcache_backend, kvcache_device):
+    """A backend without the capability refuses window_left >= 0 with UnsupportedFeatureError."""
+    if kvcache_backend_class.capabilities.window_left:
+        pytest.skip(f"{kvcache_backend} declares window_left (TestWindowLeft checks it)")
+    from .harness import make_config
+    cache = kvcache.PagedKVCache(make_config(), kvcache_backend, kvcache_device)
+    c = cache.config
+    cache.add_sequence(0)
+    cache.begin_forward([0], [1])
+    q = cache.from_numpy(np.zeros((1, c.num_qo_heads, c.head_dim)))
+    kv = cache.from_numpy(np.zeros((1, c.num_kv_heads, c.head_dim)))
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="window_left"):
+        cache.attention(0, q, kv, kv, window_left=3)
+    cache.attention(0, q, kv, kv, window_left=-1)
+
+
+def test_rope_frequencies_unsupported_raises(kvcache_backend_class, kvcache_backend, kvcache_device):
+    """A backend without ``rope_frequencies`` refuses a config with the model's frequencies or
+    partial rotary (RoPE on), and accepts it with rope_mode 'none'."""
+    if kvcache_backend_class.capabilities.rope_frequencies:
+        pytest.skip(f"{kvcache_backend} declares rope_frequencies (TestRope checks it)")
+    from .harness import make_config
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="rope_frequencies"):
+        kvcache.PagedKVCache(make_config(rope_mode="normal", rope_rotary_dim=32), kvcache_backend,
+                             kvcache_device)
+    kvcache.PagedKVCache(make_config(rope_mode="none", rope_rotary_dim=32), kvcache_backend,
+                         kvcache_device)

@@ -108,3 +108,13 @@ class TestGraphMode(Conformance):
         p.decode([2, 0, 3], steps=2)
         p.aborted([2, 0, 3], [1, 1, 1], layers=p.config.num_layers, how="raise")
         p.decode([0, 2, 3], steps=1)
+
+    def test_decode_with_window_left(self, make_pair):
+        """A per-query window in graph-mode decode steps (padded buckets, forked histories)."""
+        p = make_pair(needs=("static_decode", "window_left"), static_decode=True,
+                      rope_mode="normal")
+        _family(p)
+        w = p.config.page_size // 2 + 1
+        for ids in ([2, 0, 3], [1], [3, 2, 1, 0]):
+            p.forward(ids, [1] * len(ids), window_left=w)
+        p.decode([0, 2], steps=2, window_left=0)

@@ -262,6 +262,9 @@ config_case("rope_mode", [None, 1, "yarn", ["normal"]])
 config_case("rope_theta", [None, "x", "10000", 0, -1.0, float("nan"), float("inf"), True, 1 + 0j,
                            [1.0]])
 config_case("rope_scale", [None, "x", float("nan"), -math.inf, True, np.True_, [1.0]])
+config_case("rope_rotary_dim", [None, "x", 1.0, True, -2, 3, 66])
+config_case("rope_inv_freq", [None, "x", 1.0, (1.0,), (0.5,) * 33, (float("nan"),) * 32,
+                              ("1",) * 32])
 config_case("support_sliding_window", ["no", "", 1, 0, None, 1.0, [True]])
 config_case("static_decode", ["no", 1, 0, None])
 config_case("static_decode_batch_sizes", [None, 1, "1", (True,), (1.0,), (0,), (2, 1), (1, 1), (5,),
@@ -285,6 +288,21 @@ def test_config_accepts_numpy_ints_and_stores_python_ints():
     assert type(cfg.support_sliding_window) is bool and type(cfg.rope_theta) is float
     assert all(type(b) is int for b in cfg.static_decode_batch_sizes)
     kvcache.PagedKVCache(cfg, backend="reference")
+
+
+def test_config_rope_frequencies_and_rotary_dim():
+    """The model's inverse frequencies (any sequence / array of R/2 floats) and partial rotary
+    reach the kernels' RopeSpec; rope_scale multiplies positions in both cases."""
+    inv = np.linspace(1.0, 1e-4, 16)
+    cfg = config(rope_rotary_dim=np.int64(32), rope_inv_freq=inv, rope_scale=0.5)
+    assert cfg.rope_inv_freq == tuple(inv.tolist()) and cfg.rope_rotary_dim == 32
+    spec = cfg.rope_spec()
+    assert spec.rotary(64) == 32 and not spec.default_frequencies
+    np.testing.assert_allclose(spec.frequencies(64), 0.5 * inv)
+    plain = config(rope_theta=100.0).rope_spec()
+    assert plain.default_frequencies and plain.rotary(64) == 64
+    np.testing.assert_allclose(plain.frequencies(64), 100.0 ** (-np.arange(32) / 32))
+    assert config(rope_rotary_dim=64).rope_spec().default_frequencies     # 64 of 64: every dim
 
 
 def test_config_index_range_is_checked():

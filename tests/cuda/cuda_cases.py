@@ -162,3 +162,18 @@ def ragged_case(rng, ref, mine, lengths, *, tree=False):
 
 ROPE = RopeSpec(theta=10000.0, scale=1.0)
 ROPE_SCALED = RopeSpec(theta=500000.0, scale=0.5)
+
+
+def llama3_inv_freq(head_dim=64, theta=500000.0, factor=8.0, low=1.0, high=4.0, original=8192):
+    """Llama 3's scaled inverse frequencies (its published formula, written out here)."""
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv
+    low_wl, high_wl = original / low, original / high
+    smooth = (original / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    out = np.where(wavelen > low_wl, inv / factor, inv)
+    return np.where((wavelen >= high_wl) & (wavelen <= low_wl), mid, out)
+
+
+ROPE_FREQ = RopeSpec(inv_freq=tuple(llama3_inv_freq().tolist()))          # the model's own table
+ROPE_PARTIAL = RopeSpec(theta=10000.0, rotary_dim=32)                      # half of d=64 rotates

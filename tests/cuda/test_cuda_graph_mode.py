@@ -65,8 +65,9 @@ class Trio:
                 c.attention(layer, *map(c.from_numpy, parts))
         self.each("end_forward")
 
-    def decode(self, ids, padded_inputs=False):
+    def decode(self, ids, padded_inputs=False, window_left=-1):
         """One decode step; the graph cache gets bucket-row inputs when ``padded_inputs``."""
+        win = dict(return_lse=True, window_left=window_left)
         self.each("begin_forward", ids, [1] * len(ids))
         bucket = self.graph.static_bucket
         assert bucket == self.cfg.static_bucket(len(ids))
@@ -75,9 +76,9 @@ class Trio:
             parts = self.inputs(bucket)
             real = [p[:len(ids)] for p in parts]
             o_g, l_g = self.graph.attention(layer, *map(self.graph.from_numpy, parts if padded_inputs else real),
-                                            return_lse=True)
-            o_e, l_e = self.eager.attention(layer, *map(self.eager.from_numpy, real), return_lse=True)
-            o_r, l_r = self.ref.attention(layer, *map(self.ref.from_numpy, real), return_lse=True)
+                                            **win)
+            o_e, l_e = self.eager.attention(layer, *map(self.eager.from_numpy, real), **win)
+            o_r, l_r = self.ref.attention(layer, *map(self.ref.from_numpy, real), **win)
             outs.append((o_g, l_g, o_e, l_e, o_r, l_r))
         self.each("end_forward")
         return outs
@@ -121,6 +122,17 @@ def test_graph_mode_decode_equals_eager_and_reference(dtype):
         check(trio.decode(ids, padded_inputs=step % 2 == 0), len(ids), dtype, step % 2 == 0)
     check(trio.decode([3]), 1, dtype, False)     # bucket 1
     check(trio.decode([1, 4]), 2, dtype, False)  # bucket 2
+
+
+@pytest.mark.parametrize("window_left", [0, 20])
+def test_graph_mode_decode_equals_with_window_left(window_left):
+    """A per-query window in graph-mode decode: a plain kernel argument, so padded buckets and
+    forked histories give the eager and reference results."""
+    trio = Trio("float32", rope="normal")
+    family(trio)
+    for step, ids in enumerate(([2, 0, 4, 1, 3], [3], [1, 4])):
+        check(trio.decode(ids, padded_inputs=step == 0, window_left=window_left), len(ids),
+              "float32", step == 0)
 
 
 def test_graph_aux_buffer_has_fixed_addresses_and_one_copy_per_step():
@@ -425,5 +437,5 @@ def test_conformance_graph_mode_class_on_cpu_test_mode():
                        text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "TestGraphMode               10       0       0        0" in out, out[-3000:]
+    assert "TestGraphMode               12       0       0        0" in out, out[-3000:]
     assert "verdict: CONFORMS" in out

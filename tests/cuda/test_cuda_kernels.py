@@ -21,7 +21,7 @@ SLIM = cc.INTERPRET or cc.ON_GPU
 ATTN_DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
 GQA_ATTN = [(8, 2), (6, 2)] if SLIM else GQA
 PAGE_SIZES = [16] if SLIM else [1, 16]
-HEAD_DIMS = [64, 128, 256]
+HEAD_DIMS = [64, 80, 96, 128, 256]
 
 
 def _rng(*key):
@@ -29,7 +29,8 @@ def _rng(*key):
 
 
 # ---------------------------------------------------------------------- rope / append
-@pytest.mark.parametrize("rope", [cc.ROPE, cc.ROPE_SCALED])
+@pytest.mark.parametrize("rope", [cc.ROPE, cc.ROPE_SCALED, cc.ROPE_FREQ, cc.ROPE_PARTIAL],
+                         ids=["theta", "scaled", "inv_freq", "partial"])
 def test_rope(impl, dtype, rope):
     cfg = cc.config(hq=6, hkv=2, d=64, dtype=dtype)
     ref, mine = cc.pair(cfg, impl)
@@ -42,7 +43,7 @@ def test_rope(impl, dtype, rope):
 
 
 @pytest.mark.parametrize("ps", [1, 16])
-@pytest.mark.parametrize("with_rope", [False, True])
+@pytest.mark.parametrize("with_rope", [False, True, "inv_freq", "partial"])
 def test_append_kv(impl, dtype, ps, with_rope):
     cfg = cc.config(hq=8, hkv=2, d=64, ps=ps, dtype=dtype)
     ref, mine = cc.pair(cfg, impl)
@@ -54,27 +55,30 @@ def test_append_kv(impl, dtype, ps, with_rope):
     slots[[2, 7]] = -1                                   # skipped tokens (slid out)
     k, v = cc.rand(mine, rng, (t, 2, 64)), cc.rand(mine, rng, (t, 2, 64))
     pos = rng.integers(0, 300, t).astype(np.int32)
-    rope = cc.ROPE if with_rope else None
+    rope = {False: None, True: cc.ROPE, "inv_freq": cc.ROPE_FREQ,
+            "partial": cc.ROPE_PARTIAL}[with_rope]
     ref_pages = cc.to_ref(ref, mine, pages)
     mine.append_kv(pages, k, v, cc.ints(mine, slots), cc.ints(mine, pos), rope)
     ref.append_kv(ref_pages, cc.to_ref(ref, mine, k), cc.to_ref(ref, mine, v), slots, pos, rope)
     cc.assert_close(mine, ref, pages, ref_pages, "pages")
 
 
-def test_rope_append_fused(impl, dtype):
-    cfg = cc.config(hq=8, hkv=2, d=64, ps=16, dtype=dtype, rope_mode="normal")
+@pytest.mark.parametrize("d", [64, 80, 96])      # 80 / 96: a RoPE half (40 / 48) padded to 64
+def test_rope_append_fused(impl, dtype, d):
+    cfg = cc.config(hq=8, hkv=2, d=d, ps=16, dtype=dtype, rope_mode="normal")
     ref, mine = cc.pair(cfg, impl)
     rng = _rng("rope_append", impl, dtype)
     pages = cc.rand(mine, rng, mine.page_shape(6))
     t = 10
     slots = rng.permutation(96)[:t].astype(np.int32)
     slots[4] = -1
-    q, k, v = (cc.rand(mine, rng, (t, h, 64)) for h in (8, 2, 2))
+    q, k, v = (cc.rand(mine, rng, (t, h, d)) for h in (8, 2, 2))
     pos = rng.integers(0, 1000, t).astype(np.int32)
     ref_pages = cc.to_ref(ref, mine, pages)
-    q_rot, k_rot = mine.rope_append(pages, q, k, v, cc.ints(mine, slots), cc.ints(mine, pos), cc.ROPE)
+    spec = cc.ROPE_FREQ if d == 64 else cc.ROPE      # 64: the model's own frequency table
+    q_rot, k_rot = mine.rope_append(pages, q, k, v, cc.ints(mine, slots), cc.ints(mine, pos), spec)
     rq, rk = ref.rope_append(ref_pages, cc.to_ref(ref, mine, q), cc.to_ref(ref, mine, k),
-                             cc.to_ref(ref, mine, v), slots, pos, cc.ROPE)
+                             cc.to_ref(ref, mine, v), slots, pos, spec)
     cc.assert_close(mine, ref, q_rot, rq, "q_rot")
     cc.assert_close(mine, ref, k_rot, rk, "k_rot")
     cc.assert_close(mine, ref, pages, ref_pages, "pages")
@@ -133,7 +137,7 @@ PAGED = {
 
 
 def _run_paged(impl, dtype, hq, hkv, d, ps, entries, *, use_decode, rope=False, seed=(),
-               row_offset=1, tail_rows=2, tuning=None):
+               row_offset=1, tail_rows=2, tuning=None, window_left=-1):
     cfg = cc.config(hq=hq, hkv=hkv, d=d, ps=ps, dtype=dtype)
     ref, mine = cc.pair(cfg, impl)
     if tuning:
@@ -141,11 +145,12 @@ def _run_paged(impl, dtype, hq, hkv, d, ps, entries, *, use_decode, rope=False, 
     rng = _rng("paged", impl, dtype, hq, d, ps, use_decode, rope, *seed)
     case = cc.paged_case(rng, ref, mine, entries, use_decode=use_decode, row_offset=row_offset,
                          tail_rows=tail_rows)
-    spec = cc.ROPE_SCALED if rope else None
+    spec = rope if isinstance(rope, cc.RopeSpec) else cc.ROPE_SCALED if rope else None
+    win = {"window_left": window_left} if window_left >= 0 else {}
     o, lse = mine.paged_attention(case.q, case.pages, case.depth, 0.13, rope=spec,
-                                  q_positions=case.q_positions)
+                                  q_positions=case.q_positions, **win)
     ro, rl = ref.paged_attention(case.ref_q, case.ref_pages, case.ref_depth, 0.13, rope=spec,
-                                 q_positions=case.ref_q_positions)
+                                 q_positions=case.ref_q_positions, **win)
     cc.assert_close(mine, ref, o, ro)
     cc.assert_lse(mine, ref, lse, rl)
     return lse
@@ -190,6 +195,69 @@ def test_paged_decode_variants(impl, dtype, variant):
                    tail_rows=0)
 
 
+@pytest.mark.parametrize("window_left", [0, 5, 30])
+def test_ragged_window_left(impl, window_left):
+    """Per-query window among new tokens (with a masked NaN/inf V that must stay masked)."""
+    from kvcache_cuda.tuning import AttnTiles
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="float32")
+    ref, mine = cc.pair(cfg, impl)
+    if impl == "triton":      # small key tiles: the window skips whole tiles
+        small = AttnTiles(block_rows=16, block_n=16, num_warps=4, num_stages=1)
+        mine.tuning = mine.tuning.with_(prefill=small, by_head_dim={}, float32_by_head_dim={})
+    rng = _rng("ragged_window", impl, window_left)
+    lengths = [40, 1, 9]
+    case = cc.ragged_case(rng, ref, mine, lengths)
+    v_host = cc.to_ref(ref, mine, case["v"]).copy()
+    v_host[0, 0, 3], v_host[41, 1, 0] = np.nan, np.inf     # row 0 / row 41 (seq 2's first key)
+    v = mine.from_numpy(v_host)
+    kw = dict(num_seqs=len(lengths), max_len=max(lengths), window_left=window_left)
+    o, lse = mine.ragged_attention(case["q"], case["k"], v, cc.ints(mine, case["qo"]), 0.11, **kw)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qk"), v_host,
+                                  case["qo"], 0.11, **kw)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    nan_rows = np.flatnonzero(np.isnan(mine.to_numpy(o)[:40]).any(axis=(1, 2)))
+    assert nan_rows.tolist() == list(range(window_left + 1))    # key 0's NaN V: its window only
+    plain = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qk"), v_host,
+                                 case["qo"], 0.11, num_seqs=3, max_len=40)[1]
+    assert not np.allclose(plain[:40], rl[:40])          # the window changed something
+
+
+@pytest.mark.parametrize("window_left", [3, 30])
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_paged_window_left(impl, kind, window_left):
+    """Per-query window over paged keys: prefill, and decode with and without split-K."""
+    if kind == "prefill":
+        _run_paged(impl, "float32", 8, 2, 64, 16, PAGED["plain"] + PAGED["sliding"],
+                   use_decode=False, seed=("win", window_left), window_left=window_left)
+    else:
+        for splits in (1, 3):
+            _run_paged(impl, "float32", 8, 2, 64, 16, DECODE, use_decode=True,
+                       seed=("win", window_left, splits), tuning={"force_splits": splits},
+                       window_left=window_left)
+
+
+@pytest.mark.parametrize("spec", ["inv_freq", "partial"])
+def test_inline_rope_model_frequencies(impl, spec):
+    """Inline RoPE with the model's own frequencies / partial rotary: ragged, prefill, decode."""
+    rope = {"inv_freq": cc.ROPE_FREQ, "partial": cc.ROPE_PARTIAL}[spec]
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="float32")
+    ref, mine = cc.pair(cfg, impl)
+    c = cc.ragged_case(_rng("rope-model", impl, spec), ref, mine, [9, 4])
+    args = dict(num_seqs=2, max_len=9, rope=rope)
+    o, lse = mine.ragged_attention(c["q"], c["k"], c["v"], cc.ints(mine, c["qo"]), 0.2,
+                                   q_positions=cc.ints(mine, c["qpos"]),
+                                   k_rope_offset=cc.ints(mine, c["krope"]), **args)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, c[x]) for x in "qkv"), c["qo"], 0.2,
+                                  q_positions=c["qpos"], k_rope_offset=c["krope"], **args)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    _run_paged(impl, "float32", 8, 2, 64, 16, PAGED["plain"], use_decode=False, rope=rope,
+               seed=("rope-model", spec))
+    _run_paged(impl, "float32", 8, 2, 64, 16, DECODE, use_decode=True, rope=rope,
+               seed=("rope-model-dec", spec), tuning={"force_splits": 2})
+
+
 @pytest.mark.parametrize("case", ["ragged", "prefill", "decode"])
 def test_attention_coverage_extras(impl, case):
     """What the slim interpreter grid leaves out, one case each: float16, page size 1, group 1."""
@@ -211,7 +279,7 @@ def test_attention_coverage_extras(impl, case):
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_head_dims(impl, dtype, d):
-    """Every declared head dim through ragged, paged prefill and split-K decode (group 4)."""
+    """Head dims (powers of two, and 80 / 96 padded to 128 inside the kernels) through ragged, paged prefill and split-K decode (group 4)."""
     if cc.INTERPRET and d == 256:
         pytest.skip("d=256 tiles are slow in the interpreter; covered on CPU torch and GPU")
     cfg = cc.config(hq=8, hkv=2, d=d, dtype=dtype)
@@ -225,6 +293,9 @@ def test_head_dims(impl, dtype, d):
     _run_paged(impl, dtype, 8, 2, d, 16, PAGED["sliding"], use_decode=False, seed=("hd",))
     _run_paged(impl, dtype, 8, 2, d, 16, DECODE, use_decode=True, seed=("hd",),
                tuning={"force_splits": 2})
+    if d in (80, 96):      # inline RoPE rotates the padded halves inside attention
+        _run_paged(impl, dtype, 8, 2, d, 16, PAGED["plain"], use_decode=False, rope=True,
+                   seed=("hd-rope",))
 
 
 def test_split_heuristic():

@@ -8,6 +8,7 @@ import pytest
 import kvcache
 from kvcache_metal.backend import MetalBackend
 from kvcache_metal.ops import rope_cos_sin
+from kvcache.backend import RopeSpec
 
 from metal_testutil import DEVICE
 
@@ -115,6 +116,6 @@ def test_gpu_rope_angles_on_cpu():
     inv = 0.5 * 500000.0 ** (-2.0 * np.arange(32) / 64)
     ref = pos[:, None].astype(np.float64) * inv
     for precise, tol in ((True, 1e-6), (False, 5e-5)):
-        c, s = rope_cos_sin(mx.array(pos), 64, 500000.0, 0.5, precise)
+        c, s = rope_cos_sin(mx.array(pos), 64, RopeSpec(500000.0, 0.5), precise)
         assert np.abs(np.array(c) - np.cos(ref)).max() < tol
         assert np.abs(np.array(s) - np.sin(ref)).max() < tol

@@ -91,7 +91,9 @@ class CudaBackend(Backend):
         dtypes=("float16", "bfloat16", "float32"),
         copy_stream=True, merged_aux=True, static_decode=True,
         tree_attention=True, sliding_window=True, fused_rope_append=True, inline_rope=True,
-        head_dims=(64, 128, 256),
+        window_left=True, rope_frequencies=True,
+        # the Triton kernels pad head_dim (and its RoPE half) to a power of two, masked
+        head_dims=tuple(range(32, 257, 8)),
     )
     TUNING: Tuning = CUDA_TUNING
     CPU_TEST_SMS = 4          # pretend SM count in CPU test mode: small, so split-K triggers
@@ -324,16 +326,19 @@ class CudaBackend(Backend):
             return self.kernels(q).rope_append(self.ctx, pages, q, k, v, slots, positions, rope)
 
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                         rope=None, q_positions=None, k_rope_offset=None):
+                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
         with self._guard():
             return self.kernels(q).ragged_attention(
                 self.ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len,
-                tree=tree, rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset)
+                tree=tree, rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset,
+                window_left=window_left)
 
-    def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+    def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
+                        window_left=-1):
         with self._guard():
             return self.kernels(q).paged_attention(self.ctx, q, pages, depth, sm_scale, rope=rope,
-                                                   q_positions=q_positions)
+                                                   q_positions=q_positions,
+                                                   window_left=window_left)
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
         with self._guard():

@@ -82,7 +82,8 @@ class DecodeGraphs:
         """Run ``step()`` eagerly ``warmup`` times, then capture it for the open forward's bucket
         (replacing an earlier graph of that bucket) and replay it once. ``step`` calls
         ``cache.attention`` for every layer on fixed input tensors of the bucket's rows and
-        returns its outputs, which become the graph's static outputs; they hold this step's
+        returns its outputs, which become the graph's static outputs (a ``window_left`` that
+        ``step`` passes is a plain kernel argument: replays use the captured one); they hold this step's
         values on return (appends are idempotent, so the repeated runs write the same KV)."""
         bucket = self._bucket("capture")
         backend = self.cache.backend

@@ -17,22 +17,23 @@ NEG_INF = float("-inf")
 
 # ---------------------------------------------------------------------- RoPE
 def rope_cos_sin(positions, head_dim: int, rope):
-    """cos, sin of shape positions.shape + (D/2,), float32, angles computed in float64."""
-    half = head_dim // 2
-    dev = positions.device
-    inv = rope.theta ** (-2.0 * torch.arange(half, dtype=torch.float64, device=dev) / head_dim)
-    ang = positions.to(torch.float64)[..., None] * rope.scale * inv
+    """cos, sin of shape positions.shape + (R/2,) (R: the rotary dims), float32, angles computed
+    in float64."""
+    freqs = torch.as_tensor(rope.frequencies(head_dim), dtype=torch.float64, device=positions.device)
+    ang = positions.to(torch.float64)[..., None] * freqs
     return torch.cos(ang).float(), torch.sin(ang).float()
 
 
 def rotate(x, positions, rope):
-    """Rotate-half RoPE in float32. x (..., H, D), positions x.shape[:-2]."""
+    """Rotate-half RoPE in float32 over the first R dims (the rest pass through). x (..., H, D),
+    positions x.shape[:-2]."""
     x = x.float()
-    half = x.shape[-1] // 2
+    rot = rope.rotary(x.shape[-1])
+    half = rot // 2
     cos, sin = rope_cos_sin(positions, x.shape[-1], rope)
     cos, sin = cos[..., None, :], sin[..., None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., :half], x[..., half:rot]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
 
 
 def rope(ctx, x, positions, rope_spec):
@@ -103,7 +104,7 @@ def _tree_nodes(tree, entry_idx, node_idx, ok):
 
 # ---------------------------------------------------------------------- ragged
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                     rope=None, q_positions=None, k_rope_offset=None):
+                     rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
     t_total = q.shape[0]
     dev = q.device
     qo = qo_indptr.long()[: num_seqs + 1]
@@ -127,6 +128,8 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     ar = torch.arange(L, device=dev)
     rows, cols = ar[None, :, None], ar[None, None, :]
     visible = (cols <= rows) & (cols < n) & (rows < n)
+    if window_left >= 0:
+        visible = visible & (cols >= rows - window_left)
     if tree is not None:
         ok = (ar[None, :] < n[:, :, 0])                         # (B, L)
         ent = torch.arange(num_seqs, device=dev)[:, None]
@@ -159,7 +162,8 @@ def entry_key_slots(ctx, depth, max_kv):
     return page * ctx.page_size + off % ctx.page_size, valid
 
 
-def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
+                    window_left=-1):
     t_total, hq, d = q.shape
     dev = q.device
     o_out = torch.zeros((t_total, hq, d), dtype=ctx.dtype, device=dev)
@@ -209,6 +213,11 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         q_ord, _ = _tree_nodes(depth.tree, ent_ix, q_node, q_ok)
         tree_vis = (k_ord[:, None, :] <= q_ord[:, :, None]) & (q_ord[:, :, None] < k_up[:, None, :])
         visible = visible & (~in_tree[:, None, :] | tree_vis)
+    if window_left >= 0:
+        qpos = torch.zeros((n, max_q), dtype=torch.long, device=dev)
+        qpos[ent[sel], r[sel]] = q_positions.long()[sel]
+        kpos = depth.k_rope_offset.long()[:n, None] + torch.arange(max_kv, device=dev)[None, :]
+        visible = visible & (kpos[:, None, :] >= (qpos - window_left)[:, :, None])
     o, lse = _attend(qp, keys, vals, visible, sm_scale, ctx.group)
     o_out[sel] = o[ent[sel], r[sel]].to(ctx.dtype)
     lse_out[sel] = lse[ent[sel], r[sel]]

@@ -17,10 +17,14 @@ Layout conventions shared by the attention kernels
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from . import torch_kernels
 from .tuning import num_splits
 
 LOG2E = 1.4426950408889634
@@ -54,8 +58,12 @@ _interpreter_numpy24_shim()
 
 # ====================================================================== jit helpers
 @triton.jit
-def _inv_freq(dh, HEAD_DIM: tl.constexpr, log2_theta):
-    # theta ** (-2i/D) computed as exp2 so only one transcendental per lane
+def _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM: tl.constexpr, log2_theta, FREQ: tl.constexpr):
+    """Per half-dim lane, the RoPE angle per unit position: the model's frequencies (FREQ: a
+    float32 table, scale already in it) or theta ** (-2i/D)."""
+    if FREQ:
+        return tl.load(freq_ptr + dh, mask=dh_ok, other=0.0)
+    # computed as exp2 so only one transcendental per lane
     return tl.exp2(-(2.0 * dh.to(tl.float32) / HEAD_DIM) * log2_theta)
 
 
@@ -160,9 +168,19 @@ def _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, d
 
 
 @triton.jit
+def _window_floor(qpos_ptr, tok, row_ok, window_left, BLOCK_R: tl.constexpr):
+    """Per row, the lowest key position it sees: q_position - window_left, or a bound below
+    every position when window_left < 0 (no window; q positions are then not read)."""
+    floor = tl.zeros([BLOCK_R], tl.int32) - 2147483647
+    if window_left >= 0:
+        floor = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.int32) - window_left
+    return floor
+
+
+@triton.jit
 def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-                krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
                 HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE)."""
@@ -182,7 +200,7 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
         k = tl.load(pages_ptr + base[:, None] + dd[None, :], mask=j_ok[:, None] & dd_ok[None, :],
                     other=0.0)
         qk = _dot(q1, tl.trans(k), IEEE)
-    vis = j_ok[None, :]
+    vis = j_ok[None, :] & ((krope + j)[None, :] >= kfloor[:, None])     # per-query window
     if TREE:
         in_tree = j_ok & (j >= tree_start)
         node = tlo + j - tree_start
@@ -199,17 +217,17 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
 @triton.jit
 def _rope_append_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pages_ptr, slots_ptr, pos_ptr,
                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, sko_t, sko_h,
-                        sp_page, sp_kv, sp_head, sp_row, HQ, HKV, log2_theta, rope_scale,
+                        sp_page, sp_kv, sp_head, sp_row, HQ, HKV, log2_theta, rope_scale, freq_ptr,
                         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                         HB: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_Q: tl.constexpr,
-                        STORE_KV: tl.constexpr, ROPE: tl.constexpr, K_OUT: tl.constexpr):
+                        STORE_KV: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, K_OUT: tl.constexpr):
     """One token per program: rotate q (HAS_Q), rotate k and write k/v to its slot (STORE_KV),
     optionally returning rotated k (K_OUT). slot -1 skips the store."""
     t = tl.program_id(0).to(tl.int64)
     dh = tl.arange(0, BLOCK_HALF)
     dh_ok = dh < HALF
     hb = tl.arange(0, HB)
-    inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+    inv = _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM, log2_theta, FREQ)
     pos = 0.0
     if ROPE:
         pos = tl.load(pos_ptr + t).to(tl.float32) * rope_scale
@@ -296,8 +314,17 @@ def _copy_rows_kernel(pages_ptr, src_base, dst_base, HKV,
 
 # ====================================================================== attention
 @triton.jit
+def _ragged_visible(c, c_ok, r, window_left):
+    """Which new keys c each row r sees: causal, and (window_left >= 0) no key more than
+    window_left rows before it (new tokens of a sequence sit at consecutive positions). The
+    attention kernel and the non-finite pass share it, so both mask alike."""
+    lo_key = tl.where(window_left >= 0, r - window_left, -2147483647)
+    return c_ok[None, :] & (c[None, :] <= r[:, None]) & (c[None, :] >= lo_key[:, None])
+
+
+@triton.jit
 def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
-                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr,
+                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr, window_left,
                  sm_scale_log2, HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
                  TREE: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_N step over the new keys c0.. of a sequence (rows r: its query tokens). V holds
@@ -318,7 +345,7 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
         kf = tl.load(k_ptr + kt[:, None] * sk_t + kvh * sk_h + dd[None, :],
                      mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
         qk = _dot(q1, tl.trans(kf), IEEE)
-    vis = c_ok[None, :] & (c[None, :] <= r[:, None])
+    vis = _ragged_visible(c, c_ok, r, window_left)
     if TREE:
         k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
         k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
@@ -331,11 +358,11 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
 @triton.jit
 def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_ptr,
                    tind_ptr, tmask_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_t,
-                   sm_scale_log2, log2_theta, rope_scale,
+                   sm_scale_log2, log2_theta, rope_scale, freq_ptr, window_left,
                    GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr,
-                   ROPE: tl.constexpr, IEEE: tl.constexpr):
+                   ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr):
     """Causal (or tree) attention among one sequence's new tokens; grid (q tiles, seqs, Hkv)."""
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -353,7 +380,7 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         dh_ok = dh < HALF
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
-        inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+        inv = _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM, log2_theta, FREQ)
         q1, q2 = _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok,
                              inv, rope_scale, HALF, ROPE)
         krope = 0
@@ -368,10 +395,13 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         end = tl.minimum(m0 + M_TOK, n)                        # causal: no key past the last row
-        for c0 in range(0, end, BLOCK_N):
+        start = 0
+        if window_left >= 0:        # tiles wholly before the first row's window hold no visible key
+            start = (tl.maximum(m0 - window_left, 0) // BLOCK_N) * BLOCK_N
+        for c0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _ragged_tile(
                 q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
-                krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr,
+                krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr, window_left,
                 sm_scale_log2, HALF, BLOCK_N, ROPE, TREE, IEEE)
         o, lse = _finish(acc, m_i, l_i)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
@@ -401,7 +431,7 @@ def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, 
 
 @triton.jit
 def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, tmask_ptr,
-                             sv_t, sv_h, so_t, so_h, HKV,
+                             sv_t, sv_h, so_t, so_h, HKV, window_left,
                              GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                              TREE: tl.constexpr):
@@ -434,7 +464,7 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
             kt = (lo + c).to(tl.int64)
             key_bad = tl.load(bad_ptr + kt * HKV + kvh, mask=c_ok, other=0)
             if tl.max(key_bad, 0) > 0:
-                vis = c_ok[None, :] & (c[None, :] <= r[:, None])
+                vis = _ragged_visible(c, c_ok, r, window_left)
                 if TREE:
                     k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
                     k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
@@ -454,11 +484,11 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
 def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, pind_ptr,
                           kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                           n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t, so_h, sl_t,
-                          sm_scale_log2, log2_theta, rope_scale,
+                          sm_scale_log2, log2_theta, rope_scale, freq_ptr, window_left,
                           GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr,
                           IEEE: tl.constexpr):
     """Entries with many queries; grid (sum of q tiles upper bound, Hkv). Tile -> entry by a
     vector prefix sum over all entries (no host-side tile plan, no extra launches)."""
@@ -488,12 +518,11 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         dh_ok = dh < HALF
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
-        inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+        inv = _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM, log2_theta, FREQ)
         q1, q2 = _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok,
                              inv, rope_scale, HALF, ROPE)
-        krope = 0
-        if ROPE:
-            krope = tl.load(krope_ptr + e)
+        krope = tl.load(krope_ptr + e)         # inline RoPE and the per-query window use it
+        kfloor = _window_floor(qpos_ptr, tok, row_ok, window_left, BLOCK_R)
         tlo = 0
         tree_start = kv_len
         q_order = tl.zeros([BLOCK_R], tl.int32)
@@ -510,7 +539,7 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
             m_i, l_i, acc = _paged_step(
                 q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-                krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
                 HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
         o, lse = _finish(acc, m_i, l_i)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
@@ -523,11 +552,11 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
                          kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                          n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row,
                          so_t, so_s, so_h, sl_t, sl_s,
-                         sm_scale_log2, log2_theta, rope_scale,
+                         sm_scale_log2, log2_theta, rope_scale, freq_ptr, window_left,
                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         TREE: tl.constexpr, ROPE: tl.constexpr, IEEE: tl.constexpr):
+                         TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr):
     """One query per entry; grid (rows T, Hkv, splits). Row t belongs to entry t - qo[0] (every
     decode entry holds exactly one row), so rows no entry covers get o = 0 / lse = -inf here too.
     With NUM_SPLITS > 1 each program covers one contiguous key chunk and writes an fp32 partial
@@ -553,13 +582,13 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
     dh_ok = dh < HALF
     dd = tl.arange(0, BLOCK_D)
     dd_ok = dd < HEAD_DIM
-    inv = _inv_freq(dh, HEAD_DIM, log2_theta)
+    inv = _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM, log2_theta, FREQ)
     # one token, GROUP heads: every row reads token t (a broadcast index for the shared loader)
     q1, q2 = _load_query(q_ptr, qpos_ptr, tl.zeros([BLOCK_R], tl.int64) + t64, head, row_ok,
                          sq_t, sq_h, dh, dh_ok, dd, dd_ok, inv, rope_scale, HALF, ROPE)
-    krope = 0
-    if ROPE:
-        krope = tl.load(krope_ptr + e)
+    krope = tl.load(krope_ptr + e)             # inline RoPE and the per-query window use it
+    kfloor = _window_floor(qpos_ptr, tl.zeros([BLOCK_R], tl.int64) + t64, row_ok & covered,
+                           window_left, BLOCK_R)
     tlo = 0
     tree_start = kv_len
     q_order = tl.zeros([BLOCK_R], tl.int32)
@@ -575,7 +604,7 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
         m_i, l_i, acc = _paged_step(
             q1, q2, m_i, l_i, acc, j0, j_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
             sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-            krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+            krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
             HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
     o, lse = _finish(acc, m_i, l_i)
     tl.store(o_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
@@ -647,11 +676,28 @@ def _dims(head_dim: int):
     return half, _p2(half), _p2(head_dim)
 
 
-def _rope_args(rope_spec):
-    import math
+@functools.lru_cache(maxsize=32)
+def _freq_table(freqs: tuple, device: str):
+    return torch.tensor(freqs, dtype=torch.float32, device=device)
+
+
+def _rope_args(rope_spec, head_dim: int, dummy):
+    """(log2_theta, position scale, frequency table, FREQ) of a ``RopeSpec`` (None: no RoPE).
+    Plain theta RoPE computes its frequencies in the kernel; the model's own ``inv_freq`` comes
+    as a float32 table with the scale folded in. (Partial rotary never gets here: the launchers
+    hand it to the torch kernels.)"""
     if rope_spec is None:
-        return 0.0, 1.0
-    return math.log2(rope_spec.theta), float(rope_spec.scale)
+        return 0.0, 1.0, dummy, False
+    if rope_spec.default_frequencies:
+        return math.log2(rope_spec.theta), float(rope_spec.scale), dummy, False
+    table = _freq_table(tuple(rope_spec.frequencies(head_dim).tolist()), str(dummy.device))
+    return 0.0, 1.0, table, True
+
+
+def _partial(rope_spec) -> bool:
+    """Partial rotary (RoPE on the first R < D dims): the kernels here pair dim i with i + D/2,
+    so such specs run the torch kernels (also on the GPU; correct, not tuned)."""
+    return rope_spec is not None and bool(rope_spec.rotary_dim)
 
 
 def _ieee(dtype) -> bool:
@@ -679,7 +725,7 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
     sp = pages.stride() if store else (0, 0, 0, 0, 0)
     sl = slots if store else dummy
     ps = positions if rope_spec is not None else dummy
-    log2_theta, scale = _rope_args(rope_spec)
+    log2_theta, scale, freq, has_freq = _rope_args(rope_spec, ctx.head_dim, dummy)
     if t_total == 0:
         return q_out, k_out
     _rope_append_kernel[(t_total,)](
@@ -687,25 +733,32 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
         qq.stride(0), qq.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
         sp[0], sp[1], sp[2], sp[3],
-        q.shape[1] if has_q else 0, k.shape[1] if store else 0, log2_theta, scale,
+        q.shape[1] if has_q else 0, k.shape[1] if store else 0, log2_theta, scale, freq,
         HEAD_DIM=ctx.head_dim, HALF=half, BLOCK_HALF=block_half,
         HB=min(_p2(max(ctx.num_qo_heads, ctx.num_kv_heads)), ctx.tuning.elementwise_heads),
         PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=rope_spec is not None,
+        FREQ=has_freq,
         K_OUT=want_k, num_warps=ctx.tuning.elementwise_warps)
     return q_out, k_out
 
 
 def rope(ctx, x, positions, rope_spec):
+    if _partial(rope_spec):
+        return torch_kernels.rope(ctx, x, positions, rope_spec)
     q_out, _ = _launch_rope_append(ctx, q=x, positions=positions, rope_spec=rope_spec)
     return q_out
 
 
 def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None):
+    if _partial(rope_spec):
+        return torch_kernels.append_kv(ctx, pages, k, v, slots, positions, rope_spec)
     _launch_rope_append(ctx, k=k, v=v, pages=pages, slots=slots, positions=positions,
                         rope_spec=rope_spec)
 
 
 def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec):
+    if _partial(rope_spec):
+        return torch_kernels.rope_append(ctx, pages, q, k, v, slots, positions, rope_spec)
     return _launch_rope_append(ctx, q=q, k=k, v=v, pages=pages, slots=slots, positions=positions,
                                rope_spec=rope_spec, want_k=True)
 
@@ -717,7 +770,11 @@ def _tree_args(tree, fallback):
 
 
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                     rope=None, q_positions=None, k_rope_offset=None):
+                     rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
+    if _partial(rope):
+        return torch_kernels.ragged_attention(
+            ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len, tree=tree,
+            rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset, window_left=window_left)
     t_total, hq, d = q.shape
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
     o = torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device)
@@ -729,7 +786,7 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     m_tok = block_r // ctx.group
     half, block_half, block_d = _dims(d)
     tind, tmask = _tree_args(tree, qo_indptr)
-    log2_theta, scale = _rope_args(rope)
+    log2_theta, scale, freq, has_freq = _rope_args(rope, d, qo_indptr)
     qpos = q_positions if rope is not None else qo_indptr
     krope = k_rope_offset if rope is not None else qo_indptr
     grid = (triton.cdiv(max_len, m_tok), num_seqs, ctx.num_kv_heads)
@@ -742,15 +799,15 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     _ragged_kernel[grid](
         q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale,
-        GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n, HEAD_DIM=d,
+        o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale, freq,
+        int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n, HEAD_DIM=d,
         HALF=half, BLOCK_HALF=block_half, BLOCK_D=block_d, TREE=tree is not None,
-        ROPE=rope is not None, IEEE=_ieee(ctx.dtype),
+        ROPE=rope is not None, FREQ=has_freq, IEEE=_ieee(ctx.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if max_len > 1:
         _ragged_nonfinite_kernel[grid](
             v, bad, any_bad, o, qo_indptr, tind, tmask, v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            ctx.num_kv_heads, GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r,
+            ctx.num_kv_heads, int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r,
             BLOCK_N=tiles.block_n, HEAD_DIM=d, BLOCK_D=block_d, TREE=tree is not None,
             num_warps=ctx.tuning.elementwise_warps)
     return o, lse
@@ -771,19 +828,25 @@ def _finite_v(ctx, v):
     return out, bad, any_bad
 
 
-def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
+                    window_left=-1):
+    if _partial(rope):
+        return torch_kernels.paged_attention(ctx, q, pages, depth, sm_scale, rope=rope,
+                                             q_positions=q_positions, window_left=window_left)
     t_total, hq, d = q.shape
     q = _last_dim_contig(q)
     n = depth.num_entries
     half, block_half, block_d = _dims(d)
     tind, tmask = _tree_args(depth.tree, depth.qo_indptr)
-    log2_theta, scale = _rope_args(rope)
-    qpos = q_positions if rope is not None else depth.qo_indptr
+    log2_theta, scale, freq, has_freq = _rope_args(rope, d, depth.qo_indptr)
+    # window_left is a plain int argument (not a compile-time constant): a captured static decode
+    # step replays with the window of its capture, and a new window needs no recompile
+    qpos = q_positions if rope is not None or window_left >= 0 else depth.qo_indptr
     sp = pages.stride()
     common = (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.kv_len,
               depth.sink_size, depth.window_offset, depth.k_rope_offset, qpos, tind, tmask, n)
     flags = dict(HEAD_DIM=d, HALF=half, BLOCK_HALF=block_half, BLOCK_D=block_d,
-                 PAGE_SIZE=ctx.page_size, TREE=depth.tree is not None, ROPE=rope is not None,
+                 PAGE_SIZE=ctx.page_size, TREE=depth.tree is not None, ROPE=rope is not None, FREQ=has_freq,
                  IEEE=_ieee(ctx.dtype))
     if depth.use_decode:
         o = torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device)
@@ -805,7 +868,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
             sl = (lse.stride(0), 0)
         _paged_decode_kernel[(t_total, ctx.num_kv_heads, splits)](
             q, pages, dst, dstl, *common, q.stride(0), q.stride(1), sp[0], sp[1], sp[2], sp[3],
-            *so, *sl, sm_scale * LOG2E, log2_theta, scale,
+            *so, *sl, sm_scale * LOG2E, log2_theta, scale, freq, int(window_left),
             GROUP=ctx.group, BLOCK_R=block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, **flags,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         if splits > 1:
@@ -826,8 +889,8 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     grid = (triton.cdiv(t_total, m_tok) + n, ctx.num_kv_heads)
     _paged_prefill_kernel[grid](
         q, pages, o, lse, *common, q.stride(0), q.stride(1), sp[0], sp[1], sp[2], sp[3],
-        o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale,
-        GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
+        o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale, freq,
+        int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
         BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return o, lse
 

@@ -62,6 +62,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         dtypes=("float16", "bfloat16", "float32"),
         copy_stream=False, merged_aux=False, static_decode=False,
         tree_attention=True, sliding_window=True, fused_rope_append=False, inline_rope=True,
+        window_left=True, rope_frequencies=True,
         head_dims=tuple(range(2, 1025, 2)),
     )
 
@@ -190,7 +191,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
     def rope(self, x, positions, rope):
         ops = self._ops
         with mx.stream(self.stream):
-            cos, sin = ops.rope_cos_sin(positions, x.shape[-1], rope.theta, rope.scale,
+            cos, sin = ops.rope_cos_sin(positions, x.shape[-1], rope,
                                         self.precise_rope)
             return ops.rotate(x.astype(mx.float32), cos, sin).astype(self.dtype)
 
@@ -212,7 +213,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 if positions is not None:
                     positions = positions[sel]
             if rope is not None:
-                cos, sin = ops.rope_cos_sin(positions, k.shape[-1], rope.theta, rope.scale,
+                cos, sin = ops.rope_cos_sin(positions, k.shape[-1], rope,
                                             self.precise_rope)
                 k = ops.rotate(k.astype(mx.float32), cos, sin)
             kv = mx.stack([k.astype(self.dtype), v.astype(self.dtype)], axis=1)   # (T, 2, Hkv, D)
@@ -224,7 +225,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
 
     # -------------------------------------------------------------- ragged (new tokens only)
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                         rope=None, q_positions=None, k_rope_offset=None):
+                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
         ops = self._ops
         c = self.config
         t, hq, d = q.shape
@@ -232,7 +233,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             qo = ops.host(qo_indptr)[: num_seqs + 1].astype(np.int64)
             qlens = np.diff(qo)
             if (self.use_fast_sdpa and tree is None and rope is None and num_seqs == 1
-                    and qlens[0] == t and t > 0):
+                    and qlens[0] == t and t > 0 and window_left < 0):
                 return self._ragged_sdpa(q, k, v, sm_scale)
             out = ops.Output(t, hq, d)
             for ent in ops.buckets(qlens, qlens):
@@ -248,14 +249,16 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 kg = mx.where(pad, k[rows_c].astype(mx.float32), 0.0)
                 vg = mx.where(pad, v[rows_c].astype(mx.float32), 0.0)
                 if rope is not None:
-                    cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope.theta, rope.scale,
+                    cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope,
                                               self.precise_rope)
                     qg = ops.rotate(qg, cq, sq)
                     kpos = k_rope_offset[e][:, None] + r[None, :]
-                    ck, sk = ops.rope_cos_sin(kpos, d, rope.theta, rope.scale, self.precise_rope)
+                    ck, sk = ops.rope_cos_sin(kpos, d, rope, self.precise_rope)
                     kg = ops.rotate(kg, ck, sk)
                 causal = r[None, :, None] >= r[None, None, :]
                 visible = causal & valid[:, :, None] & valid[:, None, :]
+                if window_left >= 0:     # new tokens sit at consecutive positions
+                    visible = visible & (r[None, None, :] >= r[None, :, None] - window_left)
                 if tree is not None and tree.mask.shape[0] > 0:
                     tsize = tree.indptr[e + 1] - tree.indptr[e]
                     base = lens - tsize                  # keys before the tree (0 per contract)
@@ -293,14 +296,15 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         return o, lse
 
     # -------------------------------------------------------------------- paged (history)
-    def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None):
+    def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
+                        window_left=-1):
         ops = self._ops
         c = self.config
         t, hq, d = q.shape
         n = int(depth.num_entries)
         with mx.stream(self.stream):
             if (self.use_metal_kernels and depth.use_decode and depth.tree is None
-                    and rope is None and d % 32 == 0 and d <= 256):
+                    and rope is None and window_left < 0 and d % 32 == 0 and d <= 256):
                 from .metal_kernels import paged_decode
                 self.stats["metal_decode"] += 1
                 o, lse = paged_decode(self, q, pages, depth, sm_scale)
@@ -342,11 +346,11 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 kg, vg = kv[:, :, 0], kv[:, :, 1]                       # (m, Lk, Hkv, D)
                 qg = q[rows_c].astype(mx.float32)                       # (m, Lq, Hq, D)
                 if rope is not None:
-                    cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope.theta, rope.scale,
+                    cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope,
                                               self.precise_rope)
                     qg = ops.rotate(qg, cq, sq)
                     kpos = depth.k_rope_offset[e][:, None] + j[None, :]
-                    ck, sk = ops.rope_cos_sin(kpos, d, rope.theta, rope.scale, self.precise_rope)
+                    ck, sk = ops.rope_cos_sin(kpos, d, rope, self.precise_rope)
                     kg = ops.rotate(kg, ck, sk)
                 visible = valid_q[:, :, None] & valid_k[:, None, :]
                 if depth.tree is not None and depth.tree.mask.shape[0] > 0:
@@ -359,10 +363,14 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                     vis_t = ops.tree_visible(tr.indptr, tr.mask, e, q_node, k_node,
                                              valid_q & (tsize > 0)[:, None], in_tree)
                     visible = visible & vis_t
+                if window_left >= 0:     # key j of entry e sits at k_rope_offset[e] + j
+                    kpos = depth.k_rope_offset[e][:, None] + j[None, :]
+                    floor = q_positions[rows_c] - window_left
+                    visible = visible & (kpos[:, None, :] >= floor[:, :, None])
                 for r0, r1 in ops._tiles(len(ent), hq, lq, lk):
                     o, lse = ops.softmax_attend(qg[:, r0:r1], kg, vg, visible[:, r0:r1],
                                                 sm_scale, c.group_size,
-                                                masked=depth.tree is not None)
+                                                masked=depth.tree is not None or window_left >= 0)
                     out.put(rows[:, r0:r1], valid_q[:, r0:r1], o, lse)
             return out.result(self.dtype)
 

@@ -31,8 +31,9 @@ def host(array) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------- RoPE
-def rope_cos_sin(positions, head_dim: int, theta: float, scale: float, precise: bool):
-    """cos, sin of shape positions.shape + (D/2,) in float32, angle_i = p * scale * theta^(-2i/D).
+def rope_cos_sin(positions, head_dim: int, rope, precise: bool):
+    """cos, sin of shape positions.shape + (R/2,) in float32 (R: the rotary dims of the
+    ``RopeSpec``), angle_i = p * scale * inv_freq_i (``rope.frequencies``).
 
     Angles are reduced modulo 2*pi before the float32 cos/sin (MLX's float64 cos/sin is only
     float32-accurate). ``precise`` (MLX's CPU device, which has float64): the reduction is done in
@@ -40,9 +41,9 @@ def rope_cos_sin(positions, head_dim: int, theta: float, scale: float, precise: 
     ``p = d2*4096 + d1*64 + d0`` and ``angle = sum_k d_k * (64^k * f mod 2pi)`` (constants reduced
     in float64 on the host), each term reduced again, so float32 error stays ~1e-5 rad instead of
     growing with the position."""
-    half = head_dim // 2
+    inv_freq = rope.frequencies(head_dim)
+    half = len(inv_freq)
     two_pi = 2.0 * np.pi
-    inv_freq = scale * theta ** (-2.0 * np.arange(half, dtype=np.float64) / head_dim)
     if precise:
         angles = positions.astype(mx.float64)[..., None] * mx.array(inv_freq, dtype=mx.float64)
         angles = angles - two_pi * mx.floor(angles / two_pi)
@@ -62,11 +63,12 @@ def rope_cos_sin(positions, head_dim: int, theta: float, scale: float, precise: 
 
 
 def rotate(x, cos, sin):
-    """Rotate-half RoPE of float32 ``x`` (..., H, D) with cos/sin (..., D/2) (broadcast over H)."""
-    half = x.shape[-1] // 2
+    """Rotate-half RoPE of float32 ``x`` (..., H, D) with cos/sin (..., R/2) (broadcast over H)
+    over its first R dims; the rest pass through (partial rotary)."""
+    half = cos.shape[-1]
     c, s = cos[..., None, :], sin[..., None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return mx.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    return mx.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]], axis=-1)
 
 
 # ----------------------------------------------------------------------------------- bucketing
