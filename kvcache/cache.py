@@ -18,7 +18,7 @@ from .core.plan import ForwardAux, ForwardPlan
 from .core.planner import Planner
 from .core.static import capacity_plan
 from .core.state import CacheState, as_int
-from .core.validate import bool_arg, float_arg
+from .core.validate import bool_arg, float_arg, int_arg
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
                      UnsupportedFeatureError)
 from .plugins import resolve_backend
@@ -477,15 +477,10 @@ class PagedKVCache:
 
     def _window_left(self, plan: ForwardPlan, window_left) -> int:
         """The validated ``window_left`` of an attention call (an int >= -1)."""
-        if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)):
-            raise InvalidArgumentError(
-                f"window_left must be an int >= -1, got {type(window_left).__name__} "
-                f"{window_left!r} (forward over sequences {plan.seq_ids})")
-        window_left = int(window_left)
-        if window_left < -1:
-            raise InvalidArgumentError(
-                f"window_left {window_left} must be >= -1 (-1: no window) in the forward over "
-                f"sequences {plan.seq_ids}")
+        try:
+            window_left = int_arg(window_left, "window_left", lo=-1, limit="-1: no window")
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{exc} (forward over sequences {plan.seq_ids})") from None
         if window_left >= 0:
             if not self.capabilities.window_left:
                 raise UnsupportedFeatureError(

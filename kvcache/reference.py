@@ -17,12 +17,12 @@ from .backend import Backend, Capabilities, DepthAux, RopeSpec, TreeMask
 try:   # numpy has no bfloat16; without ml_dtypes the reference backend stores fp16/fp32 only
     import ml_dtypes
 except ImportError as exc:
-    ml_dtypes = None
+    ml_dtypes = None  # type: ignore[assignment]
     BFLOAT16_MISSING: Optional[str] = f"no bfloat16 storage: ml_dtypes cannot be imported ({exc})"
 else:
     BFLOAT16_MISSING = None
 
-NP_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+NP_DTYPES: dict[str, np.dtype] = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
              "int32": np.dtype(np.int32)}
 if ml_dtypes is not None:
     NP_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)

@@ -18,7 +18,8 @@ from kvcache.reference import rotate
 from .tolerance import round_to
 
 
-def dense_attention(q, keys, values, visible, sm_scale: float, group: int):
+def dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray,
+                    sm_scale: float, group: int) -> tuple[np.ndarray, np.ndarray]:
     """Softmax attention of ``q`` (n, num_qo_heads, D) over ``keys``/``values`` (m, num_kv_heads,
     D), all float64; ``visible`` (n, m) bool says which keys each query sees; query head ``h``
     reads KV head ``h // group``. Returns ``o`` (n, num_qo_heads, D) and ``lse`` (n, num_qo_heads),
@@ -30,7 +31,7 @@ def dense_attention(q, keys, values, visible, sm_scale: float, group: int):
     kv_head = np.arange(hq) // group
     logits = np.einsum("nhd,mhd->nhm", q, keys[:, kv_head]) * sm_scale
     logits = np.where(visible[:, None, :], logits, -np.inf)
-    lse = np.logaddexp.reduce(logits, axis=-1)
+    lse: np.ndarray = np.logaddexp.reduce(logits, axis=-1)
     empty = np.isneginf(lse)[..., None]              # sees no key; a NaN lse (a NaN K seen) stays NaN
     with np.errstate(invalid="ignore"):
         probs = np.where(empty, 0.0, np.exp(logits - np.where(empty, 0.0, lse[..., None])))
@@ -77,7 +78,7 @@ class DenseModel:
     def __init__(self, config: CacheConfig):
         self.c = config
         self.seqs: dict = {}
-        self.pending = None
+        self.pending: Optional[tuple] = None
         self._new_kv: dict = {}         # layer -> (k, v) of the open forward
 
     def _rope(self, x, pos):
@@ -156,6 +157,7 @@ class DenseModel:
         position p sees no key at a position below p - window_left (key m of a sequence sits at
         position m). Returns o (rounded), lse."""
         c = self.c
+        assert self.pending is not None, "attention before begin_forward"
         sids, lens, plan, positions = self.pending
         mode = c.effective_rope_mode
         sm_scale = c.head_dim ** -0.5 if sm_scale is None else sm_scale

@@ -23,7 +23,7 @@ def tree_mask(parents) -> np.ndarray:
     ``m`` is visible to query node ``n`` iff ``order[m] <= order[n] < upper[m]``."""
     n = len(parents)
     children: list = [[] for _ in range(n)]
-    roots = []
+    roots: list = []
     for node, parent in enumerate(parents):
         (roots if parent < 0 else children[parent]).append(node)
     order, upper = np.zeros(n, np.int32), np.zeros(n, np.int32)

@@ -31,7 +31,7 @@ from .tuning import CUDA_TUNING, Tuning
 try:  # torch is optional at import time; availability() explains its absence
     import torch
 except Exception:  # pragma: no cover - exercised only where torch is missing
-    torch = None
+    torch = None  # type: ignore[assignment]
 
 CPU_TEST_ENV = "KVCACHE_CUDA_CPU"
 IMPL_ENV = "KVCACHE_CUDA_IMPL"          # "auto" (default) | "torch" | "triton"

@@ -23,7 +23,7 @@ when the step was already replayed, so a graph never runs on stale index data.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from kvcache.errors import ForwardStateError, InvalidArgumentError
 
@@ -50,8 +50,8 @@ class DecodeGraphs:
         self.cache = cache
         self.warmup = warmup
         self.graphs: dict = {}          # bucket -> (graph, outputs)
-        self._buffer_ptr = None
-        self._pool = None
+        self._buffer_ptr: Optional[int] = None
+        self._pool: Any = None
         self._last_plan = None
         self._layers: dict = {}         # bucket -> the layers its step runs (end_forward needs all)
 

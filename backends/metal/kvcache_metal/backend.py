@@ -29,7 +29,7 @@ try:  # importing the plugin must work without MLX; availability() says why it c
     import mlx.core as mx
     _MLX_ERROR: Optional[str] = None
 except Exception as exc:  # pragma: no cover - exercised by monkeypatching _MLX_ERROR
-    mx = None
+    mx = None  # type: ignore[assignment]
     _MLX_ERROR = f"{type(exc).__name__}: {exc}"
 
 PRIORITY_APPLE_GPU = 50

@@ -79,7 +79,9 @@ def buckets(qlens: np.ndarray, klens: np.ndarray, slack: int = 4096) -> list[np.
     if len(work) == 0:
         return []
     order = work[np.lexsort((-klens[work], -qlens[work]))]
-    groups, cur, real, mq, mk = [], [], 0, 0, 0
+    groups: list = []
+    cur: list = []
+    real, mq, mk = 0, 0, 0
     for e in order:
         q, k = int(qlens[e]), int(klens[e])
         nq, nk, nreal = max(mq, q), max(mk, k), real + q * k
