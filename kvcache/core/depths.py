@@ -54,52 +54,117 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
     last blocks ``last`` (B,) and queries ``qo_indptr`` (B+1,). ``tree_sizes`` (B,) and
     ``tree_masks``: the sequences' token trees, carried by the entry holding the last block."""
     batch = len(last)
+    parent = pt.b_parent
     # walk parents for the whole batch at once: chain[k, i] is the k-th ancestor of i's last block
     chain = [last]
     cur = last
     while True:
-        cur = np.where(cur >= 0, pt.b_parent[np.maximum(cur, 0)], -1)
-        if not (cur >= 0).any():
+        up = parent[cur]
+        up[cur < 0] = -1                            # parent[-1] is some block's: mask it
+        if up.max() < 0:
             break
-        chain.append(cur)
-    chain = np.stack(chain)                         # (K, B), leaf first
-    ndepth = (chain >= 0).sum(axis=0)
-    width = chain.shape[0]
-    src = ndepth[:, None] - 1 - np.arange(width)[None, :]
-    trace = np.where(src >= 0, chain[np.maximum(src, 0), np.arange(batch)[:, None]], -1)  # (B, K) root first
+        chain.append(up)
+        cur = up
+    width = len(chain)
+    if width == 1:
+        ndepth = np.ones(batch, np.int64)
+        lo_depth = 1
+        trace = last[:, None]
+    else:
+        chain = np.stack(chain)                     # (K, B), leaf first
+        ndepth = (chain >= 0).sum(axis=0)
+        lo_depth = int(ndepth.min())
+        if lo_depth == width:                       # every trace equally deep: a plain flip
+            trace = chain[::-1].T
+        else:
+            src = ndepth[:, None] - 1 - np.arange(width)[None, :]
+            trace = np.where(src >= 0, chain[np.maximum(src, 0), np.arange(batch)[:, None]],
+                             -1)                    # (B, K) root first
     # static-shape decode reads each sequence's whole page list as one entry (one launch per
     # layer whatever the fork structure, so one captured step fits every batch of its bucket)
     flat = config.static_decode and is_decode
     max_depth = 1 if flat else MAX_BLOCK_DEPTH
-    num_depths = min(int(ndepth.max()), max_depth)
+    num_depths = min(width, max_depth)
+    plain = not config.support_sliding_window and tree_sizes is None
+    seq_all = np.arange(batch)
     depths, holders = [], []
     for d in range(num_depths):
         at_d = trace[:, d]
-        npages_d = int(np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0).sum())
-        starts = np.concatenate([[0], np.nonzero(at_d[1:] != at_d[:-1])[0] + 1])
+        full = d < lo_depth                         # every sequence has a block at depth d
+        if full:
+            npages_d = int(pt.b_npages[at_d].sum())
+        else:
+            npages_d = int(np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0).sum())
+        change = np.empty(batch, bool)
+        change[0] = True
+        np.not_equal(at_d[1:], at_d[:-1], out=change[1:])
+        starts = np.flatnonzero(change)
         blocks_c = at_d[starts]
-        pages_c = int(np.where(blocks_c >= 0, pt.b_npages[np.maximum(blocks_c, 0)], 0).sum())
+        if full:
+            pages_c = int(pt.b_npages[blocks_c].sum())
+        else:
+            pages_c = int(np.where(blocks_c >= 0, pt.b_npages[np.maximum(blocks_c, 0)], 0).sum())
         use_decode = is_decode and (flat or decode_kernel_wins(npages_d, pages_c))
-        if use_decode or d == max_depth - 1 or len(starts) == batch:
+        last_depth = d == max_depth - 1
+        single = full and (not last_depth or width == d + 1)      # one block per entry
+        if use_decode or last_depth or len(starts) == batch:
             entry_qo = qo_indptr
-            entry_seq = np.arange(batch)
-            if d == max_depth - 1:
+            entry_seq = seq_all
+            if single:
+                pair_entry, pair_block = None, at_d
+            elif last_depth:
                 pair_entry, pair_block = np.nonzero(trace[:, d:] >= 0)
                 pair_block = trace[:, d:][pair_entry, pair_block]
             else:
                 pair_entry = np.nonzero(at_d >= 0)[0]
                 pair_block = at_d[pair_entry]
         else:
-            entry_qo = np.concatenate([qo_indptr[starts], [qo_indptr[-1]]])
+            entry_qo = np.append(qo_indptr[starts], qo_indptr[-1])
             entry_seq = starts                      # first sequence of each group
-            pair_entry = np.nonzero(blocks_c >= 0)[0]
-            pair_block = blocks_c[pair_entry]
-        depth, holds_last = _depth(pt, config.page_size, entry_qo, pair_entry, pair_block,
-                                   use_decode, entry_seq, last, tree_sizes, tree_masks)
+            if full:
+                pair_entry, pair_block = None, blocks_c
+            else:
+                pair_entry = np.nonzero(blocks_c >= 0)[0]
+                pair_block = blocks_c[pair_entry]
+        if pair_entry is None and plain:
+            depth, holds_last = _single_depth(pt, config.page_size, entry_qo, pair_block,
+                                              use_decode, entry_seq, last)
+        else:
+            if pair_entry is None:
+                pair_entry = np.arange(len(pair_block))
+            depth, holds_last = _depth(pt, config.page_size, entry_qo, pair_entry, pair_block,
+                                       use_decode, entry_seq, last, tree_sizes, tree_masks)
         depths.append(depth)
         holders.append(DepthLastBlocks(entry_seq[holds_last], holds_last, npages_d, pages_c,
                                        ndepth - 1 == d))
     return tuple(depths), holders
+
+
+def _single_depth(pt, ps, entry_qo, blocks, use_decode, entry_seq,
+                  last) -> tuple[HostDepth, np.ndarray]:
+    """``_depth`` when entry ``i`` reads exactly block ``blocks[i]`` and nothing slides or
+    carries a tree (the common case): the same arrays in fewer numpy calls."""
+    n = len(blocks)
+    counts = pt.b_npages[blocks]
+    page_indptr = np.zeros(n + 1, np.int32)
+    np.cumsum(counts, out=page_indptr[1:])
+    num_pages = int(page_indptr[-1])
+    store = np.repeat(pt.b_pstart[blocks] - page_indptr[:-1], counts)
+    store += np.arange(num_pages)
+    kv_len = pt.b_len[blocks]
+    last_page_len = kv_len - 1
+    last_page_len %= ps
+    last_page_len += 1
+    last_page_len[kv_len == 0] = 0
+    zeros = np.zeros(n, np.int32)
+    depth = HostDepth(
+        qo_indptr=entry_qo.astype(np.int32), page_indptr=page_indptr,
+        page_indices=pt.page_store[store], last_page_len=last_page_len, kv_len=kv_len,
+        sink_size=zeros, window_offset=zeros, k_rope_offset=pt.b_start[blocks],
+        num_entries=n, use_decode=bool(use_decode), tree=None,
+        max_kv_len=int(kv_len.max()) if n else 0,
+        max_qo_len=int((entry_qo[1:] - entry_qo[:-1]).max()) if n else 0, num_pages=num_pages)
+    return depth, np.flatnonzero(blocks == last[entry_seq])
 
 
 def _depth(pt, ps, entry_qo, pair_entry, pair_block, use_decode, entry_seq, last, tree_sizes,
