@@ -114,7 +114,8 @@ class Planner:
         depths = holders = None
         if not paged_only:          # the ragged pass covers the new tokens: depths see history
             depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode)
-        undo = self.state.reserve_forward(req.seqs, req.last, req.append, need, slides)
+        undo = self.state.reserve_forward(req.seqs, req.last, req.append, need, slides,
+                                          slots=req.slots)
         masks = None
         if req.tree_parents is not None:
             self.state.extend_trees(undo, req.seqs, req.tree_parents, qo_indptr)

@@ -418,33 +418,56 @@ class CacheState:
 
 
     # ------------------------------------------------------------------ forwards
-    def reserve_forward(self, seqs, last, append, need, slides: dict) -> ForwardUndo:
+    def reserve_forward(self, seqs, last, append, need, slides: dict,
+                        slots=None) -> ForwardUndo:
         """Reserve a forward's tokens: ``need[i]`` new pages for sequence ``seqs[i]`` (last block
         ``last[i]``) and ``append[i]`` tokens; ``slides`` maps the index of each sliding
-        sequence to its ``SlidePlan``. Every new page is taken first, then windows slide: a page
-        that slides out goes back to the free list but is never handed to this same forward, so
-        an aborted forward has written nothing into the rows its sequences keep again. Returns
-        the ``ForwardUndo`` that ``rollback_forward`` restores."""
+        sequence to its ``SlidePlan``; ``slots``: the sequences' slots (B,) when known. Every
+        new page is taken first, then windows slide: a page that slides out goes back to the
+        free list but is never handed to this same forward, so an aborted forward has written
+        nothing into the rows its sequences keep again. Returns the ``ForwardUndo`` that
+        ``rollback_forward`` restores."""
         pt = self.pt
-        slots = np.array([s.slot for s in seqs], np.int64)
+        if slots is None:
+            slots = np.array([s.slot for s in seqs], np.int64)
         undo = ForwardUndo(pt.num_free, slots, last, pt.s_len[slots], pt.b_len[last],
                            pt.b_npages[last])
         offsets = np.zeros(len(need) + 1, np.int64)
         np.cumsum(need, out=offsets[1:])
         fresh = pt.take_pages(int(offsets[-1]))
+        if not slides:
+            grow = np.flatnonzero(need)
+            if len(grow):
+                blocks, count = last[grow], need[grow]
+                have = pt.b_npages[blocks]
+                room = have + count <= pt.b_pcap[blocks]
+                # sequence i's pages fresh[offsets[i]:offsets[i+1]] follow its last page
+                at = np.repeat(pt.b_pstart[blocks] + have - offsets[grow], count)
+                at += np.arange(len(fresh))
+                if room.all():                  # the common case: every region has room
+                    pt.page_store[at] = fresh
+                    pt.b_npages[blocks] = have + count
+                else:
+                    fits = np.repeat(room, count)
+                    pt.page_store[at[fits]] = fresh[fits]
+                    pt.b_npages[blocks[room]] += count[room].astype(np.int32)
+                    for i in grow[~room]:       # a full region moves (amortised rare)
+                        pt.push_pages(int(last[i]), fresh[offsets[i]:offsets[i + 1]])
+            pt.b_len[last] += append
+            pt.s_len[slots] += append
+            return undo
         sliding = np.zeros(len(seqs), bool)
         sliding[list(slides)] = True
         for i in np.flatnonzero(need > 0):
             if not sliding[i]:
                 pt.push_pages(int(last[i]), fresh[offsets[i]:offsets[i + 1]])
-        if slides:
-            undo.free_top = pt.free_pages[pt.num_free:undo.num_free].copy()
-            undo.slid = []
-            for i in slides:
-                b = int(last[i])
-                undo.slid.append((b, pt.pages_of(b).copy(), int(pt.b_sink[b]),
-                                  int(pt.b_window_offset[b])))
-                self._slide(seqs[i], int(append[i]), fresh[offsets[i]:offsets[i + 1]])
+        undo.free_top = pt.free_pages[pt.num_free:undo.num_free].copy()
+        undo.slid = []
+        for i in slides:
+            b = int(last[i])
+            undo.slid.append((b, pt.pages_of(b).copy(), int(pt.b_sink[b]),
+                              int(pt.b_window_offset[b])))
+            self._slide(seqs[i], int(append[i]), fresh[offsets[i]:offsets[i + 1]])
         plain = np.flatnonzero(~sliding)
         pt.b_len[last[plain]] += append[plain].astype(np.int32)
         pt.s_len[slots[plain]] += append[plain].astype(np.int32)
