@@ -89,10 +89,13 @@ def test_decode_plans_reuse_a_bounded_set_of_buffers(shared_prefix):
     buffers = {buffer(a) for p in plans for d, name, a in walk(p) if (d, name) in changing}
     # two alternating sets of per-step arrays plus two page lists (grown a few times)
     assert len(buffers) <= 2 * len(changing) + 8, (len(buffers), len(changing))
-    # the last kept plan still reads consistently: each new token's slot is its sequence's
-    # last page at its last row (the arrays were not overwritten by the steps that followed
-    # it within the same buffer set)
-    depth = plans[-1].depths[-1]
-    np.testing.assert_array_equal(
-        plans[-1].tokens.append_slots,
-        depth.page_indices[depth.page_indptr[1:] - 1] * page_size + depth.last_page_len - 1)
+    # the step before the last is still intact (its buffers are the other set): each new
+    # token's slot is its sequence's last page at its last row, and one step later every
+    # key count and position is one higher
+    for plan in plans[-2:]:
+        depth = plan.depths[-1]
+        np.testing.assert_array_equal(
+            plan.tokens.append_slots,
+            depth.page_indices[depth.page_indptr[1:] - 1] * page_size + depth.last_page_len - 1)
+    np.testing.assert_array_equal(plans[-2].depths[-1].kv_len + 1, plans[-1].depths[-1].kv_len)
+    np.testing.assert_array_equal(plans[-2].tokens.q_positions + 1, plans[-1].tokens.q_positions)
