@@ -49,10 +49,13 @@ class DepthLastBlocks:
 
 
 def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=None,
-                 tree_masks: Optional[list] = None) -> tuple[tuple, list]:
+                 tree_masks: Optional[list] = None, max_append: Optional[int] = None,
+                 want_holders: bool = True) -> tuple[tuple, Optional[list]]:
     """(the ``HostDepth`` of each depth, the ``DepthLastBlocks`` of each) for sequences with
     last blocks ``last`` (B,) and queries ``qo_indptr`` (B+1,). ``tree_sizes`` (B,) and
-    ``tree_masks``: the sequences' token trees, carried by the entry holding the last block."""
+    ``tree_masks``: the sequences' token trees, carried by the entry holding the last block.
+    ``max_append``: the longest sequence's query count when known; ``want_holders=False``:
+    skip the ``DepthLastBlocks`` (None; only a reused decode plan reads them)."""
     batch = len(last)
     parent = pt.b_parent
     # walk parents for the whole batch at once: chain[k, i] is the k-th ancestor of i's last block
@@ -61,7 +64,7 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
     while True:
         up = parent[cur]
         up[cur < 0] = -1                            # parent[-1] is some block's: mask it
-        if up.max() < 0:
+        if np.maximum.reduce(up) < 0:
             break
         chain.append(up)
         cur = up
@@ -92,16 +95,16 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
         at_d = trace[:, d]
         full = d < lo_depth                         # every sequence has a block at depth d
         if full:
-            npages_d = int(pt.b_npages[at_d].sum())
+            npages_d = int(np.add.reduce(pt.b_npages[at_d]))
         else:
             npages_d = int(np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0).sum())
         change = np.empty(batch, bool)
         change[0] = True
         np.not_equal(at_d[1:], at_d[:-1], out=change[1:])
-        starts = np.flatnonzero(change)
+        starts = change.nonzero()[0]
         blocks_c = at_d[starts]
         if full:
-            pages_c = int(pt.b_npages[blocks_c].sum())
+            pages_c = int(np.add.reduce(pt.b_npages[blocks_c]))
         else:
             pages_c = int(np.where(blocks_c >= 0, pt.b_npages[np.maximum(blocks_c, 0)], 0).sum())
         use_decode = is_decode and (flat or decode_kernel_wins(npages_d, pages_c))
@@ -127,23 +130,32 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
                 pair_entry = np.nonzero(blocks_c >= 0)[0]
                 pair_block = blocks_c[pair_entry]
         if pair_entry is None and plain:
-            depth, holds_last = _single_depth(pt, config.page_size, entry_qo, pair_block,
-                                              use_decode, entry_seq, last)
+            depth = _single_depth(pt, config.page_size, entry_qo, pair_block, use_decode,
+                                  max_append if entry_qo is qo_indptr else None)
+            holds_last = None
         else:
             if pair_entry is None:
                 pair_entry = np.arange(len(pair_block))
             depth, holds_last = _depth(pt, config.page_size, entry_qo, pair_entry, pair_block,
                                        use_decode, entry_seq, last, tree_sizes, tree_masks)
         depths.append(depth)
-        holders.append(DepthLastBlocks(entry_seq[holds_last], holds_last, npages_d, pages_c,
-                                       ndepth - 1 == d))
-    return tuple(depths), holders
+        if want_holders:
+            if holds_last is None:
+                holds_last = _ends_with(depth, pair_block, last, entry_seq)
+            holders.append(DepthLastBlocks(entry_seq[holds_last], holds_last, npages_d,
+                                           pages_c, ndepth - 1 == d))
+    return tuple(depths), (holders if want_holders else None)
 
 
-def _single_depth(pt, ps, entry_qo, blocks, use_decode, entry_seq,
-                  last) -> tuple[HostDepth, np.ndarray]:
-    """``_depth`` when entry ``i`` reads exactly block ``blocks[i]`` and nothing slides or
-    carries a tree (the common case): the same arrays in fewer numpy calls."""
+def _ends_with(depth, blocks, last, entry_seq) -> np.ndarray:
+    """Entries of a one-block-per-entry depth whose block is their sequence's last block."""
+    return (blocks == last[entry_seq]).nonzero()[0]
+
+
+def _single_depth(pt, ps, entry_qo, blocks, use_decode, max_qo_len) -> HostDepth:
+    """``_depth``'s ``HostDepth`` when entry ``i`` reads exactly block ``blocks[i]`` and nothing
+    slides or carries a tree (the common case): the same arrays in fewer numpy calls.
+    ``max_qo_len``: the longest entry's query count, when known."""
     n = len(blocks)
     counts = pt.b_npages[blocks]
     page_indptr = np.zeros(n + 1, np.int32)
@@ -157,14 +169,15 @@ def _single_depth(pt, ps, entry_qo, blocks, use_decode, entry_seq,
     last_page_len += 1
     last_page_len[kv_len == 0] = 0
     zeros = np.zeros(n, np.int32)
-    depth = HostDepth(
+    if max_qo_len is None:
+        max_qo_len = int(np.maximum.reduce(entry_qo[1:] - entry_qo[:-1])) if n else 0
+    return HostDepth(
         qo_indptr=entry_qo.astype(np.int32), page_indptr=page_indptr,
         page_indices=pt.page_store[store], last_page_len=last_page_len, kv_len=kv_len,
         sink_size=zeros, window_offset=zeros, k_rope_offset=pt.b_start[blocks],
         num_entries=n, use_decode=bool(use_decode), tree=None,
-        max_kv_len=int(kv_len.max()) if n else 0,
-        max_qo_len=int((entry_qo[1:] - entry_qo[:-1]).max()) if n else 0, num_pages=num_pages)
-    return depth, np.flatnonzero(blocks == last[entry_seq])
+        max_kv_len=int(np.maximum.reduce(kv_len)) if n else 0, max_qo_len=max_qo_len,
+        num_pages=num_pages)
 
 
 def _depth(pt, ps, entry_qo, pair_entry, pair_block, use_decode, entry_seq, last, tree_sizes,

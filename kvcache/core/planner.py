@@ -112,8 +112,12 @@ class Planner:
         blen_before = pt.b_len[req.last].astype(np.int64)
         seq_len_before = pt.s_len[req.slots].astype(np.int64)
         depths = holders = None
+        max_append = int(req.append.max())
+        # only a plan the next decode step reuses needs to know where the last blocks are
+        reused = req.is_decode and req.tree_parents is None and not write_after
         if not paged_only:          # the ragged pass covers the new tokens: depths see history
-            depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode)
+            depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode,
+                                           max_append=max_append, want_holders=reused)
         undo = self.state.reserve_forward(req.seqs, req.last, req.append, need, slides,
                                           slots=req.slots)
         masks = None
@@ -125,12 +129,13 @@ class Planner:
         if paged_only:
             sizes = pt.s_tree[req.slots].astype(np.int64) if masks is not None else None
             depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode,
-                                           tree_sizes=sizes, tree_masks=masks)
+                                           tree_sizes=sizes, tree_masks=masks,
+                                           max_append=max_append, want_holders=reused)
         plan = ForwardPlan(seq_ids=req.seq_ids, append_lengths=req.append,
-                           total_tokens=req.total, max_append=int(req.append.max()),
+                           total_tokens=req.total, max_append=max_append,
                            paged_only=paged_only, write_after=write_after, tokens=tokens,
                            depths=depths, undo=undo)
-        if req.is_decode and req.tree_parents is None and not write_after:
+        if reused:
             return self._remember(plan, req, holders)
         return plan
 
