@@ -93,8 +93,10 @@ class Planner:
         if self._unshared_decode(req):
             plan, holders = first_step(pt, cfg.page_size, seq_ids, req.slots, req.last)
             return self._remember(plan, req, holders)
-        need, slides = count_pages(self.state, cfg, req)
-        return self._general(req, need, slides)
+        # each last block's and sequence's state before this forward, gathered once
+        before = (pt.b_len[req.last], pt.b_npages[req.last], pt.s_len[req.slots])
+        need, slides = count_pages(self.state, cfg, req, before)
+        return self._general(req, need, slides, before)
 
     def _unshared_decode(self, req: ForwardRequest) -> bool:
         """A decode batch of sequences that are one block each, without trees or windows."""
@@ -103,14 +105,13 @@ class Planner:
                 and not self.config.support_sliding_window
                 and not req.tree_before.any() and bool((pt.b_parent[req.last] < 0).all()))
 
-    def _general(self, req: ForwardRequest, need, slides) -> ForwardPlan:
+    def _general(self, req: ForwardRequest, need, slides, before) -> ForwardPlan:
         cfg, pt = self.config, self.state.pt
         write_after = cfg.support_sliding_window
         had_tree = bool(req.tree_before.any())
         paged_only = (req.is_decode and not write_after) or had_tree
         qo_indptr = exclusive_cumsum(req.append)
-        blen_before = pt.b_len[req.last].astype(np.int64)
-        seq_len_before = pt.s_len[req.slots].astype(np.int64)
+        blen_before, _, seq_len_before = before
         depths = holders = None
         max_append = int(req.append.max())
         # only a plan the next decode step reuses needs to know where the last blocks are
@@ -119,7 +120,7 @@ class Planner:
             depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode,
                                            max_append=max_append, want_holders=reused)
         undo = self.state.reserve_forward(req.seqs, req.last, req.append, need, slides,
-                                          slots=req.slots)
+                                          slots=req.slots, before=before)
         masks = None
         if req.tree_parents is not None:
             self.state.extend_trees(undo, req.seqs, req.tree_parents, qo_indptr)

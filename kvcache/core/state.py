@@ -419,10 +419,12 @@ class CacheState:
 
     # ------------------------------------------------------------------ forwards
     def reserve_forward(self, seqs, last, append, need, slides: dict,
-                        slots=None) -> ForwardUndo:
+                        slots=None, before=None) -> ForwardUndo:
         """Reserve a forward's tokens: ``need[i]`` new pages for sequence ``seqs[i]`` (last block
         ``last[i]``) and ``append[i]`` tokens; ``slides`` maps the index of each sliding
-        sequence to its ``SlidePlan``; ``slots``: the sequences' slots (B,) when known. Every
+        sequence to its ``SlidePlan``; ``slots``: the sequences' slots (B,) when known;
+        ``before``: (last block lengths, their page counts, sequence lengths) as gathered
+        before this call (copies, kept by the undo record), when known. Every
         new page is taken first, then windows slide: a page that slides out goes back to the
         free list but is never handed to this same forward, so an aborted forward has written
         nothing into the rows its sequences keep again. Returns the ``ForwardUndo`` that
@@ -430,8 +432,9 @@ class CacheState:
         pt = self.pt
         if slots is None:
             slots = np.array([s.slot for s in seqs], np.int64)
-        undo = ForwardUndo(pt.num_free, slots, last, pt.s_len[slots], pt.b_len[last],
-                           pt.b_npages[last])
+        if before is None:
+            before = (pt.b_len[last], pt.b_npages[last], pt.s_len[slots])
+        undo = ForwardUndo(pt.num_free, slots, last, before[2], before[0], before[1])
         offsets = np.zeros(len(need) + 1, np.int64)
         np.cumsum(need, out=offsets[1:])
         fresh = pt.take_pages(int(offsets[-1]))
@@ -439,7 +442,7 @@ class CacheState:
             grow = np.flatnonzero(need)
             if len(grow):
                 blocks, count = last[grow], need[grow]
-                have = pt.b_npages[blocks]
+                have = before[1][grow]
                 room = have + count <= pt.b_pcap[blocks]
                 # sequence i's pages fresh[offsets[i]:offsets[i+1]] follow its last page
                 at = np.repeat(pt.b_pstart[blocks] + have - offsets[grow], count)
