@@ -69,20 +69,18 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
         chain.append(up)
         cur = up
     width = len(chain)
-    if width == 1:
-        ndepth = np.ones(batch, np.int64)
-        lo_depth = 1
-        trace = last[:, None]
+    if width == 1 or np.minimum.reduce(chain[-1]) >= 0:
+        # every trace equally deep (the common case): depth d is row width - 1 - d
+        lo_depth = width
+        trace = None
+        ndepth = np.full(batch, width) if want_holders else None
     else:
         chain = np.stack(chain)                     # (K, B), leaf first
         ndepth = (chain >= 0).sum(axis=0)
         lo_depth = int(ndepth.min())
-        if lo_depth == width:                       # every trace equally deep: a plain flip
-            trace = chain[::-1].T
-        else:
-            src = ndepth[:, None] - 1 - np.arange(width)[None, :]
-            trace = np.where(src >= 0, chain[np.maximum(src, 0), np.arange(batch)[:, None]],
-                             -1)                    # (B, K) root first
+        src = ndepth[:, None] - 1 - np.arange(width)[None, :]
+        trace = np.where(src >= 0, chain[np.maximum(src, 0), np.arange(batch)[:, None]],
+                         -1)                        # (B, K) root first
     # static-shape decode reads each sequence's whole page list as one entry (one launch per
     # layer whatever the fork structure, so one captured step fits every batch of its bucket)
     flat = config.static_decode and is_decode
@@ -91,17 +89,18 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
     plain = not config.support_sliding_window and tree_sizes is None
     seq_all = np.arange(batch)
     depths, holders = [], []
+    change = np.empty(batch + 1, bool)              # entry boundaries of coalesced groups
+    change[0] = change[batch] = True
     for d in range(num_depths):
-        at_d = trace[:, d]
+        at_d = chain[width - 1 - d] if trace is None else trace[:, d]
         full = d < lo_depth                         # every sequence has a block at depth d
         if full:
             npages_d = int(np.add.reduce(pt.b_npages[at_d]))
         else:
             npages_d = int(np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0).sum())
-        change = np.empty(batch, bool)
-        change[0] = True
-        np.not_equal(at_d[1:], at_d[:-1], out=change[1:])
-        starts = change.nonzero()[0]
+        np.not_equal(at_d[1:], at_d[:-1], out=change[1:batch])
+        bounds = change.nonzero()[0]
+        starts = bounds[:-1]
         blocks_c = at_d[starts]
         if full:
             pages_c = int(np.add.reduce(pt.b_npages[blocks_c]))
@@ -116,13 +115,15 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
             if single:
                 pair_entry, pair_block = None, at_d
             elif last_depth:
+                if trace is None:
+                    trace = np.stack(chain[::-1], axis=1)   # (B, K) root first
                 pair_entry, pair_block = np.nonzero(trace[:, d:] >= 0)
                 pair_block = trace[:, d:][pair_entry, pair_block]
             else:
                 pair_entry = np.nonzero(at_d >= 0)[0]
                 pair_block = at_d[pair_entry]
         else:
-            entry_qo = np.append(qo_indptr[starts], qo_indptr[-1])
+            entry_qo = qo_indptr[bounds]
             entry_seq = starts                      # first sequence of each group
             if full:
                 pair_entry, pair_block = None, blocks_c
