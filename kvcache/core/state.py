@@ -443,21 +443,18 @@ class CacheState:
             if len(grow):
                 blocks, count = last[grow], need[grow]
                 have = before[1][grow]
-                room = have + count <= pt.b_pcap[blocks]
+                total = have + count
+                room = total <= pt.b_pcap[blocks]
+                if not room.all():              # a full region moves first (amortised rare)
+                    for j in (~room).nonzero()[0]:
+                        pt.ensure_capacity(int(blocks[j]), int(total[j]))
                 # sequence i's pages fresh[offsets[i]:offsets[i+1]] follow its last page
                 at = np.repeat(pt.b_pstart[blocks] + have - offsets[grow], count)
                 at += np.arange(len(fresh))
-                if room.all():                  # the common case: every region has room
-                    pt.page_store[at] = fresh
-                    pt.b_npages[blocks] = have + count
-                else:
-                    fits = np.repeat(room, count)
-                    pt.page_store[at[fits]] = fresh[fits]
-                    pt.b_npages[blocks[room]] += count[room].astype(np.int32)
-                    for i in grow[~room]:       # a full region moves (amortised rare)
-                        pt.push_pages(int(last[i]), fresh[offsets[i]:offsets[i + 1]])
-            pt.b_len[last] += append
-            pt.s_len[slots] += append
+                pt.page_store[at] = fresh
+                pt.b_npages[blocks] = total
+            pt.b_len[last] = before[0] + append
+            pt.s_len[slots] = before[2] + append
             return undo
         sliding = np.zeros(len(seqs), bool)
         sliding[list(slides)] = True
