@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ..backend import TreeMask
-from .plan import HostDepth
+from .plan import HostDepth, build
 from .request import exclusive_cumsum
 
 MAX_BLOCK_DEPTH = 2
@@ -172,8 +172,8 @@ def _single_depth(pt, ps, entry_qo, blocks, use_decode, max_qo_len) -> HostDepth
     zeros = np.zeros(n, np.int32)
     if max_qo_len is None:
         max_qo_len = int(np.maximum.reduce(entry_qo[1:] - entry_qo[:-1])) if n else 0
-    return HostDepth(
-        qo_indptr=entry_qo.astype(np.int32), page_indptr=page_indptr,
+    return build(
+        HostDepth, qo_indptr=entry_qo.astype(np.int32), page_indptr=page_indptr,
         page_indices=pt.page_store[store], last_page_len=last_page_len, kv_len=kv_len,
         sink_size=zeros, window_offset=zeros, k_rope_offset=pt.b_start[blocks],
         num_entries=n, use_decode=bool(use_decode), tree=None,

@@ -24,7 +24,7 @@ import numpy as np
 
 from .decode import DecodeReuse, first_step
 from .depths import build_depths
-from .plan import ForwardPlan, ForwardUndo
+from .plan import ForwardPlan, ForwardUndo, build
 from .request import ForwardRequest, check_batch, check_forward, exclusive_cumsum
 from .reserve import count_pages
 from .state import CacheState
@@ -132,7 +132,7 @@ class Planner:
             depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode,
                                            tree_sizes=sizes, tree_masks=masks,
                                            max_append=max_append, want_holders=reused)
-        plan = ForwardPlan(seq_ids=req.seq_ids, append_lengths=req.append,
+        plan = build(ForwardPlan, seq_ids=req.seq_ids, append_lengths=req.append,
                            total_tokens=req.total, max_append=max_append,
                            paged_only=paged_only, write_after=write_after, tokens=tokens,
                            depths=depths, undo=undo)

@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 from ..backend import TreeMask
-from .plan import TokenArrays
+from .plan import TokenArrays, build
 from .request import ForwardRequest, exclusive_cumsum
 
 
@@ -49,7 +49,7 @@ def token_arrays(state, config, req: ForwardRequest, qo_indptr, blen_before, seq
         sizes = np.array([len(seq.tree_parent) for seq in req.seqs], np.int64)
         self_tree = TreeMask(exclusive_cumsum(sizes).astype(np.int32),
                              np.concatenate(self_tree_masks).astype(np.int32))
-    return TokenArrays(qo_indptr=qo_indptr.astype(np.int32),
+    return build(TokenArrays, qo_indptr=qo_indptr.astype(np.int32),
                        q_positions=positions.astype(np.int32),
                        append_slots=slots,
                        k_rope_offset=k_rope_offset.astype(np.int32), self_tree=self_tree)
