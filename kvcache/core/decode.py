@@ -188,12 +188,12 @@ class DecodeReuse:
         is done by then), so a steady decode step allocates no numpy array."""
         last, slots = self.last, self.slots
         f = self.frames[self.turn]
-        blen = np.take(pt.b_len, last, out=f.blen)
-        npages = np.take(pt.b_npages, last, out=f.npages)
+        blen = pt.b_len.take(last, out=f.blen)
+        npages = pt.b_npages.take(last, out=f.npages)
         np.multiply(npages, ps, out=f.scratch)
         np.equal(blen, f.scratch, out=f.full)
         grow = fresh = None
-        if f.full.any():                        # some last page is full: one page each
+        if np.count_nonzero(f.full):            # some last page is full: one page each
             grow = reserve_pages(pt, ps, self.seq_ids, last, blen, npages)
             counts = self._growth(grow, len(last))
             if counts is None:
@@ -203,7 +203,7 @@ class DecodeReuse:
                 h.grouped_pages += g
             fresh = take_pages(pt, last, npages, grow)
         undo = ForwardUndo(pt.num_free if fresh is None else pt.num_free + len(fresh), slots,
-                           last, np.take(pt.s_len, slots, out=f.seq_len), blen, npages)
+                           last, pt.s_len.take(slots, out=f.seq_len), blen, npages)
         np.add(blen, 1, out=f.scratch)
         pt.b_len[last] = f.scratch
         np.add(undo.seq_len, 1, out=f.scratch)
@@ -218,7 +218,7 @@ class DecodeReuse:
         kv_len = np.add(depth.kv_len, 1, out=f.kv_len)
         positions = np.add(old.tokens.q_positions, 1, out=f.positions)  # = committed length
         np.subtract(indptr[1:], 1, out=f.scratch)
-        slots_new = np.take(indices, f.scratch, out=f.append_slots)
+        slots_new = indices.take(f.scratch, out=f.append_slots)
         slots_new *= ps
         slots_new += in_page
         tokens = evolve(old.tokens, q_positions=positions, k_rope_offset=positions,
@@ -226,7 +226,8 @@ class DecodeReuse:
         depths = list(old.depths)
         last_page_len = np.add(in_page, 1, out=f.last_page_len)
         depths[d] = evolve(depth, kv_len=kv_len, last_page_len=last_page_len, page_indptr=indptr, page_indices=indices,
-                           max_kv_len=int(kv_len.max()), num_pages=int(indptr[-1]))
+                           max_kv_len=depth.max_kv_len + 1,    # every entry gained one key
+                           num_pages=int(indptr[-1]))
         self.turn ^= 1
         self.plan = evolve(old, tokens=tokens, depths=tuple(depths), undo=undo)
         return self.plan
