@@ -170,7 +170,8 @@ def changing_bench(repeat: int = 200, page_size: int = 16, cases=CHANGING_CASES,
             target = CHANGING_TARGET_US.get(batch)
             best = min(rounds)
             rows.append({"case": case, "batch": batch, "shared_prefix_pages": shared,
-                         "depths": len(plan.depths), "begin_forward_us": float(np.median(times)) * 1e6,
+                         "depths": len(plan.depths),
+                         "begin_forward_us": float(np.median(times)) * 1e6,
                          "best_round_us": best, "target_us": target,
                          "ratio": None if target is None else best / target})
     return rows

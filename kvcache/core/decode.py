@@ -187,6 +187,7 @@ class DecodeReuse:
         written into one of two alternating ``_Frame`` buffer sets (the plan of two steps ago
         is done by then), so a steady decode step allocates no numpy array."""
         last, slots = self.last, self.slots
+        num_free = pt.num_free
         f = self.frames[self.turn]
         blen = pt.b_len.take(last, out=f.blen)
         npages = pt.b_npages.take(last, out=f.npages)
@@ -202,8 +203,8 @@ class DecodeReuse:
                 h.pages += g
                 h.grouped_pages += g
             fresh = take_pages(pt, last, npages, grow)
-        undo = ForwardUndo(pt.num_free if fresh is None else pt.num_free + len(fresh), slots,
-                           last, pt.s_len.take(slots, out=f.seq_len), blen, npages)
+        undo = ForwardUndo(num_free, slots, last, pt.s_len.take(slots, out=f.seq_len), blen,
+                           npages)
         np.add(blen, 1, out=f.scratch)
         pt.b_len[last] = f.scratch
         np.add(undo.seq_len, 1, out=f.scratch)
@@ -225,7 +226,8 @@ class DecodeReuse:
                         append_slots=slots_new)
         depths = list(old.depths)
         last_page_len = np.add(in_page, 1, out=f.last_page_len)
-        depths[d] = evolve(depth, kv_len=kv_len, last_page_len=last_page_len, page_indptr=indptr, page_indices=indices,
+        depths[d] = evolve(depth, kv_len=kv_len, last_page_len=last_page_len,
+                           page_indptr=indptr, page_indices=indices,
                            max_kv_len=depth.max_kv_len + 1,    # every entry gained one key
                            num_pages=int(indptr[-1]))
         self.turn ^= 1
@@ -273,8 +275,8 @@ class DecodeReuse:
 
 
 class _Frame:
-    """The arrays of one decode step of the common layout (``DecodeReuse._flat_next``), for a
-    batch of ``B`` sequences; the page list's buffer grows only (by doubling)."""
+    """The per-sequence arrays (each (B,)) of one decode step of the common layout
+    (``DecodeReuse._flat_next``); two frames alternate."""
 
     def __init__(self, batch: int):
         def buf(dtype=np.int32):

@@ -49,7 +49,8 @@ def decode_steps(cache, n):
 
 
 def numpy_bytes(snapshot) -> int:
-    numpy_only = snapshot.filter_traces([tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
+    numpy_only = snapshot.filter_traces(
+        [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
     return sum(stat.size for stat in numpy_only.statistics("filename"))
 
 
