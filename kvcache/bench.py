@@ -118,6 +118,80 @@ def print_host(rows, call_us: float) -> None:
               f"{r['with_plain_aux_us']:>13.1f} {r['us_per_seq']:>8.3f}")
 
 
+CHANGING_BATCHES = (16, 64, 256)
+CHANGING_TARGET_US = {64: 150.0, 256: 300.0}
+"""``begin_forward`` targets of the changing-batch cases (no target at other batch sizes)."""
+CHANGING_CASES = ("join_leave", "join_leave_shared", "mixed_shared")
+"""``join_leave``: each step one sequence leaves and a new one joins with a 64-token prefill
+(mixed prefill + decode, no shared prefix); ``join_leave_shared``: the same, every sequence
+forked from an 8-page shared prefix; ``mixed_shared``: the same membership every step, one
+sequence (in turn) appends a 16-token chunk, the rest decode, under the shared prefix."""
+
+
+def changing_bench(repeat: int = 200, page_size: int = 16, cases=CHANGING_CASES,
+                   batches=CHANGING_BATCHES) -> list[dict]:
+    """The general planner path on batches that change every step: for each case and batch
+    size, ``begin_forward``'s median, best round and the ratio of the best round to the target
+    (reference backend; the membership changes happen outside the timed call)."""
+    rows = []
+    for case in cases:
+        shared = 0 if case == "join_leave" else 8
+        for batch in batches:
+            steps = repeat
+            prefill = 64 if case.startswith("join") else 16
+            per_round = max(steps // ROUNDS, 1)
+            calls = (ROUNDS + 1) * per_round
+            # room for every call's tokens (each sequence's share of them)
+            cache = _decode_cache(batch, (8, 64), page_size, shared, seed=batch,
+                                  steps=calls + -(-calls * prefill // batch) + page_size)
+            state, planner = cache.state, cache.planner
+            ids = list(range(batch))
+            next_id = batch
+            times, rounds = [], []
+            for r in range(ROUNDS + 1):            # round 0 warms up
+                this = []
+                for k in range(per_round):
+                    lengths = [1] * batch
+                    if case.startswith("join"):
+                        state.remove_sequence(ids.pop(0))
+                        if shared:
+                            state.fork_sequence(-1, next_id)
+                        else:
+                            state.add_sequence(next_id)
+                        ids.append(next_id)
+                        next_id += 1
+                        lengths[-1] = prefill
+                    else:
+                        lengths[(r * per_round + k) % batch] = prefill
+                    t0 = time.perf_counter()
+                    plan = planner.begin(ids, lengths)
+                    this.append(time.perf_counter() - t0)
+                if r:
+                    times.extend(this)
+                    rounds.append(float(np.median(this)) * 1e6)
+            target = CHANGING_TARGET_US.get(batch)
+            best = min(rounds)
+            rows.append({"case": case, "batch": batch, "shared_prefix_pages": shared,
+                         "depths": len(plan.depths),
+                         "begin_forward_us": float(np.median(times)) * 1e6,
+                         "best_round_us": best, "target_us": target,
+                         "ratio": None if target is None else best / target})
+    return rows
+
+
+def print_changing(rows) -> None:
+    print("begin_forward on changing batches (general planner path; reference backend)")
+    print("  ratio: best round / target (<= 1 meets it); targets: "
+          + ", ".join(f"B={b}: {t:.0f} us" for b, t in CHANGING_TARGET_US.items()))
+    print(f"{'case':>18} {'batch':>6} {'depths':>6} {'begin_fwd us':>13} {'best round us':>14} "
+          f"{'target us':>10} {'ratio':>7}")
+    for r in rows:
+        target = "-" if r["target_us"] is None else f"{r['target_us']:.0f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"{r['case']:>18} {r['batch']:>6} {r['depths']:>6} {r['begin_forward_us']:>13.1f} "
+              f"{r['best_round_us']:>14.1f} {target:>10} {ratio:>7}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcache bench",
@@ -184,13 +258,15 @@ def main(argv: Optional[list] = None) -> int:
         call_us = numpy_call_us()
         rows = host_bench(args.repeat)
         call_us = (call_us + numpy_call_us()) / 2
+        changing = changing_bench(args.repeat)
         if args.json:
             print(json.dumps({"numpy_call_us": call_us, "python": platform.python_version(),
                               "numpy": np.__version__,
                               "machine": platform.processor() or platform.machine(),
-                              "rows": rows}, indent=2))
+                              "rows": rows, "changing": changing}, indent=2))
         else:
             print_host(rows, call_us)
+            print_changing(changing)
     if run is not None:
         return int(run(rest + (["--device", args.device] if args.device else [])) or 0)
     return 0

@@ -316,7 +316,8 @@ class PagedKVCache:
     @_exclusive
     def open_plan(self) -> Optional[ForwardPlan]:
         """The open forward's plan (a frozen ``ForwardPlan``: read it, never change it), or
-        None between forwards."""
+        None between forwards. A repeated decode step reuses the arrays of the plan two steps
+        before it: copy what you keep longer than the next step."""
         return self._plan
 
     @property

@@ -2,7 +2,10 @@
 rounds in fresh processes, each tree first on its PYTHONPATH, and report each row's median
 ``begin_forward_us`` (and its best round) over the rounds of each tree.
 
-    python tools/host_bench_ab.py OLD_TREE NEW_TREE [--rounds 3]
+    python tools/host_bench_ab.py OLD_TREE NEW_TREE [--rounds 3] [--changing]
+
+``--changing``: the changing-batch rows (``changing_bench``) instead, both trees timed by the
+NEW tree's bench code (an older tree may not have it) over their own ``kvcache`` package.
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ import sys
 import numpy as np
 
 CHILD = "import json, kvcache.bench as b; print(json.dumps(b.host_bench()))"
+CHANGING = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("kvcache.bench_ab", sys.argv[1])
+b = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(b)
+print(json.dumps(b.changing_bench()))
+"""
 
 
-def run(tree: str) -> list:
+def run(tree: str, bench_file: str = None) -> list:
     env = dict(os.environ, PYTHONPATH=tree)
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, check=True, text=True,
+    argv = ["-c", CHILD] if bench_file is None else ["-c", CHANGING, bench_file]
+    out = subprocess.run([sys.executable, *argv], env=env, check=True, text=True,
                          capture_output=True, cwd=tree).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -30,13 +41,16 @@ def main() -> None:
     parser.add_argument("old")
     parser.add_argument("new")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--changing", action="store_true")
     args = parser.parse_args()
+    bench_file = (os.path.abspath(os.path.join(args.new, "kvcache", "bench.py"))
+                  if args.changing else None)
     results = {args.old: [], args.new: []}
     for _ in range(args.rounds):
         for tree in (args.old, args.new):
-            results[tree].append(run(tree))
+            results[tree].append(run(tree, bench_file))
     rows = results[args.old][0]
-    print(f"{'batch':>6} {'shared':>6} {'old us':>8} {'new us':>8} {'new/old':>8} "
+    print(f"{'case':>18} {'batch':>6} {'shared':>6} {'old us':>8} {'new us':>8} {'new/old':>8} "
           f"{'old best':>9} {'new best':>9}")
     ratios = []
     for i, row in enumerate(rows):
@@ -45,7 +59,8 @@ def main() -> None:
         old_best = min(r[i]["best_round_us"] for r in results[args.old])
         new_best = min(r[i]["best_round_us"] for r in results[args.new])
         ratios.append(new / old)
-        print(f"{row['batch']:>6} {row['shared_prefix_pages']:>6} {old:>8.1f} {new:>8.1f} "
+        print(f"{row.get('case', 'decode'):>18} {row['batch']:>6} "
+              f"{row['shared_prefix_pages']:>6} {old:>8.1f} {new:>8.1f} "
               f"{new / old:>8.3f} {old_best:>9.1f} {new_best:>9.1f}")
     print(f"median new/old over rows: {float(np.median(ratios)):.3f}")
 

@@ -132,6 +132,10 @@ class DecodeReuse:
                     and np.array_equal(h.seq_index, everyone)
                     and np.array_equal(h.entry_index, everyone)):
                 self.flat = d
+        self.frames = self.page_lists = None
+        if self.flat is not None:
+            self.frames, self.page_lists = (_Frame(batch), _Frame(batch)), _PageLists(batch)
+        self.turn = 0
 
     def _growth(self, grow, batch):
         """New pages per depth when sequences ``grow`` gain a page, or None when a depth's
@@ -155,6 +159,8 @@ class DecodeReuse:
     def next_step(self, pt, page_size):
         """The next step's plan, the page table updated; None, having changed nothing, when a
         depth's coalescing choice would flip."""
+        if self.flat is not None:
+            return self._flat_next(pt, page_size)
         last, slots = self.last, self.slots
         batch = len(last)
         blen = pt.b_len[last]
@@ -173,31 +179,63 @@ class DecodeReuse:
         pt.b_len[last] = blen + 1
         pt.s_len[slots] = undo.seq_len + 1
         in_page = blen % page_size
-        if self.flat is not None:
-            plan = self._flat_step(grow, fresh, in_page, page_size, undo)
-        else:
-            plan = self._step(grow, fresh, in_page, page_size, undo)
+        plan = self._step(grow, fresh, in_page, page_size, undo)
         self.plan = plan
         return plan
 
-    def _flat_step(self, grow, fresh, in_page, ps, undo) -> ForwardPlan:
-        """One depth holds every last block, entry ``i`` = sequence ``i``: whole-array updates."""
+    def _flat_next(self, pt, ps):
+        """``next_step`` for the common layout (one depth holds every last block, entry ``i`` =
+        sequence ``i``), allocation-free unless a sequence needs a page: every array is
+        written into one of two alternating ``_Frame`` buffer sets (the plan of two steps ago
+        is done by then), so a steady decode step allocates no numpy array."""
+        last, slots = self.last, self.slots
+        num_free = pt.num_free
+        f = self.frames[self.turn]
+        blen = pt.b_len.take(last, out=f.blen)
+        npages = pt.b_npages.take(last, out=f.npages)
+        np.multiply(npages, ps, out=f.scratch)
+        np.equal(blen, f.scratch, out=f.full)
+        grow = fresh = None
+        if np.count_nonzero(f.full):            # some last page is full: one page each
+            grow = reserve_pages(pt, ps, self.seq_ids, last, blen, npages)
+            counts = self._growth(grow, len(last))
+            if counts is None:
+                return None
+            for h, g in zip(self.holders, counts):
+                h.pages += g
+                h.grouped_pages += g
+            fresh = take_pages(pt, last, npages, grow)
+        undo = ForwardUndo(num_free, slots, last, pt.s_len.take(slots, out=f.seq_len), blen,
+                           npages)
+        np.add(blen, 1, out=f.scratch)
+        pt.b_len[last] = f.scratch
+        np.add(undo.seq_len, 1, out=f.scratch)
+        pt.s_len[slots] = f.scratch
         old = self.plan
         d = self.flat
         assert d is not None     # callers take this path only with a flat depth
         depth = old.depths[d]
         indptr, indices = depth.page_indptr, depth.page_indices
         if fresh is not None:
-            indptr, indices = append_pages(indptr, indices, grow, fresh)
-        kv_len = depth.kv_len + 1
-        positions = old.tokens.q_positions + 1              # = committed length: both arrays
+            indptr, indices = self.page_lists.append_pages(indptr, indices, grow, fresh)
+        in_page = np.remainder(blen, ps, out=f.in_page)
+        kv_len = np.add(depth.kv_len, 1, out=f.kv_len)
+        positions = np.add(old.tokens.q_positions, 1, out=f.positions)  # = committed length
+        np.subtract(indptr[1:], 1, out=f.scratch)
+        slots_new = indices.take(f.scratch, out=f.append_slots)
+        slots_new *= ps
+        slots_new += in_page
         tokens = evolve(old.tokens, q_positions=positions, k_rope_offset=positions,
-                        append_slots=indices[indptr[1:] - 1] * ps + in_page)
+                        append_slots=slots_new)
         depths = list(old.depths)
-        depths[d] = evolve(depth, kv_len=kv_len, last_page_len=in_page + 1, page_indptr=indptr,
-                           page_indices=indices, max_kv_len=int(kv_len.max()),
+        last_page_len = np.add(in_page, 1, out=f.last_page_len)
+        depths[d] = evolve(depth, kv_len=kv_len, last_page_len=last_page_len,
+                           page_indptr=indptr, page_indices=indices,
+                           max_kv_len=depth.max_kv_len + 1,    # every entry gained one key
                            num_pages=int(indptr[-1]))
-        return evolve(old, tokens=tokens, depths=tuple(depths), undo=undo)
+        self.turn ^= 1
+        self.plan = evolve(old, tokens=tokens, depths=tuple(depths), undo=undo)
+        return self.plan
 
     def _step(self, grow, fresh, in_page, ps, undo) -> ForwardPlan:
         """The general layout: per depth, update the entries holding last blocks."""
@@ -237,3 +275,45 @@ class DecodeReuse:
         tokens = evolve(t, q_positions=t.q_positions + 1, k_rope_offset=t.k_rope_offset + 1,
                         append_slots=append_slots)
         return evolve(old, tokens=tokens, depths=tuple(depths), undo=undo)
+
+
+class _Frame:
+    """The per-sequence arrays (each (B,)) of one decode step of the common layout
+    (``DecodeReuse._flat_next``); two frames alternate."""
+
+    def __init__(self, batch: int):
+        def buf(dtype=np.int32):
+            return np.empty(batch, dtype)
+        self.blen, self.npages, self.seq_len, self.scratch = buf(), buf(), buf(), buf()
+        self.in_page, self.kv_len, self.positions = buf(), buf(), buf()
+        self.append_slots, self.last_page_len = buf(), buf()
+        self.full = buf(bool)
+
+
+class _PageLists:
+    """Two alternating CSR page-list buffers (``page_indptr`` (B+1,), ``page_indices``, grown
+    only, by doubling) for the decode steps of the common layout: a step that appends pages
+    writes into the pair its input does not live in."""
+
+    def __init__(self, batch: int):
+        self.indptr = [np.empty(batch + 1, np.int32), np.empty(batch + 1, np.int32)]
+        self.indices = [np.empty(0, np.int32), np.empty(0, np.int32)]
+
+    def append_pages(self, indptr, indices, entries, pages):
+        """``append_pages`` into the buffer pair that ``indptr`` is not."""
+        k = 1 if indptr is self.indptr[0] else 0
+        n = len(indices) + len(entries)
+        if n > len(self.indices[k]):
+            self.indices[k] = np.empty(max(n, 2 * len(self.indices[k])), np.int32)
+        grown, out = self.indices[k][:n], self.indptr[k]
+        ends = entries + 1
+        at = indptr[ends] + np.arange(len(entries))     # where the new pages land
+        keep = np.ones(n, bool)
+        keep[at] = False
+        grown[keep] = indices
+        grown[at] = pages
+        shift = np.zeros(len(indptr), np.int32)
+        shift[ends] = 1
+        np.cumsum(shift, out=out)
+        out += indptr
+        return out, grown

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ..backend import TreeMask
-from .plan import HostDepth
+from .plan import HostDepth, build
 from .request import exclusive_cumsum
 
 MAX_BLOCK_DEPTH = 2
@@ -49,57 +49,137 @@ class DepthLastBlocks:
 
 
 def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=None,
-                 tree_masks: Optional[list] = None) -> tuple[tuple, list]:
+                 tree_masks: Optional[list] = None, max_append: Optional[int] = None,
+                 want_holders: bool = True) -> tuple[tuple, Optional[list]]:
     """(the ``HostDepth`` of each depth, the ``DepthLastBlocks`` of each) for sequences with
     last blocks ``last`` (B,) and queries ``qo_indptr`` (B+1,). ``tree_sizes`` (B,) and
-    ``tree_masks``: the sequences' token trees, carried by the entry holding the last block."""
+    ``tree_masks``: the sequences' token trees, carried by the entry holding the last block.
+    ``max_append``: the longest sequence's query count when known; ``want_holders=False``:
+    skip the ``DepthLastBlocks`` (None; only a reused decode plan reads them)."""
     batch = len(last)
+    parent = pt.b_parent
     # walk parents for the whole batch at once: chain[k, i] is the k-th ancestor of i's last block
     chain = [last]
     cur = last
     while True:
-        cur = np.where(cur >= 0, pt.b_parent[np.maximum(cur, 0)], -1)
-        if not (cur >= 0).any():
+        up = parent[cur]
+        up[cur < 0] = -1                            # parent[-1] is some block's: mask it
+        if np.maximum.reduce(up) < 0:
             break
-        chain.append(cur)
-    ancestors = np.stack(chain)                         # (K, B), leaf first
-    ndepth = (ancestors >= 0).sum(axis=0)
-    width = ancestors.shape[0]
-    src = ndepth[:, None] - 1 - np.arange(width)[None, :]
-    trace = np.where(src >= 0, ancestors[np.maximum(src, 0), np.arange(batch)[:, None]], -1)  # (B, K) root first
+        chain.append(up)
+        cur = up
+    width = len(chain)
+    if width == 1 or np.minimum.reduce(chain[-1]) >= 0:
+        # every trace equally deep (the common case): depth d is row width - 1 - d
+        lo_depth = width
+        trace = None
+        ndepth = np.full(batch, width) if want_holders else None
+    else:
+        ancestors = np.stack(chain)                 # (K, B), leaf first
+        ndepth = (ancestors >= 0).sum(axis=0)
+        lo_depth = int(ndepth.min())
+        src = ndepth[:, None] - 1 - np.arange(width)[None, :]
+        trace = np.where(src >= 0, ancestors[np.maximum(src, 0), np.arange(batch)[:, None]],
+                         -1)                        # (B, K) root first
     # static-shape decode reads each sequence's whole page list as one entry (one launch per
     # layer whatever the fork structure, so one captured step fits every batch of its bucket)
     flat = config.static_decode and is_decode
     max_depth = 1 if flat else MAX_BLOCK_DEPTH
-    num_depths = min(int(ndepth.max()), max_depth)
+    num_depths = min(width, max_depth)
+    plain = not config.support_sliding_window and tree_sizes is None
+    seq_all = np.arange(batch)
     depths, holders = [], []
+    change = np.empty(batch + 1, bool)              # entry boundaries of coalesced groups
+    change[0] = change[batch] = True
     for d in range(num_depths):
-        at_d = trace[:, d]
-        npages_d = int(np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0).sum())
-        starts = np.concatenate([[0], np.nonzero(at_d[1:] != at_d[:-1])[0] + 1])
+        at_d = chain[width - 1 - d] if trace is None else trace[:, d]
+        full = d < lo_depth                         # every sequence has a block at depth d
+        if full:
+            npages_d = int(np.add.reduce(pt.b_npages[at_d]))
+        else:
+            npages_d = int(np.where(at_d >= 0, pt.b_npages[np.maximum(at_d, 0)], 0).sum())
+        np.not_equal(at_d[1:], at_d[:-1], out=change[1:batch])
+        bounds = change.nonzero()[0]
+        starts = bounds[:-1]
         blocks_c = at_d[starts]
-        pages_c = int(np.where(blocks_c >= 0, pt.b_npages[np.maximum(blocks_c, 0)], 0).sum())
+        if full:
+            pages_c = int(np.add.reduce(pt.b_npages[blocks_c]))
+        else:
+            pages_c = int(np.where(blocks_c >= 0, pt.b_npages[np.maximum(blocks_c, 0)], 0).sum())
         use_decode = is_decode and (flat or decode_kernel_wins(npages_d, pages_c))
-        if use_decode or d == max_depth - 1 or len(starts) == batch:
+        last_depth = d == max_depth - 1
+        single = full and (not last_depth or width == d + 1)      # one block per entry
+        if use_decode or last_depth or len(starts) == batch:
             entry_qo = qo_indptr
-            entry_seq = np.arange(batch)
-            if d == max_depth - 1:
+            entry_seq = seq_all
+            if single:
+                pair_entry, pair_block = None, at_d
+            elif last_depth:
+                if trace is None:
+                    trace = np.stack(chain[::-1], axis=1)   # (B, K) root first
                 pair_entry, pair_block = np.nonzero(trace[:, d:] >= 0)
                 pair_block = trace[:, d:][pair_entry, pair_block]
             else:
                 pair_entry = np.nonzero(at_d >= 0)[0]
                 pair_block = at_d[pair_entry]
         else:
-            entry_qo = np.concatenate([qo_indptr[starts], [qo_indptr[-1]]])
+            entry_qo = qo_indptr[bounds]
             entry_seq = starts                      # first sequence of each group
-            pair_entry = np.nonzero(blocks_c >= 0)[0]
-            pair_block = blocks_c[pair_entry]
-        depth, holds_last = _depth(pt, config.page_size, entry_qo, pair_entry, pair_block,
-                                   use_decode, entry_seq, last, tree_sizes, tree_masks)
+            if full:
+                pair_entry, pair_block = None, blocks_c
+            else:
+                pair_entry = np.nonzero(blocks_c >= 0)[0]
+                pair_block = blocks_c[pair_entry]
+        if pair_entry is None and plain:
+            depth = _single_depth(pt, config.page_size, entry_qo, pair_block, use_decode,
+                                  max_append if entry_qo is qo_indptr else None)
+            holds_last = None
+        else:
+            if pair_entry is None:
+                pair_entry = np.arange(len(pair_block))
+            depth, holds_last = _depth(pt, config.page_size, entry_qo, pair_entry, pair_block,
+                                       use_decode, entry_seq, last, tree_sizes, tree_masks)
         depths.append(depth)
-        holders.append(DepthLastBlocks(entry_seq[holds_last], holds_last, npages_d, pages_c,
-                                       ndepth - 1 == d))
-    return tuple(depths), holders
+        if want_holders:
+            assert ndepth is not None                   # set whenever holders are wanted
+            if holds_last is None:
+                holds_last = _ends_with(depth, pair_block, last, entry_seq)
+            holders.append(DepthLastBlocks(entry_seq[holds_last], holds_last, npages_d,
+                                           pages_c, ndepth - 1 == d))
+    return tuple(depths), (holders if want_holders else None)
+
+
+def _ends_with(depth, blocks, last, entry_seq) -> np.ndarray:
+    """Entries of a one-block-per-entry depth whose block is their sequence's last block."""
+    return (blocks == last[entry_seq]).nonzero()[0]
+
+
+def _single_depth(pt, ps, entry_qo, blocks, use_decode, max_qo_len) -> HostDepth:
+    """``_depth``'s ``HostDepth`` when entry ``i`` reads exactly block ``blocks[i]`` and nothing
+    slides or carries a tree (the common case): the same arrays in fewer numpy calls.
+    ``max_qo_len``: the longest entry's query count, when known."""
+    n = len(blocks)
+    counts = pt.b_npages[blocks]
+    page_indptr = np.zeros(n + 1, np.int32)
+    np.cumsum(counts, out=page_indptr[1:])
+    num_pages = int(page_indptr[-1])
+    store = np.repeat(pt.b_pstart[blocks] - page_indptr[:-1], counts)
+    store += np.arange(num_pages)
+    kv_len = pt.b_len[blocks]
+    last_page_len = kv_len - 1
+    last_page_len %= ps
+    last_page_len += 1
+    last_page_len[kv_len == 0] = 0
+    zeros = np.zeros(n, np.int32)
+    if max_qo_len is None:
+        max_qo_len = int(np.maximum.reduce(entry_qo[1:] - entry_qo[:-1])) if n else 0
+    return build(
+        HostDepth, qo_indptr=entry_qo.astype(np.int32), page_indptr=page_indptr,
+        page_indices=pt.page_store[store], last_page_len=last_page_len, kv_len=kv_len,
+        sink_size=zeros, window_offset=zeros, k_rope_offset=pt.b_start[blocks],
+        num_entries=n, use_decode=bool(use_decode), tree=None,
+        max_kv_len=int(np.maximum.reduce(kv_len)) if n else 0, max_qo_len=max_qo_len,
+        num_pages=num_pages)
 
 
 def _depth(pt, ps, entry_qo, pair_entry, pair_block, use_decode, entry_seq, last, tree_sizes,

@@ -26,7 +26,7 @@ import numpy as np
 
 from .decode import DecodeReuse, first_step
 from .depths import build_depths
-from .plan import ForwardPlan, ForwardUndo
+from .plan import ForwardPlan, ForwardUndo, build
 from .request import ForwardRequest, check_batch, check_forward, exclusive_cumsum
 from .reserve import count_pages
 from .state import CacheState
@@ -95,8 +95,10 @@ class Planner:
         if self._unshared_decode(req):
             plan, holders = first_step(pt, cfg.page_size, seq_ids, req.slots, req.last)
             return self._remember(plan, req, holders)
-        need, slides = count_pages(self.state, cfg, req)
-        return self._general(req, need, slides)
+        # each last block's and sequence's state before this forward, gathered once
+        before = (pt.b_len[req.last], pt.b_npages[req.last], pt.s_len[req.slots])
+        need, slides = count_pages(self.state, cfg, req, before)
+        return self._general(req, need, slides, before)
 
     def _unshared_decode(self, req: ForwardRequest) -> bool:
         """A decode batch of sequences that are one block each, without trees or windows."""
@@ -105,18 +107,22 @@ class Planner:
                 and not self.config.support_sliding_window
                 and not req.tree_before.any() and bool((pt.b_parent[req.last] < 0).all()))
 
-    def _general(self, req: ForwardRequest, need, slides) -> ForwardPlan:
+    def _general(self, req: ForwardRequest, need, slides, before) -> ForwardPlan:
         cfg, pt = self.config, self.state.pt
         write_after = cfg.support_sliding_window
         had_tree = bool(req.tree_before.any())
         paged_only = (req.is_decode and not write_after) or had_tree
         qo_indptr = exclusive_cumsum(req.append)
-        blen_before = pt.b_len[req.last].astype(np.int64)
-        seq_len_before = pt.s_len[req.slots].astype(np.int64)
+        blen_before, _, seq_len_before = before
         depths = holders = None
+        max_append = int(req.append.max())
+        # only a plan the next decode step reuses needs to know where the last blocks are
+        reused = req.is_decode and req.tree_parents is None and not write_after
         if not paged_only:          # the ragged pass covers the new tokens: depths see history
-            depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode)
-        undo = self.state.reserve_forward(req.seqs, req.last, req.append, need, slides)
+            depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode,
+                                           max_append=max_append, want_holders=reused)
+        undo = self.state.reserve_forward(req.seqs, req.last, req.append, need, slides,
+                                          slots=req.slots, before=before)
         masks = None
         if req.tree_parents is not None:
             self.state.extend_trees(undo, req.seqs, req.tree_parents, qo_indptr)
@@ -126,13 +132,15 @@ class Planner:
         if paged_only:
             sizes = pt.s_tree[req.slots].astype(np.int64) if masks is not None else None
             depths, holders = build_depths(pt, cfg, req.last, qo_indptr, is_decode=req.is_decode,
-                                           tree_sizes=sizes, tree_masks=masks)
-        assert depths is not None and holders is not None     # set on either branch above
-        plan = ForwardPlan(seq_ids=req.seq_ids, append_lengths=req.append,
-                           total_tokens=req.total, max_append=int(req.append.max()),
+                                           tree_sizes=sizes, tree_masks=masks,
+                                           max_append=max_append, want_holders=reused)
+        assert depths is not None                     # set on either branch above
+        plan = build(ForwardPlan, seq_ids=req.seq_ids, append_lengths=req.append,
+                           total_tokens=req.total, max_append=max_append,
                            paged_only=paged_only, write_after=write_after, tokens=tokens,
                            depths=depths, undo=undo)
-        if req.is_decode and req.tree_parents is None and not write_after:
+        if reused:
+            assert holders is not None                    # built because reused asked for them
             return self._remember(plan, req, holders)
         return plan
 

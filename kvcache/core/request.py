@@ -5,6 +5,7 @@ and the limit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Optional
 
 import numpy as np
@@ -12,6 +13,9 @@ import numpy as np
 from ..errors import (ForwardStateError, InvalidArgumentError, SequenceNotFoundError,
                       UnsupportedFeatureError)
 from .validate import INT32_MAX, int_array, seq_id_list
+
+
+_slot_of = attrgetter("slot")
 
 
 def exclusive_cumsum(x: np.ndarray) -> np.ndarray:
@@ -64,7 +68,7 @@ def check_batch(pt, config, seq_ids, append_lengths) -> tuple[list, list, np.nda
     if total > limit:
         raise InvalidArgumentError(f"forward of {total} tokens exceeds prefill_chunk_size={limit}")
     try:
-        seqs = [pt.seqs[s] for s in seq_ids]
+        seqs = list(map(pt.seqs.__getitem__, seq_ids))
     except (KeyError, TypeError):
         missing = next(s for s in seq_ids if not isinstance(s, (int, np.integer)) or s not in pt.seqs)
         raise SequenceNotFoundError(
@@ -78,7 +82,7 @@ def check_batch(pt, config, seq_ids, append_lengths) -> tuple[list, list, np.nda
 def check_forward(pt, config, capabilities, seq_ids, seqs, append,
                   tree_parent_ptr) -> ForwardRequest:
     """The ``ForwardRequest`` of a batch ``check_batch`` accepted, with its token tree checked."""
-    slots = np.array([s.slot for s in seqs], np.int64)
+    slots = np.fromiter(map(_slot_of, seqs), np.int64, len(seqs))
     total = int(append.sum())
     tree_before = pt.s_tree[slots].astype(np.int64)
     if tree_parent_ptr is None and tree_before.any():

@@ -10,11 +10,17 @@ from ..errors import CacheFullError
 from .request import ForwardRequest
 
 
-def count_pages(state, config, req: ForwardRequest) -> tuple[np.ndarray, dict]:
-    """(new pages per sequence, ``SlidePlan`` per index of each sliding sequence)."""
+def count_pages(state, config, req: ForwardRequest, before=None) -> tuple[np.ndarray, dict]:
+    """(new pages per sequence, ``SlidePlan`` per index of each sliding sequence).
+    ``before``: (last block lengths, their page counts, sequence lengths), each (B,), when
+    already gathered."""
     pt = state.pt
-    blen = pt.b_len[req.last].astype(np.int64)
-    need = np.maximum(-(-(blen + req.append) // config.page_size) - pt.b_npages[req.last], 0)
+    if before is None:
+        before = (pt.b_len[req.last], pt.b_npages[req.last], None)
+    blen, npages = before[0], before[1]
+    need = -(-(blen + req.append) // config.page_size)     # int64: append is
+    need -= npages
+    np.maximum(need, 0, out=need)
     slides = {}
     if config.support_sliding_window:
         for i in np.flatnonzero(pt.s_window[req.slots] >= 0):

@@ -420,33 +420,56 @@ class CacheState:
 
 
     # ------------------------------------------------------------------ forwards
-    def reserve_forward(self, seqs, last, append, need, slides: dict) -> ForwardUndo:
+    def reserve_forward(self, seqs, last, append, need, slides: dict,
+                        slots=None, before=None) -> ForwardUndo:
         """Reserve a forward's tokens: ``need[i]`` new pages for sequence ``seqs[i]`` (last block
         ``last[i]``) and ``append[i]`` tokens; ``slides`` maps the index of each sliding
-        sequence to its ``SlidePlan``. Every new page is taken first, then windows slide: a page
-        that slides out goes back to the free list but is never handed to this same forward, so
-        an aborted forward has written nothing into the rows its sequences keep again. Returns
-        the ``ForwardUndo`` that ``rollback_forward`` restores."""
+        sequence to its ``SlidePlan``; ``slots``: the sequences' slots (B,) when known;
+        ``before``: (last block lengths, their page counts, sequence lengths) as gathered
+        before this call (copies, kept by the undo record), when known. Every
+        new page is taken first, then windows slide: a page that slides out goes back to the
+        free list but is never handed to this same forward, so an aborted forward has written
+        nothing into the rows its sequences keep again. Returns the ``ForwardUndo`` that
+        ``rollback_forward`` restores."""
         pt = self.pt
-        slots = np.array([s.slot for s in seqs], np.int64)
-        undo = ForwardUndo(pt.num_free, slots, last, pt.s_len[slots], pt.b_len[last],
-                           pt.b_npages[last])
+        if slots is None:
+            slots = np.array([s.slot for s in seqs], np.int64)
+        if before is None:
+            before = (pt.b_len[last], pt.b_npages[last], pt.s_len[slots])
+        undo = ForwardUndo(pt.num_free, slots, last, before[2], before[0], before[1])
         offsets = np.zeros(len(need) + 1, np.int64)
         np.cumsum(need, out=offsets[1:])
         fresh = pt.take_pages(int(offsets[-1]))
+        if not slides:
+            grow = np.flatnonzero(need)
+            if len(grow):
+                blocks, count = last[grow], need[grow]
+                have = before[1][grow]
+                total = have + count
+                room = total <= pt.b_pcap[blocks]
+                if not room.all():              # a full region moves first (amortised rare)
+                    for j in (~room).nonzero()[0]:
+                        pt.ensure_capacity(int(blocks[j]), int(total[j]))
+                # sequence i's pages fresh[offsets[i]:offsets[i+1]] follow its last page
+                at = np.repeat(pt.b_pstart[blocks] + have - offsets[grow], count)
+                at += np.arange(len(fresh))
+                pt.page_store[at] = fresh
+                pt.b_npages[blocks] = total
+            pt.b_len[last] = before[0] + append
+            pt.s_len[slots] = before[2] + append
+            return undo
         sliding = np.zeros(len(seqs), bool)
         sliding[list(slides)] = True
         for i in np.flatnonzero(need > 0):
             if not sliding[i]:
                 pt.push_pages(int(last[i]), fresh[offsets[i]:offsets[i + 1]])
-        if slides:
-            undo.free_top = pt.free_pages[pt.num_free:undo.num_free].copy()
-            undo.slid = []
-            for i in slides:
-                b = int(last[i])
-                undo.slid.append((b, pt.pages_of(b).copy(), int(pt.b_sink[b]),
-                                  int(pt.b_window_offset[b])))
-                self._slide(seqs[i], int(append[i]), fresh[offsets[i]:offsets[i + 1]])
+        undo.free_top = pt.free_pages[pt.num_free:undo.num_free].copy()
+        undo.slid = []
+        for i in slides:
+            b = int(last[i])
+            undo.slid.append((b, pt.pages_of(b).copy(), int(pt.b_sink[b]),
+                              int(pt.b_window_offset[b])))
+            self._slide(seqs[i], int(append[i]), fresh[offsets[i]:offsets[i + 1]])
         plain = np.flatnonzero(~sliding)
         pt.b_len[last[plain]] += append[plain].astype(np.int32)
         pt.s_len[slots[plain]] += append[plain].astype(np.int32)

@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 from ..backend import TreeMask
-from .plan import TokenArrays
+from .plan import TokenArrays, build
 from .request import ForwardRequest, exclusive_cumsum
 
 
@@ -20,17 +20,25 @@ def token_arrays(state, config, req: ForwardRequest, qo_indptr, blen_before, seq
     its tree's ``tree_masks`` when the ragged pass needs them (else None)."""
     pt, ps = state.pt, config.page_size
     seq_of_token = np.repeat(np.arange(req.batch), req.append)
-    r = np.arange(req.total) - qo_indptr[seq_of_token]
-    in_block = blen_before[seq_of_token] + r
-    store_idx = pt.b_pstart[req.last][seq_of_token] + in_block // ps
-    slots = pt.page_store[store_idx].astype(np.int64) * ps + in_block % ps
+    t = np.arange(req.total)
+    first = qo_indptr[:-1]
+    # token t of sequence i is its (t - first[i])-th new token
+    in_block = (blen_before - first)[seq_of_token]
+    in_block += t
+    page, row = np.divmod(in_block, ps)
+    page += pt.b_pstart[req.last][seq_of_token]
+    # int32 slots cannot wrap: num_pages * page_size fits in int32 (CacheConfig)
+    slots = pt.page_store[page]
+    slots *= ps
+    slots += row
     for i in slides:
         lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
         slots[lo:hi] = sliding_slots(state, config, req.seqs[i], int(blen_before[i]),
                                      int(req.append[i]))
     k_rope_offset = seq_len_before - req.tree_before       # the committed length
     if req.tree_parents is None:
-        positions = k_rope_offset[seq_of_token] + r
+        positions = (k_rope_offset - first)[seq_of_token]
+        positions += t
     else:
         positions = np.zeros(req.total, np.int64)
         for i, seq in enumerate(req.seqs):
@@ -41,9 +49,9 @@ def token_arrays(state, config, req: ForwardRequest, qo_indptr, blen_before, seq
         sizes = np.array([len(seq.tree_parent) for seq in req.seqs], np.int64)
         self_tree = TreeMask(exclusive_cumsum(sizes).astype(np.int32),
                              np.concatenate(self_tree_masks).astype(np.int32))
-    return TokenArrays(qo_indptr=qo_indptr.astype(np.int32),
+    return build(TokenArrays, qo_indptr=qo_indptr.astype(np.int32),
                        q_positions=positions.astype(np.int32),
-                       append_slots=slots.astype(np.int32),
+                       append_slots=slots,
                        k_rope_offset=k_rope_offset.astype(np.int32), self_tree=self_tree)
 
 
