@@ -245,18 +245,18 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     standard); run the model inside ``fused_rope(model, cache)`` then."""
     config = model.config
     heads = int(config.num_attention_heads)
-    rope_kw = dict(rope_mode="none")
+    mode, inv_freq, rot = "none", (), 0
     if _check_rope(rope) == "cache":
-        inv_freq, rot = model_rotary(model)
-        rope_kw = dict(rope_mode="normal", rope_inv_freq=tuple(inv_freq.tolist()),
-                       rope_rotary_dim=rot)
+        freqs, rot = model_rotary(model)
+        mode, inv_freq = "normal", tuple(freqs.tolist())
     return CacheConfig(
         num_layers=int(config.num_hidden_layers), num_qo_heads=heads,
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=_head_dim(config), page_size=page_size, max_batch_size=max_batch_size,
         max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
         dtype=_dtype_name(dtype if dtype is not None else model.dtype),
-        rope_theta=float(getattr(config, "rope_theta", None) or 10000.0), **rope_kw)
+        rope_mode=mode, rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
+        rope_inv_freq=inv_freq, rope_rotary_dim=rot)
 
 
 # ---------------------------------------------------------------------- attention function
