@@ -82,9 +82,9 @@ class ModelAdapter(abc.ABC):
         Returns the logits ``(B, vocab_size)`` as any array ``to_numpy`` accepts.
         """
 
-    def session(self):
-        """A context manager around one ``generate`` call (e.g. switching the model's attention
-        to the cache and back)."""
+    def session(self, cache: PagedKVCache):
+        """A context manager around one ``generate`` call on ``cache`` (e.g. switching the
+        model's attention to the cache and back)."""
         return contextlib.nullcontext()
 
     def to_numpy(self, logits) -> np.ndarray:
@@ -197,7 +197,7 @@ class Engine:
                 f"generate needs an empty cache, but it holds {self.cache.num_sequences} sequences "
                 f"(another generate did not finish?); call engine.cache.clear()")
         try:
-            with self.adapter.session():
+            with self.adapter.session(self.cache):
                 out = self._run(prompts, max_new, n, temperature, int(seed), stops)
         except BaseException:
             self.cache.clear()

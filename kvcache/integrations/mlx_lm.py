@@ -252,7 +252,7 @@ class MlxLmAdapter(ModelAdapter):
                 f"(capability 'window_left' not declared)")
 
     @contextlib.contextmanager
-    def session(self):
+    def session(self, cache):
         """Each layer's ``self_attn`` is a ``CacheAttention`` for the duration (restored)."""
         layers = _layers(self.model)
         originals = [layer.self_attn for layer in layers]

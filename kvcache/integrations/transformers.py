@@ -10,9 +10,14 @@ Two ways in:
   ``cache_config(model)`` (``rope_mode="none"``: the model applies its own RoPE);
 * ``Engine(model, ...)``: continuous-batching generation (see ``kvcache.integrations.engine``).
 
-The model keeps its own rotary embedding, so the cache must not rotate: a cache whose
-``rope_mode`` is not ``"none"`` is refused by the attention function (it would rotate q and k
-a second time). Sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Phi-3 with a
+RoPE: by default the model keeps its own rotary embedding, so the cache must not rotate: a
+cache whose ``rope_mode`` is not ``"none"`` is refused by the attention function (it would rotate
+q and k a second time). The cache's fused RoPE append is opt-in (``Engine(model, rope="cache")``,
+or ``cache_config(model, rope="cache")`` with ``fused_rope(model, cache)`` in your own loop): it
+is allowed only when ``model_rotary(model)`` proves the model's rotary is the standard
+rotate-half one with static inverse frequencies and no output scaling; the cache then rotates
+with the model's own ``inv_freq`` (and partial rotary dim), and the model's rotary embedding
+returns cos=1, sin=0 for the duration so its layers hand over unrotated q and k. Sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Phi-3 with a
 ``sliding_window``) see the previous ``sliding_window`` positions including their own, as
 transformers defines it; that is ``window_left = sliding_window - 1`` in the cache's terms and
 needs the backend capability ``window_left`` once a sequence outgrows the window.
@@ -21,6 +26,7 @@ needs the backend capability ``window_left`` once a sequence outgrows the window
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -51,8 +57,9 @@ if _version(transformers.__version__) < MIN_VERSION:
         f"{'.'.join(map(str, MIN_VERSION))}, found {transformers.__version__}; install it with: "
         f"pip install -U 'kvcache[transformers]'")
 
-__all__ = ["ATTN_IMPLEMENTATION", "Engine", "FAMILIES", "TransformersAdapter", "attention",
-           "cache_config", "register", "sliding_windows"]
+__all__ = ["ATTN_IMPLEMENTATION", "Engine", "FAMILIES", "ROPE_CHOICES", "TransformersAdapter",
+           "attention", "cache_config", "fused_rope", "model_rotary", "register",
+           "sliding_windows"]
 
 ATTN_IMPLEMENTATION = "kvcache"
 """The name ``register()`` gives the attention implementation."""
@@ -68,6 +75,16 @@ FAMILIES = {
     "gemma": "head_dim 256 with one KV head (the backend's head_dims)",
 }
 """Model families (``config.model_type``) the Engine runs, and what each needs of a backend."""
+
+ROPE_CHOICES = ("model", "cache")
+"""Who rotates q and k: ``"model"`` (its own rotary embedding; cache ``rope_mode="none"``) or
+``"cache"`` (the cache's fused RoPE append with the model's frequencies; ``rope_mode="normal"``)."""
+
+# rope types whose inverse frequencies are fixed at construction (dynamic NTK and longrope
+# change them with the sequence length, which a fixed cache table cannot follow)
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# attention module -> the cache whose fused RoPE rotates for it (inside fused_rope only)
+_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # attention arguments whose meaning the cache does not implement
@@ -101,20 +118,145 @@ def _dtype_name(dtype) -> str:
     return _DTYPES[dtype]
 
 
+def _rotary_module(model):
+    found = [m for m in model.modules()
+             if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
+    if len(found) != 1:
+        raise UnsupportedFeatureError(
+            f"rope='cache' needs the model's one rotary embedding module (with inv_freq and "
+            f"attention_scaling); {type(model).__name__} has {len(found)}")
+    return found[0]
+
+
+def _check_rope(rope: str) -> str:
+    if rope not in ROPE_CHOICES:
+        raise InvalidArgumentError(f"rope={rope!r} is not one of {ROPE_CHOICES}")
+    return rope
+
+
+def model_rotary(model) -> tuple:
+    """``(inv_freq, rotary_dim)`` of the model's rotary embedding, once proven standard:
+    ``inv_freq`` (R/2,) float64 (R: the rotated dims), ``rotary_dim`` R when R < head_dim
+    (partial rotary, e.g. Phi-3's ``partial_rotary_factor``), else 0.
+
+    Standard means: a supported family (its layers rotate q and k with transformers'
+    rotate-half ``apply_rotary_pos_emb`` before attention), a rope type whose frequencies are
+    fixed (``default``, ``linear``, ``llama3``, ``yarn``), ``attention_scaling == 1`` (YaRN's
+    attention factor scales cos/sin, which the cache does not) and cos/sin that equal
+    ``cos/sin(position * inv_freq)`` repeated over both halves at probe positions. Raises
+    ``UnsupportedFeatureError`` naming what fails."""
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in FAMILIES:
+        raise UnsupportedFeatureError(
+            f"rope='cache': model family {family!r} is not one whose rotary the integration "
+            f"knows; supported: {', '.join(sorted(FAMILIES))}")
+    emb = _rotary_module(model)
+    rope_type = getattr(emb, "rope_type", None)
+    if not isinstance(rope_type, str) or rope_type not in _STATIC_ROPE_TYPES:
+        raise UnsupportedFeatureError(
+            f"rope='cache': the {family} model's rope type {rope_type!r} is not one with fixed "
+            f"inverse frequencies {_STATIC_ROPE_TYPES} (dynamic and longrope frequencies change "
+            f"with the sequence length); use rope='model'")
+    scaling = float(emb.attention_scaling)
+    if scaling != 1.0:
+        raise UnsupportedFeatureError(
+            f"rope='cache': the {family} model's rotary ({rope_type}) scales cos and sin by "
+            f"attention_scaling={scaling} (e.g. YaRN's attention factor), which the cache's RoPE "
+            f"does not; use rope='model'")
+    inv_freq = emb.inv_freq.detach().to("cpu", torch.float64)
+    original = getattr(emb, "original_inv_freq", None)
+    if original is not None and not torch.equal(inv_freq, original.detach().to("cpu", torch.float64)):
+        raise UnsupportedFeatureError(
+            f"rope='cache': the {family} model's inv_freq differs from the one it was built "
+            f"with (updated for a sequence length); use rope='model'")
+    head_dim = _head_dim(model.config)
+    rot = 2 * inv_freq.numel()
+    if rot > head_dim:
+        raise UnsupportedFeatureError(
+            f"rope='cache': the {family} model rotates {rot} dims, more than head_dim {head_dim}")
+    # probe: cos/sin must be the standard table of these frequencies, unscaled
+    device = emb.inv_freq.device
+    pos = torch.tensor([[0, 1, 2, 17, 255, 4095]], device=device)
+    with torch.no_grad():
+        cos, sin = emb(torch.zeros(1, device=device, dtype=torch.float32), pos)
+    angles = pos[0, :, None].double().cpu() * emb.inv_freq.detach().to("cpu", torch.float32).double()
+    angles = torch.cat([angles, angles], -1)
+    got = (cos[0].double().cpu(), sin[0].double().cpu())
+    want = (angles.cos(), angles.sin())
+    if any(g.shape != w.shape or not torch.allclose(g, w, rtol=0, atol=2e-3) for g, w in zip(got, want)):
+        raise UnsupportedFeatureError(
+            f"rope='cache': the {family} model's rotary embedding {type(emb).__name__} does not "
+            f"return the standard rotate-half cos/sin of its inv_freq; use rope='model'")
+    return inv_freq.numpy(), (rot if rot < head_dim else 0)
+
+
+def _unrotated(module, args, output):
+    """Forward hook: the rotary embedding returns cos=1, sin=0 (its layers rotate nothing)."""
+    cos, sin = output
+    return torch.ones_like(cos), torch.zeros_like(sin)
+
+
+@contextlib.contextmanager
+def fused_rope(model, cache):
+    """Let ``cache``'s fused RoPE append rotate q and k for ``model`` for the duration.
+
+    ``cache``: built with ``cache_config(model, rope="cache")`` (``rope_mode="normal"``, the
+    model's ``inv_freq`` and rotary dim). Checks that the model's rotary is standard
+    (``model_rotary``) and that the cache rotates with exactly its frequencies, then makes the
+    model's rotary embedding return cos=1, sin=0 (a forward hook, removed on exit) and lets the
+    ``"kvcache"`` attention of the model's layers accept this cache. Raises
+    ``UnsupportedFeatureError`` (a rotary the cache cannot reproduce) or
+    ``InvalidArgumentError`` (a cache whose RoPE differs from the model's)."""
+    inv_freq, rot = model_rotary(model)
+    cfg = cache.config
+    spec_rot = cfg.rope_rotary_dim if cfg.rope_rotary_dim != cfg.head_dim else 0
+    same = (cfg.effective_rope_mode == "normal" and cfg.rope_scale == 1.0 and spec_rot == rot
+            and len(cfg.rope_inv_freq) == len(inv_freq)
+            and np.array_equal(np.asarray(cfg.rope_inv_freq, np.float64), inv_freq))
+    if not same:
+        raise InvalidArgumentError(
+            f"fused_rope: the cache (rope_mode={cfg.rope_mode!r}, rope_scale={cfg.rope_scale}, "
+            f"rope_rotary_dim={cfg.rope_rotary_dim}, {len(cfg.rope_inv_freq)} rope_inv_freq "
+            f"values) does not rotate exactly as the model ({len(inv_freq)} inverse "
+            f"frequencies, rotary dim {rot or 'all'}); build it with "
+            f"cache_config(model, rope='cache')")
+    layers = [m for m in model.modules() if getattr(m, "layer_idx", None) is not None]
+    if any(m in _FUSED for m in layers):
+        raise InvalidArgumentError("fused_rope: the model is already inside a fused_rope block")
+    handle = _rotary_module(model).register_forward_hook(_unrotated)
+    try:
+        for m in layers:
+            _FUSED[m] = cache
+        yield
+    finally:
+        handle.remove()
+        for m in layers:
+            _FUSED.pop(m, None)
+
+
 def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: int = 65536,
-                 max_batch_size: int = 64, prefill_chunk_size: int = 2048) -> CacheConfig:
+                 max_batch_size: int = 64, prefill_chunk_size: int = 2048,
+                 rope: str = "model") -> CacheConfig:
     """A ``CacheConfig`` for a transformers causal LM: layers, query/KV heads and head_dim from
-    ``model.config``, ``rope_mode="none"`` (the model rotates q and k itself), ``dtype`` (None:
-    the model's parameter dtype) and the given sizes."""
+    ``model.config``, ``dtype`` (None: the model's parameter dtype) and the given sizes.
+    ``rope``: ``"model"`` gives ``rope_mode="none"`` (the model rotates q and k itself);
+    ``"cache"`` gives ``rope_mode="normal"`` with the model's ``inv_freq`` and partial rotary
+    dim (``model_rotary``; raises ``UnsupportedFeatureError`` when they cannot be proven
+    standard); run the model inside ``fused_rope(model, cache)`` then."""
     config = model.config
     heads = int(config.num_attention_heads)
+    mode, inv_freq, rot = "none", (), 0
+    if _check_rope(rope) == "cache":
+        freqs, rot = model_rotary(model)
+        mode, inv_freq = "normal", tuple(freqs.tolist())
     return CacheConfig(
         num_layers=int(config.num_hidden_layers), num_qo_heads=heads,
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=_head_dim(config), page_size=page_size, max_batch_size=max_batch_size,
         max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
-        dtype=_dtype_name(dtype if dtype is not None else model.dtype), rope_mode="none",
-        rope_theta=float(getattr(config, "rope_theta", None) or 10000.0))
+        dtype=_dtype_name(dtype if dtype is not None else model.dtype),
+        rope_mode=mode, rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
+        rope_inv_freq=inv_freq, rope_rotary_dim=rot)
 
 
 # ---------------------------------------------------------------------- attention function
@@ -138,7 +280,8 @@ def attention(module, query, key, value, attention_mask, scaling: Optional[float
     """The ``"kvcache"`` attention implementation (transformers' attention-function signature).
 
     ``query`` (1, num_qo_heads, T, head_dim), ``key``/``value`` (1, num_kv_heads, T, head_dim):
-    the T new tokens of the open forward of ``kwargs["kvcache"]``, already rotated by the model.
+    the T new tokens of the open forward of ``kwargs["kvcache"]``, already rotated by the model
+    (unrotated inside ``fused_rope(model, cache)``, where the cache rotates them).
     Returns ``(output (1, T, num_qo_heads, head_dim) in query's dtype, None)``.
     """
     cache = kwargs.get("kvcache")
@@ -147,12 +290,13 @@ def attention(module, query, key, value, attention_mask, scaling: Optional[float
             f"attention implementation {ATTN_IMPLEMENTATION!r} needs the cache: call the model "
             f"with kvcache=cache (and use_cache=False) inside `with cache.forward(seq_ids, "
             f"lengths):`, or switch back with model.set_attn_implementation('sdpa')")
-    if cache.config.rope_mode != "none":
+    if cache.config.rope_mode != "none" and _FUSED.get(module) is not cache:
         raise InvalidArgumentError(
             f"the cache has rope_mode={cache.config.rope_mode!r}, but a transformers model "
             f"applies its own RoPE before attention: the cache would rotate q and k a second "
             f"time. Create the cache with rope_mode='none' (kvcache.integrations.transformers."
-            f"cache_config(model) does)")
+            f"cache_config(model) does), or let the cache rotate with cache_config(model, "
+            f"rope='cache') and run the model inside fused_rope(model, cache)")
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise InvalidArgumentError(f"{type(module).__name__} has no layer_idx: cannot tell which "
@@ -199,7 +343,7 @@ def register() -> str:
 class TransformersAdapter(ModelAdapter):
     """A transformers causal LM (a supported family) as the engine's model."""
 
-    def __init__(self, model):
+    def __init__(self, model, rope: str = "model"):
         config = getattr(model, "config", None)
         family = getattr(config, "model_type", None)
         if family not in FAMILIES:
@@ -216,12 +360,15 @@ class TransformersAdapter(ModelAdapter):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.windows = sliding_windows(config)
         self.device = next(model.parameters()).device
+        self.rope = _check_rope(rope)
+        if rope == "cache":
+            model_rotary(model)            # refuse a rotary the cache cannot reproduce, early
 
     def cache_config(self, *, dtype, page_size, max_total_tokens, max_batch_size,
                      prefill_chunk_size) -> CacheConfig:
         return cache_config(self.model, dtype=dtype, page_size=page_size,
                             max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
-                            prefill_chunk_size=prefill_chunk_size)
+                            prefill_chunk_size=prefill_chunk_size, rope=self.rope)
 
     def default_device(self) -> Optional[str]:
         return str(self.device)
@@ -246,14 +393,16 @@ class TransformersAdapter(ModelAdapter):
                 f"(capability 'window_left' not declared)")
 
     @contextlib.contextmanager
-    def session(self):
-        """The model runs the "kvcache" attention for the duration (restored afterwards)."""
+    def session(self, cache):
+        """The model runs the "kvcache" attention for the duration (restored afterwards); with
+        ``rope="cache"`` inside ``fused_rope(model, cache)``."""
         register()
         before = self.model.config._attn_implementation
         if before != ATTN_IMPLEMENTATION:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        rotary = fused_rope(self.model, cache) if self.rope == "cache" else contextlib.nullcontext()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), rotary:
                 yield
         finally:
             if before != ATTN_IMPLEMENTATION:
@@ -279,13 +428,18 @@ class Engine(_Engine):
     ``"auto"``; ``device``: the cache's device (None: the model's); ``dtype``: the cache dtype
     (None: the model's); ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``),
     ``max_batch_size``, ``prefill_chunk_size`` (None: ``min(2048, max_total_tokens)``): as in
-    ``CacheConfig``. See ``kvcache.integrations.engine.Engine.generate``.
+    ``CacheConfig``. ``rope``: who rotates q and k, ``"model"`` (default: the model's own
+    rotary embedding, cache ``rope_mode="none"``) or ``"cache"`` (the cache's fused RoPE append
+    with the model's inverse frequencies, ``rope_mode="normal"``; raises
+    ``UnsupportedFeatureError`` unless ``model_rotary`` proves the rotary standard and the
+    backend has ``rope_frequencies``). See ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
                  dtype=None, page_size: int = 16, max_total_tokens: Optional[int] = None,
-                 max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None):
+                 max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None,
+                 rope: str = "model"):
         self.model = model
-        super().__init__(TransformersAdapter(model), backend=backend, device=device, dtype=dtype,
+        super().__init__(TransformersAdapter(model, rope), backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size)
