@@ -156,26 +156,32 @@ class DecodeReuse:
                     return None
         return counts
 
+    def _claim(self, pt, last, npages, grow):
+        """The new pages of the sequences ``grow`` (one each; the holders' page counts updated),
+        or None when a depth's coalescing choice would flip (the plan must be rebuilt)."""
+        counts = self._growth(grow, len(last))
+        if counts is None:
+            return None
+        for h, g in zip(self.holders, counts):
+            h.pages += g
+            h.grouped_pages += g
+        return take_pages(pt, last, npages, grow)
+
     def next_step(self, pt, page_size):
         """The next step's plan, the page table updated; None, having changed nothing, when a
         depth's coalescing choice would flip."""
         if self.flat is not None:
             return self._flat_next(pt, page_size)
         last, slots = self.last, self.slots
-        batch = len(last)
         blen = pt.b_len[last]
         npages = pt.b_npages[last]
         grow = reserve_pages(pt, page_size, self.seq_ids, last, blen, npages)
         undo = ForwardUndo(pt.num_free, slots, last, pt.s_len[slots], blen, npages)
         fresh = None
         if len(grow):
-            counts = self._growth(grow, batch)
-            if counts is None:
+            fresh = self._claim(pt, last, npages, grow)
+            if fresh is None:
                 return None
-            for h, g in zip(self.holders, counts):
-                h.pages += g
-                h.grouped_pages += g
-            fresh = take_pages(pt, last, npages, grow)
         pt.b_len[last] = blen + 1
         pt.s_len[slots] = undo.seq_len + 1
         in_page = blen % page_size
@@ -198,13 +204,9 @@ class DecodeReuse:
         grow = fresh = None
         if np.count_nonzero(f.full):            # some last page is full: one page each
             grow = reserve_pages(pt, ps, self.seq_ids, last, blen, npages)
-            counts = self._growth(grow, len(last))
-            if counts is None:
+            fresh = self._claim(pt, last, npages, grow)
+            if fresh is None:
                 return None
-            for h, g in zip(self.holders, counts):
-                h.pages += g
-                h.grouped_pages += g
-            fresh = take_pages(pt, last, npages, grow)
         undo = ForwardUndo(num_free, slots, last, pt.s_len.take(slots, out=f.seq_len), blen,
                            npages)
         np.add(blen, 1, out=f.scratch)

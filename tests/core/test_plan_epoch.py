@@ -37,14 +37,20 @@ def _arrays(plan):
     return [(d, name, a.tolist()) for d, name, a in walk(plan)]
 
 
-def test_a_new_operation_bumps_the_epoch_and_the_stale_plan_is_not_reused():
-    planner = _planner(StateWithNewOperation)
-    state = planner.state
+def _two_decoding(state_cls):
+    """A planner whose sequences 0 and 1 hold 6 tokens each and ran two decode steps (the second
+    reused the first's plan: both are now two full pages)."""
+    planner = _planner(state_cls)
     for sid in (0, 1):
-        state.add_sequence(sid)
+        planner.state.add_sequence(sid)
         planner.begin([sid], [6])
     planner.begin([0, 1], [1, 1])
-    planner.begin([0, 1], [1, 1])                      # reused: both now two full pages
+    planner.begin([0, 1], [1, 1])
+    return planner, planner.state
+
+
+def test_a_new_operation_bumps_the_epoch_and_the_stale_plan_is_not_reused():
+    planner, state = _two_decoding(StateWithNewOperation)
     reuse = planner.decode_reuse
     assert reuse is not None and reuse.epoch == state.epoch
     epoch = state.epoch
@@ -63,13 +69,7 @@ def test_a_new_operation_bumps_the_epoch_and_the_stale_plan_is_not_reused():
 def test_stale_plan_would_be_wrong():
     """The same change hidden from the epoch makes the reused plan differ from a rebuild: the
     epoch, not luck, keeps the test above honest."""
-    planner = _planner(CacheState)
-    state = planner.state
-    for sid in (0, 1):
-        state.add_sequence(sid)
-        planner.begin([sid], [6])
-    planner.begin([0, 1], [1, 1])
-    planner.begin([0, 1], [1, 1])
+    planner, state = _two_decoding(CacheState)
     slow = copy.deepcopy(planner)
     slow.fast_path = False
     for p in (planner, slow):                          # the change, bypassing CacheState

@@ -314,12 +314,35 @@ def _copy_rows_kernel(pages_ptr, src_base, dst_base, HKV,
 
 # ====================================================================== attention
 @triton.jit
-def _ragged_visible(c, c_ok, r, window_left):
+def _ragged_visible(c, c_ok, r, window_left, tlo, q_order, tmask_ptr, TREE: tl.constexpr):
     """Which new keys c each row r sees: causal, and (window_left >= 0) no key more than
-    window_left rows before it (new tokens of a sequence sit at consecutive positions). The
-    attention kernel and the non-finite pass share it, so both mask alike."""
+    window_left rows before it (new tokens of a sequence sit at consecutive positions); with a
+    tree, only its ancestors. The attention kernel and the non-finite pass share it, so both
+    mask alike."""
     lo_key = tl.where(window_left >= 0, r - window_left, -2147483647)
-    return c_ok[None, :] & (c[None, :] <= r[:, None]) & (c[None, :] >= lo_key[:, None])
+    vis = c_ok[None, :] & (c[None, :] <= r[:, None]) & (c[None, :] >= lo_key[:, None])
+    if TREE:
+        k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
+        k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
+        vis = vis & (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
+    return vis
+
+
+@triton.jit
+def _ragged_rows(qo_ptr, GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's sequence, KV head, the sequence's first token and length, its first query
+    row m0, and per row: the token r within the sequence, the query head, and whether it is real.
+    Grid (q tiles, seqs, Hkv); a row is (token, head of the KV head's group)."""
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    lo = tl.load(qo_ptr + seq)
+    n = tl.load(qo_ptr + seq + 1) - lo
+    m0 = tl.program_id(0) * M_TOK
+    ri = tl.arange(0, BLOCK_R)
+    r = m0 + ri // GROUP
+    head = kvh * GROUP + ri % GROUP
+    row_ok = (ri < M_TOK * GROUP) & (r < n)
+    return seq, kvh, lo, n, m0, r, head, row_ok
 
 
 @triton.jit
@@ -345,11 +368,7 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
         kf = tl.load(k_ptr + kt[:, None] * sk_t + kvh * sk_h + dd[None, :],
                      mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
         qk = _dot(q1, tl.trans(kf), IEEE)
-    vis = _ragged_visible(c, c_ok, r, window_left)
-    if TREE:
-        k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
-        k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
-        vis = vis & (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
+    vis = _ragged_visible(c, c_ok, r, window_left, tlo, q_order, tmask_ptr, TREE)
     v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
                 mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
     return _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE, False)
@@ -364,17 +383,8 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
                    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr,
                    ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr):
     """Causal (or tree) attention among one sequence's new tokens; grid (q tiles, seqs, Hkv)."""
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    kvh = tl.program_id(2)
-    lo = tl.load(qo_ptr + seq)
-    n = tl.load(qo_ptr + seq + 1) - lo
-    m0 = pid_m * M_TOK
+    seq, kvh, lo, n, m0, r, head, row_ok = _ragged_rows(qo_ptr, GROUP, M_TOK, BLOCK_R)
     if m0 < n:
-        ri = tl.arange(0, BLOCK_R)
-        r = m0 + ri // GROUP
-        head = kvh * GROUP + ri % GROUP
-        row_ok = (ri < M_TOK * GROUP) & (r < n)
         tok = (lo + r).to(tl.int64)
         dh = tl.arange(0, BLOCK_HALF)
         dh_ok = dh < HALF
@@ -438,17 +448,8 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
     """Put the non-finite V values that ``_ragged_kernel`` ran without back into the outputs of
     the rows that see their keys (same grid and rows as ``_ragged_kernel``). Without any such
     value (``any`` 0: nearly always) a program reads one flag and stops."""
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    kvh = tl.program_id(2)
-    lo = tl.load(qo_ptr + seq)
-    n = tl.load(qo_ptr + seq + 1) - lo
-    m0 = pid_m * M_TOK
+    seq, kvh, lo, n, m0, r, head, row_ok = _ragged_rows(qo_ptr, GROUP, M_TOK, BLOCK_R)
     if (tl.load(any_ptr) > 0) & (m0 < n):
-        ri = tl.arange(0, BLOCK_R)
-        r = m0 + ri // GROUP
-        head = kvh * GROUP + ri % GROUP
-        row_ok = (ri < M_TOK * GROUP) & (r < n)
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
         tlo = 0
@@ -464,11 +465,7 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
             kt = (lo + c).to(tl.int64)
             key_bad = tl.load(bad_ptr + kt * HKV + kvh, mask=c_ok, other=0)
             if tl.max(key_bad, 0) > 0:
-                vis = _ragged_visible(c, c_ok, r, window_left)
-                if TREE:
-                    k_order = tl.load(tmask_ptr + 2 * (tlo + c), mask=c_ok, other=0)
-                    k_upper = tl.load(tmask_ptr + 2 * (tlo + c) + 1, mask=c_ok, other=0)
-                    vis = vis & (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
+                vis = _ragged_visible(c, c_ok, r, window_left, tlo, q_order, tmask_ptr, TREE)
                 v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
                             mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
                 seen = _nonfinite_codes(seen, vis, v, key_bad)
