@@ -63,9 +63,9 @@ def test_broken_plugin_is_listed_and_hides_nothing():
     assert row("spare-test")["available"] and row("reference")["available"]
     assert set(plugins.backend_classes()) >= {"reference", "spare-test"}
 
-    cache = kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype="float32"), backend="spare-test")
+    cache = kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype="float32", rope_mode="normal"), backend="spare-test")
     assert cache.backend.name == "spare-test"
-    assert kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype="float32")).backend.name == "reference"
+    assert kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype="float32", rope_mode="normal")).backend.name == "reference"
 
     with pytest.raises(kvcache.BackendNotAvailableError) as info:
         plugins.resolve_backend("raising-test")
@@ -89,7 +89,7 @@ def test_failing_reference_plugin_breaks_only_reference(monkeypatch):
     assert "spare-test" in kvcache.available_backends()
     with pytest.raises(kvcache.BackendNotAvailableError, match="'reference' is not available: "
                                                                 "kvcache_register_backends raised"):
-        kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype="float32"), backend="reference")
+        kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype="float32", rope_mode="normal"), backend="reference")
     from kvcache.cli import _info
 
     class Args:
@@ -118,12 +118,12 @@ def test_reference_without_ml_dtypes(reference_without_ml_dtypes):
 
     assert plugins.resolve_backend("reference") is cls       # the built-in hook sees this module
     with pytest.raises(kvcache.UnsupportedFeatureError, match="capability 'dtypes'"):
-        kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype="bfloat16"), backend="reference")
+        kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype="bfloat16", rope_mode="normal"), backend="reference")
     with pytest.raises(kvcache.UnsupportedFeatureError, match="ml_dtypes"):
-        cls(kvcache.CacheConfig(**CONFIG, dtype="bfloat16"))   # bypassing PagedKVCache
+        cls(kvcache.CacheConfig(**CONFIG, dtype="bfloat16", rope_mode="normal"))   # bypassing PagedKVCache
 
     for dtype in ("float16", "float32"):
-        cache = kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype=dtype), backend="reference")
+        cache = kvcache.PagedKVCache(kvcache.CacheConfig(**CONFIG, dtype=dtype, rope_mode="normal"), backend="reference")
         x = cache.from_numpy(np.array([[1.5, -2.0]]))
         assert x.dtype == np.dtype(dtype)
         back = cache.backend.to_numpy(x)

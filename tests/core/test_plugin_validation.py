@@ -15,7 +15,7 @@ from kvcache import plugins
 from kvcache.cli import main as cli
 
 CONFIG = kvcache.CacheConfig(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=2,
-                             dtype="float32")
+                             dtype="float32", rope_mode="normal")
 
 
 @pytest.fixture

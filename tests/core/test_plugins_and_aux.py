@@ -34,7 +34,7 @@ def test_kvcache_plugins_env_limits_loading(monkeypatch):
     plugins.reset_plugins()
     assert kvcache.list_backends() == []
     with pytest.raises(kvcache.BackendNotAvailableError, match="no kvcache backend"):
-        kvcache.PagedKVCache(kvcache.CacheConfig(1, 1, 1, 2, dtype="float32"))
+        kvcache.PagedKVCache(kvcache.CacheConfig(1, 1, 1, 2, dtype="float32", rope_mode="normal"))
 
 
 def test_misspelled_hook_fails_loudly():
@@ -48,11 +48,11 @@ def test_misspelled_hook_fails_loudly():
 
 def test_unknown_and_unavailable_backends_list_every_backend_and_why():
     with pytest.raises(kvcache.BackendNotAvailableError) as info:
-        kvcache.PagedKVCache(kvcache.CacheConfig(1, 1, 1, 2, dtype="float32"), backend="nope")
+        kvcache.PagedKVCache(kvcache.CacheConfig(1, 1, 1, 2, dtype="float32", rope_mode="normal"), backend="nope")
     text = str(info.value)
     assert "unknown backend 'nope'" in text and "reference: available" in text
     with pytest.raises(kvcache.BackendNotAvailableError, match="host CPU only"):
-        kvcache.PagedKVCache(kvcache.CacheConfig(1, 1, 1, 2, dtype="float32"),
+        kvcache.PagedKVCache(kvcache.CacheConfig(1, 1, 1, 2, dtype="float32", rope_mode="normal"),
                              backend="reference", device="gpu:0")
 
 
@@ -73,7 +73,7 @@ def test_auto_picks_highest_priority_available():
             return [Better, Worse]
 
     plugins.register_plugin(Plugin(), name="prio-test")
-    cache = kvcache.PagedKVCache(kvcache.CacheConfig(1, 1, 1, 2, dtype="float32"))
+    cache = kvcache.PagedKVCache(kvcache.CacheConfig(1, 1, 1, 2, dtype="float32", rope_mode="normal"))
     assert cache.backend.name == "better-test"
     row = next(r for r in kvcache.list_backends() if r["name"] == "worse-test")
     assert row["reason"] == "never here (test)" and not row["available"]
@@ -127,7 +127,7 @@ def test_merged_aux_one_copy_per_forward_lazy_and_views_match_packing():
         def kvcache_register_backends(self):
             return [FakeDevice]
     plugins.register_plugin(Plugin(), name="fake-merged")
-    cfg = kvcache.CacheConfig(2, 4, 2, 8, page_size=4, max_total_tokens=64, dtype="float32")
+    cfg = kvcache.CacheConfig(2, 4, 2, 8, page_size=4, max_total_tokens=64, dtype="float32", rope_mode="normal")
     cache = kvcache.PagedKVCache(cfg, backend="fake-merged")
     log = cache.backend.log
     cache.add_sequence(0)

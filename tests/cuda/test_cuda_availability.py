@@ -69,7 +69,7 @@ def test_cpu_test_mode_needs_opt_in(monkeypatch):
 def test_auto_does_not_pick_cuda_without_a_gpu():
     assert resolve_backend("auto").name != "cuda"
     with pytest.raises(kvcache.BackendNotAvailableError, match="no CUDA device"):
-        kvcache.PagedKVCache(kvcache.CacheConfig(1, 4, 2, 64), backend="cuda")
+        kvcache.PagedKVCache(kvcache.CacheConfig(1, 4, 2, 64, rope_mode="normal"), backend="cuda")
 
 
 def test_import_and_register_without_torch():

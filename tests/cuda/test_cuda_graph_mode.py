@@ -212,7 +212,7 @@ def test_wrong_row_counts_are_refused():
 
 def test_graph_mode_needs_the_capability():
     cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=64,
-                              dtype="float32", static_decode=True)
+                              dtype="float32", static_decode=True, rope_mode="normal")
     with pytest.raises(kvcache.UnsupportedFeatureError, match="static_decode"):
         kvcache.PagedKVCache(cfg, backend="reference")
 

@@ -15,7 +15,7 @@ from metal_testutil import DEVICE
 
 def pair(**cfg):
     """A metal cache and a reference cache in lockstep (the suite's twin driver)."""
-    config = kvcache.CacheConfig(**cfg)
+    config = kvcache.CacheConfig(**{"rope_mode": "normal", **cfg})
     return CachePair(config, "metal", DEVICE, seed=zlib.crc32(repr(sorted(cfg.items())).encode()))
 
 

@@ -21,7 +21,7 @@ ROPE = RopeSpec(theta=10000.0, scale=1.0)
 def make(dtype, page_size=16, group=1, hkv=2, d=16, pages=64, layers=2):
     cfg = kvcache.CacheConfig(num_layers=layers, num_qo_heads=hkv * group, num_kv_heads=hkv,
                               head_dim=d, page_size=page_size, max_total_tokens=pages * page_size,
-                              dtype=dtype)
+                              dtype=dtype, rope_mode="normal")
     return cfg, MetalBackend(cfg, DEVICE), ReferenceBackend(cfg)
 
 

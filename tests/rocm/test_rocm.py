@@ -53,14 +53,14 @@ def test_simulated_hip_build(monkeypatch):
 def test_tuning_table_is_rocm_data():
     assert RocmBackend.TUNING is ROCM_TUNING
     assert ROCM_TUNING != CudaBackend.TUNING
-    cfg = kvcache.CacheConfig(2, 4, 2, 64, page_size=16, max_total_tokens=256, dtype="float32")
+    cfg = kvcache.CacheConfig(2, 4, 2, 64, page_size=16, max_total_tokens=256, dtype="float32", rope_mode="normal")
     cache = kvcache.PagedKVCache(cfg, backend="rocm", device="cpu")
     assert cache.backend.tuning is ROCM_TUNING
     assert cache.capabilities.copy_stream and cache.capabilities.merged_aux
 
 
 def test_python_paths_match_reference_on_cpu():
-    cfg = kvcache.CacheConfig(2, 8, 2, 64, page_size=16, max_total_tokens=512, dtype="float32")
+    cfg = kvcache.CacheConfig(2, 8, 2, 64, page_size=16, max_total_tokens=512, dtype="float32", rope_mode="normal")
     caches = [kvcache.PagedKVCache(cfg, backend="rocm", device="cpu"),
               kvcache.PagedKVCache(cfg, backend="reference")]
     rng = np.random.default_rng(0)
