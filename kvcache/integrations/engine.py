@@ -180,7 +180,8 @@ class Engine:
     True: on (``UnsupportedFeatureError`` when the backend or the adapter cannot; on a CPU the
     capture is a stand-in that re-runs the step); False: off. ``graph_batch_sizes``: the buckets
     (None: powers of two up to ``max_batch_size``; see ``CacheConfig.static_decode_batch_sizes``).
-    ``self.graphs`` tells whether graphs are on.
+    ``self.graphs`` tells whether graphs are on; ``self.decode_graphs`` is the adapter's runner
+    (``captures`` / ``replays`` counters), None when off.
     """
 
     def __init__(self, adapter: ModelAdapter, backend: str = "auto", device: Optional[str] = None,
@@ -206,7 +207,7 @@ class Engine:
                                          static_decode_batch_sizes=tuple(graph_batch_sizes or ()))
         self.cache = PagedKVCache(config, backend=backend, device=device)
         adapter.check(self.cache)
-        self._graphs = adapter.step_graphs(self.cache) if self.graphs else None
+        self.decode_graphs = adapter.step_graphs(self.cache) if self.graphs else None
         self.config = config
         self.stats = EngineStats()
         self.progress: Optional[bool] = None           # None: a bar on a TTY only; True / False force it
@@ -526,11 +527,11 @@ class Engine:
             with cache.forward(ids, lens):
                 args = (np.asarray(toks, np.int64), np.asarray(pos, np.int64),
                         np.asarray(rows, np.int64))
-                if self._graphs is not None and cache.static_bucket is not None:
-                    before = self._graphs.captures
-                    logits = self._graphs.run(*args)        # a pure decode step: its bucket's graph
+                if self.decode_graphs is not None and cache.static_bucket is not None:
+                    before = self.decode_graphs.captures
+                    logits = self.decode_graphs.run(*args)        # a pure decode step: its bucket's graph
                     stats.graph_forwards += 1
-                    stats.graph_captures += self._graphs.captures - before
+                    stats.graph_captures += self.decode_graphs.captures - before
                 else:
                     logits = self.adapter.forward(cache, *args)
         except CacheFullError as exc:
