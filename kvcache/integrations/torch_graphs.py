@@ -39,7 +39,7 @@ class _Bucket:
         self.inputs = torch.zeros((3, bucket), dtype=torch.int64, device=device)
         self.host = torch.zeros((3, bucket), dtype=torch.int64, pin_memory=on_gpu)
         self.host_np = self.host.numpy()
-        self.copied = None                  # event: the last copy out of ``host`` (GPU only)
+        self.copied: Any = None             # event: the last copy out of ``host`` (GPU only)
         self.graph: Any = None
         self.logits: Any = None
         self.aux_address: Optional[int] = None

@@ -141,3 +141,19 @@ def test_graph_switch(monkeypatch):
     ref = Engine(model, backend=backend, device=device, graphs=False, max_batch_size=8,
                  max_total_tokens=8192, prefill_chunk_size=512)
     assert ref.generate(prompts[:6], max_new_tokens=6) == out
+
+
+@pytest.mark.parametrize("family,rope,overrides", [
+    ("qwen2", "cache", {}),                              # the cache's fused RoPE inside the graph
+    ("mistral", "model", {"sliding_window": 40}),        # window_left is a captured argument
+])
+def test_graphs_with_fused_rope_and_windows(family, rope, overrides, monkeypatch):
+    model = make_model(family, seed=1, **overrides)
+    backend, device = backend_or_skip("cuda", monkeypatch, 64)
+    prompts = make_prompts()[:4]                         # 5..300 tokens: past the window of 40
+    kw = dict(backend=backend, device=device, max_batch_size=8, max_total_tokens=4096, rope=rope)
+    on = Engine(model, graphs=True, **kw)
+    got = on.generate(prompts, max_new_tokens=10)
+    assert on.stats.graph_forwards > 0
+    assert got == Engine(model, graphs=False, **kw).generate(prompts, max_new_tokens=10)
+    assert [g[0] for g in got] == [hf_greedy(model, p, 10) for p in prompts]
