@@ -39,7 +39,9 @@ class _Bucket:
         self.inputs = torch.zeros((3, bucket), dtype=torch.int64, device=device)
         self.host = torch.zeros((3, bucket), dtype=torch.int64, pin_memory=on_gpu)
         self.host_np = self.host.numpy()
-        self.copied: Any = None             # event: the last copy out of ``host`` (GPU only)
+        # event: the last copy out of ``host`` (GPU only; one per bucket, re-recorded each step)
+        self.copied: Any = torch.cuda.Event() if on_gpu else None
+        self.pending = False
         self.graph: Any = None
         self.logits: Any = None
         self.aux_address: Optional[int] = None
@@ -116,7 +118,7 @@ class StepGraphs:
     # ------------------------------------------------------------------ internals
     def _load(self, slot: _Bucket, tokens, positions, logit_rows) -> None:
         """This step's inputs into the bucket's device buffer, on the compute stream."""
-        if slot.copied is not None:
+        if slot.pending:
             slot.copied.synchronize()           # the staging array's last copy has left it
         host, n, r = slot.host_np, len(tokens), len(logit_rows)
         host[0, :n] = tokens
@@ -126,8 +128,8 @@ class StepGraphs:
         host[2, r:] = 0
         slot.inputs.copy_(slot.host, non_blocking=self.on_gpu)
         if self.on_gpu:
-            slot.copied = self.torch.cuda.Event()
             slot.copied.record()
+            slot.pending = True
 
     def _aux_address(self) -> int:
         """Where the open forward's index arrays live (fixed for a static-shape cache); a graph
