@@ -157,3 +157,23 @@ def test_graphs_with_fused_rope_and_windows(family, rope, overrides, monkeypatch
     assert on.stats.graph_forwards > 0
     assert got == Engine(model, graphs=False, **kw).generate(prompts, max_new_tokens=10)
     assert [g[0] for g in got] == [hf_greedy(model, p, 10) for p in prompts]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphs_on_by_default_and_match_eager():
+    # real torch.cuda.CUDAGraph capture of the whole step (the model's forward and the cache)
+    import kvcache
+    if not any(r["name"] == "cuda" and r["available"] for r in kvcache.list_backends("cuda")):
+        pytest.skip("the cuda backend is not available on this GPU")
+    model = make_model("llama", seed=3).to("cuda")
+    prompts = make_prompts(seed=13)[:6]
+    kw = dict(backend="cuda", max_batch_size=8, max_total_tokens=8192, prefill_chunk_size=96)
+    on = Engine(model, **kw)
+    assert on.graphs and on.decode_graphs is not None             # the default on a GPU
+    got, lp_on = on.generate(prompts, max_new_tokens=24, return_logprobs=True)
+    off = Engine(model, graphs=False, **kw)
+    want, lp_off = off.generate(prompts, max_new_tokens=24, return_logprobs=True)
+    assert on.stats.graph_captures >= 2 and on.stats.graph_forwards > on.stats.graph_captures
+    assert got == want
+    np.testing.assert_allclose(np.array(lp_on, dtype=float), np.array(lp_off, dtype=float),
+                               rtol=1e-3, atol=1e-3)
