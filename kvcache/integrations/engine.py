@@ -39,7 +39,7 @@ import numpy as np
 
 from ..cache import PagedKVCache
 from ..config import CacheConfig
-from ..errors import CacheFullError, InvalidArgumentError, KVCacheError
+from ..errors import CacheFullError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 
 __all__ = ["Engine", "EngineStats", "ModelAdapter"]
 
@@ -82,6 +82,19 @@ class ModelAdapter(abc.ABC):
         Returns the logits ``(B, vocab_size)`` as any array ``to_numpy`` accepts.
         """
 
+    def graphs_by_default(self, device: Optional[str]) -> Optional[bool]:
+        """Whether whole-step decode graphs suit the model on ``device`` (the cache's device):
+        None when the adapter cannot capture its model's steps, True where a replay saves host
+        time (a GPU), False where it saves nothing (a CPU: ``graphs=True`` runs the stand-in)."""
+        return None
+
+    def step_graphs(self, cache: PagedKVCache):
+        """A runner of whole decode steps (model and cache) captured per batch bucket on
+        ``cache`` (built with ``static_decode=True``): an object with ``run(tokens, positions,
+        logit_rows)`` returning the logits of ``logit_rows`` as ``forward`` does, and
+        ``captures`` / ``replays`` counters. Only called when ``graphs_by_default`` is not None."""
+        raise NotImplementedError
+
     def session(self, cache: PagedKVCache):
         """A context manager around one ``generate`` call on ``cache`` (e.g. switching the
         model's attention to the cache and back)."""
@@ -111,6 +124,10 @@ class EngineStats:
     """Sequences removed to make room, recomputed later."""
     recomputed_tokens: int = 0
     """Tokens computed again after preemption."""
+    graph_forwards: int = 0
+    """Forwards run through a captured whole-step graph (decode steps; captures included)."""
+    graph_captures: int = 0
+    """Whole-step graphs captured (one per batch bucket, again if the cache's buffers moved)."""
 
     @property
     def forward_tokens(self) -> int:
@@ -155,12 +172,25 @@ class Engine:
     ``max_batch_size`` (sequences in one forward), ``max_total_tokens`` (token capacity; None:
     ``512 * max_batch_size``), ``prefill_chunk_size`` (tokens in one forward; None:
     ``min(2048, max_total_tokens)``). The cache is ``self.cache``; counters are ``self.stats``.
+
+    ``graphs``: whole-step decode graphs. A pure decode step (one token per sequence already in
+    the cache) runs the model and the cache through a graph captured once per batch bucket and
+    replayed afterwards; prefill and mixed steps run eagerly. None (default): on where the
+    backend declares ``static_decode`` and the adapter says the device gains from it (a GPU);
+    True: on (``UnsupportedFeatureError`` when the backend or the adapter cannot; on a CPU the
+    capture is a stand-in that re-runs the step); False: off. ``graph_batch_sizes``: the buckets
+    (None: powers of two up to ``max_batch_size``; see ``CacheConfig.static_decode_batch_sizes``).
+    ``self.graphs`` tells whether graphs are on; ``self.decode_graphs`` is the adapter's runner
+    (``captures`` / ``replays`` counters), None when off.
     """
 
     def __init__(self, adapter: ModelAdapter, backend: str = "auto", device: Optional[str] = None,
                  dtype: Optional[str] = None, page_size: int = 16,
                  max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
-                 prefill_chunk_size: Optional[int] = None):
+                 prefill_chunk_size: Optional[int] = None, graphs: Optional[bool] = None,
+                 graph_batch_sizes: Optional[Sequence[int]] = None):
+        if graphs is not None and not isinstance(graphs, bool):
+            raise InvalidArgumentError(f"graphs={graphs!r} must be None, True or False")
         if max_total_tokens is None:
             max_total_tokens = 512 * int(max_batch_size)
         if prefill_chunk_size is None:
@@ -170,13 +200,36 @@ class Engine:
                                       max_total_tokens=max_total_tokens,
                                       max_batch_size=max_batch_size,
                                       prefill_chunk_size=prefill_chunk_size)
-        self.cache = PagedKVCache(config, backend=backend,
-                                  device=device if device is not None else adapter.default_device())
+        device = device if device is not None else adapter.default_device()
+        self.graphs = self._want_graphs(graphs, backend, device)
+        if self.graphs:
+            config = dataclasses.replace(config, static_decode=True,
+                                         static_decode_batch_sizes=tuple(graph_batch_sizes or ()))
+        self.cache = PagedKVCache(config, backend=backend, device=device)
         adapter.check(self.cache)
+        self.decode_graphs = adapter.step_graphs(self.cache) if self.graphs else None
         self.config = config
         self.stats = EngineStats()
         self.progress: Optional[bool] = None           # None: a bar on a TTY only; True / False force it
         self._next_sid = 0
+
+    def _want_graphs(self, graphs: Optional[bool], backend: str, device: Optional[str]) -> bool:
+        if graphs is False:
+            return False
+        from ..plugins import resolve_backend
+        cls = resolve_backend(backend, device)
+        fits = self.adapter.graphs_by_default(device)
+        if graphs is None:
+            return bool(fits) and cls.capabilities.static_decode
+        if fits is None:
+            raise UnsupportedFeatureError(
+                f"graphs=True: the {self.adapter.family or type(self.adapter).__name__} adapter "
+                f"cannot capture its model's decode steps; pass graphs=False")
+        if not cls.capabilities.static_decode:
+            raise UnsupportedFeatureError(
+                f"graphs=True: backend {cls.name!r} does not declare 'static_decode' "
+                f"(static-shape decode steps a graph can replay); pass graphs=False")
+        return True
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, n: int = 1,
@@ -472,8 +525,15 @@ class Engine:
                 wants.append(seq)
         try:
             with cache.forward(ids, lens):
-                logits = self.adapter.forward(cache, np.asarray(toks, np.int64),
-                                              np.asarray(pos, np.int64), np.asarray(rows, np.int64))
+                args = (np.asarray(toks, np.int64), np.asarray(pos, np.int64),
+                        np.asarray(rows, np.int64))
+                if self.decode_graphs is not None and cache.static_bucket is not None:
+                    before = self.decode_graphs.captures
+                    logits = self.decode_graphs.run(*args)        # a pure decode step: its bucket's graph
+                    stats.graph_forwards += 1
+                    stats.graph_captures += self.decode_graphs.captures - before
+                else:
+                    logits = self.adapter.forward(cache, *args)
         except CacheFullError as exc:
             self._preempt(str(exc))
             return None

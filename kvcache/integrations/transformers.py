@@ -417,6 +417,24 @@ class TransformersAdapter(ModelAdapter):
                          kvcache=cache)
         return out.logits[0] if len(logit_rows) else None
 
+    def graphs_by_default(self, device) -> Optional[bool]:
+        """Whole-step graphs pay on a GPU (the model's device); on a CPU they save nothing."""
+        return torch.device(device if device is not None else self.device).type != "cpu"
+
+    def step_graphs(self, cache):
+        """Decode steps captured per bucket: the model's whole forward (embedding, layers with
+        the cache's attention, LM head) over a fixed ``(3, bucket)`` input buffer (token ids,
+        positions, logit rows); see ``kvcache.integrations.torch_graphs``."""
+        from .torch_graphs import StepGraphs
+        model = self.model
+
+        def step(inputs):
+            out = model(input_ids=inputs[0].unsqueeze(0), position_ids=inputs[1].unsqueeze(0),
+                        use_cache=False, logits_to_keep=inputs[2], kvcache=cache)
+            return out.logits[0]
+
+        return StepGraphs(cache, step, self.device)
+
     def to_numpy(self, logits) -> np.ndarray:
         return logits.detach().to("cpu", torch.float64).numpy()
 
@@ -432,14 +450,19 @@ class Engine(_Engine):
     rotary embedding, cache ``rope_mode="none"``) or ``"cache"`` (the cache's fused RoPE append
     with the model's inverse frequencies, ``rope_mode="normal"``; raises
     ``UnsupportedFeatureError`` unless ``model_rotary`` proves the rotary standard and the
-    backend has ``rope_frequencies``). See ``kvcache.integrations.engine.Engine.generate``.
+    backend has ``rope_frequencies``). ``graphs`` (None: on for a GPU model on a backend
+    declaring ``static_decode``; True / False force it) and ``graph_batch_sizes``: whole-step
+    decode graphs, see ``kvcache.integrations.engine.Engine``. See
+    ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
                  dtype=None, page_size: int = 16, max_total_tokens: Optional[int] = None,
                  max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None,
-                 rope: str = "model"):
+                 rope: str = "model", graphs: Optional[bool] = None,
+                 graph_batch_sizes=None):
         self.model = model
         super().__init__(TransformersAdapter(model, rope), backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
-                         max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size)
+                         max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
+                         graphs=graphs, graph_batch_sizes=graph_batch_sizes)

@@ -1,0 +1,162 @@
+"""Whole decode steps of a torch model and its cache, captured once per batch bucket and replayed.
+
+Used by the engine adapters whose model is a torch module (``kvcache.integrations.transformers``)
+on a cache built with ``CacheConfig(static_decode=True)``. A static-shape decode ``begin_forward``
+pads the batch to its bucket and puts the cache's index arrays at fixed addresses; this module
+does the same for the model's inputs: one ``(3, bucket)`` int64 device buffer per bucket holds the
+token ids, positions and logit-row indices, and the captured step (embedding, every layer with its
+``cache.attention``, the LM head) reads only that buffer. Padded rows hold token 0 at position 0:
+the model computes them row by row (the cache's attention returns zeros for them and appends them
+nowhere), so they never change a real row.
+
+Run-ahead: the step's inputs are copied into the bucket's buffer on the compute stream, so the copy
+is ordered after the previous replay that read the buffer and before this one; on a GPU the copy
+comes from a pinned staging array whose previous copy the host waits for (an event) before
+rewriting it. The logits are the graph's static output: the caller consumes (copies to the host)
+one step's logits before the next replay overwrites them.
+
+On a CPU device (the cuda backend's CPU test mode) "capture" records nothing and a replay re-runs
+the step eagerly on the static buffers: the same data path, without a device graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["StepGraphs"]
+
+
+class _Bucket:
+    """One bucket's static input buffer, host staging, captured graph and static output."""
+
+    def __init__(self, torch, bucket: int, device):
+        self.size = bucket
+        on_gpu = device.type != "cpu"
+        self.inputs = torch.zeros((3, bucket), dtype=torch.int64, device=device)
+        self.host = torch.zeros((3, bucket), dtype=torch.int64, pin_memory=on_gpu)
+        self.host_np = self.host.numpy()
+        # event: the last copy out of ``host`` (GPU only; one per bucket, re-recorded each step)
+        self.copied: Any = torch.cuda.Event() if on_gpu else None
+        self.pending = False
+        self.graph: Any = None
+        self.logits: Any = None
+        self.aux_address: Optional[int] = None
+
+
+class StepGraphs:
+    """Capture/replay of whole decode steps on ``cache`` (``static_decode=True``).
+
+    ``cache``: the engine's cache; ``step``: ``step(inputs)`` runs the model over the packed batch
+    whose ``(3, bucket)`` int64 device tensor ``inputs`` holds token ids, positions and logit-row
+    indices (row ``r`` of the batch in column ``r``), inside the cache's open forward, and returns
+    the logits ``(bucket, vocab)``; ``device``: the model's torch device; ``warmup``: eager runs
+    before a capture (kernels compile and autotune outside capture).
+
+    ``captures`` and ``replays`` count what ``run`` did (a capture includes its first replay).
+    """
+
+    def __init__(self, cache, step: Callable, device, warmup: int = 1):
+        import torch
+        if not cache.config.static_decode:
+            raise InvalidArgumentError("StepGraphs needs a cache built with CacheConfig(static_decode=True)")
+        if warmup < 1:
+            raise InvalidArgumentError(f"warmup must be at least 1, got {warmup}")
+        self.torch = torch
+        self.cache = cache
+        self.step = step
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type != "cpu"
+        self.warmup = int(warmup)
+        self.buckets: dict = {}
+        self.captures = 0
+        self.replays = 0
+        self._pool: Any = None
+        self._layers = list(range(cache.config.num_layers))
+
+    # ------------------------------------------------------------------ public
+    def run(self, tokens: np.ndarray, positions: np.ndarray, logit_rows: np.ndarray):
+        """Run the open forward's decode step through its bucket's graph (captured on first use).
+
+        ``tokens``, ``positions`` (B,) int64: one token per sequence of the open forward (a
+        static-shape decode step); ``logit_rows`` (R,) int64, R <= B: the rows whose logits are
+        wanted. Returns the logits ``(R, vocab)``: a view of the graph's static output, valid until
+        the next ``run``."""
+        cache = self.cache
+        bucket = cache.static_bucket
+        if bucket is None:
+            raise InvalidArgumentError(
+                f"StepGraphs.run: the open forward over sequences {cache.open_plan.seq_ids} is not a "
+                f"static-shape decode step; run it eagerly")
+        n, r = len(tokens), len(logit_rows)
+        if n > bucket or len(positions) != n or r > n:
+            raise InvalidArgumentError(
+                f"StepGraphs.run: {n} tokens, {len(positions)} positions and {r} logit rows do not "
+                f"fit bucket {bucket}")
+        slot = self.buckets.get(bucket)
+        if slot is None:
+            slot = self.buckets[bucket] = _Bucket(self.torch, bucket, self.device)
+        self._load(slot, tokens, positions, logit_rows)
+        address = self._aux_address()
+        if slot.graph is None or slot.aux_address != address:
+            self._capture(slot)
+            slot.aux_address = address
+            self.captures += 1
+        else:
+            if self.on_gpu:
+                slot.graph.replay()
+            else:                       # CPU stand-in: the same step, run again
+                cache.rerun_layers()
+                slot.logits = self.step(slot.inputs)
+            cache.mark_layers_run(self._layers)     # the replay ran every layer's attention
+        self.replays += 1
+        return slot.logits[:r]
+
+    # ------------------------------------------------------------------ internals
+    def _load(self, slot: _Bucket, tokens, positions, logit_rows) -> None:
+        """This step's inputs into the bucket's device buffer, on the compute stream."""
+        if slot.pending:
+            slot.copied.synchronize()           # the staging array's last copy has left it
+        host, n, r = slot.host_np, len(tokens), len(logit_rows)
+        host[0, :n] = tokens
+        host[1, :n] = positions
+        host[2, :r] = logit_rows
+        host[:2, n:] = 0                        # padded rows: token 0 at position 0
+        host[2, r:] = 0
+        slot.inputs.copy_(slot.host, non_blocking=self.on_gpu)
+        if self.on_gpu:
+            slot.copied.record()
+            slot.pending = True
+
+    def _aux_address(self) -> int:
+        """Where the open forward's index arrays live (fixed for a static-shape cache); a graph
+        captured at another address would read stale memory, so it is captured again."""
+        positions = self.cache.forward_aux().tokens.q_positions
+        return positions.data_ptr() if hasattr(positions, "data_ptr") else id(positions)
+
+    def _capture(self, slot: _Bucket) -> None:
+        torch, cache = self.torch, self.cache
+        if not self.on_gpu:
+            cache.rerun_layers()
+            slot.graph = True
+            slot.logits = self.step(slot.inputs)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                cache.rerun_layers()            # appends are idempotent: the same rows again
+                self.step(slot.inputs)
+        compute.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        cache.rerun_layers()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.step(slot.inputs)
+        graph.replay()                          # capture only records: run it for this step
+        slot.graph, slot.logits = graph, logits
