@@ -42,7 +42,7 @@ MODELS = ("llama",)
 LLAMA3_8B_LAYER = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                        intermediate_size=14336, vocab_size=128256)
 """Llama-3-8B's layer shapes (the bench keeps ``--layers`` of them)."""
-TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
             vocab_size=512)
 """Small dims for a CPU smoke run (``--tiny``)."""
 
@@ -155,9 +155,19 @@ class GenerateBatchRunner(Runner):
 
     name = SYSTEM_NAMES["b"]
 
-    def __init__(self, net):
+    def __init__(self, net, cb_config: Optional[dict] = None):
         from transformers import GenerationConfig
         self.net = net
+        self.cb = None
+        if cb_config:
+            # off the GPU transformers sizes its cache from the host's free memory (minutes of
+            # zero-filling); there the bench gives it the workload's size
+            import dataclasses as dc
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+            fields = {f.name for f in dc.fields(ContinuousBatchingConfig)}
+            if "page_size" in fields and "block_size" in cb_config:      # renamed in 5.17
+                cb_config = dict(cb_config, page_size=cb_config.pop("block_size"))
+            self.cb = ContinuousBatchingConfig(**cb_config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # 5.2x deprecates the prefix 5.17 needs
             net.set_attn_implementation("paged|sdpa")
@@ -169,9 +179,11 @@ class GenerateBatchRunner(Runner):
                          pad_token_id=0)
         # no inference_mode: the manager's own thread updates tensors made here in place
         with _quiet_transformers():
-            out = self.net.generate_batch(prompts, generation_config=gc, progress_bar=False)
-        # request ids are "req_<index>"
-        return [list(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))]
+            kw = {} if self.cb is None else {"continuous_batching_config": self.cb}
+            out = self.net.generate_batch(prompts, generation_config=gc, progress_bar=False, **kw)
+        # request ids are "req_<index>", in the order of the prompts
+        keys = sorted(out, key=lambda k: int(str(k).rsplit("_", 1)[-1]))
+        return [list(out[k].generated_tokens) for k in keys]
 
     def close(self):
         self.net.set_attn_implementation(self.sdpa)
@@ -216,7 +228,7 @@ def _quiet_transformers():
     loggers = [logging.getLogger(n) for n in ("transformers", "ContinuousBatchingLogger")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -236,23 +248,26 @@ def _timed(fn: Callable, device: str):
 
 
 def _kernel_busy_s(fn: Callable, device: str) -> tuple:
-    """(wall s, union of GPU kernel intervals s) of ``fn()`` under ``torch.profiler``."""
+    """(wall s, union of GPU kernel intervals s) of ``fn()`` under ``torch.profiler`` (GPU
+    activity only: recording host ops would slow the host and understate the busy fraction)."""
     from torch.profiler import ProfilerActivity, profile
     _sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         wall, _ = _timed(fn, device)
-    spans = []
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start:
-            spans.append((e.time_range.start, e.time_range.end))
-    spans.sort()
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type.name == "CUDA"]
+    return wall, union_length(spans) * 1e-6
+
+
+def union_length(spans) -> float:
+    """Total length covered by the intervals ``spans`` ((start, end) pairs), overlaps once."""
     busy, end = 0.0, -float("inf")
-    for s, t in spans:
+    for s, t in sorted(spans):
         if t <= end:
             continue
         busy += t - max(s, end)
         end = t
-    return wall, busy * 1e-6
+    return busy
 
 
 def measure(runner: Runner, prompts: list, new_tokens: int, decode_prompts: list, n1: int,
@@ -260,7 +275,8 @@ def measure(runner: Runner, prompts: list, new_tokens: int, decode_prompts: list
             before_whole: Optional[Callable] = None) -> dict:
     """Warm up, time the decode difference (and profile it), then (after ``before_whole()``)
     time the whole run; checks every request produced its tokens."""
-    runner.run(decode_prompts[:2], 2)                         # warm-up (compile, graphs)
+    # warm-up (compilation, graph capture of every batch size the decode runs meet)
+    runner.run(decode_prompts, n1)
     walls = {}
     for n in (n1, n2):
         walls[n], out = _timed(lambda: runner.run(decode_prompts, n), device)
@@ -379,7 +395,9 @@ def run(args) -> dict:
             if key == "a":
                 runner = EngineRunner(net, backend, device, args.batch, max_len)
             elif key == "b":
-                runner = GenerateBatchRunner(net)
+                runner = GenerateBatchRunner(net, None if on_gpu else {
+                    "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,
+                    "max_batch_tokens": 256})
             else:
                 runner = StaticRunner(net, args.batch, args.static_compile)
             before = None
