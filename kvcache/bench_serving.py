@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import platform
 import time
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -39,11 +40,13 @@ SYSTEM_NAMES = {"a": "kvcache Engine", "b": "transformers generate_batch (paged|
                 "c": "transformers generate (static cache)"}
 MODELS = ("llama",)
 
-LLAMA3_8B_LAYER = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                       intermediate_size=14336, vocab_size=128256)
+LLAMA3_8B_LAYER: dict[str, Any] = dict(
+    hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+    vocab_size=128256)
 """Llama-3-8B's layer shapes (the bench keeps ``--layers`` of them)."""
-TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
-            vocab_size=512)
+TINY: dict[str, Any] = dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+    vocab_size=512)
 """Small dims for a CPU smoke run (``--tiny``)."""
 
 TARGET_ROOFLINE = 1.3
@@ -73,7 +76,8 @@ def build_model(model: str, layers: int, tiny: bool, device: str, dtype: str, se
         raise ValueError(f"--model {model!r}: the serving bench knows {', '.join(MODELS)}")
     dims = TINY if tiny else LLAMA3_8B_LAYER
     cfg = LlamaConfig(**dims, num_hidden_layers=layers, max_position_embeddings=8192,
-                      rope_theta=500000.0, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                      eos_token_id=None, bos_token_id=None, pad_token_id=0,
                       tie_word_embeddings=False)
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
@@ -132,6 +136,9 @@ class Runner:
     def run(self, prompts: list, new_tokens: int) -> list:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Undo what the runner changed on the model (its attention implementation)."""
+
 
 class EngineRunner(Runner):
     """(a): our ``Engine``, sized for the workload (``batch`` sequences per forward)."""
@@ -175,12 +182,12 @@ class GenerateBatchRunner(Runner):
         self.sdpa = "sdpa"
 
     def run(self, prompts, new_tokens):
-        gc = self.config(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+        cfg = self.config(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                          pad_token_id=0)
         # no inference_mode: the manager's own thread updates tensors made here in place
         with _quiet_transformers():
             kw = {} if self.cb is None else {"continuous_batching_config": self.cb}
-            out = self.net.generate_batch(prompts, generation_config=gc, progress_bar=False, **kw)
+            out = self.net.generate_batch(prompts, generation_config=cfg, progress_bar=False, **kw)
         # request ids are "req_<index>", in the order of the prompts
         keys = sorted(out, key=lambda k: int(str(k).rsplit("_", 1)[-1]))
         return [list(out[k].generated_tokens) for k in keys]
@@ -369,10 +376,11 @@ def run(args) -> dict:
     decode_prompts = workload(args.batch, (decode_prompt, decode_prompt), vocab, args.seed + 1)
     max_len = max(prompt_range[1], decode_prompt) + n2
     rate = copy_rate(device, nbytes=(1 << 30) if on_gpu else (1 << 24))
-    context = decode_prompt + (n1 + n2) / 2
+    # the added steps make tokens n1+1..n2; the one making token k reads prompt + k - 1 tokens
+    context = decode_prompt + (n1 + n2 - 1) / 2
     nbytes = decode_bytes(net, args.batch, context)
     roof_s = (nbytes["weight_bytes"] + nbytes["kv_bytes"]) / rate
-    result = {
+    result: dict[str, Any] = {
         "command": "kvcache bench --serving", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": platform.node(), "device": (torch.cuda.get_device_name(device) if on_gpu
                                                else platform.processor() or platform.machine()),
@@ -390,7 +398,7 @@ def run(args) -> dict:
         if key in skip:
             result["skipped"][key] = "--skip"
             continue
-        runner = None
+        runner: Optional[Runner] = None
         try:
             if key == "a":
                 runner = EngineRunner(net, backend, device, args.batch, max_len)
@@ -414,8 +422,13 @@ def run(args) -> dict:
                 raise
             result["skipped"][key] = f"failed: {type(exc).__name__}: {exc}"[:300]
         finally:
-            if hasattr(runner, "close"):
+            if runner is not None:
                 runner.close()
+            # the next system sizes itself from the free memory: give back this one's cache
+            runner = None
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
     a, b = result["systems"].get("a"), result["systems"].get("b")
     if a is not None:
         result["ratios"]["a_decode_step_over_roofline"] = a["decode_step_ms"] / (roof_s * 1e3)
@@ -445,8 +458,8 @@ def print_result(res: dict) -> None:
         busy = "n/a" if r["gpu_busy"] is None else f"{r['gpu_busy'] * 100:.0f}%"
         print(f"({key}) {r['system']:<44} {r['tokens_per_s']:>10.1f} {r['wall_s']:>8.2f} "
               f"{r['decode_step_ms']:>15.3f} {busy:>9}")
-    print(f"(roofline) weights {roof['weight_bytes'] / 1e9:.3f} GB + KV {roof['kv_bytes'] / 1e9:.3f}"
-          f" GB at {roof['copy_rate_Bps'] / 1e12:.3f} TB/s copy rate: "
+    print(f"(roofline) weights {roof['weight_bytes'] / 1e9:.3f} GB + KV "
+          f"{roof['kv_bytes'] / 1e9:.3f} GB at {roof['copy_rate_Bps'] / 1e12:.3f} TB/s copy rate: "
           f"{roof['decode_step_ms']:>.3f} ms/step, {roof['tokens_per_s']:.0f} tokens/s at "
           f"B={w['batch']}")
     rt = res["ratios"]
@@ -465,8 +478,8 @@ def print_result(res: dict) -> None:
     if busy is None:
         print("  (a) gpu busy during decode: n/a (not measured: no GPU)")
     else:
-        print(f"  (a) gpu busy during decode: {busy * 100:.0f}% (target >= {TARGET_BUSY * 100:.0f}%)"
-              f" {'met' if busy >= TARGET_BUSY else 'MISSED'}")
+        print(f"  (a) gpu busy during decode: {busy * 100:.0f}% "
+              f"(target >= {TARGET_BUSY * 100:.0f}%) {'met' if busy >= TARGET_BUSY else 'MISSED'}")
 
 
 def main(args) -> int:

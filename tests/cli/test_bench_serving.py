@@ -1,4 +1,5 @@
-"""``kvcache bench --serving``: the whole command at tiny sizes on the CPU (structure, not speed)."""
+"""``kvcache bench --serving``: the whole command at tiny sizes on the CPU (structure, not
+speed)."""
 
 import json
 
