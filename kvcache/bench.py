@@ -257,6 +257,7 @@ def main(argv: Optional[list] = None) -> int:
             raise UsageError(str(exc)) from None
         if args.backend is not None:
             backend_for(args.backend, args.device)
+        bench_serving.check_device(args.device)
         return bench_serving.main(args)
     if rest and args.backend is None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

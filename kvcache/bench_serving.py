@@ -350,6 +350,20 @@ def _pos(text: str) -> int:
     return _positive_int(text)
 
 
+def check_device(device: Optional[str]) -> None:
+    """Raise ``UsageError`` at once when torch or transformers is missing or ``device`` (None:
+    cuda when there is one, else cpu) is a GPU torch cannot reach."""
+    from .cli import UsageError
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"--serving needs torch and transformers: {exc}") from None
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: torch {torch.__version__} sees no CUDA GPU here; "
+                         f"use --device cpu (with --tiny for a smoke run)")
+
+
 def parse_skip(text: str) -> set:
     skip = {s.strip() for s in text.split(",") if s.strip()}
     bad = skip - set(SYSTEMS)

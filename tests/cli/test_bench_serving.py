@@ -63,3 +63,11 @@ def test_serving_rejects_an_unknown_system_to_skip(capsys):
 def test_union_length_counts_overlaps_once():
     assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)
     assert union_length([]) == 0
+
+
+def test_serving_on_a_missing_gpu_says_so_before_any_work(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    assert main(["bench", "--serving", "--device", "cuda"]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
