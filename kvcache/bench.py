@@ -207,9 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", action="store_true",
                    help="time begin_forward + the aux upload on the host (default without --backend)")
     p.add_argument("--backend", default=None, metavar="NAME",
-                   help="run this backend's kernel benchmarks (see `kvcache info` for names)")
+                   help="run this backend's kernel benchmarks (see `kvcache info` for names); with "
+                        "--serving: the Engine's backend (default cuda on a GPU, else reference)")
     p.add_argument("--device", default=None, metavar="DEV",
-                   help="device for the backend's benchmarks (default: the backend's own)")
+                   help="device for the backend's benchmarks (default: the backend's own); with "
+                        "--serving: the model's device (default cuda when there is one)")
     p.add_argument("--repeat", type=_positive_int, default=200, metavar="N",
                    help="begin_forward calls timed per batch size for --host (default 200)")
     p.add_argument("--json", action="store_true",

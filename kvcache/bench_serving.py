@@ -256,8 +256,9 @@ def _timed(fn: Callable, device: str):
 
 
 def _kernel_busy_s(fn: Callable, device: str) -> tuple:
-    """(wall s, union of GPU kernel intervals s) of ``fn()`` under ``torch.profiler`` (GPU
-    activity only: recording host ops would slow the host and understate the busy fraction)."""
+    """(wall s, union of the GPU's activity intervals s: kernels, copies, memsets) of ``fn()``
+    under ``torch.profiler`` (GPU activity only: recording host ops would slow the host and
+    understate the busy fraction)."""
     from torch.profiler import ProfilerActivity, profile
     _sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
