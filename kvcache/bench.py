@@ -198,20 +198,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks. --host (the default): host time of begin_forward and the aux "
                     "upload for decode batches of 1..1024 sequences on the reference backend. "
                     "--backend NAME: that backend's kernel benchmarks against the memory-bandwidth "
-                    "floor (a GPU backend needs its GPU).",
+                    "floor (a GPU backend needs its GPU). --serving --model llama: serving "
+                    "throughput of the kvcache Engine beside transformers' own serving paths and "
+                    "the decode-step roofline (--backend then names the Engine's backend).",
         epilog="Options this parser does not know are passed to the backend's benchmarks "
                "(e.g. kvcache bench --backend cuda --iters 50 --only decode); "
                "`kvcache bench --backend NAME --help` lists them.")
     p.add_argument("--host", action="store_true",
                    help="time begin_forward + the aux upload on the host (default without --backend)")
     p.add_argument("--backend", default=None, metavar="NAME",
-                   help="run this backend's kernel benchmarks (see `kvcache info` for names)")
+                   help="run this backend's kernel benchmarks (see `kvcache info` for names); with "
+                        "--serving: the Engine's backend (default cuda on a GPU, else reference)")
     p.add_argument("--device", default=None, metavar="DEV",
-                   help="device for the backend's benchmarks (default: the backend's own)")
+                   help="device for the backend's benchmarks (default: the backend's own); with "
+                        "--serving: the model's device (default cuda when there is one)")
     p.add_argument("--repeat", type=_positive_int, default=200, metavar="N",
                    help="begin_forward calls timed per batch size for --host (default 200)")
     p.add_argument("--json", action="store_true",
-                   help="print the --host results as JSON (for machines) instead of a table")
+                   help="print the --host (or --serving) results as JSON (for machines) instead "
+                        "of a table")
+    from .bench_serving import add_arguments
+    add_arguments(p)
     return p
 
 
@@ -239,6 +246,21 @@ def main(argv: Optional[list] = None) -> int:
         wants_help = []
     args, rest = parser.parse_known_args(argv)
     rest += wants_help
+    if args.serving:
+        # --backend here is the Engine's backend (a), not a kernel benchmark
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.host:
+            raise UsageError("--serving and --host are separate benches; run them one at a time")
+        from . import bench_serving
+        try:
+            bench_serving.parse_skip(args.skip)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if args.backend is not None:
+            backend_for(args.backend, args.device)
+        bench_serving.check_device(args.device)
+        return bench_serving.main(args)
     if rest and args.backend is None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if not args.host and args.backend is None:

@@ -1,0 +1,515 @@
+"""``kvcache bench --serving --model llama``: serving throughput side by side, in one run.
+
+Systems, on one seeded workload and one randomly initialised model:
+
+* ``a``: ``kvcache.integrations.transformers.Engine`` (continuous batching on a ``PagedKVCache``);
+* ``b``: transformers' own continuous batching (``model.generate_batch`` with the attention
+  implementation ``"paged|sdpa"``);
+* ``c``: transformers' ``generate`` with ``cache_implementation="static"``, in batches of
+  ``--batch`` requests left-padded to the workload's longest prompt (one static shape);
+
+and the roofline of one decode step: the bytes a decode step must read (the weights once, the
+KV of every sequence of the batch) over the device-to-device copy rate measured in the same run.
+
+Per system:
+
+* ``tokens_per_s``: new tokens of the whole workload over its wall time (after a warm-up call);
+* ``decode_step_ms``: the time of one decode step at ``--batch`` sequences, as a difference: the
+  same ``--batch`` prompts of ``decode_prompt`` tokens are generated to ``n1`` and to ``n2`` new
+  tokens, and ``(wall(n2) - wall(n1)) / (n2 - n1)`` is the cost of the steps the longer run adds
+  (all of them decode steps of the full batch). No system needs instrumenting for it;
+* ``gpu_busy``: the same difference under ``torch.profiler``: kernel time (the union of the GPU
+  kernels' intervals) the longer run adds over the wall time it adds (cuda only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import platform
+import sys
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+SYSTEMS = ("a", "b", "c")
+SYSTEM_NAMES = {"a": "kvcache Engine", "b": "transformers generate_batch (paged|sdpa)",
+                "c": "transformers generate (static cache)"}
+MODELS = ("llama",)
+
+LLAMA3_8B_LAYER: dict[str, Any] = dict(
+    hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+    vocab_size=128256)
+"""Llama-3-8B's layer shapes (the bench keeps ``--layers`` of them)."""
+TINY: dict[str, Any] = dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+    vocab_size=512)
+"""Small dims for a CPU smoke run (``--tiny``)."""
+
+TARGET_ROOFLINE = 1.3
+"""(a)'s decode step at ``--batch`` over the roofline: at most this."""
+TARGET_VS_B = 10.0
+"""(a)'s tokens/s over (b)'s: at least this."""
+TARGET_BUSY = 0.85
+"""(a)'s GPU busy fraction during decode: at least this."""
+
+
+# ---------------------------------------------------------------------- workload and model
+def workload(requests: int, prompt_range: tuple, vocab: int, seed: int) -> list:
+    """``requests`` prompts of uniformly random length in ``prompt_range`` (inclusive) and
+    uniformly random token ids in ``[1, vocab)``, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(prompt_range[0], prompt_range[1] + 1, size=requests)
+    return [rng.integers(1, vocab, size=int(n)).tolist() for n in lengths]
+
+
+def build_model(model: str, layers: int, tiny: bool, device: str, dtype: str, seed: int):
+    """A randomly initialised (``seed``) ``*ForCausalLM`` of ``model``'s family with the
+    Llama-3-8B layer shapes (``tiny``: ``TINY``), ``layers`` layers, in ``dtype`` on ``device``;
+    no EOS token, so every request produces exactly the tokens it asks for."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: the serving bench knows {', '.join(MODELS)}")
+    dims = TINY if tiny else LLAMA3_8B_LAYER
+    cfg = LlamaConfig(**dims, num_hidden_layers=layers, max_position_embeddings=8192,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                      eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            net = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    net.generation_config.eos_token_id = None
+    net.generation_config.pad_token_id = 0
+    return net.eval()
+
+
+def decode_bytes(net, batch: int, context: float) -> dict:
+    """Bytes one decode step of ``batch`` sequences of mean length ``context`` must read: every
+    weight once (the input embedding only for the batch's rows) and each sequence's K and V."""
+    cfg = net.config
+    emb = net.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    weights += batch * emb.shape[1] * emb.element_size() - emb.numel() * emb.element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = (batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
+          * emb.element_size())
+    return {"weight_bytes": int(weights), "kv_bytes": int(kv)}
+
+
+def copy_rate(device: str, nbytes: int = 1 << 30, repeat: int = 10) -> float:
+    """Device-to-device copy rate in bytes/s, counting what is read and what is written
+    (``2 * nbytes`` per copy), best of ``repeat`` copies of ``nbytes``."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat + 2):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def _sync(device: str) -> None:
+    import torch
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------- the systems
+class Runner:
+    """One system: ``run(prompts, new_tokens)`` returns the new tokens of each prompt."""
+
+    name = ""
+
+    def run(self, prompts: list, new_tokens: int) -> list:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Undo what the runner changed on the model (its attention implementation)."""
+
+
+class EngineRunner(Runner):
+    """(a): our ``Engine``, sized for the workload (``batch`` sequences per forward)."""
+
+    def __init__(self, net, backend: str, device: str, batch: int, max_len: int):
+        from .integrations.transformers import Engine
+        page = 16
+        self.engine = Engine(net, backend=backend, device=device, page_size=page,
+                             max_batch_size=batch,
+                             max_total_tokens=batch * (-(-max_len // page) + 2) * page)
+        self.engine.progress = False
+        self.name = f"{SYSTEM_NAMES['a']} ({self.engine.cache.backend.name})"
+
+    def run(self, prompts, new_tokens):
+        out = self.engine.generate(prompts, max_new_tokens=new_tokens)
+        return [o[0] for o in out]
+
+
+class GenerateBatchRunner(Runner):
+    """(b): transformers' continuous batching."""
+
+    name = SYSTEM_NAMES["b"]
+
+    def __init__(self, net, cb_config: Optional[dict] = None):
+        from transformers import GenerationConfig
+        self.net = net
+        self.cb = None
+        if cb_config:
+            # off the GPU transformers sizes its cache from the host's free memory (minutes of
+            # zero-filling); there the bench gives it the workload's size
+            import dataclasses as dc
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+            fields = {f.name for f in dc.fields(ContinuousBatchingConfig)}
+            if "page_size" in fields and "block_size" in cb_config:      # renamed in 5.17
+                cb_config = dict(cb_config, page_size=cb_config.pop("block_size"))
+            self.cb = ContinuousBatchingConfig(**cb_config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # 5.2x deprecates the prefix 5.17 needs
+            net.set_attn_implementation("paged|sdpa")
+        self.config = GenerationConfig
+        self.sdpa = "sdpa"
+
+    def run(self, prompts, new_tokens):
+        cfg = self.config(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+        # no inference_mode: the manager's own thread updates tensors made here in place
+        with _quiet_transformers():
+            kw = {} if self.cb is None else {"continuous_batching_config": self.cb}
+            out = self.net.generate_batch(prompts, generation_config=cfg, progress_bar=False, **kw)
+        # request ids are "req_<index>", in the order of the prompts
+        keys = sorted(out, key=lambda k: int(str(k).rsplit("_", 1)[-1]))
+        return [list(out[k].generated_tokens) for k in keys]
+
+    def close(self):
+        self.net.set_attn_implementation(self.sdpa)
+
+
+class StaticRunner(Runner):
+    """(c): ``generate`` with a static cache, ``batch`` prompts at a time, left-padded to
+    ``pad_to`` tokens (one static shape for the whole run)."""
+
+    name = SYSTEM_NAMES["c"]
+
+    def __init__(self, net, batch: int, compile_forward: bool):
+        self.net, self.batch, self.compile = net, batch, compile_forward
+        self.net.set_attn_implementation("sdpa")
+        self.pad_to: Optional[int] = None
+
+    def run(self, prompts, new_tokens):
+        import torch
+        dev = next(self.net.parameters()).device
+        out = []
+        width = self.pad_to or max(len(p) for p in prompts)
+        for i in range(0, len(prompts), self.batch):
+            group = prompts[i:i + self.batch]
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros(len(group), width, dtype=torch.long)
+            for k, p in enumerate(group):
+                ids[k, width - len(p):] = torch.tensor(p)
+                mask[k, width - len(p):] = 1
+            with torch.inference_mode(), _quiet_transformers():
+                gen = self.net.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                        do_sample=False, cache_implementation="static",
+                                        eos_token_id=None, pad_token_id=0,
+                                        disable_compile=not self.compile)
+            out.extend(gen[:, width:].tolist())
+        return out
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    import logging
+    loggers = [logging.getLogger(n) for n in ("transformers", "ContinuousBatchingLogger")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+# ---------------------------------------------------------------------- measurements
+def _timed(fn: Callable, device: str):
+    _sync(device)
+    t0 = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return time.perf_counter() - t0, result
+
+
+def _kernel_busy_s(fn: Callable, device: str) -> tuple:
+    """(wall s, union of the GPU's activity intervals s: kernels, copies, memsets) of ``fn()``
+    under ``torch.profiler`` (GPU activity only: recording host ops would slow the host and
+    understate the busy fraction)."""
+    from torch.profiler import ProfilerActivity, profile
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall, _ = _timed(fn, device)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type.name == "CUDA"]
+    return wall, union_length(spans) * 1e-6
+
+
+def union_length(spans) -> float:
+    """Total length covered by the intervals ``spans`` ((start, end) pairs), overlaps once."""
+    busy, end = 0.0, -float("inf")
+    for s, t in sorted(spans):
+        if t <= end:
+            continue
+        busy += t - max(s, end)
+        end = t
+    return busy
+
+
+def measure(runner: Runner, prompts: list, new_tokens: int, decode_prompts: list, n1: int,
+            n2: int, device: str, profile_busy: bool,
+            before_whole: Optional[Callable] = None) -> dict:
+    """Warm up, time the decode difference (and profile it), then (after ``before_whole()``)
+    time the whole run; checks every request produced its tokens."""
+    # warm-up (compilation, graph capture of every batch size the decode runs meet)
+    runner.run(decode_prompts, n1)
+    walls = {}
+    for n in (n1, n2):
+        walls[n], out = _timed(lambda: runner.run(decode_prompts, n), device)
+        _check(runner, out, len(decode_prompts), n)
+    step = (walls[n2] - walls[n1]) / (n2 - n1)
+    busy = None
+    if profile_busy:
+        w1, k1 = _kernel_busy_s(lambda: runner.run(decode_prompts, n1), device)
+        w2, k2 = _kernel_busy_s(lambda: runner.run(decode_prompts, n2), device)
+        busy = (k2 - k1) / (w2 - w1) if w2 > w1 else None
+    if before_whole is not None:
+        before_whole()
+    wall, out = _timed(lambda: runner.run(prompts, new_tokens), device)
+    tokens = _check(runner, out, len(prompts), new_tokens)
+    return {"system": runner.name, "wall_s": wall, "tokens": tokens,
+            "tokens_per_s": tokens / wall, "decode_step_ms": step * 1e3,
+            "decode_walls_s": {str(k): v for k, v in walls.items()}, "gpu_busy": busy}
+
+
+def _check(runner, out, requests: int, new_tokens: int) -> int:
+    lengths = [len(o) for o in out]
+    if len(out) != requests or any(n != new_tokens for n in lengths):
+        raise RuntimeError(f"{runner.name}: expected {requests} requests of {new_tokens} new "
+                           f"tokens, got {len(out)} requests of lengths {sorted(set(lengths))}")
+    return sum(lengths)
+
+
+# ---------------------------------------------------------------------- the command
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The serving bench's options (on ``kvcache bench``'s parser)."""
+    g = p.add_argument_group("serving bench (--serving)")
+    g.add_argument("--serving", action="store_true",
+                   help="serving throughput side by side: (a) the kvcache Engine, (b) "
+                        "transformers generate_batch, (c) transformers static-cache generate, and "
+                        "the decode-step roofline (needs torch and transformers)")
+    g.add_argument("--model", default="llama", choices=MODELS,
+                   help="model family of the random-weight model (default llama: Llama-3-8B "
+                        "layer shapes)")
+    g.add_argument("--requests", type=_pos, default=256, metavar="N",
+                   help="requests in the whole run (default 256)")
+    g.add_argument("--new-tokens", type=_pos, default=128, metavar="N",
+                   help="new tokens per request (default 128)")
+    g.add_argument("--layers", type=_pos, default=8, metavar="N",
+                   help="decoder layers of the model (default 8)")
+    g.add_argument("--batch", type=_pos, default=64, metavar="N",
+                   help="sequences per forward for (a), batch for (c) and the decode-step "
+                        "measurement (default 64)")
+    g.add_argument("--tiny", action="store_true",
+                   help="small dims and prompts for a CPU smoke run")
+    g.add_argument("--skip", default="", metavar="LIST",
+                   help="systems to skip, comma separated from a,b,c (e.g. --skip b,c)")
+    g.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed of the weights and the workload (default 0)")
+    g.add_argument("--no-busy", action="store_true",
+                   help="skip the profiled runs that measure the GPU busy fraction (about a "
+                        "third of the run time)")
+    g.add_argument("--static-compile", action="store_true",
+                   help="let (c) compile its forward (transformers' auto-compile; off by default)")
+
+
+def _pos(text: str) -> int:
+    from .bench import _positive_int
+    return _positive_int(text)
+
+
+def check_device(device: Optional[str]) -> None:
+    """Raise ``UsageError`` at once when torch or transformers is missing or ``device`` (None:
+    cuda when there is one, else cpu) is a GPU torch cannot reach."""
+    from .cli import UsageError
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"--serving needs torch and transformers: {exc}") from None
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: torch {torch.__version__} sees no CUDA GPU here; "
+                         f"use --device cpu (with --tiny for a smoke run)")
+
+
+def parse_skip(text: str) -> set:
+    skip = {s.strip() for s in text.split(",") if s.strip()}
+    bad = skip - set(SYSTEMS)
+    if bad:
+        raise ValueError(f"--skip {text!r}: unknown system(s) {', '.join(sorted(bad))}; "
+                         f"choose from {', '.join(SYSTEMS)}")
+    return skip
+
+
+def run(args) -> dict:
+    """Run the serving bench for parsed ``args``; returns the JSON-ready result."""
+    import torch
+    import transformers
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.startswith("cuda")
+    skip = parse_skip(args.skip)
+    dtype = "bfloat16" if on_gpu else "float32"
+    backend = args.backend or ("cuda" if on_gpu else "reference")
+    prompt_range = (8, 32) if args.tiny else (128, 1024)
+    decode_prompt = 16 if args.tiny else 512
+    n2 = args.new_tokens
+    n1 = max(1, n2 // 4)
+    if n2 <= n1:
+        raise ValueError(f"--new-tokens {n2}: the decode-step difference needs at least 2")
+    net = build_model(args.model, args.layers, args.tiny, device, dtype, args.seed)
+    vocab = net.config.vocab_size
+    prompts = workload(args.requests, prompt_range, vocab, args.seed)
+    decode_prompts = workload(args.batch, (decode_prompt, decode_prompt), vocab, args.seed + 1)
+    max_len = max(prompt_range[1], decode_prompt) + n2
+    rate = copy_rate(device, nbytes=(1 << 30) if on_gpu else (1 << 24))
+    # the added steps make tokens n1+1..n2; the one making token k reads prompt + k - 1 tokens
+    context = decode_prompt + (n1 + n2 - 1) / 2
+    nbytes = decode_bytes(net, args.batch, context)
+    roof_s = (nbytes["weight_bytes"] + nbytes["kv_bytes"]) / rate
+    result: dict[str, Any] = {
+        "command": "kvcache bench --serving", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": platform.node(), "device": (torch.cuda.get_device_name(device) if on_gpu
+                                               else platform.processor() or platform.machine()),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "workload": {"model": args.model, "tiny": bool(args.tiny), "layers": args.layers,
+                     "dtype": dtype, "requests": args.requests, "prompt_range": list(prompt_range),
+                     "new_tokens": n2, "seed": args.seed, "batch": args.batch,
+                     "decode_prompt": decode_prompt, "decode_n1": n1, "decode_n2": n2},
+        "roofline": {"copy_rate_Bps": rate, "context": context, **nbytes,
+                     "decode_step_ms": roof_s * 1e3,
+                     "tokens_per_s": args.batch / roof_s},
+        "systems": {}, "skipped": {}, "ratios": {},
+    }
+    for key in SYSTEMS:
+        if key in skip:
+            result["skipped"][key] = "--skip"
+            continue
+        runner: Optional[Runner] = None
+        try:
+            if key == "a":
+                runner = EngineRunner(net, backend, device, args.batch, max_len)
+            elif key == "b":
+                runner = GenerateBatchRunner(net, None if on_gpu else {
+                    "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,
+                    "max_batch_tokens": 256})
+            else:
+                runner = StaticRunner(net, args.batch, args.static_compile)
+            before = None
+            if isinstance(runner, StaticRunner):
+                # the decode measurement at its own width, the whole run at the longest prompt's
+                static = runner
+                before = lambda: setattr(static, "pad_to", prompt_range[1])  # noqa: E731
+            t0 = time.perf_counter()
+            r = measure(runner, prompts, n2, decode_prompts, n1, n2, device,
+                        on_gpu and not args.no_busy, before)
+            print(f"kvcache bench --serving: ({key}) done in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
+            if not on_gpu or args.no_busy:
+                r["gpu_busy_note"] = "not measured: " + ("no GPU" if not on_gpu else "--no-busy")
+            result["systems"][key] = r
+        except Exception as exc:        # a peer that cannot run here is reported, not hidden
+            if key == "a":
+                raise
+            result["skipped"][key] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        finally:
+            if runner is not None:
+                runner.close()
+            # the next system sizes itself from the free memory: give back this one's cache
+            runner = None
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
+    a, b = result["systems"].get("a"), result["systems"].get("b")
+    if a is not None:
+        result["ratios"]["a_decode_step_over_roofline"] = a["decode_step_ms"] / (roof_s * 1e3)
+        result["ratios"]["a_gpu_busy"] = a["gpu_busy"]
+        if b is not None:
+            result["ratios"]["a_over_b_tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"]
+    return result
+
+
+def print_result(res: dict) -> None:
+    w, roof = res["workload"], res["roofline"]
+    print(f"kvcache bench --serving --model {w['model']}: {res['device']}, {res['date']}, "
+          f"torch {res['torch']}, transformers {res['transformers']}")
+    print(f"  workload: {w['requests']} requests, prompts {w['prompt_range'][0]}-"
+          f"{w['prompt_range'][1]} tokens, {w['new_tokens']} new tokens each, {w['layers']} layers"
+          f"{' (tiny dims)' if w['tiny'] else ' (Llama-3-8B layer shapes)'}, {w['dtype']}, "
+          f"seed {w['seed']}")
+    print(f"  decode step: B={w['batch']}, prompt {w['decode_prompt']}, (wall to "
+          f"{w['decode_n2']} tokens - wall to {w['decode_n1']}) / {w['decode_n2'] - w['decode_n1']}"
+          f"; gpu busy: kernel time / wall over the same steps (torch.profiler)")
+    print(f"{'system':<48} {'tokens/s':>10} {'wall s':>8} {'decode step ms':>15} {'gpu busy':>9}")
+    for key in SYSTEMS:
+        r = res["systems"].get(key)
+        if r is None:
+            print(f"({key}) {SYSTEM_NAMES[key]:<44} skipped: {res['skipped'].get(key)}")
+            continue
+        busy = "n/a" if r["gpu_busy"] is None else f"{r['gpu_busy'] * 100:.0f}%"
+        print(f"({key}) {r['system']:<44} {r['tokens_per_s']:>10.1f} {r['wall_s']:>8.2f} "
+              f"{r['decode_step_ms']:>15.3f} {busy:>9}")
+    print(f"(roofline) weights {roof['weight_bytes'] / 1e9:.3f} GB + KV "
+          f"{roof['kv_bytes'] / 1e9:.3f} GB at {roof['copy_rate_Bps'] / 1e12:.3f} TB/s copy rate: "
+          f"{roof['decode_step_ms']:>.3f} ms/step, {roof['tokens_per_s']:.0f} tokens/s at "
+          f"B={w['batch']}")
+    rt = res["ratios"]
+    print("targets (ratios; met when the comparison holds):")
+    if "a_decode_step_over_roofline" in rt:
+        x = rt["a_decode_step_over_roofline"]
+        print(f"  (a) decode step / roofline at B={w['batch']}: {x:.2f} (target <= "
+              f"{TARGET_ROOFLINE}) {'met' if x <= TARGET_ROOFLINE else 'MISSED'}")
+    if "a_over_b_tokens_per_s" in rt:
+        x = rt["a_over_b_tokens_per_s"]
+        print(f"  (a) / (b) tokens/s: {x:.2f} (target >= {TARGET_VS_B}) "
+              f"{'met' if x >= TARGET_VS_B else 'MISSED'}")
+    else:
+        print("  (a) / (b) tokens/s: n/a ((b) skipped)")
+    busy = rt.get("a_gpu_busy")
+    if busy is None:
+        note = res["systems"].get("a", {}).get("gpu_busy_note", "(a) skipped")
+        print(f"  (a) gpu busy during decode: n/a ({note})")
+    else:
+        print(f"  (a) gpu busy during decode: {busy * 100:.0f}% "
+              f"(target >= {TARGET_BUSY * 100:.0f}%) {'met' if busy >= TARGET_BUSY else 'MISSED'}")
+
+
+def main(args) -> int:
+    res = run(args)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_result(res)
+    return 0

@@ -1,0 +1,73 @@
+"""``kvcache bench --serving``: the whole command at tiny sizes on the CPU (structure, not
+speed)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvcache.bench_serving import union_length  # noqa: E402
+from kvcache.cli import main  # noqa: E402
+
+TINY = ["bench", "--serving", "--model", "llama", "--tiny", "--device", "cpu", "--layers", "1",
+        "--batch", "2"]
+
+
+def test_serving_json_runs_every_system_and_a_makes_every_token(capsys):
+    assert main(TINY + ["--requests", "3", "--new-tokens", "4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    w = res["workload"]
+    assert (w["requests"], w["new_tokens"], w["layers"], w["batch"]) == (3, 4, 1, 2)
+    assert w["decode_n1"] < w["decode_n2"] == 4
+    roof = res["roofline"]
+    assert roof["weight_bytes"] > 0 and roof["kv_bytes"] > 0 and roof["copy_rate_Bps"] > 0
+    assert roof["decode_step_ms"] == pytest.approx(
+        (roof["weight_bytes"] + roof["kv_bytes"]) / roof["copy_rate_Bps"] * 1e3)
+    a = res["systems"]["a"]
+    assert a["tokens"] == 3 * 4 and a["tokens_per_s"] == pytest.approx(a["tokens"] / a["wall_s"])
+    assert a["gpu_busy"] is None and "no GPU" in a["gpu_busy_note"]
+    # every system ran or says why it did not; none vanishes
+    for key in "bc":
+        assert (key in res["systems"]) != (key in res["skipped"])
+        if key in res["systems"]:
+            assert res["systems"][key]["tokens"] == 3 * 4
+    ratios = res["ratios"]
+    assert ratios["a_decode_step_over_roofline"] == pytest.approx(
+        a["decode_step_ms"] / roof["decode_step_ms"])
+    if "b" in res["systems"]:
+        assert ratios["a_over_b_tokens_per_s"] == pytest.approx(
+            a["tokens_per_s"] / res["systems"]["b"]["tokens_per_s"])
+
+
+def test_serving_table_says_what_was_skipped(capsys, monkeypatch):
+    # the cuda backend in its CPU test mode, as (a) runs on a GPU
+    monkeypatch.setenv("KVCACHE_CUDA_CPU", "1")
+    assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c",
+                        "--backend", "cuda"]) == 0
+    out = capsys.readouterr().out
+    rows = {ln[:3]: ln for ln in out.splitlines() if ln[:3] in ("(a)", "(b)", "(c)")}
+    assert set(rows) == {"(a)", "(b)", "(c)"}
+    assert "skipped: --skip" in rows["(b)"] and "skipped: --skip" in rows["(c)"]
+    assert "skipped" not in rows["(a)"] and "(cuda)" in rows["(a)"] and "(roofline)" in out
+    assert "decode step / roofline" in out and "(a) / (b) tokens/s: n/a ((b) skipped)" in out
+    assert "gpu busy during decode: n/a" in out
+
+
+def test_serving_rejects_an_unknown_system_to_skip(capsys):
+    assert main(TINY + ["--skip", "a,d"]) == 2
+    assert "unknown system(s) d" in capsys.readouterr().err
+
+
+def test_union_length_counts_overlaps_once():
+    assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)
+    assert union_length([]) == 0
+
+
+def test_serving_on_a_missing_gpu_says_so_before_any_work(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    assert main(["bench", "--serving", "--device", "cuda"]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
