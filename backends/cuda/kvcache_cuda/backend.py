@@ -26,6 +26,7 @@ import numpy as np
 
 from kvcache.backend import Backend, Capabilities
 
+from .launch import LaunchCache
 from .tuning import CUDA_TUNING, Tuning
 
 try:  # torch is optional at import time; availability() explains its absence
@@ -54,6 +55,8 @@ class KernelCtx:
     dtype: object
     tuning: Tuning
     num_sms: int
+    launch: LaunchCache
+    """Per-forward launch records and scratch of the Triton launchers (``kvcache_cuda.launch``)."""
 
 
 class HostStream:
@@ -184,6 +187,7 @@ class CudaBackend(Backend):
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if self.on_gpu else self.CPU_TEST_SMS)
+        self.launch_cache = LaunchCache()
         self.tuning = self.TUNING
         self.host_compute_stream = None if self.on_gpu else HostStream("compute")
 
@@ -197,8 +201,9 @@ class CudaBackend(Backend):
         # kernels get one immutable context per tuning (no per-call construction on the hot path)
         self._tuning = value
         c = self.config
+        self.launch_cache.clear()          # records hold tiles and split factors of the old table
         self.ctx = KernelCtx(c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim,
-                             c.group_size, self.dtype, value, self._num_sms)
+                             c.group_size, self.dtype, value, self._num_sms, self.launch_cache)
 
     def kernels(self, tensor=None):
         """The kernel module for this call: Triton on GPU tensors (or under TRITON_INTERPRET=1),
