@@ -192,6 +192,13 @@ class CudaBackend(Backend):
         self.host_compute_stream = None if self.on_gpu else HostStream("compute")
 
     @property
+    def scratch_allocations(self) -> int:
+        """Scratch tensors the Triton launchers allocated for launch records so far (split-K
+        partials, the ragged path's finite-V copy and flags): flat across the layers of a forward
+        and across steady-state steps of one plan (``kvcache_cuda.launch``)."""
+        return self.launch_cache.allocations
+
+    @property
     def tuning(self) -> Tuning:
         """The kernel tile table in use (``TUNING`` unless a test or sweep sets another)."""
         return self._tuning
@@ -210,13 +217,13 @@ class CudaBackend(Backend):
         torch otherwise; ``impl`` ('torch' / 'triton') forces one (tests compare them)."""
         impl = self.impl
         if impl == "auto":
-            on_gpu = self.on_gpu if tensor is None else tensor.device.type != "cpu"
+            on_gpu = self.on_gpu if tensor is None else tensor.is_cuda
             impl = "triton" if (on_gpu or self.interpret) else "torch"
-        if impl == "triton":
-            from . import triton_kernels
-            return triton_kernels
-        from . import torch_kernels
-        return torch_kernels
+        mod = _KERNEL_MODULES.get(impl)
+        if mod is None:        # imported once (triton lazily: CPU-only users never import it)
+            import importlib
+            mod = _KERNEL_MODULES[impl] = importlib.import_module(f"{__package__}.{impl}_kernels")
+        return mod
 
     def _guard(self):
         # Triton launches on the *current* device; only switch when this cache lives elsewhere
@@ -364,3 +371,4 @@ class CudaBackend(Backend):
 
 
 _NO_SWITCH = contextlib.nullcontext()     # reusable: it holds no state
+_KERNEL_MODULES: dict = {}                # "torch" / "triton" -> the imported kernel module

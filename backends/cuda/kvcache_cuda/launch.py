@@ -14,8 +14,12 @@ Safety (docs/architecture.md, "Streams, buffers and the run-ahead rule"):
   they are written and read by kernels of one layer on the caller's stream, so the next layer (or
   a later forward) reusing them is ordered after those reads by the stream itself; outputs handed
   to the caller are allocated per call;
-* scratch comes from torch's caching allocator when a record is built (on the compute stream) and
-  returns to it when the record is evicted: stream-ordered reuse as for any temporary;
+* scratch is carved from one byte arena per stream (``arenas``) that only grows: every user of a
+  scratch buffer (split-K decode then merge, finite-V copy then the two ragged passes) is queued
+  within one attention call on that stream, so any later call on the same stream, this forward's
+  next layer or a later forward, is ordered after those reads by the stream itself. A grown
+  arena's old block stays alive while records still view it and then returns to torch's caching
+  allocator, which reuses it in stream order. Steady state therefore allocates nothing;
 * while a CUDA graph is being captured the launchers allocate scratch per call instead (the
   graph's private pool keeps it alive as long as the graph): a graph must never point at a cached
   buffer that a later eviction frees.
@@ -29,8 +33,9 @@ from collections import OrderedDict
 class LaunchCache:
     """Launch records of one backend instance, keyed by plan identity (most recent first out).
 
-    ``allocations`` counts scratch tensors allocated for records (tests assert it stays flat in
-    steady state: a forward's later layers allocate none); ``builds`` counts records built.
+    ``allocations`` counts arena (re)allocations (tests assert it stays flat in steady state: after
+    a warm-up step, neither later layers nor later forwards allocate); ``builds`` counts records
+    built (one per plan object and launcher kind, i.e. per forward).
     """
 
     # a forward has a handful of records (ragged + one per block depth); keeping a few forwards'
@@ -42,6 +47,7 @@ class LaunchCache:
         self.allocations = 0
         self.builds = 0
         self.static: dict = {}       # config/tuning-only values (per launcher kind)
+        self.arenas: dict = {}       # (device, stream) -> flat uint8 scratch tensor
 
     def get(self, key):
         """The record stored under ``key`` (a tuple whose first item is ``id(plan_object)``), or None."""
@@ -57,7 +63,7 @@ class LaunchCache:
         return record
 
     def clear(self):
-        """Drop every record and config-derived value (tuning changed)."""
+        """Drop every record and config-derived value (tuning changed); arenas stay."""
         self._records.clear()
         self.static.clear()
 

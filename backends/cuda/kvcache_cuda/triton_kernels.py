@@ -756,6 +756,31 @@ def _capturing(x) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _stream_key(device):
+    if device.type == "cpu":
+        return device, None
+    return device, torch.cuda.current_stream(device).cuda_stream
+
+
+def _scratch(ctx, device, specs):
+    """Tensors of ``specs`` ((shape, dtype), ...) carved from the current stream's grow-only arena
+    (launch.py: why reuse across calls and forwards is safe); called when a record is built."""
+    sizes, total = [], 0
+    for shape, dtype in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        sizes.append((total, nbytes))
+        total += -(-nbytes // 256) * 256              # keep every slice 256-byte aligned
+    launch = ctx.launch
+    key = _stream_key(device)
+    arena = launch.arenas.get(key)
+    if arena is None or arena.numel() < total:
+        grow = max(total, 0 if arena is None else 2 * arena.numel())
+        arena = launch.arenas[key] = torch.empty(grow, dtype=torch.uint8, device=device)
+        launch.allocations += 1
+    return [arena[off:off + n].view(dtype).view(shape)
+            for (off, n), (shape, dtype) in zip(sizes, specs)]
+
+
 def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, positions=None,
                         rope_spec=None, want_k=False):
     cfg = _cfg(ctx)
@@ -864,16 +889,17 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
         block_t = max(1, 4096 // cfg.block_d)
         rec.fgrid = (triton.cdiv(t_total, block_t), hkv)
         rec.fkw = dict(HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=cfg.block_d, num_warps=cfg.ew_warps)
-        rec.v_out, rec.bad, rec.any_bad = _finite_v_scratch(v)
-        launch.allocations += 3
+        rec.v_out, rec.bad, rec.any_bad = _scratch(ctx, v.device, _finite_v_specs(v))
     return launch.put(key, (qo_indptr, tree, rope), rec)
 
 
-def _finite_v_scratch(v):
+def _finite_v_specs(v):
     t_total, hkv, d = v.shape
-    return (torch.empty((t_total, hkv, d), dtype=v.dtype, device=v.device),
-            torch.empty((t_total, hkv), dtype=torch.int32, device=v.device),
-            torch.empty((1,), dtype=torch.int32, device=v.device))
+    return ((t_total, hkv, d), v.dtype), ((t_total, hkv), torch.int32), ((1,), torch.int32)
+
+
+def _finite_v_scratch(v):
+    return [torch.empty(shape, dtype=dtype, device=v.device) for shape, dtype in _finite_v_specs(v)]
 
 
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
@@ -950,9 +976,8 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
                       NUM_SPLITS=splits, **flags, num_warps=tiles.num_warps,
                       num_stages=tiles.num_stages)
         if splits > 1 and t_total:
-            po = rec.po = torch.empty((t_total, splits, hq, d), dtype=torch.float32, device=q.device)
-            pl = rec.pl = torch.empty((t_total, splits, hq), dtype=torch.float32, device=q.device)
-            launch.allocations += 2
+            po, pl = rec.po, rec.pl = _scratch(ctx, q.device, (
+                ((t_total, splits, hq, d), torch.float32), ((t_total, splits, hq), torch.float32)))
             rec.so = (po.stride(0), po.stride(1), po.stride(2))
             rec.sl = (pl.stride(0), pl.stride(1))
             # outputs are contiguous (T, Hq, D) / (T, Hq)
