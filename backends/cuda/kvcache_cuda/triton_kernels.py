@@ -756,6 +756,18 @@ def _capturing(x) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _capturing_on(device) -> bool:
+    return device.type != "cpu" and torch.cuda.is_current_stream_capturing()
+
+
+def _keep(launch, key, anchor, rec, x):
+    """Store a freshly built record, except during graph capture: its scratch then lives in the
+    graph's pool and must not serve eager calls after the capture."""
+    if _capturing(x):
+        return rec
+    return launch.put(key, anchor, rec)
+
+
 def _stream_key(device):
     if device.type == "cpu":
         return device, None
@@ -764,7 +776,10 @@ def _stream_key(device):
 
 def _scratch(ctx, device, specs):
     """Tensors of ``specs`` ((shape, dtype), ...) carved from the current stream's grow-only arena
-    (launch.py: why reuse across calls and forwards is safe); called when a record is built."""
+    (launch.py: why reuse across calls and forwards is safe); called when a record is built.
+    While a graph is captured: fresh tensors from the graph's pool, the arena untouched."""
+    if _capturing_on(device):
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
     sizes, total = [], 0
     for shape, dtype in specs:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -890,7 +905,7 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
         rec.fgrid = (triton.cdiv(t_total, block_t), hkv)
         rec.fkw = dict(HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=cfg.block_d, num_warps=cfg.ew_warps)
         rec.v_out, rec.bad, rec.any_bad = _scratch(ctx, v.device, _finite_v_specs(v))
-    return launch.put(key, (qo_indptr, tree, rope), rec)
+    return _keep(launch, key, (qo_indptr, tree, rope), rec, v)
 
 
 def _finite_v_specs(v):
@@ -997,7 +1012,7 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         rec.kw = dict(GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r,
                       BLOCK_N=tiles.block_n, BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps,
                       num_stages=tiles.num_stages)
-    return launch.put(key, (depth, rope), rec)
+    return _keep(launch, key, (depth, rope), rec, q)
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
