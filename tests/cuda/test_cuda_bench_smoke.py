@@ -53,7 +53,11 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     data = json.loads(out.read_text())
     kinds = {c["kind"] for c in data["cases"]}
     assert kinds == {"decode", "prefill-paged", "prefill-ragged", "append-fused", "append-unfused"}
-    assert len(data["verdicts"]) == 2 + 1 + 1 + 1    # decode x2, paged prefill, fused append, graph
+    # decode x2, paged prefill, fused append, graph replay, eager host time at B=1 (64 not run)
+    assert len(data["verdicts"]) == 2 + 1 + 1 + 1 + 1
+    assert any("eager decode host B=1" in v and v.endswith("us/layer (target <= 30)")
+               for v in data["verdicts"])
+    assert all(r["host_us_per_layer"] > 0 for r in data["graphs"]) and "host us/layer" in text
     assert [r["batch"] for r in data["graphs"]] == [1, 2] and "CUDA-graph decode" in text
     assert any(v.endswith("(target <= 1.3)") for v in data["verdicts"])
     assert "# targets" in text and "sweep decode" in text and "best prefill" in text

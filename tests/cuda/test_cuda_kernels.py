@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cuda_cases as cc
+import kvcache
 from kvcache.conformance import TOLERANCES, assert_close
 from cuda_cases import Entry
 
@@ -505,3 +506,56 @@ def test_merge_attention_nan_lse(impl):
     _strict(ref, mine.to_numpy(o), ro, ~nan_rows, ro, "o")
     _strict(ref, mine.to_numpy(lse), rl, ~nan_rows, rl, "lse", lse=True)
     assert np.isnan(mine.to_numpy(lse)[nan_rows]).all()
+
+
+def test_decode_steady_state_allocates_no_scratch():
+    """The Triton launchers build a launch record (grid, split factor, split-K scratch views) on
+    the first layer of a forward and reuse it on every later layer; scratch comes from a
+    grow-only arena: after a warm-up step, decode steps allocate no scratch at all, and results
+    stay right."""
+    if "triton" not in cc.IMPLS:
+        pytest.skip("Triton launchers run under TRITON_INTERPRET=1 or on a GPU "
+                    "(test_cuda_triton_interpreter.py spawns this test in CPU mode)")
+    layers = 3
+    cfg = cc.config(layers=layers, rope_mode="normal")
+    cache = kvcache.PagedKVCache(cfg, backend="cuda", device=cc.DEVICE)
+    b = cache.backend
+    b.impl = "triton"
+    b.tuning = b.tuning.with_(force_splits=2)        # split-K on, so there is scratch to reuse
+    ref = kvcache.PagedKVCache(cfg, backend="reference")
+    rng = np.random.default_rng(7)
+    ids, lens = [0, 1], [21, 9]
+    for c in (cache, ref):
+        for i in ids:
+            c.add_sequence(i)
+
+    def step(append):
+        t = sum(append)
+        outs = []
+        for c in (cache, ref):
+            c.begin_forward(ids, append)
+        for layer in range(layers):
+            q = rng.standard_normal((t, cfg.num_qo_heads, cfg.head_dim)).astype(np.float32)
+            k = rng.standard_normal((t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
+            v = rng.standard_normal((t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
+            got = cache.attention(layer, *(b.from_numpy(x) for x in (q, k, v)))
+            want = ref.attention(layer, *(ref.backend.from_numpy(x) for x in (q, k, v)))
+            outs.append((b.to_numpy(got), ref.backend.to_numpy(want)))
+        for c in (cache, ref):
+            c.end_forward()
+        for got, want in outs:
+            np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+    step(lens)                                       # prefill: ragged record (finite-V scratch)
+    after_prefill = b.scratch_allocations
+    assert after_prefill > 0
+    builds = b.launch_cache.builds
+    step([1, 1])                                     # warm-up decode: one record per depth
+    assert b.launch_cache.builds - builds <= 2       # per forward, not per layer
+    warm = b.scratch_allocations
+    for _ in range(3):
+        builds = b.launch_cache.builds
+        step([1, 1])
+        assert b.launch_cache.builds - builds <= 2
+    assert b.scratch_allocations == warm             # the arena held; nothing allocated
+    assert len(b.launch_cache) <= b.launch_cache.MAX_RECORDS

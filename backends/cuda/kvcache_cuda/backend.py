@@ -26,6 +26,7 @@ import numpy as np
 
 from kvcache.backend import Backend, Capabilities
 
+from .launch import LaunchCache
 from .tuning import CUDA_TUNING, Tuning
 
 try:  # torch is optional at import time; availability() explains its absence
@@ -54,6 +55,8 @@ class KernelCtx:
     dtype: object
     tuning: Tuning
     num_sms: int
+    launch: LaunchCache
+    """Per-forward launch records and scratch of the Triton launchers (``kvcache_cuda.launch``)."""
 
 
 class HostStream:
@@ -184,8 +187,16 @@ class CudaBackend(Backend):
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if self.on_gpu else self.CPU_TEST_SMS)
+        self.launch_cache = LaunchCache()
         self.tuning = self.TUNING
         self.host_compute_stream = None if self.on_gpu else HostStream("compute")
+
+    @property
+    def scratch_allocations(self) -> int:
+        """Scratch tensors the Triton launchers allocated for launch records so far (split-K
+        partials, the ragged path's finite-V copy and flags): flat across the layers of a forward
+        and across steady-state steps of one plan (``kvcache_cuda.launch``)."""
+        return self.launch_cache.allocations
 
     @property
     def tuning(self) -> Tuning:
@@ -197,21 +208,22 @@ class CudaBackend(Backend):
         # kernels get one immutable context per tuning (no per-call construction on the hot path)
         self._tuning = value
         c = self.config
+        self.launch_cache.clear()          # records hold tiles and split factors of the old table
         self.ctx = KernelCtx(c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim,
-                             c.group_size, self.dtype, value, self._num_sms)
+                             c.group_size, self.dtype, value, self._num_sms, self.launch_cache)
 
     def kernels(self, tensor=None):
         """The kernel module for this call: Triton on GPU tensors (or under TRITON_INTERPRET=1),
         torch otherwise; ``impl`` ('torch' / 'triton') forces one (tests compare them)."""
         impl = self.impl
         if impl == "auto":
-            on_gpu = self.on_gpu if tensor is None else tensor.device.type != "cpu"
+            on_gpu = self.on_gpu if tensor is None else tensor.is_cuda
             impl = "triton" if (on_gpu or self.interpret) else "torch"
-        if impl == "triton":
-            from . import triton_kernels
-            return triton_kernels
-        from . import torch_kernels
-        return torch_kernels
+        mod = _KERNEL_MODULES.get(impl)
+        if mod is None:        # imported once (triton lazily: CPU-only users never import it)
+            import importlib
+            mod = _KERNEL_MODULES[impl] = importlib.import_module(f"{__package__}.{impl}_kernels")
+        return mod
 
     def _guard(self):
         # Triton launches on the *current* device; only switch when this cache lives elsewhere
@@ -359,3 +371,4 @@ class CudaBackend(Backend):
 
 
 _NO_SWITCH = contextlib.nullcontext()     # reusable: it holds no state
+_KERNEL_MODULES: dict = {}                # "torch" / "triton" -> the imported kernel module

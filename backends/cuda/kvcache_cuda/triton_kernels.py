@@ -705,37 +705,135 @@ def _last_dim_contig(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+class _Cfg:
+    """Launch values that depend only on the config and the tuning (one per ``LaunchCache``)."""
+
+    __slots__ = ("half", "block_half", "block_d", "ieee", "rope_hb", "ew_warps", "dec_tiles",
+                 "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows", "kw")
+
+    def __init__(self, ctx):
+        d = ctx.head_dim
+        self.half, self.block_half, self.block_d = _dims(d)
+        self.ieee = _ieee(ctx.dtype)
+        self.rope_hb = min(_p2(max(ctx.num_qo_heads, ctx.num_kv_heads)), ctx.tuning.elementwise_heads)
+        self.ew_warps = ctx.tuning.elementwise_warps
+        self.dec_tiles = ctx.tuning.tiles("decode", d, self.ieee)
+        self.dec_block_r = max(self.dec_tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
+        self.pre_tiles = ctx.tuning.tiles("prefill", d, self.ieee)
+        self.pre_block_r = max(self.pre_tiles.block_rows, _p2(ctx.group))
+        self.pre_m_tok = self.pre_block_r // ctx.group
+        self.merge_rows = ctx.tuning.merge_rows
+        self.kw = {}          # constexpr dicts of the rope/append launcher, by flag tuple
+
+
+def _cfg(ctx) -> _Cfg:
+    cfg = ctx.launch.static.get("cfg")
+    if cfg is None:
+        cfg = ctx.launch.static["cfg"] = _Cfg(ctx)
+    return cfg
+
+
+def _rope_cached(ctx, rope_spec, dummy):
+    """``_rope_args`` memoised per spec object (a model's frequency table is built once); a
+    missing table is returned as None (the caller passes any tensor in its place)."""
+    if rope_spec is None:
+        return 0.0, 1.0, None, False
+    static = ctx.launch.static
+    key = ("rope", id(rope_spec), dummy.device)
+    hit = static.get(key)
+    if hit is None or hit[0] is not rope_spec:
+        log2_theta, scale, table, has_freq = _rope_args(rope_spec, ctx.head_dim, dummy)
+        hit = static[key] = (rope_spec, (log2_theta, scale, table if has_freq else None, has_freq))
+    return hit[1]
+
+
+def _capturing(x) -> bool:
+    """A CUDA graph is being captured on the current stream: scratch is then allocated per call
+    (into the graph's pool) instead of taken from a launch record (launch.py says why)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _capturing_on(device) -> bool:
+    return device.type != "cpu" and torch.cuda.is_current_stream_capturing()
+
+
+def _keep(launch, key, anchor, rec, x):
+    """Store a freshly built record, except during graph capture: its scratch then lives in the
+    graph's pool and must not serve eager calls after the capture."""
+    if _capturing(x):
+        return rec
+    return launch.put(key, anchor, rec)
+
+
+def _stream_key(device):
+    if device.type == "cpu":
+        return device, None
+    return device, torch.cuda.current_stream(device).cuda_stream
+
+
+def _scratch(ctx, device, specs):
+    """Tensors of ``specs`` ((shape, dtype), ...) carved from the current stream's grow-only arena
+    (launch.py: why reuse across calls and forwards is safe); called when a record is built.
+    While a graph is captured: fresh tensors from the graph's pool, the arena untouched."""
+    if _capturing_on(device):
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    sizes, total = [], 0
+    for shape, dtype in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        sizes.append((total, nbytes))
+        total += -(-nbytes // 256) * 256              # keep every slice 256-byte aligned
+    launch = ctx.launch
+    key = _stream_key(device)
+    arena = launch.arenas.get(key)
+    if arena is None or arena.numel() < total:
+        grow = max(total, 0 if arena is None else 2 * arena.numel())
+        arena = launch.arenas[key] = torch.empty(grow, dtype=torch.uint8, device=device)
+        launch.allocations += 1
+    return [arena[off:off + n].view(dtype).view(shape)
+            for (off, n), (shape, dtype) in zip(sizes, specs)]
+
+
 def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, positions=None,
                         rope_spec=None, want_k=False):
-    t_total = (q if q is not None else k).shape[0]
-    half, block_half, _ = _dims(ctx.head_dim)
-    dummy = (q if q is not None else k)
-    q = _last_dim_contig(q) if q is not None else None
-    k = _last_dim_contig(k) if k is not None else None
-    v = _last_dim_contig(v) if v is not None else None
-    q_out = torch.empty(q.shape, dtype=ctx.dtype, device=q.device) if q is not None else None
-    k_out = torch.empty(k.shape, dtype=ctx.dtype, device=k.device) if want_k else None
+    cfg = _cfg(ctx)
     has_q, store = q is not None, pages is not None
-    qq, kk, vv = (q if has_q else dummy), (k if store else dummy), (v if store else dummy)
-    qo, ko = (q_out if has_q else dummy), (k_out if want_k else dummy)
-    pg = pages if store else dummy
-    sp = pages.stride() if store else (0, 0, 0, 0, 0)
-    sl = slots if store else dummy
-    ps = positions if rope_spec is not None else dummy
-    log2_theta, scale, freq, has_freq = _rope_args(rope_spec, ctx.head_dim, dummy)
+    dummy = q if has_q else k
+    t_total = dummy.shape[0]
+    q_out = k_out = None
+    if has_q:
+        q = _last_dim_contig(q)
+        q_out = torch.empty(q.shape, dtype=ctx.dtype, device=q.device)
+    if store:
+        k, v = _last_dim_contig(k), _last_dim_contig(v)
+    if want_k:
+        k_out = torch.empty(k.shape, dtype=ctx.dtype, device=k.device)
     if t_total == 0:
         return q_out, k_out
+    log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope_spec, dummy)
+    flags = (has_q, store, rope_spec is not None, has_freq, want_k)
+    kw = cfg.kw.get(flags)
+    if kw is None:
+        kw = cfg.kw[flags] = dict(
+            HEAD_DIM=ctx.head_dim, HALF=cfg.half, BLOCK_HALF=cfg.block_half, HB=cfg.rope_hb,
+            PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=flags[2], FREQ=has_freq,
+            K_OUT=want_k, num_warps=cfg.ew_warps)
+    qq, qo = (q, q_out) if has_q else (dummy, dummy)
+    sq = sqo = (0, 0)
+    if has_q:
+        sq, sqo = q.stride(), q_out.stride()
+    if store:
+        kk, vv, pg, sl, sk, sv, sp = k, v, pages, slots, k.stride(), v.stride(), pages.stride()
+        hkv = k.shape[1]
+    else:
+        kk = vv = pg = sl = dummy
+        sk = sv = sp = (0, 0, 0, 0)
+        hkv = 0
+    ko, sko = (k_out, k_out.stride()) if want_k else (dummy, (0, 0))
     _rope_append_kernel[(t_total,)](
-        qq, kk, vv, qo, ko, pg, sl, ps,
-        qq.stride(0), qq.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
-        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
-        sp[0], sp[1], sp[2], sp[3],
-        q.shape[1] if has_q else 0, k.shape[1] if store else 0, log2_theta, scale, freq,
-        HEAD_DIM=ctx.head_dim, HALF=half, BLOCK_HALF=block_half,
-        HB=min(_p2(max(ctx.num_qo_heads, ctx.num_kv_heads)), ctx.tuning.elementwise_heads),
-        PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=rope_spec is not None,
-        FREQ=has_freq,
-        K_OUT=want_k, num_warps=ctx.tuning.elementwise_warps)
+        qq, kk, vv, qo, ko, pg, sl, positions if flags[2] else dummy,
+        sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sqo[0], sqo[1], sko[0], sko[1],
+        sp[0], sp[1], sp[2], sp[3], q.shape[1] if has_q else 0, hkv, log2_theta, scale,
+        dummy if freq is None else freq, **kw)
     return q_out, k_out
 
 
@@ -766,63 +864,152 @@ def _tree_args(tree, fallback):
     return tree.indptr, tree.mask
 
 
+class _Record:
+    """One launch record (attributes set by the builder; see launch.py)."""
+
+    __slots__ = ("grid", "kw", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl",
+                 "po", "pl", "splits", "mgrid", "margs", "mkw", "fgrid", "fkw", "nkw",
+                 "v_out", "bad", "any_bad")
+
+
+def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
+    launch = ctx.launch
+    key = (id(qo_indptr), q.shape[0], v.dtype, num_seqs, max_len, id(tree), id(rope))
+    rec = launch.get(key)
+    if rec is not None:
+        return rec
+    cfg = _cfg(ctx)
+    t_total, hq, d = q.shape
+    rec = _Record()
+    tiles = cfg.pre_tiles
+    rec.grid = (triton.cdiv(max_len, cfg.pre_m_tok), num_seqs, ctx.num_kv_heads)
+    log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope, qo_indptr)
+    rec.rope = (log2_theta, scale, qo_indptr if freq is None else freq)
+    rec.post = _tree_args(tree, qo_indptr)
+    rec.o_shape, rec.lse_shape = (t_total, hq, d), (t_total, hq)
+    rec.kw = dict(GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r,
+                  BLOCK_N=tiles.block_n, HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half,
+                  BLOCK_D=cfg.block_d, TREE=tree is not None, ROPE=rope is not None,
+                  FREQ=has_freq, IEEE=cfg.ieee, num_warps=tiles.num_warps,
+                  num_stages=tiles.num_stages)
+    rec.nkw = dict(GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r,
+                   BLOCK_N=tiles.block_n, HEAD_DIM=d, BLOCK_D=cfg.block_d, TREE=tree is not None,
+                   num_warps=cfg.ew_warps)
+    rec.v_out = rec.bad = rec.any_bad = None
+    if max_len > 1:
+        hkv = v.shape[1]
+        block_t = max(1, 4096 // cfg.block_d)
+        rec.fgrid = (triton.cdiv(t_total, block_t), hkv)
+        rec.fkw = dict(HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=cfg.block_d, num_warps=cfg.ew_warps)
+        rec.v_out, rec.bad, rec.any_bad = _scratch(ctx, v.device, _finite_v_specs(v))
+    return _keep(launch, key, (qo_indptr, tree, rope), rec, v)
+
+
+def _finite_v_specs(v):
+    t_total, hkv, d = v.shape
+    return ((t_total, hkv, d), v.dtype), ((t_total, hkv), torch.int32), ((1,), torch.int32)
+
+
+def _finite_v_scratch(v):
+    return [torch.empty(shape, dtype=dtype, device=v.device) for shape, dtype in _finite_v_specs(v)]
+
+
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                      rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
     if _partial(rope):
         return torch_kernels.ragged_attention(
             ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len, tree=tree,
             rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset, window_left=window_left)
-    t_total, hq, d = q.shape
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
-    o = torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device)
-    lse = torch.empty((t_total, hq), dtype=torch.float32, device=q.device)
+    t_total = q.shape[0]
     if t_total == 0 or num_seqs == 0 or max_len == 0:
-        return o, lse
-    tiles = ctx.tuning.tiles("prefill", d, _ieee(ctx.dtype))
-    block_r = max(tiles.block_rows, _p2(ctx.group))
-    m_tok = block_r // ctx.group
-    half, block_half, block_d = _dims(d)
-    tind, tmask = _tree_args(tree, qo_indptr)
-    log2_theta, scale, freq, has_freq = _rope_args(rope, d, qo_indptr)
+        hq, d = q.shape[1], q.shape[2]
+        return (torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device),
+                torch.empty((t_total, hq), dtype=torch.float32, device=q.device))
+    rec = _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope)
+    o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
+    lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
     qpos = q_positions if rope is not None else qo_indptr
     krope = k_rope_offset if rope is not None else qo_indptr
-    grid = (triton.cdiv(max_len, m_tok), num_seqs, ctx.num_kv_heads)
+    tind, tmask = rec.post
     v_in = v
+    sq, sk, so = q.stride(), k.stride(), o.stride()
     if max_len > 1:
         # a row's causal / tree mask hides later keys of its own forward, and a masked key's
         # p = 0 times a NaN / inf V is NaN: the kernel runs on V with those zeroed, and a second
         # pass (it reads only flags unless one is set) puts them back where a row sees the key
-        v_in, bad, any_bad = _finite_v(ctx, v)
-    _ragged_kernel[grid](
+        v_in, bad, any_bad = (_finite_v_scratch(v) if _capturing(v)
+                              else (rec.v_out, rec.bad, rec.any_bad))
+        any_bad.zero_()
+        sv, svi = v.stride(), v_in.stride()
+        _finite_v_kernel[rec.fgrid](
+            v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1], v.shape[1], **rec.fkw)
+    svi = v_in.stride()
+    _ragged_kernel[rec.grid](
         q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale, freq,
-        int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n, HEAD_DIM=d,
-        HALF=half, BLOCK_HALF=block_half, BLOCK_D=block_d, TREE=tree is not None,
-        ROPE=rope is not None, FREQ=has_freq, IEEE=_ieee(ctx.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0], so[1], lse.stride(0),
+        sm_scale * LOG2E, *rec.rope, int(window_left), **rec.kw)
     if max_len > 1:
-        _ragged_nonfinite_kernel[grid](
-            v, bad, any_bad, o, qo_indptr, tind, tmask, v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            ctx.num_kv_heads, int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r,
-            BLOCK_N=tiles.block_n, HEAD_DIM=d, BLOCK_D=block_d, TREE=tree is not None,
-            num_warps=ctx.tuning.elementwise_warps)
+        _ragged_nonfinite_kernel[rec.grid](
+            v, bad, any_bad, o, qo_indptr, tind, tmask, sv[0], sv[1], so[0], so[1],
+            ctx.num_kv_heads, int(window_left), **rec.nkw)
     return o, lse
 
 
-def _finite_v(ctx, v):
-    """(v with NaN / +-inf zeroed, int32 flags (T, Hkv): 1 where a row held one, int32 (1,): 1 if
-    any did)."""
-    t_total, hkv, d = v.shape
-    out = torch.empty((t_total, hkv, d), dtype=v.dtype, device=v.device)
-    bad = torch.empty((t_total, hkv), dtype=torch.int32, device=v.device)
-    any_bad = torch.zeros((1,), dtype=torch.int32, device=v.device)
-    block_d = _p2(d)
-    block_t = max(1, 4096 // block_d)
-    _finite_v_kernel[(triton.cdiv(t_total, block_t), hkv)](
-        v, out, bad, any_bad, t_total, v.stride(0), v.stride(1), out.stride(0), out.stride(1), hkv,
-        HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=ctx.tuning.elementwise_warps)
-    return out, bad, any_bad
+def _paged_record(ctx, q, depth, rope, use_qpos):
+    launch = ctx.launch
+    t_total = q.shape[0]
+    key = (id(depth), t_total, id(rope), use_qpos)
+    rec = launch.get(key)
+    if rec is not None:
+        return rec
+    cfg = _cfg(ctx)
+    hq, d = q.shape[1], q.shape[2]
+    n = depth.num_entries
+    rec = _Record()
+    log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope, depth.qo_indptr)
+    rec.rope = (log2_theta, scale, depth.qo_indptr if freq is None else freq)
+    tind, tmask = _tree_args(depth.tree, depth.qo_indptr)
+    rec.pre = (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.kv_len,
+               depth.sink_size, depth.window_offset, depth.k_rope_offset)
+    rec.post = (tind, tmask, n)
+    rec.o_shape, rec.lse_shape = (t_total, hq, d), (t_total, hq)
+    flags = dict(HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
+                 PAGE_SIZE=ctx.page_size, TREE=depth.tree is not None, ROPE=rope is not None,
+                 FREQ=has_freq, IEEE=cfg.ieee)
+    rec.po = rec.pl = None
+    rec.splits = 1
+    if depth.use_decode:
+        tiles = cfg.dec_tiles
+        splits = rec.splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len),
+                                         ctx.num_sms)
+        rec.grid = (t_total, ctx.num_kv_heads, splits)
+        rec.kw = dict(GROUP=ctx.group, BLOCK_R=cfg.dec_block_r, BLOCK_N=tiles.block_n,
+                      NUM_SPLITS=splits, **flags, num_warps=tiles.num_warps,
+                      num_stages=tiles.num_stages)
+        if splits > 1 and t_total:
+            po, pl = rec.po, rec.pl = _scratch(ctx, q.device, (
+                ((t_total, splits, hq, d), torch.float32), ((t_total, splits, hq), torch.float32)))
+            rec.so = (po.stride(0), po.stride(1), po.stride(2))
+            rec.sl = (pl.stride(0), pl.stride(1))
+            # outputs are contiguous (T, Hq, D) / (T, Hq)
+            rec.mgrid = (t_total * hq,)
+            rec.margs = (t_total, hq, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
+                         pl.stride(1), hq * d, d, hq)
+            rec.mkw = dict(NUM_SPLITS=splits, BLOCK_S=_p2(splits), HEAD_DIM=d,
+                           BLOCK_D=cfg.block_d, num_warps=cfg.ew_warps)
+        else:
+            rec.so = (hq * d, 0, d)
+            rec.sl = (hq, 0)
+    else:
+        tiles = cfg.pre_tiles
+        rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads)
+        rec.so = (hq * d, d)
+        rec.sl = (hq,)
+        rec.kw = dict(GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r,
+                      BLOCK_N=tiles.block_n, BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps,
+                      num_stages=tiles.num_stages)
+    return _keep(launch, key, (depth, rope), rec, q)
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
@@ -830,65 +1017,40 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     if _partial(rope):
         return torch_kernels.paged_attention(ctx, q, pages, depth, sm_scale, rope=rope,
                                              q_positions=q_positions, window_left=window_left)
-    t_total, hq, d = q.shape
     q = _last_dim_contig(q)
-    n = depth.num_entries
-    half, block_half, block_d = _dims(d)
-    tind, tmask = _tree_args(depth.tree, depth.qo_indptr)
-    log2_theta, scale, freq, has_freq = _rope_args(rope, d, depth.qo_indptr)
     # window_left is a plain int argument (not a compile-time constant): a captured static decode
     # step replays with the window of its capture, and a new window needs no recompile
-    qpos = q_positions if rope is not None or window_left >= 0 else depth.qo_indptr
-    sp = pages.stride()
-    common = (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.kv_len,
-              depth.sink_size, depth.window_offset, depth.k_rope_offset, qpos, tind, tmask, n)
-    flags = dict(HEAD_DIM=d, HALF=half, BLOCK_HALF=block_half, BLOCK_D=block_d,
-                 PAGE_SIZE=ctx.page_size, TREE=depth.tree is not None, ROPE=rope is not None, FREQ=has_freq,
-                 IEEE=_ieee(ctx.dtype))
+    use_qpos = rope is not None or window_left >= 0
+    rec = _paged_record(ctx, q, depth, rope, use_qpos)
+    qpos = q_positions if use_qpos else depth.qo_indptr
+    t_total = q.shape[0]
     if depth.use_decode:
-        o = torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device)
-        lse = torch.empty((t_total, hq), dtype=torch.float32, device=q.device)
+        o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
+        lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
         if t_total == 0:
             return o, lse
-        tiles = ctx.tuning.tiles("decode", d, _ieee(ctx.dtype))
-        block_r = max(tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
-        splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len), ctx.num_sms)
-        if splits > 1:
-            po = torch.empty((t_total, splits, hq, d), dtype=torch.float32, device=q.device)
-            pl = torch.empty((t_total, splits, hq), dtype=torch.float32, device=q.device)
-            dst, dstl = po, pl
-            so = (po.stride(0), po.stride(1), po.stride(2))
-            sl = (pl.stride(0), pl.stride(1))
+        sq, sp = q.stride(), pages.stride()
+        if rec.splits > 1:
+            dst, dstl = rec.po, rec.pl
+            if _capturing(q):
+                dst, dstl = torch.empty_like(dst), torch.empty_like(dstl)
         else:
             dst, dstl = o, lse
-            so = (o.stride(0), 0, o.stride(1))
-            sl = (lse.stride(0), 0)
-        _paged_decode_kernel[(t_total, ctx.num_kv_heads, splits)](
-            q, pages, dst, dstl, *common, q.stride(0), q.stride(1), sp[0], sp[1], sp[2], sp[3],
-            *so, *sl, sm_scale * LOG2E, log2_theta, scale, freq, int(window_left),
-            GROUP=ctx.group, BLOCK_R=block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, **flags,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        if splits > 1:
-            _merge_splits_kernel[(t_total * hq,)](
-                po, pl, o, lse, t_total, hq, po.stride(0), po.stride(1), po.stride(2),
-                pl.stride(0), pl.stride(1), o.stride(0), o.stride(1), lse.stride(0),
-                NUM_SPLITS=splits, BLOCK_S=_p2(splits), HEAD_DIM=d, BLOCK_D=block_d,
-                num_warps=ctx.tuning.elementwise_warps)
+        _paged_decode_kernel[rec.grid](
+            q, pages, dst, dstl, *rec.pre, qpos, *rec.post, sq[0], sq[1], sp[0], sp[1], sp[2],
+            sp[3], *rec.so, *rec.sl, sm_scale * LOG2E, *rec.rope, int(window_left), **rec.kw)
+        if rec.splits > 1:
+            _merge_splits_kernel[rec.mgrid](dst, dstl, o, lse, *rec.margs, **rec.mkw)
         return o, lse
     # prefill: rows no entry covers must read o = 0 / lse = -inf
-    o = torch.zeros((t_total, hq, d), dtype=ctx.dtype, device=q.device)
-    lse = torch.full((t_total, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    if t_total == 0 or n == 0:
+    o = torch.zeros(rec.o_shape, dtype=ctx.dtype, device=q.device)
+    lse = torch.full(rec.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if t_total == 0 or depth.num_entries == 0:
         return o, lse
-    tiles = ctx.tuning.tiles("prefill", d, _ieee(ctx.dtype))
-    block_r = max(tiles.block_rows, _p2(ctx.group))
-    m_tok = block_r // ctx.group
-    grid = (triton.cdiv(t_total, m_tok) + n, ctx.num_kv_heads)
-    _paged_prefill_kernel[grid](
-        q, pages, o, lse, *common, q.stride(0), q.stride(1), sp[0], sp[1], sp[2], sp[3],
-        o.stride(0), o.stride(1), lse.stride(0), sm_scale * LOG2E, log2_theta, scale, freq,
-        int(window_left), GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
-        BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    sq, sp = q.stride(), pages.stride()
+    _paged_prefill_kernel[rec.grid](
+        q, pages, o, lse, *rec.pre, qpos, *rec.post, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3],
+        *rec.so, *rec.sl, sm_scale * LOG2E, *rec.rope, int(window_left), **rec.kw)
     return o, lse
 
 
@@ -898,14 +1060,14 @@ def merge_attention(ctx, o_a, lse_a, o_b, lse_b):
     n_rows = lse_a.numel()
     if n_rows == 0:
         return o_a, lse_a
-    rows = ctx.tuning.merge_rows
+    cfg = _cfg(ctx)
     # fresh outputs (no launch, the caching allocator serves them): aliasing an input as the
     # output would be fine on a GPU but not under the interpreter, which copies each argument
     o = torch.empty(o_a.shape, dtype=ctx.dtype, device=o_a.device)
     lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
-    _merge2_kernel[(triton.cdiv(n_rows, rows),)](
+    _merge2_kernel[(triton.cdiv(n_rows, cfg.merge_rows),)](
         o_a, lse_a, o_b, lse_b, o, lse, n_rows, HEAD_DIM=ctx.head_dim,
-        BLOCK_D=_p2(ctx.head_dim), ROWS=rows, num_warps=ctx.tuning.elementwise_warps)
+        BLOCK_D=cfg.block_d, ROWS=cfg.merge_rows, num_warps=cfg.ew_warps)
     return o, lse
 
 
