@@ -51,6 +51,8 @@ class ModelAdapter(abc.ABC):
     """The model family (e.g. ``"llama"``), for messages."""
     vocab_size: int = 0
     """Logits per token; prompt token ids must lie in ``[0, vocab_size)``."""
+    windows: dict = {}
+    """{layer: sliding window in positions} of the model's windowed layers (none: empty)."""
 
     @abc.abstractmethod
     def cache_config(self, *, dtype: Optional[str], page_size: int, max_total_tokens: int,
@@ -69,7 +71,17 @@ class ModelAdapter(abc.ABC):
 
     def check_request(self, cache: PagedKVCache, index: int, length: int) -> None:
         """Raise ``UnsupportedFeatureError`` if a request of ``length`` tokens (prompt plus new
-        tokens), prompt number ``index``, needs a feature the backend lacks."""
+        tokens), prompt number ``index``, needs a feature the backend lacks: by default, a
+        sliding window (``windows``) it outgrows on a backend without ``window_left``."""
+        if not self.windows or cache.capabilities.window_left:
+            return
+        layer, window = min(self.windows.items(), key=lambda kv: kv[1])
+        if length > window:
+            raise UnsupportedFeatureError(
+                f"prompt {index}: {length} tokens (prompt + max_new_tokens) outgrow the "
+                f"{self.family} model's sliding_window={window} (layer {layer}), and backend "
+                f"{cache.backend.name!r} does not support per-query sliding-window attention "
+                f"(capability 'window_left' not declared)")
 
     @abc.abstractmethod
     def forward(self, cache: PagedKVCache, tokens: np.ndarray, positions: np.ndarray,

@@ -240,17 +240,6 @@ class MlxLmAdapter(ModelAdapter):
                 f"{cache.backend.name!r} backend takes the model's arrays as they are, so the "
                 f"dtypes must match (pass dtype=None)")
 
-    def check_request(self, cache, index: int, length: int) -> None:
-        if not self.windows or getattr(cache.capabilities, "window_left", False):
-            return
-        layer, window = min(self.windows.items(), key=lambda kv: kv[1])
-        if length > window:
-            raise UnsupportedFeatureError(
-                f"prompt {index}: {length} tokens (prompt + max_new_tokens) outgrow the "
-                f"{self.family} model's sliding_window={window} (layer {layer}), and backend "
-                f"{cache.backend.name!r} does not support per-query sliding-window attention "
-                f"(capability 'window_left' not declared)")
-
     @contextlib.contextmanager
     def session(self, cache):
         """Each layer's ``self_attn`` is a ``CacheAttention`` for the duration (restored)."""

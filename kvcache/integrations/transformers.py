@@ -381,17 +381,6 @@ class TransformersAdapter(ModelAdapter):
                 f"{cache.backend.name!r} backend takes the model's tensors as they are, so the "
                 f"dtypes must match (pass dtype=None)")
 
-    def check_request(self, cache, index: int, length: int) -> None:
-        if not self.windows or getattr(cache.capabilities, "window_left", False):
-            return
-        layer, window = min(self.windows.items(), key=lambda kv: kv[1])
-        if length > window:
-            raise UnsupportedFeatureError(
-                f"prompt {index}: {length} tokens (prompt + max_new_tokens) outgrow the "
-                f"{self.family} model's sliding_window={window} (layer {layer}), and backend "
-                f"{cache.backend.name!r} does not support per-query sliding-window attention "
-                f"(capability 'window_left' not declared)")
-
     @contextlib.contextmanager
     def session(self, cache):
         """The model runs the "kvcache" attention for the duration (restored afterwards); with
