@@ -40,7 +40,8 @@ def run(batch, args):
     cfg = kvcache.CacheConfig(
         num_layers=args.layers, num_qo_heads=args.hq, num_kv_heads=args.hkv, head_dim=args.d,
         page_size=16, dtype=args.dtype, rope_mode="normal", max_batch_size=max(batch, 1),
-        max_total_tokens=batch * (args.kv + args.iters + args.warmup + 8) + 64,
+        # two timed paths (and a profiled step each) append to every sequence: whole pages each
+        max_total_tokens=batch * 16 * (-(-(args.kv + 2 * (args.iters + args.warmup + 1)) // 16) + 1),
         prefill_chunk_size=args.kv)
     cache = kvcache.PagedKVCache(cfg, backend="cuda", device=args.device)
     b = cache.backend

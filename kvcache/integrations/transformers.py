@@ -427,6 +427,14 @@ class TransformersAdapter(ModelAdapter):
     def to_numpy(self, logits) -> np.ndarray:
         return logits.detach().to("cpu", torch.float64).numpy()
 
+    def greedy(self, logits) -> tuple[np.ndarray, np.ndarray]:
+        # on the model's device: one (2, B) copy to the host instead of the (B, vocab) logits
+        rows = logits.detach().float()
+        tokens = rows.argmax(dim=-1)
+        logprobs = rows.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
+        picked = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()
+        return picked[0].astype(np.int64), picked[1]
+
 
 class Engine(_Engine):
     """Continuous-batching generation of a transformers causal LM on a ``PagedKVCache``.

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import hf_greedy, hf_logits, make_model, make_prompts, torch
+from conftest import backend_or_skip, hf_greedy, hf_logits, make_model, make_prompts, torch
 
 import kvcache
 from kvcache.integrations import MissingExtraError
@@ -66,6 +66,27 @@ def test_greedy_samples_are_identical_and_match_transformers(llama):
     out = Engine(llama, backend="reference").generate([prompt], max_new_tokens=12, n=3)
     want = hf_greedy(llama, prompt, 12)
     assert out[0] == [want] * 3
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_greedy_steps_pick_on_the_device_not_from_host_rows(llama, backend, monkeypatch):
+    # a greedy step moves (token, log-probability) pairs, never the (B, vocab) logit rows; the
+    # picks and their log-probabilities are those of transformers' own forward
+    backend, device = backend_or_skip(backend, monkeypatch, llama.config.head_dim)
+    prompts = make_prompts(seed=14)[:3]
+    engine = Engine(llama, backend=backend, device=device, max_total_tokens=4096)
+
+    def no_rows(logits):
+        raise AssertionError("a greedy step copied its logit rows to the host")
+
+    engine.adapter.to_numpy = no_rows
+    out, logprobs = engine.generate(prompts, max_new_tokens=10, return_logprobs=True)
+    for prompt, (got,), (lp,) in zip(prompts, out, logprobs):
+        assert got == hf_greedy(llama, prompt, 10)
+        logits = hf_logits(llama, prompt + got)[len(prompt) - 1:-1]
+        top = logits.max(-1, keepdims=True)
+        logz = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[:, 0]
+        np.testing.assert_allclose(lp, logits[np.arange(10), got] - logz, rtol=1e-4, atol=1e-4)
 
 
 def test_preemption_recomputes_and_keeps_the_tokens(llama):

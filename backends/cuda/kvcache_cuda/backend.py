@@ -237,10 +237,14 @@ class CudaBackend(Backend):
             return torch.cuda.get_device_properties(self.torch_device).total_memory
         return super().memory_capacity()
 
+    # Buffers that outlive a call are made outside inference mode: made inside it (a cache
+    # built or first driven in a model loop under torch.inference_mode()) they would refuse the
+    # in-place updates every later forward outside it does.
     def allocate_pages(self, num_pages):
         kv_dtype = _torch_dtypes()[self.config.kv_dtype]
-        return [torch.zeros(self.page_shape(num_pages), dtype=kv_dtype, device=self.torch_device)
-                for _ in range(self.config.num_layers)]
+        with torch.inference_mode(False):
+            return [torch.zeros(self.page_shape(num_pages), dtype=kv_dtype, device=self.torch_device)
+                    for _ in range(self.config.num_layers)]
 
     def from_numpy(self, array, dtype=None):
         array = np.asarray(array)
@@ -305,11 +309,13 @@ class CudaBackend(Backend):
         return t.clone()
 
     def aux_alloc_host(self, num_int32):
-        t = torch.empty(num_int32, dtype=torch.int32, pin_memory=self.on_gpu)
+        with torch.inference_mode(False):
+            t = torch.empty(num_int32, dtype=torch.int32, pin_memory=self.on_gpu)
         return t, t.numpy()        # the numpy view aliases the (pinned) tensor's memory
 
     def aux_alloc_device(self, num_int32):
-        return torch.empty(num_int32, dtype=torch.int32, device=self.torch_device)
+        with torch.inference_mode(False):
+            return torch.empty(num_int32, dtype=torch.int32, device=self.torch_device)
 
     def aux_copy_async(self, device_buffer, host_handle, num_int32, stream):
         if not self.on_gpu:

@@ -787,7 +787,8 @@ def _scratch(ctx, device, specs):
     arena = launch.arenas.get(key)
     if arena is None or arena.numel() < total:
         grow = max(total, 0 if arena is None else 2 * arena.numel())
-        arena = launch.arenas[key] = torch.empty(grow, dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):     # it outlives the call (backend.allocate_pages)
+            arena = launch.arenas[key] = torch.empty(grow, dtype=torch.uint8, device=device)
         launch.allocations += 1
     return [arena[off:off + n].view(dtype).view(shape)
             for (off, n), (shape, dtype) in zip(sizes, specs)]

@@ -2,7 +2,8 @@
 
 A backend class carries one ``Tuning`` table; the ROCm package subclasses ``CudaBackend`` and only
 swaps this table (wavefront 64, other tile sizes) and its availability check. Per-head-dim
-overrides live in ``by_head_dim`` so one table covers 64/128/256.
+overrides live in ``by_head_dim`` so one table covers 64/128/256; they are keyed by the padded
+head_dim the kernels run at (the next power of two: 80 and 96 use the 128 tiles).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class Tuning:
     })
 
     def tiles(self, kind: str, head_dim: int, float32: bool = False) -> AttnTiles:
+        """The tiles of ``kind`` ("prefill" | "decode") for ``head_dim``, looked up at the
+        padded head_dim the kernels run at (80 and 96 share the 128 tiles)."""
+        head_dim = 1 << (max(1, head_dim) - 1).bit_length()
         if float32 and kind in self.float32_by_head_dim.get(head_dim, {}):
             return self.float32_by_head_dim[head_dim][kind]
         return self.by_head_dim.get(head_dim, {}).get(kind, getattr(self, kind))
