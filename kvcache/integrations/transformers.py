@@ -26,6 +26,7 @@ needs the backend capability ``window_left`` once a sequence outgrows the window
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from typing import Optional
 
@@ -428,6 +429,17 @@ class TransformersAdapter(ModelAdapter):
         return logits.detach().to("cpu", torch.float64).numpy()
 
 
+def _tensor_parallel(model, tp, tp_group) -> bool:
+    """Whether the Engine runs ``model`` on tensor-parallel ranks: asked for, or the model is
+    already split (by transformers' ``tp_plan``, or by ``kvcache.integrations.tp.shard_model``,
+    whose module is then loaded)."""
+    size = getattr(model, "tp_size", None)
+    if tp not in (None, 1) or tp_group is not None or (isinstance(size, int) and size > 1):
+        return True
+    split = sys.modules.get(__name__.rpartition(".")[0] + ".tp")
+    return split is not None and split.tp_layout(model) is not None
+
+
 class Engine(_Engine):
     """Continuous-batching generation of a transformers causal LM on a ``PagedKVCache``.
 
@@ -441,17 +453,26 @@ class Engine(_Engine):
     ``UnsupportedFeatureError`` unless ``model_rotary`` proves the rotary standard and the
     backend has ``rope_frequencies``). ``graphs`` (None: on for a GPU model on a backend
     declaring ``static_decode``; True / False force it) and ``graph_batch_sizes``: whole-step
-    decode graphs, see ``kvcache.integrations.engine.Engine``. See
-    ``kvcache.integrations.engine.Engine.generate``.
+    decode graphs, see ``kvcache.integrations.engine.Engine``. ``tp`` / ``tp_group``: tensor
+    parallelism, one process per rank (``tp``: the number of ranks, None: 1 unless the model is
+    already split; ``tp_group``: their torch.distributed group, None: the default group); the
+    model is split over the ranks and each rank's cache holds its ``num_kv_heads / tp`` heads,
+    see ``kvcache.integrations.tp``. See ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
                  dtype=None, page_size: int = 16, max_total_tokens: Optional[int] = None,
                  max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None,
                  rope: str = "model", graphs: Optional[bool] = None,
-                 graph_batch_sizes=None):
+                 graph_batch_sizes=None, tp: Optional[int] = None, tp_group=None):
         self.model = model
-        super().__init__(TransformersAdapter(model, rope), backend=backend, device=device, dtype=dtype,
+        adapter: ModelAdapter
+        if _tensor_parallel(model, tp, tp_group):
+            from .tp import TensorParallelAdapter
+            adapter = TensorParallelAdapter(model, rope, tp=tp, group=tp_group)
+        else:
+            adapter = TransformersAdapter(model, rope)
+        super().__init__(adapter, backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          graphs=graphs, graph_batch_sizes=graph_batch_sizes)
