@@ -225,19 +225,21 @@ def plan_digest(plan: ForwardPlan, *extra: np.ndarray) -> int:
     page tables per depth, tree masks), plus the ``extra`` host arrays (e.g. the step's input
     token ids). Equal plans give equal digests; any differing array or value differs."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(np.asarray(plan.seq_ids, np.int64))
-    h.update(np.asarray(plan.append_lengths, np.int64))
-    for d, name, array in walk(plan):
-        if name == "page_indices":
-            array = array[:plan.depths[d].num_pages]      # a static plan's list may be longer
+
+    def feed(array) -> None:
         a = np.ascontiguousarray(array)
+        h.update(a.size.to_bytes(8, "little"))
+        h.update(a.data)
+
+    feed(np.asarray(plan.seq_ids, np.int64))
+    feed(np.asarray(plan.append_lengths, np.int64))
+    for d, name, array in walk(plan):
+        if name == "page_indices" and d is not None:
+            array = array[:plan.depths[d].num_pages]      # a static plan's list may be longer
         h.update(name.encode())
-        h.update(np.int64(a.size))
-        h.update(a)
+        feed(array)
     for a in extra:
-        a = np.ascontiguousarray(a)
-        h.update(np.int64(a.size))
-        h.update(a)
+        feed(a)
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
@@ -262,9 +264,10 @@ class PlanCheck:
         self._mine = torch.zeros(1, dtype=torch.int64)
         self._all = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
 
-    def exchange(self, what: str, digest: int, detail: str = "") -> None:
+    def exchange(self, what: str, digest: int, detail: Optional[Callable[[], str]] = None) -> None:
         """All-gather ``digest`` and raise ``PlanMismatchError`` unless every rank sent the
-        same. ``detail``: this rank's description of what it hashed, added to the message."""
+        same. ``detail``: called only on a mismatch, this rank's description of what it hashed
+        (added to the message)."""
         self._mine[0] = int(digest)
         dist.all_gather(self._all, self._mine, group=self.host)
         values = [int(t[0]) for t in self._all]
@@ -281,4 +284,4 @@ class PlanCheck:
         raise PlanMismatchError(
             f"{what}: the tensor-parallel ranks disagree ({'; '.join(parts)}); "
             f"every rank must build the same engine and call generate with the same arguments"
-            + (f" (rank {self.rank} {detail})" if detail else ""))
+            + (f" (rank {self.rank} {detail()})" if detail is not None else ""))

@@ -66,7 +66,8 @@ class TPLayout:
     group: Any
     """The torch.distributed process group (None: the default group)."""
     method: str
-    """``"transformers"`` or ``"integration"`` (see the module's docstring)."""
+    """``"transformers"`` or ``"integration"`` (see the module's docstring); ``"none"`` on a
+    group of one rank (nothing is split)."""
     num_qo_heads: int
     """Query heads this rank computes (the model's ``num_attention_heads / tp``)."""
     num_kv_heads: int
@@ -186,10 +187,12 @@ def _split_rows(linear, rank: int, tp: int, group, name: str) -> None:
                                            requires_grad=False)
     linear.bias = None
     linear.in_features = width // tp
+    if bias is not None:            # a buffer: model.to(device) moves it with the weights
+        linear.register_buffer("tp_bias", bias, persistent=False)
 
     def reduce(module, args, output):
         dist.all_reduce(output, group=group)
-        return output if bias is None else output + bias.to(output.dtype)
+        return output if bias is None else output + module.tp_bias
 
     linear.register_forward_hook(reduce)
 
@@ -256,6 +259,11 @@ def shard_model(model, group=None, method: str = "auto") -> TPLayout:
             f"the {family} model's tensor-parallel plan ({plan or 'none'}) does not split the KV "
             f"heads over the ranks (no column-wise self_attn.k_proj; e.g. a packed qkv_proj whose "
             f"output is gathered), so each rank's cache could not hold num_kv_heads / tp heads")
+    if tp == 1:                                          # one rank: nothing to split
+        layout = TPLayout(tp=1, rank=0, group=group, method="none", num_qo_heads=q,
+                          num_kv_heads=kv)
+        _LAYOUTS[model] = layout
+        return layout
     blocker = _transformers_blocker(model, group, tp)
     if method == "transformers" and blocker is not None:
         raise UnsupportedFeatureError(f"method='transformers' cannot split the model here: {blocker}")
@@ -266,6 +274,7 @@ def shard_model(model, group=None, method: str = "auto") -> TPLayout:
         from transformers.distributed.utils import initialize_distributed_mesh
         config = DistributedConfig(tp_size=tp)
         _, meshes = initialize_distributed_mesh(config)
+        assert meshes is not None                       # tp > 1 always builds a mesh
         # src_data_rank=None inside: each rank keeps its slice of the weights it already holds
         type(model).maybe_distribute_model(model, config, meshes)
         group = meshes.get_mesh("tp").get_group()
@@ -331,7 +340,7 @@ class TensorParallelAdapter(TransformersAdapter):
                 f"method={self.layout.method} vocab={self.vocab_size}")
         digest = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(),
                                 "little", signed=True)
-        self.plans.exchange("building the engine", digest, detail=f"built {desc}")
+        self.plans.exchange("building the engine", digest, detail=lambda: f"built {desc}")
 
     def plan_digest(self, cache, tokens, positions, logit_rows) -> int:
         """This rank's digest of the open forward: the cache's plan (``cache.open_plan``) and the
@@ -342,7 +351,8 @@ class TensorParallelAdapter(TransformersAdapter):
         plan = cache.open_plan
         self.plans.exchange(
             f"step {self.step} of generate", self.plan_digest(cache, tokens, positions, logit_rows),
-            detail=f"planned sequences {plan.seq_ids} with {plan.append_lengths.tolist()} new tokens")
+            detail=lambda: f"planned sequences {plan.seq_ids} with {plan.append_lengths.tolist()} "
+                           f"new tokens")
         self.step += 1
         return super().forward(cache, tokens, positions, logit_rows)
 

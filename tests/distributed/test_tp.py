@@ -2,7 +2,8 @@
 each holding half of a random-weight Llama's heads, generate what one process generates and
 what transformers' own ``generate`` does (shared prefixes, n > 1 forks, preemption, seeded
 sampling), on the reference backend and the cuda backend's CPU test mode, with the model split
-by transformers' plan and by the integration. Ranks that plan differently fail together, at the
+by transformers' plan (through the Engine, or before it as from_pretrained(tp_plan="auto")
+does) and by the integration. Ranks that plan differently fail together, at the
 same step; head counts the ranks cannot split are refused."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import kvcache  # noqa: E402
 from kvcache.distributed import tp as dtp  # noqa: E402
 
 WORLD = 2
-METHODS = ("transformers", "integration")
+METHODS = ("transformers", "integration", "preloaded")
+LAYOUT = {"transformers": "transformers", "integration": "integration", "preloaded": "transformers"}
 
 
 @pytest.fixture(scope="module", params=["reference", "cuda"])
@@ -53,6 +55,13 @@ def test_tp2_greedy_tokens_equal_tp1_and_transformers(run):
             assert got["fork"] == [[want[2]] * 3], (rank, method)
 
 
+def test_projection_biases_are_split_and_added_once(run):
+    for rank, res in enumerate(run):
+        assert res["hf_bias"] != res["hf"]                # the biases change the tokens
+        for method in ("transformers", "integration"):
+            assert res["bias_" + method] == [[w] for w in res["hf_bias"]], (rank, method)
+
+
 def test_sampling_is_identical_on_every_rank(run):
     first = run[0]
     for res in run:
@@ -78,7 +87,7 @@ def test_each_rank_caches_its_share_of_the_kv_heads(run):
     for rank, res in enumerate(run):
         for method in METHODS:
             got = res[method]
-            assert got["layout"] == (WORLD, rank, method, 4 // WORLD, 2 // WORLD)
+            assert got["layout"] == (WORLD, rank, LAYOUT[method], 4 // WORLD, 2 // WORLD)
             assert got["cache_heads"] == (4 // WORLD, 2 // WORLD)
             # get_kv of a 3-token sequence: (layers, tokens, this rank's KV heads, head_dim)
             assert got["kv_shape"] == (2, 3, 2 // WORLD, 32)

@@ -16,8 +16,9 @@ LLAMA = dict(vocab_size=VOCAB, num_hidden_layers=2, hidden_size=64, intermediate
              eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
 
 
-def make_model(seed: int = 0, family: str = "llama", **overrides):
-    """A small float32 model with seeded random weights (the same on every rank)."""
+def make_model(seed: int = 0, family: str = "llama", random_bias: bool = False, **overrides):
+    """A small float32 model with seeded random weights (the same on every rank);
+    ``random_bias``: its linear biases random too (transformers initialises them to zero)."""
     import torch
     import transformers
     names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -28,7 +29,13 @@ def make_model(seed: int = 0, family: str = "llama", **overrides):
         kw.pop("head_dim")
     config = getattr(transformers, config_name)(**kw)
     torch.manual_seed(seed)
-    return getattr(transformers, model_name)(config).to(torch.float32).eval()
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    if random_bias:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                    m.bias.copy_(torch.randn(m.bias.shape) * 0.3)
+    return model
 
 
 def make_prompts(seed: int = 1) -> list:
@@ -100,8 +107,17 @@ def greedy(rank: int, world: int, backend: str, methods: tuple) -> dict:
     res["tp1_preempt"] = _preempting(whole, backend)
     for method in methods:
         model = make_model()
-        layout = kvtp.shard_model(model, method=method)
+        if method == "preloaded":
+            # split by transformers itself, as from_pretrained(..., tp_plan="auto") leaves a model
+            from transformers.distributed import DistributedConfig
+            from transformers.distributed.utils import initialize_distributed_mesh
+            config = DistributedConfig(tp_size=world)
+            type(model).maybe_distribute_model(model, config, initialize_distributed_mesh(config)[1])
+            assert model.tp_size == world
+        else:
+            kvtp.shard_model(model, method=method)
         engine = Engine(model, backend=backend, max_total_tokens=2048, prefill_chunk_size=32)
+        layout = engine.adapter.layout
         got = _scenarios(engine)
         got["layout"] = (layout.tp, layout.rank, layout.method, layout.num_qo_heads,
                          layout.num_kv_heads)
@@ -111,6 +127,14 @@ def greedy(rank: int, world: int, backend: str, methods: tuple) -> dict:
         got["steps"] = engine.adapter.step
         got["preempt"] = _preempting(model, backend)
         res[method] = got
+    # biases on every projection: column-split ones are sliced, row-split ones added once
+    biased = dict(attention_bias=True, mlp_bias=True, random_bias=True)
+    res["hf_bias"] = [hf_greedy(make_model(**biased), p) for p in make_prompts()]
+    for method in ("transformers", "integration"):
+        model = make_model(**biased)
+        kvtp.shard_model(model, method=method)
+        engine = Engine(model, backend=backend, max_total_tokens=2048, prefill_chunk_size=32)
+        res["bias_" + method] = engine.generate(make_prompts(), max_new_tokens=NEW)
     return res
 
 
