@@ -8,6 +8,9 @@ same step; head counts the ranks cannot split are refused."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -189,3 +192,14 @@ def test_plan_digest_follows_the_plan():
 def test_spawn_reports_the_failing_rank():
     with pytest.raises(RuntimeError, match=r"rank 1 failed:(.|\n)*ValueError: rank 1 fails"):
         dtp.spawn(tp_cases.fail_on, WORLD, (1,), timeout_s=120)
+
+
+def test_the_documented_torchrun_command_runs():
+    """docs/distributed.md's command: torchrun, init() from its environment, the Engine split
+    over 2 ranks, rank 0 comparing with the whole model."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "kvcache.integrations.tp", "--backend", "reference", "--check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "each rank caches 2 of 4 KV heads" in proc.stdout
+    assert "tokens identical to TP=1: yes" in proc.stdout
