@@ -8,7 +8,8 @@ Two ways in:
   ``position_ids`` (1, T)), ``use_cache=False`` and ``kvcache=cache`` sends each decoder layer's
   attention to ``cache.attention(layer_idx, q, k, v)``. Build the cache with
   ``cache_config(model)`` (``rope_mode="none"``: the model applies its own RoPE);
-* ``Engine(model, ...)``: continuous-batching generation (see ``kvcache.integrations.engine``).
+* ``Engine(model, ...)``: continuous-batching generation (see ``kvcache.integrations.engine``);
+  ``Engine(model, tp=N)`` on N tensor-parallel ranks (see ``kvcache.integrations.tp``).
 
 RoPE: by default the model keeps its own rotary embedding, so the cache must not rotate: a
 cache whose ``rope_mode`` is not ``"none"`` is refused by the attention function (it would rotate
@@ -26,7 +27,6 @@ needs the backend capability ``window_left`` once a sequence outgrows the window
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from typing import Optional
 
@@ -432,12 +432,14 @@ class TransformersAdapter(ModelAdapter):
 def _tensor_parallel(model, tp, tp_group) -> bool:
     """Whether the Engine runs ``model`` on tensor-parallel ranks: asked for, or the model is
     already split (by transformers' ``tp_plan``, or by ``kvcache.integrations.tp.shard_model``,
-    whose module is then loaded)."""
+    which needs torch.distributed initialised)."""
     size = getattr(model, "tp_size", None)
     if tp not in (None, 1) or tp_group is not None or (isinstance(size, int) and size > 1):
         return True
-    split = sys.modules.get(__name__.rpartition(".")[0] + ".tp")
-    return split is not None and split.tp_layout(model) is not None
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from .tp import tp_layout
+    return tp_layout(model) is not None
 
 
 class Engine(_Engine):
