@@ -253,17 +253,17 @@ def shard_model(model, group=None, method: str = "auto") -> TPLayout:
     family = getattr(model.config, "model_type", "?")
     q, kv = _model_heads(model)
     want = dtp.local_heads(q, kv, tp, f"the {family} model")
+    if tp == 1:                                          # one rank: nothing to split
+        layout = TPLayout(tp=1, rank=0, group=group, method="none", num_qo_heads=q,
+                          num_kv_heads=kv)
+        _LAYOUTS[model] = layout
+        return layout
     plan = dict(getattr(model, "tp_plan", None) or {})
     if not any(key.endswith("self_attn.k_proj") and style == "colwise" for key, style in plan.items()):
         raise UnsupportedFeatureError(
             f"the {family} model's tensor-parallel plan ({plan or 'none'}) does not split the KV "
             f"heads over the ranks (no column-wise self_attn.k_proj; e.g. a packed qkv_proj whose "
             f"output is gathered), so each rank's cache could not hold num_kv_heads / tp heads")
-    if tp == 1:                                          # one rank: nothing to split
-        layout = TPLayout(tp=1, rank=0, group=group, method="none", num_qo_heads=q,
-                          num_kv_heads=kv)
-        _LAYOUTS[model] = layout
-        return layout
     blocker = _transformers_blocker(model, group, tp)
     if method == "transformers" and blocker is not None:
         raise UnsupportedFeatureError(f"method='transformers' cannot split the model here: {blocker}")
