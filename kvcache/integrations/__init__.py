@@ -6,7 +6,8 @@
 * ``kvcache.integrations.mlx_lm`` (extra ``kvcache[mlx-lm]``): mlx-lm models on the metal
   backend (Apple GPU, or MLX's CPU device);
 * ``kvcache.integrations.engine``: the continuous-batching ``Engine`` they share (neutral to
-  the model library; an adapter supplies the model's forward).
+  the model library; an adapter supplies the model's forward);
+* ``kvcache.integrations.tp``: the transformers Engine on tensor-parallel ranks.
 """
 
 from ..errors import KVCacheError

@@ -8,7 +8,8 @@ Two ways in:
   ``position_ids`` (1, T)), ``use_cache=False`` and ``kvcache=cache`` sends each decoder layer's
   attention to ``cache.attention(layer_idx, q, k, v)``. Build the cache with
   ``cache_config(model)`` (``rope_mode="none"``: the model applies its own RoPE);
-* ``Engine(model, ...)``: continuous-batching generation (see ``kvcache.integrations.engine``).
+* ``Engine(model, ...)``: continuous-batching generation (see ``kvcache.integrations.engine``);
+  ``Engine(model, tp=N)`` on N tensor-parallel ranks (see ``kvcache.integrations.tp``).
 
 RoPE: by default the model keeps its own rotary embedding, so the cache must not rotate: a
 cache whose ``rope_mode`` is not ``"none"`` is refused by the attention function (it would rotate
@@ -436,6 +437,19 @@ class TransformersAdapter(ModelAdapter):
         return picked[0].astype(np.int64), picked[1]
 
 
+def _tensor_parallel(model, tp, tp_group) -> bool:
+    """Whether the Engine runs ``model`` on tensor-parallel ranks: asked for, or the model is
+    already split (by transformers' ``tp_plan``, or by ``kvcache.integrations.tp.shard_model``,
+    which needs torch.distributed initialised)."""
+    size = getattr(model, "tp_size", None)
+    if tp not in (None, 1) or tp_group is not None or (isinstance(size, int) and size > 1):
+        return True
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from .tp import tp_layout
+    return tp_layout(model) is not None
+
+
 class Engine(_Engine):
     """Continuous-batching generation of a transformers causal LM on a ``PagedKVCache``.
 
@@ -449,17 +463,26 @@ class Engine(_Engine):
     ``UnsupportedFeatureError`` unless ``model_rotary`` proves the rotary standard and the
     backend has ``rope_frequencies``). ``graphs`` (None: on for a GPU model on a backend
     declaring ``static_decode``; True / False force it) and ``graph_batch_sizes``: whole-step
-    decode graphs, see ``kvcache.integrations.engine.Engine``. See
-    ``kvcache.integrations.engine.Engine.generate``.
+    decode graphs, see ``kvcache.integrations.engine.Engine``. ``tp`` / ``tp_group``: tensor
+    parallelism, one process per rank (``tp``: the number of ranks, None: 1 unless the model is
+    already split; ``tp_group``: their torch.distributed group, None: the default group); the
+    model is split over the ranks and each rank's cache holds its ``num_kv_heads / tp`` heads,
+    see ``kvcache.integrations.tp``. See ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
                  dtype=None, page_size: int = 16, max_total_tokens: Optional[int] = None,
                  max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None,
                  rope: str = "model", graphs: Optional[bool] = None,
-                 graph_batch_sizes=None):
+                 graph_batch_sizes=None, tp: Optional[int] = None, tp_group=None):
         self.model = model
-        super().__init__(TransformersAdapter(model, rope), backend=backend, device=device, dtype=dtype,
+        adapter: ModelAdapter
+        if _tensor_parallel(model, tp, tp_group):
+            from .tp import TensorParallelAdapter
+            adapter = TensorParallelAdapter(model, rope, tp=tp, group=tp_group)
+        else:
+            adapter = TransformersAdapter(model, rope)
+        super().__init__(adapter, backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          graphs=graphs, graph_batch_sizes=graph_batch_sizes)
