@@ -4,6 +4,7 @@ arrays) and the backend (memory, streams, kernels)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterator, Sequence
@@ -20,7 +21,7 @@ from .arrays import to_host
 from .core.imports import ImportReservation, ImportSpec
 from .core.static import capacity_plan
 from .core.state import CacheState, as_int
-from .core.validate import bool_arg, float_arg, int_arg, seq_id_arg
+from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError, KVCacheError,
                      UnsupportedFeatureError)
 from .plugins import resolve_backend
@@ -286,6 +287,33 @@ class PagedKVCache:
         SequenceNotFoundError, InvalidArgumentError for a range outside [0, length],
         ForwardStateError inside a forward or for an uncommitted token tree; changes nothing."""
         self._no_forward("export_sequence")
+        header, slots = self._export_range(seq_id, start, end)
+        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+        return dataclasses.replace(header, k=k, v=v)
+
+    @_exclusive
+    def export_sequences(self, seq_ids: Sequence[int], starts: Optional[Sequence[int]] = None
+                         ) -> tuple[list[SequencePayload], Array, Array]:
+        """Several sequences' tails in one gather: ``(headers, k, v)`` with ``headers[i]`` the
+        header-only payload of ``seq_ids[i]`` from ``starts[i]`` (None: 0) to its end, and
+        ``k``, ``v`` (num_layers, total tokens, num_kv_heads, head_dim) holding their tokens
+        one sequence after another (``kvcache.distributed`` sends them as they are). Errors as
+        ``export_sequence``; a sequence listed twice is refused."""
+        self._no_forward("export_sequences")
+        seq_ids = seq_id_list(seq_ids, "seq_ids")
+        starts = [0] * len(seq_ids) if starts is None else int_values(starts, "starts")
+        if len(starts) != len(seq_ids):
+            raise InvalidArgumentError(
+                f"export_sequences got {len(seq_ids)} seq_ids but {len(starts)} starts")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgumentError(f"export_sequences: seq_ids {seq_ids} repeat a sequence")
+        parts = [self._export_range(sid, st, None) for sid, st in zip(seq_ids, starts)]
+        slots = (np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int32))
+        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+        return [p[0] for p in parts], k, v
+
+    def _export_range(self, seq_id, start, end) -> tuple[SequencePayload, np.ndarray]:
+        """(header-only payload, slots) of an export, validated."""
         seq = self.state.seq(seq_id)
         if not seq.committed:
             raise ForwardStateError(
@@ -296,17 +324,16 @@ class PagedKVCache:
         end = length if end is None else as_int(end, "end")
         if not 0 <= start <= end <= length:
             raise InvalidArgumentError(
-                f"export_sequence range [{start}, {end}) of sequence {seq.seq_id} must lie in "
+                f"export range [{start}, {end}) of sequence {seq.seq_id} must lie in "
                 f"[0, {length}]")
-        slots = self.state.pt.position_slots(seq, start, end)
-        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
         windowed = seq.window != -1
-        return SequencePayload(
-            k, v, start=start, num_tokens=end - start, source_length=length,
+        header = SequencePayload(
+            None, None, start=start, num_tokens=end - start, source_length=length,
             window_size=seq.window if windowed else -1,
             sink_size=seq.sink_request if windowed else 0,
             backend=self.backend.name, device=self.backend.device,
             **payload_fields(self.config))
+        return header, self.state.pt.position_slots(seq, start, end)
 
     @_exclusive
     def import_sequence(self, seq_id: int, payload: SequencePayload, *,

@@ -337,7 +337,7 @@ def test_a_refused_import_names_the_problem_and_changes_nothing(pair, what, make
 def test_export_refuses_bad_ranges_open_forwards_and_uncommitted_trees(pair):
     a, _ = pair
     before = snapshot(a)
-    with pytest.raises(InvalidArgumentError, match=r"\[3, 30\) of sequence 1 must lie in \[0, 22\]"):
+    with pytest.raises(InvalidArgumentError, match=r"export range \[3, 30\) of sequence 1 must lie in \[0, 22\]"):
         a.export_sequence(1, 3, 30)
     with pytest.raises(SequenceNotFoundError, match="sequence 99"):
         a.export_sequence(99)
@@ -394,3 +394,27 @@ def test_a_reservation_survives_nothing_it_should_not(pair):
     assert b.is_empty
     with pytest.raises(InvalidArgumentError, match=r"k must be a reference array \(2, 22, 2, 64\)"):
         b.write_import(b.reserve_import([(1, p, None, None)]), p.k[:, :3], p.v)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda", "metal"])
+def test_export_sequences_gathers_many_tails_at_once(backend):
+    a = make_cache(backend, config(4, "float16", "none"))
+    rng = np.random.default_rng(6)
+    wl = build_workload(a, rng, count=6, windows=False)
+    starts = [int(rng.integers(0, a.sequence_length(s) + 1)) for s in wl.ids]
+    headers, k, v = a.export_sequences(wl.ids, starts)
+    assert [h.k for h in headers] == [None] * len(wl.ids)
+    off = 0
+    for sid, st, h in zip(wl.ids, starts, headers):
+        one = a.export_sequence(sid, st)
+        assert h.header() == one.header()
+        n = one.num_tokens
+        assert same(k[:, off:off + n], one.k, "float16") and same(v[:, off:off + n], one.v, "float16")
+        off += n
+    assert k.shape[1] == off
+    headers, k, v = a.export_sequences([])
+    assert headers == [] and k.shape[1] == 0
+    with pytest.raises(InvalidArgumentError, match="repeat a sequence"):
+        a.export_sequences([wl.ids[0], wl.ids[0]])
+    with pytest.raises(InvalidArgumentError, match="2 seq_ids but 1 starts"):
+        a.export_sequences(wl.ids[:2], [0])
