@@ -441,17 +441,20 @@ class Engine(_Engine):
     ``UnsupportedFeatureError`` unless ``model_rotary`` proves the rotary standard and the
     backend has ``rope_frequencies``). ``graphs`` (None: on for a GPU model on a backend
     declaring ``static_decode``; True / False force it) and ``graph_batch_sizes``: whole-step
-    decode graphs, see ``kvcache.integrations.engine.Engine``. See
-    ``kvcache.integrations.engine.Engine.generate``.
+    decode graphs, see ``kvcache.integrations.engine.Engine``. ``offload`` / ``offload_tokens``:
+    the host tier preempted sequences are parked in (None: on for a GPU cache), see
+    ``kvcache.integrations.engine.Engine``. See ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
                  dtype=None, page_size: int = 16, max_total_tokens: Optional[int] = None,
                  max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None,
                  rope: str = "model", graphs: Optional[bool] = None,
-                 graph_batch_sizes=None):
+                 graph_batch_sizes=None, offload: Optional[bool] = None,
+                 offload_tokens: Optional[int] = None):
         self.model = model
         super().__init__(TransformersAdapter(model, rope), backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                         graphs=graphs, graph_batch_sizes=graph_batch_sizes)
+                         graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
+                         offload_tokens=offload_tokens)
