@@ -9,12 +9,14 @@ from .errors import (BackendNotAvailableError, CacheFullError, ForwardStateError
                      SequenceNotFoundError, UnsupportedFeatureError)
 from .hookspecs import hookimpl
 from .plugins import available_backends, list_backends
+from .transfer import HostTier, SequencePayload
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendNotAvailableError", "CacheConfig", "CacheFullError", "Capabilities",
-    "DepthAux", "ForwardStateError", "InvalidArgumentError", "KVCacheError", "PagedKVCache",
-    "RopeSpec", "SequenceExistsError", "SequenceNotFoundError", "TreeMask",
-    "UnsupportedFeatureError", "available_backends", "hookimpl", "list_backends", "to_numpy",
+    "DepthAux", "ForwardStateError", "HostTier", "InvalidArgumentError", "KVCacheError",
+    "PagedKVCache", "RopeSpec", "SequenceExistsError", "SequenceNotFoundError",
+    "SequencePayload", "TreeMask", "UnsupportedFeatureError", "available_backends", "hookimpl",
+    "list_backends", "to_numpy",
 ]

@@ -4,6 +4,7 @@ arrays) and the backend (memory, streams, kernels)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterator, Sequence
@@ -16,12 +17,15 @@ from .config import CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
 from .core.plan import ForwardAux, ForwardPlan
 from .core.planner import Planner
+from .arrays import to_host
+from .core.imports import ImportReservation, ImportSpec
 from .core.static import capacity_plan
 from .core.state import CacheState, as_int
-from .core.validate import bool_arg, float_arg, int_arg
-from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
+from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
+from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError, KVCacheError,
                      UnsupportedFeatureError)
 from .plugins import resolve_backend
+from .transfer import SequencePayload, payload_fields
 
 # A backend-native array (numpy.ndarray, torch.Tensor, mlx.core.array): the core never looks inside.
 Array = Any
@@ -272,6 +276,196 @@ class PagedKVCache:
                 f"get_kv range [{start}, {end}) of sequence {seq.seq_id} must lie in [0, {length}]")
         slots = self.state.pt.position_slots(seq, start, end)
         return self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+
+    # ------------------------------------------------------------------ export / import
+    @_exclusive
+    def export_sequence(self, seq_id: int, start: int = 0, end: Optional[int] = None) -> SequencePayload:
+        """The K/V of tokens ``start .. end-1`` (None: to the end) of sequence ``seq_id`` as
+        stored, with what another cache needs to take them (``kvcache.SequencePayload``: the
+        arrays are this backend's, each (num_layers, end-start, num_kv_heads, head_dim); the
+        copy is queued on the device, ``payload.to_numpy()`` waits for it). Raises
+        SequenceNotFoundError, InvalidArgumentError for a range outside [0, length],
+        ForwardStateError inside a forward or for an uncommitted token tree; changes nothing."""
+        self._no_forward("export_sequence")
+        header, slots = self._export_range(seq_id, start, end)
+        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+        return dataclasses.replace(header, k=k, v=v)
+
+    @_exclusive
+    def export_sequences(self, seq_ids: Sequence[int], starts: Optional[Sequence[int]] = None
+                         ) -> tuple[list[SequencePayload], Array, Array]:
+        """Several sequences' tails in one gather: ``(headers, k, v)`` with ``headers[i]`` the
+        header-only payload of ``seq_ids[i]`` from ``starts[i]`` (None: 0) to its end, and
+        ``k``, ``v`` (num_layers, total tokens, num_kv_heads, head_dim) holding their tokens
+        one sequence after another (``kvcache.distributed`` sends them as they are). Errors as
+        ``export_sequence``; a sequence listed twice is refused."""
+        self._no_forward("export_sequences")
+        seq_ids = seq_id_list(seq_ids, "seq_ids")
+        starts = [0] * len(seq_ids) if starts is None else int_values(starts, "starts")
+        if len(starts) != len(seq_ids):
+            raise InvalidArgumentError(
+                f"export_sequences got {len(seq_ids)} seq_ids but {len(starts)} starts")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgumentError(f"export_sequences: seq_ids {seq_ids} repeat a sequence")
+        parts = [self._export_range(sid, st, None) for sid, st in zip(seq_ids, starts)]
+        slots = (np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int32))
+        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+        return [p[0] for p in parts], k, v
+
+    def _export_range(self, seq_id, start, end) -> tuple[SequencePayload, np.ndarray]:
+        """(header-only payload, slots) of an export, validated."""
+        seq = self.state.seq(seq_id)
+        if not seq.committed:
+            raise ForwardStateError(
+                f"sequence {seq.seq_id} has {len(seq.tree_parent)} uncommitted token-tree tokens; "
+                f"call commit_accepted_token_tree_nodes before exporting it")
+        length = self.state.pt.length(seq)
+        start = as_int(start, "start")
+        end = length if end is None else as_int(end, "end")
+        if not 0 <= start <= end <= length:
+            raise InvalidArgumentError(
+                f"export range [{start}, {end}) of sequence {seq.seq_id} must lie in "
+                f"[0, {length}]")
+        windowed = seq.window != -1
+        header = SequencePayload(
+            None, None, start=start, num_tokens=end - start, source_length=length,
+            window_size=seq.window if windowed else -1,
+            sink_size=seq.sink_request if windowed else 0,
+            backend=self.backend.name, device=self.backend.device,
+            **payload_fields(self.config))
+        return header, self.state.pt.position_slots(seq, start, end)
+
+    @_exclusive
+    def import_sequence(self, seq_id: int, payload: SequencePayload, *,
+                        parent_id: Optional[int] = None, fork_pos: Optional[int] = None,
+                        convert_dtype: bool = False) -> None:
+        """Add sequence ``seq_id`` holding ``payload``'s tokens (from ``export_sequence`` of
+        any cache and backend; the page size may differ).
+
+        Without ``parent_id`` the payload must start at token 0. With ``parent_id`` the new
+        sequence forks from that sequence at ``fork_pos`` (default ``payload.start``; it must
+        lie in ``[payload.start, payload.end]``): it shares the parent's first ``fork_pos``
+        tokens (their pages, as ``fork_sequence``) and gets the payload's tokens from
+        ``fork_pos`` on. The caller vouches that the parent's first ``fork_pos`` tokens are the
+        source's. ``convert_dtype``: accept a payload stored in another dtype (rounded to
+        this cache's). A sliding window in the payload is enabled on the new sequence.
+        Raises SequenceExistsError / SequenceNotFoundError for the ids, InvalidArgumentError
+        for a payload this cache would store or read otherwise (layers, KV heads, head_dim,
+        RoPE mode or settings, dtype) or a bad ``fork_pos``, UnsupportedFeatureError for an
+        unknown format version, CacheFullError when the free pages do not suffice,
+        ForwardStateError inside a forward; nothing changes then."""
+        self._no_forward("import_sequence")
+        convert_dtype = bool_arg(convert_dtype, "convert_dtype")
+        spec = self._import_spec(seq_id, payload, parent_id, fork_pos, convert_dtype)
+        if payload.k is None or payload.v is None:
+            raise InvalidArgumentError(
+                f"import of sequence {spec.seq_id}: the payload has no arrays (a header-only "
+                f"payload can only be reserved: reserve_import)")
+        k, v = self._native_kv(spec.seq_id, payload)
+        res = self.state.reserve_import([spec])
+        try:
+            self._write_import(res, k, v)
+            self._copy_pages(self.state.commit_import(res))
+        except BaseException:
+            self.state.cancel_import(res)
+            raise
+
+    def _import_spec(self, seq_id, payload, parent_id, fork_pos, convert_dtype) -> ImportSpec:
+        """The checked ``ImportSpec`` of importing ``payload`` as ``seq_id``."""
+        seq_id = seq_id_arg(seq_id)
+        if not isinstance(payload, SequencePayload):
+            raise InvalidArgumentError(
+                f"import of sequence {seq_id}: payload must be a kvcache.SequencePayload "
+                f"(from export_sequence), got {type(payload).__name__}")
+        payload.check_fits(self.config, seq_id, convert_dtype)
+        start, end = payload.start, payload.end
+        if parent_id is None:
+            if start != 0 or fork_pos not in (None, 0):
+                raise InvalidArgumentError(
+                    f"import of sequence {seq_id}: the payload starts at token {start} and "
+                    f"fork_pos={fork_pos!r}; tokens before the payload's come from a parent: pass "
+                    f"parent_id (and fork_pos in [{start}, {end}])")
+            fork_pos = 0
+        else:
+            parent_id = seq_id_arg(parent_id, "parent_id")
+            fork_pos = start if fork_pos is None else as_int(fork_pos, "fork_pos")
+            if not start <= fork_pos <= end:
+                raise InvalidArgumentError(
+                    f"import of sequence {seq_id}: fork_pos {fork_pos} must lie in the payload's "
+                    f"tokens [{start}, {end}] (the positions after the shared prefix)")
+        return ImportSpec(seq_id, end - fork_pos, payload.window_size, payload.sink_size,
+                          parent_id, fork_pos, skip=fork_pos - start)
+
+    def _native_kv(self, seq_id: int, payload: SequencePayload) -> tuple[Array, Array]:
+        """The payload's K and V as this backend's arrays in the cache's storage dtype."""
+        b, kv = self.backend, self.config.kv_dtype
+        k, v = payload.k, payload.v
+        if (payload.backend == b.name and payload.device == b.device and payload.kv_dtype == kv
+                and b.is_native(k) and b.is_native(v)):
+            return k, v
+        try:
+            return (b.from_numpy(to_host(k, payload.kv_dtype), kv),
+                    b.from_numpy(to_host(v, payload.kv_dtype), kv))
+        except KVCacheError:
+            raise
+        except Exception as e:
+            raise InvalidArgumentError(
+                f"import of sequence {seq_id}: cannot read the payload's arrays "
+                f"({type(k).__name__}): {e}") from None
+
+    def _write_import(self, res: ImportReservation, k: Array, v: Array) -> None:
+        if res.num_tokens == 0:
+            return
+        slots = self.backend.aux_to_device(res.slots)
+        for layer, pages in enumerate(self.pages):
+            self.backend.append_kv(pages, k[layer], v[layer], slots)
+
+    @_exclusive
+    def reserve_import(self, items: Sequence[tuple], convert_dtype: bool = False) -> ImportReservation:
+        """The first phase of an import whose K/V arrives later (``kvcache.distributed``).
+
+        ``items``: ``(seq_id, payload, parent_id, fork_pos)`` tuples as ``import_sequence``
+        takes them (``payload`` may be header-only; an item may fork from an earlier item).
+        Checks everything ``import_sequence`` checks and takes the pages; the sequences appear
+        at ``commit_import`` after ``write_import``, or ``cancel_import`` gives the pages
+        back. Between the two the pages count as used and no forward may be open."""
+        self._no_forward("reserve_import")
+        convert_dtype = bool_arg(convert_dtype, "convert_dtype")
+        specs = [self._import_spec(sid, p, parent, pos, convert_dtype)
+                 for sid, p, parent, pos in items]
+        return self.state.reserve_import(specs)
+
+    @_exclusive
+    def write_import(self, reservation: ImportReservation, k: Array, v: Array) -> None:
+        """Write a reservation's K/V: ``k``, ``v`` this backend's arrays of shape (num_layers,
+        ``reservation.num_tokens``, num_kv_heads, head_dim) in the storage dtype, the items'
+        payload tokens in order (queued on the device like any append)."""
+        self._no_forward("write_import")
+        self.state.check_reservation(reservation, "write_import")
+        b, c = self.backend, self.config
+        want = (c.num_layers, reservation.num_tokens, c.num_kv_heads, c.head_dim)
+        for name, a in (("k", k), ("v", v)):
+            if not b.is_native(a) or b.shape_of(a) != want or b.dtype_name(a) != c.kv_dtype:
+                got = (f"{b.dtype_name(a)} {b.shape_of(a)}" if b.is_native(a)
+                       else type(a).__name__)
+                raise InvalidArgumentError(
+                    f"write_import of sequences {reservation.seq_ids}: {name} must be a {b.name} "
+                    f"array {want} in {c.kv_dtype}, got {got}")
+        self._write_import(reservation, k, v)
+
+    @_exclusive
+    def commit_import(self, reservation: ImportReservation) -> None:
+        """Make a reservation's sequences appear (their K/V written by then). Checks again
+        that the ids are free and the parents there; on error nothing changes and the
+        reservation stays open."""
+        self._no_forward("commit_import")
+        self._copy_pages(self.state.commit_import(reservation))
+
+    @_exclusive
+    def cancel_import(self, reservation: ImportReservation) -> None:
+        """Give a reservation's pages back (no-op when already committed or cancelled)."""
+        self._no_forward("cancel_import")
+        self.state.cancel_import(reservation)
 
     def query_positions(self) -> Array:
         """RoPE position of each new token of the open forward (device int32 array)."""

@@ -74,6 +74,9 @@ class PageTable:
         self.s_last = np.full(64, -1, np.int32)
         self.s_window = np.full(64, -1, np.int32)
         self.s_tree = np.zeros(64, np.int32)        # uncommitted tree size
+        # pages taken for imports not yet committed: {reservation key: page ids}
+        self.reserved: dict[int, np.ndarray] = {}
+        self._reservations = 0
 
     # ------------------------------------------------------------------ pages
     def take_pages(self, n: int) -> np.ndarray:
@@ -87,6 +90,11 @@ class PageTable:
         n = len(pages)
         self.free_pages[self.num_free:self.num_free + n] = pages[::-1]
         self.num_free += n
+
+    def next_key(self) -> int:
+        """A fresh key for ``reserved``."""
+        self._reservations += 1
+        return self._reservations
 
     # ------------------------------------------------------------------ blocks
     def new_block(self) -> int:
@@ -224,7 +232,7 @@ class PageTable:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if page or reference accounting is broken (tests call this)."""
-        used = self.used_pages()
+        used = np.concatenate([self.used_pages(), *self.reserved.values()]).astype(np.int32)
         free = self.free_pages[:self.num_free]
         assert len(np.unique(used)) == len(used), "a page is held by two blocks"
         assert len(np.unique(free)) == len(free), "a page is free twice"

@@ -17,7 +17,10 @@ Scheduling, per step (one forward):
 * ``n > 1`` samples: the prompt's sequence is prefilled once, then each sample forks from it;
 * a forward that does not fit (``CacheFullError``) preempts the youngest sequence in the cache
   (removed, its pages freed) and is retried; the preempted sequence is recomputed later from its
-  tokens (re-forking from its prefix when that is still in the cache).
+  tokens (re-forking from its prefix when that is still in the cache). With a host tier
+  (``offload``) a preempted prompt or sample is parked in host memory instead
+  (``kvcache.HostTier``) and restored when it is scheduled again, re-sharing its prefix when
+  that is still in the cache: nothing is recomputed unless the tier is full.
 
 Sampling is on the host in float64: greedy (``temperature == 0``) is the first argmax; otherwise
 each sample draws from ``softmax(logits / temperature)`` with its own generator seeded by
@@ -40,6 +43,7 @@ import numpy as np
 from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import CacheFullError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
+from ..transfer import HostTier
 
 __all__ = ["Engine", "EngineStats", "ModelAdapter"]
 
@@ -144,9 +148,13 @@ class EngineStats:
     shared_prefix_tokens: int = 0
     """Prompt tokens not computed because a fork shared them."""
     preemptions: int = 0
-    """Sequences removed to make room, recomputed later."""
+    """Sequences removed to make room (recomputed later, or parked in the host tier)."""
     recomputed_tokens: int = 0
     """Tokens computed again after preemption."""
+    offloaded_tokens: int = 0
+    """Tokens parked in the host tier by preemptions."""
+    recompute_tokens_saved: int = 0
+    """Tokens restored from the host tier instead of being computed again."""
     graph_forwards: int = 0
     """Forwards run through a captured whole-step graph (decode steps; captures included)."""
     graph_captures: int = 0
@@ -167,6 +175,7 @@ class _Seq:
     origin: Optional["_Seq"] = None    # the sequence it shares a prefix with (re-fork after preemption)
     fork_pos: int = 0
     cached: int = 0
+    parked: int = 0                    # tokens held in the host tier (0: none)
     live: bool = False                 # holds a sequence in the cache
     retired: bool = False              # done (removed for good): dependants start from scratch
     waiting: int = 0                   # dependants not yet forked from it
@@ -212,15 +221,27 @@ class Engine:
     (None: powers of two up to ``max_batch_size``; see ``CacheConfig.static_decode_batch_sizes``).
     ``self.graphs`` tells whether graphs are on; ``self.decode_graphs`` is the adapter's runner
     (``captures`` / ``replays`` counters), None when off.
+
+    ``offload``: what a preemption does with the sequence it evicts. True: park it in a host
+    tier (``self.host_tier``, a ``kvcache.HostTier`` of ``offload_tokens`` tokens, None:
+    ``max_total_tokens``) and restore it when it runs again; False: drop it and recompute it
+    later; None (default): on when the cache lives on an accelerator (its device is not the
+    host CPU), where host memory is a second, larger tier and a copy is far cheaper than the
+    forwards it saves; off on a CPU cache, where the tier would only take more of the same RAM
+    than ``max_total_tokens`` allows. ``stats.offloaded_tokens`` and
+    ``stats.recompute_tokens_saved`` count what it did.
     """
 
     def __init__(self, adapter: ModelAdapter, backend: str = "auto", device: Optional[str] = None,
                  dtype: Optional[str] = None, page_size: int = 16,
                  max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
                  prefill_chunk_size: Optional[int] = None, graphs: Optional[bool] = None,
-                 graph_batch_sizes: Optional[Sequence[int]] = None):
+                 graph_batch_sizes: Optional[Sequence[int]] = None,
+                 offload: Optional[bool] = None, offload_tokens: Optional[int] = None):
         if graphs is not None and not isinstance(graphs, bool):
             raise InvalidArgumentError(f"graphs={graphs!r} must be None, True or False")
+        if offload is not None and not isinstance(offload, bool):
+            raise InvalidArgumentError(f"offload={offload!r} must be None, True or False")
         if max_total_tokens is None:
             max_total_tokens = 512 * int(max_batch_size)
         if prefill_chunk_size is None:
@@ -239,6 +260,12 @@ class Engine:
         adapter.check(self.cache)
         self.decode_graphs = adapter.step_graphs(self.cache) if self.graphs else None
         self.config = config
+        if offload is None:
+            offload = not str(self.cache.backend.device or "cpu").startswith("cpu")
+        self.host_tier: Optional[HostTier] = (
+            HostTier(self.cache, config.max_total_tokens if offload_tokens is None else offload_tokens)
+            if offload else None)
+        """Where preempted sequences are parked (None: offload is off, they are recomputed)."""
         self.stats = EngineStats()
         self.progress: Optional[bool] = None           # None: a bar on a TTY only; True / False force it
         self._next_sid = 0
@@ -285,6 +312,9 @@ class Engine:
         except BaseException:
             self.cache.clear()
             raise
+        finally:
+            if self.host_tier is not None:
+                self.host_tier.clear()
         tokens = [[s.tokens for s in req] for req in out]
         if return_logprobs:
             return tokens, [[s.logprobs for s in req] for req in out]
@@ -460,12 +490,20 @@ class Engine:
                 break
             if not self._ready(s):
                 continue
-            start = s.cached if s.live else (s.fork_pos if s.parent is not None and not s.parent.retired else 0)
+            restore = self._restore_pages(s)
+            if restore is not None:                           # parked: restored, then run on
+                start = s.parked
+            else:
+                start = s.cached if s.live else (s.fork_pos if s.parent is not None and not s.parent.retired else 0)
             want = min(len(s.tokens) - start, budget)
             have = free - (0 if s.live else reserve)
-            pages = max(have, 0) * ps + ((-start) % ps)       # room left in its last page
-            if not s.live and s.parent is not None:
-                pages -= ps                                   # the fork copies a partial page
+            if restore is not None:                           # its pages first, then room
+                have -= restore
+                pages = have * ps + ((-start) % ps) if have >= 0 else 0
+            else:
+                pages = max(have, 0) * ps + ((-start) % ps)   # room left in its last page
+                if not s.live and s.parent is not None:
+                    pages -= ps                               # the fork copies a partial page
             chunk = min(want, pages)
             if chunk <= 0:
                 if batch or any(x.live for x in self._seqs):
@@ -473,7 +511,8 @@ class Engine:
                 chunk = want                                  # nothing else runs: try anyway
             batch.append((s, chunk))
             budget -= chunk
-            free -= -(-(start + chunk) // ps) - -(-start // ps) + (1 if not s.live and s.parent else 0)
+            free -= -(-(start + chunk) // ps) - -(-start // ps)
+            free -= restore if restore is not None else (1 if not s.live and s.parent else 0)
         if not batch:
             # nothing fits: free pages by preempting (the youngest first), then plan again
             head = next((s for s in rest if self._ready(s)), None)
@@ -481,10 +520,35 @@ class Engine:
             return self._schedule()
         return batch
 
+    def _shares(self, seq: _Seq) -> bool:
+        """Whether ``seq`` starts by forking from its parent (still in use)."""
+        return seq.parent is not None and not seq.parent.retired
+
+    def _restore_pages(self, seq: _Seq) -> Optional[int]:
+        """Pages that restoring a parked ``seq`` takes, or None when it is not restored (not
+        parked, or its parent now holds more of its tokens than the tier does)."""
+        if not seq.parked or seq.live or (self._shares(seq) and seq.fork_pos > seq.parked):
+            return None
+        ps = self.config.page_size
+        base = seq.fork_pos - seq.fork_pos % ps if self._shares(seq) else 0
+        return -(-(seq.parked - base) // ps)
+
     def _admit(self, seq: _Seq) -> None:
         cache, stats = self.cache, self.stats
         parent = seq.parent
-        if parent is not None and not parent.retired:
+        restore = self._restore_pages(seq) is not None
+        if restore:
+            assert self.host_tier is not None
+            if self._shares(seq):
+                assert parent is not None
+                saved = self.host_tier.restore(seq.sid, parent_id=parent.sid, fork_pos=seq.fork_pos)
+                stats.forks += 1
+                stats.shared_prefix_tokens += seq.fork_pos
+            else:
+                saved = self.host_tier.restore(seq.sid)
+            seq.cached = seq.parked
+            stats.recompute_tokens_saved += saved
+        elif parent is not None and not parent.retired:
             cache.fork_sequence(parent.sid, seq.sid, seq.fork_pos)
             seq.cached = seq.fork_pos
             stats.forks += 1
@@ -492,6 +556,10 @@ class Engine:
         else:
             cache.add_sequence(seq.sid)
             seq.cached = 0
+        if seq.parked and not restore:              # the parent holds more: fork instead
+            assert self.host_tier is not None
+            self.host_tier.drop(seq.sid)
+        seq.parked = 0
         seq.live = True
         if parent is not None:
             parent.waiting -= 1
@@ -507,7 +575,8 @@ class Engine:
 
     def _preempt(self, why: str, keep: Optional[_Seq] = None) -> None:
         """Remove the youngest sequence in the cache (other than ``keep``, the work that waits
-        for room) to free its pages; it is recomputed later."""
+        for room) to free its pages; it is parked in the host tier (when on, and it has room)
+        and restored later, or else recomputed later."""
         live = [s for s in self._seqs if s.live and s is not keep]
         if not live:
             raise CacheFullError(
@@ -515,8 +584,18 @@ class Engine:
                 f"tokens, max_total_tokens={self.config.max_total_tokens}) cannot hold the next "
                 f"forward even alone: {why}")
         victim = max(live, key=lambda s: s.order)
-        self.cache.remove_sequence(victim.sid)
         self.stats.preemptions += 1
+        if self.host_tier is not None and victim.kind != "prefix" and victim.cached:
+            try:
+                self.host_tier.offload(victim.sid)
+            except CacheFullError:
+                pass                                    # the tier is full: recompute it
+            else:
+                victim.live, victim.parked, victim.cached = False, victim.cached, 0
+                self.stats.offloaded_tokens += victim.parked
+                self._attach(victim, victim.origin)     # restored onto its prefix if in use
+                return
+        self.cache.remove_sequence(victim.sid)
         victim.live, victim.cached = False, 0
         if victim.kind == "prefix":
             # sharing is an optimisation: a preempted prefix is dropped for good, and the

@@ -287,15 +287,19 @@ class Engine(_Engine):
     ``backend``: a backend name or ``"auto"`` (``"metal"`` for MLX); ``device``: ``"gpu"`` or
     ``"cpu"`` (None: MLX's default device); ``dtype``: the cache dtype (None: the model's);
     ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``), ``max_batch_size``,
-    ``prefill_chunk_size`` (None: ``min(2048, max_total_tokens)``): as in ``CacheConfig``. See
+    ``prefill_chunk_size`` (None: ``min(2048, max_total_tokens)``): as in ``CacheConfig``.
+    ``offload`` / ``offload_tokens``: the host tier preempted sequences are parked in (None: on
+    for the GPU), see ``kvcache.integrations.engine.Engine``. See
     ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
                  dtype: Optional[str] = None, page_size: int = 16,
                  max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
-                 prefill_chunk_size: Optional[int] = None):
+                 prefill_chunk_size: Optional[int] = None, offload: Optional[bool] = None,
+                 offload_tokens: Optional[int] = None):
         self.model = model
         super().__init__(MlxLmAdapter(model), backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
-                         max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size)
+                         max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
+                         offload=offload, offload_tokens=offload_tokens)

@@ -463,18 +463,21 @@ class Engine(_Engine):
     ``UnsupportedFeatureError`` unless ``model_rotary`` proves the rotary standard and the
     backend has ``rope_frequencies``). ``graphs`` (None: on for a GPU model on a backend
     declaring ``static_decode``; True / False force it) and ``graph_batch_sizes``: whole-step
-    decode graphs, see ``kvcache.integrations.engine.Engine``. ``tp`` / ``tp_group``: tensor
-    parallelism, one process per rank (``tp``: the number of ranks, None: 1 unless the model is
-    already split; ``tp_group``: their torch.distributed group, None: the default group); the
-    model is split over the ranks and each rank's cache holds its ``num_kv_heads / tp`` heads,
-    see ``kvcache.integrations.tp``. See ``kvcache.integrations.engine.Engine.generate``.
+    decode graphs, see ``kvcache.integrations.engine.Engine``. ``offload`` / ``offload_tokens``:
+    the host tier preempted sequences are parked in (None: on for a GPU cache), see
+    ``kvcache.integrations.engine.Engine``. ``tp`` / ``tp_group``: tensor parallelism, one
+    process per rank (``tp``: the number of ranks, None: 1 unless the model is already split;
+    ``tp_group``: their torch.distributed group, None: the default group); the model is split
+    over the ranks and each rank's cache holds its ``num_kv_heads / tp`` heads, see
+    ``kvcache.integrations.tp``. See ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
                  dtype=None, page_size: int = 16, max_total_tokens: Optional[int] = None,
                  max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None,
                  rope: str = "model", graphs: Optional[bool] = None,
-                 graph_batch_sizes=None, tp: Optional[int] = None, tp_group=None):
+                 graph_batch_sizes=None, offload: Optional[bool] = None,
+                 offload_tokens: Optional[int] = None, tp: Optional[int] = None, tp_group=None):
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
@@ -485,4 +488,5 @@ class Engine(_Engine):
         super().__init__(adapter, backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                         graphs=graphs, graph_batch_sizes=graph_batch_sizes)
+                         graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
+                         offload_tokens=offload_tokens)

@@ -1,0 +1,278 @@
+"""Moving sequences' KV between the caches of two processes over torch.distributed.
+
+One call moves a batch of sequences in three point-to-point messages, in this order:
+
+1. a header: an int64 tensor ``[MAGIC, n]`` then ``n`` uint8 bytes of JSON ``{"version",
+   "payloads": [SequencePayload.header() per sequence], "kv_dtype", "shape", "nbytes"}``;
+2. K and 3. V: the sequences' tokens, one sequence after another, as the raw bytes of one
+   contiguous (num_layers, total tokens, num_kv_heads, head_dim) array each (what
+   ``PagedKVCache.export_sequences`` gathers; skipped when there are no tokens).
+
+The sender gathers the rows out of its pages on the device (one gather, queued on the
+cache's stream after every forward queued before it, so a forward that is still running
+ahead cannot be missed or torn) and posts non-blocking sends of that buffer; the pages
+themselves are free to change or be reused at once, the buffer is what is sent. The receiver
+reads the header (a blocking receive of a few hundred bytes), checks it against its cache
+and reserves the pages (``PagedKVCache.reserve_import``), then posts non-blocking receives
+into two buffers on its device; ``TransferHandle.wait()`` writes the rows into the reserved
+pages (page sizes may differ: the write is per token) and makes the sequences appear.
+
+Transports: with an NCCL group and a CUDA/ROCm cache the buffers are device tensors (no host
+staging); otherwise (gloo) CPU tensors: a GPU cache is then staged through host memory, a
+reference (numpy) cache is viewed as torch tensors without a copy. A backend whose arrays are
+neither torch tensors nor numpy arrays (metal's MLX arrays) raises UnsupportedFeatureError:
+move ``export_sequence(...).to_numpy()`` payloads yourself there.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ..errors import ForwardStateError, InvalidArgumentError, UnsupportedFeatureError
+from ..transfer import FORMAT_VERSION, SequencePayload
+
+MAGIC = 0x6B76_6361_6368_65      # "kvcache": the first int64 of every transfer
+TORCH_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _torch():
+    """(torch, torch.distributed), initialized; typed errors otherwise."""
+    from ..integrations import require
+    torch = require("torch", "distributed", "2.4")
+    dist = torch.distributed
+    if not dist.is_available():
+        raise UnsupportedFeatureError(
+            f"torch {torch.__version__} was built without torch.distributed")
+    if not dist.is_initialized():
+        raise ForwardStateError(
+            "kvcache.distributed needs a process group: call "
+            "torch.distributed.init_process_group first (gloo on CPUs, nccl on GPUs)")
+    return torch, dist
+
+
+def _ids(value, name: str) -> list:
+    from ..core.validate import is_int, seq_id_list
+    return [int(value)] if is_int(value) else seq_id_list(value, name)
+
+
+def _per_sequence(values, count: int, name: str) -> list:
+    if values is None:
+        return [None] * count
+    values = list(values)
+    if len(values) != count:
+        raise InvalidArgumentError(f"{name} has {len(values)} entries for {count} sequences")
+    return values
+
+
+def _arrays(cache, torch):
+    """('torch' | 'numpy', the device of the cache's arrays); UnsupportedFeatureError for
+    other array types."""
+    probe = cache.from_numpy(np.zeros(1, np.float32))
+    if isinstance(probe, torch.Tensor):
+        return "torch", probe.device
+    if isinstance(probe, np.ndarray):
+        return "numpy", torch.device("cpu")
+    raise UnsupportedFeatureError(
+        f"kvcache.distributed moves torch tensors or numpy arrays; backend "
+        f"{cache.backend.name!r} keeps {type(probe).__module__}.{type(probe).__name__}: send "
+        f"cache.export_sequence(...).to_numpy() payloads yourself and import_sequence them")
+
+
+def _transport(torch, dist, group, device):
+    """Where the messages' tensors live: the cache's GPU under NCCL, else the host."""
+    name = str(dist.get_backend(group)).lower()
+    if device.type != "cpu" and "nccl" in name:
+        return device
+    return torch.device("cpu")
+
+
+def _to_wire(torch, array, transport):
+    """The bytes of ``array`` as a flat uint8 tensor on ``transport`` (a view where possible)."""
+    if isinstance(array, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    else:
+        t = array.detach().contiguous().reshape(-1).view(torch.uint8)
+    return t.to(transport)
+
+
+def _from_wire(torch, buf, dtype: str, shape, kind: str, device, want: str):
+    """A received uint8 buffer as the cache's array of ``shape`` in ``want`` (from ``dtype``)."""
+    if kind == "numpy":
+        from ..reference import np_dtype
+        out = buf.cpu().numpy().view(np_dtype(dtype)).reshape(shape)
+        return out if dtype == want else out.astype(np_dtype(want))
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    out = buf.to(device).view(dtypes[dtype]).reshape(shape)
+    return out if dtype == want else out.to(dtypes[want])
+
+
+class TransferHandle:
+    """A transfer in flight (from ``send_sequence`` / ``recv_sequence``).
+
+    ``wait()`` blocks until this side's messages are done and returns the sequence ids; on the
+    receiving side it then writes the KV into the reserved pages and makes the sequences
+    appear in the cache (not before). ``is_completed()`` says, without blocking, whether the
+    messages are done (a receiver's sequences still appear only at ``wait()``). Keep the
+    handle until ``wait()``: a receiver's pages stay reserved until then (``cancel()`` gives
+    them back after the data arrived)."""
+
+    def __init__(self, works: list, buffers: list, seq_ids: list, what: str,
+                 finish: Optional[Callable[[], None]] = None,
+                 cancel: Optional[Callable[[], None]] = None):
+        self._works = works
+        self._buffers = buffers          # the tensors the works read or write: alive until done
+        self.seq_ids = seq_ids
+        self.what = what
+        self._finish, self._cancel = finish, cancel
+        self._received = False
+        self._done = False
+        self._error: Optional[BaseException] = None
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "failed" if self._error else "in flight"
+        return f"TransferHandle({self.what}, {state})"
+
+    def is_completed(self) -> bool:
+        """Whether every message of this transfer has completed (never blocks)."""
+        return self._done or self._received or all(w.is_completed() for w in self._works)
+
+    def _arrive(self) -> None:
+        if not self._received:
+            for w in self._works:
+                w.wait()
+            self._received = True
+
+    def wait(self) -> list:
+        """Block until the transfer is done; returns the sequence ids. On the receiver the
+        sequences appear now; a ForwardStateError (a forward is open) leaves the handle to
+        wait on again after ``end_forward``; another error gives the reserved pages back and
+        is raised again by every later ``wait()``."""
+        if self._done:
+            return list(self.seq_ids)
+        if self._error is not None:
+            raise self._error
+        self._arrive()
+        if self._finish is not None:
+            try:
+                self._finish()
+            except ForwardStateError:
+                raise
+            except BaseException as exc:
+                self._error = exc
+                if self._cancel is not None:
+                    self._cancel()
+                self._buffers = []
+                raise
+        self._done = True
+        self._buffers = []
+        return list(self.seq_ids)
+
+    def cancel(self) -> None:
+        """A receiver that will not take the sequences: wait for the data (the sender's
+        messages must be consumed), then give the reserved pages back."""
+        if self._done:
+            return
+        self._arrive()
+        if self._cancel is not None:
+            self._cancel()
+        self._error = ForwardStateError(f"{self.what} was cancelled")
+        self._buffers = []
+
+
+def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
+                  starts: Optional[Sequence[int]] = None) -> TransferHandle:
+    """Send sequences of ``cache`` to the process of global rank ``dst`` (which calls
+    ``recv_sequence`` with as many ids); returns a ``TransferHandle`` (non-blocking).
+
+    ``seq_ids``: one id or a list (one batch: three messages in all); ``starts``: per
+    sequence, the first token sent (None: 0; a fork's ``fork_pos`` sends only what follows
+    its shared prefix, for a receiver that imports it onto the parent); ``group``: the
+    torch.distributed process group (None: the default). The cache may go on (forwards,
+    removing the sequences) at once: the rows were copied out on the device first. Raises
+    what ``export_sequences`` raises, UnsupportedFeatureError for a backend whose arrays are
+    not torch/numpy, ForwardStateError without an initialized process group,
+    MissingExtraError without torch."""
+    torch, dist = _torch()
+    ids = _ids(seq_ids, "seq_ids")
+    kind, device = _arrays(cache, torch)
+    transport = _transport(torch, dist, group, device)
+    headers, k, v = cache.export_sequences(ids, starts)
+    c = cache.config
+    total = sum(h.num_tokens for h in headers)
+    shape = [c.num_layers, total, c.num_kv_heads, c.head_dim]
+    body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "shape": shape,
+                       "nbytes": int(np.prod(shape)) * (4 if c.kv_dtype == "float32" else 2),
+                       "payloads": [h.header() for h in headers]}).encode()
+    tensors = [torch.tensor([MAGIC, len(body)], dtype=torch.int64).to(transport),
+               torch.frombuffer(bytearray(body), dtype=torch.uint8).to(transport)]
+    if total:
+        tensors += [_to_wire(torch, k, transport), _to_wire(torch, v, transport)]
+    works = [dist.isend(t, dst, group=group) for t in tensors]
+    return TransferHandle(works, tensors, ids, f"send of sequences {ids} to rank {dst}")
+
+
+def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
+                  parent_ids: Optional[Sequence[Optional[int]]] = None,
+                  fork_pos: Optional[Sequence[Optional[int]]] = None,
+                  convert_dtype: bool = False) -> TransferHandle:
+    """Receive the sequences the process of global rank ``src`` sends (``send_sequence``)
+    into ``cache`` as ``seq_ids`` (one id or a list, as many as were sent, in the same order).
+
+    ``parent_ids``/``fork_pos``: per sequence, None or the sequence of this cache (or an
+    earlier one of this batch) it forks from and where, as ``import_sequence`` takes them;
+    ``convert_dtype``: accept another storage dtype. Blocks for the small header, checks it
+    and reserves the pages, then returns a ``TransferHandle`` whose ``wait()`` makes the
+    sequences appear. On a refused header (a mismatch, CacheFullError, an id in use: typed
+    errors as ``import_sequence``) the data is still received and dropped, so the two sides
+    stay in step, and the error is raised; the cache is unchanged."""
+    torch, dist = _torch()
+    ids = _ids(seq_ids, "seq_ids")
+    parents = _per_sequence(parent_ids, len(ids), "parent_ids")
+    positions = _per_sequence(fork_pos, len(ids), "fork_pos")
+    if cache.open_plan is not None:
+        raise ForwardStateError(
+            f"recv_sequence of sequences {ids}: a forward is open; receive after end_forward")
+    kind, device = _arrays(cache, torch)
+    transport = _transport(torch, dist, group, device)
+    meta = torch.zeros(2, dtype=torch.int64, device=transport)
+    dist.recv(meta, src, group=group)
+    magic, size = (int(x) for x in meta.tolist())
+    if magic != MAGIC:
+        raise InvalidArgumentError(
+            f"recv_sequence of sequences {ids}: the message from rank {src} is not a kvcache "
+            f"transfer (first value {magic:#x}); both sides must pair their calls")
+    text = torch.empty(size, dtype=torch.uint8, device=transport)
+    dist.recv(text, src, group=group)
+    msg = json.loads(bytes(text.cpu().numpy()))
+    shape = tuple(int(x) for x in msg["shape"])
+    buffers = ([torch.empty(int(msg["nbytes"]), dtype=torch.uint8, device=transport)
+                for _ in range(2)] if shape[1] else [])
+    try:
+        headers = [SequencePayload.from_header(h) for h in msg["payloads"]]
+        if len(headers) != len(ids):
+            raise InvalidArgumentError(
+                f"recv_sequence got {len(ids)} seq_ids {ids} but rank {src} sent "
+                f"{len(headers)} sequences")
+        res = cache.reserve_import(list(zip(ids, headers, parents, positions)), convert_dtype)
+    except BaseException:
+        for buf in buffers:          # consume the data the sender has posted
+            dist.recv(buf, src, group=group)
+        raise
+    works = [dist.irecv(buf, src, group=group) for buf in buffers]
+    want = cache.config.kv_dtype
+
+    def finish():
+        if buffers:
+            k, v = (_from_wire(torch, buf, msg["kv_dtype"], shape, kind, device, want)
+                    for buf in buffers)
+            cache.write_import(res, k, v)
+        cache.commit_import(res)
+
+    return TransferHandle(works, buffers, ids, f"receive of sequences {ids} from rank {src}",
+                          finish=finish, cancel=lambda: cache.cancel_import(res))
+
+
+__all__ = ["MAGIC", "TransferHandle", "recv_sequence", "send_sequence"]

@@ -1,0 +1,311 @@
+"""Moving a sequence's KV out of a cache and into another: the portable payload
+(``SequencePayload``, made by ``PagedKVCache.export_sequence`` and taken by
+``PagedKVCache.import_sequence``) and a host tier that parks idle sequences off the device
+(``HostTier``). ``kvcache.distributed`` moves payloads between processes.
+
+A payload holds the K/V of a range of a sequence's tokens *as stored* (K post-RoPE in "normal"
+mode, unrotated in "inline" mode) plus everything the receiving cache needs to check that it
+would store and read them the same way (heads, head_dim, storage dtype, RoPE settings) and to
+recreate the sequence's state (sliding window and sinks). See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .arrays import to_host
+from .errors import InvalidArgumentError, UnsupportedFeatureError
+
+FORMAT_VERSION = 1
+"""The payload format this version of kvcache writes and reads."""
+
+HEADER_FIELDS = ("version", "start", "num_tokens", "source_length", "num_layers",
+                 "num_kv_heads", "head_dim", "kv_dtype", "rope_mode", "rope_theta", "rope_scale",
+                 "rope_inv_freq", "rope_rotary_dim", "window_size", "sink_size", "backend",
+                 "device")
+"""The keys of ``SequencePayload.header()`` (every field but the arrays)."""
+
+
+@dataclass(frozen=True)
+class SequencePayload:
+    """The K/V of tokens ``start .. start + num_tokens - 1`` of one sequence, as stored.
+
+    ``k``, ``v``: arrays of shape (num_layers, num_tokens, num_kv_heads, head_dim) in
+    ``kv_dtype``: the exporting backend's native arrays (``backend``/``device`` name where they
+    live) or, after ``to_numpy()``, host numpy arrays (``backend`` None; bfloat16 as
+    ml_dtypes' type). Token ``j`` has RoPE position ``start + j`` (``positions``): a cache
+    gives every token the position of its index among the sequence's kept tokens, so the
+    tokens must land at that index again.
+
+    ``source_length``: the sequence's length when exported (``end == source_length`` for a
+    whole tail). ``rope_mode``: the exporting cache's effective mode ("none" | "normal" |
+    "inline"; sliding windows force "inline"), with its ``rope_theta``, ``rope_scale``,
+    ``rope_inv_freq`` (the model's frequencies, () for theta's) and ``rope_rotary_dim`` (0:
+    every dim). ``window_size`` (-1: none) and ``sink_size``: the sequence's sliding window.
+    ``version``: ``FORMAT_VERSION`` of the writer.
+    """
+
+    k: Any
+    v: Any
+    start: int
+    num_tokens: int
+    source_length: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    rope_mode: str
+    rope_theta: float = 10000.0
+    rope_scale: float = 1.0
+    rope_inv_freq: tuple = ()
+    rope_rotary_dim: int = 0
+    window_size: int = -1
+    sink_size: int = 0
+    backend: Optional[str] = None
+    device: Optional[str] = None
+    version: int = FORMAT_VERSION
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def end(self) -> int:
+        """One past the last exported token."""
+        return self.start + self.num_tokens
+
+    @property
+    def positions(self) -> np.ndarray:
+        """(num_tokens,) int32: the RoPE position of each exported token."""
+        return np.arange(self.start, self.end, dtype=np.int32)
+
+    @property
+    def shape(self) -> tuple:
+        """The shape of ``k`` and of ``v``."""
+        return (self.num_layers, self.num_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V together."""
+        itemsize = 4 if self.kv_dtype == "float32" else 2
+        return 2 * math.prod(self.shape) * itemsize
+
+    # ------------------------------------------------------------------ forms
+    def header(self) -> dict:
+        """Every field but the arrays, as JSON-friendly Python values."""
+        out = {name: getattr(self, name) for name in HEADER_FIELDS}
+        out["rope_inv_freq"] = list(self.rope_inv_freq)
+        return out
+
+    @classmethod
+    def from_header(cls, header: dict, k: Any = None, v: Any = None) -> SequencePayload:
+        """A payload of ``header`` (as ``header()`` gives) with the arrays ``k``, ``v`` (None: a
+        header-only payload, for checking and reserving before the arrays arrive). Raises
+        UnsupportedFeatureError for another format version, InvalidArgumentError for missing
+        fields."""
+        if not isinstance(header, dict):
+            raise InvalidArgumentError(f"a payload header is a dict, got {type(header).__name__}")
+        version = header.get("version")
+        if version != FORMAT_VERSION:
+            raise UnsupportedFeatureError(
+                f"payload format version {version!r} is not supported: this kvcache reads "
+                f"version {FORMAT_VERSION}")
+        missing = [name for name in HEADER_FIELDS if name not in header]
+        if missing:
+            raise InvalidArgumentError(f"payload header lacks {missing}")
+        fields = {name: header[name] for name in HEADER_FIELDS}
+        fields["rope_inv_freq"] = tuple(float(f) for f in fields["rope_inv_freq"])
+        return cls(k=k, v=v, **fields)
+
+    def to_numpy(self) -> SequencePayload:
+        """The same payload with host numpy arrays in ``kv_dtype`` (the bits as stored; waits
+        for the device copy). ``backend`` and ``device`` become None."""
+        if self.k is None:
+            return self
+        return dataclasses.replace(self, k=to_host(self.k, self.kv_dtype),
+                                   v=to_host(self.v, self.kv_dtype), backend=None, device=None)
+
+    def without_arrays(self) -> SequencePayload:
+        """The header-only form (``k`` and ``v`` None)."""
+        return dataclasses.replace(self, k=None, v=None)
+
+    # ------------------------------------------------------------------ checks
+    def check(self, where: str = "payload") -> None:
+        """InvalidArgumentError / UnsupportedFeatureError when the payload is inconsistent in
+        itself (version, counts, the arrays' shape)."""
+        if self.version != FORMAT_VERSION:
+            raise UnsupportedFeatureError(
+                f"{where}: format version {self.version!r} is not supported: this kvcache reads "
+                f"version {FORMAT_VERSION}")
+        for name in ("start", "num_tokens", "source_length", "num_layers", "num_kv_heads",
+                     "head_dim", "rope_rotary_dim", "sink_size", "window_size"):
+            value = getattr(self, name)
+            low = -1 if name == "window_size" else 0
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise InvalidArgumentError(f"{where}: {name}={value!r} must be an int >= {low}")
+        if self.end > self.source_length:
+            raise InvalidArgumentError(
+                f"{where}: tokens [{self.start}, {self.end}) exceed source_length "
+                f"{self.source_length}")
+        if self.window_size == 0 or (self.window_size > 0 and not 0 <= self.sink_size < self.window_size):
+            raise InvalidArgumentError(
+                f"{where}: window_size={self.window_size}, sink_size={self.sink_size}: need "
+                f"window_size -1 (none) or > 0 and 0 <= sink_size < window_size")
+        if self.k is None and self.v is None:
+            return
+        for name in ("k", "v"):
+            shape = tuple(getattr(getattr(self, name), "shape", ()))
+            if shape != self.shape:
+                raise InvalidArgumentError(
+                    f"{where}: {name} has shape {shape}, expected {self.shape} (num_layers, "
+                    f"num_tokens, num_kv_heads, head_dim)")
+
+    def check_fits(self, config, seq_id, convert_dtype: bool = False) -> None:
+        """Raise a typed error naming ``seq_id``, the payload's value and the cache's when a
+        cache of ``config`` would store or read these tokens otherwise: layers, KV heads,
+        head_dim, RoPE mode and settings, storage dtype (unless ``convert_dtype``)."""
+        where = f"import of sequence {seq_id}"
+        self.check(where)
+        mine = {"num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads,
+                "head_dim": config.head_dim, "rope_mode": config.effective_rope_mode}
+        for name, want in mine.items():
+            got = getattr(self, name)
+            if got != want:
+                extra = (" (a cache with sliding windows applies RoPE inline)"
+                         if name == "rope_mode" and config.support_sliding_window else "")
+                raise InvalidArgumentError(
+                    f"{where}: the payload has {name}={got!r}, this cache {name}={want!r}{extra}")
+        if self.rope_mode != "none":
+            spec = config.rope_spec()
+            rope = {"rope_theta": spec.theta, "rope_scale": spec.scale,
+                    "rope_inv_freq": tuple(spec.inv_freq or ()),
+                    "rope_rotary_dim": spec.rotary_dim}
+            for name, want in rope.items():
+                got = getattr(self, name)
+                if got != want:
+                    raise InvalidArgumentError(
+                        f"{where}: the payload's K was stored with {name}={got!r}, this cache "
+                        f"uses {name}={want!r}")
+        if self.kv_dtype != config.kv_dtype and not convert_dtype:
+            raise InvalidArgumentError(
+                f"{where}: the payload stores {self.kv_dtype}, this cache {config.kv_dtype}; pass "
+                f"convert_dtype=True to convert (rounding to {config.kv_dtype})")
+        if self.window_size != -1 and not config.support_sliding_window:
+            raise InvalidArgumentError(
+                f"{where}: the payload has a sliding window (window_size={self.window_size}, "
+                f"sink_size={self.sink_size}) but this cache was built with "
+                f"support_sliding_window=False")
+
+
+def payload_fields(config) -> dict:
+    """The header fields a cache of ``config`` writes (all but the token range, the window and
+    the arrays' location)."""
+    spec = config.rope_spec()
+    return dict(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim, kv_dtype=config.kv_dtype,
+                rope_mode=config.effective_rope_mode, rope_theta=spec.theta,
+                rope_scale=spec.scale, rope_inv_freq=tuple(spec.inv_freq or ()),
+                rope_rotary_dim=spec.rotary_dim)
+
+
+class HostTier:
+    """A host-memory tier under a cache: ``offload`` parks a whole idle sequence there (its
+    K/V copied to host numpy arrays, the sequence removed, its pages free), ``restore``
+    brings it back on demand (possibly sharing a prefix with a sequence still in the cache).
+
+    ``cache``: the ``PagedKVCache`` whose sequences it holds; ``capacity_tokens``: the most
+    tokens it holds at once (None: no bound). A parked sequence is held by its id; the cache
+    may reuse that id meanwhile (``restore`` then needs ``new_id``). Host memory is plain
+    (pageable) numpy: an offload waits for its device-to-host copy, which a preemption needs
+    anyway before the freed pages are reused."""
+
+    def __init__(self, cache, capacity_tokens: Optional[int] = None):
+        from .core.validate import int_arg
+        if capacity_tokens is not None:
+            capacity_tokens = int_arg(capacity_tokens, "HostTier capacity_tokens", 0)
+        self.cache = cache
+        self.capacity_tokens = capacity_tokens
+        self._held: dict[int, SequencePayload] = {}
+        self.tokens = 0
+        """Tokens held now."""
+
+    def __repr__(self) -> str:
+        cap = "unbounded" if self.capacity_tokens is None else self.capacity_tokens
+        return f"HostTier(sequences={len(self._held)}, tokens={self.tokens}, capacity={cap})"
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def seq_ids(self) -> list:
+        """The ids of the parked sequences, oldest first."""
+        return list(self._held)
+
+    def length(self, seq_id: int) -> int:
+        """Tokens of a parked sequence (SequenceNotFoundError when it is not parked)."""
+        return self._payload(seq_id, "length").num_tokens
+
+    def _payload(self, seq_id, what: str) -> SequencePayload:
+        from .core.validate import seq_id_arg
+        from .errors import SequenceNotFoundError
+        seq_id = seq_id_arg(seq_id)
+        if seq_id not in self._held:
+            raise SequenceNotFoundError(
+                f"{what}: sequence {seq_id} is not in the host tier ({len(self._held)} "
+                f"sequences parked)")
+        return self._held[seq_id]
+
+    def offload(self, seq_id: int) -> int:
+        """Park sequence ``seq_id`` of the cache here and remove it from the cache; returns its
+        length. Raises CacheFullError when the tier lacks room, SequenceExistsError when the
+        id is already parked, and what ``export_sequence`` raises; nothing changes then."""
+        from .core.validate import seq_id_arg
+        from .errors import CacheFullError, SequenceExistsError
+        seq_id = seq_id_arg(seq_id)
+        if seq_id in self._held:
+            raise SequenceExistsError(f"offload: sequence {seq_id} is already in the host tier")
+        length = self.cache.sequence_length(seq_id)
+        if self.capacity_tokens is not None and self.tokens + length > self.capacity_tokens:
+            raise CacheFullError(
+                f"offload: sequence {seq_id} has {length} tokens but the host tier holds "
+                f"{self.tokens} of {self.capacity_tokens}")
+        payload = self.cache.export_sequence(seq_id).to_numpy()
+        self.cache.remove_sequence(seq_id)
+        self._held[seq_id] = payload
+        self.tokens += length
+        return length
+
+    def restore(self, seq_id: int, *, new_id: Optional[int] = None,
+                parent_id: Optional[int] = None, fork_pos: Optional[int] = None) -> int:
+        """Bring parked sequence ``seq_id`` back into the cache (as ``new_id``, default the
+        same id) and drop it from the tier; returns the tokens written (its length, less a
+        shared prefix). ``parent_id``/``fork_pos``: share the first ``fork_pos`` tokens with
+        that sequence of the cache instead of writing them (the caller vouches they are the
+        same tokens). Errors as ``import_sequence`` (CacheFullError when the cache lacks
+        pages); the sequence stays parked then."""
+        payload = self._payload(seq_id, "restore")
+        target = seq_id if new_id is None else new_id
+        self.cache.import_sequence(target, payload, parent_id=parent_id, fork_pos=fork_pos)
+        del self._held[int(seq_id)]
+        self.tokens -= payload.num_tokens
+        shared = 0 if parent_id is None else (payload.start if fork_pos is None else int(fork_pos))
+        return payload.num_tokens - shared
+
+    def drop(self, seq_id: int) -> None:
+        """Forget a parked sequence (SequenceNotFoundError when it is not parked)."""
+        payload = self._payload(seq_id, "drop")
+        del self._held[int(seq_id)]
+        self.tokens -= payload.num_tokens
+
+    def clear(self) -> None:
+        """Forget every parked sequence."""
+        self._held.clear()
+        self.tokens = 0
+
+
+__all__ = ["FORMAT_VERSION", "HEADER_FIELDS", "HostTier", "SequencePayload"]

@@ -1,0 +1,130 @@
+"""One rank of the two-process transfer test (run by test_distributed.py, not by pytest):
+``python dist_worker.py RANK INIT_FILE``. Rank 0 sends, rank 1 receives; both build the
+same seeded source caches, so rank 1 checks what arrived against its own copy bit by bit."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ["KVCACHE_CUDA_CPU"] = "1"
+
+import numpy as np  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import kvcache  # noqa: E402
+from kvcache.distributed import recv_sequence, send_sequence  # noqa: E402
+from transfer_cases import (assert_same_kv, build_workload, config, make_cache,  # noqa: E402
+                            run_forward)
+
+ROUNDS = [
+    # (source backend, page size, destination backend, page size, dtype, rope, sliding)
+    ("reference", 4, "cuda", 16, "bfloat16", "inline", True),
+    ("cuda", 16, "reference", 3, "float32", "normal", False),
+]
+COUNT = 100
+CHUNKS = 4
+
+
+def chunks(ids):
+    size = -(-len(ids) // CHUNKS)
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+
+def plan(wl, chunk):
+    """Per sequence of a chunk: (first token sent, parent on the receiver, fork_pos)."""
+    out = []
+    for sid in chunk:
+        if sid in wl.forks:
+            parent, pos = wl.forks[sid]
+            out.append((pos, parent, pos))
+        else:
+            out.append((0, None, None))
+    return out
+
+
+def one_round(rank, n, src_backend, ps_a, dst_backend, ps_b, dtype, rope, sliding):
+    source = make_cache(src_backend, config(ps_a, dtype, rope, sliding, max_total_tokens=8192))
+    wl = build_workload(source, np.random.default_rng(100 + n), count=COUNT)
+    assert len(wl.forks) > 10, "the workload should hold forks"
+    if rank == 0:
+        handles = []
+        for chunk in chunks(wl.ids):
+            starts = [p[0] for p in plan(wl, chunk)]
+            handles.append(send_sequence(source, chunk, dst=1, starts=starts))
+        # the source may change at once: its rows were copied out
+        for sid in wl.ids[::3]:
+            source.remove_sequence(sid)
+        for h in handles:
+            assert h.wait() == h.seq_ids
+        return
+    dest = make_cache(dst_backend, config(ps_b, dtype, rope, sliding, max_total_tokens=8192))
+    for chunk in chunks(wl.ids):
+        p = plan(wl, chunk)
+        h = recv_sequence(dest, chunk, src=0, parent_ids=[x[1] for x in p],
+                          fork_pos=[x[2] for x in p])
+        assert not set(chunk) & set(dest.sequence_ids), "sequences appear only at wait()"
+        assert h.wait() == chunk and h.is_completed()
+    dest.state.pt.check_invariants()
+    assert sorted(dest.sequence_ids) == sorted(wl.ids)
+    for sid in wl.ids:
+        assert_same_kv(source, sid, dest, sid)
+        assert dest.state.seq(sid).window == source.state.seq(sid).window
+    shared = sum(1 for sid in wl.forks if wl.forks[sid][1] >= ps_b)
+    print(f"round {n}: {COUNT} sequences ({len(wl.forks)} forks, {shared} sharing a page) "
+          f"{src_backend}/{ps_a} -> {dst_backend}/{ps_b} {dtype} {rope} ok", flush=True)
+
+
+def refused_then_in_step(rank):
+    """A receiver that refuses a header drains the data: the next transfer still pairs up."""
+    cfg = config(4, "float32", "none")
+    source = kvcache.PagedKVCache(cfg, backend="reference")
+    source.add_sequence(1)
+    run_forward(source, [1], [13], np.random.default_rng(0))
+    if rank == 0:
+        send_sequence(source, 1, dst=1).wait()
+        send_sequence(source, [1], dst=1).wait()
+        return
+    import dataclasses
+    narrow = kvcache.PagedKVCache(dataclasses.replace(cfg, num_kv_heads=1), backend="reference")
+    try:
+        recv_sequence(narrow, 5, src=0)
+    except kvcache.InvalidArgumentError as exc:
+        assert "num_kv_heads=2, this cache num_kv_heads=1" in str(exc), exc
+    else:
+        raise AssertionError("a mismatched header was accepted")
+    assert narrow.is_empty
+    dest = kvcache.PagedKVCache(cfg, backend="cuda", device="cpu")
+    dest.add_sequence(9)
+    run_forward(dest, [9], [2], np.random.default_rng(1))
+    h = recv_sequence(dest, [5], src=0)
+    dest.begin_forward([9], [1])
+    try:
+        h.wait()
+    except kvcache.ForwardStateError:
+        pass
+    else:
+        raise AssertionError("wait() inside a forward committed the sequences")
+    dest.abort_forward()
+    assert h.wait() == [5]
+    assert_same_kv(source, 1, dest, 5)
+    print("refused header drained; wait inside a forward retried ok", flush=True)
+
+
+def main():
+    rank, init = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    t0 = time.perf_counter()
+    try:
+        for n, case in enumerate(ROUNDS):
+            one_round(rank, n, *case)
+        refused_then_in_step(rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    print(f"rank {rank} done in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""kvcache.distributed: two processes on gloo move 100 random sequences (forks imported as
+shared prefixes, sliding windows, partial pages) between the reference backend and cuda's
+CPU test mode in a few batched, asynchronous calls, bit-exactly; the errors a caller meets
+before any message moves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcache
+from transfer_cases import config, make_cache, run_forward
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+def test_two_processes_move_100_sequences_bit_exactly(tmp_path):
+    env = dict(os.environ, KVCACHE_CUDA_CPU="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    init = tmp_path / "rendezvous"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(rank), str(init)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    log = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o}" for r, (p, o) in enumerate(zip(procs, outs)))
+    assert all(p.returncode == 0 for p in procs), log
+    assert "round 0: 100 sequences" in outs[1] and "round 1: 100 sequences" in outs[1], log
+    assert "refused header drained" in outs[1], log
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _cache(backend="reference"):
+    cache = make_cache(backend, config(4, "float32", "none"))
+    cache.add_sequence(1)
+    run_forward(cache, [1], [5], np.random.default_rng(0))
+    return cache
+
+
+def test_without_a_process_group_the_error_says_how_to_start_one():
+    from kvcache.distributed import send_sequence
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(kvcache.ForwardStateError, match="init_process_group"):
+        send_sequence(_cache(), 1, dst=1)
+
+
+def test_without_torch_the_error_names_the_extra(monkeypatch):
+    from kvcache.distributed import recv_sequence
+    from kvcache.integrations import MissingExtraError
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(MissingExtraError, match=r"kvcache\[distributed\]"):
+        recv_sequence(_cache(), 2, src=0)
+
+
+def test_mlx_arrays_are_refused_before_any_message(one_process_group):
+    from kvcache.distributed import send_sequence
+    cache = _cache("metal")
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="backend 'metal' keeps mlx"):
+        send_sequence(cache, 1, dst=0)
+
+
+def test_bad_arguments_are_refused_before_any_message(one_process_group):
+    from kvcache.distributed import recv_sequence, send_sequence
+    cache = _cache()
+    with pytest.raises(kvcache.SequenceNotFoundError, match="sequence 7"):
+        send_sequence(cache, [1, 7], dst=0)
+    with pytest.raises(kvcache.InvalidArgumentError, match="repeat a sequence"):
+        send_sequence(cache, [1, 1], dst=0)
+    with pytest.raises(kvcache.InvalidArgumentError, match="parent_ids has 1 entries for 2"):
+        recv_sequence(cache, [3, 4], src=0, parent_ids=[None])
+    cache.begin_forward([1], [1])
+    with pytest.raises(kvcache.ForwardStateError, match="a forward is open"):
+        recv_sequence(cache, [3], src=0)
+    cache.abort_forward()

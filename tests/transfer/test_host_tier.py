@@ -1,0 +1,86 @@
+"""HostTier: a sequence parked in host memory frees its pages and comes back bit-exactly (as
+itself, under another id, or onto a prefix still in the cache); a tier or cache without room
+refuses and nothing changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcache
+from kvcache import CacheFullError, HostTier, SequenceExistsError, SequenceNotFoundError
+from transfer_cases import assert_same_kv, build_workload, config, make_cache, run_forward, snapshot
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda", "metal"])
+def test_offload_frees_the_pages_and_restore_brings_the_sequence_back(backend):
+    cache = make_cache(backend, config(4, "bfloat16", "none", sliding=True))
+    twin = make_cache(backend, config(4, "bfloat16", "none", sliding=True))
+    rng = np.random.default_rng(0)
+    wl = build_workload(cache, rng, count=8)
+    for sid in wl.ids:
+        twin.import_sequence(sid, cache.export_sequence(sid))
+    tier = HostTier(cache)
+    free = cache.num_available_pages
+    for sid in wl.ids[::-1]:           # children first: their parents' pages then free too
+        n = cache.sequence_length(sid)
+        assert tier.offload(sid) == n and sid in tier and sid not in cache.sequence_ids
+    assert cache.is_empty and cache.num_available_pages > free
+    assert tier.tokens == sum(twin.sequence_length(s) for s in wl.ids) and len(tier) == len(wl.ids)
+    for sid in wl.ids:
+        assert tier.restore(sid) == twin.sequence_length(sid)
+        assert_same_kv(twin, sid, cache, sid)
+        assert cache.state.seq(sid).window == twin.state.seq(sid).window
+    assert tier.tokens == 0 and len(tier) == 0
+    cache.state.pt.check_invariants()
+
+
+def test_restore_onto_a_prefix_shares_its_pages_and_under_a_new_id():
+    cache = kvcache.PagedKVCache(config(4), backend="reference")
+    rng = np.random.default_rng(1)
+    cache.add_sequence(1)
+    run_forward(cache, [1], [17], rng)
+    cache.fork_sequence(1, 2, 16)
+    run_forward(cache, [2], [9], rng)
+    want = [kvcache.to_numpy(a) for a in cache.get_kv(2)]
+    tier = HostTier(cache, capacity_tokens=100)
+    tier.offload(2)
+    free = cache.num_available_pages
+    assert tier.restore(2, new_id=5, parent_id=1, fork_pos=16) == 9
+    assert free - cache.num_available_pages == 3         # 9 tokens of its own; 16 shared
+    for w, g in zip(want, cache.get_kv(5)):
+        np.testing.assert_array_equal(kvcache.to_numpy(g), w)
+
+
+def test_a_full_tier_or_cache_refuses_and_nothing_changes():
+    cache = kvcache.PagedKVCache(config(4, max_total_tokens=32), backend="reference")
+    rng = np.random.default_rng(2)
+    cache.add_sequence(1)
+    run_forward(cache, [1], [20], rng)
+    tier = HostTier(cache, capacity_tokens=19)
+    before = snapshot(cache)
+    with pytest.raises(CacheFullError, match="sequence 1 has 20 tokens but the host tier holds 0 of 19"):
+        tier.offload(1)
+    assert snapshot(cache) == before and len(tier) == 0
+    with pytest.raises(SequenceNotFoundError, match="sequence 3"):
+        tier.offload(3)
+    tier = HostTier(cache)
+    tier.offload(1)
+    with pytest.raises(SequenceNotFoundError, match="sequence 9 is not in the host tier"):
+        tier.restore(9)
+    # the cache fills up meanwhile: the restore is refused, the sequence stays parked
+    cache.add_sequence(2)
+    run_forward(cache, [2], [30], rng)
+    with pytest.raises(CacheFullError):
+        tier.restore(1)
+    assert 1 in tier and tier.tokens == 20
+    cache.add_sequence(1)
+    with pytest.raises(SequenceExistsError):
+        tier.offload(1)                # its id is parked already
+    cache.remove_sequence(1)
+    cache.remove_sequence(2)
+    tier.restore(1)
+    assert cache.sequence_length(1) == 20
+    tier.offload(1)
+    tier.drop(1)
+    assert len(tier) == 0 and tier.tokens == 0 and cache.is_empty
