@@ -456,6 +456,9 @@ def main(argv=None, tamper=None) -> int:
     """``kvcache demo ARGS``: 0 when the run finished and the check passed, 1 when the check
     failed, 2 when the workload could not run."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--disaggregate" in argv:
+        from .disaggregate import main as disaggregate_main     # prefill and decode ranks
+        return disaggregate_main(argv)
     model = _model_arg(argv)
     if model is not None and model != "synthetic":
         from .real import main as real_main      # a real architecture (transformers)
