@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import math
 import sys
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from ..config import CacheConfig
 from ..errors import CacheFullError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from ..transfer import HostTier
 
-__all__ = ["Engine", "EngineStats", "ModelAdapter"]
+__all__ = ["Engine", "EngineStats", "ModelAdapter", "PendingPicks"]
 
 
 class ModelAdapter(abc.ABC):
@@ -132,6 +132,13 @@ class ModelAdapter(abc.ABC):
         logz = top[:, 0] + np.log(np.exp(rows - top).sum(axis=-1))
         return tokens.astype(np.int64), rows[np.arange(len(rows)), tokens] - logz
 
+    def greedy_async(self, logits) -> "PendingPicks":
+        """``greedy`` without waiting for the device: the picks stay where the logits are (the
+        next step's token ids, fed to ``forward`` as they are) while their copy to the host is
+        under way. Default: computed at once (``greedy``)."""
+        tokens, logprobs = self.greedy(logits)
+        return PendingPicks(tokens, lambda: (tokens, logprobs))
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -159,6 +166,8 @@ class EngineStats:
     """Forwards run through a captured whole-step graph (decode steps; captures included)."""
     graph_captures: int = 0
     """Whole-step graphs captured (one per batch bucket, again if the cache's buffers moved)."""
+    overlapped_forwards: int = 0
+    """Greedy decode steps launched before the host had the previous step's tokens."""
 
     @property
     def forward_tokens(self) -> int:
@@ -186,6 +195,22 @@ class _Seq:
     @property
     def pending(self) -> int:
         return len(self.tokens) - self.cached
+
+
+class PendingPicks:
+    """A greedy step's picks on their way to the host (``ModelAdapter.greedy_async``).
+
+    ``tokens``: the picked token ids ``(B,)`` as the adapter's ``forward`` takes them (on the
+    device for a torch model), valid as the next step's input before the host has them;
+    ``result()``: waits for the host copy and returns ``(tokens (B,) int64, logprobs (B,)
+    float64)`` as numpy arrays."""
+
+    def __init__(self, tokens, result: Callable[[], tuple]):
+        self.tokens = tokens
+        self._result = result
+
+    def result(self) -> tuple:
+        return self._result()
 
 
 class _Pick(NamedTuple):
@@ -230,6 +255,12 @@ class Engine:
     forwards it saves; off on a CPU cache, where the tier would only take more of the same RAM
     than ``max_total_tokens`` allows. ``stats.offloaded_tokens`` and
     ``stats.recompute_tokens_saved`` count what it did.
+
+    ``overlap`` (default True): in greedy generation, a run of pure decode steps over a fixed
+    set of sequences keeps the host one step ahead of the device: step N+1 is planned and
+    launched with step N's picked tokens where they are (on the device) before the host waits
+    for them, so the device does not idle while the host schedules, plans and launches
+    (``stats.overlapped_forwards``). The tokens are the same as with ``overlap=False``.
     """
 
     def __init__(self, adapter: ModelAdapter, backend: str = "auto", device: Optional[str] = None,
@@ -237,7 +268,10 @@ class Engine:
                  max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
                  prefill_chunk_size: Optional[int] = None, graphs: Optional[bool] = None,
                  graph_batch_sizes: Optional[Sequence[int]] = None,
-                 offload: Optional[bool] = None, offload_tokens: Optional[int] = None):
+                 offload: Optional[bool] = None, offload_tokens: Optional[int] = None,
+                 overlap: bool = True):
+        if not isinstance(overlap, bool):
+            raise InvalidArgumentError(f"overlap={overlap!r} must be True or False")
         if graphs is not None and not isinstance(graphs, bool):
             raise InvalidArgumentError(f"graphs={graphs!r} must be None, True or False")
         if offload is not None and not isinstance(offload, bool):
@@ -266,6 +300,8 @@ class Engine:
             HostTier(self.cache, config.max_total_tokens if offload_tokens is None else offload_tokens)
             if offload else None)
         """Where preempted sequences are parked (None: offload is off, they are recomputed)."""
+        self.overlap = overlap
+        """Greedy steady decode with the host one step ahead (``_decode_overlapped``)."""
         self.stats = EngineStats()
         self.progress: Optional[bool] = None           # None: a bar on a TTY only; True / False force it
         self._next_sid = 0
@@ -439,6 +475,13 @@ class Engine:
                 batch = self._schedule()
                 if batch is None:
                     break
+                if self.overlap and temperature == 0.0 and self._steady(batch):
+                    made = self._decode_overlapped(batch, samples, max_new, stops)
+                    if made is not None:
+                        produced += made
+                        bar.update(produced)
+                        continue
+                    # no room for the step: the ordinary path preempts to make some
                 ran = self._step(batch, greedy=temperature == 0.0)
                 if ran is None:
                     continue                            # preempted: plan again
@@ -448,6 +491,73 @@ class Engine:
         finally:
             bar.close()
         return samples
+
+    def _steady(self, batch) -> bool:
+        """Whether ``batch`` is a steady decode step: every sequence in it decodes one token,
+        and no other work waits that a later step could take in (the batch is full, or nothing
+        else is pending)."""
+        if any(not (s.live and s.kind == "sample" and s.pending == 1 and n == 1) for s, n in batch):
+            return False
+        if len(batch) == self.config.max_batch_size:
+            return True
+        inside = {id(s) for s, _ in batch}
+        return not any(not s.retired and s.pending > 0 and id(s) not in inside for s in self._seqs)
+
+    def _decode_overlapped(self, batch, samples, max_new: int, stops) -> Optional[int]:
+        """Greedy decode steps of a fixed set of sequences with the host one step ahead: step
+        N+1 is planned and launched, its token ids taken from step N's picks where they are (on
+        the device), before the host waits for step N's picks. Runs while every sequence goes
+        on (no sample reaches ``max_new_tokens`` with the step in flight, none hits a stop
+        token, the cache has room); returns the tokens produced, or None when the first step
+        does not fit in the cache (nothing ran). A sample that stopped on a
+        stop token had one more step queued: that step's pick is dropped for it (its sequence
+        was removed) and kept for the others, then the loop ends."""
+        seqs = [s for s, _ in batch]
+        smps = [samples[s.request][s.sample] for s in seqs]
+        host = np.asarray([s.tokens[-1] for s in seqs], np.int64)
+        inflight = self._launch(seqs, host)
+        if inflight is None:
+            return None
+        produced = 0
+        while True:
+            # launch the next step unless a sample ends with the one in flight (its length) or
+            # ended on a stop token in the one consumed last
+            go_on = (not any(m.done for m in smps)
+                     and all(len(m.tokens) + 1 < max_new for m in smps))
+            nxt = self._launch(seqs, inflight.tokens) if go_on else None
+            tokens, logprobs = inflight.result()
+            for k, seq in enumerate(seqs):     # a stopped sample takes no more tokens
+                produced += self._consume(seq, _Pick(int(tokens[k]), float(logprobs[k])),
+                                          samples, max_new, 1, 0.0, stops)
+            if nxt is None:
+                return produced
+            inflight = nxt
+
+    def _launch(self, seqs: list, tokens) -> Optional[PendingPicks]:
+        """Run one decode step of ``seqs`` (one token each: ``tokens``, host or device) and
+        start its greedy picks; None when the cache has no room for it (nothing changed)."""
+        cache, stats = self.cache, self.stats
+        ids = [s.sid for s in seqs]
+        positions = np.asarray([s.cached for s in seqs], np.int64)
+        rows = np.arange(len(seqs), dtype=np.int64)
+        try:
+            with cache.forward(ids, [1] * len(ids)):
+                if self.decode_graphs is not None and cache.static_bucket is not None:
+                    before = self.decode_graphs.captures
+                    logits = self.decode_graphs.run(tokens, positions, rows)
+                    stats.graph_forwards += 1
+                    stats.graph_captures += self.decode_graphs.captures - before
+                else:
+                    logits = self.adapter.forward(cache, tokens, positions, rows)
+        except CacheFullError:
+            return None
+        stats.forwards += 1
+        stats.decode_tokens += len(seqs)
+        stats.overlapped_forwards += 1
+        for seq in seqs:
+            seq.cached += 1
+            seq.computed = max(seq.computed, seq.cached)
+        return self.adapter.greedy_async(logits)
 
     def _attach(self, seq: _Seq, parent: Optional[_Seq]) -> None:
         """Make ``seq`` fork from ``parent`` (a prefix sequence, or the nearest one of its

@@ -289,7 +289,8 @@ class Engine(_Engine):
     ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``), ``max_batch_size``,
     ``prefill_chunk_size`` (None: ``min(2048, max_total_tokens)``): as in ``CacheConfig``.
     ``offload`` / ``offload_tokens``: the host tier preempted sequences are parked in (None: on
-    for the GPU), see ``kvcache.integrations.engine.Engine``. See
+    for the GPU); ``overlap`` (default True): greedy decode with the host one step ahead of the
+    device; both as in ``kvcache.integrations.engine.Engine``. See
     ``kvcache.integrations.engine.Engine.generate``.
     """
 
@@ -297,9 +298,9 @@ class Engine(_Engine):
                  dtype: Optional[str] = None, page_size: int = 16,
                  max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
                  prefill_chunk_size: Optional[int] = None, offload: Optional[bool] = None,
-                 offload_tokens: Optional[int] = None):
+                 offload_tokens: Optional[int] = None, overlap: bool = True):
         self.model = model
         super().__init__(MlxLmAdapter(model), backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                         offload=offload, offload_tokens=offload_tokens)
+                         offload=offload, offload_tokens=offload_tokens, overlap=overlap)

@@ -82,7 +82,8 @@ class StepGraphs:
         """Run the open forward's decode step through its bucket's graph (captured on first use).
 
         ``tokens``, ``positions`` (B,) int64: one token per sequence of the open forward (a
-        static-shape decode step); ``logit_rows`` (R,) int64, R <= B: the rows whose logits are
+        static-shape decode step); ``tokens`` may be a device tensor (the previous step's
+        picks, copied on the device in stream order); ``logit_rows`` (R,) int64, R <= B: the rows whose logits are
         wanted. Returns the logits ``(R, vocab)``: a view of the graph's static output, valid until
         the next ``run``."""
         cache = self.cache
@@ -121,12 +122,15 @@ class StepGraphs:
         if slot.pending:
             slot.copied.synchronize()           # the staging array's last copy has left it
         host, n, r = slot.host_np, len(tokens), len(logit_rows)
-        host[0, :n] = tokens
+        on_device = self.torch.is_tensor(tokens)
+        host[0, :n] = 0 if on_device else tokens
         host[1, :n] = positions
         host[2, :r] = logit_rows
         host[:2, n:] = 0                        # padded rows: token 0 at position 0
         host[2, r:] = 0
         slot.inputs.copy_(slot.host, non_blocking=self.on_gpu)
+        if on_device:       # the previous step's picks, not yet on the host: a device copy
+            slot.inputs[0, :n].copy_(tokens)
         if self.on_gpu:
             slot.copied.record()
             slot.pending = True

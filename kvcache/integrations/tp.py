@@ -41,6 +41,7 @@ from typing import Any, Optional
 from ..config import CacheConfig
 from ..distributed import tp as dtp
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
+from .engine import ModelAdapter
 from .transformers import TransformersAdapter, _head_dim, torch
 
 dist = torch.distributed
@@ -355,6 +356,11 @@ class TensorParallelAdapter(TransformersAdapter):
                            f"new tokens")
         self.step += 1
         return super().forward(cache, tokens, positions, logit_rows)
+
+    def greedy_async(self, logits):
+        # the plan digest covers each step's token ids, so they must be on the host when the
+        # step is planned: picks are read at once (no device-side hand-over between steps)
+        return ModelAdapter.greedy_async(self, logits)
 
     @contextlib.contextmanager
     def session(self, cache):

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import MissingExtraError, require
 from .engine import Engine as _Engine
-from .engine import ModelAdapter
+from .engine import ModelAdapter, PendingPicks
 from ..arrays import to_numpy
 from ..config import CacheConfig
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
@@ -362,6 +362,7 @@ class TransformersAdapter(ModelAdapter):
         self.windows = sliding_windows(config)
         self.device = next(model.parameters()).device
         self.rope = _check_rope(rope)
+        self._picks_ring: dict = {}      # batch size -> two pinned pick buffers and whose turn
         if rope == "cache":
             model_rotary(model)            # refuse a rotary the cache cannot reproduce, early
 
@@ -400,7 +401,8 @@ class TransformersAdapter(ModelAdapter):
 
     def forward(self, cache, tokens, positions, logit_rows):
         dev = self.device
-        ids = torch.from_numpy(tokens).to(dev).unsqueeze(0)
+        # ``tokens`` may be the previous step's picks, already on the device (overlapped decode)
+        ids = (tokens if torch.is_tensor(tokens) else torch.from_numpy(tokens)).to(dev).unsqueeze(0)
         pos = torch.from_numpy(positions).to(dev).unsqueeze(0)
         keep = torch.from_numpy(logit_rows).to(dev) if len(logit_rows) else 1
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
@@ -436,6 +438,38 @@ class TransformersAdapter(ModelAdapter):
         picked = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()
         return picked[0].astype(np.int64), picked[1]
 
+    def greedy_async(self, logits) -> PendingPicks:
+        rows = logits.detach().float()
+        tokens = rows.argmax(dim=-1)
+        logprobs = rows.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
+        picked = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        if picked.device.type == "cpu":
+            host = picked.numpy()
+            return PendingPicks(tokens, lambda: (host[0].astype(np.int64), host[1]))
+        # a pinned copy and an event: the host reads the picks when it needs them, the device
+        # goes on with the next step meanwhile
+        host_t = self._pinned_picks(picked.shape[1])
+        host_t.copy_(picked, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def result():
+            done.synchronize()
+            out = host_t.numpy().copy()
+            return out[0].astype(np.int64), out[1]
+        return PendingPicks(tokens, result)
+
+    def _pinned_picks(self, n: int):
+        """One of two pinned (2, n) float64 host buffers, in turn: the overlapped decode has at
+        most two steps' picks in flight, and reads a step's before the next-but-one is made."""
+        slot = self._picks_ring.get(n)
+        if slot is None:
+            slot = self._picks_ring[n] = [
+                [torch.empty((2, n), dtype=torch.float64, pin_memory=True) for _ in range(2)], 0]
+        bufs, k = slot
+        slot[1] = 1 - k
+        return bufs[k]
+
 
 def _tensor_parallel(model, tp, tp_group) -> bool:
     """Whether the Engine runs ``model`` on tensor-parallel ranks: asked for, or the model is
@@ -464,7 +498,8 @@ class Engine(_Engine):
     backend has ``rope_frequencies``). ``graphs`` (None: on for a GPU model on a backend
     declaring ``static_decode``; True / False force it) and ``graph_batch_sizes``: whole-step
     decode graphs, see ``kvcache.integrations.engine.Engine``. ``offload`` / ``offload_tokens``:
-    the host tier preempted sequences are parked in (None: on for a GPU cache), see
+    the host tier preempted sequences are parked in (None: on for a GPU cache); ``overlap``
+    (default True): greedy decode with the host one step ahead of the device; both as in
     ``kvcache.integrations.engine.Engine``. ``tp`` / ``tp_group``: tensor parallelism, one
     process per rank (``tp``: the number of ranks, None: 1 unless the model is already split;
     ``tp_group``: their torch.distributed group, None: the default group); the model is split
@@ -477,7 +512,8 @@ class Engine(_Engine):
                  max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None,
                  rope: str = "model", graphs: Optional[bool] = None,
                  graph_batch_sizes=None, offload: Optional[bool] = None,
-                 offload_tokens: Optional[int] = None, tp: Optional[int] = None, tp_group=None):
+                 offload_tokens: Optional[int] = None, overlap: bool = True,
+                 tp: Optional[int] = None, tp_group=None):
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
@@ -489,4 +525,4 @@ class Engine(_Engine):
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
-                         offload_tokens=offload_tokens)
+                         offload_tokens=offload_tokens, overlap=overlap)

@@ -171,8 +171,10 @@ def test_gpu_graphs_on_by_default_and_match_eager():
     on = Engine(model, **kw)
     assert on.graphs and on.decode_graphs is not None             # the default on a GPU
     got, lp_on = on.generate(prompts, max_new_tokens=24, return_logprobs=True)
-    off = Engine(model, graphs=False, **kw)
+    # the reference point: eager steps, each step's picks read before the next is launched
+    off = Engine(model, graphs=False, overlap=False, **kw)
     want, lp_off = off.generate(prompts, max_new_tokens=24, return_logprobs=True)
+    assert on.stats.overlapped_forwards > 0
     assert on.stats.graph_captures >= 2 and on.stats.graph_forwards > on.stats.graph_captures
     assert got == want
     np.testing.assert_allclose(np.array(lp_on, dtype=float), np.array(lp_off, dtype=float),

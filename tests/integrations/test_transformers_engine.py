@@ -111,6 +111,34 @@ def test_stop_tokens_end_a_sample(llama):
     assert engine.generate([prompt], max_new_tokens=20, stop_token_ids=[stop])[0][0] == cut
 
 
+@pytest.mark.parametrize("backend,graphs", [("reference", False), ("cuda", False), ("cuda", True)])
+def test_overlapped_decode_gives_the_same_tokens(llama, backend, graphs, monkeypatch):
+    # the host one step ahead (step N+1 launched from step N's picks before they reach the host)
+    # changes no token: against the same engine without overlap and transformers' generate,
+    # with stop tokens ending some samples mid-run (their queued step's pick is dropped)
+    backend, device = backend_or_skip(backend, monkeypatch, llama.config.head_dim)
+    prompts = make_prompts(seed=15)[:5]
+    want = [hf_greedy(llama, p, 16) for p in prompts]
+    stops = [want[0][4], want[3][9]]
+    kw = dict(backend=backend, device=device, max_batch_size=8, max_total_tokens=4096,
+              graphs=graphs)
+    on = Engine(llama, **kw)
+    off = Engine(llama, overlap=False, **kw)
+    got, lp_on = on.generate(prompts, max_new_tokens=16, stop_token_ids=stops, return_logprobs=True)
+    ref, lp_off = off.generate(prompts, max_new_tokens=16, stop_token_ids=stops, return_logprobs=True)
+    assert got == ref
+    for (g,), w in zip(got, want):             # each stops at its first stop token, if any
+        cut = next((i + 1 for i, t in enumerate(w) if t in stops), len(w))
+        assert g == w[:cut]
+    assert any(len(g) < 16 for (g,) in got)    # some sample did stop early
+    np.testing.assert_allclose(np.concatenate([x for (x,) in lp_on]),
+                               np.concatenate([x for (x,) in lp_off]), rtol=1e-5, atol=1e-5)
+    assert on.stats.overlapped_forwards > 0 and off.stats.overlapped_forwards == 0
+    assert on.cache.num_sequences == 0 and on.cache.num_available_pages == off.cache.num_available_pages
+    if graphs:
+        assert on.stats.graph_forwards > 0
+
+
 def test_bad_input_is_refused_before_anything_runs(llama):
     engine = Engine(llama, backend="reference", max_total_tokens=256)
     with pytest.raises(kvcache.InvalidArgumentError, match="prompt 1.*token 9999"):
