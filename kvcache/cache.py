@@ -347,7 +347,7 @@ class PagedKVCache:
         lie in ``[payload.start, payload.end]``): it shares the parent's first ``fork_pos``
         tokens (their pages, as ``fork_sequence``) and gets the payload's tokens from
         ``fork_pos`` on. The caller vouches that the parent's first ``fork_pos`` tokens are the
-        source's. ``convert_dtype``: accept a payload stored in another dtype (rounded to
+        source's; a payload with a sliding window shares only its sink tokens. ``convert_dtype``: accept a payload stored in another dtype (rounded to
         this cache's). A sliding window in the payload is enabled on the new sequence.
         Raises SequenceExistsError / SequenceNotFoundError for the ids, InvalidArgumentError
         for a payload this cache would store or read otherwise (layers, KV heads, head_dim,

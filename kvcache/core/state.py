@@ -484,6 +484,13 @@ class CacheState:
                 f"sequence {pid} has a sliding window; it can be forked only within its "
                 f"{sinks} sink tokens, not at {fork_pos} (import of sequence {sid})")
         if spec.window_size != -1:
+            if fork_pos > spec.sink_size:
+                # past its sinks a windowed sequence's kept tokens may have slid: its first
+                # fork_pos kept tokens need not be its parent's any more
+                raise InvalidArgumentError(
+                    f"sequence {sid} has a sliding window with {spec.sink_size} sink tokens; it "
+                    f"can share only sink tokens with parent {pid}, not {fork_pos} (import it "
+                    f"whole instead)")
             self._check_shared(sid, fork_pos - fork_pos % self.page_size, spec.sink_size)
 
     def reserve_import(self, specs) -> ImportReservation:

@@ -418,3 +418,43 @@ def test_export_sequences_gathers_many_tails_at_once(backend):
         a.export_sequences([wl.ids[0], wl.ids[0]])
     with pytest.raises(InvalidArgumentError, match="2 seq_ids but 1 starts"):
         a.export_sequences(wl.ids[:2], [0])
+
+
+def test_windowed_forks_share_only_sink_tokens():
+    """A windowed child shares its parent's sinks; past its own sinks its kept tokens may have
+    slid, so an import onto the parent there is refused (imported whole it is exact)."""
+    a = kvcache.PagedKVCache(config(4, sliding=True, rope_mode="none"), backend="reference")
+    b = kvcache.PagedKVCache(config(3, sliding=True, rope_mode="none"), backend="reference")
+    rng = np.random.default_rng(7)
+    a.add_sequence(1)
+    a.enable_sliding_window(1, 10, 6)
+    run_forward(a, [1], [20], rng)
+    a.fork_sequence(1, 2, 5)                  # its window keeps 4 sinks: token 4 slides out
+    run_forward(a, [2], [7], rng)
+    a.enable_sliding_window(2, 8, 4)
+    run_forward(a, [2], [6], rng)
+    a.fork_sequence(1, 3, 6)                  # 6 sinks: the shared tokens stay
+    a.enable_sliding_window(3, 9, 6)
+    run_forward(a, [3], [17], rng)
+    b.import_sequence(1, a.export_sequence(1))
+    before = snapshot(b)
+    with pytest.raises(InvalidArgumentError, match="sequence 2 has a sliding window with 4 sink "
+                                                   "tokens; it can share only sink tokens with parent 1, not 5"):
+        b.import_sequence(2, a.export_sequence(2, 5), parent_id=1)
+    with pytest.raises(InvalidArgumentError, match="sequence 1 has a sliding window; it can be "
+                                                   "forked only within its 6 sink tokens, not at 7"):
+        b.import_sequence(4, a.export_sequence(1, 7), parent_id=1)
+    assert snapshot(b) == before
+    b.import_sequence(2, a.export_sequence(2))
+    free = b.num_available_pages
+    b.import_sequence(3, a.export_sequence(3, 6), parent_id=1)
+    assert b.sequence_length(3) == 9 and free - b.num_available_pages == 1   # 6 shared, 3 own
+    for sid in (1, 2, 3):
+        assert_same_kv(a, sid, b, sid)
+        c = a.config
+        qkv = [tuple(rng.standard_normal(s).astype(np.float32)
+                     for s in ((1, c.num_qo_heads, 64), (1, 2, 64), (1, 2, 64))) for _ in range(2)]
+        run_forward(a, [sid], [1], rng, qkv=qkv)
+        run_forward(b, [sid], [1], rng, qkv=qkv)
+        assert_same_kv(a, sid, b, sid)           # the windows slide alike
+    b.state.pt.check_invariants()
