@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "--backend NAME: that backend's kernel benchmarks against the memory-bandwidth "
                     "floor (a GPU backend needs its GPU). --serving --model llama: serving "
                     "throughput of the kvcache Engine beside transformers' own serving paths and "
-                    "the decode-step roofline (--backend then names the Engine's backend).",
+                    "the decode-step roofline (--backend then names the Engine's backend). "
+                    "--transfer: one sequence's KV sent between two processes vs a plain "
+                    "torch.distributed send of the same bytes.",
         epilog="Options this parser does not know are passed to the backend's benchmarks "
                "(e.g. kvcache bench --backend cuda --iters 50 --only decode); "
                "`kvcache bench --backend NAME --help` lists them.")
@@ -219,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of a table")
     from .bench_serving import add_arguments
     add_arguments(p)
+    from .bench_transfer import add_arguments as add_transfer_arguments
+    add_transfer_arguments(p)
     return p
 
 
@@ -246,6 +250,18 @@ def main(argv: Optional[list] = None) -> int:
         wants_help = []
     args, rest = parser.parse_known_args(argv)
     rest += wants_help
+    if args.transfer:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.host or args.serving:
+            raise UsageError("--transfer is a separate bench; run it without --host / --serving")
+        for name in ("transfer_tokens", "transfer_layers", "transfer_repeat"):
+            if getattr(args, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer")
+        if args.backend is not None:
+            backend_for(args.backend, args.device)
+        from . import bench_transfer
+        return bench_transfer.main(args)
     if args.serving:
         # --backend here is the Engine's backend (a), not a kernel benchmark
         if rest:

@@ -1,0 +1,38 @@
+"""``kvcache bench --transfer`` on CPUs (gloo, two processes): it moves the whole sequence and
+prints both bandwidths and their ratio against the target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvcache.bench import main as bench_main  # noqa: E402
+from kvcache.bench_transfer import measure  # noqa: E402
+
+
+def test_measure_moves_the_whole_sequence():
+    r = measure("cpu", "reference", tokens=40, layers=3, repeat=2, kv_heads=2, head_dim=16)
+    assert r["received_shape"] == [3, 40, 2, 16]            # every layer, every token arrived
+    assert r["bytes"] == 40 * 3 * 2 * 2 * 16 * 4
+    assert r["kv_s"] > 0 and r["plain_s"] > 0
+    assert r["ratio"] == pytest.approx(r["plain_s"] / r["kv_s"])
+
+
+def test_cli_prints_the_ratio_and_json(capsys):
+    argv = ["--transfer", "--transfer-tokens", "32", "--transfer-layers", "2", "--transfer-repeat", "2"]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "send_sequence/recv_sequence" in out and "plain dist.send" in out
+    assert "(target >= 0.8)" in out
+    assert bench_main(argv + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["tokens"] == 32 and r["layers"] == 2 and r["received_shape"][1] == 32
+
+
+def test_bad_sizes_are_usage_errors():
+    from kvcache.cli import UsageError
+    with pytest.raises(UsageError, match="--transfer-tokens"):
+        bench_main(["--transfer", "--transfer-tokens", "0"])
