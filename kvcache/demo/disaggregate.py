@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .real import build_model, make_workload
+from .real import add_workload_options, build_model, make_workload
 from . import non_negative_int, positive_int
 
 __all__ = ["build_parser", "main", "run"]
@@ -41,14 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="cpu, or cuda (needs two GPUs: rank r on cuda:r; default: cuda if the host "
                         "has two, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="workload and weight seed (default 0)")
-    p.add_argument("--requests", type=positive_int, default=12, help="number of requests (default 12)")
+    add_workload_options(p, requests=12, max_output=16, long_prompt=300)
     p.add_argument("--group", type=positive_int, default=4,
                    help="requests per transfer (one send_sequence call; default 4)")
-    p.add_argument("--max-output", type=positive_int, default=16,
-                   help="new tokens per request (default 16)")
-    p.add_argument("--long-prompt", type=positive_int, default=300,
-                   help="tokens of a long prompt (default 300)")
     p.add_argument("--prefill-chunk-size", type=positive_int, default=128,
                    help="most tokens in one prefill forward (default 128)")
     p.add_argument("--timeout", type=non_negative_int, default=600,

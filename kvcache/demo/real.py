@@ -100,6 +100,18 @@ def make_workload(requests: int, seed: int, vocab: int, long_prompt: int) -> Wor
     return Workload(greedy, sampled, feats)
 
 
+def add_workload_options(p: argparse.ArgumentParser, *, requests: int, max_output: int,
+                         long_prompt: int) -> None:
+    """The workload options the real-model demos share (``make_workload``'s inputs)."""
+    p.add_argument("--seed", type=int, default=0, help="workload and weight seed (default 0)")
+    p.add_argument("--requests", type=positive_int, default=requests,
+                   help=f"number of requests (default {requests})")
+    p.add_argument("--max-output", type=positive_int, default=max_output,
+                   help=f"new tokens per request (default {max_output})")
+    p.add_argument("--long-prompt", type=positive_int, default=long_prompt,
+                   help=f"tokens of a long prompt (default {long_prompt})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcache demo --model FAMILY|PATH",
@@ -113,13 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "available, else cpu)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="model and cache dtype (default float32 on the CPU, bfloat16 on a GPU)")
-    p.add_argument("--seed", type=int, default=0, help="workload and weight seed (default 0)")
-    p.add_argument("--requests", type=positive_int, default=28, help="number of requests (default 28)")
+    add_workload_options(p, requests=28, max_output=24, long_prompt=700)
     p.add_argument("--samples", type=positive_int, default=3,
                    help="parallel samples per sampled request (default 3)")
-    p.add_argument("--max-output", type=positive_int, default=24, help="new tokens per sample (default 24)")
-    p.add_argument("--long-prompt", type=positive_int, default=700,
-                   help="tokens of a long prompt (default 700)")
     p.add_argument("--max-total-tokens", type=positive_int, default=2560,
                    help="cache capacity in tokens (default 2560, small: requests get preempted)")
     p.add_argument("--max-batch-size", type=positive_int, default=16,
