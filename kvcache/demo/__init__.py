@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic (default: the toy model below, every cache feature), or a real "
                         "architecture through the transformers Engine: llama, qwen2, mistral, "
                         "phi3, gemma (small random weights) or a checkpoint directory")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="prefill and decode in two processes, each request's KV sent from one "
+                        "cache to the other (`kvcache demo --disaggregate --help`)")
     p.add_argument("--shape", choices=sorted(MODELS), default=None,
                    help="synthetic model's layer/head shape (default: tiny on the reference "
                         "backend, small elsewhere)")
