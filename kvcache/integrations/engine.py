@@ -132,6 +132,23 @@ class ModelAdapter(abc.ABC):
         logz = top[:, 0] + np.log(np.exp(rows - top).sum(axis=-1))
         return tokens.astype(np.int64), rows[np.arange(len(rows)), tokens] - logz
 
+    def sample(self, logits, rows: np.ndarray, uniforms: np.ndarray,
+               temperature: float) -> tuple[np.ndarray, np.ndarray]:
+        """Draws from logits ``(B, vocab_size)`` at ``temperature`` > 0: draw ``d`` takes row
+        ``rows[d]`` (``(D,)`` int64; a row may be drawn from several times, one per parallel
+        sample) and the uniform number ``uniforms[d]`` in [0, 1) (``(D,)`` float64): its token is
+        the first whose cumulative tempered probability exceeds ``uniforms[d]`` (inverse-CDF
+        sampling). Returns the tokens ``(D,)`` int64 and their log-probabilities under the
+        untempered distribution ``(D,)`` float64. An adapter on an accelerator draws there and
+        moves ``2 * D`` numbers to the host."""
+        table = self.to_numpy(logits)[np.asarray(rows, np.int64)]
+        top = table.max(axis=-1, keepdims=True)
+        logz = top[:, 0] + np.log(np.exp(table - top).sum(axis=-1))
+        cdf = np.cumsum(np.exp((table - top) / temperature), axis=-1)
+        goal = np.asarray(uniforms, np.float64) * cdf[:, -1]
+        tokens = np.minimum((cdf <= goal[:, None]).sum(axis=-1), table.shape[1] - 1)
+        return tokens.astype(np.int64), table[np.arange(len(table)), tokens] - logz
+
     def greedy_async(self, logits) -> "PendingPicks":
         """``greedy`` without waiting for the device: the picks stay where the logits are (the
         next step's token ids, fed to ``forward`` as they are) while their copy to the host is
@@ -470,6 +487,13 @@ class Engine:
         total = len(prompts) * n * max_new
         produced = 0
         bar = _Progress(total, self.progress)
+        if temperature == 0.0:
+            def pick(wants, logits):
+                tokens, logprobs = self.adapter.greedy(logits)
+                return [_Pick(int(t), float(lp)) for t, lp in zip(tokens, logprobs)]
+        else:
+            def pick(wants, logits):
+                return self._sample(wants, logits, samples, temperature)
         try:
             while True:
                 batch = self._schedule()
@@ -482,11 +506,11 @@ class Engine:
                         bar.update(produced)
                         continue
                     # no room for the step: the ordinary path preempts to make some
-                ran = self._step(batch, greedy=temperature == 0.0)
+                ran = self._step(batch, pick)
                 if ran is None:
                     continue                            # preempted: plan again
                 for seq, row in ran:
-                    produced += self._consume(seq, row, samples, max_new, n, temperature, stops)
+                    produced += self._consume(seq, row, samples, max_new, n, stops)
                 bar.update(produced)
         finally:
             bar.close()
@@ -528,7 +552,7 @@ class Engine:
             tokens, logprobs = inflight.result()
             for k, seq in enumerate(seqs):     # a stopped sample takes no more tokens
                 produced += self._consume(seq, _Pick(int(tokens[k]), float(logprobs[k])),
-                                          samples, max_new, 1, 0.0, stops)
+                                          samples, max_new, 1, stops)
             if nxt is None:
                 return produced
             inflight = nxt
@@ -719,10 +743,10 @@ class Engine:
         # the victim re-forks from its prefix if that is still in use
         self._attach(victim, victim.origin)
 
-    def _step(self, batch, greedy: bool):
-        """Admit, run one forward; returns [(seq, logits row)] of the sequences that produced
-        logits (``greedy``: a ``_Pick`` per sequence instead of its row), or None when the
-        forward did not fit (a sequence was preempted)."""
+    def _step(self, batch, pick):
+        """Admit, run one forward; returns [(seq, its picks)] of the sequences that produced
+        logits (``pick(seqs, logits)``: one entry per sequence, see ``_consume``), or None when
+        the forward did not fit (a sequence was preempted)."""
         cache, stats = self.cache, self.stats
         try:
             for seq, _ in batch:
@@ -771,19 +795,44 @@ class Engine:
                 self._maybe_retire(seq)
         if not wants:
             return []
-        if greedy:
-            tokens, logprobs = self.adapter.greedy(logits)
-            return [(seq, _Pick(int(tokens[k]), float(logprobs[k]))) for k, seq in enumerate(wants)]
-        table = self.adapter.to_numpy(logits)
-        return [(seq, table[k]) for k, seq in enumerate(wants)]
+        return list(zip(wants, pick(wants, logits)))
 
-    def _consume(self, seq, row, samples, max_new, n, temperature, stops) -> int:
-        """Sample from a sequence's logits row; returns the number of tokens produced."""
+    def _sample(self, wants, logits, samples, temperature: float) -> list:
+        """One draw per live sample of each sequence in ``wants`` (row ``k`` of ``logits``: the
+        ``n`` samples of a prompt, or a sample's own), all in one ``adapter.sample`` call; each
+        sample's uniform number comes from its own seeded generator, in the order the samples
+        are consumed. Per sequence: a list of ``_Pick`` (None for a finished sample) for a
+        prompt, one ``_Pick`` for a sample."""
+        groups = [samples[s.request] if s.kind == "prompt" else [samples[s.request][s.sample]]
+                  for s in wants]
+        rows, uniforms = [], []
+        for k, group in enumerate(groups):
+            for smp in group:
+                if not smp.done:
+                    rows.append(k)
+                    uniforms.append(smp.rng.random())
+        tokens, logprobs = self.adapter.sample(logits, np.asarray(rows, np.int64),
+                                               np.asarray(uniforms, np.float64), temperature)
+        out, d = [], 0
+        for seq, group in zip(wants, groups):
+            picks: list = []
+            for smp in group:
+                if smp.done:
+                    picks.append(None)
+                else:
+                    picks.append(_Pick(int(tokens[d]), float(logprobs[d])))
+                    d += 1
+            out.append(picks if seq.kind == "prompt" else picks[0])
+        return out
+
+    def _consume(self, seq, pick, samples, max_new, n, stops) -> int:
+        """Take a sequence's picks (a ``_Pick``, the same for each of a prompt's samples, or a
+        list of them, one per sample); returns the number of tokens produced."""
         i = seq.request
         if seq.kind == "prompt":
             made = 0
             for j, smp in enumerate(samples[i]):
-                made += self._draw(smp, row, temperature, max_new, stops)
+                made += self._draw(smp, pick[j] if isinstance(pick, list) else pick, max_new, stops)
             if n == 1:                      # the prompt's sequence goes on as the sample
                 seq.kind, seq.sample = "sample", 0
                 seq.order = (i, 2, 0)
@@ -802,7 +851,7 @@ class Engine:
             self._maybe_retire(seq)
             return made
         smp = samples[i][seq.sample]
-        made = self._draw(smp, row, temperature, max_new, stops)
+        made = self._draw(smp, pick, max_new, stops)
         self._after(seq, smp)
         return made
 
@@ -815,28 +864,12 @@ class Engine:
             seq.tokens.append(smp.tokens[-1])
 
     @staticmethod
-    def _draw(smp: _Sample, row, temperature: float, max_new: int, stops) -> int:
-        if smp.done:
+    def _draw(smp: _Sample, pick: Optional[_Pick], max_new: int, stops) -> int:
+        if smp.done or pick is None:
             return 0
-        if isinstance(row, _Pick):                # greedy, picked by the adapter
-            smp.tokens.append(row.token)
-            smp.logprobs.append(row.logprob)
-            if len(smp.tokens) >= max_new or row.token in stops:
-                smp.done = True
-            return 1
-        top = float(row.max())
-        logz = top + math.log(float(np.exp(row - top).sum()))
-        if temperature == 0.0:
-            token = int(np.argmax(row))
-        else:
-            scaled = (row - top) / temperature
-            p = np.exp(scaled - scaled.max())
-            cdf = np.cumsum(p)
-            token = int(np.searchsorted(cdf, smp.rng.random() * cdf[-1], side="right"))
-            token = min(token, row.shape[0] - 1)
-        smp.tokens.append(token)
-        smp.logprobs.append(float(row[token]) - logz)
-        if len(smp.tokens) >= max_new or token in stops:
+        smp.tokens.append(pick.token)
+        smp.logprobs.append(pick.logprob)
+        if len(smp.tokens) >= max_new or pick.token in stops:
             smp.done = True
         return 1
 

@@ -438,6 +438,19 @@ class TransformersAdapter(ModelAdapter):
         picked = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()
         return picked[0].astype(np.int64), picked[1]
 
+    def sample(self, logits, rows, uniforms, temperature):
+        # on the model's device, in float64 like the host default: one (2, D) copy back
+        dev = logits.device
+        table = logits.detach().double()[torch.from_numpy(np.asarray(rows, np.int64)).to(dev)]
+        top = table.max(dim=-1, keepdim=True).values
+        logz = top[:, 0] + torch.log(torch.exp(table - top).sum(dim=-1))
+        cdf = torch.cumsum(torch.exp((table - top) / temperature), dim=-1)
+        goal = torch.from_numpy(np.asarray(uniforms, np.float64)).to(dev) * cdf[:, -1]
+        tokens = (cdf <= goal[:, None]).sum(dim=-1).clamp(max=table.shape[1] - 1)
+        logprobs = table.gather(-1, tokens[:, None])[:, 0] - logz
+        picked = torch.stack([tokens.double(), logprobs]).cpu().numpy()
+        return picked[0].astype(np.int64), picked[1]
+
     def greedy_async(self, logits) -> PendingPicks:
         rows = logits.detach().float()
         tokens = rows.argmax(dim=-1)

@@ -89,6 +89,58 @@ def test_greedy_steps_pick_on_the_device_not_from_host_rows(llama, backend, monk
         np.testing.assert_allclose(lp, logits[np.arange(10), got] - logz, rtol=1e-4, atol=1e-4)
 
 
+def _inverse_cdf_draws(table, rows, uniforms, temperature):
+    # the sampling rule written out row by row: tempered softmax, first token whose cumulative
+    # probability passes u; log-probability under the untempered softmax
+    tokens, logprobs = [], []
+    for r, u in zip(rows, uniforms):
+        x = table[r].astype(np.float64)
+        p = np.exp((x - x.max()) / temperature)
+        cdf = np.cumsum(p)
+        t = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(x) - 1)
+        tokens.append(t)
+        logprobs.append(x[t] - (x.max() + np.log(np.exp(x - x.max()).sum())))
+    return np.array(tokens), np.array(logprobs)
+
+
+def test_sampling_draws_follow_the_inverse_cdf_rule_on_host_and_device(llama):
+    from kvcache.integrations.engine import ModelAdapter
+    rng = np.random.default_rng(3)
+    table = (rng.standard_normal((5, 300)) * 3).astype(np.float32)
+    rows = np.array([0, 0, 2, 4, 4, 4, 1])
+    uniforms = rng.random(len(rows))
+    uniforms[0] = 0.0                                   # the edges of [0, 1)
+    uniforms[1] = np.nextafter(1.0, 0.0)
+    adapter = Engine(llama, backend="reference").adapter
+    for temperature in (0.3, 1.0, 2.5):
+        want_t, want_lp = _inverse_cdf_draws(table, rows, uniforms, temperature)
+        host = ModelAdapter.sample(adapter, torch.from_numpy(table), rows, uniforms, temperature)
+        dev = adapter.sample(torch.from_numpy(table), rows, uniforms, temperature)
+        for tokens, logprobs in (host, dev):
+            np.testing.assert_array_equal(tokens, want_t)
+            np.testing.assert_allclose(logprobs, want_lp, rtol=1e-12, atol=1e-12)
+
+
+def test_sampled_steps_move_draws_not_rows(llama):
+    # temperature > 0: one adapter.sample call per step draws for every sample (a prompt's n
+    # samples from one row); the (B, vocab) rows never reach the host
+    prompt = make_prompts(seed=16)[2]
+    engine = Engine(llama, backend="reference", max_total_tokens=4096)
+
+    def no_rows(logits):
+        raise AssertionError("a sampled step copied its logit rows to the host")
+
+    engine.adapter.to_numpy = no_rows
+    out, logprobs = engine.generate([prompt], max_new_tokens=8, n=3, temperature=0.7, seed=2,
+                                    return_logprobs=True)
+    assert len({tuple(x) for x in out[0]}) > 1
+    for s, lp in zip(out[0], logprobs[0]):
+        logits = hf_logits(llama, prompt + s)[len(prompt) - 1:-1]
+        top = logits.max(-1, keepdims=True)
+        logz = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[:, 0]
+        np.testing.assert_allclose(lp, logits[np.arange(8), s] - logz, rtol=1e-4, atol=1e-4)
+
+
 def test_preemption_recomputes_and_keeps_the_tokens(llama):
     prompts = make_prompts(seed=13)[:6]
     new = 40
