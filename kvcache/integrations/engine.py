@@ -231,7 +231,7 @@ class PendingPicks:
 
 
 class _Pick(NamedTuple):
-    """A greedy step's result for one sequence: the token and its log-probability."""
+    """One sample's pick at one step: the token and its log-probability."""
 
     token: int
     logprob: float
