@@ -14,10 +14,7 @@ transformers = pytest.importorskip("transformers")
 import kvcache  # noqa: E402
 from kvcache.backend import Capabilities  # noqa: E402
 
-VOCAB = 512
-NEW_TOKENS = 64
-# (lengths 5..300; prompt 7 shares the first 120 tokens of prompt 1: a shared prefix)
-LENGTHS = [5, 300, 37, 128, 64, 211, 9]
+from engine_cases import LENGTHS, NEW_TOKENS, VOCAB, make_prompts  # noqa: E402,F401
 
 COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=1024,
               initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=0,
@@ -50,13 +47,6 @@ def make_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
     return model
-
-
-def make_prompts(seed: int = 1) -> list:
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(1, VOCAB, n).tolist() for n in LENGTHS]
-    prompts.append(prompts[1][:120] + rng.integers(1, VOCAB, 30).tolist())
-    return prompts
 
 
 def hf_greedy(model, prompt, new_tokens=NEW_TOKENS) -> list:

@@ -14,10 +14,7 @@ pytest.importorskip("mlx_lm")
 import kvcache  # noqa: E402
 from kvcache.backend import Capabilities  # noqa: E402
 
-VOCAB = 512
-NEW_TOKENS = 64
-# (lengths 5..300; prompt 7 shares the first 120 tokens of prompt 1: a shared prefix)
-LENGTHS = [5, 300, 37, 128, 64, 211, 9]
+from engine_cases import LENGTHS, NEW_TOKENS, VOCAB, make_prompts  # noqa: E402,F401
 
 COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, rms_norm_eps=1e-5)
 FAMILY_CONFIGS = {
@@ -52,13 +49,6 @@ def make_model(family: str, seed: int = 0, **overrides):
     model = module.Model(args)
     mx.eval(model.parameters())
     return model
-
-
-def make_prompts(seed: int = 1) -> list:
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(1, VOCAB, n).tolist() for n in LENGTHS]
-    prompts.append(prompts[1][:120] + rng.integers(1, VOCAB, 30).tolist())
-    return prompts
 
 
 def mlx_greedy(model, prompt, new_tokens=NEW_TOKENS) -> list:

@@ -10,6 +10,7 @@ import pytest
 
 from mlx_lm_cases import (FAMILIES, NEW_TOKENS, family_case, make_model, make_prompts,
                           metal_cpu_or_skip, mlx_greedy)
+from engine_cases import first_step_logits
 
 from kvcache.errors import UnsupportedFeatureError  # noqa: E402
 from kvcache.integrations.mlx_lm import Engine, cache_config, sliding_windows  # noqa: E402
@@ -34,34 +35,10 @@ def test_greedy_tokens_match_mlx_lm(family):
     assert engine.stats.forks >= 2 and engine.stats.shared_prefix_tokens >= 2 * 120
     assert engine.stats.prefill_tokens == sum(map(len, prompts)) - 120
     assert engine.cache.is_empty
-    got = _first_step_logits(model, prompts)
+    got = first_step_logits(engine, prompts)
     for i, (g, w) in enumerate(zip(got, first)):
         scale = np.abs(w).max()
         assert np.abs(g - w).max() <= 1e-4 * scale, f"{family}: prompt {i} logits"
-
-
-def _first_step_logits(model, prompts):
-    """Each prompt's first-step logits through the engine (one prompt per generate, the
-    logits row seen by wrapping the adapter's forward)."""
-    eng = Engine(model, backend="metal", device="cpu", max_total_tokens=8192,
-                 prefill_chunk_size=128)
-    rows = []
-    forward = eng.adapter.forward
-
-    def spy(cache, tokens, positions, want):
-        out = forward(cache, tokens, positions, want)
-        if len(want):
-            rows.append(eng.adapter.to_numpy(out))
-        return out
-
-    eng.adapter.forward = spy
-    result = []
-    for p in prompts:
-        rows.clear()
-        eng.generate([p], max_new_tokens=1)
-        assert len(rows) == 1 and rows[0].shape[0] == 1
-        result.append(rows[0][0])
-    return result
 
 
 def test_sliding_window_layers_as_mlx_lm_defines_them():

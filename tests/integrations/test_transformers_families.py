@@ -9,6 +9,7 @@ import pytest
 
 from conftest import (BACKENDS, FAMILIES, FAMILY_CONFIGS, NEW_TOKENS, backend_or_skip,
                       family_case, hf_greedy, make_model, make_prompts, window_left_reason)
+from engine_cases import first_step_logits
 
 import kvcache  # noqa: E402
 from kvcache.integrations.transformers import Engine, cache_config  # noqa: E402
@@ -35,33 +36,10 @@ def test_greedy_tokens_match_transformers(family, backend, monkeypatch):
     assert engine.stats.forks >= 2 and engine.stats.shared_prefix_tokens >= 2 * 120
     assert engine.stats.prefill_tokens == sum(map(len, prompts)) - 120
     assert engine.cache.is_empty
-    got = _first_step_logits(engine, model, prompts, name, device)
+    got = first_step_logits(engine, prompts)
     for i, (g, w) in enumerate(zip(got, first)):
         scale = np.abs(w).max()
         assert np.abs(g - w).max() <= 1e-4 * scale, f"{family} on {name}: prompt {i} logits"
-
-
-def _first_step_logits(engine, model, prompts, name, device):
-    """Each prompt's first-step logits through the engine (one prompt per generate, the
-    logits row seen by wrapping the adapter's forward)."""
-    eng = Engine(model, backend=name, device=device, max_total_tokens=8192, prefill_chunk_size=128)
-    rows = []
-    forward = eng.adapter.forward
-
-    def spy(cache, tokens, positions, want):
-        out = forward(cache, tokens, positions, want)
-        if len(want):
-            rows.append(eng.adapter.to_numpy(out))
-        return out
-
-    eng.adapter.forward = spy
-    result = []
-    for p in prompts:               # one prompt per call: the row is that prompt's
-        rows.clear()
-        eng.generate([p], max_new_tokens=1)
-        assert len(rows) == 1 and rows[0].shape[0] == 1
-        result.append(rows[0][0])
-    return result
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
