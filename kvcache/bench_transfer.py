@@ -67,8 +67,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
                     (opts["tokens"], cfg.num_kv_heads, cfg.head_dim)).astype(np.float32))
                 cache.attention(layer, x, x, x)
         sync()
-    nbytes = (opts["tokens"] * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-              * (4 if cfg.kv_dtype == "float32" else 2))
+    nbytes = opts["tokens"] * cfg.token_kv_bytes
     plain = torch.empty(nbytes, dtype=torch.uint8, device=device)
     kv_times, plain_times = [], []
     for r in range(opts["repeat"] + 1):

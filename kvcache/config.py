@@ -10,6 +10,12 @@ from .errors import InvalidArgumentError
 
 DTYPES = ("float16", "bfloat16", "float32")
 ROPE_MODES = ("none", "normal", "inline")
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a cache dtype name (``DTYPES``): 4 for float32, 2 otherwise."""
+    return 4 if dtype == "float32" else 2
+
 _UNSET = type("RopeModeUnset", (), {"__repr__": lambda self: "'normal' (unset)"})()
 
 
@@ -152,6 +158,11 @@ class CacheConfig:
         return self.dtype
 
     @property
+    def token_kv_bytes(self) -> int:
+        """Bytes one token's K and V take over every layer, in the storage format."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize(self.kv_dtype)
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_qo_heads // self.num_kv_heads
@@ -169,9 +180,7 @@ class CacheConfig:
     def kv_bytes(self) -> int:
         """Bytes of the page arrays: ``num_pages`` pages of (2, num_kv_heads, page_size,
         head_dim) per layer, in the cache dtype."""
-        itemsize = 4 if self.dtype == "float32" else 2
-        return (self.num_layers * self.num_pages * 2 * self.num_kv_heads * self.page_size
-                * self.head_dim * itemsize)
+        return self.num_pages * self.page_size * self.token_kv_bytes
 
     @property
     def effective_rope_mode(self) -> str:

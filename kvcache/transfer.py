@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .arrays import to_host
+from .config import itemsize
 from .errors import InvalidArgumentError, UnsupportedFeatureError
 
 FORMAT_VERSION = 1
@@ -89,8 +90,7 @@ class SequencePayload:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V together."""
-        itemsize = 4 if self.kv_dtype == "float32" else 2
-        return 2 * math.prod(self.shape) * itemsize
+        return 2 * math.prod(self.shape) * itemsize(self.kv_dtype)
 
     # ------------------------------------------------------------------ forms
     def header(self) -> dict:

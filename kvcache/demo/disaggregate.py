@@ -112,9 +112,7 @@ def _prefill_rank(opts: dict, prompts: list) -> dict:
             for sid in gone:
                 cache.remove_sequence(sid)
     return dict(prefill_s=time.perf_counter() - t0, prompt_tokens=sent_tokens, forwards=forwards,
-                kv_bytes=sent_tokens * 2 * cache.config.num_layers * cache.config.num_kv_heads
-                * cache.config.head_dim * np.dtype(np.float32 if cache.config.kv_dtype == "float32"
-                                                    else np.float16).itemsize)
+                kv_bytes=sent_tokens * cache.config.token_kv_bytes)
 
 
 def _decode_rank(opts: dict, prompts: list) -> dict:

@@ -204,7 +204,7 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     total = sum(h.num_tokens for h in headers)
     shape = [c.num_layers, total, c.num_kv_heads, c.head_dim]
     body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "shape": shape,
-                       "nbytes": int(np.prod(shape)) * (4 if c.kv_dtype == "float32" else 2),
+                       "nbytes": total * c.token_kv_bytes // 2,
                        "payloads": [h.header() for h in headers]}).encode()
     tensors = [torch.tensor([MAGIC, len(body)], dtype=torch.int64).to(transport),
                torch.frombuffer(bytearray(body), dtype=torch.uint8).to(transport)]
