@@ -48,6 +48,12 @@ from ..transfer import HostTier
 __all__ = ["Engine", "EngineStats", "ModelAdapter", "PendingPicks"]
 
 
+def _log_sum_exp(table: np.ndarray) -> np.ndarray:
+    """log(sum(exp(row))) of each row of ``table`` (B, V), shifted by the row's maximum."""
+    top = table.max(axis=-1, keepdims=True)
+    return top[:, 0] + np.log(np.exp(table - top).sum(axis=-1))
+
+
 class ModelAdapter(abc.ABC):
     """What the engine needs from a model library (one instance wraps one model)."""
 
@@ -128,9 +134,7 @@ class ModelAdapter(abc.ABC):
         a step moves ``2 * B`` numbers to the host instead of ``B * vocab_size``."""
         rows = self.to_numpy(logits)
         tokens = rows.argmax(axis=-1)
-        top = rows.max(axis=-1, keepdims=True)
-        logz = top[:, 0] + np.log(np.exp(rows - top).sum(axis=-1))
-        return tokens.astype(np.int64), rows[np.arange(len(rows)), tokens] - logz
+        return tokens.astype(np.int64), rows[np.arange(len(rows)), tokens] - _log_sum_exp(rows)
 
     def sample(self, logits, rows: np.ndarray, uniforms: np.ndarray,
                temperature: float) -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +147,7 @@ class ModelAdapter(abc.ABC):
         moves ``2 * D`` numbers to the host."""
         table = self.to_numpy(logits)[np.asarray(rows, np.int64)]
         top = table.max(axis=-1, keepdims=True)
-        logz = top[:, 0] + np.log(np.exp(table - top).sum(axis=-1))
+        logz = _log_sum_exp(table)
         cdf = np.cumsum(np.exp((table - top) / temperature), axis=-1)
         goal = np.asarray(uniforms, np.float64) * cdf[:, -1]
         tokens = np.minimum((cdf <= goal[:, None]).sum(axis=-1), table.shape[1] - 1)

@@ -430,12 +430,17 @@ class TransformersAdapter(ModelAdapter):
     def to_numpy(self, logits) -> np.ndarray:
         return logits.detach().to("cpu", torch.float64).numpy()
 
-    def greedy(self, logits) -> tuple[np.ndarray, np.ndarray]:
-        # on the model's device: one (2, B) copy to the host instead of the (B, vocab) logits
+    @staticmethod
+    def _greedy_picks(logits):
+        """On the logits' device: the argmax tokens ``(B,)`` and a ``(2, B)`` float64 tensor of
+        them and their log-probabilities (the one copy a step sends to the host)."""
         rows = logits.detach().float()
         tokens = rows.argmax(dim=-1)
         logprobs = rows.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
-        picked = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()
+        return tokens, torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+
+    def greedy(self, logits) -> tuple[np.ndarray, np.ndarray]:
+        picked = self._greedy_picks(logits)[1].cpu().numpy()
         return picked[0].astype(np.int64), picked[1]
 
     def sample(self, logits, rows, uniforms, temperature):
@@ -452,10 +457,7 @@ class TransformersAdapter(ModelAdapter):
         return picked[0].astype(np.int64), picked[1]
 
     def greedy_async(self, logits) -> PendingPicks:
-        rows = logits.detach().float()
-        tokens = rows.argmax(dim=-1)
-        logprobs = rows.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
-        picked = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        tokens, picked = self._greedy_picks(logits)
         if picked.device.type == "cpu":
             host = picked.numpy()
             return PendingPicks(tokens, lambda: (host[0].astype(np.int64), host[1]))
