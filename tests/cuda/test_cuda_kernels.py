@@ -185,6 +185,92 @@ def test_paged_decode(impl, dtype, ps, hq, hkv, splits):
                tuning={"force_splits": splits, "split_min_keys": 16})
 
 
+@pytest.mark.parametrize("hq,hkv", GQA_ATTN)
+def test_split_decode_queued_and_counters_left_zero(impl, hq, hkv):
+    """The fused split-K merge (the last split of a (row, KV head) merges, counted in a shared
+    int32 buffer): five launches queued on one stream with different queries, read only at the
+    end, each equal to the reference, and the counters all zero again (a counter left behind
+    would make the next launch merge too early or never)."""
+    cfg = cc.config(hq=hq, hkv=hkv, d=64, dtype="float32")
+    ref, mine = cc.pair(cfg, impl)
+    mine.tuning = mine.tuning.with_(force_splits=4, split_min_keys=16)
+    rng = _rng("split-queued", impl, hq)
+    case = cc.paged_case(rng, ref, mine, DECODE, use_decode=True, row_offset=1, tail_rows=2)
+    qs = [cc.rand(mine, rng, tuple(case.q.shape)) for _ in range(5)]
+    outs = [mine.paged_attention(q, case.pages, case.depth, 0.13) for q in qs]
+    for q, (o, lse) in zip(qs, outs):
+        ro, rl = ref.paged_attention(cc.to_ref(ref, mine, q), case.ref_pages, case.ref_depth, 0.13)
+        cc.assert_close(mine, ref, o, ro)
+        cc.assert_lse(mine, ref, lse, rl)
+    counters = list(mine.launch_cache.counters.values())
+    if impl == "triton":
+        assert counters, "a split decode on Triton used no merge counters"
+    for buf in counters:
+        assert int((buf != 0).sum()) == 0
+
+
+def test_compiled_handle_launch_passes_every_parameter_in_order(monkeypatch):
+    """``_Kernel``: after the first launch (through ``JITFunction.run``) the compiled kernel's
+    launcher gets the grid, the stream, the bound head and *every* parameter of the kernel in
+    signature order, constexprs included; a different ``spec`` goes through ``JITFunction.run``
+    again. Checked against the kernel's own signature, for each launcher that uses it."""
+    import inspect
+    tk = pytest.importorskip("kvcache_cuda.triton_kernels")
+    monkeypatch.setattr(tk, "_raw_stream", lambda: "STREAM")
+    for jit in (tk._paged_decode_kernel, tk._paged_prefill_kernel, tk._rope_append_kernel,
+                tk._ragged_kernel, tk._finite_v_kernel, tk._ragged_nonfinite_kernel,
+                tk._merge2_kernel):
+        sig = inspect.signature(getattr(jit, "fn", jit))
+        names = list(sig.parameters)
+        consts = tk.constexpr_names(jit)
+        assert consts and consts == names[len(names) - len(consts):]    # constexprs come last
+        kw = {n: f"const:{n}" for n in consts}
+        kw["num_warps"] = 4
+        runtime = [f"arg:{n}" for n in names[:len(names) - len(consts)]]
+        calls, launched = [], []
+
+        class Compiled:                     # what JITFunction.run returns after a launch
+            function, packed_metadata = "FUNC", "META"
+
+            class run:
+                global_scratch_size = profile_scratch_size = 0
+                launch_cooperative_grid, launch_pdl = False, False
+
+                @staticmethod
+                def launch(*a):
+                    launched.append(a)
+
+        class Jit:
+            def __getitem__(self, grid):
+                def go(*a, **k):
+                    calls.append((grid, a, k))
+                    return Compiled
+                return go
+
+        kern = tk._Kernel(jit, kw)
+        kern.jit = Jit()
+        kern((2, 3, 4), "spec-a", *runtime)
+        assert len(calls) == 1 and calls[0][1] == tuple(runtime) and calls[0][2] == kw
+        kern((5, 6, 7), "spec-a", *runtime)
+        assert len(calls) == 1 and len(launched) == 1
+        a = launched[0]
+        assert a[:4] == (5, 6, 7, "STREAM")
+        assert a[4:13] == ("FUNC", False, False, None, None, "META", None, None, None)
+        bound = sig.bind(*a[13:])
+        for n in names:
+            want = kw[n] if n in consts else f"arg:{n}"
+            assert bound.arguments[n] == want, n
+        kern((5, 6, 7), "spec-b", *runtime)                 # new specialisation: the slow path
+        assert len(calls) == 2 and len(launched) == 1
+        kern((5, 6, 7), "spec-b", *runtime)
+        assert len(calls) == 2 and len(launched) == 2
+        monkeypatch.setattr(tk, "_no_launch_hooks", lambda: False)   # a profiler's hook
+        kern((5, 6, 7), "spec-b", *runtime)
+        assert len(calls) == 3 and len(launched) == 2
+        monkeypatch.undo()
+        monkeypatch.setattr(tk, "_raw_stream", lambda: "STREAM")
+
+
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 @pytest.mark.parametrize("variant", ["sliding", "tree", "rope"])
 def test_paged_decode_variants(impl, dtype, variant):

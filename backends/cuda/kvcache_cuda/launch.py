@@ -12,7 +12,9 @@ Safety (docs/architecture.md, "Streams, buffers and the run-ahead rule"):
   record lives; each forward uploads new plan objects, so a new forward builds new records;
 * only internal scratch is cached (split-K partials, the ragged path's finite-V copy and flags):
   they are written and read by kernels of one layer on the caller's stream, so the next layer (or
-  a later forward) reusing them is ordered after those reads by the stream itself; outputs handed
+  a later forward) reusing them is ordered after those reads by the stream itself; the split-K
+  decode's merge counters (``counters``, one zeroed int32 buffer per stream) are left at zero by
+  every launch that uses them, for the same reason; outputs handed
   to the caller are allocated per call;
 * scratch is carved from one byte arena per stream (``arenas``) that only grows: every user of a
   scratch buffer (split-K decode then merge, finite-V copy then the two ragged passes) is queued
@@ -48,6 +50,7 @@ class LaunchCache:
         self.builds = 0
         self.static: dict = {}       # config/tuning-only values (per launcher kind)
         self.arenas: dict = {}       # (device, stream) -> flat uint8 scratch tensor
+        self.counters: dict = {}     # (device, stream) -> int32 zeros of the fused split-K merge
 
     def get(self, key):
         """The record stored under ``key`` (a tuple whose first item is ``id(plan_object)``), or None."""

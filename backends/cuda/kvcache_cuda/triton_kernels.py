@@ -18,11 +18,13 @@ Layout conventions shared by the attention kernels
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from . import torch_kernels
 from .tuning import num_splits
@@ -545,10 +547,11 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, pind_ptr,
+def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem_ptr,
+                         qo_ptr, pindptr_ptr, pind_ptr,
                          kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                          n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row,
-                         so_t, so_s, so_h, sl_t, sl_s,
+                         so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
                          sm_scale_log2, log2_theta, rope_scale, freq_ptr, window_left,
                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -557,7 +560,9 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
     """One query per entry; grid (rows T, Hkv, splits). Row t belongs to entry t - qo[0] (every
     decode entry holds exactly one row), so rows no entry covers get o = 0 / lse = -inf here too.
     With NUM_SPLITS > 1 each program covers one contiguous key chunk and writes an fp32 partial
-    (o, lse) that ``_merge_splits_kernel`` combines."""
+    (o, lse) to the scratch ``o_ptr``/``lse_ptr``; the last program of a (row, KV head) to finish
+    (a counter in ``sem_ptr``, one int32 per (row, KV head), found zero and left zero) merges
+    the partials by lse into the outputs ``fo_ptr``/``flse_ptr``: one launch, no merge pass."""
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -604,36 +609,51 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, 
             krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
             HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
     o, lse = _finish(acc, m_i, l_i)
+    od_ok = row_ok[:, None] & dd_ok[None, :]
     tl.store(o_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dd_ok[None, :])
+             o.to(o_ptr.dtype.element_ty), mask=od_ok)
     tl.store(lse_ptr + t64 * sl_t + s * sl_s + head, lse, mask=row_ok)
+    if NUM_SPLITS > 1:
+        # every thread's partial is stored before one thread's release-acquire increment; the
+        # program that brings the count to NUM_SPLITS sees every other program's partial
+        tl.debug_barrier()
+        sem = sem_ptr + t64 * tl.num_programs(1) + kvh
+        done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            _merge_partials(o_ptr, lse_ptr, fo_ptr, flse_ptr, t64, head, row_ok, dd, od_ok,
+                            so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
+                            BLOCK_R, BLOCK_D, NUM_SPLITS)
+            tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")     # zero again for the next launch
 
 
 @triton.jit
-def _merge_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, n_rows, HQ,
-                         spo_t, spo_s, spo_h, spl_t, spl_s, so_t, so_h, sl_t,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    """Combine the split-K partials of one (row, head) by lse."""
-    pid = tl.program_id(0)
-    t = (pid // HQ).to(tl.int64)
-    h = pid % HQ
-    sidx = tl.arange(0, BLOCK_S)
-    s_ok = sidx < NUM_SPLITS
-    lse_s = tl.load(plse_ptr + t * spl_t + sidx * spl_s + h, mask=s_ok, other=float("-inf"))
-    peak = tl.max(lse_s, 0)
+def _merge_partials(po_ptr, pl_ptr, o_ptr, lse_ptr, t64, head, row_ok, dd, od_ok,
+                    so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Combine the NUM_SPLITS fp32 partials of one row's GROUP heads by lse. Partials are read
+    through L2 (``.cg``): other programs wrote them, so no L1 line of this SM may serve them."""
+    peak = tl.zeros([BLOCK_R], tl.float32) - float("inf")
+    for s in range(NUM_SPLITS):
+        ls = tl.load(pl_ptr + t64 * sl_t + s * sl_s + head, mask=row_ok, other=float("-inf"),
+                     cache_modifier=".cg")
+        peak = tl.maximum(peak, ls)
     peak_use = tl.where(peak == float("-inf"), 0.0, peak)
-    w = tl.exp(lse_s - peak_use)
-    total = tl.sum(w, 0)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    po = tl.load(po_ptr + t * spo_t + sidx[:, None] * spo_s + h * spo_h + d[None, :],
-                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):
+        ls = tl.load(pl_ptr + t64 * sl_t + s * sl_s + head, mask=row_ok, other=float("-inf"),
+                     cache_modifier=".cg")
+        w = tl.exp(ls - peak_use)
+        po = tl.load(po_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
+                     mask=od_ok, other=0.0, cache_modifier=".cg")
+        acc += po * w[:, None]
+        total += w
     ok = total != 0                  # a NaN partial lse (a NaN K seen) stays NaN
-    o = tl.sum(po * w[:, None], 0) / tl.where(ok, total, 1.0)
+    o = acc / tl.where(ok, total, 1.0)[:, None]
     lse = tl.where(ok, peak_use + tl.log(tl.where(ok, total, 1.0)), float("-inf"))
-    tl.store(o_ptr + t * so_t + h * so_h + d, o.to(o_ptr.dtype.element_ty), mask=d_ok)
-    tl.store(lse_ptr + t * sl_t + h, lse)
+    tl.store(o_ptr + t64 * sfo_t + head[:, None] * sfo_h + dd[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=od_ok)
+    tl.store(lse_ptr + t64 * sfl_t + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -709,7 +729,8 @@ class _Cfg:
     """Launch values that depend only on the config and the tuning (one per ``LaunchCache``)."""
 
     __slots__ = ("half", "block_half", "block_d", "ieee", "rope_hb", "ew_warps", "dec_tiles",
-                 "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows", "kw")
+                 "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows", "kw",
+                 "merge")
 
     def __init__(self, ctx):
         d = ctx.head_dim
@@ -723,7 +744,8 @@ class _Cfg:
         self.pre_block_r = max(self.pre_tiles.block_rows, _p2(ctx.group))
         self.pre_m_tok = self.pre_block_r // ctx.group
         self.merge_rows = ctx.tuning.merge_rows
-        self.kw = {}          # constexpr dicts of the rope/append launcher, by flag tuple
+        self.kw = {}          # the rope/append launcher's _Kernel, by flag tuple
+        self.merge = None     # the merge launcher's _Kernel
 
 
 def _cfg(ctx) -> _Cfg:
@@ -794,6 +816,96 @@ def _scratch(ctx, device, specs):
             for (off, n), (shape, dtype) in zip(sizes, specs)]
 
 
+def _counters(ctx, device, n):
+    """``n`` int32 zeros for the fused split-K merge (one per (row, KV head)), from the current
+    stream's grow-only counter buffer: every decode launch leaves the counters it used at zero,
+    and launches on one stream run in order, so the buffer is zeroed once, when it is made.
+    While a graph is captured: fresh zeros in the graph's pool (a replay zeroes them again)."""
+    if _capturing_on(device):
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    launch = ctx.launch
+    key = _stream_key(device)
+    buf = launch.counters.get(key)
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False):
+            buf = launch.counters[key] = torch.zeros(max(n, 2 * (0 if buf is None else buf.numel())),
+                                                     dtype=torch.int32, device=device)
+        launch.allocations += 1
+    return buf[:n]
+
+
+class _Kernel:
+    """One kernel's launches through its compiled handle, for a launch record.
+
+    ``JITFunction.run`` binds the arguments, specialises every one of them (types, the value 1,
+    16-divisibility of ints and pointers) and looks the compiled kernel up on every call: about
+    two thirds of a launch's host time. The constexprs and launch options (``kw``) are fixed per
+    record, so the first launch goes through ``JITFunction.run`` and keeps the compiled kernel;
+    later launches hand the arguments straight to its launcher, as long as ``spec`` (the caller's
+    tuple of everything per call that the specialisation could see differently: strides, dtypes,
+    pointer alignment, small ints) is the one of that first launch. Anything else, a launch hook
+    (profilers) or the interpreter (which compiles nothing), takes ``JITFunction.run``."""
+
+    __slots__ = ("jit", "kw", "tail", "spec", "launch", "head")
+
+    def __init__(self, jit, kw):
+        self.jit, self.kw = jit, kw
+        # the launcher takes every parameter positionally, constexprs included (it skips them);
+        # ours all come last, after the runtime arguments the caller passes
+        self.tail = tuple(kw[n] for n in constexpr_names(jit))
+        self.spec = self.launch = self.head = None
+
+    def __call__(self, grid, spec, *args):
+        launch = self.launch
+        if launch is not None and spec == self.spec and _no_launch_hooks():
+            launch(grid[0], grid[1], grid[2], _raw_stream(), *self.head, *args, *self.tail)
+            return
+        compiled = self.jit[grid](*args, **self.kw)
+        self.spec = spec
+        self.launch, self.head = _bind_launcher(compiled)
+
+
+def _bind_launcher(compiled):
+    """(callable, leading arguments) that launch ``compiled`` given the grid, the stream and the
+    kernel's arguments; (None, None) for anything that is not a compiled kernel (the
+    interpreter, a compile-only run)."""
+    if getattr(compiled, "function", None) is None:          # never loaded, so never launched
+        return None, None
+    run = compiled.run
+    launch = getattr(run, "launch", None)
+    if (launch is not None and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0):
+        # the C launcher itself: what ``run.__call__`` passes when no scratch is needed
+        return launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                        compiled.packed_metadata, None, None, None)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+def _no_launch_hooks() -> bool:
+    """No launch hook is installed (profilers install one; ``JITFunction.run`` calls it)."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is None or not getattr(hook, "calls", (hook,))
+
+
+def constexpr_names(jit) -> list:
+    """The constexpr parameters of a ``@triton.jit`` function (compiled or interpreted), in order."""
+    params = getattr(jit, "params", None)
+    if params is not None:
+        return [p.name for p in params if p.is_constexpr]
+    sig = inspect.signature(getattr(jit, "fn", jit))
+    return [n for n, p in sig.parameters.items() if "constexpr" in str(p.annotation)]
+
+
+try:        # what Triton's own launch path asks torch for
+    from torch._C import _cuda_getCurrentRawStream, _cuda_getDevice
+
+    def _raw_stream():
+        return _cuda_getCurrentRawStream(_cuda_getDevice())
+except ImportError:          # a torch without CUDA: the interpreter never takes the fast path
+    def _raw_stream():
+        return torch.cuda.current_stream().cuda_stream
+
+
 def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, positions=None,
                         rope_spec=None, want_k=False):
     cfg = _cfg(ctx)
@@ -812,12 +924,12 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
         return q_out, k_out
     log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope_spec, dummy)
     flags = (has_q, store, rope_spec is not None, has_freq, want_k)
-    kw = cfg.kw.get(flags)
-    if kw is None:
-        kw = cfg.kw[flags] = dict(
+    run = cfg.kw.get(flags)
+    if run is None:
+        run = cfg.kw[flags] = _Kernel(_rope_append_kernel, dict(
             HEAD_DIM=ctx.head_dim, HALF=cfg.half, BLOCK_HALF=cfg.block_half, HB=cfg.rope_hb,
             PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=flags[2], FREQ=has_freq,
-            K_OUT=want_k, num_warps=cfg.ew_warps)
+            K_OUT=want_k, num_warps=cfg.ew_warps))
     qq, qo = (q, q_out) if has_q else (dummy, dummy)
     sq = sqo = (0, 0)
     if has_q:
@@ -830,11 +942,17 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
         sk = sv = sp = (0, 0, 0, 0)
         hkv = 0
     ko, sko = (k_out, k_out.stride()) if want_k else (dummy, (0, 0))
-    _rope_append_kernel[(t_total,)](
-        qq, kk, vv, qo, ko, pg, sl, positions if flags[2] else dummy,
+    pos = positions if flags[2] else dummy
+    hq = q.shape[1] if has_q else 0
+    # what Triton's specialisation sees per call beyond the config (``_Kernel``); the outputs
+    # are fresh, contiguous and aligned, their strides follow from hq and hkv
+    spec = (sq, sk, sv, sp, hq, hkv, qq.dtype, kk.dtype, vv.dtype, qq.data_ptr() & 15,
+            kk.data_ptr() & 15, vv.data_ptr() & 15, pg.data_ptr() & 15, sl.data_ptr() & 15,
+            pos.data_ptr() & 15, sl.dtype, pos.dtype)
+    run((t_total, 1, 1), spec, qq, kk, vv, qo, ko, pg, sl, pos,
         sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sqo[0], sqo[1], sko[0], sko[1],
-        sp[0], sp[1], sp[2], sp[3], q.shape[1] if has_q else 0, hkv, log2_theta, scale,
-        dummy if freq is None else freq, **kw)
+        sp[0], sp[1], sp[2], sp[3], hq, hkv, log2_theta, scale,
+        dummy if freq is None else freq)
     return q_out, k_out
 
 
@@ -869,7 +987,7 @@ class _Record:
     """One launch record (attributes set by the builder; see launch.py)."""
 
     __slots__ = ("grid", "kw", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl",
-                 "po", "pl", "splits", "mgrid", "margs", "mkw", "fgrid", "fkw", "nkw",
+                 "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
                  "v_out", "bad", "any_bad")
 
 
@@ -893,15 +1011,17 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
                   BLOCK_D=cfg.block_d, TREE=tree is not None, ROPE=rope is not None,
                   FREQ=has_freq, IEEE=cfg.ieee, num_warps=tiles.num_warps,
                   num_stages=tiles.num_stages)
-    rec.nkw = dict(GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r,
-                   BLOCK_N=tiles.block_n, HEAD_DIM=d, BLOCK_D=cfg.block_d, TREE=tree is not None,
-                   num_warps=cfg.ew_warps)
+    rec.run = _Kernel(_ragged_kernel, rec.kw)
+    rec.nrun = _Kernel(_ragged_nonfinite_kernel, dict(
+        GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
+        HEAD_DIM=d, BLOCK_D=cfg.block_d, TREE=tree is not None, num_warps=cfg.ew_warps))
     rec.v_out = rec.bad = rec.any_bad = None
     if max_len > 1:
         hkv = v.shape[1]
         block_t = max(1, 4096 // cfg.block_d)
-        rec.fgrid = (triton.cdiv(t_total, block_t), hkv)
-        rec.fkw = dict(HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=cfg.block_d, num_warps=cfg.ew_warps)
+        rec.fgrid = (triton.cdiv(t_total, block_t), hkv, 1)
+        rec.frun = _Kernel(_finite_v_kernel, dict(HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=cfg.block_d,
+                                                  num_warps=cfg.ew_warps))
         rec.v_out, rec.bad, rec.any_bad = _scratch(ctx, v.device, _finite_v_specs(v))
     return _keep(launch, key, (qo_indptr, tree, rope), rec, v)
 
@@ -934,7 +1054,12 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     krope = k_rope_offset if rope is not None else qo_indptr
     tind, tmask = rec.post
     v_in = v
-    sq, sk, so = q.stride(), k.stride(), o.stride()
+    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
+    window_left = int(window_left)
+    # what Triton's specialisation sees per call beyond the record (``_Kernel``); outputs and
+    # scratch are fresh or the record's, contiguous and aligned
+    spec = (sq, sk, sv, q.dtype, k.dtype, v.dtype, window_left, q.data_ptr() & 15,
+            k.data_ptr() & 15, v.data_ptr() & 15, qpos.data_ptr() & 15, krope.data_ptr() & 15)
     if max_len > 1:
         # a row's causal / tree mask hides later keys of its own forward, and a masked key's
         # p = 0 times a NaN / inf V is NaN: the kernel runs on V with those zeroed, and a second
@@ -942,18 +1067,16 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         v_in, bad, any_bad = (_finite_v_scratch(v) if _capturing(v)
                               else (rec.v_out, rec.bad, rec.any_bad))
         any_bad.zero_()
-        sv, svi = v.stride(), v_in.stride()
-        _finite_v_kernel[rec.fgrid](
-            v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1], v.shape[1], **rec.fkw)
+        svi = v_in.stride()
+        rec.frun(rec.fgrid, spec, v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1],
+                 v.shape[1])
     svi = v_in.stride()
-    _ragged_kernel[rec.grid](
-        q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
-        sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0], so[1], lse.stride(0),
-        sm_scale * LOG2E, *rec.rope, int(window_left), **rec.kw)
+    rec.run(rec.grid, spec, q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
+            sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0], so[1], lse.stride(0),
+            sm_scale * LOG2E, *rec.rope, window_left)
     if max_len > 1:
-        _ragged_nonfinite_kernel[rec.grid](
-            v, bad, any_bad, o, qo_indptr, tind, tmask, sv[0], sv[1], so[0], so[1],
-            ctx.num_kv_heads, int(window_left), **rec.nkw)
+        rec.nrun(rec.grid, spec, v, bad, any_bad, o, qo_indptr, tind, tmask, sv[0], sv[1], so[0],
+                 so[1], ctx.num_kv_heads, window_left)
     return o, lse
 
 
@@ -978,7 +1101,7 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
     flags = dict(HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
                  PAGE_SIZE=ctx.page_size, TREE=depth.tree is not None, ROPE=rope is not None,
                  FREQ=has_freq, IEEE=cfg.ieee)
-    rec.po = rec.pl = None
+    rec.po = rec.pl = rec.sem = None
     rec.splits = 1
     if depth.use_decode:
         tiles = cfg.dec_tiles
@@ -988,28 +1111,27 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         rec.kw = dict(GROUP=ctx.group, BLOCK_R=cfg.dec_block_r, BLOCK_N=tiles.block_n,
                       NUM_SPLITS=splits, **flags, num_warps=tiles.num_warps,
                       num_stages=tiles.num_stages)
+        # outputs are contiguous (T, Hq, D) / (T, Hq)
+        rec.sf = (hq * d, d, hq)
         if splits > 1 and t_total:
             po, pl = rec.po, rec.pl = _scratch(ctx, q.device, (
                 ((t_total, splits, hq, d), torch.float32), ((t_total, splits, hq), torch.float32)))
+            rec.sem = _counters(ctx, q.device, t_total * ctx.num_kv_heads)
             rec.so = (po.stride(0), po.stride(1), po.stride(2))
             rec.sl = (pl.stride(0), pl.stride(1))
-            # outputs are contiguous (T, Hq, D) / (T, Hq)
-            rec.mgrid = (t_total * hq,)
-            rec.margs = (t_total, hq, po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-                         pl.stride(1), hq * d, d, hq)
-            rec.mkw = dict(NUM_SPLITS=splits, BLOCK_S=_p2(splits), HEAD_DIM=d,
-                           BLOCK_D=cfg.block_d, num_warps=cfg.ew_warps)
         else:
             rec.so = (hq * d, 0, d)
             rec.sl = (hq, 0)
+        rec.run = _Kernel(_paged_decode_kernel, rec.kw)
     else:
         tiles = cfg.pre_tiles
-        rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads)
+        rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, 1)
         rec.so = (hq * d, d)
         rec.sl = (hq,)
         rec.kw = dict(GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r,
                       BLOCK_N=tiles.block_n, BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps,
                       num_stages=tiles.num_stages)
+        rec.run = _Kernel(_paged_prefill_kernel, rec.kw)
     return _keep(launch, key, (depth, rope), rec, q)
 
 
@@ -1025,33 +1147,32 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     rec = _paged_record(ctx, q, depth, rope, use_qpos)
     qpos = q_positions if use_qpos else depth.qo_indptr
     t_total = q.shape[0]
+    # what Triton's specialisation sees per call beyond the record (``_Kernel``)
+    sq, sp = q.stride(), pages.stride()
+    spec = (sq, sp, q.dtype, int(window_left), q.data_ptr() & 15, pages.data_ptr() & 15,
+            qpos.data_ptr() & 15)
     if depth.use_decode:
         o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
         lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
         if t_total == 0:
             return o, lse
-        sq, sp = q.stride(), pages.stride()
         if rec.splits > 1:
-            dst, dstl = rec.po, rec.pl
+            dst, dstl, sem = rec.po, rec.pl, rec.sem
             if _capturing(q):
-                dst, dstl = torch.empty_like(dst), torch.empty_like(dstl)
+                dst, dstl, sem = torch.empty_like(dst), torch.empty_like(dstl), torch.zeros_like(sem)
         else:
-            dst, dstl = o, lse
-        _paged_decode_kernel[rec.grid](
-            q, pages, dst, dstl, *rec.pre, qpos, *rec.post, sq[0], sq[1], sp[0], sp[1], sp[2],
-            sp[3], *rec.so, *rec.sl, sm_scale * LOG2E, *rec.rope, int(window_left), **rec.kw)
-        if rec.splits > 1:
-            _merge_splits_kernel[rec.mgrid](dst, dstl, o, lse, *rec.margs, **rec.mkw)
+            dst, dstl, sem = o, lse, lse
+        rec.run(rec.grid, spec, q, pages, dst, dstl, o, lse, sem, *rec.pre, qpos, *rec.post,
+                sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *rec.sf,
+                sm_scale * LOG2E, *rec.rope, int(window_left))
         return o, lse
     # prefill: rows no entry covers must read o = 0 / lse = -inf
     o = torch.zeros(rec.o_shape, dtype=ctx.dtype, device=q.device)
     lse = torch.full(rec.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     if t_total == 0 or depth.num_entries == 0:
         return o, lse
-    sq, sp = q.stride(), pages.stride()
-    _paged_prefill_kernel[rec.grid](
-        q, pages, o, lse, *rec.pre, qpos, *rec.post, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3],
-        *rec.so, *rec.sl, sm_scale * LOG2E, *rec.rope, int(window_left), **rec.kw)
+    rec.run(rec.grid, spec, q, pages, o, lse, *rec.pre, qpos, *rec.post, sq[0], sq[1], sp[0],
+            sp[1], sp[2], sp[3], *rec.so, *rec.sl, sm_scale * LOG2E, *rec.rope, int(window_left))
     return o, lse
 
 
@@ -1066,9 +1187,14 @@ def merge_attention(ctx, o_a, lse_a, o_b, lse_b):
     # output would be fine on a GPU but not under the interpreter, which copies each argument
     o = torch.empty(o_a.shape, dtype=ctx.dtype, device=o_a.device)
     lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
-    _merge2_kernel[(triton.cdiv(n_rows, cfg.merge_rows),)](
-        o_a, lse_a, o_b, lse_b, o, lse, n_rows, HEAD_DIM=ctx.head_dim,
-        BLOCK_D=cfg.block_d, ROWS=cfg.merge_rows, num_warps=cfg.ew_warps)
+    run = cfg.merge
+    if run is None:
+        run = cfg.merge = _Kernel(_merge2_kernel, dict(HEAD_DIM=ctx.head_dim, BLOCK_D=cfg.block_d,
+                                                       ROWS=cfg.merge_rows, num_warps=cfg.ew_warps))
+    # n_rows varies per call: only its specialisation (the value 1, 16-divisibility) is keyed
+    spec = (o_a.dtype, o_b.dtype, n_rows == 1, n_rows % 16 == 0, o_a.data_ptr() & 15,
+            lse_a.data_ptr() & 15, o_b.data_ptr() & 15, lse_b.data_ptr() & 15)
+    run((triton.cdiv(n_rows, cfg.merge_rows), 1, 1), spec, o_a, lse_a, o_b, lse_b, o, lse, n_rows)
     return o, lse
 
 
