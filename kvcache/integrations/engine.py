@@ -256,7 +256,9 @@ class Engine:
     model's device). ``dtype``: cache dtype (None: the model's). ``page_size``,
     ``max_batch_size`` (sequences in one forward), ``max_total_tokens`` (token capacity; None:
     ``512 * max_batch_size``), ``prefill_chunk_size`` (tokens in one forward; None:
-    ``min(2048, max_total_tokens)``). The cache is ``self.cache``; counters are ``self.stats``.
+    ``min(8192, max_total_tokens)``: a forward that admits prompts ends with the host reading
+    its picks before the next is planned, so fewer, larger prefill steps keep the device busier;
+    measured in docs/performance.md). The cache is ``self.cache``; counters are ``self.stats``.
 
     ``graphs``: whole-step decode graphs. A pure decode step (one token per sequence already in
     the cache) runs the model and the cache through a graph captured once per batch bucket and
@@ -300,7 +302,7 @@ class Engine:
         if max_total_tokens is None:
             max_total_tokens = 512 * int(max_batch_size)
         if prefill_chunk_size is None:
-            prefill_chunk_size = min(2048, int(max_total_tokens))
+            prefill_chunk_size = min(8192, int(max_total_tokens))
         self.adapter = adapter
         config = adapter.cache_config(dtype=dtype, page_size=page_size,
                                       max_total_tokens=max_total_tokens,

@@ -287,7 +287,7 @@ class Engine(_Engine):
     ``backend``: a backend name or ``"auto"`` (``"metal"`` for MLX); ``device``: ``"gpu"`` or
     ``"cpu"`` (None: MLX's default device); ``dtype``: the cache dtype (None: the model's);
     ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``), ``max_batch_size``,
-    ``prefill_chunk_size`` (None: ``min(2048, max_total_tokens)``): as in ``CacheConfig``.
+    ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in ``CacheConfig``.
     ``offload`` / ``offload_tokens``: the host tier preempted sequences are parked in (None: on
     for the GPU); ``overlap`` (default True): greedy decode with the host one step ahead of the
     device; both as in ``kvcache.integrations.engine.Engine``. See

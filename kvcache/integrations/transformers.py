@@ -505,7 +505,7 @@ class Engine(_Engine):
     ``model``: a ``*ForCausalLM`` of a family in ``FAMILIES``. ``backend``: a backend name or
     ``"auto"``; ``device``: the cache's device (None: the model's); ``dtype``: the cache dtype
     (None: the model's); ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``),
-    ``max_batch_size``, ``prefill_chunk_size`` (None: ``min(2048, max_total_tokens)``): as in
+    ``max_batch_size``, ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in
     ``CacheConfig``. ``rope``: who rotates q and k, ``"model"`` (default: the model's own
     rotary embedding, cache ``rope_mode="none"``) or ``"cache"`` (the cache's fused RoPE append
     with the model's inverse frequencies, ``rope_mode="normal"``; raises

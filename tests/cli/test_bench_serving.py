@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvcache.bench_serving import union_length  # noqa: E402
+from kvcache.bench_serving import tail_busy, union_length  # noqa: E402
 from kvcache.cli import main  # noqa: E402
 
 TINY = ["bench", "--serving", "--model", "llama", "--tiny", "--device", "cpu", "--layers", "1",
@@ -71,3 +71,11 @@ def test_serving_on_a_missing_gpu_says_so_before_any_work(capsys):
         pytest.skip("this machine has a CUDA GPU")
     assert main(["bench", "--serving", "--device", "cuda"]) == 2
     assert "sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_tail_busy_is_the_covered_share_of_the_last_window():
+    spans = [(0, 10), (10, 12), (14, 15), (18, 20)]      # the last 10: 12..14 and 15..18 idle
+    assert tail_busy(spans, 10) == pytest.approx(0.5)
+    assert tail_busy(spans, 2) == pytest.approx(1.0)
+    assert tail_busy(spans + [(11, 19)], 10) == pytest.approx(1.0)    # overlaps count once
+    assert tail_busy([], 5) is None and tail_busy(spans, 0) is None
