@@ -22,7 +22,8 @@ Scheduling, per step (one forward):
   (``kvcache.HostTier``) and restored when it is scheduled again, re-sharing its prefix when
   that is still in the cache: nothing is recomputed unless the tier is full.
 
-Sampling is on the host in float64: greedy (``temperature == 0``) is the first argmax; otherwise
+Sampling is in float64, where the logits are (``ModelAdapter.greedy`` / ``sample``): greedy
+(``temperature == 0``) is the first argmax; otherwise
 each sample draws from ``softmax(logits / temperature)`` with its own generator seeded by
 ``(seed, prompt index, sample index)``, so the result does not depend on batching or preemption.
 The log-probability reported for a token is ``log_softmax(logits)`` at that token (the model's
@@ -153,6 +154,17 @@ class ModelAdapter(abc.ABC):
         tokens = np.minimum((cdf <= goal[:, None]).sum(axis=-1), table.shape[1] - 1)
         return tokens.astype(np.int64), table[np.arange(len(table)), tokens] - logz
 
+    def step_tokens(self, tokens: np.ndarray, picks: "PendingPicks", dst: np.ndarray,
+                    src: np.ndarray):
+        """The input token ids of a forward planned before the previous step's picks reached
+        the host: ``tokens`` (T,) int64, where the entries at ``dst`` ((K,) int64) stand for
+        the picks at rows ``src`` ((K,) int64) of ``picks`` (that step's ``greedy_async``).
+        Returns them as ``forward`` takes them. An adapter on an accelerator gathers the picks
+        there; this default waits for them on the host."""
+        out = np.array(tokens, np.int64)
+        out[dst] = picks.result()[0][src]
+        return out
+
     def greedy_async(self, logits) -> "PendingPicks":
         """``greedy`` without waiting for the device: the picks stay where the logits are (the
         next step's token ids, fed to ``forward`` as they are) while their copy to the host is
@@ -188,7 +200,8 @@ class EngineStats:
     graph_captures: int = 0
     """Whole-step graphs captured (one per batch bucket, again if the cache's buffers moved)."""
     overlapped_forwards: int = 0
-    """Greedy decode steps launched before the host had the previous step's tokens."""
+    """Greedy steps launched before the host had the previous step's picks (decode runs, and
+    pipelined steps with prompt chunks)."""
 
     @property
     def forward_tokens(self) -> int:
@@ -247,6 +260,19 @@ class _Sample:
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     done: bool = False
+    planned: int = 0                   # picks launched for it (pipelined steps: some in flight)
+
+
+_SLOT = -1
+"""A token id in ``_Seq.tokens`` that stands for a pick still on its way (pipelined steps)."""
+
+
+class _Inflight(NamedTuple):
+    """A pipelined step whose picks the host has not read yet."""
+
+    wants: list            # the sequences taking its picks: row k is wants[k]
+    picks: PendingPicks
+    slots: dict            # id(seq) -> (index of its _SLOT token, row): the sequences that go on
 
 
 class Engine:
@@ -279,11 +305,15 @@ class Engine:
     than ``max_total_tokens`` allows. ``stats.offloaded_tokens`` and
     ``stats.recompute_tokens_saved`` count what it did.
 
-    ``overlap`` (default True): in greedy generation, a run of pure decode steps over a fixed
-    set of sequences keeps the host one step ahead of the device: step N+1 is planned and
-    launched with step N's picked tokens where they are (on the device) before the host waits
-    for them, so the device does not idle while the host schedules, plans and launches
-    (``stats.overlapped_forwards``). The tokens are the same as with ``overlap=False``.
+    ``overlap`` (default True): in greedy generation the host stays one step ahead of the
+    device: step N+1 is planned and launched with step N's picked tokens where they are (on the
+    device) before the host waits for them, so the device does not idle while the host
+    schedules, plans and launches (``stats.overlapped_forwards``). Runs of pure decode steps over
+    a fixed set of sequences do it step after step; steps with prompt chunks (one sample per
+    prompt) are pipelined: the sequences that will take step N's picks get a placeholder token
+    that the next step reads from the picks on the device (``ModelAdapter.step_tokens``), and
+    a sample that step N stops on a stop token drops the step already launched for it. The
+    tokens are the same as with ``overlap=False``.
     """
 
     def __init__(self, adapter: ModelAdapter, backend: str = "auto", device: Optional[str] = None,
@@ -500,11 +530,21 @@ class Engine:
         else:
             def pick(wants, logits):
                 return self._sample(wants, logits, samples, temperature)
+        # greedy steps with prompt chunks are pipelined: step N+1 is planned and launched
+        # before the host reads step N's picks (see _expect / _settle)
+        pipelined = self.overlap and temperature == 0.0 and n == 1
+        inflight: Optional[_Inflight] = None
         try:
             while True:
                 batch = self._schedule()
-                if batch is None:
-                    break
+                if batch is None or (inflight is not None and self._steady(batch)):
+                    if inflight is None:
+                        break
+                    # the last picks, or a decode run about to start from host tokens
+                    produced += self._settle(inflight, samples, max_new, stops)
+                    inflight = None
+                    bar.update(produced)
+                    continue
                 if self.overlap and temperature == 0.0 and self._steady(batch):
                     made = self._decode_overlapped(batch, samples, max_new, stops)
                     if made is not None:
@@ -512,6 +552,18 @@ class Engine:
                         bar.update(produced)
                         continue
                     # no room for the step: the ordinary path preempts to make some
+                if pipelined:
+                    launched = self._step(batch, None, inflight)
+                    if launched is None:
+                        continue                        # preempted: plan again
+                    if inflight is not None:
+                        self.stats.overlapped_forwards += 1
+                    after = self._expect(*launched, samples, max_new)
+                    if inflight is not None:
+                        produced += self._settle(inflight, samples, max_new, stops)
+                    inflight = after
+                    bar.update(produced)
+                    continue
                 ran = self._step(batch, pick)
                 if ran is None:
                     continue                            # preempted: plan again
@@ -749,10 +801,13 @@ class Engine:
         # the victim re-forks from its prefix if that is still in use
         self._attach(victim, victim.origin)
 
-    def _step(self, batch, pick):
+    def _step(self, batch, pick, inflight: Optional[_Inflight] = None):
         """Admit, run one forward; returns [(seq, its picks)] of the sequences that produced
         logits (``pick(seqs, logits)``: one entry per sequence, see ``_consume``), or None when
-        the forward did not fit (a sequence was preempted)."""
+        the forward did not fit (a sequence was preempted). ``pick`` None (pipelined): returns
+        ``(seqs, their PendingPicks or None)`` without waiting for them; tokens that stand for
+        the picks of ``inflight`` (the step before, still on their way) are taken from them
+        where they are (``ModelAdapter.step_tokens``)."""
         cache, stats = self.cache, self.stats
         try:
             for seq, _ in batch:
@@ -763,21 +818,35 @@ class Engine:
             return None
         ids, lens, toks, rows, wants = [], [], [], [], []
         pos: list[int] = []
+        dst: list[int] = []
+        src: list[int] = []
         offset = 0
         for seq, chunk in batch:
             chunk = min(chunk, seq.pending)
             ids.append(seq.sid)
             lens.append(chunk)
-            toks.extend(seq.tokens[seq.cached:seq.cached + chunk])
-            pos.extend(range(seq.cached, seq.cached + chunk))
+            start = seq.cached
+            toks.extend(seq.tokens[start:start + chunk])
+            pos.extend(range(start, start + chunk))
+            slot = None if inflight is None else inflight.slots.get(id(seq))
+            if slot is not None and start <= slot[0] < start + chunk:
+                dst.append(offset + slot[0] - start)
+                src.append(slot[1])
             offset += chunk
             if seq.cached + chunk == len(seq.tokens) and seq.kind != "prefix":
                 rows.append(offset - 1)
                 wants.append(seq)
+        tokens = np.asarray(toks, np.int64)
+        assert len(dst) == int(np.count_nonzero(tokens == _SLOT)), \
+            "a pick still on its way has no source in the step before"
         try:
             with cache.forward(ids, lens):
-                args = (np.asarray(toks, np.int64), np.asarray(pos, np.int64),
-                        np.asarray(rows, np.int64))
+                if dst:
+                    assert inflight is not None
+                    tokens = self.adapter.step_tokens(tokens, inflight.picks,
+                                                      np.asarray(dst, np.int64),
+                                                      np.asarray(src, np.int64))
+                args = (tokens, np.asarray(pos, np.int64), np.asarray(rows, np.int64))
                 if self.decode_graphs is not None and cache.static_bucket is not None:
                     before = self.decode_graphs.captures
                     logits = self.decode_graphs.run(*args)        # a pure decode step: its bucket's graph
@@ -799,9 +868,58 @@ class Engine:
             seq.computed = max(seq.computed, seq.cached)
             if seq.kind == "prefix":
                 self._maybe_retire(seq)
+        if pick is None:
+            return wants, (self.adapter.greedy_async(logits) if wants else None)
         if not wants:
             return []
         return list(zip(wants, pick(wants, logits)))
+
+    def _expect(self, wants: list, picks: Optional[PendingPicks], samples,
+                max_new: int) -> Optional[_Inflight]:
+        """Book a pipelined step's picks before the host has them (greedy, one sample per
+        prompt): a prompt's sequence goes on as its sample; a sample that this pick brings to
+        ``max_new`` leaves the cache now (the forward in flight still writes its pages: the
+        cache keeps them until that forward is done); every other one gets a ``_SLOT`` token,
+        its next step's input, filled by ``_settle``."""
+        if not wants:
+            return None
+        assert picks is not None
+        slots = {}
+        for k, seq in enumerate(wants):
+            smp = samples[seq.request][0]
+            if seq.kind == "prompt":
+                seq.kind, seq.sample = "sample", 0
+                seq.order = (seq.request, 2, 0)
+            smp.planned += 1
+            if smp.done or smp.planned >= max_new:
+                if seq.live:
+                    self.cache.remove_sequence(seq.sid)
+                seq.live, seq.retired = False, True
+            else:
+                seq.tokens.append(_SLOT)
+                slots[id(seq)] = (len(seq.tokens) - 1, k)
+        return _Inflight(wants, picks, slots)
+
+    def _settle(self, inflight: _Inflight, samples, max_new: int, stops) -> int:
+        """Read a pipelined step's picks: each sample takes its token (none once it has
+        stopped), ``_SLOT`` tokens get their ids, and a sample that stopped on a stop token
+        leaves the cache (a step already launched for it is dropped for it). Returns the
+        tokens produced."""
+        tokens, logprobs = inflight.picks.result()
+        made = 0
+        for k, seq in enumerate(inflight.wants):
+            smp = samples[seq.request][0]
+            made += self._draw(smp, _Pick(int(tokens[k]), float(logprobs[k])), max_new, stops)
+            slot = inflight.slots.get(id(seq))
+            if slot is None:
+                continue
+            if smp.done:
+                if seq.live:
+                    self.cache.remove_sequence(seq.sid)
+                seq.live, seq.retired = False, True
+            else:
+                seq.tokens[slot[0]] = int(tokens[k])
+        return made
 
     def _sample(self, wants, logits, samples, temperature: float) -> list:
         """One draw per live sample of each sequence in ``wants`` (row ``k`` of ``logits``: the
@@ -875,6 +993,7 @@ class Engine:
             return 0
         smp.tokens.append(pick.token)
         smp.logprobs.append(pick.logprob)
+        smp.planned = max(smp.planned, len(smp.tokens))
         if len(smp.tokens) >= max_new or pick.token in stops:
             smp.done = True
         return 1

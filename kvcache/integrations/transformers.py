@@ -399,12 +399,21 @@ class TransformersAdapter(ModelAdapter):
             if before != ATTN_IMPLEMENTATION:
                 self.model.set_attn_implementation(before)
 
+    def _upload(self, array: np.ndarray):
+        """A host array on the model's device without waiting for the device: a pageable copy
+        synchronizes the stream, which would hold a step planned ahead (pipelined) until the
+        one in flight is done; a pinned block (torch's pinned allocator keeps it until the copy
+        has run) does not."""
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def forward(self, cache, tokens, positions, logit_rows):
-        dev = self.device
         # ``tokens`` may be the previous step's picks, already on the device (overlapped decode)
-        ids = (tokens if torch.is_tensor(tokens) else torch.from_numpy(tokens)).to(dev).unsqueeze(0)
-        pos = torch.from_numpy(positions).to(dev).unsqueeze(0)
-        keep = torch.from_numpy(logit_rows).to(dev) if len(logit_rows) else 1
+        ids = (tokens.to(self.device) if torch.is_tensor(tokens) else self._upload(tokens)).unsqueeze(0)
+        pos = self._upload(positions).unsqueeze(0)
+        keep = self._upload(logit_rows) if len(logit_rows) else 1
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
                          kvcache=cache)
         return out.logits[0] if len(logit_rows) else None
@@ -455,6 +464,15 @@ class TransformersAdapter(ModelAdapter):
         logprobs = table.gather(-1, tokens[:, None])[:, 0] - logz
         picked = torch.stack([tokens.double(), logprobs]).cpu().numpy()
         return picked[0].astype(np.int64), picked[1]
+
+    def step_tokens(self, tokens, picks, dst, src):
+        on = picks.tokens
+        if not torch.is_tensor(on):
+            return super().step_tokens(tokens, picks, dst, src)
+        # the picks stay on their device: the ids are gathered there, in stream order
+        out = self._upload(tokens).to(on.device)
+        out[self._upload(dst).to(on.device)] = on[self._upload(src).to(on.device)].to(out.dtype)
+        return out
 
     def greedy_async(self, logits) -> PendingPicks:
         tokens, picked = self._greedy_picks(logits)

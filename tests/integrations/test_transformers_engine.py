@@ -16,6 +16,7 @@ from conftest import backend_or_skip, hf_greedy, hf_logits, make_model, make_pro
 import kvcache
 from kvcache.integrations import MissingExtraError
 from kvcache.integrations import transformers as kvt
+from kvcache.integrations.engine import PendingPicks
 from kvcache.integrations.transformers import Engine
 
 
@@ -189,6 +190,59 @@ def test_overlapped_decode_gives_the_same_tokens(llama, backend, graphs, monkeyp
     assert on.cache.num_sequences == 0 and on.cache.num_available_pages == off.cache.num_available_pages
     if graphs:
         assert on.stats.graph_forwards > 0
+
+
+@pytest.mark.parametrize("backend,graphs", [("reference", False), ("cuda", False), ("cuda", True)])
+def test_pipelined_prompt_steps_give_the_same_tokens(llama, backend, graphs, monkeypatch):
+    # greedy steps with prompt chunks are launched before the host reads the step before's
+    # picks; the tokens those picks stand for (a prompt's first sample, a decode joining a
+    # step with prompt chunks) reach the next step where the picks are. Against the same
+    # engine without overlap and transformers' generate: more prompts than batch slots
+    # (requests join as others leave), small chunks, stop tokens, a request of one token
+    backend, device = backend_or_skip(backend, monkeypatch, llama.config.head_dim)
+    prompts = make_prompts(seed=16)[:7]
+    new = 12
+    want = [hf_greedy(llama, p, new) for p in prompts]
+    stops = [want[1][3], want[4][7]]
+    kw = dict(backend=backend, device=device, max_batch_size=3, max_total_tokens=4096,
+              prefill_chunk_size=48, graphs=graphs)
+    on = Engine(llama, **kw)
+    off = Engine(llama, overlap=False, **kw)
+    reads = []              # steps with prompt chunks: (forwards when made, when read)
+    chunked = []
+    forward, async_picks = on.adapter.forward, on.adapter.greedy_async
+
+    def forward_spy(cache, tokens, positions, rows):
+        chunked.append(len(tokens) > len(rows))          # more tokens than picks: prompt chunks
+        return forward(cache, tokens, positions, rows)
+
+    def picks_spy(logits):
+        pending = async_picks(logits)
+        made, with_chunks = on.stats.forwards, bool(chunked) and chunked[-1]
+
+        def result():
+            if with_chunks:
+                reads.append((made, on.stats.forwards))
+            return pending.result()
+        return PendingPicks(pending.tokens, result)
+
+    on.adapter.forward, on.adapter.greedy_async = forward_spy, picks_spy
+    got, lp_on = on.generate(prompts, max_new_tokens=new, stop_token_ids=stops, return_logprobs=True)
+    ref, lp_off = off.generate(prompts, max_new_tokens=new, stop_token_ids=stops, return_logprobs=True)
+    assert got == ref
+    for (g,), w in zip(got, want):
+        cut = next((i + 1 for i, t in enumerate(w) if t in stops), len(w))
+        assert g == w[:cut]
+    np.testing.assert_allclose(np.concatenate([x for (x,) in lp_on]),
+                               np.concatenate([x for (x,) in lp_off]), rtol=1e-5, atol=1e-5)
+    # the picks of steps with prompt chunks were read after the next step had been launched
+    ahead = sum(1 for made, read in reads if read > made)
+    assert ahead >= 8 and 3 * ahead >= 2 * len(reads), reads       # all but the runs' ends
+    assert on.stats.overlapped_forwards >= ahead and off.stats.overlapped_forwards == 0
+    assert on.stats.forwards >= off.stats.forwards            # a dropped step at most per stop
+    assert on.cache.num_sequences == 0 and on.cache.num_available_pages == off.cache.num_available_pages
+    one = on.generate([prompts[0], prompts[2]], max_new_tokens=1)
+    assert [o[0] for o in one] == [want[0][:1], want[2][:1]]
 
 
 def test_bad_input_is_refused_before_anything_runs(llama):
