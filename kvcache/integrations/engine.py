@@ -309,11 +309,11 @@ class Engine:
     device: step N+1 is planned and launched with step N's picked tokens where they are (on the
     device) before the host waits for them, so the device does not idle while the host
     schedules, plans and launches (``stats.overlapped_forwards``). Runs of pure decode steps over
-    a fixed set of sequences do it step after step; steps with prompt chunks (one sample per
-    prompt) are pipelined: the sequences that will take step N's picks get a placeholder token
-    that the next step reads from the picks on the device (``ModelAdapter.step_tokens``), and
-    a sample that step N stops on a stop token drops the step already launched for it. The
-    tokens are the same as with ``overlap=False``.
+    a fixed set of sequences do it step after step; with one sample per prompt, steps with
+    prompt chunks and the ends of those runs are pipelined too: the sequences that will take
+    step N's picks get a placeholder token that the next step reads from the picks on the
+    device (``ModelAdapter.step_tokens``), and a sample that step N stops on a stop token drops
+    the step already launched for it. The tokens are the same as with ``overlap=False``.
     """
 
     def __init__(self, adapter: ModelAdapter, backend: str = "auto", device: Optional[str] = None,
@@ -537,17 +537,18 @@ class Engine:
         try:
             while True:
                 batch = self._schedule()
-                if batch is None or (inflight is not None and self._steady(batch)):
+                if batch is None:
                     if inflight is None:
                         break
-                    # the last picks, or a decode run about to start from host tokens
-                    produced += self._settle(inflight, samples, max_new, stops)
+                    produced += self._settle(inflight, samples, max_new, stops)   # the last picks
                     inflight = None
                     bar.update(produced)
                     continue
                 if self.overlap and temperature == 0.0 and self._steady(batch):
-                    made = self._decode_overlapped(batch, samples, max_new, stops)
-                    if made is not None:
+                    ran = self._decode_overlapped(batch, samples, max_new, stops, inflight,
+                                                  hand_over=pipelined)
+                    if ran is not None:
+                        made, inflight = ran            # the run read the step before
                         produced += made
                         bar.update(produced)
                         continue
@@ -585,34 +586,54 @@ class Engine:
         inside = {id(s) for s, _ in batch}
         return not any(not s.retired and s.pending > 0 and id(s) not in inside for s in self._seqs)
 
-    def _decode_overlapped(self, batch, samples, max_new: int, stops) -> Optional[int]:
+    def _decode_overlapped(self, batch, samples, max_new: int, stops,
+                           before: Optional[_Inflight] = None,
+                           hand_over: bool = False) -> Optional[tuple]:
         """Greedy decode steps of a fixed set of sequences with the host one step ahead: step
         N+1 is planned and launched, its token ids taken from step N's picks where they are (on
         the device), before the host waits for step N's picks. Runs while every sequence goes
         on (no sample reaches ``max_new_tokens`` with the step in flight, none hits a stop
-        token, the cache has room); returns the tokens produced, or None when the first step
-        does not fit in the cache (nothing ran). A sample that stopped on a
-        stop token had one more step queued: that step's pick is dropped for it (its sequence
-        was removed) and kept for the others, then the loop ends."""
+        token, the cache has room). A sample that stopped on a stop token had one more step
+        queued: that step's pick is dropped for it (its sequence was removed) and kept for the
+        others, then the loop ends. ``before``: a pipelined step still in flight whose picks
+        some of ``seqs`` take as their first token; they are read (``_settle``) once the first
+        step is launched. Returns None when the first step does not fit in the cache (nothing
+        ran), else ``(tokens produced, last)``: with ``hand_over`` the last step's picks are
+        booked (``_expect``), not read, and ``last`` is that step, for the next one to be
+        launched before they are read; without, ``last`` is None."""
         seqs = [s for s, _ in batch]
         smps = [samples[s.request][s.sample] for s in seqs]
         host = np.asarray([s.tokens[-1] for s in seqs], np.int64)
-        inflight = self._launch(seqs, host)
+        tokens = host
+        if before is not None:
+            dst = [k for k, s in enumerate(seqs) if s.tokens[-1] == _SLOT]
+            if dst:
+                src = [before.slots[id(seqs[k])][1] for k in dst]
+                tokens = self.adapter.step_tokens(host, before.picks, np.asarray(dst, np.int64),
+                                                  np.asarray(src, np.int64))
+        inflight = self._launch(seqs, tokens)
         if inflight is None:
             return None
         produced = 0
+        if before is not None:
+            self.stats.overlapped_forwards += 1
+            produced = self._settle(before, samples, max_new, stops)
         while True:
             # launch the next step unless a sample ends with the one in flight (its length) or
             # ended on a stop token in the one consumed last
             go_on = (not any(m.done for m in smps)
                      and all(len(m.tokens) + 1 < max_new for m in smps))
             nxt = self._launch(seqs, inflight.tokens) if go_on else None
+            if nxt is not None:
+                self.stats.overlapped_forwards += 1
+            elif hand_over:
+                return produced, self._expect(seqs, inflight, samples, max_new)
             tokens, logprobs = inflight.result()
             for k, seq in enumerate(seqs):     # a stopped sample takes no more tokens
                 produced += self._consume(seq, _Pick(int(tokens[k]), float(logprobs[k])),
                                           samples, max_new, 1, stops)
             if nxt is None:
-                return produced
+                return produced, None
             inflight = nxt
 
     def _launch(self, seqs: list, tokens) -> Optional[PendingPicks]:
@@ -635,7 +656,6 @@ class Engine:
             return None
         stats.forwards += 1
         stats.decode_tokens += len(seqs)
-        stats.overlapped_forwards += 1
         for seq in seqs:
             seq.cached += 1
             seq.computed = max(seq.computed, seq.cached)
@@ -886,10 +906,10 @@ class Engine:
         assert picks is not None
         slots = {}
         for k, seq in enumerate(wants):
-            smp = samples[seq.request][0]
             if seq.kind == "prompt":
                 seq.kind, seq.sample = "sample", 0
                 seq.order = (seq.request, 2, 0)
+            smp = samples[seq.request][seq.sample]
             smp.planned += 1
             if smp.done or smp.planned >= max_new:
                 if seq.live:
@@ -908,7 +928,7 @@ class Engine:
         tokens, logprobs = inflight.picks.result()
         made = 0
         for k, seq in enumerate(inflight.wants):
-            smp = samples[seq.request][0]
+            smp = samples[seq.request][seq.sample]
             made += self._draw(smp, _Pick(int(tokens[k]), float(logprobs[k])), max_new, stops)
             slot = inflight.slots.get(id(seq))
             if slot is None:
