@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session (run on the lent H100 from the repo root): install, kernel tests on CUDA,
 # conformance for `cuda`, the profiler proof, benchmarks, the demo. Each section is independent;
-# logs land in $OUT (or ./gpu-out).
+# logs land in $OUT (or ./gpu-out). STEPS picks sections, e.g. the serving issue's checks:
+#   STEPS="engine runahead launch serving" bash tools/gpu_session.sh     (about 9 minutes)
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 section() { echo; echo "=================== $1 ($(date +%T))"; }
@@ -22,5 +23,18 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       timeout 300 python3 -m kvcache.cli bench --backend cuda 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     demo) section "kvcache demo --backend cuda"
       timeout 200 python3 -m kvcache.cli demo --backend cuda ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" | tail -30 ;;
+    serving) section "kvcache bench --serving --model llama (a, b, c: about 5 minutes)"
+      timeout 420 python3 -m kvcache.cli bench --serving --model llama --json > "$OUT/serving.json" 2> "$OUT/serving.err"
+      tail -4 "$OUT/serving.err"
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: (round(v['tokens_per_s'], 1), round(v['decode_step_ms'], 3), v['gpu_busy']) for k, v in r['systems'].items()}, r['ratios'])" "$OUT/serving.json" ;;
+    engine) section "engine: overlapped and pipelined graph steps against eager ones"
+      timeout 150 python3 -m pytest -q -x tests/integrations/test_engine_graphs.py -k gpu 2>&1 | tail -3 ;;
+    launch) section "eager decode host time per layer"
+      timeout 150 python3 tools/launch_overhead.py 2>&1 | tee "$OUT/launch.log" | tail -8 ;;
+    runahead) section "conformance: the run-ahead class"
+      timeout 200 python3 -m kvcache.cli conformance --backend cuda -k RunAhead 2>&1 | tail -6 ;;
+    serve_profile) section "where the serving run's time goes"
+      timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
+      grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;
   esac
 done
