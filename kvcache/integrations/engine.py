@@ -603,14 +603,8 @@ class Engine:
         launched before they are read; without, ``last`` is None."""
         seqs = [s for s, _ in batch]
         smps = [samples[s.request][s.sample] for s in seqs]
-        host = np.asarray([s.tokens[-1] for s in seqs], np.int64)
-        tokens = host
-        if before is not None:
-            dst = [k for k, s in enumerate(seqs) if s.tokens[-1] == _SLOT]
-            if dst:
-                src = [before.slots[id(seqs[k])][1] for k in dst]
-                tokens = self.adapter.step_tokens(host, before.picks, np.asarray(dst, np.int64),
-                                                  np.asarray(src, np.int64))
+        tokens = self._input_tokens([s.tokens[-1] for s in seqs], before,
+                                    [(s, s.cached, 1) for s in seqs])
         inflight = self._launch(seqs, tokens)
         if inflight is None:
             return None
@@ -781,9 +775,13 @@ class Engine:
     def _maybe_retire(self, seq: _Seq) -> None:
         """A prefix sequence that nobody waits on any more leaves the cache."""
         if seq.kind == "prefix" and seq.waiting == 0 and seq.pending == 0 and not seq.retired:
-            if seq.live:
-                self.cache.remove_sequence(seq.sid)
-            seq.live, seq.retired = False, True
+            self._retire(seq)
+
+    def _retire(self, seq: _Seq) -> None:
+        """``seq`` is done for good: it leaves the cache if it is there."""
+        if seq.live:
+            self.cache.remove_sequence(seq.sid)
+        seq.live, seq.retired = False, True
 
     def _preempt(self, why: str, keep: Optional[_Seq] = None) -> None:
         """Remove the youngest sequence in the cache (other than ``keep``, the work that waits
@@ -836,36 +834,23 @@ class Engine:
         except CacheFullError as exc:
             self._preempt(str(exc))
             return None
-        ids, lens, toks, rows, wants = [], [], [], [], []
+        ids, lens, toks, rows, wants, spans = [], [], [], [], [], []
         pos: list[int] = []
-        dst: list[int] = []
-        src: list[int] = []
         offset = 0
         for seq, chunk in batch:
             chunk = min(chunk, seq.pending)
             ids.append(seq.sid)
             lens.append(chunk)
-            start = seq.cached
-            toks.extend(seq.tokens[start:start + chunk])
-            pos.extend(range(start, start + chunk))
-            slot = None if inflight is None else inflight.slots.get(id(seq))
-            if slot is not None and start <= slot[0] < start + chunk:
-                dst.append(offset + slot[0] - start)
-                src.append(slot[1])
+            toks.extend(seq.tokens[seq.cached:seq.cached + chunk])
+            pos.extend(range(seq.cached, seq.cached + chunk))
+            spans.append((seq, seq.cached, chunk))
             offset += chunk
             if seq.cached + chunk == len(seq.tokens) and seq.kind != "prefix":
                 rows.append(offset - 1)
                 wants.append(seq)
-        tokens = np.asarray(toks, np.int64)
-        assert len(dst) == int(np.count_nonzero(tokens == _SLOT)), \
-            "a pick still on its way has no source in the step before"
+        tokens = self._input_tokens(toks, inflight, spans)
         try:
             with cache.forward(ids, lens):
-                if dst:
-                    assert inflight is not None
-                    tokens = self.adapter.step_tokens(tokens, inflight.picks,
-                                                      np.asarray(dst, np.int64),
-                                                      np.asarray(src, np.int64))
                 args = (tokens, np.asarray(pos, np.int64), np.asarray(rows, np.int64))
                 if self.decode_graphs is not None and cache.static_bucket is not None:
                     before = self.decode_graphs.captures
@@ -894,6 +879,26 @@ class Engine:
             return []
         return list(zip(wants, pick(wants, logits)))
 
+    def _input_tokens(self, toks: list, inflight: Optional[_Inflight], spans: list):
+        """A step's input token ids as ``forward`` takes them: ``toks`` (host ids, ``_SLOT``
+        where a pick of ``inflight`` is still on its way), ``spans`` the (sequence, first token,
+        count) of each sequence's tokens in ``toks``, in order."""
+        tokens = np.asarray(toks, np.int64)
+        dst, src, offset = [], [], 0
+        for seq, start, count in spans:
+            slot = None if inflight is None else inflight.slots.get(id(seq))
+            if slot is not None and start <= slot[0] < start + count:
+                dst.append(offset + slot[0] - start)
+                src.append(slot[1])
+            offset += count
+        assert len(dst) == int(np.count_nonzero(tokens == _SLOT)), \
+            "a pick still on its way has no source in the step before"
+        if not dst:
+            return tokens
+        assert inflight is not None
+        return self.adapter.step_tokens(tokens, inflight.picks, np.asarray(dst, np.int64),
+                                        np.asarray(src, np.int64))
+
     def _expect(self, wants: list, picks: Optional[PendingPicks], samples,
                 max_new: int) -> Optional[_Inflight]:
         """Book a pipelined step's picks before the host has them (greedy, one sample per
@@ -912,9 +917,7 @@ class Engine:
             smp = samples[seq.request][seq.sample]
             smp.planned += 1
             if smp.done or smp.planned >= max_new:
-                if seq.live:
-                    self.cache.remove_sequence(seq.sid)
-                seq.live, seq.retired = False, True
+                self._retire(seq)
             else:
                 seq.tokens.append(_SLOT)
                 slots[id(seq)] = (len(seq.tokens) - 1, k)
@@ -934,9 +937,7 @@ class Engine:
             if slot is None:
                 continue
             if smp.done:
-                if seq.live:
-                    self.cache.remove_sequence(seq.sid)
-                seq.live, seq.retired = False, True
+                self._retire(seq)
             else:
                 seq.tokens[slot[0]] = int(tokens[k])
         return made
@@ -1001,9 +1002,7 @@ class Engine:
 
     def _after(self, seq, smp) -> None:
         if smp.done:
-            if seq.live:
-                self.cache.remove_sequence(seq.sid)
-            seq.live, seq.retired = False, True
+            self._retire(seq)
         else:
             seq.tokens.append(smp.tokens[-1])
 

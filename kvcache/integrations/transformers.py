@@ -470,8 +470,8 @@ class TransformersAdapter(ModelAdapter):
         if not torch.is_tensor(on):
             return super().step_tokens(tokens, picks, dst, src)
         # the picks stay on their device: the ids are gathered there, in stream order
-        out = self._upload(tokens).to(on.device)
-        out[self._upload(dst).to(on.device)] = on[self._upload(src).to(on.device)].to(out.dtype)
+        out = self._upload(tokens)
+        out[self._upload(dst)] = on[self._upload(src)].to(out.dtype)
         return out
 
     def greedy_async(self, logits) -> PendingPicks:

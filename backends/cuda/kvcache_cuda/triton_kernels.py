@@ -729,8 +729,8 @@ class _Cfg:
     """Launch values that depend only on the config and the tuning (one per ``LaunchCache``)."""
 
     __slots__ = ("half", "block_half", "block_d", "ieee", "rope_hb", "ew_warps", "dec_tiles",
-                 "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows", "kw",
-                 "merge")
+                 "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows",
+                 "rope_runs", "merge")
 
     def __init__(self, ctx):
         d = ctx.head_dim
@@ -744,7 +744,7 @@ class _Cfg:
         self.pre_block_r = max(self.pre_tiles.block_rows, _p2(ctx.group))
         self.pre_m_tok = self.pre_block_r // ctx.group
         self.merge_rows = ctx.tuning.merge_rows
-        self.kw = {}          # the rope/append launcher's _Kernel, by flag tuple
+        self.rope_runs = {}   # the rope/append launcher's _Kernel, by flag tuple
         self.merge = None     # the merge launcher's _Kernel
 
 
@@ -924,9 +924,9 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
         return q_out, k_out
     log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope_spec, dummy)
     flags = (has_q, store, rope_spec is not None, has_freq, want_k)
-    run = cfg.kw.get(flags)
+    run = cfg.rope_runs.get(flags)
     if run is None:
-        run = cfg.kw[flags] = _Kernel(_rope_append_kernel, dict(
+        run = cfg.rope_runs[flags] = _Kernel(_rope_append_kernel, dict(
             HEAD_DIM=ctx.head_dim, HALF=cfg.half, BLOCK_HALF=cfg.block_half, HB=cfg.rope_hb,
             PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=flags[2], FREQ=has_freq,
             K_OUT=want_k, num_warps=cfg.ew_warps))
@@ -986,7 +986,7 @@ def _tree_args(tree, fallback):
 class _Record:
     """One launch record (attributes set by the builder; see launch.py)."""
 
-    __slots__ = ("grid", "kw", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl",
+    __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl",
                  "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
                  "v_out", "bad", "any_bad")
 
@@ -1006,12 +1006,11 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
     rec.rope = (log2_theta, scale, qo_indptr if freq is None else freq)
     rec.post = _tree_args(tree, qo_indptr)
     rec.o_shape, rec.lse_shape = (t_total, hq, d), (t_total, hq)
-    rec.kw = dict(GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r,
-                  BLOCK_N=tiles.block_n, HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half,
-                  BLOCK_D=cfg.block_d, TREE=tree is not None, ROPE=rope is not None,
-                  FREQ=has_freq, IEEE=cfg.ieee, num_warps=tiles.num_warps,
-                  num_stages=tiles.num_stages)
-    rec.run = _Kernel(_ragged_kernel, rec.kw)
+    rec.run = _Kernel(_ragged_kernel, dict(
+        GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
+        HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
+        TREE=tree is not None, ROPE=rope is not None, FREQ=has_freq, IEEE=cfg.ieee,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     rec.nrun = _Kernel(_ragged_nonfinite_kernel, dict(
         GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
         HEAD_DIM=d, BLOCK_D=cfg.block_d, TREE=tree is not None, num_warps=cfg.ew_warps))
@@ -1108,9 +1107,6 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         splits = rec.splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len),
                                          ctx.num_sms)
         rec.grid = (t_total, ctx.num_kv_heads, splits)
-        rec.kw = dict(GROUP=ctx.group, BLOCK_R=cfg.dec_block_r, BLOCK_N=tiles.block_n,
-                      NUM_SPLITS=splits, **flags, num_warps=tiles.num_warps,
-                      num_stages=tiles.num_stages)
         # outputs are contiguous (T, Hq, D) / (T, Hq)
         rec.sf = (hq * d, d, hq)
         if splits > 1 and t_total:
@@ -1122,16 +1118,17 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         else:
             rec.so = (hq * d, 0, d)
             rec.sl = (hq, 0)
-        rec.run = _Kernel(_paged_decode_kernel, rec.kw)
+        rec.run = _Kernel(_paged_decode_kernel, dict(
+            GROUP=ctx.group, BLOCK_R=cfg.dec_block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits,
+            **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
         tiles = cfg.pre_tiles
         rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, 1)
         rec.so = (hq * d, d)
         rec.sl = (hq,)
-        rec.kw = dict(GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r,
-                      BLOCK_N=tiles.block_n, BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps,
-                      num_stages=tiles.num_stages)
-        rec.run = _Kernel(_paged_prefill_kernel, rec.kw)
+        rec.run = _Kernel(_paged_prefill_kernel, dict(
+            GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
+            BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     return _keep(launch, key, (depth, rope), rec, q)
 
 
