@@ -18,7 +18,7 @@ from kvcache import (CacheFullError, ForwardStateError, InvalidArgumentError, Se
 from kvcache.conformance import assert_close
 from kvcache.plugins import backend_classes
 from transfer_cases import (assert_same_kv, build_workload, config, host, make_cache,
-                            run_forward, same, snapshot)
+                            parent_and_child, run_forward, same, snapshot)
 
 BACKENDS = ["reference", "cuda", "metal", "example"]
 PAGE_SIZES = [(4, 16), (16, 3), (5, 5)]
@@ -146,10 +146,7 @@ def test_a_child_imported_onto_its_parent_shares_the_parent_pages():
     a = kvcache.PagedKVCache(config(4), backend="reference")
     b = kvcache.PagedKVCache(config(8), backend="reference")
     rng = np.random.default_rng(0)
-    a.add_sequence(1)
-    run_forward(a, [1], [30], rng)
-    a.fork_sequence(1, 2, 21)
-    run_forward(a, [2], [6], rng)
+    parent_and_child(a, rng, 30, 21, 6)
     b.import_sequence(1, a.export_sequence(1))
     free = b.num_available_pages
     b.import_sequence(2, a.export_sequence(2, 21), parent_id=1)
@@ -168,10 +165,7 @@ def test_a_batch_of_imports_may_fork_from_an_earlier_item():
     a = kvcache.PagedKVCache(config(4), backend="reference")
     b = kvcache.PagedKVCache(config(3), backend="reference")
     rng = np.random.default_rng(1)
-    a.add_sequence(1)
-    run_forward(a, [1], [10], rng)
-    a.fork_sequence(1, 2, 7)
-    run_forward(a, [2], [3], rng)
+    parent_and_child(a, rng, 10, 7, 3)
     p1, p2 = a.export_sequence(1), a.export_sequence(2, 7)
     res = b.reserve_import([(1, p1.without_arrays(), None, None), (2, p2.without_arrays(), 1, 7)])
     assert b.sequence_ids == [] and b.num_available_pages == b.num_total_pages - res.num_pages
@@ -242,10 +236,7 @@ def pair():
     b = kvcache.PagedKVCache(config(8, sliding=True, rope_mode="inline", max_total_tokens=64),
                              backend="reference")
     rng = np.random.default_rng(4)
-    a.add_sequence(1)
-    run_forward(a, [1], [22], rng)
-    a.fork_sequence(1, 2, 10)
-    run_forward(a, [2], [17], rng)
+    parent_and_child(a, rng, 22, 10, 17)
     a.add_sequence(3)
     a.enable_sliding_window(3, 8, 2)
     run_forward(a, [3], [12], rng)

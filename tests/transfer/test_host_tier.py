@@ -9,7 +9,8 @@ import pytest
 
 import kvcache
 from kvcache import CacheFullError, HostTier, SequenceExistsError, SequenceNotFoundError
-from transfer_cases import assert_same_kv, build_workload, config, make_cache, run_forward, snapshot
+from transfer_cases import (assert_same_kv, build_workload, config, make_cache, parent_and_child,
+                            run_forward, snapshot)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda", "metal"])
@@ -38,10 +39,7 @@ def test_offload_frees_the_pages_and_restore_brings_the_sequence_back(backend):
 def test_restore_onto_a_prefix_shares_its_pages_and_under_a_new_id():
     cache = kvcache.PagedKVCache(config(4), backend="reference")
     rng = np.random.default_rng(1)
-    cache.add_sequence(1)
-    run_forward(cache, [1], [17], rng)
-    cache.fork_sequence(1, 2, 16)
-    run_forward(cache, [2], [9], rng)
+    parent_and_child(cache, rng, 17, 16, 9)
     want = [kvcache.to_numpy(a) for a in cache.get_kv(2)]
     tier = HostTier(cache, capacity_tokens=100)
     tier.offload(2)

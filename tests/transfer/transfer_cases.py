@@ -64,6 +64,15 @@ def run_forward(cache, ids, lens, rng, return_output=False, qkv=None):
     return outs
 
 
+def parent_and_child(cache, rng, parent_len, fork_pos, child_len) -> None:
+    """Sequence 1 with ``parent_len`` random tokens, and sequence 2 forked from it at
+    ``fork_pos`` and grown by ``child_len``."""
+    cache.add_sequence(1)
+    run_forward(cache, [1], [parent_len], rng)
+    cache.fork_sequence(1, 2, fork_pos)
+    run_forward(cache, [2], [child_len], rng)
+
+
 @dataclasses.dataclass
 class Workload:
     """Sequences built on a cache; ``forks[child] = (parent, fork_pos)`` for children whose
