@@ -146,14 +146,15 @@ class Runner:
 class EngineRunner(Runner):
     """(a): our ``Engine``, sized for the workload (``batch`` sequences per forward)."""
 
-    def __init__(self, net, backend: str, device: str, batch: int, max_len: int):
+    def __init__(self, net, backend: str, device: str, batch: int, max_len: int,
+                 rope: str = "cache"):
         from .integrations.transformers import Engine
         page = 16
         self.engine = Engine(net, backend=backend, device=device, page_size=page,
                              max_batch_size=batch,
-                             max_total_tokens=batch * (-(-max_len // page) + 2) * page)
+                             max_total_tokens=batch * (-(-max_len // page) + 2) * page, rope=rope)
         self.engine.progress = False
-        self.name = f"{SYSTEM_NAMES['a']} ({self.engine.cache.backend.name})"
+        self.name = f"{SYSTEM_NAMES['a']} ({self.engine.cache.backend.name}, rope={rope})"
 
     def run(self, prompts, new_tokens):
         out = self.engine.generate(prompts, max_new_tokens=new_tokens)
@@ -354,6 +355,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measurement (default 64)")
     g.add_argument("--tiny", action="store_true",
                    help="small dims and prompts for a CPU smoke run")
+    g.add_argument("--rope", default="cache", choices=("model", "cache"),
+                   help="who rotates q and k in (a): the cache's fused RoPE append (default, "
+                        "Engine(rope='cache')) or the model's own rotary (rope='model')")
     g.add_argument("--skip", default="", metavar="LIST",
                    help="systems to skip, comma separated from a,b,c (e.g. --skip b,c)")
     g.add_argument("--seed", type=int, default=0, metavar="S",
@@ -426,7 +430,8 @@ def run(args) -> dict:
         "workload": {"model": args.model, "tiny": bool(args.tiny), "layers": args.layers,
                      "dtype": dtype, "requests": args.requests, "prompt_range": list(prompt_range),
                      "new_tokens": n2, "seed": args.seed, "batch": args.batch,
-                     "decode_prompt": decode_prompt, "decode_n1": n1, "decode_n2": n2},
+                     "decode_prompt": decode_prompt, "decode_n1": n1, "decode_n2": n2,
+                     "a_rope": args.rope},
         "roofline": {"copy_rate_Bps": rate, "context": context, **nbytes,
                      "decode_step_ms": roof_s * 1e3,
                      "tokens_per_s": args.batch / roof_s},
@@ -439,7 +444,7 @@ def run(args) -> dict:
         runner: Optional[Runner] = None
         try:
             if key == "a":
-                runner = EngineRunner(net, backend, device, args.batch, max_len)
+                runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope)
             elif key == "b":
                 runner = GenerateBatchRunner(net, None if on_gpu else {
                     "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,

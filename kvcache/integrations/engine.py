@@ -128,13 +128,17 @@ class ModelAdapter(abc.ABC):
         from ..arrays import to_numpy
         return np.asarray(to_numpy(logits), np.float64)
 
-    def greedy(self, logits) -> tuple[np.ndarray, np.ndarray]:
+    def greedy(self, logits, logprobs: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Greedy picks of logits ``(B, vocab_size)``: the argmax of each row (the first of
         equal maxima) as ``(B,)`` int64 and its log-probability (the logit minus the row's
-        log-sum-exp) as ``(B,)`` float64. An adapter on an accelerator computes them there, so
-        a step moves ``2 * B`` numbers to the host instead of ``B * vocab_size``."""
+        log-sum-exp) as ``(B,)`` float64, or NaN where ``logprobs`` is false (nobody asked: the
+        log-sum-exp is the larger part of a pick's device time). An adapter on an accelerator
+        computes them there, so a step moves ``2 * B`` numbers to the host instead of
+        ``B * vocab_size``."""
         rows = self.to_numpy(logits)
         tokens = rows.argmax(axis=-1)
+        if not logprobs:
+            return tokens.astype(np.int64), np.full(len(rows), np.nan)
         return tokens.astype(np.int64), rows[np.arange(len(rows)), tokens] - _log_sum_exp(rows)
 
     def sample(self, logits, rows: np.ndarray, uniforms: np.ndarray,
@@ -165,12 +169,12 @@ class ModelAdapter(abc.ABC):
         out[dst] = picks.result()[0][src]
         return out
 
-    def greedy_async(self, logits) -> "PendingPicks":
+    def greedy_async(self, logits, logprobs: bool = True) -> "PendingPicks":
         """``greedy`` without waiting for the device: the picks stay where the logits are (the
         next step's token ids, fed to ``forward`` as they are) while their copy to the host is
         under way. Default: computed at once (``greedy``)."""
-        tokens, logprobs = self.greedy(logits)
-        return PendingPicks(tokens, lambda: (tokens, logprobs))
+        tokens, lps = self.greedy(logits, logprobs)
+        return PendingPicks(tokens, lambda: (tokens, lps))
 
 
 @dataclasses.dataclass
@@ -355,6 +359,7 @@ class Engine:
         """Where preempted sequences are parked (None: offload is off, they are recomputed)."""
         self.overlap = overlap
         """Greedy steady decode with the host one step ahead (``_decode_overlapped``)."""
+        self._logprobs = True            # the running generate returns log-probabilities
         self.stats = EngineStats()
         self.progress: Optional[bool] = None           # None: a bar on a TTY only; True / False force it
         self._next_sid = 0
@@ -395,6 +400,7 @@ class Engine:
             raise InvalidArgumentError(
                 f"generate needs an empty cache, but it holds {self.cache.num_sequences} sequences "
                 f"(another generate did not finish?); call engine.cache.clear()")
+        self._logprobs = bool(return_logprobs)
         try:
             with self.adapter.session(self.cache):
                 out = self._run(prompts, max_new, n, temperature, int(seed), stops)
@@ -525,7 +531,7 @@ class Engine:
         bar = _Progress(total, self.progress)
         if temperature == 0.0:
             def pick(wants, logits):
-                tokens, logprobs = self.adapter.greedy(logits)
+                tokens, logprobs = self.adapter.greedy(logits, self._logprobs)
                 return [_Pick(int(t), float(lp)) for t, lp in zip(tokens, logprobs)]
         else:
             def pick(wants, logits):
@@ -653,7 +659,7 @@ class Engine:
         for seq in seqs:
             seq.cached += 1
             seq.computed = max(seq.computed, seq.cached)
-        return self.adapter.greedy_async(logits)
+        return self.adapter.greedy_async(logits, self._logprobs)
 
     def _attach(self, seq: _Seq, parent: Optional[_Seq]) -> None:
         """Make ``seq`` fork from ``parent`` (a prefix sequence, or the nearest one of its
@@ -874,7 +880,7 @@ class Engine:
             if seq.kind == "prefix":
                 self._maybe_retire(seq)
         if pick is None:
-            return wants, (self.adapter.greedy_async(logits) if wants else None)
+            return wants, (self.adapter.greedy_async(logits, self._logprobs) if wants else None)
         if not wants:
             return []
         return list(zip(wants, pick(wants, logits)))

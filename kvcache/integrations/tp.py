@@ -357,10 +357,10 @@ class TensorParallelAdapter(TransformersAdapter):
         self.step += 1
         return super().forward(cache, tokens, positions, logit_rows)
 
-    def greedy_async(self, logits):
+    def greedy_async(self, logits, logprobs: bool = True):
         # the plan digest covers each step's token ids, so they must be on the host when the
         # step is planned: picks are read at once (no device-side hand-over between steps)
-        return ModelAdapter.greedy_async(self, logits)
+        return ModelAdapter.greedy_async(self, logits, logprobs)
 
     @contextlib.contextmanager
     def session(self, cache):

@@ -50,7 +50,7 @@ def test_serving_table_says_what_was_skipped(capsys, monkeypatch):
     rows = {ln[:3]: ln for ln in out.splitlines() if ln[:3] in ("(a)", "(b)", "(c)")}
     assert set(rows) == {"(a)", "(b)", "(c)"}
     assert "skipped: --skip" in rows["(b)"] and "skipped: --skip" in rows["(c)"]
-    assert "skipped" not in rows["(a)"] and "(cuda)" in rows["(a)"] and "(roofline)" in out
+    assert "skipped" not in rows["(a)"] and "(cuda, rope=cache)" in rows["(a)"] and "(roofline)" in out
     assert "decode step / roofline" in out and "(a) / (b) tokens/s: n/a ((b) skipped)" in out
     assert "gpu busy during decode: n/a" in out
 
@@ -79,3 +79,19 @@ def test_tail_busy_is_the_covered_share_of_the_last_window():
     assert tail_busy(spans, 2) == pytest.approx(1.0)
     assert tail_busy(spans + [(11, 19)], 10) == pytest.approx(1.0)    # overlaps count once
     assert tail_busy([], 5) is None and tail_busy(spans, 0) is None
+
+
+@pytest.mark.parametrize("rope", ["cache", "model"])
+def test_serving_rope_option_picks_who_rotates_in_a(capsys, monkeypatch, rope):
+    # (a) runs inside the cache's fused RoPE by default (--rope cache), outside it with --rope model
+    from kvcache.integrations import transformers as kvt
+    monkeypatch.setenv("KVCACHE_CUDA_CPU", "1")
+    entered = []
+    real = kvt.fused_rope
+    monkeypatch.setattr(kvt, "fused_rope", lambda model, cache: entered.append(1) or real(model, cache))
+    extra = [] if rope == "cache" else ["--rope", "model"]
+    assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c", "--backend",
+                        "cuda", "--json"] + extra) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["workload"]["a_rope"] == rope and res["systems"]["a"]["tokens"] == 2 * 3
+    assert bool(entered) == (rope == "cache")

@@ -90,6 +90,34 @@ def test_greedy_steps_pick_on_the_device_not_from_host_rows(llama, backend, monk
         np.testing.assert_allclose(lp, logits[np.arange(10), got] - logz, rtol=1e-4, atol=1e-4)
 
 
+def test_greedy_picks_without_logprobs_skip_them_and_keep_the_tokens(llama):
+    # generate without return_logprobs asks for no log-sum-exp: the picks come from the
+    # logits' own dtype (bf16 here), the first of equal maxima as with float rows
+    from kvcache.integrations.engine import ModelAdapter
+    adapter = Engine(llama, backend="reference").adapter
+    rows = torch.tensor([[0.5, 3.0, 3.0, -1.0], [2.0, 1.0, 2.0, 2.0], [-4.0, -3.5, -3.5, -9.0]],
+                        dtype=torch.bfloat16)
+    rows[1, 1] = 2.015625                               # one bf16 step above 2.0: the maximum
+    for greedy in (adapter.greedy, lambda x, lp: ModelAdapter.greedy(adapter, x, lp),
+                   lambda x, lp: adapter.greedy_async(x, lp).result()):
+        tokens, lps = greedy(rows, False)
+        assert tokens.tolist() == [1, 1, 1] and np.isnan(lps).all()
+        tokens, lps = greedy(rows, True)
+        assert tokens.tolist() == [1, 1, 1] and np.isfinite(lps).all()
+    calls = []
+    engine = Engine(llama, backend="reference", max_total_tokens=4096)
+    for name in ("greedy", "greedy_async"):
+        real = getattr(engine.adapter, name)
+        setattr(engine.adapter, name, lambda x, lp=True, real=real: calls.append(lp) or real(x, lp))
+    prompts = make_prompts(seed=14)[:2]
+    out = engine.generate(prompts, max_new_tokens=6)
+    assert calls and not any(calls)
+    calls.clear()
+    out2, lps = engine.generate(prompts, max_new_tokens=6, return_logprobs=True)
+    assert out2 == out and calls and all(calls)
+    assert all(np.isfinite(x).all() for req in lps for x in req)
+
+
 def _inverse_cdf_draws(table, rows, uniforms, temperature):
     # the sampling rule written out row by row: tempered softmax, first token whose cumulative
     # probability passes u; log-probability under the untempered softmax
@@ -216,8 +244,8 @@ def test_pipelined_prompt_steps_give_the_same_tokens(llama, backend, graphs, mon
         chunked.append(len(tokens) > len(rows))          # more tokens than picks: prompt chunks
         return forward(cache, tokens, positions, rows)
 
-    def picks_spy(logits):
-        pending = async_picks(logits)
+    def picks_spy(logits, logprobs=True):
+        pending = async_picks(logits, logprobs)
         made, with_chunks = on.stats.forwards, bool(chunked) and chunked[-1]
 
         def result():

@@ -64,9 +64,47 @@ def test_the_cache_really_rotates_and_the_model_does_not(monkeypatch):
     """If the model's rotary kept rotating, q/k would be rotated twice: the tokens differ."""
     model, prompts, greedy = rope_case("llama3")
     monkeypatch.setattr(kvt, "_unrotated", lambda module, args, output: output)
+    monkeypatch.setattr(kvt, "_rotation_skipped", lambda: False)
     out = Engine(model, backend="reference", max_total_tokens=8192,
                  rope="cache").generate(prompts[:3], max_new_tokens=8)
     assert all(o[0] != want[:8] for o, want in zip(out, greedy[:3]))
+
+
+def test_the_model_skips_its_rotation_inside_fused_rope_only():
+    # inside fused_rope the layers' apply_rotary_pos_emb hands q and k back (no rotate_half
+    # kernels); outside it, and in another thread meanwhile, it is transformers' own
+    import sys
+    import threading
+    model, prompts, greedy = rope_case("plain")
+    family = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    calls = []
+    real = family.rotate_half
+    family.rotate_half = lambda x: calls.append(1) or real(x)
+    try:
+        out = Engine(model, backend="reference", max_total_tokens=8192,
+                     rope="cache").generate(prompts[:2], max_new_tokens=4)
+        assert not calls and [o[0] for o in out] == [g[:4] for g in greedy[:2]]
+        assert hf_greedy(model, prompts[0], 4) == greedy[0][:4] and calls
+        q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+        cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+        want = real_rotation = family.apply_rotary_pos_emb(q, k, cos, sin)
+        cache = kvcache.PagedKVCache(kvt.cache_config(model, rope="cache", max_total_tokens=256),
+                                     backend="reference")
+        seen = {}
+        with kvt.fused_rope(model, cache):
+            inside = family.apply_rotary_pos_emb(q, k, cos, sin)
+            t = threading.Thread(target=lambda: seen.update(
+                other=family.apply_rotary_pos_emb(q, k, cos, sin)))
+            t.start()
+            t.join()
+        assert inside[0] is q and inside[1] is k
+        for got, w in zip(seen["other"], want):
+            torch.testing.assert_close(got, w)
+        after = family.apply_rotary_pos_emb(q, k, cos, sin)
+        torch.testing.assert_close(after[0], real_rotation[0])
+        assert not torch.equal(after[0], q)
+    finally:
+        family.rotate_half = real
 
 
 def test_yarn_attention_factor_and_dynamic_frequencies_are_refused():
