@@ -3,6 +3,8 @@
 # conformance for `cuda`, the profiler proof, benchmarks, the demo. Each section is independent;
 # logs land in $OUT (or ./gpu-out). STEPS picks sections, e.g. the serving issue's checks:
 #   STEPS="engine runahead launch serving" bash tools/gpu_session.sh     (about 9 minutes)
+# and the decode kernels of two trees on one machine (issue 16's "kernel times within 5%"):
+#   here: BASE=791c961 bash tools/kernel_ab.sh prepare;  there (carry [".ab"]): STEPS=ab ...
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 section() { echo; echo "=================== $1 ($(date +%T))"; }
@@ -33,6 +35,11 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       timeout 150 python3 tools/launch_overhead.py 2>&1 | tee "$OUT/launch.log" | tail -8 ;;
     runahead) section "conformance: the run-ahead class"
       timeout 200 python3 -m kvcache.cli conformance --backend cuda -k RunAhead 2>&1 | tail -6 ;;
+    breakdown) section "one decode step of (a), kernel by kernel; decode tiles at its shape"
+      timeout 300 python3 tools/decode_step_breakdown.py --rope cache --sweep > "$OUT/breakdown.txt" 2>&1
+      grep -a -v -i warn "$OUT/breakdown.txt" | head -30 ;;
+    ab) section "kernel times: this tree against .ab/base.tar (BASE=<commit> bash tools/kernel_ab.sh prepare; carry .ab)"
+      OUT="$OUT/ab" timeout 560 bash tools/kernel_ab.sh | tail -40 ;;
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
       grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;
