@@ -89,19 +89,13 @@ def breakdown(a) -> None:
     ws = [torch.randn(o, i, device="cuda", dtype=torch.bfloat16) for o, i in
           ((h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter))]
     lm = torch.randn(net.config.vocab_size, h, device="cuda", dtype=torch.bfloat16)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    from kvcache_cuda.bench import Timer
+    timer = Timer(torch, torch.device("cuda"), 20, 0)      # L2 flushed before each timed call
 
     def timed(fn, iters=20):
-        ts = []
-        for _ in range(iters):
-            flush.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e) * 1e3)
-        return float(np.median(ts))
+        timer.iters = iters
+        return timer._median(fn)
+
     for w in ws + [lm]:
         inp = xi if w.shape[1] == inter else x
         us = timed(lambda: torch.nn.functional.linear(inp, w))
