@@ -185,6 +185,16 @@ def test_paged_decode(impl, dtype, ps, hq, hkv, splits):
                tuning={"force_splits": splits, "split_min_keys": 16})
 
 
+@pytest.mark.parametrize("splits", [5, 2])
+def test_split_decode_merges_every_nonempty_split(impl, splits):
+    # DECODE's entries leave most splits empty (a split is whole BLOCK_N tiles); here the
+    # first entry fills all of them (5 x 256 keys > 1200 > 4 x 256), the second some, the
+    # third one, so a merge that drops or misweighs any split's partial is off by a lot
+    entries = [Entry(1, 1200), Entry(1, 700), Entry(1, 3)]
+    _run_paged(impl, "float32", 8, 2, 64, 16, entries, use_decode=True, seed=("every", splits),
+               tuning={"force_splits": splits, "split_min_keys": 16})
+
+
 @pytest.mark.parametrize("hq,hkv", GQA_ATTN)
 def test_split_decode_queued_and_counters_left_zero(impl, hq, hkv):
     """The fused split-K merge (the last split of a (row, KV head) merges, counted in a shared

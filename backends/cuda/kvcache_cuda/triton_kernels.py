@@ -556,6 +556,7 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr,
                          TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr):
     """One query per entry; grid (rows T, Hkv, splits). Row t belongs to entry t - qo[0] (every
     decode entry holds exactly one row), so rows no entry covers get o = 0 / lse = -inf here too.
@@ -622,32 +623,41 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
         if done == NUM_SPLITS - 1:
             _merge_partials(o_ptr, lse_ptr, fo_ptr, flse_ptr, t64, head, row_ok, dd, od_ok,
                             so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
-                            BLOCK_R, BLOCK_D, NUM_SPLITS)
+                            BLOCK_R, BLOCK_D, NUM_SPLITS, BLOCK_S)
             tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")     # zero again for the next launch
+
+
+MERGE_UNROLL = tl.constexpr(8)
+"""Splits whose partials the split-K merge loads at once."""
 
 
 @triton.jit
 def _merge_partials(po_ptr, pl_ptr, o_ptr, lse_ptr, t64, head, row_ok, dd, od_ok,
                     so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
     """Combine the NUM_SPLITS fp32 partials of one row's GROUP heads by lse. Partials are read
-    through L2 (``.cg``): other programs wrote them, so no L1 line of this SM may serve them."""
-    peak = tl.zeros([BLOCK_R], tl.float32) - float("inf")
-    for s in range(NUM_SPLITS):
-        ls = tl.load(pl_ptr + t64 * sl_t + s * sl_s + head, mask=row_ok, other=float("-inf"),
-                     cache_modifier=".cg")
-        peak = tl.maximum(peak, ls)
+    through L2 (``.cg``): other programs wrote them, so no L1 line of this SM may serve them.
+    Only one program of each (row, KV head) runs this, at the end of the launch, so its loads
+    must not wait on each other: every split's lse in one (BLOCK_S, BLOCK_R) load, and the
+    split loop unrolled by MERGE_UNROLL (its loads depend on no earlier iteration; unrolling
+    all 64 splits took 255 registers and spilled on sm_90, for every program of the launch)."""
+    sidx = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(pl_ptr + t64 * sl_t + sidx[:, None] * sl_s + head[None, :],
+                    mask=(sidx < NUM_SPLITS)[:, None] & row_ok[None, :], other=float("-inf"),
+                    cache_modifier=".cg")
+    peak = tl.max(lse_s, 0)
     peak_use = tl.where(peak == float("-inf"), 0.0, peak)
-    total = tl.zeros([BLOCK_R], tl.float32)
+    total = tl.sum(tl.exp(lse_s - peak_use[None, :]), 0)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s in range(NUM_SPLITS):
-        ls = tl.load(pl_ptr + t64 * sl_t + s * sl_s + head, mask=row_ok, other=float("-inf"),
-                     cache_modifier=".cg")
-        w = tl.exp(ls - peak_use)
-        po = tl.load(po_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
-                     mask=od_ok, other=0.0, cache_modifier=".cg")
-        acc += po * w[:, None]
-        total += w
+    for s0 in range(0, NUM_SPLITS, MERGE_UNROLL):
+        for u in tl.static_range(MERGE_UNROLL):
+            s = s0 + u
+            ls = tl.load(pl_ptr + t64 * sl_t + s * sl_s + head, mask=row_ok & (s < NUM_SPLITS),
+                         other=float("-inf"), cache_modifier=".cg")
+            po = tl.load(po_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
+                         mask=od_ok & (s < NUM_SPLITS), other=0.0, cache_modifier=".cg")
+            acc += po * tl.exp(ls - peak_use)[:, None]
     ok = total != 0                  # a NaN partial lse (a NaN K seen) stays NaN
     o = acc / tl.where(ok, total, 1.0)[:, None]
     lse = tl.where(ok, peak_use + tl.log(tl.where(ok, total, 1.0)), float("-inf"))
@@ -1120,7 +1130,7 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             rec.sl = (hq, 0)
         rec.run = _Kernel(_paged_decode_kernel, dict(
             GROUP=ctx.group, BLOCK_R=cfg.dec_block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits,
-            **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+            BLOCK_S=triton.next_power_of_2(splits), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
         tiles = cfg.pre_tiles
         rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, 1)
