@@ -19,7 +19,9 @@ where the first flip happens. Two more numbers separate that from a cache error:
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +30,9 @@ import transformers
 import kvcache
 from kvcache.integrations import transformers as kvt
 from kvcache.integrations.transformers import Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
+from engine_cases import first_step_logits  # noqa: E402  (the tests' helper, one copy)
 
 DIMS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
@@ -86,21 +91,7 @@ def main() -> None:
         model.set_attn_implementation("sdpa")
         eng = Engine(model, backend="cuda", device=args.device, max_total_tokens=16384,
                      prefill_chunk_size=512)
-        rows = []
-        fwd = eng.adapter.forward
-
-        def spy(cache, tokens, positions, wanted):
-            out = fwd(cache, tokens, positions, wanted)
-            if len(wanted):
-                rows.append(eng.adapter.to_numpy(out))
-            return out
-        eng.adapter.forward = spy
-        first = []
-        for pr in prompts:
-            rows.clear()
-            eng.generate([pr], max_new_tokens=1)
-            first.append(np.asarray(rows[0][0], np.float32))
-        eng.adapter.forward = fwd
+        first = [np.asarray(row, np.float32) for row in first_step_logits(eng, prompts)]
         t0 = time.perf_counter()
         got = [o[0] for o in eng.generate(prompts, max_new_tokens=args.new)]
         t_eng = time.perf_counter() - t0

@@ -234,6 +234,11 @@ class _Seq:
     def pending(self) -> int:
         return len(self.tokens) - self.cached
 
+    def go_on_as_sample(self) -> None:
+        """A prompt's sequence with one sample (``n == 1``) goes on as that sample."""
+        self.kind, self.sample = "sample", 0
+        self.order = (self.request, 2, 0)
+
 
 class PendingPicks:
     """A greedy step's picks on their way to the host (``ModelAdapter.greedy_async``).
@@ -918,8 +923,7 @@ class Engine:
         slots = {}
         for k, seq in enumerate(wants):
             if seq.kind == "prompt":
-                seq.kind, seq.sample = "sample", 0
-                seq.order = (seq.request, 2, 0)
+                seq.go_on_as_sample()
             smp = samples[seq.request][seq.sample]
             smp.planned += 1
             if smp.done or smp.planned >= max_new:
@@ -984,9 +988,8 @@ class Engine:
             made = 0
             for j, smp in enumerate(samples[i]):
                 made += self._draw(smp, pick[j] if isinstance(pick, list) else pick, max_new, stops)
-            if n == 1:                      # the prompt's sequence goes on as the sample
-                seq.kind, seq.sample = "sample", 0
-                seq.order = (i, 2, 0)
+            if n == 1:
+                seq.go_on_as_sample()
                 self._after(seq, samples[i][0])
                 return made
             # the prompt's sequence becomes the samples' shared prefix: each sample forks from it

@@ -653,6 +653,8 @@ def _merge_partials(po_ptr, pl_ptr, o_ptr, lse_ptr, t64, head, row_ok, dd, od_ok
     for s0 in range(0, NUM_SPLITS, MERGE_UNROLL):
         for u in tl.static_range(MERGE_UNROLL):
             s = s0 + u
+            # split s's lse again, issued with its partial: taking row s out of lse_s would
+            # be a cross-thread reduction per split
             ls = tl.load(pl_ptr + t64 * sl_t + s * sl_s + head, mask=row_ok & (s < NUM_SPLITS),
                          other=float("-inf"), cache_modifier=".cg")
             po = tl.load(po_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
@@ -1130,7 +1132,7 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             rec.sl = (hq, 0)
         rec.run = _Kernel(_paged_decode_kernel, dict(
             GROUP=ctx.group, BLOCK_R=cfg.dec_block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+            BLOCK_S=_p2(splits), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
         tiles = cfg.pre_tiles
         rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, 1)
