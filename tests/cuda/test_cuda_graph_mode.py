@@ -424,6 +424,58 @@ def test_replay_counts_every_captured_layer_as_run():
     assert cache.sequence_length(0) == 2
 
 
+@pytest.mark.skipif(not cc.ON_GPU, reason="counts the kernels of a real CUDA graph's replay")
+def test_captured_split_decode_zeroes_its_merge_counters_once_per_replay():
+    """A captured split-K decode step reuses its first layer's launch record (partials scratch
+    and merge counters) on later layers, as an eager step does: the replay runs one memset
+    (the counters' zeros) for the whole step, not one per layer. Four replays queued, each
+    step's outputs copied on the stream and read only at the end, equal eager steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    graph, eager = make("float32", True, buckets=(2,)), make("float32", False)
+    for c in (graph, eager):
+        c.backend.tuning = c.backend.tuning.with_(force_splits=4, split_min_keys=16)
+    engine = Engine(graph)
+    layers = graph.config.num_layers
+    for sid, n in ((0, 300), (1, 350)):    # random histories: every split's partial matters
+        hist = engine.rng.standard_normal((layers, 3, n, 8, 64)).astype(np.float32)
+        for c in (graph, eager):
+            c.add_sequence(sid)
+            c.begin_forward([sid], [n])
+            for layer in range(layers):
+                c.attention(layer, c.from_numpy(hist[layer, 0]), c.from_numpy(hist[layer, 1, :, :2]),
+                            c.from_numpy(hist[layer, 2, :, :2]))
+            c.end_forward()
+    kept, want = [], []
+    for step in range(5):                  # step 0 captures (and runs) the step
+        for c in (graph, eager):
+            c.begin_forward([0, 1], [1, 1])
+        values = engine.fill(2, 2)
+        if step == 0:
+            outs = engine.graphs.capture(engine.step_fn(2))
+        elif step == 1:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                outs = engine.graphs.replay()
+                torch.cuda.synchronize()
+        else:
+            outs = engine.graphs.replay()
+        kept.append([(o.clone(), lse.clone()) for o, lse in outs])
+        want.append([eager.attention(layer, *map(eager.from_numpy, values[layer]), return_lse=True)
+                     for layer in range(layers)])
+        for c in (graph, eager):
+            c.end_forward()
+    names = [e.name for e in prof.events() if str(e.device_type).endswith("CUDA")]
+    decodes = [n for n in names if "_paged_decode_kernel" in n]
+    others = [n for n in names if "_paged_decode_kernel" not in n and "_rope_append_kernel" not in n
+              and "memcpy" not in n.lower()]
+    assert len(decodes) == layers, names
+    assert len(others) <= 1, f"more than the counters' one memset per replay: {others}"
+    for got, exp in zip(kept, want):
+        for (o, lse), (o_e, l_e) in zip(got, exp):
+            assert_close("graph vs eager o", _np(o_e), _np(o)[:2], "float32")
+            assert_close("graph vs eager lse", _np(l_e), _np(lse)[:2], "float32", lse=True)
+
+
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU run of the suite's graph-mode class")
 def test_conformance_graph_mode_class_on_cpu_test_mode():
     """The conformance suite's TestGraphMode against this backend's CPU test mode (CI has no GPU:

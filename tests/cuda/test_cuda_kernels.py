@@ -185,14 +185,16 @@ def test_paged_decode(impl, dtype, ps, hq, hkv, splits):
                tuning={"force_splits": splits, "split_min_keys": 16})
 
 
-@pytest.mark.parametrize("splits", [5, 2])
-def test_split_decode_merges_every_nonempty_split(impl, splits):
+@pytest.mark.parametrize("splits,chunk", [(5, 0), (2, 0), (5, 2)])
+def test_split_decode_merges_every_nonempty_split(impl, splits, chunk):
     # DECODE's entries leave most splits empty (a split is whole BLOCK_N tiles); here the
     # first entry fills all of them (5 x 256 keys > 1200 > 4 x 256), the second some, the
-    # third one, so a merge that drops or misweighs any split's partial is off by a lot
+    # third one, so a merge that drops or misweighs any split's partial is off by a lot.
+    # chunk 2: the merge loads splits 0-1, 2-3, then 4 with 5 masked (the default loads all)
     entries = [Entry(1, 1200), Entry(1, 700), Entry(1, 3)]
-    _run_paged(impl, "float32", 8, 2, 64, 16, entries, use_decode=True, seed=("every", splits),
-               tuning={"force_splits": splits, "split_min_keys": 16})
+    _run_paged(impl, "float32", 8, 2, 64, 16, entries, use_decode=True,
+               seed=("every", splits, chunk),
+               tuning={"force_splits": splits, "split_min_keys": 16, "split_merge_chunk": chunk})
 
 
 @pytest.mark.parametrize("hq,hkv", GQA_ATTN)

@@ -22,9 +22,14 @@ Safety (docs/architecture.md, "Streams, buffers and the run-ahead rule"):
   next layer or a later forward, is ordered after those reads by the stream itself. A grown
   arena's old block stays alive while records still view it and then returns to torch's caching
   allocator, which reuses it in stream order. Steady state therefore allocates nothing;
-* while a CUDA graph is being captured the launchers allocate scratch per call instead (the
-  graph's private pool keeps it alive as long as the graph): a graph must never point at a cached
-  buffer that a later eviction frees.
+* while a CUDA graph is being captured, records are built and kept apart (``captured=True``):
+  their scratch and merge counters come from the graph's private pool (torch.zeros there is a
+  memset node, so a replay zeroes the counters before its first layer), never from the arena, so
+  a graph never points at a cached buffer that a later eviction frees, and eager calls never use
+  the graph's buffers. Later layers of the capture reuse the record as eager layers do. A
+  capture's plan objects are its forward's own, so no later capture finds its records (its
+  memset must not be skipped); an evicted capture record frees pool memory that only a later
+  capture into the same pool can take, and that graph writes it before reading it.
 """
 
 from __future__ import annotations
@@ -46,28 +51,32 @@ class LaunchCache:
 
     def __init__(self):
         self._records: OrderedDict = OrderedDict()
+        self._captured: OrderedDict = OrderedDict()     # records built during graph capture
         self.allocations = 0
         self.builds = 0
         self.static: dict = {}       # config/tuning-only values (per launcher kind)
         self.arenas: dict = {}       # (device, stream) -> flat uint8 scratch tensor
         self.counters: dict = {}     # (device, stream) -> int32 zeros of the fused split-K merge
 
-    def get(self, key):
-        """The record stored under ``key`` (a tuple whose first item is ``id(plan_object)``), or None."""
-        entry = self._records.get(key)
+    def get(self, key, captured: bool = False):
+        """The record stored under ``key`` (a tuple whose first item is ``id(plan_object)``), or
+        None; ``captured``: among the records built while a graph was captured."""
+        entry = (self._captured if captured else self._records).get(key)
         return None if entry is None else entry[1]
 
-    def put(self, key, anchor, record):
+    def put(self, key, anchor, record, captured: bool = False):
         """Store ``record`` under ``key``, keeping ``anchor`` (the plan object) alive with it."""
-        self._records[key] = (anchor, record)
+        records = self._captured if captured else self._records
+        records[key] = (anchor, record)
         self.builds += 1
-        while len(self._records) > self.MAX_RECORDS:
-            self._records.popitem(last=False)
+        while len(records) > self.MAX_RECORDS:
+            records.popitem(last=False)
         return record
 
     def clear(self):
         """Drop every record and config-derived value (tuning changed); arenas stay."""
         self._records.clear()
+        self._captured.clear()
         self.static.clear()
 
     def __len__(self):

@@ -556,7 +556,7 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                          TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr):
     """One query per entry; grid (rows T, Hkv, splits). Row t belongs to entry t - qo[0] (every
     decode entry holds exactly one row), so rows no entry covers get o = 0 / lse = -inf here too.
@@ -621,51 +621,54 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
         sem = sem_ptr + t64 * tl.num_programs(1) + kvh
         done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
         if done == NUM_SPLITS - 1:
-            _merge_partials(o_ptr, lse_ptr, fo_ptr, flse_ptr, t64, head, row_ok, dd, od_ok,
+            _merge_partials(o_ptr, lse_ptr, fo_ptr, flse_ptr, t64, kvh, dd, dd_ok,
                             so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
-                            BLOCK_R, BLOCK_D, NUM_SPLITS, BLOCK_S)
+                            GROUP, BLOCK_G, BLOCK_D, NUM_SPLITS, BLOCK_S, MERGE_CHUNK)
             tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")     # zero again for the next launch
 
 
-MERGE_UNROLL = tl.constexpr(8)
-"""Splits whose partials the split-K merge loads at once."""
-
-
 @triton.jit
-def _merge_partials(po_ptr, pl_ptr, o_ptr, lse_ptr, t64, head, row_ok, dd, od_ok,
+def _merge_partials(po_ptr, pl_ptr, o_ptr, lse_ptr, t64, kvh, dd, dd_ok,
                     so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
-    """Combine the NUM_SPLITS fp32 partials of one row's GROUP heads by lse. Partials are read
-    through L2 (``.cg``): other programs wrote them, so no L1 line of this SM may serve them.
-    Only one program of each (row, KV head) runs this, at the end of the launch, so its loads
-    must not wait on each other: every split's lse in one (BLOCK_S, BLOCK_R) load, and the
-    split loop unrolled by MERGE_UNROLL (its loads depend on no earlier iteration; unrolling
-    all 64 splits took 255 registers and spilled on sm_90, for every program of the launch)."""
+                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr):
+    """Combine the NUM_SPLITS fp32 partials of one row's GROUP heads by lse. Only one program
+    of each (row, KV head) runs this, at the end of the launch, so its time is the launch's
+    tail: it loads the partials as (GROUP, CHUNK splits, D) tiles, CHUNK * GROUP * D of them
+    at once (about 32 registers a thread), each chunk's loads independent of the others.
+    (A (rows, D) tile per split padded the GROUP heads to the decode's 16 rows and loaded
+    split after split: +12-19% on B=1 decode, whose 16-64 splits all merge here.) Partials
+    are read through L2 (``.cg``): other programs wrote them, so no L1 line may serve them."""
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kvh * GROUP + g
     sidx = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(pl_ptr + t64 * sl_t + sidx[:, None] * sl_s + head[None, :],
-                    mask=(sidx < NUM_SPLITS)[:, None] & row_ok[None, :], other=float("-inf"),
+    lse_s = tl.load(pl_ptr + t64 * sl_t + head[:, None] + sidx[None, :] * sl_s,
+                    mask=g_ok[:, None] & (sidx < NUM_SPLITS)[None, :], other=float("-inf"),
                     cache_modifier=".cg")
-    peak = tl.max(lse_s, 0)
+    peak = tl.max(lse_s, 1)
     peak_use = tl.where(peak == float("-inf"), 0.0, peak)
-    total = tl.sum(tl.exp(lse_s - peak_use[None, :]), 0)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s0 in range(0, NUM_SPLITS, MERGE_UNROLL):
-        for u in tl.static_range(MERGE_UNROLL):
-            s = s0 + u
-            # split s's lse again, issued with its partial: taking row s out of lse_s would
-            # be a cross-thread reduction per split
-            ls = tl.load(pl_ptr + t64 * sl_t + s * sl_s + head, mask=row_ok & (s < NUM_SPLITS),
-                         other=float("-inf"), cache_modifier=".cg")
-            po = tl.load(po_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
-                         mask=od_ok & (s < NUM_SPLITS), other=0.0, cache_modifier=".cg")
-            acc += po * tl.exp(ls - peak_use)[:, None]
+    total = tl.sum(tl.exp(lse_s - peak_use[:, None]), 1)
+    c = tl.arange(0, CHUNK)
+    gd_ok = g_ok[:, None] & dd_ok[None, :]
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s0 in tl.static_range(0, NUM_SPLITS, CHUNK):
+        s = s0 + c
+        gs_ok = g_ok[:, None] & (s < NUM_SPLITS)[None, :]
+        # this chunk's lse again, beside its partials: slicing columns out of lse_s would be
+        # a cross-thread shuffle
+        ls = tl.load(pl_ptr + t64 * sl_t + head[:, None] + s[None, :] * sl_s, mask=gs_ok,
+                     other=float("-inf"), cache_modifier=".cg")
+        po = tl.load(po_ptr + t64 * so_t + head[:, None, None] * so_h + s[None, :, None] * so_s
+                     + dd[None, None, :], mask=gs_ok[:, :, None] & dd_ok[None, None, :],
+                     other=0.0, cache_modifier=".cg")
+        acc += tl.sum(po * tl.exp(ls - peak_use[:, None])[:, :, None], 1)
     ok = total != 0                  # a NaN partial lse (a NaN K seen) stays NaN
     o = acc / tl.where(ok, total, 1.0)[:, None]
     lse = tl.where(ok, peak_use + tl.log(tl.where(ok, total, 1.0)), float("-inf"))
     tl.store(o_ptr + t64 * sfo_t + head[:, None] * sfo_h + dd[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=od_ok)
-    tl.store(lse_ptr + t64 * sfl_t + head, lse, mask=row_ok)
+             o.to(o_ptr.dtype.element_ty), mask=gd_ok)
+    tl.store(lse_ptr + t64 * sfl_t + head, lse, mask=g_ok)
 
 
 @triton.jit
@@ -698,6 +701,13 @@ def _merge2_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, l_ptr, n_rows,
 # ====================================================================== launchers
 def _p2(x: int) -> int:
     return triton.next_power_of_2(max(int(x), 1))
+
+
+def _merge_chunk(tuning, splits: int, group: int, block_d: int, num_warps: int) -> int:
+    """Splits the decode launch's merge loads at once: (group, chunk, D) fp32 partials of about
+    32 registers a thread (or ``tuning.split_merge_chunk``), never more than the launch has."""
+    chunk = tuning.split_merge_chunk or num_warps * 32 * 32 // (_p2(group) * block_d)
+    return max(1, min(_p2(splits), _p2(chunk)))
 
 
 def _dims(head_dim: int):
@@ -792,11 +802,9 @@ def _capturing_on(device) -> bool:
 
 
 def _keep(launch, key, anchor, rec, x):
-    """Store a freshly built record, except during graph capture: its scratch then lives in the
-    graph's pool and must not serve eager calls after the capture."""
-    if _capturing(x):
-        return rec
-    return launch.put(key, anchor, rec)
+    """Store a freshly built record: during graph capture among the capture's own records (its
+    scratch lives in the graph's pool and must not serve eager calls; launch.py)."""
+    return launch.put(key, anchor, rec, captured=_capturing(x))
 
 
 def _stream_key(device):
@@ -832,7 +840,8 @@ def _counters(ctx, device, n):
     """``n`` int32 zeros for the fused split-K merge (one per (row, KV head)), from the current
     stream's grow-only counter buffer: every decode launch leaves the counters it used at zero,
     and launches on one stream run in order, so the buffer is zeroed once, when it is made.
-    While a graph is captured: fresh zeros in the graph's pool (a replay zeroes them again)."""
+    While a graph is captured: zeros in the graph's pool, made with the capture's record, so a
+    replay zeroes them once, before its first layer, not once per layer."""
     if _capturing_on(device):
         return torch.zeros(n, dtype=torch.int32, device=device)
     launch = ctx.launch
@@ -1006,7 +1015,7 @@ class _Record:
 def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
     launch = ctx.launch
     key = (id(qo_indptr), q.shape[0], v.dtype, num_seqs, max_len, id(tree), id(rope))
-    rec = launch.get(key)
+    rec = launch.get(key, captured=_capturing(v))
     if rec is not None:
         return rec
     cfg = _cfg(ctx)
@@ -1042,10 +1051,6 @@ def _finite_v_specs(v):
     return ((t_total, hkv, d), v.dtype), ((t_total, hkv), torch.int32), ((1,), torch.int32)
 
 
-def _finite_v_scratch(v):
-    return [torch.empty(shape, dtype=dtype, device=v.device) for shape, dtype in _finite_v_specs(v)]
-
-
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                      rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
     if _partial(rope):
@@ -1075,8 +1080,7 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         # a row's causal / tree mask hides later keys of its own forward, and a masked key's
         # p = 0 times a NaN / inf V is NaN: the kernel runs on V with those zeroed, and a second
         # pass (it reads only flags unless one is set) puts them back where a row sees the key
-        v_in, bad, any_bad = (_finite_v_scratch(v) if _capturing(v)
-                              else (rec.v_out, rec.bad, rec.any_bad))
+        v_in, bad, any_bad = rec.v_out, rec.bad, rec.any_bad
         any_bad.zero_()
         svi = v_in.stride()
         rec.frun(rec.fgrid, spec, v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1],
@@ -1095,7 +1099,7 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
     launch = ctx.launch
     t_total = q.shape[0]
     key = (id(depth), t_total, id(rope), use_qpos)
-    rec = launch.get(key)
+    rec = launch.get(key, captured=_capturing(q))
     if rec is not None:
         return rec
     cfg = _cfg(ctx)
@@ -1132,7 +1136,9 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             rec.sl = (hq, 0)
         rec.run = _Kernel(_paged_decode_kernel, dict(
             GROUP=ctx.group, BLOCK_R=cfg.dec_block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits,
-            BLOCK_S=_p2(splits), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+            BLOCK_S=_p2(splits), BLOCK_G=_p2(ctx.group),
+            MERGE_CHUNK=_merge_chunk(ctx.tuning, splits, ctx.group, cfg.block_d, tiles.num_warps),
+            **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
         tiles = cfg.pre_tiles
         rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, 1)
@@ -1167,8 +1173,6 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
             return o, lse
         if rec.splits > 1:
             dst, dstl, sem = rec.po, rec.pl, rec.sem
-            if _capturing(q):
-                dst, dstl, sem = torch.empty_like(dst), torch.empty_like(dstl), torch.zeros_like(sem)
         else:
             dst, dstl, sem = o, lse, lse
         rec.run(rec.grid, spec, q, pages, dst, dstl, o, lse, sem, *rec.pre, qpos, *rec.post,

@@ -38,6 +38,9 @@ class Tuning:
     split_min_keys: int = 256
     split_max: int = 64
     force_splits: int = 0            # >0: always use this many splits (tests, benchmarks)
+    # splits whose partials the decode launch's merge loads at once; 0: as many as fit in
+    # about 32 registers a thread (>0: tests, sweeps)
+    split_merge_chunk: int = 0
     # append / rope / copy kernels: heads per inner step and warps
     elementwise_heads: int = 8
     elementwise_warps: int = 4
