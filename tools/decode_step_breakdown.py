@@ -111,12 +111,8 @@ def sweep(a) -> None:
     from kvcache_cuda import bench as B
     from kvcache_cuda.backend import CudaBackend
     from kvcache_cuda.tuning import AttnTiles
-    import kvcache
     dev = torch.device("cuda")
-    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=B.HQ, num_kv_heads=B.HKV, head_dim=B.D,
-                              page_size=B.PS, dtype="bfloat16", max_total_tokens=B.PS,
-                              rope_mode="normal", max_batch_size=256)
-    be = CudaBackend(cfg, "cuda")
+    be = B.bench_backend(CudaBackend, "bfloat16", "cuda")
     timer = B.Timer(torch, dev, 30, 5)
     rng = np.random.default_rng(0)
     base = be.tuning

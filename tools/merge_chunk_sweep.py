@@ -10,7 +10,6 @@ and the heuristic's (marked *)."""
 import numpy as np
 import torch
 
-import kvcache
 from kvcache_cuda import bench as B
 from kvcache_cuda.backend import CudaBackend
 from kvcache_cuda.tuning import num_splits
@@ -21,10 +20,7 @@ CHUNKS = (0, 1, 2, 4, 8, 16, 32)
 
 def main() -> None:
     dev = torch.device("cuda")
-    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=B.HQ, num_kv_heads=B.HKV, head_dim=B.D,
-                              page_size=B.PS, dtype="bfloat16", max_total_tokens=B.PS,
-                              rope_mode="normal", max_batch_size=256)
-    be = CudaBackend(cfg, "cuda")
+    be = B.bench_backend(CudaBackend, "bfloat16", "cuda")
     timer = B.Timer(torch, dev, 50, 5)
     rng = np.random.default_rng(0)
     base = be.tuning

@@ -92,6 +92,16 @@ def copy_bandwidth(torch, timer, device):
     return 2 * n / (us * 1e-6)
 
 
+def bench_backend(backend_cls, dtype: str, device: str):
+    """A bare backend at the benchmarks' head shape (Hq/Hkv/D/page of this module), its pages
+    made by ``_paged_setup``: the kernels' benchmarks and the tools' sweeps use it."""
+    import kvcache
+    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                              page_size=PS, dtype=dtype, max_total_tokens=PS,
+                              rope_mode="normal", max_batch_size=256)
+    return backend_cls(cfg, device)
+
+
 def _paged_setup(torch, backend, batch, kv_len, nq, rng, device):
     """Pages in a random permutation and one DepthAux with ``batch`` entries of ``kv_len`` keys
     and ``nq`` queries each."""
@@ -136,16 +146,12 @@ def run_benchmarks(argv=None, backend_cls=None):
     if not ok:
         print(f"kvcache-cuda bench: backend {backend_cls.name!r} unavailable: {why}")
         return 2
-    import kvcache
     device = torch.device(args.device)
     rng = np.random.default_rng(0)
     timer = Timer(torch, device, args.iters, args.warmup)
     bw = copy_bandwidth(torch, timer, device)
     elem = 2
-    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                              page_size=PS, dtype=args.dtype, max_total_tokens=PS,
-                              rope_mode="normal", max_batch_size=256)
-    backend = backend_cls(cfg, args.device)
+    backend = bench_backend(backend_cls, args.dtype, args.device)
     sections = set(args.only.split(","))
     rows, results = [], {"device": torch.cuda.get_device_name(device),
                          "copy_bandwidth_GBps": bw / 1e9, "cases": []}
