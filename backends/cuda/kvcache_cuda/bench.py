@@ -239,7 +239,7 @@ def run_benchmarks(argv=None, backend_cls=None):
             del pages
 
     if "graphs" in sections:
-        graph_bench(torch, backend_cls, device, args, results)
+        graph_bench(torch, backend_cls, args, results)
 
     if args.sweep:                     # after the main table, so a time limit cuts only sweeps
         split_sweep(torch, backend, timer, rng, device, scale, results)
@@ -273,40 +273,51 @@ def _kernel_time_us(torch, fn):
     return total
 
 
-def graph_bench(torch, backend_cls, device, args, results):
+def graph_case(torch, backend: str, device: str, dtype: str, batch: int, steps: int):
+    """The graphs section's workload at ``batch``: a ``GRAPH_LAYERS``-layer static-decode cache
+    with ``batch`` histories of ``GRAPH_KV`` tokens (through the planner only: timing needs no
+    values) and room for ``steps`` more, fixed random q/k/v per layer, and its decode step
+    (attention only) captured. Returns ``(cache, ids, layers, graphs)``; ``layers()`` runs the
+    step eagerly."""
+    import kvcache
+    from .graphs import DecodeGraphs
+    cfg = kvcache.CacheConfig(
+        num_layers=GRAPH_LAYERS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
+        dtype=dtype, rope_mode="normal", max_batch_size=max(GRAPH_BATCHES),
+        max_total_tokens=batch * (GRAPH_KV + steps + 64) + PS,
+        prefill_chunk_size=GRAPH_KV, static_decode=True, static_decode_batch_sizes=GRAPH_BATCHES)
+    cache = kvcache.PagedKVCache(cfg, backend=backend, device=device)
+    ids = list(range(batch))
+    for sid in ids:
+        cache.add_sequence(sid)
+        cache.planner.begin([sid], [GRAPH_KV])
+    static = [[torch.randn((batch, h, D), device=device).to(getattr(torch, dtype))
+               for h in (HQ, HKV, HKV)] for _ in range(GRAPH_LAYERS)]
+
+    def layers():
+        return [cache.attention(layer, *static[layer]) for layer in range(GRAPH_LAYERS)]
+
+    graphs = DecodeGraphs(cache, warmup=2)
+    cache.begin_forward(ids, [1] * batch)
+    graphs.capture(layers)
+    cache.end_forward()
+    return cache, ids, layers, graphs
+
+
+def graph_bench(torch, backend_cls, args, results):
     """Per-step latency of a 32-layer decode (attention only: fused RoPE append + paged decode
     per layer) at B = 1, 8, 32, 128 and L = 1024: eager calls vs replay of a captured graph,
     and the replay's GPU time vs the sum of its kernels' own times."""
     import time
 
-    import kvcache
-    from .graphs import DecodeGraphs
     print(f"\n# CUDA-graph decode: {GRAPH_LAYERS} layers, L={GRAPH_KV}, attention only "
           f"(append + decode per layer); per-step medians of {args.iters}")
     print(f"{'batch':>6} {'begin us':>9} {'eager step us':>14} {'graph step us':>14} {'replay gpu us':>14} "
           f"{'kernel sum us':>14} {'replay/kern':>11} {'eager/graph':>11} {'host us/layer':>13}")
     out = results.setdefault("graphs", [])
     for batch in GRAPH_BATCHES:
-        cfg = kvcache.CacheConfig(
-            num_layers=GRAPH_LAYERS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
-            dtype=args.dtype, rope_mode="normal", max_batch_size=max(GRAPH_BATCHES),
-            max_total_tokens=batch * (GRAPH_KV + 4 * args.iters + 64) + PS,
-            prefill_chunk_size=GRAPH_KV, static_decode=True, static_decode_batch_sizes=GRAPH_BATCHES)
-        cache = kvcache.PagedKVCache(cfg, backend=backend_cls.name, device=args.device)
-        ids = list(range(batch))
-        for sid in ids:              # histories through the planner only: timing needs no values
-            cache.add_sequence(sid)
-            cache.planner.begin([sid], [GRAPH_KV])
-        static = [[torch.randn((batch, h, D), device=device).to(cache.backend.dtype)
-                   for h in (HQ, HKV, HKV)] for _ in range(GRAPH_LAYERS)]
-
-        def layers():
-            return [cache.attention(layer, *static[layer]) for layer in range(GRAPH_LAYERS)]
-
-        graphs = DecodeGraphs(cache, warmup=2)
-        cache.begin_forward(ids, [1] * batch)
-        graphs.capture(layers)
-        cache.end_forward()
+        cache, ids, layers, graphs = graph_case(torch, backend_cls.name, args.device, args.dtype,
+                                                batch, 4 * args.iters)
 
         def step_eager():
             cache.begin_forward(ids, [1] * batch)
@@ -371,7 +382,7 @@ def graph_bench(torch, backend_cls, device, args, results):
         out.append(row)
         print(f"{batch:>6} {begin_us:9.1f} {eager_us:14.1f} {graph_us:14.1f} {replay_us:14.1f} "
               f"{kern_us:14.1f} {ratio:11.2f} {eager_us / graph_us:11.2f} {host_us:13.1f}", flush=True)
-        del cache, graphs, static
+        del cache, layers, graphs
         torch.cuda.empty_cache()
     b1 = next((r for r in out if r["batch"] == 1), None)
     if b1 is not None:
