@@ -13,10 +13,22 @@ Shared conventions
 * New tokens of a forward are packed: ``q`` is ``(T, num_qo_heads, D)``, ``k``/``v`` are
   ``(T, num_kv_heads, D)``; tokens of entry ``i`` are rows ``qo_indptr[i]:qo_indptr[i+1]``.
 * Grouped-query attention: query head ``h`` reads KV head ``h // (num_qo_heads // num_kv_heads)``.
-* Attention kernels return ``(o, lse)``: ``o`` ``(T, num_qo_heads, D)`` in the cache dtype and
+* Attention kernels return ``(o, lse)``: ``o`` ``(T, num_qo_heads, Dv)`` in the cache dtype and
   ``lse`` ``(T, num_qo_heads)`` float32, natural log of the softmax denominator (with the
   ``sm_scale`` already applied to the logits).  A row that sees no key has ``o = 0`` and
-  ``lse = -inf``.
+  ``lse = -inf`` (``lse = sinks[h]`` when ``sinks`` are given).
+* Value head dim (``Dv = config.head_dim_v``, capability ``head_dims_v``): values and outputs may
+  have another head dim than queries and keys (MLA in expanded form, 192 / 128).  ``v`` is
+  ``(T, num_kv_heads, Dv)``; a page row is ``max(D, Dv)`` wide, K in its first ``D`` entries
+  and V in its first ``Dv`` (``Dv == D``: the plain layout).
+* Logit soft-capping (``logit_softcap``, capability ``logit_softcap``): ``c > 0`` turns each
+  score ``s = q . k * sm_scale`` into ``c * tanh(s / c)`` before the softmax (and the lse);
+  ``0``: off.
+* Attention sinks (``sinks``, capability ``attention_sinks``): a ``(num_qo_heads,)`` float array
+  of logits, one per query head, that join every row's softmax denominator and carry no value:
+  ``o = sum_j e^{s_j} v_j / (e^{sinks[h]} + sum_j e^{s_j})`` and ``lse`` includes the sink.  The
+  core passes ``sinks`` to exactly one of a layer's attention calls (the partial results merge
+  by lse, so the sink counts once).
 * Per-query window (``window_left``, capability ``window_left``): -1 sees every key; ``w >= 0``
   hides from a query at position ``p`` every key at a position below ``p - w``.  Positions are
   the cache's RoPE positions: ``q_positions`` for queries, ``k_rope_offset[i] + j`` for key ``j``
@@ -67,6 +79,13 @@ class Capabilities:
     window_left: bool = _cap(False, "Per-query sliding-window attention (window_left: a query at "
                                     "position p sees only keys at positions p-window_left..p).")
     head_dims: tuple = _cap((64, 128, 256), "Head dimensions the kernels support.")
+    head_dims_v: tuple = _cap((), "Value head dimensions (CacheConfig.head_dim_v) the kernels "
+                                  "support where they differ from head_dim (MLA in expanded form).")
+    logit_softcap: bool = _cap(False, "Logit soft-capping: scores become cap * tanh(score / cap) "
+                                      "before the softmax (attention(..., logit_softcap=cap)).")
+    attention_sinks: bool = _cap(False, "Learned attention sinks: one logit per query head joins "
+                                        "the softmax denominator with no value "
+                                        "(attention(..., sinks=...)).")
 
     def __post_init__(self):
         if not self.kv_dtypes:      # pages stored as computed, the only format today
@@ -213,11 +232,12 @@ class Backend(abc.ABC):
 
     def page_shape(self, num_pages: int) -> tuple:
         """The page layout: shape of one layer's page array of ``num_pages`` pages,
-        ``(num_pages, 2, num_kv_heads, page_size, head_dim)`` with ``[:, 0]`` K and ``[:, 1]`` V.
+        ``(num_pages, 2, num_kv_heads, page_size, max(head_dim, head_dim_v))`` with ``[:, 0]`` K
+        (its first head_dim entries) and ``[:, 1]`` V (its first head_dim_v entries).
         A backend that stores pages otherwise overrides this and its kernels together; nothing
         outside the backend indexes a page array."""
         c = self.config
-        return (num_pages, 2, c.num_kv_heads, c.page_size, c.head_dim)
+        return (num_pages, 2, c.num_kv_heads, c.page_size, c.page_row_dim)
 
     @abc.abstractmethod
     def allocate_pages(self, num_pages: int) -> list:
@@ -292,7 +312,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def append_kv(self, pages, k, v, slots, positions=None, rope: Optional[RopeSpec] = None) -> None:
-        """Write ``k[t]``/``v[t]`` (T, Hkv, D) into ``pages`` at ``slots[t]`` (-1: skip the token).
+        """Write ``k[t]`` (T, Hkv, D) / ``v[t]`` (T, Hkv, Dv) into ``pages`` at ``slots[t]`` (-1: skip the token).
         With ``rope``, K is rotated at ``positions[t]`` before it is stored (fused RoPE)."""
 
     def rope_append(self, pages, q, k, v, slots, positions, rope: RopeSpec):
@@ -307,21 +327,25 @@ class Backend(abc.ABC):
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale: float, *, num_seqs: int,
                          max_len: int, tree: Optional[TreeMask] = None,
                          rope: Optional[RopeSpec] = None, q_positions=None, k_rope_offset=None,
-                         window_left: int = -1):
+                         window_left: int = -1, logit_softcap: float = 0.0, sinks=None):
         """Causal self-attention among each sequence's new tokens (rows ``qo_indptr[i]:qo_indptr[i+1]``
         of q, k, v): row ``r`` sees rows ``0..r`` of its sequence; with ``tree`` (tree size equal to
         the append length) row ``r`` sees only its tree ancestors and itself. With ``rope`` (inline
         mode) q row is rotated at ``q_positions`` and key row ``r`` at ``k_rope_offset[i] + r``.
         ``window_left`` >= 0 (never with ``tree``): row ``r`` also sees no row below
-        ``r - window_left``. Returns (o, lse)."""
+        ``r - window_left``. ``logit_softcap`` and ``sinks``: see the module docstring (never
+        passed by the core unless the capability is declared). Returns (o, lse)."""
 
     @abc.abstractmethod
     def paged_attention(self, q, pages, depth: DepthAux, sm_scale: float, *,
-                        rope: Optional[RopeSpec] = None, q_positions=None, window_left: int = -1):
+                        rope: Optional[RopeSpec] = None, q_positions=None, window_left: int = -1,
+                        logit_softcap: float = 0.0, sinks=None):
         """Attention of each entry's queries over that entry's keys in ``pages`` (see ``DepthAux``).
         ``window_left`` >= 0: query row ``t`` sees key ``j`` of entry ``i`` only if
         ``k_rope_offset[i] + j >= q_positions[t] - window_left`` (``q_positions`` is then always
-        given; never with a tree). Returns (o, lse) for all T rows of ``q``; rows covered by no entry get o = 0, lse = -inf."""
+        given; never with a tree). ``logit_softcap``, ``sinks``: see the module docstring.
+        Returns (o, lse) for all T rows of ``q``; rows covered by no entry get o = 0 and
+        lse = -inf (``sinks[h]`` with sinks)."""
 
     @abc.abstractmethod
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
@@ -341,7 +365,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def gather_kv(self, pages_per_layer: Sequence, slots):
-        """(k, v), each (num_layers, len(slots), Hkv, D): the rows at ``slots`` in every layer."""
+        """(k, v), (num_layers, len(slots), Hkv, D) and (num_layers, len(slots), Hkv, Dv): the
+        rows at ``slots`` in every layer."""
 
     # ------------------------------------------------------------------ helpers for the core
     def split_qkv(self, qkv):

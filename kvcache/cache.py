@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .backend import Capabilities
-from .config import CacheConfig
+from .config import DTYPES, CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
 from .core.plan import ForwardAux, ForwardPlan
 from .core.planner import Planner
@@ -77,6 +77,8 @@ class PagedKVCache:
         self._require(config.kv_dtype in caps.kv_dtypes, "kv_dtypes",
                       f"kv_dtype {config.kv_dtype!r}", cls)
         self._require(config.head_dim in caps.head_dims, "head_dims", f"head_dim {config.head_dim}", cls)
+        self._require(config.head_dim_v == config.head_dim or config.head_dim_v in caps.head_dims_v,
+                      "head_dims_v", f"head_dim_v {config.head_dim_v} (head_dim {config.head_dim})", cls)
         self._require(not config.support_sliding_window or caps.sliding_window, "sliding_window",
                       "support_sliding_window=True", cls)
         self._require(config.effective_rope_mode != "inline" or caps.inline_rope, "inline_rope",
@@ -312,9 +314,17 @@ class PagedKVCache:
         k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
         return [p[0] for p in parts], k, v
 
+    def _payloads_supported(self, what: str) -> None:
+        c = self.config
+        if c.head_dim_v != c.head_dim:
+            raise UnsupportedFeatureError(
+                f"{what}: sequence payloads carry K and V with one head dim, but this cache has "
+                f"head_dim={c.head_dim} and head_dim_v={c.head_dim_v} (not supported yet)")
+
     def _export_range(self, seq_id, start, end) -> tuple[SequencePayload, np.ndarray]:
         """(header-only payload, slots) of an export, validated."""
         seq = self.state.seq(seq_id)
+        self._payloads_supported(f"export of sequence {seq.seq_id}")
         if not seq.committed:
             raise ForwardStateError(
                 f"sequence {seq.seq_id} has {len(seq.tree_parent)} uncommitted token-tree tokens; "
@@ -377,6 +387,7 @@ class PagedKVCache:
             raise InvalidArgumentError(
                 f"import of sequence {seq_id}: payload must be a kvcache.SequencePayload "
                 f"(from export_sequence), got {type(payload).__name__}")
+        self._payloads_supported(f"import of sequence {seq_id}")
         payload.check_fits(self.config, seq_id, convert_dtype)
         start, end = payload.start, payload.end
         if parent_id is None:
@@ -619,43 +630,51 @@ class PagedKVCache:
             self._aux = self.aux_manager.upload(plan)
         return self._aux
 
-    def _check_input(self, name, array, heads, total):
+    def _check_input(self, name, array, heads, total, dim=None):
         b, c = self.backend, self.config
+        dim = c.head_dim if dim is None else dim
         if not b.is_native(array):
             raise InvalidArgumentError(
                 f"{name} must be a {b.name} backend array (use cache.from_numpy), got {type(array).__name__}")
         shape = b.shape_of(array)
         bucket = self._plan.static_bucket
-        if shape != (total, heads, c.head_dim) and (bucket is None or shape != (bucket, heads, c.head_dim)):
+        if shape != (total, heads, dim) and (bucket is None or shape != (bucket, heads, dim)):
             padded = f" (or {bucket} rows: the static-shape bucket)" if bucket is not None else ""
             raise InvalidArgumentError(
-                f"{name} has shape {shape}, expected ({total}, {heads}, {c.head_dim}){padded} "
+                f"{name} has shape {shape}, expected ({total}, {heads}, {dim}){padded} "
                 f"for {total} new tokens of sequences {self._plan.seq_ids}")
         if b.dtype_name(array) != c.dtype:
             raise InvalidArgumentError(f"{name} has dtype {b.dtype_name(array)}, the cache stores {c.dtype}")
 
     def attention(self, layer_id: int, q: Array, k: Array, v: Array,
                   sm_scale: Optional[float] = None, return_lse: bool = False,
-                  window_left: int = -1) -> Union[Array, tuple[Array, Array]]:
+                  window_left: int = -1, logit_softcap: Optional[float] = None,
+                  sinks: Optional[Array] = None) -> Union[Array, tuple[Array, Array]]:
         """Write layer ``layer_id``'s new K/V into the cache and attend: each new token's query
         over its sequence's history and the new tokens before it (its tree ancestors in a
         token tree, the window and sinks of a sliding window).
 
-        ``q``: (T, num_qo_heads, head_dim), ``k``/``v``: (T, num_kv_heads, head_dim), backend
-        arrays in the cache dtype, rows in ``begin_forward`` order (a static-shape step may
-        pass ``static_bucket`` rows; padded rows give zeros); ``sm_scale``: logit scale
-        (default ``head_dim ** -0.5``); ``window_left``: -1 (every key), or ``w >= 0``: a query
-        at position ``p`` sees only keys at positions ``p - w .. p`` (FlashInfer's
-        ``window_left``; capability ``window_left``; not with a token tree). Positions are
-        the cache's (``query_positions``). Returns ``o`` (T, num_qo_heads, head_dim), with
-        ``return_lse`` also ``lse`` (T, num_qo_heads) float32. Each layer runs once per
-        forward."""
+        ``q``: (T, num_qo_heads, head_dim), ``k``: (T, num_kv_heads, head_dim), ``v``: (T,
+        num_kv_heads, head_dim_v), backend arrays in the cache dtype, rows in ``begin_forward``
+        order (a static-shape step may pass ``static_bucket`` rows; padded rows give zeros);
+        ``sm_scale``: logit scale (default ``head_dim ** -0.5``); ``window_left``: -1 (every
+        key), or ``w >= 0``: a query at position ``p`` sees only keys at positions ``p - w ..
+        p`` (FlashInfer's ``window_left``; capability ``window_left``; not with a token tree;
+        a per-call value, so sliding and full layers mix in one forward). Positions are the
+        cache's (``query_positions``). ``logit_softcap``: None, or ``c > 0``: each score
+        ``s = q . k * sm_scale`` becomes ``c * tanh(s / c)`` before the softmax (capability
+        ``logit_softcap``). ``sinks``: None, or a backend array of ``num_qo_heads`` logits
+        (float) that join each query head's softmax denominator and carry no value (learned
+        attention sinks; capability ``attention_sinks``); the lse includes them.
+        Returns ``o`` (T, num_qo_heads, head_dim_v), with ``return_lse`` also ``lse``
+        (T, num_qo_heads) float32. Each layer runs once per forward."""
         plan = self._open("attention")
         c = self.config
         layer_id = as_int(layer_id, "layer_id")
         return_lse = bool_arg(return_lse, "return_lse")
         scale = c.head_dim ** -0.5 if sm_scale is None else float_arg(sm_scale, "sm_scale")
         window_left = self._window_left(plan, window_left)
+        softcap = self._softcap(plan, logit_softcap)
         if not 0 <= layer_id < c.num_layers:
             raise InvalidArgumentError(f"layer_id {layer_id} must be in [0, {c.num_layers})")
         if layer_id in self._layers_done:
@@ -664,9 +683,11 @@ class PagedKVCache:
         self._check_input("q", q, c.num_qo_heads, total)
         rows = self.backend.shape_of(q)[0]
         self._check_input("k", k, c.num_kv_heads, rows)
-        self._check_input("v", v, c.num_kv_heads, rows)
+        self._check_input("v", v, c.num_kv_heads, rows, c.head_dim_v)
+        self._check_sinks(plan, sinks)
         aux = self._device_aux()
-        o, lse = self._attend(plan, aux, self.pages[layer_id], q, k, v, scale, window_left)
+        o, lse = self._attend(plan, aux, self.pages[layer_id], q, k, v, scale, window_left,
+                              softcap, sinks)
         self._layers_done.add(layer_id)         # a layer that raised has not run
         return (o, lse) if return_lse else o
 
@@ -688,18 +709,56 @@ class PagedKVCache:
                     f"{plan.seq_ids}): tree attention has no per-query window")
         return window_left
 
+    def _softcap(self, plan: ForwardPlan, logit_softcap) -> float:
+        """The validated soft cap of an attention call: 0.0 (off) or a finite float > 0."""
+        if logit_softcap is None:
+            return 0.0
+        try:
+            cap = float_arg(logit_softcap, "logit_softcap", positive=True)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{exc} (forward over sequences {plan.seq_ids})") from None
+        if not self.capabilities.logit_softcap:
+            raise UnsupportedFeatureError(
+                f"backend {self.backend.name!r} does not support logit_softcap={cap} (forward "
+                f"over sequences {plan.seq_ids}): {Capabilities.reason('logit_softcap')}")
+        return cap
+
+    def _check_sinks(self, plan: ForwardPlan, sinks) -> None:
+        if sinks is None:
+            return
+        b, heads = self.backend, self.config.num_qo_heads
+        if not self.capabilities.attention_sinks:
+            raise UnsupportedFeatureError(
+                f"backend {b.name!r} does not support attention sinks (forward over sequences "
+                f"{plan.seq_ids}): {Capabilities.reason('attention_sinks')}")
+        if not b.is_native(sinks):
+            raise InvalidArgumentError(
+                f"sinks must be a {b.name} backend array of {heads} logits (use cache.from_numpy), "
+                f"got {type(sinks).__name__}")
+        if b.shape_of(sinks) != (heads,) or b.dtype_name(sinks) not in DTYPES:
+            raise InvalidArgumentError(
+                f"sinks has shape {b.shape_of(sinks)} and dtype {b.dtype_name(sinks)}, expected "
+                f"({heads},) (one logit per query head) of one of {DTYPES}")
+
     def attention_with_fused_qkv(self, layer_id: int, qkv: Array, sm_scale: Optional[float] = None,
-                                 return_lse: bool = False,
-                                 window_left: int = -1) -> Union[Array, tuple[Array, Array]]:
+                                 return_lse: bool = False, window_left: int = -1,
+                                 logit_softcap: Optional[float] = None,
+                                 sinks: Optional[Array] = None) -> Union[Array, tuple[Array, Array]]:
         """``attention`` with q, k, v packed in ``qkv`` (T, num_qo_heads + 2*num_kv_heads,
-        head_dim); the other parameters as there."""
+        head_dim); the other parameters as there. Needs ``head_dim_v == head_dim``."""
         plan = self._open("attention_with_fused_qkv")
         c = self.config
+        if c.head_dim_v != c.head_dim:
+            raise InvalidArgumentError(
+                f"attention_with_fused_qkv packs q, k and v with one head dim, but the cache has "
+                f"head_dim={c.head_dim} and head_dim_v={c.head_dim_v}; call attention(q, k, v)")
         self._check_input("qkv", qkv, c.num_qo_heads + 2 * c.num_kv_heads, plan.total_tokens)
         q, k, v = self.backend.split_qkv(qkv)
-        return self.attention(layer_id, q, k, v, sm_scale, return_lse, window_left)
+        return self.attention(layer_id, q, k, v, sm_scale, return_lse, window_left,
+                              logit_softcap, sinks)
 
-    def _attend(self, plan: ForwardPlan, aux: ForwardAux, pages, q, k, v, scale, window_left=-1):
+    def _attend(self, plan: ForwardPlan, aux: ForwardAux, pages, q, k, v, scale, window_left=-1,
+                softcap=0.0, sinks=None):
         b, mode = self.backend, self.config.effective_rope_mode
         inline = self._rope if mode == "inline" else None
         tokens = aux.tokens
@@ -713,17 +772,23 @@ class PagedKVCache:
             else:
                 b.append_kv(pages, k, v, slots)
         o = lse = None
+        # optional keywords only when used: a backend without the capability never sees them;
+        # the sinks go to the first call only (partials merge by lse: the sink counts once)
+        extra: dict = {"window_left": window_left} if window_left >= 0 else {}
+        if softcap:
+            extra["logit_softcap"] = softcap
         if not plan.paged_only:
             o, lse = b.ragged_attention(q, k, v, tokens.qo_indptr, scale,
                                         num_seqs=len(plan.seq_ids), max_len=plan.max_append,
                                         tree=tokens.self_tree, rope=inline, q_positions=positions,
                                         k_rope_offset=tokens.k_rope_offset,
-                                        **({"window_left": window_left} if window_left >= 0 else {}))
+                                        **extra, **({"sinks": sinks} if sinks is not None else {}))
         for depth in aux.depths:
             if depth.num_pages == 0 and plan.static_bucket is None:
                 continue
+            first = o is None and sinks is not None
             o_d, lse_d = b.paged_attention(q, pages, depth, scale, rope=inline, q_positions=positions,
-                                           **({"window_left": window_left} if window_left >= 0 else {}))
+                                           **extra, **({"sinks": sinks} if first else {}))
             if o is None:
                 o, lse = o_d, lse_d
             else:

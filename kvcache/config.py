@@ -56,6 +56,12 @@ class CacheConfig:
     static_decode_batch_sizes: tuple = ()
     """Batch buckets a static-shape decode is padded to (default: powers of two up to and
     including max_batch_size)."""
+    head_dim_v: "int | None" = None
+    """Head dim of values and of the attention output (None: ``head_dim``). Another value than
+    head_dim is MLA in expanded form (DeepSeek's 192 / 128); it needs a backend declaring it in
+    ``head_dims_v``. A page row is ``max(head_dim, head_dim_v)`` wide (``page_row_dim``). Read
+    back it is always an int (None becomes head_dim), so ``dataclasses.replace(config,
+    head_dim=...)`` keeps the old value: pass head_dim_v too."""
 
     def __post_init__(self):
         # normalise numpy scalars to Python ints / floats / bools (the dataclass is frozen)
@@ -73,6 +79,8 @@ class CacheConfig:
                 f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise InvalidArgumentError(f"CacheConfig.head_dim={self.head_dim} must be even (RoPE halves)")
+        put("head_dim_v", self.head_dim if self.head_dim_v is None else
+            int_arg(self.head_dim_v, "CacheConfig.head_dim_v", 1, INT32_MAX))
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidArgumentError(f"CacheConfig.dtype={self.dtype!r} is not one of {DTYPES}")
         if self.rope_mode is _UNSET:
@@ -158,9 +166,14 @@ class CacheConfig:
         return self.dtype
 
     @property
+    def page_row_dim(self) -> int:
+        """Width of one page row: ``max(head_dim, head_dim_v)`` (K and V share the row shape)."""
+        return max(self.head_dim, self.head_dim_v)
+
+    @property
     def token_kv_bytes(self) -> int:
         """Bytes one token's K and V take over every layer, in the storage format."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize(self.kv_dtype)
+        return self.num_layers * 2 * self.num_kv_heads * self.page_row_dim * itemsize(self.kv_dtype)
 
     @property
     def group_size(self) -> int:
@@ -179,7 +192,7 @@ class CacheConfig:
     @property
     def kv_bytes(self) -> int:
         """Bytes of the page arrays: ``num_pages`` pages of (2, num_kv_heads, page_size,
-        head_dim) per layer, in the cache dtype."""
+        page_row_dim) per layer, in the cache dtype."""
         return self.num_pages * self.page_size * self.token_kv_bytes
 
     @property

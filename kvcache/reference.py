@@ -80,14 +80,24 @@ def weighted_values(w: np.ndarray, visible: np.ndarray, v: np.ndarray) -> np.nda
 
 
 def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray,
-                   sm_scale: float, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """q (n, Hq, D), k/v (m, Hkv, D) float64, visible (n, m) bool -> o (n, Hq, D), lse (n, Hq).
-    Keys a row does not see add nothing to it, whatever their K/V hold (NaN, inf)."""
+                   sm_scale: float, group: int, softcap: float = 0.0,
+                   sinks: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """q (n, Hq, D), k (m, Hkv, D), v (m, Hkv, Dv) float64, visible (n, m) bool -> o (n, Hq, Dv),
+    lse (n, Hq). Keys a row does not see add nothing to it, whatever their K/V hold (NaN, inf).
+    ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; ``sinks`` (Hq,): one
+    logit per head in every row's denominator, with no value."""
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
     with np.errstate(invalid="ignore"):     # a NaN/inf K gives NaN logits (masked ones dropped)
         logits = np.einsum("nhd,mhd->hnm", q, k) * sm_scale
+        if softcap:
+            logits = softcap * np.tanh(logits / softcap)
     logits = np.where(visible[None, :, :], logits, -np.inf)
+    if sinks is not None:      # the sink as one more key every row sees, with a zero value
+        sink_col = np.broadcast_to(sinks[:, None, None], (logits.shape[0], logits.shape[1], 1))
+        logits = np.concatenate([logits, sink_col], axis=-1)
+        visible = np.concatenate([visible, np.ones((visible.shape[0], 1), dtype=bool)], axis=1)
+        v = np.concatenate([v, np.zeros((1,) + v.shape[1:])], axis=0)
     peak = logits.max(axis=-1, keepdims=True)
     peak = np.where(np.isfinite(peak), peak, 0.0)
     weights = np.exp(logits - peak)
@@ -106,8 +116,8 @@ class ReferenceBackend(Backend):
         # bfloat16 only with ml_dtypes: PagedKVCache then raises UnsupportedFeatureError for it
         dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES),
         tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
-        rope_frequencies=True,
-        head_dims=tuple(range(2, 1025, 2)),
+        rope_frequencies=True, logit_softcap=True, attention_sinks=True,
+        head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(1, 1025)),
     )
 
     @classmethod
@@ -170,19 +180,29 @@ class ReferenceBackend(Backend):
         keep = slots >= 0
         if rope is not None:
             k = rotate(k, np.asarray(positions), rope)
-        ps = self.config.page_size
-        page, row = slots[keep] // ps, slots[keep] % ps
-        pages[page, 0, :, row, :] = np.asarray(k)[keep].astype(self.kv_dtype)
-        pages[page, 1, :, row, :] = np.asarray(v)[keep].astype(self.kv_dtype)
-
-    def _output(self, t):
         c = self.config
-        return np.zeros((t, c.num_qo_heads, c.head_dim)), np.full((t, c.num_qo_heads), -np.inf)
+        page, row = slots[keep] // c.page_size, slots[keep] % c.page_size
+        pages[page, 0, :, row, :c.head_dim] = np.asarray(k)[keep].astype(self.kv_dtype)
+        pages[page, 1, :, row, :c.head_dim_v] = np.asarray(v)[keep].astype(self.kv_dtype)
+
+    def _output(self, t, sinks=None):
+        """Rows that see no key: o = 0, lse = -inf (the sink's logit with sinks)."""
+        c = self.config
+        lse = np.full((t, c.num_qo_heads), -np.inf)
+        if sinks is not None:
+            lse[:] = sinks[None, :]
+        return np.zeros((t, c.num_qo_heads, c.head_dim_v)), lse
+
+    @staticmethod
+    def _sinks(sinks):
+        return None if sinks is None else np.asarray(sinks).astype(np.float64)
 
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
+                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
+                         logit_softcap=0.0, sinks=None):
         qo_indptr = np.asarray(qo_indptr)
-        o, lse = self._output(q.shape[0])
+        sinks = self._sinks(sinks)
+        o, lse = self._output(q.shape[0], sinks)
         for i in range(num_seqs):
             lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
             n = hi - lo
@@ -199,7 +219,8 @@ class ReferenceBackend(Backend):
                 if window_left >= 0:
                     visible &= np.triu(np.ones((n, n), dtype=bool), -window_left)
             o[lo:hi], lse[lo:hi] = softmax_attend(qi, ki, v[lo:hi].astype(np.float64), visible,
-                                                  sm_scale, self.config.group_size)
+                                                  sm_scale, self.config.group_size,
+                                                  logit_softcap, sinks)
         return self._store(o), lse.astype(np.float32)
 
     def _entry_keys(self, pages, depth: DepthAux, i: int):
@@ -210,11 +231,13 @@ class ReferenceBackend(Backend):
         off = np.where(j < sink, j, j - sink + gap)
         page_ids = np.asarray(depth.page_indices)[int(depth.page_indptr[i]) + off // ps]
         rows = off % ps
-        return pages[page_ids, 0, :, rows, :], pages[page_ids, 1, :, rows, :]
+        c = self.config
+        return (pages[page_ids, 0, :, rows, :c.head_dim], pages[page_ids, 1, :, rows, :c.head_dim_v])
 
     def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                        window_left=-1):
-        o, lse = self._output(q.shape[0])
+                        window_left=-1, logit_softcap=0.0, sinks=None):
+        sinks = self._sinks(sinks)
+        o, lse = self._output(q.shape[0], sinks)
         qo_indptr = np.asarray(depth.qo_indptr)
         for i in range(depth.num_entries):
             lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
@@ -236,7 +259,8 @@ class ReferenceBackend(Backend):
                 q_pos = np.asarray(q_positions)[lo:hi].astype(np.int64)
                 visible &= k_pos[None, :] >= (q_pos - window_left)[:, None]
             o[lo:hi], lse[lo:hi] = softmax_attend(qi, keys, values.astype(np.float64), visible,
-                                                  sm_scale, self.config.group_size)
+                                                  sm_scale, self.config.group_size,
+                                                  logit_softcap, sinks)
         return self._store(o), lse.astype(np.float32)
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
@@ -263,6 +287,7 @@ class ReferenceBackend(Backend):
     def gather_kv(self, pages_per_layer, slots):
         ps = self.config.page_size
         slots = np.asarray(slots)
-        k = np.stack([p[slots // ps, 0, :, slots % ps, :] for p in pages_per_layer])
-        v = np.stack([p[slots // ps, 1, :, slots % ps, :] for p in pages_per_layer])
+        d, dv = self.config.head_dim, self.config.head_dim_v
+        k = np.stack([p[slots // ps, 0, :, slots % ps, :d] for p in pages_per_layer])
+        v = np.stack([p[slots // ps, 1, :, slots % ps, :dv] for p in pages_per_layer])
         return k, v

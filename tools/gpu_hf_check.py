@@ -1,5 +1,5 @@
 """H100 check of the transformers integration at a realistic size: Llama-3-8B layer shapes with
-4 layers (phi3: head_dim 96), random seeded weights, bfloat16 on cuda. For each family: the
+2 layers (each family's own head dims), random seeded weights, bfloat16 on cuda. For each family: the
 first-step logits of ``Engine`` on the cache vs transformers' own sdpa forward, and the greedy
 tokens of ``Engine.generate`` vs ``model.generate`` (its own cache, sdpa) for 8 prompts of 5-300
 tokens, 64 new tokens each.
@@ -13,7 +13,7 @@ where the first flip happens. Two more numbers separate that from a cache error:
   * the library's own noise floor: transformers' ``eager`` attention, free-running and
     teacher-forced (one forward over prompt + tokens), against its ``sdpa`` generation.
 
-    python tools/gpu_hf_check.py [--families llama,mistral,phi3] [--layers 4]
+    python tools/gpu_hf_check.py [--families llama,gemma2,gpt_oss] [--layers 2]
 """
 
 from __future__ import annotations
@@ -38,18 +38,52 @@ DIMS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
             rope_theta=500000.0, initializer_range=0.1, tie_word_embeddings=False,
             bos_token_id=None, eos_token_id=None, pad_token_id=0)
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+# name -> (model_type, what differs from DIMS): 8B-like attention shapes (32 query heads, 8 KV
+# heads, head_dim 128 unless the family fixes its own), the features of issue 27 switched on
 FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=128)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=128, sliding_window=4096)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(hidden_size=3072, intermediate_size=8192)),
+    "llama": ("llama", dict(head_dim=128, rope_scaling=LLAMA3)),
+    "qwen2": ("qwen2", dict(num_attention_heads=28, num_key_value_heads=4, hidden_size=3584)),
+    "qwen3": ("qwen3", dict(head_dim=128)),
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=128, moe_intermediate_size=1536, num_experts=8,
+                                    num_experts_per_tok=2)),
+    "mistral": ("mistral", dict(head_dim=128, sliding_window=256)),
+    "mixtral": ("mixtral", dict(head_dim=128, **_MOE)),
+    "phi3": ("phi3", dict(hidden_size=3072, intermediate_size=8192)),
+    "gemma": ("gemma", dict(num_attention_heads=16, num_key_value_heads=16, head_dim=256,
+                            hidden_size=3072)),
+    "gemma2": ("gemma2", dict(num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                              hidden_size=3584, sliding_window=128, attn_logit_softcapping=50.0,
+                              query_pre_attn_scalar=256)),
+    "gemma3_text": ("gemma3_text", dict(num_attention_heads=16, num_key_value_heads=8,
+                                        head_dim=256, hidden_size=3840, sliding_window=128,
+                                        layer_types=["sliding_attention", "full_attention"])),
+    "granite": ("granite", dict(attention_multiplier=0.0078125)),
+    "olmo2": ("olmo2", dict()),
+    "cohere": ("cohere", dict()),
+    "glm4": ("glm4", dict(head_dim=128, num_key_value_heads=2)),
+    "starcoder2": ("starcoder2", dict(num_key_value_heads=4)),
+    "smollm3": ("smollm3", dict(num_attention_heads=16, num_key_value_heads=4, hidden_size=2048)),
+    "gpt_oss": ("gpt_oss", dict(head_dim=64, num_attention_heads=64, hidden_size=2880,
+                                intermediate_size=2880, sliding_window=128, **_MOE)),
+    "deepseek_v3": ("deepseek_v3", dict(num_attention_heads=32, num_key_value_heads=32,
+                                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                        qk_rope_head_dim=64, v_head_dim=128,
+                                        moe_intermediate_size=1408, n_routed_experts=8,
+                                        num_experts_per_tok=2, n_group=1, topk_group=1,
+                                        first_k_dense_replace=1)),
 }
+# sdpa refuses soft-capping: the reference generation of those runs on transformers' eager
+EAGER_REFERENCE = ("gemma2",)
 LENGTHS = [5, 300, 37, 128, 64, 211, 9, 150]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--families", default=",".join(FAMILIES))
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (cuda's CPU test mode, --tiny)")
     p.add_argument("--tiny", action="store_true", help="hidden 256, vocab 512: a smoke run")
@@ -60,13 +94,19 @@ def main() -> None:
     prompts = [rng.integers(1, 500, n).tolist() for n in LENGTHS]
     print(torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch", torch.__version__, "transformers", transformers.__version__)
     for fam in args.families.split(","):
-        cname, mname, kw = FAMILIES[fam]
-        kw = dict(kw, **(dict(hidden_size=384, intermediate_size=512) if args.tiny and fam == "phi3" else {}))
-        cfg = getattr(transformers, cname)(**{**dims, **kw, "num_hidden_layers": args.layers})
-        cfg._attn_implementation = "sdpa"
+        model_type, kw = FAMILIES[fam]
+        if args.tiny:
+            kw = {k: v for k, v in kw.items() if k not in ("hidden_size", "intermediate_size",
+                                                             "num_attention_heads", "num_key_value_heads")}
+            kw.update(hidden_size=384 if fam == "phi3" else 256, intermediate_size=512)
+            if "head_dim" in kw:
+                kw["head_dim"] = min(kw["head_dim"], 64)
+        cfg = transformers.AutoConfig.for_model(model_type, **{**dims, **kw, "num_hidden_layers": args.layers})
+        ref_attn = "eager" if fam in EAGER_REFERENCE else "sdpa"
         torch.manual_seed(0)
         with torch.device(args.device):
-            model = getattr(transformers, mname)(cfg).to(torch.bfloat16).eval()
+            model = transformers.AutoModelForCausalLM.from_config(
+                cfg, attn_implementation=ref_attn).to(torch.bfloat16).eval()
         t0 = time.perf_counter()
         want, first_ref = [], []
         with torch.no_grad():
@@ -88,19 +128,20 @@ def main() -> None:
                 top = model(full).logits[0, len(pr) - 1:].argmax(-1).tolist()
                 eager_forced += sum(int(x == y) for x, y in zip(top, w))
         forced = teacher_forced(model, prompts, want, args.device)
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(ref_attn)
         eng = Engine(model, backend="cuda", device=args.device, max_total_tokens=16384,
                      prefill_chunk_size=512)
         first = [np.asarray(row, np.float32) for row in first_step_logits(eng, prompts)]
         t0 = time.perf_counter()
-        got = [o[0] for o in eng.generate(prompts, max_new_tokens=args.new)]
+        got = [o[0] for o in eng.generate(prompts, max_new_tokens=args.new, ignore_eos=True)]
         t_eng = time.perf_counter() - t0
         rel = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(first, first_ref))
         top1 = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(first, first_ref))
         same = sum(int(x == y) for g, w in zip(got, want) for x, y in zip(g, w))
         prefix = sum(next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), len(w)) for g, w in zip(got, want))
         total = sum(len(w) for w in want)
-        print(f"{fam}: head_dim {cfg.hidden_size // cfg.num_attention_heads if fam == 'phi3' else kw['head_dim']}, "
+        dims_qk_v = kvt.head_dims(cfg)
+        print(f"{fam}: head_dim {dims_qk_v[0]}/{dims_qk_v[1]}, "
               f"{args.layers} layers, bf16: first-step logits max|diff|/max|logit| {rel:.2e}, "
               f"top-1 equal {top1}/{len(prompts)}; greedy tokens equal position-wise {same}/{total} "
               f"({100 * same / total:.1f}%), equal before the first divergence {prefix}/{total} "

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 _CLASSES = {
     "test_forward": ("TestPrefill", "TestDecode", "TestMixedBatch", "TestFusedQKV", "TestLse",
-                     "TestRope", "TestQueries"),
+                     "TestRope", "TestQueries", "TestWindowLeft"),
+    "test_semantics": ("TestLogitSoftcap", "TestAttentionSinks", "TestMixedWindowLayers",
+                       "TestHeadDimV", "TestHeadDims"),
     "test_sequences": ("TestFork", "TestPopn", "TestSlidingWindow", "TestTokenTree"),
     "test_matrix": ("TestMatrix",),
     "test_errors": ("TestBadInput", "TestAtomicity", "TestCapabilities", "TestBackendContract"),

@@ -55,7 +55,8 @@ def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers
                 rope_mode="none", max_total_tokens=512, max_batch_size=16,
                 prefill_chunk_size=512, support_sliding_window=False, num_kv_heads=None,
                 rope_theta=10000.0, rope_scale=1.0, static_decode=False,
-                static_decode_batch_sizes=(), rope_inv_freq=(), rope_rotary_dim=0) -> CacheConfig:
+                static_decode_batch_sizes=(), rope_inv_freq=(), rope_rotary_dim=0,
+                head_dim_v=None) -> CacheConfig:
     """A small config for the suite: GQA ratio ``gqa`` with 2 KV heads (1 for ratio 8)."""
     hkv = num_kv_heads or (1 if gqa >= 8 else 2)
     return CacheConfig(num_layers=num_layers, num_qo_heads=hkv * gqa, num_kv_heads=hkv,
@@ -64,7 +65,8 @@ def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers
                        dtype=dtype, rope_mode=rope_mode, rope_theta=rope_theta,
                        rope_scale=rope_scale, rope_inv_freq=rope_inv_freq,
                        rope_rotary_dim=rope_rotary_dim, support_sliding_window=support_sliding_window,
-                       static_decode=static_decode, static_decode_batch_sizes=static_decode_batch_sizes)
+                       static_decode=static_decode, static_decode_batch_sizes=static_decode_batch_sizes,
+                       head_dim_v=head_dim_v)
 
 
 _CALLS = {
@@ -106,7 +108,7 @@ class CachePair:
         hist = "; ".join(self.history[-12:])
         more = f"... ({len(self.history) - 12} earlier) " if len(self.history) > 12 else ""
         return (f"\n  backend {self.dut.backend.name!r}, config dtype={c.dtype} "
-                f"heads={c.num_qo_heads}/{c.num_kv_heads} head_dim={c.head_dim} "
+                f"heads={c.num_qo_heads}/{c.num_kv_heads} head_dim={c.head_dim}/{c.head_dim_v} "
                 f"page_size={c.page_size} rope={c.rope_mode} sliding={c.support_sliding_window}"
                 f"\n  after: {more}{hist}")
 
@@ -126,11 +128,11 @@ class CachePair:
         if not len(free):
             return
         b = cache.backend
-        fill = np.full((len(free), c.num_kv_heads, c.head_dim), self.poison_value)
-        k = b.from_numpy(fill)
+        k = b.from_numpy(np.full((len(free), c.num_kv_heads, c.head_dim), self.poison_value))
+        v = b.from_numpy(np.full((len(free), c.num_kv_heads, c.head_dim_v), self.poison_value))
         slots = b.aux_to_device(free.astype(np.int32))
         for layer in range(c.num_layers):
-            b.append_kv(cache.pages[layer], k, k, slots)
+            b.append_kv(cache.pages[layer], k, v, slots)
 
     def both(self, method: str, *args, **kwargs):
         """Call ``method`` on both caches; same exception type or both succeed."""
@@ -240,19 +242,27 @@ class CachePair:
 
     def layer_inputs(self, layer: int):
         """The q, k, v of ``layer`` in the open forward: random host arrays (float64) of
-        ``(T, num_qo_heads, D)`` and twice ``(T, num_kv_heads, D)``, T the forward's tokens."""
+        ``(T, num_qo_heads, D)``, ``(T, num_kv_heads, D)`` and ``(T, num_kv_heads, Dv)``, T the
+        forward's tokens."""
         c, total = self.config, sum(self.lens)
-        return tuple(self.random(total, h, c.head_dim)
-                     for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads))
+        return (self.random(total, c.num_qo_heads, c.head_dim),
+                self.random(total, c.num_kv_heads, c.head_dim),
+                self.random(total, c.num_kv_heads, c.head_dim_v))
 
     def attend(self, layer, *, fused=False, sm_scale=None, return_lse=True, inputs=None,
-               window_left=-1):
+               window_left=-1, logit_softcap=None, sinks=None):
         """q/k/v for ``layer`` (``inputs``: host arrays, or a function ``cache -> (q, k, v)`` of
         native arrays; default ``layer_inputs``) through both caches; compares o and lse (and
-        the reference with the dense model); ``window_left`` is passed on when >= 0; returns the
-        backend's (o, lse) as host arrays."""
+        the reference with the dense model); ``window_left`` (when >= 0), ``logit_softcap`` and
+        ``sinks`` (host logits, one per query head) are passed on; returns the backend's
+        (o, lse) as host arrays."""
         c = self.config
-        win = {"window_left": window_left} if window_left >= 0 else {}
+        win: dict = {"window_left": window_left} if window_left >= 0 else {}
+        if logit_softcap is not None:
+            win["logit_softcap"] = logit_softcap
+        if sinks is not None:
+            sinks = np.asarray(sinks, np.float64)
+            self._note(f"sinks {np.round(sinks, 2).tolist()}")
         if inputs is None:
             inputs = self.layer_inputs(layer)
         if callable(inputs):
@@ -265,6 +275,8 @@ class CachePair:
         self._note(f"attention(layer {layer}{', fused' if fused else ''})")
         outs = []
         for cache in (self.ref, self.dut):
+            if sinks is not None:
+                win["sinks"] = cache.from_numpy(sinks)          # in the cache dtype
             try:
                 if fused and cache is self.dut:
                     qkv = cache.from_numpy(np.concatenate(host, axis=1))
@@ -299,7 +311,9 @@ class CachePair:
         (o_r, lse_r), (o_d, lse_d) = compared
         if self.model is not None:
             qd, kd, vd = (round_to(x, c.dtype) for x in host)
-            o_m, lse_m = self.model.attention(layer, qd, kd, vd, sm_scale, window_left)
+            o_m, lse_m = self.model.attention(
+                layer, qd, kd, vd, sm_scale, window_left, logit_softcap or 0.0,
+                None if sinks is None else round_to(sinks, c.dtype))
             try:
                 assert_close(f"reference attention output (layer {layer}) vs the dense model",
                              o_m, o_r, self.tol, row_label=self.row_label)
@@ -373,14 +387,19 @@ class CachePair:
                                        f"{s} in the {cache.backend.name} cache{self.context()}")
 
     def forward(self, sids, lens, tree=None, *, fused=False, sm_scale=None, positions="first",
-                layers=None, window_left=-1):
-        """One complete forward: begin, attention on every layer (with ``window_left``), end;
-        compares everything."""
+                layers=None, window_left=-1, logit_softcap=None, sinks=None):
+        """One complete forward: begin, attention on every layer, end; compares everything.
+        ``window_left``, ``logit_softcap`` and ``sinks`` are passed to every layer, or per layer
+        where given as a function of the layer index."""
+        def at(value, layer):
+            return value(layer) if callable(value) else value
+
         self.begin(sids, lens, tree)
         if positions == "first":
             self.check_positions()
         for layer in (range(self.config.num_layers) if layers is None else layers):
-            self.attend(layer, fused=fused, sm_scale=sm_scale, window_left=window_left)
+            self.attend(layer, fused=fused, sm_scale=sm_scale, window_left=at(window_left, layer),
+                        logit_softcap=at(logit_softcap, layer), sinks=at(sinks, layer))
         if positions == "after":
             self.check_positions()
         self.end()
@@ -508,8 +527,9 @@ class RunAhead(CachePair):
         super().__init__(config, backend, device, seed=seed, poison=poison, model=False)
         c = config
         self.kept: list = []                # (label, layer, ref (o, lse), dut (o, lse))
-        pools = [self.random(self.POOL_ROWS, h, c.head_dim)
-                 for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads)]
+        pools = [self.random(self.POOL_ROWS, h, d) for h, d in
+                 ((c.num_qo_heads, c.head_dim), (c.num_kv_heads, c.head_dim),
+                  (c.num_kv_heads, c.head_dim_v))]
         self.pools = {cache: [cache.from_numpy(x) for x in pools] for cache in (self.ref, self.dut)}
         if ballast_tokens is None:
             ballast_tokens = 64 if str(self.dut.backend.device).startswith("cpu") else 4096

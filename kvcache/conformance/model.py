@@ -19,19 +19,27 @@ from .tolerance import round_to
 
 
 def dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray,
-                    sm_scale: float, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax attention of ``q`` (n, num_qo_heads, D) over ``keys``/``values`` (m, num_kv_heads,
-    D), all float64; ``visible`` (n, m) bool says which keys each query sees; query head ``h``
-    reads KV head ``h // group``. Returns ``o`` (n, num_qo_heads, D) and ``lse`` (n, num_qo_heads),
-    the natural log of the softmax denominator; a row that sees no key has o = 0, lse = -inf;
-    a NaN/inf V reaches only the rows that see its key."""
-    n, hq, d = q.shape
+                    sm_scale: float, group: int, softcap: float = 0.0,
+                    sinks: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax attention of ``q`` (n, num_qo_heads, D) over ``keys`` (m, num_kv_heads, D) and
+    ``values`` (m, num_kv_heads, Dv), all float64; ``visible`` (n, m) bool says which keys each
+    query sees; query head ``h`` reads KV head ``h // group``. ``softcap`` > 0: each logit
+    ``x`` becomes ``softcap * tanh(x / softcap)``; ``sinks`` (num_qo_heads,): a logit per head
+    added to every row's denominator with no value. Returns ``o`` (n, num_qo_heads, Dv) and
+    ``lse`` (n, num_qo_heads), the natural log of the softmax denominator; a row that sees no
+    key has o = 0, lse = -inf (the sink with sinks); a NaN/inf V reaches only the rows that see
+    its key."""
+    n, hq, _ = q.shape
+    dv = values.shape[-1]
+    none = np.full((n, hq), -np.inf) if sinks is None else np.broadcast_to(sinks, (n, hq)).copy()
     if keys.shape[0] == 0:
-        return np.zeros((n, hq, d)), np.full((n, hq), -np.inf)
+        return np.zeros((n, hq, dv)), none
     kv_head = np.arange(hq) // group
     logits = np.einsum("nhd,mhd->nhm", q, keys[:, kv_head]) * sm_scale
+    if softcap:
+        logits = softcap * np.tanh(logits / softcap)
     logits = np.where(visible[:, None, :], logits, -np.inf)
-    lse: np.ndarray = np.logaddexp.reduce(logits, axis=-1)
+    lse: np.ndarray = np.logaddexp(np.logaddexp.reduce(logits, axis=-1), none)
     empty = np.isneginf(lse)[..., None]              # sees no key; a NaN lse (a NaN K seen) stays NaN
     with np.errstate(invalid="ignore"):
         probs = np.where(empty, 0.0, np.exp(logits - np.where(empty, 0.0, lse[..., None])))
@@ -48,15 +56,15 @@ def dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible
 
 
 class _Seq:
-    def __init__(self, num_layers, hkv, d):
+    def __init__(self, num_layers, hkv, d, dv):
         self.k = np.zeros((num_layers, 0, hkv, d))   # as the cache stores K (rotated in "normal")
-        self.v = np.zeros((num_layers, 0, hkv, d))
+        self.v = np.zeros((num_layers, 0, hkv, dv))
         self.tree_parent: list = []                  # uncommitted tree (the last len() tokens)
         self.tree_depth: list = []
         self.window: Optional[tuple] = None          # (window, sink)
 
     def copy_prefix(self, n):
-        s = _Seq(self.k.shape[0], self.k.shape[2], self.k.shape[3])
+        s = _Seq(self.k.shape[0], self.k.shape[2], self.k.shape[3], self.v.shape[3])
         s.k, s.v = self.k[:, :n].copy(), self.v[:, :n].copy()
         return s
 
@@ -87,7 +95,7 @@ class DenseModel:
     def add(self, sid):
         """A new empty sequence."""
         c = self.c
-        self.seqs[sid] = _Seq(c.num_layers, c.num_kv_heads, c.head_dim)
+        self.seqs[sid] = _Seq(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim_v)
 
     def remove(self, sid):
         """Forget a sequence."""
@@ -152,16 +160,17 @@ class DenseModel:
         self.pending = (list(sids), list(lens), plan, np.concatenate(positions))
         return self.pending[3]
 
-    def attention(self, layer, q, k, v, sm_scale, window_left: int = -1):
+    def attention(self, layer, q, k, v, sm_scale, window_left: int = -1, softcap: float = 0.0,
+                  sinks: Optional[np.ndarray] = None):
         """q, k, v float64 (already rounded to the cache dtype). ``window_left`` >= 0: a query at
         position p sees no key at a position below p - window_left (key m of a sequence sits at
-        position m). Returns o (rounded), lse."""
+        position m); ``softcap``, ``sinks``: as ``dense_attention``. Returns o (rounded), lse."""
         c = self.c
         assert self.pending is not None, "attention before begin_forward"
         sids, lens, plan, positions = self.pending
         mode = c.effective_rope_mode
         sm_scale = c.head_dim ** -0.5 if sm_scale is None else sm_scale
-        o = np.zeros((q.shape[0], c.num_qo_heads, c.head_dim))
+        o = np.zeros((q.shape[0], c.num_qo_heads, c.head_dim_v))
         lse = np.full((q.shape[0], c.num_qo_heads), -np.inf)
         t = 0
         for (sid, before, tree_first, committed), n in zip(plan, lens):
@@ -192,7 +201,7 @@ class DenseModel:
                 qi = self._rope(qi, pos)
                 keys = self._rope(keys, np.arange(total))
             o[t:t + n], lse[t:t + n] = dense_attention(qi, keys, vals, visible, sm_scale,
-                                                       c.group_size)
+                                                       c.group_size, softcap, sinks)
             t += n
         self._new_kv[layer] = (k, v)
         return round_to(o, c.dtype), lse
@@ -212,7 +221,8 @@ class DenseModel:
                     if c.effective_rope_mode == "normal":
                         kl = round_to(self._rope(kl, positions[t:t + n]), c.dtype)
                 else:   # a layer that ran no attention: its K/V were never written
-                    kl = vl = np.full((n, c.num_kv_heads, c.head_dim), np.nan)
+                    kl = np.full((n, c.num_kv_heads, c.head_dim), np.nan)
+                    vl = np.full((n, c.num_kv_heads, c.head_dim_v), np.nan)
                 ks.append(kl)
                 vs.append(vl)
             s.k = np.concatenate([s.k, np.stack(ks)], axis=1)

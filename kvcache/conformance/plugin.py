@@ -273,6 +273,8 @@ def _pair_factory(request, variant, backend_class, build):
         if head_dim not in caps.head_dims:
             pytest.skip(Capabilities.reason("head_dims") + f" [{head_dim}]")
         config = make_config(**kw)
+        if config.head_dim_v != config.head_dim and config.head_dim_v not in caps.head_dims_v:
+            pytest.skip(Capabilities.reason("head_dims_v") + f" [{config.head_dim_v}]")
         if config.kv_dtype not in caps.kv_dtypes:
             pytest.skip(Capabilities.reason("kv_dtypes") + f" [{config.kv_dtype}]")
         if config.support_sliding_window:

@@ -76,6 +76,11 @@ class ModelAdapter(abc.ABC):
         """The device the cache is created on when the engine is given none (the model's)."""
         return None
 
+    def eos_token_ids(self) -> tuple:
+        """The model's end-of-sequence token ids (where its library's own generation stops;
+        from the model's config and generation config); () when it names none."""
+        return ()
+
     def check(self, cache: PagedKVCache) -> None:
         """Raise ``UnsupportedFeatureError`` if the cache's backend lacks what the model needs
         (called once, right after the cache is created)."""
@@ -356,8 +361,9 @@ class Engine:
         adapter.check(self.cache)
         self.decode_graphs = adapter.step_graphs(self.cache) if self.graphs else None
         self.config = config
-        if offload is None:
-            offload = not str(self.cache.backend.device or "cpu").startswith("cpu")
+        if offload is None:     # (payloads hold one head dim: no host tier for head_dim_v)
+            offload = (not str(self.cache.backend.device or "cpu").startswith("cpu")
+                       and config.head_dim_v == config.head_dim)
         self.host_tier: Optional[HostTier] = (
             HostTier(self.cache, config.max_total_tokens if offload_tokens is None else offload_tokens)
             if offload else None)
@@ -390,9 +396,14 @@ class Engine:
     # ------------------------------------------------------------------ public
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, n: int = 1,
                  temperature: float = 0.0, seed: int = 0,
-                 stop_token_ids: Optional[Sequence[int]] = None, return_logprobs: bool = False):
+                 stop_token_ids: Optional[Sequence[int]] = None, return_logprobs: bool = False,
+                 ignore_eos: bool = False):
         """Generate ``max_new_tokens`` tokens (fewer when a stop token is produced; it is kept)
         for each of ``n`` samples of each prompt.
+
+        A sample stops at a token of ``stop_token_ids`` and, unless ``ignore_eos``, at one of
+        the model's end-of-sequence ids (``adapter.eos_token_ids()``: its config and generation
+        config), as the library's own generation does; the stop token is the sample's last.
 
         ``prompts``: token id lists (each non-empty). Returns ``out[i][j]``: the new token ids of
         sample ``j`` of prompt ``i``; with ``return_logprobs`` the pair ``(out, logprobs)``,
@@ -401,6 +412,10 @@ class Engine:
         """
         prompts, max_new, n, temperature, stops = self._check_args(
             prompts, max_new_tokens, n, temperature, stop_token_ids)
+        if not isinstance(ignore_eos, bool):
+            raise InvalidArgumentError(f"ignore_eos={ignore_eos!r} must be True or False")
+        if not ignore_eos:
+            stops |= {int(t) for t in self.adapter.eos_token_ids()}
         if not self.cache.is_empty:
             raise InvalidArgumentError(
                 f"generate needs an empty cache, but it holds {self.cache.num_sequences} sequences "

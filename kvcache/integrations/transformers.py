@@ -39,6 +39,7 @@ from . import MissingExtraError, require
 from .engine import Engine as _Engine
 from .engine import ModelAdapter, PendingPicks
 from ..arrays import to_numpy
+from ..backend import Capabilities
 from ..config import CacheConfig
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
 
@@ -61,24 +62,21 @@ if _version(transformers.__version__) < MIN_VERSION:
         f"{'.'.join(map(str, MIN_VERSION))}, found {transformers.__version__}; install it with: "
         f"pip install -U 'kvcache[transformers]'")
 
-__all__ = ["ATTN_IMPLEMENTATION", "Engine", "FAMILIES", "ROPE_CHOICES", "TransformersAdapter",
+__all__ = ["ATTN_IMPLEMENTATION", "Engine", "ROPE_CHOICES", "ROPE_FAMILIES", "TransformersAdapter",
            "attention", "cache_config", "fused_rope", "model_rotary", "register",
            "sliding_windows"]
 
 ATTN_IMPLEMENTATION = "kvcache"
 """The name ``register()`` gives the attention implementation."""
 
-FAMILIES = {
-    "llama": "grouped-query attention",
-    "qwen2": "q/k/v projection bias (inside the model); sliding-window layers when "
-             "use_sliding_window=True need the backend capability 'window_left'",
-    "mistral": "sliding-window attention: sequences longer than config.sliding_window need "
-               "the backend capability 'window_left'",
-    "phi3": "head_dim 96 (the backend's head_dims); a config.sliding_window needs "
-            "'window_left' for longer sequences",
-    "gemma": "head_dim 256 with one KV head (the backend's head_dims)",
-}
-"""Model families (``config.model_type``) the Engine runs, and what each needs of a backend."""
+ROPE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3", "gemma",
+                 "gemma2", "granite", "olmo2", "starcoder2")
+"""Model families (``config.model_type``) whose rotary the cache's fused RoPE may replace
+(``rope="cache"``): their layers rotate q and k with transformers' rotate-half
+``apply_rotary_pos_emb`` over one rotary embedding module, on every layer. Others are refused
+for ``rope="cache"`` with the reason (interleaved rotation: cohere, glm4, deepseek_v3; layers
+without RoPE: smollm3; one rotary per layer type: gemma3; YaRN's attention factor: gpt_oss);
+``rope="model"`` (the default) needs no list."""
 
 ROPE_CHOICES = ("model", "cache")
 """Who rotates q and k: ``"model"`` (its own rotary embedding; cache ``rope_mode="none"``) or
@@ -91,13 +89,43 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# attention arguments whose meaning the cache does not implement
-_REFUSED = ("softcap", "s_aux", "sinks", "attention_chunk_size", "position_bias")
+# attention-function keywords that change nothing the cache computes: positions are the
+# cache's (query_positions), the cache is the KV store, and routing / output flags belong to
+# other modules of the layer. Every other keyword is honoured (``attention``) or refused.
+_IGNORED = frozenset(("position_ids", "use_cache", "output_router_logits", "output_attentions",
+                      "cache_position", "kvcache", "past_key_values", "past_key_value",
+                      "layer_idx", "is_causal"))
+# keywords with a meaning the cache implements, and the capability each needs
+_HONOURED = {"sliding_window": "window_left", "softcap": "logit_softcap",
+             "s_aux": "attention_sinks", "sinks": "attention_sinks"}
 
 
 # ---------------------------------------------------------------------- model description
 def _head_dim(config) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return head_dims(config)[0]
+
+
+def head_dims(config) -> tuple:
+    """``(head_dim, head_dim_v)`` of a transformers config: the query/key head dim and the
+    value (and output) head dim. MLA models in expanded form (DeepSeek V2/V3: q/k
+    ``qk_nope_head_dim + qk_rope_head_dim``, values ``v_head_dim``) differ; others are equal."""
+    nope, rope_dim = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if nope is not None and rope_dim is not None:
+        d = int(nope) + int(rope_dim)
+    else:
+        d = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return d, int(getattr(config, "v_head_dim", None) or d)
+
+
+def eos_token_ids(model) -> tuple:
+    """The end-of-sequence ids ``model.generate`` stops at: the generation config's
+    ``eos_token_id`` (an int or a list), else the model config's; () when neither names one."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        ids = getattr(source, "eos_token_id", None)
+        if ids is not None:
+            ids = [ids] if isinstance(ids, int) else list(ids)
+            return tuple(int(t) for t in ids)
+    return ()
 
 
 def sliding_windows(config) -> dict:
@@ -143,17 +171,18 @@ def model_rotary(model) -> tuple:
     ``inv_freq`` (R/2,) float64 (R: the rotated dims), ``rotary_dim`` R when R < head_dim
     (partial rotary, e.g. Phi-3's ``partial_rotary_factor``), else 0.
 
-    Standard means: a supported family (its layers rotate q and k with transformers'
+    Standard means: a family of ``ROPE_FAMILIES`` (its layers rotate q and k with transformers'
     rotate-half ``apply_rotary_pos_emb`` before attention), a rope type whose frequencies are
     fixed (``default``, ``linear``, ``llama3``, ``yarn``), ``attention_scaling == 1`` (YaRN's
     attention factor scales cos/sin, which the cache does not) and cos/sin that equal
     ``cos/sin(position * inv_freq)`` repeated over both halves at probe positions. Raises
     ``UnsupportedFeatureError`` naming what fails."""
     family = getattr(getattr(model, "config", None), "model_type", None)
-    if family not in FAMILIES:
+    if family not in ROPE_FAMILIES:
         raise UnsupportedFeatureError(
-            f"rope='cache': model family {family!r} is not one whose rotary the integration "
-            f"knows; supported: {', '.join(sorted(FAMILIES))}")
+            f"rope='cache': model family {family!r} is not one whose rotary the cache's fused "
+            f"RoPE is known to reproduce (rotate-half over one rotary embedding, on every "
+            f"layer): {', '.join(ROPE_FAMILIES)}; use rope='model' (the default)")
     emb = _rotary_module(model)
     rope_type = getattr(emb, "rope_type", None)
     if not isinstance(rope_type, str) or rope_type not in _STATIC_ROPE_TYPES:
@@ -192,6 +221,47 @@ def model_rotary(model) -> tuple:
             f"rope='cache': the {family} model's rotary embedding {type(emb).__name__} does not "
             f"return the standard rotate-half cos/sin of its inv_freq; use rope='model'")
     return inv_freq.numpy(), (rot if rot < head_dim else 0)
+
+
+def attention_layers(model) -> list:
+    """The model's attention modules, one per decoder layer in layer order (each with its
+    ``layer_idx``). Raises ``UnsupportedFeatureError`` with the reason when the model's layers
+    do not map one to one onto cache layers (layers without attention, or two attention modules
+    in one layer)."""
+    config = model.config
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    found = {}
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(m, "config") and any(
+                hasattr(m, name) for name in ("q_proj", "qkv_proj", "q_a_proj", "query_key_value", "c_attn")):
+            if idx in found:
+                raise UnsupportedFeatureError(
+                    f"{type(model).__name__}: layer {idx} has two attention modules "
+                    f"({type(found[idx]).__name__}, {type(m).__name__}); the cache holds one per layer")
+            found[idx] = m
+    if sorted(found) != list(range(layers)):
+        raise UnsupportedFeatureError(
+            f"{type(model).__name__}: {layers} decoder layers, but attention modules with a "
+            f"layer_idx in layers {sorted(found)} only (layers without attention, e.g. a hybrid "
+            f"recurrent model, cannot run on the cache)")
+    return [found[i] for i in range(layers)]
+
+
+def _model_needs(model) -> list:
+    """``(what, capability)`` the model's attention needs beyond plain causal attention, read off
+    its config and modules: logit soft-capping (gemma2), learned sinks (gpt-oss), sliding
+    windows are checked per request (``ModelAdapter.check_request``)."""
+    needs = []
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        needs.append((f"attention logit soft-capping (attn_logit_softcapping="
+                      f"{model.config.attn_logit_softcapping})", "logit_softcap"))
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in attention_layers(model)):
+        needs.append(("learned attention sinks (the layers' `sinks` parameters)", "attention_sinks"))
+    if head_dims(model.config)[0] != head_dims(model.config)[1]:
+        needs.append((f"value head dim {head_dims(model.config)[1]} other than the query/key "
+                      f"head dim {head_dims(model.config)[0]}", "head_dims_v"))
+    return needs
 
 
 def _unrotated(module, args, output):
@@ -286,6 +356,7 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     standard); run the model inside ``fused_rope(model, cache)`` then."""
     config = model.config
     heads = int(config.num_attention_heads)
+    head_dim, head_dim_v = head_dims(config)
     mode, inv_freq, rot = "none", (), 0
     if _check_rope(rope) == "cache":
         freqs, rot = model_rotary(model)
@@ -293,7 +364,8 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     return CacheConfig(
         num_layers=int(config.num_hidden_layers), num_qo_heads=heads,
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=_head_dim(config), page_size=page_size, max_batch_size=max_batch_size,
+        head_dim=head_dim, head_dim_v=head_dim_v, page_size=page_size,
+        max_batch_size=max_batch_size,
         max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
         dtype=_dtype_name(dtype if dtype is not None else model.dtype),
         rope_mode=mode, rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
@@ -316,14 +388,67 @@ def _window_unsupported(cache, layer: int, window: int) -> UnsupportedFeatureErr
         f"that window")
 
 
+def _attention_options(cache, module, layer: int, dropout, sliding_window, kwargs) -> dict:
+    """The ``cache.attention`` keywords for what a layer passes to its attention function:
+    ``sliding_window`` -> ``window_left``, ``softcap`` -> ``logit_softcap``, ``s_aux`` /
+    ``sinks`` -> ``sinks``; anything else that would change the result (dropout, a keyword the
+    cache does not implement, non-causal attention) raises ``UnsupportedFeatureError`` naming
+    it, and so does a keyword whose capability the backend lacks."""
+    if dropout:
+        raise UnsupportedFeatureError(
+            f"layer {layer} asks for attention dropout={dropout} (a model in training mode?); "
+            f"the kvcache attention has no dropout: call model.eval()")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise UnsupportedFeatureError(f"layer {layer} asks for non-causal attention; the cache's "
+                                      f"attention is causal")
+    for name, value in kwargs.items():
+        if value is not None and name not in _IGNORED and name not in _HONOURED:
+            raise UnsupportedFeatureError(
+                f"layer {layer} ({type(module).__name__}) passes {name}={_show(value)} to "
+                f"attention; the kvcache attention does not implement {name!r}, so the model "
+                f"cannot run on the cache")
+    caps, extra = cache.capabilities, {}
+    for name, value in (("softcap", kwargs.get("softcap")), ("s_aux", kwargs.get("s_aux")),
+                        ("sinks", kwargs.get("sinks"))):
+        if value is None:
+            continue
+        cap = _HONOURED[name]
+        if not getattr(caps, cap, False):
+            raise UnsupportedFeatureError(
+                f"layer {layer} ({type(module).__name__}) passes {name}={_show(value)} to "
+                f"attention, and backend {cache.backend.name!r} does not support it: "
+                f"{Capabilities.reason(cap)}")
+        extra["logit_softcap" if name == "softcap" else "sinks"] = value
+    if sliding_window is not None:
+        if getattr(caps, "window_left", False):
+            extra["window_left"] = int(sliding_window) - 1
+        else:
+            # fine while no query is as far as the window from the start of its sequence
+            positions = to_numpy(cache.query_positions())
+            if positions.size and int(positions.max()) >= int(sliding_window):
+                raise _window_unsupported(cache, layer, int(sliding_window))
+    return extra
+
+
+def _show(value) -> str:
+    if torch.is_tensor(value):
+        return f"<tensor {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}>"
+    return repr(value)[:60]
+
+
 def attention(module, query, key, value, attention_mask, scaling: Optional[float] = None,
               dropout: float = 0.0, sliding_window: Optional[int] = None, **kwargs):
     """The ``"kvcache"`` attention implementation (transformers' attention-function signature).
 
-    ``query`` (1, num_qo_heads, T, head_dim), ``key``/``value`` (1, num_kv_heads, T, head_dim):
-    the T new tokens of the open forward of ``kwargs["kvcache"]``, already rotated by the model
-    (unrotated inside ``fused_rope(model, cache)``, where the cache rotates them).
-    Returns ``(output (1, T, num_qo_heads, head_dim) in query's dtype, None)``.
+    ``query`` (1, num_qo_heads, T, head_dim), ``key`` (1, num_kv_heads, T, head_dim), ``value``
+    (1, num_kv_heads, T, head_dim_v): the T new tokens of the open forward of
+    ``kwargs["kvcache"]``, already rotated by the model (unrotated inside ``fused_rope(model,
+    cache)``, where the cache rotates them). ``scaling``: the model's softmax scale;
+    ``sliding_window`` (this layer's, None: full attention), ``softcap`` (gemma2's logit
+    soft-capping) and ``s_aux`` / ``sinks`` (gpt-oss's learned sinks, one logit per query head)
+    are passed on to ``cache.attention``; any other keyword that changes attention is refused
+    (``UnsupportedFeatureError`` naming it). Returns ``(output (1, T, num_qo_heads, head_dim_v)
+    in query's dtype, None)``.
     """
     cache = kwargs.get("kvcache")
     if cache is None:
@@ -346,26 +471,14 @@ def attention(module, query, key, value, attention_mask, scaling: Optional[float
         raise InvalidArgumentError(
             f"the batch must be packed into one row (input_ids of shape (1, T)), got a batch "
             f"of {query.shape[0]} rows")
-    for name in _REFUSED:
-        if kwargs.get(name) is not None:
-            raise UnsupportedFeatureError(
-                f"layer {layer} passes {name}={kwargs[name]!r} to attention; the kvcache "
-                f"attention does not implement {name}")
-    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
-        raise UnsupportedFeatureError(f"layer {layer} asks for non-causal attention; the cache's "
-                                      f"attention is causal")
-    extra = {}
-    if sliding_window is not None:
-        if getattr(cache.capabilities, "window_left", False):
-            extra["window_left"] = int(sliding_window) - 1
-        else:
-            # fine while no query is as far as the window from the start of its sequence
-            positions = to_numpy(cache.query_positions())
-            if positions.size and int(positions.max()) >= int(sliding_window):
-                raise _window_unsupported(cache, layer, int(sliding_window))
+    extra = _attention_options(cache, module, layer, dropout, sliding_window, kwargs)
     q = _to_cache(cache, query[0].transpose(0, 1))
     k = _to_cache(cache, key[0].transpose(0, 1))
     v = _to_cache(cache, value[0].transpose(0, 1))
+    sinks = extra.get("sinks")
+    if sinks is not None:
+        extra["sinks"] = _to_cache(cache, sinks.detach()) if cache.backend.is_native(sinks) \
+            else cache.from_numpy(sinks.detach().to("cpu", torch.float32).numpy())
     out = cache.attention(layer, q, k, v, sm_scale=scaling, **extra)
     if not isinstance(out, torch.Tensor):
         out = torch.from_numpy(np.ascontiguousarray(to_numpy(out)))
@@ -382,20 +495,21 @@ def register() -> str:
 
 # ---------------------------------------------------------------------- engine adapter
 class TransformersAdapter(ModelAdapter):
-    """A transformers causal LM (a supported family) as the engine's model."""
+    """A transformers decoder-only causal LM as the engine's model: any family whose decoder
+    layers call transformers' attention interface (checked: ``attention_layers``; refused with
+    the reason otherwise)."""
 
     def __init__(self, model, rope: str = "model"):
         config = getattr(model, "config", None)
         family = getattr(config, "model_type", None)
-        if family not in FAMILIES:
-            raise UnsupportedFeatureError(
-                f"model family {family!r} ({type(model).__name__}) is not supported by the kvcache "
-                f"Engine; supported: {', '.join(sorted(FAMILIES))}. A new family needs its attention "
-                f"to reach the cache through transformers' attention interface with no feature the "
-                f"cache lacks (see docs/integrations.md)")
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise UnsupportedFeatureError(f"{type(model).__name__} has no language-model head: the "
                                           f"Engine needs a *ForCausalLM model")
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnsupportedFeatureError(
+                f"{type(model).__name__} is an encoder-decoder model; the Engine runs decoder-only "
+                f"causal LMs")
+        attention_layers(model)          # refuses a model whose layers the cache cannot serve
         self.model = model
         self.family = family
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -415,7 +529,15 @@ class TransformersAdapter(ModelAdapter):
     def default_device(self) -> Optional[str]:
         return str(self.device)
 
+    def eos_token_ids(self) -> tuple:
+        return eos_token_ids(self.model)
+
     def check(self, cache) -> None:
+        for need, cap in _model_needs(self.model):
+            if not getattr(cache.capabilities, cap, False):
+                raise UnsupportedFeatureError(
+                    f"the {self.family} model needs {need}, and backend {cache.backend.name!r} "
+                    f"does not support it: {Capabilities.reason(cap)}")
         dtype = _dtype_name(self.model.dtype)
         if cache.config.dtype != dtype and cache.backend.is_native(torch.zeros(1, device=self.device)):
             raise UnsupportedFeatureError(
@@ -430,7 +552,18 @@ class TransformersAdapter(ModelAdapter):
         register()
         before = self.model.config._attn_implementation
         if before != ATTN_IMPLEMENTATION:
-            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            try:
+                self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            except (ValueError, NotImplementedError) as exc:
+                raise UnsupportedFeatureError(
+                    f"{type(self.model).__name__} cannot switch to a custom attention "
+                    f"implementation ({exc}); its attention cannot reach the cache") from None
+            if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+                self.model.set_attn_implementation(before)
+                raise UnsupportedFeatureError(
+                    f"{type(self.model).__name__} kept its attention implementation "
+                    f"{before!r} when asked for {ATTN_IMPLEMENTATION!r} (its layers do not call "
+                    f"transformers' attention interface): its attention cannot reach the cache")
         rotary = fused_rope(self.model, cache) if self.rope == "cache" else contextlib.nullcontext()
         try:
             with torch.inference_mode(), rotary:
@@ -456,6 +589,13 @@ class TransformersAdapter(ModelAdapter):
         keep = self._upload(logit_rows) if len(logit_rows) else 1
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
                          kvcache=cache)
+        ran = cache.layers_run
+        if len(ran) != cache.config.num_layers:
+            missing = sorted(set(range(cache.config.num_layers)) - ran)
+            raise UnsupportedFeatureError(
+                f"layers {missing} of the {self.family} model ({type(self.model).__name__}) did "
+                f"not call transformers' attention interface: their attention cannot reach the "
+                f"cache, so the model cannot run on it")
         return out.logits[0] if len(logit_rows) else None
 
     def graphs_by_default(self, device) -> Optional[bool]:
@@ -567,7 +707,9 @@ def _tensor_parallel(model, tp, tp_group) -> bool:
 class Engine(_Engine):
     """Continuous-batching generation of a transformers causal LM on a ``PagedKVCache``.
 
-    ``model``: a ``*ForCausalLM`` of a family in ``FAMILIES``. ``backend``: a backend name or
+    ``model``: a decoder-only ``*ForCausalLM`` whose layers call transformers' attention
+    interface (any family; what its attention needs, soft-capping, sinks, per-layer windows,
+    a value head dim of its own, must be declared by the backend). ``backend``: a backend name or
     ``"auto"``; ``device``: the cache's device (None: the model's); ``dtype``: the cache dtype
     (None: the model's); ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``),
     ``max_batch_size``, ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in

@@ -19,34 +19,63 @@ from engine_cases import LENGTHS, NEW_TOKENS, VOCAB, make_prompts  # noqa: E402,
 COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=1024,
               initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=0,
               tie_word_embeddings=False)
+_GQA = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+# name -> (model_type, config keywords): every family of issue 27, each as small as it goes,
+# with what makes its attention its own switched on hard enough to move the logits
 FAMILY_CONFIGS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM",
-              dict(hidden_size=128, intermediate_size=192, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=64)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
-              dict(hidden_size=128, intermediate_size=192, num_attention_heads=2,
-                   num_key_value_heads=1)),
-    "mistral": ("MistralConfig", "MistralForCausalLM",
-                dict(hidden_size=128, intermediate_size=192, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=64, sliding_window=4096)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM",
-             dict(hidden_size=192, intermediate_size=256, num_attention_heads=2,
-                  num_key_value_heads=1)),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM",
-              dict(hidden_size=128, intermediate_size=192, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=256)),
+    "llama": ("llama", dict(_GQA, head_dim=64)),
+    "llama3": ("llama", dict(_GQA, head_dim=32, rope_theta=500000.0, rope_scaling=LLAMA3)),
+    "qwen2": ("qwen2", dict(hidden_size=128, intermediate_size=192, num_attention_heads=2,
+                            num_key_value_heads=1)),
+    "qwen3": ("qwen3", dict(_GQA, head_dim=32)),                       # q/k RMSNorm
+    "qwen3_moe": ("qwen3_moe", dict(_GQA, head_dim=32, moe_intermediate_size=64, num_experts=4,
+                                    num_experts_per_tok=2)),
+    "mistral": ("mistral", dict(_GQA, head_dim=64, sliding_window=4096)),
+    "mixtral": ("mixtral", dict(_GQA, head_dim=32, num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": ("phi3", dict(hidden_size=192, intermediate_size=256, num_attention_heads=2,
+                          num_key_value_heads=1)),                     # head_dim 96
+    "gemma": ("gemma", dict(hidden_size=128, intermediate_size=192, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=256)),
+    # logit soft-capping, query_pre_attn_scalar, sliding and full layers
+    "gemma2": ("gemma2", dict(_GQA, head_dim=32, sliding_window=32, attn_logit_softcapping=3.0,
+                              query_pre_attn_scalar=24)),
+    "gemma3_text": ("gemma3_text", dict(_GQA, head_dim=32, sliding_window=32,
+                                        layer_types=["sliding_attention", "full_attention"])),
+    "granite": ("granite", dict(_GQA, attention_multiplier=0.05)),     # its own sm_scale
+    "olmo2": ("olmo2", dict(_GQA)),                                    # q/k RMSNorm over heads
+    "cohere": ("cohere", dict(_GQA)),                                  # interleaved RoPE
+    "glm4": ("glm4", dict(_GQA, head_dim=32, eos_token_id=None)),      # partial interleaved RoPE
+    "starcoder2": ("starcoder2", dict(_GQA)),
+    "smollm3": ("smollm3", dict(_GQA)),                                # layers without RoPE
+    # learned sinks, sliding and full layers, YaRN
+    "gpt_oss": ("gpt_oss", dict(_GQA, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=32)),
+    # MLA in expanded form: q/k head dim 48 (32 + 16 rotary), values 24
+    "deepseek_v3": ("deepseek_v3", dict(_GQA, num_key_value_heads=4, moe_intermediate_size=64,
+                                        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32,
+                                        qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=4,
+                                        num_experts_per_tok=2, n_group=1, topk_group=1,
+                                        first_k_dense_replace=1)),
 }
 FAMILIES = list(FAMILY_CONFIGS)
 BACKENDS = ["reference", "cuda"]
 
 
 def make_model(family: str, seed: int = 0, **overrides):
-    """A float32 CPU model of ``family`` with seeded random weights (2 layers, small)."""
-    config_name, model_name, kw = FAMILY_CONFIGS[family]
-    config = getattr(transformers, config_name)(**{**COMMON, **kw, **overrides})
+    """A float32 CPU model of ``family`` (a ``FAMILY_CONFIGS`` name) with seeded random weights
+    (2 layers, small), its attention the exact "eager" one (transformers' sdpa path refuses
+    soft-capping)."""
+    model_type, kw = FAMILY_CONFIGS[family]
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **kw, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
-    return model
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if family == "gpt_oss":     # learned sinks large enough to take a share of every row
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model.to(torch.float32).eval()
 
 
 def hf_greedy(model, prompt, new_tokens=NEW_TOKENS) -> list:
@@ -86,6 +115,26 @@ def backend_or_skip(name: str, monkeypatch, head_dim: int):
     if head_dim not in caps.head_dims:
         pytest.skip(f"{name}: {Capabilities.reason('head_dims')}")
     return name, "cpu"
+
+
+def model_needs_or_skip(name: str, model):
+    """Skip, naming the capability, when backend ``name`` lacks what ``model``'s attention needs
+    (soft-capping, sinks, a value head dim of its own, windows)."""
+    from kvcache.integrations.transformers import cache_config, sliding_windows
+    caps = {r["name"]: r["class"] for r in kvcache.list_backends("cpu")}[name].capabilities
+    cfg = cache_config(model)
+    needs = []
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        needs.append("logit_softcap")
+    if model.config.model_type == "gpt_oss":
+        needs.append("attention_sinks")
+    if sliding_windows(model.config):
+        needs.append("window_left")
+    for cap in needs:
+        if not getattr(caps, cap, False):
+            pytest.skip(f"{name}: {Capabilities.reason(cap)}")
+    if cfg.head_dim_v != cfg.head_dim and cfg.head_dim_v not in caps.head_dims_v:
+        pytest.skip(f"{name}: {Capabilities.reason('head_dims_v')}")
 
 
 def window_left_reason() -> str:

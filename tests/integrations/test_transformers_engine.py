@@ -290,12 +290,25 @@ def test_bad_input_is_refused_before_anything_runs(llama):
     assert engine.cache.is_empty and engine.stats.forwards == 0
 
 
-def test_unsupported_family_is_named():
+def test_families_outside_the_matrix_run_or_are_refused_with_the_reason():
+    """No family list: GPT-2 (absolute positions, fused c_attn) runs and gives transformers'
+    greedy tokens; Falcon, whose layers do not call the attention interface, is refused
+    saying so, and the cache is left empty."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
-    model = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="'gpt2'.*gemma, llama, mistral, phi3, qwen2"):
-        Engine(model, backend="reference")
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=64, bos_token_id=None, eos_token_id=None,
+        initializer_range=0.2)).eval()
+    prompt = [1, 5, 9, 3, 7, 2, 11]
+    engine = Engine(gpt2, backend="reference", max_total_tokens=512)
+    assert engine.generate([prompt], max_new_tokens=10)[0][0] == hf_greedy(gpt2, prompt, 10)
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, vocab_size=64,
+        eos_token_id=None, bos_token_id=None)).eval()
+    engine = Engine(falcon, backend="reference", max_total_tokens=512)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="attention interface"):
+        engine.generate([prompt], max_new_tokens=2)
+    assert engine.cache.is_empty and falcon.config._attn_implementation != "kvcache"
 
 
 def test_user_loop_with_the_registered_attention(llama):

@@ -96,6 +96,30 @@ def test_sliding_in_place():
                     mx.eval(cache.attention(layer, q, k, v))
 
 
+def test_head_dim_v_append_in_place():
+    """D != Dv: K and V go into their parts of the max(D, Dv)-wide rows by two scatters; the
+    page buffer is still updated in place (same object, same pointer, no cache-sized copy)."""
+    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=16,
+                              head_dim_v=24, page_size=16, max_total_tokens=20000 * 16,
+                              dtype="float16", rope_mode="none")
+    mb = MetalBackend(cfg, DEVICE)
+    pages = mb.allocate_pages(cfg.num_pages)[0]
+    obj, ptr = pages, data_ptr(pages)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    rng = np.random.default_rng(2)
+    for step in range(4):
+        k = mb.from_numpy(rng.standard_normal((8, 1, 16)))
+        v = mb.from_numpy(rng.standard_normal((8, 1, 24)))
+        mb.append_kv(pages, k, v, mb.aux_to_device(np.arange(8) + 8 * step))
+        del k, v
+    mb.synchronize()
+    mx.synchronize()
+    assert pages is obj and data_ptr(pages) == ptr
+    assert mx.get_peak_memory() - base < pages.nbytes // 4
+
+
 def test_watch_detects_a_copy():
     """The observables fail when a write does copy the buffer (here: an extra reference pins
     the old buffer, so MLX's scatter cannot donate it)."""

@@ -256,7 +256,7 @@ BAD = [
         backend="reference"), lambda a, b: b.import_sequence(9, a.export_sequence(1)),
      InvalidArgumentError, "sequence 9.*num_kv_heads=2, this cache num_kv_heads=1"),
     ("head_dim", lambda: kvcache.PagedKVCache(dataclasses.replace(
-        config(8, sliding=True, rope_mode="inline"), head_dim=128), backend="reference"),
+        config(8, sliding=True, rope_mode="inline"), head_dim=128, head_dim_v=128), backend="reference"),
      lambda a, b: b.import_sequence(9, a.export_sequence(1)),
      InvalidArgumentError, "head_dim=64, this cache head_dim=128"),
     ("layers", lambda: _other(layers=3), lambda a, b: b.import_sequence(9, a.export_sequence(1)),
@@ -449,3 +449,31 @@ def test_windowed_forks_share_only_sink_tokens():
         run_forward(b, [sid], [1], rng, qkv=qkv)
         assert_same_kv(a, sid, b, sid)           # the windows slide alike
     b.state.pt.check_invariants()
+
+
+def test_a_cache_with_its_own_value_head_dim_refuses_payloads():
+    """Payloads carry one head dim: a cache with head_dim_v != head_dim refuses to export or
+    import (typed, naming both dims) instead of writing a payload another cache misreads."""
+    from kvcache import UnsupportedFeatureError
+    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=48,
+                              head_dim_v=32, page_size=4, max_total_tokens=64, dtype="float32",
+                              rope_mode="none")
+    c = kvcache.PagedKVCache(cfg, backend="reference")
+    c.add_sequence(0)
+    with c.forward([0], [3]):
+        rng = np.random.default_rng(0)
+        o = c.attention(0, *(c.from_numpy(rng.standard_normal((3, h, d)))
+                             for h, d in ((2, 48), (1, 48), (1, 32))))
+    assert o.shape == (3, 2, 32)
+    k, v = c.get_kv(0)
+    assert k.shape == (1, 3, 1, 48) and v.shape == (1, 3, 1, 32)
+    before = snapshot(c)
+    with pytest.raises(UnsupportedFeatureError, match="head_dim=48 and head_dim_v=32"):
+        c.export_sequence(0)
+    other = kvcache.PagedKVCache(dataclasses.replace(cfg, head_dim_v=48), backend="reference")
+    other.add_sequence(0)
+    with other.forward([0], [2]):
+        other.attention(0, *(other.from_numpy(np.ones((2, h, 48))) for h in (2, 1, 1)))
+    with pytest.raises(UnsupportedFeatureError, match="import of sequence 5"):
+        c.import_sequence(5, other.export_sequence(0))
+    assert snapshot(c) == before

@@ -12,6 +12,11 @@ Kernels: MLX ops (``ops.py``), verified on MLX's CPU device against the referenc
 Apple GPU the decode attention uses a ``mx.fast.metal_kernel`` (``metal_kernels.py``) and ragged
 attention without masks uses ``mx.fast.scaled_dot_product_attention``: both UNVERIFIED here (no
 Apple GPU on the CI machines); set ``KVCACHE_METAL_OPS_ONLY=1`` to force the ops path.
+Calls with ``logit_softcap``, ``sinks`` or a value head dim other than ``head_dim`` always take
+the ops path (the Metal kernel and the fused-SDPA call implement none of them).
+
+Pages: the base class's ``page_shape``, rows ``config.page_row_dim = max(D, Dv)`` wide, K in the
+first ``D`` entries of ``[:, 0]`` rows and V in the first ``Dv`` of ``[:, 1]`` rows.
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         dtypes=("float16", "bfloat16", "float32"),
         copy_stream=False, merged_aux=False, static_decode=False,
         tree_attention=True, sliding_window=True, fused_rope_append=False, inline_rope=True,
-        window_left=True, rope_frequencies=True,
-        head_dims=tuple(range(2, 1025, 2)),
+        window_left=True, rope_frequencies=True, logit_softcap=True, attention_sinks=True,
+        head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(2, 1025, 2)),
     )
 
     # ------------------------------------------------------------------ discovery
@@ -195,6 +200,15 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                                         self.precise_rope)
             return ops.rotate(x.astype(mx.float32), cos, sin).astype(self.dtype)
 
+    def _sinks(self, sinks):
+        """The (Hq,) sink logits as a float32 MLX array (any float dtype in; None stays None)."""
+        if sinks is None:
+            return None
+        with mx.stream(self.stream):
+            if not isinstance(sinks, mx.array):
+                sinks = mx.array(np.asarray(sinks, dtype=np.float32))
+            return sinks.astype(mx.float32)
+
     def _slot_index(self, slots):
         ps = self.config.page_size
         return slots // ps, slots % ps
@@ -216,26 +230,39 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 cos, sin = ops.rope_cos_sin(positions, k.shape[-1], rope,
                                             self.precise_rope)
                 k = ops.rotate(k.astype(mx.float32), cos, sin)
-            kv = mx.stack([k.astype(self.dtype), v.astype(self.dtype)], axis=1)   # (T, 2, Hkv, D)
             page, row = self._slot_index(slots)
-            hkv = self.config.num_kv_heads
-            pages[page[:, None, None], mx.arange(2)[None, :, None],
-                  mx.arange(hkv)[None, None, :], row[:, None, None]] = kv
+            c = self.config
+            heads = mx.arange(c.num_kv_heads)
+            if c.head_dim == c.head_dim_v:          # K and V rows in one scatter (T, 2, Hkv, D)
+                kv = mx.stack([k.astype(self.dtype), v.astype(self.dtype)], axis=1)
+                pages[page[:, None, None], mx.arange(2)[None, :, None],
+                      heads[None, None, :], row[:, None, None]] = kv
+            else:   # rows max(D, Dv) wide: K into the first D entries, V into the first Dv
+                pages[page[:, None], 0, heads[None, :], row[:, None], :c.head_dim] = \
+                    k.astype(self.dtype)
+                pages[page[:, None], 1, heads[None, :], row[:, None], :c.head_dim_v] = \
+                    v.astype(self.dtype)
             mx.async_eval(pages)
 
     # -------------------------------------------------------------- ragged (new tokens only)
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
+                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
+                         logit_softcap=0.0, sinks=None):
         ops = self._ops
         c = self.config
         t, hq, d = q.shape
+        dv = v.shape[-1]
+        softcap = float(logit_softcap or 0.0)
+        sinks = self._sinks(sinks)
         with mx.stream(self.stream):
             qo = ops.host(qo_indptr)[: num_seqs + 1].astype(np.int64)
             qlens = np.diff(qo)
+            # fused SDPA: no softcap / sinks / Dv != D there (those take the ops path)
             if (self.use_fast_sdpa and tree is None and rope is None and num_seqs == 1
-                    and qlens[0] == t and t > 0 and window_left < 0):
+                    and qlens[0] == t and t > 0 and window_left < 0 and not softcap
+                    and sinks is None and dv == d):
                 return self._ragged_sdpa(q, k, v, sm_scale)
-            out = ops.Output(t, hq, d)
+            out = ops.Output(t, hq, dv, sinks)
             for ent in ops.buckets(qlens, qlens):
                 lq = int(qlens[ent].max())
                 e = mx.array(ent.astype(np.int32))
@@ -270,7 +297,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                     visible = visible & vis_t
                 for r0, r1 in ops._tiles(len(ent), hq, lq, lq):
                     o, lse = ops.softmax_attend(qg[:, r0:r1], kg[:, :r1], vg[:, :r1],
-                                                visible[:, r0:r1, :r1], sm_scale, c.group_size)
+                                                visible[:, r0:r1, :r1], sm_scale, c.group_size,
+                                                softcap=softcap, sinks=sinks)
                     out.put(rows[:, r0:r1], valid[:, r0:r1], o, lse)
             return out.result(self.dtype)
 
@@ -297,14 +325,20 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
 
     # -------------------------------------------------------------------- paged (history)
     def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                        window_left=-1):
+                        window_left=-1, logit_softcap=0.0, sinks=None):
         ops = self._ops
         c = self.config
         t, hq, d = q.shape
+        dv = c.head_dim_v
+        softcap = float(logit_softcap or 0.0)
+        sinks = self._sinks(sinks)
         n = int(depth.num_entries)
         with mx.stream(self.stream):
+            # the Metal decode kernel implements neither softcap, sinks nor Dv != D: those
+            # calls take the ops path below (which runs on the GPU as well)
             if (self.use_metal_kernels and depth.use_decode and depth.tree is None
-                    and rope is None and window_left < 0 and d % 32 == 0 and d <= 256):
+                    and rope is None and window_left < 0 and d % 32 == 0 and d <= 256
+                    and not softcap and sinks is None and dv == d):
                 from .metal_kernels import paged_decode
                 self.stats["metal_decode"] += 1
                 o, lse = paged_decode(self, q, pages, depth, sm_scale)
@@ -313,7 +347,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             qo = ops.host(depth.qo_indptr)[: n + 1].astype(np.int64)
             qlens = np.diff(qo)
             klens = ops.host(depth.kv_len)[:n].astype(np.int64)
-            out = ops.Output(t, hq, d)
+            out = ops.Output(t, hq, dv, sinks)
             n_idx = depth.page_indices.shape[0]
             ps, hkv = c.page_size, c.num_kv_heads
             for ent in ops.buckets(qlens, klens):
@@ -343,7 +377,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 # padding keys read some row of the entry's first page, which may be stale or
                 # poisoned (NaN): zero them, since 0 * NaN would leak through the softmax matmul
                 kv = mx.where(valid_k[:, :, None, None, None], kv.astype(mx.float32), 0.0)
-                kg, vg = kv[:, :, 0], kv[:, :, 1]                       # (m, Lk, Hkv, D)
+                kg, vg = kv[:, :, 0, :, :d], kv[:, :, 1, :, :dv]   # (m, Lk, Hkv, D) / Dv
                 qg = q[rows_c].astype(mx.float32)                       # (m, Lq, Hq, D)
                 if rope is not None:
                     cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope,
@@ -370,7 +404,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 for r0, r1 in ops._tiles(len(ent), hq, lq, lk):
                     o, lse = ops.softmax_attend(qg[:, r0:r1], kg, vg, visible[:, r0:r1],
                                                 sm_scale, c.group_size,
-                                                masked=depth.tree is not None or window_left >= 0)
+                                                masked=depth.tree is not None or window_left >= 0,
+                                                softcap=softcap, sinks=sinks)
                     out.put(rows[:, r0:r1], valid_q[:, r0:r1], o, lse)
             return out.result(self.dtype)
 
@@ -419,8 +454,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             for pages in pages_per_layer:
                 kv = pages[page[:, None, None], mx.arange(2)[None, :, None],
                            mx.arange(pages.shape[2])[None, None, :], row[:, None, None]]
-                ks.append(kv[:, 0])
-                vs.append(kv[:, 1])
+                ks.append(kv[:, 0, :, :self.config.head_dim])
+                vs.append(kv[:, 1, :, :self.config.head_dim_v])
             k, v = mx.stack(ks), mx.stack(vs)
             mx.eval(k, v)
             return k, v

@@ -96,37 +96,49 @@ def buckets(qlens: np.ndarray, klens: np.ndarray, slack: int = 4096) -> list[np.
 
 
 # ------------------------------------------------------------------------------- attention core
-def softmax_attend(q, k, v, visible, sm_scale: float, group: int, masked: bool = True):
-    """q (m, Lq, Hq, D), k/v (m, Lk, Hkv, D) float32, visible (m, Lq, Lk) bool
-    -> o (m, Lq, Hq, D) float32, lse (m, Lq, Hq) float32 (rows seeing nothing: o = 0, lse = -inf).
+def softmax_attend(q, k, v, visible, sm_scale: float, group: int, masked: bool = True,
+                   softcap: float = 0.0, sinks=None):
+    """q (m, Lq, Hq, D), k (m, Lk, Hkv, D), v (m, Lk, Hkv, Dv) float32, visible (m, Lq, Lk) bool
+    -> o (m, Lq, Hq, Dv) float32, lse (m, Lq, Hq) float32 (rows seeing nothing: o = 0,
+    lse = -inf, or the head's sink logit with ``sinks``).
     ``masked=False``: the caller zeroed every key that some valid row does not see (padding), so
-    a non-finite V is seen and the plain matmul is exact."""
+    a non-finite V is seen and the plain matmul is exact.
+    ``softcap`` > 0: each scaled score s becomes ``softcap * tanh(s / softcap)``; ``sinks``
+    (Hq,) float32: one logit per query head added to every row's denominator, with no value."""
     m, lq, hq, d = q.shape
-    lk, hkv = k.shape[1], k.shape[2]
+    lk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     qh = q.reshape(m, lq, hkv, group, d).transpose(0, 2, 3, 1, 4).reshape(m, hkv, group * lq, d)
     kh = k.transpose(0, 2, 3, 1)                                   # (m, Hkv, D, Lk)
-    vh = v.transpose(0, 2, 1, 3)                                   # (m, Hkv, Lk, D)
+    vh = v.transpose(0, 2, 1, 3)                                   # (m, Hkv, Lk, Dv)
     logits = (qh @ kh).reshape(m, hkv, group, lq, lk) * sm_scale
+    if softcap:
+        logits = softcap * mx.tanh(logits * (1.0 / softcap))
     logits = mx.where(visible[:, None, None], logits, NEG_INF)
     peak = logits.max(axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:                  # (Hq,) -> (1, Hkv, G, 1, 1): head h = kvh * G + g
+        sink = sinks.astype(mx.float32).reshape(1, hkv, group, 1, 1)
+        peak = mx.maximum(peak, sink)
     peak = mx.where(mx.isinf(peak), 0.0, peak)
     w = mx.exp(logits - peak)
     denom = w.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + mx.exp(sink - peak)
     if masked:
         # a masked key's weight is 0 but its V may hold NaN/inf (a later token, a sibling
         # branch), and 0 * NaN = NaN: non-finite V values stay out of the matmul (added back to
         # the rows that see them); the host check is one reduction of V
         bad = ~mx.isfinite(vh)
         o = w.reshape(m, hkv, group * lq, lk) @ mx.where(bad, 0.0, vh)
-        o = o.reshape(m, hkv, group, lq, d)
+        o = o.reshape(m, hkv, group, lq, dv)
         if mx.any(bad).item():
             o = o + _nonfinite_values(w, visible, vh, bad)
     else:
-        o = (w.reshape(m, hkv, group * lq, lk) @ vh).reshape(m, hkv, group, lq, d)
+        o = (w.reshape(m, hkv, group * lq, lk) @ vh).reshape(m, hkv, group, lq, dv)
     empty = denom == 0                          # sees no key; a NaN denom (a NaN K seen) stays NaN
     o = o / mx.where(empty, 1.0, denom)
     lse = mx.where(empty, NEG_INF, mx.log(mx.maximum(denom, 1e-38)) + peak)[..., 0]
-    o = o.transpose(0, 3, 1, 2, 4).reshape(m, lq, hq, d)
+    o = o.transpose(0, 3, 1, 2, 4).reshape(m, lq, hq, dv)
     lse = lse.transpose(0, 3, 1, 2).reshape(m, lq, hq)
     return o, lse
 
@@ -142,13 +154,17 @@ def _nonfinite_values(w, visible, vh, bad):
 
 
 class Output:
-    """Accumulates (o, lse) rows of a kernel into (T, Hq, D) / (T, Hq); uncovered rows stay
-    o = 0, lse = -inf. Row ``T`` is a dump row for padding and is sliced off."""
+    """Accumulates (o, lse) rows of a kernel into (T, Hq, Dv) / (T, Hq); uncovered rows stay
+    o = 0, lse = -inf (``sinks[h]`` with sinks). Row ``T`` is a dump row for padding and is
+    sliced off."""
 
-    def __init__(self, t: int, hq: int, d: int):
+    def __init__(self, t: int, hq: int, dv: int, sinks=None):
         self.t = t
-        self.o = mx.zeros((t + 1, hq, d), dtype=mx.float32)
-        self.lse = mx.full((t + 1, hq), NEG_INF, dtype=mx.float32)
+        self.o = mx.zeros((t + 1, hq, dv), dtype=mx.float32)
+        if sinks is None:
+            self.lse = mx.full((t + 1, hq), NEG_INF, dtype=mx.float32)
+        else:
+            self.lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :], (t + 1, hq)) * 1.0
 
     def put(self, rows, valid, o, lse):
         """rows/valid (m, L); o (m, L, Hq, D); lse (m, L, Hq)."""
