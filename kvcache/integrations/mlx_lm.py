@@ -1,33 +1,63 @@
 """mlx-lm models on a ``PagedKVCache`` (extra ``kvcache[mlx-lm]``).
 
 ``Engine(model, ...)`` runs continuous-batching generation (see
-``kvcache.integrations.engine``) of an mlx-lm model (``mlx_lm.load`` or a model class of
-``mlx_lm.models.llama`` / ``qwen2`` / ``phi3`` / ``gemma``; mlx-lm loads Mistral checkpoints as
-``llama`` with ``model_type="mistral"``) on the metal backend (Apple GPU, or MLX's CPU device
-with ``device="cpu"``), replacing mlx-lm's own KV cache with the paged cache.
+``kvcache.integrations.engine``) of an mlx-lm model (``mlx_lm.load``, or a model class of
+``mlx_lm.models``) on the metal backend (Apple GPU, or MLX's CPU device with
+``device="cpu"``), with the paged cache in place of mlx-lm's own KV cache. There is no family
+list: the model's own code runs unchanged, and every model whose attention goes through
+mlx-lm's cache protocol runs; any other is refused (``UnsupportedFeatureError`` naming why).
 
-How the model reaches the cache: mlx-lm's attention modules rotate q/k with a *scalar* offset
-(``cache.offset``), which cannot express the per-token positions of a batch packed into one
-row. For the duration of ``generate`` each decoder layer's ``self_attn`` is therefore replaced
-by a ``CacheAttention`` that runs the module's own projections (``q_proj``/``k_proj``/
-``v_proj`` or the fused ``qkv_proj``), the module's own ``rope`` at per-token positions (each
-token as its own batch row with its position as the row's offset: the same RoPE function,
-scaling included) and ``o_proj``; attention itself is ``cache.attention(layer, q, k, v)``. The
-original modules are put back afterwards. The cache uses ``rope_mode="none"``.
+How the model reaches the cache (mlx-lm's cache protocol, the model's code unchanged):
 
-Limits: the attention module must have those projections, ``rope``, ``scale``, ``n_heads`` and
-``n_kv_heads`` and nothing else in its attention (no q/k norm, softcap or sinks: such families
-are not listed in ``FAMILIES``). Sliding-window layers (``layer_types`` entries
-``"sliding_attention"`` with ``sliding_window``, as mlx-lm's llama defines them: a query sees
-the previous ``sliding_window`` positions, itself included) need the backend capability
-``window_left`` once a sequence outgrows the window. A model without ``layer_types`` (e.g. a
-Mistral config with only ``sliding_window``) is full attention in mlx-lm, and here too.
+* **Layout.** A forward's ``T`` packed tokens (several sequences) go in as ``T`` batch rows of
+  one token each: inputs ``(T, 1)``. Everything outside attention is per token, so the rows
+  are independent.
+* **Positions.** Each layer gets a ``LayerCache`` as its ``cache``; its ``offset`` is an
+  ``mx.array`` ``(T,)`` of the tokens' positions, so the model's own
+  ``self.rope(x, offset=cache.offset)`` rotates row ``t`` at token ``t``'s position
+  (``mx.fast.rope`` takes one offset per batch row; every mlx-lm RoPE class, llama3 / YaRN /
+  su-scaled included, passes it on). A RoPE that cannot take per-row offsets (e.g.
+  ``DynamicNTKScalingRoPE``) fails in the probe and the model is refused.
+* **K/V and attention.** ``cache.update_and_fetch(keys, values)`` hands the new keys and
+  values back as they are; mlx-lm's ``scaled_dot_product_attention`` (wrapped, once, in the
+  modules of the model's classes: the wrapper is mlx-lm's own function for any other cache)
+  sends ``queries``, those keys and values, the model's ``scale`` and ``sinks`` to
+  ``PagedKVCache.attention`` of the layer, which appends K/V and attends over each sequence's
+  history. Whatever the model does before (q/k norms, biases, partial or scaled RoPE, NoPE
+  layers) and after (output projection, logit scaling and soft-capping of the head) is its own.
+* **Masks.** ``cache.make_mask`` (what ``create_attention_mask`` calls) returns None: the
+  paged cache knows each token's sequence and applies causality itself. A model that hands
+  ``scaled_dot_product_attention`` a mask array of its own (e.g. an additive bias) is refused.
+* **Windows.** Per layer, from ``model.make_cache()`` as mlx-lm builds it: a
+  ``RotatingKVCache(max_size=w)`` layer is a sliding layer (a query sees the previous ``w``
+  positions, itself included: ``window_left = w - 1``, capability ``window_left`` once a
+  sequence outgrows it); a ``KVCache`` layer is full attention; any other cache type is
+  refused.
+* **Head.** The model's own ``__call__`` computes the logits; its inner model is wrapped for
+  the call so that only the rows whose logits are wanted reach the head.
+
+At construction a probe runs the model once lazily (nothing is computed) on two tokens with
+recording layer caches: each layer must call ``update_and_fetch`` and then
+``scaled_dot_product_attention`` with its cache object and exactly the fetched keys and
+values, and no mask array. The probe also reads the cache configuration off the calls (query
+and KV heads, q/k and value head dims, dtype, sinks). Refused, with the reason: attention
+computed by the model itself (mlx-lm's gemma2, for its logit soft-capping), keys or values
+transformed after the fetch or an additive score mask (mlx-lm's deepseek_v3 MLA), recurrent
+or chunked caches, layers of different head shapes, sinks on a backend without
+``attention_sinks``.
+
+For a loop of your own: ``layer_caches(model, cache)`` inside ``cache.forward(...)`` gives the
+list to pass as ``model(tokens[:, None], cache=...)``. The cache uses ``rope_mode="none"``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+import dataclasses
+import functools
+import inspect
+import sys
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -35,244 +65,539 @@ from . import require
 from .engine import Engine as _Engine
 from .engine import ModelAdapter
 from ..arrays import to_numpy
+from ..backend import Capabilities
 from ..config import CacheConfig
-from ..errors import InvalidArgumentError, UnsupportedFeatureError
+from ..errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 
 mx = require("mlx.core", "mlx-lm")
 mlx_lm = require("mlx_lm", "mlx-lm", "0.32")
 
-__all__ = ["CacheAttention", "Engine", "FAMILIES", "MlxLmAdapter", "cache_config",
-           "sliding_windows"]
+from mlx_lm.models import base as _mlx_base  # noqa: E402
+from mlx_lm.models import cache as _mlx_cache  # noqa: E402
 
-FAMILIES = {
-    "llama": ("mlx_lm.models.llama", "grouped-query attention; layers listed as "
-              "'sliding_attention' need the backend capability 'window_left' for sequences "
-              "longer than sliding_window"),
-    "mistral": ("mlx_lm.models.llama", "as llama (mlx-lm runs Mistral on its llama model)"),
-    "qwen2": ("mlx_lm.models.qwen2", "q/k/v projection bias (inside the model)"),
-    "phi3": ("mlx_lm.models.phi3", "fused qkv_proj; head_dim 96 in the backend's head_dims"),
-    "gemma": ("mlx_lm.models.gemma", "head_dim 256 with one KV head (the backend's head_dims)"),
-}
-"""``model_type -> (mlx-lm module of the model class, what the family needs of a backend)``."""
+__all__ = ["Engine", "LayerCache", "MlxLmAdapter", "ModelDescription", "cache_config",
+           "describe", "eos_token_ids", "layer_caches", "sliding_windows"]
 
 _DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
-_NEEDED = ("rope", "o_proj", "scale", "n_heads", "n_kv_heads")
 
 
 # ---------------------------------------------------------------------- model description
-def _args(model):
+def _family(model) -> str:
     args = getattr(model, "args", None)
-    if args is None:
-        raise UnsupportedFeatureError(f"{type(model).__name__} has no .args: not an mlx-lm model")
-    return args
+    return str(getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1])
 
 
 def _layers(model) -> list:
-    return list(model.layers)
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise UnsupportedFeatureError(
+            f"{type(model).__name__} has no .layers: not an mlx-lm language model")
+    return list(layers)
 
 
-def _head_dim(model) -> int:
-    attn = _layers(model)[0].self_attn
-    if hasattr(attn, "head_dim"):
-        return int(attn.head_dim)
-    args = _args(model)
-    return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+def _label(model, layer: int) -> str:
+    """'layer i (module.Class)' of the attention module of cache slot ``layer``, for messages."""
+    layers = _layers(model)
+    if layer < len(layers):
+        block = layers[layer]
+        attn = next((getattr(block, a) for a in ("self_attn", "attention", "attn")
+                     if getattr(block, a, None) is not None), block)
+        return f"layer {layer} ({type(attn).__module__}.{type(attn).__name__})"
+    return f"layer {layer}"
 
 
-def _dtype(model) -> str:
-    embed = model.model.embed_tokens
-    dtype = embed.scales.dtype if hasattr(embed, "scales") else embed.weight.dtype
-    if dtype not in _DTYPES:
-        raise UnsupportedFeatureError(f"the cache stores float32, float16 or bfloat16, not {dtype}")
-    return _DTYPES[dtype]
+class _Label:
+    """``_label(model, layer)``, built when formatted (the hot path formats none)."""
+
+    def __init__(self, model, layer: int):
+        self.model, self.layer = model, layer
+
+    def __str__(self) -> str:
+        return _label(self.model, self.layer)
+
+
+def _mlx_caches(model) -> list:
+    """The cache objects mlx-lm's own generation would use (``make_prompt_cache``)."""
+    if hasattr(model, "make_cache"):
+        return list(model.make_cache())
+    return [_mlx_cache.KVCache() for _ in _layers(model)]
 
 
 def sliding_windows(model) -> dict:
-    """``{layer index: sliding_window}`` for the model's sliding-window layers (empty: none):
-    the layers mlx-lm builds with ``use_sliding`` (``layer_types`` ``"sliding_attention"``)."""
-    window = getattr(_args(model), "sliding_window", None)
-    if window is None:
-        return {}
-    return {i: int(window) for i, layer in enumerate(_layers(model))
-            if getattr(layer, "use_sliding", False)}
+    """``{layer: window}`` of the model's sliding-window layers (empty: none), as mlx-lm's own
+    generation builds them (``model.make_cache()``): a ``RotatingKVCache(max_size=w)`` layer
+    attends to the previous ``w`` positions, itself included; a ``KVCache`` layer to all of
+    them. Any other cache type raises ``UnsupportedFeatureError`` naming it."""
+    windows = {}
+    for i, c in enumerate(_mlx_caches(model)):
+        if type(c) is _mlx_cache.KVCache:
+            continue
+        if type(c) is _mlx_cache.RotatingKVCache and not getattr(c, "keep", 0):
+            windows[i] = int(c.max_size)
+            continue
+        what = (f"RotatingKVCache with keep={c.keep} (tokens kept at the start beside the "
+                f"window)" if isinstance(c, _mlx_cache.RotatingKVCache) else type(c).__name__)
+        raise UnsupportedFeatureError(
+            f"{_label(model, i)} of the {_family(model)} model uses mlx-lm's {what} (from "
+            f"model.make_cache()): the paged cache stands in for KVCache (full attention) and "
+            f"RotatingKVCache (a sliding window) only")
+    return windows
+
+
+def eos_token_ids(model, tokenizer=None) -> tuple:
+    """The end-of-sequence ids mlx-lm's own generation stops at: the tokenizer's
+    ``eos_token_ids`` (``mlx_lm.load`` fills them from the config's ``eos_token_id`` and the
+    tokenizer), else ``eos_token_id``, else the model args' ``eos_token_id`` (an int or a list);
+    () when none names one."""
+    sources = []
+    if tokenizer is not None:
+        sources += [getattr(tokenizer, "eos_token_ids", None), getattr(tokenizer, "eos_token_id", None)]
+    sources.append(getattr(getattr(model, "args", None), "eos_token_id", None))
+    for ids in sources:
+        if ids is None:
+            continue
+        ids = [ids] if isinstance(ids, (int, np.integer)) else list(ids)
+        if ids:
+            return tuple(sorted({int(t) for t in ids}))
+    return ()
+
+
+_eos_ids = eos_token_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDescription:
+    """What the probe read off an mlx-lm model's attention calls (``describe``)."""
+
+    num_layers: int
+    """Cache slots (one ``LayerCache`` each): ``len(model.make_cache())`` or of the layers."""
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    """Head dim of queries and keys."""
+    head_dim_v: int
+    """Head dim of values and of the attention output."""
+    dtype: str
+    """The dtype the attention runs in (the cache's)."""
+    vocab_size: int
+    windows: dict
+    """``{layer: window}`` (``sliding_windows``)."""
+    sinks: tuple
+    """The layers that pass learned attention sinks (capability ``attention_sinks``)."""
+
+
+# ---------------------------------------------------------------------- the cache protocol
+class _Forward:
+    """What the ``LayerCache`` objects of one model read during one forward (or the probe)."""
+
+    def __init__(self, model, windows: dict, num_layers: int):
+        self.model = model
+        self.windows = windows
+        self.cache = None                 # the PagedKVCache whose forward is open
+        self.probe: Optional[dict] = None  # {layer: record} while probing
+        self.positions = None             # (T,) int32 mx array
+        self.last_position = -1
+        self.fetched = [0] * num_layers
+        self.attended = [0] * num_layers
+
+    def begin(self, cache, positions) -> None:
+        pos = np.asarray(positions, np.int64)
+        self.cache = cache
+        self.positions = mx.array(pos.astype(np.int32))
+        self.last_position = int(pos.max()) if pos.size else -1
+        self.fetched = [0] * len(self.fetched)
+        self.attended = [0] * len(self.attended)
+
+    def end(self) -> None:
+        self.cache = self.positions = None
+
+    def check_all_attended(self) -> None:
+        """Every layer called ``update_and_fetch`` and ``scaled_dot_product_attention`` once."""
+        for layer, (f, a) in enumerate(zip(self.fetched, self.attended)):
+            if f == 1 and a == 1:
+                continue
+            label = _label(self.model, layer)
+            if a == 0 and f:
+                why = ("calls cache.update_and_fetch but not mlx-lm's "
+                       "scaled_dot_product_attention: it computes attention itself (e.g. "
+                       "mlx-lm's gemma2 for its logit soft-capping)")
+            elif a == 0:
+                why = ("never uses the cache object it is given (update_and_fetch and "
+                       "scaled_dot_product_attention): e.g. a recurrent layer, or a cache of "
+                       "its own")
+            else:
+                why = (f"calls update_and_fetch {f} times and scaled_dot_product_attention "
+                       f"{a} times in one forward (once each expected)")
+            raise UnsupportedFeatureError(
+                f"{label} of the {_family(self.model)} model {why}; its attention cannot run "
+                f"on the paged cache")
+
+
+class LayerCache:
+    """mlx-lm's cache protocol for one layer of a model over the open forward of a
+    ``PagedKVCache`` (pass the list from ``layer_caches`` as the model's ``cache``).
+
+    ``offset``: the new tokens' positions, ``(T,)`` int32 (each token is its own batch row);
+    ``update_and_fetch(keys, values)`` returns them unchanged (the paged cache appends them when
+    the layer attends); ``make_mask`` returns None (the cache is causal by itself). mlx-lm's
+    ``scaled_dot_product_attention`` called with this object as ``cache`` runs
+    ``PagedKVCache.attention`` of the layer (``attend``)."""
+
+    def __init__(self, layer: int, forward: _Forward):
+        self.layer = layer
+        self._forward = forward
+        self._fetched = None
+
+    # ---- the protocol mlx-lm's attention uses
+    @property
+    def offset(self):
+        f = self._forward
+        if f.positions is None:
+            raise InvalidArgumentError(
+                f"layer {self.layer}: a kvcache LayerCache is used outside a forward (run the "
+                f"model through Engine.generate, or take layer_caches(model, cache) inside "
+                f"cache.forward(...))")
+        return f.positions
+
+    def update_and_fetch(self, keys, values):
+        self._forward.fetched[self.layer] += 1
+        self._fetched = (keys, values)
+        return keys, values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        f = self._forward
+        if window_size is not None and f.windows.get(self.layer) != int(window_size):
+            mine = f.windows.get(self.layer)
+            raise UnsupportedFeatureError(
+                f"the {_family(f.model)} model builds a sliding-window mask of {window_size} "
+                f"positions on {_label(f.model, self.layer)}, whose mlx-lm cache from "
+                f"model.make_cache() is "
+                + (f"a window of {mine}" if mine is not None else "full attention (KVCache)")
+                + ": the layers' windows are not what the cache types declare, so the paged "
+                  "cache cannot tell which layers slide")
+        return None
+
+    # ---- the rest of mlx-lm's cache interface (nothing is held here)
+    @property
+    def state(self):
+        return []
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    # ---- attention
+    def attend(self, queries, keys, values, scale, mask=None, sinks=None, **other):
+        """``scaled_dot_product_attention(queries, keys, values, cache=self, scale, mask,
+        sinks)`` on the paged cache: ``queries`` ``(T, H, 1, D)``, ``keys`` / ``values`` as
+        ``update_and_fetch`` returned them. Returns ``(T, H, 1, Dv)`` in the queries' dtype."""
+        f, layer = self._forward, self.layer
+        label = _Label(f.model, layer)           # (built only for a message)
+        f.attended[layer] += 1
+        fetched, self._fetched = self._fetched, None
+        if fetched is None or keys is not fetched[0] or values is not fetched[1]:
+            raise UnsupportedFeatureError(
+                f"{label} of the {_family(f.model)} model hands scaled_dot_product_attention "
+                f"other keys or values than cache.update_and_fetch returned (it transforms "
+                f"the cached keys/values itself, e.g. mlx-lm's MLA attention of deepseek_v3): "
+                f"its attention cannot run on the paged cache")
+        if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+            shape = tuple(mask.shape) if hasattr(mask, "shape") else type(mask).__name__
+            raise UnsupportedFeatureError(
+                f"{label} of the {_family(f.model)} model passes a mask of its own {shape} to "
+                f"scaled_dot_product_attention (not the None its cache's make_mask returns: "
+                f"e.g. additive attention scores); the paged cache applies causality and "
+                f"per-layer sliding windows only")
+        extra = {k: v for k, v in other.items() if v is not None}
+        if extra:
+            raise UnsupportedFeatureError(
+                f"{label} of the {_family(f.model)} model passes "
+                f"{', '.join(sorted(extra))} to scaled_dot_product_attention, which the "
+                f"kvcache attention does not implement")
+        T = f.positions.shape[0]
+        B, H, L, D = queries.shape
+        if B != T or L != 1 or keys.shape[0] != T or keys.shape[2] != 1:
+            raise InvalidArgumentError(
+                f"{label}: the {T} new tokens must be {T} batch rows of one token each (inputs "
+                f"of shape ({T}, 1)), got queries {tuple(queries.shape)} and keys "
+                f"{tuple(keys.shape)}")
+        Hkv, Dv = keys.shape[1], values.shape[-1]
+        if f.probe is not None:
+            f.probe[layer] = dict(heads=(H, Hkv, D, Dv), dtype=queries.dtype,
+                                  sinks=sinks is not None)
+            return mx.zeros((B, H, 1, Dv), queries.dtype)
+        kv = f.cache
+        if kv is None:
+            raise InvalidArgumentError(
+                f"{label}: the model's attention reaches a kvcache LayerCache, but no forward "
+                f"is open (run it through Engine.generate, or inside cache.forward(...))")
+        opts = {}
+        window = f.windows.get(layer)
+        if window is not None:
+            if getattr(kv.capabilities, "window_left", False):
+                opts["window_left"] = window - 1
+            elif f.last_position >= window:
+                raise _window_unsupported(kv, label, window)
+        if sinks is not None:
+            opts["sinks"] = _to_cache(kv, sinks.astype(mx.float32), keep_dtype=True)
+        q = _to_cache(kv, queries.reshape(T, H, D))
+        k = _to_cache(kv, keys.reshape(T, Hkv, D))
+        v = _to_cache(kv, values.reshape(T, Hkv, Dv))
+        out = kv.attention(layer, q, k, v, sm_scale=float(scale), **opts)
+        if not isinstance(out, mx.array):
+            out = mx.array(np.ascontiguousarray(to_numpy(out)))
+        return out.astype(queries.dtype).reshape(T, H, 1, -1)
+
+
+def _to_cache(cache, x, keep_dtype: bool = False):
+    """An mx array -> the cache backend's native array (in the cache dtype, unless
+    ``keep_dtype`` and the backend takes MLX arrays)."""
+    if cache.backend.is_native(x):
+        return x if keep_dtype else x.astype(_mx_dtype(cache.config.dtype))
+    return cache.from_numpy(np.asarray(x.astype(mx.float32)))
+
+
+def _mx_dtype(name: str):
+    return {v: k for k, v in _DTYPES.items()}[name]
+
+
+def _window_unsupported(cache, label, window: int) -> UnsupportedFeatureError:
+    return UnsupportedFeatureError(
+        f"backend {cache.backend.name!r} does not support per-query sliding-window attention "
+        f"(capability 'window_left' not declared): {label} of the model attends to the "
+        f"previous sliding_window={window} positions only")
+
+
+# ---------------------------------------------------------------------- routing
+_ROUTED_ATTR = "__kvcache_routed__"
+
+
+def _routed(original):
+    """mlx-lm's ``scaled_dot_product_attention`` that hands a call with a ``LayerCache`` to its
+    ``attend`` and any other call to ``original`` unchanged."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def scaled_dot_product_attention(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)
+        cache = bound.arguments.get("cache")
+        if isinstance(cache, LayerCache):
+            arguments = dict(bound.arguments)
+            arguments.pop("cache")
+            arguments.update(arguments.pop("kwargs", {}))
+            return cache.attend(**arguments)
+        return original(*args, **kwargs)
+
+    setattr(scaled_dot_product_attention, _ROUTED_ATTR, True)
+    return scaled_dot_product_attention
+
+
+def route(model) -> None:
+    """Wrap mlx-lm's ``scaled_dot_product_attention`` where ``model``'s classes call it (the
+    modules defining them, and ``mlx_lm.models.base``) so that a call with a ``LayerCache``
+    reaches the paged cache. Once per module, idempotent; calls with any other cache run
+    mlx-lm's own function, so the wrapper stays installed."""
+    modules = {sys.modules.get(type(m).__module__) for m in [model, *model.modules()]}
+    modules.add(_mlx_base)
+    for module in modules:
+        original = getattr(module, "scaled_dot_product_attention", None) if module else None
+        if callable(original) and not getattr(original, _ROUTED_ATTR, False):
+            setattr(module, "scaled_dot_product_attention", _routed(original))
+
+
+def layer_caches(model, cache, positions=None) -> list:
+    """The mlx-lm cache objects (one ``LayerCache`` per layer) that route ``model``'s
+    attention to ``cache``'s open forward. Call the model with the forward's T tokens as T
+    batch rows: ``model(tokens.reshape(-1, 1), cache=layer_caches(model, cache))``; logits come
+    back ``(T, 1, vocab)``. ``positions``: each token's position (None: the cache's
+    ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``)."""
+    if cache.config.rope_mode != "none":
+        raise InvalidArgumentError(
+            f"the cache has rope_mode={cache.config.rope_mode!r}, but an mlx-lm model applies "
+            f"its own RoPE: build the cache with cache_config(model) (rope_mode='none')")
+    windows = sliding_windows(model)
+    route(model)
+    slots = len(_mlx_caches(model))
+    forward = _Forward(model, windows, slots)
+    forward.begin(cache, to_numpy(cache.query_positions()) if positions is None else positions)
+    return [LayerCache(i, forward) for i in range(slots)]
+
+
+class _RowsOf:
+    """Stands in for a model's inner model during one call: runs it and hands the model's head
+    only the hidden rows ``rows`` (``(B,)`` int32) of its ``(T, 1, hidden)`` output."""
+
+    def __init__(self, inner, rows):
+        self.inner, self.rows, self.hidden = inner, rows, None
+
+    def __call__(self, *args, **kwargs):
+        self.hidden = self.inner(*args, **kwargs)
+        return self.hidden[self.rows]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _run(model, inputs, caches, rows):
+    """The model's own ``__call__`` over ``inputs`` (T, 1) with ``caches``: ``(logits (B,
+    vocab) of rows ``rows``, hidden states (T, 1, hidden) or the logits of every row)``."""
+    inner = model.get("model") if isinstance(model, dict) else None
+    if inner is None or "model" in vars(model) or not callable(inner):
+        out = model(inputs, cache=caches)
+        return out[rows][:, -1], out
+    wrapper = _RowsOf(inner, rows)
+    object.__setattr__(model, "model", wrapper)
+    try:
+        out = model(inputs, cache=caches)
+    finally:
+        object.__delattr__(model, "model")
+    if wrapper.hidden is None:               # the model's call did not go through .model
+        return out[rows][:, -1], out
+    return out[:, -1], wrapper.hidden
+
+
+def describe(model) -> ModelDescription:
+    """Probe ``model``'s attention through the cache protocol (``LayerCache`` objects that
+    record, the model run lazily on two tokens: nothing is computed) and read the cache
+    configuration off its calls. Raises ``UnsupportedFeatureError`` naming the reason when its
+    attention cannot reach the paged cache this way (see the module docstring)."""
+    family = _family(model)
+    windows = sliding_windows(model)
+    route(model)
+    slots = len(_mlx_caches(model))
+    forward = _Forward(model, windows, slots)
+    forward.probe = {}
+    forward.positions = mx.array([0, 1], mx.int32)
+    caches = [LayerCache(i, forward) for i in range(slots)]
+    try:
+        logits, _ = _run(model, mx.zeros((2, 1), mx.int32), caches, mx.array([1], mx.int32))
+        forward.check_all_attended()
+    except KVCacheError:
+        raise
+    except Exception as exc:
+        raise UnsupportedFeatureError(
+            f"the {family} model ({type(model).__module__}) fails with kvcache's layer caches "
+            f"(each token a batch row, its position in the array cache.offset, no mask): "
+            f"{type(exc).__name__}: {exc}") from exc
+    shapes = {r["heads"] for r in forward.probe.values()}
+    if len(shapes) != 1:
+        raise UnsupportedFeatureError(
+            f"the layers of the {family} model differ in (query heads, KV heads, head dim, "
+            f"value head dim): {sorted(shapes)}; the paged cache has one shape for all layers")
+    dtypes = {r["dtype"] for r in forward.probe.values()}
+    dtype = dtypes.pop()
+    if dtypes or dtype not in _DTYPES:
+        raise UnsupportedFeatureError(
+            f"the {family} model's attention runs in {dtype}; the cache stores float32, "
+            f"float16 or bfloat16 (one dtype for all layers)")
+    H, Hkv, D, Dv = shapes.pop()
+    return ModelDescription(
+        num_layers=slots, num_qo_heads=int(H), num_kv_heads=int(Hkv), head_dim=int(D),
+        head_dim_v=int(Dv), dtype=_DTYPES[dtype], vocab_size=int(logits.shape[-1]),
+        windows=windows, sinks=tuple(sorted(i for i, r in forward.probe.items() if r["sinks"])))
 
 
 def cache_config(model, *, dtype: Optional[str] = None, page_size: int = 16,
                  max_total_tokens: int = 65536, max_batch_size: int = 64,
-                 prefill_chunk_size: int = 2048) -> CacheConfig:
-    """A ``CacheConfig`` for an mlx-lm model: layers, query/KV heads and head_dim from the
-    model, ``rope_mode="none"`` (the model rotates q and k itself), ``dtype`` (None: the
-    model's embedding dtype) and the given sizes."""
-    attn = _layers(model)[0].self_attn
-    args = _args(model)
+                 prefill_chunk_size: int = 2048,
+                 description: Optional[ModelDescription] = None) -> CacheConfig:
+    """A ``CacheConfig`` for an mlx-lm model: layers, query/KV heads, head dims (values: their
+    own, ``head_dim_v``) as its attention calls show them (``describe``), ``rope_mode="none"``
+    (the model rotates q and k itself), ``dtype`` (None: the model's) and the given sizes."""
+    d = description if description is not None else describe(model)
+    args = getattr(model, "args", None)
     return CacheConfig(
-        num_layers=len(_layers(model)), num_qo_heads=int(attn.n_heads),
-        num_kv_heads=int(attn.n_kv_heads), head_dim=_head_dim(model), page_size=page_size,
-        max_batch_size=max_batch_size, max_total_tokens=max_total_tokens,
-        prefill_chunk_size=prefill_chunk_size,
-        dtype=dtype if dtype is not None else _dtype(model), rope_mode="none",
-        rope_theta=float(getattr(args, "rope_theta", None) or 10000.0))
-
-
-# ---------------------------------------------------------------------- attention
-class _Context:
-    """What every layer's ``CacheAttention`` reads during one forward."""
-
-    def __init__(self):
-        self.cache = None
-        self.positions = None          # (T,) int32 mx array: each token's position
-        self.last_position = -1        # the largest of them
-        self.windows: dict = {}
-
-
-class CacheAttention:
-    """Stands in for one mlx-lm attention module during ``generate``: the module's own
-    projections and RoPE (at per-token positions), attention through the cache.
-
-    Called as the module is, ``(x, mask=None, cache=None)`` with ``x`` (1, T, hidden); the mask
-    and mlx-lm cache are ignored (the paged cache knows each token's sequence). Returns
-    (1, T, hidden)."""
-
-    def __init__(self, module, layer: int, context: _Context):
-        self.module, self.layer, self.context = module, layer, context
-
-    def _qkv(self, x):
-        m = self.module
-        if hasattr(m, "qkv_proj"):
-            qkv = m.qkv_proj(x)
-            q_size = m.n_heads * m.head_dim
-            return mx.split(qkv, [q_size, q_size + m.n_kv_heads * m.head_dim], axis=-1)
-        return m.q_proj(x), m.k_proj(x), m.v_proj(x)
-
-    def __call__(self, x, mask=None, cache=None):
-        m, ctx = self.module, self.context
-        kv = ctx.cache
-        if kv is None:
-            raise InvalidArgumentError(
-                f"layer {self.layer}: the model's attention is routed to a kvcache cache, but "
-                f"no forward is open (call it through Engine.generate)")
-        B, T, _ = x.shape
-        if B != 1:
-            raise InvalidArgumentError(
-                f"the batch must be packed into one row (inputs of shape (1, T)), got {B} rows")
-        q, k, v = self._qkv(x)
-        # each token is its own batch row so RoPE's per-row offset is the token's position
-        q = m.rope(q.reshape(T, m.n_heads, 1, -1), offset=ctx.positions).reshape(T, m.n_heads, -1)
-        k = m.rope(k.reshape(T, m.n_kv_heads, 1, -1), offset=ctx.positions).reshape(T, m.n_kv_heads, -1)
-        v = v.reshape(T, m.n_kv_heads, -1)
-        extra = {}
-        window = ctx.windows.get(self.layer)
-        if window is not None:
-            if getattr(kv.capabilities, "window_left", False):
-                extra["window_left"] = window - 1
-            elif ctx.last_position >= window:
-                raise _window_unsupported(kv, self.layer, window)
-        out = kv.attention(self.layer, _to_cache(kv, q), _to_cache(kv, k), _to_cache(kv, v),
-                           sm_scale=float(m.scale), **extra)
-        if not isinstance(out, mx.array):
-            out = mx.array(np.ascontiguousarray(to_numpy(out)))
-        return m.o_proj(out.astype(x.dtype).reshape(1, T, -1))
-
-
-def _to_cache(cache, x):
-    """(T, H, D) mx array -> the cache backend's native array in the cache dtype."""
-    if cache.backend.is_native(x):
-        return x
-    return cache.from_numpy(np.asarray(x.astype(mx.float32)))
-
-
-def _window_unsupported(cache, layer: int, window: int) -> UnsupportedFeatureError:
-    return UnsupportedFeatureError(
-        f"backend {cache.backend.name!r} does not support per-query sliding-window attention "
-        f"(capability 'window_left' not declared): layer {layer} of the model attends to the "
-        f"previous sliding_window={window} positions only")
+        num_layers=d.num_layers, num_qo_heads=d.num_qo_heads, num_kv_heads=d.num_kv_heads,
+        head_dim=d.head_dim, head_dim_v=None if d.head_dim_v == d.head_dim else d.head_dim_v,
+        page_size=page_size, max_batch_size=max_batch_size, max_total_tokens=max_total_tokens,
+        prefill_chunk_size=prefill_chunk_size, dtype=dtype if dtype is not None else d.dtype,
+        rope_mode="none", rope_theta=float(getattr(args, "rope_theta", None) or 10000.0))
 
 
 # ---------------------------------------------------------------------- engine adapter
 class MlxLmAdapter(ModelAdapter):
-    """An mlx-lm model (a supported family) as the engine's model."""
+    """An mlx-lm model as the engine's model: any model whose attention reaches the cache
+    through mlx-lm's cache protocol (``describe`` checks it at construction)."""
 
-    def __init__(self, model):
-        args = getattr(model, "args", None)
-        family = getattr(args, "model_type", None)
-        module = type(model).__module__
-        if family not in FAMILIES or FAMILIES[family][0] != module:
-            raise UnsupportedFeatureError(
-                f"model family {family!r} ({module}.{type(model).__name__}) is not supported by "
-                f"the kvcache Engine for mlx-lm; supported: "
-                + ", ".join(f"{f} ({m})" for f, (m, _) in sorted(FAMILIES.items()))
-                + ". A new family needs an attention module whose q/k/v projections, rope and "
-                  "o_proj CacheAttention can run (see docs/integrations.md)")
-        for i, layer in enumerate(_layers(model)):
-            attn = getattr(layer, "self_attn", None)
-            missing = [a for a in _NEEDED if attn is None or not hasattr(attn, a)]
-            if attn is not None and not hasattr(attn, "qkv_proj"):
-                missing += [a for a in ("q_proj", "k_proj", "v_proj") if not hasattr(attn, a)]
-            if missing:
-                raise UnsupportedFeatureError(
-                    f"layer {i} of the {family} model has no {', '.join(missing)} on its "
-                    f"self_attn: CacheAttention cannot run it")
+    def __init__(self, model, tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None):
         self.model = model
-        self.family = family
-        self.vocab_size = int(args.vocab_size)
-        self.windows = sliding_windows(model)
-        self.context = _Context()
-        self.context.windows = self.windows
+        self.family = _family(model)
+        self.description = describe(model)
+        self.vocab_size = self.description.vocab_size
+        self.windows = dict(self.description.windows)
+        self._forward = _Forward(model, self.windows, self.description.num_layers)
+        self._caches = [LayerCache(i, self._forward) for i in range(self.description.num_layers)]
+        if eos_token_ids is not None:
+            ids = [eos_token_ids] if isinstance(eos_token_ids, (int, np.integer)) else eos_token_ids
+            self._eos = tuple(sorted({int(t) for t in ids}))
+        else:
+            self._eos = _eos_ids(model, tokenizer)
 
     def cache_config(self, *, dtype, page_size, max_total_tokens, max_batch_size,
                      prefill_chunk_size) -> CacheConfig:
         return cache_config(self.model, dtype=dtype, page_size=page_size,
                             max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
-                            prefill_chunk_size=prefill_chunk_size)
+                            prefill_chunk_size=prefill_chunk_size, description=self.description)
 
     def default_device(self) -> Optional[str]:
         return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+    def eos_token_ids(self) -> tuple:
+        return self._eos
 
     def check(self, cache) -> None:
         if cache.config.rope_mode != "none":
             raise InvalidArgumentError(
                 f"the cache has rope_mode={cache.config.rope_mode!r}, but an mlx-lm model "
                 f"applies its own RoPE: the cache would rotate q and k a second time")
-        dtype = _dtype(self.model)
-        if cache.config.dtype != dtype and cache.backend.is_native(mx.zeros(1)):
+        d = self.description
+        if d.sinks and not getattr(cache.capabilities, "attention_sinks", False):
             raise UnsupportedFeatureError(
-                f"the model computes in {dtype} but the cache stores {cache.config.dtype}; the "
+                f"the {self.family} model passes learned attention sinks to "
+                f"scaled_dot_product_attention (layers {list(d.sinks)}), and backend "
+                f"{cache.backend.name!r} does not support them: "
+                f"{Capabilities.reason('attention_sinks')}")
+        if cache.config.dtype != d.dtype and cache.backend.is_native(mx.zeros(1)):
+            raise UnsupportedFeatureError(
+                f"the model computes in {d.dtype} but the cache stores {cache.config.dtype}; the "
                 f"{cache.backend.name!r} backend takes the model's arrays as they are, so the "
                 f"dtypes must match (pass dtype=None)")
 
     @contextlib.contextmanager
     def session(self, cache):
-        """Each layer's ``self_attn`` is a ``CacheAttention`` for the duration (restored)."""
-        layers = _layers(self.model)
-        originals = [layer.self_attn for layer in layers]
+        """mlx-lm's ``scaled_dot_product_attention`` routes ``LayerCache`` calls (``route``)."""
+        route(self.model)
         try:
-            for i, layer in enumerate(layers):
-                layer.self_attn = CacheAttention(originals[i], i, self.context)
             yield
         finally:
-            for layer, attn in zip(layers, originals):
-                layer.self_attn = attn
-            self.context.cache = self.context.positions = None
-
-    def _head(self, hidden):
-        model = self.model
-        if "lm_head" in model:
-            return model.lm_head(hidden)
-        return model.model.embed_tokens.as_linear(hidden)
+            self._forward.end()
 
     def forward(self, cache, tokens, positions, logit_rows):
-        ctx = self.context
-        ctx.cache = cache
-        ctx.positions = mx.array(positions.astype(np.int32))
-        ctx.last_position = int(positions.max()) if len(positions) else -1
+        f = self._forward
+        f.begin(cache, positions)
+        inputs = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens, np.int32))
+        rows = mx.array(np.asarray(logit_rows, np.int32))
         try:
-            hidden = self.model.model(mx.array(tokens.astype(np.int32))[None])
+            logits, hidden = _run(self.model, inputs.astype(mx.int32).reshape(-1, 1),
+                                  self._caches, rows)
+            f.check_all_attended()
         finally:
-            ctx.cache = None
+            f.end()
         if not len(logit_rows):
             mx.eval(hidden)              # the cache holds this forward's K/V once evaluated
             return None
-        logits = self._head(hidden[0][mx.array(logit_rows.astype(np.int32))])
         mx.eval(logits)
         return logits
 
@@ -280,17 +605,21 @@ class MlxLmAdapter(ModelAdapter):
         return np.asarray(logits.astype(mx.float32)).astype(np.float64)
 
 
+
 class Engine(_Engine):
     """Continuous-batching generation of an mlx-lm model on a ``PagedKVCache``.
 
-    ``model``: an mlx-lm model of a family in ``FAMILIES`` (e.g. from ``mlx_lm.load``).
+    ``model``: an mlx-lm model (e.g. from ``mlx_lm.load``) whose attention goes through
+    mlx-lm's cache protocol (refused with the reason otherwise: see the module docstring).
     ``backend``: a backend name or ``"auto"`` (``"metal"`` for MLX); ``device``: ``"gpu"`` or
     ``"cpu"`` (None: MLX's default device); ``dtype``: the cache dtype (None: the model's);
     ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``), ``max_batch_size``,
     ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in ``CacheConfig``.
     ``offload`` / ``offload_tokens``: the host tier preempted sequences are parked in (None: on
     for the GPU); ``overlap`` (default True): greedy decode with the host one step ahead of the
-    device; both as in ``kvcache.integrations.engine.Engine``. See
+    device; both as in ``kvcache.integrations.engine.Engine``. ``tokenizer`` (e.g.
+    ``mlx_lm.load``'s) or ``eos_token_ids``: where a sample ends unless ``ignore_eos``
+    (``eos_token_ids(model, tokenizer)``; explicit ids win). See
     ``kvcache.integrations.engine.Engine.generate``.
     """
 
@@ -298,9 +627,11 @@ class Engine(_Engine):
                  dtype: Optional[str] = None, page_size: int = 16,
                  max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
                  prefill_chunk_size: Optional[int] = None, offload: Optional[bool] = None,
-                 offload_tokens: Optional[int] = None, overlap: bool = True):
+                 offload_tokens: Optional[int] = None, overlap: bool = True,
+                 tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None):
         self.model = model
-        super().__init__(MlxLmAdapter(model), backend=backend, device=device, dtype=dtype,
+        super().__init__(MlxLmAdapter(model, tokenizer=tokenizer, eos_token_ids=eos_token_ids),
+                         backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          offload=offload, offload_tokens=offload_tokens, overlap=overlap)

@@ -1,6 +1,7 @@
 """The Engine's features over an mlx-lm model on the metal backend (MLX's CPU device): parallel
 samples forked from one prefill, reproducible sampling with log-probabilities that match
-mlx-lm's own forward, preemption; unsupported families; the missing extra."""
+mlx-lm's own forward, preemption, EOS ids; a loop of one's own through layer_caches; the
+missing extra."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from mlx_lm_cases import make_model, make_prompts, metal_cpu_or_skip, mlx_greedy, mlx_logits
 
 import kvcache  # noqa: E402
-from kvcache.errors import UnsupportedFeatureError  # noqa: E402
+import mlx.core as mx  # noqa: E402
 from kvcache.integrations import MissingExtraError  # noqa: E402
 from kvcache.integrations.mlx_lm import Engine  # noqa: E402
 
@@ -75,22 +76,52 @@ def test_preemption_recomputes_and_keeps_the_tokens(llama):
     assert engine.cache.is_empty
 
 
-def test_unsupported_family_is_named():
-    from mlx_lm.models import qwen3
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=1,
-                           intermediate_size=96, num_attention_heads=2, rms_norm_eps=1e-5,
-                           vocab_size=64, num_key_value_heads=1, max_position_embeddings=256,
-                           rope_theta=10000.0, head_dim=32, tie_word_embeddings=True)
-    with pytest.raises(UnsupportedFeatureError, match=r"'qwen3'.*supported: gemma"):
-        Engine(qwen3.Model(args), backend="metal", device="cpu")
-    # a supported module with another model_type is refused too
-    model = make_model("llama", seed=0)
-    model.args.model_type = "llama4"
+def test_eos_ids_end_samples_unless_ignored(llama):
+    """A sample ends at the model's EOS ids (as mlx-lm's generation stops at the tokenizer's),
+    the EOS token its last; not with ignore_eos. The ids: explicit, else the tokenizer's
+    (mlx_lm.load's), else the model args' eos_token_id; none: ()."""
+    from types import SimpleNamespace
+    prompt = make_prompts(seed=4)[2]
+    want = mlx_greedy(llama, prompt, 12)
+    k = next(i for i in range(3, 12) if want[i] not in want[:i])
+    eos = want[k]
+    engine = _engine(llama, eos_token_ids=[eos])
+    assert engine.adapter.eos_token_ids() == (eos,)
+    assert engine.generate([prompt], max_new_tokens=12)[0][0] == want[:k + 1]
+    assert engine.generate([prompt], max_new_tokens=12, ignore_eos=True)[0][0] == want
+    assert _engine(llama, tokenizer=SimpleNamespace(eos_token_ids={eos, 2})).adapter \
+        .eos_token_ids() == tuple(sorted({eos, 2}))
+    assert _engine(llama).adapter.eos_token_ids() == ()
+    llama.args.eos_token_id = [5, 7]
     try:
-        with pytest.raises(UnsupportedFeatureError, match="'llama4'"):
-            Engine(model, backend="metal", device="cpu")
+        assert _engine(llama).adapter.eos_token_ids() == (5, 7)
     finally:
-        model.args.model_type = "llama"
+        del llama.args.eos_token_id
+
+
+def test_own_loop_through_layer_caches(llama):
+    """A loop of one's own: layer_caches(model, cache) inside cache.forward is the model's
+    cache argument, the forward's tokens its batch rows; any model_type (no family list)."""
+    from kvcache.integrations.mlx_lm import cache_config, layer_caches
+    llama.args.model_type = "my_llama_variant"
+    try:
+        cache = kvcache.PagedKVCache(cache_config(llama, max_total_tokens=1024),
+                                     backend="metal", device="cpu")
+    finally:
+        llama.args.model_type = "llama"
+    a, b = make_prompts(seed=8)[2][:20], make_prompts(seed=8)[0]
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    with cache.forward([0, 1], [12, len(b)]):          # a's first 12 tokens and all of b
+        tokens = mx.array(a[:12] + b)[:, None]
+        out = llama(tokens, cache=layer_caches(llama, cache))
+        mx.eval(out)
+    with cache.forward([0], [8]):                       # the rest of a on its history
+        rest = llama(mx.array(a[12:])[:, None], cache=layer_caches(llama, cache))
+        mx.eval(rest)
+    got = np.concatenate([np.asarray(out[:12, 0]), np.asarray(rest[:, 0])])
+    np.testing.assert_allclose(got, mlx_logits(llama, a), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out[12:, 0]), mlx_logits(llama, b), rtol=1e-4, atol=1e-4)
 
 
 def test_missing_mlx_lm_names_the_extra(monkeypatch):
