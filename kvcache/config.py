@@ -56,7 +56,7 @@ class CacheConfig:
     static_decode_batch_sizes: tuple = ()
     """Batch buckets a static-shape decode is padded to (default: powers of two up to and
     including max_batch_size)."""
-    head_dim_v: "int | None" = None
+    head_dim_v: int = None  # type: ignore[assignment]   # None in, always an int after init
     """Head dim of values and of the attention output (None: ``head_dim``). Another value than
     head_dim is MLA in expanded form (DeepSeek's 192 / 128); it needs a backend declaring it in
     ``head_dims_v``. A page row is ``max(head_dim, head_dim_v)`` wide (``page_row_dim``). Read

@@ -19,6 +19,7 @@ where the first flip happens. Two more numbers separate that from a cache error:
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from pathlib import Path
@@ -75,8 +76,8 @@ FAMILIES = {
                                         num_experts_per_tok=2, n_group=1, topk_group=1,
                                         first_k_dense_replace=1)),
 }
-# sdpa refuses soft-capping: the reference generation of those runs on transformers' eager
-EAGER_REFERENCE = ("gemma2",)
+# sdpa refuses soft-capping and sinks: the reference generation of those runs on transformers' eager
+EAGER_REFERENCE = ("gemma2", "gpt_oss")
 LENGTHS = [5, 300, 37, 128, 64, 211, 9, 150]
 
 
@@ -87,6 +88,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (cuda's CPU test mode, --tiny)")
     p.add_argument("--tiny", action="store_true", help="hidden 256, vocab 512: a smoke run")
+    p.add_argument("--fp32-reference", action="store_true",
+                   help="transformers' reference tokens and logits from a float32 copy")
     args = p.parse_args()
     dims = dict(DIMS, **(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                               num_key_value_heads=2, vocab_size=512) if args.tiny else {}))
@@ -101,6 +104,9 @@ def main() -> None:
             kw.update(hidden_size=384 if fam == "phi3" else 256, intermediate_size=512)
             if "head_dim" in kw:
                 kw["head_dim"] = min(kw["head_dim"], 64)
+            if model_type == "deepseek_v3":      # MLA expands to one KV head per query head
+                kw.update(num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                          qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
         cfg = transformers.AutoConfig.for_model(model_type, **{**dims, **kw, "num_hidden_layers": args.layers})
         ref_attn = "eager" if fam in EAGER_REFERENCE else "sdpa"
         torch.manual_seed(0)
@@ -109,13 +115,20 @@ def main() -> None:
                 cfg, attn_implementation=ref_attn).to(torch.bfloat16).eval()
         t0 = time.perf_counter()
         want, first_ref = [], []
+        # --fp32-reference: the reference is the same weights in float32 (for families whose
+        # eager attention runs its softmax in bfloat16, e.g. gpt-oss's sinks path); the "eager vs
+        # sdpa" numbers then compare the bfloat16 model's own eager run with that reference
+        ref_model = copy.deepcopy(model).float() if args.fp32_reference else model
         with torch.no_grad():
             for pr in prompts:
                 ids = torch.tensor([pr], device=args.device)
-                first_ref.append(model(ids).logits[0, -1].float().cpu().numpy())
-                out = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+                first_ref.append(ref_model(ids).logits[0, -1].float().cpu().numpy())
+                out = ref_model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
                 want.append(out[0, len(pr):].tolist())
         t_hf = time.perf_counter() - t0
+        if ref_model is not model:
+            del ref_model
+            torch.cuda.empty_cache()
         # the library's noise floor: eager attention against sdpa, free-running and forced
         model.set_attn_implementation("eager")
         eager_free, eager_forced = 0, 0

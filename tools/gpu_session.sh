@@ -3,6 +3,7 @@
 # conformance for `cuda`, the profiler proof, benchmarks, the demo. Each section is independent;
 # logs land in $OUT (or ./gpu-out). STEPS picks sections, e.g. the serving issue's checks:
 #   STEPS="engine runahead launch serving" bash tools/gpu_session.sh     (about 9 minutes)
+# issue 27 (attention features, every model family):  STEPS="features" / STEPS="families"
 # and the decode kernels of two trees on one machine (issue 16's "kernel times within 5%"):
 #   here: BASE=791c961 bash tools/kernel_ab.sh prepare;  there (carry [".ab"]): STEPS=ab ...
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -40,6 +41,13 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       grep -a -v -i warn "$OUT/breakdown.txt" | head -30 ;;
     ab) section "kernel times: this tree against .ab/base.tar (BASE=<commit> bash tools/kernel_ab.sh prepare; carry .ab)"
       OUT="$OUT/ab" timeout 560 bash tools/kernel_ab.sh | tail -40 ;;
+    features) section "issue 27: soft-capping, sinks, head_dim_v, head dims: kernel tests and conformance classes on the GPU"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q tests/cuda/test_cuda_attention_features.py \
+        tests/cuda/test_cuda_graph_mode.py -k "softcap or sink or head_dim or attention_features" -p no:cacheprovider 2>&1 | tail -6
+      timeout 300 python3 -m kvcache.cli conformance --backend cuda \
+        -k "Softcap or Sinks or MixedWindow or HeadDim or WindowLeft" 2>&1 | tail -14 ;;
+    families) section "issue 27: every family at 8B-like attention shapes, bf16, against transformers' own generate"
+      timeout 560 python3 tools/gpu_hf_check.py ${FAMILY_ARGS:-} 2>&1 | grep -a -v -i "warn" | tee "$OUT/families.log" | tail -40 ;;
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
       grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;

@@ -520,7 +520,7 @@ def cache_config(model, *, dtype: Optional[str] = None, page_size: int = 16,
     args = getattr(model, "args", None)
     return CacheConfig(
         num_layers=d.num_layers, num_qo_heads=d.num_qo_heads, num_kv_heads=d.num_kv_heads,
-        head_dim=d.head_dim, head_dim_v=None if d.head_dim_v == d.head_dim else d.head_dim_v,
+        head_dim=d.head_dim, head_dim_v=d.head_dim_v,
         page_size=page_size, max_batch_size=max_batch_size, max_total_tokens=max_total_tokens,
         prefill_chunk_size=prefill_chunk_size, dtype=dtype if dtype is not None else d.dtype,
         rope_mode="none", rope_theta=float(getattr(args, "rope_theta", None) or 10000.0))

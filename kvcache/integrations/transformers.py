@@ -230,7 +230,7 @@ def attention_layers(model) -> list:
     in one layer)."""
     config = model.config
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    found = {}
+    found: dict = {}
     for m in model.modules():
         idx = getattr(m, "layer_idx", None)
         if isinstance(idx, int) and hasattr(m, "config") and any(
@@ -511,7 +511,7 @@ class TransformersAdapter(ModelAdapter):
                 f"causal LMs")
         attention_layers(model)          # refuses a model whose layers the cache cannot serve
         self.model = model
-        self.family = family
+        self.family = str(family or type(model).__name__)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.windows = sliding_windows(config)
         self.device = next(model.parameters()).device

@@ -29,6 +29,8 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "DECODE_CASES", [(1, 40), (16, 20)])
     monkeypatch.setattr(bench, "PREFILL_CASES", [(2, 24)])
     monkeypatch.setattr(bench, "APPEND_TOKENS", [8])
+    monkeypatch.setattr(bench, "FEATURE_CASES", [("decode", 2, 40), ("prefill-paged", 1, 24),
+                                                 ("prefill-ragged", 1, 24)])
     monkeypatch.setattr(bench, "DECODE_TILES", bench.DECODE_TILES[:2])
     monkeypatch.setattr(bench, "PREFILL_TILES", bench.PREFILL_TILES[:2])
     monkeypatch.setattr(bench, "SPLITS", (1, 2))
@@ -52,9 +54,15 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
     kinds = {c["kind"] for c in data["cases"]}
-    assert kinds == {"decode", "prefill-paged", "prefill-ragged", "append-fused", "append-unfused"}
-    # decode x2, paged prefill, fused append, graph replay, eager host time at B=1 (64 not run)
-    assert len(data["verdicts"]) == 2 + 1 + 1 + 1 + 1
+    features = {f"{k}+{f}" for k in ("decode", "prefill-paged", "prefill-ragged")
+                for f in ("softcap", "sinks")}
+    assert kinds == {"decode", "prefill-paged", "prefill-ragged", "append-fused",
+                     "append-unfused"} | features
+    # decode x2, paged prefill, fused append, 6 softcap / sinks ratios, graph replay, eager host
+    # time at B=1 (64 not run)
+    assert len(data["verdicts"]) == 2 + 1 + 1 + 6 + 1 + 1
+    assert any(v.startswith(("PASS decode+sinks B=2,L=40", "MISS decode+sinks B=2,L=40"))
+               and v.endswith("x plain (target <= 1.10)") for v in data["verdicts"])
     assert any("eager decode host B=1" in v and v.endswith("us/layer (target <= 30)")
                for v in data["verdicts"])
     assert all(r["host_us_per_layer"] > 0 for r in data["graphs"]) and "host us/layer" in text

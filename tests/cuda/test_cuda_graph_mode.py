@@ -65,9 +65,13 @@ class Trio:
                 c.attention(layer, *map(c.from_numpy, parts))
         self.each("end_forward")
 
-    def decode(self, ids, padded_inputs=False, window_left=-1):
-        """One decode step; the graph cache gets bucket-row inputs when ``padded_inputs``."""
+    def decode(self, ids, padded_inputs=False, window_left=-1, softcap=None, sinks=None):
+        """One decode step; the graph cache gets bucket-row inputs when ``padded_inputs``;
+        ``softcap`` / ``sinks`` (numpy, one logit per query head) go to every layer."""
         win = dict(return_lse=True, window_left=window_left)
+        if softcap:
+            win["logit_softcap"] = softcap
+        sink = {c: c.from_numpy(sinks) for c in self.caches} if sinks is not None else {}
         self.each("begin_forward", ids, [1] * len(ids))
         bucket = self.graph.static_bucket
         assert bucket == self.cfg.static_bucket(len(ids))
@@ -76,9 +80,11 @@ class Trio:
             parts = self.inputs(bucket)
             real = [p[:len(ids)] for p in parts]
             o_g, l_g = self.graph.attention(layer, *map(self.graph.from_numpy, parts if padded_inputs else real),
-                                            **win)
-            o_e, l_e = self.eager.attention(layer, *map(self.eager.from_numpy, real), **win)
-            o_r, l_r = self.ref.attention(layer, *map(self.ref.from_numpy, real), **win)
+                                            sinks=sink.get(self.graph), **win)
+            o_e, l_e = self.eager.attention(layer, *map(self.eager.from_numpy, real),
+                                            sinks=sink.get(self.eager), **win)
+            o_r, l_r = self.ref.attention(layer, *map(self.ref.from_numpy, real),
+                                          sinks=sink.get(self.ref), **win)
             outs.append((o_g, l_g, o_e, l_e, o_r, l_r))
         self.each("end_forward")
         return outs
@@ -88,14 +94,15 @@ def _np(x):
     return kvcache.to_numpy(x).astype(np.float64)
 
 
-def check(outs, n, dtype, padded):
+def check(outs, n, dtype, padded, sinks=None):
     for o_g, l_g, o_e, l_e, o_r, l_r in outs:
         g, lg = _np(o_g), _np(l_g)
         assert_close("graph vs eager o", _np(o_e), g[:n], dtype)
         assert_close("graph vs reference o", _np(o_r), g[:n], dtype)
         assert_close("graph vs reference lse", _np(l_r), lg[:n], dtype, lse=True)
-        if padded:
-            assert (g[n:] == 0).all() and np.isneginf(lg[n:]).all()
+        if padded:        # padding rows see no key: o = 0, lse = -inf (each head's sink)
+            empty = np.broadcast_to(-np.inf if sinks is None else sinks, lg[n:].shape)
+            assert (g[n:] == 0).all() and np.allclose(lg[n:], empty, rtol=0, atol=1e-6)
 
 
 def family(trio, lengths=(40, 7, 3)):
@@ -133,6 +140,20 @@ def test_graph_mode_decode_equals_with_window_left(window_left):
     for step, ids in enumerate(([2, 0, 4, 1, 3], [3], [1, 4])):
         check(trio.decode(ids, padded_inputs=step == 0, window_left=window_left), len(ids),
               "float32", step == 0)
+
+
+def test_graph_decode_softcap_and_sinks_equal_eager_and_reference():
+    """Logit soft-capping and attention sinks in graph-mode decode (forked histories: several
+    depths, the sink in exactly one of their calls; split-K in the eager cuda caches): equal to
+    eager and to the reference, padding rows' lse the sink."""
+    trio = Trio("float32", rope="normal")
+    for c in trio.caches[:2]:
+        c.backend.tuning = c.backend.tuning.with_(force_splits=2, split_min_keys=16)
+    family(trio)
+    sinks = np.linspace(-1.0, 2.5, trio.cfg.num_qo_heads).astype(np.float32)
+    for step, ids in enumerate(([2, 0, 4, 1, 3], [3], [1, 4])):
+        outs = trio.decode(ids, padded_inputs=step == 0, softcap=3.0, sinks=sinks)
+        check(outs, len(ids), "float32", step == 0, sinks)
 
 
 def test_graph_aux_buffer_has_fixed_addresses_and_one_copy_per_step():
@@ -221,9 +242,10 @@ def test_graph_mode_needs_the_capability():
 class Engine:
     """A minimal engine: static per-bucket inputs, a step over all layers, capture and replay."""
 
-    def __init__(self, cache, seed=0):
+    def __init__(self, cache, seed=0, **features):
         from kvcache_cuda import DecodeGraphs
         self.cache = cache
+        self.features = features          # logit_softcap / sinks, passed to every layer
         self.graphs = DecodeGraphs(cache)
         self.static = {}
         self.rng = np.random.default_rng(seed)
@@ -254,20 +276,26 @@ class Engine:
         bufs = self.buffers(bucket)
 
         def step():
-            return [self.cache.attention(layer, *bufs[layer], return_lse=True)
+            return [self.cache.attention(layer, *bufs[layer], return_lse=True, **self.features)
                     for layer in range(self.cache.config.num_layers)]
         return step
 
 
-def test_decode_graphs_capture_short_replay_long_with_forks():
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "softcap-sinks"])
+def test_decode_graphs_capture_short_replay_long_with_forks(features):
     """Capture at ~10-token histories, replay at 100x longer ones and after forks; every replay
-    equals eager execution on a non-graph cuda cache and the reference, fed the same inputs."""
+    equals eager execution on a non-graph cuda cache and the reference, fed the same inputs.
+    ``softcap-sinks``: every layer with logit soft-capping and attention sinks (a captured sinks
+    tensor and cap, as a model's parameters are)."""
     dtype = "float32"
     graph_cache = make(dtype, True, max_tokens=16384)
     eager = make(dtype, False, max_tokens=16384)
     ref = make(dtype, False, backend="reference", max_tokens=16384)
-    engine = Engine(graph_cache)
     caches = (graph_cache, eager, ref)
+    sinks = np.linspace(-1.0, 2.5, graph_cache.config.num_qo_heads).astype(np.float32)
+    feat = {c: dict(logit_softcap=3.0, sinks=c.from_numpy(sinks)) if features else {}
+            for c in caches}
+    engine = Engine(graph_cache, **feat[graph_cache])
 
     def both(method, *args):
         for c in caches:
@@ -288,14 +316,17 @@ def test_decode_graphs_capture_short_replay_long_with_forks():
         values = engine.fill(bucket, len(ids))
         outs = engine.graphs.capture(engine.step_fn(bucket)) if capture else engine.graphs.replay()
         for layer, (o, lse) in enumerate(outs):
-            o_r, l_r = ref.attention(layer, *map(ref.from_numpy, values[layer]), return_lse=True)
-            o_e, l_e = eager.attention(layer, *map(eager.from_numpy, values[layer]), return_lse=True)
+            o_r, l_r = ref.attention(layer, *map(ref.from_numpy, values[layer]), return_lse=True,
+                                     **feat[ref])
+            o_e, l_e = eager.attention(layer, *map(eager.from_numpy, values[layer]),
+                                       return_lse=True, **feat[eager])
             n = len(ids)
             assert_close("graph vs reference o", _np(o_r), _np(o)[:n], dtype)
             assert_close("graph vs reference lse", _np(l_r), _np(lse)[:n], dtype, lse=True)
             assert_close("graph vs eager o", _np(o_e), _np(o)[:n], dtype)
             assert_close("graph vs eager lse", _np(l_e), _np(lse)[:n], dtype, lse=True)
-            assert (_np(o)[len(ids):] == 0).all() and np.isneginf(_np(lse)[len(ids):]).all()
+            empty = np.broadcast_to(sinks if features else -np.inf, _np(lse)[n:].shape)
+            assert (_np(o)[n:] == 0).all() and np.allclose(_np(lse)[n:], empty, rtol=0, atol=1e-6)
         both("end_forward")
 
     for sid in range(3):

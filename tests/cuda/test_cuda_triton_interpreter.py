@@ -1,8 +1,9 @@
 """Run the Triton kernels on CPU tensors through Triton's interpreter, in a subprocess:
 TRITON_INTERPRET must be set before triton is first imported, and this process may already have
-imported it. The subprocess runs the kernel tests (every kernel vs the reference), two
-end-to-end scenarios (token tree, fused qkv) and the graph-mode decode scenario (padded buckets,
-forks) with the backend selecting Triton for CPU tensors."""
+imported it. The subprocess runs the kernel tests (every kernel vs the reference; softcap, sinks,
+head_dim_v and small head dims vs numpy), two end-to-end scenarios (token tree, fused qkv) and
+the graph-mode decode scenario (padded buckets, forks) with the backend selecting Triton for CPU
+tensors."""
 
 import os
 import re
@@ -23,8 +24,8 @@ def test_triton_kernels_under_interpreter():
     env = {k: v for k, v in os.environ.items() if k not in ("KVCACHE_CUDA_IMPL", "KVCACHE_CUDA_TEST_DEVICE")}
     env.update(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-           str(HERE / "test_cuda_kernels.py"), str(HERE / "test_cuda_end_to_end.py"),
-           str(HERE / "test_cuda_graph_mode.py"),
+           str(HERE / "test_cuda_kernels.py"), str(HERE / "test_cuda_attention_features.py"),
+           str(HERE / "test_cuda_end_to_end.py"), str(HERE / "test_cuda_graph_mode.py"),
            "-k", "(not end_to_end and not graph) or token_tree or fused_qkv "
                  "or graph_mode_decode_equals"]
     r = subprocess.run(cmd, cwd=HERE.parent.parent, env=env, capture_output=True, text=True,

@@ -52,10 +52,10 @@ FAMILY_CONFIGS = {
     # learned sinks, sliding and full layers, YaRN
     "gpt_oss": ("gpt_oss", dict(_GQA, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
                                 sliding_window=32)),
-    # MLA in expanded form: q/k head dim 48 (32 + 16 rotary), values 24
+    # MLA in expanded form: q/k head dim 48 (32 + 16 rotary), values 32
     "deepseek_v3": ("deepseek_v3", dict(_GQA, num_key_value_heads=4, moe_intermediate_size=64,
                                         q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32,
-                                        qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=4,
+                                        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4,
                                         num_experts_per_tok=2, n_group=1, topk_group=1,
                                         first_k_dense_replace=1)),
 }

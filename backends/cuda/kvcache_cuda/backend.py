@@ -57,6 +57,12 @@ class KernelCtx:
     num_sms: int
     launch: LaunchCache
     """Per-forward launch records and scratch of the Triton launchers (``kvcache_cuda.launch``)."""
+    head_dim_v: int = 0
+    """Dv, the value / output head dim (0: ``head_dim``)."""
+
+    def __post_init__(self):
+        if not self.head_dim_v:
+            self.head_dim_v = self.head_dim
 
 
 class HostStream:
@@ -94,9 +100,15 @@ class CudaBackend(Backend):
         dtypes=("float16", "bfloat16", "float32"),
         copy_stream=True, merged_aux=True, static_decode=True,
         tree_attention=True, sliding_window=True, fused_rope_append=True, inline_rope=True,
-        window_left=True, rope_frequencies=True,
-        # the Triton kernels pad head_dim (and its RoPE half) to a power of two, masked
-        head_dims=tuple(range(32, 257, 8)),
+        window_left=True, rope_frequencies=True, logit_softcap=True, attention_sinks=True,
+        # the Triton kernels pad head_dim, head_dim_v (and the RoPE half) to a power of two of
+        # at least 16 (tl.dot's minimum), masked
+        head_dims=tuple(range(8, 257, 8)),
+        # value head dims other than head_dim: powers of two only. A masked V width (Dv=24 in
+        # a 32-wide tile with D=40, 16-bit) made Triton 3.6's ragged kernel read shared memory
+        # out of bounds on the H100 (compute-sanitizer, 2026-11-24); 32/48, 32/64, 128/192 and
+        # 128/64 ran clean and match the reference.
+        head_dims_v=(16, 32, 64, 128, 256),
     )
     TUNING: Tuning = CUDA_TUNING
     CPU_TEST_SMS = 4          # pretend SM count in CPU test mode: small, so split-K triggers
@@ -210,7 +222,8 @@ class CudaBackend(Backend):
         c = self.config
         self.launch_cache.clear()          # records hold tiles and split factors of the old table
         self.ctx = KernelCtx(c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim,
-                             c.group_size, self.dtype, value, self._num_sms, self.launch_cache)
+                             c.group_size, self.dtype, value, self._num_sms, self.launch_cache,
+                             c.head_dim_v)
 
     def kernels(self, tensor=None):
         """The kernel module for this call: Triton on GPU tensors (or under TRITON_INTERPRET=1),
@@ -344,19 +357,21 @@ class CudaBackend(Backend):
             return self.kernels(q).rope_append(self.ctx, pages, q, k, v, slots, positions, rope)
 
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
+                         rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
+                         logit_softcap=0.0, sinks=None):
         with self._guard():
             return self.kernels(q).ragged_attention(
                 self.ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len,
                 tree=tree, rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset,
-                window_left=window_left)
+                window_left=window_left, logit_softcap=logit_softcap, sinks=sinks)
 
     def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                        window_left=-1):
+                        window_left=-1, logit_softcap=0.0, sinks=None):
         with self._guard():
             return self.kernels(q).paged_attention(self.ctx, q, pages, depth, sm_scale, rope=rope,
                                                    q_positions=q_positions,
-                                                   window_left=window_left)
+                                                   window_left=window_left,
+                                                   logit_softcap=logit_softcap, sinks=sinks)
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
         with self._guard():

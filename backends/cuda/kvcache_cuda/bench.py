@@ -2,6 +2,7 @@
 
 ``kvcache bench --backend cuda`` calls ``CudaBackend.run_benchmarks(argv)``; also runnable as
 ``python -m kvcache_cuda.bench [--iters N] [--json PATH] [--sweep]``.
+Sections (``--only``): decode, prefill, append, features (softcap / sinks vs plain), graphs.
 
 Method: each measured call is captured once in a CUDA graph and replayed (so Python launch
 overhead is excluded; an "eager" column shows the launch-bound time too); before every timed
@@ -23,6 +24,11 @@ HQ, HKV, D, PS = 32, 8, 128, 16
 DECODE_CASES = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 1024)]
 PREFILL_CASES = [(1, 8192), (8, 2048)]
 APPEND_TOKENS = [64, 8192]
+# (kind, batch, length) timed plain, with logit soft-capping and with attention sinks
+FEATURE_CASES = [("decode", 1, 32768), ("decode", 64, 4096), ("prefill-paged", 1, 8192),
+                 ("prefill-ragged", 1, 8192)]
+FEATURE_SOFTCAP = 50.0           # gemma2's attention cap (the cost does not depend on it)
+FEATURE_TARGET = 1.10            # each feature within 10% of the plain kernel
 FLUSH_BYTES = 256 << 20          # > L2 of any current GPU (H100: 50 MB)
 COPY_BYTES = 1 << 30
 
@@ -32,7 +38,8 @@ def _parser():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
-    p.add_argument("--only", default="decode,prefill,append,graphs", help="comma list of sections")
+    p.add_argument("--only", default="decode,prefill,append,features,graphs",
+                   help="comma list of sections")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--sweep", action="store_true", help="also sweep split-K factors of B=1 decode")
     p.add_argument("--device", default="cuda")
@@ -238,6 +245,9 @@ def run_benchmarks(argv=None, backend_cls=None):
             results.setdefault("append_speedup", {})[t] = unfused / fused
             del pages
 
+    if "features" in sections:
+        feature_bench(torch, backend, timer, rng, device, scale, add, rows)
+
     if "graphs" in sections:
         graph_bench(torch, backend_cls, args, results)
 
@@ -254,6 +264,35 @@ def run_benchmarks(argv=None, backend_cls=None):
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1, default=lambda x: None if x != x else x)
     return 0
+
+
+def feature_bench(torch, backend, timer, rng, device, scale, add, rows):
+    """Decode and prefill with logit soft-capping and with attention sinks, each next to the
+    same call without (its ``feature_ratio``: target <= FEATURE_TARGET)."""
+    sinks = torch.randn(HQ, device=device, dtype=torch.float32)
+    variants = (("softcap", {"logit_softcap": FEATURE_SOFTCAP}), ("sinks", {"sinks": sinks}))
+    for kind, batch, n in FEATURE_CASES:
+        nq = 1 if kind == "decode" else n
+        pages, depth, q = _paged_setup(torch, backend, batch, n, nq, rng, device)
+        if kind == "prefill-ragged":
+            k = torch.randn((batch * n, HKV, D), device=device).to(backend.dtype)
+            v = torch.randn_like(k)
+            qo = torch.arange(0, batch * n + 1, n, device=device, dtype=torch.int32)
+
+            def call(**kw):
+                return backend.ragged_attention(q, k, v, qo, scale, num_seqs=batch, max_len=n, **kw)
+        else:
+            def call(**kw):
+                return backend.paged_attention(q, pages, depth, scale, **kw)
+        plain, _ = timer.measure(call)
+        for name, kw in variants:
+            us, eager = timer.measure(lambda: call(**kw))
+            ratio = us / plain if plain == plain and plain > 0 else float("nan")
+            add(f"{kind}+{name}", f"B={batch},L={n}", us, eager, 0, None,
+                f"<={FEATURE_TARGET:.2f}x plain", f"{ratio:.3f}x plain ({plain:.1f} us)")
+            rows[-1]["feature_ratio"] = ratio
+        del pages
+        torch.cuda.empty_cache()
 
 
 GRAPH_LAYERS, GRAPH_KV, GRAPH_BATCHES = 32, 1024, (1, 8, 32, 64, 128)
@@ -479,6 +518,10 @@ def _verdicts(rows):
             fr = r["sdpa_us"] / us
             out.append(f"{'PASS' if fr >= 0.6 else 'MISS'} paged prefill {r['shape']}: "
                        f"{fr:.2f} of contiguous SDPA (target >= 0.6)")
+        elif "feature_ratio" in r:
+            ok = r["feature_ratio"] <= FEATURE_TARGET
+            out.append(f"{'PASS' if ok else 'MISS'} {r['kind']} {r['shape']}: "
+                       f"{r['feature_ratio']:.3f}x plain (target <= {FEATURE_TARGET:.2f})")
         elif r["kind"] == "append-unfused":
             fused = next(x for x in rows if x["kind"] == "append-fused" and x["shape"] == r["shape"])
             sp = us / (fused["us"] if fused["us"] == fused["us"] else fused["eager_us"])

@@ -5,7 +5,8 @@ tensors (the cross-check for the Triton kernels). Unlike the Triton path it may 
 host (boolean masks, one ``.item()`` for the widest entry); it is a fallback and an oracle, not
 the fast path.
 
-Every function takes ``ctx`` (page_size, num_qo_heads, num_kv_heads, head_dim, group, dtype).
+Every function takes ``ctx`` (page_size, num_qo_heads, num_kv_heads, head_dim, head_dim_v,
+group, dtype). K is the first ``head_dim`` entries of a page row, V the first ``head_dim_v``.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None):
     if rope_spec is not None:
         kk = rotate(kk, positions.long()[keep], rope_spec)
     # advanced indices split by a slice: the indexed dims come first -> (n, Hkv, D)
-    pages[page, 0, :, row, :] = kk.to(pages.dtype)
-    pages[page, 1, :, row, :] = v[keep].to(pages.dtype)
+    pages[page, 0, :, row, :kk.shape[-1]] = kk.to(pages.dtype)
+    pages[page, 1, :, row, :v.shape[-1]] = v[keep].to(pages.dtype)
 
 
 def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec):
@@ -63,22 +64,38 @@ def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec):
 
 
 # ---------------------------------------------------------------------- softmax core
-def _attend(q, k, v, visible, sm_scale, group):
-    """q (B, n, Hq, D), k/v (B, m, Hkv, D) float32, visible (B, n, m) bool or (B, Hq?, ...)
-    -> o (B, n, Hq, D), lse (B, n, Hq)."""
+def _attend(q, k, v, visible, sm_scale, group, softcap=0.0, sinks=None):
+    """q (B, n, Hq, D), k (B, m, Hkv, D), v (B, m, Hkv, Dv) float32, visible (B, n, m) bool
+    -> o (B, n, Hq, Dv), lse (B, n, Hq). ``softcap`` > 0: scores become c * tanh(s / c);
+    ``sinks`` (Hq,) float32: one more logit per head in every row's denominator, no value."""
     b, n, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv, dv = k.shape[2], v.shape[-1]
     qg = q.view(b, n, hkv, group, d)
     logits = torch.einsum("bnhgd,bmhd->bhgnm", qg, k) * sm_scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     logits = logits.masked_fill(~visible[:, None, None], NEG_INF)
     peak = logits.amax(dim=-1, keepdim=True)
+    sink = None
+    if sinks is not None:                     # (1, Hkv, G, 1, 1): the sink joins the peak
+        sink = sinks.float().view(1, hkv, group, 1, 1)
+        peak = torch.maximum(peak, sink)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     w = torch.exp(logits - peak)
     denom = w.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - peak)
     empty = denom == 0                        # sees no key; a NaN denom (a NaN K seen) stays NaN
     out = _visible_sum(w / torch.where(empty, torch.ones_like(denom), denom), visible, v)
     lse = torch.where(empty, torch.full_like(peak, NEG_INF), torch.log(denom) + peak)[..., 0]
-    return out.reshape(b, n, hq, d), lse.permute(0, 3, 1, 2).reshape(b, n, hq)
+    return out.reshape(b, n, hq, dv), lse.permute(0, 3, 1, 2).reshape(b, n, hq)
+
+
+def _empty_lse(shape, sinks, device):
+    """The lse of rows that see no key: -inf, or each head's sink."""
+    if sinks is None:
+        return torch.full(shape, NEG_INF, dtype=torch.float32, device=device)
+    return sinks.float().to(device).expand(shape).clone()
 
 
 def _visible_sum(w, visible, v):
@@ -104,7 +121,8 @@ def _tree_nodes(tree, entry_idx, node_idx, ok):
 
 # ---------------------------------------------------------------------- ragged
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                     rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
+                     rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
+                     logit_softcap=0.0, sinks=None):
     t_total = q.shape[0]
     dev = q.device
     qo = qo_indptr.long()[: num_seqs + 1]
@@ -135,9 +153,9 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         ent = torch.arange(num_seqs, device=dev)[:, None]
         order, upper = _tree_nodes(tree, ent, ar[None, :], ok)  # tree size == append length
         visible = visible & (order[:, None, :] <= order[:, :, None]) & (order[:, :, None] < upper[:, None, :])
-    o, lse = _attend(qp, kp, vp, visible, sm_scale, ctx.group)
-    o_out = q.new_zeros(q.shape, dtype=ctx.dtype)
-    lse_out = torch.full((t_total, q.shape[1]), NEG_INF, dtype=torch.float32, device=dev)
+    o, lse = _attend(qp, kp, vp, visible, sm_scale, ctx.group, logit_softcap, sinks)
+    o_out = q.new_zeros((t_total, q.shape[1], v.shape[-1]), dtype=ctx.dtype)
+    lse_out = _empty_lse((t_total, q.shape[1]), sinks, dev)
     o_out[sel] = o[seq[sel], r[sel]].to(ctx.dtype)
     lse_out[sel] = lse[seq[sel], r[sel]]
     return o_out, lse_out
@@ -163,11 +181,12 @@ def entry_key_slots(ctx, depth, max_kv):
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                    window_left=-1):
+                    window_left=-1, logit_softcap=0.0, sinks=None):
     t_total, hq, d = q.shape
+    dv = ctx.head_dim_v
     dev = q.device
-    o_out = torch.zeros((t_total, hq, d), dtype=ctx.dtype, device=dev)
-    lse_out = torch.full((t_total, hq), NEG_INF, dtype=torch.float32, device=dev)
+    o_out = torch.zeros((t_total, hq, dv), dtype=ctx.dtype, device=dev)
+    lse_out = _empty_lse((t_total, hq), sinks, dev)
     n = depth.num_entries
     if n == 0 or t_total == 0:
         return o_out, lse_out
@@ -185,8 +204,8 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     # padding keys read whatever sits in page 0 (maybe NaN-poisoned freed pages): zero them, as
     # a masked weight of 0 times a NaN value would still be NaN
     pad = ~valid[:, :, None, None]
-    keys = pages[slots // ps, 0, :, slots % ps, :].float().masked_fill(pad, 0.0)   # (n, M, Hkv, D)
-    vals = pages[slots // ps, 1, :, slots % ps, :].float().masked_fill(pad, 0.0)
+    keys = pages[slots // ps, 0, :, slots % ps, :d].float().masked_fill(pad, 0.0)  # (n, M, Hkv, D)
+    vals = pages[slots // ps, 1, :, slots % ps, :dv].float().masked_fill(pad, 0.0)
     tok = torch.arange(t_total, device=dev)
     ent = torch.searchsorted(qo[1:].contiguous(), tok, right=True).clamp(max=n - 1)
     r = tok - qo[ent]
@@ -218,7 +237,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         qpos[ent[sel], r[sel]] = q_positions.long()[sel]
         kpos = depth.k_rope_offset.long()[:n, None] + torch.arange(max_kv, device=dev)[None, :]
         visible = visible & (kpos[:, None, :] >= (qpos - window_left)[:, :, None])
-    o, lse = _attend(qp, keys, vals, visible, sm_scale, ctx.group)
+    o, lse = _attend(qp, keys, vals, visible, sm_scale, ctx.group, logit_softcap, sinks)
     o_out[sel] = o[ent[sel], r[sel]].to(ctx.dtype)
     lse_out[sel] = lse[ent[sel], r[sel]]
     return o_out, lse_out
@@ -241,19 +260,18 @@ def copy_page_prefix(ctx, pages_per_layer, src_page, dst_page, length):
 
 
 def gather_rows(ctx, pages, slots):
-    """(k, v) each (n, Hkv, D) of the rows at ``slots`` of one layer."""
+    """(k, v), (n, Hkv, D) and (n, Hkv, Dv), of the rows at ``slots`` of one layer."""
     slots = slots.long()
     page, row = slots // ctx.page_size, slots % ctx.page_size
-    return pages[page, 0, :, row, :], pages[page, 1, :, row, :]
+    return pages[page, 0, :, row, :ctx.head_dim], pages[page, 1, :, row, :ctx.head_dim_v]
 
 
 def compact_kv(ctx, pages_per_layer, src_slots, dst_slots):
-    dst = dst_slots.long()
-    page, row = dst // ctx.page_size, dst % ctx.page_size
+    src, dst = src_slots.long(), dst_slots.long()
+    ps = ctx.page_size
     for pages in pages_per_layer:
-        k, v = gather_rows(ctx, pages, src_slots)      # advanced indexing copies: read-before-write
-        pages[page, 0, :, row, :] = k
-        pages[page, 1, :, row, :] = v
+        rows = pages[src // ps, :, :, src % ps, :]     # advanced indexing copies: read-before-write
+        pages[dst // ps, :, :, dst % ps, :] = rows
 
 
 def gather_kv(ctx, pages_per_layer, slots):

@@ -13,6 +13,14 @@ Layout conventions shared by the attention kernels
   halves are masked.
 * Online softmax in fp32 in the log2 domain (``exp2``); ``lse`` is stored as a natural log. A row
   that sees no key ends with ``l == 0``: o = 0, lse = -inf.
+* ``HEAD_DIM`` (D) is the width of q and k, ``HEAD_DIM_V`` (Dv) the width of v and o; a page row
+  holds K in its first D entries and V in its first Dv. Blocks are powers of two of at least 16
+  (``tl.dot``'s minimum), masked.
+* Optional features are constexpr flags, so the default kernels are the plain ones:
+  ``SOFTCAP`` (scores ``c * tanh(s / c)``: the hardware tanh on 16-bit caches, an exact exp2
+  form on float32 ones: ``_scores``) and ``SINKS``
+  (a per-head logit joins the denominator: folded into ``_finish``'s normalisation, or into the
+  split-K merge, never into a partial, so it counts once).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 
 import torch
 import triton
@@ -36,7 +45,6 @@ def _interpreter_numpy24_shim():
     """Triton 3.6's interpreter converts 1-element arrays with int(), which numpy >= 2.4 rejects,
     so every runtime-bound ``range`` loop fails (triton-lang/triton#9171). Re-patch ``__index__``
     with the upstream fix; only under TRITON_INTERPRET=1 and only where the bug exists."""
-    import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -90,9 +98,35 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE: tl.constexpr,
-                  MASKED: tl.constexpr):
-    qk = tl.where(vis, qk * sm_scale_log2, float("-inf"))
+def _tanh_approx(x):
+    # one MUFU instruction (sm_75+); relative error about 2^-11, below bfloat16/float16 rounding
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _scores(qk, vis, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """Scores in the log2 domain, -inf where not visible. Plain (SOFTCAP 0): ``qk * qk_scale``
+    (qk_scale = sm_scale * log2 e). SOFTCAP 1 (exact, float32 caches and the interpreter):
+    ``c * tanh(s / c)`` with ``tanh(x) = 2 / (1 + e^{-2x}) - 1``: qk_scale = -2 * sm_scale *
+    log2 e / c (so e^{-2x} = exp2(qk * qk_scale)) and softcap_log2 = c * log2 e; one exp2, one
+    fast divide and no extra live value per score (exp2 overflowing to inf gives -c,
+    underflowing to 0 gives +c; NaN stays NaN). SOFTCAP 2 (16-bit caches on a GPU): the
+    hardware's tanh.approx, qk_scale = sm_scale / c: one MUFU op per score instead of two (the
+    exp2 + divide form made prefill 1.25x slower than without a cap on the H100)."""
+    if SOFTCAP == 2:
+        s = softcap_log2 * _tanh_approx(qk * qk_scale)
+    elif SOFTCAP == 1:
+        s = tl.fdiv(2.0 * softcap_log2, 1.0 + tl.exp2(qk * qk_scale)) - softcap_log2
+    else:
+        s = qk * qk_scale
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE: tl.constexpr,
+                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    qk = _scores(qk, vis, qk_scale, softcap_log2, SOFTCAP)
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # all-masked so far: avoid inf-inf
     p = tl.exp2(qk - m_use[:, None])
@@ -140,12 +174,33 @@ def _apply_nonfinite(x, seen):
 
 
 @triton.jit
-def _finish(acc, m_i, l_i):
+def _finish(acc, m_i, l_i, sink2, SINKS: tl.constexpr):
     # l == 0: the row saw no key; a NaN l (a NaN K it saw) gives NaN o and lse
-    empty = l_i == 0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    if SINKS:
+        # sink2: each row's sink logit in log2 units, one more denominator term with no value;
+        # rescaling acc and dividing by l is one per-row factor, no extra pass
+        m_new = tl.maximum(m_i, sink2)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.exp2(sink2 - m_use)
+        empty = l_i == 0
+        o = acc * (alpha / tl.where(empty, 1.0, l_i))[:, None]
+        lse = tl.where(empty, float("-inf"),
+                       (m_use + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    else:
+        empty = l_i == 0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     return o, lse
+
+
+@triton.jit
+def _row_sinks(sinks_ptr, head, row_ok, SINKS: tl.constexpr):
+    """Per row, its head's sink logit in log2 units (any float dtype in memory); 0 unused."""
+    sink2 = tl.zeros(head.shape, tl.float32)
+    if SINKS:
+        sink2 = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    return sink2
 
 
 @triton.jit
@@ -181,10 +236,11 @@ def _window_floor(qpos_ptr, tok, row_ok, window_left, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_ptr, kvh,
-                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-                krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-                HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr):
+                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale,
+                softcap_log2, krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                kfloor, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE)."""
     j = j0 + tl.arange(0, BLOCK_N)
     j_ok = j < kv_len
@@ -210,9 +266,9 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
         k_upper = tl.load(tmask_ptr + 2 * node + 1, mask=in_tree, other=0)
         anc = (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
         vis = vis & (anc | (~in_tree)[None, :])
-    v = tl.load(pages_ptr + sp_kv + base[:, None] + dd[None, :],
-                mask=j_ok[:, None] & dd_ok[None, :], other=0.0)
-    return _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE, TREE)
+    v = tl.load(pages_ptr + sp_kv + base[:, None] + dv[None, :],
+                mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
+    return _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE, TREE, SOFTCAP)
 
 
 # ====================================================================== append / rope
@@ -222,9 +278,11 @@ def _rope_append_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pages_ptr, slots_pt
                         sp_page, sp_kv, sp_head, sp_row, HQ, HKV, log2_theta, rope_scale, freq_ptr,
                         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                         HB: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_Q: tl.constexpr,
-                        STORE_KV: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, K_OUT: tl.constexpr):
+                        STORE_KV: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, K_OUT: tl.constexpr,
+                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One token per program: rotate q (HAS_Q), rotate k and write k/v to its slot (STORE_KV),
-    optionally returning rotated k (K_OUT). slot -1 skips the store."""
+    optionally returning rotated k (K_OUT). slot -1 skips the store. V is copied as two halves
+    like K (HEAD_DIM_V == HEAD_DIM) or as one BLOCK_DV-wide row (another width)."""
     t = tl.program_id(0).to(tl.int64)
     dh = tl.arange(0, BLOCK_HALF)
     dh_ok = dh < HALF
@@ -268,31 +326,42 @@ def _rope_append_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pages_ptr, slots_pt
             pk = pages_ptr + pbase + h[:, None] * sp_head + dh[None, :]
             tl.store(pk, y1.to(pages_ptr.dtype.element_ty), mask=m & keep)
             tl.store(pk + HALF, y2.to(pages_ptr.dtype.element_ty), mask=m & keep)
-            vs = v_ptr + t * sv_t + h[:, None] * sv_h + dh[None, :]
-            v1 = tl.load(vs, mask=m & keep, other=0.0)
-            v2 = tl.load(vs + HALF, mask=m & keep, other=0.0)
-            tl.store(pk + sp_kv, v1.to(pages_ptr.dtype.element_ty), mask=m & keep)
-            tl.store(pk + sp_kv + HALF, v2.to(pages_ptr.dtype.element_ty), mask=m & keep)
+            if HEAD_DIM_V == HEAD_DIM:
+                vs = v_ptr + t * sv_t + h[:, None] * sv_h + dh[None, :]
+                v1 = tl.load(vs, mask=m & keep, other=0.0)
+                v2 = tl.load(vs + HALF, mask=m & keep, other=0.0)
+                tl.store(pk + sp_kv, v1.to(pages_ptr.dtype.element_ty), mask=m & keep)
+                tl.store(pk + sp_kv + HALF, v2.to(pages_ptr.dtype.element_ty), mask=m & keep)
+            else:
+                dv = tl.arange(0, BLOCK_DV)
+                mv = (h < HKV)[:, None] & (dv < HEAD_DIM_V)[None, :] & keep
+                vr = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + dv[None, :], mask=mv, other=0.0)
+                tl.store(pages_ptr + pbase + sp_kv + h[:, None] * sp_head + dv[None, :],
+                         vr.to(pages_ptr.dtype.element_ty), mask=mv)
 
 
 @triton.jit
 def _gather_rows_kernel(pages_ptr, slots_ptr, ok_ptr, ov_ptr, HKV,
-                        sp_page, sp_kv, sp_head, sp_row, so_t, so_h,
+                        sp_page, sp_kv, sp_head, sp_row, so_t, so_h, sov_t, sov_h,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr):
-    """Row ``slots[i]`` of K and V (all heads) into out_k[i], out_v[i]."""
+                        PAGE_SIZE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Row ``slots[i]`` of K (its first HEAD_DIM) and V (its first HEAD_DIM_V), all heads, into
+    out_k[i], out_v[i]."""
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     pbase = (slot // PAGE_SIZE) * sp_page + (slot % PAGE_SIZE) * sp_row
     d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
     hb = tl.arange(0, HB)
     for h0 in range(0, HKV, HB):
         h = h0 + hb
         m = (h < HKV)[:, None] & (d < HEAD_DIM)[None, :]
-        src = pages_ptr + pbase + h[:, None] * sp_head + d[None, :]
-        dst = i * so_t + h[:, None] * so_h + d[None, :]
-        tl.store(ok_ptr + dst, tl.load(src, mask=m), mask=m)
-        tl.store(ov_ptr + dst, tl.load(src + sp_kv, mask=m), mask=m)
+        src = pages_ptr + pbase + h[:, None] * sp_head
+        tl.store(ok_ptr + i * so_t + h[:, None] * so_h + d[None, :],
+                 tl.load(src + d[None, :], mask=m), mask=m)
+        mv = (h < HKV)[:, None] & (dv < HEAD_DIM_V)[None, :]
+        tl.store(ov_ptr + i * sov_t + h[:, None] * sov_h + dv[None, :],
+                 tl.load(src + sp_kv + dv[None, :], mask=mv), mask=mv)
 
 
 @triton.jit
@@ -349,9 +418,10 @@ def _ragged_rows(qo_ptr, GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.c
 
 @triton.jit
 def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
-                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr, window_left,
-                 sm_scale_log2, HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-                 TREE: tl.constexpr, IEEE: tl.constexpr):
+                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
+                 window_left, qk_scale, softcap_log2, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """One BLOCK_N step over the new keys c0.. of a sequence (rows r: its query tokens). V holds
     no non-finite value here (``ragged_attention`` zeroes them and puts them back afterwards), so
     the plain dot is exact although masked keys sit in the tile."""
@@ -371,19 +441,21 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
                      mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
         qk = _dot(q1, tl.trans(kf), IEEE)
     vis = _ragged_visible(c, c_ok, r, window_left, tlo, q_order, tmask_ptr, TREE)
-    v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
-                mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
-    return _softmax_step(qk, vis, m_i, l_i, acc, v, sm_scale_log2, IEEE, False)
+    v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dv[None, :],
+                mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+    return _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE, False, SOFTCAP)
 
 
 @triton.jit
 def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_ptr,
-                   tind_ptr, tmask_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_t,
-                   sm_scale_log2, log2_theta, rope_scale, freq_ptr, window_left,
+                   tind_ptr, tmask_ptr, sinks_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+                   sl_t, qk_scale, softcap_log2, log2_theta, rope_scale, freq_ptr, window_left,
                    GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr,
-                   ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr):
+                   ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr,
+                   HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
+                   SINKS: tl.constexpr):
     """Causal (or tree) attention among one sequence's new tokens; grid (q tiles, seqs, Hkv)."""
     seq, kvh, lo, n, m0, r, head, row_ok = _ragged_rows(qo_ptr, GROUP, M_TOK, BLOCK_R)
     if m0 < n:
@@ -392,6 +464,8 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         dh_ok = dh < HALF
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
+        dv = tl.arange(0, BLOCK_DV)
+        dv_ok = dv < HEAD_DIM_V
         inv = _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM, log2_theta, FREQ)
         q1, q2 = _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok,
                              inv, rope_scale, HALF, ROPE)
@@ -405,7 +479,7 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
             q_order = tl.load(tmask_ptr + 2 * (tlo + r), mask=row_ok, other=0)
         m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
         end = tl.minimum(m0 + M_TOK, n)                        # causal: no key past the last row
         start = 0
         if window_left >= 0:        # tiles wholly before the first row's window hold no visible key
@@ -413,11 +487,11 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         for c0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _ragged_tile(
                 q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
-                krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, tlo, q_order, tmask_ptr, window_left,
-                sm_scale_log2, HALF, BLOCK_N, ROPE, TREE, IEEE)
-        o, lse = _finish(acc, m_i, l_i)
-        tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dd_ok[None, :])
+                krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
+                window_left, qk_scale, softcap_log2, HALF, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP)
+        o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
+        tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dv[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(lse_ptr + tok * sl_t + head, lse, mask=row_ok)
 
 
@@ -482,13 +556,15 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
 @triton.jit
 def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, pind_ptr,
                           kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
-                          n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t, so_h, sl_t,
-                          sm_scale_log2, log2_theta, rope_scale, freq_ptr, window_left,
+                          sinks_ptr, n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t,
+                          so_h, sl_t, qk_scale, softcap_log2, log2_theta, rope_scale, freq_ptr,
+                          window_left,
                           GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
                           PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr,
-                          IEEE: tl.constexpr):
+                          IEEE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                          SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     """Entries with many queries; grid (sum of q tiles upper bound, Hkv). Tile -> entry by a
     vector prefix sum over all entries (no host-side tile plan, no extra launches)."""
     pid = tl.program_id(0)
@@ -517,6 +593,8 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         dh_ok = dh < HALF
         dd = tl.arange(0, BLOCK_D)
         dd_ok = dd < HEAD_DIM
+        dv = tl.arange(0, BLOCK_DV)
+        dv_ok = dv < HEAD_DIM_V
         inv = _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM, log2_theta, FREQ)
         q1, q2 = _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok,
                              inv, rope_scale, HALF, ROPE)
@@ -533,37 +611,41 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
             q_order = tl.load(tmask_ptr + 2 * (tlo + q_node), mask=row_ok & (ts > 0), other=0)
         m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
         for j0 in range(0, kv_len, BLOCK_N):
             m_i, l_i, acc = _paged_step(
                 q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-                krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-                HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
-        o, lse = _finish(acc, m_i, l_i)
-        tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dd_ok[None, :])
+                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale,
+                softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
+                HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP)
+        o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
+        tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dv[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(lse_ptr + tok * sl_t + head, lse, mask=row_ok)
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem_ptr,
+def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem_ptr, sinks_ptr,
                          qo_ptr, pindptr_ptr, pind_ptr,
                          kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                          n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row,
                          so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
-                         sm_scale_log2, log2_theta, rope_scale, freq_ptr, window_left,
+                         qk_scale, softcap_log2, log2_theta, rope_scale, freq_ptr, window_left,
                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                         TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr):
+                         TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr,
+                         HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
+                         SINKS: tl.constexpr):
     """One query per entry; grid (rows T, Hkv, splits). Row t belongs to entry t - qo[0] (every
     decode entry holds exactly one row), so rows no entry covers get o = 0 / lse = -inf here too.
     With NUM_SPLITS > 1 each program covers one contiguous key chunk and writes an fp32 partial
     (o, lse) to the scratch ``o_ptr``/``lse_ptr``; the last program of a (row, KV head) to finish
     (a counter in ``sem_ptr``, one int32 per (row, KV head), found zero and left zero) merges
-    the partials by lse into the outputs ``fo_ptr``/``flse_ptr``: one launch, no merge pass."""
+    the partials by lse into the outputs ``fo_ptr``/``flse_ptr``: one launch, no merge pass.
+    SINKS: the sink joins the normalisation once, in ``_finish`` (one split) or in the merge
+    (partials never hold it)."""
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -585,6 +667,8 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
     dh_ok = dh < HALF
     dd = tl.arange(0, BLOCK_D)
     dd_ok = dd < HEAD_DIM
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < HEAD_DIM_V
     inv = _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM, log2_theta, FREQ)
     # one token, GROUP heads: every row reads token t (a broadcast index for the shared loader)
     q1, q2 = _load_query(q_ptr, qpos_ptr, tl.zeros([BLOCK_R], tl.int64) + t64, head, row_ok,
@@ -602,16 +686,19 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
         q_order = tl.zeros([BLOCK_R], tl.int32) + tl.load(tmask_ptr + 2 * (tlo + ts - 1), mask=ts > 0, other=0)
     m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     for j0 in range(j_lo, j_hi, BLOCK_N):
         m_i, l_i, acc = _paged_step(
             q1, q2, m_i, l_i, acc, j0, j_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-            sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, sm_scale_log2,
-            krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-            HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE)
-    o, lse = _finish(acc, m_i, l_i)
-    od_ok = row_ok[:, None] & dd_ok[None, :]
-    tl.store(o_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dd[None, :],
+            sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale,
+            softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
+            HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP)
+    if NUM_SPLITS == 1:
+        o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
+    else:
+        o, lse = _finish(acc, m_i, l_i, m_i, False)         # a partial: the merge adds the sink
+    od_ok = row_ok[:, None] & dv_ok[None, :]
+    tl.store(o_ptr + t64 * so_t + s * so_s + head[:, None] * so_h + dv[None, :],
              o.to(o_ptr.dtype.element_ty), mask=od_ok)
     tl.store(lse_ptr + t64 * sl_t + s * sl_s + head, lse, mask=row_ok)
     if NUM_SPLITS > 1:
@@ -621,24 +708,27 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
         sem = sem_ptr + t64 * tl.num_programs(1) + kvh
         done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
         if done == NUM_SPLITS - 1:
-            _merge_partials(o_ptr, lse_ptr, fo_ptr, flse_ptr, t64, kvh, dd, dd_ok,
+            _merge_partials(o_ptr, lse_ptr, fo_ptr, flse_ptr, sinks_ptr, t64, kvh, dv, dv_ok,
                             so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
-                            GROUP, BLOCK_G, BLOCK_D, NUM_SPLITS, BLOCK_S, MERGE_CHUNK)
+                            GROUP, BLOCK_G, BLOCK_DV, NUM_SPLITS, BLOCK_S, MERGE_CHUNK, SINKS)
             tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")     # zero again for the next launch
 
 
 @triton.jit
-def _merge_partials(po_ptr, pl_ptr, o_ptr, lse_ptr, t64, kvh, dd, dd_ok,
+def _merge_partials(po_ptr, pl_ptr, o_ptr, lse_ptr, sinks_ptr, t64, kvh, dd, dd_ok,
                     so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+                    SINKS: tl.constexpr):
     """Combine the NUM_SPLITS fp32 partials of one row's GROUP heads by lse. Only one program
     of each (row, KV head) runs this, at the end of the launch, so its time is the launch's
     tail: it loads the partials as (GROUP, CHUNK splits, D) tiles, CHUNK * GROUP * D of them
     at once (about 32 registers a thread), each chunk's loads independent of the others.
     (A (rows, D) tile per split padded the GROUP heads to the decode's 16 rows and loaded
     split after split: +12-19% on B=1 decode, whose 16-64 splits all merge here.) Partials
-    are read through L2 (``.cg``): other programs wrote them, so no L1 line may serve them."""
+    are read through L2 (``.cg``): other programs wrote them, so no L1 line may serve them.
+    SINKS: each head's sink (natural log) joins the peak and the total here, once. (``dd`` /
+    BLOCK_D here span the value head dim.)"""
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP
     head = kvh * GROUP + g
@@ -647,8 +737,13 @@ def _merge_partials(po_ptr, pl_ptr, o_ptr, lse_ptr, t64, kvh, dd, dd_ok,
                     mask=g_ok[:, None] & (sidx < NUM_SPLITS)[None, :], other=float("-inf"),
                     cache_modifier=".cg")
     peak = tl.max(lse_s, 1)
+    if SINKS:
+        sk = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, sk)
     peak_use = tl.where(peak == float("-inf"), 0.0, peak)
     total = tl.sum(tl.exp(lse_s - peak_use[:, None]), 1)
+    if SINKS:
+        total += tl.exp(sk - peak_use)
     c = tl.arange(0, CHUNK)
     gd_ok = g_ok[:, None] & dd_ok[None, :]
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -710,9 +805,31 @@ def _merge_chunk(tuning, splits: int, group: int, block_d: int, num_warps: int) 
     return max(1, min(_p2(splits), _p2(chunk)))
 
 
+def _block(n: int) -> int:
+    """A power-of-two block of at least 16 (tl.dot's minimum) covering ``n`` lanes, masked."""
+    return max(16, _p2(n))
+
+
 def _dims(head_dim: int):
     half = head_dim // 2
-    return half, _p2(half), _p2(head_dim)
+    return half, _block(half), _block(head_dim)
+
+
+def _score_scales(sm_scale: float, softcap: float, mode: int):
+    """(qk_scale, softcap_log2) of ``_scores`` for its SOFTCAP ``mode`` (``_softcap_mode``)."""
+    if mode == 2:
+        return sm_scale / softcap, softcap * LOG2E
+    if mode == 1:
+        return -2.0 * sm_scale * LOG2E / softcap, softcap * LOG2E
+    return sm_scale * LOG2E, 0.0
+
+
+def _softcap_mode(rec, softcap: float) -> int:
+    """``_scores``' SOFTCAP for a record's kernel: 0 without a cap; 2 (tanh.approx) for 16-bit
+    caches on a GPU; 1 (exact) for float32 caches and under the interpreter (no inline asm)."""
+    if not softcap > 0:
+        return 0
+    return 1 if rec.run.kw["IEEE"] or os.environ.get("TRITON_INTERPRET") == "1" else 2
 
 
 @functools.lru_cache(maxsize=32)
@@ -750,19 +867,23 @@ def _last_dim_contig(x):
 class _Cfg:
     """Launch values that depend only on the config and the tuning (one per ``LaunchCache``)."""
 
-    __slots__ = ("half", "block_half", "block_d", "ieee", "rope_hb", "ew_warps", "dec_tiles",
-                 "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows",
+    __slots__ = ("half", "block_half", "block_d", "dv", "block_dv", "ieee", "rope_hb", "ew_warps",
+                 "dec_tiles", "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows",
                  "rope_runs", "merge")
 
     def __init__(self, ctx):
         d = ctx.head_dim
         self.half, self.block_half, self.block_d = _dims(d)
+        self.dv = ctx.head_dim_v
+        self.block_dv = _block(self.dv)
         self.ieee = _ieee(ctx.dtype)
         self.rope_hb = min(_p2(max(ctx.num_qo_heads, ctx.num_kv_heads)), ctx.tuning.elementwise_heads)
         self.ew_warps = ctx.tuning.elementwise_warps
-        self.dec_tiles = ctx.tuning.tiles("decode", d, self.ieee)
+        # tiles by the wider of D and Dv (both tiles of a step share the shared-memory budget)
+        tile_d = max(d, self.dv)
+        self.dec_tiles = ctx.tuning.tiles("decode", tile_d, self.ieee)
         self.dec_block_r = max(self.dec_tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
-        self.pre_tiles = ctx.tuning.tiles("prefill", d, self.ieee)
+        self.pre_tiles = ctx.tuning.tiles("prefill", tile_d, self.ieee)
         self.pre_block_r = max(self.pre_tiles.block_rows, _p2(ctx.group))
         self.pre_m_tok = self.pre_block_r // ctx.group
         self.merge_rows = ctx.tuning.merge_rows
@@ -950,7 +1071,7 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
         run = cfg.rope_runs[flags] = _Kernel(_rope_append_kernel, dict(
             HEAD_DIM=ctx.head_dim, HALF=cfg.half, BLOCK_HALF=cfg.block_half, HB=cfg.rope_hb,
             PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=flags[2], FREQ=has_freq,
-            K_OUT=want_k, num_warps=cfg.ew_warps))
+            K_OUT=want_k, HEAD_DIM_V=cfg.dv, BLOCK_DV=cfg.block_dv, num_warps=cfg.ew_warps))
     qq, qo = (q, q_out) if has_q else (dummy, dummy)
     sq = sqo = (0, 0)
     if has_q:
@@ -1009,7 +1130,26 @@ class _Record:
 
     __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl",
                  "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
-                 "v_out", "bad", "any_bad")
+                 "v_out", "bad", "any_bad", "variants")
+
+
+def _variant(rec, softcap, sinks):
+    """The record's attention kernel for a call with softcap and / or sinks: the same constexprs
+    as ``rec.run`` plus SOFTCAP / SINKS, built on first use (one record serves a forward's calls
+    with and without them: the core passes sinks to one call of each layer)."""
+    flags = (_softcap_mode(rec, softcap), sinks is not None)
+    if flags == (0, False):
+        return rec.run
+    run = rec.variants.get(flags)
+    if run is None:
+        base = rec.run
+        run = rec.variants[flags] = _Kernel(base.jit, dict(base.kw, SOFTCAP=flags[0],
+                                                           SINKS=flags[1]))
+    return run
+
+
+def _sinks_spec(sinks):
+    return () if sinks is None else (sinks.dtype, sinks.data_ptr() & 15)
 
 
 def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
@@ -1020,28 +1160,31 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
         return rec
     cfg = _cfg(ctx)
     t_total, hq, d = q.shape
+    dv = cfg.dv
     rec = _Record()
     tiles = cfg.pre_tiles
     rec.grid = (triton.cdiv(max_len, cfg.pre_m_tok), num_seqs, ctx.num_kv_heads)
     log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope, qo_indptr)
     rec.rope = (log2_theta, scale, qo_indptr if freq is None else freq)
     rec.post = _tree_args(tree, qo_indptr)
-    rec.o_shape, rec.lse_shape = (t_total, hq, d), (t_total, hq)
+    rec.o_shape, rec.lse_shape = (t_total, hq, dv), (t_total, hq)
     rec.run = _Kernel(_ragged_kernel, dict(
         GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
         HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
         TREE=tree is not None, ROPE=rope is not None, FREQ=has_freq, IEEE=cfg.ieee,
+        HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv, SOFTCAP=0, SINKS=False,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    rec.variants = {}
     rec.nrun = _Kernel(_ragged_nonfinite_kernel, dict(
         GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
-        HEAD_DIM=d, BLOCK_D=cfg.block_d, TREE=tree is not None, num_warps=cfg.ew_warps))
+        HEAD_DIM=dv, BLOCK_D=cfg.block_dv, TREE=tree is not None, num_warps=cfg.ew_warps))
     rec.v_out = rec.bad = rec.any_bad = None
     if max_len > 1:
         hkv = v.shape[1]
-        block_t = max(1, 4096 // cfg.block_d)
+        block_t = max(1, 4096 // cfg.block_dv)
         rec.fgrid = (triton.cdiv(t_total, block_t), hkv, 1)
-        rec.frun = _Kernel(_finite_v_kernel, dict(HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=cfg.block_d,
-                                                  num_warps=cfg.ew_warps))
+        rec.frun = _Kernel(_finite_v_kernel, dict(HEAD_DIM=dv, BLOCK_T=block_t,
+                                                  BLOCK_D=cfg.block_dv, num_warps=cfg.ew_warps))
         rec.v_out, rec.bad, rec.any_bad = _scratch(ctx, v.device, _finite_v_specs(v))
     return _keep(launch, key, (qo_indptr, tree, rope), rec, v)
 
@@ -1052,16 +1195,19 @@ def _finite_v_specs(v):
 
 
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
-                     rope=None, q_positions=None, k_rope_offset=None, window_left=-1):
+                     rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
+                     logit_softcap=0.0, sinks=None):
+    softcap = float(logit_softcap or 0.0)
     if _partial(rope):
         return torch_kernels.ragged_attention(
             ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len, tree=tree,
-            rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset, window_left=window_left)
+            rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset,
+            window_left=window_left, logit_softcap=softcap, sinks=sinks)
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
     t_total = q.shape[0]
     if t_total == 0 or num_seqs == 0 or max_len == 0:
-        hq, d = q.shape[1], q.shape[2]
-        return (torch.empty((t_total, hq, d), dtype=ctx.dtype, device=q.device),
+        hq = q.shape[1]
+        return (torch.empty((t_total, hq, v.shape[2]), dtype=ctx.dtype, device=q.device),
                 torch.empty((t_total, hq), dtype=torch.float32, device=q.device))
     rec = _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope)
     o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
@@ -1075,7 +1221,8 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     # what Triton's specialisation sees per call beyond the record (``_Kernel``); outputs and
     # scratch are fresh or the record's, contiguous and aligned
     spec = (sq, sk, sv, q.dtype, k.dtype, v.dtype, window_left, q.data_ptr() & 15,
-            k.data_ptr() & 15, v.data_ptr() & 15, qpos.data_ptr() & 15, krope.data_ptr() & 15)
+            k.data_ptr() & 15, v.data_ptr() & 15, qpos.data_ptr() & 15, krope.data_ptr() & 15,
+            *_sinks_spec(sinks))
     if max_len > 1:
         # a row's causal / tree mask hides later keys of its own forward, and a masked key's
         # p = 0 times a NaN / inf V is NaN: the kernel runs on V with those zeroed, and a second
@@ -1086,9 +1233,11 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         rec.frun(rec.fgrid, spec, v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1],
                  v.shape[1])
     svi = v_in.stride()
-    rec.run(rec.grid, spec, q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
-            sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0], so[1], lse.stride(0),
-            sm_scale * LOG2E, *rec.rope, window_left)
+    _variant(rec, softcap, sinks)(
+        rec.grid, spec, q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
+        qo_indptr if sinks is None else sinks, sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0],
+        so[1], lse.stride(0), *_score_scales(sm_scale, softcap, _softcap_mode(rec, softcap)),
+        *rec.rope, window_left)
     if max_len > 1:
         rec.nrun(rec.grid, spec, v, bad, any_bad, o, qo_indptr, tind, tmask, sv[0], sv[1], so[0],
                  so[1], ctx.num_kv_heads, window_left)
@@ -1104,18 +1253,21 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         return rec
     cfg = _cfg(ctx)
     hq, d = q.shape[1], q.shape[2]
+    dv = cfg.dv
     n = depth.num_entries
     rec = _Record()
+    rec.variants = {}
     log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope, depth.qo_indptr)
     rec.rope = (log2_theta, scale, depth.qo_indptr if freq is None else freq)
     tind, tmask = _tree_args(depth.tree, depth.qo_indptr)
     rec.pre = (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.kv_len,
                depth.sink_size, depth.window_offset, depth.k_rope_offset)
     rec.post = (tind, tmask, n)
-    rec.o_shape, rec.lse_shape = (t_total, hq, d), (t_total, hq)
+    rec.o_shape, rec.lse_shape = (t_total, hq, dv), (t_total, hq)
     flags = dict(HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
                  PAGE_SIZE=ctx.page_size, TREE=depth.tree is not None, ROPE=rope is not None,
-                 FREQ=has_freq, IEEE=cfg.ieee)
+                 FREQ=has_freq, IEEE=cfg.ieee, HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv,
+                 SOFTCAP=0, SINKS=False)
     rec.po = rec.pl = rec.sem = None
     rec.splits = 1
     if depth.use_decode:
@@ -1123,26 +1275,26 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         splits = rec.splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len),
                                          ctx.num_sms)
         rec.grid = (t_total, ctx.num_kv_heads, splits)
-        # outputs are contiguous (T, Hq, D) / (T, Hq)
-        rec.sf = (hq * d, d, hq)
+        # outputs are contiguous (T, Hq, Dv) / (T, Hq)
+        rec.sf = (hq * dv, dv, hq)
         if splits > 1 and t_total:
             po, pl = rec.po, rec.pl = _scratch(ctx, q.device, (
-                ((t_total, splits, hq, d), torch.float32), ((t_total, splits, hq), torch.float32)))
+                ((t_total, splits, hq, dv), torch.float32), ((t_total, splits, hq), torch.float32)))
             rec.sem = _counters(ctx, q.device, t_total * ctx.num_kv_heads)
             rec.so = (po.stride(0), po.stride(1), po.stride(2))
             rec.sl = (pl.stride(0), pl.stride(1))
         else:
-            rec.so = (hq * d, 0, d)
+            rec.so = (hq * dv, 0, dv)
             rec.sl = (hq, 0)
         rec.run = _Kernel(_paged_decode_kernel, dict(
             GROUP=ctx.group, BLOCK_R=cfg.dec_block_r, BLOCK_N=tiles.block_n, NUM_SPLITS=splits,
             BLOCK_S=_p2(splits), BLOCK_G=_p2(ctx.group),
-            MERGE_CHUNK=_merge_chunk(ctx.tuning, splits, ctx.group, cfg.block_d, tiles.num_warps),
+            MERGE_CHUNK=_merge_chunk(ctx.tuning, splits, ctx.group, cfg.block_dv, tiles.num_warps),
             **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
         tiles = cfg.pre_tiles
         rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, 1)
-        rec.so = (hq * d, d)
+        rec.so = (hq * dv, dv)
         rec.sl = (hq,)
         rec.run = _Kernel(_paged_prefill_kernel, dict(
             GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
@@ -1151,10 +1303,12 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                    window_left=-1):
+                    window_left=-1, logit_softcap=0.0, sinks=None):
+    softcap = float(logit_softcap or 0.0)
     if _partial(rope):
         return torch_kernels.paged_attention(ctx, q, pages, depth, sm_scale, rope=rope,
-                                             q_positions=q_positions, window_left=window_left)
+                                             q_positions=q_positions, window_left=window_left,
+                                             logit_softcap=softcap, sinks=sinks)
     q = _last_dim_contig(q)
     # window_left is a plain int argument (not a compile-time constant): a captured static decode
     # step replays with the window of its capture, and a new window needs no recompile
@@ -1165,7 +1319,10 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     # what Triton's specialisation sees per call beyond the record (``_Kernel``)
     sq, sp = q.stride(), pages.stride()
     spec = (sq, sp, q.dtype, int(window_left), q.data_ptr() & 15, pages.data_ptr() & 15,
-            qpos.data_ptr() & 15)
+            qpos.data_ptr() & 15, *_sinks_spec(sinks))
+    run = _variant(rec, softcap, sinks)
+    scales = _score_scales(sm_scale, softcap, _softcap_mode(rec, softcap))
+    sinks_arg = depth.qo_indptr if sinks is None else sinks
     if depth.use_decode:
         o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
         lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
@@ -1175,17 +1332,23 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
             dst, dstl, sem = rec.po, rec.pl, rec.sem
         else:
             dst, dstl, sem = o, lse, lse
-        rec.run(rec.grid, spec, q, pages, dst, dstl, o, lse, sem, *rec.pre, qpos, *rec.post,
-                sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *rec.sf,
-                sm_scale * LOG2E, *rec.rope, int(window_left))
+        run(rec.grid, spec, q, pages, dst, dstl, o, lse, sem, sinks_arg, *rec.pre, qpos,
+            *rec.post, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *rec.sf,
+            *scales, *rec.rope, int(window_left))
         return o, lse
-    # prefill: rows no entry covers must read o = 0 / lse = -inf
+    # prefill: rows no entry covers must read o = 0 / lse = -inf (the sink with sinks)
     o = torch.zeros(rec.o_shape, dtype=ctx.dtype, device=q.device)
-    lse = torch.full(rec.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if sinks is None:
+        lse = torch.full(rec.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
+        lse.copy_(sinks[None, :])
     if t_total == 0 or depth.num_entries == 0:
         return o, lse
-    rec.run(rec.grid, spec, q, pages, o, lse, *rec.pre, qpos, *rec.post, sq[0], sq[1], sp[0],
-            sp[1], sp[2], sp[3], *rec.so, *rec.sl, sm_scale * LOG2E, *rec.rope, int(window_left))
+    tind, tmask, n = rec.post
+    run(rec.grid, spec, q, pages, o, lse, *rec.pre, qpos, tind, tmask, sinks_arg, n, sq[0],
+        sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
+        int(window_left))
     return o, lse
 
 
@@ -1202,7 +1365,7 @@ def merge_attention(ctx, o_a, lse_a, o_b, lse_b):
     lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
     run = cfg.merge
     if run is None:
-        run = cfg.merge = _Kernel(_merge2_kernel, dict(HEAD_DIM=ctx.head_dim, BLOCK_D=cfg.block_d,
+        run = cfg.merge = _Kernel(_merge2_kernel, dict(HEAD_DIM=cfg.dv, BLOCK_D=cfg.block_dv,
                                                        ROWS=cfg.merge_rows, num_warps=cfg.ew_warps))
     # n_rows varies per call: only its specialisation (the value 1, 16-divisibility) is keyed
     spec = (o_a.dtype, o_b.dtype, n_rows == 1, n_rows % 16 == 0, o_a.data_ptr() & 15,
@@ -1222,21 +1385,25 @@ def copy_page_prefix(ctx, pages_per_layer, src_page, dst_page, length):
     hb = min(_p2(ctx.num_kv_heads), ctx.tuning.elementwise_heads)
     for pages in pages_per_layer:
         sp = pages.stride()
+        row = pages.shape[-1]          # the whole page row: max(D, Dv)
         _copy_rows_kernel[(length,)](pages, src_page * sp[0], dst_page * sp[0], ctx.num_kv_heads,
-                                     sp[1], sp[2], sp[3], HEAD_DIM=ctx.head_dim, BLOCK_D=_p2(ctx.head_dim), HB=hb,
+                                     sp[1], sp[2], sp[3], HEAD_DIM=row, BLOCK_D=_p2(row), HB=hb,
                                      num_warps=ctx.tuning.elementwise_warps)
 
 
 def gather_rows(ctx, pages, slots, out_k=None, out_v=None):
     n = slots.shape[0]
-    shape = (n, ctx.num_kv_heads, ctx.head_dim)
-    out_k = torch.empty(shape, dtype=pages.dtype, device=pages.device) if out_k is None else out_k
-    out_v = torch.empty(shape, dtype=pages.dtype, device=pages.device) if out_v is None else out_v
+    d, dv = ctx.head_dim, ctx.head_dim_v
+    if out_k is None:
+        out_k = torch.empty((n, ctx.num_kv_heads, d), dtype=pages.dtype, device=pages.device)
+    if out_v is None:
+        out_v = torch.empty((n, ctx.num_kv_heads, dv), dtype=pages.dtype, device=pages.device)
     if n:
         hb = min(_p2(ctx.num_kv_heads), ctx.tuning.elementwise_heads)
         _gather_rows_kernel[(n,)](pages, slots, out_k, out_v, *_row_kernel_args(ctx, pages),
-                                  out_k.stride(0), out_k.stride(1), HEAD_DIM=ctx.head_dim,
-                                  BLOCK_D=_p2(ctx.head_dim), HB=hb, PAGE_SIZE=ctx.page_size,
+                                  out_k.stride(0), out_k.stride(1), out_v.stride(0),
+                                  out_v.stride(1), HEAD_DIM=d, BLOCK_D=_p2(d), HB=hb,
+                                  PAGE_SIZE=ctx.page_size, HEAD_DIM_V=dv, BLOCK_DV=_p2(dv),
                                   num_warps=ctx.tuning.elementwise_warps)
     return out_k, out_v
 
@@ -1253,9 +1420,10 @@ def gather_kv(ctx, pages_per_layer, slots):
     n = slots.shape[0]
     layers = len(pages_per_layer)
     p0 = pages_per_layer[0]
-    shape = (layers, n, ctx.num_kv_heads, ctx.head_dim)
-    out_k = torch.empty(shape, dtype=p0.dtype, device=p0.device)
-    out_v = torch.empty(shape, dtype=p0.dtype, device=p0.device)
+    out_k = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim), dtype=p0.dtype,
+                        device=p0.device)
+    out_v = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim_v), dtype=p0.dtype,
+                        device=p0.device)
     for i, pages in enumerate(pages_per_layer):
         gather_rows(ctx, pages, slots, out_k[i], out_v[i])
     return out_k, out_v
