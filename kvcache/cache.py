@@ -698,11 +698,7 @@ class PagedKVCache:
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{exc} (forward over sequences {plan.seq_ids})") from None
         if window_left >= 0:
-            if not self.capabilities.window_left:
-                raise UnsupportedFeatureError(
-                    f"backend {self.backend.name!r} does not support window_left={window_left} "
-                    f"(forward over sequences {plan.seq_ids}): "
-                    f"{Capabilities.reason('window_left')}")
+            self._need(plan, "window_left", f"window_left={window_left}")
             if plan.tokens.self_tree is not None or any(d.tree is not None for d in plan.depths):
                 raise UnsupportedFeatureError(
                     f"window_left={window_left} with a token tree (forward over sequences "
@@ -717,20 +713,22 @@ class PagedKVCache:
             cap = float_arg(logit_softcap, "logit_softcap", positive=True)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{exc} (forward over sequences {plan.seq_ids})") from None
-        if not self.capabilities.logit_softcap:
-            raise UnsupportedFeatureError(
-                f"backend {self.backend.name!r} does not support logit_softcap={cap} (forward "
-                f"over sequences {plan.seq_ids}): {Capabilities.reason('logit_softcap')}")
+        self._need(plan, "logit_softcap", f"logit_softcap={cap}")
         return cap
+
+    def _need(self, plan: ForwardPlan, capability: str, what: str) -> None:
+        """UnsupportedFeatureError naming ``what``, the forward and the capability, unless the
+        backend declares ``capability``."""
+        if not getattr(self.capabilities, capability):
+            raise UnsupportedFeatureError(
+                f"backend {self.backend.name!r} does not support {what} (forward over sequences "
+                f"{plan.seq_ids}): {Capabilities.reason(capability)}")
 
     def _check_sinks(self, plan: ForwardPlan, sinks) -> None:
         if sinks is None:
             return
         b, heads = self.backend, self.config.num_qo_heads
-        if not self.capabilities.attention_sinks:
-            raise UnsupportedFeatureError(
-                f"backend {b.name!r} does not support attention sinks (forward over sequences "
-                f"{plan.seq_ids}): {Capabilities.reason('attention_sinks')}")
+        self._need(plan, "attention_sinks", "attention sinks")
         if not b.is_native(sinks):
             raise InvalidArgumentError(
                 f"sinks must be a {b.name} backend array of {heads} logits (use cache.from_numpy), "
