@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcache-installed
 
-.PHONY: test demo bench info clean
+.PHONY: test test-all demo bench info clean
 
 $(STAMP): pyproject.toml backends/cuda/pyproject.toml backends/rocm/pyproject.toml backends/metal/pyproject.toml \
 		docs/examples/kvcache-example/pyproject.toml
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml backends/cuda/pyproject.toml backends/rocm/pyproject.to
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the slow matrices too (every model family on every backend); CI runs `make test`
+test-all: $(STAMP)
+	$(PY) -m pytest -q tests -m ""
 
 # the main job on a real architecture (a small random-weight Llama through the transformers Engine)
 demo: $(STAMP)
