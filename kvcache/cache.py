@@ -266,9 +266,22 @@ class PagedKVCache:
         return not self.state.pt.seqs and self.state.pt.num_free == self.state.pt.num_pages
 
     @_exclusive
-    def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None) -> tuple[Array, Array]:
-        """(k, v), each (num_layers, end-start, num_kv_heads, head_dim), K as stored."""
-        self._no_forward("get_kv")
+    def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None,
+               layer: Optional[int] = None) -> tuple[Array, Array]:
+        """The K/V of tokens ``start .. end-1`` (None: to the end) of sequence ``seq_id``, K as
+        stored: ``(k, v)`` each ``(num_layers, end-start, num_kv_heads, head_dim)`` (v:
+        ``head_dim_v``), or with ``layer`` that layer's only, ``(end-start, num_kv_heads,
+        head_dim)``.
+
+        With ``layer`` it may also be called inside a forward (by the thread that opened it), for
+        a model that computes its attention itself (see ``append_kv``): the tokens from before
+        the forward are there, and the forward's own once the layer has run. Raises
+        SequenceNotFoundError, InvalidArgumentError for a range outside [0, length] or a layer
+        outside [0, num_layers), ForwardStateError inside a forward without ``layer``, for a
+        range reaching the forward's tokens before the layer has written them, or in a forward
+        over a sliding-window sequence (its new tokens may take the slots of old ones)."""
+        if layer is None:
+            self._no_forward("get_kv")
         seq = self.state.seq(seq_id)
         length = self.state.pt.length(seq)
         start = as_int(start, "start")
@@ -276,8 +289,35 @@ class PagedKVCache:
         if not 0 <= start <= end <= length:
             raise InvalidArgumentError(
                 f"get_kv range [{start}, {end}) of sequence {seq.seq_id} must lie in [0, {length}]")
+        pages = self.pages
+        if layer is not None:
+            layer = as_int(layer, "layer")
+            if not 0 <= layer < self.config.num_layers:
+                raise InvalidArgumentError(
+                    f"get_kv layer {layer} must be in [0, {self.config.num_layers})")
+            pages = [self.pages[layer]]
+            if self._plan is not None:
+                self._check_in_forward_read(self._plan, seq, layer, end, length)
         slots = self.state.pt.position_slots(seq, start, end)
-        return self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+        k, v = self.backend.gather_kv(pages, self.backend.aux_to_device(slots))
+        return (k, v) if layer is None else (k[0], v[0])
+
+    def _check_in_forward_read(self, plan: ForwardPlan, seq, layer: int, end: int,
+                               length: int) -> None:
+        """ForwardStateError unless tokens ``.. end-1`` of ``seq`` hold layer ``layer``'s K/V
+        during the open forward ``plan``."""
+        if plan.write_after:
+            raise ForwardStateError(
+                f"get_kv(layer={layer}) inside a forward over sliding-window sequences "
+                f"({plan.seq_ids}): a new token may take the slot of an old one")
+        written = length
+        if seq.seq_id in plan.seq_ids and layer not in self._layers_done:
+            written -= int(plan.append_lengths[plan.seq_ids.index(seq.seq_id)])
+        if end > written:
+            raise ForwardStateError(
+                f"get_kv range up to {end} of sequence {seq.seq_id} reaches this forward's new "
+                f"tokens (from {written}), which layer {layer} has not written yet (attention "
+                f"or append_kv first)")
 
     # ------------------------------------------------------------------ export / import
     @_exclusive
@@ -737,6 +777,36 @@ class PagedKVCache:
             raise InvalidArgumentError(
                 f"sinks has shape {b.shape_of(sinks)} and dtype {b.dtype_name(sinks)}, expected "
                 f"({heads},) (one logit per query head) of one of {DTYPES}")
+
+    def append_kv(self, layer_id: int, k: Array, v: Array) -> None:
+        """Write layer ``layer_id``'s new K/V into the cache without attending: for a model
+        that computes its attention itself over ``get_kv(seq_id, layer=layer_id)`` (e.g. its own
+        soft-capped or latent attention). It counts as the layer's run in this forward.
+
+        ``k``: (T, num_kv_heads, head_dim), ``v``: (T, num_kv_heads, head_dim_v), backend arrays
+        in the cache dtype, rows in ``begin_forward`` order (or ``static_bucket`` rows). With
+        ``rope_mode="normal"`` K is rotated at its position on the way in, as in
+        ``attention``. Raises InvalidArgumentError for shapes, dtypes or the layer,
+        ForwardStateError outside a forward or for a layer that already ran."""
+        plan = self._open("append_kv")
+        c = self.config
+        layer_id = as_int(layer_id, "layer_id")
+        if not 0 <= layer_id < c.num_layers:
+            raise InvalidArgumentError(f"layer_id {layer_id} must be in [0, {c.num_layers})")
+        if layer_id in self._layers_done:
+            raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
+        self._check_input("k", k, c.num_kv_heads, plan.total_tokens)
+        rows = self.backend.shape_of(k)[0]
+        self._check_input("v", v, c.num_kv_heads, rows, c.head_dim_v)
+        tokens = self._device_aux().tokens
+        positions, slots = tokens.q_positions, tokens.append_slots
+        if plan.static_bucket is not None and rows != plan.static_bucket:
+            positions, slots = positions[:rows], slots[:rows]
+        if self.config.effective_rope_mode == "normal":
+            self.backend.append_kv(self.pages[layer_id], k, v, slots, positions, self._rope)
+        else:
+            self.backend.append_kv(self.pages[layer_id], k, v, slots)
+        self._layers_done.add(layer_id)
 
     def attention_with_fused_qkv(self, layer_id: int, qkv: Array, sm_scale: Optional[float] = None,
                                  return_lse: bool = False, window_left: int = -1,

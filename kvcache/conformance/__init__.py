@@ -37,7 +37,7 @@ _CLASSES = {
     "test_forward": ("TestPrefill", "TestDecode", "TestMixedBatch", "TestFusedQKV", "TestLse",
                      "TestRope", "TestQueries", "TestWindowLeft"),
     "test_semantics": ("TestLogitSoftcap", "TestAttentionSinks", "TestMixedWindowLayers",
-                       "TestHeadDimV", "TestHeadDims"),
+                       "TestHeadDimV", "TestHeadDims", "TestOwnAttention"),
     "test_sequences": ("TestFork", "TestPopn", "TestSlidingWindow", "TestTokenTree"),
     "test_matrix": ("TestMatrix",),
     "test_errors": ("TestBadInput", "TestAtomicity", "TestCapabilities", "TestBackendContract"),

@@ -183,3 +183,72 @@ class TestHeadDims(Conformance):
         p.add(0, 1)
         p.forward([0, 1], [ps + 5, 2])
         p.decode([0, 1], steps=2)
+
+
+class TestOwnAttention(Conformance):
+    """``append_kv`` and ``get_kv(seq_id, layer=...)`` inside a forward: a model that computes
+    attention itself (mlx-lm's gemma2 soft-capping by hand, MLA over a latent) stores its new
+    K/V without attending and reads each sequence's history of one layer."""
+
+    def _append(self, p, layer, k, v):
+        for cache in (p.ref, p.dut):
+            cache.append_kv(layer, cache.from_numpy(k), cache.from_numpy(v))
+
+    def _read(self, p, sid, layer, end=None):
+        from ..arrays import to_numpy
+        from .tolerance import assert_close
+        (kr, vr), (kd, vd) = p.both("get_kv", sid, 0, end, layer=layer)
+        assert_close(f"get_kv({sid}, layer={layer}) K", to_numpy(kr), to_numpy(kd), p.tol,
+                     context=p.context())
+        assert_close(f"get_kv({sid}, layer={layer}) V", to_numpy(vr), to_numpy(vd), p.tol,
+                     context=p.context())
+        return to_numpy(kd), to_numpy(vd)
+
+    @pytest.mark.parametrize("dims", [None, (48, 32)], ids=["same", "48_32"])
+    def test_history_then_new_tokens(self, make_pair, dims):
+        from kvcache import ForwardStateError
+        kw = {} if dims is None else dict(needs=("head_dims_v",), head_dim=dims[0],
+                                          head_dim_v=dims[1])
+        p = make_pair(**kw)
+        c, ps = p.config, p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [ps + 3, 2])          # history written by attention
+        p.begin([0, 1], [3, ps + 1])
+        for layer in range(c.num_layers):
+            # the history is there before the layer writes; the new tokens are not yet
+            self._read(p, 0, layer, ps + 3)
+            p.expect_error(ForwardStateError, "get_kv", 1, 0, 3, layer=layer)
+            _, k, v = p.layer_inputs(layer)
+            self._append(p, layer, k, v)
+            kd, vd = self._read(p, 1, layer)
+            assert kd.shape == (ps + 3, c.num_kv_heads, c.head_dim)
+            assert vd.shape == (ps + 3, c.num_kv_heads, c.head_dim_v)
+            # the new rows are the appended ones, as stored
+            np.testing.assert_allclose(vd[2:], v[3:], **_stored(c))
+            p.expect_error(ForwardStateError, "append_kv", layer, *self._native(p, k, v))
+        p.end()
+        assert p.dut.sequence_length(1) == ps + 3
+
+    def test_outside_a_forward_and_bad_layers(self, make_pair):
+        from kvcache import ForwardStateError, InvalidArgumentError
+        p = make_pair()
+        p.add(0)
+        p.forward([0], [5])
+        self._read(p, 0, 1 % p.config.num_layers, 4)
+        p.expect_error(InvalidArgumentError, "get_kv", 0, layer=p.config.num_layers)
+        zeros = np.zeros((1, p.config.num_kv_heads, p.config.head_dim))
+        p.expect_error(ForwardStateError, "append_kv", 0, *self._native(p, zeros, zeros))
+        p.begin([0], [1])
+        p.expect_error(ForwardStateError, "get_kv", 0)       # all layers: not in a forward
+        p.expect_error(InvalidArgumentError, "append_kv", 0,
+                       *self._native(p, zeros[:, :, :4], zeros))
+        p.abort()
+
+    @staticmethod
+    def _native(p, k, v):
+        return p.dut.from_numpy(k), p.dut.from_numpy(v)
+
+
+def _stored(config) -> dict:
+    """Tolerances of a value stored in the cache dtype."""
+    return {"float32": dict(rtol=1e-6, atol=1e-6)}.get(config.dtype, dict(rtol=1e-2, atol=1e-2))

@@ -36,15 +36,28 @@ How the model reaches the cache (mlx-lm's cache protocol, the model's code uncha
 * **Head.** The model's own ``__call__`` computes the logits; its inner model is wrapped for
   the call so that only the rows whose logits are wanted reach the head.
 
+* **Models that attend themselves.** A model whose layers fetch through ``update_and_fetch``
+  but do not hand exactly those keys and values (and no mask array) to
+  ``scaled_dot_product_attention`` (mlx-lm's gemma2 soft-caps its scores by hand; its
+  deepseek_v3 runs MLA over the latent and rotary keys it fetches, with the rotary scores as
+  a mask) runs in *own-attention* mode: one model call per sequence of the forward (its new
+  tokens as one batch row, ``offset`` its first new position, ``make_mask`` mlx-lm
+  ``KVCache``'s), ``update_and_fetch`` returns the sequence's history in that layer from the
+  pages (``PagedKVCache.get_kv(..., layer=)``) followed by the new keys/values, and the new
+  ones of all sequences go into the pages after the calls (``PagedKVCache.append_kv``). The
+  cache stores what the model fetches: for deepseek_v3 the compressed latent (head dim
+  ``kv_lora_rank``) and its rotary key (``head_dim_v`` = ``qk_rope_head_dim``), one KV head.
+  Sliding-window layers are refused in this mode (they expect mlx-lm's rotating cache to drop
+  old keys).
+
 At construction a probe runs the model once lazily (nothing is computed) on two tokens with
-recording layer caches: each layer must call ``update_and_fetch`` and then
-``scaled_dot_product_attention`` with its cache object and exactly the fetched keys and
-values, and no mask array. The probe also reads the cache configuration off the calls (query
-and KV heads, q/k and value head dims, dtype, sinks). Refused, with the reason: attention
-computed by the model itself (mlx-lm's gemma2, for its logit soft-capping), keys or values
-transformed after the fetch or an additive score mask (mlx-lm's deepseek_v3 MLA), recurrent
-or chunked caches, layers of different head shapes, sinks on a backend without
-``attention_sinks``.
+recording layer caches: each layer must call ``update_and_fetch`` once, and either
+``scaled_dot_product_attention`` with its cache object, exactly the fetched keys and values
+and no mask array (the cache's kernels attend), or attend itself (own-attention mode). The
+probe also reads the cache configuration off the calls (query and KV heads, q/k and value
+head dims, dtype, sinks). Refused, with the reason: a layer that never uses its cache
+object, recurrent or chunked caches, layers of different head shapes, sinks on a backend
+without ``attention_sinks``.
 
 For a loop of your own: ``layer_caches(model, cache)`` inside ``cache.forward(...)`` gives the
 list to pass as ``model(tokens[:, None], cache=...)``. The cache uses ``rope_mode="none"``.
@@ -57,6 +70,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import weakref
 from typing import Optional, Sequence
 
 import numpy as np
@@ -184,21 +198,33 @@ class ModelDescription:
     """``{layer: window}`` (``sliding_windows``)."""
     sinks: tuple
     """The layers that pass learned attention sinks (capability ``attention_sinks``)."""
+    own_attention: bool = False
+    """The model computes attention itself over the keys and values ``update_and_fetch``
+    returns (mlx-lm's gemma2: soft-capped scores; deepseek_v3: MLA over the latent and rotary
+    keys, which are then what the cache stores): the cache holds K/V, the model attends, one
+    sequence per model call. ``num_qo_heads`` is then ``num_kv_heads`` (queries never reach
+    the cache)."""
 
 
 # ---------------------------------------------------------------------- the cache protocol
 class _Forward:
     """What the ``LayerCache`` objects of one model read during one forward (or the probe)."""
 
-    def __init__(self, model, windows: dict, num_layers: int):
+    def __init__(self, model, windows: dict, num_layers: int, own_attention: bool = False):
         self.model = model
         self.windows = windows
+        self.own_attention = own_attention  # the model attends over fetched history itself
         self.cache = None                 # the PagedKVCache whose forward is open
         self.probe: Optional[dict] = None  # {layer: record} while probing
         self.positions = None             # (T,) int32 mx array
         self.last_position = -1
         self.fetched = [0] * num_layers
         self.attended = [0] * num_layers
+        # own-attention mode: the sequence the model runs on now, its first new position, and
+        # each layer's new (keys, values) of the sequences run so far
+        self.seq_id: Optional[int] = None
+        self.start = 0
+        self.new: list = [[] for _ in range(num_layers)]
 
     def begin(self, cache, positions) -> None:
         pos = np.asarray(positions, np.int64)
@@ -209,7 +235,17 @@ class _Forward:
         self.attended = [0] * len(self.attended)
 
     def end(self) -> None:
-        self.cache = self.positions = None
+        self.cache = self.positions = self.seq_id = None
+        self.new = [[] for _ in self.new]
+
+    def check_all_fetched(self) -> None:
+        """Every layer called ``update_and_fetch`` once (own-attention mode)."""
+        for layer, f in enumerate(self.fetched):
+            if f != 1:
+                raise UnsupportedFeatureError(
+                    f"{_label(self.model, layer)} of the {_family(self.model)} model calls "
+                    f"cache.update_and_fetch {f} times in one forward (once expected); its "
+                    f"attention cannot run on the paged cache")
 
     def check_all_attended(self) -> None:
         """Every layer called ``update_and_fetch`` and ``scaled_dot_product_attention`` once."""
@@ -241,12 +277,23 @@ class LayerCache:
     ``update_and_fetch(keys, values)`` returns them unchanged (the paged cache appends them when
     the layer attends); ``make_mask`` returns None (the cache is causal by itself). mlx-lm's
     ``scaled_dot_product_attention`` called with this object as ``cache`` runs
-    ``PagedKVCache.attention`` of the layer (``attend``)."""
+    ``PagedKVCache.attention`` of the layer (``attend``).
+
+    For a model that attends itself (own-attention mode, one sequence per model call):
+    ``offset`` is the sequence's first new position (an int, as mlx-lm's ``KVCache``),
+    ``update_and_fetch`` returns the sequence's whole history in this layer read from the pages
+    (``get_kv(layer=...)``) followed by the new keys/values, and ``make_mask`` is
+    ``KVCache``'s."""
 
     def __init__(self, layer: int, forward: _Forward):
         self.layer = layer
         self._forward = forward
         self._fetched = None
+
+    @property
+    def own_attention(self) -> bool:
+        """The model attends itself over what ``update_and_fetch`` returns (not probing)."""
+        return self._forward.own_attention and self._forward.probe is None
 
     # ---- the protocol mlx-lm's attention uses
     @property
@@ -257,15 +304,31 @@ class LayerCache:
                 f"layer {self.layer}: a kvcache LayerCache is used outside a forward (run the "
                 f"model through Engine.generate, or take layer_caches(model, cache) inside "
                 f"cache.forward(...))")
-        return f.positions
+        return f.start if f.own_attention else f.positions
 
     def update_and_fetch(self, keys, values):
-        self._forward.fetched[self.layer] += 1
-        self._fetched = (keys, values)
-        return keys, values
+        f = self._forward
+        f.fetched[self.layer] += 1
+        if f.probe is not None:
+            f.probe.setdefault(self.layer, {})["fetched"] = dict(
+                kv=(keys.shape[1], keys.shape[-1], values.shape[-1]), dtype=keys.dtype)
+        if not f.own_attention or f.probe is not None:
+            self._fetched = (keys, values)
+            return keys, values
+        # own attention: this sequence's history in the layer (from the pages), then the new
+        f.new[self.layer].append((keys, values))
+        if not f.start:
+            return keys, values
+        k, v = f.cache.get_kv(f.seq_id, 0, f.start, layer=self.layer)
+        k, v = (_from_cache(f.cache, a, keys.dtype) for a in (k, v))
+        return (mx.concatenate([k.transpose(1, 0, 2)[None], keys], axis=2),
+                mx.concatenate([v.transpose(1, 0, 2)[None], values], axis=2))
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         f = self._forward
+        if f.own_attention:      # the model attends over [history, new]: KVCache's mask
+            return _mlx_cache.create_attention_mask(N, offset=f.start, return_array=return_array,
+                                                    window_size=window_size)
         if window_size is not None and f.windows.get(self.layer) != int(window_size):
             mine = f.windows.get(self.layer)
             raise UnsupportedFeatureError(
@@ -304,27 +367,28 @@ class LayerCache:
         label = _Label(f.model, layer)           # (built only for a message)
         f.attended[layer] += 1
         fetched, self._fetched = self._fetched, None
+        why = None
         if fetched is None or keys is not fetched[0] or values is not fetched[1]:
-            raise UnsupportedFeatureError(
-                f"{label} of the {_family(f.model)} model hands scaled_dot_product_attention "
-                f"other keys or values than cache.update_and_fetch returned (it transforms "
-                f"the cached keys/values itself, e.g. mlx-lm's MLA attention of deepseek_v3): "
-                f"its attention cannot run on the paged cache")
-        if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+            why = ("hands scaled_dot_product_attention other keys or values than "
+                   "cache.update_and_fetch returned (it transforms the cached keys/values "
+                   "itself, e.g. mlx-lm's MLA attention of deepseek_v3)")
+        elif mask is not None and not (isinstance(mask, str) and mask == "causal"):
             shape = tuple(mask.shape) if hasattr(mask, "shape") else type(mask).__name__
-            raise UnsupportedFeatureError(
-                f"{label} of the {_family(f.model)} model passes a mask of its own {shape} to "
-                f"scaled_dot_product_attention (not the None its cache's make_mask returns: "
-                f"e.g. additive attention scores); the paged cache applies causality and "
-                f"per-layer sliding windows only")
-        extra = {k: v for k, v in other.items() if v is not None}
-        if extra:
-            raise UnsupportedFeatureError(
-                f"{label} of the {_family(f.model)} model passes "
-                f"{', '.join(sorted(extra))} to scaled_dot_product_attention, which the "
-                f"kvcache attention does not implement")
-        T = f.positions.shape[0]
+            why = (f"passes a mask of its own {shape} to scaled_dot_product_attention (not the "
+                   f"None its cache's make_mask returns: e.g. additive attention scores)")
+        elif any(v is not None for v in other.values()):
+            extra = sorted(k for k, v in other.items() if v is not None)
+            why = (f"passes {', '.join(extra)} to scaled_dot_product_attention, which the "
+                   f"kvcache attention does not implement")
         B, H, L, D = queries.shape
+        if why is not None:
+            if f.probe is None:
+                raise UnsupportedFeatureError(
+                    f"{label} of the {_family(f.model)} model {why}: its attention cannot run "
+                    f"on the paged cache's kernels")
+            f.probe.setdefault(layer, {})["attend"] = why
+            return mx.zeros((B, H, L, values.shape[-1]), queries.dtype)
+        T = f.positions.shape[0]
         if B != T or L != 1 or keys.shape[0] != T or keys.shape[2] != 1:
             raise InvalidArgumentError(
                 f"{label}: the {T} new tokens must be {T} batch rows of one token each (inputs "
@@ -332,8 +396,8 @@ class LayerCache:
                 f"{tuple(keys.shape)}")
         Hkv, Dv = keys.shape[1], values.shape[-1]
         if f.probe is not None:
-            f.probe[layer] = dict(heads=(H, Hkv, D, Dv), dtype=queries.dtype,
-                                  sinks=sinks is not None)
+            f.probe.setdefault(layer, {})["attend"] = dict(
+                heads=(H, Hkv, D, Dv), dtype=queries.dtype, sinks=sinks is not None)
             return mx.zeros((B, H, 1, Dv), queries.dtype)
         kv = f.cache
         if kv is None:
@@ -366,6 +430,13 @@ def _to_cache(cache, x, keep_dtype: bool = False):
     return cache.from_numpy(np.asarray(x.astype(mx.float32)))
 
 
+def _from_cache(cache, x, dtype):
+    """A cache backend array -> an mx array of ``dtype``."""
+    if not isinstance(x, mx.array):
+        x = mx.array(np.ascontiguousarray(to_numpy(x)))
+    return x.astype(dtype)
+
+
 def _mx_dtype(name: str):
     return {v: k for k, v in _DTYPES.items()}[name]
 
@@ -393,7 +464,7 @@ def _routed(original):
         except TypeError:
             return original(*args, **kwargs)
         cache = bound.arguments.get("cache")
-        if isinstance(cache, LayerCache):
+        if isinstance(cache, LayerCache) and not cache.own_attention:
             arguments = dict(bound.arguments)
             arguments.pop("cache")
             arguments.update(arguments.pop("kwargs", {}))
@@ -422,11 +493,19 @@ def layer_caches(model, cache, positions=None) -> list:
     attention to ``cache``'s open forward. Call the model with the forward's T tokens as T
     batch rows: ``model(tokens.reshape(-1, 1), cache=layer_caches(model, cache))``; logits come
     back ``(T, 1, vocab)``. ``positions``: each token's position (None: the cache's
-    ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``)."""
+    ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``).
+    A model that computes attention itself (``describe(model).own_attention``) needs one call
+    per sequence: it is refused here (``MlxLmAdapter(model).forward`` runs it)."""
     if cache.config.rope_mode != "none":
         raise InvalidArgumentError(
             f"the cache has rope_mode={cache.config.rope_mode!r}, but an mlx-lm model applies "
             f"its own RoPE: build the cache with cache_config(model) (rope_mode='none')")
+    if _described(model).own_attention:
+        raise UnsupportedFeatureError(
+            f"the {_family(model)} model computes attention itself over the keys and values "
+            f"its cache returns, one sequence per call; layer_caches serves one call over "
+            f"every sequence's tokens: use MlxLmAdapter(model).forward(cache, tokens, "
+            f"positions, logit_rows) inside the forward")
     windows = sliding_windows(model)
     route(model)
     slots = len(_mlx_caches(model))
@@ -437,35 +516,51 @@ def layer_caches(model, cache, positions=None) -> list:
 
 class _RowsOf:
     """Stands in for a model's inner model during one call: runs it and hands the model's head
-    only the hidden rows ``rows`` (``(B,)`` int32) of its ``(T, 1, hidden)`` output."""
+    only the hidden rows ``rows`` (``(B,)`` int32) of its ``(T, 1, hidden)`` output (``axis``
+    1: the tokens ``rows`` of its ``(1, T, hidden)`` output)."""
 
-    def __init__(self, inner, rows):
-        self.inner, self.rows, self.hidden = inner, rows, None
+    def __init__(self, inner, rows, axis: int = 0):
+        self.inner, self.rows, self.axis, self.hidden = inner, rows, axis, None
 
     def __call__(self, *args, **kwargs):
         self.hidden = self.inner(*args, **kwargs)
-        return self.hidden[self.rows]
+        return self.hidden[:, self.rows] if self.axis else self.hidden[self.rows]
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
-def _run(model, inputs, caches, rows):
+def _run(model, inputs, caches, rows, axis: int = 0):
     """The model's own ``__call__`` over ``inputs`` (T, 1) with ``caches``: ``(logits (B,
-    vocab) of rows ``rows``, hidden states (T, 1, hidden) or the logits of every row)``."""
+    vocab) of rows ``rows``, hidden states (T, 1, hidden) or the logits of every row)``.
+    ``axis`` 1: ``inputs`` (1, T), one sequence's tokens, and ``rows`` its tokens."""
     inner = model.get("model") if isinstance(model, dict) else None
+    pick = (lambda out: out[0][rows]) if axis else (lambda out: out[rows][:, -1])
     if inner is None or "model" in vars(model) or not callable(inner):
         out = model(inputs, cache=caches)
-        return out[rows][:, -1], out
-    wrapper = _RowsOf(inner, rows)
+        return pick(out), out
+    wrapper = _RowsOf(inner, rows, axis)
     object.__setattr__(model, "model", wrapper)
     try:
         out = model(inputs, cache=caches)
     finally:
         object.__delattr__(model, "model")
     if wrapper.hidden is None:               # the model's call did not go through .model
-        return out[rows][:, -1], out
-    return out[:, -1], wrapper.hidden
+        return pick(out), out
+    return (out[0] if axis else out[:, -1]), wrapper.hidden
+
+
+_DESCRIBED: dict = {}
+
+
+def _described(model) -> ModelDescription:
+    """``describe(model)``, once per model object (``layer_caches`` runs every forward)."""
+    entry = _DESCRIBED.get(id(model))
+    if entry is None or entry[0]() is not model:
+        entry = (weakref.ref(model), describe(model))
+        _DESCRIBED[id(model)] = entry
+        weakref.finalize(model, _DESCRIBED.pop, id(model), None)
+    return entry[1]
 
 
 def describe(model) -> ModelDescription:
@@ -483,7 +578,6 @@ def describe(model) -> ModelDescription:
     caches = [LayerCache(i, forward) for i in range(slots)]
     try:
         logits, _ = _run(model, mx.zeros((2, 1), mx.int32), caches, mx.array([1], mx.int32))
-        forward.check_all_attended()
     except KVCacheError:
         raise
     except Exception as exc:
@@ -491,22 +585,63 @@ def describe(model) -> ModelDescription:
             f"the {family} model ({type(model).__module__}) fails with kvcache's layer caches "
             f"(each token a batch row, its position in the array cache.offset, no mask): "
             f"{type(exc).__name__}: {exc}") from exc
-    shapes = {r["heads"] for r in forward.probe.values()}
+    records = forward.probe
+    try:
+        forward.check_all_attended()
+        for layer, r in sorted(records.items()):
+            if isinstance(r.get("attend"), str):
+                raise UnsupportedFeatureError(
+                    f"{_label(model, layer)} of the {family} model {r['attend']}")
+    except UnsupportedFeatureError as exc:
+        return _own_attention(model, forward, windows, int(logits.shape[-1]), exc)
+    shapes = {r["attend"]["heads"] for r in records.values()}
     if len(shapes) != 1:
         raise UnsupportedFeatureError(
             f"the layers of the {family} model differ in (query heads, KV heads, head dim, "
             f"value head dim): {sorted(shapes)}; the paged cache has one shape for all layers")
-    dtypes = {r["dtype"] for r in forward.probe.values()}
+    H, Hkv, D, Dv = shapes.pop()
+    return ModelDescription(
+        num_layers=slots, num_qo_heads=int(H), num_kv_heads=int(Hkv), head_dim=int(D),
+        head_dim_v=int(Dv), dtype=_one_dtype(family, {r["attend"]["dtype"] for r in records.values()}),
+        vocab_size=int(logits.shape[-1]), windows=windows,
+        sinks=tuple(sorted(i for i, r in records.items() if r["attend"]["sinks"])))
+
+
+def _one_dtype(family: str, dtypes: set) -> str:
     dtype = dtypes.pop()
     if dtypes or dtype not in _DTYPES:
         raise UnsupportedFeatureError(
             f"the {family} model's attention runs in {dtype}; the cache stores float32, "
             f"float16 or bfloat16 (one dtype for all layers)")
-    H, Hkv, D, Dv = shapes.pop()
+    return _DTYPES[dtype]
+
+
+def _own_attention(model, forward: _Forward, windows: dict, vocab: int,
+                   why: UnsupportedFeatureError) -> ModelDescription:
+    """The description of a model whose attention does not run on the cache's kernels
+    (``why``) but that fetches each layer's keys and values through ``update_and_fetch``
+    once: it attends itself over the history the cache returns. Raises ``why`` (or the
+    reason own attention cannot work either) otherwise."""
+    family = _family(model)
+    records = forward.probe or {}
+    if any(f != 1 for f in forward.fetched) or len(records) != len(forward.fetched):
+        raise why
+    if windows:
+        raise UnsupportedFeatureError(
+            f"{why}; it could attend itself over the keys and values the cache returns, but "
+            f"its sliding-window layers {sorted(windows)} (from model.make_cache()) expect "
+            f"mlx-lm's rotating cache to drop old keys, which the paged cache does not do")
+    shapes = {r["fetched"]["kv"] for r in records.values()}
+    if len(shapes) != 1:
+        raise UnsupportedFeatureError(
+            f"the layers of the {family} model fetch keys and values of different (KV heads, "
+            f"key dim, value dim): {sorted(shapes)}; the paged cache has one shape for all layers")
+    Hkv, D, Dv = shapes.pop()
     return ModelDescription(
-        num_layers=slots, num_qo_heads=int(H), num_kv_heads=int(Hkv), head_dim=int(D),
-        head_dim_v=int(Dv), dtype=_DTYPES[dtype], vocab_size=int(logits.shape[-1]),
-        windows=windows, sinks=tuple(sorted(i for i, r in forward.probe.items() if r["sinks"])))
+        num_layers=len(forward.fetched), num_qo_heads=int(Hkv), num_kv_heads=int(Hkv),
+        head_dim=int(D), head_dim_v=int(Dv),
+        dtype=_one_dtype(family, {r["fetched"]["dtype"] for r in records.values()}),
+        vocab_size=vocab, windows={}, sinks=(), own_attention=True)
 
 
 def cache_config(model, *, dtype: Optional[str] = None, page_size: int = 16,
@@ -537,7 +672,8 @@ class MlxLmAdapter(ModelAdapter):
         self.description = describe(model)
         self.vocab_size = self.description.vocab_size
         self.windows = dict(self.description.windows)
-        self._forward = _Forward(model, self.windows, self.description.num_layers)
+        self._forward = _Forward(model, self.windows, self.description.num_layers,
+                                 own_attention=self.description.own_attention)
         self._caches = [LayerCache(i, self._forward) for i in range(self.description.num_layers)]
         if eos_token_ids is not None:
             ids = [eos_token_ids] if isinstance(eos_token_ids, (int, np.integer)) else eos_token_ids
@@ -588,11 +724,14 @@ class MlxLmAdapter(ModelAdapter):
         f = self._forward
         f.begin(cache, positions)
         inputs = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens, np.int32))
-        rows = mx.array(np.asarray(logit_rows, np.int32))
+        inputs = inputs.astype(mx.int32).reshape(-1)
         try:
-            logits, hidden = _run(self.model, inputs.astype(mx.int32).reshape(-1, 1),
-                                  self._caches, rows)
-            f.check_all_attended()
+            if f.own_attention:
+                logits, hidden = self._forward_own(cache, inputs, positions, logit_rows)
+            else:
+                rows = mx.array(np.asarray(logit_rows, np.int32))
+                logits, hidden = _run(self.model, inputs.reshape(-1, 1), self._caches, rows)
+                f.check_all_attended()
         finally:
             f.end()
         if not len(logit_rows):
@@ -600,6 +739,35 @@ class MlxLmAdapter(ModelAdapter):
             return None
         mx.eval(logits)
         return logits
+
+    def _forward_own(self, cache, inputs, positions, logit_rows):
+        """An own-attention model over the open forward: one model call per sequence (its
+        new tokens as one batch row, its history from the pages), then each layer's new K/V
+        of all sequences into the cache (``append_kv``). Returns ``(logits of logit_rows,
+        hidden states)``."""
+        f, plan = self._forward, cache.open_plan
+        pos = np.asarray(positions, np.int64).reshape(-1)
+        rows = np.asarray(logit_rows, np.int64).reshape(-1)
+        picked, hidden, at = [], [], 0
+        for seq_id, n in zip(plan.seq_ids, np.asarray(plan.append_lengths).tolist()):
+            f.seq_id, f.start = int(seq_id), int(pos[at])
+            f.fetched = [0] * len(f.fetched)
+            mine = rows[(rows >= at) & (rows < at + n)] - at
+            logits, h = _run(self.model, inputs[at:at + n][None], self._caches,
+                             mx.array(mine.astype(np.int32)), axis=1)
+            f.check_all_fetched()
+            picked.append(logits)
+            hidden.append(h)
+            at += n
+        for layer, new in enumerate(f.new):
+            k = mx.concatenate([kv[0][0].transpose(1, 0, 2) for kv in new])
+            v = mx.concatenate([kv[1][0].transpose(1, 0, 2) for kv in new])
+            cache.append_kv(layer, _to_cache(cache, k), _to_cache(cache, v))
+        if not len(rows):
+            return None, hidden
+        logits = mx.concatenate(picked)              # in row order: the sequences' rows sorted
+        order = np.searchsorted(np.sort(rows), rows)
+        return logits[mx.array(order.astype(np.int32))], hidden
 
     def to_numpy(self, logits) -> np.ndarray:
         return np.asarray(logits.astype(mx.float32)).astype(np.float64)

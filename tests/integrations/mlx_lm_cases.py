@@ -50,7 +50,7 @@ FAMILY_CONFIGS = {
                           num_key_value_heads=1)),                     # fused qkv, head_dim 96
     "gemma": ("gemma", dict(hidden_size=128, intermediate_size=192, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=256)),
-    # computes its soft-capped attention itself: refused (REFUSED)
+    # computes its soft-capped attention itself (own-attention mode)
     "gemma2": ("gemma2", dict(_GQA, head_dim=16, attn_logit_softcapping=3.0,
                               final_logit_softcapping=10.0, query_pre_attn_scalar=24)),
     # q/k norms, query_pre_attn_scalar, local/global RoPE bases, sliding and full layers
@@ -69,20 +69,18 @@ FAMILY_CONFIGS = {
     # learned sinks, sliding and full layers, MoE
     "gpt_oss": ("gpt_oss", dict(_GQA, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                 sliding_window=WINDOW)),
-    # MLA: the rotary scores are computed by the model and passed as a mask: refused
+    # MLA over the latent and rotary keys it fetches, the rotary scores passed as a mask
+    # (own-attention mode: the cache stores the compressed latent)
     "deepseek_v3": ("deepseek_v3", dict(_GQA, num_key_value_heads=4, moe_intermediate_size=32,
                                         q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
                                         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
                                         num_experts_per_tok=2, first_k_dense_replace=1)),
 }
 FAMILIES = list(FAMILY_CONFIGS)
-REFUSED = {
-    "gemma2": "computes attention itself",
-    "deepseek_v3": "other keys or values than cache.update_and_fetch returned",
-}
-"""Families whose mlx-lm attention cannot reach the cache through its protocol: the reason the
-refusal names."""
-RUNS = [f for f in FAMILIES if f not in REFUSED]
+OWN_ATTENTION = ("gemma2", "deepseek_v3")
+"""Families whose mlx-lm attention is computed by the model over the keys and values the cache
+returns (the cache's kernels do not attend)."""
+RUNS = list(FAMILIES)
 NEEDS = {"gpt_oss": "attention_sinks"}
 """Families that need a backend capability beyond plain attention (and sliding windows)."""
 

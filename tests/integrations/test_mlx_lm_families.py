@@ -3,22 +3,22 @@ float32, MLX's CPU device), the model's own attention code runs on the paged cac
 mlx-lm's cache protocol, and Engine.generate on the metal backend returns exactly the greedy
 tokens of mlx-lm's own generation with its own KV cache (prompts of 3-45 tokens batched together,
 chunked prefill, a shared prefix, sliding layers), with log-probabilities equal to a
-teacher-forced re-score by the plain model. Families whose attention cannot reach the cache that
-way are refused with the reason."""
+teacher-forced re-score by the plain model. Families whose model computes attention itself
+(gemma2, deepseek_v3's MLA) run with the cache holding what they fetch."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mlx_lm_cases import (FAMILIES, MATRIX_NEW, NEEDS, REFUSED, RUNS, WINDOW, backend_row,
+from mlx_lm_cases import (FAMILIES, MATRIX_NEW, NEEDS, OWN_ATTENTION, RUNS, WINDOW, backend_row,
                           make_model, make_prompts, matrix_case, metal_cpu_or_skip, mlx_greedy,
                           teacher_forced_logprobs)
 
 from kvcache.backend import Capabilities  # noqa: E402
 from kvcache.errors import UnsupportedFeatureError  # noqa: E402
 from kvcache.integrations.mlx_lm import (Engine, cache_config, describe,  # noqa: E402
-                                         sliding_windows)
+                                         layer_caches, sliding_windows)
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -62,15 +62,43 @@ def test_family_matches_mlx_lm(family):
     pytest.xfail(f"metal: {Capabilities.reason(need)}")
 
 
-@pytest.mark.parametrize("family", sorted(REFUSED))
-def test_family_refused_with_the_reason(family):
-    """mlx-lm's gemma2 computes its soft-capped attention itself; its deepseek_v3 (MLA) passes
-    the rotary scores it computes as a mask, with keys and values other than the fetched ones:
-    neither can run on the paged cache, and both are refused before anything runs."""
-    model = make_model(family)
-    with pytest.raises(UnsupportedFeatureError, match=REFUSED[family]) as err:
-        Engine(model, backend="metal", device="cpu")
-    assert f"the {family} model" in str(err.value) and "layer 0" in str(err.value)
+def test_own_attention_families_store_what_they_fetch():
+    """mlx-lm's gemma2 computes its soft-capped attention itself; its deepseek_v3 (MLA) attends
+    over the latent and rotary keys it fetches with the rotary scores as a mask. Both were
+    refused before; now the cache holds what they fetch (for MLA the compressed latent, one KV
+    head of kv_lora_rank, the rotary key as the 'value') and the model attends over it."""
+    d = describe(make_model("gemma2"))
+    assert d.own_attention and (d.num_kv_heads, d.head_dim, d.head_dim_v) == (2, 16, 16)
+    d = describe(make_model("deepseek_v3"))
+    assert d.own_attention and (d.num_qo_heads, d.num_kv_heads, d.head_dim, d.head_dim_v) == (1, 1, 32, 8)
+    assert not describe(make_model("llama")).own_attention
+    assert set(OWN_ATTENTION) <= set(RUNS)
+
+
+def test_own_attention_queued_forwards_read_at_the_end():
+    """Decode steps queued with the host one step ahead (overlap) and a second generate call on
+    the same engine: the history each sequence reads from the pages is its own."""
+    metal_cpu_or_skip(16)
+    model = make_model("gemma2", seed=3)
+    prompts = make_prompts(seed=4)[:5]
+    want = [mlx_greedy(model, p, 12) for p in prompts]
+    engine = _engine(model, max_total_tokens=4096, prefill_chunk_size=16, overlap=True)
+    assert [o[0] for o in engine.generate(prompts, max_new_tokens=12)] == want
+    assert [o[0] for o in engine.generate(prompts[::-1], max_new_tokens=12)] == want[::-1]
+
+
+def test_own_attention_model_refused_by_layer_caches():
+    """One model call over every sequence's tokens cannot give each its own history: refused."""
+    import kvcache
+    model = make_model("gemma2")
+    cache = kvcache.PagedKVCache(cache_config(model, max_total_tokens=256), backend="reference")
+    cache.add_sequence(0)
+    with cache.forward([0], [2]):
+        with pytest.raises(UnsupportedFeatureError, match="computes attention itself"):
+            layer_caches(model, cache)
+        for layer in range(cache.config.num_layers):     # the forward can still finish
+            z = cache.from_numpy(np.zeros((2, 2, 16)))
+            cache.append_kv(layer, z, z)
 
 
 class _Counted(nn.Module):
@@ -183,4 +211,4 @@ def test_refused_protocol_breaches():
         llama.Attention.__call__ = original
 
 
-assert set(RUNS) | set(REFUSED) == set(FAMILIES)
+assert set(RUNS) == set(FAMILIES)
