@@ -24,28 +24,38 @@ from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError, KVCacheError,
                      UnsupportedFeatureError)
-from .plugins import resolve_backend
+from .plugins import open_backend
 from .transfer import SequencePayload, payload_fields
 
 # A backend-native array (numpy.ndarray, torch.Tensor, mlx.core.array): the core never looks inside.
 Array = Any
 
-_thread_id = threading.get_ident
+_current_thread = threading.current_thread
+
+# calls that may take over a forward left open by a thread that has died (see _exclusive)
+_RECOVERS = frozenset({"abort_forward", "clear"})
 
 
 def _exclusive(method):
     """A public call that runs only while no other thread uses the cache: the calling thread
     takes the cache's lock without waiting (else ForwardStateError naming the holder) and gives
-    it back on return, except that a forward keeps it from begin_forward to end / abort."""
+    it back on return, except that a forward keeps it from begin_forward to end / abort.
+
+    The owner is a ``Thread`` object, not a thread id: ids are reused, so a new thread must not
+    pass for a dead one. A forward left open by a thread that has died can be taken over by
+    ``abort_forward`` or ``clear`` from any thread (the only recovery: the dead thread cannot
+    finish it); every other call raises ForwardStateError saying so."""
     what = method.__name__
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        me = _thread_id()
-        if self._owner == me:                   # inside its own forward (or call)
+        me = _current_thread()
+        if self._owner is me:                   # inside its own forward (or call)
             took = False
         elif self._lock.acquire(False):
             self._owner, took = me, True
+        elif what in _RECOVERS and self._plan is not None and self._owner_died():
+            self._owner, took = me, True        # the lock is held for the dead thread: take it
         else:
             raise self._busy(what)
         held = self._plan is not None
@@ -71,27 +81,34 @@ class PagedKVCache:
     def __init__(self, config: CacheConfig, backend: str = "auto", device: Optional[str] = None) -> None:
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError(f"config must be a kvcache.CacheConfig, got {type(config).__name__}")
-        cls = resolve_backend(backend, device)
-        caps = cls.capabilities
-        self._require(config.dtype in caps.dtypes, "dtypes", f"dtype {config.dtype!r}", cls)
-        self._require(config.kv_dtype in caps.kv_dtypes, "kv_dtypes",
-                      f"kv_dtype {config.kv_dtype!r}", cls)
-        self._require(config.head_dim in caps.head_dims, "head_dims", f"head_dim {config.head_dim}", cls)
-        self._require(config.head_dim_v == config.head_dim or config.head_dim_v in caps.head_dims_v,
-                      "head_dims_v", f"head_dim_v {config.head_dim_v} (head_dim {config.head_dim})", cls)
-        self._require(not config.support_sliding_window or caps.sliding_window, "sliding_window",
-                      "support_sliding_window=True", cls)
-        self._require(config.effective_rope_mode != "inline" or caps.inline_rope, "inline_rope",
-                      "inline RoPE (rope_mode='inline', or sliding windows with RoPE)", cls)
-        self._require(not config.static_decode or caps.static_decode, "static_decode", "static_decode=True", cls)
-        self._require(config.effective_rope_mode == "none" or config.rope_spec().default_frequencies
-                      or caps.rope_frequencies, "rope_frequencies",
-                      "rope_inv_freq / rope_rotary_dim with RoPE on", cls)
-        self.config = config
-        self.backend = cls(config, device)
-        self.capabilities: Capabilities = caps
-        self.state = CacheState(config.num_pages, config.page_size, config.support_sliding_window)
-        self.pages = self._allocate_pages(config)
+
+        def start(cls):
+            """Check ``cls`` against the configuration, construct it and allocate the pages
+            (``open_backend``: with backend='auto' a plugin failing here is skipped)."""
+            caps = cls.capabilities
+            self._require(config.dtype in caps.dtypes, "dtypes", f"dtype {config.dtype!r}", cls)
+            self._require(config.kv_dtype in caps.kv_dtypes, "kv_dtypes",
+                          f"kv_dtype {config.kv_dtype!r}", cls)
+            self._require(config.head_dim in caps.head_dims, "head_dims", f"head_dim {config.head_dim}", cls)
+            self._require(config.head_dim_v == config.head_dim or config.head_dim_v in caps.head_dims_v,
+                          "head_dims_v", f"head_dim_v {config.head_dim_v} (head_dim {config.head_dim})", cls)
+            self._require(not config.support_sliding_window or caps.sliding_window, "sliding_window",
+                          "support_sliding_window=True", cls)
+            self._require(config.effective_rope_mode != "inline" or caps.inline_rope, "inline_rope",
+                          "inline RoPE (rope_mode='inline', or sliding windows with RoPE)", cls)
+            self._require(not config.static_decode or caps.static_decode, "static_decode", "static_decode=True", cls)
+            self._require(config.effective_rope_mode == "none" or config.rope_spec().default_frequencies
+                          or caps.rope_frequencies, "rope_frequencies",
+                          "rope_inv_freq / rope_rotary_dim with RoPE on", cls)
+            self.config = config
+            self.backend = cls(config, device)
+            self.capabilities: Capabilities = caps
+            self.state = CacheState(config.num_pages, config.page_size, config.support_sliding_window)
+            self.pages = self._allocate_pages(config)
+            return cls
+
+        cls = open_backend(backend, device, start)
+        caps = self.capabilities
         self.copy_stream = self.backend.create_stream() if caps.copy_stream else None
         self._require(not config.static_decode or caps.merged_aux, "merged_aux", "static_decode=True", cls)
         self.aux_manager: Union[MergedAuxManager, PlainAuxManager]
@@ -109,17 +126,26 @@ class PagedKVCache:
         self._aux: Optional[ForwardAux] = None
         self._layers_done: set = set()
         self._lock = threading.Lock()      # held by the thread using the cache (see _exclusive)
-        self._owner: Optional[int] = None  # that thread's id
+        self._owner: Optional[threading.Thread] = None  # that thread
 
     # ------------------------------------------------------------------ threads
+    def _owner_died(self) -> bool:
+        """The lock's holder is a thread that has ended (it left its forward open)."""
+        owner = self._owner
+        return owner is not None and not owner.is_alive()
+
     def _busy(self, what: str) -> ForwardStateError:
         """The error for a call from a thread while another one uses the cache."""
         owner, plan = self._owner, self._plan
         doing = (f"holds an open forward over sequences {plan.seq_ids}" if plan is not None
                  else "is inside a call")
-        names = {t.ident: t.name for t in threading.enumerate()}
-        who = f"thread {names.get(owner, '?')!r} (id {owner})" if owner is not None else "another thread"
+        who = (f"thread {owner.name!r} (id {owner.ident})" if owner is not None
+               else "another thread")
         me = threading.current_thread()
+        if plan is not None and self._owner_died():
+            return ForwardStateError(
+                f"{what} from thread {me.name!r} (id {me.ident}) while {who}, which has died, "
+                f"{doing}: call abort_forward() or clear() from any thread to recover")
         return ForwardStateError(
             f"{what} from thread {me.name!r} (id {me.ident}) while {who} {doing}: a cache is "
             f"used by one thread at a time")
@@ -215,7 +241,8 @@ class PagedKVCache:
 
     @_exclusive
     def clear(self) -> None:
-        """Drop every sequence and free every page (also ends an open forward)."""
+        """Drop every sequence and free every page (also ends an open forward, even one left
+        open by a thread that has died)."""
         self._close()
         self.state.clear()
 
@@ -519,7 +546,12 @@ class PagedKVCache:
         self.state.cancel_import(reservation)
 
     def query_positions(self) -> Array:
-        """RoPE position of each new token of the open forward (device int32 array)."""
+        """RoPE position of each new token of the open forward (device int32 array).
+
+        The array belongs to the forward: it holds these positions until the next
+        ``begin_forward`` and may be overwritten after (on merged-aux backends, cuda and rocm,
+        it is a view into the forward's index buffer, which a later forward refills). Copy
+        it (``kvcache.to_numpy``, ``.clone()``) to keep it longer."""
         self._open("query_positions")
         return self._device_aux().tokens.q_positions
 
@@ -589,7 +621,9 @@ class PagedKVCache:
 
     def _layer_list(self, layers, what: str) -> list:
         n = self.config.num_layers
-        out = [as_int(layer, f"{what}: layer") for layer in layers]
+        if isinstance(layers, (set, frozenset)):         # e.g. ``layers_run``: order is moot
+            layers = list(layers)
+        out = int_values(layers, f"{what}: layers")      # None, a string, floats: typed errors
         bad = [layer for layer in out if not 0 <= layer < n]
         if bad:
             raise InvalidArgumentError(f"{what}: layers {bad} are not in [0, {n})")
@@ -617,7 +651,12 @@ class PagedKVCache:
 
     @_exclusive
     def abort_forward(self) -> None:
-        """Undo the open forward: the cache returns to its state before begin_forward."""
+        """Undo the open forward: the cache returns to its state before begin_forward.
+
+        Also the recovery from a forward left open by a thread that has died (it holds the
+        cache for good, and every other call from another thread raises ForwardStateError
+        saying so): any thread may abort that forward. A live thread's forward is only its
+        own to abort."""
         plan = self._open("abort_forward")
         self.planner.rollback(plan.undo)
         self._close()
@@ -650,9 +689,9 @@ class PagedKVCache:
                     f"{exc} (the with block ended, so the forward was aborted)") from None
 
     def _open(self, what: str) -> ForwardPlan:
-        """The open forward, if the calling thread holds it (a thread id compare: attention
+        """The open forward, if the calling thread holds it (an identity compare: attention
         takes no lock)."""
-        if self._owner != _thread_id():
+        if self._owner is not _current_thread():
             if self._owner is not None:
                 raise self._busy(what)
             raise ForwardStateError(f"{what} needs an open forward: call begin_forward first")
@@ -700,7 +739,9 @@ class PagedKVCache:
         ``sm_scale``: logit scale (default ``head_dim ** -0.5``); ``window_left``: -1 (every
         key), or ``w >= 0``: a query at position ``p`` sees only keys at positions ``p - w ..
         p`` (FlashInfer's ``window_left``; capability ``window_left``; not with a token tree;
-        a per-call value, so sliding and full layers mix in one forward). Positions are the
+        a per-call value, so sliding and full layers mix in one forward); any ``w >=
+        num_pages * page_size`` (no sequence is that long: every key is in the window) is
+        taken as -1, on every backend. Positions are the
         cache's (``query_positions``). ``logit_softcap``: None, or ``c > 0``: each score
         ``s = q . k * sm_scale`` becomes ``c * tanh(s / c)`` before the softmax (capability
         ``logit_softcap``). ``sinks``: None, or a backend array of ``num_qo_heads`` logits
@@ -732,11 +773,19 @@ class PagedKVCache:
         return (o, lse) if return_lse else o
 
     def _window_left(self, plan: ForwardPlan, window_left) -> int:
-        """The validated ``window_left`` of an attention call (an int >= -1)."""
+        """The validated ``window_left`` of an attention call: -1 (no window) or an int in
+        ``[0, num_pages * page_size)``. No sequence holds more tokens than the cache has slots,
+        so a window of that many positions or more sees every key: it is -1, decided here
+        once, so no backend sees a value beyond int32 (2**31, 2**64-1: overflow, or a wrong
+        window) and one without the capability runs it."""
+        if type(window_left) is int and window_left == -1:     # the default: nothing to check
+            return -1
         try:
             window_left = int_arg(window_left, "window_left", lo=-1, limit="-1: no window")
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{exc} (forward over sequences {plan.seq_ids})") from None
+        if window_left >= self.config.num_pages * self.config.page_size:
+            return -1
         if window_left >= 0:
             self._need(plan, "window_left", f"window_left={window_left}")
             if plan.tokens.self_tree is not None or any(d.tree is not None for d in plan.depths):

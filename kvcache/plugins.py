@@ -17,15 +17,18 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
-from typing import Optional
+from typing import Optional, TypeVar
 
 import pluggy
 
 from . import hookspecs
 from .backend import Backend, Capabilities
-from .errors import BackendNotAvailableError
+from .errors import BackendNotAvailableError, KVCacheError
+
+T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "kvcache"
 _manager: Optional[pluggy.PluginManager] = None
@@ -226,6 +229,35 @@ def available_backends(device: Optional[str] = None) -> list[str]:
 def _table(rows) -> str:
     return "\n".join(f"  - {r['name']}: {'available' if r['available'] else 'unavailable'} ({r['reason']})"
                      for r in rows)
+
+
+def open_backend(name: str, device: Optional[str], make: Callable[[type[Backend]], T]
+                 ) -> T:
+    """``make(cls)`` for the backend class ``name`` resolves to. With ``"auto"``, a backend whose
+    ``make`` fails with anything but a ``KVCacheError`` (its constructor or ``allocate_pages``
+    raising, e.g. a driver that reports a device it cannot use) is skipped with a
+    ``RuntimeWarning`` saying why, and the next available backend by priority is tried; when
+    every one fails, ``BackendNotAvailableError`` lists each failure. A ``KVCacheError`` (the
+    configuration asks for what the backend lacks, or more memory than it has) is the caller's
+    to see and stops the search; so does a backend named explicitly, whose error is raised as
+    is."""
+    cls = resolve_backend(name, device)
+    if name != "auto":
+        return make(cls)
+    rows = [row for row in list_backends(device) if row["available"] and row["class"] is not None]
+    skipped: list[str] = []
+    for row in rows[rows.index(next(r for r in rows if r["class"] is cls)):]:
+        try:
+            return make(row["class"])
+        except KVCacheError:
+            raise
+        except Exception as exc:    # a plugin's own failure: fall back, saying why
+            why = f"backend {row['name']!r} failed to start: {type(exc).__name__}: {exc}"
+            skipped.append(why)
+            warnings.warn(f"backend='auto' skipped {why}", RuntimeWarning, stacklevel=3)
+    raise BackendNotAvailableError(
+        f"no kvcache backend could start for device={device!r} (backend='auto'):\n"
+        + "\n".join(f"  - {why}" for why in skipped))
 
 
 def resolve_backend(name: str = "auto", device: Optional[str] = None) -> type[Backend]:

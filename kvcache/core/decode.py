@@ -17,7 +17,6 @@ import numpy as np
 from ..errors import CacheFullError
 from .depths import DepthLastBlocks, decode_kernel_wins
 from .plan import ForwardPlan, ForwardUndo, HostDepth, TokenArrays, evolve
-from .validate import bool_like_positions
 
 
 def reserve_pages(pt, page_size, seq_ids, last, blen, npages) -> np.ndarray:
@@ -118,7 +117,6 @@ class DecodeReuse:
                  keep_choice: bool):
         self.plan, self.epoch, self.slots, self.last = plan, epoch, slots, last
         self.seq_ids = plan.seq_ids
-        self.bool_like = bool_like_positions(plan.seq_ids)
         self.holders = holders
         self.keep_choice = keep_choice  # static-shape decode: the flat choice never flips
         batch = len(slots)

@@ -232,6 +232,7 @@ class PageTable:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if page or reference accounting is broken (tests call this)."""
+        self._check_regions()
         used = np.concatenate([self.used_pages(), *self.reserved.values()]).astype(np.int32)
         free = self.free_pages[:self.num_free]
         assert len(np.unique(used)) == len(used), "a page is held by two blocks"
@@ -258,6 +259,25 @@ class PageTable:
             assert self.s_len[seq.slot] == self.trace_length(int(self.s_last[seq.slot])), (
                 f"sequence {seq.seq_id}: length {self.s_len[seq.slot]} != blocks' total")
         self._check_windows(live)
+
+    def _check_regions(self) -> None:
+        """Each live block's page-list region ``[pstart, pstart + pcap)`` lies below
+        ``store_top`` and overlaps no other: a block grows in place into its region, so an
+        overlap (e.g. a compaction that packed regions by their length, not their capacity)
+        lets one block's growth overwrite another's page list."""
+        live = np.nonzero(self.b_live[:self.num_blocks])[0]
+        live = live[self.b_pcap[live] > 0]
+        start = self.b_pstart[live]
+        order = np.argsort(start, kind="stable")
+        start, end, blocks = start[order], start[order] + self.b_pcap[live][order], live[order]
+        assert (self.b_npages[blocks] <= self.b_pcap[blocks]).all(), "a block outgrew its region"
+        assert not len(end) or int(end[-1]) <= self.store_top <= len(self.page_store), (
+            f"regions end at {int(end[-1]) if len(end) else 0}, store top {self.store_top}")
+        bad = np.flatnonzero(end[:-1] > start[1:])
+        assert not len(bad), (
+            f"page-list regions overlap: block {int(blocks[bad[0]])} "
+            f"[{int(start[bad[0]])}, {int(end[bad[0]])}) and block {int(blocks[bad[0] + 1])} "
+            f"from {int(start[bad[0] + 1])}")
 
     def _check_windows(self, live) -> None:
         """Only a windowed sequence's last block slides; the tokens before it are all sinks."""

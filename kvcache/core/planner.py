@@ -79,7 +79,7 @@ class Planner:
         reuse = self._reuse
         if (reuse is None or not self.fast_path or tree_parent_ptr is not None
                 or reuse.epoch != self.state.epoch
-                or not same_int_ids(seq_ids, reuse.seq_ids, reuse.bool_like)
+                or not same_int_ids(seq_ids, reuse.seq_ids)
                 or not all_int_ones(append_lengths, len(reuse.seq_ids))):
             return None
         plan = reuse.next_step(self.state.pt, self.config.page_size)

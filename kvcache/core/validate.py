@@ -5,7 +5,9 @@ numpy arithmetic that could wrap), and a bad one raises ``InvalidArgumentError``
 argument, the value and the limit. What is accepted:
 
 * an int: a Python ``int`` or a numpy integer scalar; never a ``bool`` / ``numpy.bool_``, a
-  float (not even ``1.0``), a string or None. Returned as a Python int.
+  float (not even ``1.0``), a string or None. Returned as a plain Python int (an int
+  subclass as its stored value: its own ``__int__``, ``__eq__`` or ``__hash__`` never reach
+  the cache).
 * a sequence id: such an int in the int64 range.
 * a list of ints (sequence ids, append lengths, tree parents, leaf indices): a list, tuple or
   range of such ints, or a 1-D numpy integer array (or an object numpy converts to one, e.g. a
@@ -56,12 +58,18 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _plain(value) -> int:
+    """An int's value as a plain Python int. An int subclass's own ``__int__`` / ``__index__``
+    is not called (it may lie): ``int.__index__`` reads the stored value."""
+    return int.__index__(value) if isinstance(value, int) else int(value)
+
+
 def int_arg(value, name: str, lo: Optional[int] = None, hi: Optional[int] = None,
             limit: str = "") -> int:
     """``value`` as a Python int in ``[lo, hi]`` (either bound may be None)."""
     if not is_int(value):
         raise InvalidArgumentError(f"{name} must be an int, got {show(value)}")
-    v = int(value)
+    v = _plain(value)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise InvalidArgumentError(f"{name}={v} must be {_span(lo, hi, limit)}")
     return v
@@ -124,7 +132,7 @@ def int_values(values, name: str, lo: Optional[int] = None, hi: Optional[int] = 
             if i is not None:
                 of = f" of {owner(i)}" if owner else ""
                 raise InvalidArgumentError(f"{name}[{i}]{of} must be an int, got {show(items[i])}")
-        items = list(items) if types <= {int} else [int(x) for x in items]
+        items = list(items) if types <= {int} else [_plain(x) for x in items]
     if length is not None and len(items) != length:
         raise InvalidArgumentError(f"{name} must hold {length} ints, got {len(items)}: {show(values)}")
     if items and ((lo is not None and min(items) < lo) or (hi is not None and max(items) > hi)):
@@ -172,22 +180,18 @@ def _find(values: list, x) -> Optional[int]:
         return None
 
 
-def same_int_ids(ids, checked_ids: list, bool_like: tuple) -> bool:
-    """``ids`` equals ``checked_ids`` and holds only ints. For a list: one ``sum()`` (a float,
-    Fraction, Decimal or numpy float among ints makes it a non-int) plus a look at the
-    ``bool_like`` positions, instead of a type check per element."""
+def same_int_ids(ids, checked_ids: list, bool_like: tuple = ()) -> bool:
+    """``ids`` equals ``checked_ids`` and holds only ints of exact int types. The types are
+    checked before any compare, in one C-level pass: ``==`` is the element's own ``__eq__``,
+    and a bool, a float, or an int subclass whose ``__eq__`` lies would compare equal to
+    another sequence's id (and its forward would write into that sequence). ``bool_like`` is
+    unused (the type pass covers bools); kept for callers."""
     if type(ids) is not list:
         ids = plain_ints(ids)
         return ids is not None and ids == checked_ids
-    try:                                    # an array element compares element-wise
-        if ids != checked_ids:
-            return False
-        total = sum(ids)
-    except Exception:
-        return False
-    if type(total) is not int:              # e.g. numpy int scalars: check each
-        return plain_ints(ids) is not None
-    return all(type(ids[i]) is int for i in bool_like)
+    if [*map(type, ids)].count(int) != len(ids) and plain_ints(ids) is None:
+        return False                        # not all plain ints (numpy int scalars pass)
+    return ids == checked_ids
 
 
 def all_int_ones(lengths, batch: int) -> bool:

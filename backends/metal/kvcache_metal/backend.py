@@ -126,6 +126,22 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         self.use_fast_sdpa = self.on_gpu and not ops_only       # UNVERIFIED path on GPU
         self.stats = {"metal_decode": 0, "sdpa_ragged": 0}
 
+    def __getstate__(self):
+        """A copy (``copy.deepcopy``, ``pickle``) keeps the settings and leaves out what MLX
+        cannot copy (streams, dtype objects) or what is a module; ``__setstate__`` makes them
+        again. The page arrays are the cache's and copy as MLX arrays do."""
+        state = dict(self.__dict__)
+        for name in ("_ops", "_streams", "dtype"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        from . import ops
+        self._ops = ops
+        self._streams = threading.local()           # each thread's stream, made on first use
+        self.dtype = ops.MX_DTYPES[self.config.dtype]
+
     @property
     def stream(self):
         """The calling thread's stream: MLX streams belong to the thread that made them, so a
