@@ -15,12 +15,17 @@ Scheduling, per step (one forward):
 * prompts with a common prefix (at least one page long) get a *prefix sequence* that is
   prefilled once; each prompt forks from it (the pages are shared). Prefixes nest;
 * ``n > 1`` samples: the prompt's sequence is prefilled once, then each sample forks from it;
+* the oldest unfinished sequence (the *head*) is in every forward and is never preempted: when
+  the free pages do not cover a token of it, the youngest other sequences in the cache are
+  preempted until they do (the prefix it is about to fork from last: without it, it starts from
+  scratch). So every forward advances the oldest request, and every request that fits the cache
+  alone (its prompt plus ``max_new_tokens - 1`` tokens; others are refused up front) finishes;
 * a forward that does not fit (``CacheFullError``) preempts the youngest sequence in the cache
-  (removed, its pages freed) and is retried; the preempted sequence is recomputed later from its
-  tokens (re-forking from its prefix when that is still in the cache). With a host tier
-  (``offload``) a preempted prompt or sample is parked in host memory instead
-  (``kvcache.HostTier``) and restored when it is scheduled again, re-sharing its prefix when
-  that is still in the cache: nothing is recomputed unless the tier is full.
+  other than the head (removed, its pages freed) and is retried; the preempted sequence is
+  recomputed later from its tokens (re-forking from its prefix when that is still in the
+  cache). With a host tier (``offload``) a preempted prompt or sample is parked in host memory
+  instead (``kvcache.HostTier``) and restored when it is scheduled again, re-sharing its prefix
+  when that is still in the cache: nothing is recomputed unless the tier is full.
 
 Sampling is in float64, where the logits are (``ModelAdapter.greedy`` / ``sample``): greedy
 (``temperature == 0``) is the first argmax; otherwise
@@ -37,6 +42,7 @@ import contextlib
 import dataclasses
 import math
 import sys
+from collections.abc import Iterable
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -374,6 +380,7 @@ class Engine:
         self.stats = EngineStats()
         self.progress: Optional[bool] = None           # None: a bar on a TTY only; True / False force it
         self._next_sid = 0
+        self._head: Optional[_Seq] = None   # the oldest unfinished sequence: never preempted
 
     def _want_graphs(self, graphs: Optional[bool], backend: str, device: Optional[str]) -> bool:
         if graphs is False:
@@ -410,8 +417,8 @@ class Engine:
         ``logprobs[i][j][t]`` the model's log-probability of token ``out[i][j][t]``. Greedy when
         ``temperature == 0``; otherwise sampling, reproducible for a given ``seed``.
         """
-        prompts, max_new, n, temperature, stops = self._check_args(
-            prompts, max_new_tokens, n, temperature, stop_token_ids)
+        prompts, max_new, n, temperature, stops, seed = self._check_args(
+            prompts, max_new_tokens, n, temperature, stop_token_ids, seed)
         if not isinstance(ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos={ignore_eos!r} must be True or False")
         if not ignore_eos:
@@ -423,7 +430,7 @@ class Engine:
         self._logprobs = bool(return_logprobs)
         try:
             with self.adapter.session(self.cache):
-                out = self._run(prompts, max_new, n, temperature, int(seed), stops)
+                out = self._run(prompts, max_new, n, temperature, seed, stops)
         except BaseException:
             self.cache.clear()
             raise
@@ -436,7 +443,7 @@ class Engine:
         return tokens
 
     # ------------------------------------------------------------------ checks
-    def _check_args(self, prompts, max_new_tokens, n, temperature, stop_token_ids):
+    def _check_args(self, prompts, max_new_tokens, n, temperature, stop_token_ids, seed):
         def whole(value, name, low):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {low}")
@@ -444,6 +451,7 @@ class Engine:
 
         max_new = whole(max_new_tokens, "max_new_tokens", 1)
         n = whole(n, "n", 1)
+        seed = whole(seed, "seed", 0)               # numpy's generators take no negative seed
         try:
             temperature = float(temperature)
         except (TypeError, ValueError):
@@ -471,20 +479,30 @@ class Engine:
                     f"prompt {i}: token {int(arr[k])} at index {k} is outside the model's "
                     f"vocabulary [0, {vocab})")
             length = arr.size + max_new
-            need = -(-length // cfg.page_size) + 1
+            # what one sequence of the request holds at most: its prompt and every new token
+            # but the last (never run). The scheduler can always shrink to that one sequence
+            # (preempting the rest, prefixes included), so this is all a request must fit
+            need = -(-(length - 1) // cfg.page_size)
             if need > pages:
                 raise InvalidArgumentError(
-                    f"prompt {i}: {arr.size} tokens + max_new_tokens={max_new} need {need} pages "
-                    f"of {cfg.page_size}, more than the cache holds ({pages} pages, "
-                    f"max_total_tokens={cfg.max_total_tokens}); raise max_total_tokens")
+                    f"prompt {i}: {arr.size} tokens + max_new_tokens={max_new} hold up to "
+                    f"{length - 1} tokens in the cache, {need} pages of {cfg.page_size}, more "
+                    f"than the cache holds even for this request alone ({pages} pages, "
+                    f"max_total_tokens={cfg.max_total_tokens}); raise max_total_tokens or lower "
+                    f"max_new_tokens")
             self.adapter.check_request(self.cache, i, length)
             out.append([int(t) for t in arr])
+        if stop_token_ids is None:
+            stop_token_ids = ()
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
+            raise InvalidArgumentError(
+                f"stop_token_ids={stop_token_ids!r:.80} must be a sequence of integer token ids")
         stops = set()
-        for t in stop_token_ids or ():
+        for t in stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise InvalidArgumentError(f"stop_token_ids must hold integer ids, got {t!r}")
+                raise InvalidArgumentError(f"stop_token_ids must hold integer ids, got {t!r:.80}")
             stops.add(int(t))
-        return out, max_new, n, temperature, stops
+        return out, max_new, n, temperature, stops, seed
 
     # ------------------------------------------------------------------ scheduler
     def _new_seq(self, **kw) -> _Seq:
@@ -698,58 +716,100 @@ class Engine:
         return p is None or p.retired or (p.live and p.cached >= seq.fork_pos)
 
     def _schedule(self):
-        """The next forward: a list of (seq, chunk length), or None when all work is done."""
+        """The next forward: a list of (seq, chunk length), or None when all work is done.
+
+        The oldest unfinished sequence (the *head*, ``self._head``) is always in it: when the
+        free pages do not cover a token of it, other sequences are preempted for it (the
+        youngest first, the prefix it forks from last) and the plan is made again; the head
+        itself is never preempted (``_preempt(keep=head)`` here and in ``_step``). So every
+        forward advances the head, and a request that fits the cache alone finishes."""
+        while True:
+            work = [s for s in self._seqs if not s.retired and s.pending > 0]
+            if not work:
+                return None
+            is_decode = [s.live and s.kind == "sample" and s.pending == 1 for s in work]
+            decodes = sorted((s for s, d in zip(work, is_decode) if d), key=lambda s: s.order)
+            rest = sorted((s for s, d in zip(work, is_decode) if not d), key=lambda s: s.order)
+            head = min(decodes[:1] + rest[:1], key=lambda s: s.order)
+            while not self._ready(head):           # (a parent is older: this ends at once)
+                assert head.parent is not None
+                head = head.parent
+            alone = not any(s.live and s is not head for s in self._seqs)
+            batch = self._plan(decodes, rest, head, force=alone)
+            if batch is not None:
+                self._head = head
+                return batch
+            self._preempt("no room for the oldest unfinished sequence", keep=head)
+
+    def _room(self, s: _Seq, free: int, budget: int) -> tuple:
+        """``(start, tokens, pages)``: where ``s``'s next chunk starts, how many of its pending
+        tokens (at most ``budget``) fit in ``free`` free pages (a restore, or the partial page a
+        fork copies, taken first), and the pages that chunk takes."""
+        ps = self.config.page_size
+        restore = self._restore_pages(s)
+        if restore is not None:                               # parked: restored, then run on
+            start, taken = s.parked, restore
+        elif s.live:
+            start, taken = s.cached, 0
+        elif self._shares(s):
+            start = s.fork_pos
+            taken = 1 if start % ps else 0                    # the fork copies a partial page
+        else:
+            start, taken = 0, 0
+        want = min(len(s.tokens) - start, budget)
+        have = free - taken
+        # room left in its last page (own: a partial page is never shared), then whole pages
+        if have < 0 and taken:
+            fits = 0                                          # no page for the restore / copy
+        else:
+            fits = max(have, 0) * ps + (-start) % ps
+        chunk = min(want, fits)
+        return start, chunk, taken + -(-(start + chunk) // ps) - -(-start // ps)
+
+    def _plan(self, decodes: list, rest: list, head: _Seq, force: bool):
+        """One forward's (seq, chunk) list with ``head`` in it, or None when the free pages do
+        not cover a token of ``head`` (``force``: nothing else can be preempted; it is planned
+        anyway and the forward decides). ``decodes`` (live samples with one token to run) and
+        ``rest`` (the other pending work), each oldest first. Decodes first; then prompt chunks
+        oldest first, admitted while the free pages cover them."""
         cfg, cache = self.config, self.cache
-        work = [s for s in self._seqs if not s.retired and s.pending > 0]
-        if not work:
-            return None
-        decodes = sorted((s for s in work if s.live and s.kind == "sample" and s.pending == 1),
-                         key=lambda s: s.order)
-        rest = sorted((s for s in work if not (s.live and s.kind == "sample" and s.pending == 1)),
-                      key=lambda s: s.order)
-        budget, batch = cfg.prefill_chunk_size, []
-        free = cache.num_available_pages
+        budget, free = cfg.prefill_chunk_size, cache.num_available_pages
         ps = cfg.page_size
-        for s in decodes:
-            if len(batch) == cfg.max_batch_size or budget == 0:
-                break
+        head_decodes = bool(decodes) and decodes[0] is head
+        # the head's slot and a token of the budget are kept for it; its pages come first
+        slots = min(cfg.max_batch_size, budget) - (0 if head_decodes else 1)
+        if not head_decodes:
+            assert rest and rest[0] is head
+            own = budget - min(len(decodes), slots)
+            start, chunk, pages = self._room(head, free, own)
+            if chunk <= 0:
+                if not force:
+                    return None
+                chunk, pages = min(len(head.tokens) - start, own), 0     # try anyway
+            free -= pages
+        batch = []
+        for s in decodes[:slots]:
             batch.append((s, 1))
             budget -= 1
             free -= 1 if s.cached % ps == 0 else 0
+        if not head_decodes:
+            batch.append((head, chunk))
+            budget -= chunk
+            rest = rest[1:]
         reserve = len(decodes)              # a page per running decode for the steps to come
         for s in rest:
             if len(batch) == cfg.max_batch_size or budget == 0:
                 break
+            if not s.live and free <= reserve:
+                continue                                      # no page to admit it with
             if not self._ready(s):
                 continue
-            restore = self._restore_pages(s)
-            if restore is not None:                           # parked: restored, then run on
-                start = s.parked
-            else:
-                start = s.cached if s.live else (s.fork_pos if s.parent is not None and not s.parent.retired else 0)
-            want = min(len(s.tokens) - start, budget)
-            have = free - (0 if s.live else reserve)
-            if restore is not None:                           # its pages first, then room
-                have -= restore
-                pages = have * ps + ((-start) % ps) if have >= 0 else 0
-            else:
-                pages = max(have, 0) * ps + ((-start) % ps)   # room left in its last page
-                if not s.live and s.parent is not None:
-                    pages -= ps                               # the fork copies a partial page
-            chunk = min(want, pages)
+            _, chunk, pages = self._room(s, free - (0 if s.live else reserve), budget)
             if chunk <= 0:
-                if batch or any(x.live for x in self._seqs):
-                    continue                                  # wait for pages to free up
-                chunk = want                                  # nothing else runs: try anyway
+                continue                                      # wait for pages to free up
             batch.append((s, chunk))
             budget -= chunk
-            free -= -(-(start + chunk) // ps) - -(-start // ps)
-            free -= restore if restore is not None else (1 if not s.live and s.parent else 0)
-        if not batch:
-            # nothing fits: free pages by preempting (the youngest first), then plan again
-            head = next((s for s in rest if self._ready(s)), None)
-            self._preempt("no sequence fits in the free pages", keep=head)
-            return self._schedule()
+            free -= pages
         return batch
 
     def _shares(self, seq: _Seq) -> bool:
@@ -810,16 +870,19 @@ class Engine:
         seq.live, seq.retired = False, True
 
     def _preempt(self, why: str, keep: Optional[_Seq] = None) -> None:
-        """Remove the youngest sequence in the cache (other than ``keep``, the work that waits
-        for room) to free its pages; it is parked in the host tier (when on, and it has room)
-        and restored later, or else recomputed later."""
+        """Remove the youngest sequence in the cache (other than ``keep``, the oldest
+        unfinished sequence, which waits for room) to free its pages; it is parked in the host
+        tier (when on, and it has room) and restored later, or else recomputed later. The
+        prefix ``keep`` is still to fork from goes last (dropping it makes ``keep`` start from
+        scratch, which a request that fits alone always can)."""
         live = [s for s in self._seqs if s.live and s is not keep]
         if not live:
             raise CacheFullError(
                 f"the cache ({self.cache.num_total_pages} pages of {self.config.page_size} "
                 f"tokens, max_total_tokens={self.config.max_total_tokens}) cannot hold the next "
                 f"forward even alone: {why}")
-        victim = max(live, key=lambda s: s.order)
+        source = keep.parent if keep is not None and not keep.live else None
+        victim = max(live, key=lambda s: (s is not source, s.order))
         self.stats.preemptions += 1
         if self.host_tier is not None and victim.kind != "prefix" and victim.cached:
             try:
@@ -858,7 +921,7 @@ class Engine:
                 if not seq.live:
                     self._admit(seq)
         except CacheFullError as exc:
-            self._preempt(str(exc))
+            self._preempt(str(exc), keep=self._head)
             return None
         ids, lens, toks, rows, wants, spans = [], [], [], [], [], []
         pos: list[int] = []
@@ -886,7 +949,7 @@ class Engine:
                 else:
                     logits = self.adapter.forward(cache, *args)
         except CacheFullError as exc:
-            self._preempt(str(exc))
+            self._preempt(str(exc), keep=self._head)
             return None
         stats.forwards += 1
         for (seq, _), chunk in zip(batch, lens):
