@@ -107,6 +107,8 @@ def main() -> None:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 500, n).tolist() for n in LENGTHS]
     print(torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch", torch.__version__, "transformers", transformers.__version__)
+    # the CPU smoke runs the Triton interpreter, which has no bfloat16
+    dtype = torch.float16 if args.device == "cpu" else torch.bfloat16
     for fam in args.families.split(","):
         model_type, kw = FAMILIES[fam]
         if args.tiny:
@@ -123,7 +125,7 @@ def main() -> None:
         torch.manual_seed(0)
         with torch.device(args.device):
             model = transformers.AutoModelForCausalLM.from_config(
-                cfg, attn_implementation=ref_attn).to(torch.bfloat16).eval()
+                cfg, attn_implementation=ref_attn).to(dtype).eval()
         t0 = time.perf_counter()
         want, first_ref = [], []
         # --fp32-reference: the reference is the same weights in float32 (for families whose

@@ -657,3 +657,12 @@ def test_decode_steady_state_allocates_no_scratch():
         assert b.launch_cache.builds - builds <= 2
     assert b.scratch_allocations == warm             # the arena held; nothing allocated
     assert len(b.launch_cache) <= b.launch_cache.MAX_RECORDS
+
+
+@pytest.mark.skipif(not cc.INTERPRET, reason="the interpreter's limit (CPU test mode only)")
+def test_bfloat16_refused_under_the_interpreter():
+    """Triton's interpreter computes in numpy, which has no bfloat16: a bfloat16 cache gave
+    attention outputs of 1e8 where the reference gave 0.4, without an error. Now refused."""
+    cfg = cc.config(hq=4, hkv=2, d=16, dtype="bfloat16")
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="TRITON_INTERPRET.*bfloat16"):
+        kvcache.PagedKVCache(cfg, backend="cuda", device="cpu")

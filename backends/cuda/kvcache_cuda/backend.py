@@ -197,6 +197,14 @@ class CudaBackend(Backend):
         self.dtype = _torch_dtypes()[config.dtype]
         self.impl = os.environ.get(IMPL_ENV, "auto")
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        if self.interpret and not self.on_gpu and config.dtype == "bfloat16":
+            # the interpreter runs the kernels on numpy, which has no bfloat16: it reads the
+            # bits as another type and returns garbage without an error
+            from kvcache.errors import UnsupportedFeatureError
+            raise UnsupportedFeatureError(
+                "the cuda backend's CPU test mode under TRITON_INTERPRET=1 cannot run bfloat16 "
+                "(Triton's interpreter computes in numpy, which has no bfloat16): use float16 "
+                "or float32 there, or a GPU")
         self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if self.on_gpu else self.CPU_TEST_SMS)
         self.launch_cache = LaunchCache()
