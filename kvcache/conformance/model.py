@@ -1,9 +1,10 @@
 """The dense model: what a paged KV cache computes, written without pages.
 
-``dense_attention`` is softmax attention spelled out (it shares no code with the reference
-backend); ``DenseModel`` keeps each sequence as the plain list of its tokens. Both are the oracle
-for the core: the suite checks the reference backend against them, and unit tests of the core may
-use them directly.
+``dense_attention`` is softmax attention spelled out and ``rope`` is RoPE as the spec states it
+(neither shares code with the reference backend, whose kernels they judge: a sign error there must
+not be copied here); ``DenseModel`` keeps each sequence as the plain list of its tokens. Both are
+the oracle for the core: the suite checks the reference backend against them, and unit tests of
+the core may use them directly.
 """
 
 from __future__ import annotations
@@ -13,9 +14,29 @@ from typing import Optional
 import numpy as np
 
 from kvcache.config import CacheConfig
-from kvcache.reference import rotate
-
 from .tolerance import round_to
+
+
+def rope(x: np.ndarray, positions, config: CacheConfig) -> np.ndarray:
+    """``x`` (n, H, D) rotated at ``positions`` (n,), float64, from the configuration alone
+    (SPEC section 3, Llama's rotate-half): over the first ``R`` dims (``rope_rotary_dim``, 0:
+    all), pair ``i < R/2`` turns by ``angle_i = position * rope_scale * inv_freq_i`` with
+    ``inv_freq_i = rope_theta ** (-2i / R)`` (or the model's ``rope_inv_freq``): ``x_i cos -
+    x_{i+R/2} sin`` and ``x_{i+R/2} cos + x_i sin``; dims from ``R`` on pass through."""
+    x = np.asarray(x, np.float64)
+    r = config.rope_rotary_dim or x.shape[-1]
+    half = r // 2
+    if config.rope_inv_freq:
+        inv_freq = np.asarray(config.rope_inv_freq, np.float64)
+    else:
+        inv_freq = float(config.rope_theta) ** (-2.0 * np.arange(half, dtype=np.float64) / r)
+    angle = np.asarray(positions, np.float64).reshape(-1, 1) * (config.rope_scale * inv_freq)
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    out = x.copy()
+    first, second = x[..., :half], x[..., half:r]
+    out[..., :half] = first * cos - second * sin
+    out[..., half:r] = second * cos + first * sin
+    return out
 
 
 def dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray,
@@ -90,7 +111,7 @@ class DenseModel:
         self._new_kv: dict = {}         # layer -> (k, v) of the open forward
 
     def _rope(self, x, pos):
-        return rotate(x, np.asarray(pos), self.c.rope_spec())
+        return rope(x, pos, self.c)
 
     def add(self, sid):
         """A new empty sequence."""
