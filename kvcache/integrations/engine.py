@@ -415,7 +415,12 @@ class Engine:
         ``prompts``: token id lists (each non-empty). Returns ``out[i][j]``: the new token ids of
         sample ``j`` of prompt ``i``; with ``return_logprobs`` the pair ``(out, logprobs)``,
         ``logprobs[i][j][t]`` the model's log-probability of token ``out[i][j][t]``. Greedy when
-        ``temperature == 0``; otherwise sampling, reproducible for a given ``seed``.
+        ``temperature == 0``; otherwise sampling, reproducible for a given ``seed`` (>= 0).
+
+        Every request that fits the cache alone finishes, however many share it (see
+        ``_schedule``): one sequence of it holds its prompt and ``max_new_tokens - 1`` tokens.
+        One that does not fit even alone, or a bad argument, raises ``InvalidArgumentError``
+        (naming the prompt or the value) before anything runs.
         """
         prompts, max_new, n, temperature, stops, seed = self._check_args(
             prompts, max_new_tokens, n, temperature, stop_token_ids, seed)

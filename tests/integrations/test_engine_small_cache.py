@@ -67,9 +67,8 @@ def tokens(seed: int, length: int) -> list:
 
 
 # ------------------------------------------------------------------ defect 1: small cache
-@pytest.mark.parametrize("offload", [False, True])
-@pytest.mark.parametrize("n", [1, 2])
-def test_requests_that_fit_alone_finish_in_a_small_cache(llama, offload, n):
+@pytest.mark.parametrize("n,offload", [(2, False), (3, False), (3, True)])
+def test_requests_that_fit_alone_finish_in_a_small_cache(llama, n, offload):
     # issue 28: a 64-token cache, prompts of 40 and 17 tokens, n=2: the scheduler preempted the
     # sequence it was trying to run, over and over (thousands of forwards)
     prompts = [tokens(0, 40), tokens(1, 17)]
