@@ -8,6 +8,8 @@ it also tracks how many tokens two sequences hold in the same pages (whole pages
 point), which decides the windows the cache must refuse.
 """
 
+import types
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -18,10 +20,19 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import kvcache
 from kvcache.backend import RopeSpec
 from kvcache.conformance import dense_attention
-from kvcache.reference import rotate
+from kvcache.conformance.model import rope as oracle_rope
 
 L, HQ, HKV, D, PS = 2, 4, 2, 8, 4
 ROPE = RopeSpec(10000.0, 1.0)
+# the judge rotates with the oracle's RoPE, written from the SPEC, never the reference
+# backend's own (a sign error there would otherwise agree with itself)
+_ROPE_CONFIG = types.SimpleNamespace(rope_rotary_dim=0, rope_inv_freq=None,
+                                     rope_theta=ROPE.theta, rope_scale=ROPE.scale)
+
+
+def rotate(x, positions, spec):
+    assert spec is ROPE
+    return oracle_rope(x, positions, _ROPE_CONFIG)
 
 
 class _ModelFailed(Exception):
