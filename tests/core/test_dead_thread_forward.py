@@ -10,6 +10,7 @@ import pytest
 
 import kvcache
 from kvcache import ForwardStateError
+from thread_cases import run_in_thread
 
 
 def make_cache():
@@ -24,22 +25,6 @@ def qkv(cache, total, value):
     q = cache.from_numpy(np.ones((total, c.num_qo_heads, c.head_dim)))
     k = cache.from_numpy(np.full((total, c.num_kv_heads, c.head_dim), float(value)))
     return q, k, k
-
-
-def run_in_thread(fn, name):
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:   # noqa: BLE001 - handed to the test
-            box["error"] = exc
-
-    t = threading.Thread(target=target, name=name)
-    t.start()
-    t.join(30)
-    assert not t.is_alive()
-    return box, t
 
 
 def abandoned(cache, layers=1):

@@ -11,6 +11,7 @@ import pytest
 
 import kvcache
 from kvcache import ForwardStateError
+from thread_cases import run_in_thread
 
 
 def make_cache(backend="reference", device=None, **kw):
@@ -23,19 +24,7 @@ def make_cache(backend="reference", device=None, **kw):
 
 def in_thread(fn, name="worker"):
     """Run ``fn`` in a new thread; return what it returned or raised."""
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:   # noqa: BLE001 - handed to the test
-            box["error"] = exc
-
-    t = threading.Thread(target=target, name=name)
-    t.start()
-    t.join(30)
-    assert not t.is_alive()
-    return box
+    return run_in_thread(fn, name)[0]
 
 
 def qkv(cache, total, value):
