@@ -509,6 +509,15 @@ class PagedKVCache:
         back. Between the two the pages count as used and no forward may be open."""
         self._no_forward("reserve_import")
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            raise InvalidArgumentError(
+                f"reserve_import: items must be a list of (seq_id, payload, parent_id, fork_pos) "
+                f"tuples, got {type(items).__name__}")
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) != 4:
+                raise InvalidArgumentError(
+                    f"reserve_import: item {i} must be a (seq_id, payload, parent_id, fork_pos) "
+                    f"tuple, got {item!r:.80}")
         specs = [self._import_spec(sid, p, parent, pos, convert_dtype)
                  for sid, p, parent, pos in items]
         return self.state.reserve_import(specs)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
 from .arrays import to_host
-from .config import itemsize
+from .config import DTYPES, ROPE_MODES, itemsize
 from .errors import InvalidArgumentError, UnsupportedFeatureError
 
 FORMAT_VERSION = 1
@@ -29,7 +31,15 @@ HEADER_FIELDS = ("version", "start", "num_tokens", "source_length", "num_layers"
                  "num_kv_heads", "head_dim", "kv_dtype", "rope_mode", "rope_theta", "rope_scale",
                  "rope_inv_freq", "rope_rotary_dim", "window_size", "sink_size", "backend",
                  "device")
-"""The keys of ``SequencePayload.header()`` (every field but the arrays)."""
+"""The keys of ``SequencePayload.header()`` (every field but the arrays); ``checksum`` is
+there too, optional when read (None: not computed)."""
+
+
+def checksum(k: np.ndarray, v: np.ndarray) -> str:
+    """The CRC-32 of K's bytes then V's, as 8 hex digits: what a host payload carries so that
+    an importer can tell that its arrays are the ones the exporter wrote."""
+    crc = zlib.crc32(np.ascontiguousarray(k).tobytes())
+    return f"{zlib.crc32(np.ascontiguousarray(v).tobytes(), crc):08x}"
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,9 @@ class SequencePayload:
     "inline"; sliding windows force "inline"), with its ``rope_theta``, ``rope_scale``,
     ``rope_inv_freq`` (the model's frequencies, () for theta's) and ``rope_rotary_dim`` (0:
     every dim). ``window_size`` (-1: none) and ``sink_size``: the sequence's sliding window.
-    ``version``: ``FORMAT_VERSION`` of the writer.
+    ``version``: ``FORMAT_VERSION`` of the writer. ``checksum``: ``checksum(k, v)`` of a host
+    payload (``to_numpy()`` computes it; None for device arrays, which never left the process);
+    ``import_sequence`` recomputes it and refuses a payload whose arrays differ.
     """
 
     k: Any
@@ -70,6 +82,7 @@ class SequencePayload:
     backend: Optional[str] = None
     device: Optional[str] = None
     version: int = FORMAT_VERSION
+    checksum: Optional[str] = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -97,6 +110,7 @@ class SequencePayload:
         """Every field but the arrays, as JSON-friendly Python values."""
         out = {name: getattr(self, name) for name in HEADER_FIELDS}
         out["rope_inv_freq"] = list(self.rope_inv_freq)
+        out["checksum"] = self.checksum
         return out
 
     @classmethod
@@ -104,7 +118,7 @@ class SequencePayload:
         """A payload of ``header`` (as ``header()`` gives) with the arrays ``k``, ``v`` (None: a
         header-only payload, for checking and reserving before the arrays arrive). Raises
         UnsupportedFeatureError for another format version, InvalidArgumentError for missing
-        fields."""
+        fields or a field of the wrong type (naming it and its value)."""
         if not isinstance(header, dict):
             raise InvalidArgumentError(f"a payload header is a dict, got {type(header).__name__}")
         version = header.get("version")
@@ -116,16 +130,27 @@ class SequencePayload:
         if missing:
             raise InvalidArgumentError(f"payload header lacks {missing}")
         fields = {name: header[name] for name in HEADER_FIELDS}
-        fields["rope_inv_freq"] = tuple(float(f) for f in fields["rope_inv_freq"])
-        return cls(k=k, v=v, **fields)
+        inv = fields["rope_inv_freq"]
+        if not isinstance(inv, (list, tuple)) or not all(_real(f) for f in inv):
+            raise InvalidArgumentError(
+                f"payload header: rope_inv_freq={inv!r} must be a list of numbers (empty: "
+                f"theta's frequencies)")
+        fields["rope_inv_freq"] = tuple(float(f) for f in inv)
+        payload = cls(k=k, v=v, checksum=header.get("checksum"), **fields)
+        payload.check("payload header")
+        return payload
 
-    def to_numpy(self) -> SequencePayload:
+    def to_numpy(self, with_checksum: bool = True) -> SequencePayload:
         """The same payload with host numpy arrays in ``kv_dtype`` (the bits as stored; waits
-        for the device copy). ``backend`` and ``device`` become None."""
+        for the device copy) and their ``checksum`` (``with_checksum=False``: none, for a copy
+        that stays in this process, e.g. the host tier). ``backend`` and ``device`` become
+        None."""
         if self.k is None:
             return self
-        return dataclasses.replace(self, k=to_host(self.k, self.kv_dtype),
-                                   v=to_host(self.v, self.kv_dtype), backend=None, device=None)
+        self.check_arrays("to_numpy")
+        k, v = to_host(self.k, self.kv_dtype), to_host(self.v, self.kv_dtype)
+        return dataclasses.replace(self, k=k, v=v, backend=None, device=None,
+                                   checksum=checksum(k, v) if with_checksum else None)
 
     def without_arrays(self) -> SequencePayload:
         """The header-only form (``k`` and ``v`` None)."""
@@ -134,11 +159,27 @@ class SequencePayload:
     # ------------------------------------------------------------------ checks
     def check(self, where: str = "payload") -> None:
         """InvalidArgumentError / UnsupportedFeatureError when the payload is inconsistent in
-        itself (version, counts, the arrays' shape)."""
+        itself: version, counts, field types, and the arrays against the header
+        (``check_arrays``)."""
         if self.version != FORMAT_VERSION:
             raise UnsupportedFeatureError(
                 f"{where}: format version {self.version!r} is not supported: this kvcache reads "
                 f"version {FORMAT_VERSION}")
+        if self.kv_dtype not in DTYPES:
+            raise InvalidArgumentError(f"{where}: kv_dtype={self.kv_dtype!r} must be one of {DTYPES}")
+        if self.rope_mode not in ROPE_MODES:
+            raise InvalidArgumentError(
+                f"{where}: rope_mode={self.rope_mode!r} must be one of {ROPE_MODES}")
+        for name in ("rope_theta", "rope_scale"):
+            if not _real(getattr(self, name)):
+                raise InvalidArgumentError(f"{where}: {name}={getattr(self, name)!r} must be a number")
+        if not isinstance(self.rope_inv_freq, tuple) or not all(_real(f) for f in self.rope_inv_freq):
+            raise InvalidArgumentError(
+                f"{where}: rope_inv_freq={self.rope_inv_freq!r} must be a tuple of numbers")
+        for name in ("backend", "device", "checksum"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidArgumentError(
+                    f"{where}: {name}={getattr(self, name)!r} must be a string or None")
         for name in ("start", "num_tokens", "source_length", "num_layers", "num_kv_heads",
                      "head_dim", "rope_rotary_dim", "sink_size", "window_size"):
             value = getattr(self, name)
@@ -155,12 +196,43 @@ class SequencePayload:
                 f"window_size -1 (none) or > 0 and 0 <= sink_size < window_size")
         if self.k is None and self.v is None:
             return
+        self.check_arrays(where)
+
+    def check_arrays(self, where: str = "payload") -> None:
+        """InvalidArgumentError unless ``k`` and ``v`` are what the header says: arrays (numpy,
+        or a backend's torch / MLX arrays) of ``shape`` in ``kv_dtype`` exactly (no
+        conversion from other types: bool, ints, float64, strings, objects are refused), of
+        ``nbytes`` together, and, for host arrays with a ``checksum``, those very bytes."""
         for name in ("k", "v"):
-            shape = tuple(getattr(getattr(self, name), "shape", ()))
+            a = getattr(self, name)
+            dtype = _dtype_name(a)
+            shape = tuple(int(x) for x in getattr(a, "shape", ()) or ()) if dtype else ()
+            if dtype is None:
+                raise InvalidArgumentError(
+                    f"{where}: {name} must be an array (numpy, torch or MLX) of {self.kv_dtype}, "
+                    f"got {type(a).__name__}")
+            if dtype != self.kv_dtype:
+                raise InvalidArgumentError(
+                    f"{where}: {name} holds {dtype} but the header says kv_dtype="
+                    f"{self.kv_dtype} (the bits are taken as stored: no conversion)")
             if shape != self.shape:
                 raise InvalidArgumentError(
                     f"{where}: {name} has shape {shape}, expected {self.shape} (num_layers, "
                     f"num_tokens, num_kv_heads, head_dim)")
+            size = getattr(a, "nbytes", None)
+            if size is not None and int(size) != self.nbytes // 2:
+                raise InvalidArgumentError(
+                    f"{where}: {name} holds {int(size)} bytes, the header {self.nbytes // 2}")
+        if self.checksum is not None:
+            if not (isinstance(self.k, np.ndarray) and isinstance(self.v, np.ndarray)):
+                raise InvalidArgumentError(
+                    f"{where}: a payload with a checksum carries host numpy arrays, got "
+                    f"{type(self.k).__name__}")
+            got = checksum(self.k, self.v)
+            if got != self.checksum:
+                raise InvalidArgumentError(
+                    f"{where}: the arrays' checksum is {got}, the header's {self.checksum}: "
+                    f"the K/V are not the ones exported")
 
     def check_fits(self, config, seq_id, convert_dtype: bool = False) -> None:
         """Raise a typed error naming ``seq_id``, the payload's value and the cache's when a
@@ -199,6 +271,21 @@ class SequencePayload:
                 f"support_sliding_window=False")
 
 
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def _dtype_name(array) -> Optional[str]:
+    """'float16' / 'bfloat16' / 'float32' / another dtype's short name of a numpy, torch or
+    MLX array; None for anything that is not an array."""
+    if isinstance(array, np.ndarray):
+        return "bfloat16" if array.dtype.name == "bfloat16" else array.dtype.name
+    module = type(array).__module__.split(".")[0]
+    if module not in ("torch", "mlx") or not hasattr(array, "dtype") or not hasattr(array, "shape"):
+        return None
+    return str(array.dtype).rsplit(".", 1)[-1]
+
+
 def payload_fields(config) -> dict:
     """The header fields a cache of ``config`` writes (all but the token range, the window and
     the arrays' location)."""
@@ -222,7 +309,11 @@ class HostTier:
     anyway before the freed pages are reused."""
 
     def __init__(self, cache, capacity_tokens: Optional[int] = None):
+        from .cache import PagedKVCache
         from .core.validate import int_arg
+        if not isinstance(cache, PagedKVCache):
+            raise InvalidArgumentError(
+                f"HostTier(cache): cache must be a kvcache.PagedKVCache, got {type(cache).__name__}")
         if capacity_tokens is not None:
             capacity_tokens = int_arg(capacity_tokens, "HostTier capacity_tokens", 0)
         self.cache = cache
@@ -236,7 +327,8 @@ class HostTier:
         return f"HostTier(sequences={len(self._held)}, tokens={self.tokens}, capacity={cap})"
 
     def __contains__(self, seq_id) -> bool:
-        return seq_id in self._held
+        from .core.validate import seq_id_arg
+        return seq_id_arg(seq_id) in self._held
 
     def __len__(self) -> int:
         return len(self._held)
@@ -274,7 +366,8 @@ class HostTier:
             raise CacheFullError(
                 f"offload: sequence {seq_id} has {length} tokens but the host tier holds "
                 f"{self.tokens} of {self.capacity_tokens}")
-        payload = self.cache.export_sequence(seq_id).to_numpy()
+        # the copy never leaves this process: no checksum to compute or verify
+        payload = self.cache.export_sequence(seq_id).to_numpy(with_checksum=False)
         self.cache.remove_sequence(seq_id)
         self._held[seq_id] = payload
         self.tokens += length
@@ -308,4 +401,4 @@ class HostTier:
         self.tokens = 0
 
 
-__all__ = ["FORMAT_VERSION", "HEADER_FIELDS", "HostTier", "SequencePayload"]
+__all__ = ["FORMAT_VERSION", "HEADER_FIELDS", "HostTier", "SequencePayload", "checksum"]

@@ -41,6 +41,7 @@ _CLASSES = {
     "test_sequences": ("TestFork", "TestPopn", "TestSlidingWindow", "TestTokenTree"),
     "test_matrix": ("TestMatrix",),
     "test_errors": ("TestBadInput", "TestAtomicity", "TestCapabilities", "TestBackendContract"),
+    "test_payloads": ("TestPayloadImport",),
     "test_graph": ("TestGraphMode",),
     "test_run_ahead": ("TestRunAhead",),
     "test_numerics": ("TestMaskedNonFinite",),

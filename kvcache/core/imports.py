@@ -43,7 +43,8 @@ class ImportReservation:
     the skipped ones), specs in order; ``offsets`` (len(specs)+1,): spec ``i``'s source
     tokens are ``slots[offsets[i]:offsets[i+1]]``.
     ``table``/``key``: the page table holding the pages and the reservation's key there;
-    ``open`` is False once committed or cancelled."""
+    ``owner``: the cache state that made it (a reservation belongs to its cache: another
+    cache refuses it and leaves it as it is); ``open`` is False once committed or cancelled."""
 
     specs: tuple
     pages: list
@@ -51,6 +52,7 @@ class ImportReservation:
     offsets: np.ndarray
     table: Any = field(repr=False, default=None)
     key: int = 0
+    owner: Any = field(repr=False, default=None)
     open: bool = True
 
     @property

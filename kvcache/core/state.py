@@ -510,7 +510,8 @@ class CacheState:
             offsets.append(offsets[-1] + spec.skip + spec.num_tokens)
         res = ImportReservation(specs, pages,
                                 np.concatenate(slots) if slots else np.zeros(0, np.int32),
-                                np.asarray(offsets, np.int64), table=pt, key=pt.next_key())
+                                np.asarray(offsets, np.int64), table=pt, key=pt.next_key(),
+                                owner=self)
         pt.reserved[res.key] = np.concatenate(pages) if pages else np.zeros(0, np.int32)
         return res
 
@@ -519,7 +520,20 @@ class CacheState:
         """ForwardStateError unless ``res`` is open on this page table."""
         self._held(res, what)
 
+    def _mine(self, res, what: str) -> None:
+        """InvalidArgumentError, touching nothing, unless ``res`` is a reservation of this
+        cache (another cache's stays usable there)."""
+        if not isinstance(res, ImportReservation):
+            raise InvalidArgumentError(
+                f"{what}: expected an ImportReservation (from reserve_import), got "
+                f"{type(res).__name__}")
+        if res.owner is not self:
+            raise InvalidArgumentError(
+                f"{what}: the import of sequences {res.seq_ids} was reserved on another cache; "
+                f"a reservation is committed, written or cancelled on the cache that made it")
+
     def _held(self, res: ImportReservation, what: str) -> None:
+        self._mine(res, what)
         if not res.open:
             raise ForwardStateError(
                 f"{what}: the import of sequences {res.seq_ids} was already committed or cancelled")
@@ -564,6 +578,7 @@ class CacheState:
 
     def cancel_import(self, res: ImportReservation) -> None:
         """Give a reservation's pages back (nothing else was changed by it)."""
+        self._mine(res, "cancel_import")
         if not res.open:
             return
         if res.table is self.pt and res.key in self.pt.reserved:

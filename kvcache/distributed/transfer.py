@@ -2,8 +2,10 @@
 
 One call moves a batch of sequences in three point-to-point messages, in this order:
 
-1. a header: an int64 tensor ``[MAGIC, n]`` then ``n`` uint8 bytes of JSON ``{"version",
-   "payloads": [SequencePayload.header() per sequence], "kv_dtype", "shape", "nbytes"}``;
+1. a header: an int64 tensor ``[MAGIC, n, nbytes]`` then ``n`` uint8 bytes of JSON
+   ``{"version", "payloads": [SequencePayload.header() per sequence], "kv_dtype", "shape",
+   "nbytes"}`` (``nbytes``: the bytes of K, and of V, that follow; in the fixed-size part too,
+   so that a receiver that refuses the JSON still knows what to drain);
 2. K and 3. V: the sequences' tokens, one sequence after another, as the raw bytes of one
    contiguous (num_layers, total tokens, num_kv_heads, head_dim) array each (what
    ``PagedKVCache.export_sequences`` gathers; skipped when there are no tokens).
@@ -31,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ..config import DTYPES, itemsize
 from ..errors import ForwardStateError, InvalidArgumentError, UnsupportedFeatureError
 from ..transfer import FORMAT_VERSION, SequencePayload
 
@@ -203,10 +206,10 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     c = cache.config
     total = sum(h.num_tokens for h in headers)
     shape = [c.num_layers, total, c.num_kv_heads, c.head_dim]
+    nbytes = total * c.token_kv_bytes // 2
     body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "shape": shape,
-                       "nbytes": total * c.token_kv_bytes // 2,
-                       "payloads": [h.header() for h in headers]}).encode()
-    tensors = [torch.tensor([MAGIC, len(body)], dtype=torch.int64).to(transport),
+                       "nbytes": nbytes, "payloads": [h.header() for h in headers]}).encode()
+    tensors = [torch.tensor([MAGIC, len(body), nbytes], dtype=torch.int64).to(transport),
                torch.frombuffer(bytearray(body), dtype=torch.uint8).to(transport)]
     if total:
         tensors += [_to_wire(torch, k, transport), _to_wire(torch, v, transport)]
@@ -225,9 +228,10 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     earlier one of this batch) it forks from and where, as ``import_sequence`` takes them;
     ``convert_dtype``: accept another storage dtype. Blocks for the small header, checks it
     and reserves the pages, then returns a ``TransferHandle`` whose ``wait()`` makes the
-    sequences appear. On a refused header (a mismatch, CacheFullError, an id in use: typed
-    errors as ``import_sequence``) the data is still received and dropped, so the two sides
-    stay in step, and the error is raised; the cache is unchanged."""
+    sequences appear. On a refused header (a mismatch, a malformed or inconsistent message,
+    CacheFullError, an id in use: typed errors as ``import_sequence``) the data is still
+    received and dropped, so the two sides stay in step for the next transfer, and the error
+    is raised; the cache is unchanged."""
     torch, dist = _torch()
     ids = _ids(seq_ids, "seq_ids")
     parents = _per_sequence(parent_ids, len(ids), "parent_ids")
@@ -237,25 +241,20 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
             f"recv_sequence of sequences {ids}: a forward is open; receive after end_forward")
     kind, device = _arrays(cache, torch)
     transport = _transport(torch, dist, group, device)
-    meta = torch.zeros(2, dtype=torch.int64, device=transport)
+    meta = torch.zeros(3, dtype=torch.int64, device=transport)
     dist.recv(meta, src, group=group)
-    magic, size = (int(x) for x in meta.tolist())
+    magic, size, nbytes = (int(x) for x in meta.tolist())
     if magic != MAGIC:
         raise InvalidArgumentError(
             f"recv_sequence of sequences {ids}: the message from rank {src} is not a kvcache "
             f"transfer (first value {magic:#x}); both sides must pair their calls")
     text = torch.empty(size, dtype=torch.uint8, device=transport)
     dist.recv(text, src, group=group)
-    msg = json.loads(bytes(text.cpu().numpy()))
-    shape = tuple(int(x) for x in msg["shape"])
-    buffers = ([torch.empty(int(msg["nbytes"]), dtype=torch.uint8, device=transport)
-                for _ in range(2)] if shape[1] else [])
+    # the K and V messages the sender posted: received (or drained) whatever the header says
+    buffers = ([torch.empty(nbytes, dtype=torch.uint8, device=transport) for _ in range(2)]
+               if nbytes else [])
     try:
-        headers = [SequencePayload.from_header(h) for h in msg["payloads"]]
-        if len(headers) != len(ids):
-            raise InvalidArgumentError(
-                f"recv_sequence got {len(ids)} seq_ids {ids} but rank {src} sent "
-                f"{len(headers)} sequences")
+        msg, shape, headers = _read_header(bytes(text.cpu().numpy()), nbytes, ids, src)
         res = cache.reserve_import(list(zip(ids, headers, parents, positions)), convert_dtype)
     except BaseException:
         for buf in buffers:          # consume the data the sender has posted
@@ -273,6 +272,57 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
 
     return TransferHandle(works, buffers, ids, f"receive of sequences {ids} from rank {src}",
                           finish=finish, cancel=lambda: cache.cancel_import(res))
+
+
+def _read_header(text: bytes, nbytes: int, ids: list, src: int):
+    """``(message, shape, payload headers)`` of a transfer's JSON header, checked in itself:
+    InvalidArgumentError naming what disagrees (the top-level kv_dtype and shape against
+    every payload's, the byte count against the shape and the fixed-size part)."""
+    where = f"recv_sequence of sequences {ids} from rank {src}"
+    try:
+        msg = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{where}: the header is not JSON ({exc})") from None
+    if not isinstance(msg, dict):
+        raise InvalidArgumentError(f"{where}: the header is a {type(msg).__name__}, not an object")
+    missing = [k for k in ("version", "kv_dtype", "shape", "nbytes", "payloads") if k not in msg]
+    if missing:
+        raise InvalidArgumentError(f"{where}: the header lacks {missing}")
+    if msg["version"] != FORMAT_VERSION:
+        raise UnsupportedFeatureError(
+            f"{where}: format version {msg['version']!r} is not supported: this kvcache reads "
+            f"version {FORMAT_VERSION}")
+    kv_dtype, raw_shape, payloads = msg["kv_dtype"], msg["shape"], msg["payloads"]
+    if kv_dtype not in DTYPES:
+        raise InvalidArgumentError(f"{where}: kv_dtype={kv_dtype!r} must be one of {DTYPES}")
+    if (not isinstance(raw_shape, list) or len(raw_shape) != 4
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in raw_shape)):
+        raise InvalidArgumentError(
+            f"{where}: shape={raw_shape!r} must be 4 ints >= 0 (layers, tokens, KV heads, head_dim)")
+    shape = tuple(raw_shape)
+    want = shape[0] * shape[1] * shape[2] * shape[3] * itemsize(kv_dtype)
+    if msg["nbytes"] != want or nbytes != want:
+        raise InvalidArgumentError(
+            f"{where}: {nbytes} bytes each of K and V follow (header nbytes={msg['nbytes']!r}), "
+            f"but shape {list(shape)} in {kv_dtype} is {want} bytes")
+    if not isinstance(payloads, list):
+        raise InvalidArgumentError(f"{where}: payloads must be a list, got {type(payloads).__name__}")
+    headers = [SequencePayload.from_header(h) for h in payloads]
+    if len(headers) != len(ids):
+        raise InvalidArgumentError(
+            f"recv_sequence got {len(ids)} seq_ids {ids} but rank {src} sent "
+            f"{len(headers)} sequences")
+    for h in headers:
+        dims = (h.num_layers, h.num_kv_heads, h.head_dim)
+        if h.kv_dtype != kv_dtype or dims != (shape[0], shape[2], shape[3]):
+            raise InvalidArgumentError(
+                f"{where}: a payload header says kv_dtype={h.kv_dtype}, (layers, KV heads, "
+                f"head_dim)={dims}, the transfer {kv_dtype}, {(shape[0], shape[2], shape[3])}")
+    if sum(h.num_tokens for h in headers) != shape[1]:
+        raise InvalidArgumentError(
+            f"{where}: the payloads hold {sum(h.num_tokens for h in headers)} tokens, the "
+            f"arrays {shape[1]}")
+    return msg, shape, headers
 
 
 __all__ = ["MAGIC", "TransferHandle", "recv_sequence", "send_sequence"]

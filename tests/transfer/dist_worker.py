@@ -112,6 +112,82 @@ def refused_then_in_step(rank):
     print("refused header drained; wait inside a forward retried ok", flush=True)
 
 
+def _raw_send(msg: dict, k: np.ndarray, v: np.ndarray, dst: int, text: bytes = None) -> None:
+    """A transfer written by hand (the wire format of kvcache.distributed), so that its header
+    can be what no sender of ours writes."""
+    import json
+    import torch
+    from kvcache.distributed.transfer import MAGIC
+    body = text if text is not None else json.dumps(msg).encode()
+    nbytes = k.nbytes
+    dist.send(torch.tensor([MAGIC, len(body), nbytes], dtype=torch.int64), dst)
+    dist.send(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst)
+    for a in (k, v):
+        dist.send(torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), dst)
+
+
+MALFORMED = [
+    # (label, what the receiver's error names)
+    ("no shape", "lacks ['shape']"),
+    ("no nbytes", "lacks ['nbytes']"),
+    ("a payload without head_dim", "lacks ['head_dim']"),
+    ("top-level kv_dtype float16 over float32 payloads", "bytes"),
+    ("a payload kv_dtype float16 under a float32 transfer", "kv_dtype=float16"),
+    ("tokens that do not add up", "tokens"),
+    ("not JSON", "not JSON"),
+]
+
+
+def malformed_then_in_step(rank):
+    """Headers the receiver refuses (issue 28: a missing field left the K/V unconsumed and the
+    next transfer aborted the process): each refused, typed, the cache unchanged, the data
+    drained, and a good transfer after them all arrives bit for bit."""
+    import copy
+    import json
+    cfg = config(4, "float32", "none")
+    source = kvcache.PagedKVCache(cfg, backend="reference")
+    source.add_sequence(1)
+    run_forward(source, [1], [13], np.random.default_rng(2))
+    headers, k, v = source.export_sequences([1])
+    shape = list(k.shape)
+    good = {"version": 1, "kv_dtype": "float32", "shape": shape, "nbytes": k.nbytes,
+            "payloads": [h.header() for h in headers]}
+    if rank == 0:
+        for label, _ in MALFORMED:
+            msg, text = copy.deepcopy(good), None
+            if label == "no shape":
+                del msg["shape"]
+            elif label == "no nbytes":
+                del msg["nbytes"]
+            elif label.startswith("a payload without"):
+                del msg["payloads"][0]["head_dim"]
+            elif label.startswith("top-level"):
+                msg["kv_dtype"] = "float16"
+            elif label.startswith("a payload kv_dtype"):
+                msg["payloads"][0]["kv_dtype"] = "float16"
+            elif label.startswith("tokens"):
+                msg["payloads"][0]["num_tokens"] = 12
+            else:
+                text = b"{not json"
+            _raw_send(msg, k, v, 1, text)
+        send_sequence(source, [1], dst=1).wait()
+        return
+    dest = kvcache.PagedKVCache(cfg, backend="cuda", device="cpu")
+    free = dest.num_available_pages
+    for label, names in MALFORMED:
+        try:
+            recv_sequence(dest, 5, src=0)
+        except kvcache.KVCacheError as exc:
+            assert names in str(exc), (label, exc)
+        else:
+            raise AssertionError(f"a transfer with {label} was accepted")
+        assert dest.is_empty and dest.num_available_pages == free, label
+    assert recv_sequence(dest, [5], src=0).wait() == [5]
+    assert_same_kv(source, 1, dest, 5)
+    print(f"{len(MALFORMED)} malformed headers refused and drained; the next transfer arrived",
+          flush=True)
+
+
 def main():
     rank, init = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
@@ -120,6 +196,7 @@ def main():
         for n, case in enumerate(ROUNDS):
             one_round(rank, n, *case)
         refused_then_in_step(rank)
+        malformed_then_in_step(rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()

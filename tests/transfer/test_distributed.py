@@ -42,6 +42,7 @@ def test_two_processes_move_100_sequences_bit_exactly(tmp_path):
     assert all(p.returncode == 0 for p in procs), log
     assert "round 0: 100 sequences" in outs[1] and "round 1: 100 sequences" in outs[1], log
     assert "refused header drained" in outs[1], log
+    assert "malformed headers refused and drained; the next transfer arrived" in outs[1], log
 
 
 @pytest.fixture

@@ -82,3 +82,27 @@ def test_a_full_tier_or_cache_refuses_and_nothing_changes():
     tier.offload(1)
     tier.drop(1)
     assert len(tier) == 0 and tier.tokens == 0 and cache.is_empty
+
+
+def test_host_tier_bad_arguments_are_typed():
+    """HostTier(None) failed later with an AttributeError, ``[0] in tier`` with an untyped
+    TypeError: both are typed errors naming the value now."""
+    with pytest.raises(kvcache.InvalidArgumentError, match="PagedKVCache, got NoneType"):
+        kvcache.HostTier(None)
+    tier = kvcache.HostTier(kvcache.PagedKVCache(config(), backend="reference"))
+    with pytest.raises(kvcache.InvalidArgumentError, match="seq_id"):
+        [0] in tier
+    assert 0 not in tier and len(tier) == 0
+
+
+def test_host_tier_copies_carry_no_checksum_and_exports_do():
+    """The tier's copies never leave the process (no CRC over every offloaded byte); a host
+    payload from ``to_numpy()`` carries one, and import checks it."""
+    cache = kvcache.PagedKVCache(config(), backend="reference")
+    cache.add_sequence(1)
+    run_forward(cache, [1], [9], np.random.default_rng(0))
+    exported = cache.export_sequence(1).to_numpy()
+    assert exported.checksum == kvcache.transfer.checksum(exported.k, exported.v)
+    tier = kvcache.HostTier(cache)
+    tier.offload(1)
+    assert tier.restore(1) == 9 and cache.sequence_length(1) == 9
