@@ -172,7 +172,9 @@ def malformed_then_in_step(rank):
             _raw_send(msg, k, v, 1, text)
         send_sequence(source, [1], dst=1).wait()
         return
-    dest = kvcache.PagedKVCache(cfg, backend="cuda", device="cpu")
+    # KVCACHE_TRANSFER_GPU=1: the receiving cache on the GPU (gloo stages through the host)
+    gpu = os.environ.get("KVCACHE_TRANSFER_GPU") == "1"
+    dest = kvcache.PagedKVCache(cfg, backend="cuda", device="cuda" if gpu else "cpu")
     free = dest.num_available_pages
     for label, names in MALFORMED:
         try:
@@ -184,8 +186,8 @@ def malformed_then_in_step(rank):
         assert dest.is_empty and dest.num_available_pages == free, label
     assert recv_sequence(dest, [5], src=0).wait() == [5]
     assert_same_kv(source, 1, dest, 5)
-    print(f"{len(MALFORMED)} malformed headers refused and drained; the next transfer arrived",
-          flush=True)
+    print(f"{len(MALFORMED)} malformed headers refused and drained; the next transfer arrived "
+          f"(receiver on {dest.backend.device})", flush=True)
 
 
 def main():
