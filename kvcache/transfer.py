@@ -122,7 +122,7 @@ class SequencePayload:
         if not isinstance(header, dict):
             raise InvalidArgumentError(f"a payload header is a dict, got {type(header).__name__}")
         version = header.get("version")
-        if version != FORMAT_VERSION:
+        if not _is_version(version):
             raise UnsupportedFeatureError(
                 f"payload format version {version!r} is not supported: this kvcache reads "
                 f"version {FORMAT_VERSION}")
@@ -161,13 +161,14 @@ class SequencePayload:
         """InvalidArgumentError / UnsupportedFeatureError when the payload is inconsistent in
         itself: version, counts, field types, and the arrays against the header
         (``check_arrays``)."""
-        if self.version != FORMAT_VERSION:
+        if not _is_version(self.version):
             raise UnsupportedFeatureError(
                 f"{where}: format version {self.version!r} is not supported: this kvcache reads "
                 f"version {FORMAT_VERSION}")
-        if self.kv_dtype not in DTYPES:
+        # isinstance first: `in` on a numpy array value raises an untyped ValueError
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in DTYPES:
             raise InvalidArgumentError(f"{where}: kv_dtype={self.kv_dtype!r} must be one of {DTYPES}")
-        if self.rope_mode not in ROPE_MODES:
+        if not isinstance(self.rope_mode, str) or self.rope_mode not in ROPE_MODES:
             raise InvalidArgumentError(
                 f"{where}: rope_mode={self.rope_mode!r} must be one of {ROPE_MODES}")
         for name in ("rope_theta", "rope_scale"):
@@ -269,6 +270,11 @@ class SequencePayload:
                 f"{where}: the payload has a sliding window (window_size={self.window_size}, "
                 f"sink_size={self.sink_size}) but this cache was built with "
                 f"support_sliding_window=False")
+
+
+def _is_version(x) -> bool:
+    # a plain int compare: an array-valued field must not reach `!=` (untyped ValueError)
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x == FORMAT_VERSION
 
 
 def _real(x) -> bool:

@@ -117,4 +117,9 @@ def test_malformed_import_arguments_are_typed(backend):
             getattr(cache, method)(None)
     with pytest.raises(InvalidArgumentError, match="rope_inv_freq=None"):
         kvcache.SequencePayload.from_header({**good.header(), "rope_inv_freq": None})
+    # an array where a string or int belongs (a pickled payload can hold anything): compared
+    # with `!=` / `in` it raised numpy's untyped "truth value of an array is ambiguous"
+    for field in ("version", "kv_dtype", "rope_mode"):
+        with pytest.raises(kvcache.KVCacheError, match=field.replace("version", "format version")):
+            cache.import_sequence(7, dataclasses.replace(good, **{field: np.array([1, 2])}))
     assert snapshot(cache) == before
