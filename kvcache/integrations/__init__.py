@@ -7,10 +7,15 @@
   backend (Apple GPU, or MLX's CPU device);
 * ``kvcache.integrations.engine``: the continuous-batching ``Engine`` they share (neutral to
   the model library; an adapter supplies the model's forward);
-* ``kvcache.integrations.tp``: the transformers Engine on tensor-parallel ranks.
+* ``kvcache.integrations.tp``: the transformers Engine on tensor-parallel ranks;
+* ``kvcache.integrations.sampling``: ``SamplingParams`` (per-request sampling settings, exported
+  here; importing it needs no model library) and the sampler on the logits' device.
 """
 
 from ..errors import KVCacheError
+from .sampling import SamplingParams
+
+__all__ = ["MissingExtraError", "SamplingParams", "require"]
 
 
 class MissingExtraError(KVCacheError, ImportError):

@@ -51,6 +51,7 @@ from ..cache import PagedKVCache
 from ..config import CacheConfig
 from ..errors import CacheFullError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from ..transfer import HostTier
+from .sampling import SamplingParams, draw_rows
 
 __all__ = ["Engine", "EngineStats", "ModelAdapter", "PendingPicks"]
 
@@ -281,6 +282,10 @@ class _Sample:
     logprobs: list = dataclasses.field(default_factory=list)
     done: bool = False
     planned: int = 0                   # picks launched for it (pipelined steps: some in flight)
+    max_new: int = 0                   # its own max_tokens (SamplingParams); 0: generate's
+    stops: Optional[frozenset] = None  # its own stop ids (SamplingParams); None: generate's
+    params: Optional[SamplingParams] = None
+    seed: int = 0                      # its draws' seed (SamplingParams)
 
 
 _SLOT = -1
@@ -404,7 +409,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, n: int = 1,
                  temperature: float = 0.0, seed: int = 0,
                  stop_token_ids: Optional[Sequence[int]] = None, return_logprobs: bool = False,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, sampling_params=None):
         """Generate ``max_new_tokens`` tokens (fewer when a stop token is produced; it is kept)
         for each of ``n`` samples of each prompt.
 
@@ -421,13 +426,56 @@ class Engine:
         ``_schedule``): one sequence of it holds its prompt and ``max_new_tokens - 1`` tokens.
         One that does not fit even alone, or a bad argument, raises ``InvalidArgumentError``
         (naming the prompt or the value) before anything runs.
+
+        ``sampling_params``: a ``SamplingParams`` for every prompt, or a list of them (one per
+        prompt), instead of ``max_new_tokens``, ``n``, ``temperature``, ``seed``,
+        ``stop_token_ids`` and ``ignore_eos`` (which must then keep their defaults): each
+        request is filtered (top-k, top-p, min-p) and drawn on the logits' device with its own
+        seed (``kvcache.integrations.sampling``). Logprobs come back (the pair) when
+        ``return_logprobs`` or any request's ``logprobs`` is set.
         """
+        if sampling_params is not None:
+            return self._generate_params(prompts, sampling_params, return_logprobs, dict(
+                max_new_tokens=(max_new_tokens, 32), n=(n, 1), temperature=(temperature, 0.0),
+                seed=(seed, 0), stop_token_ids=(stop_token_ids, None), ignore_eos=(ignore_eos, False)))
         prompts, max_new, n, temperature, stops, seed = self._check_args(
             prompts, max_new_tokens, n, temperature, stop_token_ids, seed)
         if not isinstance(ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos={ignore_eos!r} must be True or False")
         if not ignore_eos:
             stops |= {int(t) for t in self.adapter.eos_token_ids()}
+        return self._generate(prompts, max_new, n, temperature, seed, stops, return_logprobs)
+
+    def _generate_params(self, prompts, sampling_params, return_logprobs, others):
+        """``generate`` with ``SamplingParams`` (one, or a list with one per prompt)."""
+        changed = [k for k, (value, default) in others.items()
+                   if value is not default and value != default]
+        if changed:
+            raise InvalidArgumentError(
+                f"generate takes sampling_params or {', '.join(changed)}, not both: put them in "
+                f"the SamplingParams")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InvalidArgumentError(
+                f"prompts must be a list of token id lists, got {type(prompts).__name__}")
+        params = sampling_params
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if isinstance(params, (str, bytes)) or not isinstance(params, Sequence) \
+                or len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidArgumentError(
+                f"sampling_params must be a SamplingParams or a list of {len(prompts)} of them "
+                f"(one per prompt), got {sampling_params!r:.80}")
+        prompts = self._check_args(prompts, [p.max_tokens for p in params], 1, 0.0, None, 0)[0]
+        eos = frozenset(int(t) for t in self.adapter.eos_token_ids())
+        requests = [(p, frozenset(p.stop_token_ids or ()) | (frozenset() if p.ignore_eos else eos))
+                    for p in params]
+        greedy = all(p.greedy for p in params)
+        logprobs = bool(return_logprobs) or any(p.logprobs is not None for p in params)
+        return self._generate(prompts, max(p.max_tokens for p in params), max(p.n for p in params),
+                              0.0 if greedy else 1.0, 0, set(), logprobs, requests)
+
+    def _generate(self, prompts, max_new, n, temperature, seed, stops, return_logprobs,
+                  params=None):
         if not self.cache.is_empty:
             raise InvalidArgumentError(
                 f"generate needs an empty cache, but it holds {self.cache.num_sequences} sequences "
@@ -435,7 +483,7 @@ class Engine:
         self._logprobs = bool(return_logprobs)
         try:
             with self.adapter.session(self.cache):
-                out = self._run(prompts, max_new, n, temperature, seed, stops)
+                out = self._run(prompts, max_new, n, temperature, seed, stops, params)
         except BaseException:
             self.cache.clear()
             raise
@@ -454,7 +502,8 @@ class Engine:
                 raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {low}")
             return int(value)
 
-        max_new = whole(max_new_tokens, "max_new_tokens", 1)
+        per = max_new_tokens if isinstance(max_new_tokens, list) else None   # one per prompt
+        max_new = whole(max(per) if per else max_new_tokens, "max_new_tokens", 1)
         n = whole(n, "n", 1)
         seed = whole(seed, "seed", 0)               # numpy's generators take no negative seed
         try:
@@ -483,14 +532,15 @@ class Engine:
                 raise InvalidArgumentError(
                     f"prompt {i}: token {int(arr[k])} at index {k} is outside the model's "
                     f"vocabulary [0, {vocab})")
-            length = arr.size + max_new
+            limit = per[i] if per else max_new
+            length = arr.size + limit
             # what one sequence of the request holds at most: its prompt and every new token
             # but the last (never run). The scheduler can always shrink to that one sequence
             # (preempting the rest, prefixes included), so this is all a request must fit
             need = -(-(length - 1) // cfg.page_size)
             if need > pages:
                 raise InvalidArgumentError(
-                    f"prompt {i}: {arr.size} tokens + max_new_tokens={max_new} hold up to "
+                    f"prompt {i}: {arr.size} tokens + max_new_tokens={limit} hold up to "
                     f"{length - 1} tokens in the cache, {need} pages of {cfg.page_size}, more "
                     f"than the cache holds even for this request alone ({pages} pages, "
                     f"max_total_tokens={cfg.max_total_tokens}); raise max_total_tokens or lower "
@@ -556,12 +606,17 @@ class Engine:
         build(list(range(len(prompts))), 0, None)
         return parents
 
-    def _run(self, prompts, max_new, n, temperature, seed, stops):
+    def _run(self, prompts, max_new, n, temperature, seed, stops, params=None):
         cache, stats = self.cache, self.stats
         self._prefixes: list = []
         parents = self._plan_prefixes(prompts)
-        samples = [[_Sample(np.random.default_rng([seed, i, j])) for j in range(n)]
-                   for i in range(len(prompts))]
+        if params is None:
+            samples = [[_Sample(np.random.default_rng([seed, i, j])) for j in range(n)]
+                       for i in range(len(prompts))]
+        else:                           # per request: (SamplingParams, its stop ids)
+            samples = [[_Sample(np.random.default_rng(0), max_new=p.max_tokens, stops=st,
+                                params=p, seed=p.sample_seed(j)) for j in range(p.n)]
+                       for p, st in params]
         seqs: list = list(self._prefixes)
         for i, p in enumerate(prompts):
             seq = self._new_seq(kind="prompt", tokens=list(p), order=(i, 1, 0), request=i)
@@ -569,7 +624,7 @@ class Engine:
             self._attach(seq, parents[i])
             seqs.append(seq)
         self._seqs = seqs
-        total = len(prompts) * n * max_new
+        total = sum(smp.max_new or max_new for req in samples for smp in req)
         produced = 0
         bar = _Progress(total, self.progress)
         if temperature == 0.0:
@@ -665,7 +720,7 @@ class Engine:
             # launch the next step unless a sample ends with the one in flight (its length) or
             # ended on a stop token in the one consumed last
             go_on = (not any(m.done for m in smps)
-                     and all(len(m.tokens) + 1 < max_new for m in smps))
+                     and all(len(m.tokens) + 1 < (m.max_new or max_new) for m in smps))
             nxt = self._launch(seqs, inflight.tokens) if go_on else None
             if nxt is not None:
                 self.stats.overlapped_forwards += 1
@@ -1009,7 +1064,7 @@ class Engine:
                 seq.go_on_as_sample()
             smp = samples[seq.request][seq.sample]
             smp.planned += 1
-            if smp.done or smp.planned >= max_new:
+            if smp.done or smp.planned >= (smp.max_new or max_new):
                 self._retire(seq)
             else:
                 seq.tokens.append(_SLOT)
@@ -1043,14 +1098,22 @@ class Engine:
         prompt, one ``_Pick`` for a sample."""
         groups = [samples[s.request] if s.kind == "prompt" else [samples[s.request][s.sample]]
                   for s in wants]
-        rows, uniforms = [], []
+        rows, uniforms, drawing = [], [], []
         for k, group in enumerate(groups):
             for smp in group:
                 if not smp.done:
                     rows.append(k)
-                    uniforms.append(smp.rng.random())
-        tokens, logprobs = self.adapter.sample(logits, np.asarray(rows, np.int64),
-                                               np.asarray(uniforms, np.float64), temperature)
+                    if smp.params is None:
+                        uniforms.append(smp.rng.random())
+                    else:
+                        drawing.append(smp)
+        if drawing:                     # SamplingParams: drawn on the logits' device
+            tokens, logprobs = draw_rows(
+                logits, rows, [m.params for m in drawing], [m.seed for m in drawing],
+                [len(m.tokens) for m in drawing], self.adapter.to_numpy)
+        else:
+            tokens, logprobs = self.adapter.sample(logits, np.asarray(rows, np.int64),
+                                                   np.asarray(uniforms, np.float64), temperature)
         out, d = [], 0
         for seq, group in zip(wants, groups):
             picks: list = []
@@ -1071,7 +1134,7 @@ class Engine:
             made = 0
             for j, smp in enumerate(samples[i]):
                 made += self._draw(smp, pick[j] if isinstance(pick, list) else pick, max_new, stops)
-            if n == 1:
+            if len(samples[i]) == 1:
                 seq.go_on_as_sample()
                 self._after(seq, samples[i][0])
                 return made
@@ -1105,7 +1168,8 @@ class Engine:
         smp.tokens.append(pick.token)
         smp.logprobs.append(pick.logprob)
         smp.planned = max(smp.planned, len(smp.tokens))
-        if len(smp.tokens) >= max_new or pick.token in stops:
+        if len(smp.tokens) >= (smp.max_new or max_new) or pick.token in (
+                stops if smp.stops is None else smp.stops):
             smp.done = True
         return 1
 

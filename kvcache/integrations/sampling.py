@@ -1,0 +1,296 @@
+"""Per-request sampling settings (``SamplingParams``, after vLLM's) and a batched sampler on the
+logits' device that honours them.
+
+The filter applies, per row, what transformers' logits processors apply for the same settings,
+in their order and with their tie and boundary rules (``generation/logits_process.py``):
+
+1. temperature: ``scores / temperature`` (``TemperatureLogitsWarper``);
+2. top-k: every score below the k-th largest is removed, so ties with the k-th are all kept
+   (``TopKLogitsWarper``);
+3. top-p: the scores left are sorted ascending (the same ``torch.sort`` call, so tied tokens at
+   the boundary fall as there), their softmax is summed up in that order and every token whose
+   running sum is ``<= 1 - top_p`` is removed; the last (largest) is always kept
+   (``TopPLogitsWarper``);
+4. min-p: tokens whose probability is below ``min_p`` times the largest probability are removed
+   (``MinPLogitsWarper``).
+
+Removed tokens get ``-inf``. Rows with ``temperature == 0`` are greedy: the first argmax of the
+raw logits, as the engine's greedy path. The draw is inverse-CDF sampling with one uniform number
+per row that is a hash (splitmix64) of the row's ``(seed, step)``: computed on the device for the
+whole batch at once, it depends only on the request's seed and how many tokens it drew before,
+never on the rows it shares the batch with (and it is the same number on every device). Per-row
+``torch.Generator`` objects may be given instead.
+
+This module imports torch only inside the sampler: ``SamplingParams`` is usable without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import random
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ..errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["SamplingParams", "draw_rows", "filter_logits", "sample", "uniforms"]
+
+_SEED_LIMIT = 2 ** 63
+
+
+def _bad(name: str, value: Any, allowed: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"SamplingParams.{name}={value!r:.80} is not allowed: it must be {allowed}")
+
+
+def _integer(name: str, value: Any, low: int, high: Optional[int] = None, allowed: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or int(value) < low or (high is not None and int(value) >= high):
+        raise _bad(name, value, allowed or f"an integer >= {low}")
+    return int(value)
+
+
+def _real(name: str, value: Any, ok, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _bad(name, value, allowed)
+    out = float(value)
+    if not math.isfinite(out) or not ok(out):
+        raise _bad(name, value, allowed)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled (the fields and defaults of vLLM's ``SamplingParams``).
+
+    Every field is checked when the object is made: a bad one raises
+    ``kvcache.errors.InvalidArgumentError`` naming the field, the value and the allowed range.
+    """
+
+    max_tokens: int = 16
+    """New tokens per sample, at most (fewer when a stop token comes; it is kept). >= 1."""
+    temperature: float = 1.0
+    """Scores are divided by it before the filters; 0: greedy (the first argmax). >= 0."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches it. In (0, 1]; 1: off."""
+    top_k: int = 0
+    """Keep the k most likely tokens (and every token tied with the k-th). >= 1; 0 or -1: off."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one. In [0, 1]; 0: off."""
+    seed: Optional[int] = None
+    """Seed of the request's draws (sample ``j`` of ``n`` uses ``seed + j``); None: a fresh
+    random seed (not reproducible). In [0, 2**63)."""
+    n: int = 1
+    """Samples of the prompt (they share its prefill). >= 1."""
+    stop_token_ids: Optional[Sequence[int]] = None
+    """Token ids that end a sample (kept as its last token); stored as a tuple. Each >= 0."""
+    ignore_eos: bool = False
+    """Go on past the model's end-of-sequence ids (``stop_token_ids`` still stop)."""
+    logprobs: Optional[int] = None
+    """None: no log-probabilities; an integer >= 0: report the log-probability of each chosen
+    token under the model's distribution (before the filters). Alternatives beyond the chosen
+    token (``logprobs > 0`` in vLLM) are not reported yet."""
+
+    def __post_init__(self) -> None:
+        _integer("max_tokens", self.max_tokens, 1)
+        _real("temperature", self.temperature, lambda v: v >= 0, "a finite number >= 0 (0: greedy)")
+        _real("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)")
+        _integer("top_k", self.top_k, -1, allowed="an integer >= 1, or 0 or -1 (off)")
+        _real("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)")
+        if self.seed is not None:
+            _integer("seed", self.seed, 0, _SEED_LIMIT, "None or an integer in [0, 2**63)")
+        _integer("n", self.n, 1)
+        stops = self.stop_token_ids
+        if stops is not None:
+            if isinstance(stops, (str, bytes)) or not isinstance(stops, Sequence) and \
+                    not isinstance(stops, (set, frozenset)):
+                raise _bad("stop_token_ids", stops, "None or a sequence of integer token ids >= 0")
+            for t in stops:
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+                    raise _bad("stop_token_ids", stops,
+                               f"None or a sequence of integer token ids >= 0 (holds {t!r:.40})")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "True or False")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, allowed="None or an integer >= 0")
+        for name in ("temperature", "top_p", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("max_tokens", "top_k", "n"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def sample_seed(self, j: int = 0) -> int:
+        """The seed of sample ``j``: ``seed + j`` (mod 2**63), or a fresh random one."""
+        if self.seed is None:
+            return random.SystemRandom().randrange(_SEED_LIMIT)
+        return (self.seed + j) % _SEED_LIMIT
+
+
+# ---------------------------------------------------------------------------- the filter
+def _compute_dtype(logits: "torch.Tensor") -> "torch.dtype":
+    import torch
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _column(values: Sequence[float], dtype, device) -> "torch.Tensor":
+    import torch
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]
+
+
+def filter_logits(logits: "torch.Tensor", params: Sequence[SamplingParams]) -> "torch.Tensor":
+    """The scores of ``logits`` (B, vocab) after temperature, top-k, top-p and min-p of each
+    row's ``params`` (removed tokens: ``-inf``), in float32 (float64 for float64 logits), on the
+    logits' device. Greedy rows are filtered as if at temperature 1 (the sampler ignores them)."""
+    import torch
+    if logits.ndim != 2 or len(params) != logits.shape[0]:
+        raise InvalidArgumentError(
+            f"filter_logits needs logits (B, vocab) and B SamplingParams, got shape "
+            f"{tuple(logits.shape)} and {len(params)}")
+    dtype, device = _compute_dtype(logits), logits.device
+    vocab = logits.shape[1]
+    scores = logits.to(dtype)
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if any(t != 1.0 for t in temps):
+        scores = scores / _column(temps, dtype, device)
+    ninf = float("-inf")
+    use_k = [0 < p.top_k < vocab for p in params]
+    use_p = [p.top_p < 1.0 for p in params]
+    if any(use_k):
+        # the k-th largest of each row (transformers' torch.topk(scores, k)[0][..., -1])
+        kmax = max(p.top_k for p, k in zip(params, use_k) if k)
+        tops = torch.topk(scores, kmax, dim=-1).values
+        kth = tops.gather(1, _column([p.top_k - 1 if k else 0 for p, k in zip(params, use_k)],
+                                     torch.int64, device))
+        on = _column(use_k, torch.bool, device)
+        scores = scores.masked_fill((scores < kth) & on, ninf)
+    if any(use_p):
+        # transformers' own sort call on the same rows: ties at the boundary fall as they do
+        # there (torch.sort's order; not stable on the CPU)
+        ordered, index = torch.sort(scores, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        # the rows' thresholds in the scores' dtype, as transformers' python scalar is
+        floor = _column([1 - p.top_p if u else -1.0 for p, u in zip(params, use_p)], dtype, device)
+        cut = cumulative <= floor
+        cut[:, -1] = False
+        scores = scores.masked_fill(cut.scatter(1, index, cut), ninf)
+    if any(p.min_p > 0 for p in params):
+        probs = scores.softmax(dim=-1)
+        top = probs.amax(dim=-1, keepdim=True)
+        drop = probs < _column([p.min_p for p in params], dtype, device) * top
+        drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(drop, ninf)
+    return scores
+
+
+# ---------------------------------------------------------------------------- the draw
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GAMMA = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(z: "torch.Tensor", s: int) -> "torch.Tensor":
+    """Logical right shift of int64 ``z`` viewed as uint64."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: "torch.Tensor") -> "torch.Tensor":
+    """splitmix64's output function on int64 (wrapping arithmetic, as uint64)."""
+    z = z + _GAMMA
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniforms(seeds: "torch.Tensor", steps: "torch.Tensor", dtype=None) -> "torch.Tensor":
+    """One number in [0, 1) per row from int64 ``seeds`` and ``steps`` (B,), on their device:
+    ``mix(mix(seed) + step)`` with 53 random bits (24 in float32)."""
+    import torch
+    dtype = dtype or torch.float64
+    h = _mix(_mix(seeds) + steps)
+    bits = 53 if dtype == torch.float64 else 24
+    return _shr(h, 64 - bits).to(dtype) * (2.0 ** -bits)
+
+
+def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
+           seeds: Optional[Sequence[int]] = None, steps: Optional[Sequence[int]] = None,
+           generators: Optional[Sequence["torch.Generator"]] = None):
+    """One token per row of ``logits`` (B, vocab), drawn on their device from the distribution
+    that ``filter_logits`` leaves for the row's ``params`` (greedy rows: the first argmax).
+
+    Randomness per row: ``seeds[b]`` (default: ``params[b].sample_seed()``) and ``steps[b]``
+    (the request's draws so far, default 0) hashed on the device, or ``generators[b]`` (a
+    ``torch.Generator`` on the logits' device or the CPU). Returns ``(tokens, logprobs)``, both
+    (B,) on the device (int64; float32, float64 for float64 logits): each token's
+    log-probability under ``log_softmax(logits)``, the model's distribution before the filters.
+    Nothing waits for the device."""
+    import torch
+    batch = logits.shape[0]
+    if logits.ndim != 2 or len(params) != batch:
+        raise InvalidArgumentError(
+            f"sample needs logits (B, vocab) and B SamplingParams, got shape "
+            f"{tuple(logits.shape)} and {len(params)}")
+    dtype, device = _compute_dtype(logits), logits.device
+    raw = logits.to(dtype)
+    tokens = raw.argmax(dim=-1)
+    drawing = [not p.greedy for p in params]
+    if any(drawing):
+        probs = filter_logits(logits, params).softmax(dim=-1)
+        wide = torch.float32 if device.type == "mps" else torch.float64
+        if generators is not None:
+            if len(generators) != batch:
+                raise InvalidArgumentError(f"sample: {len(generators)} generators for {batch} rows")
+            u = torch.stack([torch.rand((), generator=g, dtype=wide, device=g.device).to(device)
+                             for g in generators])
+        else:
+            if seeds is None:
+                seeds = [p.sample_seed() for p in params]
+            if steps is None:
+                steps = [0] * batch
+            if len(seeds) != batch or len(steps) != batch:
+                raise InvalidArgumentError(
+                    f"sample: {len(seeds)} seeds and {len(steps)} steps for {batch} rows")
+            pair = torch.tensor([[int(s) % _SEED_LIMIT for s in seeds],
+                                 [int(t) & (_MASK64 >> 1) for t in steps]], dtype=torch.int64)
+            pair = pair.to(device, non_blocking=True)
+            u = uniforms(pair[0], pair[1], wide)
+        cdf = probs.to(wide).cumsum(dim=-1)
+        total = cdf[:, -1:]
+        # u * total < total strictly: the first entry above the goal has a probability > 0
+        goal = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        drawn = torch.searchsorted(cdf, goal, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
+        mask = torch.tensor(drawing, dtype=torch.bool).to(device, non_blocking=True)
+        tokens = torch.where(mask, drawn, tokens)
+    logprobs = raw.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
+def draw_rows(logits, rows: Sequence[int], params: Sequence[SamplingParams],
+              seeds: Sequence[int], steps: Sequence[int], to_numpy=None):
+    """The engine's call: draw ``d`` from row ``rows[d]`` of ``logits`` (a torch tensor on any
+    device; other arrays go through ``to_numpy`` to a host float64 tensor) with ``params[d]``,
+    ``seeds[d]`` and ``steps[d]``. Returns host ``(tokens (D,) int64, logprobs (D,) float64)``:
+    the only transfer of the step, ``2 * D`` numbers."""
+    import numpy as np
+    import torch
+    if not isinstance(logits, torch.Tensor):
+        if to_numpy is None:
+            raise InvalidArgumentError(f"draw_rows needs torch logits, got {type(logits).__name__}")
+        logits = torch.from_numpy(np.ascontiguousarray(to_numpy(logits), np.float64))
+    index = torch.tensor(list(rows), dtype=torch.int64).to(logits.device, non_blocking=True)
+    tokens, logprobs = sample(logits.index_select(0, index), params, seeds, steps)
+    both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()
+    return both[0].astype(np.int64), both[1]

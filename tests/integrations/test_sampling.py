@@ -1,0 +1,229 @@
+"""SamplingParams and the batched sampler (kvcache.integrations.sampling): the filtered
+distribution equals transformers' logits processors', draws are seeded per request and follow
+that distribution, bad fields are typed errors; and Engine.generate(sampling_params=...)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers.generation.logits_process import (  # noqa: E402
+    LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper)
+
+from kvcache.errors import InvalidArgumentError  # noqa: E402
+from kvcache.integrations import SamplingParams  # noqa: E402
+from kvcache.integrations.sampling import filter_logits, sample  # noqa: E402
+
+
+def hf_filter(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """transformers' processors for ``p``, in the order and on the conditions of
+    ``GenerationMixin._get_logits_processor``, on one row (1, vocab)."""
+    procs = LogitsProcessorList()
+    if p.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(p.temperature))
+    if p.top_k > 0:
+        procs.append(TopKLogitsWarper(top_k=p.top_k))
+    if p.top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=p.top_p))
+    if p.min_p > 0:
+        procs.append(MinPLogitsWarper(min_p=p.min_p))
+    return procs(torch.zeros((1, 1), dtype=torch.long), row.clone())
+
+
+def random_case(rng: np.random.Generator, vocab: int):
+    kind = rng.integers(4)
+    if kind == 0:
+        logits = rng.normal(0, rng.choice([0.5, 2.0, 8.0]), vocab)
+    elif kind == 1:                          # many ties (top-k and top-p boundaries on ties)
+        logits = rng.integers(-3, 3, vocab).astype(np.float64)
+    elif kind == 2:                          # a few distinct values, some -inf
+        logits = rng.choice([-1.0, 0.0, 0.5, 2.0], vocab)
+        logits[rng.random(vocab) < 0.2] = -np.inf
+        logits[rng.integers(vocab)] = 1.0
+    else:                                    # one dominant token
+        logits = rng.normal(0, 1, vocab)
+        logits[rng.integers(vocab)] += 12.0
+    top_p = float(rng.choice([1.0, 1e-7, 0.01, 0.3, 0.5, 0.9, 0.999, 1 - 1e-7, rng.random()]))
+    top_k = int(rng.choice([0, -1, 1, 2, 3, 5, vocab - 1, vocab, vocab + 5]))
+    min_p = float(rng.choice([0.0, 0.0, 0.05, 0.3, 1.0, rng.random()]))
+    temperature = float(rng.choice([1.0, 0.3, 0.7, 1.5, 5.0]))
+    params = SamplingParams(temperature=temperature, top_p=max(top_p, 1e-9), top_k=top_k,
+                            min_p=min_p)
+    return logits, params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_filtered_distribution_equals_transformers_processors(dtype):
+    rng = np.random.default_rng(0)
+    for vocab in (7, 50, 257):
+        cases = [random_case(rng, vocab) for _ in range(120)]
+        logits = torch.tensor(np.stack([c[0] for c in cases]), dtype=dtype)
+        params = [c[1] for c in cases]
+        ours = filter_logits(logits, params)           # all rows in one call, mixed settings
+        assert ours.dtype == dtype
+        for b, p in enumerate(params):
+            want = hf_filter(logits[b:b + 1], p)[0]
+            assert torch.equal(torch.isinf(ours[b]), torch.isinf(want)), (vocab, b, p)
+            got_p, want_p = ours[b].softmax(-1), want.softmax(-1)
+            assert float((got_p - want_p).abs().max()) <= 1e-6, (vocab, b, p)
+
+
+def test_filter_boundaries_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]]))
+    keep = lambda **kw: (~torch.isinf(filter_logits(logits, [SamplingParams(**kw)])[0])).tolist()  # noqa: E731
+    assert keep(top_k=2) == [True, True, True, False]          # the tie with the 2nd is kept
+    assert keep(top_k=1) == [True, False, False, False]
+    assert keep(top_p=1e-9) == [True, False, False, False]     # the top token always stays
+    assert keep(top_p=1.0) == [True] * 4
+    assert keep(min_p=0.39) == [True, True, True, False]       # 0.2 >= 0.39 * 0.5 stays
+    assert keep(min_p=1.0) == [True, False, False, False]
+
+
+def test_greedy_rows_take_the_first_argmax_and_logprobs_are_the_models():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 2.0, 2.0]])
+    tokens, lps = sample(logits, [SamplingParams(temperature=0), SamplingParams(temperature=0)])
+    assert tokens.tolist() == [1, 2]
+    want = logits.log_softmax(-1)[[0, 1], [1, 2]]
+    torch.testing.assert_close(lps, want)
+
+
+def test_draws_are_reproducible_per_seed_and_independent_of_the_batch():
+    rng = np.random.default_rng(1)
+    vocab = 64
+    mine = torch.tensor(rng.normal(0, 1.5, vocab), dtype=torch.float32)[None]
+    p = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=7)
+    alone = [int(sample(mine, [p], [p.seed], [t])[0][0]) for t in range(40)]
+    assert alone == [int(sample(mine, [p], [7], [t])[0][0]) for t in range(40)]
+    assert len(set(alone)) > 5
+    others = torch.tensor(rng.normal(0, 1.5, (7, vocab)), dtype=torch.float32)
+    for t in range(40):
+        for where in (0, 3, 7):           # another batch composition, another place in it
+            rows = torch.cat([others[:where], mine, others[where:]])
+            ps = [SamplingParams(temperature=float(rng.choice([0.0, 0.5, 2.0])),
+                                 top_p=float(rng.choice([0.3, 1.0]))) for _ in range(7)]
+            ps.insert(where, p)
+            seeds = list(rng.integers(0, 2 ** 63, 8))
+            steps = list(rng.integers(0, 1000, 8))
+            seeds[where], steps[where] = 7, t
+            assert int(sample(rows, ps, seeds, steps)[0][where]) == alone[t]
+    other_seed = [int(sample(mine, [p], [8], [t])[0][0]) for t in range(40)]
+    assert other_seed != alone
+    # per-row generators: the same seed gives the same draws, wherever the row is
+    g = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    a = sample(torch.cat([mine, others[:2]]), [p] * 3, generators=[g(5), g(6), g(7)])[0]
+    b = sample(torch.cat([others[:2], mine]), [p] * 3, generators=[g(6), g(7), g(5)])[0]
+    assert int(a[0]) == int(b[2])
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    support = probs > 0
+    if (counts[~support] > 0).any():
+        return math.inf, int(support.sum()) - 1
+    n = counts.sum()
+    expect = probs[support] * n
+    return float(((counts[support] - expect) ** 2 / expect).sum()), int(support.sum()) - 1
+
+
+def _bound(df: int) -> float:
+    """A chi-square quantile far in the tail (about 1e-6, Wilson-Hilferty), so the seeded test
+    is no coin toss."""
+    z = 4.75
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3 if df > 0 else 0.0
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.6, top_k=5),
+                                dict(temperature=1.3, top_p=0.8), dict(min_p=0.15),
+                                dict(temperature=0.8, top_k=8, top_p=0.9, min_p=0.05)])
+def test_empirical_frequencies_match_the_filtered_distribution(kw):
+    rng = np.random.default_rng(2)
+    vocab, draws = 12, 40000
+    logits = torch.tensor(rng.normal(0, 1.2, vocab), dtype=torch.float32)[None]
+    p = SamplingParams(seed=11, **kw)
+    want = hf_filter(logits, p)[0].softmax(-1).double().numpy()
+    rows = logits.expand(draws, vocab)
+    half = draws // 2                      # many seeds at step 0, one seed over many steps
+    seeds = list(range(half)) + [11] * half
+    steps = [0] * half + list(range(half))
+    tokens = sample(rows, [p] * draws, seeds, steps)[0].numpy()
+    counts = np.bincount(tokens, minlength=vocab)
+    stat, df = _chi2(counts, want)
+    assert stat < _bound(df), (stat, df, counts, want)
+    # the test has teeth: the distribution a wrong filter gives is refused
+    wrong = [logits[0].softmax(-1).double().numpy()]                        # no filter at all
+    wrong.append(hf_filter(logits, SamplingParams(**{**kw, "temperature": 1.1 * p.temperature}))
+                 [0].softmax(-1).double().numpy())                          # another temperature
+    if p.top_k > 0:
+        wrong.append(hf_filter(logits, SamplingParams(**{**kw, "top_k": p.top_k + 1}))
+                     [0].softmax(-1).double().numpy())                      # k off by one
+    for w in wrong:
+        if np.abs(w - want).max() > 1e-3:      # (no filter is no change at temperature 1)
+            assert _chi2(counts, w)[0] > _bound(df)
+
+
+BAD = [("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", True), ("temperature", -0.1),
+       ("temperature", math.inf), ("temperature", math.nan), ("temperature", "hot"),
+       ("top_p", 0.0), ("top_p", 1.5), ("top_p", None), ("top_k", -2), ("top_k", 1.5),
+       ("min_p", -0.01), ("min_p", 1.01), ("seed", -1), ("seed", 2 ** 63), ("seed", 1.0),
+       ("n", 0), ("n", "2"), ("stop_token_ids", [1, -2]), ("stop_token_ids", "ab"),
+       ("stop_token_ids", [1.0]), ("ignore_eos", 1), ("logprobs", -1), ("logprobs", 0.5)]
+
+
+@pytest.mark.parametrize("field,value", BAD)
+def test_each_bad_field_is_a_typed_error_naming_it(field, value):
+    with pytest.raises(InvalidArgumentError) as err:
+        SamplingParams(**{field: value})
+    msg = str(err.value)
+    assert f"SamplingParams.{field}=" in msg and "must be" in msg
+    assert repr(value)[:20] in msg
+
+
+def test_good_fields_are_kept_and_normalised():
+    p = SamplingParams(max_tokens=4, temperature=0, top_k=-1, top_p=1, min_p=0, seed=0, n=2,
+                       stop_token_ids=[3, 4], ignore_eos=True, logprobs=0)
+    assert p.greedy and p.stop_token_ids == (3, 4) and isinstance(p.top_p, float)
+    assert p.sample_seed(1) == 1 and hash(p) == hash(SamplingParams(**vars(p)))
+
+
+# ------------------------------------------------------------------ Engine.generate
+@pytest.fixture(scope="module")
+def engine():
+    from conftest import make_model
+    from kvcache.integrations.transformers import Engine
+    return Engine(make_model("llama", seed=3), backend="reference", max_total_tokens=4096)
+
+
+def test_engine_greedy_sampling_params_equal_the_old_greedy_call(engine):
+    from engine_cases import make_prompts
+    prompts = make_prompts(seed=21)[:4]
+    old = engine.generate(prompts, max_new_tokens=10, n=2, return_logprobs=True)
+    new = engine.generate(prompts, sampling_params=SamplingParams(temperature=0, max_tokens=10,
+                                                                  n=2, logprobs=0))
+    assert new[0] == old[0]
+    np.testing.assert_allclose(np.array(new[1], float), np.array(old[1], float))
+    # per request: top_k=1 at temperature 1 is greedy; other requests sample alongside
+    mixed = [SamplingParams(temperature=1.0, top_k=1, max_tokens=10, seed=i) for i in range(4)]
+    mixed[1] = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=9)
+    out = engine.generate(prompts, sampling_params=mixed)
+    for i in (0, 2, 3):
+        assert out[i] == [old[0][i][0]]
+    assert len(out[1]) == 3 and all(len(s) == 6 for s in out[1])
+    again = engine.generate(prompts[1:2], sampling_params=[mixed[1]])
+    assert again[0] == out[1]                   # seeded: the same alone as in the batch
+    stop = old[0][0][0][3]
+    cut = engine.generate(prompts[:1], sampling_params=SamplingParams(
+        temperature=0, max_tokens=10, stop_token_ids=[stop]))
+    assert cut[0][0] == old[0][0][0][:old[0][0][0].index(stop) + 1]
+
+
+def test_engine_refuses_sampling_params_mixed_with_the_old_keywords(engine):
+    with pytest.raises(InvalidArgumentError, match="temperature"):
+        engine.generate([[1, 2]], temperature=0.5, sampling_params=SamplingParams())
+    with pytest.raises(InvalidArgumentError, match="one per prompt"):
+        engine.generate([[1, 2]], sampling_params=[SamplingParams()] * 2)
+    assert engine.cache.is_empty
