@@ -293,6 +293,46 @@ class PagedKVCache:
         return not self.state.pt.seqs and self.state.pt.num_free == self.state.pt.num_pages
 
     @_exclusive
+    def pages_needed(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
+                     token_tree_parent_ptr: Optional[Sequence[int]] = None, *,
+                     net: bool = False) -> int:
+        """The free pages that ``begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)``
+        would take now: a scheduler's "is there room" question (vLLM's ``allocate_slots``),
+        answered by the code ``begin_forward`` reserves with, so the two cannot disagree.
+
+        ``seq_ids``: B distinct ids of sequences in the cache (1 <= B <= max_batch_size);
+        ``append_lengths``: B ints >= 1, the new tokens of each, summing to at most
+        ``prefill_chunk_size``; ``token_tree_parent_ptr``: None, or one int per new token, as
+        for ``begin_forward`` (a tree does not change the count, only what is valid).
+        Each sequence counts the pages its new tokens need beyond the room left in its last
+        page (a partial last page is filled first; a page shared with a fork never is: the
+        fork already copied the partial page, so a sequence's last page is its own).
+        ``net``: False (default) counts every page taken off the free list, the number
+        ``begin_forward`` compares with ``num_available_pages`` (CacheFullError above it);
+        a sliding window frees the pages that slide out only after every new page is taken, so
+        they do not make room for the same forward. True: that count minus the pages the
+        forward's sliding windows free, i.e. how far ``num_available_pages`` drops from now to
+        after the forward (negative when windows free more than the forward takes); the two
+        counts differ only for sequences with a sliding window.
+        Validates like ``begin_forward`` (SequenceNotFoundError, InvalidArgumentError,
+        ForwardStateError for an uncommitted tree, naming the sequence, value and limit) but
+        never raises CacheFullError, and changes nothing. Inside an open forward it counts
+        against the pages that forward leaves (``end_forward`` changes no page)."""
+        net = bool_arg(net, "net")
+        taken, freed = self.planner.pages_needed(seq_ids, append_lengths, token_tree_parent_ptr)
+        return taken - freed if net else taken
+
+    @_exclusive
+    def can_append(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
+                   token_tree_parent_ptr: Optional[Sequence[int]] = None) -> bool:
+        """Whether ``begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)`` has the
+        pages it needs now: ``pages_needed(...) <= num_available_pages`` (False exactly when
+        it would raise CacheFullError). Same arguments and input errors as ``pages_needed``;
+        changes nothing."""
+        return self.pages_needed(seq_ids, append_lengths,
+                                 token_tree_parent_ptr) <= self.state.pt.num_free
+
+    @_exclusive
     def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None,
                layer: Optional[int] = None) -> tuple[Array, Array]:
         """The K/V of tokens ``start .. end-1`` (None: to the end) of sequence ``seq_id``, K as

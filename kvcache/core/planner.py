@@ -28,7 +28,7 @@ from .decode import DecodeReuse, first_step
 from .depths import build_depths
 from .plan import ForwardPlan, ForwardUndo, build
 from .request import ForwardRequest, check_batch, check_forward, exclusive_cumsum
-from .reserve import count_pages
+from .reserve import count_pages, page_need
 from .state import CacheState
 from .static import pad_to_bucket
 from .tokens import token_arrays, tree_masks
@@ -65,6 +65,16 @@ class Planner:
             return pad_to_bucket(plan, self.config)
         return plan
 
+    def pages_needed(self, seq_ids, append_lengths, tree_parent_ptr=None) -> tuple[int, int]:
+        """(pages taken, pages freed) by the forward ``begin(seq_ids, append_lengths,
+        tree_parent_ptr)`` would reserve now: taken off the free list (what must be free, else
+        CacheFullError), and given back by its sliding windows after every new page is taken.
+        The same validation (``_request``) and page count (``reserve.page_need``) as ``begin``,
+        without reserving, refusing for room, or touching the decode reuse: changes nothing."""
+        req = self._request(seq_ids, append_lengths, tree_parent_ptr)
+        need, slides = page_need(self.state, self.config, req)
+        return int(need.sum()), sum(s.erase_count for s in slides.values())
+
     def rollback(self, undo: ForwardUndo) -> None:
         """Undo a forward that ``begin`` planned: the page table, the free pages and the token
         trees as they were before it (the epoch moves on: nothing built on the undone state is
@@ -90,15 +100,21 @@ class Planner:
     def _plan(self, seq_ids, append_lengths, tree_parent_ptr) -> ForwardPlan:
         cfg, pt = self.config, self.state.pt
         self._reuse = None
-        seq_ids, seqs, append = check_batch(pt, cfg, seq_ids, append_lengths)
-        req = check_forward(pt, cfg, self.capabilities, seq_ids, seqs, append, tree_parent_ptr)
+        req = self._request(seq_ids, append_lengths, tree_parent_ptr)
         if self._unshared_decode(req):
-            plan, holders = first_step(pt, cfg.page_size, seq_ids, req.slots, req.last)
+            plan, holders = first_step(pt, cfg.page_size, req.seq_ids, req.slots, req.last)
             return self._remember(plan, req, holders)
         # each last block's and sequence's state before this forward, gathered once
         before = (pt.b_len[req.last], pt.b_npages[req.last], pt.s_len[req.slots])
         need, slides = count_pages(self.state, cfg, req, before)
         return self._general(req, need, slides, before)
+
+    def _request(self, seq_ids, append_lengths, tree_parent_ptr) -> ForwardRequest:
+        """Step 1, validate: the checked ``ForwardRequest`` (typed errors, nothing changed)."""
+        pt = self.state.pt
+        seq_ids, seqs, append = check_batch(pt, self.config, seq_ids, append_lengths)
+        return check_forward(pt, self.config, self.capabilities, seq_ids, seqs, append,
+                             tree_parent_ptr)
 
     def _unshared_decode(self, req: ForwardRequest) -> bool:
         """A decode batch of sequences that are one block each, without trees or windows."""

@@ -10,8 +10,12 @@ from ..errors import CacheFullError
 from .request import ForwardRequest
 
 
-def count_pages(state, config, req: ForwardRequest, before=None) -> tuple[np.ndarray, dict]:
-    """(new pages per sequence, ``SlidePlan`` per index of each sliding sequence).
+def page_need(state, config, req: ForwardRequest, before=None) -> tuple[np.ndarray, dict]:
+    """(new pages per sequence, ``SlidePlan`` per index of each sliding sequence): what
+    ``CacheState.reserve_forward`` takes off the free list for ``req``, changing nothing and
+    refusing nothing (``count_pages`` refuses; ``Planner.pages_needed`` answers a scheduler).
+    A sequence's need counts its partial last page (new tokens fill it first); a sliding
+    sequence's need is its ``SlidePlan.new_pages``, taken before any slide frees a page.
     ``before``: (last block lengths, their page counts, sequence lengths), each (B,), when
     already gathered."""
     pt = state.pt
@@ -26,6 +30,14 @@ def count_pages(state, config, req: ForwardRequest, before=None) -> tuple[np.nda
         for i in np.flatnonzero(pt.s_window[req.slots] >= 0):
             slides[int(i)] = state.slide_plan(req.seqs[i], int(req.append[i]))
             need[i] = slides[int(i)].new_pages     # before its slide frees any
+    return need, slides
+
+
+def count_pages(state, config, req: ForwardRequest, before=None) -> tuple[np.ndarray, dict]:
+    """``page_need``, refused with CacheFullError (nothing changed) when the free pages do not
+    cover it."""
+    pt = state.pt
+    need, slides = page_need(state, config, req, before)
     needed = int(need.sum())
     if needed > pt.num_free:
         worst = int(np.argmax(need))
