@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (  # noqa: E402
     LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper)
 
+from conftest import make_model  # noqa: E402  (the integrations conftest, bound at import)
 from kvcache.errors import InvalidArgumentError  # noqa: E402
 from kvcache.integrations import SamplingParams  # noqa: E402
 from kvcache.integrations.sampling import filter_logits, sample  # noqa: E402
@@ -193,7 +194,6 @@ def test_good_fields_are_kept_and_normalised():
 # ------------------------------------------------------------------ Engine.generate
 @pytest.fixture(scope="module")
 def engine():
-    from conftest import make_model
     from kvcache.integrations.transformers import Engine
     return Engine(make_model("llama", seed=3), backend="reference", max_total_tokens=4096)
 
