@@ -805,10 +805,7 @@ class PagedKVCache:
         scale = c.head_dim ** -0.5 if sm_scale is None else float_arg(sm_scale, "sm_scale")
         window_left = self._window_left(plan, window_left)
         softcap = self._softcap(plan, logit_softcap)
-        if not 0 <= layer_id < c.num_layers:
-            raise InvalidArgumentError(f"layer_id {layer_id} must be in [0, {c.num_layers})")
-        if layer_id in self._layers_done:
-            raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
+        self._layer_to_run(layer_id)
         total = plan.total_tokens
         self._check_input("q", q, c.num_qo_heads, total)
         rows = self.backend.shape_of(q)[0]
@@ -876,6 +873,26 @@ class PagedKVCache:
                 f"sinks has shape {b.shape_of(sinks)} and dtype {b.dtype_name(sinks)}, expected "
                 f"({heads},) (one logit per query head) of one of {DTYPES}")
 
+    def _layer_to_run(self, layer_id) -> int:
+        """``layer_id`` as an int in [0, num_layers) that has not run in this forward (typed
+        errors otherwise): the layer an ``attention`` or ``append_kv`` call runs."""
+        layer_id = as_int(layer_id, "layer_id")
+        if not 0 <= layer_id < self.config.num_layers:
+            raise InvalidArgumentError(
+                f"layer_id {layer_id} must be in [0, {self.config.num_layers})")
+        if layer_id in self._layers_done:
+            raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
+        return layer_id
+
+    @staticmethod
+    def _write_rows(plan: ForwardPlan, aux: ForwardAux, rows: int):
+        """(positions, slots) of the ``rows`` input rows: a static-shape step's arrays cut to
+        unpadded inputs (run eagerly)."""
+        positions, slots = aux.tokens.q_positions, aux.tokens.append_slots
+        if plan.static_bucket is not None and rows != plan.static_bucket:
+            positions, slots = positions[:rows], slots[:rows]
+        return positions, slots
+
     def append_kv(self, layer_id: int, k: Array, v: Array) -> None:
         """Write layer ``layer_id``'s new K/V into the cache without attending: for a model
         that computes its attention itself over ``get_kv(seq_id, layer=layer_id)`` (e.g. its own
@@ -888,18 +905,11 @@ class PagedKVCache:
         ForwardStateError outside a forward or for a layer that already ran."""
         plan = self._open("append_kv")
         c = self.config
-        layer_id = as_int(layer_id, "layer_id")
-        if not 0 <= layer_id < c.num_layers:
-            raise InvalidArgumentError(f"layer_id {layer_id} must be in [0, {c.num_layers})")
-        if layer_id in self._layers_done:
-            raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
+        layer_id = self._layer_to_run(layer_id)
         self._check_input("k", k, c.num_kv_heads, plan.total_tokens)
         rows = self.backend.shape_of(k)[0]
         self._check_input("v", v, c.num_kv_heads, rows, c.head_dim_v)
-        tokens = self._device_aux().tokens
-        positions, slots = tokens.q_positions, tokens.append_slots
-        if plan.static_bucket is not None and rows != plan.static_bucket:
-            positions, slots = positions[:rows], slots[:rows]
+        positions, slots = self._write_rows(plan, self._device_aux(), rows)
         if self.config.effective_rope_mode == "normal":
             self.backend.append_kv(self.pages[layer_id], k, v, slots, positions, self._rope)
         else:
@@ -928,10 +938,7 @@ class PagedKVCache:
         b, mode = self.backend, self.config.effective_rope_mode
         inline = self._rope if mode == "inline" else None
         tokens = aux.tokens
-        positions, slots = tokens.q_positions, tokens.append_slots
-        rows = b.shape_of(q)[0]
-        if plan.static_bucket is not None and rows != plan.static_bucket:
-            positions, slots = positions[:rows], slots[:rows]     # unpadded inputs, run eagerly
+        positions, slots = self._write_rows(plan, aux, b.shape_of(q)[0])
         if not plan.write_after:
             if mode == "normal":
                 q, k = b.rope_append(pages, q, k, v, slots, positions, self._rope)
