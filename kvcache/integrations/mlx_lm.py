@@ -76,7 +76,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import require
+from ..serving import RequestOutput
 from .engine import Engine as _Engine
+from .sampling import SamplingParams
 from .engine import ModelAdapter
 from ..arrays import to_numpy
 from ..backend import Capabilities
@@ -89,7 +91,8 @@ mlx_lm = require("mlx_lm", "mlx-lm", "0.32")
 from mlx_lm.models import base as _mlx_base  # noqa: E402
 from mlx_lm.models import cache as _mlx_cache  # noqa: E402
 
-__all__ = ["Engine", "LayerCache", "MlxLmAdapter", "ModelDescription", "cache_config",
+__all__ = ["Engine", "LayerCache", "MlxLmAdapter", "ModelDescription", "RequestOutput",
+           "SamplingParams", "cache_config",
            "describe", "eos_token_ids", "layer_caches", "sliding_windows"]
 
 _DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -781,7 +784,7 @@ class Engine(_Engine):
     mlx-lm's cache protocol (refused with the reason otherwise: see the module docstring).
     ``backend``: a backend name or ``"auto"`` (``"metal"`` for MLX); ``device``: ``"gpu"`` or
     ``"cpu"`` (None: MLX's default device); ``dtype``: the cache dtype (None: the model's);
-    ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``), ``max_batch_size``,
+    ``page_size``, ``max_total_tokens`` (None: sized from free device memory, ``memory_fraction`` of it, default 0.9, where the device can be asked; else ``512 * max_batch_size``), ``max_batch_size``,
     ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in ``CacheConfig``.
     ``offload`` / ``offload_tokens``: the host tier preempted sequences are parked in (None: on
     for the GPU); ``overlap`` (default True): greedy decode with the host one step ahead of the
@@ -796,10 +799,12 @@ class Engine(_Engine):
                  max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
                  prefill_chunk_size: Optional[int] = None, offload: Optional[bool] = None,
                  offload_tokens: Optional[int] = None, overlap: bool = True,
-                 tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None):
+                 tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None,
+                 memory_fraction: float = 0.9):
         self.model = model
         super().__init__(MlxLmAdapter(model, tokenizer=tokenizer, eos_token_ids=eos_token_ids),
                          backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                         offload=offload, offload_tokens=offload_tokens, overlap=overlap)
+                         offload=offload, offload_tokens=offload_tokens, overlap=overlap,
+                         memory_fraction=memory_fraction)

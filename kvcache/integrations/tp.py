@@ -385,6 +385,22 @@ class TensorParallelAdapter(TransformersAdapter):
     def graphs_by_default(self, device) -> Optional[bool]:
         return None
 
+    def device_memory(self, device):
+        """The least free memory of any rank (and the largest total), so that every rank sizes
+        the same cache: their forwards must hold the same pages."""
+        info = super().device_memory(device)
+        if info is None:
+            return None
+        both = torch.tensor([info[0], -info[1]], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.layout.group)
+        return int(both[0]), -int(both[1])
+
+    def peak_memory(self, device, run) -> int:
+        """The largest peak of any rank."""
+        peak = torch.tensor([super().peak_memory(device, run)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.layout.group)
+        return int(peak[0])
+
 
 # ---------------------------------------------------------------------- command line
 def _demo_model(seed: int, layers: int):

@@ -36,7 +36,9 @@ from typing import Optional
 import numpy as np
 
 from . import MissingExtraError, require
+from ..serving import RequestOutput
 from .engine import Engine as _Engine
+from .sampling import SamplingParams
 from .engine import ModelAdapter, PendingPicks
 from ..arrays import to_numpy
 from ..backend import Capabilities
@@ -62,7 +64,8 @@ if _version(transformers.__version__) < MIN_VERSION:
         f"{'.'.join(map(str, MIN_VERSION))}, found {transformers.__version__}; install it with: "
         f"pip install -U 'kvcache[transformers]'")
 
-__all__ = ["ATTN_IMPLEMENTATION", "Engine", "ROPE_CHOICES", "ROPE_FAMILIES", "TransformersAdapter",
+__all__ = ["ATTN_IMPLEMENTATION", "Engine", "ROPE_CHOICES", "ROPE_FAMILIES", "RequestOutput",
+           "SamplingParams", "TransformersAdapter",
            "attention", "cache_config", "fused_rope", "model_rotary", "register",
            "sliding_windows"]
 
@@ -639,18 +642,20 @@ class TransformersAdapter(ModelAdapter):
         picked = self._greedy_picks(logits, logprobs)[1].cpu().numpy()
         return picked[0].astype(np.int64), picked[1]
 
-    def sample(self, logits, rows, uniforms, temperature):
-        # on the model's device, in float64 like the host default: one (2, D) copy back
-        dev = logits.device
-        table = logits.detach().double()[torch.from_numpy(np.asarray(rows, np.int64)).to(dev)]
-        top = table.max(dim=-1, keepdim=True).values
-        logz = top[:, 0] + torch.log(torch.exp(table - top).sum(dim=-1))
-        cdf = torch.cumsum(torch.exp((table - top) / temperature), dim=-1)
-        goal = torch.from_numpy(np.asarray(uniforms, np.float64)).to(dev) * cdf[:, -1]
-        tokens = (cdf <= goal[:, None]).sum(dim=-1).clamp(max=table.shape[1] - 1)
-        logprobs = table.gather(-1, tokens[:, None])[:, 0] - logz
-        picked = torch.stack([tokens.double(), logprobs]).cpu().numpy()
-        return picked[0].astype(np.int64), picked[1]
+    def device_memory(self, device):
+        dev = torch.device(device if device is not None else self.device)
+        if dev.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(dev)
+
+    def peak_memory(self, device, run) -> int:
+        dev = torch.device(device if device is not None else self.device)
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        run()
+        torch.cuda.synchronize(dev)
+        return max(0, torch.cuda.max_memory_allocated(dev) - before)
 
     def step_tokens(self, tokens, picks, dst, src):
         on = picks.tokens
@@ -711,7 +716,7 @@ class Engine(_Engine):
     interface (any family; what its attention needs, soft-capping, sinks, per-layer windows,
     a value head dim of its own, must be declared by the backend). ``backend``: a backend name or
     ``"auto"``; ``device``: the cache's device (None: the model's); ``dtype``: the cache dtype
-    (None: the model's); ``page_size``, ``max_total_tokens`` (None: ``512 * max_batch_size``),
+    (None: the model's); ``page_size``, ``max_total_tokens`` (None: sized from free device memory, ``memory_fraction`` of it, default 0.9, where the device can be asked; else ``512 * max_batch_size``),
     ``max_batch_size``, ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in
     ``CacheConfig``. ``rope``: who rotates q and k, ``"model"`` (default: the model's own
     rotary embedding, cache ``rope_mode="none"``) or ``"cache"`` (the cache's fused RoPE append
@@ -735,7 +740,7 @@ class Engine(_Engine):
                  rope: str = "model", graphs: Optional[bool] = None,
                  graph_batch_sizes=None, offload: Optional[bool] = None,
                  offload_tokens: Optional[int] = None, overlap: bool = True,
-                 tp: Optional[int] = None, tp_group=None):
+                 tp: Optional[int] = None, tp_group=None, memory_fraction: float = 0.9):
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
@@ -747,4 +752,5 @@ class Engine(_Engine):
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
-                         offload_tokens=offload_tokens, overlap=overlap)
+                         offload_tokens=offload_tokens, overlap=overlap,
+                         memory_fraction=memory_fraction)

@@ -1,0 +1,74 @@
+"""The model runner: one ``StepPlan`` through the model and the cache, and the picks.
+
+It holds the ``ModelAdapter``, the whole-step decode graphs and the sampler; the
+``EngineCore`` calls it (see ``kvcache.serving.core`` for the protocol).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from ..cache import PagedKVCache
+from ..serving.stats import EngineStats
+from .adapter import ModelAdapter, PendingPicks
+from .sampling import draw_rows
+
+__all__ = ["Runner"]
+
+
+class Runner:
+    """Runs plans on ``cache`` with ``adapter``; ``graphs``: replay a captured whole-step graph
+    for pure decode steps (``adapter.step_graphs``); counts graph use in ``stats``."""
+
+    def __init__(self, adapter: ModelAdapter, cache: PagedKVCache, stats: EngineStats,
+                 graphs: bool = False):
+        self.adapter = adapter
+        self.cache = cache
+        self.stats = stats
+        self.decode_graphs = adapter.step_graphs(cache) if graphs else None
+
+    def session(self):
+        return self.adapter.session(self.cache)
+
+    def forward(self, plan, picks: Optional[PendingPicks] = None):
+        """Run ``plan`` as one forward; returns the logits of ``plan.logit_rows``. Raises
+        ``CacheFullError`` (nothing changed) when it does not fit."""
+        adapter, cache, stats = self.adapter, self.cache, self.stats
+        n = len(plan.tokens)
+        if plan.slot_dst:
+            assert picks is not None, "a plan with placeholders needs the step before's picks"
+        if picks is not None and plan.slot_dst and len(plan.slot_dst) == n and plan.slot_src == plan.slot_dst \
+                and plan.slot_dst == list(range(n)) and len(picks.tokens) == n:
+            tokens = picks.tokens           # the step before's picks, in order: as they are
+        else:
+            tokens = np.asarray(plan.tokens, np.int64)
+            if picks is not None and plan.slot_dst:
+                tokens = adapter.step_tokens(tokens, picks, np.asarray(plan.slot_dst, np.int64),
+                                             np.asarray(plan.slot_src, np.int64))
+        positions = np.asarray(plan.positions, np.int64)
+        rows = np.asarray(plan.logit_rows, np.int64)
+        with cache.forward(plan.seq_ids, plan.lens):
+            if self.decode_graphs is not None and cache.static_bucket is not None:
+                before = self.decode_graphs.captures
+                logits = self.decode_graphs.run(tokens, positions, rows)
+                stats.graph_forwards += 1
+                stats.graph_captures += self.decode_graphs.captures - before
+            else:
+                logits = adapter.forward(cache, tokens, positions, rows)
+        return logits
+
+    def greedy_async(self, logits, logprobs: bool) -> PendingPicks:
+        return self.adapter.greedy_async(logits, logprobs)
+
+    def pick(self, logits, draws: list, logprobs: bool) -> tuple:
+        """One ``(token, logprob)`` per ``Draw``, on the host: greedy rows as the argmax, the
+        others drawn with their ``SamplingParams`` and seeds on the logits' device."""
+        rows = [d.row for d in draws]
+        if all(d.params.temperature == 0.0 for d in draws):
+            tokens, lps = self.adapter.greedy(logits, logprobs)
+            return tokens[rows], lps[rows]
+        return draw_rows(logits, rows, [d.params for d in draws], [d.seed for d in draws],
+                         [d.step for d in draws], self.adapter.to_numpy)

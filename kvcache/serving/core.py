@@ -1,0 +1,130 @@
+"""``EngineCore``: the one loop that turns requests into tokens.
+
+It joins a ``Scheduler`` (which sequences run, pure Python) and a runner (the model on the
+device). The runner is any object with:
+
+* ``session()``: a context manager held while the core has work (e.g. the model's attention
+  switched to the cache);
+* ``forward(plan, picks)``: runs ``plan`` (a ``StepPlan``) as one forward of the cache and
+  returns its logits; ``picks`` is the step before's pending picks when ``plan.slot_dst`` takes
+  tokens from them; raises ``CacheFullError`` with nothing changed when it does not fit;
+* ``greedy_async(logits, logprobs)``: the first argmax of each row, still on its way to the
+  host (an object with ``result() -> (tokens, logprobs)``);
+* ``pick(logits, draws, logprobs)``: one host ``(token, logprob)`` pair per ``Draw``.
+
+Pure Python: it is driven with a fake runner in the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+from ..errors import CacheFullError, InvalidArgumentError
+from .request import Request, RequestOutput, Sample
+from .scheduler import Scheduler
+
+__all__ = ["EngineCore"]
+
+
+class EngineCore:
+    """``add_request`` / ``step`` / ``abort`` / ``has_unfinished`` over one scheduler and one
+    runner. ``admit(prompt, params) -> (prompt, params, stops)`` validates a request before it
+    is queued (raising a typed error that names the bad value) and returns the prompt as a list
+    of ints, the ``SamplingParams`` to use and the token ids that end a sample."""
+
+    def __init__(self, scheduler: Scheduler, runner, admit: Callable):
+        self.scheduler = scheduler
+        self.runner = runner
+        self._admit = admit
+        self._next_id = 0
+        self._pending: list = []            # outputs to report at the next step (aborts)
+        self._session: Optional[contextlib.ExitStack] = None
+
+    @property
+    def stats(self):
+        return self.scheduler.stats
+
+    def add_request(self, prompt, params=None) -> int:
+        """Queue a request; returns its id. ``params``: a ``SamplingParams`` (None: the
+        defaults). Raises ``InvalidArgumentError`` (nothing queued) on a bad prompt or one that
+        cannot fit the cache even alone."""
+        prompt, params, stops = self._admit(prompt, params)
+        rid = self._next_id
+        self._next_id += 1
+        samples = [Sample(seed=params.sample_seed(j)) for j in range(params.n)]
+        self.scheduler.add(Request(rid, prompt, params, frozenset(stops), 0, samples))
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        """End a request now: its sequences leave the cache at once (its pages are available
+        when this returns) and the next ``step`` reports it finished with ``"abort"``. An
+        unknown or finished id is ignored."""
+        if not isinstance(request_id, int) or isinstance(request_id, bool):
+            raise InvalidArgumentError(f"request_id={request_id!r} must be an int from add_request")
+        self._pending.extend(self.scheduler.abort(request_id))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list:
+        """Run one forward (when there is work) and return the ``RequestOutput`` of every sample
+        that got tokens or ended. In pipelined mode a greedy step's tokens are reported by the
+        next call (the host reads them after launching the next forward); a call with nothing
+        left to launch reads the last ones."""
+        out, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished():
+            self._close()
+            return out
+        if self._session is None:
+            self._session = contextlib.ExitStack()
+            self._session.enter_context(self.runner.session())
+        try:
+            out.extend(self._step())
+        except BaseException:
+            self.reset()
+            raise
+        if not self.scheduler.has_unfinished():
+            self._close()
+        return out
+
+    def _step(self) -> list:
+        sched, runner = self.scheduler, self.runner
+        while True:
+            plan = sched.schedule()
+            if plan is None:
+                before = sched.take_inflight()
+                return [] if before is None else self._settle(before)
+            before = sched.inflight
+            try:
+                logits = runner.forward(plan, before.picks if plan.slot_dst else None)
+            except CacheFullError as exc:
+                sched.forward_failed(exc)
+                continue
+            sched.ran(plan)
+            before = sched.take_inflight()
+            if before is not None:
+                sched.stats.overlapped_forwards += 1
+            if plan.pipelined:
+                if plan.wants:
+                    sched.launched(plan, runner.greedy_async(logits, plan.logprobs))
+                return [] if before is None else self._settle(before)
+            out = [] if before is None else self._settle(before)
+            draws = sched.draws(plan)
+            tokens, logprobs = runner.pick(logits, draws, plan.logprobs) if draws else ([], [])
+            return out + sched.consume(plan, tokens, logprobs)
+
+    def _settle(self, inflight) -> list:
+        tokens, logprobs = inflight.picks.result()
+        return self.scheduler.settle(inflight, tokens, logprobs)
+
+    def reset(self) -> None:
+        """Drop every request and sequence (after an error: the cache is cleared)."""
+        self.scheduler.reset()
+        self._pending = []
+        self._close()
+
+    def _close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            session.close()

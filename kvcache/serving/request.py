@@ -1,0 +1,81 @@
+"""A request's state in the engine, and what a step reports about it (``RequestOutput``).
+
+Pure Python: no array library, no model library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+__all__ = ["FINISH_REASONS", "Request", "RequestOutput", "Sample"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""Why a sample ended: a stop token or the model's EOS (kept as its last token), ``max_tokens``
+reached, or ``abort``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one sample of a request (``EngineCore.step``).
+
+    ``request_id``: the id ``add_request`` returned; ``index``: the sample (0 .. n-1);
+    ``new_token_ids``: the tokens this sample got since its last output (may be empty on the
+    output that reports an abort); ``finished``: the sample is done; ``finish_reason``: one of
+    ``"stop"``, ``"length"``, ``"abort"`` when finished, else None; ``logprobs``: the model's
+    log-probability of each new token (before temperature and filters) when the request's
+    ``SamplingParams.logprobs`` asked for them, else None."""
+
+    request_id: int
+    index: int
+    new_token_ids: list
+    finished: bool
+    finish_reason: Optional[str] = None
+    logprobs: Optional[list] = None
+
+
+@dataclasses.dataclass(eq=False)
+class Sample:
+    """One of a request's ``n`` samples: its new tokens so far and where it stands."""
+
+    seed: int
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+    planned: int = 0            # picks launched for it (pipelined steps: some still in flight)
+    emitted: int = 0            # tokens already reported in a RequestOutput
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A request as the scheduler holds it. ``params`` is a ``SamplingParams``; ``stops`` the
+    token ids that end a sample (``params.stop_token_ids`` plus the model's EOS unless
+    ``ignore_eos``); ``order`` its arrival number (smaller is older)."""
+
+    request_id: int
+    prompt: list
+    params: Any
+    stops: frozenset
+    order: int
+    samples: list = dataclasses.field(default_factory=list)
+    seqs: list = dataclasses.field(default_factory=list)    # every sequence made for it
+
+    @property
+    def finished(self) -> bool:
+        return all(s.done for s in self.samples)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs is not None and self.params.logprobs is not False

@@ -1,0 +1,42 @@
+"""The engine's counters (``EngineStats``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["EngineStats"]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters over the engine's life (``generate`` adds to them)."""
+
+    forwards: int = 0
+    """Model forwards run (one per scheduler step that ran)."""
+    prefill_tokens: int = 0
+    """Tokens run as prompt chunks (including recomputation after preemption)."""
+    decode_tokens: int = 0
+    """Tokens run as one-token decode steps."""
+    forks: int = 0
+    """Sequences started by forking (shared prefix or parallel sample)."""
+    shared_prefix_tokens: int = 0
+    """Prompt tokens not computed because a fork shared them."""
+    preemptions: int = 0
+    """Sequences removed to make room (recomputed later, or parked in the host tier)."""
+    recomputed_tokens: int = 0
+    """Tokens computed again after preemption."""
+    offloaded_tokens: int = 0
+    """Tokens parked in the host tier by preemptions."""
+    recompute_tokens_saved: int = 0
+    """Tokens restored from the host tier instead of being computed again."""
+    graph_forwards: int = 0
+    """Forwards run through a captured whole-step graph (decode steps; captures included)."""
+    graph_captures: int = 0
+    """Whole-step graphs captured (one per batch bucket, again if the cache's buffers moved)."""
+    overlapped_forwards: int = 0
+    """Greedy steps launched before the host had the previous step's picks (decode runs, and
+    pipelined steps with prompt chunks)."""
+
+    @property
+    def forward_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens

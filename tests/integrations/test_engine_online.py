@@ -1,0 +1,162 @@
+"""The Engine's online API on a real model (transformers, reference backend): requests added
+while others decode, aborted mid-run and streamed (sync and asyncio) get the tokens ``generate``
+gives the same prompts; an abort returns its pages at once; the cache is sized from device
+memory; the progress display moves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import make_model
+from engine_cases import make_prompts
+
+import kvcache
+from kvcache.integrations import SamplingParams
+from kvcache.integrations.transformers import Engine
+from kvcache.serving.progress import Progress
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_model("llama", seed=5)
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    """What ``generate`` gives each prompt (greedy, 12 tokens; a sampled request too)."""
+    prompts = make_prompts(seed=31)[:6]
+    engine = Engine(llama, backend="reference", max_total_tokens=4096)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, n=2, seed=7, ignore_eos=True)
+    out = engine.generate(prompts, [greedy(12)] * 5 + [sampled])
+    return prompts, out, sampled
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_requests_added_while_others_decode_and_aborted_get_generates_tokens(llama, reference, overlap):
+    prompts, want, sampled = reference
+    engine = Engine(llama, backend="reference", max_total_tokens=4096, overlap=overlap)
+    base = engine.cache.num_available_pages
+    params = [greedy(12)] * 5 + [sampled]
+    ids = {engine.add_request(prompts[0], params[0]): 0, engine.add_request(prompts[1], params[1]): 1}
+    victim = engine.add_request(prompts[2], greedy(40))
+    got: dict = {}
+    reasons: dict = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[(out.request_id, out.index)] = out.finish_reason
+        steps += 1
+        if steps in (2, 4, 6, 7):            # arrivals while the first ones decode
+            i = {2: 3, 4: 4, 6: 5, 7: 2}[steps]
+            ids[engine.add_request(prompts[i], params[i])] = i
+        if steps == 5:
+            held = engine.cache.num_available_pages
+            engine.abort(victim)
+            assert engine.cache.num_available_pages > held      # its pages came back at once
+    assert engine.cache.num_available_pages == base and engine.cache.is_empty
+    for rid, i in ids.items():
+        for j in range(params[i].n):
+            assert got[(rid, j)] == want[i][j], (i, j)
+            assert reasons[(rid, j)] == "length"
+    assert reasons[(victim, 0)] == "abort" and len(got.get((victim, 0), [])) < 40
+    assert engine.stats.forwards > 0 and (engine.stats.overlapped_forwards > 0) == overlap
+
+
+def test_abort_alone_returns_to_the_baseline_in_the_same_step(llama):
+    engine = Engine(llama, backend="reference", max_total_tokens=1024)
+    base = engine.cache.num_available_pages
+    rids = [engine.add_request(p, greedy(30)) for p in make_prompts(seed=32)[:3]]
+    for _ in range(3):
+        engine.step()
+    assert engine.cache.num_available_pages < base
+    for rid in rids:
+        engine.abort(rid)
+    assert engine.cache.num_available_pages == base
+    outs = engine.step()
+    assert {(o.request_id, o.finish_reason) for o in outs} == {(r, "abort") for r in rids}
+    assert not engine.has_unfinished()
+
+
+def test_stream_yields_as_it_goes_and_adds_up_to_generate(llama, reference):
+    prompts, want, sampled = reference
+    engine = Engine(llama, backend="reference", max_total_tokens=4096)
+    got: dict = {}
+    chunks = 0
+    for out in engine.stream(prompts, [greedy(12)] * 5 + [sampled]):
+        got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        chunks += 1
+    assert chunks >= 12                         # token by token, not at the end
+    assert [[got[(i, j)] for j in range(len(want[i]))] for i in range(len(prompts))] == want
+
+
+def test_astream_serves_concurrent_coroutines_and_cancel_aborts(llama, reference):
+    prompts, want, _ = reference
+    engine = Engine(llama, backend="reference", max_total_tokens=4096)
+
+    async def one(i):
+        tokens = []
+        async for out in engine.astream(prompts[i], greedy(12)):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    async def cancelled():
+        async for out in engine.astream(prompts[0], greedy(40)):
+            if out.new_token_ids:
+                break                           # leaving the iteration aborts the request
+
+    async def main():
+        results = await asyncio.gather(*(one(i) for i in range(4)), cancelled())
+        return results[:4]
+
+    got = asyncio.run(main())
+    assert got == [want[i][0] for i in range(4)]
+    assert not engine.has_unfinished() and engine.cache.is_empty
+
+
+def test_max_total_tokens_none_sizes_the_cache_from_device_memory(llama, monkeypatch):
+    engine = Engine(llama, backend="reference", max_batch_size=8)
+    assert engine.sizing == "default" and engine.config.max_total_tokens == 512 * 8
+    from kvcache.integrations.transformers import TransformersAdapter
+    gib = 2 ** 30
+    monkeypatch.setattr(TransformersAdapter, "device_memory", lambda self, device: (6 * gib, 8 * gib))
+    ran = []
+    monkeypatch.setattr(TransformersAdapter, "peak_memory",
+                        lambda self, device, run: ran.append(run()) or gib)
+    engine = Engine(llama, backend="reference", max_batch_size=8, prefill_chunk_size=256,
+                    memory_fraction=0.9, page_size=16)
+    per_token = engine.config.token_kv_bytes
+    probe = engine.adapter.cache_config(dtype=None, page_size=16, max_batch_size=8,
+                                        max_total_tokens=256 + 16 * 9, prefill_chunk_size=256)
+    want = int((6 * gib + probe.kv_bytes - 0.1 * 8 * gib - gib) // per_token) // 16 * 16
+    assert ran and engine.config.max_total_tokens == want and "0.9 of 8.0 GiB" in engine.sizing
+    monkeypatch.setattr(TransformersAdapter, "device_memory", lambda self, device: (gib, 8 * gib))
+    with pytest.raises(kvcache.InvalidArgumentError, match="memory_fraction=0.9: 1.00 GiB free"):
+        Engine(llama, backend="reference", max_batch_size=8, prefill_chunk_size=256)
+    for bad in (0, 1.5, "0.9", True):
+        with pytest.raises(kvcache.InvalidArgumentError, match="memory_fraction"):
+            Engine(llama, backend="reference", memory_fraction=bad)
+
+
+def test_the_progress_display_moves_with_tokens_requests_and_pages(llama):
+    engine = Engine(llama, backend="reference", max_total_tokens=1024)
+    bar = Progress(24, True, engine)
+    seen = []
+    for p in make_prompts(seed=33)[:2]:
+        engine.add_request(p, greedy(12))
+    while engine.has_unfinished():
+        bar._last = 0.0                         # (refreshes are rate-limited)
+        bar.update(engine.step())
+        task = bar.bar.tasks[0]
+        seen.append((task.completed, task.fields["info"]))
+    bar.close()
+    assert seen[-1][0] == 24 and len({c for c, _ in seen}) > 3
+    assert all("tok/s" in info and "running" in info and "pages" in info for _, info in seen)
+    assert any("pages 0/" not in info for _, info in seen)

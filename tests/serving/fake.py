@@ -1,0 +1,134 @@
+"""A fake model runner for the scheduler tests: no torch, no model.
+
+Each token's K row holds ``(token id, position)`` (exact in float32); a sequence's next token is
+a hash of its whole history *as the cache holds it* (read back with ``get_kv``), so a token fed
+at the wrong position, a wrong fork point or a lost recompute changes every later token. The
+judge (``expected``) applies the same hash to plain token lists, with no cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+import kvcache
+from kvcache.errors import InvalidArgumentError
+from kvcache.integrations.sampling import SamplingParams
+from kvcache.serving import EngineCore, Scheduler
+
+VOCAB = 97
+
+
+def next_token(history, seed=None, step=0) -> int:
+    """The model: greedy (seed None) or a seeded draw, from the whole token history."""
+    key = repr((tuple(int(t) for t in history), seed, 0 if seed is None else step)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % VOCAB
+
+
+def expected(prompt, params: SamplingParams, j: int = 0, eos=()) -> list:
+    """What sample ``j`` of a request must produce: the judge, on plain lists."""
+    stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos))
+    out: list = []
+    while len(out) < params.max_tokens:
+        seed = None if params.temperature == 0 else params.sample_seed(j)
+        t = next_token(list(prompt) + out, seed, len(out))
+        out.append(t)
+        if t in stops:
+            break
+    return out
+
+
+class Picks:
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def result(self):
+        return np.asarray(self.tokens, np.int64), np.zeros(len(self.tokens))
+
+
+class FakeRunner:
+    """The runner protocol of ``kvcache.serving.core`` over a reference-backend cache."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.forwards = []                 # (seq_ids, lens) of every forward that ran
+        self.sessions = 0
+
+    def session(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def held():
+            self.sessions += 1
+            yield
+        return held()
+
+    def forward(self, plan, picks=None):
+        tokens = list(plan.tokens)
+        for d, s in zip(plan.slot_dst, plan.slot_src):
+            tokens[d] = picks.tokens[s]
+        assert -1 not in tokens, "a placeholder token reached the model"
+        c = self.cache.config
+        k = np.zeros((len(tokens), c.num_kv_heads, c.head_dim), np.float32)
+        k[:, :, 0] = np.asarray(tokens, np.float32)[:, None]
+        k[:, :, 1] = np.asarray(plan.positions, np.float32)[:, None]
+        q = np.zeros((len(tokens), c.num_qo_heads, c.head_dim), np.float32)
+        rows = []
+        with self.cache.forward(plan.seq_ids, plan.lens):
+            for layer in range(c.num_layers):
+                self.cache.attention(layer, q, k, k)
+            ends = np.cumsum(plan.lens)
+            for row in plan.logit_rows:
+                i = int(np.searchsorted(ends, row, side="right"))
+                length = int(plan.positions[row]) + 1
+                got = self.cache.get_kv(plan.seq_ids[i], 0, length, layer=0)[0]
+                hist = np.asarray(got)[:, 0, :2]
+                assert (hist[:, 1] == np.arange(length)).all(), "positions out of order"
+                rows.append([int(t) for t in hist[:, 0]])
+        self.forwards.append((list(plan.seq_ids), list(plan.lens)))
+        return rows
+
+    def greedy_async(self, logits, logprobs):
+        return Picks([next_token(h) for h in logits])
+
+    def pick(self, logits, draws, logprobs):
+        tokens = [next_token(logits[d.row], None if d.params.temperature == 0 else d.seed, d.step)
+                  for d in draws]
+        return np.asarray(tokens, np.int64), np.zeros(len(tokens))
+
+
+def make_core(max_total_tokens=256, page_size=4, max_batch_size=8, prefill_chunk_size=64,
+              pipelined=True, host_tier=False, eos=()):
+    config = kvcache.CacheConfig(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=4,
+                                 page_size=page_size, max_total_tokens=max_total_tokens,
+                                 max_batch_size=max_batch_size,
+                                 prefill_chunk_size=prefill_chunk_size, rope_mode="none",
+                                 dtype="float32")
+    cache = kvcache.PagedKVCache(config, backend="reference")
+    tier = kvcache.HostTier(cache) if host_tier else None
+    runner = FakeRunner(cache)
+
+    def admit(prompt, params):
+        params = params or SamplingParams()
+        if not prompt:
+            raise InvalidArgumentError("empty prompt")
+        stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos))
+        return list(prompt), params, stops
+
+    core = EngineCore(Scheduler(cache, tier, pipelined=pipelined), runner, admit)
+    return core, runner, cache
+
+
+def run_all(core, max_steps=10_000) -> dict:
+    """Step to the end; returns {(request_id, index): (tokens, finish_reason)}."""
+    got: dict = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            return got
+        for out in core.step():
+            tokens, _ = got.get((out.request_id, out.index), ([], None))
+            assert (out.request_id, out.index) not in got or got[(out.request_id, out.index)][1] is None, \
+                "output after the sample finished"
+            got[(out.request_id, out.index)] = (tokens + out.new_token_ids, out.finish_reason)
+    raise AssertionError("the engine did not finish")

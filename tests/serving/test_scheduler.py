@@ -1,0 +1,206 @@
+"""The scheduler and the engine core with a fake runner: no torch, no model (see fake.py)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from kvcache.errors import CacheFullError, InvalidArgumentError
+from kvcache.integrations.sampling import SamplingParams
+
+from fake import expected, make_core, next_token, run_all
+
+
+def prompts_sharing(rng, count, shared=10, vocab=97):
+    head = [rng.randrange(vocab) for _ in range(shared)]
+    return [head + [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_greedy_requests_equal_the_judge_and_share_their_prefix(pipelined):
+    rng = random.Random(1)
+    core, runner, cache = make_core(pipelined=pipelined)
+    prompts = prompts_sharing(rng, 5)
+    params = SamplingParams(max_tokens=9, temperature=0.0)
+    ids = [core.add_request(p, params) for p in prompts]
+    got = run_all(core)
+    for rid, p in zip(ids, prompts):
+        assert got[(rid, 0)] == (expected(p, params), "length")
+    assert core.stats.forks >= 5 and core.stats.shared_prefix_tokens >= 5 * 8
+    assert (core.stats.overlapped_forwards > 0) == pipelined
+    assert cache.is_empty and cache.num_available_pages == cache.num_total_pages
+    assert runner.sessions == 1
+
+
+def test_requests_added_while_others_decode_equal_the_judge():
+    rng = random.Random(2)
+    core, _, _ = make_core()
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    first = [rng.choices(range(97), k=rng.randrange(3, 20)) for _ in range(3)]
+    later = [rng.choices(range(97), k=rng.randrange(3, 20)) for _ in range(3)]
+    ids = [core.add_request(p, params) for p in first]
+    got: dict = {}
+    steps = 0
+    while core.has_unfinished():
+        for out in core.step():
+            key = (out.request_id, out.index)
+            got[key] = got.get(key, []) + out.new_token_ids
+        steps += 1
+        if steps in (3, 5, 9):
+            ids.append(core.add_request(later[(steps > 3) + (steps > 5)], params))
+    for rid, p in zip(ids, first + later):
+        assert got[(rid, 0)] == expected(p, params)
+
+
+def test_abort_returns_every_page_in_the_same_step_and_is_reported():
+    core, runner, cache = make_core(max_total_tokens=512)
+    base = cache.num_available_pages
+    a = core.add_request(list(range(30)), SamplingParams(max_tokens=40, temperature=0.0))
+    b = core.add_request(list(range(5, 40)), SamplingParams(max_tokens=40, temperature=0.0))
+    for _ in range(4):
+        core.step()
+    held = base - cache.num_available_pages
+    assert held > 0
+    core.abort(a)
+    only_b = base - cache.num_available_pages
+    assert 0 < only_b < held
+    core.abort(b)
+    assert cache.num_available_pages == base and cache.is_empty
+    outs = core.step()
+    assert sorted((o.request_id, o.finished, o.finish_reason) for o in outs) == \
+        [(a, True, "abort"), (b, True, "abort")]
+    assert not core.has_unfinished()
+    core.abort(a)                           # finished: ignored
+    core.abort(12345)                       # unknown: ignored
+    with pytest.raises(InvalidArgumentError, match="request_id='x'"):
+        core.abort("x")
+
+
+def test_abort_of_a_request_waiting_on_a_shared_prefix():
+    rng = random.Random(3)
+    core, _, cache = make_core()
+    prompts = prompts_sharing(rng, 3, shared=16)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ids = [core.add_request(p, params) for p in prompts]
+    core.abort(ids[1])                      # before anything ran: it forks from nothing
+    got = run_all(core)
+    assert got[(ids[1], 0)] == ([], "abort")
+    for i in (0, 2):
+        assert got[(ids[i], 0)] == (expected(prompts[i], params), "length")
+    assert cache.is_empty
+
+
+def test_stop_tokens_and_eos_end_a_sample_with_their_reason():
+    prompt = [5, 6, 7, 8]
+    full = expected(prompt, SamplingParams(temperature=0.0, max_tokens=10))
+    stop = full[3]
+    core, _, _ = make_core(eos=(stop,))
+    a = core.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=10))
+    b = core.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    c = core.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                stop_token_ids=[full[1]]))
+    got = run_all(core)
+    cut = full.index(stop) + 1
+    assert got[(a, 0)] == (full[:cut], "stop")
+    assert got[(b, 0)] == (full, "length")
+    assert got[(c, 0)] == (full[:full.index(full[1]) + 1], "stop")
+
+
+def test_n_seeded_samples_fork_from_the_prompt_and_do_not_depend_on_the_batch():
+    core, _, _ = make_core()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    params = SamplingParams(max_tokens=7, temperature=1.0, n=3, seed=11)
+    other = SamplingParams(max_tokens=5, temperature=0.5, seed=4)
+    rid = core.add_request(prompt, params)
+    rid2 = core.add_request([2, 7, 1, 8], other)
+    got = run_all(core)
+    for j in range(3):
+        assert got[(rid, j)] == (expected(prompt, params, j), "length")
+    assert got[(rid2, 0)][0] == expected([2, 7, 1, 8], other)
+    assert len({tuple(got[(rid, j)][0]) for j in range(3)}) > 1
+    assert core.stats.forks >= 3
+
+
+def random_program(seed: int) -> dict:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(rng.randrange(2, 7)):
+        if reqs and rng.random() < 0.4:             # extends or repeats an earlier prompt
+            base = rng.choice(reqs)["prompt"]
+            prompt = base[:rng.randrange(1, len(base) + 1)] + \
+                rng.choices(range(97), k=rng.randrange(0, 6))
+        else:
+            prompt = rng.choices(range(97), k=rng.randrange(1, 30))
+        sampled = rng.random() < 0.3
+        params = SamplingParams(max_tokens=rng.randrange(1, 14), n=rng.choice([1, 1, 2]),
+                                temperature=1.0 if sampled else 0.0, seed=rng.randrange(100))
+        reqs.append(dict(prompt=prompt, params=params, at=rng.choice([0, 0, 1, 3, 6]),
+                         abort=rng.choice([None] * 5 + [2, 5])))
+    return dict(reqs=reqs, page_size=rng.choice([2, 4, 8]), pages=rng.randrange(6, 20),
+                batch=rng.choice([2, 3, 8]), chunk=rng.choice([4, 16, 64]),
+                pipelined=rng.random() < 0.7, tier=rng.random() < 0.4)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_programs_in_small_caches_equal_the_judge(seed):
+    prog = random_program(seed)
+    ps = prog["page_size"]
+    core, _, cache = make_core(max_total_tokens=prog["pages"] * ps, page_size=ps,
+                               max_batch_size=prog["batch"], prefill_chunk_size=prog["chunk"],
+                               pipelined=prog["pipelined"], host_tier=prog["tier"])
+    base = cache.num_available_pages
+    ids: dict = {}
+    got: dict = {}
+    step = 0
+    while step < 5000:
+        for k, r in enumerate(prog["reqs"]):
+            if r["at"] == step:
+                need = -(-(len(r["prompt"]) + r["params"].max_tokens - 1) // ps)
+                if need > base:
+                    continue                            # would not fit alone: the engine refuses it
+                ids[k] = core.add_request(r["prompt"], r["params"])
+            if r["abort"] is not None and r["at"] + r["abort"] == step and k in ids:
+                core.abort(ids[k])
+        if not core.has_unfinished() and step > 6:
+            break
+        for out in core.step():
+            key = (out.request_id, out.index)
+            tokens, _ = got.get(key, ([], None))
+            got[key] = (tokens + out.new_token_ids, out.finish_reason)
+        step += 1
+    assert not core.has_unfinished()
+    for k, rid in ids.items():
+        r = prog["reqs"][k]
+        for j in range(r["params"].n):
+            tokens, reason = got[(rid, j)]
+            want = expected(r["prompt"], r["params"], j)
+            if reason == "abort":
+                assert tokens == want[:len(tokens)]
+            else:
+                assert (tokens, reason) == (want, "length"), (k, j)
+    assert cache.is_empty and cache.num_available_pages == base
+
+
+def test_a_request_bigger_than_the_cache_fails_the_step_with_cache_full():
+    # the engine refuses it up front (tests/integrations); the bare core's safety net is
+    # CacheFullError from the step, and the core is left empty
+    core, _, cache = make_core(max_total_tokens=16, page_size=4)
+    core.add_request(list(range(40)), SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(CacheFullError):
+        run_all(core)
+    assert cache.is_empty and not core.has_unfinished()
+
+
+def test_the_serving_core_imports_no_array_or_model_library():
+    # torch blocked; and no module of kvcache.serving holds numpy (the package root does)
+    code = ("import sys; sys.modules['torch'] = None; "
+            "import kvcache.serving, kvcache.integrations.sampling; "
+            "mods = [m for n, m in sys.modules.items() if n.startswith('kvcache.serving')]; "
+            "assert len(mods) >= 5 and not any(getattr(v, '__name__', '') == 'numpy' "
+            "for m in mods for v in vars(m).values()); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+    assert next_token([1, 2]) == next_token([1, 2]) != next_token([2, 1])
