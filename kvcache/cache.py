@@ -323,6 +323,19 @@ class PagedKVCache:
         return taken - freed if net else taken
 
     @_exclusive
+    def append_room(self, seq_id: int, pages: int, limit: int) -> int:
+        """The most new tokens, at most ``limit``, that ``seq_id`` can append in one forward of
+        its own taking at most ``pages`` free pages: the inverse of ``pages_needed`` (the room
+        in its own last page first, then whole pages; a sliding window counted as
+        ``pages_needed`` counts it), so a scheduler sizes a prompt chunk without page maths.
+
+        ``seq_id``: a sequence in the cache; ``pages``: an int (below 1: the room in its last
+        page only); ``limit``: an int in [1, prefill_chunk_size]. Raises what ``pages_needed``
+        raises for ``([seq_id], [limit])``; changes nothing."""
+        pages = int_arg(pages, "pages")
+        return self.planner.append_room(seq_id, pages, limit)
+
+    @_exclusive
     def can_append(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
                    token_tree_parent_ptr: Optional[Sequence[int]] = None) -> bool:
         """Whether ``begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)`` has the

@@ -75,6 +75,29 @@ class Planner:
         need, slides = page_need(self.state, self.config, req)
         return int(need.sum()), sum(s.erase_count for s in slides.values())
 
+    def append_room(self, seq_id, pages: int, limit: int) -> int:
+        """The most new tokens (at most ``limit``) that one forward of ``seq_id`` alone can
+        append taking at most ``pages`` free pages, by ``reserve.page_need``'s count (the room
+        in its own last page first; a sliding window's need as ``pages_needed`` counts it).
+        Validates ``seq_id`` and ``limit`` as ``begin`` would (``limit`` tokens in one forward);
+        changes nothing."""
+        req = self._request([seq_id], [limit], None)
+        pt, ps = self.state.pt, self.config.page_size
+        pages = max(pages, 0)
+        if not (self.config.support_sliding_window and pt.s_window[req.slots[0]] >= 0):
+            room = int(pt.b_npages[req.last[0]]) * ps - int(pt.b_len[req.last[0]])
+            return min(limit, room + pages * ps)
+
+        def need(n: int) -> int:
+            return int(page_need(self.state, self.config, self._request([seq_id], [n], None))[0].sum())
+        if need(limit) <= pages:
+            return limit
+        lo, hi = 0, limit                   # need(lo) <= pages < need(hi); need grows with n
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= pages else (lo, mid)
+        return lo
+
     def rollback(self, undo: ForwardUndo) -> None:
         """Undo a forward that ``begin`` planned: the page table, the free pages and the token
         trees as they were before it (the epoch moves on: nothing built on the undone state is

@@ -62,7 +62,7 @@ class Program:
         self.sliding = sliding
         self.next_id = 0
         self.decode_batch = None
-        self.stats = dict(forwards=0, full=0, boundary=0, slid=0, bad=0)
+        self.stats = dict(forwards=0, full=0, boundary=0, slid=0, bad=0, room=0)
 
     def ids(self):
         return self.cache.sequence_ids
@@ -156,6 +156,15 @@ class Program:
         net = cache.pages_needed(ids, lens, net=True)
         room = cache.can_append(ids, lens)
         assert snapshot(cache) == before, "the query changed the cache"
+        # append_room is pages_needed's inverse: the most tokens within a page budget
+        sid = ids[int(self.rng.integers(len(ids)))]
+        pages = int(self.rng.integers(-1, free + 2))
+        limit = int(self.rng.integers(1, LIMITS["prefill_chunk_size"] + 1))
+        brute = max(n for n in range(limit + 1)
+                    if n == 0 or cache.pages_needed([sid], [n]) <= max(pages, 0))
+        assert cache.append_room(sid, pages, limit) == brute
+        assert snapshot(cache) == before, "append_room changed the cache"
+        self.stats["room"] += brute < limit
         assert room == (taken <= free)
         assert net <= taken
         windowed = self.sliding and any(
@@ -203,7 +212,7 @@ class Program:
 @pytest.mark.parametrize("sliding", [False, True], ids=["plain", "sliding"])
 def test_pages_needed_predicts_begin_forward(sliding, fast_path, monkeypatch):
     monkeypatch.setattr(Planner, "fast_path", fast_path)
-    totals = dict(forwards=0, full=0, boundary=0, slid=0, bad=0)
+    totals = dict(forwards=0, full=0, boundary=0, slid=0, bad=0, room=0)
     for seed in range(30):
         prog = Program(seed, sliding)
         for _ in range(80):
@@ -212,7 +221,7 @@ def test_pages_needed_predicts_begin_forward(sliding, fast_path, monkeypatch):
             totals[k] += v
     # the programs reach what the test is for: full caches, the exact boundary, slides
     assert totals["forwards"] > 500 and totals["full"] > 30 and totals["boundary"] > 30
-    assert totals["bad"] > 20
+    assert totals["bad"] > 20 and totals["room"] > 30          # append_room short of its limit
     if sliding:
         assert totals["slid"] > 20
 

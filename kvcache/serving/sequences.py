@@ -1,0 +1,238 @@
+"""The scheduler's sequences and their life in the cache: forks from shared prefixes,
+admission (add, fork or restore from the host tier), preemption, retirement.
+
+A request has a *prompt* sequence; prompts added together that share a prefix of at least a page
+fork from a *prefix* sequence prefilled once (prefixes nest); a prompt with ``n > 1`` samples
+becomes their prefix and each *sample* forks from it. Pure Python over the cache's public API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ..errors import CacheFullError
+from .request import Request
+from .stats import EngineStats
+
+__all__ = ["Seq", "Sequences"]
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    sid: int
+    kind: str                          # "prefix" | "prompt" | "sample"
+    tokens: list
+    order: tuple                       # smaller is older; the youngest is preempted first
+    req: Optional[Request] = None      # None for a prefix shared by several requests
+    sample: int = -1
+    parent: Optional["Seq"] = None     # sequence it forks from when admitted
+    origin: Optional["Seq"] = None     # the sequence it shares a prefix with (re-fork after preemption)
+    fork_pos: int = 0
+    cached: int = 0
+    parked: int = 0                    # tokens held in the host tier (0: none)
+    live: bool = False                 # holds a sequence in the cache
+    retired: bool = False              # done (removed for good): dependants start from scratch
+    waiting: int = 0                   # dependants not yet forked from it
+    computed: int = 0                  # tokens ever run for it (recompute accounting)
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.cached
+
+    def go_on_as_sample(self) -> None:
+        """A prompt's sequence with one sample (``n == 1``) goes on as that sample."""
+        self.kind, self.sample = "sample", 0
+        self.order = (self.order[0], 2, 0)
+
+
+class Sequences:
+    """The sequences of one cache (``by_sid``: those not retired), with the host tier
+    preempted ones are parked in (None: they are recomputed)."""
+
+    def __init__(self, cache, host_tier, stats: EngineStats):
+        self.cache = cache
+        self.config = cache.config
+        self.host_tier = host_tier
+        self.stats = stats
+        self.by_sid: dict = {}
+        self.next_sid = 0
+
+    def clear(self) -> None:
+        self.by_sid.clear()
+
+    def new(self, **kw) -> Seq:
+        seq = Seq(sid=self.next_sid, **kw)
+        self.next_sid += 1
+        self.by_sid[seq.sid] = seq
+        if seq.req is not None:
+            seq.req.seqs.append(seq)
+        return seq
+
+    def take_fresh(self, fresh: list) -> None:
+        """Sequences for ``fresh`` requests (added since the last plan): a prefix sequence for
+        each group of their prompts sharing at least a page, and a prompt sequence each."""
+        prompts = [r.prompt for r in fresh]
+        parents: list = [None] * len(fresh)
+        minimum = self.config.page_size
+
+        def common(idx, start):
+            first = prompts[idx[0]]
+            length = len(first)
+            for i in idx[1:]:
+                other = prompts[i]
+                m = min(length, len(other))
+                k = start
+                while k < m and first[k] == other[k]:
+                    k += 1
+                length = k
+            return length
+
+        def build(idx, depth, parent):
+            groups: dict = {}
+            for i in idx:
+                if len(prompts[i]) > depth:
+                    groups.setdefault(prompts[i][depth], []).append(i)
+                else:
+                    parents[i] = parent
+            for members in groups.values():
+                if len(members) == 1:
+                    parents[members[0]] = parent
+                    continue
+                length = common(members, depth)
+                node = parent
+                if length >= minimum and (parent is None or length > len(parent.tokens)):
+                    node = self.new(kind="prefix", tokens=list(prompts[members[0]][:length]),
+                                         order=(min(fresh[i].order for i in members), 0, length),
+                                         origin=parent)
+                    self.attach(node, parent)
+                build(members, length, node)
+
+        build(list(range(len(fresh))), 0, None)
+        for req, parent in zip(fresh, parents):
+            seq = self.new(kind="prompt", tokens=list(req.prompt), order=(req.order, 1, 0),
+                                req=req, origin=parent)
+            self.attach(seq, parent)
+
+    def attach(self, seq: Seq, parent: Optional[Seq]) -> None:
+        """Make ``seq`` fork from ``parent`` (a prefix sequence, or the nearest one of its
+        origins still in use) when admitted; from nothing when none is."""
+        while parent is not None and parent.retired:
+            parent = parent.origin
+        if parent is not None:
+            seq.parent = parent
+            seq.fork_pos = min(len(parent.tokens), len(seq.tokens) - 1)
+            parent.waiting += 1
+        else:
+            seq.parent, seq.fork_pos = None, 0
+
+    def ready(self, seq: Seq) -> bool:
+        p = seq.parent
+        return p is None or p.retired or (p.live and p.cached >= seq.fork_pos)
+
+    def shares(self, seq: Seq) -> bool:
+        return seq.parent is not None and not seq.parent.retired
+
+    def maybe_retire(self, seq: Seq) -> None:
+        """A prefix sequence that nobody waits on any more leaves the cache."""
+        if seq.kind == "prefix" and seq.waiting == 0 and seq.pending == 0 and not seq.retired:
+            self.retire(seq)
+
+    def retire(self, seq: Seq) -> None:
+        if seq.live:
+            self.cache.remove_sequence(seq.sid)
+        seq.live, seq.retired = False, True
+        self.by_sid.pop(seq.sid, None)
+
+    def drop(self, seq: Seq) -> None:
+        """``seq`` is gone for good (abort): out of the cache, the tier and its parent's count."""
+        if seq.retired:
+            return
+        if seq.parent is not None and not seq.live:
+            seq.parent.waiting -= 1
+            parent, seq.parent = seq.parent, None
+            self.maybe_retire(parent)
+        if seq.parked and self.host_tier is not None:
+            self.host_tier.drop(seq.sid)
+            seq.parked = 0
+        self.retire(seq)
+
+    def restore_pages(self, seq: Seq) -> Optional[int]:
+        """Pages that restoring a parked ``seq`` takes, or None when it is not restored (not
+        parked, or its parent now holds more of its tokens than the tier does)."""
+        if not seq.parked or seq.live or (self.shares(seq) and seq.fork_pos > seq.parked):
+            return None
+        ps = self.config.page_size
+        base = seq.fork_pos - seq.fork_pos % ps if self.shares(seq) else 0
+        return -(-(seq.parked - base) // ps)
+
+    def admit(self, seq: Seq) -> None:
+        cache, stats = self.cache, self.stats
+        parent = seq.parent
+        restore = self.restore_pages(seq) is not None
+        if restore:
+            assert self.host_tier is not None
+            if self.shares(seq):
+                assert parent is not None
+                saved = self.host_tier.restore(seq.sid, parent_id=parent.sid, fork_pos=seq.fork_pos)
+                stats.forks += 1
+                stats.shared_prefix_tokens += seq.fork_pos
+            else:
+                saved = self.host_tier.restore(seq.sid)
+            seq.cached = seq.parked
+            stats.recompute_tokens_saved += saved
+        elif parent is not None and not parent.retired:
+            cache.fork_sequence(parent.sid, seq.sid, seq.fork_pos)
+            seq.cached = seq.fork_pos
+            stats.forks += 1
+            stats.shared_prefix_tokens += seq.fork_pos
+        else:
+            cache.add_sequence(seq.sid)
+            seq.cached = 0
+        if seq.parked and not restore:              # the parent holds more: fork instead
+            assert self.host_tier is not None
+            self.host_tier.drop(seq.sid)
+        seq.parked = 0
+        seq.live = True
+        if parent is not None:
+            parent.waiting -= 1
+            seq.parent = None
+            self.maybe_retire(parent)
+
+    def preempt(self, why: str, keep: Optional[Seq] = None) -> None:
+        """Remove the youngest sequence in the cache other than ``keep`` (the head) to free its
+        pages; it is parked in the host tier (when on, and it has room) or recomputed later.
+        The prefix ``keep`` is still to fork from goes last."""
+        live = [s for s in self.by_sid.values() if s.live and s is not keep]
+        if not live:
+            cfg = self.config
+            raise CacheFullError(
+                f"the cache ({self.cache.num_total_pages} pages of {cfg.page_size} tokens, "
+                f"max_total_tokens={cfg.max_total_tokens}) cannot hold the next forward even "
+                f"alone: {why}")
+        source = keep.parent if keep is not None and not keep.live else None
+        victim = max(live, key=lambda s: (s is not source, s.order))
+        self.stats.preemptions += 1
+        if self.host_tier is not None and victim.kind != "prefix" and victim.cached:
+            try:
+                self.host_tier.offload(victim.sid)
+            except CacheFullError:
+                pass                                    # the tier is full: recompute it
+            else:
+                victim.live, victim.parked, victim.cached = False, victim.cached, 0
+                self.stats.offloaded_tokens += victim.parked
+                self.attach(victim, victim.origin)     # restored onto its prefix if in use
+                return
+        self.cache.remove_sequence(victim.sid)
+        victim.live, victim.cached = False, 0
+        if victim.kind == "prefix":
+            # sharing is an optimisation: a preempted prefix is dropped for good, and the
+            # sequences that would have forked from it start from its own prefix (or nothing)
+            victim.retired = True
+            self.by_sid.pop(victim.sid, None)
+            for s in list(self.by_sid.values()):
+                if s.parent is victim and not s.live:
+                    victim.waiting -= 1
+                    self.attach(s, victim.origin)
+            return
+        self.attach(victim, victim.origin)
