@@ -197,12 +197,24 @@ class Engine:
         return tokens, f"{fraction:g} of {total / 2**30:.1f} GiB: {tokens} tokens"
 
     # ------------------------------------------------------------------ the online API
-    def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None) -> int:
+    def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None, *,
+                    hold_kv: bool = False, kv_seq_id: Optional[int] = None) -> int:
         """Queue a request: ``prompt`` token ids, ``params`` a ``SamplingParams`` (None: its
         defaults, greedy 32 tokens). Returns its id. A bad prompt or one that cannot fit the
-        cache even alone raises ``InvalidArgumentError`` and queues nothing."""
+        cache even alone raises ``InvalidArgumentError`` and queues nothing. ``hold_kv`` /
+        ``kv_seq_id``: disaggregated prefill and decode (``EngineCore.add_request``)."""
         with self._lock:
-            return self.core.add_request(prompt, params)
+            return self.core.add_request(prompt, params, hold_kv=hold_kv, kv_seq_id=kv_seq_id)
+
+    def new_seq_id(self) -> int:
+        """A cache sequence id the engine never uses itself (to import a sequence under)."""
+        with self._lock:
+            return self.core.new_seq_id()
+
+    def release(self, request_id: int) -> bool:
+        """Remove the sequence a finished ``hold_kv`` request keeps in the cache."""
+        with self._lock:
+            return self.core.release(request_id)
 
     def step(self) -> list:
         """Run one forward; returns a ``RequestOutput`` per sample that got tokens or ended."""

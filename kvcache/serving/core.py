@@ -45,16 +45,57 @@ class EngineCore:
     def stats(self):
         return self.scheduler.stats
 
-    def add_request(self, prompt, params=None) -> int:
+    def add_request(self, prompt, params=None, *, hold_kv: bool = False,
+                    kv_seq_id: Optional[int] = None) -> int:
         """Queue a request; returns its id. ``params``: a ``SamplingParams`` (None: the
         defaults). Raises ``InvalidArgumentError`` (nothing queued) on a bad prompt or one that
-        cannot fit the cache even alone."""
+        cannot fit the cache even alone.
+
+        Disaggregated serving: ``hold_kv=True`` (with ``max_tokens=1``, ``n=1``) keeps the
+        request's sequence in the cache when it finishes, holding exactly the prompt's KV; its
+        last ``RequestOutput`` names it (``seq_id``) for ``kvcache.distributed.send_sequence``,
+        and ``release(request_id)`` removes it. ``kv_seq_id``: a sequence already in the cache
+        (imported, e.g. by ``recv_sequence``, under an id from ``new_seq_id()``) that holds the
+        KV of ``prompt``'s first tokens, at least one fewer than the prompt: the request starts
+        from it instead of prefilling them."""
         prompt, params, stops = self._admit(prompt, params)
+        if not isinstance(hold_kv, bool):
+            raise InvalidArgumentError(f"hold_kv={hold_kv!r} must be True or False")
+        if hold_kv and (params.max_tokens != 1 or params.n != 1):
+            raise InvalidArgumentError(
+                f"hold_kv=True needs max_tokens=1 and n=1 (the held sequence is the prompt's), "
+                f"got max_tokens={params.max_tokens}, n={params.n}")
+        if kv_seq_id is not None:
+            self._check_adopted(kv_seq_id, len(prompt))
         rid = self._next_id
         self._next_id += 1
         samples = [Sample(seed=params.sample_seed(j)) for j in range(params.n)]
-        self.scheduler.add(Request(rid, prompt, params, frozenset(stops), 0, samples))
+        self.scheduler.add(Request(rid, prompt, params, frozenset(stops), 0, samples,
+                                   hold_kv=hold_kv, kv_seq_id=kv_seq_id))
         return rid
+
+    def _check_adopted(self, sid, prompt_len: int) -> None:
+        sched = self.scheduler
+        if isinstance(sid, bool) or not isinstance(sid, int):
+            raise InvalidArgumentError(f"kv_seq_id={sid!r} must be an int sequence id")
+        if sid in sched.seqs.by_sid or sid in sched.held.values() or any(
+                r.kv_seq_id == sid for r in sched.requests.values()):
+            raise InvalidArgumentError(f"kv_seq_id={sid}: that sequence already belongs to a request")
+        have = sched.cache.sequence_length(sid)         # SequenceNotFoundError if absent
+        if have >= prompt_len:
+            raise InvalidArgumentError(
+                f"kv_seq_id={sid} holds {have} tokens; the prompt ({prompt_len} tokens) must "
+                f"extend it by at least one")
+
+    def new_seq_id(self) -> int:
+        """A cache sequence id the engine never uses for its own sequences: import a sequence
+        under it, then ``add_request(..., kv_seq_id=it)``."""
+        return self.scheduler.seqs.new_seq_id()
+
+    def release(self, request_id: int) -> bool:
+        """Remove the sequence a finished ``hold_kv`` request keeps (its pages come back);
+        False if it keeps none."""
+        return self.scheduler.release(request_id)
 
     def abort(self, request_id: int) -> None:
         """End a request now: its sequences leave the cache at once (its pages are available

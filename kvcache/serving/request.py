@@ -24,7 +24,9 @@ class RequestOutput:
     output that reports an abort); ``finished``: the sample is done; ``finish_reason``: one of
     ``"stop"``, ``"length"``, ``"abort"`` when finished, else None; ``logprobs``: the model's
     log-probability of each new token (before temperature and filters) when the request's
-    ``SamplingParams.logprobs`` asked for them, else None."""
+    ``SamplingParams.logprobs`` asked for them, else None; ``seq_id``: on the last output of a
+    request added with ``hold_kv=True``, the cache sequence that still holds its prompt's KV
+    (until ``release``), else None."""
 
     request_id: int
     index: int
@@ -32,6 +34,7 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str] = None
     logprobs: Optional[list] = None
+    seq_id: Optional[int] = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +66,9 @@ class Request:
     order: int
     samples: list = dataclasses.field(default_factory=list)
     seqs: list = dataclasses.field(default_factory=list)    # every sequence made for it
+    hold_kv: bool = False              # its sequence stays in the cache when it finishes
+    kv_seq_id: Optional[int] = None    # a sequence already in the cache holding its prompt's start
+    held: Optional[int] = None         # the sequence held for it (hold_kv), once finished
 
     @property
     def finished(self) -> bool:

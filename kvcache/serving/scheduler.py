@@ -56,6 +56,7 @@ class Scheduler:
         self.requests: dict = {}           # request_id -> Request, unfinished
         self.seqs = Sequences(cache, host_tier, self.stats)
         self._fresh: list = []             # requests added since the last plan
+        self.held: dict = {}               # request_id -> sequence id kept (hold_kv), finished
         self._orders = 0
         self._head: Optional[Seq] = None
         self._inflight: Optional[Inflight] = None
@@ -278,7 +279,7 @@ class Scheduler:
             smp = seq.req.samples[seq.sample]
             smp.planned += 1
             if smp.done or smp.planned >= seq.req.max_tokens:
-                self.seqs.retire(seq)
+                self._finish(seq)
             else:
                 seq.tokens.append(SLOT)
                 slots[id(seq)] = (len(seq.tokens) - 1, k)
@@ -293,6 +294,7 @@ class Scheduler:
         """Forget every request and sequence; the cache is cleared (after an error)."""
         self.requests.clear()
         self.seqs.clear()
+        self.held.clear()
         self._fresh = []
         self._inflight = None
         self._head = None
@@ -375,9 +377,26 @@ class Scheduler:
 
     def _after(self, seq: Seq, smp: Sample) -> None:
         if smp.done:
-            self.seqs.retire(seq)
+            self._finish(seq)
         else:
             seq.tokens.append(smp.tokens[-1])
+
+    def _finish(self, seq: Seq) -> None:
+        """A sample's sequence is done: it leaves the cache, or stays there for the caller
+        (``hold_kv``: one sample of one token, so the sequence holds exactly the prompt)."""
+        if seq.req is not None and seq.req.hold_kv:
+            self.seqs.hold(seq)
+            self.held[seq.req.request_id] = seq.sid
+        else:
+            self.seqs.retire(seq)
+
+    def release(self, request_id: int) -> bool:
+        """Remove the sequence a finished ``hold_kv`` request keeps; False if it keeps none."""
+        sid = self.held.pop(request_id, None)
+        if sid is None:
+            return False
+        self.cache.remove_sequence(sid)
+        return True
 
     @staticmethod
     def _draw(req: Request, smp: Sample, token: int, logprob: float) -> bool:
@@ -405,4 +424,5 @@ class Scheduler:
         new = smp.tokens[smp.emitted:]
         lps = smp.logprobs[smp.emitted:] if req.wants_logprobs else None
         smp.emitted = len(smp.tokens)
-        return RequestOutput(req.request_id, j, new, smp.done, smp.finish_reason, lps)
+        held = req.held if smp.done and smp.finish_reason != "abort" else None
+        return RequestOutput(req.request_id, j, new, smp.done, smp.finish_reason, lps, held)

@@ -72,7 +72,7 @@ class Sequences:
     def take_fresh(self, fresh: list) -> None:
         """Sequences for ``fresh`` requests (added since the last plan): a prefix sequence for
         each group of their prompts sharing at least a page, and a prompt sequence each."""
-        prompts = [r.prompt for r in fresh]
+        prompts = [r.prompt if r.kv_seq_id is None else [] for r in fresh]   # adopted: no sharing
         parents: list = [None] * len(fresh)
         minimum = self.config.page_size
 
@@ -110,9 +110,31 @@ class Sequences:
 
         build(list(range(len(fresh))), 0, None)
         for req, parent in zip(fresh, parents):
+            if req.kv_seq_id is not None:           # adopted: its KV is in the cache already
+                seq = Seq(sid=req.kv_seq_id, kind="prompt", tokens=list(req.prompt),
+                          order=(req.order, 1, 0), req=req, live=True,
+                          cached=self.cache.sequence_length(req.kv_seq_id))
+                seq.computed = seq.cached
+                self.by_sid[seq.sid] = seq
+                req.seqs.append(seq)
+                continue
             seq = self.new(kind="prompt", tokens=list(req.prompt), order=(req.order, 1, 0),
-                                req=req, origin=parent)
+                           req=req, origin=parent)
             self.attach(seq, parent)
+
+    def new_seq_id(self) -> int:
+        """A sequence id the scheduler never gives one of its own sequences (for a sequence
+        imported into the cache and adopted by a request: ``kv_seq_id``)."""
+        sid = self.next_sid
+        self.next_sid += 1
+        return sid
+
+    def hold(self, seq: Seq) -> None:
+        """``seq``'s request is done but keeps its KV (``hold_kv``): it stays in the cache, out
+        of the scheduler's reach (never planned, preempted or retired) until released."""
+        assert seq.req is not None and seq.live
+        seq.req.held = seq.sid
+        self.by_sid.pop(seq.sid, None)
 
     def attach(self, seq: Seq, parent: Optional[Seq]) -> None:
         """Make ``seq`` fork from ``parent`` (a prefix sequence, or the nearest one of its

@@ -204,3 +204,54 @@ def test_the_serving_core_imports_no_array_or_model_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
     assert next_token([1, 2]) == next_token([1, 2]) != next_token([2, 1])
+
+
+def test_disaggregated_prefill_holds_the_prompt_and_decode_adopts_it():
+    # rank 0: prefill with hold_kv (one token), export; rank 1: import under new_seq_id, adopt
+    prefill, _, cache0 = make_core()
+    decode, runner1, cache1 = make_core(max_total_tokens=512)
+    prompts = [[7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0], [7, 3, 9, 1, 4, 4, 8, 2, 11, 12], [5, 5]]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    rest = SamplingParams(max_tokens=8, temperature=0.0)
+    rids = [prefill.add_request(p, one, hold_kv=True) for p in prompts]
+    got = {}
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            assert out.finished and out.finish_reason == "length" and out.seq_id is not None
+            got[out.request_id] = (out.new_token_ids[0], out.seq_id)
+    assert cache0.num_sequences == 3                    # held: the prompts' KV stays
+    adopted = []
+    for rid, p in zip(rids, prompts):
+        first, sid = got[rid]
+        assert cache0.sequence_length(sid) == len(p)
+        payload = cache0.export_sequence(sid)
+        assert prefill.release(rid) and not prefill.release(rid)
+        new = decode.new_seq_id()
+        cache1.import_sequence(new, payload)
+        adopted.append((decode.add_request(p + [first], rest, kv_seq_id=new), p, first))
+    assert cache0.is_empty
+    out = run_all(decode)
+    for rid, p, first in adopted:
+        assert [first] + out[(rid, 0)][0] == expected(p, SamplingParams(max_tokens=9, temperature=0.0))
+    # the adopted prompts were not prefilled again: one token each before decoding
+    assert decode.stats.prefill_tokens == 3 and cache1.is_empty
+
+
+def test_hold_kv_and_kv_seq_id_are_checked_before_anything_is_queued():
+    core, _, cache = make_core()
+    with pytest.raises(InvalidArgumentError, match="hold_kv=True needs max_tokens=1 and n=1"):
+        core.add_request([1, 2], SamplingParams(max_tokens=2, temperature=0.0), hold_kv=True)
+    import numpy as np
+    cache.add_sequence(500)
+    with cache.forward([500], [3]):
+        x = np.zeros((3, 1, 4), np.float32)
+        cache.attention(0, x, x, x)
+    with pytest.raises(InvalidArgumentError, match=r"kv_seq_id=500 holds 3 tokens; the prompt \(3"):
+        core.add_request([1, 2, 3], SamplingParams(temperature=0.0), kv_seq_id=500)
+    from kvcache.errors import SequenceNotFoundError
+    with pytest.raises(SequenceNotFoundError):
+        core.add_request([1, 2], SamplingParams(temperature=0.0), kv_seq_id=501)
+    rid = core.add_request([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=2), kv_seq_id=500)
+    with pytest.raises(InvalidArgumentError, match="already belongs to a request"):
+        core.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0.0), kv_seq_id=500)
+    assert list(core.scheduler.requests) == [rid]
