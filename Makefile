@@ -5,14 +5,32 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcache-installed
 
-.PHONY: test test-all demo bench info clean
+# torch: the CPU build, named by its local version label. PyPI's torch 2.13.0 for Linux is the
+# CUDA build (several GB, of no use to the tests), so the pin says `+cpu`: pip takes that build
+# from a wheel directory or an index that has it (this project's machines keep the file on disk;
+# elsewhere: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu). A machine with neither
+# fails at once with "No matching distribution found for torch==2.13.0+cpu" instead of fetching
+# the CUDA build. After the install the setup checks that torch is a CPU build.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?=
+# where `make dist` puts the sdists and wheels
+DIST ?= build/dist
 
+.PHONY: test test-all demo bench info dist clean
+
+# pip -qq for the third-party packages: -q still prints a warning for every package that one of a
+# machine's extra indexes lacks. The project's own installs keep -q, so that a packaging warning
+# of ours shows.
 $(STAMP): pyproject.toml backends/cuda/pyproject.toml backends/rocm/pyproject.toml backends/metal/pyproject.toml \
 		docs/examples/kvcache-example/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "mlx[cpu]" numpy pluggy ml_dtypes \
-		pytest hypothesis mypy rich matplotlib "transformers>=5.17" safetensors "mlx-lm>=0.32"
+	$(PY) -m pip install -qq --upgrade pip setuptools wheel
+	$(PY) -m pip install -qq $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		"$(TORCH)" "triton==3.6.0" "mlx[cpu]" numpy pluggy ml_dtypes \
+		pytest hypothesis mypy rich matplotlib "transformers>=5.17" safetensors "mlx-lm>=0.32" \
+		build twine
+	$(PY) -c 'import sys, torch; v = torch.version; sys.exit(None if v.cuda is None and v.hip is None \
+		else f"$(VENV) has torch {torch.__version__}, a GPU build; the tests use the CPU one: make clean test")'
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/metal
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e docs/examples/kvcache-example
 	touch $(STAMP)
@@ -32,7 +50,18 @@ bench: $(STAMP)
 	$(VENV)/bin/kvcache bench --host
 
 info: $(STAMP)
-	$(VENV)/bin/kvcache info
+	$(VENV)/bin/kvcache info --check
+
+# every distribution (the core, the three backends, the example plugin of docs/plugin-guide.md) as
+# an sdist and a wheel built from that sdist, checked with `twine check --strict`. Elsewhere:
+# pip install --find-links $(DIST) 'kvcache[cuda]' (kvcache is not on PyPI)
+dist: $(STAMP)
+	rm -rf $(DIST) && mkdir -p $(DIST)
+	for project in . backends/cuda backends/rocm backends/metal docs/examples/kvcache-example; do \
+		$(PY) -m build --no-isolation --outdir $(DIST) $$project > $(DIST).log 2>&1 \
+			|| { cat $(DIST).log; exit 1; }; \
+	done
+	$(VENV)/bin/twine check --strict $(DIST)/*
 
 clean:
 	rm -rf $(VENV)

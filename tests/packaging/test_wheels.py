@@ -1,11 +1,9 @@
-"""The core and one backend, built as wheels and installed (not editable) into a fresh venv, run
-the README's snippet; their metadata declares what they need."""
+"""The core, one backend and the example plugin, built as wheels and installed (not editable) into
+a fresh venv, run the README's snippet; their metadata declares what they need."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -15,24 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(cmd, **kw):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
-    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env,
-                          timeout=300, **kw)
-    assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
-def wheels(tmp_path_factory):
-    pytest.importorskip("setuptools")
-    out = tmp_path_factory.mktemp("wheels")
-    for project in (ROOT, ROOT / "backends" / "cuda"):
-        build = tmp_path_factory.mktemp("build")     # keep the source tree free of build/
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-              "-w", out, project], cwd=build)
-    return {w.name.split("-")[0]: w for w in out.glob("*.whl")}
+def wheels(dists):
+    """The core's and the cuda backend's wheels (built from their sdists, see conftest)."""
+    return {name: dists[name]["wheel"] for name in ("kvcache", "kvcache_cuda")}
 
 
 def _metadata(wheel: Path) -> str:
@@ -59,23 +43,24 @@ def test_wheels_declare_what_they_need(wheels):
         assert "kvcache_cuda/py.typed" in z.namelist()
 
 
-def test_fresh_venv_runs_the_readme_snippet(wheels, tmp_path):
+def test_fresh_venv_runs_the_readme_snippet(wheels, dists, run_checked, tmp_path):
     venv = tmp_path / "venv"
     # numpy, pluggy and torch come from the shared environment (no network here); kvcache and
     # kvcache-cuda from the wheels, not editable
-    _run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv])
+    run_checked([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv])
     py = venv / "bin" / "python"
-    _run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--ignore-installed",
-          wheels["kvcache"], wheels["kvcache_cuda"]])
+    run_checked([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--ignore-installed",
+                 wheels["kvcache"], wheels["kvcache_cuda"], dists["kvcache_example"]["wheel"]])
     readme = (ROOT / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
     check = ("import kvcache, kvcache_cuda, sys\n"
              "print('FILES', kvcache.__file__, kvcache_cuda.__file__)\n"
              "print('BACKENDS', sorted(r['name'] for r in kvcache.list_backends()))\n")
-    out = _run([py, "-W", "error::FutureWarning", "-c", snippet + "\n" + check], cwd=tmp_path)
+    out = run_checked([py, "-W", "error::FutureWarning", "-c", snippet + "\n" + check], cwd=tmp_path)
     assert "(5, 8, 64) 5" in out, out
     files = next(line for line in out.splitlines() if line.startswith("FILES")).split()[1:]
     assert all(str(venv) in f for f in files), files      # the installed wheels, not the clone
-    assert "'cuda'" in out and "'reference'" in out
-    info = _run([venv / "bin" / "kvcache", "info"], cwd=tmp_path)
+    assert "'cuda'" in out and "'reference'" in out and "'example'" in out   # the example ships
+    info = run_checked([venv / "bin" / "kvcache", "info"], cwd=tmp_path)
     assert re.search(r"^cuda\s", info, re.M) and re.search(r"^reference\s.*available", info, re.M)
+    assert re.search(r"^example\s.*available", info, re.M)
