@@ -8,6 +8,7 @@ ends quietly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
@@ -104,36 +105,46 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _info_rows(device: Optional[str]) -> list[dict]:
+def _info_rows(device: Optional[str], check: bool = True) -> list[dict]:
     """One dict per registered backend: name, priority, available, reason, and (for a usable
-    class) description, platform, devices, capabilities or the error that hid them."""
-    from .plugins import list_backends
+    class) description, platform, devices, capabilities or the error that hid them. Without
+    ``check``, listed inside ``plugins.deferred_frameworks()``: torch and MLX are not imported,
+    and what needs them (availability, platform, devices) is left out ("available" None)."""
+    from .plugins import FrameworkNotImported, deferred_frameworks, list_backends
     out = []
-    for row in list_backends(device):
-        item: dict[str, Any] = {k: row[k] for k in ("name", "priority", "available", "reason")}
-        cls = row["class"]
-        if cls is not None:
-            item["description"] = cls.description
-            try:   # one plugin's bug must not hide the other backends
-                item["platform"] = dict(cls.platform() or {})
-                item["devices"] = [str(d) for d in cls.devices()] if row["available"] else []
-                item["capabilities"] = dict(cls.capabilities.describe())
-            except Exception as exc:
-                item["error"] = f"{type(exc).__name__}: {exc}"
-        out.append(item)
+    with contextlib.nullcontext() if check else deferred_frameworks():
+        for row in list_backends(device):
+            item: dict[str, Any] = {k: row[k] for k in ("name", "priority", "available", "reason")}
+            cls = row["class"]
+            if cls is not None:
+                item["description"] = cls.description
+                try:   # one plugin's bug must not hide the other backends
+                    item["capabilities"] = dict(cls.capabilities.describe())
+                    item["devices"] = [str(d) for d in cls.devices()] if row["available"] else []
+                    item["platform"] = dict(cls.platform() or {})
+                except FrameworkNotImported:      # what is known without torch / MLX is shown
+                    pass
+                except Exception as exc:
+                    item["error"] = f"{type(exc).__name__}: {exc}"
+            out.append(item)
     return out
 
 
 def _info(args: argparse.Namespace) -> int:
-    rows = _info_rows(args.device)
+    check = bool(getattr(args, "check", True)) or args.device is not None
+    rows = _info_rows(args.device, check=check)
     if getattr(args, "json", False):
         print(json.dumps(_jsonable(rows), indent=2))
         return 0
     print(f"{'backend':<12} {'prio':>4}  {'status':<11}  reason")
     for row in rows:
-        status = "available" if row["available"] else "unavailable"
-        prio = "" if row["priority"] is None else row["priority"]
-        print(f"{row['name']:<12} {prio:>4}  {status:<11}  {row['reason']}")
+        status = {True: "available", False: "unavailable", None: "unchecked"}[row["available"]]
+        prio = "?" if row["priority"] is None and "description" in row else row["priority"]
+        print(f"{row['name']:<12} {'' if prio is None else prio:>4}  {status:<11}  {row['reason']}")
+    unchecked = [row["name"] for row in rows if row["available"] is None]
+    if unchecked:
+        print(f"({', '.join(unchecked)}: `kvcache info --check` imports their frameworks to check "
+              "availability, priority, platform and devices)")
     for row in rows:
         if "description" not in row:
             continue
@@ -150,16 +161,26 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     parser = argparse.ArgumentParser(
         prog="kvcache", description="paged KV cache for LLM inference",
         epilog="`kvcache COMMAND --help` describes each command's options.")
+    parser.add_argument("--version", action="version", version=f"kvcache {__version__}",
+                        help="print the version of kvcache and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser("info", help="backends, availability and reason, capabilities, devices",
                           description="List every registered backend: priority, whether it can "
-                                      "run here (and why not), platform, devices, capabilities.")
+                                      "run here (and why not), platform, devices, capabilities. "
+                                      "torch, Triton and MLX are not imported unless --check (or "
+                                      "--device) asks: a backend whose check needs one is listed "
+                                      "as unchecked, with its capabilities.")
     info.add_argument("--device", default=None, metavar="DEV",
                       help="check availability for this device (e.g. cuda:1, cpu); "
                            "default: each backend's own")
+    info.add_argument("--check", action="store_true",
+                      help="import each backend's framework (torch, MLX) to check its availability, "
+                           "priority, platform and devices (slower); without it those of a backend "
+                           "that needs one are listed as unchecked. --device implies it")
     info.add_argument("--json", action="store_true", help="print the same as JSON (for machines)")
     for name, text in (("conformance", "run the conformance suite against a backend"),
                        ("bench", "benchmarks (host overhead, kernels against the bandwidth floor)"),

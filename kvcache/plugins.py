@@ -10,17 +10,29 @@ does not find it, and for ``"auto"`` and ``list_backends``, are all plugins load
 Each plugin is checked on its own (its hooks when it registers, its backend classes whenever they
 are listed), so a bad plugin is listed as unusable and hides no other backend. A backend name that
 two different classes claim is unusable too: neither is picked, by name or by ``"auto"``.
+
+Inside ``deferred_frameworks()`` (what ``kvcache info`` lists in) torch, Triton and MLX are not
+imported: a plugin's ``import torch`` binds a stand-in that imports the real module at its first
+use, and a backend whose availability (or priority, or platform) needs one of them is listed as
+not checked instead. Capabilities and descriptions are class attributes and need none of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import importlib
+import importlib.abc
 import inspect
 import os
+import sys
+import threading
+import types
 import warnings
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import entry_points
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import pluggy
 
@@ -81,7 +93,9 @@ def _load_entry_point(pm: pluggy.PluginManager, ep) -> None:
         name = f"{ep.name} ({dist})"                  # load it too: its backends may clash
     _origins[name] = f"distribution {dist}, entry point {ep.name!r}"
     try:
-        _register(pm, ep.load(), name)
+        with _loading_allowed():     # a plugin that uses torch as it loads imports it
+            plugin = ep.load()
+        _register(pm, plugin, name)
     except Exception as exc:  # a broken plugin must not hide the others
         _load_errors[name] = f"failed to load: {type(exc).__name__}: {exc}"
 
@@ -143,7 +157,10 @@ def _class_problem(cls) -> Optional[str]:
               ("priority", lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
               ("capabilities", lambda v: isinstance(v, Capabilities), "a kvcache.Capabilities"))
     for attr, ok, expected in checks:
-        value = getattr(cls, attr)
+        try:
+            value = getattr(cls, attr)
+        except FrameworkNotImported:   # a priority computed by torch / MLX: checked once imported
+            continue
         if not ok(value):
             return f"{where}.{attr} is {value!r} ({type(value).__name__}), not {expected}"
     return None
@@ -154,7 +171,8 @@ def _hook_classes(impl) -> tuple[list, Optional[str]]:
     if impl.hookwrapper or impl.wrapper:
         return [], "hook wrappers are not supported for kvcache_register_backends"
     try:
-        result = impl.function()
+        with _loading_allowed():
+            result = impl.function()
         classes = list(result or ()) if isinstance(result, (Iterable, type(None))) else None
     except Exception as exc:   # reported by list_backends, never raised from here
         return [], f"kvcache_register_backends raised {type(exc).__name__}: {exc}"
@@ -206,16 +224,28 @@ def backend_classes() -> dict[str, type[Backend]]:
 def list_backends(device: Optional[str] = None) -> list[dict]:
     """All registered backends, highest priority first: name, priority, available, reason. A plugin
     that failed to load or whose hook failed is listed by its plugin name, and a backend name that
-    two classes claim by that name, as unavailable (class and priority None) with the reason."""
+    two classes claim by that name, as unavailable (class and priority None) with the reason.
+    Inside ``deferred_frameworks()``, a backend whose availability needs a framework not imported
+    has ``available`` None ("not checked: needs torch, ..."), and ``priority`` None if that does
+    too (listed after the others)."""
     classes, broken, duplicates = _plugin_backends()
-    rows = []
-    for cls in sorted(classes.values(), key=lambda c: -c.priority):
+    rows: list[dict[str, Any]] = []
+    for cls in classes.values():
+        try:
+            priority: Optional[int] = cls.priority
+        except FrameworkNotImported:
+            priority = None
+        available: Optional[bool]
         try:
             ok, reason = cls.availability(device)
+            available = bool(ok)
+        except FrameworkNotImported as exc:
+            available, reason = None, f"not checked: needs {exc.framework}, not imported"
         except Exception as exc:
-            ok, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
-        rows.append({"name": cls.name, "priority": cls.priority, "available": bool(ok),
+            available, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
+        rows.append({"name": cls.name, "priority": priority, "available": available,
                      "reason": reason, "class": cls})
+    rows.sort(key=lambda r: (r["priority"] is None, -(r["priority"] or 0)))   # stable
     for name, why in [*_load_errors.items(), *broken.items(), *duplicates.items()]:
         rows.append({"name": name, "priority": None, "available": False, "reason": why, "class": None})
     return rows
@@ -289,3 +319,151 @@ def resolve_backend(name: str = "auto", device: Optional[str] = None) -> type[Ba
                 f"backend {name!r} is not available: {row['reason']}; registered backends:\n{_table(rows)}")
     raise BackendNotAvailableError(
         f"unknown backend {name!r}; registered backends:\n{_table(rows)}")
+
+
+# ------------------------------------------------------------------ deferred frameworks
+DEFERRED_FRAMEWORKS = ("torch", "triton", "mlx")
+"""The packages ``deferred_frameworks()`` does not import: each takes 0.2 s to seconds."""
+
+
+class FrameworkNotImported(BaseException):
+    """Raised inside ``deferred_frameworks()`` where a backend's code uses a framework that is not
+    imported. A ``BaseException``, so that a backend's ``except Exception`` (written for a missing
+    or broken framework) cannot mistake it for one."""
+
+    def __init__(self, module: str):
+        super().__init__(module)
+        self.module = module
+        self.framework = module.partition(".")[0]
+
+
+_state = threading.local()      # .forbid: >0 while a deferred framework must not be imported
+_resolved: "weakref.WeakKeyDictionary[types.ModuleType, types.ModuleType]" = weakref.WeakKeyDictionary()
+_imported_for_real: set[str] = set()     # top-level names a stand-in has imported since
+_deferring = 0                           # open deferred_frameworks() contexts, all threads
+
+
+_SPEC_ATTRIBUTES = frozenset(("__name__", "__loader__", "__package__", "__spec__", "__path__",
+                              "__file__", "__cached__"))
+
+
+class _DeferredModule(types.ModuleType):
+    """What ``import torch`` binds inside ``deferred_frameworks()``: a module whose code has not
+    run. The attributes its spec gives (``__name__``, ``__path__``, ``__spec__``, submodules)
+    answer at once; any other imports the real module and reads it there (inside the listing's
+    checks it raises ``FrameworkNotImported`` instead). Then the modules that bound the stand-in
+    are given the real module, and the stand-in passes every read and write on to it."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in _SPEC_ATTRIBUTES and self not in _resolved:
+            raise AttributeError(attr)    # the import machinery asking: the spec said all it has
+        return getattr(_resolve(self), attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        real = _resolved.get(self)
+        if real is None:
+            super().__setattr__(attr, value)
+        else:
+            setattr(real, attr, value)
+
+    def __dir__(self) -> Iterable[str]:
+        real = _resolved.get(self)
+        return dir(real) if real is not None else super().__dir__()
+
+
+def _resolve(stub: _DeferredModule) -> types.ModuleType:
+    real = _resolved.get(stub)
+    if real is not None:
+        return real
+    name = stub.__dict__["__name__"]
+    if getattr(_state, "forbid", 0):
+        raise FrameworkNotImported(name)
+    top = name.partition(".")[0]
+    _imported_for_real.add(top)
+    for key, module in list(sys.modules.items()):     # this package's stand-ins make way
+        if (key == top or key.startswith(top + ".")) and isinstance(module, _DeferredModule) \
+                and module not in _resolved:
+            del sys.modules[key]
+    real = importlib.import_module(name)
+    _resolved[stub] = real
+    for module in list(sys.modules.values()):     # `import torch` bound the stand-in: now torch
+        try:
+            namespace = object.__getattribute__(module, "__dict__")
+        except AttributeError:
+            continue
+        for key, value in list(namespace.items()):
+            if value is stub:
+                namespace[key] = real
+    return real
+
+
+class _DeferringLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return _DeferredModule(spec.name)
+
+    def exec_module(self, module):
+        pass                      # the real module's code runs at its first use
+
+
+class _DeferringFinder(importlib.abc.MetaPathFinder):
+    """Finds a deferred framework's modules as the other finders would, and hands out stand-ins
+    for them: one that is not installed still fails to import, as it should."""
+
+    loader = _DeferringLoader()
+
+    def find_spec(self, fullname, path=None, target=None):
+        top = fullname.partition(".")[0]
+        if top not in DEFERRED_FRAMEWORKS or top in _imported_for_real or not _deferring:
+            return None
+        parent = sys.modules.get(top)
+        if parent is not None and not isinstance(parent, _DeferredModule):
+            return None           # imported already: nothing to save
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                spec.loader = self.loader
+                return spec
+        return None
+
+
+_finder = _DeferringFinder()
+
+
+@contextlib.contextmanager
+def _loading_allowed() -> Iterator[None]:
+    """Inside ``deferred_frameworks()``: a use of a framework imports it (loading a plugin)."""
+    forbid = getattr(_state, "forbid", 0)
+    _state.forbid = 0
+    try:
+        yield
+    finally:
+        _state.forbid = forbid
+
+
+@contextlib.contextmanager
+def deferred_frameworks() -> Iterator[None]:
+    """Within: torch, Triton and MLX are not imported. Plugins load with stand-ins for them;
+    ``list_backends`` lists a backend whose availability needs one as not checked, and code of
+    this thread that uses one raises ``FrameworkNotImported``. Outside, a stand-in left in a
+    plugin imports its module at the first use, so the process works on as if nothing was
+    deferred. ``kvcache info`` lists in here unless asked to ``--check``."""
+    global _deferring
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    _deferring += 1
+    forbid = getattr(_state, "forbid", 0)
+    _state.forbid = forbid + 1
+    try:
+        yield
+    finally:
+        _state.forbid = forbid
+        _deferring -= 1
+        if not _deferring:
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(_finder)
+            for key, module in list(sys.modules.items()):    # `import torch` elsewhere: the real one
+                if isinstance(module, _DeferredModule) and module not in _resolved:
+                    del sys.modules[key]
