@@ -7,10 +7,14 @@ clone; and every extra they name exists."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:      # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 from kvcache.integrations import MissingExtraError, install_hint, require
 
