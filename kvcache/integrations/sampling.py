@@ -30,14 +30,15 @@ import dataclasses
 import math
 import numbers
 import random
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["SamplingParams", "draw_rows", "filter_logits", "sample", "uniforms"]
+__all__ = ["SamplingParams", "draw_rows", "filter_logits", "sample", "sample_numpy", "uniform_host",
+           "uniforms"]
 
 _SEED_LIMIT = 2 ** 63
 
@@ -70,9 +71,9 @@ class SamplingParams:
     ``kvcache.errors.InvalidArgumentError`` naming the field, the value and the allowed range.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 32
     """New tokens per sample, at most (fewer when a stop token comes; it is kept). >= 1."""
-    temperature: float = 1.0
+    temperature: float = 0.0
     """Scores are divided by it before the filters; 0: greedy (the first argmax). >= 0."""
     top_p: float = 1.0
     """Keep the smallest set of most likely tokens whose probability reaches it. In (0, 1]; 1: off."""
@@ -85,14 +86,14 @@ class SamplingParams:
     random seed (not reproducible). In [0, 2**63)."""
     n: int = 1
     """Samples of the prompt (they share its prefill). >= 1."""
-    stop_token_ids: Optional[Sequence[int]] = None
+    stop_token_ids: Sequence[int] = ()
     """Token ids that end a sample (kept as its last token); stored as a tuple. Each >= 0."""
     ignore_eos: bool = False
     """Go on past the model's end-of-sequence ids (``stop_token_ids`` still stop)."""
-    logprobs: Optional[int] = None
-    """None: no log-probabilities; an integer >= 0: report the log-probability of each chosen
-    token under the model's distribution (before the filters). Alternatives beyond the chosen
-    token (``logprobs > 0`` in vLLM) are not reported yet."""
+    logprobs: Union[bool, int, None] = False
+    """True (or an integer >= 0, vLLM's spelling): report the log-probability of each chosen
+    token under the model's distribution (before the filters); False or None: none.
+    Alternatives beyond the chosen token (vLLM's ``logprobs > 0``) are not reported."""
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1)
@@ -115,8 +116,8 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "True or False")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, 0, allowed="None or an integer >= 0")
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            _integer("logprobs", self.logprobs, 0, allowed="True, False, None or an integer >= 0")
         for name in ("temperature", "top_p", "min_p"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("max_tokens", "top_k", "n"):
@@ -278,6 +279,68 @@ def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
     return tokens, logprobs
 
 
+def _mix_int(z: int) -> int:
+    """splitmix64's output function on a Python int (as uint64)."""
+    z = (z + (_GAMMA & _MASK64)) & _MASK64
+    z = ((z ^ (z >> 30)) * (_MIX1 & _MASK64)) & _MASK64
+    z = ((z ^ (z >> 27)) * (_MIX2 & _MASK64)) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform_host(seed: int, step: int) -> float:
+    """``uniforms`` for one row on the host, bit for bit (53 bits, float64)."""
+    h = _mix_int((_mix_int(int(seed) % _SEED_LIMIT) + (int(step) & (_MASK64 >> 1))) & _MASK64)
+    return (h >> 11) * 2.0 ** -53
+
+
+def sample_numpy(table, params: Sequence[SamplingParams], seeds: Sequence[int],
+                 steps: Sequence[int]):
+    """``sample`` on the host in numpy, without torch (MLX or numpy logits): ``table`` (B,
+    vocab) float64; the same filter, uniforms and draw, so the tokens equal the torch
+    sampler's on float64 logits (top-p ties at the boundary fall in a stable sort's order, where
+    torch's CPU sort is not stable). Returns host ``(tokens (B,) int64, logprobs (B,) float64)``."""
+    import numpy as np
+    raw = np.asarray(table, np.float64)
+    vocab = raw.shape[1]
+    top = raw.max(axis=-1, keepdims=True)
+    logz = top + np.log(np.exp(raw - top).sum(axis=-1, keepdims=True))
+    tokens = raw.argmax(axis=-1)
+    for b, p in enumerate(params):
+        if p.greedy:
+            continue
+        x = raw[b] / p.temperature
+        if 0 < p.top_k < vocab:
+            x = np.where(x < np.sort(x)[-p.top_k], -np.inf, x)
+        if p.top_p < 1.0:
+            order = np.argsort(x, kind="stable")
+            e = np.exp(x[order] - x[order][-1])
+            cut = np.cumsum(e / e.sum()) <= 1 - p.top_p
+            cut[-1] = False
+            x = x.copy()
+            x[order[cut]] = -np.inf
+        if p.min_p > 0:
+            e = np.exp(x - x.max())
+            probs = e / e.sum()
+            drop = probs < p.min_p * probs.max()
+            drop[probs.argmax()] = False
+            x = np.where(drop, -np.inf, x)
+        e = np.exp(x - x.max())
+        cdf = np.cumsum(e / e.sum())
+        total = cdf[-1]
+        goal = min(uniform_host(seeds[b], steps[b]) * total, np.nextafter(total, 0.0))
+        tokens[b] = min(int(np.searchsorted(cdf, goal, side="right")), vocab - 1)
+    tokens = tokens.astype(np.int64)
+    return tokens, (raw - logz)[np.arange(len(raw)), tokens]
+
+
+def _torch_or_none():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
 def draw_rows(logits, rows: Sequence[int], params: Sequence[SamplingParams],
               seeds: Sequence[int], steps: Sequence[int], to_numpy=None):
     """The engine's call: draw ``d`` from row ``rows[d]`` of ``logits`` (a torch tensor on any
@@ -285,11 +348,13 @@ def draw_rows(logits, rows: Sequence[int], params: Sequence[SamplingParams],
     ``seeds[d]`` and ``steps[d]``. Returns host ``(tokens (D,) int64, logprobs (D,) float64)``:
     the only transfer of the step, ``2 * D`` numbers."""
     import numpy as np
-    import torch
-    if not isinstance(logits, torch.Tensor):
+    torch = _torch_or_none()
+    if torch is None or not isinstance(logits, torch.Tensor):
         if to_numpy is None:
-            raise InvalidArgumentError(f"draw_rows needs torch logits, got {type(logits).__name__}")
-        logits = torch.from_numpy(np.ascontiguousarray(to_numpy(logits), np.float64))
+            raise InvalidArgumentError(
+                f"draw_rows needs torch logits or to_numpy, got {type(logits).__name__}")
+        table = np.asarray(to_numpy(logits), np.float64)[np.asarray(list(rows), np.int64)]
+        return sample_numpy(table, params, seeds, steps)
     index = torch.tensor(list(rows), dtype=torch.int64).to(logits.device, non_blocking=True)
     tokens, logprobs = sample(logits.index_select(0, index), params, seeds, steps)
     both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()

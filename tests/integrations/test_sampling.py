@@ -139,7 +139,7 @@ def _bound(df: int) -> float:
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.6, top_k=5),
-                                dict(temperature=1.3, top_p=0.8), dict(min_p=0.15),
+                                dict(temperature=1.3, top_p=0.8), dict(temperature=1.0, min_p=0.15),
                                 dict(temperature=0.8, top_k=8, top_p=0.9, min_p=0.05)])
 def test_empirical_frequencies_match_the_filtered_distribution(kw):
     rng = np.random.default_rng(2)
@@ -227,3 +227,46 @@ def test_engine_refuses_sampling_params_mixed_with_the_old_keywords(engine):
     with pytest.raises(InvalidArgumentError, match="one per prompt"):
         engine.generate([[1, 2]], sampling_params=[SamplingParams()] * 2)
     assert engine.cache.is_empty
+
+
+# ------------------------------------------------------------------ without torch (MLX, numpy)
+def test_defaults_are_the_specs():
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.n) == \
+        (32, 0.0, 1.0, 0, 0.0, None, 1)
+    assert (p.stop_token_ids, p.ignore_eos, p.logprobs) == ((), False, False) and p.greedy
+    assert SamplingParams(logprobs=True).logprobs is True
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_numpy_sampler_equals_the_torch_sampler(seed):
+    from kvcache.integrations.sampling import sample_numpy, uniform_host, uniforms
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((24, 300)) * 3
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.4, 1.0, 2.0])),
+                             top_k=int(rng.choice([0, 1, 7, 60])),
+                             top_p=float(rng.choice([1.0, 0.9, 0.5])),
+                             min_p=float(rng.choice([0.0, 0.05, 0.3]))) for _ in range(24)]
+    seeds = rng.integers(0, 2 ** 62, 24).tolist()
+    steps = rng.integers(0, 1000, 24).tolist()
+    want_t, want_lp = sample(torch.from_numpy(logits), params, seeds, steps)
+    got_t, got_lp = sample_numpy(logits, params, seeds, steps)
+    np.testing.assert_array_equal(got_t, want_t.numpy())
+    np.testing.assert_allclose(got_lp, want_lp.numpy(), rtol=0, atol=1e-12)
+    dev = uniforms(torch.tensor(seeds), torch.tensor(steps)).numpy()
+    assert [uniform_host(s, t) for s, t in zip(seeds, steps)] == dev.tolist()   # bit for bit
+
+
+def test_draw_rows_runs_without_torch():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np\n"
+            "from kvcache.integrations.sampling import SamplingParams, draw_rows\n"
+            "x = np.random.default_rng(0).standard_normal((3, 50))\n"
+            "p = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams()]\n"
+            "t, lp = draw_rows(x, [2, 0], p, [1, 0], [0, 0], np.asarray)\n"
+            "assert t[1] == x[0].argmax() and t.dtype == np.int64 and np.isfinite(lp).all()\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
