@@ -16,23 +16,25 @@ TINY = ["bench", "--serving", "--model", "llama", "--tiny", "--device", "cpu", "
 
 
 def test_serving_json_runs_every_system_and_a_makes_every_token(capsys):
-    assert main(TINY + ["--requests", "3", "--new-tokens", "4", "--json"]) == 0
+    # the CI smoke run: `--tiny` alone shrinks the work too (4 requests of 6 tokens, 1 layer,
+    # batch 4), not only the dims; it printed nothing for 8 minutes before
+    assert main(["bench", "--serving", "--tiny", "--device", "cpu", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     w = res["workload"]
-    assert (w["requests"], w["new_tokens"], w["layers"], w["batch"]) == (3, 4, 1, 2)
-    assert w["decode_n1"] < w["decode_n2"] == 4
+    assert (w["requests"], w["new_tokens"], w["layers"], w["batch"]) == (4, 6, 1, 4)
+    assert w["decode_n1"] < w["decode_n2"] == 6
     roof = res["roofline"]
     assert roof["weight_bytes"] > 0 and roof["kv_bytes"] > 0 and roof["copy_rate_Bps"] > 0
     assert roof["decode_step_ms"] == pytest.approx(
         (roof["weight_bytes"] + roof["kv_bytes"]) / roof["copy_rate_Bps"] * 1e3)
     a = res["systems"]["a"]
-    assert a["tokens"] == 3 * 4 and a["tokens_per_s"] == pytest.approx(a["tokens"] / a["wall_s"])
+    assert a["tokens"] == 4 * 6 and a["tokens_per_s"] == pytest.approx(a["tokens"] / a["wall_s"])
     assert a["gpu_busy"] is None and "no GPU" in a["gpu_busy_note"]
     # every system ran or says why it did not; none vanishes
     for key in "bc":
         assert (key in res["systems"]) != (key in res["skipped"])
         if key in res["systems"]:
-            assert res["systems"][key]["tokens"] == 3 * 4
+            assert res["systems"][key]["tokens"] == 4 * 6
     ratios = res["ratios"]
     assert ratios["a_decode_step_over_roofline"] == pytest.approx(
         a["decode_step_ms"] / roof["decode_step_ms"])
@@ -51,8 +53,8 @@ def test_serving_table_says_what_was_skipped(capsys, monkeypatch):
     assert set(rows) == {"(a)", "(b)", "(c)"}
     assert "skipped: --skip" in rows["(b)"] and "skipped: --skip" in rows["(c)"]
     assert "skipped" not in rows["(a)"] and "(cuda, rope=cache)" in rows["(a)"] and "(roofline)" in out
-    assert "decode step / roofline" in out and "(a) / (b) tokens/s: n/a ((b) skipped)" in out
-    assert "gpu busy during decode: n/a" in out
+    # a smoke run's ratios are not held against the GPU targets
+    assert "targets: not judged on a --tiny smoke run" in out and "MISSED" not in out
 
 
 def test_serving_rejects_an_unknown_system_to_skip(capsys):
