@@ -1,16 +1,25 @@
 """``kvcache demo --disaggregate``: prefill and decode in two processes, the KV moving between them.
 
-Rank 0 is the prefill worker: it runs each request's prompt through the model on its own cache
-(chunked), picks the first new token, and sends the sequences' KV to rank 1 with
-``kvcache.distributed.send_sequence`` (one call per group of requests, asynchronous: it prefills
-the next group while the last one is on the wire). Rank 1 is the decode worker: it receives each
-group with ``recv_sequence`` and decodes every received sequence greedily, batched, to
-``--max-output`` tokens. The check: rank 1's tokens equal those of the single-process ``Engine``
-on the same model and prompts, for every request.
+Both ranks drive an ``Engine`` (the transformers one) through its online API; the only code here
+is the hand-off between them:
 
-Both ranks build the same model from the same seed (a family's small random model, or a local
-checkpoint directory). Transport: gloo on CPUs; NCCL when the device is a GPU and the host has
-two (rank r on ``cuda:r``), else the ranks run on the CPU.
+* rank 0, the prefill worker, adds each prompt with ``hold_kv=True`` and ``max_tokens=1``: the
+  engine prefills it (chunked, batched with the others, shared system prompts forked) and picks
+  the first new token; the finished request keeps its sequence in the cache, exactly the
+  prompt's KV, named by its last ``RequestOutput.seq_id``. When every request of a group (of
+  ``--group``) has finished, rank 0 sends the group's sequences with one
+  ``kvcache.distributed.send_sequence`` call (asynchronous) and their first tokens, then
+  ``release``\\ s them. The next group is queued while one is in flight, so the engine prefills it
+  while the last one is on the wire;
+* rank 1, the decode worker, receives each group with ``recv_sequence`` under ids from
+  ``engine.new_seq_id()`` and adds each request as its prompt plus the first token with
+  ``kv_seq_id=`` that sequence: the engine runs only the first token (as the prompt's last
+  chunk) and decodes the rest, greedily, to ``--max-output`` tokens.
+
+The check: rank 1's tokens equal those of the single-process ``Engine`` on the same model and
+prompts, for every request. Both ranks build the same model from the same seed (a family's small
+random model, or a local checkpoint directory). Transport: gloo on CPUs; NCCL when the device is
+a GPU and the host has two (rank r on ``cuda:r``), else the ranks run on the CPU.
 """
 
 from __future__ import annotations
@@ -20,10 +29,9 @@ import json
 import sys
 import time
 
-import numpy as np
-
-from .real import add_workload_options, build_model, make_workload
 from . import non_negative_int, positive_int
+from .real import build_model
+from .workload import make_workload
 
 __all__ = ["build_parser", "main", "run"]
 
@@ -31,9 +39,10 @@ __all__ = ["build_parser", "main", "run"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcache demo --disaggregate",
-        description="Prefill on one process, decode on another: each request's KV moves from the "
-                    "prefill rank's cache to the decode rank's cache over torch.distributed; the "
-                    "tokens are checked against the single-process Engine.")
+        description="Prefill on one process, decode on another, each driving an Engine: each "
+                    "request's KV moves from the prefill rank's cache to the decode rank's cache "
+                    "over torch.distributed; the tokens are checked against the single-process "
+                    "Engine.")
     p.add_argument("--disaggregate", action="store_true", required=True)
     p.add_argument("--model", default="llama", help="llama (default), qwen2, mistral, phi3, gemma, "
                    "or a checkpoint directory")
@@ -41,115 +50,114 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="cpu, or cuda (needs two GPUs: rank r on cuda:r; default: cuda if the host "
                         "has two, else cpu)")
-    add_workload_options(p, requests=12, max_output=16, long_prompt=300)
+    p.add_argument("--seed", type=int, default=0, help="workload and weight seed (default 0)")
+    p.add_argument("--requests", type=positive_int, default=12, help="number of requests (default 12)")
+    p.add_argument("--max-output", type=positive_int, default=16,
+                   help="new tokens per request (default 16)")
+    p.add_argument("--long-prompt", type=positive_int, default=300,
+                   help="tokens of a long prompt (default 300)")
     p.add_argument("--group", type=positive_int, default=4,
                    help="requests per transfer (one send_sequence call; default 4)")
     p.add_argument("--prefill-chunk-size", type=positive_int, default=128,
                    help="most tokens in one prefill forward (default 128)")
     p.add_argument("--timeout", type=non_negative_int, default=600,
                    help="seconds the two processes may take (default 600)")
+    p.add_argument("--quiet", action="store_true", help="no status line on stderr")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 
 
-def _setup(opts: dict, rank: int):
-    """This rank's model (built from the seed, as on every rank), cache and adapter."""
+def _engine(opts: dict, rank: int):
+    """This rank's model (built from the seed, as on every rank) and Engine."""
     import torch
 
-    import kvcache
-    from kvcache.integrations.transformers import TransformersAdapter, cache_config
+    from kvcache.integrations.transformers import Engine
     device = f"cuda:{rank}" if opts["device"] == "cuda" else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)
     model, _ = build_model(opts["model"], opts["seed"], opts["dtype"])
     model = model.to(device)
-    adapter = TransformersAdapter(model, "model")
-    total = opts["capacity"]
-    cfg = cache_config(model, max_total_tokens=total, max_batch_size=max(opts["group"], 1) * 2,
-                       prefill_chunk_size=opts["prefill_chunk_size"])
-    cache = kvcache.PagedKVCache(cfg, backend=opts["backend"], device=device)
-    return torch, model, adapter, cache
+    return torch, Engine(model, backend=opts["backend"], max_total_tokens=opts["capacity"],
+                         max_batch_size=opts["group"] * 2,
+                         prefill_chunk_size=opts["prefill_chunk_size"])
+
+
+def _groups(count: int, size: int) -> list:
+    return [list(range(g, min(g + size, count))) for g in range(0, count, size)]
 
 
 def _prefill_rank(opts: dict, prompts: list) -> dict:
-    """Rank 0: prefill each group, send its KV and first tokens to rank 1."""
+    """Rank 0: prefill every prompt (``hold_kv``), send each group's KV and first tokens."""
     import torch.distributed as dist
 
     from kvcache.distributed import send_sequence
-    torch, model, adapter, cache = _setup(opts, 0)
-    chunk = opts["prefill_chunk_size"]
-    sent_tokens, forwards, pending = 0, 0, []
+    from kvcache.integrations import SamplingParams
+    torch, engine = _engine(opts, 0)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    groups = _groups(len(prompts), opts["group"])
+    held: dict = {}                 # request id -> (sequence id, first token)
+
+    def queue(g: int) -> list:
+        return [engine.add_request(prompts[i], first, hold_kv=True) for i in groups[g]]
+
+    queued = [queue(g) for g in range(min(2, len(groups)))]
+    handles, sent_tokens = [], 0
     t0 = time.perf_counter()
-    with adapter.session(cache), torch.inference_mode():
-        for g0 in range(0, len(prompts), opts["group"]):
-            ids = list(range(g0, min(g0 + opts["group"], len(prompts))))
-            firsts = []
-            for sid in ids:
-                prompt = prompts[sid]
-                cache.add_sequence(sid)
-                for c0 in range(0, len(prompt), chunk):
-                    part = prompt[c0:c0 + chunk]
-                    last = c0 + len(part) == len(prompt)
-                    with cache.forward([sid], [len(part)]):
-                        logits = adapter.forward(
-                            cache, np.asarray(part, np.int64), np.arange(c0, c0 + len(part)),
-                            np.asarray([len(part) - 1] if last else [], np.int64))
-                    forwards += 1
-                firsts.append(int(adapter.greedy(logits)[0][0]))
-            handle = send_sequence(cache, ids, dst=1)
-            first = torch.tensor(firsts, dtype=torch.int64)
-            dist.send(first.to(opts["wire"]), 1)
-            sent_tokens += sum(len(prompts[s]) for s in ids)
-            pending.append((handle, ids))
-            # the sequences leave this cache once their pages are on the wire
-            while pending and pending[0][0].is_completed():
-                done, gone = pending.pop(0)
-                done.wait()
-                for sid in gone:
-                    cache.remove_sequence(sid)
-        for handle, gone in pending:
-            handle.wait()
-            for sid in gone:
-                cache.remove_sequence(sid)
-    return dict(prefill_s=time.perf_counter() - t0, prompt_tokens=sent_tokens, forwards=forwards,
-                kv_bytes=sent_tokens * cache.config.token_kv_bytes)
+    for g in range(len(groups)):
+        while not all(r in held for r in queued[g]):
+            for out in engine.step():
+                if out.finished:
+                    held[out.request_id] = (out.seq_id, out.new_token_ids[0])
+        handles.append(send_sequence(engine.cache, [held[r][0] for r in queued[g]], dst=1))
+        tokens = torch.tensor([held[r][1] for r in queued[g]], dtype=torch.int64)
+        dist.send(tokens.to(opts["wire"]), 1)
+        for r in queued[g]:         # the rows are copied out: the pages may go
+            engine.release(r)
+        sent_tokens += sum(len(prompts[i]) for i in groups[g])
+        if g + 2 < len(groups):     # one group ahead: prefilled while this one is on the wire
+            queued.append(queue(g + 2))
+    for handle in handles:
+        handle.wait()
+    s = engine.stats
+    return dict(prefill_s=time.perf_counter() - t0, prompt_tokens=sent_tokens,
+                forwards=s.forwards, prefill_tokens=s.prefill_tokens, forks=s.forks,
+                shared_prefix_tokens=s.shared_prefix_tokens,
+                kv_bytes=sent_tokens * engine.cache.config.token_kv_bytes)
 
 
 def _decode_rank(opts: dict, prompts: list) -> dict:
-    """Rank 1: receive each group and decode it greedily to ``max_output`` tokens."""
+    """Rank 1: receive each group, adopt its sequences and decode them to ``max_output``."""
     import torch.distributed as dist
 
     from kvcache.distributed import recv_sequence
-    torch, model, adapter, cache = _setup(opts, 1)
+    from kvcache.integrations import SamplingParams
+    torch, engine = _engine(opts, 1)
     new = opts["max_output"]
+    rest = SamplingParams(max_tokens=max(new - 1, 1), temperature=0.0, ignore_eos=True)
     out: dict = {}
-    recv_s, forwards = 0.0, 0
+    recv_s = 0.0
     t0 = time.perf_counter()
-    with adapter.session(cache), torch.inference_mode():
-        for g0 in range(0, len(prompts), opts["group"]):
-            ids = list(range(g0, min(g0 + opts["group"], len(prompts))))
-            t1 = time.perf_counter()
-            recv_sequence(cache, ids, src=0).wait()
-            first = torch.zeros(len(ids), dtype=torch.int64, device=opts["wire"])
-            dist.recv(first, 0)
-            recv_s += time.perf_counter() - t1
-            for sid, tok in zip(ids, first.tolist()):
-                out[sid] = [int(tok)]
-            live = list(ids)
-            while live:
-                toks = np.asarray([out[s][-1] for s in live], np.int64)
-                pos = np.asarray([cache.sequence_length(s) for s in live], np.int64)
-                with cache.forward(live, [1] * len(live)):
-                    logits = adapter.forward(cache, toks, pos, np.arange(len(live), dtype=np.int64))
-                forwards += 1
-                picks = adapter.greedy(logits)[0]
-                for s, tok in zip(live, picks.tolist()):
-                    out[s].append(int(tok))
-                for s in [s for s in live if len(out[s]) >= new]:
-                    cache.remove_sequence(s)
-                live = [s for s in live if len(out[s]) < new]
-    return dict(decode_s=time.perf_counter() - t0, recv_s=recv_s, forwards=forwards,
-                tokens=[out[i] for i in range(len(prompts))])
+    for ids in _groups(len(prompts), opts["group"]):
+        t1 = time.perf_counter()
+        sids = [engine.new_seq_id() for _ in ids]
+        recv_sequence(engine.cache, sids, src=0).wait()
+        first = torch.zeros(len(ids), dtype=torch.int64, device=opts["wire"])
+        dist.recv(first, 0)
+        recv_s += time.perf_counter() - t1
+        by_request = {}
+        for i, sid, tok in zip(ids, sids, first.tolist()):
+            out[i] = [int(tok)]
+            if new > 1:
+                by_request[engine.add_request(prompts[i] + [int(tok)], rest, kv_seq_id=sid)] = i
+            else:
+                engine.cache.remove_sequence(sid)
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[by_request[o.request_id]].extend(o.new_token_ids)
+    s = engine.stats
+    return dict(decode_s=time.perf_counter() - t0, recv_s=recv_s, forwards=s.forwards,
+                prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens,
+                graph_forwards=s.graph_forwards, tokens=[out[i] for i in range(len(prompts))])
 
 
 def _rank_main(rank: int, world: int, opts: dict, prompts: list) -> dict:
@@ -170,13 +178,17 @@ def run(opts) -> dict:
                          f"has {torch.cuda.device_count()}")
     dtype = "float32" if device == "cpu" else "bfloat16"
     model, what = build_model(opts.model, opts.seed, dtype)
-    work = make_workload(opts.requests, opts.seed, model.config.vocab_size, opts.long_prompt)
-    prompts = work.greedy + work.sampled              # every request greedy here
+    work = make_workload(opts.requests, opts.seed, model.config.vocab_size,
+                         long_prompt=opts.long_prompt, max_output=opts.max_output)
+    prompts = [r.prompt for r in sorted(work.requests, key=lambda r: r.rid)]   # all greedy here
     longest = max(len(p) for p in prompts) + opts.max_output + 16
     shared = dict(model=opts.model, seed=opts.seed, dtype=dtype, device=device,
                   backend=opts.backend, group=opts.group, max_output=opts.max_output,
                   prefill_chunk_size=opts.prefill_chunk_size, capacity=opts.group * longest * 2,
                   wire="cuda" if device == "cuda" else "cpu")
+    if not opts.quiet:
+        print(f"kvcache demo --disaggregate: {len(prompts)} requests, 2 processes "
+              f"({'nccl' if device == 'cuda' else 'gloo'}) ...", file=sys.stderr)
     t0 = time.perf_counter()
     ranks = spawn(_rank_main, 2, args=(shared, prompts),
                   backend="nccl" if device == "cuda" else "gloo", timeout_s=opts.timeout)
@@ -186,12 +198,13 @@ def run(opts) -> dict:
     engine = Engine(model, backend=opts.backend, max_total_tokens=shared["capacity"] * 2,
                     prefill_chunk_size=opts.prefill_chunk_size)
     engine.progress = False
-    want = [o[0] for o in engine.generate(prompts, max_new_tokens=opts.max_output)]
+    want = [o[0] for o in engine.generate(prompts, max_new_tokens=opts.max_output,
+                                          ignore_eos=True)]
     got = ranks[1]["tokens"]
     failures = []
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
-            first = next(t for t in range(len(w)) if g[t] != w[t])
+            first = next(t for t in range(min(len(g), len(w))) if g[t] != w[t])
             failures.append(f"request {i} ({len(prompts[i])} prompt tokens): token {first} is "
                             f"{g[first]} on the decode rank, {w[first]} in one process")
     same = sum(int(g == w) for g, w in zip(got, want))
@@ -202,22 +215,33 @@ def run(opts) -> dict:
 
 
 def main(argv) -> int:
+    from kvcache.cli import UsageError, backend_for
+    if any(a == "--plot" or a.startswith("--plot=") for a in argv):
+        raise UsageError("--plot draws the single-engine run; --disaggregate prints its two "
+                         "ranks' numbers instead (leave out --plot)")
     opts = build_parser().parse_args(argv)
-    from kvcache.cli import backend_for
+    if opts.model == "synthetic":
+        raise UsageError("--disaggregate runs a real architecture (--model llama, the default, "
+                         "qwen2, mistral, phi3, gemma or a checkpoint directory), not the "
+                         "synthetic model")
     if opts.backend != "auto":
         backend_for(opts.backend, None)
+    if opts.json:
+        opts.quiet = True
     r = run(opts)
     if opts.json:
         print(json.dumps(r, indent=2, default=str))
     else:
         p, d = r["prefill"], r["decode"]
         print(f"kvcache demo --disaggregate: {r['model']}, backend {r['backend']} on {r['device']}, "
-              f"{r['dtype']}, 2 processes")
-        print(f"  rank 0 (prefill): {r['requests']} prompts, {p['prompt_tokens']} tokens in "
-              f"{p['forwards']} forwards, {p['prefill_s']:.2f} s; KV sent: "
-              f"{p['kv_bytes'] / 2**20:.1f} MiB in groups of {opts.group} requests")
+              f"{r['dtype']}, 2 processes, each driving an Engine")
+        print(f"  rank 0 (prefill): {r['requests']} prompts, {p['prompt_tokens']} tokens "
+              f"({p['prefill_tokens']} computed, {p['shared_prefix_tokens']} shared by "
+              f"{p['forks']} forks) in {p['forwards']} forwards, {p['prefill_s']:.2f} s; KV "
+              f"sent: {p['kv_bytes'] / 2**20:.1f} MiB in groups of {opts.group} requests")
         print(f"  rank 1 (decode):  {opts.max_output} tokens per request in {d['forwards']} "
-              f"forwards, {d['decode_s']:.2f} s (waiting for KV {d['recv_s']:.2f} s)")
+              f"forwards ({d['prefill_tokens']} prompt tokens run: the first token of each), "
+              f"{d['decode_s']:.2f} s (waiting for KV {d['recv_s']:.2f} s)")
         print(f"  check: {r['identical']}/{r['requests']} requests token-identical to the "
               f"single-process Engine")
         for f in r["failures"][:10]:

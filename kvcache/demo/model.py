@@ -1,60 +1,106 @@
-"""A stand-in for a transformer's attention inputs: per layer, q/k/v are a small fixed random
-projection of the token ids, i.e. a random (vocab, Hq + 2*Hkv, D) table per layer looked up with
-the backend's own arrays. No weights to download; outputs are a deterministic function of the
-seed, and the table holds the same values (rounded once to the cache dtype) on every backend.
+"""The demo's synthetic model: a ``ModelAdapter`` without weights or torch (``ToyAdapter``).
 
-Because q/k/v depend only on token ids (RoPE adds the position inside the cache), the attention
-output of a token depends only on its own sequence's history, which is what the replay check uses.
+Per layer, q/k/v of a token are a row of a fixed random ``(vocab, Hq + 2*Hkv, D)`` table looked
+up by its token id with the backend's own arrays and passed to ``attention_with_fused_qkv`` (the
+cache applies RoPE). The logits of a token are the sum over layers of its attention outputs,
+flattened to ``Hq * D`` and multiplied on the host, in float64, by a fixed random ``(Hq * D,
+vocab)`` projection. So the next token depends on the attention over the token's whole
+sequence, every layer, and nothing else: a request's tokens do not depend on what else ran in
+its batches, which is what the replay check uses. The tables and the projection are a
+deterministic function of the seed, rounded once to the cache dtype, the same on every backend.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
-import kvcache
+from ..arrays import to_numpy
+from ..config import CacheConfig
+from ..integrations.adapter import ModelAdapter
 
-from .workload import VOCAB
+SHAPES = {
+    # name: (num_layers, num_qo_heads, num_kv_heads, head_dim)
+    "tiny": (2, 4, 2, 32),
+    "small": (4, 8, 2, 128),
+    "llama-8b-heads": (4, 32, 8, 128),
+}
+VOCAB = 2048
+
+__all__ = ["SHAPES", "VOCAB", "ToyAdapter"]
 
 
-class ToyModel:
-    def __init__(self, config: kvcache.CacheConfig, seed: int):
-        c = self.config = config
-        self.width = c.num_qo_heads + 2 * c.num_kv_heads
+class ToyAdapter(ModelAdapter):
+    """The toy model (see the module docstring) for ``kvcache.integrations.engine.Engine``.
+
+    ``shape``: a key of ``SHAPES``; ``seed``: the tables' seed; ``dtype``: the cache dtype when
+    the engine is given none. ``tamper(layer, out, tokens, positions) -> out``: a hook on every
+    layer's attention output (tests plant a wrong value with it)."""
+
+    family = "synthetic"
+
+    def __init__(self, shape: str = "tiny", seed: int = 0, dtype: str = "float32",
+                 vocab: int = VOCAB, tamper: Optional[Callable] = None):
+        self.shape = shape
+        self.num_layers, self.num_qo_heads, self.num_kv_heads, self.head_dim = SHAPES[shape]
         self.seed = seed
-        self._host: Optional[list] = None
+        self.dtype = dtype
+        self.vocab_size = vocab
+        self.tamper = tamper
+        self.forwards = 0
+        width = self.num_qo_heads + 2 * self.num_kv_heads
+        rng = np.random.default_rng([seed, 0x3A0DE2])
+        scale = np.ones((1, width, 1), np.float32)
+        scale[:, :self.num_qo_heads] = 2.0          # peaked attention rather than uniform
+        self.host_tables = [rng.standard_normal((vocab, width, self.head_dim), np.float32) * scale
+                            for _ in range(self.num_layers)]
+        k = self.num_qo_heads * self.head_dim
+        # logits of about unit scale: a sampled request draws from several likely tokens
+        self.host_proj = rng.standard_normal((k, vocab), np.float32) * np.float32(2.0 / np.sqrt(k))
+        self._bound: dict = {}
 
-    def host_tables(self) -> list:
-        """Per layer, the (VOCAB, Hq + 2*Hkv, D) float32 table: q entries have standard deviation
-        2, k/v 1, so that attention is peaked rather than uniform."""
-        if self._host is None:
-            c = self.config
-            rng = np.random.default_rng([self.seed, 0x3A0DE1])
-            scale = np.ones((1, self.width, 1), np.float32)
-            scale[:, :c.num_qo_heads] = 2.0
-            self._host = [rng.standard_normal((VOCAB, self.width, c.head_dim), np.float32) * scale
-                          for _ in range(c.num_layers)]
-        return self._host
+    def describe(self, dtype: str) -> str:
+        return (f"synthetic toy model ({self.shape}: {self.num_layers} layers, "
+                f"{self.num_qo_heads}/{self.num_kv_heads} heads x {self.head_dim}, {dtype}), "
+                f"no weights")
 
-    def bind(self, cache: kvcache.PagedKVCache) -> "BoundModel":
-        """The model's tables on the cache's device, in the cache dtype."""
-        return BoundModel(self, cache)
+    def cache_config(self, *, dtype: Optional[str], page_size: int, max_total_tokens: int,
+                     max_batch_size: int, prefill_chunk_size: int) -> CacheConfig:
+        return CacheConfig(num_layers=self.num_layers, num_qo_heads=self.num_qo_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           page_size=page_size, max_total_tokens=max_total_tokens,
+                           max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
+                           dtype=dtype or self.dtype, rope_mode="normal")
 
+    def bind(self, cache) -> tuple:
+        """``(tables on the cache's device in its dtype, the projection as float64 holding the
+        values rounded to that dtype)``, made once per backend, device and dtype."""
+        key = (cache.backend.name, str(cache.backend.device), cache.config.dtype)
+        if key not in self._bound:
+            tables = [cache.from_numpy(t) for t in self.host_tables]
+            proj = np.asarray(to_numpy(cache.from_numpy(self.host_proj)), np.float64)
+            self._bound[key] = (tables, proj)
+        return self._bound[key]
 
-class BoundModel:
-    def __init__(self, model: ToyModel, cache: kvcache.PagedKVCache):
-        self.model, self.cache = model, cache
-        self.tables = [cache.from_numpy(t) for t in model.host_tables()]
+    def check(self, cache) -> None:
+        self.bind(cache)
 
-    def tokens(self, token_ids: np.ndarray):
-        """Token ids as a device int32 array."""
-        return self.cache.from_numpy(np.asarray(token_ids, np.int32))
+    def forward(self, cache, tokens, positions, logit_rows):
+        tables, proj = self.bind(cache)
+        tokens = np.asarray(tokens, np.int64)
+        rows = np.asarray(logit_rows, np.int64)
+        ids = cache.from_numpy(tokens.astype(np.int32))
+        index = cache.from_numpy(rows.astype(np.int32)) if len(rows) else None
+        hidden = np.zeros((len(rows), self.num_qo_heads * self.head_dim), np.float64)
+        for layer in range(self.num_layers):
+            out = cache.attention_with_fused_qkv(layer, tables[layer][ids])
+            if self.tamper is not None:
+                out = self.tamper(layer, out, tokens, positions)
+            if index is not None:
+                hidden += np.asarray(to_numpy(out[index]), np.float64).reshape(len(rows), -1)
+        self.forwards += 1
+        return hidden @ proj
 
-    def qkv(self, ids, layer: int):
-        """Fused (T, Hq + 2*Hkv, D) in the cache dtype, as ``attention_with_fused_qkv`` takes it."""
-        return self.tables[layer][ids]
-
-    def rows(self, array, index: np.ndarray):
-        """``array[index]`` (a gathered copy) for a host index array."""
-        return array[self.cache.from_numpy(np.asarray(index, np.int32))]
+    def to_numpy(self, logits) -> np.ndarray:
+        return np.asarray(logits, np.float64)

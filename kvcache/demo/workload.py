@@ -1,188 +1,147 @@
-"""The demo's synthetic workload: requests, shared prefixes and speculative trees, all drawn from
-one seed (so a run is reproducible token for token)."""
+"""The demo's workload: requests arriving over time, drawn from one seed (a run is reproducible).
+
+The same workload runs on the synthetic toy model and on a real architecture; only the
+vocabulary and the sizes differ. Requests arrive in *groups* (one client sending a few requests at
+once) as a Poisson process in engine steps: a group's requests that open with a system prompt
+open with the same one, so they share its pages in the engine (it forks prompts added together
+from one prefill). Kinds of request:
+
+* *shared system prompt*: one of two system prompts (or a few-shot prefix nested in the first)
+  and a short question;
+* *parallel samples*: ``n`` samples of one prompt (sampled with temperature 0.8 where torch is
+  installed; the samples fork after one prefill);
+* *long prompt*: ``long_prompt / 2`` to ``long_prompt`` tokens (prefilled in chunks; one
+  request);
+* *burst of long generations*: a group of requests arriving together, each a system prompt and a
+  document of ``long_prompt / 8`` to ``/ 4`` tokens, with 4 samples of 3-4 times ``max_output``
+  tokens: their growth fills the cache and forces preemptions;
+* *plain*: a short prompt.
+
+The first requests are forced to cover every kind, so any run of ``5 + burst`` or more requests
+exercises all of them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
 from typing import Optional
 
 import numpy as np
 
-VOCAB = 4096
-
-# Draft trees for one round of speculative decoding: per draft step, the parent pointers of the
-# nodes it appends (indices in the sequence's uncommitted tree), and the accepted leaf.
-SPEC_TREES = {
-    # one forward: root + 2 children + 2 grandchildren under child 0 + 1 under child 1
-    "one-step": ([[-1, 0, 0, 1, 1, 2]], 4),        # accept 0 -> 1 -> 4 (3 tokens)
-    # a tree grown over two draft steps (one level per step), then one commit
-    "two-step": ([[-1, 0, 0], [1, 1, 2]], 3),       # accept 0 -> 1 -> 3 (3 tokens)
-    # every draft rejected: only the root (the pending token) is kept
-    "rejected": ([[-1, 0, 0, 0]], 0),               # accept 0 (1 token)
-    # a deep chain-like tree, two tokens accepted
-    "deep": ([[-1, 0, 1, 2, 0]], 2),               # accept 0 -> 1 -> 2 (3 tokens)
+FEATURES = {
+    # kind: the feature name the report counts
+    "prefix": "shared system prompt",
+    "parallel": "parallel samples",
+    "long": "long prompt (chunked)",
+    "burst": "burst of long generations",
 }
 
 
-@dataclass
-class SpecPlan:
-    kind: str
-    at: int                      # start when this many tokens have been generated (>= 1)
-    levels: list                 # parent pointers per draft step
-    leaf: int                    # accepted leaf (index in the uncommitted tree)
-    wrong_tokens: np.ndarray     # tokens of the rejected draft nodes
-
-    @property
-    def parents(self) -> list:
-        return [p for level in self.levels for p in level]
-
-    def path(self) -> list:
-        """Accepted nodes, root first."""
-        parents, out, node = self.parents, [], self.leaf
-        while node != -1:
-            out.append(node)
-            node = parents[node]
-        return out[::-1]
-
-    @property
-    def accepted(self) -> int:
-        return len(self.path())
-
-    def node_tokens(self, stream: np.ndarray, generated: int) -> np.ndarray:
-        """Tokens of every tree node: the root is the pending token ``stream[generated-1]``, the
-        accepted path continues the stream, other nodes are wrong drafts."""
-        parents = self.parents
-        tokens = np.array(self.wrong_tokens[:len(parents)], dtype=np.int64)
-        for depth, node in enumerate(self.path()):
-            tokens[node] = stream[generated - 1 + depth]
-        return tokens
-
-
-@dataclass
-class Prefix:
-    key: str
-    tokens: np.ndarray           # this prefix's own tokens (after its parent's)
-    parent: Optional[str] = None
-
-
-@dataclass
+@dataclasses.dataclass
 class Request:
     rid: int
-    arrival: int                 # step at which the request arrives
-    prompt: np.ndarray           # prompt tokens after the shared prefix (if any)
-    output_len: int              # tokens generated per sample
-    outputs: list                # per sample: (output_len,) generated tokens ("the sampler's picks")
+    arrival: int                 # engine step at which it is added
+    prompt: list                 # token ids (system prompt included)
+    max_tokens: int              # new tokens per sample
+    n: int = 1                   # samples
+    sampled: bool = False        # drawn with temperature > 0 (else greedy)
     prefix: Optional[str] = None
-    spec: Optional[SpecPlan] = None
-    window: Optional[tuple] = None   # (window_size, sink_size)
-    features: tuple = field(default_factory=tuple)
+    features: tuple = ()
 
     @property
-    def n_samples(self) -> int:
-        return len(self.outputs)
-
-    @property
-    def sliding(self) -> bool:
-        return self.window is not None
+    def kinds(self) -> tuple:
+        return self.features or ("plain",)
 
 
-@dataclass
+@dataclasses.dataclass
 class Workload:
     requests: list
-    prefixes: dict
+    prefixes: dict               # name -> its tokens (a nested prefix includes its parent's)
+    vocab: int
 
-    def prefix_chain(self, key: Optional[str]) -> list:
-        """Prefixes from the root to ``key``."""
-        chain = []
-        while key is not None:
-            chain.append(self.prefixes[key])
-            key = self.prefixes[key].parent
-        return chain[::-1]
+    def features(self) -> dict:
+        """{feature name: requests with it}, every feature named (0 when none has it)."""
+        out = {name: 0 for name in FEATURES.values()}
+        for r in self.requests:
+            for f in r.features:
+                out[f] += 1
+        return out
 
-    def prefix_length(self, key: Optional[str]) -> int:
-        return sum(len(p.tokens) for p in self.prefix_chain(key))
+    @property
+    def last_arrival(self) -> int:
+        return max((r.arrival for r in self.requests), default=0)
 
 
-def _log_uniform(rng, lo, hi) -> int:
+def _log_uniform(rng, lo: float, hi: float) -> int:
+    lo, hi = max(lo, 1.0), max(hi, lo + 1.0)
     return int(round(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
 
 
-def make_workload(num_requests: int, seed: int, *, max_prompt: int = 3000,
-                  max_output: int = 40, arrival_rate: float = 1.0, long_fraction: float = 0.0,
-                  burst: int = 4,
-                  windows: tuple = ((128, 4), (256, 16), (192, 0))) -> Workload:
-    """``num_requests`` requests arriving as a Poisson process (``arrival_rate`` per step).
+def make_workload(num_requests: int, seed: int, vocab: int, *, long_prompt: int = 3000,
+                  max_output: int = 40, samples: int = 3, arrival_rate: float = 1.0,
+                  burst: Optional[int] = None) -> Workload:
+    """``num_requests`` requests (see the module docstring) with token ids in ``[1, vocab)``.
 
-    Prompts are log-uniform between a few tokens and ``max_prompt / 4``; one request (plus a
-    ``long_fraction`` of the plain ones) has a long prompt between ``max_prompt / 2`` and
-    ``max_prompt``; windowed prompts are log-uniform up to ``max_prompt``. Outputs are 4 to
-    ``max_output`` tokens, except for a burst of ``burst`` requests that arrive together and
-    generate 2 samples of 3 to 4 times ``max_output`` tokens each: their growth is what fills the
-    cache and makes the scheduler preempt. Some requests share a system prompt (two roots and one
-    nested few-shot prefix), ask for 2-4 parallel samples, run one round of speculative decoding,
-    or use a sliding window with attention sinks. The first requests are forced to cover every
-    feature, so any run of ``9 + burst`` or more requests exercises all of them."""
-    rng = np.random.default_rng([seed, 0xDE30])
-    # shared prefixes (sizes for max_prompt=3000): a 200-600 token system prompt, a 40-200 one,
-    # and 100-400 tokens of few-shot examples after the first
-    unit = max_prompt / 3000
+    Sizes follow ``long_prompt``: system prompts of a twelfth to an eighth and a thirtieth to a
+    sixteenth of it (a few-shot part of a twentieth to a tenth nested in the first), questions
+    up to a quarter of it (a 24th after a system prompt). Outputs are 4 to ``max_output`` tokens; parallel requests ask for
+    ``samples`` samples. Groups of 1-3 requests arrive as a Poisson process with
+    ``arrival_rate`` requests per engine step on average; the burst (``burst`` requests, default
+    4, or 2 below 16 requests) arrives at 40% of the arrivals."""
+    rng = np.random.default_rng([seed, 0xDE31])
+    L = max(int(long_prompt), 16)
+    if burst is None:
+        burst = 4 if num_requests >= 16 else 2
 
-    def tokens(lo, hi):
-        return rng.integers(0, VOCAB, _log_uniform(rng, max(2, lo * unit), max(3, hi * unit)))
+    def tokens(n) -> list:
+        return rng.integers(1, vocab, max(int(n), 1)).tolist()
 
-    prefixes = {"sys-a": Prefix("sys-a", tokens(200, 600)), "sys-b": Prefix("sys-b", tokens(40, 200))}
-    prefixes["sys-a+fewshot"] = Prefix("sys-a+fewshot", tokens(100, 400), parent="sys-a")
-    forced = ["nested-prefix+parallel", "spec:two-step", "window", "parallel", "prefix",
-              "spec:one-step", "long", "window", "spec:rejected"] + ["burst"] * burst
+    sys_a = tokens(rng.integers(L // 12, L // 8 + 1))
+    sys_b = tokens(rng.integers(L // 30, L // 16 + 1))
+    prefixes = {"sys-a": sys_a, "sys-b": sys_b,
+                "sys-a+fewshot": sys_a + tokens(rng.integers(L // 20, L // 10 + 1))}
+    forced = ["prefix", "nested+parallel", "parallel", "long", "plain"]
     rng.shuffle(forced)
+    kinds = forced + ["burst"] * burst
+    while len(kinds) < num_requests:
+        kinds.append(str(rng.choice(["plain", "prefix", "parallel", "prefix+parallel"],
+                                    p=[.25, .5, .13, .12])))
+    kinds = kinds[:num_requests]
+    # arrival steps: groups of 1-3 as a Poisson process; the burst together at 40%
     burst_at = int(0.4 * num_requests / arrival_rate)
-    requests, t = [], 0.0
-    for rid in range(num_requests):
-        t += rng.exponential(1.0 / arrival_rate)
-        if rid < len(forced):
-            want = forced[rid]
+    arrivals: list = []
+    t = 0.0
+    while len(arrivals) < num_requests:
+        size = int(rng.integers(1, 4))
+        arrivals += [int(t)] * size
+        t += rng.exponential(size / arrival_rate)
+    requests = []
+    group_prefix: dict = {}
+    for rid, (kind, at) in enumerate(zip(kinds, arrivals)):
+        if kind == "burst":
+            at = burst_at
+        prefix, features, n, sampled = None, [], 1, False
+        out = int(rng.integers(4, max_output + 1)) if max_output >= 4 else max_output
+        if "prefix" in kind or "nested" in kind or kind == "burst":
+            prefix = "sys-a+fewshot" if "nested" in kind else group_prefix.setdefault(
+                (at, kind == "burst"), str(rng.choice(["sys-a", "sys-b", "sys-a+fewshot"])))
+            features.append(FEATURES["prefix"])
+            question = tokens(_log_uniform(rng, 2, L / 24) if kind != "burst"
+                              else rng.integers(L // 8, L // 4 + 1))     # a document to read
+        elif kind == "long":
+            question = tokens(rng.integers(L // 2, L + 1))
+            features.append(FEATURES["long"])
         else:
-            want = str(rng.choice(["plain", "plain", "plain", "prefix", "prefix", "parallel",
-                                   "prefix+parallel", "spec", "window"]))
-        prefix = spec = window = None
-        n_samples, features = 1, []
-        if "prefix" in want:
-            prefix = "sys-a+fewshot" if want.startswith("nested") else str(
-                rng.choice(["sys-a", "sys-b", "sys-a+fewshot"]))
-            features.append("shared prefix")
-        if "parallel" in want:
-            n_samples = int(rng.integers(2, 5))
-            features.append("parallel samples")
-        if want == "window":
-            window = tuple(int(x) for x in windows[int(rng.integers(len(windows)))])
-            features.append("sliding window")
-            prompt_len = _log_uniform(rng, 64, max(max_prompt, 128))
-        elif want == "burst":
-            prompt_len = int(rng.integers(max_prompt // 8, max_prompt // 4 + 1))
-            n_samples = 2
-            features.append("burst of long generations")
-        elif want == "long" or (want == "plain" and rng.random() < long_fraction):
-            prompt_len = int(rng.integers(max_prompt // 2, max_prompt + 1))
-            features.append("long prompt")
-        else:
-            prompt_len = _log_uniform(rng, 4, max(max_prompt // 4, 8))
-            if prefix is not None:
-                prompt_len = max(1, prompt_len // 4)   # a question after the shared context
-        output_len = int(rng.integers(4, max_output + 1))
-        if want == "burst":
-            output_len = int(rng.integers(3 * max_output, 4 * max_output + 1))
-        if want.startswith("spec"):
-            kind = want.split(":")[1] if ":" in want else str(rng.choice(list(SPEC_TREES)))
-            levels, leaf = SPEC_TREES[kind]
-            at = int(rng.integers(1, 4))
-            output_len = max(output_len, at + 8)
-            size = sum(len(level) for level in levels)
-            wrong = rng.integers(0, VOCAB, size)
-            spec = SpecPlan(kind, at, [list(level) for level in levels], leaf, wrong)
-            features.append(f"speculative ({kind})")
-        outputs = [rng.integers(0, VOCAB, output_len) for _ in range(n_samples)]
-        arrival = burst_at if want == "burst" else int(t)
-        requests.append(Request(rid, arrival, rng.integers(0, VOCAB, prompt_len), output_len, outputs,
-                                prefix=prefix, spec=spec, window=window,
-                                features=tuple(features) or ("plain",)))
-    return Workload(requests, prefixes)
+            question = tokens(_log_uniform(rng, 4, L / 4))
+        if "parallel" in kind:
+            n, sampled = samples, True
+            features.append(FEATURES["parallel"])
+        if kind == "burst":
+            n, sampled = 4, True
+            out = int(rng.integers(3 * max_output, 4 * max_output + 1))
+            features.append(FEATURES["burst"])
+        prompt = (prefixes[prefix] if prefix else []) + question
+        requests.append(Request(rid, at, prompt, max(out, 1), n, sampled, prefix,
+                                tuple(features)))
+    requests.sort(key=lambda r: (r.arrival, r.rid))
+    return Workload(requests, prefixes, vocab)

@@ -129,14 +129,30 @@ def test_bench_json(capsys):
 
 
 def test_demo_json_and_plain_table(capsys):
-    small = ["--requests", "6", "--max-prompt", "120", "--max-output", "8", "--check-requests", "2"]
+    small = ["--requests", "6", "--long-prompt", "120", "--max-output", "8", "--check-requests", "2",
+             "--max-total-tokens", "512"]
     assert main(["demo", "--json", *small]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["backend"] == "reference" and data["check_ok"] is True
-    assert sum(c["finished"] for c in data["caches"]) == 6
+    assert data["finished"] == data["requests"] == 6 and data["stats"]["forwards"] > 0
     assert main(["demo", "--quiet", *small]) == 0      # capsys is no terminal: no box drawing
     out = capsys.readouterr().out
-    assert "main cache:" in out and not set("│┃━─┏") & set(out)
+    assert "check:" in out and "PASSED" in out and not set("│┃━─┏") & set(out)
+
+
+def test_demo_options_are_valid_in_every_mode_that_lists_them(capsys):
+    pytest.importorskip("transformers")
+    # --quiet is the disaggregated demo's too; --plot is refused there by a one-line error
+    # (its own --help does not list it), and --shape is the synthetic model's
+    from kvcache.demo.disaggregate import build_parser as disaggregate_parser
+    assert disaggregate_parser().parse_args(["--disaggregate", "--quiet"]).quiet
+    with pytest.raises(SystemExit):
+        disaggregate_parser().parse_args(["--disaggregate", "--help"])
+    assert "--plot" not in capsys.readouterr().out
+    line = one_line_error(capsys, ["demo", "--disaggregate", "--plot", "x.png"], "kvcache demo")
+    assert "--plot" in line and "leave out --plot" in line
+    line = one_line_error(capsys, ["demo", "--model", "llama", "--shape", "tiny"], "kvcache demo")
+    assert "--shape is the synthetic model's" in line
 
 
 def test_a_closed_pipe_ends_quietly(tmp_path):

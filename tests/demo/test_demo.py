@@ -1,150 +1,195 @@
-"""``kvcache demo``: the scheduler's preemption path, the replay check (a planted wrong output
-must be reported), determinism, the CLI and the plot. Small workloads on the reference backend."""
+"""``kvcache demo``: the synthetic workload through the one engine core (``Engine`` with the toy
+adapter), its online API (arrivals over time, streamed outputs), preemption in the tight cache,
+the replay check (it passes, and a planted wrong attention output or token makes it fail),
+determinism, the CLI, the table, ``--json`` and the plot. Small workloads on the reference
+backend."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-import kvcache
-from kvcache.demo import build_parser, main, run_demo
-from kvcache.demo.engine import Engine
+from kvcache.cli import main as cli_main
+from kvcache.demo import build_parser, main, resolve, run_demo
+from kvcache.demo.check import replay_toy
+from kvcache.demo.model import ToyAdapter
 
-# a small workload that still covers every feature (9 forced kinds + a burst of 4)
-SMALL = ["--quiet", "--backend", "reference", "--requests", "16", "--max-prompt", "480",
-         "--max-output", "10", "--check-requests", "0"]
+# a small workload that still covers every kind of request (5 forced kinds + a burst of 2)
+SMALL = ["--quiet", "--backend", "reference", "--requests", "12", "--long-prompt", "400",
+         "--max-output", "10", "--max-total-tokens", "448", "--check-requests", "0"]
 
 
 def opts(*extra):
     return build_parser().parse_args(SMALL + list(extra))
 
 
-def test_every_feature_runs_and_the_check_passes():
-    result = run_demo(opts("--max-total-tokens", "4096"))
-    assert result.backend == "reference"
-    features = {f.split(" (")[0] for r in result.workload.requests for f in r.features}
-    assert {"shared prefix", "parallel samples", "speculative", "sliding window"} <= features
-    assert all(e.done for e in result.engines)
-    assert sum(len(e.finished) for e in result.engines) == 16
-    assert result.check_ok is True
-    # every request was replayed (--check-requests 0)
-    assert sum(c.requests for c in result.checks) == 16
-    assert all(c.max_err < 1e-4 for c in result.checks)
+@pytest.fixture(scope="module")
+def small():
+    return run_demo(opts())
 
 
-def test_a_tiny_cache_preempts_and_every_request_finishes(monkeypatch):
-    raised = []
-    real = kvcache.PagedKVCache.begin_forward
-
-    def spy(self, *args, **kwargs):
-        try:
-            return real(self, *args, **kwargs)
-        except kvcache.CacheFullError as exc:
-            raised.append(exc)
-            raise
-
-    monkeypatch.setattr(kvcache.PagedKVCache, "begin_forward", spy)
-    # the burst's long generations (2 samples x 120-160 tokens each) outgrow a 48-page cache
-    result = run_demo(opts("--max-output", "40", "--max-total-tokens", "768",
-                           "--window-max-total-tokens", "512", "--max-batch-size", "12"))
-    main_engine = result.engines[0]
-    assert raised, "the tiny cache never raised CacheFullError"
-    assert main_engine.preemptions > 0
-    assert all(e.done for e in result.engines)
-    finished = sorted(r.rid for e in result.engines for r in e.finished)
-    assert finished == list(range(16)), "a request was lost"
-    # each sequence generated exactly its output length, and the preempted requests' final runs
-    # were replayed and matched the reference
-    assert main_engine.preempted_rids <= set(main_engine.logs)
-    assert result.check_ok is True
-    assert main_engine.cache.num_sequences == 0 and main_engine.cache.is_empty
+def test_every_feature_runs_and_the_check_passes(small):
+    r = small
+    assert r.mode == "synthetic" and r.backend == "reference" and r.dtype == "float32"
+    assert all(v > 0 for v in r.workload.features().values()), r.workload.features()
+    assert len(r.served.traces) == 12
+    for req in r.workload.requests:         # every sample got exactly its tokens
+        tr = r.served.traces[req.rid]
+        assert [len(t) for t in tr.tokens] == [req.max_tokens] * req.n
+        assert tr.reasons == ["length"] * req.n and tr.finished_step is not None
+    # the check replayed every request (--check-requests 0): identical greedy tokens, and the
+    # run's log-probabilities equal to the replay's up to float32 rounding of the attention
+    assert r.check.ok, r.check.failures
+    assert r.check.requests == 12 and r.check.samples == sum(q.n for q in r.workload.requests)
+    assert r.check.near_ties == 0 and r.check.max_err < 1e-5
+    s = r.stats
+    assert s.forwards > 0 and s.forks > 0 and s.shared_prefix_tokens > 0 and s.preemptions > 0
+    assert r.engine.cache.is_empty and not r.engine.has_unfinished()
 
 
-def test_the_youngest_running_request_is_preempted(monkeypatch):
-    victims = []
-    real = Engine._preempt_youngest
-
-    def spy(self, why):
-        orders = {id(r): r.order for r in self.running}
-        youngest = max(orders.values())
-        victim = real(self, why)
-        victims.append((orders[id(victim)], youngest))
-        return victim
-
-    monkeypatch.setattr(Engine, "_preempt_youngest", spy)
-    run_demo(opts("--max-output", "40", "--max-total-tokens", "640", "--max-batch-size", "12",
-                  "--no-check"))
-    assert victims
-    assert all(order == youngest for order, youngest in victims)
+def test_requests_are_added_while_others_decode(small):
+    traces = list(small.served.traces.values())
+    # some request was added after another had its first token and before that one finished
+    pairs = [(a.rid, b.rid) for a in traces for b in traces
+             if a.first_step is not None and a.first_step < b.added_step < a.finished_step]
+    assert pairs
+    assert small.served.interleaved > 0
+    assert len({tr.added_step for tr in traces}) > 3       # arrivals spread over steps
 
 
-def test_a_planted_wrong_output_is_reported():
+def test_the_default_tight_cache_preempts():
+    # default capacity (3072 tokens) and sizes: the burst (4 requests, each 4 samples x 120-160
+    # tokens after a 190-375-token document) outgrows it; preempted sequences are parked in the
+    # engine's host tier and restored (recomputation: test_the_same_seed_gives_the_same_run)
+    r = run_demo(build_parser().parse_args(
+        ["--quiet", "--backend", "reference", "--requests", "16", "--check-requests", "2"]))
+    s = r.stats
+    assert s.preemptions > 0 and s.offloaded_tokens > 0 and s.recompute_tokens_saved > 0, s
+    assert r.served.peak_pages == r.engine.cache.num_total_pages
+    assert r.check.ok, r.check.failures
+    assert all(tr.finished_step is not None for tr in r.served.traces.values())
+
+
+def test_a_planted_wrong_attention_output_fails_the_check():
     planted = {}
 
-    def tamper(engine, layer, entries, out):
-        if engine.name == "main" and layer == 1 and len(engine.history) == 6 and not planted:
+    def tamper(layer, out, tokens, positions):
+        if layer == 1 and not planted and len(tokens) > 1 and positions.max() > 40:
+            planted["forward"] = True
             out = out.copy()
-            out[0, 0, 0] += 0.05
-            planted["sid"] = entries[0][0].sid
+            out += 0.25                     # every token of this forward, one layer
         return out
 
-    result = run_demo(opts("--max-total-tokens", "4096"), tamper=tamper)
+    r = run_demo(opts(), tamper=tamper)
     assert planted
-    assert result.check_ok is False
-    main_check = result.checks[0]
-    assert len(main_check.failures) == 1
-    message = main_check.failures[0]
-    rid = planted["sid"] // 8
-    assert f"request {rid}" in message and "layer 1" in message and "reference" in message
-    assert result.checks[1].ok                  # the sliding-window cache was not touched
+    assert r.check.ok is False and r.check.failed >= 1
+    assert any("log-probability" in f or "argmax" in f for f in r.check.failures)
+    assert all(f.startswith("request ") for f in r.check.failures)
 
 
-def test_the_cli_exits_non_zero_on_a_check_failure(capsys):
-    def tamper(engine, layer, entries, out):
-        if engine.name == "sliding window" and layer == 0 and len(engine.history) == 3:
-            out = out.copy()
-            out[-1] = 0.0
-        return out
+def test_a_planted_wrong_token_fails_the_check(small):
+    greedy = next(q for q in small.workload.requests if not q.sampled and q.max_tokens > 3)
+    trace = small.served.traces[greedy.rid]
+    saved = list(trace.tokens[0])
+    try:
+        trace.tokens[0][2] = (trace.tokens[0][2] + 1) % small.workload.vocab
+        adapter = ToyAdapter("tiny", 0, "float32")
+        check = replay_toy(adapter, small.workload, small.served, [greedy.rid], "float32")
+    finally:
+        trace.tokens[0][:] = saved
+    assert not check.ok
+    assert f"request {greedy.rid}" in check.failures[0] and "new token 2" in check.failures[0]
 
-    rc = main(SMALL + ["--max-total-tokens", "4096"], tamper=tamper)
+
+def test_the_cli_exits_1_on_a_check_failure(capsys):
+    def tamper(layer, out, tokens, positions):
+        return out * 0.5 if layer == 0 else out
+
+    assert main(SMALL, tamper=tamper) == 1
     captured = capsys.readouterr()
-    assert rc == 1
-    assert "FAILED" in captured.out and "check failed" in captured.out
-    assert "FAILED" in captured.err
+    assert "FAILED" in captured.out and "check failed: request" in captured.out
+    assert "the check FAILED" in captured.err
 
 
-def test_the_cli_reports_a_request_larger_than_the_cache(capsys):
-    rc = main(SMALL + ["--max-total-tokens", "128", "--no-check"])
-    assert rc == 2
-    assert "needs more pages than the cache holds" in capsys.readouterr().err
+def test_a_request_larger_than_the_cache_is_refused_before_the_run(capsys):
+    assert cli_main(["demo"] + SMALL + ["--max-total-tokens", "128", "--no-check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvcache demo: error: request ") and len(err.splitlines()) == 1
+    assert "more than the whole cache holds" in err and "--max-total-tokens to at least" in err
 
 
 def test_the_same_seed_gives_the_same_run():
     def run(seed):
-        result = run_demo(opts("--seed", str(seed), "--max-total-tokens", "1024"))
-        stats = [(h.batch, h.tokens, h.pages_used, h.preemptions) for e in result.engines for h in e.history]
-        outs = {(e.name, rid): np.concatenate([np.asarray(o, np.float32).ravel() for f in log.outputs for o in f])
-                for e in result.engines for rid, log in e.logs.items()}
-        return stats, outs
+        r = run_demo(opts("--seed", str(seed), "--no-check", "--requests", "8", "--no-offload"))
+        assert r.stats.preemptions > 0 and r.stats.recomputed_tokens > 0
+        assert r.stats.offloaded_tokens == 0
+        tokens = {rid: tr.tokens for rid, tr in r.served.traces.items()}
+        steps = [(h.running, h.waiting, h.pages_used, h.preemptions) for h in r.served.history]
+        return tokens, steps
 
-    a_stats, a_outs = run(7)
-    b_stats, b_outs = run(7)
-    assert a_stats == b_stats
-    assert a_outs.keys() == b_outs.keys()
-    for key in a_outs:
-        np.testing.assert_array_equal(a_outs[key], b_outs[key])
-    c_stats, _ = run(8)
-    assert c_stats != a_stats
+    a, b, c = run(0), run(0), run(2)
+    assert a == b
+    assert a[0] != c[0]
 
 
-def test_the_table_and_the_plot(tmp_path, capsys):
+def test_parallel_samples_are_drawn_with_torch_and_greedy_without(small, tmp_path):
+    pytest.importorskip("torch")
+    assert small.distinct() and all(d == 3 for d in small.distinct())
+    # the no-torch path: the toy adapter, the engine and the check never import torch
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from kvcache.demo import main\n"
+            "sys.exit(main(['--quiet', '--backend', 'reference', '--requests', '8', "
+            "'--long-prompt', '200', '--max-output', '6', '--max-total-tokens', '512', "
+            "'--check-requests', '0']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "greedy (torch is not installed" in out.stdout and "PASSED" in out.stdout
+
+
+def test_the_model_defaults_to_llama_on_a_cuda_gpu(monkeypatch):
+    import kvcache.demo as demo
+    monkeypatch.setattr(demo, "_gpu_model_default", lambda backend, device: True)
+    o = resolve(build_parser().parse_args([]))
+    assert o.model == "llama" and o.mode == "model" and o.max_total_tokens == 1536
+    o = resolve(build_parser().parse_args(["--model", "synthetic", "--scale", "2"]))
+    assert o.mode == "synthetic" and o.max_total_tokens == 6144 and o.requests == 96
+    monkeypatch.setattr(demo, "_gpu_model_default", lambda backend, device: False)
+    assert resolve(build_parser().parse_args([])).model == "synthetic"
+    # without a GPU (this machine's cuda backend runs on the CPU at most) it stays synthetic
+    monkeypatch.undo()
+    assert not demo._gpu_model_default("reference", None)
+
+
+def test_the_table_json_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    pytest.importorskip("rich")
     png = tmp_path / "demo.png"
-    rc = main(SMALL + ["--requests", "13", "--plot", str(png), "--check-requests", "3"])
+    args = SMALL + ["--requests", "8", "--check-requests", "2"]
+    assert main(args + ["--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert rc == 0
-    for row in ("requests", "tokens prefilled", "tokens decoded", "tokens/s", "peak pages used",
-                "preemptions", "begin_forward host time", "check", "PASSED", "reference"):
-        assert row in out
+    for row in ("model:", "requests:", "new tokens:", "time to first token:", "forwards:",
+                "shared pages:", "preemptions:", "pages:", "check:", "PASSED", "reference"):
+        assert row in out, row
+    assert not set("│┃━─┏") & set(out)         # capsys is no terminal: plain lines
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mode"] == "synthetic" and data["check_ok"] is True and data["finished"] == 8
+    assert data["stats"]["forwards"] > 0 and "preemptions" in data["stats"]
+    assert data["check"]["near_ties"] == 0 and np.isfinite(data["tokens_per_s"])
+
+
+def test_a_real_model_runs_online_with_plot_and_quiet(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    png = tmp_path / "llama.png"
+    argv = ["--model", "llama", "--backend", "reference", "--requests", "8", "--max-output", "12",
+            "--long-prompt", "300", "--max-total-tokens", "512", "--max-batch-size", "6",
+            "--prefill-chunk-size", "128", "--check-requests", "3", "--samples", "2", "--quiet",
+            "--plot", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "llama, random weights" in out and "replayed alone on transformers" in out
+    assert "PASSED" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
