@@ -173,16 +173,28 @@ class DepthAux:
     """
 
     qo_indptr: Any
+    """(n+1,): entry ``i``'s queries are rows ``qo_indptr[i]:qo_indptr[i+1]`` of ``q``."""
     page_indptr: Any
+    """(n+1,): entry ``i``'s pages are ``page_indices[page_indptr[i]:page_indptr[i+1]]``."""
     page_indices: Any
+    """(num_pages,) or longer: page ids, entry after entry, in key order."""
     last_page_len: Any
+    """(n,): rows used in each entry's last page (FlashInfer's convention)."""
     kv_len: Any
+    """(n,): keys of each entry (sinks plus window for a sliding entry)."""
     sink_size: Any
+    """(n,): keys at the front of each entry that a sliding window keeps (0: none)."""
     window_offset: Any
+    """(n,): in-entry offset of the first window key after the sinks (0: no gap)."""
     k_rope_offset: Any
+    """(n,): RoPE position of each entry's key 0 (inline RoPE rotates key ``j`` at
+    ``k_rope_offset[i] + j``)."""
     num_entries: int
+    """``n``, the entries (host int)."""
     use_decode: bool
+    """Every entry has exactly one query (host bool)."""
     tree: Optional[TreeMask] = None
+    """Token-tree visibility of the entries' last keys (None: every key visible)."""
     max_kv_len: int = 0
     """Host-side maximum of kv_len (for launch sizing; static-shape decode uses a bound instead)."""
     max_qo_len: int = 0
@@ -196,9 +208,14 @@ class Backend(abc.ABC):
     the abstract methods. Public cache methods validate; backends may assume valid input."""
 
     name: ClassVar[str] = "abstract"
+    """The registered name (``PagedKVCache(config, backend=name)``, ``kvcache info``)."""
     priority: ClassVar[int] = 0
+    """Rank among available backends for ``backend="auto"``: the highest available one wins."""
     capabilities: ClassVar[Capabilities] = Capabilities()
+    """What the backend can do: ``PagedKVCache`` refuses a config it cannot run, and the
+    conformance suite skips the tests of what it lacks."""
     description: ClassVar[str] = ""
+    """A line for ``kvcache info`` (the hardware and kernels it runs)."""
 
     # ------------------------------------------------------------------ discovery
     @classmethod

@@ -76,6 +76,18 @@ class PagedKVCache:
     Sequences are added, forked, popped and removed between forwards; a forward
     (``begin_forward`` .. ``attention`` per layer .. ``end_forward``) appends tokens to a batch
     of sequences and attends over their history. A cache is used by one thread at a time.
+
+    Shapes, with ``T`` the new tokens of the open forward and ``B`` its sequences: ``q``
+    ``(T, num_qo_heads, head_dim)``, ``k`` ``(T, num_kv_heads, head_dim)``, ``v`` and the
+    output ``o`` ``(T, num_kv_heads | num_qo_heads, head_dim_v)``, ``lse`` ``(T, num_qo_heads)``
+    float32; arrays are the backend's own (``from_numpy`` makes them).
+
+    Attributes (read them, never assign): ``config`` (the ``CacheConfig``), ``backend`` (the
+    ``Backend`` instance), ``capabilities`` (its ``Capabilities``), ``pages`` (one page array
+    per layer, of shape ``backend.page_shape(config.num_pages)``), ``planner`` (plans
+    forwards), ``state`` (the core's sequences and page table), ``aux_manager`` (moves a
+    forward's index arrays to the device), ``copy_stream`` (the backend's copy stream, or
+    None).
     """
 
     def __init__(self, config: CacheConfig, backend: str = "auto", device: Optional[str] = None) -> None:
@@ -206,11 +218,18 @@ class PagedKVCache:
 
     @_exclusive
     def add_sequence(self, seq_id: int) -> None:
+        """Add an empty sequence ``seq_id`` (an int in the int64 range, numpy ints too; it takes
+        no page until a forward appends to it). Raises SequenceExistsError if the id is in the
+        cache, InvalidArgumentError for an id that is not such an int (a bool or a float
+        neither), ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("add_sequence")
         self.state.add_sequence(seq_id)
 
     @_exclusive
     def remove_sequence(self, seq_id: int) -> None:
+        """Drop sequence ``seq_id`` and free the pages only it holds (pages shared with a fork
+        stay with the other sequences). Raises SequenceNotFoundError for an id not in the cache,
+        ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("remove_sequence")
         self.state.remove_sequence(seq_id)
 
@@ -227,6 +246,13 @@ class PagedKVCache:
 
     @_exclusive
     def popn(self, seq_id: int, n: int) -> None:
+        """Remove the last ``n`` tokens of sequence ``seq_id`` (``0 <= n <= length``; sinks of
+        a sliding window included): pages left empty are freed; when the new end lies in a
+        page shared with a fork, that partial page is copied first, so the other sequence keeps
+        its tokens. Raises SequenceNotFoundError, InvalidArgumentError for ``n`` outside
+        [0, length], ForwardStateError inside a forward or on an uncommitted token tree,
+        CacheFullError when a partial page must be copied and no page is free; nothing changes
+        then."""
         self._no_forward("popn")
         self._copy_pages(self.state.popn(seq_id, n))
 
@@ -236,6 +262,17 @@ class PagedKVCache:
 
     @_exclusive
     def enable_sliding_window(self, seq_id: int, window_size: int, sink_size: int) -> None:
+        """Give sequence ``seq_id`` a sliding window (eviction): after each forward it keeps its
+        first ``sink_size`` tokens (the attention sinks) and its last ``window_size -
+        sink_size``; whole pages between the two are freed, and RoPE is applied inside attention
+        at the positions within the kept tokens. Needs ``CacheConfig(support_sliding_window=True)``.
+
+        ``window_size``: an int > 0, the tokens kept; ``sink_size``: an int in
+        [0, window_size). Pages shared with another sequence never slide out, so ``sink_size``
+        must cover the prefix the sequence shares with a fork. Raises SequenceNotFoundError,
+        InvalidArgumentError (a cache without sliding-window support, bad sizes, a window
+        already set, a shared prefix longer than ``sink_size``), ForwardStateError inside a
+        forward or on an uncommitted token tree; nothing changes then."""
         self._no_forward("enable_sliding_window")
         self.state.enable_sliding_window(seq_id, window_size, sink_size)
 
@@ -249,6 +286,18 @@ class PagedKVCache:
     @_exclusive
     def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int],
                                          leaf_indices: Sequence[int]) -> None:
+        """Accept one path of each sequence's uncommitted token tree (speculative decoding):
+        the accepted nodes' K/V rows move right after the committed history (one
+        ``Backend.compact_kv`` launch), every other tree token is dropped, and the sequences
+        are committed (they can be forked, popped, exported and windowed again).
+
+        ``seq_ids``: B distinct ids of sequences in the cache; ``leaf_indices``: B ints, the
+        accepted leaf of each as an index into that sequence's uncommitted tree (all tree
+        tokens appended since its last commit, in ``token_tree_parent_ptr`` order): the path
+        from the root to that node is kept; -1 keeps none of the tree. Raises
+        SequenceNotFoundError, InvalidArgumentError (lengths differ, a sequence listed twice,
+        a leaf outside [-1, tree size)), ForwardStateError inside a forward; nothing changes
+        then."""
         self._no_forward("commit_accepted_token_tree_nodes")
         items = self.state.check_commit(seq_ids, leaf_indices)
         src, dst = self.state.commit_plan(items)
@@ -261,35 +310,46 @@ class PagedKVCache:
     @property
     @_exclusive
     def num_available_pages(self) -> int:
+        """Free pages now (of ``num_total_pages``); ``begin_forward`` raises CacheFullError
+        when a forward needs more (``pages_needed``)."""
         return int(self.state.pt.num_free)
 
     @property
     def num_total_pages(self) -> int:
+        """Pages per layer, ``config.num_pages``: the capacity in tokens is about
+        ``num_total_pages * page_size`` (one page is spare; see ``CacheConfig.num_pages``)."""
         return int(self.state.pt.num_pages)
 
     @property
     @_exclusive
     def total_sequence_length(self) -> int:
+        """The tokens of every sequence added up (a token shared by forks counts once per
+        sequence; a sliding window counts the tokens it keeps)."""
         pt = self.state.pt
         return int(sum(int(pt.s_len[s.slot]) for s in pt.seqs.values()))
 
     @_exclusive
     def sequence_length(self, seq_id: int) -> int:
+        """The tokens sequence ``seq_id`` holds (committed ones and its uncommitted token tree;
+        with a sliding window, the tokens it keeps). Raises SequenceNotFoundError."""
         return self.state.length(seq_id)
 
     @property
     @_exclusive
     def num_sequences(self) -> int:
+        """The number of sequences in the cache."""
         return len(self.state.pt.seqs)
 
     @property
     @_exclusive
     def sequence_ids(self) -> list[int]:
+        """The ids of the sequences in the cache (a new list; no particular order)."""
         return list(self.state.pt.seqs)
 
     @property
     @_exclusive
     def is_empty(self) -> bool:
+        """Whether the cache holds no sequence and every page is free."""
         return not self.state.pt.seqs and self.state.pt.num_free == self.state.pt.num_pages
 
     @_exclusive
@@ -772,18 +832,22 @@ class PagedKVCache:
         return self._aux
 
     def _check_input(self, name, array, heads, total, dim=None):
+        """InvalidArgumentError unless ``array`` is a native array of shape ``(total, heads,
+        dim)`` (or the static-shape bucket's rows) in the cache dtype."""
         b, c = self.backend, self.config
         dim = c.head_dim if dim is None else dim
         if not b.is_native(array):
             raise InvalidArgumentError(
                 f"{name} must be a {b.name} backend array (use cache.from_numpy), got {type(array).__name__}")
         shape = b.shape_of(array)
-        bucket = self._plan.static_bucket
+        plan = self._plan
+        assert plan is not None         # called inside a forward only (after ``_open``)
+        bucket = plan.static_bucket
         if shape != (total, heads, dim) and (bucket is None or shape != (bucket, heads, dim)):
             padded = f" (or {bucket} rows: the static-shape bucket)" if bucket is not None else ""
             raise InvalidArgumentError(
                 f"{name} has shape {shape}, expected ({total}, {heads}, {dim}){padded} "
-                f"for {total} new tokens of sequences {self._plan.seq_ids}")
+                f"for {total} new tokens of sequences {plan.seq_ids}")
         if b.dtype_name(array) != c.dtype:
             raise InvalidArgumentError(f"{name} has dtype {b.dtype_name(array)}, the cache stores {c.dtype}")
 

@@ -9,7 +9,10 @@ from .core.validate import INT32_MAX, bool_arg, float_arg, int_arg, int_values
 from .errors import InvalidArgumentError
 
 DTYPES = ("float16", "bfloat16", "float32")
+"""The cache dtypes a ``CacheConfig`` accepts (compute and storage)."""
 ROPE_MODES = ("none", "normal", "inline")
+"""``CacheConfig.rope_mode`` values: the model rotates q/k itself; the cache rotates them as K/V
+are written; the cache rotates inside attention (sliding windows need it)."""
 
 
 def itemsize(dtype: str) -> int:
@@ -21,15 +24,42 @@ _UNSET = type("RopeModeUnset", (), {"__repr__": lambda self: "'normal' (unset)"}
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The shape and limits of a ``PagedKVCache``: the model's attention geometry, the page
+    size, the capacity, and how RoPE is applied. Frozen, and validated on construction
+    (``InvalidArgumentError`` naming the field; numpy scalars become Python ints / floats).
+
+    ``CacheConfig(num_layers=32, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+    rope_mode="none")`` is a Llama-3-8B-like cache whose model rotates q and k itself. The
+    properties derive the rest: ``num_pages`` (pages per layer), ``kv_bytes`` (the page
+    arrays' size), ``group_size``, ``page_row_dim``. Use ``dataclasses.replace`` for a
+    variant (pass ``head_dim_v`` too when changing ``head_dim``).
+    """
+
     num_layers: int
+    """Attention layers, each with its own page array (an int >= 1)."""
     num_qo_heads: int
+    """Query (and output) heads per layer: ``q`` is ``(T, num_qo_heads, head_dim)``."""
     num_kv_heads: int
+    """Key/value heads per layer: ``k`` is ``(T, num_kv_heads, head_dim)``; ``num_qo_heads``
+    must be a multiple of it (grouped-query attention: query head ``h`` reads KV head
+    ``h // group_size``)."""
     head_dim: int
+    """Dims per query / key head, ``D``; even (RoPE rotates halves), and one of the backend's
+    ``Capabilities.head_dims``."""
     page_size: int = 16
+    """Tokens per page (rows of a page array): the unit of allocation and of sharing between
+    forks."""
     max_batch_size: int = 128
+    """The most sequences one forward takes (``begin_forward``'s ``B``)."""
     max_total_tokens: int = 65536
+    """The tokens the cache holds over all sequences: ``num_pages`` is derived from it (rounded
+    up to whole pages, plus spares). Bounded by int32 page slots."""
     prefill_chunk_size: int = 4096
+    """The most new tokens one forward takes over all its sequences (``T``): longer prompts are
+    run in chunks (the engines do that)."""
     dtype: str = "bfloat16"
+    """The compute and storage dtype of q, k, v, the output and the pages: one of ``DTYPES``
+    ("float16", "bfloat16", "float32"), and one of the backend's ``Capabilities.dtypes``."""
     rope_mode: str = _UNSET
     """"none" (the model rotates q/k itself) | "normal" | "inline"; left out: "normal", with a
     FutureWarning (a model that applies its own RoPE would be rotated twice)."""
@@ -47,6 +77,9 @@ class CacheConfig:
     """Partial rotary: RoPE rotates the first ``rope_rotary_dim`` dims of each head (even,
     at most head_dim) and leaves the rest; 0: every dim."""
     support_sliding_window: bool = False
+    """Allow ``enable_sliding_window`` (eviction with attention sinks): RoPE then runs inside
+    attention (``effective_rope_mode``) and ``num_pages`` has one spare page per batch slot.
+    Needs the backend's ``sliding_window`` capability; no token trees in such a cache."""
     static_decode: bool = False
     """Static-shape decode: a decode step's batch is padded to a bucket, its index arrays go to
     one fixed-address device buffer at ``begin_forward``, and every shape and launch parameter

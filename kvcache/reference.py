@@ -109,6 +109,12 @@ def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndar
 
 
 class ReferenceBackend(Backend):
+    """The ``"reference"`` backend: pages are numpy arrays on the host, every kernel is the
+    plain float64 formula of its ``Backend`` docstring (rounded once to the cache dtype), and it
+    declares every capability but the device-side ones (copy stream, merged aux, static decode,
+    fused RoPE append). The conformance suite compares every backend with it; ``backend="auto"``
+    falls back to it where no accelerator backend is available (priority 0)."""
+
     name = "reference"
     priority = 0
     description = "numpy, float64 math; the conformance oracle"

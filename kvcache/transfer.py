@@ -53,7 +53,10 @@ class SequencePayload:
     gives every token the position of its index among the sequence's kept tokens, so the
     tokens must land at that index again.
 
-    ``source_length``: the sequence's length when exported (``end == source_length`` for a
+    ``start``: the index of the first exported token among the sequence's kept tokens;
+    ``num_tokens``: how many were exported (``end = start + num_tokens``). ``num_layers``,
+    ``num_kv_heads``, ``head_dim``, ``kv_dtype``: the exporting cache's geometry and storage
+    dtype, which an importing cache must share. ``source_length``: the sequence's length when exported (``end == source_length`` for a
     whole tail). ``rope_mode``: the exporting cache's effective mode ("none" | "normal" |
     "inline"; sliding windows force "inline"), with its ``rope_theta``, ``rope_scale``,
     ``rope_inv_freq`` (the model's frequencies, () for theta's) and ``rope_rotary_dim`` (0:

@@ -17,7 +17,7 @@ could issue it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -45,13 +45,16 @@ class PlainAuxManager:
 
 
 class _Slot:
+    """One staging buffer and its device buffer (backend handles and arrays; None until the
+    first upload allocates them)."""
+
     def __init__(self):
         self.capacity = 0
-        self.host_handle = None
-        self.host = None
-        self.device = None
-        self.copy_event = None
-        self.release_event = None
+        self.host_handle: Any = None
+        self.host: Any = None
+        self.device: Any = None
+        self.copy_event: Any = None
+        self.release_event: Any = None
 
 
 class _StaticBuffers:

@@ -130,7 +130,8 @@ class DecodeReuse:
                     and np.array_equal(h.seq_index, everyone)
                     and np.array_equal(h.entry_index, everyone)):
                 self.flat = d
-        self.frames = self.page_lists = None
+        self.frames: Optional[tuple[_Frame, _Frame]] = None
+        self.page_lists: Optional[_PageLists] = None
         if self.flat is not None:
             self.frames, self.page_lists = (_Frame(batch), _Frame(batch)), _PageLists(batch)
         self.turn = 0
@@ -194,7 +195,9 @@ class DecodeReuse:
         is done by then), so a steady decode step allocates no numpy array."""
         last, slots = self.last, self.slots
         num_free = pt.num_free
-        f = self.frames[self.turn]
+        frames, page_lists = self.frames, self.page_lists
+        assert frames is not None and page_lists is not None    # set with ``flat``
+        f = frames[self.turn]
         blen = pt.b_len.take(last, out=f.blen)
         npages = pt.b_npages.take(last, out=f.npages)
         np.multiply(npages, ps, out=f.scratch)
@@ -217,7 +220,7 @@ class DecodeReuse:
         depth = old.depths[d]
         indptr, indices = depth.page_indptr, depth.page_indices
         if fresh is not None:
-            indptr, indices = self.page_lists.append_pages(indptr, indices, grow, fresh)
+            indptr, indices = page_lists.append_pages(indptr, indices, grow, fresh)
         in_page = np.remainder(blen, ps, out=f.in_page)
         kv_len = np.add(depth.kv_len, 1, out=f.kv_len)
         positions = np.add(old.tokens.q_positions, 1, out=f.positions)  # = committed length

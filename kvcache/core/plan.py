@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -164,6 +164,9 @@ class ForwardUndo:
     def __init__(self, num_free, slots, last, seq_len, block_len, npages):
         self.num_free, self.slots, self.last = num_free, slots, last
         self.seq_len, self.block_len, self.npages = seq_len, block_len, npages
-        self.free_top = None    # free-stack entries above the reserved pages, as they were
-        self.slid = ()          # (block, pages, sink, window offset) of each sliding sequence
-        self.trees = ()         # (sequence, uncommitted tree size) of each tree sequence
+        # free-stack entries above the reserved pages, as they were
+        self.free_top: Optional[np.ndarray] = None
+        # (block, pages, sink, window offset) of each sliding sequence
+        self.slid: Sequence[tuple[int, np.ndarray, int, int]] = ()
+        # (sequence: a core.pagetable.SeqState, uncommitted tree size) of each tree sequence
+        self.trees: Sequence[tuple[Any, int]] = ()

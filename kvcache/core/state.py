@@ -44,7 +44,7 @@ def _bumps_epoch(method):
     def mutator(self, *args, **kwargs):
         self.epoch += 1
         return method(self, *args, **kwargs)
-    mutator.is_query = False
+    setattr(mutator, "is_query", False)     # (a function attribute mypy does not know)
     return mutator
 
 
@@ -635,11 +635,12 @@ class CacheState:
             if not sliding[i]:
                 pt.push_pages(int(last[i]), fresh[offsets[i]:offsets[i + 1]])
         undo.free_top = pt.free_pages[pt.num_free:undo.num_free].copy()
-        undo.slid = []
+        slid: list[tuple[int, np.ndarray, int, int]] = []
+        undo.slid = slid
         for i in slides:
             b = int(last[i])
-            undo.slid.append((b, pt.pages_of(b).copy(), int(pt.b_sink[b]),
-                              int(pt.b_window_offset[b])))
+            slid.append((b, pt.pages_of(b).copy(), int(pt.b_sink[b]),
+                         int(pt.b_window_offset[b])))
             self._slide(seqs[i], int(append[i]), fresh[offsets[i]:offsets[i + 1]])
         plain = np.flatnonzero(~sliding)
         pt.b_len[last[plain]] += append[plain].astype(np.int32)

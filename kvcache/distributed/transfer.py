@@ -38,6 +38,8 @@ from ..errors import ForwardStateError, InvalidArgumentError, UnsupportedFeature
 from ..transfer import FORMAT_VERSION, SequencePayload
 
 MAGIC = 0x6B76_6361_6368_65      # "kvcache": the first int64 of every transfer
+"""The first int64 of every transfer ("kvcache" in ASCII): a receiver that reads anything else
+is not talking to ``send_sequence`` and raises instead of misreading the bytes."""
 TORCH_DTYPES = ("float16", "bfloat16", "float32")
 
 

@@ -308,7 +308,7 @@ def _kernel_time_us(torch, fn):
     for ev in prof.events():
         if str(getattr(ev, "device_type", "")).endswith("CUDA") and "memcpy" not in ev.name.lower() \
                 and "memset" not in ev.name.lower():
-            total += getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
+            total += getattr(ev, "device_time", 0.0) or getattr(ev, "cuda_time", 0.0)
     return total
 
 

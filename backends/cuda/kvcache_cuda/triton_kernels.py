@@ -29,6 +29,7 @@ import functools
 import inspect
 import math
 import os
+from typing import Any
 
 import torch
 import triton
@@ -59,7 +60,7 @@ def _interpreter_numpy24_shim():
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
-    patched._kvcache_shim = True
+    setattr(patched, "_kvcache_shim", True)     # (a function attribute mypy does not know)
     interpreter._patch_lang_tensor = patched
 
 
@@ -995,7 +996,9 @@ class _Kernel:
         # the launcher takes every parameter positionally, constexprs included (it skips them);
         # ours all come last, after the runtime arguments the caller passes
         self.tail = tuple(kw[n] for n in constexpr_names(jit))
-        self.spec = self.launch = self.head = None
+        self.spec: Any = None
+        self.launch: Any = None
+        self.head: Any = None       # the leading launcher arguments, set with ``launch``
 
     def __call__(self, grid, spec, *args):
         launch = self.launch
@@ -1054,7 +1057,8 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
     has_q, store = q is not None, pages is not None
     dummy = q if has_q else k
     t_total = dummy.shape[0]
-    q_out = k_out = None
+    q_out: Any = None
+    k_out: Any = None
     if has_q:
         q = _last_dim_contig(q)
         q_out = torch.empty(q.shape, dtype=ctx.dtype, device=q.device)
@@ -1073,7 +1077,8 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
             PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=flags[2], FREQ=has_freq,
             K_OUT=want_k, HEAD_DIM_V=cfg.dv, BLOCK_DV=cfg.block_dv, num_warps=cfg.ew_warps))
     qq, qo = (q, q_out) if has_q else (dummy, dummy)
-    sq = sqo = (0, 0)
+    sq: tuple[int, ...] = (0, 0)
+    sqo: tuple[int, ...] = (0, 0)
     if has_q:
         sq, sqo = q.stride(), q_out.stride()
     if store:
@@ -1131,6 +1136,28 @@ class _Record:
     __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl",
                  "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
                  "v_out", "bad", "any_bad", "variants")
+    # the slots' types, for mypy (annotations only: no class attributes next to the slots)
+    grid: Any
+    pre: Any
+    post: Any
+    rope: Any
+    o_shape: Any
+    lse_shape: Any
+    so: Any
+    sl: Any
+    po: Any
+    pl: Any
+    splits: Any
+    sem: Any
+    sf: Any
+    run: Any
+    fgrid: Any
+    frun: Any
+    nrun: Any
+    v_out: Any
+    bad: Any
+    any_bad: Any
+    variants: Any
 
 
 def _variant(rec, softcap, sinks):

@@ -43,6 +43,12 @@ NO_METAL_REASON = "no Metal device; MLX CPU device available with device='cpu'"
 GPU_NAMES = ("gpu", "metal", "mps")
 
 
+def _mlx_version() -> str:
+    """MLX's version string (read with getattr: mlx.core's type stubs leave ``__version__``
+    out)."""
+    return getattr(mx, "__version__")
+
+
 def _metal_available() -> bool:
     try:
         return bool(mx is not None and mx.metal.is_available())
@@ -83,14 +89,14 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             return False, f"MLX not installed (pip install mlx, or 'mlx[cpu]' off Apple silicon): {err}"
         if device is None:
             if _metal_available():
-                return True, f"Apple GPU through Metal (MLX {mx.__version__})"
+                return True, f"Apple GPU through Metal (MLX {_mlx_version()})"
             return False, NO_METAL_REASON
         dev = str(device).lower()
         if dev == "cpu":
-            return True, f"MLX CPU device (MLX {mx.__version__}; MLX-ops kernels)"
+            return True, f"MLX CPU device (MLX {_mlx_version()}; MLX-ops kernels)"
         if dev in GPU_NAMES or dev.startswith("gpu:"):
             if _metal_available():
-                return True, f"Apple GPU through Metal (MLX {mx.__version__})"
+                return True, f"Apple GPU through Metal (MLX {_mlx_version()})"
             return False, f"device {device!r} needs an Apple GPU: {NO_METAL_REASON}"
         return False, f"the metal backend runs on 'gpu' (Apple GPU) or 'cpu' (MLX CPU), not {device!r}"
 
@@ -102,9 +108,9 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
 
     @classmethod
     def platform(cls):
-        info = {"vendor": "apple", "runtime": "metal/mlx"}
+        info: dict[str, object] = {"vendor": "apple", "runtime": "metal/mlx"}
         if cls._mlx_error() is None:
-            info["mlx"] = mx.__version__
+            info["mlx"] = _mlx_version()
             info["metal"] = _metal_available()
         return info
 
