@@ -9,7 +9,7 @@ Run it:
 or from a plugin's own tests (the plugin author's ten lines, see docs/plugin-guide.md):
 
     import pytest
-    from kvcache.conformance import *            # noqa: F401,F403  the suite's test classes
+    from kvcache.conformance import *            # noqa: F401,F403  every test of the suite
 
     pytest_plugins = ["kvcache.conformance.plugin"]
 
@@ -20,9 +20,11 @@ or from a plugin's own tests (the plugin author's ten lines, see docs/plugin-gui
 The ``--kvcache-*`` options come with the suite's plugin (``-p kvcache.conformance.plugin``);
 kvcache registers nothing with pytest on install, so unrelated pytest runs never see the suite.
 
-The test classes are importable from here (``TestPrefill``, ``TestFork``, ...); the fixtures live
-in ``kvcache.conformance.plugin``. So are the test building blocks, the one set that the suite,
-kvcache's backend tests and a plugin author's own tests share:
+The tests are importable from here (the classes ``TestPrefill``, ``TestFork``, ... and the
+module-level tests such as ``test_window_left_unsupported_raises``: ``__all__`` is exactly what
+``kvcache conformance`` runs); the fixtures live in ``kvcache.conformance.plugin``. So are the
+test building blocks, the one set that the suite, kvcache's backend tests and a plugin author's
+own tests share:
 
 ``CachePair``, ``RunAhead``   the twin driver: a backend and the reference in lockstep (harness)
 ``make_config``              a small ``CacheConfig`` for tests (harness)
@@ -33,9 +35,14 @@ kvcache's backend tests and a plugin author's own tests share:
 
 from __future__ import annotations
 
-_CLASSES = {
+# Everything the suite runs: its test classes and its module-level tests. ``kvcache conformance``
+# collects the modules; a plugin author's ``from kvcache.conformance import *`` collects these
+# names, and tests/conformance/test_exports.py checks that the two runs are the same.
+_TESTS = {
     "test_forward": ("TestPrefill", "TestDecode", "TestMixedBatch", "TestFusedQKV", "TestLse",
-                     "TestRope", "TestQueries", "TestWindowLeft"),
+                     "TestRope", "TestQueries", "TestWindowLeft",
+                     "test_window_left_unsupported_raises",
+                     "test_rope_frequencies_unsupported_raises"),
     "test_semantics": ("TestLogitSoftcap", "TestAttentionSinks", "TestMixedWindowLayers",
                        "TestHeadDimV", "TestHeadDims", "TestOwnAttention"),
     "test_sequences": ("TestFork", "TestPopn", "TestSlidingWindow", "TestTokenTree"),
@@ -52,11 +59,11 @@ _HELPERS = {
     "tolerance": ("TOLERANCES", "Tolerance", "assert_close", "Mismatch", "round_to"),
     "trees": ("random_tree", "random_parents", "tree_mask"),
 }
-_WHERE = {name: module for table in (_CLASSES, _HELPERS)
+_WHERE = {name: module for table in (_TESTS, _HELPERS)
           for module, names in table.items() for name in names}
 
-# ``from kvcache.conformance import *`` brings in the test classes only (pytest collects them)
-__all__ = sorted(name for names in _CLASSES.values() for name in names)
+# ``from kvcache.conformance import *`` brings in the tests only (pytest collects them)
+__all__ = sorted(name for names in _TESTS.values() for name in names)
 
 PLUGIN = "kvcache.conformance.plugin"
 

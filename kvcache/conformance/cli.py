@@ -21,9 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the whole matrix (dtypes x GQA 1/4/8 x head dims 64/128/256 x page sizes 1/16/32)")
     p.add_argument("--xfail", action="append", default=[], metavar="FILE",
                    help="expected-failure list ('pattern  # reason' a line); strict: an unexpected "
-                        "pass fails. Added to the backend's own conformance_xfail list.")
-    p.add_argument("--report", default=None, metavar="PATH",
-                   help="also write the summary as JSON (.json) or Markdown (.md)")
+                        "pass fails, and a pattern that matches no test stops the run (exit "
+                        "status 4). Added to the backend's own conformance_xfail list.")
+    p.add_argument("--report", action="append", default=[], metavar="PATH",
+                   help="also write the summary as JSON (.json) or Markdown (.md); may be given "
+                        "more than once")
     p.add_argument("--poison", default=None, choices=["nan", "large", "none"],
                    help="value written into page slots that hold no token (default nan)")
     p.add_argument("--seed", type=int, default=None, help="base random seed")
@@ -48,8 +50,8 @@ def pytest_args(args, extra=()) -> list[str]:
         out.append("--kvcache-full")
     for f in args.xfail:
         out += ["--kvcache-xfail", os.path.abspath(f)]
-    if args.report:
-        out += ["--kvcache-report", os.path.abspath(args.report)]
+    for f in args.report:
+        out += ["--kvcache-report", os.path.abspath(f)]
     if args.poison:
         out += ["--kvcache-poison", args.poison]
     if args.seed is not None:
@@ -62,9 +64,9 @@ def pytest_args(args, extra=()) -> list[str]:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """``kvcache conformance ARGS [-- PYTEST ARGS]``: pytest's exit status; a usage mistake (no
-    pytest, an unknown or unavailable backend) raises ``kvcache.cli.UsageError`` (exit 2 through
-    ``kvcache``)."""
+    """``kvcache conformance ARGS [-- PYTEST ARGS]``: pytest's exit status (the summary's verdict
+    reads CONFORMS only when it is 0); a usage mistake (no pytest, an unknown or unavailable
+    backend) raises ``kvcache.cli.UsageError`` (exit 2 through ``kvcache``)."""
     argv = list(argv or [])
     extra = []
     if "--" in argv:
@@ -75,7 +77,8 @@ def main(argv: Optional[list] = None) -> int:
     try:
         import pytest
     except ImportError:
-        raise UsageError("kvcache conformance needs pytest: pip install 'kvcache[test]'") from None
+        from kvcache.integrations import install_hint
+        raise UsageError(f"kvcache conformance needs pytest: {install_hint('test')}") from None
     cls = backend_for(args.backend, args.device)
     print(f"kvcache conformance: backend {cls.name!r} ({cls.__module__}.{cls.__qualname__}), "
           f"device {args.device or 'default'}")

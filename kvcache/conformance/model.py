@@ -60,7 +60,8 @@ def dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible
     if softcap:
         logits = softcap * np.tanh(logits / softcap)
     logits = np.where(visible[:, None, :], logits, -np.inf)
-    lse: np.ndarray = np.logaddexp(np.logaddexp.reduce(logits, axis=-1), none)
+    with np.errstate(invalid="ignore"):    # a NaN/inf K a row sees: its lse is NaN, on purpose
+        lse: np.ndarray = np.logaddexp(np.logaddexp.reduce(logits, axis=-1), none)
     empty = np.isneginf(lse)[..., None]              # sees no key; a NaN lse (a NaN K seen) stays NaN
     with np.errstate(invalid="ignore"):
         probs = np.where(empty, 0.0, np.exp(logits - np.where(empty, 0.0, lse[..., None])))
@@ -159,7 +160,8 @@ class DenseModel:
 
     def begin(self, sids, lens, tree):
         """Positions of the new tokens; records what each new token sees."""
-        positions, plan = [], []
+        positions: list = []
+        plan: list[tuple] = []
         t = 0
         for sid, n in zip(sids, lens):
             s = self.seqs[sid]
@@ -230,6 +232,7 @@ class DenseModel:
     def end(self):
         """Store the new tokens (K as the cache stores it) and slide windows."""
         c = self.c
+        assert self.pending is not None, "end before begin_forward"
         sids, lens, plan, positions = self.pending
         new = self._new_kv
         t = 0
@@ -259,6 +262,7 @@ class DenseModel:
 
     def abort(self):
         """Forget the pending forward (its tree tokens too)."""
+        assert self.pending is not None, "abort before begin_forward"
         for sid, _, tree_first, _ in self.pending[2]:
             s = self.seqs[sid]
             if tree_first is not None:

@@ -31,8 +31,9 @@ OPTIONS = (
     ("--kvcache-ballast", dict(type=int, default=None, metavar="TOKENS",
                                help="run-ahead tests: tokens of the prefill that keeps the device "
                                     "busy (default 4096 on an accelerator, 64 on a CPU device)")),
-    ("--kvcache-report", dict(default=None, metavar="PATH",
-                              help="write the summary as JSON (.json) or Markdown (.md)")),
+    ("--kvcache-report", dict(action="append", default=None, metavar="PATH",
+                              help="write the summary as JSON (.json) or Markdown (.md); may be "
+                                   "given more than once")),
 )
 
 

@@ -17,19 +17,21 @@ Fixtures a plugin author may override (all session-scoped):
                                ``KVCACHE_CONFORMANCE_BACKEND``, default ``reference``)
 ``kvcache_device``             device or None (``--kvcache-device``, ``KVCACHE_CONFORMANCE_DEVICE``)
 ``kvcache_expected_failures``  {pattern: reason}: the backend class's ``conformance_xfail`` plus
-                               ``--kvcache-xfail FILE`` entries; strict (an unexpected pass fails)
+                               ``--kvcache-xfail FILE`` entries; strict (an unexpected pass fails),
+                               and a pattern that matches no test stops the run (exit status 4)
 ``kvcache_poison``             "nan" (default), "large" (a huge finite value) or "none"
 ``kvcache_model_check``        also check the reference against the dense model (default on)
+
+The summary table, ``--kvcache-report`` and the verdict are read from pytest's own outcomes
+(``kvcache.conformance.report``): every test of the suite counted as pytest counts it, and a run
+whose exit status is not 0 never reads CONFORMS.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
-import json
 import os
 import re
-from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
@@ -92,9 +94,34 @@ def is_suite_class(cls) -> bool:
     return isinstance(cls, type) and issubclass(cls, Conformance)
 
 
+def is_suite_item(item) -> bool:
+    """A test of the suite: a method of a suite class, or a module-level test function of
+    ``kvcache.conformance`` (also where a plugin author's test module imported them)."""
+    if is_suite_class(getattr(item, "cls", None)):
+        return True
+    function = getattr(item, "function", None)
+    return getattr(item, "cls", None) is None and \
+        getattr(function, "__module__", "").startswith(SUITE_MODULES)
+
+
+SUITE_MODULES = "kvcache.conformance.test_"
+
+
 def pytest_configure(config):
-    config._kvcache_results = []   # (backend, device, area, name, outcome, detail)
-    config._kvcache_xfail_used = set()
+    config._kvcache_owners = {}     # node id -> (backend, device, area, name) of a suite test
+    config._kvcache_names = set()   # the suite's test names collected (the full matrix's too)
+    config._kvcache_bases = set()   # their base names (Class::test, test)
+    config._kvcache_checked = set()  # expected-failure lists checked for stale patterns
+    config._kvcache_stale = []
+
+
+def pytest_itemcollected(item):
+    if is_suite_item(item):
+        config = item.config
+        if not hasattr(config, "_kvcache_names"):
+            pytest_configure(config)
+        config._kvcache_names |= full_names(item)
+        config._kvcache_bases.add(_base_name(item))
 
 
 # ---------------------------------------------------------------------------- parametrization
@@ -191,6 +218,8 @@ def variant():
 
 
 def suite_name(item) -> str:
+    """``Class::test[params]`` (``test[params]`` for a module-level test): what expected-failure
+    patterns match."""
     cls = getattr(item, "cls", None)
     return f"{cls.__name__}::{item.name}" if cls is not None else item.name
 
@@ -201,16 +230,109 @@ def _base_name(item) -> str:
     return f"{cls.__name__}::{name}" if cls is not None else name
 
 
+def area_of(item) -> str:
+    """The row of the summary table: the test class, or the module of a module-level test."""
+    cls = getattr(item, "cls", None)
+    if cls is not None:
+        return cls.__name__
+    module = getattr(getattr(item, "function", None), "__module__", "") or ""
+    return module.rsplit(".", 1)[-1] or "-"
+
+
+def full_names(item) -> set:
+    """The names a test has in the quick and the full matrix (expected-failure patterns may name
+    either), and its base name."""
+    base, name = _base_name(item), suite_name(item)
+    out = {base, name}
+    spec = getattr(item, "callspec", None)
+    params = getattr(spec, "params", {})
+    bracket = name[len(base):]          # "[float32-ps16-normal]"
+    for key, values, ident in (("variant", FULL_VARIANTS, _variant_id),
+                               ("shape", FULL_SHAPES, _shape_id)):
+        if key in params:
+            own = "[" + ident(params[key])
+            if bracket.startswith(own):
+                rest = bracket[len(own):]
+                out |= {f"{base}[{ident(v)}{rest}" for v in values}
+    return out
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    """An expected-failure pattern against ``Class::test[params]`` or ``Class::test``: ``*``
+    matches any text and ``?`` one character; everything else, brackets included, is literal
+    (``TestMatrix::test_workload[bfloat16-*]`` names the bfloat16 rows)."""
+    return _pattern_regex(pattern).fullmatch(name) is not None
+
+
+_REGEXES: dict = {}
+
+
+def _pattern_regex(pattern: str):
+    rx = _REGEXES.get(pattern)
+    if rx is None:
+        rx = _REGEXES[pattern] = re.compile("".join(
+            ".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern), re.S)
+    return rx
+
+
+def _suite_base_names() -> set:
+    """``Class::test`` and ``test`` of everything the suite exports."""
+    import kvcache.conformance as suite
+    out = set()
+    for name in suite.__all__:
+        obj = getattr(suite, name)
+        if isinstance(obj, type):
+            out |= {f"{name}::{m}" for m in dir(obj) if m.startswith("test")}
+        else:
+            out.add(name)
+    return out
+
+
+def stale_patterns(config, patterns) -> list:
+    """The patterns that match no test of the suite: none of the tests collected in this run (in
+    the quick or the full matrix), and no test of the suite this run did not collect (a run of
+    one file, say, cannot tell those apart)."""
+    names: set = getattr(config, "_kvcache_names", set())
+    uncollected = _suite_base_names() - getattr(config, "_kvcache_bases", set())
+    stale = []
+    for pattern in patterns:
+        if any(pattern_matches(pattern, n) for n in names):
+            continue
+        base = pattern.split("[", 1)[0]
+        if any(pattern_matches(base, n) for n in uncollected):
+            continue
+        stale.append(pattern)
+    return stale
+
+
+def _check_stale(config, failures: dict) -> None:
+    """Stop the run (exit status 4, a usage error) when an expected-failure pattern matches no
+    test: a renamed test or a typo would otherwise hide nothing and pass silently."""
+    key = tuple(sorted(failures))
+    if key in config._kvcache_checked:
+        return
+    config._kvcache_checked.add(key)
+    stale = stale_patterns(config, failures)
+    if stale:
+        config._kvcache_stale += [p for p in stale if p not in config._kvcache_stale]
+        lines = "\n".join(f"  {p!r}  # {failures[p]}" for p in stale)
+        pytest.exit(f"kvcache conformance: expected-failure patterns that match no test of the "
+                    f"suite (remove or correct them; patterns match Class::test[params] or "
+                    f"Class::test):\n{lines}", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 @pytest.fixture(autouse=True)
 def _kvcache_expected_failure(request):
     item = request.node
-    if not is_suite_class(getattr(item, "cls", None)):
+    if not is_suite_item(item):
         return
     failures = request.getfixturevalue("kvcache_expected_failures")
+    if not failures:
+        return
+    _check_stale(request.config, failures)
     full, base = suite_name(item), _base_name(item)
     for pattern, reason in failures.items():
-        if fnmatch.fnmatchcase(full, pattern) or fnmatch.fnmatchcase(base, pattern):
-            request.config._kvcache_xfail_used.add(pattern)
+        if pattern_matches(pattern, full) or pattern_matches(pattern, base):
             item.add_marker(pytest.mark.xfail(strict=True, reason=f"expected failure: {reason}"))
             break
 
@@ -221,6 +343,14 @@ def skip_unless(capabilities, name: str, detail: str = "") -> None:
     value = getattr(capabilities, name)
     if not value:
         pytest.skip(Capabilities.reason(name) + (f" [{detail}]" if detail else ""))
+
+
+def skip_declared(capabilities, name: str, checked_by: str) -> None:
+    """Skip a test that checks an undeclared feature is refused, on a backend that declares the
+    feature (``checked_by`` tests it instead). Not applicable: the verdict is unaffected."""
+    if getattr(capabilities, name):
+        pytest.skip(f"capability {name!r} declared (not applicable: this test checks that a "
+                    f"backend without it refuses it; {checked_by} tests the feature)")
 
 
 @pytest.fixture
@@ -303,147 +433,53 @@ def busy(make_pair):
 
 
 # ---------------------------------------------------------------------------- reporting
-_CAP = re.compile(r"capability '(\w+)'")
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
+    """Files each report of a suite test under its backend, device and area (the summary reads
+    the reports themselves from pytest's own tally, ``terminalreporter.stats``)."""
     report = yield
-    if not is_suite_class(getattr(item, "cls", None)):
-        return report
-    outcome = None
-    detail = ""
-    if report.when == "call" or (report.when == "setup" and not report.passed):
-        if hasattr(report, "wasxfail"):
-            outcome = "xfailed" if report.skipped else "xpassed"
-            detail = report.wasxfail
-        elif report.skipped:
-            outcome = "skipped"
-            longrepr = report.longrepr
-            detail = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
-        elif report.failed:
-            outcome = "failed" if report.when == "call" else "error"
-            if "XPASS(strict)" in str(report.longrepr):
-                outcome = "xpassed(strict)"
-            crash = getattr(report.longrepr, "reprcrash", None)
-            detail = (crash.message if crash is not None else str(report.longrepr)).splitlines()
-            detail = detail[0][:300] if detail else ""
-        else:
-            outcome = "passed"
-    if outcome is not None:
-        backend = item.funcargs.get("kvcache_backend") if hasattr(item, "funcargs") else None
-        device = item.funcargs.get("kvcache_device") if hasattr(item, "funcargs") else None
+    if is_suite_item(item):
+        funcargs = getattr(item, "funcargs", {})
+        backend = funcargs.get("kvcache_backend")
         if backend is None:
             backend = _opt(item.config, "kvcache_backend", "reference")
-        area = item.cls.__name__ if getattr(item, "cls", None) else "-"
-        item.config._kvcache_results.append(
-            (backend, device, area, suite_name(item), outcome, detail))
+        device = funcargs.get("kvcache_device")
+        if device is None and "kvcache_backend" not in funcargs:
+            device = _opt(item.config, "kvcache_device", None)
+        item.config._kvcache_owners[item.nodeid] = (backend, device, area_of(item),
+                                                    suite_name(item))
     return report
 
 
-def summarize(results) -> dict:
-    """{backend: {"device", "areas": {area: counts}, "total": counts, "capabilities": {...},
-    "other_skips": [...], "failures": [...]}}."""
-    out: dict[str, dict] = {}
-    for backend, device, area, name, outcome, detail in results:
-        b = out.setdefault(backend, {"device": device, "areas": {}, "capabilities": defaultdict(int),
-                                     "other_skips": [], "failures": [], "xfailed": []})
-        counts = b["areas"].setdefault(area, dict.fromkeys(
-            ("passed", "failed", "xfailed", "skipped"), 0))
-        if outcome == "passed":
-            counts["passed"] += 1
-        elif outcome in ("failed", "error", "xpassed(strict)"):
-            counts["failed"] += 1
-            b["failures"].append((name, "unexpected pass (listed as an expected failure)"
-                                  if outcome == "xpassed(strict)" else detail))
-        elif outcome in ("xfailed", "xpassed"):
-            counts["xfailed" if outcome == "xfailed" else "passed"] += 1
-            if outcome == "xfailed":
-                b["xfailed"].append((name, detail))
-        elif outcome == "skipped":
-            counts["skipped"] += 1
-            m = _CAP.search(detail)
-            if m:
-                b["capabilities"][m.group(1)] += 1
-            else:
-                b["other_skips"].append((name, detail))
-    for b in out.values():
-        total = dict.fromkeys(("passed", "failed", "xfailed", "skipped"), 0)
-        for counts in b["areas"].values():
-            for k, v in counts.items():
-                total[k] += v
-        b["total"] = total
-        b["capabilities"] = dict(b["capabilities"])
-    return out
-
-
-def format_summary(summary: dict, full: bool) -> list[str]:
-    from kvcache import Capabilities
-    lines = []
-    for backend, b in summary.items():
-        dev = b["device"] or "default device"
-        lines.append(f"backend {backend!r} on {dev} ({'full' if full else 'quick'} matrix)")
-        lines.append(f"  {'area':<22}{'passed':>8}{'failed':>8}{'xfail':>8}{'skipped':>9}")
-        for area, c in sorted(b["areas"].items()):
-            lines.append(f"  {area:<22}{c['passed']:>8}{c['failed']:>8}{c['xfailed']:>8}{c['skipped']:>9}")
-        t = b["total"]
-        lines.append(f"  {'total':<22}{t['passed']:>8}{t['failed']:>8}{t['xfailed']:>8}{t['skipped']:>9}")
-        if b["capabilities"]:
-            lines.append("  skipped by capability:")
-            for cap, n in sorted(b["capabilities"].items()):
-                lines.append(f"    {n:>4}  {Capabilities.reason(cap)}")
-        if b["other_skips"]:
-            lines.append(f"  skipped for a reason other than a capability ({len(b['other_skips'])}):")
-            for name, why in b["other_skips"][:10]:
-                lines.append(f"    {name}: {why}")
-        if b["failures"]:
-            lines.append(f"  failed ({len(b['failures'])}):")
-            for name, why in b["failures"][:20]:
-                lines.append(f"    {name}: {why}")
-            if len(b["failures"]) > 20:
-                lines.append(f"    ... and {len(b['failures']) - 20} more")
-        verdict = "CONFORMS" if not t["failed"] and not b["other_skips"] else "DOES NOT CONFORM"
-        if verdict == "CONFORMS" and (t["xfailed"] or b["capabilities"]):
-            verdict += " (partially: see expected failures and capability skips)"
-        lines.append(f"  verdict: {verdict}")
-    return lines
-
-
-def write_report(path: str, summary: dict, full: bool) -> None:
-    p = Path(path)
-    if p.suffix == ".json":
-        p.write_text(json.dumps({"matrix": "full" if full else "quick", "backends": summary},
-                                indent=2, default=str) + "\n")
-    else:
-        lines = ["# kvcache conformance results", ""]
-        for backend, b in summary.items():
-            lines += [f"## `{backend}` ({b['device'] or 'default device'}, "
-                      f"{'full' if full else 'quick'} matrix)", "",
-                      "| area | passed | failed | expected failures | skipped |",
-                      "|---|---:|---:|---:|---:|"]
-            for area, c in sorted(b["areas"].items()):
-                lines.append(f"| {area} | {c['passed']} | {c['failed']} | {c['xfailed']} | {c['skipped']} |")
-            t = b["total"]
-            lines.append(f"| **total** | {t['passed']} | {t['failed']} | {t['xfailed']} | {t['skipped']} |")
-            if b["capabilities"]:
-                lines += ["", "Skipped by capability: " + ", ".join(
-                    f"`{k}` ({v})" for k, v in sorted(b["capabilities"].items()))]
-            if b["xfailed"]:
-                lines += ["", "Expected failures:"] + [f"- `{n}`: {r}" for n, r in b["xfailed"]]
-            lines.append("")
-        p.write_text("\n".join(lines))
+@pytest.hookimpl(wrapper=True)
+def pytest_report_header(config, start_path):
+    """``kvcache conformance`` runs pytest with ``-c /dev/null`` (no configuration file of the
+    directory it runs in applies); the header does not name that non-file."""
+    results = yield
+    if config.inipath is not None and str(config.inipath) == os.path.abspath(os.devnull):
+        results = [[line for line in lines if not line.startswith("configfile: ")]
+                   if isinstance(lines, list) else lines for lines in results]
+    return results
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    results = getattr(config, "_kvcache_results", None)
-    if not results:
+    """The summary table (and ``--kvcache-report``), from pytest's own outcomes."""
+    from .report import format_summary, outcomes_from_stats, summarize, write_report
+    owners = getattr(config, "_kvcache_owners", {})
+    reports = _opt(config, "kvcache_report", None) or []
+    if isinstance(reports, str):
+        reports = [f for f in reports.split(os.pathsep) if f]
+    if not owners and not reports:       # no test of the suite ran, and no report asked for
         return
     full = _full(config)
-    summary = summarize(results)
+    stale = getattr(config, "_kvcache_stale", [])
+    problems = [f"stale expected-failure patterns (they match no test of the suite): "
+                f"{', '.join(map(repr, stale))}"] if stale else []
+    summary = summarize(outcomes_from_stats(terminalreporter.stats, owners), exitstatus,
+                        problems=problems)
     terminalreporter.section("kvcache conformance summary")
     for line in format_summary(summary, full):
         terminalreporter.write_line(line)
-    report = _opt(config, "kvcache_report", None)
-    if report:
-        write_report(report, summary, full)
-        terminalreporter.write_line(f"report written to {report}")
+    for path in reports:
+        write_report(path, summary, full)
+        terminalreporter.write_line(f"report written to {path}")

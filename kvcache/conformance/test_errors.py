@@ -282,7 +282,7 @@ class TestCapabilities(Conformance):
         """A cache that asks for an undeclared capability raises UnsupportedFeatureError naming it."""
         from .harness import make_config
         caps = kvcache_backend_class.capabilities
-        wanted = []
+        wanted: list[tuple[str, dict]] = []
         for dtype in ("float16", "bfloat16", "float32"):
             if dtype not in caps.dtypes:
                 wanted.append(("dtypes", dict(dtype=dtype)))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .base import Conformance
-
 import numpy as np
 import pytest
 
 import kvcache
+
+from .base import Conformance
 
 
 class TestPrefill(Conformance):
@@ -289,12 +289,28 @@ class TestWindowLeft(Conformance):
         p.check()
 
 
+def skip_declared(capabilities, name, checked_by):
+    # imported here: a test module that imports the suite (``from kvcache.conformance import *``)
+    # must not import the plugin before its ``pytest_plugins`` line registers it
+    from .plugin import skip_declared
+    skip_declared(capabilities, name, checked_by)
+
+
+def _supported_config(capabilities, **overrides):
+    """A small config the backend supports (its first dtype and head dim), so that a refusal
+    test fails only for the feature it checks."""
+    from .harness import make_config
+    kw = {"dtype": capabilities.dtypes[0], "head_dim": 64 if 64 in capabilities.head_dims
+          else capabilities.head_dims[0]}
+    kw.update(overrides)
+    return make_config(**kw)
+
+
 def test_window_left_unsupported_raises(kvcache_backend_class, kvcache_backend, kvcache_device):
     """A backend without the capability refuses window_left >= 0 with UnsupportedFeatureError."""
-    if kvcache_backend_class.capabilities.window_left:
-        pytest.skip(f"{kvcache_backend} declares window_left (TestWindowLeft checks it)")
-    from .harness import make_config
-    cache = kvcache.PagedKVCache(make_config(), kvcache_backend, kvcache_device)
+    caps = kvcache_backend_class.capabilities
+    skip_declared(caps, "window_left", "TestWindowLeft")
+    cache = kvcache.PagedKVCache(_supported_config(caps), kvcache_backend, kvcache_device)
     c = cache.config
     cache.add_sequence(0)
     cache.begin_forward([0], [1])
@@ -308,11 +324,10 @@ def test_window_left_unsupported_raises(kvcache_backend_class, kvcache_backend, 
 def test_rope_frequencies_unsupported_raises(kvcache_backend_class, kvcache_backend, kvcache_device):
     """A backend without ``rope_frequencies`` refuses a config with the model's frequencies or
     partial rotary (RoPE on), and accepts it with rope_mode 'none'."""
-    if kvcache_backend_class.capabilities.rope_frequencies:
-        pytest.skip(f"{kvcache_backend} declares rope_frequencies (TestRope checks it)")
-    from .harness import make_config
+    caps = kvcache_backend_class.capabilities
+    skip_declared(caps, "rope_frequencies", "TestRope")
     with pytest.raises(kvcache.UnsupportedFeatureError, match="rope_frequencies"):
-        kvcache.PagedKVCache(make_config(rope_mode="normal", rope_rotary_dim=32), kvcache_backend,
-                             kvcache_device)
-    kvcache.PagedKVCache(make_config(rope_mode="none", rope_rotary_dim=32), kvcache_backend,
-                         kvcache_device)
+        kvcache.PagedKVCache(_supported_config(caps, rope_mode="normal", rope_rotary_dim=32),
+                             kvcache_backend, kvcache_device)
+    kvcache.PagedKVCache(_supported_config(caps, rope_mode="none", rope_rotary_dim=32),
+                         kvcache_backend, kvcache_device)

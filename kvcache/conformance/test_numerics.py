@@ -56,8 +56,9 @@ class _Twin:
             for row, (which, value) in (bad or {}).items():
                 (kb if which == "k" else vb)[row] = value
             o, lse = p.attend(layer, inputs=(q, kb, vb))
+            qc, kc, vc = map(self.clean.from_numpy, (q, k, v))
             o_c, lse_c = (kvcache.to_numpy(x) for x in self.clean.attention(
-                layer, *map(self.clean.from_numpy, (q, k, v)), return_lse=True))
+                layer, qc, kc, vc, return_lse=True))
             what = f"(layer {layer}, a row that sees no bad token) vs the clean reference"
             label = lambda i: p.row_label(int(blind[i]))   # noqa: E731
             assert_close(f"attention output {what}", o_c[blind], o[blind], p.tol,
