@@ -119,7 +119,7 @@ class RopeSpec:
     rotary_dim: int = 0
 
     def rotary(self, head_dim: int) -> int:
-        """R: the number of leading dims that rotate."""
+        """R: the number of leading dims of a ``head_dim``-wide head that rotate."""
         return self.rotary_dim or head_dim
 
     @property
@@ -128,7 +128,8 @@ class RopeSpec:
         return self.inv_freq is None and self.rotary_dim == 0
 
     def frequencies(self, head_dim: int):
-        """``scale * inv_freq`` as float64 numpy (R/2,): the angle per unit position."""
+        """``scale * inv_freq`` as float64 numpy (R/2,) for heads of ``head_dim`` dims: the
+        angle per unit position."""
         import numpy as np
         rot = self.rotary(head_dim)
         if self.inv_freq is not None:
@@ -221,7 +222,8 @@ class Backend(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def availability(cls, device: Optional[str] = None) -> tuple[bool, str]:
-        """(True, what will run) or (False, why not); never a bare False."""
+        """(True, what will run) or (False, why not); never a bare False. ``device``: a device
+        name of this backend (None: its default device)."""
 
     @classmethod
     def devices(cls) -> list[str]:
@@ -292,24 +294,28 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ aux transfer
     def aux_to_device(self, host_array):
-        """Plain path: a device copy of one host int32 numpy array."""
+        """Plain path: a device copy of ``host_array``, one host int32 numpy array."""
         return self.from_numpy(host_array)
 
     def aux_alloc_host(self, num_int32: int):
-        """Merged path: (handle, numpy int32 view) of a host staging buffer (pinned where it matters)."""
+        """Merged path: (handle, numpy int32 view) of a host staging buffer of ``num_int32``
+        elements (pinned where it matters)."""
         raise NotImplementedError
 
     def aux_alloc_device(self, num_int32: int):
-        """Merged path: a device int32 buffer."""
+        """Merged path: a device int32 buffer of ``num_int32`` elements."""
         raise NotImplementedError
 
     def aux_copy_async(self, device_buffer, host_handle, num_int32: int, stream):
-        """Merged path: copy the first ``num_int32`` elements host->device on ``stream``; return an
-        event recorded after the copy (``None`` where copies are synchronous)."""
+        """Merged path: copy the first ``num_int32`` elements of the staging buffer
+        ``host_handle`` (from ``aux_alloc_host``) into ``device_buffer`` (from
+        ``aux_alloc_device``) on ``stream``; return an event recorded after the copy (``None``
+        where copies are synchronous)."""
         raise NotImplementedError
 
     def aux_view(self, device_buffer, offset: int, length: int):
-        """Merged path: a view of ``length`` int32 at ``offset`` (no copy)."""
+        """Merged path: a view of ``length`` int32 of ``device_buffer`` from ``offset`` on (no
+        copy)."""
         raise NotImplementedError
 
     def event_synchronize(self, event) -> None:
@@ -325,7 +331,8 @@ class Backend(abc.ABC):
     # ------------------------------------------------------------------ kernels
     @abc.abstractmethod
     def rope(self, x, positions, rope: RopeSpec):
-        """``x`` (T, H, D) rotated at ``positions`` (T,) int32; returns a new array, cache dtype."""
+        """``x`` (T, H, D) rotated at ``positions`` (T,) int32 as ``rope`` specifies (see the
+        module docstring); returns a new array, cache dtype."""
 
     @abc.abstractmethod
     def append_kv(self, pages, k, v, slots, positions=None, rope: Optional[RopeSpec] = None) -> None:
@@ -333,8 +340,10 @@ class Backend(abc.ABC):
         With ``rope``, K is rotated at ``positions[t]`` before it is stored (fused RoPE)."""
 
     def rope_append(self, pages, q, k, v, slots, positions, rope: RopeSpec):
-        """Rotate q and k at ``positions``, store rotated K and V at ``slots``; return (q_rot, k_rot).
-        Backends with ``fused_rope_append`` do this in one launch; this default uses two kernels."""
+        """Rotate ``q`` (T, Hq, D) and ``k`` (T, Hkv, D) at ``positions`` (T,) as ``rope``
+        specifies, store rotated K and ``v`` (T, Hkv, Dv) in ``pages`` (one layer's page array)
+        at ``slots`` (T,) (-1: skip the token); return (q_rot, k_rot). Backends with
+        ``fused_rope_append`` do this in one launch; this default uses two kernels."""
         q_rot = self.rope(q, positions, rope)
         k_rot = self.rope(k, positions, rope)
         self.append_kv(pages, k_rot, v, slots)
@@ -351,43 +360,55 @@ class Backend(abc.ABC):
         mode) q row is rotated at ``q_positions`` and key row ``r`` at ``k_rope_offset[i] + r``.
         ``window_left`` >= 0 (never with ``tree``): row ``r`` also sees no row below
         ``r - window_left``. ``logit_softcap`` and ``sinks``: see the module docstring (never
-        passed by the core unless the capability is declared). Returns (o, lse)."""
+        passed by the core unless the capability is declared). ``sm_scale`` multiplies every
+        logit; ``num_seqs`` is the number of sequences (``qo_indptr`` has ``num_seqs + 1``
+        entries) and ``max_len`` the most new rows of one sequence (host ints, for launch
+        sizing). ``q`` (T, Hq, D), ``k`` (T, Hkv, D), ``v``
+        (T, Hkv, Dv). Returns (o, lse): (T, Hq, Dv) in the cache dtype and (T, Hq) float32."""
 
     @abc.abstractmethod
     def paged_attention(self, q, pages, depth: DepthAux, sm_scale: float, *,
                         rope: Optional[RopeSpec] = None, q_positions=None, window_left: int = -1,
                         logit_softcap: float = 0.0, sinks=None):
-        """Attention of each entry's queries over that entry's keys in ``pages`` (see ``DepthAux``).
+        """Attention of each entry's queries (rows of ``q``, (T, Hq, D)) over that entry's keys in
+        ``pages`` (one layer's page array), as the index arrays of ``depth`` (one block depth,
+        see ``DepthAux``) lay them out, each logit scaled by ``sm_scale``; with ``rope`` (inline
+        mode) q row ``t`` is rotated at ``q_positions[t]`` and key ``j`` of entry ``i`` at
+        ``k_rope_offset[i] + j``.
         ``window_left`` >= 0: query row ``t`` sees key ``j`` of entry ``i`` only if
         ``k_rope_offset[i] + j >= q_positions[t] - window_left`` (``q_positions`` is then always
         given; never with a tree). ``logit_softcap``, ``sinks``: see the module docstring.
-        Returns (o, lse) for all T rows of ``q``; rows covered by no entry get o = 0 and
-        lse = -inf (``sinks[h]`` with sinks)."""
+        Returns (o, lse), (T, Hq, Dv) in the cache dtype and (T, Hq) float32, for all T rows of
+        ``q``; rows covered by no entry get o = 0 and lse = -inf (``sinks[h]`` with sinks)."""
 
     @abc.abstractmethod
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
-        """Combine two partial attentions over disjoint key sets:
+        """Combine two partial attentions over disjoint key sets (``o_*`` (T, Hq, Dv),
+        ``lse_*`` (T, Hq) float32):
         ``lse = logaddexp(lse_a, lse_b)``, ``o = o_a*exp(lse_a-lse) + o_b*exp(lse_b-lse)``
         (both -inf: o = 0, lse = -inf). Returns (o, lse); may reuse the inputs' storage."""
 
     @abc.abstractmethod
     def copy_page_prefix(self, pages_per_layer: Sequence, src_page: int, dst_page: int,
                          length: int) -> None:
-        """Copy rows ``0..length-1`` of page ``src_page`` into ``dst_page`` in every layer (fork)."""
+        """Copy rows ``0..length-1`` of page ``src_page`` into ``dst_page`` in every layer's
+        page array of ``pages_per_layer`` (fork)."""
 
     @abc.abstractmethod
     def compact_kv(self, pages_per_layer: Sequence, src_slots, dst_slots) -> None:
-        """For every layer and every i, copy the K/V row at ``src_slots[i]`` to ``dst_slots[i]``
-        (tree commit). Sources are read before any destination is written."""
+        """For every layer's page array of ``pages_per_layer`` and every i, copy the K/V row at
+        ``src_slots[i]`` to ``dst_slots[i]`` (int32 device arrays of one length; tree commit).
+        Sources are read before any destination is written."""
 
     @abc.abstractmethod
     def gather_kv(self, pages_per_layer: Sequence, slots):
         """(k, v), (num_layers, len(slots), Hkv, D) and (num_layers, len(slots), Hkv, Dv): the
-        rows at ``slots`` in every layer."""
+        rows at ``slots`` (an int32 device array) in every layer's page array of
+        ``pages_per_layer`` (``num_layers`` is its length)."""
 
     # ------------------------------------------------------------------ helpers for the core
     def split_qkv(self, qkv):
-        """Split fused (T, Hq + 2*Hkv, D) into views q, k, v."""
+        """Split ``qkv`` (T, Hq + 2*Hkv, D) into views q (T, Hq, D), k, v (T, Hkv, D)."""
         hq, hkv = self.config.num_qo_heads, self.config.num_kv_heads
         return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
 

@@ -616,8 +616,8 @@ class PagedKVCache:
         """The first phase of an import whose K/V arrives later (``kvcache.distributed``).
 
         ``items``: ``(seq_id, payload, parent_id, fork_pos)`` tuples as ``import_sequence``
-        takes them (``payload`` may be header-only; an item may fork from an earlier item).
-        Checks everything ``import_sequence`` checks and takes the pages; the sequences appear
+        takes them (``payload`` may be header-only; an item may fork from an earlier item);
+        ``convert_dtype`` as for ``import_sequence``. Checks everything ``import_sequence`` checks and takes the pages; the sequences appear
         at ``commit_import`` after ``write_import``, or ``cancel_import`` gives the pages
         back. Between the two the pages count as used and no forward may be open."""
         self._no_forward("reserve_import")
@@ -792,8 +792,10 @@ class PagedKVCache:
     @contextlib.contextmanager
     def forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
                 token_tree_parent_ptr: Optional[Sequence[int]] = None) -> Iterator[PagedKVCache]:
-        """``with cache.forward(ids, lengths): ...`` runs begin_forward / end_forward; an
-        exception inside the block aborts the forward instead (nothing of it is kept)."""
+        """``with cache.forward(seq_ids, append_lengths): ...`` runs begin_forward (same
+        arguments, ``token_tree_parent_ptr`` included) / end_forward around the block, which
+        gets the cache; an exception inside the block aborts the forward instead (nothing of it
+        is kept), and so does a block that leaves a layer unrun (ForwardStateError)."""
         self.begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)
         plan = self._plan
         try:
@@ -998,7 +1000,9 @@ class PagedKVCache:
                                  logit_softcap: Optional[float] = None,
                                  sinks: Optional[Array] = None) -> Union[Array, tuple[Array, Array]]:
         """``attention`` with q, k, v packed in ``qkv`` (T, num_qo_heads + 2*num_kv_heads,
-        head_dim); the other parameters as there. Needs ``head_dim_v == head_dim``."""
+        head_dim), in that order along the heads; ``layer_id``, ``sm_scale``, ``return_lse``,
+        ``window_left``, ``logit_softcap`` and ``sinks`` as there, and so is the result.
+        Needs ``head_dim_v == head_dim`` (else InvalidArgumentError)."""
         plan = self._open("attention_with_fused_qkv")
         c = self.config
         if c.head_dim_v != c.head_dim:

@@ -41,13 +41,15 @@ def np_dtype(name: str) -> np.dtype:
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of shape (T, 1, R/2) in float64 (rotate-half convention, R the rotary dims)."""
+    """cos, sin of shape (T, 1, R/2) in float64 for ``positions`` (T,) and heads of
+    ``head_dim`` dims as ``rope`` specifies (rotate-half convention, R the rotary dims)."""
     angles = positions.astype(np.float64)[:, None] * rope.frequencies(head_dim)[None, :]
     return np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
 
 
 def rotate(x: np.ndarray, positions: np.ndarray, rope: RopeSpec) -> np.ndarray:
-    """Rotate-half RoPE of x (T, H, D) in float64 (dims from R on pass through)."""
+    """Rotate-half RoPE of x (T, H, D) at ``positions`` (T,) as ``rope`` specifies, in float64
+    (dims from R on pass through)."""
     x = x.astype(np.float64)
     rot = rope.rotary(x.shape[-1])
     half = rot // 2
@@ -85,7 +87,8 @@ def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndar
     """q (n, Hq, D), k (m, Hkv, D), v (m, Hkv, Dv) float64, visible (n, m) bool -> o (n, Hq, Dv),
     lse (n, Hq). Keys a row does not see add nothing to it, whatever their K/V hold (NaN, inf).
     ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``; ``sinks`` (Hq,): one
-    logit per head in every row's denominator, with no value."""
+    logit per head in every row's denominator, with no value. ``sm_scale`` multiplies every
+    score; ``group``: query heads per KV head (``Hq // Hkv``)."""
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
     with np.errstate(invalid="ignore"):     # a NaN/inf K gives NaN logits (masked ones dropped)

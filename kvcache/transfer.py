@@ -36,7 +36,7 @@ there too, optional when read (None: not computed)."""
 
 
 def checksum(k: np.ndarray, v: np.ndarray) -> str:
-    """The CRC-32 of K's bytes then V's, as 8 hex digits: what a host payload carries so that
+    """The CRC-32 of ``k``'s bytes then ``v``'s (host arrays), as 8 hex digits: what a host payload carries so that
     an importer can tell that its arrays are the ones the exporter wrote."""
     crc = zlib.crc32(np.ascontiguousarray(k).tobytes())
     return f"{zlib.crc32(np.ascontiguousarray(v).tobytes(), crc):08x}"
@@ -163,7 +163,7 @@ class SequencePayload:
     def check(self, where: str = "payload") -> None:
         """InvalidArgumentError / UnsupportedFeatureError when the payload is inconsistent in
         itself: version, counts, field types, and the arrays against the header
-        (``check_arrays``)."""
+        (``check_arrays``). ``where`` names the payload in the message."""
         if not _is_version(self.version):
             raise UnsupportedFeatureError(
                 f"{where}: format version {self.version!r} is not supported: this kvcache reads "
@@ -206,7 +206,8 @@ class SequencePayload:
         """InvalidArgumentError unless ``k`` and ``v`` are what the header says: arrays (numpy,
         or a backend's torch / MLX arrays) of ``shape`` in ``kv_dtype`` exactly (no
         conversion from other types: bool, ints, float64, strings, objects are refused), of
-        ``nbytes`` together, and, for host arrays with a ``checksum``, those very bytes."""
+        ``nbytes`` together, and, for host arrays with a ``checksum``, those very bytes.
+        ``where`` names the payload in the message."""
         for name in ("k", "v"):
             a = getattr(self, name)
             dtype = _dtype_name(a)
@@ -348,7 +349,8 @@ class HostTier:
         return list(self._held)
 
     def length(self, seq_id: int) -> int:
-        """Tokens of a parked sequence (SequenceNotFoundError when it is not parked)."""
+        """Tokens of the parked sequence ``seq_id`` (SequenceNotFoundError when it is not
+        parked)."""
         return self._payload(seq_id, "length").num_tokens
 
     def _payload(self, seq_id, what: str) -> SequencePayload:
@@ -399,7 +401,8 @@ class HostTier:
         return payload.num_tokens - shared
 
     def drop(self, seq_id: int) -> None:
-        """Forget a parked sequence (SequenceNotFoundError when it is not parked)."""
+        """Forget the parked sequence ``seq_id`` (SequenceNotFoundError when it is not
+        parked)."""
         payload = self._payload(seq_id, "drop")
         del self._held[int(seq_id)]
         self.tokens -= payload.num_tokens

@@ -201,8 +201,9 @@ def spawn(fn: Callable[..., Any], nprocs: int = 2, args: Sequence = (), *,
 # ---------------------------------------------------------------------- heads
 def local_heads(num_qo_heads: int, num_kv_heads: int, tp: int, what: str = "the model") -> tuple[int, int]:
     """``(num_qo_heads // tp, num_kv_heads // tp)``: the query and KV heads one rank holds.
-    Raises ``UnsupportedFeatureError`` naming the numbers when ``tp`` divides either not
-    (replicating KV heads over ranks is not supported)."""
+    Raises ``UnsupportedFeatureError`` naming the numbers (and ``what`` is split, e.g. the
+    model's name) when ``tp`` divides either not (replicating KV heads over ranks is not
+    supported), ``InvalidArgumentError`` for ``tp < 1``."""
     tp = int(tp)
     if tp < 1:
         raise InvalidArgumentError(f"tp={tp} must be >= 1")

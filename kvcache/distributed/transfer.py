@@ -228,7 +228,8 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
 
     ``parent_ids``/``fork_pos``: per sequence, None or the sequence of this cache (or an
     earlier one of this batch) it forks from and where, as ``import_sequence`` takes them;
-    ``convert_dtype``: accept another storage dtype. Blocks for the small header, checks it
+    ``convert_dtype``: accept another storage dtype; ``group``: the torch.distributed process
+    group (None: the default), the sender's. Blocks for the small header, checks it
     and reserves the pages, then returns a ``TransferHandle`` whose ``wait()`` makes the
     sequences appear. On a refused header (a mismatch, a malformed or inconsistent message,
     CacheFullError, an id in use: typed errors as ``import_sequence``) the data is still
