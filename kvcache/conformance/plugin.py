@@ -469,7 +469,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     reports = _opt(config, "kvcache_report", None) or []
     if isinstance(reports, str):
         reports = [f for f in reports.split(os.pathsep) if f]
-    if not owners and not reports:       # no test of the suite ran, and no report asked for
+    asked = _opt(config, "kvcache_backend", None) is not None    # a run of the suite by name
+    if not owners and not reports and not asked:    # e.g. a project's tests with the suite deselected
         return
     full = _full(config)
     stale = getattr(config, "_kvcache_stale", [])

@@ -185,11 +185,15 @@ def verdict(b: dict, exitstatus: int, outside: Optional[dict] = None, problems=(
     return "CONFORMS"
 
 
+SHOWN = ("passed", "failed", "xfailed", "skipped")    # always; other categories when they occur
+WIDTH = {"passed": 8, "failed": 8, "xfailed": 8}       # the rest: 9
+
+
 def _columns(summary: dict) -> list[str]:
     extra = set()
     for b in summary["backends"].values():
-        extra |= {k for k, v in b["total"].items() if k not in COLUMNS and v}
-    return list(COLUMNS) + sorted(extra)
+        extra |= {k for k, v in b["total"].items() if k not in SHOWN and v}
+    return list(SHOWN) + sorted(extra)
 
 
 def format_summary(summary: dict, full: bool) -> list[str]:
@@ -201,12 +205,15 @@ def format_summary(summary: dict, full: bool) -> list[str]:
     for backend, b in summary["backends"].items():
         dev = b["device"] or "default device"
         lines.append(f"backend {backend!r} on {dev} ({'full' if full else 'quick'} matrix)")
-        w = max([22] + [len(area) + 2 for area in b["areas"]])
-        lines.append(f"  {'area':<{w}}" + "".join(f"{heads.get(c, c):>9}" for c in cols))
+        w = max([22] + [len(area) + 1 for area in b["areas"]])
+
+        def row(name, cells):
+            return f"  {name:<{w}}" + "".join(f"{cell:>{WIDTH.get(k, 9)}}" for k, cell in zip(cols, cells))
+
+        lines.append(row("area", [heads.get(c, c) for c in cols]))
         for area, c in sorted(b["areas"].items()):
-            lines.append(f"  {area:<{w}}" + "".join(f"{c.get(k, 0):>9}" for k in cols))
-        t = b["total"]
-        lines.append(f"  {'total':<{w}}" + "".join(f"{t.get(k, 0):>9}" for k in cols))
+            lines.append(row(area, [c.get(k, 0) for k in cols]))
+        lines.append(row("total", [b["total"].get(k, 0) for k in cols]))
         if b["capabilities"]:
             lines.append("  skipped by capability:")
             for cap, n in sorted(b["capabilities"].items()):

@@ -81,8 +81,7 @@ def test_the_guides_plugin_installs_and_conforms(plugin):
     rc, out = run_ci_file(plugin, "-q", "-k", SELECTION)
     counts, table = check_run(rc, out)
     # both module-level refusal tests ran on the guide's float16/bfloat16 capabilities
-    assert table["test_forward"] == {"passed": 2, "failed": 0, "error": 0, "xfail": 0,
-                                     "skipped": 0}, out[-4000:]
+    assert nonzero(table["test_forward"]) == {"passed": 2}, out[-4000:]
     # float16 prefill and decode, two refusals, two module-level tests; float32 skipped
     assert counts == {"passed": 6, "skipped": 2}, counts
 

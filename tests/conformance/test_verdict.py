@@ -122,7 +122,7 @@ def test_summary_reports_and_exit_status_agree_with_pytest(tmp_path, backend, rc
 def test_a_failed_run_never_reads_conforms():
     """The verdict takes pytest's exit status: with every test of the backend passed, a run that
     failed elsewhere (or was interrupted, or had no test) is not CONFORMS."""
-    from kvcache.conformance.report import Outcome, summarize
+    from kvcache.conformance.report import Outcome, format_summary, summarize
     outcomes = [Outcome("b", None, "TestPrefill", "TestPrefill::test_single", "passed"),
                 Outcome(None, None, "(not the suite)", "test_mine.py::test_x", "failed", "boom")]
     for status, outs in ((1, outcomes), (2, outcomes[:1]), (5, outcomes[:1])):
@@ -130,6 +130,13 @@ def test_a_failed_run_never_reads_conforms():
         assert s["backends"]["b"]["verdict"].startswith("DOES NOT CONFORM"), s
         assert f"pytest exit status {status}" in s["backends"]["b"]["verdict"]
     assert summarize(outcomes[:1], 0)["backends"]["b"]["verdict"] == "CONFORMS"
+    # an error in a fixture is counted as pytest counts it, in a column of its own
+    error = Outcome("b", None, "TestPrefill", "TestPrefill::test_single", "error", "error in teardown: x")
+    s = summarize(outcomes[:1] + [error], 1)
+    assert s["backends"]["b"]["total"]["error"] == 1 and s["pytest"] == {"passed": 1, "error": 1}
+    lines = format_summary(s, full=False)
+    assert lines[1].split() == ["area", "passed", "failed", "xfail", "skipped", "error"], lines
+    assert lines[-1] == "pytest: 1 passed, 1 error (exit status 1)", lines
 
 
 XFAIL_RUNS = "TestPrefill and test_batch"
