@@ -94,6 +94,9 @@ def is_suite_class(cls) -> bool:
     return isinstance(cls, type) and issubclass(cls, Conformance)
 
 
+SUITE_MODULES = "kvcache.conformance.test_"
+
+
 def is_suite_item(item) -> bool:
     """A test of the suite: a method of a suite class, or a module-level test function of
     ``kvcache.conformance`` (also where a plugin author's test module imported them)."""
@@ -102,9 +105,6 @@ def is_suite_item(item) -> bool:
     function = getattr(item, "function", None)
     return getattr(item, "cls", None) is None and \
         getattr(function, "__module__", "").startswith(SUITE_MODULES)
-
-
-SUITE_MODULES = "kvcache.conformance.test_"
 
 
 def pytest_configure(config):
@@ -118,8 +118,6 @@ def pytest_configure(config):
 def pytest_itemcollected(item):
     if is_suite_item(item):
         config = item.config
-        if not hasattr(config, "_kvcache_names"):
-            pytest_configure(config)
         config._kvcache_names |= full_names(item)
         config._kvcache_bases.add(_base_name(item))
 
@@ -470,10 +468,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if isinstance(reports, str):
         reports = [f for f in reports.split(os.pathsep) if f]
     asked = _opt(config, "kvcache_backend", None) is not None    # a run of the suite by name
-    if not owners and not reports and not asked:    # e.g. a project's tests with the suite deselected
+    stale = getattr(config, "_kvcache_stale", [])
+    if not (owners or reports or asked or stale):    # e.g. a project's tests, the suite deselected
         return
     full = _full(config)
-    stale = getattr(config, "_kvcache_stale", [])
     problems = [f"stale expected-failure patterns (they match no test of the suite): "
                 f"{', '.join(map(repr, stale))}"] if stale else []
     summary = summarize(outcomes_from_stats(terminalreporter.stats, owners), exitstatus,
