@@ -70,4 +70,4 @@ def require(module: str, extra: str, minimum: str = ""):
         need = f" >= {minimum}" if minimum else ""
         raise MissingExtraError(
             f"this integration needs the {module!r} package{need}, which is not installed "
-            f"({exc}); install kvcache's {extra!r} extra: {install_hint(extra)}") from None
+            f"({exc}); install the kvcache[{extra}] extra: {install_hint(extra)}") from None
