@@ -32,8 +32,6 @@ PENDING = {
     "kvcache/integrations/transformers.py",
     "kvcache/distributed/tp.py",
     "kvcache/demo/__init__.py",
-    "kvcache/demo/real.py",
-    "kvcache/conformance/cli.py",
     "backends/cuda/kvcache_cuda/backend.py",
 }
 
