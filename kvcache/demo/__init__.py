@@ -255,27 +255,20 @@ def run_demo(opts: argparse.Namespace, tamper=None) -> DemoResult:
                         page_size=opts.page_size, max_total_tokens=opts.max_total_tokens,
                         max_batch_size=opts.max_batch_size,
                         prefill_chunk_size=opts.prefill_chunk_size, offload=opts.offload)
-        what, vocab = adapter.describe(dtype), adapter.vocab_size
-        sampling = importlib.util.find_spec("torch") is not None    # draws need torch
-        if sampling and str(engine.cache.backend.device or "cpu").startswith("cpu"):
-            import torch
-            torch.set_num_threads(1)     # (B, vocab) draws: a thread pool costs more than it gives
+        what, vocab = adapter.describe(dtype), adapter.vocab_size    # (host logits: numpy draws)
     else:
         from . import real
         engine, model, what, dtype = real.make_engine(opts, opts.seed)
-        vocab, sampling = model.config.vocab_size, True
+        vocab = model.config.vocab_size
     workload = make_workload(opts.requests, opts.seed, vocab, long_prompt=opts.long_prompt,
                              max_output=opts.max_output, samples=opts.samples,
                              arrival_rate=opts.arrival_rate)
-    if not sampling:                 # no torch: parallel samples are greedy (identical)
-        for r in workload.requests:
-            r.sampled = False
     _check_fits(engine, workload, opts)
 
     def params(r) -> SamplingParams:
         return SamplingParams(max_tokens=r.max_tokens, temperature=0.8 if r.sampled else 0.0,
                               n=r.n, seed=(opts.seed * 1_000_003 + r.rid * 64) % 2 ** 63,
-                              ignore_eos=True, logprobs=0 if opts.check else None)
+                              ignore_eos=True, logprobs=bool(opts.check))
 
     backend, device = engine.cache.backend.name, str(engine.cache.backend.device or "cpu")
     served = serve(engine, workload, params, quiet=opts.quiet,

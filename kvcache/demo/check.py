@@ -4,10 +4,10 @@ Each checked sample is replayed *teacher-forced*: its prompt and the tokens it g
 last) go through the model in one plain forward on a fresh sequence, no scheduler, no batch, no
 shared prefix, no preemption, and that forward's logits at every generated position are compared
 with what the run reported. The run asks every request for the log-probability of each token it
-picked (``SamplingParams.logprobs=0``), so for each new token:
+picked (``SamplingParams(logprobs=True)``), so for each new token:
 
 * **logits close**: the run's log-probability of the token and the replay's differ by at most
-  the dtype's tolerance (``TOLERANCES``: float32 1e-3, float16 2e-2, bfloat16 1e-1 in nats);
+  the dtype's tolerance (``TOLERANCES``: float32 1e-3, float16 5e-2, bfloat16 0.25 in nats);
 * **token equal** (greedy requests): the token is the replay's argmax, unless the replay's two
   best logits are within twice that tolerance of each other (a near-tie that the dtype's rounding
   may flip; counted and reported as such, never silently).
@@ -15,7 +15,10 @@ picked (``SamplingParams.logprobs=0``), so for each new token:
 For the toy model the replay runs on a fresh cache of the **reference** backend with the same
 shape and dtype, computing in float64 (``replay_toy``); for a real model it is the model's own
 forward in transformers (``kvcache.demo.real``). On the reference backend in float32 the run and
-the replay compute the same values: the tokens are identical and the largest difference is 0.
+the replay differ only by float32 rounding of the attention outputs (the largest difference is
+about 1e-7 nats): the tokens are identical. The bfloat16 tolerance was measured on an H100: the
+small random Llama's log-probabilities differ from transformers' own bf16 forward by up to 0.13
+nats, the toy model's from the reference by up to 0.02.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-TOLERANCES = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 1e-1}
+TOLERANCES = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2.5e-1}
 """Largest difference of a token's log-probability (nats) between the run and the replay."""
 
 

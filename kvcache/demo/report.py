@@ -60,9 +60,6 @@ def rows(result) -> tuple:
         out.append(("parallel samples", f"{result.options.samples} per parallel request (4 per "
                                         f"burst request), drawn at temperature 0.8: all distinct "
                                         f"in {full} of {len(distinct)} parallel requests"))
-    elif any(r.n > 1 for r in work.requests):
-        out.append(("parallel samples", "greedy (torch is not installed to draw samples): "
-                                        "identical, still forked after one prefill"))
     cache = result.engine.cache
     out += [
         ("preemptions", f"{s.preemptions:,} ({s.recomputed_tokens:,} tokens recomputed, "
