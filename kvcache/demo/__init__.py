@@ -216,8 +216,9 @@ def check_plot_prerequisite(path: Optional[str]) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'kvcache[plot]' "
-                         "(or leave out --plot)") from None
+        from kvcache.integrations import install_hint
+        raise UsageError(f"--plot needs matplotlib: {install_hint('plot')}; or leave out --plot") \
+            from None
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"--plot {path}: the folder {folder} does not exist")
@@ -302,8 +303,9 @@ def main(argv=None, tamper=None) -> int:
         if opts.backend != "auto":
             backend_for(opts.backend, None)         # before the model is built
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+            from kvcache.integrations import install_hint
             raise UsageError(f"--model {opts.model} needs torch and transformers: "
-                             f"pip install 'kvcache[transformers]'")
+                             f"{install_hint('transformers')}")
     if opts.json:
         opts.quiet = True
     try:
