@@ -15,13 +15,11 @@ in their order and with their tie and boundary rules (``generation/logits_proces
    (``MinPLogitsWarper``).
 
 Removed tokens get ``-inf``. Rows with ``temperature == 0`` are greedy: the first argmax of the
-raw logits, as the engine's greedy path. The draw is inverse-CDF sampling with one uniform number
-per row that is a hash (splitmix64) of the row's ``(seed, step)``: computed on the device for the
-whole batch at once, it depends only on the request's seed and how many tokens it drew before,
-never on the rows it shares the batch with (and it is the same number on every device). Per-row
-``torch.Generator`` objects may be given instead.
-
-This module imports torch only inside the sampler: ``SamplingParams`` is usable without it.
+raw logits. The draw is inverse-CDF sampling with one uniform number per row, a splitmix64 hash
+of the row's ``(seed, step)``: the same for a request wherever it is in the batch, on every
+device and in numpy. Torch logits are sampled on their device (``sample``); others (MLX, numpy)
+on the host in numpy, without importing torch (``sample_numpy``: the same tokens on float64
+logits; top-p ties: see ``filter_numpy``). ``draw_rows`` picks the path.
 """
 
 from __future__ import annotations
@@ -30,15 +28,18 @@ import dataclasses
 import math
 import numbers
 import random
+import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+import numpy as np
 
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["SamplingParams", "draw_rows", "filter_logits", "sample", "sample_numpy", "uniform_host",
-           "uniforms"]
+__all__ = ["SamplingParams", "draw_rows", "filter_logits", "filter_numpy", "sample", "sample_numpy",
+           "top_logprobs", "uniforms", "uniforms_numpy"]
 
 _SEED_LIMIT = 2 ** 63
 
@@ -87,13 +88,14 @@ class SamplingParams:
     n: int = 1
     """Samples of the prompt (they share its prefill). >= 1."""
     stop_token_ids: Sequence[int] = ()
-    """Token ids that end a sample (kept as its last token); stored as a tuple. Each >= 0."""
+    """Token ids that end a sample (kept as its last token); stored as a tuple (None: ()).
+    Each >= 0."""
     ignore_eos: bool = False
     """Go on past the model's end-of-sequence ids (``stop_token_ids`` still stop)."""
     logprobs: Union[bool, int, None] = False
-    """True (or an integer >= 0, vLLM's spelling): report the log-probability of each chosen
-    token under the model's distribution (before the filters); False or None: none.
-    Alternatives beyond the chosen token (vLLM's ``logprobs > 0``) are not reported."""
+    """True (or vLLM's integer >= 0): report the log-probability of each chosen token under the
+    model's distribution (before the filters); False or None: none. An integer k > 0 asks for
+    the k likeliest alternatives too (vLLM's ``logprobs=k``), which ``top_logprobs`` computes."""
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1)
@@ -104,16 +106,14 @@ class SamplingParams:
         if self.seed is not None:
             _integer("seed", self.seed, 0, _SEED_LIMIT, "None or an integer in [0, 2**63)")
         _integer("n", self.n, 1)
-        stops = self.stop_token_ids
-        if stops is not None:
-            if isinstance(stops, (str, bytes)) or not isinstance(stops, Sequence) and \
-                    not isinstance(stops, (set, frozenset)):
-                raise _bad("stop_token_ids", stops, "None or a sequence of integer token ids >= 0")
-            for t in stops:
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
-                    raise _bad("stop_token_ids", stops,
-                               f"None or a sequence of integer token ids >= 0 (holds {t!r:.40})")
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        stops = () if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, set, frozenset)):
+            raise _bad("stop_token_ids", stops, "None or a sequence of integer token ids >= 0")
+        for t in stops:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+                raise _bad("stop_token_ids", stops,
+                           f"None or a sequence of integer token ids >= 0 (holds {t!r:.40})")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "True or False")
         if self.logprobs is not None and not isinstance(self.logprobs, bool):
@@ -135,6 +135,23 @@ class SamplingParams:
 
 
 # ---------------------------------------------------------------------------- the filter
+def _check(what: str, shape, params) -> None:
+    if len(shape) != 2 or shape[0] != len(params):
+        raise InvalidArgumentError(f"{what} needs logits (B, vocab) and B SamplingParams, got "
+                                   f"shape {tuple(shape)} and {len(params)}")
+
+
+def _seeds_steps(what: str, params, seeds, steps) -> tuple[list, list]:
+    """``seeds`` (None: each row's ``sample_seed()``) and ``steps`` (None: 0) as B-long lists."""
+    batch = len(params)
+    seeds = [p.sample_seed() for p in params] if seeds is None else list(seeds)
+    steps = [0] * batch if steps is None else list(steps)
+    if len(seeds) != batch or len(steps) != batch:
+        raise InvalidArgumentError(
+            f"{what}: {len(seeds)} seeds and {len(steps)} steps for {batch} rows")
+    return seeds, steps
+
+
 def _compute_dtype(logits: "torch.Tensor") -> "torch.dtype":
     import torch
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -150,10 +167,7 @@ def filter_logits(logits: "torch.Tensor", params: Sequence[SamplingParams]) -> "
     row's ``params`` (removed tokens: ``-inf``), in float32 (float64 for float64 logits), on the
     logits' device. Greedy rows are filtered as if at temperature 1 (the sampler ignores them)."""
     import torch
-    if logits.ndim != 2 or len(params) != logits.shape[0]:
-        raise InvalidArgumentError(
-            f"filter_logits needs logits (B, vocab) and B SamplingParams, got shape "
-            f"{tuple(logits.shape)} and {len(params)}")
+    _check("filter_logits", logits.shape, params)
     dtype, device = _compute_dtype(logits), logits.device
     vocab = logits.shape[1]
     scores = logits.to(dtype)
@@ -194,13 +208,9 @@ def filter_logits(logits: "torch.Tensor", params: Sequence[SamplingParams]) -> "
 _MASK64 = (1 << 64) - 1
 
 
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GAMMA = _signed(0x9E3779B97F4A7C15)
-_MIX1 = _signed(0xBF58476D1CE4E5B9)
-_MIX2 = _signed(0x94D049BB133111EB)
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)          # splitmix64's constants as int64
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
 def _shr(z: "torch.Tensor", s: int) -> "torch.Tensor":
@@ -239,11 +249,8 @@ def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
     log-probability under ``log_softmax(logits)``, the model's distribution before the filters.
     Nothing waits for the device."""
     import torch
+    _check("sample", logits.shape, params)
     batch = logits.shape[0]
-    if logits.ndim != 2 or len(params) != batch:
-        raise InvalidArgumentError(
-            f"sample needs logits (B, vocab) and B SamplingParams, got shape "
-            f"{tuple(logits.shape)} and {len(params)}")
     dtype, device = _compute_dtype(logits), logits.device
     raw = logits.to(dtype)
     tokens = raw.argmax(dim=-1)
@@ -257,13 +264,7 @@ def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
             u = torch.stack([torch.rand((), generator=g, dtype=wide, device=g.device).to(device)
                              for g in generators])
         else:
-            if seeds is None:
-                seeds = [p.sample_seed() for p in params]
-            if steps is None:
-                steps = [0] * batch
-            if len(seeds) != batch or len(steps) != batch:
-                raise InvalidArgumentError(
-                    f"sample: {len(seeds)} seeds and {len(steps)} steps for {batch} rows")
+            seeds, steps = _seeds_steps("sample", params, seeds, steps)
             pair = torch.tensor([[int(s) % _SEED_LIMIT for s in seeds],
                                  [int(t) & (_MASK64 >> 1) for t in steps]], dtype=torch.int64)
             pair = pair.to(device, non_blocking=True)
@@ -279,83 +280,138 @@ def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
     return tokens, logprobs
 
 
-def _mix_int(z: int) -> int:
-    """splitmix64's output function on a Python int (as uint64)."""
-    z = (z + (_GAMMA & _MASK64)) & _MASK64
-    z = ((z ^ (z >> 30)) * (_MIX1 & _MASK64)) & _MASK64
-    z = ((z ^ (z >> 27)) * (_MIX2 & _MASK64)) & _MASK64
-    return z ^ (z >> 31)
+# ---------------------------------------------------------------------------- numpy, no torch
+def _mix_numpy(z):
+    """splitmix64's output function on a numpy uint64 array (wrapping, as ``_mix``)."""
+    u = np.uint64
+    z = z + u(_GAMMA & _MASK64)
+    z = (z ^ (z >> u(30))) * u(_MIX1 & _MASK64)
+    z = (z ^ (z >> u(27))) * u(_MIX2 & _MASK64)
+    return z ^ (z >> u(31))
 
 
-def uniform_host(seed: int, step: int) -> float:
-    """``uniforms`` for one row on the host, bit for bit (53 bits, float64)."""
-    h = _mix_int((_mix_int(int(seed) % _SEED_LIMIT) + (int(step) & (_MASK64 >> 1))) & _MASK64)
-    return (h >> 11) * 2.0 ** -53
+def uniforms_numpy(seeds: Sequence[int], steps: Sequence[int]):
+    """``uniforms`` in numpy uint64 arithmetic, bit for bit (float64): one number in [0, 1) per
+    ``(seeds[b], steps[b])``, the seed mod 2**63 and the step's low 63 bits, as ``sample``."""
+    s = np.array([int(x) % _SEED_LIMIT for x in seeds], np.uint64)
+    t = np.array([int(x) & (_MASK64 >> 1) for x in steps], np.uint64)
+    with np.errstate(over="ignore"):
+        h = _mix_numpy(_mix_numpy(s) + t)
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
-def sample_numpy(table, params: Sequence[SamplingParams], seeds: Sequence[int],
-                 steps: Sequence[int]):
-    """``sample`` on the host in numpy, without torch (MLX or numpy logits): ``table`` (B,
-    vocab) float64; the same filter, uniforms and draw, so the tokens equal the torch
-    sampler's on float64 logits (top-p ties at the boundary fall in a stable sort's order, where
-    torch's CPU sort is not stable). Returns host ``(tokens (B,) int64, logprobs (B,) float64)``."""
-    import numpy as np
+def _probs(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _filter_row(x, p: SamplingParams):
+    """``filter_logits`` of one float64 row ``x`` (vocab,) in numpy (see ``filter_numpy``)."""
+    vocab = x.shape[0]
+    if p.temperature > 0 and p.temperature != 1.0:
+        x = x / p.temperature
+    if 0 < p.top_k < vocab:
+        x = np.where(x < np.partition(x, vocab - p.top_k)[vocab - p.top_k], -np.inf, x)
+    if p.top_p < 1.0:
+        order = np.argsort(x, kind="stable")
+        cut = np.cumsum(_probs(x[order])) <= 1 - p.top_p
+        cut[-1] = False
+        x = x.copy()
+        x[order[cut]] = -np.inf
+    if p.min_p > 0:
+        probs = _probs(x)
+        drop = probs < p.min_p * probs.max()
+        drop[probs.argmax()] = False
+        x = np.where(drop, -np.inf, x)
+    return x
+
+
+def filter_numpy(table, params: Sequence[SamplingParams]):
+    """``filter_logits`` in numpy on ``table`` (B, vocab) as float64. One difference: top-p
+    orders tied scores by id (a stable sort), ``torch.sort`` its own way (on the CPU stable up
+    to 16 columns only): where ties straddle the top-p boundary both keep as many of them (the
+    same mass), maybe other ids among them."""
     raw = np.asarray(table, np.float64)
-    vocab = raw.shape[1]
-    top = raw.max(axis=-1, keepdims=True)
-    logz = top + np.log(np.exp(raw - top).sum(axis=-1, keepdims=True))
-    tokens = raw.argmax(axis=-1)
+    _check("filter_numpy", raw.shape, params)
+    out = raw.copy()
     for b, p in enumerate(params):
-        if p.greedy:
-            continue
-        x = raw[b] / p.temperature
-        if 0 < p.top_k < vocab:
-            x = np.where(x < np.sort(x)[-p.top_k], -np.inf, x)
-        if p.top_p < 1.0:
-            order = np.argsort(x, kind="stable")
-            e = np.exp(x[order] - x[order][-1])
-            cut = np.cumsum(e / e.sum()) <= 1 - p.top_p
-            cut[-1] = False
-            x = x.copy()
-            x[order[cut]] = -np.inf
-        if p.min_p > 0:
-            e = np.exp(x - x.max())
-            probs = e / e.sum()
-            drop = probs < p.min_p * probs.max()
-            drop[probs.argmax()] = False
-            x = np.where(drop, -np.inf, x)
-        e = np.exp(x - x.max())
-        cdf = np.cumsum(e / e.sum())
+        out[b] = _filter_row(raw[b], p)
+    return out
+
+
+def _log_softmax_numpy(raw):
+    top = raw.max(axis=-1, keepdims=True)
+    return raw - (top + np.log(np.exp(raw - top).sum(axis=-1, keepdims=True)))
+
+
+def sample_numpy(table, params: Sequence[SamplingParams], seeds: Optional[Sequence[int]] = None,
+                 steps: Optional[Sequence[int]] = None):
+    """``sample`` on the host in numpy, without torch: ``table`` (B, vocab) as float64, the same
+    filter (``filter_numpy``), uniforms (``uniforms_numpy``), draw and defaults, so on float64
+    logits the same tokens. Returns host ``(tokens (B,) int64, logprobs (B,) float64)``."""
+    raw = np.asarray(table, np.float64)
+    _check("sample_numpy", raw.shape, params)
+    seeds, steps = _seeds_steps("sample_numpy", params, seeds, steps)
+    tokens = raw.argmax(axis=-1).astype(np.int64)
+    drawing = [b for b, p in enumerate(params) if not p.greedy]
+    u = uniforms_numpy([seeds[b] for b in drawing], [steps[b] for b in drawing])
+    for b, ub in zip(drawing, u):
+        x = _filter_row(raw[b], params[b])
+        cdf = np.cumsum(_probs(x))
         total = cdf[-1]
-        goal = min(uniform_host(seeds[b], steps[b]) * total, np.nextafter(total, 0.0))
-        tokens[b] = min(int(np.searchsorted(cdf, goal, side="right")), vocab - 1)
-    tokens = tokens.astype(np.int64)
-    return tokens, (raw - logz)[np.arange(len(raw)), tokens]
+        # u * total < total strictly: the first entry above the goal has a probability > 0
+        goal = min(ub * total, np.nextafter(total, 0.0))
+        tokens[b] = min(int(np.searchsorted(cdf, goal, side="right")), raw.shape[1] - 1)
+    return tokens, _log_softmax_numpy(raw)[np.arange(len(params)), tokens]
 
 
-def _torch_or_none():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
+def _is_torch(x) -> bool:
+    """Whether ``x`` is a torch tensor, without importing torch (none exists if it was not)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def draw_rows(logits, rows: Sequence[int], params: Sequence[SamplingParams],
               seeds: Sequence[int], steps: Sequence[int], to_numpy=None):
-    """The engine's call: draw ``d`` from row ``rows[d]`` of ``logits`` (a torch tensor on any
-    device; other arrays go through ``to_numpy`` to a host float64 tensor) with ``params[d]``,
-    ``seeds[d]`` and ``steps[d]``. Returns host ``(tokens (D,) int64, logprobs (D,) float64)``:
-    the only transfer of the step, ``2 * D`` numbers."""
-    import numpy as np
-    torch = _torch_or_none()
-    if torch is None or not isinstance(logits, torch.Tensor):
-        if to_numpy is None:
-            raise InvalidArgumentError(
-                f"draw_rows needs torch logits or to_numpy, got {type(logits).__name__}")
-        table = np.asarray(to_numpy(logits), np.float64)[np.asarray(list(rows), np.int64)]
-        return sample_numpy(table, params, seeds, steps)
+    """The engine's call: draw ``d`` from row ``rows[d]`` of ``logits`` with ``params[d]``,
+    ``seeds[d]`` and ``steps[d]``: torch logits on their device (``sample``), others through
+    ``to_numpy`` (default ``numpy.asarray``) by ``sample_numpy``, never importing torch.
+    Returns host ``(tokens (D,) int64, logprobs (D,) float64)``."""
+    if not _is_torch(logits):
+        host = np.asarray((to_numpy or np.asarray)(logits))
+        return sample_numpy(host[np.asarray(list(rows), np.int64)], params, seeds, steps)
+    import torch
     index = torch.tensor(list(rows), dtype=torch.int64).to(logits.device, non_blocking=True)
     tokens, logprobs = sample(logits.index_select(0, index), params, seeds, steps)
     both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()
     return both[0].astype(np.int64), both[1]
+
+
+def top_logprobs(logits_rows, k: int, to_numpy=None):
+    """vLLM's ``logprobs=k`` alternatives: the ``min(k, vocab)`` likeliest tokens of each row
+    of ``logits_rows`` (D, vocab), ties by id, and their ``log_softmax`` under the raw logits
+    (before any filter); torch logits on their device, others through ``to_numpy`` in numpy.
+    Returns host ``(ids (D, k) int64, logprobs (D, k) float64)``, best first."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+        raise InvalidArgumentError(f"top_logprobs: k={k!r:.40} must be an integer >= 0")
+    if _is_torch(logits_rows):
+        import torch
+        raw = logits_rows.to(_compute_dtype(logits_rows))
+    else:
+        raw = np.asarray((to_numpy or np.asarray)(logits_rows), np.float64)
+    if raw.ndim != 2:
+        raise InvalidArgumentError(f"top_logprobs needs logits (D, vocab), got {tuple(raw.shape)}")
+    d, k = raw.shape[0], min(int(k), raw.shape[1])
+    if k == 0:
+        return np.zeros((d, 0), np.int64), np.zeros((d, 0), np.float64)
+    if isinstance(raw, np.ndarray):      # a partition, not a sort: O(vocab) a row on the host
+        kth = -np.partition(-raw, k - 1, axis=-1)[:, k - 1:k]
+        above, tied = raw > kth, raw == kth
+        pick = above | tied & (np.cumsum(tied, -1) <= k - above.sum(-1, keepdims=True))
+        ids = np.nonzero(pick)[1].reshape(d, k)      # k a row, by increasing id
+        order = np.argsort(-np.take_along_axis(raw, ids, -1), -1, kind="stable")
+        ids = np.take_along_axis(ids, order, -1).astype(np.int64)
+        return ids, np.take_along_axis(_log_softmax_numpy(raw), ids, -1)
+    ids = torch.sort(raw, dim=-1, descending=True, stable=True)[1][:, :k]
+    lps = raw.log_softmax(dim=-1).gather(1, ids)
+    return ids.cpu().numpy().astype(np.int64), lps.to(torch.float64).cpu().numpy()

@@ -5,6 +5,7 @@ that distribution, bad fields are typed errors; and Engine.generate(sampling_par
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -236,37 +237,199 @@ def test_defaults_are_the_specs():
         (32, 0.0, 1.0, 0, 0.0, None, 1)
     assert (p.stop_token_ids, p.ignore_eos, p.logprobs) == ((), False, False) and p.greedy
     assert SamplingParams(logprobs=True).logprobs is True
+    assert SamplingParams(logprobs=3).logprobs == 3 and SamplingParams(logprobs=0).logprobs == 0
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_numpy_sampler_equals_the_torch_sampler(seed):
-    from kvcache.integrations.sampling import sample_numpy, uniform_host, uniforms
-    rng = np.random.default_rng(seed)
-    logits = rng.standard_normal((24, 300)) * 3
-    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.4, 1.0, 2.0])),
-                             top_k=int(rng.choice([0, 1, 7, 60])),
-                             top_p=float(rng.choice([1.0, 0.9, 0.5])),
-                             min_p=float(rng.choice([0.0, 0.05, 0.3]))) for _ in range(24)]
-    seeds = rng.integers(0, 2 ** 62, 24).tolist()
-    steps = rng.integers(0, 1000, 24).tolist()
+def _splitmix_reference(seed: int, step: int) -> float:
+    """splitmix64 on Python integers, written from its definition (a third implementation)."""
+    m = (1 << 64) - 1
+
+    def mix(z):
+        z = (z + 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return z ^ (z >> 31)
+    return (mix((mix(seed % 2 ** 63) + (step & (m >> 1))) & m) >> 11) * 2.0 ** -53
+
+
+def test_numpy_uniforms_equal_the_torch_ones_bit_for_bit():
+    from kvcache.integrations.sampling import uniforms, uniforms_numpy
+    rng = np.random.default_rng(5)
+    seeds = [0, 1, 2 ** 63 - 1, 2 ** 62, 12345] + rng.integers(0, 2 ** 63, 2000).tolist()
+    steps = [0, 2 ** 63 - 1, 1, 2 ** 62 + 3, 0] + rng.integers(0, 2 ** 40, 2000).tolist()
+    got = uniforms_numpy(seeds, steps)
+    want = uniforms(torch.tensor(seeds), torch.tensor(steps)).numpy()
+    assert got.dtype == np.float64 and want.dtype == np.float64
+    np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
+    assert got.tolist() == [_splitmix_reference(s, t) for s, t in zip(seeds, steps)]
+    assert ((got >= 0) & (got < 1)).all() and abs(got.mean() - 0.5) < 0.03
+    assert len(set(got.tolist())) == len(got)          # (a constant would pass the rest)
+    # sample's reductions: seeds mod 2**63, the steps' low 63 bits
+    np.testing.assert_array_equal(uniforms_numpy([2 ** 63 + 9, 4], [1, 2 ** 64 + 7]),
+                                  uniforms_numpy([9, 4], [1, 7]))
+
+
+GRID: list[dict[str, Any]] = [dict(temperature=t, top_k=k, top_p=p, min_p=m)
+                               for t in (0.0, 0.25, 1.0, 1.8) for k in (0, 1, 4, 40)
+                               for p in (1.0, 0.9, 0.4, 0.02) for m in (0.0, 0.05, 0.4)]
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_numpy_sampler_equals_torch_sampler_on_a_grid_of_settings(scale):
+    from kvcache.integrations.sampling import draw_rows, sample_numpy
+    rng = np.random.default_rng(int(scale))
+    vocab = 301
+    params = [SamplingParams(**kw) for kw in GRID for _ in range(3)]      # 576 rows
+    logits = rng.standard_normal((len(params), vocab)) * scale
+    seeds = rng.integers(0, 2 ** 63, len(params)).tolist()
+    steps = rng.integers(0, 10 ** 6, len(params)).tolist()
     want_t, want_lp = sample(torch.from_numpy(logits), params, seeds, steps)
     got_t, got_lp = sample_numpy(logits, params, seeds, steps)
+    assert got_t.dtype == np.int64 and got_lp.dtype == np.float64
     np.testing.assert_array_equal(got_t, want_t.numpy())
-    np.testing.assert_allclose(got_lp, want_lp.numpy(), rtol=0, atol=1e-12)
-    dev = uniforms(torch.tensor(seeds), torch.tensor(steps)).numpy()
-    assert [uniform_host(s, t) for s, t in zip(seeds, steps)] == dev.tolist()   # bit for bit
+    np.testing.assert_allclose(got_lp, want_lp.numpy(), rtol=0, atol=1e-9)
+    # the draws are draws: most sampled rows at temperature >= 1 without a tight filter leave
+    # the argmax, and other steps give other tokens
+    loose = [b for b, p in enumerate(params) if p.temperature >= 1 and p.top_k in (0, 40)
+             and p.top_p >= 0.9 and p.min_p <= 0.05]
+    assert np.mean(got_t[loose] != logits[loose].argmax(-1)) > 0.5
+    other = sample_numpy(logits, params, seeds, [t + 1 for t in steps])[0]
+    assert (other[loose] != got_t[loose]).mean() > 0.5
+    # draw_rows: a permutation of the rows, numpy logits through to_numpy, torch on the device
+    rows = rng.permutation(len(params)).tolist()
+    ps, ss, ts = [params[r] for r in rows], [seeds[r] for r in rows], [steps[r] for r in rows]
+    got = draw_rows(logits.tolist(), rows, ps, ss, ts, to_numpy=np.asarray)
+    want = draw_rows(torch.from_numpy(logits), rows, ps, ss, ts)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[0], want_t.numpy()[rows])
+    np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("u", [0.0, 1 - 2 ** -53, 1.0])   # (1: no uniform, the guard)
+def test_the_draw_at_the_ends_of_the_unit_interval_takes_a_kept_token(monkeypatch, u):
+    import kvcache.integrations.sampling as smp
+    monkeypatch.setattr(smp, "uniforms", lambda s, t, dtype=None: torch.full(
+        s.shape, u, dtype=dtype or torch.float64, device=s.device))
+    monkeypatch.setattr(smp, "uniforms_numpy", lambda s, t: np.full(len(s), u))
+    logits = np.array([[-np.inf, -np.inf, 0.0, 1.0, -np.inf], [0.0, 5.0, 1.0, -1.0, 2.0]])
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)]
+    want = [2, 1] if u == 0 else [3, 4]          # the first kept token, or the last
+    assert smp.sample(torch.from_numpy(logits), params, [1, 2], [0, 0])[0].tolist() == want
+    assert smp.sample_numpy(logits, params, [1, 2], [0, 0])[0].tolist() == want
+
+
+def test_numpy_filter_equals_the_torch_filter():
+    from kvcache.integrations.sampling import filter_numpy
+    rng = np.random.default_rng(9)
+    params = [SamplingParams(**kw) for kw in GRID]
+    logits = rng.standard_normal((len(params), 257)) * 2
+    got = filter_numpy(logits, params)
+    want = filter_logits(torch.from_numpy(logits), params).numpy()
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
+    assert 0 < np.isinf(got).mean() < 1
+    # ties: up to 16 columns torch's CPU sort is stable, so the same tokens stay at the top-p
+    # boundary; wider rows keep as many tied tokens (the same mass), maybe other ids among them
+    for vocab in (9, 16, 64, 300):
+        cases = [random_case(rng, vocab) for _ in range(200)]
+        table = np.stack([c[0] for c in cases])
+        ps = [c[1] for c in cases]
+        got, want = filter_numpy(table, ps), filter_logits(torch.from_numpy(table), ps).numpy()
+        if vocab <= 16:
+            np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+        np.testing.assert_array_equal(np.isinf(got).sum(-1), np.isinf(want).sum(-1))
+        scaled = table / np.array([[p.temperature] for p in ps])
+        weight = np.exp(scaled - scaled.max(-1, keepdims=True))
+        np.testing.assert_allclose(np.where(np.isinf(got), 0.0, weight).sum(-1),
+                                   np.where(np.isinf(want), 0.0, weight).sum(-1), rtol=1e-12)
+
+
+def test_greedy_rows_take_the_first_argmax_in_numpy_too():
+    from kvcache.integrations.sampling import sample_numpy
+    logits = np.array([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 2.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
+    params = [SamplingParams(temperature=0)] * 3
+    for seeds in ([0, 0, 0], [1, 2, 3]):
+        tokens, lps = sample_numpy(logits, params, seeds, [7, 8, 9])
+        assert tokens.tolist() == [1, 2, 0]
+        want = torch.from_numpy(logits).log_softmax(-1).numpy()[[0, 1, 2], [1, 2, 0]]
+        np.testing.assert_allclose(lps, want, rtol=0, atol=1e-15)
+    rng = np.random.default_rng(4)
+    wide = rng.integers(-2, 3, (50, 100)).astype(np.float64)           # many tied maxima
+    t, _ = sample(torch.from_numpy(wide), [SamplingParams()] * 50)
+    np.testing.assert_array_equal(sample_numpy(wide, [SamplingParams()] * 50)[0], t.numpy())
+    np.testing.assert_array_equal(t.numpy(), wide.argmax(-1))
+
+
+def test_top_logprobs_numpy_and_torch():
+    from kvcache.integrations.sampling import top_logprobs
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((12, 500)) * 3
+    logits[0] = np.round(logits[0])                   # ties, some across the k-th
+    logits[1, :] = 0.0
+    logits[2, rng.random(500) < 0.5] = -np.inf
+    lsm = torch.from_numpy(logits).log_softmax(-1).numpy()
+    for k in (1, 5, 37, 499, 500, 800):
+        ids, lps = top_logprobs(logits, k)
+        tids, tlps = top_logprobs(torch.from_numpy(logits), k)
+        want = np.argsort(-logits, axis=-1, kind="stable")[:, :min(k, 500)]   # ties by id
+        assert ids.dtype == np.int64 and ids.shape == want.shape == lps.shape
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(tids, want)
+        np.testing.assert_allclose(lps, np.take_along_axis(lsm, want, -1), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(tlps, lps, rtol=0, atol=1e-9)
+    assert top_logprobs(logits, 3)[0][1].tolist() == [0, 1, 2]
+    assert top_logprobs(logits, 0)[0].shape == (12, 0)
+    f32 = top_logprobs(torch.from_numpy(logits[3:5]).float(), 4)      # float32 on the device
+    np.testing.assert_array_equal(f32[0], want[3:5, :4])
+    bad: Any
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="top_logprobs"):
+            top_logprobs(logits, bad)
+
+
+def _run_python(code: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def test_draw_rows_runs_without_torch():
-    import subprocess
-    import sys
-    code = ("import sys; sys.modules['torch'] = None\n"
+    import json
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 50))
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(),
+              SamplingParams(temperature=0.7, top_k=5, min_p=0.1)]
+    rows, seeds, steps = [2, 0, 4], [1, 0, 99], [0, 3, 17]
+    code = ("import sys, json; sys.modules['torch'] = None\n"
             "import numpy as np\n"
-            "from kvcache.integrations.sampling import SamplingParams, draw_rows\n"
-            "x = np.random.default_rng(0).standard_normal((3, 50))\n"
-            "p = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams()]\n"
-            "t, lp = draw_rows(x, [2, 0], p, [1, 0], [0, 0], np.asarray)\n"
-            "assert t[1] == x[0].argmax() and t.dtype == np.int64 and np.isfinite(lp).all()\n"
-            "print('ok')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == "ok", out.stderr
+            "from kvcache.integrations.sampling import SamplingParams, draw_rows, top_logprobs\n"
+            f"x = np.array({logits.tolist()!r})\n"
+            "p = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(),\n"
+            "     SamplingParams(temperature=0.7, top_k=5, min_p=0.1)]\n"
+            f"t, lp = draw_rows(x, {rows}, p, {seeds}, {steps}, np.asarray)\n"
+            "ids, tl = top_logprobs(x, 3)\n"
+            "assert t.dtype == np.int64 and lp.dtype == np.float64\n"
+            "print(json.dumps([t.tolist(), lp.tolist(), ids.tolist(), tl.tolist()]))\n")
+    t, lp, ids, tl = json.loads(_run_python(code))
+    want_t, want_lp = sample(torch.from_numpy(logits[rows]), params, seeds, steps)
+    assert t == want_t.tolist() and t[1] == int(logits[0].argmax())
+    np.testing.assert_allclose(lp, want_lp.numpy(), rtol=0, atol=1e-9)
+    assert ids == np.argsort(-logits, axis=-1)[:, :3].tolist()
+    np.testing.assert_allclose(tl, torch.from_numpy(logits).log_softmax(-1).topk(3).values.numpy(),
+                               rtol=0, atol=1e-12)
+
+
+def test_numpy_logits_never_import_torch():
+    code = ("import sys\n"
+            "import numpy as np\n"
+            "from kvcache.integrations.sampling import SamplingParams, draw_rows, top_logprobs\n"
+            "x = np.random.default_rng(0).standard_normal((2, 20))\n"
+            "draw_rows(x, [1, 0], [SamplingParams(temperature=1.0, seed=3)] * 2, [3, 4], [0, 0])\n"
+            "top_logprobs(x, 2)\n"
+            "print('torch' in sys.modules)\n")
+    assert _run_python(code).strip() == "False"
