@@ -72,7 +72,7 @@ def test_demo_plot_without_matplotlib_fails_before_the_workload(monkeypatch, cap
 def test_conformance_without_pytest_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "pytest", None)
     line = one_line_error(capsys, ["conformance", "--backend", "reference"], "kvcache conformance")
-    assert "pip install 'kvcache[test]'" in line
+    assert "pip install '.[test]'" in line and "'pytest>=7'" in line
 
 
 def test_conformance_with_an_unknown_backend(capsys):
