@@ -14,7 +14,7 @@ import numpy as np
 from ..cache import PagedKVCache
 from ..serving.stats import EngineStats
 from .adapter import ModelAdapter, PendingPicks
-from .sampling import draw_rows
+from .sampling import draw_rows, top_logprobs
 
 __all__ = ["Runner"]
 
@@ -72,3 +72,8 @@ class Runner:
             return tokens[rows], lps[rows]
         return draw_rows(logits, rows, [d.params for d in draws], [d.seed for d in draws],
                          [d.step for d in draws], self.adapter.to_numpy)
+
+    def alternatives(self, logits, rows: list, k: int) -> tuple:
+        """The ``k`` likeliest tokens of each of ``rows`` and their log-probabilities (under the
+        raw logits), host ``(ids (D, k), logprobs (D, k))``, best first."""
+        return top_logprobs(logits, k, self.adapter.to_numpy, rows=rows)

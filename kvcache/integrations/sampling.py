@@ -387,18 +387,23 @@ def draw_rows(logits, rows: Sequence[int], params: Sequence[SamplingParams],
     return both[0].astype(np.int64), both[1]
 
 
-def top_logprobs(logits_rows, k: int, to_numpy=None):
+def top_logprobs(logits_rows, k: int, to_numpy=None, rows=None):
     """vLLM's ``logprobs=k`` alternatives: the ``min(k, vocab)`` likeliest tokens of each row
-    of ``logits_rows`` (D, vocab), ties by id, and their ``log_softmax`` under the raw logits
-    (before any filter); torch logits on their device, others through ``to_numpy`` in numpy.
-    Returns host ``(ids (D, k) int64, logprobs (D, k) float64)``, best first."""
+    of ``logits_rows`` (D, vocab) (``rows``: only these rows, in this order), ties by id, and
+    their ``log_softmax`` under the raw logits (before any filter); torch logits on their
+    device, others through ``to_numpy`` in numpy. Returns host ``(ids (D, k) int64, logprobs
+    (D, k) float64)``, best first."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
         raise InvalidArgumentError(f"top_logprobs: k={k!r:.40} must be an integer >= 0")
     if _is_torch(logits_rows):
         import torch
         raw = logits_rows.to(_compute_dtype(logits_rows))
+        if rows is not None:
+            raw = raw.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=raw.device))
     else:
         raw = np.asarray((to_numpy or np.asarray)(logits_rows), np.float64)
+        if rows is not None:
+            raw = raw[np.asarray(rows, np.int64)]
     if raw.ndim != 2:
         raise InvalidArgumentError(f"top_logprobs needs logits (D, vocab), got {tuple(raw.shape)}")
     d, k = raw.shape[0], min(int(k), raw.shape[1])

@@ -10,7 +10,10 @@ device). The runner is any object with:
   tokens from them; raises ``CacheFullError`` with nothing changed when it does not fit;
 * ``greedy_async(logits, logprobs)``: the first argmax of each row, still on its way to the
   host (an object with ``result() -> (tokens, logprobs)``);
-* ``pick(logits, draws, logprobs)``: one host ``(token, logprob)`` pair per ``Draw``.
+* ``pick(logits, draws, logprobs)``: one host ``(token, logprob)`` pair per ``Draw``;
+* ``alternatives(logits, rows, k)``: the ``k`` likeliest tokens of each of ``rows`` and their
+  log-probabilities, host ``(ids (D, k), logprobs (D, k))``, best first (asked only when a
+  request wants them, ``SamplingParams(logprobs=k)``).
 
 Pure Python: it is driven with a fake runner in the tests.
 """
@@ -153,7 +156,10 @@ class EngineCore:
             out = [] if before is None else self._settle(before)
             draws = sched.draws(plan)
             tokens, logprobs = runner.pick(logits, draws, plan.logprobs) if draws else ([], [])
-            return out + sched.consume(plan, tokens, logprobs)
+            alternatives = None
+            if draws and plan.top_logprobs:
+                alternatives = runner.alternatives(logits, [d.row for d in draws], plan.top_logprobs)
+            return out + sched.consume(plan, tokens, logprobs, alternatives)
 
     def _settle(self, inflight) -> list:
         tokens, logprobs = inflight.picks.result()

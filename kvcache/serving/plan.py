@@ -21,7 +21,9 @@ class StepPlan:
     its way); ``logit_rows``: the packed rows whose next-token logits are wanted, one per
     sequence in ``wants``; ``pipelined``: its picks are all greedy, one per sequence, and may be
     booked before they reach the host; ``logprobs``: some request wants log-probabilities;
-    ``decode``: every sequence runs one token it decodes."""
+    ``decode``: every sequence runs one token it decodes; ``top_logprobs``: the largest number
+    of likeliest alternatives a request of the step wants per token (0: none; such a step is
+    not pipelined)."""
 
     seq_ids: list
     lens: list
@@ -35,6 +37,7 @@ class StepPlan:
     logprobs: bool
     decode: bool
     batch: list                        # (Seq, chunk)
+    top_logprobs: int = 0
 
 
 @dataclasses.dataclass

@@ -24,7 +24,9 @@ class RequestOutput:
     output that reports an abort); ``finished``: the sample is done; ``finish_reason``: one of
     ``"stop"``, ``"length"``, ``"abort"`` when finished, else None; ``logprobs``: the model's
     log-probability of each new token (before temperature and filters) when the request's
-    ``SamplingParams.logprobs`` asked for them, else None; ``seq_id``: on the last output of a
+    ``SamplingParams.logprobs`` asked for them, else None; ``top_logprobs``: when
+    ``SamplingParams.logprobs`` is an integer ``k > 0``, one list per new token of the ``k``
+    likeliest tokens as ``(token_id, logprob)`` pairs, best first, else None; ``seq_id``: on the last output of a
     request added with ``hold_kv=True``, the cache sequence that still holds its prompt's KV
     (until ``release``), else None."""
 
@@ -35,6 +37,7 @@ class RequestOutput:
     finish_reason: Optional[str] = None
     logprobs: Optional[list] = None
     seq_id: Optional[int] = None
+    top_logprobs: Optional[list] = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -44,6 +47,7 @@ class Sample:
     seed: int
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)     # per token: [(id, logprob)] (logprobs=k)
     finish_reason: Optional[str] = None
     planned: int = 0            # picks launched for it (pipelined steps: some still in flight)
     emitted: int = 0            # tokens already reported in a RequestOutput
@@ -85,3 +89,9 @@ class Request:
     @property
     def wants_logprobs(self) -> bool:
         return self.params.logprobs is not None and self.params.logprobs is not False
+
+    @property
+    def top_logprobs(self) -> int:
+        """How many likeliest alternatives each token reports (``logprobs=k``); 0: none."""
+        k = self.params.logprobs
+        return 0 if k is None or isinstance(k, bool) else int(k)

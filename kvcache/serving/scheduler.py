@@ -239,9 +239,12 @@ class Scheduler:
                 wants.append(seq)
         assert len(dst) == toks.count(SLOT), "a pick still on its way has no source in the step before"
         reqs = [s.req for s in wants]
+        top = max((r.top_logprobs for r in reqs), default=0)
         return StepPlan(ids, lens, toks, pos, rows, wants, dst, src,
-                        pipelined=self.pipelined and all(r.greedy and r.params.n == 1 for r in reqs),
-                        logprobs=any(r.wants_logprobs for r in reqs), decode=decode, batch=batch)
+                        pipelined=self.pipelined and top == 0
+                        and all(r.greedy and r.params.n == 1 for r in reqs),
+                        logprobs=any(r.wants_logprobs for r in reqs), decode=decode, batch=batch,
+                        top_logprobs=top)
 
     # ------------------------------------------------------------------ admission, preemption
     def forward_failed(self, exc: CacheFullError) -> None:
@@ -340,8 +343,9 @@ class Scheduler:
                     out.append(Draw(k, req.params, smp.seed, len(smp.tokens)))
         return out
 
-    def consume(self, plan: StepPlan, tokens, logprobs) -> list:
-        """Take a synchronous step's picks (one per ``draws(plan)`` entry, in order). A prompt
+    def consume(self, plan: StepPlan, tokens, logprobs, alternatives=None) -> list:
+        """Take a synchronous step's picks (one per ``draws(plan)`` entry, in order;
+        ``alternatives``: ``(ids (D, k), logprobs (D, k))`` when ``plan.top_logprobs``). A prompt
         with one sample goes on as it; with ``n > 1`` its sequence becomes the samples' shared
         prefix and each sample forks from it. Returns the outputs."""
         touched, d = [], 0
@@ -350,7 +354,8 @@ class Scheduler:
             if seq.kind == "prompt":
                 for j, smp in enumerate(req.samples):
                     if not smp.done:
-                        if self._draw(req, smp, int(tokens[d]), float(logprobs[d])):
+                        if self._draw(req, smp, int(tokens[d]), float(logprobs[d]),
+                                      _top(alternatives, d, req.top_logprobs)):
                             touched.append((req, j))
                         d += 1
                 if len(req.samples) == 1:
@@ -369,7 +374,8 @@ class Scheduler:
                 continue
             smp = req.samples[seq.sample]
             if not smp.done:
-                if self._draw(req, smp, int(tokens[d]), float(logprobs[d])):
+                if self._draw(req, smp, int(tokens[d]), float(logprobs[d]),
+                              _top(alternatives, d, req.top_logprobs)):
                     touched.append((req, seq.sample))
                 d += 1
             self._after(seq, smp)
@@ -399,11 +405,13 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _draw(req: Request, smp: Sample, token: int, logprob: float) -> bool:
+    def _draw(req: Request, smp: Sample, token: int, logprob: float, top=None) -> bool:
         if smp.done:
             return False
         smp.tokens.append(token)
         smp.logprobs.append(logprob)
+        if top is not None:
+            smp.top.append(top)
         smp.planned = max(smp.planned, len(smp.tokens))
         if token in req.stops:
             smp.finish_reason = "stop"
@@ -423,6 +431,15 @@ class Scheduler:
     def _output(req: Request, j: int, smp: Sample) -> RequestOutput:
         new = smp.tokens[smp.emitted:]
         lps = smp.logprobs[smp.emitted:] if req.wants_logprobs else None
+        top = smp.top[smp.emitted:] if req.top_logprobs else None
         smp.emitted = len(smp.tokens)
         held = req.held if smp.done and smp.finish_reason != "abort" else None
-        return RequestOutput(req.request_id, j, new, smp.done, smp.finish_reason, lps, held)
+        return RequestOutput(req.request_id, j, new, smp.done, smp.finish_reason, lps, held, top)
+
+
+def _top(alternatives, d: int, k: int):
+    """Draw ``d``'s ``k`` likeliest ``(token_id, logprob)`` pairs, or None (``k == 0``)."""
+    if not k or alternatives is None:
+        return None
+    ids, lps = alternatives
+    return [(int(i), float(lp)) for i, lp in zip(ids[d][:k], lps[d][:k])]

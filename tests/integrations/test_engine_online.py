@@ -160,3 +160,29 @@ def test_the_progress_display_moves_with_tokens_requests_and_pages(llama):
     assert seen[-1][0] == 24 and len({c for c, _ in seen}) > 3
     assert all("tok/s" in info and "running" in info and "pages" in info for _, info in seen)
     assert any("pages 0/" not in info for _, info in seen)
+
+
+def test_logprobs_k_gives_the_k_likeliest_tokens_of_the_models_distribution(llama, reference):
+    """``SamplingParams(logprobs=k)``: each new token carries the model's ``k`` likeliest next
+    tokens with their log-probabilities (the model's own forward on the full text is the judge)."""
+    import torch
+    prompts, want, _ = reference
+    engine = Engine(llama, backend="reference", max_total_tokens=4096)
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=5, temperature=0.0,
+                                                        ignore_eos=True, logprobs=3))
+    tokens, lps, tops = [], [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            tokens += out.new_token_ids
+            lps += out.logprobs
+            tops += out.top_logprobs
+    assert tokens == want[0][0][:5] and len(tops) == 5
+    with torch.no_grad():
+        logits = llama(torch.tensor([list(prompts[0]) + tokens[:-1]])).logits[0].float()
+    ref = logits.log_softmax(-1)[len(prompts[0]) - 1:]
+    for t, (token, lp, alts) in enumerate(zip(tokens, lps, tops)):
+        ids = [i for i, _ in alts]
+        assert len(alts) == 3 and ids[0] == token and alts[0][1] == pytest.approx(lp, abs=1e-6)
+        assert ids == ref[t].topk(3).indices.tolist()
+        assert [v for _, v in alts] == pytest.approx(ref[t][ids].tolist(), abs=1e-3)

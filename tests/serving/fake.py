@@ -97,6 +97,11 @@ class FakeRunner:
                   for d in draws]
         return np.asarray(tokens, np.int64), np.zeros(len(tokens))
 
+    def alternatives(self, logits, rows, k):
+        """The greedy pick first, then the next ids, with log-probabilities -0, -1, ..."""
+        ids = [[(next_token(logits[r]) + i) % VOCAB for i in range(k)] for r in rows]
+        return np.asarray(ids, np.int64).reshape(len(rows), k), -np.tile(np.arange(k, dtype=float), (len(rows), 1))
+
 
 def make_core(max_total_tokens=256, page_size=4, max_batch_size=8, prefill_chunk_size=64,
               pipelined=True, host_tier=False, eos=()):

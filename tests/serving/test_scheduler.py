@@ -255,3 +255,27 @@ def test_hold_kv_and_kv_seq_id_are_checked_before_anything_is_queued():
     with pytest.raises(InvalidArgumentError, match="already belongs to a request"):
         core.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0.0), kv_seq_id=500)
     assert list(core.scheduler.requests) == [rid]
+
+
+def test_logprobs_k_reports_the_k_likeliest_per_token_beside_pipelined_requests():
+    """``logprobs=k`` gives each new token its ``k`` likeliest alternatives (the runner's
+    ``alternatives``); requests without it stay pipelined and all tokens equal the judge."""
+    core, _, _ = make_core(pipelined=True)
+    top = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    plain = SamplingParams(max_tokens=6, temperature=0.0)
+    a = core.add_request([5, 6, 7], top)
+    b = core.add_request([8, 9], plain)
+    got = {a: ([], []), b: ([], [])}
+    while core.has_unfinished():
+        for out in core.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            if out.request_id == a:
+                assert out.top_logprobs is not None and len(out.top_logprobs) == len(out.new_token_ids)
+                got[a][1].extend(out.top_logprobs)
+            else:
+                assert out.top_logprobs is None
+    assert got[a][0] == expected([5, 6, 7], top) and got[b][0] == expected([8, 9], plain)
+    assert len(got[a][1]) == 6
+    for token, alts in zip(got[a][0], got[a][1]):
+        assert [i for i, _ in alts] == [(token + i) % 97 for i in range(3)]
+        assert [lp for _, lp in alts] == [0.0, -1.0, -2.0]
