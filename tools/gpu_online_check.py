@@ -115,6 +115,46 @@ def main() -> int:
     batch = engine.generate(prompts[:16], [sampled] * 16)
     alone = engine.generate(prompts[3:4], [sampled])
     check("seeded sample alone equals in batch", alone[0] == batch[3])
+
+    # asyncio: eight coroutines stream at once (one task steps the engine); one is cancelled
+    import asyncio
+
+    async def one(i, stop_after=None):
+        toks = []
+        async for out in engine.astream(prompts[i], greedy):
+            toks.extend(out.new_token_ids)
+            if stop_after is not None and len(toks) >= stop_after:
+                break
+        return toks
+
+    async def many():
+        return await asyncio.gather(*(one(i, 5 if i == 7 else None) for i in range(8)))
+
+    base = engine.cache.num_available_pages
+    streamed = asyncio.run(many())
+    same = sum(streamed[i] == want[i][0] for i in range(7))
+    g = gaps([(prompts[i], streamed[i], want[i][0]) for i in range(7) if streamed[i] != want[i][0]])
+    check("astream (8 coroutines) identical to generate (or near-ties)", all(x < 0.01 for x in g),
+          f"{same}/7 identical; gaps {sorted(round(x, 5) for x in g)}")
+    check("astream: the coroutine that stopped early ended its request",
+          not engine.has_unfinished() and engine.cache.num_available_pages == base)
+
+    # logprobs=k: the k likeliest tokens of the model's own distribution, the first the pick
+    rid = engine.add_request(prompts[1], SamplingParams(max_tokens=6, temperature=0.0,
+                                                        ignore_eos=True, logprobs=4))
+    toks, tops = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            toks += out.new_token_ids
+            tops += out.top_logprobs
+    with torch.inference_mode():
+        rows = net(torch.tensor([prompts[1] + toks[:-1]], device="cuda")).logits[0].float()
+    ref = rows.log_softmax(-1)[len(prompts[1]) - 1:]
+    firsts = sum(t[0][0] == x for t, x in zip(tops, toks))
+    diffs = [abs(v - float(ref[j][i])) for j, t in enumerate(tops) for i, v in t]
+    check("logprobs=4: the pick first, log-probabilities as the model's own forward",
+          len(tops) == 6 and firsts == 6 and max(diffs) < 0.1,
+          f"{firsts}/6 picks first; max |logprob - model's| {max(diffs):.4f}")
     return 1 if failures else 0
 
 
