@@ -8,7 +8,11 @@ the same way.
 import pluggy
 
 hookspec = pluggy.HookspecMarker("kvcache")
+"""Marks the hook specifications below (kvcache's own; plugins do not use it)."""
 hookimpl = pluggy.HookimplMarker("kvcache")
+"""The decorator a plugin puts on its hook functions (``@kvcache.hookimpl`` on
+``kvcache_register_backends``): pluggy registers only functions marked for the ``kvcache``
+project, so an unmarked function of the same name is ignored."""
 
 
 @hookspec

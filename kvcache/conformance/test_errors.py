@@ -14,6 +14,12 @@ from kvcache import (CacheFullError, ForwardStateError, InvalidArgumentError, Se
 
 
 class TestBadInput(Conformance):
+    """Invalid calls raise the documented error on both caches and change nothing: unknown or
+    duplicate sequence ids, out-of-range positions and lengths, malformed ``begin_forward``
+    batches, ``attention`` inputs of the wrong shape, dtype or layer, calls made in the wrong
+    forward state, bad token trees and bad sliding-window settings. Each case is followed by
+    work that must still run as if the refused call never happened."""
+
     def test_sequence_ids(self, busy):
         p = busy
         p.expect_error(SequenceExistsError, "add_sequence", 0)
@@ -159,6 +165,11 @@ class TestBadInput(Conformance):
 
 
 class TestAtomicity(Conformance):
+    """A call that raises leaves the cache as it was: a batch that does not fit reserves no
+    page (``CacheFullError``), a failed tree commit, an aborted forward (``abort_forward`` or an
+    exception inside ``with cache.forward``) after any number of layers, and ``end_forward``
+    before every layer ran. Lengths, free pages and the stored KV are compared bit for bit."""
+
     def test_cache_full_reserves_nothing(self, make_pair):
         """A forward that does not fit raises CacheFullError and reserves no page, even though
         the first sequences of the batch would have fit."""
@@ -277,6 +288,10 @@ class TestAtomicity(Conformance):
 
 
 class TestCapabilities(Conformance):
+    """A cache built with a feature the backend does not declare in its ``Capabilities``
+    (a dtype, a head_dim, sliding windows, inline RoPE, token trees) is refused with
+    ``UnsupportedFeatureError`` naming the capability, instead of running with wrong results."""
+
     def test_undeclared_features_are_refused(self, kvcache_backend, kvcache_device,
                                              kvcache_backend_class):
         """A cache that asks for an undeclared capability raises UnsupportedFeatureError naming it."""
@@ -313,6 +328,12 @@ class TestCapabilities(Conformance):
 
 
 class TestBackendContract(Conformance):
+    """The backend class's own contract, which the core relies on rather than checks:
+    discovery (``name``, ``availability`` always giving a reason, ``capabilities``,
+    ``devices``, ``platform``, listed by ``kvcache.list_backends``), array conversion
+    (``from_numpy`` / ``to_numpy`` / ``is_native`` / ``dtype_name``), pages of the declared
+    ``page_shape`` and kv dtype, and ``append_kv`` writing into ``cache.pages`` in place."""
+
     def test_discovery(self, kvcache_backend, kvcache_device, kvcache_backend_class):
         cls = kvcache_backend_class
         assert cls.name == kvcache_backend

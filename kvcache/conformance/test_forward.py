@@ -11,6 +11,10 @@ from .base import Conformance
 
 
 class TestPrefill(Conformance):
+    """Prefill (many new tokens of one sequence per forward): one sequence, exact page
+    multiples, a single token, a batch of sequences, a prompt chunked over several forwards, and
+    the ``with cache.forward(...)`` form. Outputs, lse and the stored KV match the reference."""
+
     def test_single(self, make_pair):
         p = make_pair()
         ps = p.config.page_size
@@ -64,6 +68,10 @@ class TestPrefill(Conformance):
 
 
 class TestDecode(Conformance):
+    """Decode steps (one new token per sequence): steps that cross page boundaries, sequences
+    that start empty, batches in any seq_ids order, and pages reused after a removal (poisoned
+    in between, so a stale page index reads NaN)."""
+
     def test_steps_cross_pages(self, make_pair):
         p = make_pair()
         ps = p.config.page_size
@@ -99,6 +107,9 @@ class TestDecode(Conformance):
 
 
 class TestMixedBatch(Conformance):
+    """One forward holding prefill and decode rows at once, as a continuous-batching server
+    sends them, over up to eight sequences of very different lengths."""
+
     def test_prefill_and_decode(self, make_pair):
         p = make_pair()
         ps = p.config.page_size
@@ -116,6 +127,9 @@ class TestMixedBatch(Conformance):
 
 
 class TestFusedQKV(Conformance):
+    """``attention_with_fused_qkv`` (one ``(T, (Hq + 2 * Hkv) * D)`` array instead of q, k,
+    v) gives the same outputs as ``attention`` with separate arrays, in prefill and decode."""
+
     def test_prefill_and_decode(self, make_pair):
         p = make_pair()
         p.add(0, 1)
@@ -131,6 +145,10 @@ class TestFusedQKV(Conformance):
 
 
 class TestLse(Conformance):
+    """The log-sum-exp output (``return_lse=True``: ``(T, Hq)`` float32, natural log) with a
+    custom ``sm_scale``, and ``return_lse=False`` returning the output alone. (Every attention
+    call of the suite compares the lse too; this class pins the options.)"""
+
     def test_lse_prefill_decode(self, make_pair):
         """lse (T, Hq) float32, natural log, compared on every attention of the suite; here
         also with a custom sm_scale."""
@@ -149,6 +167,10 @@ class TestLse(Conformance):
 
 
 class TestRope(Conformance):
+    """RoPE modes ``none``, ``normal`` (K stored rotated) and ``inline`` (rotated inside the
+    kernel), with a custom theta and scale, the model's own inverse-frequency table or a partial
+    rotary dimension, across forks; positions continue from the cached length."""
+
     @pytest.mark.parametrize("rope_mode", ["none", "normal", "inline"])
     def test_modes(self, make_pair, rope_mode):
         p = make_pair(rope_mode=rope_mode, rope_theta=500.0, rope_scale=0.5)
@@ -194,6 +216,10 @@ class TestRope(Conformance):
 
 
 class TestQueries(Conformance):
+    """The read-only queries: ``query_positions`` of a forward, ``get_kv`` over any
+    ``[start, end)`` range (shape ``(num_layers, end - start, Hkv, D)``), and the counters
+    (``is_empty``, ``num_sequences``, ``total_sequence_length``)."""
+
     def test_query_positions(self, make_pair):
         p = make_pair()
         p.add(0, 1)

@@ -27,6 +27,12 @@ def _family(p):
 
 
 class TestGraphMode(Conformance):
+    """CUDA-graph mode (``CacheConfig(static_decode=True)``), run where the backend declares
+    ``static_decode``: a decode batch pads to its bucket (``static_bucket``), padded rows give
+    o = 0 and lse = -inf, one fixed device buffer receives every step's index arrays (one copy
+    per ``begin_forward``, so a captured graph reads current data), other forwards stay eager,
+    and an aborted step changes nothing."""
+
     def test_decode_padded_to_bucket(self, make_pair):
         p = make_pair(needs=("static_decode",), static_decode=True, rope_mode="normal")
         _family(p)

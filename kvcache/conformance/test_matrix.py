@@ -11,6 +11,11 @@ from .base import Conformance
 
 
 class TestMatrix(Conformance):
+    """One mixed workload (prefill, decode, a mid-page fork, fused qkv, popn) with RoPE on, at
+    each ``shape`` = (dtype, GQA ratio, head_dim, page_size) of the matrix: the quick matrix
+    covers every value of each axis, ``--kvcache-full`` the whole cross product. Catches kernels
+    specialised per shape that the other classes, which use one shape, never reach."""
+
     def test_workload(self, make_pair, shape):
         dtype, gqa, head_dim, page_size = shape
         p = make_pair(dtype=dtype, gqa=gqa, head_dim=head_dim, page_size=page_size,

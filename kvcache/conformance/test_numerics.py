@@ -73,6 +73,11 @@ class _Twin:
 
 
 class TestMaskedNonFinite(Conformance):
+    """NaN / inf in a K or V row that a query must not see (a later token of its
+    prefill, a sibling branch of a token tree, a token the sliding window evicted) leaves that
+    query's output and lse finite; rows that do see it are non-finite. A kernel that multiplies
+    masked scores by zero instead of skipping them (0 * NaN = NaN) fails here."""
+
     def test_later_tokens_of_a_prefill(self, make_pair):
         """NaN / inf in the K or V of a token: the earlier tokens of its prefill (masked by the
         causal mask, also inside one kernel tile) stay finite, the later ones and every later

@@ -13,6 +13,10 @@ from .base import Conformance
 
 
 class TestRunAhead(Conformance):
+    """Many forwards and sequence operations queued behind a busy device, every output read
+    only at the end (the ``run_ahead`` fixture): catches a backend that rewrites an index
+    array, staging buffer, scratch space or page while queued work may still read it."""
+
     def test_serving_mix(self, run_ahead):
         """Prefill, decode, forks mid-page and at page ends, popn into a shared prefix, removes
         and adds (freed pages handed out again), all queued behind a busy device."""

@@ -8,6 +8,10 @@ import pytest
 
 
 class TestFork(Conformance):
+    """``fork_sequence``: at a page boundary (pages shared), mid-page (the partial page copied,
+    so the child's writes must not reach the parent), at the whole length and at zero, siblings
+    decoding side by side, fork chains deeper than four, and removing the parent first."""
+
     def test_at_page_boundary(self, make_pair):
         p = make_pair()
         ps = p.config.page_size
@@ -90,6 +94,10 @@ class TestFork(Conformance):
 
 
 class TestPopn(Conformance):
+    """``popn`` (drop the last n tokens, e.g. rejected speculative tokens): within the last
+    page, across pages, below a fork point (the popped sequence stops sharing, the other keeps
+    its tokens), and n = 0; decoding afterwards writes over the popped slots."""
+
     def test_within_last_page(self, make_pair):
         p = make_pair()
         ps = p.config.page_size
@@ -136,6 +144,11 @@ def _sliding(make_pair, rope_mode="none", **kw):
 
 
 class TestSlidingWindow(Conformance):
+    """``enable_sliding_window(seq_id, window, sinks)`` (needs the ``sliding_window``
+    capability): decode with and without sink tokens, a prefill longer than the window,
+    windowed and plain sequences in one batch, and windows next to forks; ``normal`` RoPE is
+    applied inline so positions stay those of the window."""
+
     @pytest.mark.parametrize("rope_mode", ["none", "normal"])
     def test_decode_with_sinks(self, make_pair, rope_mode):
         """'normal' RoPE becomes inline RoPE with sliding windows (positions inside the window)."""
@@ -197,6 +210,10 @@ def _tree_pair(make_pair, **kw):
 
 
 class TestTokenTree(Conformance):
+    """Token-tree (speculative decoding) forwards (needs ``tree_attention``): several roots
+    per sequence, a draft tree grown one level per forward, trees that cross pages, and
+    ``commit_accepted_token_tree_nodes`` keeping one path (or none, or only a root)."""
+
     @pytest.mark.parametrize("rope_mode", ["none", "normal"])
     def test_several_roots_and_commit(self, make_pair, rope_mode):
         p = _tree_pair(make_pair, rope_mode=rope_mode)

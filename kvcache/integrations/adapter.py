@@ -160,4 +160,8 @@ class PendingPicks:
         self._result = result
 
     def result(self) -> tuple:
+        """Wait until the picks reach the host (on a GPU: that step's copy only, not the work
+        queued behind it), then return ``(tokens, logprobs)``: ``(B,)`` int64 and ``(B,)``
+        float64 numpy arrays, the log-probabilities NaN where the step did not ask for them.
+        Callable more than once."""
         return self._result()

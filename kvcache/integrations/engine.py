@@ -228,6 +228,9 @@ class Engine:
             self.core.abort(request_id)
 
     def has_unfinished(self) -> bool:
+        """``step`` has more to run or report (a request waits or runs, a step's picks are
+        unread, an abort is unreported): drive the engine with ``while
+        engine.has_unfinished(): engine.step()``."""
         return self.core.has_unfinished()
 
     def _admit(self, prompt, params, what: str = "prompt"):

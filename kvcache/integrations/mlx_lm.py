@@ -189,7 +189,10 @@ class ModelDescription:
     num_layers: int
     """Cache slots (one ``LayerCache`` each): ``len(model.make_cache())`` or of the layers."""
     num_qo_heads: int
+    """Query heads of an attention call (``queries.shape[1]``)."""
     num_kv_heads: int
+    """Key/value heads of an attention call (``keys.shape[1]``; fewer than the query heads
+    with GQA)."""
     head_dim: int
     """Head dim of queries and keys."""
     head_dim_v: int
@@ -197,6 +200,7 @@ class ModelDescription:
     dtype: str
     """The dtype the attention runs in (the cache's)."""
     vocab_size: int
+    """The width of the model's logits (the sampler's vocabulary)."""
     windows: dict
     """``{layer: window}`` (``sliding_windows``)."""
     sinks: tuple
@@ -301,6 +305,9 @@ class LayerCache:
     # ---- the protocol mlx-lm's attention uses
     @property
     def offset(self):
+        """Where mlx-lm's RoPE starts: the new tokens' positions ``(T,)`` int32 (each token its
+        own batch row, so each gets its own position); in own-attention mode the sequence's
+        first new position, an int. Raises ``InvalidArgumentError`` outside a forward."""
         f = self._forward
         if f.positions is None:
             raise InvalidArgumentError(
@@ -310,6 +317,11 @@ class LayerCache:
         return f.start if f.own_attention else f.positions
 
     def update_and_fetch(self, keys, values):
+        """Called by the model's attention with the new ``keys`` ``(T, Hkv, 1, D)`` and
+        ``values`` ``(T, Hkv, 1, Dv)``: returns them unchanged (the paged cache stores them
+        when the layer attends, ``attend``). In own-attention mode (``keys`` ``(1, Hkv, N,
+        D)``): returns the sequence's history in this layer, read from the pages, followed by
+        the new ones, ``(1, Hkv, start + N, D)``, the layout of mlx-lm's ``KVCache``."""
         f = self._forward
         f.fetched[self.layer] += 1
         if f.probe is not None:
@@ -328,6 +340,12 @@ class LayerCache:
                 mx.concatenate([v.transpose(1, 0, 2)[None], values], axis=2))
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """The mask mlx-lm's model passes to attention for ``N`` new tokens: None (the paged
+        kernels apply the causal mask and the layer's window themselves); in own-attention
+        mode, ``KVCache``'s mask over history plus the new tokens. Raises
+        ``UnsupportedFeatureError`` when the model asks for a ``window_size`` that differs from
+        the window its ``make_cache()`` declared for this layer (the cache would attend over
+        the wrong keys)."""
         f = self._forward
         if f.own_attention:      # the model attends over [history, new]: KVCache's mask
             return _mlx_cache.create_attention_mask(N, offset=f.start, return_array=return_array,
@@ -346,19 +364,24 @@ class LayerCache:
     # ---- the rest of mlx-lm's cache interface (nothing is held here)
     @property
     def state(self):
+        """Nothing to save (mlx-lm's prompt-cache files): the KV lives in the ``PagedKVCache``."""
         return []
 
     def is_trimmable(self) -> bool:
+        """False: mlx-lm must not trim it (use ``PagedKVCache.popn`` on the sequence instead)."""
         return False
 
     def size(self) -> int:
+        """0: this object holds no tokens (the paged cache does)."""
         return 0
 
     def empty(self) -> bool:
+        """True: this object holds no tokens (the paged cache does)."""
         return True
 
     @property
     def nbytes(self) -> int:
+        """0: the memory is the paged cache's (``PagedKVCache.pages``), not this object's."""
         return 0
 
     # ---- attention

@@ -31,6 +31,8 @@ class Runner:
         self.decode_graphs = adapter.step_graphs(cache) if graphs else None
 
     def session(self):
+        """The adapter's context manager for this cache (``ModelAdapter.session``), held by
+        ``EngineCore`` while it has work: e.g. the model's attention routed to the cache."""
         return self.adapter.session(self.cache)
 
     def forward(self, plan, picks: Optional[PendingPicks] = None):
@@ -61,6 +63,9 @@ class Runner:
         return logits
 
     def greedy_async(self, logits, logprobs: bool) -> PendingPicks:
+        """The first argmax of each row of ``logits`` ``(B, vocab_size)``, left on the device
+        for the next step's input while it is copied to the host (``ModelAdapter.greedy_async``);
+        ``logprobs``: compute their log-probabilities too (else NaN)."""
         return self.adapter.greedy_async(logits, logprobs)
 
     def pick(self, logits, draws: list, logprobs: bool) -> tuple:

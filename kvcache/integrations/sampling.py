@@ -125,6 +125,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """``temperature == 0``: the pick is the first argmax, the filters and seed unused (the
+        engine may then pipeline the step)."""
         return self.temperature == 0.0
 
     def sample_seed(self, j: int = 0) -> int:

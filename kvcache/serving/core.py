@@ -46,6 +46,8 @@ class EngineCore:
 
     @property
     def stats(self):
+        """The scheduler's ``EngineStats`` (forwards, tokens, preemptions ...), updated by
+        every ``step``."""
         return self.scheduler.stats
 
     def add_request(self, prompt, params=None, *, hold_kv: bool = False,
@@ -109,6 +111,9 @@ class EngineCore:
         self._pending.extend(self.scheduler.abort(request_id))
 
     def has_unfinished(self) -> bool:
+        """``step`` has more to do or report: a request still runs or waits, a pipelined
+        step's picks are unread, or an abort is not reported yet. Loop ``while
+        has_unfinished(): step()``."""
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def step(self) -> list:

@@ -36,7 +36,10 @@ class StepPlan:
     pipelined: bool
     logprobs: bool
     decode: bool
-    batch: list                        # (Seq, chunk)
+    batch: list
+    """The scheduler's own ``(Seq, chunk)`` pairs behind ``seq_ids`` (same order), which
+    ``Scheduler.ran`` books the step against after the forward; ``lens`` holds the chunks as
+    run. Not for the runner."""
     top_logprobs: int = 0
 
 

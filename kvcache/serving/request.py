@@ -64,30 +64,46 @@ class Request:
     ``ignore_eos``); ``order`` its arrival number (smaller is older)."""
 
     request_id: int
+    """The id ``EngineCore.add_request`` returned (``RequestOutput.request_id``)."""
     prompt: list
+    """The prompt's token ids (ints), as admitted."""
     params: Any
     stops: frozenset
     order: int
     samples: list = dataclasses.field(default_factory=list)
-    seqs: list = dataclasses.field(default_factory=list)    # every sequence made for it
-    hold_kv: bool = False              # its sequence stays in the cache when it finishes
-    kv_seq_id: Optional[int] = None    # a sequence already in the cache holding its prompt's start
-    held: Optional[int] = None         # the sequence held for it (hold_kv), once finished
+    """Its ``params.n`` ``Sample`` objects, in index order (``RequestOutput.index``)."""
+    seqs: list = dataclasses.field(default_factory=list)
+    """Every scheduler sequence made for it (its prompt's, its samples'), so that an abort can
+    drop them all."""
+    hold_kv: bool = False
+    """Its sequence stays in the cache when it finishes (disaggregated prefill:
+    ``add_request(..., hold_kv=True)``)."""
+    kv_seq_id: Optional[int] = None
+    """A sequence already in the cache (imported) holding the KV of the prompt's first tokens:
+    the request starts from it instead of prefilling them; None: prefill from scratch."""
+    held: Optional[int] = None
+    """The cache sequence kept for it once finished (``hold_kv``) until ``release``; None
+    before then, or without ``hold_kv``."""
 
     @property
     def finished(self) -> bool:
+        """Every sample has a finish reason."""
         return all(s.done for s in self.samples)
 
     @property
     def max_tokens(self) -> int:
+        """The most new tokens a sample may get (``params.max_tokens``)."""
         return self.params.max_tokens
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: each pick is the first argmax, so the step may be pipelined."""
         return self.params.temperature == 0.0
 
     @property
     def wants_logprobs(self) -> bool:
+        """The step must compute the picked tokens' log-probabilities (``logprobs`` True or an
+        integer, 0 included); computing them costs a log-sum-exp over the vocabulary."""
         return self.params.logprobs is not None and self.params.logprobs is not False
 
     @property

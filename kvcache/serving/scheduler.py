@@ -70,14 +70,19 @@ class Scheduler:
         self._fresh.append(request)
 
     def has_unfinished(self) -> bool:
+        """A request is queued or running, or a pipelined step's picks are still unread."""
         return bool(self.requests) or self._inflight is not None
 
     @property
     def num_running(self) -> int:
+        """Sequences in the cache that produce tokens (prompts and samples; shared prefixes not
+        counted)."""
         return sum(1 for s in self.seqs.by_sid.values() if s.live and s.kind != "prefix")
 
     @property
     def num_waiting(self) -> int:
+        """Unfinished requests with no sequence in the cache: not admitted yet, or every
+        sequence preempted."""
         return len(self.requests) - len({id(s.req) for s in self.seqs.by_sid.values()
                                           if s.live and s.req is not None})
 

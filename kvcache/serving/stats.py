@@ -39,4 +39,5 @@ class EngineStats:
 
     @property
     def forward_tokens(self) -> int:
+        """Tokens run through the model: ``prefill_tokens + decode_tokens``."""
         return self.prefill_tokens + self.decode_tokens

@@ -24,9 +24,7 @@ The rule, for each name:
 * a module-level constant: an attribute docstring after its assignment in the module that
   defines it, or that module's docstring naming it as ````NAME````.
 
-``PENDING``: names missing a docstring in files other sessions are changing now; each is an
-xfail(strict=True) case, so documenting one makes its case XPASS and fail until it is taken off
-the list. Anything else missing fails ``test_public_api_is_documented``.
+Any name missing one fails ``test_public_api_is_documented``, which lists them all.
 """
 
 from __future__ import annotations
@@ -57,54 +55,6 @@ MODULES = [
 # walked where the model library they adapt is installed (`make` installs both)
 OPTIONAL = {"kvcache.integrations.transformers": "transformers",
             "kvcache.integrations.tp": "transformers", "kvcache.integrations.mlx_lm": "mlx_lm"}
-
-# names whose docstrings belong in files that other sessions are changing (issue 30); the lead
-# fills them, then takes them off this list (their xfail cases XPASS, strict, until then)
-PENDING: set[str] = {
-    "kvcache.conformance.test_errors.TestAtomicity",
-    "kvcache.conformance.test_errors.TestBackendContract",
-    "kvcache.conformance.test_errors.TestBadInput",
-    "kvcache.conformance.test_errors.TestCapabilities",
-    "kvcache.conformance.test_forward.TestDecode", "kvcache.conformance.test_forward.TestFusedQKV",
-    "kvcache.conformance.test_forward.TestLse", "kvcache.conformance.test_forward.TestMixedBatch",
-    "kvcache.conformance.test_forward.TestPrefill", "kvcache.conformance.test_forward.TestQueries",
-    "kvcache.conformance.test_forward.TestRope",
-    "kvcache.conformance.test_graph.TestGraphMode",
-    "kvcache.conformance.test_matrix.TestMatrix",
-    "kvcache.conformance.test_numerics.TestMaskedNonFinite",
-    "kvcache.conformance.test_run_ahead.TestRunAhead",
-    "kvcache.conformance.test_sequences.TestFork", "kvcache.conformance.test_sequences.TestPopn",
-    "kvcache.conformance.test_sequences.TestSlidingWindow",
-    "kvcache.conformance.test_sequences.TestTokenTree",
-    "kvcache.hookspecs.hookimpl",
-    "kvcache.integrations.adapter.PendingPicks.result",
-    "kvcache.integrations.engine.Engine.has_unfinished",
-    "kvcache.integrations.mlx_lm.LayerCache.empty",
-    "kvcache.integrations.mlx_lm.LayerCache.is_trimmable",
-    "kvcache.integrations.mlx_lm.LayerCache.make_mask",
-    "kvcache.integrations.mlx_lm.LayerCache.nbytes",
-    "kvcache.integrations.mlx_lm.LayerCache.offset", "kvcache.integrations.mlx_lm.LayerCache.size",
-    "kvcache.integrations.mlx_lm.LayerCache.state",
-    "kvcache.integrations.mlx_lm.LayerCache.update_and_fetch",
-    "kvcache.integrations.mlx_lm.ModelDescription.num_kv_heads",
-    "kvcache.integrations.mlx_lm.ModelDescription.num_qo_heads",
-    "kvcache.integrations.mlx_lm.ModelDescription.vocab_size",
-    "kvcache.integrations.runner.Runner.greedy_async",
-    "kvcache.integrations.runner.Runner.session",
-    "kvcache.integrations.sampling.SamplingParams.greedy",
-    "kvcache.serving.core.EngineCore.has_unfinished", "kvcache.serving.core.EngineCore.stats",
-    "kvcache.serving.plan.StepPlan.batch",
-    "kvcache.serving.request.Request.finished", "kvcache.serving.request.Request.greedy",
-    "kvcache.serving.request.Request.held", "kvcache.serving.request.Request.hold_kv",
-    "kvcache.serving.request.Request.kv_seq_id", "kvcache.serving.request.Request.max_tokens",
-    "kvcache.serving.request.Request.prompt", "kvcache.serving.request.Request.request_id",
-    "kvcache.serving.request.Request.samples", "kvcache.serving.request.Request.seqs",
-    "kvcache.serving.request.Request.wants_logprobs",
-    "kvcache.serving.scheduler.Scheduler.has_unfinished",
-    "kvcache.serving.scheduler.Scheduler.num_running",
-    "kvcache.serving.scheduler.Scheduler.num_waiting",
-    "kvcache.serving.stats.EngineStats.forward_tokens",
-}
 
 
 def _own_doc(obj) -> str:
@@ -341,16 +291,9 @@ def _result():
     return undocumented()
 
 
-def _in_skipped(name: str, skipped: set[str]) -> bool:
-    return any(name.startswith(module + ".") for module in skipped)
-
-
 def test_public_api_is_documented():
-    missing, walked, skipped = _result()
-    unexpected = sorted(missing - PENDING)
-    assert not unexpected, "public names without a docstring:\n" + "\n".join(unexpected)
-    stale = sorted(name for name in PENDING - walked if not _in_skipped(name, skipped))
-    assert not stale, "PENDING names that are no longer part of the walked API:\n" + "\n".join(stale)
+    missing, _, _ = _result()
+    assert not missing, "public names without a docstring:\n" + "\n".join(sorted(missing))
 
 
 def test_the_reference_renders_every_public_name():
@@ -363,15 +306,6 @@ def test_the_reference_renders_every_public_name():
                      if not _renders(directives, home) and not _renders(directives, where))
     assert not missing, "public names the API reference leaves out (add them to a page in " \
         "docs/api):\n" + "\n".join(missing)
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-@pytest.mark.xfail(strict=True, reason="in a file another session is changing (issue 30)")
-def test_pending_docstring(name):
-    missing, _, skipped = _result()
-    if _in_skipped(name, skipped):
-        pytest.skip(f"{name.rsplit('.', 2)[0]}: its model library is not installed")
-    assert name not in missing, f"{name} has no docstring"
 
 
 def test_the_check_catches_a_missing_docstring(tmp_path, monkeypatch):
