@@ -98,7 +98,7 @@ class CachePair:
         self.sids: list = []            # the open (or last) forward's sequences, lengths, tree
         self.lens: list = []
         self.tree = None
-        self._with = None
+        self._with: Optional[tuple] = None    # the entered cache.forward(...) managers
         self.poison()
 
     # ------------------------------------------------------------------ helpers
@@ -204,8 +204,8 @@ class CachePair:
         """begin_forward on both caches (``via_with``: by entering ``cache.forward(...)``, so
         that ``abort(how="raise")`` can leave the with block by an exception)."""
         if via_with:
-            self._with = self.both("forward", list(sids), list(lens), tree)
-            for manager in self._with:
+            managers = self._with = self.both("forward", list(sids), list(lens), tree)
+            for manager in managers:
                 manager.__enter__()
         else:
             self.both("begin_forward", list(sids), list(lens), tree)
@@ -266,14 +266,17 @@ class CachePair:
         if inputs is None:
             inputs = self.layer_inputs(layer)
         if callable(inputs):
-            host, native = None, inputs
+            native = inputs
+            # the values as the reference holds them: what the fused call and the dense model use
+            host = tuple(to_numpy(x) for x in native(self.ref))
         else:
-            host = inputs
+            host = tuple(inputs)
 
             def native(cache):
                 return tuple(cache.from_numpy(x) for x in host)
         self._note(f"attention(layer {layer}{', fused' if fused else ''})")
-        outs = []
+        results: list = []
+        errors: list[Optional[Exception]] = []
         for cache in (self.ref, self.dut):
             if sinks is not None:
                 win["sinks"] = cache.from_numpy(sinks)          # in the cache dtype
@@ -284,18 +287,21 @@ class CachePair:
                                                          **win) \
                         if return_lse else cache.attention_with_fused_qkv(layer, qkv, sm_scale, **win)
                 else:
-                    args = (layer, *native(cache), sm_scale)
-                    res = cache.attention(*args, return_lse=return_lse, **win) if return_lse \
-                        else cache.attention(*args, **win)
-                outs.append((True, res))
+                    q, k, v = native(cache)
+                    res = cache.attention(layer, q, k, v, sm_scale, return_lse=return_lse, **win) \
+                        if return_lse else cache.attention(layer, q, k, v, sm_scale, **win)
+                results.append(res)
+                errors.append(None)
             except Exception as exc:  # noqa: BLE001
-                outs.append((False, exc))
-        (ok_r, r), (ok_d, d) = outs
-        if not ok_r or not ok_d:
-            if ok_r != ok_d or type(r) is not type(d):
-                raise Mismatch(f"attention: reference {'ok' if ok_r else repr(r)}, backend "
-                               f"{'ok' if ok_d else repr(d)}{self.context()}") from (d if not ok_d else None)
-            raise r
+                results.append(None)
+                errors.append(exc)
+        (r, d), (err_r, err_d) = results, errors
+        if err_r is not None or err_d is not None:
+            if err_r is None or err_d is None or type(err_r) is not type(err_d):
+                raise Mismatch(f"attention: reference {'ok' if err_r is None else repr(err_r)}, "
+                               f"backend {'ok' if err_d is None else repr(err_d)}"
+                               f"{self.context()}") from err_d
+            raise err_r
         if return_lse:
             (o_r, lse_r), (o_d, lse_d) = r, d
         else:
@@ -352,6 +358,9 @@ class CachePair:
         """Undo the open forward on both caches: ``abort_forward()``, or (``how="raise"``, after
         ``begin(via_with=True)``) an exception raised inside the ``with cache.forward`` block."""
         if how == "raise":
+            if self._with is None:
+                raise RuntimeError('abort(how="raise") needs a forward opened with '
+                                   'begin(via_with=True)')
             self._note("exception inside with cache.forward")
             for manager in self._with:
                 error = RuntimeError("the model failed")

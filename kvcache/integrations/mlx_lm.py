@@ -71,7 +71,7 @@ import functools
 import inspect
 import sys
 import weakref
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -90,6 +90,9 @@ mlx_lm = require("mlx_lm", "mlx-lm", "0.32")
 
 from mlx_lm.models import base as _mlx_base  # noqa: E402
 from mlx_lm.models import cache as _mlx_cache  # noqa: E402
+
+if TYPE_CHECKING:
+    from ..cache import PagedKVCache
 
 __all__ = ["Engine", "LayerCache", "MlxLmAdapter", "ModelDescription", "RequestOutput",
            "SamplingParams", "cache_config",
@@ -221,9 +224,9 @@ class _Forward:
         self.model = model
         self.windows = windows
         self.own_attention = own_attention  # the model attends over fetched history itself
-        self.cache = None                 # the PagedKVCache whose forward is open
+        self.cache: Optional[PagedKVCache] = None   # the cache whose forward is open
         self.probe: Optional[dict] = None  # {layer: record} while probing
-        self.positions = None             # (T,) int32 mx array
+        self.positions: Optional[Any] = None        # (T,) int32 mx array
         self.last_position = -1
         self.fetched = [0] * num_layers
         self.attended = [0] * num_layers
@@ -295,7 +298,7 @@ class LayerCache:
     def __init__(self, layer: int, forward: _Forward):
         self.layer = layer
         self._forward = forward
-        self._fetched = None
+        self._fetched: Optional[tuple] = None    # the (keys, values) update_and_fetch returned
 
     @property
     def own_attention(self) -> bool:
@@ -334,6 +337,10 @@ class LayerCache:
         f.new[self.layer].append((keys, values))
         if not f.start:
             return keys, values
+        if f.cache is None or f.seq_id is None:
+            raise InvalidArgumentError(
+                f"layer {self.layer}: a kvcache LayerCache is used outside a forward (run the "
+                f"model through Engine.generate)")
         k, v = f.cache.get_kv(f.seq_id, 0, f.start, layer=self.layer)
         k, v = (_from_cache(f.cache, a, keys.dtype) for a in (k, v))
         return (mx.concatenate([k.transpose(1, 0, 2)[None], keys], axis=2),
@@ -414,7 +421,12 @@ class LayerCache:
                     f"on the paged cache's kernels")
             f.probe.setdefault(layer, {})["attend"] = why
             return mx.zeros((B, H, L, values.shape[-1]), queries.dtype)
-        T = f.positions.shape[0]
+        kv, positions = f.cache, f.positions
+        if positions is None or (kv is None and f.probe is None):
+            raise InvalidArgumentError(
+                f"{label}: the model's attention reaches a kvcache LayerCache, but no forward "
+                f"is open (run it through Engine.generate, or inside cache.forward(...))")
+        T = positions.shape[0]
         if B != T or L != 1 or keys.shape[0] != T or keys.shape[2] != 1:
             raise InvalidArgumentError(
                 f"{label}: the {T} new tokens must be {T} batch rows of one token each (inputs "
@@ -425,11 +437,7 @@ class LayerCache:
             f.probe.setdefault(layer, {})["attend"] = dict(
                 heads=(H, Hkv, D, Dv), dtype=queries.dtype, sinks=sinks is not None)
             return mx.zeros((B, H, 1, Dv), queries.dtype)
-        kv = f.cache
-        if kv is None:
-            raise InvalidArgumentError(
-                f"{label}: the model's attention reaches a kvcache LayerCache, but no forward "
-                f"is open (run it through Engine.generate, or inside cache.forward(...))")
+        assert kv is not None                   # checked above: only the probe runs without
         opts = {}
         window = f.windows.get(layer)
         if window is not None:
@@ -549,8 +557,8 @@ class _RowsOf:
         self.inner, self.rows, self.axis, self.hidden = inner, rows, axis, None
 
     def __call__(self, *args, **kwargs):
-        self.hidden = self.inner(*args, **kwargs)
-        return self.hidden[:, self.rows] if self.axis else self.hidden[self.rows]
+        hidden = self.hidden = self.inner(*args, **kwargs)
+        return hidden[:, self.rows] if self.axis else hidden[self.rows]
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

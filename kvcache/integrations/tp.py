@@ -36,13 +36,16 @@ import dataclasses
 import hashlib
 import re
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import CacheConfig
 from ..distributed import tp as dtp
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
 from .engine import ModelAdapter
 from .transformers import TransformersAdapter, _head_dim, torch
+
+if TYPE_CHECKING:
+    from torch.nn import Module as _TorchModule
 
 dist = torch.distributed
 
@@ -447,7 +450,10 @@ def main(argv=None) -> int:
             return _demo_model(args.seed, args.layers).to(device)
         import transformers
         dtype = getattr(torch, args.dtype) if args.dtype else "auto"
-        return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+        # typed as the nn.Module it is: transformers declares its .to as
+        # functools.wraps(nn.Module.to), which mypy reads as the unbound (self, ...) signature
+        model: _TorchModule = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        return model.to(device).eval()
 
     from .transformers import Engine
     model = load()
