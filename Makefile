@@ -16,7 +16,7 @@ TORCH_INDEX ?=
 # where `make dist` puts the sdists and wheels
 DIST ?= build/dist
 
-.PHONY: test test-all demo bench info dist clean
+.PHONY: test test-all demo bench info dist docs clean
 
 # pip -qq for the third-party packages: -q still prints a warning for every package that one of a
 # machine's extra indexes lacks. The project's own installs keep -q, so that a packaging warning
@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml backends/cuda/pyproject.toml backends/rocm/pyproject.to
 	$(PY) -m pip install -qq $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
 		"$(TORCH)" "triton==3.6.0" "mlx[cpu]" numpy pluggy ml_dtypes \
 		pytest hypothesis mypy rich matplotlib "transformers>=5.17" safetensors "mlx-lm>=0.32" \
-		build twine
+		build twine \
+		"mkdocs==1.6.1" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11" "griffelib==2.4.1"
 	$(PY) -c 'import sys, torch; v = torch.version; sys.exit(None if v.cuda is None and v.hip is None \
 		else f"$(VENV) has torch {torch.__version__}, a GPU build; the tests use the CPU one: make clean test")'
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/metal
@@ -62,6 +63,11 @@ dist: $(STAMP)
 			|| { cat $(DIST).log; exit 1; }; \
 	done
 	$(VENV)/bin/twine check --strict $(DIST)/*
+
+# the API reference, rendered from the docstrings (mkdocs + mkdocstrings, warnings are errors)
+# into build/docs: open build/docs/index.html. docs/api/index.md says why mkdocs.
+docs: $(STAMP)
+	PYTHON=$(PY) tools/build_docs.sh
 
 clean:
 	rm -rf $(VENV)

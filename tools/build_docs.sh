@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The API reference (mkdocs.yml, docs/api/), rendered from the docstrings; warnings fail it.
+# `make docs` runs it in the .venv that make sets up (which has the tools below); tests/packaging/
+# test_api_reference.py runs it in `make test`.
 # It installs nothing: it needs, in the Python it runs (PYTHON, default .venv/bin/python):
 #   python -m pip install 'mkdocs==1.6.1' 'mkdocstrings==1.0.8' 'mkdocstrings-python==2.0.11' 'griffelib==2.4.1'
 # (Python >= 3.11.5 for these versions; griffe reads the sources without importing them, so
