@@ -17,8 +17,9 @@ from .config import DTYPES, CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
 from .core.plan import ForwardAux, ForwardPlan
 from .core.planner import Planner
+from .core.prefix import Ghost, PrefixIndex
 from .arrays import to_host
-from .core.imports import ImportReservation, ImportSpec
+from .core.imports import ImportReservation, ImportSpec, pages_needed as import_pages
 from .core.static import capacity_plan
 from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
@@ -131,6 +132,7 @@ class PagedKVCache:
         else:
             self.aux_manager = PlainAuxManager(self.backend)
         self.planner = Planner(self.state, config, caps)
+        self._prefix = PrefixIndex(self.state) if config.prefix_cache else None
         """Plans forwards; ``planner.begin`` plans and reserves without opening a forward
         (benchmarks and tests of the host work use it)."""
         self._rope = config.rope_spec()
@@ -217,13 +219,92 @@ class PagedKVCache:
                 f"(forward over sequences {self._plan.seq_ids} is open)")
 
     @_exclusive
-    def add_sequence(self, seq_id: int) -> None:
-        """Add an empty sequence ``seq_id`` (an int in the int64 range, numpy ints too; it takes
-        no page until a forward appends to it). Raises SequenceExistsError if the id is in the
-        cache, InvalidArgumentError for an id that is not such an int (a bool or a float
-        neither), ForwardStateError inside a forward; nothing changes then."""
+    def add_sequence(self, seq_id: int, tokens: Optional[Sequence[int]] = None, *,
+                     extra_key: Any = None) -> int:
+        """Add sequence ``seq_id`` (an int in the int64 range, numpy ints too); returns its
+        length: 0, or with the prefix cache the cached prefix it starts from.
+
+        ``tokens``: the token ids of the sequence's positions as far as known (e.g. the
+        prompt), ints >= 0. With ``CacheConfig(prefix_cache=True)`` the sequence starts holding
+        the longest cached prefix of ``tokens`` in whole pages, at most ``len(tokens) - 1``
+        tokens (the last one is left for the model to compute: its logits are the next pick),
+        shared with the sequences that hold it; the ids are recorded, and each full page whose
+        KV the sequence then computes joins the index. Without the prefix cache they are
+        checked and ignored. ``extra_key``: any hashable value that must also match (e.g. a
+        LoRA adapter id); None: none. A new sequence without a cached prefix takes no page
+        until a forward appends to it.
+        Raises SequenceExistsError if the id is in the cache, InvalidArgumentError for an id
+        that is not such an int (a bool or a float neither), bad token ids or an unhashable
+        ``extra_key``, ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("add_sequence")
-        self.state.add_sequence(seq_id)
+        if tokens is None:
+            if extra_key is not None:
+                raise InvalidArgumentError(
+                    f"add_sequence({seq_id!r:.40}): extra_key is matched with tokens; pass tokens too")
+            self.state.add_sequence(seq_id)
+            return 0
+        sid = seq_id_arg(seq_id)
+        ids = _token_ids(tokens, f"add_sequence: sequence {sid}: tokens")
+        _hashable(extra_key, f"add_sequence: sequence {sid}: extra_key")
+        if sid in self.state.pt.seqs:
+            raise SequenceExistsError(f"sequence {sid} is already in the cache")
+        if self._prefix is None:
+            self.state.add_sequence(sid)
+            return 0
+        return self._prefix.attach(sid, ids, extra_key)
+
+    @_exclusive
+    def match_prefix(self, tokens: Sequence[int], extra_key: Any = None) -> int:
+        """The length ``add_sequence(seq_id, tokens, extra_key=extra_key)`` would start from
+        now: the longest cached prefix of ``tokens`` in whole pages, at most ``len(tokens) -
+        1`` (0 without ``CacheConfig(prefix_cache=True)``). Changes nothing (not even the
+        least-recently-used order). Raises InvalidArgumentError for bad ids or key."""
+        ids = _token_ids(tokens, "match_prefix: tokens")
+        _hashable(extra_key, "match_prefix: extra_key")
+        if self._prefix is None:
+            return 0
+        return len(self._prefix.match(ids, extra_key)) * self.config.page_size
+
+    @_exclusive
+    def extend_tokens(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Record the token ids of sequence ``seq_id``'s next positions, after the ones already
+        recorded (``add_sequence``'s ``tokens``, earlier calls): e.g. the tokens a request
+        generated, before removing it, so that a next turn of the conversation finds them
+        cached. Full pages whose ids and KV are both there join the index (at once, and after
+        each forward). Ids of positions a sequence pops (``popn``) are forgotten; a sequence
+        with a sliding window or an uncommitted token tree is indexed only once committed
+        and unwindowed (never, for a window). No-op without ``CacheConfig(prefix_cache=True)``
+        (the ids are still checked). Raises SequenceNotFoundError, InvalidArgumentError for bad
+        ids, ForwardStateError inside a forward; nothing changes then."""
+        self._no_forward("extend_tokens")
+        seq = self.state.seq(seq_id)
+        ids = _token_ids(tokens, f"extend_tokens: sequence {seq.seq_id}: tokens")
+        if self._prefix is not None and ids:
+            self._prefix.extend(seq, ids)
+
+    @property
+    @_exclusive
+    def num_cached_pages(self) -> int:
+        """Pages that only the prefix cache holds (no sequence reads them): part of
+        ``num_available_pages``, evicted least recently used when a call needs pages. 0
+        without ``CacheConfig(prefix_cache=True)``."""
+        return 0 if self._prefix is None else self._prefix.evictable()
+
+    def _with_room(self, call, shortfall):
+        """``call()``; when it raises CacheFullError and evicting cached pages covers the
+        ``shortfall()`` (pages missing), evict them and call again. The call changed nothing
+        when it raised, so a refusal that eviction cannot fix leaves the index as it was."""
+        try:
+            return call()
+        except CacheFullError:
+            prefix = self._prefix
+            if prefix is None:
+                raise
+            short = shortfall()
+            if short <= 0 or prefix.evictable() < short:
+                raise
+            prefix.evict(short)
+        return call()
 
     @_exclusive
     def remove_sequence(self, seq_id: int) -> None:
@@ -242,7 +323,12 @@ class PagedKVCache:
         ForwardStateError inside a forward or on an uncommitted token tree, CacheFullError
         when a partial page must be copied and no page is free; nothing changes then."""
         self._no_forward("fork_sequence")
-        self._copy_pages(self.state.fork_sequence(parent_id, child_id, fork_pos))
+        copies = self._with_room(lambda: self.state.fork_sequence(parent_id, child_id, fork_pos),
+                                 lambda: 1 - self.state.pt.num_free)
+        self._copy_pages(copies)
+        if self._prefix is not None:
+            child = self.state.seq(child_id)
+            self._prefix.forked(self.state.seq(parent_id), child, self.state.length(child_id))
 
     @_exclusive
     def popn(self, seq_id: int, n: int) -> None:
@@ -254,7 +340,11 @@ class PagedKVCache:
         CacheFullError when a partial page must be copied and no page is free; nothing changes
         then."""
         self._no_forward("popn")
-        self._copy_pages(self.state.popn(seq_id, n))
+        copies = self._with_room(lambda: self.state.popn(seq_id, n),
+                                 lambda: 1 - self.state.pt.num_free)
+        self._copy_pages(copies)
+        if self._prefix is not None:
+            self._prefix.truncated(self.state.seq(seq_id))
 
     def _copy_pages(self, copies) -> None:
         for c in copies:
@@ -282,6 +372,8 @@ class PagedKVCache:
         open by a thread that has died)."""
         self._close()
         self.state.clear()
+        if self._prefix is not None:
+            self._prefix = PrefixIndex(self.state)
 
     @_exclusive
     def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int],
@@ -301,18 +393,25 @@ class PagedKVCache:
         self._no_forward("commit_accepted_token_tree_nodes")
         items = self.state.check_commit(seq_ids, leaf_indices)
         src, dst = self.state.commit_plan(items)
+        bases = [self.state.pt.length(seq) - len(seq.tree_parent) for seq, _ in items]
         if len(src):
             self.backend.compact_kv(self.pages, self.backend.aux_to_device(src),
                                     self.backend.aux_to_device(dst))
         self.state.commit(items)
+        if self._prefix is not None:
+            for (seq, _), base in zip(items, bases):    # ids recorded past the tree's
+                self._prefix.truncated(seq, base)           # root are not the accepted ones
+                self._prefix.index(seq)
 
     # ------------------------------------------------------------------ queries
     @property
     @_exclusive
     def num_available_pages(self) -> int:
-        """Free pages now (of ``num_total_pages``); ``begin_forward`` raises CacheFullError
-        when a forward needs more (``pages_needed``)."""
-        return int(self.state.pt.num_free)
+        """Free pages now (of ``num_total_pages``), counting the cached pages that eviction
+        frees when needed (``num_cached_pages``); ``begin_forward`` raises CacheFullError when a
+        forward needs more (``pages_needed``)."""
+        free = int(self.state.pt.num_free)
+        return free if self._prefix is None else free + self._prefix.evictable()
 
     @property
     def num_total_pages(self) -> int:
@@ -326,7 +425,7 @@ class PagedKVCache:
         """The tokens of every sequence added up (a token shared by forks counts once per
         sequence; a sliding window counts the tokens it keeps)."""
         pt = self.state.pt
-        return int(sum(int(pt.s_len[s.slot]) for s in pt.seqs.values()))
+        return int(sum(int(pt.s_len[s.slot]) for k, s in pt.seqs.items() if not isinstance(k, Ghost)))
 
     @_exclusive
     def sequence_length(self, seq_id: int) -> int:
@@ -338,19 +437,26 @@ class PagedKVCache:
     @_exclusive
     def num_sequences(self) -> int:
         """The number of sequences in the cache."""
-        return len(self.state.pt.seqs)
+        return len(self._sequence_ids())
 
     @property
     @_exclusive
     def sequence_ids(self) -> list[int]:
         """The ids of the sequences in the cache (a new list; no particular order)."""
-        return list(self.state.pt.seqs)
+        return self._sequence_ids()
+
+    def _sequence_ids(self) -> list:
+        seqs = self.state.pt.seqs
+        if self._prefix is None:
+            return list(seqs)
+        return [k for k in seqs if not isinstance(k, Ghost)]
 
     @property
     @_exclusive
     def is_empty(self) -> bool:
-        """Whether the cache holds no sequence and every page is free."""
-        return not self.state.pt.seqs and self.state.pt.num_free == self.state.pt.num_pages
+        """Whether the cache holds no sequence and every page is free (or only cached: see
+        ``num_cached_pages``)."""
+        return not self._sequence_ids() and self.num_available_pages == self.state.pt.num_pages
 
     @_exclusive
     def pages_needed(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
@@ -403,7 +509,7 @@ class PagedKVCache:
         it would raise CacheFullError). Same arguments and input errors as ``pages_needed``;
         changes nothing."""
         return self.pages_needed(seq_ids, append_lengths,
-                                 token_tree_parent_ptr) <= self.state.pt.num_free
+                                 token_tree_parent_ptr) <= self.num_available_pages
 
     @_exclusive
     def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None,
@@ -552,7 +658,7 @@ class PagedKVCache:
                 f"import of sequence {spec.seq_id}: the payload has no arrays (a header-only "
                 f"payload can only be reserved: reserve_import)")
         k, v = self._native_kv(spec.seq_id, payload)
-        res = self.state.reserve_import([spec])
+        res = self._reserve_import([spec])
         try:
             self._write_import(res, k, v)
             self._copy_pages(self.state.commit_import(res))
@@ -633,7 +739,12 @@ class PagedKVCache:
                     f"tuple, got {item!r:.80}")
         specs = [self._import_spec(sid, p, parent, pos, convert_dtype)
                  for sid, p, parent, pos in items]
-        return self.state.reserve_import(specs)
+        return self._reserve_import(specs)
+
+    def _reserve_import(self, specs) -> ImportReservation:
+        ps = self.config.page_size
+        return self._with_room(lambda: self.state.reserve_import(specs),
+                               lambda: sum(import_pages(s, ps) for s in specs) - self.state.pt.num_free)
 
     @_exclusive
     def write_import(self, reservation: ImportReservation, k: Array, v: Array) -> None:
@@ -691,7 +802,10 @@ class PagedKVCache:
         forward's q/k/v rows in this order. Raises a typed error and changes nothing on bad
         input or when the pages do not suffice (CacheFullError)."""
         self._no_forward("begin_forward")
-        plan = self.planner.begin(seq_ids, append_lengths, token_tree_parent_ptr)
+        plan = self._with_room(
+            lambda: self.planner.begin(seq_ids, append_lengths, token_tree_parent_ptr),
+            lambda: self.planner.pages_needed(seq_ids, append_lengths, token_tree_parent_ptr)[0]
+            - self.state.pt.num_free)
         aux = None
         if plan.static_bucket is not None:
             # a replayed capture runs no Python, so the copy cannot wait for attention
@@ -770,6 +884,10 @@ class PagedKVCache:
                 f"end_forward: layers {missing} of {n} have not run attention in the forward over "
                 f"sequences {plan.seq_ids}; run them, or call abort_forward")
         self._close()
+        if self._prefix is not None:        # full pages whose ids are recorded join the index
+            seqs = self.state.pt.seqs
+            for sid in plan.seq_ids:
+                self._prefix.index(seqs[int(sid)])
 
     @_exclusive
     def abort_forward(self) -> None:
@@ -1050,3 +1168,15 @@ class PagedKVCache:
         if plan.write_after:
             b.append_kv(pages, k, v, slots)
         return o, lse
+
+
+def _token_ids(tokens, what: str) -> list:
+    """``tokens`` as a list of Python ints >= 0 (a list, tuple or 1-D integer array)."""
+    return int_values(tokens, what, 0, 2**63 - 1)
+
+
+def _hashable(value, what: str) -> None:
+    try:
+        hash(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be hashable, got {type(value).__name__}") from None

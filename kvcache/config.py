@@ -95,6 +95,12 @@ class CacheConfig:
     ``head_dims_v``. A page row is ``max(head_dim, head_dim_v)`` wide (``page_row_dim``). Read
     back it is always an int (None becomes head_dim), so ``dataclasses.replace(config,
     head_dim=...)`` keeps the old value: pass head_dim_v too."""
+    prefix_cache: bool = False
+    """Automatic prefix caching: full pages are indexed by the token ids that produced them
+    (``add_sequence(seq_id, tokens=...)`` / ``extend_tokens`` tell the cache the ids), a
+    sequence added with its tokens starts from the longest cached prefix, and pages no sequence
+    holds stay cached until pages are needed (then evicted least recently used; they count as
+    available meanwhile). See docs/prefix-caching.md."""
 
     def __post_init__(self):
         # normalise numpy scalars to Python ints / floats / bools (the dataclass is frozen)
@@ -112,6 +118,7 @@ class CacheConfig:
                 f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise InvalidArgumentError(f"CacheConfig.head_dim={self.head_dim} must be even (RoPE halves)")
+        put("prefix_cache", bool_arg(self.prefix_cache, "CacheConfig.prefix_cache"))
         put("head_dim_v", self.head_dim if self.head_dim_v is None else
             int_arg(self.head_dim_v, "CacheConfig.head_dim_v", 1, INT32_MAX))
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:

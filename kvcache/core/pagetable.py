@@ -13,6 +13,7 @@ ids live in one region of a flat ``page_store``; this keeps ``begin_forward`` ve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ class SeqState:
     sink_request: int = 0       # sink size asked for in enable_sliding_window
     tree_parent: list = field(default_factory=list)   # uncommitted tree, parent per node
     tree_depth: list = field(default_factory=list)
+    prefix: Any = None          # the prefix cache's token record (``core.prefix.Track``)
 
     @property
     def committed(self) -> bool:
