@@ -36,10 +36,10 @@ try:
     import torch
     import torch.distributed as dist
 except ImportError:                                     # pragma: no cover - torch is optional
-    from ..integrations import MissingExtraError
+    from ..integrations import MissingExtraError, install_hint
     raise MissingExtraError(
-        "kvcache.distributed needs torch with torch.distributed; install it with: "
-        "pip install torch (or pip install 'kvcache[transformers]')") from None
+        "kvcache.distributed needs torch with torch.distributed; install the kvcache[distributed] "
+        f"extra: {install_hint('distributed')}") from None
 
 __all__ = ["END", "ABORT", "PlanCheck", "PlanMismatchError", "host_group", "init",
            "local_heads", "plan_digest", "spawn"]

@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import MissingExtraError, require
+from . import MissingExtraError, install_hint, require
 from ..serving import RequestOutput
 from .engine import Engine as _Engine
 from .sampling import SamplingParams
@@ -62,7 +62,7 @@ if _version(transformers.__version__) < MIN_VERSION:
     raise MissingExtraError(
         f"kvcache.integrations.transformers needs transformers >= "
         f"{'.'.join(map(str, MIN_VERSION))}, found {transformers.__version__}; install it with: "
-        f"pip install -U 'kvcache[transformers]'")
+        f"{install_hint('transformers')}")
 
 __all__ = ["ATTN_IMPLEMENTATION", "Engine", "ROPE_CHOICES", "ROPE_FAMILIES", "RequestOutput",
            "SamplingParams", "TransformersAdapter",

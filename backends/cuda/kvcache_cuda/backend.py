@@ -130,8 +130,9 @@ class CudaBackend(Backend):
     @classmethod
     def availability(cls, device=None):
         if torch is None:
-            return False, ("torch is not installed (pip install 'kvcache[cuda]', or a CUDA build of "
-                           "torch>=2.4 from https://pytorch.org/get-started/locally/)")
+            build = "ROCm" if cls.name == "rocm" else "CUDA"
+            return False, (f"torch is not installed (pip install 'torch>=2.4', a {build} build: "
+                           "https://pytorch.org/get-started/locally/)")
         if device is not None and str(device).startswith("cpu"):
             if os.environ.get(CPU_TEST_ENV) == "1":
                 return True, (f"CPU test mode (torch {torch.__version__} on CPU tensors; "
