@@ -24,7 +24,7 @@ from .core.static import capacity_plan
 from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError, KVCacheError,
-                     UnsupportedFeatureError)
+                     SequenceExistsError, UnsupportedFeatureError)
 from .plugins import open_backend
 from .transfer import SequencePayload, payload_fields
 

@@ -45,7 +45,7 @@ class Node:
 
     def __init__(self, id: int, key: tuple, parent: Optional["Node"], holder: Ghost, tick: int):
         self.id, self.key, self.parent, self.holder, self.tick = id, key, parent, holder, tick
-        self.depth = 1 if parent is None else parent.depth + 1
+        self.depth: int = 1 if parent is None else parent.depth + 1
         self.children = 0
         self.alive = True
 
