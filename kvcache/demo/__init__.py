@@ -118,7 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "time, shared system prompts, parallel samples, chunked prefill, preemption "
                     "in a tight cache, streamed tokens) on the best available backend, checked "
                     "by replaying a sample of requests alone. Defaults in brackets: synthetic "
-                    "model / real model.")
+                    "model / real model. The options below are the single-engine run's, valid "
+                    "with the synthetic and the real models alike (--shape: the synthetic "
+                    "model's only); --disaggregate runs another demo, with options of its own "
+                    "(`kvcache demo --disaggregate --help`).")
     p.add_argument("--model", default=None,
                    help="synthetic (the toy model: no torch, no weights), or a real architecture "
                         "through the transformers Engine: llama, qwen2, mistral, phi3, gemma "
@@ -126,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA GPU when transformers is installed, else synthetic")
     p.add_argument("--disaggregate", action="store_true",
                    help="prefill and decode in two processes, each request's KV sent from one "
-                        "cache to the other (`kvcache demo --disaggregate --help`)")
+                        "cache to the other; takes its own options, not those below (`kvcache "
+                        "demo --disaggregate --help`)")
     p.add_argument("--backend", default="auto", help="backend name, or 'auto' (default): the best "
                    "accelerator backend available, else the reference backend")
     p.add_argument("--device", default=None, help="device (e.g. cuda:1; a real model's torch "
@@ -135,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache (and real model) dtype: float32 on the reference backend and on "
                         "a CPU, bfloat16 on a GPU")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                   help="the synthetic model's layers/heads (default: tiny on the reference "
-                        "backend, small elsewhere)")
+                   help="the synthetic model's layers/heads, not a real model's (default: tiny "
+                        "on the reference backend, small elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="workload, model and sampling seed (default 0)")
     p.add_argument("--requests", type=positive_int, default=None,
                    help="number of requests [48 / 28, x --scale]")
@@ -226,18 +230,25 @@ def check_plot_prerequisite(path: Optional[str]) -> None:
 
 def _check_fits(engine, workload: Workload, opts) -> None:
     """Every request must fit the cache alone (else the run could never finish it): a
-    ``UsageError`` naming the request, the pages it needs and the option to raise."""
+    ``UsageError`` naming the largest request, the pages it needs, the pages the cache holds
+    and a --max-total-tokens that fits every request."""
     from kvcache.cli import UsageError
     ps, pages = engine.config.page_size, engine.cache.num_total_pages - 1
-    for r in workload.requests:
-        need = -(-(len(r.prompt) + r.max_tokens - 1) // ps)
-        if need > pages:
-            raise UsageError(
-                f"request {r.rid} ({len(r.prompt):,} prompt tokens + {r.max_tokens} new tokens) "
-                f"needs {need} pages of {ps} tokens, more than the whole cache holds ({pages} "
-                f"pages, --max-total-tokens {engine.config.max_total_tokens}); raise "
-                f"--max-total-tokens to at least {(need + 1) * ps} or lower --long-prompt / "
-                f"--max-output")
+
+    def need(r) -> int:        # its prompt and every new token but the last, in pages
+        return -(-(len(r.prompt) + r.max_tokens - 1) // ps)
+    largest = max(workload.requests, key=need, default=None)
+    if largest is not None and need(largest) > pages:
+        r, n = largest, need(largest)
+        too_large = sum(need(q) > pages for q in workload.requests)
+        others = f" (and {too_large - 1} more)" if too_large > 1 else ""
+        raise UsageError(
+            f"request {r.rid}{others} cannot fit the cache even alone: its {len(r.prompt):,} "
+            f"prompt tokens + {r.max_tokens} new tokens need {n} pages of {ps} tokens, more "
+            f"than the whole cache holds ({pages} pages, --max-total-tokens "
+            f"{engine.config.max_total_tokens}); "
+            f"raise --max-total-tokens to at least {(n + 1) * ps} or lower --long-prompt / "
+            f"--max-output")
 
 
 def run_demo(opts: argparse.Namespace, tamper=None) -> DemoResult:

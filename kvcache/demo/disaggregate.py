@@ -219,7 +219,17 @@ def main(argv) -> int:
     if any(a == "--plot" or a.startswith("--plot=") for a in argv):
         raise UsageError("--plot draws the single-engine run; --disaggregate prints its two "
                          "ranks' numbers instead (leave out --plot)")
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts, rest = parser.parse_known_args(argv)
+    from . import build_parser as single_engine_parser
+    single = {flag for action in single_engine_parser()._actions for flag in action.option_strings}
+    theirs = sorted({a.split("=", 1)[0] for a in rest} & single)
+    if theirs:
+        raise UsageError(f"{' and '.join(theirs)} {'is' if len(theirs) == 1 else 'are'} the "
+                         "single-engine demo's, not --disaggregate's (`kvcache demo "
+                         "--disaggregate --help` lists its options)")
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if opts.model == "synthetic":
         raise UsageError("--disaggregate runs a real architecture (--model llama, the default, "
                          "qwen2, mistral, phi3, gemma or a checkpoint directory), not the "

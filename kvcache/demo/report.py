@@ -151,6 +151,13 @@ def plot(result, path: str) -> None:
     axes[2].set_ylabel("preemptions\n(cumulative)")
     axes[2].set_xlabel("engine step")
     for ax in axes:
+        # counts from 0 (a line at 0 just above the axis), over at least 0..1: a flat line (no
+        # preemptions) gets integer ticks too (MaxNLocator(integer=True) gives fractions on a
+        # range under 1)
+        top = max(ax.get_ylim()[1], 1.05)
+        ax.set_ylim(-0.03 * top, top)
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(lo, max(hi, lo + 1))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
