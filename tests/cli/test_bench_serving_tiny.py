@@ -59,6 +59,35 @@ def test_tiny_serving_bench_is_a_smoke_run_of_seconds(tiny_run):
     assert "a_decode_step_over_roofline" in res["ratios"] and res["ratios"]["a_gpu_busy"] is None
 
 
+def test_serving_json_runs_every_system_and_a_makes_every_token(tiny_run):
+    # the CI smoke run: `--tiny` alone shrinks the work too (4 requests of 6 tokens, 1 layer,
+    # batch 4), not only the dims; it printed nothing for 8 minutes before. tiny_run is that
+    # command (`kvcache bench --serving --tiny --device cpu --json`, exit status 0) in a fresh
+    # process: test_bench_serving.py ran it a second time in-process for these assertions
+    res = tiny_run[1]
+    w = res["workload"]
+    assert (w["requests"], w["new_tokens"], w["layers"], w["batch"]) == (4, 6, 1, 4)
+    assert w["decode_n1"] < w["decode_n2"] == 6
+    roof = res["roofline"]
+    assert roof["weight_bytes"] > 0 and roof["kv_bytes"] > 0 and roof["copy_rate_Bps"] > 0
+    assert roof["decode_step_ms"] == pytest.approx(
+        (roof["weight_bytes"] + roof["kv_bytes"]) / roof["copy_rate_Bps"] * 1e3)
+    a = res["systems"]["a"]
+    assert a["tokens"] == 4 * 6 and a["tokens_per_s"] == pytest.approx(a["tokens"] / a["wall_s"])
+    assert a["gpu_busy"] is None and "no GPU" in a["gpu_busy_note"]
+    # every system ran or says why it did not; none vanishes
+    for key in "bc":
+        assert (key in res["systems"]) != (key in res["skipped"])
+        if key in res["systems"]:
+            assert res["systems"][key]["tokens"] == 4 * 6
+    ratios = res["ratios"]
+    assert ratios["a_decode_step_over_roofline"] == pytest.approx(
+        a["decode_step_ms"] / roof["decode_step_ms"])
+    if "b" in res["systems"]:
+        assert ratios["a_over_b_tokens_per_s"] == pytest.approx(
+            a["tokens_per_s"] / res["systems"]["b"]["tokens_per_s"])
+
+
 def test_tiny_serving_bench_says_what_it_is_doing(tiny_run):
     _, res, err = tiny_run
     lines = [ln for ln in err.splitlines() if ln.startswith("kvcache bench --serving [")]
