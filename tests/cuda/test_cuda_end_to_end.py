@@ -10,6 +10,15 @@ import kvcache
 from kvcache.conformance import CachePair, make_config
 
 E2E_DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
+# Under the Triton interpreter (spawned by test_cuda_triton_interpreter.py in CI) the token-tree
+# and fused-qkv scenarios cost 35-60 s each: slow there (`make test-all` runs them), unmarked in
+# the CPU torch mode and on a GPU. The interpreter run keeps what they check: tree masks through
+# every Triton attention kernel (test_ragged_attention / test_paged_prefill /
+# test_paged_decode_variants [tree], test_paged_masked_nonfinite_tree_keys), the commit's
+# compaction (test_compact_kv_overlapping), strided q/k/v views of a fused qkv through the Triton
+# append (test_append_strided_views), and the backend choosing Triton for CPU tensors end to end
+# (test_graph_mode_decode_equals_with_window_left[20]); both scenarios run in the CPU mode here.
+slow_in_interpreter = pytest.mark.slow if cc.INTERPRET else (lambda test: test)
 
 
 def twin(dtype, seed=0, **kw):
@@ -46,6 +55,7 @@ def test_fork_popn_shared_prefix(dtype):
     p.forward([0, 1, 2], [1, 1, 1])
 
 
+@slow_in_interpreter
 @pytest.mark.parametrize("dtype", E2E_DTYPES)
 def test_token_tree_and_commit(dtype):
     p = twin(dtype, seed=2)
@@ -67,6 +77,7 @@ def test_sliding_window_with_sinks(dtype):
     p.forward([0, 1], [11, 2])
 
 
+@slow_in_interpreter
 def test_fused_qkv_views():
     p = twin("float32", seed=4)
     p.add(0)

@@ -15,6 +15,12 @@ from kvcache.core.plan import walk
 from kvcache.errors import ForwardStateError, InvalidArgumentError
 
 DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
+# Under the Triton interpreter (spawned by test_cuda_triton_interpreter.py in CI) each graph-mode
+# decode scenario costs 10-35 s: there CI keeps test_graph_mode_decode_equals_with_window_left[20]
+# (the same forked histories, bucket 8 padded and unpadded, buckets 1 and 2, through the Triton
+# decode kernel, plus a window) and `make test-all` runs the other two; a window of 0 through
+# the Triton kernels is test_ragged_window_left[triton-0]. The CPU torch mode and a GPU run all.
+SLOW_IN_INTERPRETER = [pytest.mark.slow] if cc.INTERPRET else []
 
 
 def make(dtype, graph, backend="cuda", rope="normal", buckets=(), max_tokens=8192):
@@ -120,7 +126,7 @@ def family(trio, lengths=(40, 7, 3)):
     trio.prefill(4, 9)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=SLOW_IN_INTERPRETER) for d in DTYPES])
 def test_graph_mode_decode_equals_eager_and_reference(dtype):
     trio = Trio(dtype, rope="normal")
     family(trio)
@@ -131,7 +137,7 @@ def test_graph_mode_decode_equals_eager_and_reference(dtype):
     check(trio.decode([1, 4]), 2, dtype, False)  # bucket 2
 
 
-@pytest.mark.parametrize("window_left", [0, 20])
+@pytest.mark.parametrize("window_left", [pytest.param(0, marks=SLOW_IN_INTERPRETER), 20])
 def test_graph_mode_decode_equals_with_window_left(window_left):
     """A per-query window in graph-mode decode: a plain kernel argument, so padded buckets and
     forked histories give the eager and reference results."""
