@@ -1,0 +1,239 @@
+"""``kvcache bench --serving --model llama``: serving throughput side by side, in one run.
+
+Systems, on one seeded workload and one randomly initialised model: ``a``, our
+``integrations.transformers.Engine`` (continuous batching on a ``PagedKVCache``); ``b``,
+transformers' continuous batching (``generate_batch``, attention ``"paged|sdpa"``); ``c``,
+transformers' ``generate`` with a static cache, ``--batch`` requests at a time left-padded to the
+longest prompt (one static shape). The roofline of one decode step: the bytes it must read (the
+weights once, the KV of every sequence) over the device copy rate measured in the same run.
+
+Per system:
+
+* ``tokens_per_s``: new tokens of the whole workload over its wall time, timed on its second run
+  (the first warms up: compiles, graph captures and allocations happen once per process);
+* ``decode_step_ms``: one decode step at ``--batch`` sequences, as a difference: the same
+  ``--batch`` prompts of ``decode_prompt`` tokens generated to ``n1`` and to ``n2`` new tokens,
+  ``(wall(n2) - wall(n1)) / (n2 - n1)`` (the added steps are all decode steps of the full batch;
+  no system needs instrumenting);
+* ``gpu_busy``: under ``torch.profiler``, the share of the longer run's last ``wall(n2) -
+  wall(n1)`` that the GPU's activity (kernels, copies, memsets; their union) covers (cuda only);
+* ``same_tokens_as_a``: requests whose greedy tokens equal (a)'s.
+
+``--tiny`` is the CI smoke run (seconds on a CPU): tiny dims and tiny work (4 requests of 8-32
+tokens, 6 new tokens, 1 layer, batch 4, no profiler off the GPU); its targets are not judged.
+Progress goes to stderr (``say``), a line per phase; the results to stdout.
+
+The package's modules: ``model`` (the workload, the model, the roofline's inputs), ``runners``
+(the systems), ``measure`` (timing one system), ``report`` (the table and its targets); this
+module holds the command (its options, ``run``, ``main``) and re-exports their names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from typing import Any, Optional
+
+# the private names too: everything stays importable from kvcache.bench_serving as before
+from .measure import _check, _gpu_spans, _timed, measure, tail_busy, union_length
+from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate, decode_bytes,
+                    workload)
+from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
+from .runners import (SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
+                      StaticRunner, _quiet_transformers)
+
+__all__ = ["EngineRunner", "GenerateBatchRunner", "LLAMA3_8B_LAYER", "MODELS", "Runner", "SIZES",
+           "SYSTEMS", "SYSTEM_NAMES", "StaticRunner", "TARGET_BUSY", "TARGET_ROOFLINE",
+           "TARGET_VS_B", "TINY", "add_arguments", "build_model", "check_device", "copy_rate",
+           "decode_bytes", "main", "measure", "parse_skip", "print_result", "run", "say",
+           "tail_busy", "union_length", "workload"]
+
+_START = time.perf_counter()
+"""When the module was imported (``kvcache bench --serving`` imports it first): progress times."""
+
+
+# ---------------------------------------------------------------------- the command
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The serving bench's options (on ``kvcache bench``'s parser)."""
+    g = p.add_argument_group("serving bench (--serving)")
+    g.add_argument("--serving", action="store_true",
+                   help="serving throughput side by side: (a) the kvcache Engine, (b) "
+                        "transformers generate_batch, (c) transformers static-cache generate, and "
+                        "the decode-step roofline (needs torch and transformers)")
+    g.add_argument("--model", default="llama", choices=MODELS,
+                   help="the random-weight model's family (default llama: Llama-3-8B shapes)")
+    g.add_argument("--requests", type=_pos, default=None, metavar="N",
+                   help="requests in the whole run (default 256; --tiny: 4)")
+    g.add_argument("--new-tokens", type=_pos, default=None, metavar="N",
+                   help="new tokens per request (default 128; --tiny: 6)")
+    g.add_argument("--layers", type=_pos, default=None, metavar="N",
+                   help="decoder layers of the model (default 8; --tiny: 1)")
+    g.add_argument("--batch", type=_pos, default=None, metavar="N",
+                   help="sequences per forward for (a), batch for (c) and the decode-step "
+                        "measurement (default 64; --tiny: 4)")
+    g.add_argument("--tiny", action="store_true",
+                   help="a smoke run of seconds on a CPU (CI runs it): small dims, prompts and "
+                        "work (the sizes above shrink unless given; no profiler off the GPU); "
+                        "its targets are not judged")
+    g.add_argument("--rope", default="cache", choices=("model", "cache"),
+                   help="who rotates q and k in (a): the cache's fused RoPE append (default, "
+                        "Engine(rope='cache')) or the model's own rotary (rope='model')")
+    g.add_argument("--skip", default="", metavar="LIST",
+                   help="systems to skip, comma separated from a,b,c (e.g. --skip b,c)")
+    g.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed of the weights and the workload (default 0)")
+    g.add_argument("--no-busy", action="store_true", help="skip the profiled runs that "
+                   "measure the GPU busy fraction (a third of the run time; never off the GPU)")
+    g.add_argument("--static-compile", action="store_true",
+                   help="let (c) compile its forward (transformers' auto-compile; off by default)")
+
+
+def _pos(text: str) -> int:
+    from ..bench import _positive_int
+    return _positive_int(text)
+
+
+def check_device(device: Optional[str]) -> None:
+    """Raise ``UsageError`` at once when torch or transformers is missing or ``device`` (None:
+    cuda when there is one, else cpu) is a GPU torch cannot reach."""
+    from ..cli import UsageError
+    say("loading torch and transformers")
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"--serving needs torch and transformers: {exc}") from None
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: torch {torch.__version__} sees no CUDA GPU here; "
+                         f"use --device cpu (with --tiny for a smoke run)")
+
+
+def say(msg: str) -> None:
+    """A progress line on stderr with the seconds since the bench started (a long run is never a
+    silent terminal; the results go to stdout)."""
+    print(f"kvcache bench --serving [{time.perf_counter() - _START:5.1f} s] {msg}",
+          file=sys.stderr, flush=True)
+
+
+def parse_skip(text: str) -> set:
+    skip = {s.strip() for s in text.split(",") if s.strip()}
+    bad = skip - set(SYSTEMS)
+    if bad:
+        raise ValueError(f"--skip {text!r}: unknown system(s) {', '.join(sorted(bad))}; "
+                         f"choose from {', '.join(SYSTEMS)}")
+    return skip
+
+
+SIZES = {"requests": (256, 4), "new_tokens": (128, 6), "layers": (8, 1), "batch": (64, 4)}
+"""Option: (default, default with --tiny)."""
+
+
+def run(args) -> dict:
+    """Run the serving bench for parsed ``args``; returns the JSON-ready result."""
+    import torch
+    import transformers
+    for name, (full, tiny) in SIZES.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.startswith("cuda")
+    skip = parse_skip(args.skip)
+    dtype = "bfloat16" if on_gpu else "float32"
+    backend = args.backend or ("cuda" if on_gpu else "reference")
+    prompt_range = (8, 32) if args.tiny else (128, 1024)
+    decode_prompt = 16 if args.tiny else 512
+    n2 = args.new_tokens
+    n1 = max(1, n2 // 4)
+    if n2 <= n1:
+        raise ValueError(f"--new-tokens {n2}: the decode-step difference needs at least 2")
+    say(f"building the model ({args.model}, {args.layers} layers, "
+        f"{'tiny dims' if args.tiny else 'Llama-3-8B layer shapes'}, {dtype} on {device})")
+    net = build_model(args.model, args.layers, args.tiny, device, dtype, args.seed)
+    vocab = net.config.vocab_size
+    prompts = workload(args.requests, prompt_range, vocab, args.seed)
+    decode_prompts = workload(args.batch, (decode_prompt, decode_prompt), vocab, args.seed + 1)
+    max_len = max(prompt_range[1], decode_prompt) + n2
+    say("measuring the device copy rate (the roofline's)")
+    rate = copy_rate(device, nbytes=(1 << 30) if on_gpu else (1 << 24))
+    # the added steps make tokens n1+1..n2; the one making token k reads prompt + k - 1 tokens
+    context = decode_prompt + (n1 + n2 - 1) / 2
+    nbytes = decode_bytes(net, args.batch, context)
+    roof_s = (nbytes["weight_bytes"] + nbytes["kv_bytes"]) / rate
+    result: dict[str, Any] = {
+        "command": "kvcache bench --serving", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": platform.node(), "device": (torch.cuda.get_device_name(device) if on_gpu
+                                               else platform.processor() or platform.machine()),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "workload": {"model": args.model, "tiny": bool(args.tiny), "layers": args.layers,
+                     "dtype": dtype, "requests": args.requests, "prompt_range": list(prompt_range),
+                     "new_tokens": n2, "seed": args.seed, "batch": args.batch,
+                     "decode_prompt": decode_prompt, "decode_n1": n1, "decode_n2": n2,
+                     "a_rope": args.rope},
+        "roofline": {"copy_rate_Bps": rate, "context": context, **nbytes,
+                     "decode_step_ms": roof_s * 1e3, "tokens_per_s": args.batch / roof_s},
+        "systems": {}, "skipped": {}, "ratios": {},
+    }
+    a_out: Optional[list] = None
+    for key in SYSTEMS:
+        if key in skip:
+            result["skipped"][key] = "--skip"
+            continue
+        runner: Optional[Runner] = None
+        say(f"({key}) {SYSTEM_NAMES[key]}: starting")
+        try:
+            if key == "a":
+                runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope)
+            elif key == "b":
+                runner = GenerateBatchRunner(net, None if on_gpu else {
+                    "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,
+                    "max_batch_tokens": 256})
+            else:
+                runner = StaticRunner(net, args.batch, args.static_compile)
+            # (c): the decode measurement at its own width, the whole run at the longest prompt's
+            static = runner
+            before = (lambda: setattr(static, "pad_to", prompt_range[1])) if key == "c" else None
+            t0 = time.perf_counter()
+            r, out = measure(runner, prompts, n2, decode_prompts, n1, n2, device,
+                             on_gpu and not args.no_busy, before,
+                             lambda msg: say(f"({key}) {msg}"))
+            say(f"({key}) done in {time.perf_counter() - t0:.1f} s: "
+                f"{r['tokens_per_s']:.1f} tokens/s")
+            a_out = out if key == "a" else a_out
+            if key != "a" and a_out is not None:    # a count, not a verdict: bf16 on a GPU
+                r["same_tokens_as_a"] = sum(x == y for x, y in zip(out, a_out))  # may part on ties
+            if not on_gpu or args.no_busy:
+                r["gpu_busy_note"] = "not measured: " + ("no GPU" if not on_gpu else "--no-busy")
+            result["systems"][key] = r
+        except Exception as exc:        # a peer that cannot run here is reported, not hidden
+            if key == "a":
+                raise
+            result["skipped"][key] = f"failed: {type(exc).__name__}: {exc}"[:300]
+            say(f"({key}) {result['skipped'][key]}")
+        finally:
+            if runner is not None:
+                runner.close()
+            # the next system sizes itself from the free memory: give back this one's cache
+            runner = None
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
+    a, b = result["systems"].get("a"), result["systems"].get("b")
+    if a is not None:
+        result["ratios"]["a_decode_step_over_roofline"] = a["decode_step_ms"] / (roof_s * 1e3)
+        result["ratios"]["a_gpu_busy"] = a["gpu_busy"]
+        if b is not None:
+            result["ratios"]["a_over_b_tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"]
+    return result
+
+
+def main(args) -> int:
+    res = run(args)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_result(res)
+    return 0

@@ -1,0 +1,62 @@
+"""The serving bench's table (``print_result``) and the targets it judges a full run by."""
+
+from __future__ import annotations
+
+from .runners import SYSTEM_NAMES, SYSTEMS
+
+TARGET_ROOFLINE = 1.3
+"""(a)'s decode step at ``--batch`` over the roofline: at most this."""
+TARGET_VS_B = 10.0
+"""(a)'s tokens/s over (b)'s: at least this."""
+TARGET_BUSY = 0.85
+"""(a)'s GPU busy fraction during decode: at least this."""
+
+
+def print_result(res: dict) -> None:
+    w, roof = res["workload"], res["roofline"]
+    print(f"kvcache bench --serving --model {w['model']}: {res['device']}, {res['date']}, "
+          f"torch {res['torch']}, transformers {res['transformers']}")
+    print(f"  workload: {w['requests']} requests, prompts {w['prompt_range'][0]}-"
+          f"{w['prompt_range'][1]} tokens, {w['new_tokens']} new tokens each, {w['layers']} layers"
+          f"{' (tiny dims)' if w['tiny'] else ' (Llama-3-8B layer shapes)'}, {w['dtype']}, "
+          f"seed {w['seed']}")
+    print(f"  decode step: B={w['batch']}, prompt {w['decode_prompt']}, (wall to "
+          f"{w['decode_n2']} tokens - wall to {w['decode_n1']}) / {w['decode_n2'] - w['decode_n1']}"
+          f"; gpu busy: kernel time / wall over the same steps (torch.profiler)")
+    print(f"{'system':<48} {'tokens/s':>10} {'wall s':>8} {'decode step ms':>15} {'gpu busy':>9}")
+    for key in SYSTEMS:
+        r = res["systems"].get(key)
+        if r is None:
+            print(f"({key}) {SYSTEM_NAMES[key]:<44} skipped: {res['skipped'].get(key)}")
+            continue
+        busy = "n/a" if r["gpu_busy"] is None else f"{r['gpu_busy'] * 100:.0f}%"
+        step = r["decode_step_ms"]      # a difference of two walls: noise can make it negative
+        step_text = f"{step:.3f}" if step > 0 else "<0 (noise)"
+        print(f"({key}) {r['system']:<44} {r['tokens_per_s']:>10.1f} {r['wall_s']:>8.2f} "
+              f"{step_text:>15} {busy:>9}")
+    print(f"(roofline) weights {roof['weight_bytes'] / 1e9:.3f} GB + KV "
+          f"{roof['kv_bytes'] / 1e9:.3f} GB at {roof['copy_rate_Bps'] / 1e12:.3f} TB/s copy rate: "
+          f"{roof['decode_step_ms']:>.3f} ms/step, {roof['tokens_per_s']:.0f} tokens/s at "
+          f"B={w['batch']}")
+    same = [f"({k}) {r['same_tokens_as_a']}/{w['requests']}" for k, r in res["systems"].items()
+            if "same_tokens_as_a" in r]
+    if same:
+        print(f"requests whose greedy tokens equal (a)'s: {', '.join(same)}")
+    if w["tiny"]:
+        print(f"targets: not judged on a --tiny smoke run (tiny dims on the host: "
+              f"{w['decode_n2'] - w['decode_n1']} decode steps of a tiny model sit inside the "
+              f"run-to-run noise; the targets are set for the full workload on a GPU)")
+        return
+    rt, a = res["ratios"], res["systems"].get("a", {})
+    print("targets (ratios; met when the comparison holds):")
+    for label, x, op, target, skipped in (
+            (f"decode step / roofline at B={w['batch']}", rt.get("a_decode_step_over_roofline"),
+             "<=", TARGET_ROOFLINE, "(a) skipped"),
+            ("/ (b) tokens/s", rt.get("a_over_b_tokens_per_s"), ">=", TARGET_VS_B, "(b) skipped"),
+            ("gpu busy during decode", rt.get("a_gpu_busy"), ">=", TARGET_BUSY,
+             a.get("gpu_busy_note", "(a) skipped"))):
+        if x is None:
+            print(f"  (a) {label}: n/a ({skipped})")
+            continue
+        met = x <= target if op == "<=" else x >= target
+        print(f"  (a) {label}: {x:.2f} (target {op} {target}) {'met' if met else 'MISSED'}")
