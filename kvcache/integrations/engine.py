@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import math
 import threading
 from collections.abc import Iterable
 from typing import Optional, Sequence
@@ -31,7 +30,7 @@ from ..serving.progress import Progress
 from ..transfer import HostTier
 from .adapter import ModelAdapter, PendingPicks
 from .runner import Runner
-from .sampling import SamplingParams
+from .sampling import SamplingParams, sampling_params_for
 
 __all__ = ["Engine", "EngineStats", "ModelAdapter", "PendingPicks", "RequestOutput",
            "SamplingParams"]
@@ -39,17 +38,6 @@ __all__ = ["Engine", "EngineStats", "ModelAdapter", "PendingPicks", "RequestOutp
 DEFAULT_TOKENS_PER_SEQUENCE = 512
 """``max_total_tokens`` where free device memory cannot be asked (a CPU, MLX):
 ``512 * max_batch_size``."""
-
-_LEGACY_SEED_STRIDE = 1_000_003
-"""``generate(seed=s)``: prompt ``i`` draws with ``SamplingParams.seed = s * stride + i * n``."""
-
-
-def _whole(value, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__") \
-            or int(value) < low:
-        raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {low}")
-    return int(value)
-
 
 def _wants_logprobs(params: SamplingParams) -> bool:
     return params.logprobs is not None and params.logprobs is not False
@@ -291,9 +279,9 @@ class Engine:
         ``return_logprobs`` (or any request's ``logprobs``) the pair ``(out, logprobs)``. Every
         prompt is checked before anything runs (``InvalidArgumentError`` naming the prompt).
         Needs an engine with no other unfinished requests."""
-        params = self._params(prompts, sampling_params, dict(
-            max_new_tokens=max_new_tokens, n=n, temperature=temperature, seed=seed,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos))
+        params = sampling_params_for(
+            prompts, sampling_params, max_new_tokens=max_new_tokens, n=n, temperature=temperature,
+            seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         if return_logprobs:             # (0: the chosen token's log-probability)
             params = [p if _wants_logprobs(p) else dataclasses.replace(p, logprobs=0)
                       for p in params]
@@ -312,7 +300,7 @@ class Engine:
     def stream(self, prompts: Sequence[Sequence[int]], sampling_params=None, **kwargs):
         """``generate`` as an iterator: yields each ``RequestOutput`` as its step ends (new
         tokens of one sample of one prompt; ``request_id`` is that prompt's index)."""
-        params = self._params(prompts, sampling_params, kwargs)
+        params = sampling_params_for(prompts, sampling_params, **kwargs)
         ids = self._add_all(prompts, params)
         index = {rid: i for i, rid in enumerate(ids)}
         for out in self._drive(ids):
@@ -357,57 +345,6 @@ class Engine:
                 if queue is not None:
                     queue.put_nowait(out)
             await asyncio.sleep(0)
-
-    def _params(self, prompts, sampling_params, kwargs: dict) -> list:
-        """One ``SamplingParams`` per prompt from ``generate``'s arguments."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise InvalidArgumentError(
-                f"prompts must be a list of token id lists, got {type(prompts).__name__}")
-        given = {k: v for k, v in kwargs.items() if v is not None}
-        if sampling_params is not None:
-            if given:
-                raise InvalidArgumentError(
-                    f"generate takes sampling_params or {', '.join(given)}, not both: put them "
-                    f"in the SamplingParams")
-            params = sampling_params
-            if isinstance(params, SamplingParams):
-                params = [params] * len(prompts)
-            if isinstance(params, (str, bytes)) or not isinstance(params, Sequence) \
-                    or len(params) != len(prompts) \
-                    or not all(isinstance(p, SamplingParams) for p in params):
-                raise InvalidArgumentError(
-                    f"sampling_params must be a SamplingParams or a list of {len(prompts)} of "
-                    f"them (one per prompt), got {sampling_params!r:.80}")
-            return list(params)
-        unknown = set(given) - {"max_new_tokens", "n", "temperature", "seed", "stop_token_ids",
-                                "ignore_eos"}
-        if unknown:
-            raise InvalidArgumentError(f"unknown generate arguments: {sorted(unknown)}")
-        max_new = _whole(given.get("max_new_tokens", 32), "max_new_tokens", 1)
-        n = _whole(given.get("n", 1), "n", 1)
-        seed = _whole(given.get("seed", 0), "seed", 0)
-        temperature = given.get("temperature", 0.0)
-        try:
-            temperature = float(temperature)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"temperature={temperature!r} must be a number >= 0") from None
-        if not math.isfinite(temperature) or temperature < 0:
-            raise InvalidArgumentError(f"temperature={temperature!r} must be a finite number >= 0")
-        stops = given.get("stop_token_ids", ())
-        if isinstance(stops, (str, bytes)) or not isinstance(stops, Iterable):
-            raise InvalidArgumentError(
-                f"stop_token_ids={stops!r:.80} must be a sequence of integer token ids")
-        stops = list(stops)
-        for t in stops:
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
-                raise InvalidArgumentError(f"stop_token_ids must hold integer ids, got {t!r:.80}")
-        ignore = given.get("ignore_eos", False)
-        if not isinstance(ignore, bool):
-            raise InvalidArgumentError(f"ignore_eos={ignore!r} must be True or False")
-        return [SamplingParams(max_tokens=max_new, temperature=temperature, n=n,
-                               seed=(seed * _LEGACY_SEED_STRIDE + i * n) % 2 ** 63,
-                               stop_token_ids=[int(t) for t in stops], ignore_eos=ignore)
-                for i in range(len(prompts))]
 
     def _add_all(self, prompts, params) -> list:
         """Check every prompt, then queue them all (nothing queued if one is bad)."""
