@@ -23,6 +23,9 @@ logits; top-p ties: see ``filter_numpy``). ``draw_rows`` picks the path.
 
 ``sampling_params_for`` turns ``Engine.generate``'s keyword shorthands (``temperature=``, ``n=``,
 ``seed=``, ...) into one ``SamplingParams`` per prompt.
+
+The samplers are in the sibling modules ``sampling_torch`` (on torch logits' device) and
+``sampling_numpy`` (on the host, no torch); this module re-exports their names.
 """
 
 from __future__ import annotations
@@ -31,21 +34,19 @@ import dataclasses
 import math
 import numbers
 import random
-import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
-
-import numpy as np
+from typing import Any, Optional, Sequence, Union
 
 from ..errors import InvalidArgumentError
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
+# the samplers' names (their private helpers too) stay importable from here
+from .sampling_numpy import (_filter_row, _is_torch, _log_softmax_numpy, _mix_numpy, _probs,
+                             draw_rows, filter_numpy, sample_numpy, top_logprobs, uniforms_numpy)
+from .sampling_torch import (_GAMMA, _MASK64, _MIX1, _MIX2, _SEED_LIMIT, _check, _column,
+                             _compute_dtype, _mix, _seeds_steps, _shr, filter_logits, sample,
+                             uniforms)
 
 __all__ = ["SamplingParams", "draw_rows", "filter_logits", "filter_numpy", "sample", "sample_numpy",
            "sampling_params_for", "top_logprobs", "uniforms", "uniforms_numpy"]
-
-_SEED_LIMIT = 2 ** 63
 
 
 def _bad(name: str, value: Any, allowed: str) -> InvalidArgumentError:
@@ -214,291 +215,3 @@ def sampling_params_for(prompts, sampling_params=None, /, **legacy) -> list[Samp
                            seed=(seed * _LEGACY_SEED_STRIDE + i * n) % 2 ** 63,
                            stop_token_ids=[int(t) for t in stops], ignore_eos=ignore)
             for i in range(len(prompts))]
-
-
-# ---------------------------------------------------------------------------- the filter
-def _check(what: str, shape, params) -> None:
-    if len(shape) != 2 or shape[0] != len(params):
-        raise InvalidArgumentError(f"{what} needs logits (B, vocab) and B SamplingParams, got "
-                                   f"shape {tuple(shape)} and {len(params)}")
-
-
-def _seeds_steps(what: str, params, seeds, steps) -> tuple[list, list]:
-    """``seeds`` (None: each row's ``sample_seed()``) and ``steps`` (None: 0) as B-long lists."""
-    batch = len(params)
-    seeds = [p.sample_seed() for p in params] if seeds is None else list(seeds)
-    steps = [0] * batch if steps is None else list(steps)
-    if len(seeds) != batch or len(steps) != batch:
-        raise InvalidArgumentError(
-            f"{what}: {len(seeds)} seeds and {len(steps)} steps for {batch} rows")
-    return seeds, steps
-
-
-def _compute_dtype(logits: "torch.Tensor") -> "torch.dtype":
-    import torch
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
-def _column(values: Sequence[float], dtype, device) -> "torch.Tensor":
-    import torch
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]
-
-
-def filter_logits(logits: "torch.Tensor", params: Sequence[SamplingParams]) -> "torch.Tensor":
-    """The scores of ``logits`` (B, vocab) after temperature, top-k, top-p and min-p of each
-    row's ``params`` (removed tokens: ``-inf``), in float32 (float64 for float64 logits), on the
-    logits' device. Greedy rows are filtered as if at temperature 1 (the sampler ignores them)."""
-    import torch
-    _check("filter_logits", logits.shape, params)
-    dtype, device = _compute_dtype(logits), logits.device
-    vocab = logits.shape[1]
-    scores = logits.to(dtype)
-    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    if any(t != 1.0 for t in temps):
-        scores = scores / _column(temps, dtype, device)
-    ninf = float("-inf")
-    use_k = [0 < p.top_k < vocab for p in params]
-    use_p = [p.top_p < 1.0 for p in params]
-    if any(use_k):
-        # the k-th largest of each row (transformers' torch.topk(scores, k)[0][..., -1])
-        kmax = max(p.top_k for p, k in zip(params, use_k) if k)
-        tops = torch.topk(scores, kmax, dim=-1).values
-        kth = tops.gather(1, _column([p.top_k - 1 if k else 0 for p, k in zip(params, use_k)],
-                                     torch.int64, device))
-        on = _column(use_k, torch.bool, device)
-        scores = scores.masked_fill((scores < kth) & on, ninf)
-    if any(use_p):
-        # transformers' own sort call on the same rows: ties at the boundary fall as they do
-        # there (torch.sort's order; not stable on the CPU)
-        ordered, index = torch.sort(scores, descending=False)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        # the rows' thresholds in the scores' dtype, as transformers' python scalar is
-        floor = _column([1 - p.top_p if u else -1.0 for p, u in zip(params, use_p)], dtype, device)
-        cut = cumulative <= floor
-        cut[:, -1] = False
-        scores = scores.masked_fill(cut.scatter(1, index, cut), ninf)
-    if any(p.min_p > 0 for p in params):
-        probs = scores.softmax(dim=-1)
-        top = probs.amax(dim=-1, keepdim=True)
-        drop = probs < _column([p.min_p for p in params], dtype, device) * top
-        drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
-        scores = scores.masked_fill(drop, ninf)
-    return scores
-
-
-# ---------------------------------------------------------------------------- the draw
-_MASK64 = (1 << 64) - 1
-
-
-_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)          # splitmix64's constants as int64
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-
-
-def _shr(z: "torch.Tensor", s: int) -> "torch.Tensor":
-    """Logical right shift of int64 ``z`` viewed as uint64."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix(z: "torch.Tensor") -> "torch.Tensor":
-    """splitmix64's output function on int64 (wrapping arithmetic, as uint64)."""
-    z = z + _GAMMA
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
-
-def uniforms(seeds: "torch.Tensor", steps: "torch.Tensor", dtype=None) -> "torch.Tensor":
-    """One number in [0, 1) per row from int64 ``seeds`` and ``steps`` (B,), on their device:
-    ``mix(mix(seed) + step)`` with 53 random bits (24 in float32)."""
-    import torch
-    dtype = dtype or torch.float64
-    h = _mix(_mix(seeds) + steps)
-    bits = 53 if dtype == torch.float64 else 24
-    return _shr(h, 64 - bits).to(dtype) * (2.0 ** -bits)
-
-
-def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
-           seeds: Optional[Sequence[int]] = None, steps: Optional[Sequence[int]] = None,
-           generators: Optional[Sequence["torch.Generator"]] = None):
-    """One token per row of ``logits`` (B, vocab), drawn on their device from the distribution
-    that ``filter_logits`` leaves for the row's ``params`` (greedy rows: the first argmax).
-
-    Randomness per row: ``seeds[b]`` (default: ``params[b].sample_seed()``) and ``steps[b]``
-    (the request's draws so far, default 0) hashed on the device, or ``generators[b]`` (a
-    ``torch.Generator`` on the logits' device or the CPU). Returns ``(tokens, logprobs)``, both
-    (B,) on the device (int64; float32, float64 for float64 logits): each token's
-    log-probability under ``log_softmax(logits)``, the model's distribution before the filters.
-    Nothing waits for the device."""
-    import torch
-    _check("sample", logits.shape, params)
-    batch = logits.shape[0]
-    dtype, device = _compute_dtype(logits), logits.device
-    raw = logits.to(dtype)
-    tokens = raw.argmax(dim=-1)
-    drawing = [not p.greedy for p in params]
-    if any(drawing):
-        probs = filter_logits(logits, params).softmax(dim=-1)
-        wide = torch.float32 if device.type == "mps" else torch.float64
-        if generators is not None:
-            if len(generators) != batch:
-                raise InvalidArgumentError(f"sample: {len(generators)} generators for {batch} rows")
-            u = torch.stack([torch.rand((), generator=g, dtype=wide, device=g.device).to(device)
-                             for g in generators])
-        else:
-            seeds, steps = _seeds_steps("sample", params, seeds, steps)
-            pair = torch.tensor([[int(s) % _SEED_LIMIT for s in seeds],
-                                 [int(t) & (_MASK64 >> 1) for t in steps]], dtype=torch.int64)
-            pair = pair.to(device, non_blocking=True)
-            u = uniforms(pair[0], pair[1], wide)
-        cdf = probs.to(wide).cumsum(dim=-1)
-        total = cdf[:, -1:]
-        # u * total < total strictly: the first entry above the goal has a probability > 0
-        goal = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-        drawn = torch.searchsorted(cdf, goal, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
-        mask = torch.tensor(drawing, dtype=torch.bool).to(device, non_blocking=True)
-        tokens = torch.where(mask, drawn, tokens)
-    logprobs = raw.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens, logprobs
-
-
-# ---------------------------------------------------------------------------- numpy, no torch
-def _mix_numpy(z):
-    """splitmix64's output function on a numpy uint64 array (wrapping, as ``_mix``)."""
-    u = np.uint64
-    z = z + u(_GAMMA & _MASK64)
-    z = (z ^ (z >> u(30))) * u(_MIX1 & _MASK64)
-    z = (z ^ (z >> u(27))) * u(_MIX2 & _MASK64)
-    return z ^ (z >> u(31))
-
-
-def uniforms_numpy(seeds: Sequence[int], steps: Sequence[int]):
-    """``uniforms`` in numpy uint64 arithmetic, bit for bit (float64): one number in [0, 1) per
-    ``(seeds[b], steps[b])``, the seed mod 2**63 and the step's low 63 bits, as ``sample``."""
-    s = np.array([int(x) % _SEED_LIMIT for x in seeds], np.uint64)
-    t = np.array([int(x) & (_MASK64 >> 1) for x in steps], np.uint64)
-    with np.errstate(over="ignore"):
-        h = _mix_numpy(_mix_numpy(s) + t)
-    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
-
-
-def _probs(x):
-    e = np.exp(x - x.max())
-    return e / e.sum()
-
-
-def _filter_row(x, p: SamplingParams):
-    """``filter_logits`` of one float64 row ``x`` (vocab,) in numpy (see ``filter_numpy``)."""
-    vocab = x.shape[0]
-    if p.temperature > 0 and p.temperature != 1.0:
-        x = x / p.temperature
-    if 0 < p.top_k < vocab:
-        x = np.where(x < np.partition(x, vocab - p.top_k)[vocab - p.top_k], -np.inf, x)
-    if p.top_p < 1.0:
-        order = np.argsort(x, kind="stable")
-        cut = np.cumsum(_probs(x[order])) <= 1 - p.top_p
-        cut[-1] = False
-        x = x.copy()
-        x[order[cut]] = -np.inf
-    if p.min_p > 0:
-        probs = _probs(x)
-        drop = probs < p.min_p * probs.max()
-        drop[probs.argmax()] = False
-        x = np.where(drop, -np.inf, x)
-    return x
-
-
-def filter_numpy(table, params: Sequence[SamplingParams]):
-    """``filter_logits`` in numpy on ``table`` (B, vocab) as float64. One difference: top-p
-    orders tied scores by id (a stable sort), ``torch.sort`` its own way (on the CPU stable up
-    to 16 columns only): where ties straddle the top-p boundary both keep as many of them (the
-    same mass), maybe other ids among them."""
-    raw = np.asarray(table, np.float64)
-    _check("filter_numpy", raw.shape, params)
-    out = raw.copy()
-    for b, p in enumerate(params):
-        out[b] = _filter_row(raw[b], p)
-    return out
-
-
-def _log_softmax_numpy(raw):
-    top = raw.max(axis=-1, keepdims=True)
-    return raw - (top + np.log(np.exp(raw - top).sum(axis=-1, keepdims=True)))
-
-
-def sample_numpy(table, params: Sequence[SamplingParams], seeds: Optional[Sequence[int]] = None,
-                 steps: Optional[Sequence[int]] = None):
-    """``sample`` on the host in numpy, without torch: ``table`` (B, vocab) as float64, the same
-    filter (``filter_numpy``), uniforms (``uniforms_numpy``), draw and defaults, so on float64
-    logits the same tokens. Returns host ``(tokens (B,) int64, logprobs (B,) float64)``."""
-    raw = np.asarray(table, np.float64)
-    _check("sample_numpy", raw.shape, params)
-    seeds, steps = _seeds_steps("sample_numpy", params, seeds, steps)
-    tokens = raw.argmax(axis=-1).astype(np.int64)
-    drawing = [b for b, p in enumerate(params) if not p.greedy]
-    u = uniforms_numpy([seeds[b] for b in drawing], [steps[b] for b in drawing])
-    for b, ub in zip(drawing, u):
-        x = _filter_row(raw[b], params[b])
-        cdf = np.cumsum(_probs(x))
-        total = cdf[-1]
-        # u * total < total strictly: the first entry above the goal has a probability > 0
-        goal = min(ub * total, np.nextafter(total, 0.0))
-        tokens[b] = min(int(np.searchsorted(cdf, goal, side="right")), raw.shape[1] - 1)
-    return tokens, _log_softmax_numpy(raw)[np.arange(len(params)), tokens]
-
-
-def _is_torch(x) -> bool:
-    """Whether ``x`` is a torch tensor, without importing torch (none exists if it was not)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def draw_rows(logits, rows: Sequence[int], params: Sequence[SamplingParams],
-              seeds: Sequence[int], steps: Sequence[int], to_numpy=None):
-    """The engine's call: draw ``d`` from row ``rows[d]`` of ``logits`` with ``params[d]``,
-    ``seeds[d]`` and ``steps[d]``: torch logits on their device (``sample``), others through
-    ``to_numpy`` (default ``numpy.asarray``) by ``sample_numpy``, never importing torch.
-    Returns host ``(tokens (D,) int64, logprobs (D,) float64)``."""
-    if not _is_torch(logits):
-        host = np.asarray((to_numpy or np.asarray)(logits))
-        return sample_numpy(host[np.asarray(list(rows), np.int64)], params, seeds, steps)
-    import torch
-    index = torch.tensor(list(rows), dtype=torch.int64).to(logits.device, non_blocking=True)
-    tokens, logprobs = sample(logits.index_select(0, index), params, seeds, steps)
-    both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()
-    return both[0].astype(np.int64), both[1]
-
-
-def top_logprobs(logits_rows, k: int, to_numpy=None, rows=None):
-    """vLLM's ``logprobs=k`` alternatives: the ``min(k, vocab)`` likeliest tokens of each row
-    of ``logits_rows`` (D, vocab) (``rows``: only these rows, in this order), ties by id, and
-    their ``log_softmax`` under the raw logits (before any filter); torch logits on their
-    device, others through ``to_numpy`` in numpy. Returns host ``(ids (D, k) int64, logprobs
-    (D, k) float64)``, best first."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-        raise InvalidArgumentError(f"top_logprobs: k={k!r:.40} must be an integer >= 0")
-    if _is_torch(logits_rows):
-        import torch
-        raw = logits_rows.to(_compute_dtype(logits_rows))
-        if rows is not None:
-            raw = raw.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=raw.device))
-    else:
-        raw = np.asarray((to_numpy or np.asarray)(logits_rows), np.float64)
-        if rows is not None:
-            raw = raw[np.asarray(rows, np.int64)]
-    if raw.ndim != 2:
-        raise InvalidArgumentError(f"top_logprobs needs logits (D, vocab), got {tuple(raw.shape)}")
-    d, k = raw.shape[0], min(int(k), raw.shape[1])
-    if k == 0:
-        return np.zeros((d, 0), np.int64), np.zeros((d, 0), np.float64)
-    if isinstance(raw, np.ndarray):      # a partition, not a sort: O(vocab) a row on the host
-        kth = -np.partition(-raw, k - 1, axis=-1)[:, k - 1:k]
-        above, tied = raw > kth, raw == kth
-        pick = above | tied & (np.cumsum(tied, -1) <= k - above.sum(-1, keepdims=True))
-        ids = np.nonzero(pick)[1].reshape(d, k)      # k a row, by increasing id
-        order = np.argsort(-np.take_along_axis(raw, ids, -1), -1, kind="stable")
-        ids = np.take_along_axis(ids, order, -1).astype(np.int64)
-        return ids, np.take_along_axis(_log_softmax_numpy(raw), ids, -1)
-    ids = torch.sort(raw, dim=-1, descending=True, stable=True)[1][:, :k]
-    lps = raw.log_softmax(dim=-1).gather(1, ids)
-    return ids.cpu().numpy().astype(np.int64), lps.to(torch.float64).cpu().numpy()

@@ -309,9 +309,12 @@ def test_numpy_sampler_equals_torch_sampler_on_a_grid_of_settings(scale):
 @pytest.mark.parametrize("u", [0.0, 1 - 2 ** -53, 1.0])   # (1: no uniform, the guard)
 def test_the_draw_at_the_ends_of_the_unit_interval_takes_a_kept_token(monkeypatch, u):
     import kvcache.integrations.sampling as smp
-    monkeypatch.setattr(smp, "uniforms", lambda s, t, dtype=None: torch.full(
+    import kvcache.integrations.sampling_numpy as smp_numpy
+    import kvcache.integrations.sampling_torch as smp_torch
+    # patched where sample / sample_numpy look them up
+    monkeypatch.setattr(smp_torch, "uniforms", lambda s, t, dtype=None: torch.full(
         s.shape, u, dtype=dtype or torch.float64, device=s.device))
-    monkeypatch.setattr(smp, "uniforms_numpy", lambda s, t: np.full(len(s), u))
+    monkeypatch.setattr(smp_numpy, "uniforms_numpy", lambda s, t: np.full(len(s), u))
     logits = np.array([[-np.inf, -np.inf, 0.0, 1.0, -np.inf], [0.0, 5.0, 1.0, -1.0, 2.0]])
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)]
     want = [2, 1] if u == 0 else [3, 4]          # the first kept token, or the last
