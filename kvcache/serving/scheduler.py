@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import CacheFullError
+from .batching import Batching
 from .plan import SLOT, Draw, Inflight, StepPlan
 from .request import Request, RequestOutput, Sample
 from .sequences import Seq, Sequences
@@ -39,7 +40,7 @@ from .stats import EngineStats
 __all__ = ["Scheduler"]
 
 
-class Scheduler:
+class Scheduler(Batching):
     """Requests and sequences on one ``PagedKVCache`` (see the module docstring).
 
     ``cache``: the cache; ``host_tier``: a ``kvcache.HostTier`` preempted sequences are parked
@@ -105,7 +106,7 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ sequences
-    # ------------------------------------------------------------------ planning
+    # ---------------------------------------------- planning (the batch policy: .batching)
     def schedule(self) -> Optional[StepPlan]:
         """The next forward, its sequences admitted to the cache; None when nothing is left to
         run (a pipelined step may still be in flight: ``settle`` it)."""
@@ -124,132 +125,6 @@ class Scheduler:
                 self.seqs.preempt(str(exc), keep=self._head)
                 continue
             return self._plan(batch)
-
-    def _choose(self):
-        """The next forward's (seq, chunk) list with the head in it, preempting for the head
-        when the free pages do not cover a token of it; None when no work is left."""
-        while True:
-            work = [s for s in self.seqs.by_sid.values() if s.pending > 0]
-            if not work:
-                return None
-            is_decode = [s.live and s.kind == "sample" and s.pending == 1 for s in work]
-            decodes = sorted((s for s, d in zip(work, is_decode) if d), key=lambda s: s.order)
-            rest = sorted((s for s, d in zip(work, is_decode) if not d), key=lambda s: s.order)
-            head = min(decodes[:1] + rest[:1], key=lambda s: s.order)
-            while not self.seqs.ready(head):           # (a parent is older: this ends at once)
-                assert head.parent is not None
-                head = head.parent
-            alone = not any(s.live and s is not head for s in self.seqs.by_sid.values())
-            batch = self._fill(decodes, rest, head, force=alone)
-            if batch is not None:
-                self._head = head
-                return batch
-            self.seqs.preempt("no room for the oldest unfinished sequence", keep=head)
-
-    def _room(self, s: Seq, free: int, budget: int) -> tuple:
-        """``(start, tokens, pages)``: where ``s``'s next chunk starts, how many of its pending
-        tokens (at most ``budget``) fit in ``free`` free pages, and the pages that chunk takes.
-        A sequence in the cache asks the cache (``append_room`` / ``pages_needed``: its own
-        last page, windows); one still to be admitted starts in fresh pages after what its
-        admission takes (a restore, or the partial page a fork copies)."""
-        if s.live:
-            want = min(s.pending, budget)
-            chunk = self.cache.append_room(s.sid, free, want)
-            return s.cached, chunk, self.cache.pages_needed([s.sid], [chunk]) if chunk else 0
-        ps = self.config.page_size
-        restore = self.seqs.restore_pages(s)
-        if restore is not None:                               # parked: restored, then run on
-            start, taken = s.parked, restore
-        elif self.seqs.shares(s):
-            start = s.fork_pos
-            taken = 1 if start % ps else 0                    # the fork copies a partial page
-        else:
-            start, taken = 0, 0
-        want = min(len(s.tokens) - start, budget)
-        have = free - taken
-        if have < 0 and taken:
-            fits = 0                                          # no page for the restore / copy
-        else:                   # room left in its last page (never shared), then whole pages
-            fits = max(have, 0) * ps + (-start) % ps
-        chunk = min(want, fits)
-        return start, chunk, taken + -(-(start + chunk) // ps) - -(-start // ps)
-
-    def _fill(self, decodes: list, rest: list, head: Seq, force: bool):
-        """One forward's (seq, chunk) list with ``head`` in it, or None when the free pages do
-        not cover a token of ``head`` (``force``: nothing else can be preempted; it is planned
-        anyway and the forward decides). Decodes first; then prompt chunks oldest first,
-        admitted while the free pages cover them."""
-        cfg = self.config
-        budget, free = cfg.prefill_chunk_size, self.cache.num_available_pages
-        head_decodes = bool(decodes) and decodes[0] is head
-        slots = min(cfg.max_batch_size, budget) - (0 if head_decodes else 1)
-        chunk = pages = 0
-        if not head_decodes:
-            own = budget - min(len(decodes), slots)
-            start, chunk, pages = self._room(head, free, own)
-            if chunk <= 0:
-                if not force:
-                    return None
-                chunk, pages = min(len(head.tokens) - start, own), 0     # try anyway
-            free -= pages
-        batch = [(s, 1) for s in decodes[:slots]]
-        if batch:                           # the cache counts the decodes' new pages
-            free -= self.cache.pages_needed([s.sid for s, _ in batch], [1] * len(batch))
-            budget -= len(batch)
-        if not head_decodes:
-            batch.append((head, chunk))
-            budget -= chunk
-            rest = rest[1:]
-        reserve = len(decodes)              # a page per running decode for the steps to come
-        for s in rest:
-            if len(batch) == cfg.max_batch_size or budget == 0:
-                break
-            if not s.live and free <= reserve:
-                continue                                      # no page to admit it with
-            if not self.seqs.ready(s):
-                continue
-            _, chunk, pages = self._room(s, free - (0 if s.live else reserve), budget)
-            if chunk <= 0:
-                continue                                      # wait for pages to free up
-            batch.append((s, chunk))
-            budget -= chunk
-            free -= pages
-        return batch
-
-    def _plan(self, batch) -> StepPlan:
-        ids: list = []
-        lens: list = []
-        toks: list = []
-        pos: list = []
-        rows: list = []
-        wants: list = []
-        dst: list = []
-        src: list = []
-        slots = self._inflight.slots if self._inflight is not None else {}
-        decode = True
-        for seq, chunk in batch:
-            chunk = min(chunk, seq.pending)
-            start = seq.cached
-            slot = slots.get(id(seq))
-            if slot is not None and start <= slot[0] < start + chunk:
-                dst.append(len(toks) + slot[0] - start)
-                src.append(slot[1])
-            ids.append(seq.sid)
-            lens.append(chunk)
-            toks.extend(seq.tokens[start:start + chunk])
-            pos.extend(range(start, start + chunk))
-            decode = decode and chunk == 1 and seq.kind == "sample"
-            if start + chunk == len(seq.tokens) and seq.kind != "prefix":
-                rows.append(len(toks) - 1)
-                wants.append(seq)
-        assert len(dst) == toks.count(SLOT), "a pick still on its way has no source in the step before"
-        reqs = [s.req for s in wants]
-        top = max((r.top_logprobs for r in reqs), default=0)
-        return StepPlan(ids, lens, toks, pos, rows, wants, dst, src,
-                        pipelined=self.pipelined and top == 0
-                        and all(r.greedy and r.params.n == 1 for r in reqs),
-                        logprobs=any(r.wants_logprobs for r in reqs), decode=decode, batch=batch,
-                        top_logprobs=top)
 
     # ------------------------------------------------------------------ admission, preemption
     def forward_failed(self, exc: CacheFullError) -> None:
