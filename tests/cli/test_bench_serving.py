@@ -67,7 +67,9 @@ def test_serving_rope_option_picks_who_rotates_in_a(capsys, monkeypatch, rope):
     monkeypatch.setenv("KVCACHE_CUDA_CPU", "1")
     entered = []
     real = kvt.fused_rope
-    monkeypatch.setattr(kvt, "fused_rope", lambda model, cache: entered.append(1) or real(model, cache))
+    # patched where TransformersAdapter.session looks it up
+    monkeypatch.setattr(kvt.adapter, "fused_rope",
+                        lambda model, cache: entered.append(1) or real(model, cache))
     extra = [] if rope == "cache" else ["--rope", "model"]
     assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c", "--backend",
                         "cuda", "--json"] + extra) == 0

@@ -63,8 +63,9 @@ def test_fused_rope_greedy_matches_the_models_own_rope(case, backend, monkeypatc
 def test_the_cache_really_rotates_and_the_model_does_not(monkeypatch):
     """If the model's rotary kept rotating, q/k would be rotated twice: the tokens differ."""
     model, prompts, greedy = rope_case("llama3")
-    monkeypatch.setattr(kvt, "_unrotated", lambda module, args, output: output)
-    monkeypatch.setattr(kvt, "_rotation_skipped", lambda: False)
+    # patched where fused_rope and the wrapped apply_rotary_pos_emb look them up
+    monkeypatch.setattr(kvt.rope, "_unrotated", lambda module, args, output: output)
+    monkeypatch.setattr(kvt.rope, "_rotation_skipped", lambda: False)
     out = Engine(model, backend="reference", max_total_tokens=8192,
                  rope="cache").generate(prompts[:3], max_new_tokens=8)
     assert all(o[0] != want[:8] for o, want in zip(out, greedy[:3]))

@@ -1,0 +1,248 @@
+"""The engine's side of the transformers integration: ``cache_config`` for a model and
+``TransformersAdapter``, the model as the engine's ``ModelAdapter`` (re-exported by the package)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from ...backend import Capabilities
+from ...config import CacheConfig
+from ...errors import UnsupportedFeatureError
+from .. import require
+from ..engine import ModelAdapter, PendingPicks
+from .interface import ATTN_IMPLEMENTATION, register
+from .model import (_dtype_name, _model_needs, attention_layers, eos_token_ids, head_dims,
+                    sliding_windows)
+from .rope import _check_rope, fused_rope, model_rotary
+
+torch = require("torch", "transformers")
+
+
+def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: int = 65536,
+                 max_batch_size: int = 64, prefill_chunk_size: int = 2048,
+                 rope: str = "model") -> CacheConfig:
+    """A ``CacheConfig`` for a transformers causal LM: layers, query/KV heads and head_dim from
+    ``model.config``, ``dtype`` (None: the model's parameter dtype) and the given sizes.
+    ``rope``: ``"model"`` gives ``rope_mode="none"`` (the model rotates q and k itself);
+    ``"cache"`` gives ``rope_mode="normal"`` with the model's ``inv_freq`` and partial rotary
+    dim (``model_rotary``; raises ``UnsupportedFeatureError`` when they cannot be proven
+    standard); run the model inside ``fused_rope(model, cache)`` then."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    head_dim, head_dim_v = head_dims(config)
+    mode, inv_freq, rot = "none", (), 0
+    if _check_rope(rope) == "cache":
+        freqs, rot = model_rotary(model)
+        mode, inv_freq = "normal", tuple(freqs.tolist())
+    return CacheConfig(
+        num_layers=int(config.num_hidden_layers), num_qo_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=head_dim, head_dim_v=head_dim_v, page_size=page_size,
+        max_batch_size=max_batch_size,
+        max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
+        dtype=_dtype_name(dtype if dtype is not None else model.dtype),
+        rope_mode=mode, rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
+        rope_inv_freq=inv_freq, rope_rotary_dim=rot)
+
+
+# ---------------------------------------------------------------------- engine adapter
+class TransformersAdapter(ModelAdapter):
+    """A transformers decoder-only causal LM as the engine's model: any family whose decoder
+    layers call transformers' attention interface (checked: ``attention_layers``; refused with
+    the reason otherwise)."""
+
+    def __init__(self, model, rope: str = "model"):
+        config = getattr(model, "config", None)
+        family = getattr(config, "model_type", None)
+        if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+            raise UnsupportedFeatureError(f"{type(model).__name__} has no language-model head: the "
+                                          f"Engine needs a *ForCausalLM model")
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnsupportedFeatureError(
+                f"{type(model).__name__} is an encoder-decoder model; the Engine runs decoder-only "
+                f"causal LMs")
+        attention_layers(model)          # refuses a model whose layers the cache cannot serve
+        self.model = model
+        self.family = str(family or type(model).__name__)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.windows = sliding_windows(config)
+        self.device = next(model.parameters()).device
+        self.rope = _check_rope(rope)
+        self._picks_ring: dict = {}      # batch size -> two pinned pick buffers and whose turn
+        if rope == "cache":
+            model_rotary(model)            # refuse a rotary the cache cannot reproduce, early
+
+    def cache_config(self, *, dtype, page_size, max_total_tokens, max_batch_size,
+                     prefill_chunk_size) -> CacheConfig:
+        return cache_config(self.model, dtype=dtype, page_size=page_size,
+                            max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
+                            prefill_chunk_size=prefill_chunk_size, rope=self.rope)
+
+    def default_device(self) -> Optional[str]:
+        return str(self.device)
+
+    def eos_token_ids(self) -> tuple:
+        return eos_token_ids(self.model)
+
+    def check(self, cache) -> None:
+        for need, cap in _model_needs(self.model):
+            if not getattr(cache.capabilities, cap, False):
+                raise UnsupportedFeatureError(
+                    f"the {self.family} model needs {need}, and backend {cache.backend.name!r} "
+                    f"does not support it: {Capabilities.reason(cap)}")
+        dtype = _dtype_name(self.model.dtype)
+        if cache.config.dtype != dtype and cache.backend.is_native(torch.zeros(1, device=self.device)):
+            raise UnsupportedFeatureError(
+                f"the model computes in {dtype} but the cache stores {cache.config.dtype}; the "
+                f"{cache.backend.name!r} backend takes the model's tensors as they are, so the "
+                f"dtypes must match (pass dtype=None)")
+
+    @contextlib.contextmanager
+    def session(self, cache):
+        """The model runs the "kvcache" attention for the duration (restored afterwards); with
+        ``rope="cache"`` inside ``fused_rope(model, cache)``."""
+        register()
+        before = self.model.config._attn_implementation
+        if before != ATTN_IMPLEMENTATION:
+            try:
+                self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            except (ValueError, NotImplementedError) as exc:
+                raise UnsupportedFeatureError(
+                    f"{type(self.model).__name__} cannot switch to a custom attention "
+                    f"implementation ({exc}); its attention cannot reach the cache") from None
+            if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+                self.model.set_attn_implementation(before)
+                raise UnsupportedFeatureError(
+                    f"{type(self.model).__name__} kept its attention implementation "
+                    f"{before!r} when asked for {ATTN_IMPLEMENTATION!r} (its layers do not call "
+                    f"transformers' attention interface): its attention cannot reach the cache")
+        rotary = fused_rope(self.model, cache) if self.rope == "cache" else contextlib.nullcontext()
+        try:
+            with torch.inference_mode(), rotary:
+                yield
+        finally:
+            if before != ATTN_IMPLEMENTATION:
+                self.model.set_attn_implementation(before)
+
+    def _upload(self, array: np.ndarray):
+        """A host array on the model's device without waiting for the device: a pageable copy
+        synchronizes the stream, which would hold a step planned ahead (pipelined) until the
+        one in flight is done; a pinned block (torch's pinned allocator keeps it until the copy
+        has run) does not."""
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def forward(self, cache, tokens, positions, logit_rows):
+        # ``tokens`` may be the previous step's picks, already on the device (overlapped decode)
+        ids = (tokens.to(self.device) if torch.is_tensor(tokens) else self._upload(tokens)).unsqueeze(0)
+        pos = self._upload(positions).unsqueeze(0)
+        keep = self._upload(logit_rows) if len(logit_rows) else 1
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
+                         kvcache=cache)
+        ran = cache.layers_run
+        if len(ran) != cache.config.num_layers:
+            missing = sorted(set(range(cache.config.num_layers)) - ran)
+            raise UnsupportedFeatureError(
+                f"layers {missing} of the {self.family} model ({type(self.model).__name__}) did "
+                f"not call transformers' attention interface: their attention cannot reach the "
+                f"cache, so the model cannot run on it")
+        return out.logits[0] if len(logit_rows) else None
+
+    def graphs_by_default(self, device) -> Optional[bool]:
+        """Whole-step graphs pay on a GPU (the model's device); on a CPU they save nothing."""
+        return torch.device(device if device is not None else self.device).type != "cpu"
+
+    def step_graphs(self, cache):
+        """Decode steps captured per bucket: the model's whole forward (embedding, layers with
+        the cache's attention, LM head) over a fixed ``(3, bucket)`` input buffer (token ids,
+        positions, logit rows); see ``kvcache.integrations.torch_graphs``."""
+        from ..torch_graphs import StepGraphs
+        model = self.model
+
+        def step(inputs):
+            out = model(input_ids=inputs[0].unsqueeze(0), position_ids=inputs[1].unsqueeze(0),
+                        use_cache=False, logits_to_keep=inputs[2], kvcache=cache)
+            return out.logits[0]
+
+        return StepGraphs(cache, step, self.device)
+
+    def to_numpy(self, logits) -> np.ndarray:
+        return logits.detach().to("cpu", torch.float64).numpy()
+
+    @staticmethod
+    def _greedy_picks(logits, logprobs: bool = True):
+        """On the logits' device: the argmax tokens ``(B,)`` and a ``(2, B)`` float64 tensor of
+        them and their log-probabilities, NaN unless ``logprobs`` (the one copy a step sends to
+        the host)."""
+        if not logprobs:
+            # argmax in the logits' own dtype (widening is exact and keeps the order): the
+            # float32 copy and log-sum-exp passes were 0.19 ms of a 3.4 ms B=64 decode step
+            tokens = logits.detach().argmax(dim=-1)
+            return tokens, torch.stack([tokens.to(torch.float64),
+                                        torch.full_like(tokens, float("nan"), dtype=torch.float64)])
+        rows = logits.detach().float()
+        tokens = rows.argmax(dim=-1)
+        lps = rows.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
+        return tokens, torch.stack([tokens.to(torch.float64), lps.to(torch.float64)])
+
+    def greedy(self, logits, logprobs: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        picked = self._greedy_picks(logits, logprobs)[1].cpu().numpy()
+        return picked[0].astype(np.int64), picked[1]
+
+    def device_memory(self, device):
+        dev = torch.device(device if device is not None else self.device)
+        if dev.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(dev)
+
+    def peak_memory(self, device, run) -> int:
+        dev = torch.device(device if device is not None else self.device)
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        run()
+        torch.cuda.synchronize(dev)
+        return max(0, torch.cuda.max_memory_allocated(dev) - before)
+
+    def step_tokens(self, tokens, picks, dst, src):
+        on = picks.tokens
+        if not torch.is_tensor(on):
+            return super().step_tokens(tokens, picks, dst, src)
+        # the picks stay on their device: the ids are gathered there, in stream order
+        out = self._upload(tokens)
+        out[self._upload(dst)] = on[self._upload(src)].to(out.dtype)
+        return out
+
+    def greedy_async(self, logits, logprobs: bool = True) -> PendingPicks:
+        tokens, picked = self._greedy_picks(logits, logprobs)
+        if picked.device.type == "cpu":
+            host = picked.numpy()
+            return PendingPicks(tokens, lambda: (host[0].astype(np.int64), host[1]))
+        # a pinned copy and an event: the host reads the picks when it needs them, the device
+        # goes on with the next step meanwhile
+        host_t = self._pinned_picks(picked.shape[1])
+        host_t.copy_(picked, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def result():
+            done.synchronize()
+            out = host_t.numpy().copy()
+            return out[0].astype(np.int64), out[1]
+        return PendingPicks(tokens, result)
+
+    def _pinned_picks(self, n: int):
+        """One of two pinned (2, n) float64 host buffers, in turn: the overlapped decode has at
+        most two steps' picks in flight, and reads a step's before the next-but-one is made."""
+        slot = self._picks_ring.get(n)
+        if slot is None:
+            slot = self._picks_ring[n] = [
+                [torch.empty((2, n), dtype=torch.float64, pin_memory=True) for _ in range(2)], 0]
+        bufs, k = slot
+        slot[1] = 1 - k
+        return bufs[k]
