@@ -1,0 +1,133 @@
+"""What the mlx-lm integration reads off a model without running it: its family, layers, the
+windows and EOS ids mlx-lm's own generation uses, and ``ModelDescription`` (what the probe
+reads; re-exported by the package)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ...errors import UnsupportedFeatureError
+from .. import require
+
+mx = require("mlx.core", "mlx-lm")
+
+from mlx_lm.models import cache as _mlx_cache  # noqa: E402
+
+_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+# ---------------------------------------------------------------------- model description
+def _family(model) -> str:
+    args = getattr(model, "args", None)
+    return str(getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1])
+
+
+def _layers(model) -> list:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise UnsupportedFeatureError(
+            f"{type(model).__name__} has no .layers: not an mlx-lm language model")
+    return list(layers)
+
+
+def _label(model, layer: int) -> str:
+    """'layer i (module.Class)' of the attention module of cache slot ``layer``, for messages."""
+    layers = _layers(model)
+    if layer < len(layers):
+        block = layers[layer]
+        attn = next((getattr(block, a) for a in ("self_attn", "attention", "attn")
+                     if getattr(block, a, None) is not None), block)
+        return f"layer {layer} ({type(attn).__module__}.{type(attn).__name__})"
+    return f"layer {layer}"
+
+
+class _Label:
+    """``_label(model, layer)``, built when formatted (the hot path formats none)."""
+
+    def __init__(self, model, layer: int):
+        self.model, self.layer = model, layer
+
+    def __str__(self) -> str:
+        return _label(self.model, self.layer)
+
+
+def _mlx_caches(model) -> list:
+    """The cache objects mlx-lm's own generation would use (``make_prompt_cache``)."""
+    if hasattr(model, "make_cache"):
+        return list(model.make_cache())
+    return [_mlx_cache.KVCache() for _ in _layers(model)]
+
+
+def sliding_windows(model) -> dict:
+    """``{layer: window}`` of the model's sliding-window layers (empty: none), as mlx-lm's own
+    generation builds them (``model.make_cache()``): a ``RotatingKVCache(max_size=w)`` layer
+    attends to the previous ``w`` positions, itself included; a ``KVCache`` layer to all of
+    them. Any other cache type raises ``UnsupportedFeatureError`` naming it."""
+    windows = {}
+    for i, c in enumerate(_mlx_caches(model)):
+        if type(c) is _mlx_cache.KVCache:
+            continue
+        if type(c) is _mlx_cache.RotatingKVCache and not getattr(c, "keep", 0):
+            windows[i] = int(c.max_size)
+            continue
+        what = (f"RotatingKVCache with keep={c.keep} (tokens kept at the start beside the "
+                f"window)" if isinstance(c, _mlx_cache.RotatingKVCache) else type(c).__name__)
+        raise UnsupportedFeatureError(
+            f"{_label(model, i)} of the {_family(model)} model uses mlx-lm's {what} (from "
+            f"model.make_cache()): the paged cache stands in for KVCache (full attention) and "
+            f"RotatingKVCache (a sliding window) only")
+    return windows
+
+
+def eos_token_ids(model, tokenizer=None) -> tuple:
+    """The end-of-sequence ids mlx-lm's own generation stops at: the tokenizer's
+    ``eos_token_ids`` (``mlx_lm.load`` fills them from the config's ``eos_token_id`` and the
+    tokenizer), else ``eos_token_id``, else the model args' ``eos_token_id`` (an int or a list);
+    () when none names one."""
+    sources = []
+    if tokenizer is not None:
+        sources += [getattr(tokenizer, "eos_token_ids", None), getattr(tokenizer, "eos_token_id", None)]
+    sources.append(getattr(getattr(model, "args", None), "eos_token_id", None))
+    for ids in sources:
+        if ids is None:
+            continue
+        ids = [ids] if isinstance(ids, (int, np.integer)) else list(ids)
+        if ids:
+            return tuple(sorted({int(t) for t in ids}))
+    return ()
+
+
+_eos_ids = eos_token_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDescription:
+    """What the probe read off an mlx-lm model's attention calls (``describe``)."""
+
+    num_layers: int
+    """Cache slots (one ``LayerCache`` each): ``len(model.make_cache())`` or of the layers."""
+    num_qo_heads: int
+    """Query heads of an attention call (``queries.shape[1]``)."""
+    num_kv_heads: int
+    """Key/value heads of an attention call (``keys.shape[1]``; fewer than the query heads
+    with GQA)."""
+    head_dim: int
+    """Head dim of queries and keys."""
+    head_dim_v: int
+    """Head dim of values and of the attention output."""
+    dtype: str
+    """The dtype the attention runs in (the cache's)."""
+    vocab_size: int
+    """The width of the model's logits (the sampler's vocabulary)."""
+    windows: dict
+    """``{layer: window}`` (``sliding_windows``)."""
+    sinks: tuple
+    """The layers that pass learned attention sinks (capability ``attention_sinks``)."""
+    own_attention: bool = False
+    """The model computes attention itself over the keys and values ``update_and_fetch``
+    returns (mlx-lm's gemma2: soft-capped scores; deepseek_v3: MLA over the latent and rotary
+    keys, which are then what the cache stores): the cache holds K/V, the model attends, one
+    sequence per model call. ``num_qo_heads`` is then ``num_kv_heads`` (queries never reach
+    the cache)."""
