@@ -297,14 +297,18 @@ def main(argv: Optional[list] = None) -> int:
         rows = host_bench(args.repeat)
         call_us = (call_us + numpy_call_us()) / 2
         changing = changing_bench(args.repeat)
+        from .bench_prefix import prefix_bench, print_prefix
+        prefix = prefix_bench(args.repeat)
         if args.json:
             print(json.dumps({"numpy_call_us": call_us, "python": platform.python_version(),
                               "numpy": np.__version__,
                               "machine": platform.processor() or platform.machine(),
-                              "rows": rows, "changing": changing}, indent=2))
+                              "rows": rows, "changing": changing, "prefix_cache": prefix},
+                             indent=2))
         else:
             print_host(rows, call_us)
             print_changing(changing)
+            print_prefix(prefix)
     if run is not None:
         return int(run(rest + (["--device", args.device] if args.device else [])) or 0)
     return 0

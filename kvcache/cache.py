@@ -3,6 +3,7 @@ arrays) and the backend (memory, streams, kernels)."""
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import functools
@@ -24,7 +25,8 @@ from .core.static import capacity_plan
 from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError, KVCacheError,
-                     SequenceExistsError, UnsupportedFeatureError)
+                     SequenceExistsError,
+                     UnsupportedFeatureError)
 from .plugins import open_backend
 from .transfer import SequencePayload, payload_fields
 
@@ -266,6 +268,21 @@ class PagedKVCache:
         return len(self._prefix.match(ids, extra_key)) * self.config.page_size
 
     @_exclusive
+    def prefix_admission(self, tokens: Sequence[int], extra_key: Any = None) -> tuple[int, int]:
+        """``(start, pages)``: the length ``add_sequence(seq_id, tokens, extra_key=extra_key)``
+        would start from now (``match_prefix``), and how many of ``num_available_pages`` that
+        takes (cached pages the new sequence would hold; pages other sequences hold already
+        are not available anyway). A scheduler admits a request with it: its first chunk then
+        needs ``pages_needed`` after those. ``(0, 0)`` without the prefix cache. Changes
+        nothing."""
+        ids = _token_ids(tokens, "prefix_admission: tokens")
+        _hashable(extra_key, "prefix_admission: extra_key")
+        if self._prefix is None:
+            return 0, 0
+        path = self._prefix.match(ids, extra_key)
+        return len(path) * self.config.page_size, self._prefix.pinned(path)
+
+    @_exclusive
     def extend_tokens(self, seq_id: int, tokens: Sequence[int]) -> None:
         """Record the token ids of sequence ``seq_id``'s next positions, after the ones already
         recorded (``add_sequence``'s ``tokens``, earlier calls): e.g. the tokens a request
@@ -290,6 +307,15 @@ class PagedKVCache:
         without ``CacheConfig(prefix_cache=True)``."""
         return 0 if self._prefix is None else self._prefix.evictable()
 
+    @_exclusive
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached page that no sequence reads (e.g. after the model's weights
+        changed: cached KV would be stale) and forget it; returns the pages freed, all of
+        ``num_cached_pages``. Sequences keep their pages. Raises ForwardStateError inside a
+        forward."""
+        self._no_forward("clear_prefix_cache")
+        return 0 if self._prefix is None else self._prefix.clear()
+
     def _with_room(self, call, shortfall):
         """``call()``; when it raises CacheFullError and evicting cached pages covers the
         ``shortfall()`` (pages missing), evict them and call again. The call changed nothing
@@ -301,9 +327,12 @@ class PagedKVCache:
             if prefix is None:
                 raise
             short = shortfall()
-            if short <= 0 or prefix.evictable() < short:
+            cached = prefix.evictable()
+            if short <= 0 or cached < short:
                 raise
-            prefix.evict(short)
+            # a few pages more than this call lacks: the next calls then find free pages
+            # instead of failing and planning again (a 32nd of the cache, at most 64 pages)
+            prefix.evict(max(short, min(cached, 64, self.state.pt.num_pages // 32)))
         return call()
 
     @_exclusive
@@ -312,6 +341,9 @@ class PagedKVCache:
         stay with the other sequences). Raises SequenceNotFoundError for an id not in the cache,
         ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("remove_sequence")
+        seq = self.state.seq(seq_id)
+        if self._prefix is not None and self._prefix.retire(seq):
+            return                  # its indexed pages stay cached, held by a ghost
         self.state.remove_sequence(seq_id)
 
     @_exclusive
@@ -340,6 +372,12 @@ class PagedKVCache:
         CacheFullError when a partial page must be copied and no page is free; nothing changes
         then."""
         self._no_forward("popn")
+        if self._prefix is not None:                # the pages it pops stay cached
+            try:
+                seq, count = self.state.check_popn(seq_id, n)
+            except CacheFullError:              # eviction may make room: popn says
+                seq, count = self.state.seq(seq_id), int(n)
+            self._prefix.detach(seq, (int(self.state.pt.s_len[seq.slot]) - count) // self.config.page_size)
         copies = self._with_room(lambda: self.state.popn(seq_id, n),
                                  lambda: 1 - self.state.pt.num_free)
         self._copy_pages(copies)
@@ -365,6 +403,10 @@ class PagedKVCache:
         forward or on an uncommitted token tree; nothing changes then."""
         self._no_forward("enable_sliding_window")
         self.state.enable_sliding_window(seq_id, window_size, sink_size)
+        if self._prefix is not None:            # its pages will slide: their entries go
+            seq = self.state.seq(seq_id)
+            if seq.prefix is not None:
+                self._prefix.release(seq.prefix)
 
     @_exclusive
     def clear(self) -> None:
@@ -1170,9 +1212,24 @@ class PagedKVCache:
         return o, lse
 
 
-def _token_ids(tokens, what: str) -> list:
-    """``tokens`` as a list of Python ints >= 0 (a list, tuple or 1-D integer array)."""
-    return int_values(tokens, what, 0, 2**63 - 1)
+def _token_ids(tokens, what: str) -> array.array:
+    """``tokens`` (a list or tuple of ints, or a 1-D integer array) as an ``array('q')`` of
+    ids >= 0. The common case (a list of Python ints) is checked at C speed: the index's host
+    cost is a few microseconds per 1,000 tokens, and a Python loop here would be ten times it."""
+    if isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
+        ids = tokens.astype(np.int64, copy=False)     # uint64 past 2**63 wraps negative: refused
+        if not len(ids) or int(ids.min()) >= 0:
+            return array.array("q", ids.tobytes())
+    if isinstance(tokens, np.ndarray) or hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
+        return array.array("q", int_values(tokens, what, 0, 2**63 - 1))
+    if isinstance(tokens, (list, tuple)) and set(map(type, tokens)) <= {int}:
+        try:
+            out = array.array("q", tokens)
+        except OverflowError:
+            out = None
+        if out is not None and (not out or int(np.frombuffer(out, np.int64).min()) >= 0):
+            return out
+    return array.array("q", int_values(tokens, what, 0, 2**63 - 1))    # the precise error
 
 
 def _hashable(value, what: str) -> None:

@@ -48,6 +48,22 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
         -k "Softcap or Sinks or MixedWindow or HeadDim or WindowLeft" 2>&1 | tail -14 ;;
     families) section "issue 27: every family at 8B-like attention shapes, bf16, against transformers' own generate"
       timeout 560 python3 tools/gpu_hf_check.py ${FAMILY_ARGS:-} 2>&1 | grep -a -v -i "warn" | tee "$OUT/families.log" | tail -40 ;;
+    prefix) section "issue 31: prefix cache warm = cold on the GPU, conformance -k Prefix"
+      timeout 280 python3 tools/gpu_prefix_check.py 2>&1 | grep -a -v -i warn | tee "$OUT/prefix_check.log" | tail -16 &
+      timeout 280 python3 -m kvcache.cli conformance --backend cuda -k Prefix 2>&1 | tail -4; wait ;;
+    prefix_ab) section "issue 31: the random serving workload, prefix cache on against off, twice each"
+      for i in 1 2; do for pc in on off; do
+        timeout 200 python3 -m kvcache.cli bench --serving --model llama --skip b,c --no-busy --prefix-cache $pc --json > "$OUT/ab_$pc$i.json" 2>/dev/null
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], {k: round(v['tokens_per_s'], 1) for k, v in r['systems'].items()})" "$OUT/ab_$pc$i.json" "$pc$i"
+      done; done ;;
+    prefix_work) section "issue 31: shared-prefix and multi-turn workloads"
+      for w in shared-prefix multi-turn; do
+        timeout 280 python3 -m kvcache.cli bench --serving --workload $w --json > "$OUT/$w.json" 2> "$OUT/$w.err"
+        python3 -c "import json, sys; from kvcache.bench_serving.prefix import print_prefix_result as p; p(json.load(open(sys.argv[1])))" "$OUT/$w.json" || tail -5 "$OUT/$w.err"
+      done ;;
+    prefix_profile) section "issue 31: where the shared-prefix run's host time goes"
+      timeout 200 python3 tools/profile_prefix.py ${PROFILE_ARGS:-} > "$OUT/prefix_profile.txt" 2>&1
+      grep -a -v -i warn "$OUT/prefix_profile.txt" | head -120 | cut -c1-160 ;;
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
       grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;

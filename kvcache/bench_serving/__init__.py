@@ -42,6 +42,7 @@ from typing import Any, Optional
 from .measure import _check, _gpu_spans, _timed, measure, tail_busy, union_length
 from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate, decode_bytes,
                     workload)
+from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
 from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
 from .runners import (SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
                       StaticRunner, _quiet_transformers)
@@ -88,6 +89,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed of the weights and the workload (default 0)")
     g.add_argument("--no-busy", action="store_true", help="skip the profiled runs that "
                    "measure the GPU busy fraction (a third of the run time; never off the GPU)")
+    g.add_argument("--workload", default="random", choices=WORKLOADS,
+                   help="random (default): the systems (a), (b), (c) above on random prompts; "
+                        "shared-prefix: requests sharing a system prompt, arriving one per step; "
+                        "multi-turn: conversations whose turns extend the last; both run the "
+                        "Engine with the prefix cache on and off, and (b)")
+    g.add_argument("--system", type=_pos, default=None, metavar="N",
+                   help="shared-prefix: the system prompt's tokens (default 2000; --tiny: 40); "
+                        "multi-turn: the first turn's prompt (default 512; --tiny: 24)")
+    g.add_argument("--prefix-cache", default="on", choices=("on", "off"),
+                   help="(a)'s automatic prefix cache on the random workload (default on, the "
+                        "Engine's default; its prompts share nothing, so this prices the index)")
     g.add_argument("--static-compile", action="store_true",
                    help="let (c) compile its forward (transformers' auto-compile; off by default)")
 
@@ -136,7 +148,10 @@ def run(args) -> dict:
     """Run the serving bench for parsed ``args``; returns the JSON-ready result."""
     import torch
     import transformers
-    for name, (full, tiny) in SIZES.items():
+    kind = getattr(args, "workload", "random")
+    if kind == "random" and getattr(args, "system", None) is not None:
+        raise ValueError("--system: only with --workload shared-prefix or multi-turn")
+    for name, (full, tiny) in [*PREFIX_SIZES.get(kind, {}).items(), *SIZES.items()]:
         if getattr(args, name, None) is None:
             setattr(args, name, tiny if args.tiny else full)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,6 +159,8 @@ def run(args) -> dict:
     skip = parse_skip(args.skip)
     dtype = "bfloat16" if on_gpu else "float32"
     backend = args.backend or ("cuda" if on_gpu else "reference")
+    if getattr(args, "workload", "random") != "random":
+        return _run_prefix(args, device, backend, dtype, skip)
     prompt_range = (8, 32) if args.tiny else (128, 1024)
     decode_prompt = 16 if args.tiny else 512
     n2 = args.new_tokens
@@ -172,7 +189,7 @@ def run(args) -> dict:
                      "dtype": dtype, "requests": args.requests, "prompt_range": list(prompt_range),
                      "new_tokens": n2, "seed": args.seed, "batch": args.batch,
                      "decode_prompt": decode_prompt, "decode_n1": n1, "decode_n2": n2,
-                     "a_rope": args.rope},
+                     "a_rope": args.rope, "a_prefix_cache": args.prefix_cache},
         "roofline": {"copy_rate_Bps": rate, "context": context, **nbytes,
                      "decode_step_ms": roof_s * 1e3, "tokens_per_s": args.batch / roof_s},
         "systems": {}, "skipped": {}, "ratios": {},
@@ -186,7 +203,8 @@ def run(args) -> dict:
         say(f"({key}) {SYSTEM_NAMES[key]}: starting")
         try:
             if key == "a":
-                runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope)
+                runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope,
+                                      args.prefix_cache == "on")
             elif key == "b":
                 runner = GenerateBatchRunner(net, None if on_gpu else {
                     "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,
@@ -230,10 +248,28 @@ def run(args) -> dict:
     return result
 
 
+def _run_prefix(args, device: str, backend: str, dtype: str, skip: set) -> dict:
+    import torch
+    import transformers
+    say(f"building the model ({args.model}, {args.layers} layers, "
+        f"{'tiny dims' if args.tiny else 'Llama-3-8B layer shapes'}, {dtype} on {device})")
+    net = build_model(args.model, args.layers, args.tiny, device, dtype, args.seed)
+    res = run_prefix(args, net, device, backend, skip, say)
+    res.update(command=f"kvcache bench --serving --workload {args.workload}",
+               date=time.strftime("%Y-%m-%d %H:%M:%S"), machine=platform.node(),
+               device=(torch.cuda.get_device_name(device) if device.startswith("cuda")
+                       else platform.processor() or platform.machine()),
+               torch=torch.__version__, transformers=transformers.__version__)
+    res["workload"]["dtype"] = dtype
+    return res
+
+
 def main(args) -> int:
     res = run(args)
     if args.json:
         print(json.dumps(res, indent=2))
+    elif "kind" in res["workload"]:
+        print_prefix_result(res)
     else:
         print_result(res)
     return 0

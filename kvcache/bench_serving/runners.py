@@ -28,12 +28,13 @@ class EngineRunner(Runner):
     """(a): our ``Engine``, sized for the workload (``batch`` sequences per forward)."""
 
     def __init__(self, net, backend: str, device: str, batch: int, max_len: int,
-                 rope: str = "cache"):
+                 rope: str = "cache", prefix_cache: bool = True):
         from ..integrations.transformers import Engine
         page = 16
         self.engine = Engine(net, backend=backend, device=device, page_size=page,
                              max_batch_size=batch,
-                             max_total_tokens=batch * (-(-max_len // page) + 2) * page, rope=rope)
+                             max_total_tokens=batch * (-(-max_len // page) + 2) * page, rope=rope,
+                             prefix_cache=prefix_cache)
         self.engine.progress = False
         self.name = f"{SYSTEM_NAMES['a']} ({self.engine.cache.backend.name}, rope={rope})"
 

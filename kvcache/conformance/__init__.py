@@ -52,6 +52,7 @@ _TESTS = {
     "test_graph": ("TestGraphMode",),
     "test_run_ahead": ("TestRunAhead",),
     "test_numerics": ("TestMaskedNonFinite",),
+    "test_prefix": ("TestPrefixCache",),
 }
 _HELPERS = {
     "harness": ("CachePair", "RunAhead", "make_config"),

@@ -85,8 +85,18 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
     # layer whatever the fork structure, so one captured step fits every batch of its bucket)
     flat = config.static_decode and is_decode
     max_depth = 1 if flat else MAX_BLOCK_DEPTH
-    num_depths = min(width, max_depth)
     plain = not config.support_sliding_window and tree_sizes is None
+    if is_decode and not flat and plain and width > 1:
+        # a decode batch whose first blocks are not worth coalescing (nothing, or too little,
+        # shared inside the batch: e.g. one sequence started from a cached prefix) reads each
+        # sequence's whole page list as one entry, as an unforked sequence does: one launch,
+        # and the same attention arithmetic as a sequence that computed those pages itself
+        at_0 = chain[width - 1] if trace is None else trace[:, 0]
+        heads = np.concatenate([[True], at_0[1:] != at_0[:-1]])
+        pages_0 = pt.b_npages[np.maximum(at_0, 0)] * (at_0 >= 0)
+        if decode_kernel_wins(int(pages_0.sum()), int(pages_0[heads].sum())):
+            max_depth = 1
+    num_depths = min(width, max_depth)
     seq_all = np.arange(batch)
     depths, holders = [], []
     change = np.empty(batch + 1, bool)              # entry boundaries of coalesced groups

@@ -1,29 +1,35 @@
 """Automatic prefix caching: an index of full pages keyed by the token ids that produced them.
 
-The index is a tree of *nodes*, one per full page: a node's key is (its parent node, the extra
-key, the page's token ids), so a chain of nodes spells a token prefix page by page and lookups
-compare token ids exactly (no hash can collide into a wrong prefix).
+The index is a tree of *nodes*, one per full page, keyed by a 64-bit hash chained over the
+pages (and the extra key) up to it (``prefix_hash``), so the longest cached prefix of a prompt is
+found by a binary search over the depth. A hash only finds a candidate: the tokens of the whole
+matched prefix are then compared with the tokens that node was computed from (one byte
+comparison), so a collision can never hand out another prefix's pages.
 
-The pages themselves stay in the page table. A node is *held* by a ghost: a hidden sequence
-(keyed by a ``Ghost`` object no caller can name) forked from the sequence that computed the
-page, ending at that sequence's last indexed page. Sharing works as for any fork: a new
-sequence whose tokens match ``m`` pages is forked from the holder of the ``m``-th node, so its
-whole matched prefix comes from one sequence's pages. Pages that only ghosts reach are cached:
-they count as available, and are evicted least recently used (leaf nodes first, the tail page
-of their ghost) when pages are needed. A real sequence never holds a node, so removing, popping
-or forking it needs no index update beyond its own token record.
+The pages stay in the page table. A node is *held* by the sequence that computed its page, as
+long as that sequence lives (its ``Track``): indexing changes nothing in the page table, so a
+sequence's blocks, and the plans built on them, stay as they were. When the sequence is removed,
+it becomes a *ghost*: a hidden sequence (keyed by a ``Ghost`` object no caller can name) cut back
+to its deepest held page. A new sequence whose tokens match ``m`` pages forks from the holder of
+the ``m``-th node, so its whole matched prefix comes from one sequence's pages. Pages that only
+ghosts reach are cached: they count as available, and are evicted least recently used, a ghost's
+deepest page first, when pages are needed. A sequence that pops (``popn``) pages it holds
+hands them to a ghost first; one that slides them out (a window) lets go of their nodes.
 
-Pure Python over the page table (numpy only for counting); no array library.
+Pure Python over the page table (numpy only for hashing and counting); no array library.
 """
 
 from __future__ import annotations
 
+import array
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
+
+from .prefix_hash import page_hashes, start_hash
 
 
 class Ghost:
@@ -31,36 +37,43 @@ class Ghost:
 
     __slots__ = ("nodes",)
 
-    def __init__(self):
-        self.nodes: set = set()         # the nodes this ghost holds
+    def __init__(self, nodes: Optional[set] = None):
+        self.nodes: set = set() if nodes is None else nodes     # the nodes this ghost holds
 
     def __repr__(self) -> str:
         return f"<prefix-cache ghost holding {len(self.nodes)} pages>"
 
 
+@dataclass(eq=False)
+class Track:
+    """A real sequence's token record: the ids of its positions as far as the caller told
+    them (``tokens``), the index nodes of its full recorded pages (``chain``, whoever holds
+    them) and the nodes whose pages are its own (``nodes``); ``owner``: its sequence id."""
+
+    owner: Any
+    extra: Any = None
+    tokens: array.array = field(default_factory=lambda: array.array("q"))
+    chain: list = field(default_factory=list)
+    nodes: set = field(default_factory=set)
+
+
 class Node:
     """One cached full page: ``depth`` pages from the root (1 = the first page)."""
 
-    __slots__ = ("id", "key", "parent", "depth", "holder", "children", "tick", "alive")
+    __slots__ = ("id", "key", "parent", "depth", "holder", "kids", "tick", "alive", "src")
 
-    def __init__(self, id: int, key: tuple, parent: Optional["Node"], holder: Ghost, tick: int):
-        self.id, self.key, self.parent, self.holder, self.tick = id, key, parent, holder, tick
+    def __init__(self, id: int, key: int, parent: Optional["Node"], holder: Union[Ghost, Track],
+                 src: bytes):
+        self.id, self.key, self.parent, self.holder, self.tick = id, key, parent, holder, 0
+        self.src = src          # int64 bytes of (at least) the token prefix up to this page
         self.depth: int = 1 if parent is None else parent.depth + 1
-        self.children = 0
+        self.kids: set = set()  # the nodes one page deeper (their holders may hold copies of this page)
         self.alive = True
 
 
-@dataclass
-class Track:
-    """A real sequence's token record: the ids of its positions as far as the caller told
-    them (``tokens``), the index nodes of its full recorded pages (``chain``), and the ghost
-    that holds the pages it added to the index (None before it added any, or once it popped
-    below that ghost's end)."""
-
-    extra: Any = None
-    tokens: list = field(default_factory=list)
-    chain: list = field(default_factory=list)
-    ghost: Optional[Ghost] = None
+def _key(holder):
+    """The page-table key of a holder."""
+    return holder if isinstance(holder, Ghost) else holder.owner
 
 
 class PrefixIndex:
@@ -73,172 +86,293 @@ class PrefixIndex:
         self._heap: list = []
         self._clock = itertools.count(1)
         self._ids = itertools.count()
-        self._evictable: tuple = (-1, 0)        # (epoch, count)
+        self._evictable: tuple = (None, 0, None)  # ((epoch, version), count, reached blocks)
+        # evictions free only pages no real sequence reaches: they leave the plan epoch (and a
+        # reused decode plan) alone and bump this instead
+        self._version = 0
 
     # ------------------------------------------------------------------ lookups
-    def _page_key(self, parent: Optional[Node], extra, tokens, d: int) -> tuple:
-        ps = self.ps
-        return (-1 if parent is None else parent.id, extra, tuple(tokens[d * ps:(d + 1) * ps]))
-
     def match(self, tokens, extra) -> list:
         """The nodes of the longest cached prefix of ``tokens``, whole pages, leaving at least
-        one token uncached (its logits are what a model computes next)."""
+        one token uncached (its logits are what a model computes next), that a new sequence can
+        fork from (not the pages of a sequence with an uncommitted token tree)."""
+        pages = (len(tokens) - 1) // self.ps
+        nodes = self.nodes
+        if pages <= 0 or not nodes:
+            return []
+        buf = tokens[:pages * self.ps].tobytes()
+        hashes = page_hashes(buf, self.ps, start_hash(extra), pages)
+        lo, hi = 0, pages                   # depth lo is cached; nothing past hi is
+        if hashes[-1] in nodes:
+            lo = pages
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in nodes:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            return []
+        node = nodes[hashes[lo - 1]]
+        size = lo * self.ps * 8
+        if node.depth != lo or node.src[:size] != buf[:size]:
+            path = self._match_slowly(buf, hashes)     # a hash collision: page by page
+        else:
+            path = _path(node)
+        seqs = self.state.pt.seqs
+        while path and isinstance(path[-1].holder, Track) \
+                and not seqs[path[-1].holder.owner].committed:
+            path.pop()
+        return path
+
+    def _match_slowly(self, buf: bytes, hashes: list) -> list:
         path: list = []
-        parent = None
-        for d in range((len(tokens) - 1) // self.ps):
-            node = self.nodes.get(self._page_key(parent, extra, tokens, d))
-            if node is None:
+        for d, h in enumerate(hashes, 1):
+            node = self.nodes.get(h)
+            size = d * self.ps * 8
+            if node is None or node.depth != d or node.src[:size] != buf[:size]:
                 break
             path.append(node)
-            parent = node
         return path
 
     def track(self, seq) -> Track:
         if seq.prefix is None:
-            seq.prefix = Track()
+            seq.prefix = Track(seq.seq_id)
         return seq.prefix
 
     # ------------------------------------------------------------------ attach
-    def attach(self, seq_id: int, tokens: list, extra) -> int:
+    def attach(self, seq_id: int, tokens: array.array, extra) -> int:
         """Add sequence ``seq_id`` (validated by the caller) holding the longest cached prefix
         of ``tokens``; returns its length in tokens."""
         state = self.state
         path = self.match(tokens, extra)
         if path:
-            holder = state.pt.seqs[path[-1].holder]
+            holder = state.pt.seqs[_key(path[-1].holder)]
             state._fork(holder, seq_id, len(path) * self.ps)    # page-aligned: nothing copied
             self._touch(path)
         else:
             state.pt.add_sequence(seq_id, state.pt.new_block())
         state.epoch += 1
         seq = state.pt.seqs[seq_id]
-        seq.prefix = Track(extra, list(tokens), list(path))
+        seq.prefix = Track(seq_id, extra, array.array("q", tokens), list(path))
         return len(path) * self.ps
 
     def _touch(self, path: list) -> None:
+        """Mark ``path`` used now. The heap holds every ghost's deepest node (the eviction
+        candidates; a stale tick is corrected when popped), and is rebuilt when stale entries
+        outnumber the nodes."""
         tick = next(self._clock)
         for node in path:
             node.tick = tick
-        heapq.heappush(self._heap, (tick, path[-1].id, path[-1]))
+        heap = self._heap
+        heapq.heappush(heap, (tick, path[-1].id, path[-1]))
+        if len(heap) > 2 * len(self.nodes) + 1024:
+            heap[:] = [(n.tick, n.id, n) for n in self.nodes.values()]
+            heapq.heapify(heap)
 
     # ------------------------------------------------------------------ record and index
-    def extend(self, seq, tokens: list) -> None:
+    def extend(self, seq, tokens) -> None:
         """Record the ids of ``seq``'s next positions, then index what is complete."""
         self.track(seq).tokens.extend(tokens)
         self.index(seq)
 
     def index(self, seq) -> None:
         """Add ``seq``'s full pages whose tokens are recorded and whose KV is stored (committed,
-        no sliding window) to the index; a new node is held by the sequence's ghost, forked
-        anew at its last indexed page."""
+        no sliding window) to the index; the sequence holds the new nodes."""
         t = seq.prefix
         if t is None or seq.window != -1 or not seq.committed:
             return
-        while t.chain and not t.chain[-1].alive:      # evicted (leaves first: a suffix)
+        while t.chain and not t.chain[-1].alive:      # evicted (deepest first: a suffix)
             t.chain.pop()
-        pt, ps = self.state.pt, self.ps
-        full = min(int(pt.s_len[seq.slot]), len(t.tokens)) // ps
+        ps = self.ps
+        full = min(int(self.state.pt.s_len[seq.slot]), len(t.tokens)) // ps
         if full <= len(t.chain):
             return
         new = []
         parent = t.chain[-1] if t.chain else None
-        for d in range(len(t.chain), full):
-            key = self._page_key(parent, t.extra, t.tokens, d)
+        src = t.tokens[:full * ps].tobytes()
+        start = start_hash(t.extra) if parent is None else parent.key
+        for d, key in enumerate(page_hashes(src, ps, start, full, len(t.chain)), len(t.chain) + 1):
             node = self.nodes.get(key)
+            size = d * ps * 8
+            if node is not None and (node.depth != d or node.src[:size] != src[:size]):
+                break                       # a hash collision: index no further
             if node is None:
-                node = Node(next(self._ids), key, parent, t.ghost, 0)   # holder set below
+                node = Node(next(self._ids), key, parent, t, src)
                 self.nodes[key] = node
+                t.nodes.add(node)
                 if parent is not None:
-                    parent.children += 1
+                    parent.kids.add(node)
                 new.append(node)
             t.chain.append(node)
             parent = node
-        if not new:
-            return
-        ghost = Ghost()
-        self.state._fork(seq, ghost, new[-1].depth * ps)      # page-aligned: nothing copied
-        old = t.ghost
-        if old is not None:                                   # its pages are a prefix of ours
-            for node in old.nodes:
-                node.holder = ghost
-            ghost.nodes = old.nodes
-            self._drop_ghost(old)
-        for node in new:
-            node.holder = ghost
-            ghost.nodes.add(node)
-        t.ghost = ghost
-        self._touch(new)
-        self.state.epoch += 1
+        if new:
+            self._touch(new)
 
     def truncated(self, seq, keep: Optional[int] = None) -> None:
-        """``seq`` now holds fewer tokens (popn): forget recorded ids past its end (or past
-        ``keep``); its ghost keeps the pages it holds, as a cache entry of its own."""
+        """``seq`` now holds fewer tokens (popn), or its ids past ``keep`` are stale (a token
+        tree's commit): forget them, and let go of the nodes of pages it no longer has."""
         t = seq.prefix
         if t is None:
             return
         n = int(self.state.pt.s_len[seq.slot])
-        del t.tokens[n if keep is None else min(n, keep):]
+        n = n if keep is None else min(n, keep)
+        del t.tokens[n:]
         del t.chain[n // self.ps:]
-        if t.ghost is not None and self._length(t.ghost) > n:
-            t.ghost = None
+        self.release(t, n // self.ps)
+
+    def detach(self, seq, keep: int) -> None:
+        """Before ``seq`` pops back to ``keep`` pages (``popn``): the nodes it holds deeper than
+        that go to a ghost forked from it at the deepest, so their pages stay cached (the
+        sequence's own copy of a partial page is then written on copy, as for any fork)."""
+        t = seq.prefix
+        deeper = set() if t is None else {n for n in t.nodes if n.depth > keep}
+        if not deeper or seq.window != -1 or not seq.committed:
+            return
+        ghost = Ghost(deeper)
+        t.nodes -= deeper
+        deepest = max(deeper, key=lambda n: n.depth)
+        self.state._fork(seq, ghost, deepest.depth * self.ps)     # page-aligned: nothing copied
+        for node in deeper:
+            node.holder = ghost
+        heapq.heappush(self._heap, (deepest.tick, deepest.id, deepest))
+        self.state.epoch += 1
+
+    def release(self, t: Track, keep: int = 0) -> None:
+        """Let go of the nodes ``t`` holds deeper than ``keep`` pages, deepest first: one with
+        children moves to a child's holder (whose pages run through a copy of it), one without
+        leaves the index."""
+        for node in sorted((n for n in t.nodes if n.depth > keep), key=lambda n: -n.depth):
+            if node.kids:
+                t.nodes.discard(node)
+                node.holder = next(iter(node.kids)).holder
+                node.holder.nodes.add(node)
+            else:
+                self._remove_node(node)
 
     def forked(self, parent, child, fork_pos: int) -> None:
         """``child`` was forked from ``parent`` at ``fork_pos``: it knows the parent's ids up to
-        there."""
+        there (the parent keeps holding their pages)."""
         t = parent.prefix
         if t is None:
             return
-        child.prefix = Track(t.extra, t.tokens[:fork_pos], t.chain[:fork_pos // self.ps])
+        child.prefix = Track(child.seq_id, t.extra, t.tokens[:fork_pos], t.chain[:fork_pos // self.ps])
+
+    def retire(self, seq) -> bool:
+        """``seq`` is being removed: when it holds nodes, it becomes their ghost, cut back to the
+        deepest of them (True: the caller must not remove it). A sequence with a window or an
+        uncommitted token tree lets go of its nodes instead (False)."""
+        t = seq.prefix
+        if t is None or not t.nodes:
+            return False
+        if seq.window != -1 or not seq.committed:
+            self.release(t)
+            return False
+        state, pt = self.state, self.state.pt
+        deepest = max(t.nodes, key=lambda n: n.depth)
+        excess = int(pt.s_len[seq.slot]) - deepest.depth * self.ps
+        if excess > 0:
+            state._popn(seq, excess)        # page-aligned: nothing copied
+            seq = pt.seqs[t.owner]
+        ghost = Ghost(t.nodes)
+        for node in t.nodes:
+            node.holder = ghost
+        pt.seqs[ghost] = pt.seqs.pop(t.owner)
+        seq.seq_id, seq.prefix = ghost, None
+        heapq.heappush(self._heap, (deepest.tick, deepest.id, deepest))
+        state.epoch += 1
+        return True
 
     # ------------------------------------------------------------------ eviction
     def _length(self, ghost: Ghost) -> int:
         pt = self.state.pt
         return int(pt.s_len[pt.seqs[ghost].slot])
 
+    def _reached(self) -> np.ndarray:
+        """Per block: reached by a real sequence (cached by epoch and version)."""
+        state = self.state
+        key = (state.epoch, self._version)
+        if self._evictable[0] == key:
+            return self._evictable[2]
+        pt = state.pt
+        reached = np.zeros(pt.num_blocks, bool)
+        ghosts = [s.slot for k, s in pt.seqs.items() if isinstance(k, Ghost)]
+        lasts = pt.s_last[:pt.num_slots].copy()
+        lasts[ghosts] = -1
+        frontier = lasts[lasts >= 0]
+        while len(frontier):
+            frontier = frontier[~reached[frontier]]
+            reached[frontier] = True
+            frontier = pt.b_parent[frontier]
+            frontier = frontier[frontier >= 0]
+        live = pt.b_live[:pt.num_blocks] & ~reached
+        count = int(pt.b_npages[:pt.num_blocks][live].sum()) if ghosts else 0
+        self._evictable = (key, count, reached)
+        return reached
+
     def evictable(self) -> int:
         """Pages that only ghosts reach: freed by eviction when pages are needed."""
-        state = self.state
-        if self._evictable[0] == state.epoch:
-            return self._evictable[1]
-        pt = state.pt
-        count = 0
-        ghosts = [s.slot for k, s in pt.seqs.items() if isinstance(k, Ghost)]
-        if ghosts:
-            lasts = pt.s_last[:pt.num_slots].copy()
-            lasts[ghosts] = -1
-            reached = np.zeros(pt.num_blocks, bool)
-            frontier = lasts[lasts >= 0]
-            while len(frontier):
-                frontier = frontier[~reached[frontier]]
-                reached[frontier] = True
-                frontier = pt.b_parent[frontier]
-                frontier = frontier[frontier >= 0]
-            live = pt.b_live[:pt.num_blocks] & ~reached
-            count = int(pt.b_npages[:pt.num_blocks][live].sum())
-        self._evictable = (state.epoch, count)
-        return count
+        self._reached()
+        return self._evictable[1]
+
+    def pinned(self, path: list) -> int:
+        """The evictable pages that attaching ``path`` would make a sequence hold."""
+        if not path:
+            return 0
+        reached = self._reached()
+        pt = self.state.pt
+        left, pinned = len(path), 0
+        for b in pt.trace(pt.seqs[_key(path[-1].holder)]):
+            n = min(int(pt.b_npages[b]), left)
+            if not reached[b]:
+                pinned += n
+            left -= n
+            if left <= 0:
+                break
+        return pinned
+
+    def clear(self) -> int:
+        """Evict every page that only ghosts reach; returns the pages freed."""
+        return self.evict(self.state.pt.num_pages)
 
     def evict(self, pages: int) -> int:
         """Free at least ``pages`` pages (fewer only when fewer are evictable), least recently
-        used leaf pages first; returns the pages freed."""
+        used first; returns the pages freed. A candidate is a ghost's deepest node whose page no
+        other sequence reads: without children it leaves the index; with children (whose
+        holders hold copies of its page, computed again) it moves to one of their holders.
+        Either way its ghost gives the page back. Nodes skipped because a sequence still reads
+        their page are retried once something was freed."""
         pt = self.state.pt
         start = pt.num_free
-        skipped = []
-        while pt.num_free - start < pages and self._heap:
-            entry = heapq.heappop(self._heap)
-            tick, _, node = entry
-            if not node.alive or node.children or node.tick != tick:
-                continue                                      # stale entry
-            ghost = node.holder
-            if not self._tail_is_own(ghost):
-                skipped.append(entry)                         # a sequence still reads it
-                continue
-            self._remove_node(node)
-            self._trim(ghost)
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
+        while pt.num_free - start < pages:
+            skipped, before = [], pt.num_free
+            while pt.num_free - start < pages and self._heap:
+                entry = heapq.heappop(self._heap)
+                tick, _, node = entry
+                ghost = node.holder
+                if not node.alive or not isinstance(ghost, Ghost):
+                    continue        # gone, or a live sequence's: pushed when it retires
+                if node.tick != tick:                         # used since: back in its place
+                    heapq.heappush(self._heap, (node.tick, node.id, node))
+                    continue
+                if self._length(ghost) != node.depth * self.ps:
+                    continue        # not its ghost's deepest: pushed again when it becomes so
+                if not self._tail_is_own(ghost):
+                    skipped.append(entry)
+                    continue
+                if node.kids:       # its children's holders hold copies of its page: one keeps it
+                    ghost.nodes.discard(node)
+                    node.holder = next(iter(node.kids)).holder
+                    node.holder.nodes.add(node)
+                else:
+                    self._remove_node(node)
+                self._trim(ghost)
+            for entry in skipped:
+                heapq.heappush(self._heap, entry)
+            if pt.num_free == before or not skipped:
+                break
         if pt.num_free != start:
-            self.state.epoch += 1
+            self._version += 1
         return pt.num_free - start
 
     def _tail_is_own(self, ghost: Ghost) -> bool:
@@ -253,22 +387,20 @@ class PrefixIndex:
         node.alive = False
         del self.nodes[node.key]
         node.holder.nodes.discard(node)
-        parent = node.parent
-        if parent is not None:
-            parent.children -= 1
-            if not parent.children:
-                heapq.heappush(self._heap, (parent.tick, parent.id, parent))
+        if node.parent is not None:
+            node.parent.kids.discard(node)
 
     def _trim(self, ghost: Ghost) -> None:
         """Cut a ghost back to its deepest held page (dropping it when it holds none)."""
         if not ghost.nodes:
             self._drop_ghost(ghost)
             return
-        keep = max(n.depth for n in ghost.nodes) * self.ps
+        deepest = max(ghost.nodes, key=lambda n: n.depth)
         seq = self.state.pt.seqs[ghost]
-        excess = self._length(ghost) - keep
+        excess = self._length(ghost) - deepest.depth * self.ps
         if excess > 0:
             self.state._popn(seq, excess)
+            heapq.heappush(self._heap, (deepest.tick, deepest.id, deepest))    # a candidate now
 
     def _drop_ghost(self, ghost: Ghost) -> None:
         pt = self.state.pt
@@ -288,11 +420,25 @@ class PrefixIndex:
         pt = self.state.pt
         for key, node in self.nodes.items():
             assert node.alive and node.key == key
-            assert node.holder in pt.seqs, f"node {node.id} held by a ghost not in the cache"
-            assert node in node.holder.nodes
-            assert self._length(node.holder) >= node.depth * self.ps
-            assert node.parent is None or node.parent.alive
+            holder = node.holder
+            assert _key(holder) in pt.seqs, f"node {node.id} held by a sequence not in the cache"
+            assert node in holder.nodes
+            if isinstance(holder, Track):
+                assert pt.seqs[holder.owner].prefix is holder
+            assert int(pt.s_len[pt.seqs[_key(holder)].slot]) >= node.depth * self.ps
+            assert node.parent is None or (node.parent.alive and node in node.parent.kids)
         for k, seq in pt.seqs.items():
             if isinstance(k, Ghost):
                 assert k.nodes, "a ghost holds no page"
                 assert self._length(k) == max(n.depth for n in k.nodes) * self.ps
+
+
+def _path(node: Node) -> list:
+    """The nodes from the root to ``node``."""
+    out = []
+    at: Optional[Node] = node
+    while at is not None:
+        out.append(at)
+        at = at.parent
+    out.reverse()
+    return out

@@ -272,6 +272,7 @@ class CacheState:
         pt.drop_sequence(seq_id)
         del pt.seqs[temp_id]
         child.seq_id = seq_id
+        child.prefix = seq.prefix       # the same sequence: its recorded token ids stay
         pt.seqs[seq_id] = child
         if seq.window != -1:   # keep the window
             child.window, child.sink_request = seq.window, seq.sink_request

@@ -50,9 +50,8 @@ def rows(result) -> tuple:
         out.append(("whole-step graphs", f"{s.graph_forwards:,} forwards replayed a graph "
                                          f"({s.graph_captures} captures)"))
     shared = f"{s.forks} forks, {s.shared_prefix_tokens:,} prompt tokens not recomputed"
-    hits = getattr(s, "prefix_hit_tokens", None)
-    if hits is not None:
-        shared += f", {hits:,} prefix-cache hit tokens"
+    shared += (f"; prefix cache: {s.prefix_hit_tokens:,} tokens found cached "
+               f"({100 * s.prefix_hit_rate:.0f}% of prompt tokens)")
     out.append(("shared pages", shared))
     if sampled:
         distinct = result.distinct()

@@ -21,6 +21,8 @@ the step eagerly on the static buffers: the same data path, without a device gra
 
 from __future__ import annotations
 
+import gc
+
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -160,7 +162,15 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         cache.rerun_layers()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.step(slot.inputs)
+        # no garbage collection inside the capture: collecting another engine's graph there
+        # (a reference cycle freed late) resets it mid-capture and invalidates this one
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self.step(slot.inputs)
+        finally:
+            if collecting:
+                gc.enable()
         graph.replay()                          # capture only records: run it for this step
         slot.graph, slot.logits = graph, logits

@@ -64,6 +64,8 @@ class Batching:
         elif self.seqs.shares(s):
             start = s.fork_pos
             taken = 1 if start % ps else 0                    # the fork copies a partial page
+        elif self.config.prefix_cache:                        # from its cached prefix, which
+            start, taken = self.cache.prefix_admission(self.seqs.known(s))    # it then holds
         else:
             start, taken = 0, 0
         want = min(len(s.tokens) - start, budget)

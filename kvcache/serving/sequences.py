@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 from ..errors import CacheFullError
+from .plan import SLOT
 from .request import Request
 from .stats import EngineStats
 
@@ -35,6 +36,7 @@ class Seq:
     retired: bool = False              # done (removed for good): dependants start from scratch
     waiting: int = 0                   # dependants not yet forked from it
     computed: int = 0                  # tokens ever run for it (recompute accounting)
+    recorded: int = 0                  # its first tokens whose ids the cache knows (prefix cache)
 
     @property
     def pending(self) -> int:
@@ -160,8 +162,24 @@ class Sequences:
         if seq.kind == "prefix" and seq.waiting == 0 and seq.pending == 0 and not seq.retired:
             self.retire(seq)
 
+    @staticmethod
+    def known(seq: Seq) -> list:
+        """``seq``'s tokens up to a pick still on its way (pipelined mode)."""
+        return seq.tokens[:seq.tokens.index(SLOT)] if SLOT in seq.tokens else seq.tokens
+
+    def record(self, seq: Seq) -> None:
+        """Tell the prefix cache the ids of ``seq``'s tokens it does not know yet (up to a pick
+        still on its way), so that its full pages stay cached after it leaves."""
+        if not self.cache.config.prefix_cache or not seq.live:
+            return
+        upto = seq.tokens.index(SLOT) if SLOT in seq.tokens[seq.recorded:] else len(seq.tokens)
+        if upto > seq.recorded:
+            self.cache.extend_tokens(seq.sid, seq.tokens[seq.recorded:upto])
+            seq.recorded = upto
+
     def retire(self, seq: Seq) -> None:
         if seq.live:
+            self.record(seq)
             self.cache.remove_sequence(seq.sid)
         seq.live, seq.retired = False, True
         self.by_sid.pop(seq.sid, None)
@@ -202,12 +220,20 @@ class Sequences:
             else:
                 saved = self.host_tier.restore(seq.sid)
             seq.cached = seq.parked
+            seq.recorded = 0                        # an import knows no ids
             stats.recompute_tokens_saved += saved
         elif parent is not None and not parent.retired:
             cache.fork_sequence(parent.sid, seq.sid, seq.fork_pos)
             seq.cached = seq.fork_pos
+            seq.recorded = min(seq.fork_pos, parent.recorded)
             stats.forks += 1
             stats.shared_prefix_tokens += seq.fork_pos
+        elif cache.config.prefix_cache:         # starts from the longest cached prefix
+            known = self.known(seq)
+            seq.cached = cache.add_sequence(seq.sid, known)
+            seq.recorded = len(known)
+            seq.computed = max(seq.computed, seq.cached)
+            stats.prefix_hit_tokens += seq.cached
         else:
             cache.add_sequence(seq.sid)
             seq.cached = 0
@@ -216,6 +242,7 @@ class Sequences:
             self.host_tier.drop(seq.sid)
         seq.parked = 0
         seq.live = True
+        self.record(seq)
         if parent is not None:
             parent.waiting -= 1
             seq.parent = None
@@ -245,6 +272,7 @@ class Sequences:
                 self.stats.offloaded_tokens += victim.parked
                 self.attach(victim, victim.origin)     # restored onto its prefix if in use
                 return
+        self.record(victim)                     # its full pages stay cached for its return
         self.cache.remove_sequence(victim.sid)
         victim.live, victim.cached = False, 0
         if victim.kind == "prefix":

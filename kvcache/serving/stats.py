@@ -21,6 +21,9 @@ class EngineStats:
     """Sequences started by forking (shared prefix or parallel sample)."""
     shared_prefix_tokens: int = 0
     """Prompt tokens not computed because a fork shared them."""
+    prefix_hit_tokens: int = 0
+    """Tokens not computed because the prefix cache held them (``CacheConfig.prefix_cache``:
+    earlier requests, earlier calls, or a preempted sequence's own pages)."""
     preemptions: int = 0
     """Sequences removed to make room (recomputed later, or parked in the host tier)."""
     recomputed_tokens: int = 0
@@ -36,6 +39,13 @@ class EngineStats:
     overlapped_forwards: int = 0
     """Greedy steps launched before the host had the previous step's picks (decode runs, and
     pipelined steps with prompt chunks)."""
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """``prefix_hit_tokens`` over every token a sequence started with or ran as a prompt
+        chunk (hits, forks' shared prefixes and prefill): the share the prefix cache saved."""
+        total = self.prefix_hit_tokens + self.shared_prefix_tokens + self.prefill_tokens
+        return self.prefix_hit_tokens / total if total else 0.0
 
     @property
     def forward_tokens(self) -> int:

@@ -97,11 +97,29 @@ def test_deep_fork_chain_folds_into_last_depth():
         grow(cache, parent, 2)
         cache.fork_sequence(parent, child)
         parent = child
-    plan = cache.planner.begin([parent], [1])
+    cache.fork_sequence(parent, 7)            # a sibling: the decode batch shares the chain
+    plan = cache.planner.begin([parent, 7], [1, 1])
     assert len(plan.depths) == 2
-    np.testing.assert_array_equal(plan.depths[0].kv_len, [2])
-    np.testing.assert_array_equal(plan.depths[1].kv_len, [11])          # 5 folded blocks + new token
+    np.testing.assert_array_equal(plan.depths[0].kv_len, [2])           # coalesced: one entry
+    np.testing.assert_array_equal(plan.depths[1].kv_len, [11, 11])      # 5 folded blocks + new token
     assert cache.sequence_length(parent) == 13
+
+
+def test_a_decode_batch_sharing_nothing_reads_each_forked_sequence_as_one_entry():
+    """A fork chain read by one sequence alone (e.g. one started from a cached prefix): no
+    coalescing pays, so its whole page list is one entry of one depth, as for a sequence
+    that never forked (one launch, the same arithmetic)."""
+    cache = make_cache(page_size=2)
+    cache.add_sequence(0)
+    parent = 0
+    for child in range(1, 7):
+        grow(cache, parent, 2)
+        cache.fork_sequence(parent, child)
+        parent = child
+    plan = cache.planner.begin([parent], [1])
+    assert len(plan.depths) == 1 and plan.depths[0].use_decode
+    np.testing.assert_array_equal(plan.depths[0].kv_len, [13])
+    np.testing.assert_array_equal(plan.depths[0].page_indptr, [0, 7])
 
 
 def _assert_same_plan(fast_plan, slow_plan, fast_pt, slow_pt):

@@ -9,6 +9,8 @@ index entry shows up as a wrong ``get_kv`` row or a wrong attention output. The 
 every page-aligned prefix that was ever cached, so a match can never claim tokens that were not.
 """
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -262,6 +264,14 @@ class PrefixMachine(RuleBasedStateMachine):
         m.tokens += path[::-1]
         self.note_indexed(m)
 
+    @rule()
+    def clear_cached(self):
+        """Every page that only the index holds can be evicted (none is stranded)."""
+        cached = self.cache.num_cached_pages
+        free = self.cache.num_available_pages
+        assert self.cache.clear_prefix_cache() == cached
+        assert self.cache.num_cached_pages == 0 and self.cache.num_available_pages == free
+
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def match(self, data):
@@ -277,6 +287,8 @@ class PrefixMachine(RuleBasedStateMachine):
         c = self.cache
         c.state.pt.check_invariants()
         c._prefix.check()
+        twin = copy.deepcopy(c._prefix)             # every cached page can be evicted, now
+        assert twin.clear() == c.num_cached_pages
         assert sorted(c.sequence_ids) == sorted(self.model)
         assert 0 <= c.num_cached_pages <= c.num_available_pages <= c.num_total_pages
         for s, m in self.model.items():

@@ -144,13 +144,17 @@ def random_program(seed: int) -> dict:
                 pipelined=rng.random() < 0.7, tier=rng.random() < 0.4)
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["plain", "prefix-cache"])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_programs_in_small_caches_equal_the_judge(seed):
+def test_random_programs_in_small_caches_equal_the_judge(seed, prefix_cache):
+    """With the prefix cache on, a request starts from the pages of earlier ones (the fake
+    model reads its history from the cache: a wrong cached page changes every later token)."""
     prog = random_program(seed)
     ps = prog["page_size"]
     core, _, cache = make_core(max_total_tokens=prog["pages"] * ps, page_size=ps,
                                max_batch_size=prog["batch"], prefill_chunk_size=prog["chunk"],
-                               pipelined=prog["pipelined"], host_tier=prog["tier"])
+                               pipelined=prog["pipelined"], host_tier=prog["tier"],
+                               prefix_cache=prefix_cache)
     base = cache.num_available_pages
     ids: dict = {}
     got: dict = {}

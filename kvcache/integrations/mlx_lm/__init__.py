@@ -112,8 +112,9 @@ class Engine(_Engine):
     for the GPU); ``overlap`` (default True): greedy decode with the host one step ahead of the
     device; both as in ``kvcache.integrations.engine.Engine``. ``tokenizer`` (e.g.
     ``mlx_lm.load``'s) or ``eos_token_ids``: where a sample ends unless ``ignore_eos``
-    (``eos_token_ids(model, tokenizer)``; explicit ids win). See
-    ``kvcache.integrations.engine.Engine.generate``.
+    (``eos_token_ids(model, tokenizer)``; explicit ids win). ``prefix_cache`` (default True):
+    requests start from the longest cached prefix of their prompt, see
+    ``kvcache.integrations.engine.Engine``. See ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
@@ -122,11 +123,12 @@ class Engine(_Engine):
                  prefill_chunk_size: Optional[int] = None, offload: Optional[bool] = None,
                  offload_tokens: Optional[int] = None, overlap: bool = True,
                  tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None,
-                 memory_fraction: float = 0.9):
+                 memory_fraction: float = 0.9,
+                 prefix_cache: bool = True):
         self.model = model
         super().__init__(MlxLmAdapter(model, tokenizer=tokenizer, eos_token_ids=eos_token_ids),
                          backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          offload=offload, offload_tokens=offload_tokens, overlap=overlap,
-                         memory_fraction=memory_fraction)
+                         memory_fraction=memory_fraction, prefix_cache=prefix_cache)

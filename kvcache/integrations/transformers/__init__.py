@@ -111,7 +111,9 @@ class Engine(_Engine):
     process per rank (``tp``: the number of ranks, None: 1 unless the model is already split;
     ``tp_group``: their torch.distributed group, None: the default group); the model is split
     over the ranks and each rank's cache holds its ``num_kv_heads / tp`` heads, see
-    ``kvcache.integrations.tp``. See ``kvcache.integrations.engine.Engine.generate``.
+    ``kvcache.integrations.tp``. ``prefix_cache`` (default True): requests start from the
+    longest cached prefix of their prompt, see ``kvcache.integrations.engine.Engine``. See
+    ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
@@ -120,7 +122,8 @@ class Engine(_Engine):
                  rope: str = "model", graphs: Optional[bool] = None,
                  graph_batch_sizes=None, offload: Optional[bool] = None,
                  offload_tokens: Optional[int] = None, overlap: bool = True,
-                 tp: Optional[int] = None, tp_group=None, memory_fraction: float = 0.9):
+                 tp: Optional[int] = None, tp_group=None, memory_fraction: float = 0.9,
+                 prefix_cache: bool = True):
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
@@ -133,4 +136,4 @@ class Engine(_Engine):
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
                          offload_tokens=offload_tokens, overlap=overlap,
-                         memory_fraction=memory_fraction)
+                         memory_fraction=memory_fraction, prefix_cache=prefix_cache)

@@ -1,0 +1,71 @@
+"""``kvcache bench --host``'s prefix-cache rows: the host cost of matching a prompt against the
+index (``match_prefix``) and of starting a sequence from its cached prefix (``add_sequence``
+with tokens, then ``remove_sequence``), per 1,000 prompt tokens. Target: at most 10 us per
+request per 1,000 prompt tokens (issue 31)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+PREFIX_TARGET_US = 10.0
+PREFIX_LENGTHS = (1000, 4000)
+
+
+def prefix_bench(repeat: int = 200, page_size: int = 16, lengths=PREFIX_LENGTHS) -> list:
+    """One row per prompt length: medians of ``repeat`` calls on a cache whose index holds the
+    prompt (and 7 other prompts sharing its first half, so lookups walk a real tree); the
+    prompt given as a list of Python ints (what the Engine passes) and as an int64 array."""
+    from .cache import PagedKVCache
+    from .config import CacheConfig
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for n in lengths:
+        config = CacheConfig(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=8,
+                             page_size=page_size, max_total_tokens=12 * n, max_batch_size=1,
+                             prefill_chunk_size=n, dtype="float32", rope_mode="none",
+                             prefix_cache=True)
+        cache = PagedKVCache(config, backend="reference")
+        base = rng.integers(0, 32000, n).tolist()
+        prompts = [base] + [base[:n // 2] + rng.integers(0, 32000, n - n // 2).tolist()
+                            for _ in range(7)]
+        q = np.zeros((n, 1, 8), np.float32)
+        for i, p in enumerate(prompts):                  # computed once each, then cached
+            start = cache.add_sequence(i, p)
+            with cache.forward([i], [n - start]):
+                cache.attention(0, q[start:], q[start:], q[start:])
+            cache.remove_sequence(i)
+        probe = base + [1]
+        for kind, given in (("list", probe), ("int64 array", np.array(probe, np.int64))):
+            times_match, times_add = [], []
+            for r in range(repeat):
+                t0 = time.perf_counter()
+                got = cache.match_prefix(given)
+                t1 = time.perf_counter()
+                cache.add_sequence(10_000, given)
+                cache.remove_sequence(10_000)
+                t2 = time.perf_counter()
+                times_match.append(t1 - t0)
+                times_add.append(t2 - t1)
+            per = 1000.0 / n
+            rows.append({"prompt_tokens": n, "tokens_as": kind, "matched": got,
+                         "match_us": statistics.median(times_match) * 1e6,
+                         "add_remove_us": statistics.median(times_add) * 1e6,
+                         "match_us_per_1k": statistics.median(times_match) * 1e6 * per,
+                         "add_remove_us_per_1k": statistics.median(times_add) * 1e6 * per})
+    return rows
+
+
+def print_prefix(rows) -> None:
+    print(f"prefix cache host cost (page 16, an index of 8 prompts sharing halves; target "
+          f"<= {PREFIX_TARGET_US:g} us per request per 1,000 prompt tokens)")
+    print(f"{'prompt':>7} {'given as':>12} {'matched':>8} {'match us':>9} {'add+remove us':>14} "
+          f"{'match us/1k':>12} {'add+remove us/1k':>17} {'target':>7}")
+    for r in rows:
+        ok = "met" if r["add_remove_us_per_1k"] <= PREFIX_TARGET_US else "MISSED"
+        print(f"{r['prompt_tokens']:>7} {r['tokens_as']:>12} {r['matched']:>8} {r['match_us']:>9.1f} "
+              f"{r['add_remove_us']:>14.1f} {r['match_us_per_1k']:>12.2f} "
+              f"{r['add_remove_us_per_1k']:>17.2f} {ok:>7}")
