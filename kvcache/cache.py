@@ -927,9 +927,12 @@ class PagedKVCache:
                 f"sequences {plan.seq_ids}; run them, or call abort_forward")
         self._close()
         if self._prefix is not None:        # full pages whose ids are recorded join the index
-            seqs = self.state.pt.seqs
+            seqs, ps = self.state.pt.seqs, self.config.page_size
             for sid in plan.seq_ids:
-                self._prefix.index(seqs[int(sid)])
+                seq = seqs[int(sid)]
+                t = seq.prefix              # most decode steps complete no recorded page
+                if t is not None and len(t.tokens) >= (len(t.chain) + 1) * ps:
+                    self._prefix.index(seq)
 
     @_exclusive
     def abort_forward(self) -> None:

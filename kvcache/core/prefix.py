@@ -340,8 +340,10 @@ class PrefixIndex:
         used first; returns the pages freed. A candidate is a ghost's deepest node whose page no
         other sequence reads: without children it leaves the index; with children (whose
         holders hold copies of its page, computed again) it moves to one of their holders.
-        Either way its ghost gives the page back. Nodes skipped because a sequence still reads
-        their page are retried once something was freed."""
+        Either way its ghost gives the page back. A ghost's next nodes follow in the same pass
+        while they are the least recently used (one ``popn`` per ghost, not per page). Nodes
+        skipped because a sequence still reads their page are retried once something was
+        freed."""
         pt = self.state.pt
         start = pt.num_free
         while pt.num_free - start < pages:
@@ -357,16 +359,27 @@ class PrefixIndex:
                     continue
                 if self._length(ghost) != node.depth * self.ps:
                     continue        # not its ghost's deepest: pushed again when it becomes so
-                if not self._tail_is_own(ghost):
+                own = self._own_floor(ghost)
+                if own >= node.depth:
                     skipped.append(entry)
                     continue
-                if node.kids:       # its children's holders hold copies of its page: one keeps it
-                    ghost.nodes.discard(node)
-                    node.holder = next(iter(node.kids)).holder
-                    node.holder.nodes.add(node)
-                else:
-                    self._remove_node(node)
-                self._trim(ghost)
+                limit = self._heap[0][0] if self._heap else None
+                floor = max(own, node.depth - (pages - (pt.num_free - start)))
+                at: Optional[Node] = node
+                while at is not None:
+                    nxt = at.parent         # the ghost's next deepest node, past others' nodes
+                    while nxt is not None and nxt.holder is not ghost:
+                        nxt = nxt.parent
+                    if at.kids:     # its children's holders hold copies of its page: one keeps it
+                        ghost.nodes.discard(at)
+                        at.holder = next(iter(at.kids)).holder
+                        at.holder.nodes.add(at)
+                    else:
+                        self._remove_node(at)
+                    if nxt is None or nxt.depth <= floor or (limit is not None and nxt.tick > limit):
+                        break
+                    at = nxt
+                self._trim(ghost, nxt)
             for entry in skipped:
                 heapq.heappush(self._heap, entry)
             if pt.num_free == before or not skipped:
@@ -375,13 +388,17 @@ class PrefixIndex:
             self._version += 1
         return pt.num_free - start
 
-    def _tail_is_own(self, ghost: Ghost) -> bool:
-        """Whether the ghost's last page is reached by no other sequence."""
+    def _own_floor(self, ghost: Ghost) -> int:
+        """The depth past which the ghost's pages are its own (no other sequence reads them):
+        the start of its trailing blocks that only it references."""
         pt = self.state.pt
         b = int(pt.s_last[pt.seqs[ghost].slot])
-        while b != -1 and pt.b_len[b] == 0 and pt.b_ref[b] == 1:
+        floor = self._length(ghost) // self.ps
+        while b != -1 and pt.b_ref[b] == 1:
+            if pt.b_len[b] > 0:
+                floor = int(pt.b_start[b]) // self.ps
             b = int(pt.b_parent[b])
-        return b != -1 and pt.b_ref[b] == 1
+        return 0 if b == -1 else floor
 
     def _remove_node(self, node: Node) -> None:
         node.alive = False
@@ -390,12 +407,13 @@ class PrefixIndex:
         if node.parent is not None:
             node.parent.kids.discard(node)
 
-    def _trim(self, ghost: Ghost) -> None:
-        """Cut a ghost back to its deepest held page (dropping it when it holds none)."""
-        if not ghost.nodes:
+    def _trim(self, ghost: Ghost, deepest: Optional[Node]) -> None:
+        """Cut a ghost back to ``deepest``, its deepest held node now (None: it holds none and
+        goes)."""
+        if deepest is None:
+            assert not ghost.nodes
             self._drop_ghost(ghost)
             return
-        deepest = max(ghost.nodes, key=lambda n: n.depth)
         seq = self.state.pt.seqs[ghost]
         excess = self._length(ghost) - deepest.depth * self.ps
         if excess > 0:

@@ -41,8 +41,8 @@ def page_hashes(buf: bytes, page_size: int, start: int, pages: int, first: int =
     tok = np.frombuffer(buf, np.int64, k * ps, first * ps * 8).view(np.uint64).reshape(k, ps)
     qpow, qinv, rpow = _powers(max(k, ps))
     # uint64 array arithmetic wraps mod 2**64 without a warning (only scalars warn)
-    page = (tok * rpow[:ps]).sum(axis=1, dtype=np.uint64)
-    acc = np.cumsum(page * qinv[1:k + 1], dtype=np.uint64)
+    page = tok @ rpow[:ps]                          # integer matmul: exact, mod 2**64
+    acc = (page * qinv[1:k + 1]).cumsum()
     acc += np.uint64(start)
     acc *= qpow[1:k + 1]
     return acc.tolist()

@@ -10,6 +10,7 @@ every page-aligned prefix that was ever cached, so a match can never claim token
 """
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -301,5 +302,5 @@ class PrefixMachine(RuleBasedStateMachine):
 
 
 TestPrefixMachine = PrefixMachine.TestCase
-TestPrefixMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+TestPrefixMachine.settings = settings(max_examples=int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", 60)), stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
