@@ -15,6 +15,15 @@ ROPE_MODES = ("none", "normal", "inline")
 are written; the cache rotates inside attention (sliding windows need it)."""
 
 
+KV_FORMATS = ("float8_e4m3", "int8", "int4")
+"""The quantized storage formats ``CacheConfig.kv_dtype`` names besides ``"auto"`` (a backend
+declares the ones it stores in ``Capabilities.kv_dtypes``): fp8 e4m3 with one float32 scale
+per (layer, KV head); affine 8- and 4-bit codes with a scale and a bias per group of
+``kv_quant_group`` values along the head dim, in ``dtype`` (mlx-lm's quantized cache)."""
+KV_QUANT_GROUPS = (32, 64, 128)
+"""``CacheConfig.kv_quant_group`` values (mlx's affine group sizes)."""
+
+
 def itemsize(dtype: str) -> int:
     """Bytes per element of a cache dtype name (``DTYPES``): 4 for float32, 2 otherwise."""
     return 4 if dtype == "float32" else 2
@@ -101,6 +110,14 @@ class CacheConfig:
     sequence added with its tokens starts from the longest cached prefix, and pages no sequence
     holds stay cached until pages are needed (then evicted least recently used; they count as
     available meanwhile). See docs/prefix-caching.md."""
+    kv_dtype: str = "auto"
+    """The storage format of the pages, separate from ``dtype`` (q, k, v in and the output
+    out): ``"auto"`` (``dtype``; read back it is always the concrete name) or one of
+    ``KV_FORMATS`` (``"float8_e4m3"``, ``"int8"``, ``"int4"``), which needs a backend declaring
+    it in ``Capabilities.kv_dtypes``. ``get_kv`` returns dequantized values in ``dtype``."""
+    kv_quant_group: int = 64
+    """Values per scale and bias of the affine formats (``"int8"`` / ``"int4"``), along the
+    head dim: one of ``KV_QUANT_GROUPS``, dividing ``head_dim`` and ``head_dim_v``."""
 
     def __post_init__(self):
         # normalise numpy scalars to Python ints / floats / bools (the dataclass is frozen)
@@ -123,6 +140,22 @@ class CacheConfig:
             int_arg(self.head_dim_v, "CacheConfig.head_dim_v", 1, INT32_MAX))
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidArgumentError(f"CacheConfig.dtype={self.dtype!r} is not one of {DTYPES}")
+        kv = self.kv_dtype
+        if not isinstance(kv, str) or kv not in ("auto", self.dtype) + KV_FORMATS:
+            raise InvalidArgumentError(
+                f"CacheConfig.kv_dtype={kv!r} is not 'auto', dtype={self.dtype!r} or one of "
+                f"{KV_FORMATS}")
+        put("kv_dtype", self.dtype if kv == "auto" else kv)
+        group = int_arg(self.kv_quant_group, "CacheConfig.kv_quant_group", 1, INT32_MAX)
+        if group not in KV_QUANT_GROUPS:
+            raise InvalidArgumentError(
+                f"CacheConfig.kv_quant_group={group} is not one of {KV_QUANT_GROUPS}")
+        put("kv_quant_group", group)
+        if self.kv_dtype in ("int8", "int4") and (self.head_dim % group or self.head_dim_v % group):
+            raise InvalidArgumentError(
+                f"CacheConfig.kv_dtype={self.kv_dtype!r} quantizes groups of kv_quant_group="
+                f"{group} values: head_dim={self.head_dim} and head_dim_v={self.head_dim_v} "
+                f"must be multiples of it")
         if self.rope_mode is _UNSET:
             warnings.warn("CacheConfig without rope_mode: the cache rotates q and k itself "
                           "('normal'); pass rope_mode='none' if the model applies its own RoPE, "
@@ -200,10 +233,9 @@ class CacheConfig:
             f"{self.static_buckets[-1]} (static_decode_batch_sizes={self.static_buckets})")
 
     @property
-    def kv_dtype(self) -> str:
-        """The storage format of the pages (a backend's ``Capabilities.kv_dtypes``); today
-        always the compute ``dtype``."""
-        return self.dtype
+    def kv_quantized(self) -> bool:
+        """Whether the pages hold a quantized format (``kv_dtype`` in ``KV_FORMATS``)."""
+        return self.kv_dtype in KV_FORMATS
 
     @property
     def page_row_dim(self) -> int:
@@ -212,8 +244,17 @@ class CacheConfig:
 
     @property
     def token_kv_bytes(self) -> int:
-        """Bytes one token's K and V take over every layer, in the storage format."""
-        return self.num_layers * 2 * self.num_kv_heads * self.page_row_dim * itemsize(self.kv_dtype)
+        """Bytes one token's K and V take over every layer, in the storage format (with the
+        affine formats' scales and biases; fp8's per-head scales are outside the pages)."""
+        row = self.page_row_dim
+        if self.kv_dtype == "float8_e4m3":
+            row_bytes = row
+        elif self.kv_dtype in ("int8", "int4"):
+            bits = 8 if self.kv_dtype == "int8" else 4
+            row_bytes = row * bits // 8 + row // self.kv_quant_group * 2 * itemsize(self.dtype)
+        else:
+            row_bytes = row * itemsize(self.kv_dtype)
+        return self.num_layers * 2 * self.num_kv_heads * row_bytes
 
     @property
     def group_size(self) -> int:
@@ -232,7 +273,7 @@ class CacheConfig:
     @property
     def kv_bytes(self) -> int:
         """Bytes of the page arrays: ``num_pages`` pages of (2, num_kv_heads, page_size,
-        page_row_dim) per layer, in the cache dtype."""
+        page_row_dim) per layer, in the storage format (``token_kv_bytes``)."""
         return self.num_pages * self.page_size * self.token_kv_bytes
 
     @property

@@ -1,0 +1,163 @@
+"""The quantized KV formats, exactly (``CacheConfig.kv_dtype``): the rule every backend storing
+them follows, in numpy. The reference backend stores through it; a backend's conformance compares
+its quantized pages and attention against it, not against full precision.
+
+* ``"float8_e4m3"``: ``code = e4m3fn(clip(x / scale, -448, 448))`` with one float32 ``scale``
+  per (layer, KV head) for K and one for V; the value read back is ``float32(code) * scale``.
+  Out-of-range values saturate to +-448 (never NaN: e4m3fn has no infinity, and a plain cast of
+  an out-of-range value gives NaN).
+* ``"int8"`` / ``"int4"``: affine codes per group of ``group`` values along the head dim, as
+  ``mx.quantize`` makes them (mlx-lm's quantized cache; bit for bit on mlx 0.32, tested): the
+  group's edge value (its min or max, whichever is larger in magnitude) is represented exactly,
+  ``scale`` and ``bias`` are rounded to the compute dtype, ``code = clip(round((x - bias) /
+  scale), 0, 2**bits - 1)`` with the float32 scale and bias; the value read back is
+  ``float32(code) * float32(scale) + float32(bias)`` (one rounding, in float32).
+
+``calibrate_fp8`` is the scale rule when none is given: the largest magnitude a (layer, KV
+head) holds in the first forward that writes it, over 448, so that forward's values are in
+range and later ones saturate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import ml_dtypes                    # a dependency of the package (float8 and bfloat16 in numpy)
+
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn magnitude: scaled values are clipped to it."""
+_TINY = np.float32(2.0 ** -24)      # a scale never below this (an all-zero head: any scale works)
+
+
+def _float_dtype(name: str):
+    if name == "bfloat16":
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def calibrate_fp8(x) -> np.ndarray:
+    """One float32 scale per head for ``x`` ``(T, H, D)``: ``max |x| / 448`` over its tokens and
+    dims (at least 2**-24)."""
+    amax = np.abs(np.asarray(x, np.float32)).max(axis=(0, 2))
+    return np.maximum(amax / np.float32(FP8_MAX), _TINY).astype(np.float32)
+
+
+def fp8_quantize(x, scale) -> np.ndarray:
+    """e4m3fn codes of ``x`` ``(T, H, D)`` with ``scale`` ``(H,)`` float32, saturating."""
+    scaled = np.asarray(x, np.float32) / np.asarray(scale, np.float32)[None, :, None]
+    return np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+
+def fp8_dequantize(codes, scale) -> np.ndarray:
+    """float32 values of e4m3fn ``codes`` ``(T, H, D)`` with ``scale`` ``(H,)``."""
+    return codes.astype(np.float32) * np.asarray(scale, np.float32)[None, :, None]
+
+
+def affine_quantize(x, bits: int, group: int, dtype: str) -> tuple:
+    """``(codes uint8, scales, biases)`` of ``x`` ``(..., D)`` (values of the compute ``dtype``):
+    ``codes`` ``(..., D)``, ``scales`` / ``biases`` ``(..., D // group)`` in ``dtype``."""
+    n_bins = np.float32((1 << bits) - 1)
+    xs = np.asarray(x, np.float32)
+    xs = xs.reshape(*xs.shape[:-1], xs.shape[-1] // group, group)
+    hi, lo = xs.max(-1, keepdims=True), xs.min(-1, keepdims=True)
+    low_edge = np.abs(lo) > np.abs(hi)
+    scale = np.maximum((hi - lo) / n_bins, np.float32(1e-7))
+    scale = np.where(low_edge, scale, -scale).astype(np.float32)
+    edge = np.where(low_edge, lo, hi)
+    q0 = np.round(edge / scale)
+    with np.errstate(divide="ignore", invalid="ignore"):     # q0 == 0 takes the other branch
+        scale = np.where(q0 != 0, edge / q0, scale).astype(np.float32)
+    bias = np.where(q0 == 0, np.float32(0), edge).astype(np.float32)
+    codes = np.clip(np.round((xs - bias) / scale), 0, n_bins).astype(np.uint8)
+    dt = _float_dtype(dtype)
+    return (codes.reshape(*codes.shape[:-2], -1), scale[..., 0].astype(dt),
+            bias[..., 0].astype(dt))
+
+
+def affine_dequantize(codes, scales, biases, group: int) -> np.ndarray:
+    """float32 values of affine ``codes`` ``(..., D)`` with ``scales`` / ``biases``
+    ``(..., D // group)``."""
+    c = np.asarray(codes, np.float32)
+    c = c.reshape(*c.shape[:-1], c.shape[-1] // group, group)
+    s = np.asarray(scales).astype(np.float32)[..., None]
+    b = np.asarray(biases).astype(np.float32)[..., None]
+    return (c * s + b).reshape(*c.shape[:-2], -1)
+
+
+def roundtrip(x, kv_dtype: str, dtype: str, group: int = 64, scale=None) -> np.ndarray:
+    """What a page of ``kv_dtype`` gives back for ``x`` ``(T, H, D)`` (float32): the value
+    stored, read back. ``scale`` ``(H,)``: fp8's per-head scales (None: ``calibrate_fp8(x)``).
+    A ``dtype`` name other than the formats: ``x`` rounded to it."""
+    if kv_dtype == "float8_e4m3":
+        scale = calibrate_fp8(x) if scale is None else scale
+        return fp8_dequantize(fp8_quantize(x, scale), scale)
+    if kv_dtype in ("int8", "int4"):
+        bits = 8 if kv_dtype == "int8" else 4
+        codes, s, b = affine_quantize(x, bits, group, dtype)
+        return affine_dequantize(codes, s, b, group)
+    return np.asarray(x).astype(_float_dtype(kv_dtype)).astype(np.float32)
+
+
+ACCURACY_BOUNDS = {"float8_e4m3": 0.25, "int8": 0.1, "int4": 0.6}
+"""The accuracy gate's bound per format: the largest relative error of one head's attention
+output (``||o_quantized - o|| / ||o||`` over the gate's queries) allowed against full precision
+on ``gate_data``. The right scales stay under a third of it (fp8 <= 0.15, int8 <= 0.05, int4
+<= 0.34 over seeds 0-5); an fp8 scale 100x too small, or the scale 1.0 on heads of magnitude
+60, reads 0.5-1.0."""
+
+
+def gate_data(seed: int = 0, tokens: int = 256, head_dim: int = 128) -> tuple:
+    """Structured ``(q, k, v)`` for the accuracy gate, float32: 8 queries, ``tokens`` keys and
+    values over 4 KV heads of magnitudes 0.05, 1, 8 and 60 (a scale that fits one head does not
+    fit the others), K with an outlier channel 8x the rest (as real models' K has), queries
+    scaled so the scores' standard deviation is about 1."""
+    rng = np.random.default_rng(seed)
+    mag = np.array([0.05, 1.0, 8.0, 60.0], np.float32)[None, :, None]
+    k = rng.standard_normal((tokens, 4, head_dim)).astype(np.float32) * mag
+    k[:, :, 5] *= 8
+    v = rng.standard_normal((tokens, 4, head_dim)).astype(np.float32) * mag
+    q = rng.standard_normal((8, 4, head_dim)).astype(np.float32) / mag
+    return q, k, v
+
+
+def _attend(q, k, v) -> np.ndarray:
+    s = np.einsum("qhd,khd->hqk", q, k) / np.float32(np.sqrt(q.shape[-1]))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v)
+
+
+def attention_errors(kv_dtype: str, dtype: str = "bfloat16", group: int = 64, store=None,
+                     seed: int = 0) -> np.ndarray:
+    """Per head of ``gate_data(seed)``: the relative error of attention over K and V as
+    ``store`` gives them back against full precision. ``store(x, which)`` (``which``: "k" or
+    "v"; ``x`` ``(T, 4, D)`` float32) returns what a cache of ``kv_dtype`` reads back, e.g. a
+    backend's pages through ``get_kv``; default: this module's rule with calibrated scales."""
+    q, k, v = gate_data(seed)
+    if store is None:
+        def store(x, which):
+            return roundtrip(x, kv_dtype, dtype, group)
+    o = _attend(q, k, v)
+    oq = _attend(q, np.asarray(store(k, "k"), np.float32), np.asarray(store(v, "v"), np.float32))
+    return np.linalg.norm(oq - o, axis=(0, 2)) / np.linalg.norm(o, axis=(0, 2))
+
+
+def accuracy_gate(kv_dtype: str, dtype: str = "bfloat16", group: int = 64, store=None,
+                  seeds=(0, 1, 2)) -> float:
+    """Fail loudly (AssertionError naming the format, head, error and bound) when attention
+    over ``kv_dtype`` storage (``store``: see ``attention_errors``) is further from full
+    precision than ``ACCURACY_BOUNDS`` allows on ``gate_data``; returns the largest error. A
+    format that is not quantized must give back full precision up to its rounding (bound
+    0.02)."""
+    bound = ACCURACY_BOUNDS.get(kv_dtype, 0.02)
+    worst = 0.0
+    for seed in seeds:
+        err = attention_errors(kv_dtype, dtype, group, store, seed)
+        if not np.isfinite(err).all() or err.max() > bound:
+            head = int(np.nanargmax(np.where(np.isfinite(err), err, np.inf)))
+            raise AssertionError(
+                f"quantized KV accuracy gate: {kv_dtype} storage ({dtype} compute) gives "
+                f"attention {float(err[head]):.3f} away from full precision on KV head {head} "
+                f"(magnitude {[0.05, 1, 8, 60][head]}), seed {seed}; the bound is {bound} "
+                f"(a wrong or missing scale?)")
+        worst = max(worst, float(err.max()))
+    return worst

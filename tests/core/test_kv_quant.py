@@ -1,0 +1,134 @@
+"""Quantized KV storage, first part (issue 32): the ``kv_dtype`` / ``kv_quant_group`` config
+fields, the exact rule of each format (``kvcache.kv_quant``, checked bit for bit against mlx's
+own ``mx.quantize``), and the accuracy gate, shown failing on wrong fp8 scales."""
+
+import numpy as np
+import pytest
+
+from kvcache import CacheConfig, InvalidArgumentError, PagedKVCache, UnsupportedFeatureError
+from kvcache import kv_quant as kq
+from kvcache.config import KV_FORMATS
+
+
+def config(**kw):
+    base = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=4,
+                max_total_tokens=64, dtype="bfloat16", rope_mode="none")
+    return CacheConfig(**{**base, **kw})
+
+
+# ------------------------------------------------------------------ config
+def test_kv_dtype_auto_reads_back_as_the_compute_dtype():
+    assert config().kv_dtype == "bfloat16" and not config().kv_quantized
+    assert config(dtype="float32", kv_dtype="auto").kv_dtype == "float32"
+    assert config(kv_dtype="int4").kv_quantized
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(kv_dtype="float8"), "kv_dtype='float8'"),
+    (dict(kv_dtype="float16"), "kv_dtype='float16'"),          # another float dtype: not a format
+    (dict(kv_dtype=8), "kv_dtype=8"),
+    (dict(kv_dtype="int8", kv_quant_group=48), "kv_quant_group=48"),
+    (dict(kv_dtype="int4", head_dim=96), "head_dim=96"),       # 96 % 64
+    (dict(kv_dtype="int8", head_dim=64, head_dim_v=32), "head_dim_v=32"),
+])
+def test_bad_kv_formats_are_refused_by_name(kw, words):
+    with pytest.raises(InvalidArgumentError, match=words.replace("(", r"\(")):
+        config(**kw)
+
+
+def test_token_bytes_count_the_format():
+    bf16 = config().token_kv_bytes
+    assert bf16 == 2 * 2 * 2 * 64 * 2
+    assert config(kv_dtype="float8_e4m3").token_kv_bytes * 2 == bf16
+    # int8: a byte per value plus a bf16 scale and bias per 64 values; int4 half the codes
+    assert config(kv_dtype="int8").token_kv_bytes == 2 * 2 * 2 * (64 + 4)
+    assert config(kv_dtype="int4", kv_quant_group=32).token_kv_bytes == 2 * 2 * 2 * (32 + 8)
+    assert config(kv_dtype="int8").kv_bytes == config().num_pages * 4 * 2 * 2 * 2 * (64 + 4)
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_a_backend_that_does_not_declare_a_format_refuses_it(fmt):
+    with pytest.raises(UnsupportedFeatureError, match="kv_dtypes"):
+        PagedKVCache(config(kv_dtype=fmt), backend="reference")
+
+
+# ------------------------------------------------------------------ the formats
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_affine_codes_scales_and_biases_are_mlx_quantize_bit_for_bit(dtype, bits, group):
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(bits * group)
+    x = rng.standard_normal((50, 128)) * rng.uniform(0.01, 10, (50, 1))
+    x[3, :group] = 0                    # a zero group, a constant one, a negative constant one
+    x[4, :group] = 1.5
+    x[5, :group] = -2
+    x = kq.roundtrip(x.astype(np.float32), dtype, dtype)           # values of the compute dtype
+    codes, scales, biases = kq.affine_quantize(x, bits, group, dtype)
+    mdt = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}[dtype]
+    wq, ms, mb = mx.quantize(mx.array(x).astype(mdt), group_size=group, bits=bits)
+    packed = np.array(wq).view(np.uint8)
+    theirs = np.stack([packed & 0xF, packed >> 4], -1).reshape(50, 128) if bits == 4 else packed
+    assert (codes == theirs).all()
+    assert (scales.astype(np.float32) == np.array(ms.astype(mx.float32))).all()
+    assert (biases.astype(np.float32) == np.array(mb.astype(mx.float32))).all()
+
+
+def test_affine_reads_the_group_edge_back_exactly_and_the_rest_within_a_step():
+    rng = np.random.default_rng(0)
+    x = kq.roundtrip(rng.standard_normal((20, 2, 64)).astype(np.float32) * 3, "bfloat16", "bfloat16")
+    g = x.reshape(20, 2, 2, 32)
+    edge_at = np.where(np.abs(g.min(-1)) > np.abs(g.max(-1)), g.argmin(-1), g.argmax(-1))
+    for bits in (4, 8):
+        codes, s, b = kq.affine_quantize(x, bits, 32, "bfloat16")
+        got = kq.affine_dequantize(codes, s, b, 32).reshape(20, 2, 2, 32)
+        pick = lambda a: np.take_along_axis(a, edge_at[..., None], -1)
+        assert (pick(got) == pick(g)).all()          # the bias is the edge: code 0, exact
+        # half a step of rounding, plus the scale's rounding to bf16 over up to 255 steps
+        step = np.abs(s.astype(np.float32))[..., None]
+        assert (np.abs(got - g) <= step * (0.5 + 255 * 2.0 ** -8)).all()
+        assert np.abs(got - g).max() > 0                          # it does quantize
+
+
+def test_fp8_saturates_instead_of_giving_nan_and_rounds_to_e4m3():
+    x = np.array([[[1.0, -1.0, 1e6, -1e6, 0.0, 3.3]]], np.float32)
+    scale = np.array([1.0], np.float32)
+    back = kq.fp8_dequantize(kq.fp8_quantize(x, scale), scale)
+    assert np.isfinite(back).all()
+    assert back[0, 0].tolist()[:5] == [1.0, -1.0, 448.0, -448.0, 0.0]
+    assert back[0, 0, 5] in (3.25, 3.5)            # 3 mantissa bits
+    # the calibrated scale puts each head's largest magnitude at 448: no value saturates
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((30, 3, 16)).astype(np.float32) * np.array([0.01, 1, 500], np.float32)[None, :, None]
+    s = kq.calibrate_fp8(k)
+    rt = kq.fp8_dequantize(kq.fp8_quantize(k, s), s)
+    assert np.allclose(np.abs(rt).max(axis=(0, 2)), np.abs(k).max(axis=(0, 2)))
+    assert np.allclose(rt, k, rtol=2 ** -4, atol=float(s.max()) * 2 ** -9)
+
+
+# ------------------------------------------------------------------ the accuracy gate
+@pytest.mark.parametrize("fmt", KV_FORMATS + ("bfloat16",))
+def test_the_gate_passes_each_format_with_its_rule(fmt):
+    worst = kq.accuracy_gate(fmt)
+    assert 0 < worst <= kq.ACCURACY_BOUNDS.get(fmt, 0.02) / 1.5
+
+
+def fp8_store(factor=None, fixed=None):
+    def store(x, which):
+        s = np.full(x.shape[1], fixed, np.float32) if fixed is not None else kq.calibrate_fp8(x) * factor
+        return kq.fp8_dequantize(kq.fp8_quantize(x, s), s)
+    return store
+
+
+@pytest.mark.parametrize("store, head", [
+    (fp8_store(factor=0.01), 0),        # 100x too small: every head saturates
+    (fp8_store(fixed=1.0), 3),          # no scale (1.0): the magnitude-60 head saturates
+])
+def test_the_gate_fails_loudly_on_a_wrong_fp8_scale(store, head):
+    with pytest.raises(AssertionError, match=f"float8_e4m3 .* on KV head {head}"):
+        kq.accuracy_gate("float8_e4m3", store=store)
+
+
+def test_the_gate_fails_on_nan():
+    with pytest.raises(AssertionError, match="accuracy gate"):
+        kq.accuracy_gate("int8", store=lambda x, which: np.where(x > 5, np.nan, x))
