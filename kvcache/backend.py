@@ -21,6 +21,14 @@ Shared conventions
   have another head dim than queries and keys (MLA in expanded form, 192 / 128).  ``v`` is
   ``(T, num_kv_heads, Dv)``; a page row is ``max(D, Dv)`` wide, K in its first ``D`` entries
   and V in its first ``Dv`` (``Dv == D``: the plain layout).
+* Quantized pages (``config.kv_dtype`` one of ``kvcache.config.KV_FORMATS``, capability
+  ``kv_dtypes``): the kernels store and read the format as ``kvcache.kv_quant`` defines it.
+  Every kernel reads K/V as stored, a forward's own new rows too (``ragged_attention`` rounds
+  them through the format), so a result does not depend on how the tokens were chunked.
+  ``gather_kv`` returns dequantized values in the cache dtype. With ``"float8_e4m3"`` the core
+  passes ``kv_scale`` to ``append_kv``, ``rope_append``, ``ragged_attention`` and
+  ``paged_attention`` (the layer's ``(2, Hkv)`` float32 array: K's scales, then V's) and to
+  ``gather_kv`` (a list of them, one per page array); never for other formats.
 * Logit soft-capping (``logit_softcap``, capability ``logit_softcap``): ``c > 0`` turns each
   score ``s = q . k * sm_scale`` into ``c * tanh(s / c)`` before the softmax (and the lse);
   ``0``: off.
@@ -339,14 +347,14 @@ class Backend(abc.ABC):
         """Write ``k[t]`` (T, Hkv, D) / ``v[t]`` (T, Hkv, Dv) into ``pages`` at ``slots[t]`` (-1: skip the token).
         With ``rope``, K is rotated at ``positions[t]`` before it is stored (fused RoPE)."""
 
-    def rope_append(self, pages, q, k, v, slots, positions, rope: RopeSpec):
+    def rope_append(self, pages, q, k, v, slots, positions, rope: RopeSpec, **quant):
         """Rotate ``q`` (T, Hq, D) and ``k`` (T, Hkv, D) at ``positions`` (T,) as ``rope``
         specifies, store rotated K and ``v`` (T, Hkv, Dv) in ``pages`` (one layer's page array)
         at ``slots`` (T,) (-1: skip the token); return (q_rot, k_rot). Backends with
         ``fused_rope_append`` do this in one launch; this default uses two kernels."""
         q_rot = self.rope(q, positions, rope)
         k_rot = self.rope(k, positions, rope)
-        self.append_kv(pages, k_rot, v, slots)
+        self.append_kv(pages, k_rot, v, slots, **quant)
         return q_rot, k_rot
 
     @abc.abstractmethod

@@ -135,6 +135,10 @@ class PagedKVCache:
             self.aux_manager = PlainAuxManager(self.backend)
         self.planner = Planner(self.state, config, caps)
         self._prefix = PrefixIndex(self.state) if config.prefix_cache else None
+        # fp8 pages: per layer, None (not set yet) or (host (2, Hkv) float32, backend array)
+        self._kv_scales: Optional[list] = (
+            [None] * config.num_layers if config.kv_dtype == "float8_e4m3" else None)
+        self._calibrated: list = []         # layers whose scales the open forward calibrated
         """Plans forwards; ``planner.begin`` plans and reserves without opening a forward
         (benchmarks and tests of the host work use it)."""
         self._rope = config.rope_spec()
@@ -553,6 +557,95 @@ class PagedKVCache:
         return self.pages_needed(seq_ids, append_lengths,
                                  token_tree_parent_ptr) <= self.num_available_pages
 
+    def _not_quantized(self, what: str) -> None:
+        """UnsupportedFeatureError for a call that does not move quantized pages yet."""
+        if self.config.kv_quantized:
+            raise UnsupportedFeatureError(
+                f"{what}: moving {self.config.kv_dtype!r} pages between caches (export, import, "
+                f"the host tier) is not supported yet; use kv_dtype='auto' for that")
+
+    @_exclusive
+    def set_kv_scales(self, layer_id: int, k_scale, v_scale) -> None:
+        """The fp8 scales of layer ``layer_id`` (``kv_dtype="float8_e4m3"``): ``k_scale`` and
+        ``v_scale`` each one float > 0 or ``num_kv_heads`` of them (a stored code times its
+        head's scale is the value read back; e.g. a checkpoint's ``k_scale`` / ``v_scale``).
+        Without them the first forward that writes a layer calibrates its scales
+        (``kvcache.kv_quant.calibrate_fp8``). A layer's scales are set once, before it holds
+        KV: stored codes would change meaning. Raises InvalidArgumentError for another
+        ``kv_dtype``, a bad layer or scale, or a layer whose scales are set;
+        ForwardStateError inside a forward."""
+        self._no_forward("set_kv_scales")
+        c = self.config
+        if self._kv_scales is None:
+            raise InvalidArgumentError(
+                f"set_kv_scales: the cache stores kv_dtype={c.kv_dtype!r}; scales are for "
+                f"'float8_e4m3' pages")
+        layer_id = as_int(layer_id, "layer_id")
+        if not 0 <= layer_id < c.num_layers:
+            raise InvalidArgumentError(f"set_kv_scales: layer_id {layer_id} must be in [0, {c.num_layers})")
+        if self._kv_scales[layer_id] is not None:
+            raise InvalidArgumentError(
+                f"set_kv_scales: layer {layer_id} has its scales already (set or calibrated "
+                f"when it was first written); its stored codes depend on them")
+        rows = []
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            vals = value.tolist() if hasattr(value, "tolist") else value
+            vals = [vals] * c.num_kv_heads if not isinstance(vals, (list, tuple)) else list(vals)
+            if len(vals) != c.num_kv_heads:
+                raise InvalidArgumentError(
+                    f"set_kv_scales: {name} has {len(vals)} values, expected 1 or num_kv_heads="
+                    f"{c.num_kv_heads}")
+            rows.append([float_arg(x, f"set_kv_scales: {name}", positive=True) for x in vals])
+        self._put_scales(layer_id, np.asarray(rows, np.float32))
+
+    @_exclusive
+    def kv_scales(self, layer_id: int) -> Optional[tuple]:
+        """``(k_scale, v_scale)`` of layer ``layer_id``, each a tuple of ``num_kv_heads``
+        floats, or None while not set (and for pages that are not fp8)."""
+        if self._kv_scales is None:
+            return None
+        entry = self._kv_scales[as_int(layer_id, "layer_id")]
+        return None if entry is None else (tuple(entry[0][0].tolist()), tuple(entry[0][1].tolist()))
+
+    def _put_scales(self, layer: int, host) -> None:
+        self._kv_scales[layer] = (host, self.backend.from_numpy(host, "float32"))   # type: ignore[index]
+
+    def _scale_kw(self, plan: ForwardPlan, layer: int, k, v) -> dict:
+        """The ``kv_scale`` keyword of layer ``layer``'s kernels ({} unless fp8 pages),
+        calibrating the layer's scales from this forward's ``k`` / ``v`` when none are set."""
+        if self._kv_scales is None:
+            return {}
+        if self._kv_scales[layer] is None:
+            if plan.static_bucket is not None:
+                raise ForwardStateError(
+                    f"layer {layer} has no fp8 scales, and a static-shape decode step (which "
+                    f"may be captured) cannot calibrate them: set_kv_scales, or run an eager "
+                    f"forward first (forward over sequences {plan.seq_ids})")
+            from .kv_quant import calibrate_fp8
+            b = self.backend
+            self._put_scales(layer, np.stack([calibrate_fp8(b.to_numpy(k)),
+                                              calibrate_fp8(b.to_numpy(v))]))
+            self._calibrated.append(layer)
+        return {"kv_scale": self._kv_scales[layer][1]}
+
+    def _gather_kw(self, layers) -> dict:
+        """``gather_kv``'s ``kv_scale`` keyword for ``layers`` ({} unless fp8 pages): per layer
+        its scales (1.0 for a layer never written: nothing stored to read)."""
+        if self._kv_scales is None:
+            return {}
+        ones = None
+        out = []
+        for layer in layers:
+            entry = self._kv_scales[layer]
+            if entry is None:
+                if ones is None:
+                    ones = self.backend.from_numpy(
+                        np.ones((2, self.config.num_kv_heads), np.float32), "float32")
+                out.append(ones)
+            else:
+                out.append(entry[1])
+        return {"kv_scale": out}
+
     @_exclusive
     def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None,
                layer: Optional[int] = None) -> tuple[Array, Array]:
@@ -577,17 +670,18 @@ class PagedKVCache:
         if not 0 <= start <= end <= length:
             raise InvalidArgumentError(
                 f"get_kv range [{start}, {end}) of sequence {seq.seq_id} must lie in [0, {length}]")
-        pages = self.pages
+        pages, layers = self.pages, range(self.config.num_layers)
         if layer is not None:
             layer = as_int(layer, "layer")
             if not 0 <= layer < self.config.num_layers:
                 raise InvalidArgumentError(
                     f"get_kv layer {layer} must be in [0, {self.config.num_layers})")
-            pages = [self.pages[layer]]
+            pages, layers = [self.pages[layer]], range(layer, layer + 1)
             if self._plan is not None:
                 self._check_in_forward_read(self._plan, seq, layer, end, length)
         slots = self.state.pt.position_slots(seq, start, end)
-        k, v = self.backend.gather_kv(pages, self.backend.aux_to_device(slots))
+        k, v = self.backend.gather_kv(pages, self.backend.aux_to_device(slots),
+                                      **self._gather_kw(layers))
         return (k, v) if layer is None else (k[0], v[0])
 
     def _check_in_forward_read(self, plan: ForwardPlan, seq, layer: int, end: int,
@@ -617,6 +711,7 @@ class PagedKVCache:
         SequenceNotFoundError, InvalidArgumentError for a range outside [0, length],
         ForwardStateError inside a forward or for an uncommitted token tree; changes nothing."""
         self._no_forward("export_sequence")
+        self._not_quantized("export_sequence")
         header, slots = self._export_range(seq_id, start, end)
         k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
         return dataclasses.replace(header, k=k, v=v)
@@ -630,6 +725,7 @@ class PagedKVCache:
         one sequence after another (``kvcache.distributed`` sends them as they are). Errors as
         ``export_sequence``; a sequence listed twice is refused."""
         self._no_forward("export_sequences")
+        self._not_quantized("export_sequences")
         seq_ids = seq_id_list(seq_ids, "seq_ids")
         starts = [0] * len(seq_ids) if starts is None else int_values(starts, "starts")
         if len(starts) != len(seq_ids):
@@ -693,6 +789,7 @@ class PagedKVCache:
         unknown format version, CacheFullError when the free pages do not suffice,
         ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("import_sequence")
+        self._not_quantized("import_sequence")
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
         spec = self._import_spec(seq_id, payload, parent_id, fork_pos, convert_dtype)
         if payload.k is None or payload.v is None:
@@ -769,6 +866,7 @@ class PagedKVCache:
         at ``commit_import`` after ``write_import``, or ``cancel_import`` gives the pages
         back. Between the two the pages count as used and no forward may be open."""
         self._no_forward("reserve_import")
+        self._not_quantized("reserve_import")
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise InvalidArgumentError(
@@ -944,6 +1042,9 @@ class PagedKVCache:
         own to abort."""
         plan = self._open("abort_forward")
         self.planner.rollback(plan.undo)
+        if self._kv_scales is not None:     # scales it calibrated are forgotten with it
+            for layer in self._calibrated:
+                self._kv_scales[layer] = None
         self._close()
 
     def _close(self) -> None:
@@ -951,6 +1052,7 @@ class PagedKVCache:
             self.aux_manager.release()
         self._plan, self._aux = None, None
         self._layers_done = set()
+        self._calibrated = []
 
     @contextlib.contextmanager
     def forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
@@ -1055,7 +1157,7 @@ class PagedKVCache:
         self._check_input("v", v, c.num_kv_heads, rows, c.head_dim_v)
         self._check_sinks(plan, sinks)
         aux = self._device_aux()
-        o, lse = self._attend(plan, aux, self.pages[layer_id], q, k, v, scale, window_left,
+        o, lse = self._attend(plan, aux, layer_id, q, k, v, scale, window_left,
                               softcap, sinks)
         self._layers_done.add(layer_id)         # a layer that raised has not run
         return (o, lse) if return_lse else o
@@ -1152,10 +1254,11 @@ class PagedKVCache:
         rows = self.backend.shape_of(k)[0]
         self._check_input("v", v, c.num_kv_heads, rows, c.head_dim_v)
         positions, slots = self._write_rows(plan, self._device_aux(), rows)
+        quant = self._scale_kw(plan, layer_id, k, v)
         if self.config.effective_rope_mode == "normal":
-            self.backend.append_kv(self.pages[layer_id], k, v, slots, positions, self._rope)
+            self.backend.append_kv(self.pages[layer_id], k, v, slots, positions, self._rope, **quant)
         else:
-            self.backend.append_kv(self.pages[layer_id], k, v, slots)
+            self.backend.append_kv(self.pages[layer_id], k, v, slots, **quant)
         self._layers_done.add(layer_id)
 
     def attention_with_fused_qkv(self, layer_id: int, qkv: Array, sm_scale: Optional[float] = None,
@@ -1177,17 +1280,20 @@ class PagedKVCache:
         return self.attention(layer_id, q, k, v, sm_scale, return_lse, window_left,
                               logit_softcap, sinks)
 
-    def _attend(self, plan: ForwardPlan, aux: ForwardAux, pages, q, k, v, scale, window_left=-1,
-                softcap=0.0, sinks=None):
+    def _attend(self, plan: ForwardPlan, aux: ForwardAux, layer: int, q, k, v, scale,
+                window_left=-1, softcap=0.0, sinks=None):
         b, mode = self.backend, self.config.effective_rope_mode
+        pages = self.pages[layer]
         inline = self._rope if mode == "inline" else None
         tokens = aux.tokens
         positions, slots = self._write_rows(plan, aux, b.shape_of(q)[0])
+        # quantized pages: every kernel reads K/V as stored, the forward's own rows included
+        quant = self._scale_kw(plan, layer, k, v)
         if not plan.write_after:
             if mode == "normal":
-                q, k = b.rope_append(pages, q, k, v, slots, positions, self._rope)
+                q, k = b.rope_append(pages, q, k, v, slots, positions, self._rope, **quant)
             else:
-                b.append_kv(pages, k, v, slots)
+                b.append_kv(pages, k, v, slots, **quant)
         o = lse = None
         # optional keywords only when used: a backend without the capability never sees them;
         # the sinks go to the first call only (partials merge by lse: the sink counts once)
@@ -1198,20 +1304,20 @@ class PagedKVCache:
             o, lse = b.ragged_attention(q, k, v, tokens.qo_indptr, scale,
                                         num_seqs=len(plan.seq_ids), max_len=plan.max_append,
                                         tree=tokens.self_tree, rope=inline, q_positions=positions,
-                                        k_rope_offset=tokens.k_rope_offset,
+                                        k_rope_offset=tokens.k_rope_offset, **quant,
                                         **extra, **({"sinks": sinks} if sinks is not None else {}))
         for depth in aux.depths:
             if depth.num_pages == 0 and plan.static_bucket is None:
                 continue
             first = o is None and sinks is not None
             o_d, lse_d = b.paged_attention(q, pages, depth, scale, rope=inline, q_positions=positions,
-                                           **extra, **({"sinks": sinks} if first else {}))
+                                           **quant, **extra, **({"sinks": sinks} if first else {}))
             if o is None:
                 o, lse = o_d, lse_d
             else:
                 o, lse = b.merge_attention(o, lse, o_d, lse_d)
         if plan.write_after:
-            b.append_kv(pages, k, v, slots)
+            b.append_kv(pages, k, v, slots, **quant)
         return o, lse
 
 

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-import ml_dtypes                    # a dependency of the package (float8 and bfloat16 in numpy)
+try:        # a dependency of the package (float8 and bfloat16 in numpy); the reference backend
+    import ml_dtypes    # declares no quantized format without it
+except ImportError:
+    ml_dtypes = None  # type: ignore[assignment]
 
 FP8_MAX = 448.0
 """The largest finite float8_e4m3fn magnitude: scaled values are clipped to it."""
@@ -68,7 +71,8 @@ def affine_quantize(x, bits: int, group: int, dtype: str) -> tuple:
     with np.errstate(divide="ignore", invalid="ignore"):     # q0 == 0 takes the other branch
         scale = np.where(q0 != 0, edge / q0, scale).astype(np.float32)
     bias = np.where(q0 == 0, np.float32(0), edge).astype(np.float32)
-    codes = np.clip(np.round((xs - bias) / scale), 0, n_bins).astype(np.uint8)
+    with np.errstate(invalid="ignore"):    # a group holding NaN reads back NaN (scale NaN)
+        codes = np.clip(np.round((xs - bias) / scale), 0, n_bins).astype(np.uint8)
     dt = _float_dtype(dtype)
     return (codes.reshape(*codes.shape[:-2], -1), scale[..., 0].astype(dt),
             bias[..., 0].astype(dt))

@@ -12,7 +12,9 @@ from typing import Optional
 
 import numpy as np
 
+from . import kv_quant
 from .backend import Backend, Capabilities, DepthAux, RopeSpec, TreeMask
+from .config import KV_FORMATS
 
 try:   # numpy has no bfloat16; without ml_dtypes the reference backend stores fp16/fp32 only
     import ml_dtypes
@@ -124,6 +126,9 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         # bfloat16 only with ml_dtypes: PagedKVCache then raises UnsupportedFeatureError for it
         dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES),
+        # the quantized formats emulated exactly (kvcache.kv_quant; fp8 needs ml_dtypes)
+        kv_dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES)
+        + (KV_FORMATS if ml_dtypes is not None else ()),
         tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
         rope_frequencies=True, logit_softcap=True, attention_sinks=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(1, 1025)),
@@ -148,7 +153,8 @@ class ReferenceBackend(Backend):
     def __init__(self, config, device=None):
         super().__init__(config, device or "cpu")
         self.dtype = np_dtype(config.dtype)
-        self.kv_dtype = np_dtype(config.kv_dtype)
+        # quantized formats: pages hold the values read back (float32, exact), not the codes
+        self.kv_dtype = np.dtype(np.float32) if config.kv_quantized else np_dtype(config.kv_dtype)
 
     # ------------------------------------------------------------------ memory
     def allocate_pages(self, num_pages):
@@ -184,11 +190,23 @@ class ReferenceBackend(Backend):
     def rope(self, x, positions, rope):
         return self._store(rotate(x, np.asarray(positions), rope))
 
-    def append_kv(self, pages, k, v, slots, positions=None, rope=None):
+    def _as_stored(self, x, which: int, kv_scale=None):
+        """``x`` as quantized pages give it back (K: ``which`` 0, V: 1), float32; ``x`` itself
+        for plain pages. The format quantizes values of the compute dtype."""
+        c = self.config
+        if not c.kv_quantized:
+            return x
+        x = np.asarray(x).astype(self.dtype).astype(np.float32)
+        scale = np.ones(x.shape[1], np.float32) if kv_scale is None \
+            else np.asarray(kv_scale, np.float32)[which]       # fp8 only; 1.0 when not given
+        return kv_quant.roundtrip(x, c.kv_dtype, c.dtype, c.kv_quant_group, scale)
+
+    def append_kv(self, pages, k, v, slots, positions=None, rope=None, kv_scale=None):
         slots = np.asarray(slots)
         keep = slots >= 0
         if rope is not None:
             k = rotate(k, np.asarray(positions), rope)
+        k, v = self._as_stored(k, 0, kv_scale), self._as_stored(v, 1, kv_scale)
         c = self.config
         page, row = slots[keep] // c.page_size, slots[keep] % c.page_size
         pages[page, 0, :, row, :c.head_dim] = np.asarray(k)[keep].astype(self.kv_dtype)
@@ -208,8 +226,9 @@ class ReferenceBackend(Backend):
 
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                          rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
-                         logit_softcap=0.0, sinks=None):
+                         logit_softcap=0.0, sinks=None, kv_scale=None):
         qo_indptr = np.asarray(qo_indptr)
+        k, v = self._as_stored(k, 0, kv_scale), self._as_stored(v, 1, kv_scale)
         sinks = self._sinks(sinks)
         o, lse = self._output(q.shape[0], sinks)
         for i in range(num_seqs):
@@ -244,7 +263,8 @@ class ReferenceBackend(Backend):
         return (pages[page_ids, 0, :, rows, :c.head_dim], pages[page_ids, 1, :, rows, :c.head_dim_v])
 
     def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                        window_left=-1, logit_softcap=0.0, sinks=None):
+                        window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None):
+        # quantized pages hold the values read back already: kv_scale is not needed here
         sinks = self._sinks(sinks)
         o, lse = self._output(q.shape[0], sinks)
         qo_indptr = np.asarray(depth.qo_indptr)
@@ -293,7 +313,13 @@ class ReferenceBackend(Backend):
             rows = pages[src // ps, :, :, src % ps, :].copy()
             pages[dst // ps, :, :, dst % ps, :] = rows
 
-    def gather_kv(self, pages_per_layer, slots):
+    def gather_kv(self, pages_per_layer, slots, kv_scale=None):
+        if self.config.kv_quantized:        # dequantized (held as float32), in the cache dtype
+            k, v = self._gather(pages_per_layer, slots)
+            return k.astype(self.dtype), v.astype(self.dtype)
+        return self._gather(pages_per_layer, slots)
+
+    def _gather(self, pages_per_layer, slots):
         ps = self.config.page_size
         slots = np.asarray(slots)
         d, dv = self.config.head_dim, self.config.head_dim_v

@@ -53,6 +53,7 @@ _TESTS = {
     "test_run_ahead": ("TestRunAhead",),
     "test_numerics": ("TestMaskedNonFinite",),
     "test_prefix": ("TestPrefixCache",),
+    "test_quantized": ("TestQuantizedKV",),
 }
 _HELPERS = {
     "harness": ("CachePair", "RunAhead", "make_config"),

@@ -43,6 +43,14 @@ def _wants_logprobs(params: SamplingParams) -> bool:
     return params.logprobs is not None and params.logprobs is not False
 
 
+def _quant_group(config, kv_dtype) -> int:
+    """The affine formats' group: 64 (mlx-lm's default), or 32 where the model's head dims are
+    not multiples of 64 (CacheConfig refuses head dims that 32 does not divide either)."""
+    if kv_dtype in ("int8", "int4") and (config.head_dim % 64 or config.head_dim_v % 64):
+        return 32
+    return config.kv_quant_group
+
+
 class Engine:
     """Continuous-batching generation on one ``PagedKVCache`` for one model adapter.
 
@@ -74,6 +82,12 @@ class Engine:
     of finished requests stay cached until pages are needed. The tokens are the same as with
     it off, bit for bit where docs/prefix-caching.md says.
 
+    ``kv_dtype`` (default "auto": the compute dtype): the pages' storage format
+    (``CacheConfig.kv_dtype``: "float8_e4m3", "int8", "int4" where the backend declares them
+    in ``Capabilities.kv_dtypes``); with ``max_total_tokens=None`` a format of fewer bytes
+    holds more tokens in the same memory. The affine formats quantize groups of 64 values (32
+    where the head dims are not multiples of 64). Quantized pages are not offloaded (yet).
+
     ``progress``: None (default) shows a progress display on a terminal during ``generate``;
     True / False force it.
     """
@@ -84,7 +98,8 @@ class Engine:
                  prefill_chunk_size: Optional[int] = None, graphs: Optional[bool] = None,
                  graph_batch_sizes: Optional[Sequence[int]] = None,
                  offload: Optional[bool] = None, offload_tokens: Optional[int] = None,
-                 overlap: bool = True, memory_fraction: float = 0.9, prefix_cache: bool = True):
+                 overlap: bool = True, memory_fraction: float = 0.9, prefix_cache: bool = True,
+                 kv_dtype: str = "auto"):
         for name, value in (("graphs", graphs), ("offload", offload)):
             if value is not None and not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name}={value!r} must be None, True or False")
@@ -95,6 +110,7 @@ class Engine:
                 or not 0 < memory_fraction <= 1:
             raise InvalidArgumentError(f"memory_fraction={memory_fraction!r} must be a number in (0, 1]")
         self.adapter = adapter
+        self._kv_dtype = kv_dtype
         device = device if device is not None else adapter.default_device()
         self.graphs = self._want_graphs(graphs, backend, device)
         sizes: dict = dict(dtype=dtype, page_size=page_size, max_batch_size=max_batch_size)
@@ -107,16 +123,22 @@ class Engine:
             prefill_chunk_size = min(8192, int(max_total_tokens))
         config = adapter.cache_config(max_total_tokens=max_total_tokens,
                                       prefill_chunk_size=prefill_chunk_size, **sizes)
-        config = dataclasses.replace(config, prefix_cache=prefix_cache)
+        config = dataclasses.replace(config, prefix_cache=prefix_cache, kv_dtype=kv_dtype,
+                                     kv_quant_group=_quant_group(config, kv_dtype))
         if self.graphs:
             config = dataclasses.replace(config, static_decode=True,
                                          static_decode_batch_sizes=tuple(graph_batch_sizes or ()))
         self.cache = PagedKVCache(config, backend=backend, device=device)
         self.config = config
         adapter.check(self.cache)
-        if offload is None:     # (payloads hold one head dim: no host tier for head_dim_v)
+        if offload is None:     # (payloads hold one head dim: no host tier for head_dim_v, and
+            # none for quantized pages yet)
             offload = (not str(self.cache.backend.device or "cpu").startswith("cpu")
-                       and config.head_dim_v == config.head_dim)
+                       and config.head_dim_v == config.head_dim and not config.kv_quantized)
+        elif offload and config.kv_quantized:
+            raise UnsupportedFeatureError(
+                f"offload=True: the host tier does not take kv_dtype={config.kv_dtype!r} pages "
+                f"yet; pass offload=False (preempted sequences are then recomputed)")
         self.host_tier: Optional[HostTier] = (
             HostTier(self.cache, config.max_total_tokens if offload_tokens is None else offload_tokens)
             if offload else None)
@@ -163,6 +185,8 @@ class Engine:
         ps = int(sizes["page_size"])
         probe_tokens = chunk + ps * (batch + 1)
         config = adapter.cache_config(max_total_tokens=probe_tokens, prefill_chunk_size=chunk, **sizes)
+        config = dataclasses.replace(config, kv_dtype=self._kv_dtype,   # bytes per token count it
+                                     kv_quant_group=_quant_group(config, self._kv_dtype))
         probe = PagedKVCache(config, backend=backend, device=device)
         rows = min(batch, chunk)
         lens = [chunk // rows + (1 if i < chunk % rows else 0) for i in range(rows)]

@@ -8,6 +8,7 @@ import pytest
 
 import kvcache
 import kvcache.plugins
+from kvcache.config import KV_FORMATS
 from kvcache.conformance import make_config
 from kvcache.reference import ReferenceBackend
 
@@ -50,7 +51,10 @@ def test_kv_dtypes_default_to_the_compute_dtypes():
         row = next((r for r in kvcache.list_backends() if r["name"] == name), None)
         if row is not None and row["class"] is not None:
             caps = row["class"].capabilities
-            assert caps.kv_dtypes == caps.dtypes, name
+            # the compute dtypes, then the quantized formats the backend stores (issue 32)
+            assert caps.kv_dtypes[:len(caps.dtypes)] == caps.dtypes, name
+            assert set(caps.kv_dtypes[len(caps.dtypes):]) <= set(KV_FORMATS), name
+    assert set(KV_FORMATS) <= set(ReferenceBackend.capabilities.kv_dtypes)
 
 
 def test_config_kv_dtype_outside_kv_dtypes_is_refused(narrow_store):

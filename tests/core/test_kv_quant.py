@@ -48,8 +48,86 @@ def test_token_bytes_count_the_format():
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 def test_a_backend_that_does_not_declare_a_format_refuses_it(fmt):
+    # the example plugin declares no kv_dtypes (its compute dtypes only); the reference does
     with pytest.raises(UnsupportedFeatureError, match="kv_dtypes"):
-        PagedKVCache(config(kv_dtype=fmt), backend="reference")
+        PagedKVCache(config(kv_dtype=fmt), backend="example")
+    assert PagedKVCache(config(kv_dtype=fmt), backend="reference").config.kv_dtype == fmt
+
+
+# ------------------------------------------------------------------ the reference's pages
+def filled(fmt, dtype="float32", scales=None):
+    cache = PagedKVCache(config(kv_dtype=fmt, dtype=dtype), backend="reference")
+    if scales is not None:
+        for layer in range(2):
+            cache.set_kv_scales(layer, *scales)
+    rng = np.random.default_rng(7)
+    k = (rng.standard_normal((9, 2, 64)) * 3).astype(np.float32)
+    v = rng.standard_normal((9, 2, 64)).astype(np.float32)
+    q = rng.standard_normal((9, 4, 64)).astype(np.float32)
+    cache.add_sequence(0)
+    with cache.forward([0], [9]):
+        outs = [cache.attention(layer, q, k, v) for layer in range(2)]
+    return cache, q, k, v, outs
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_reference_pages_read_back_the_formats_rule_and_attention_reads_them(fmt):
+    cache, q, k, v, outs = filled(fmt)
+    scale = None
+    if fmt == "float8_e4m3":
+        ks, vs = cache.kv_scales(0)
+        assert np.allclose(ks, kq.calibrate_fp8(k)) and np.allclose(vs, kq.calibrate_fp8(v))
+        scale = (np.asarray(ks, np.float32), np.asarray(vs, np.float32))
+    want_k = kq.roundtrip(k, fmt, "float32", 64, None if scale is None else scale[0])
+    want_v = kq.roundtrip(v, fmt, "float32", 64, None if scale is None else scale[1])
+    got_k, got_v = cache.get_kv(0, layer=1)
+    assert got_k.dtype == np.float32 and (got_k == want_k).all() and (got_v == want_v).all()
+    assert not (got_k == k).all()                               # it is quantized
+    # the forward's own rows are read as stored too: causal attention over the round trip
+    s = np.einsum("qhd,khd->hqk", q.reshape(9, 2, 2, 64).reshape(9, 4, 64).astype(np.float64),
+                  np.repeat(want_k, 2, axis=1).astype(np.float64)) / 8.0
+    s = np.where(np.tril(np.ones((9, 9), bool))[None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    o = np.einsum("hqk,khd->qhd", w / w.sum(-1, keepdims=True), np.repeat(want_v, 2, axis=1))
+    np.testing.assert_allclose(outs[1], o, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_scales_given_are_used_and_set_once():
+    cache, q, k, v, _ = filled("float8_e4m3", scales=([0.05, 0.1], 0.001))
+    f32 = lambda x: float(np.float32(x))
+    assert cache.kv_scales(1) == ((f32(0.05), f32(0.1)), (f32(0.001),) * 2)
+    got_v = cache.get_kv(0, layer=0)[1]
+    assert np.abs(v).max() > 1                                              # so v saturates
+    assert np.abs(got_v).max() == pytest.approx(448 * 0.001, rel=1e-6)
+    with pytest.raises(InvalidArgumentError, match="layer 0 has its scales already"):
+        cache.set_kv_scales(0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("args, words", [
+    ((2, 1.0, 1.0), "layer_id 2"),
+    ((0, [1.0, 2.0, 3.0], 1.0), "k_scale has 3 values"),
+    ((0, 1.0, 0.0), "v_scale"),
+    ((0, float("nan"), 1.0), "k_scale"),
+])
+def test_bad_fp8_scales_are_refused_and_change_nothing(args, words):
+    cache = PagedKVCache(config(kv_dtype="float8_e4m3"), backend="reference")
+    with pytest.raises(InvalidArgumentError, match=words):
+        cache.set_kv_scales(*args)
+    assert cache.kv_scales(0) is None
+
+
+def test_scales_are_for_fp8_pages_only():
+    cache = PagedKVCache(config(kv_dtype="int8"), backend="reference")
+    with pytest.raises(InvalidArgumentError, match="scales are for 'float8_e4m3'"):
+        cache.set_kv_scales(0, 1.0, 1.0)
+    assert cache.kv_scales(0) is None
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_moving_quantized_pages_is_refused_for_now(fmt):
+    cache, *_ = filled(fmt)
+    with pytest.raises(UnsupportedFeatureError, match="not supported yet"):
+        cache.export_sequence(0)
 
 
 # ------------------------------------------------------------------ the formats
@@ -132,3 +210,31 @@ def test_the_gate_fails_loudly_on_a_wrong_fp8_scale(store, head):
 def test_the_gate_fails_on_nan():
     with pytest.raises(AssertionError, match="accuracy gate"):
         kq.accuracy_gate("int8", store=lambda x, which: np.where(x > 5, np.nan, x))
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_a_prefix_cached_in_a_quantized_cache_is_read_as_it_was_stored(fmt):
+    cache = PagedKVCache(config(kv_dtype=fmt, prefix_cache=True, dtype="float32"), backend="reference")
+    rng = np.random.default_rng(2)
+    tokens = list(range(1, 12))
+    k = rng.standard_normal((11, 2, 64)).astype(np.float32)
+    q = rng.standard_normal((11, 4, 64)).astype(np.float32)
+    assert cache.add_sequence(0, tokens) == 0
+    with cache.forward([0], [11]):
+        for layer in range(2):
+            cache.attention(layer, q, k, k)
+    cold = cache.get_kv(0, 0, 8)
+    cache.remove_sequence(0)
+    assert cache.add_sequence(1, tokens) == 8                  # two whole pages of 4
+    warm = cache.get_kv(1)
+    assert all((w == c).all() for w, c in zip(warm, cold))
+    assert not (warm[0][0] == k[:8]).all()                     # quantized, not the input
+
+
+def test_a_group_holding_nan_reads_back_nan_and_the_others_are_untouched():
+    x = np.random.default_rng(4).standard_normal((3, 2, 64)).astype(np.float32)
+    x[1, 0, 5] = np.nan
+    for fmt in ("int8", "int4"):
+        back = kq.roundtrip(x, fmt, "float32", 32)
+        assert np.isnan(back[1, 0, :32]).all() and np.isfinite(back[1, 0, 32:]).all()
+        assert np.isfinite(np.delete(back.reshape(6, 64), 2, axis=0)).all()

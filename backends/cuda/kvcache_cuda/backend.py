@@ -361,7 +361,10 @@ class CudaBackend(Backend):
         with self._guard():
             self.kernels(k).append_kv(self.ctx, pages, k, v, slots, positions, rope)
 
-    def rope_append(self, pages, q, k, v, slots, positions, rope):
+    def rope_append(self, pages, q, k, v, slots, positions, rope, **quant):
+        # quant (kv_scale) comes only with a quantized kv_dtype, which this backend does not
+        # declare (Capabilities.kv_dtypes): the core never passes it here
+        assert not quant, "kvcache-cuda stores no quantized KV format"
         with self._guard():
             return self.kernels(q).rope_append(self.ctx, pages, q, k, v, slots, positions, rope)
 

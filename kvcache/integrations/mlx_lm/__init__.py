@@ -124,11 +124,12 @@ class Engine(_Engine):
                  offload_tokens: Optional[int] = None, overlap: bool = True,
                  tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None,
                  memory_fraction: float = 0.9,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, kv_dtype: str = "auto"):
         self.model = model
         super().__init__(MlxLmAdapter(model, tokenizer=tokenizer, eos_token_ids=eos_token_ids),
                          backend=backend, device=device, dtype=dtype,
                          page_size=page_size, max_total_tokens=max_total_tokens,
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          offload=offload, offload_tokens=offload_tokens, overlap=overlap,
-                         memory_fraction=memory_fraction, prefix_cache=prefix_cache)
+                         memory_fraction=memory_fraction, prefix_cache=prefix_cache,
+                         kv_dtype=kv_dtype)

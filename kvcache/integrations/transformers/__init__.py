@@ -123,7 +123,7 @@ class Engine(_Engine):
                  graph_batch_sizes=None, offload: Optional[bool] = None,
                  offload_tokens: Optional[int] = None, overlap: bool = True,
                  tp: Optional[int] = None, tp_group=None, memory_fraction: float = 0.9,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, kv_dtype: str = "auto"):
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
@@ -136,4 +136,5 @@ class Engine(_Engine):
                          max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
                          graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
                          offload_tokens=offload_tokens, overlap=overlap,
-                         memory_fraction=memory_fraction, prefix_cache=prefix_cache)
+                         memory_fraction=memory_fraction, prefix_cache=prefix_cache,
+                         kv_dtype=kv_dtype)

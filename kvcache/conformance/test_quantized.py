@@ -1,0 +1,164 @@
+"""Quantized KV storage (``CacheConfig(kv_dtype=...)``, capability ``kv_dtypes``) on the backend
+under test, per format it declares.
+
+The reference stores each format exactly as ``kvcache.kv_quant`` defines it, so the backend is
+compared with the same quantization, not with full precision: attention (prefill, decode,
+mixed batches, forks and popn over quantized pages), ``get_kv`` (dequantized values), fp8 scale
+calibration, and the accuracy gate run through the backend's own pages, which must fail on a
+wrong fp8 scale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcache.config import KV_FORMATS
+
+from .base import Conformance
+
+FP8_SCALES = (0.02, 0.03)
+"""Per-head fp8 scales set on both caches where a test needs identical codes (the values of
+the suite's standard-normal K/V reach about 4.5 / 0.02 = 225 < 448)."""
+
+
+def _pair(make_pair, fmt, **kw):
+    p = make_pair(kv_dtype=fmt, **kw)
+    if fmt == "float8_e4m3":         # one scale rule for both: the codes are then the same
+        heads = p.config.num_kv_heads
+        for cache in (p.ref, p.dut):
+            for layer in range(p.config.num_layers):
+                cache.set_kv_scales(layer, [FP8_SCALES[h % 2] for h in range(heads)],
+                                    FP8_SCALES[0])
+    return p
+
+
+class TestQuantizedKV(Conformance):
+    """Attention and ``get_kv`` over quantized pages equal the reference's emulation of the
+    same format; fp8 scales calibrate from the first forward and are forgotten with an aborted
+    one; the accuracy gate holds through the backend's pages."""
+
+    @pytest.mark.parametrize("fmt", KV_FORMATS)
+    def test_prefill_then_decode(self, make_pair, fmt):
+        """Chunked prefill over two sequences, then decode steps; every output and the stored
+        K/V (read back dequantized) against the reference."""
+        p = _pair(make_pair, fmt)
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [2 * ps + 3, max(ps - 1, 1)])
+        p.forward([1, 0], [ps + 2, 1])
+        p.decode([0, 1], steps=3)
+
+    @pytest.mark.parametrize("fmt", KV_FORMATS)
+    def test_fork_and_popn_over_quantized_pages(self, make_pair, fmt):
+        """A mid-page fork copies a partial quantized page; popn drops rows; both go on."""
+        p = _pair(make_pair, fmt)
+        ps = p.config.page_size
+        p.add(0)
+        p.prefill(0, 2 * ps + 3)
+        p.fork(0, 1, ps + max(ps // 2, 1) if ps > 1 else 2)
+        p.decode([1, 0], steps=2)
+        p.popn(0, ps // 2 + 1)
+        p.forward([0, 1], [ps, 2])
+
+    @pytest.mark.parametrize("fmt", KV_FORMATS)
+    def test_token_tree_and_commit(self, make_pair, fmt):
+        """A draft tree over quantized pages (RoPE applied as K is stored), then a commit that
+        compacts the accepted rows (copied as stored)."""
+        p = _pair(make_pair, fmt, needs=("tree_attention",), rope_mode="normal")
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [ps + 3, 4])
+        p.forward([0, 1], [6, 3], tree=[-1, 0, 0, -1, 3, 1, -1, 0, 1])
+        p.commit([0, 1], [4, 2])
+        p.decode([0, 1], steps=2)
+
+    @pytest.mark.parametrize("fmt", KV_FORMATS)
+    def test_sliding_window_with_sinks(self, make_pair, fmt):
+        """A window with sink tokens over quantized pages; RoPE inline (the stored K is the
+        unrotated one, rotated as it is read)."""
+        p = _pair(make_pair, fmt, support_sliding_window=True, rope_mode="normal")
+        ps = p.config.page_size
+        p.add(0, 1)
+        p.forward([0, 1], [ps + 3, 5])
+        p.enable_sliding_window(0, max(2 * ps, 8), 4)
+        p.decode([0, 1], steps=ps + 4)
+        p.forward([0, 1], [ps + 2, 2])
+
+    @pytest.mark.parametrize("fmt", KV_FORMATS)
+    def test_the_result_does_not_depend_on_chunking(self, make_pair, fmt):
+        """Every kernel reads K/V as stored, the forward's own rows too: a prompt run as one
+        forward and as three gives the same last-row output on the backend."""
+        p = _pair(make_pair, fmt, num_layers=1)
+        c, cache = p.config, p.dut
+        n = 2 * c.page_size + 5
+        rng = np.random.default_rng(3)
+        q = rng.standard_normal((n, c.num_qo_heads, c.head_dim))
+        k = rng.standard_normal((n, c.num_kv_heads, c.head_dim))
+        v = rng.standard_normal((n, c.num_kv_heads, c.head_dim_v))
+        from kvcache import to_numpy
+        outs = []
+        for sid, cuts in ((10, [0, n]), (11, sorted({0, 3, c.page_size + 1, n}))):
+            cache.add_sequence(sid)
+            for a, b in zip(cuts, cuts[1:]):
+                with cache.forward([sid], [b - a]):
+                    o = cache.attention(0, *(cache.from_numpy(x[a:b]) for x in (q, k, v)))
+            outs.append(to_numpy(o)[-1].astype(np.float64))
+        tol = p.tol
+        np.testing.assert_allclose(outs[1], outs[0], rtol=tol.rtol * 4, atol=tol.atol * 4)
+
+    def test_fp8_scales_calibrate_from_the_first_forward(self, make_pair):
+        """Without set_kv_scales, a layer's scales are its first forward's largest magnitude per
+        KV head over 448; an aborted forward's calibration is forgotten."""
+        from kvcache import kv_quant
+        fmt = "float8_e4m3"
+        p = make_pair(kv_dtype=fmt, num_layers=1)
+        c, cache = p.config, p.dut
+        rng = np.random.default_rng(5)
+        q = rng.standard_normal((6, c.num_qo_heads, c.head_dim))
+        k = rng.standard_normal((6, c.num_kv_heads, c.head_dim)) * np.arange(1, c.num_kv_heads + 1)[None, :, None]
+        v = rng.standard_normal((6, c.num_kv_heads, c.head_dim_v)) * 7
+        cache.add_sequence(0)
+        cache.begin_forward([0], [6])
+        cache.attention(0, *(cache.from_numpy(x) for x in (q, k, v)))
+        assert cache.kv_scales(0) is not None
+        cache.abort_forward()
+        assert cache.kv_scales(0) is None
+        with cache.forward([0], [6]):
+            cache.attention(0, *(cache.from_numpy(x) for x in (q, k, v)))
+        rounded = [np.asarray(cache.backend.to_numpy(cache.from_numpy(x)), np.float32) for x in (k, v)]
+        want = [kv_quant.calibrate_fp8(x) for x in rounded]
+        got = cache.kv_scales(0)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+
+    @pytest.mark.parametrize("fmt", KV_FORMATS)
+    def test_accuracy_gate_through_the_backend(self, make_pair, fmt):
+        """K/V written through the backend's pages and read back with get_kv pass the gate; for
+        fp8, scales set 100x too small fail it loudly."""
+        from kvcache import kv_quant, to_numpy
+
+        def store_with(scales=None):
+            counter = iter(range(1000))
+
+            def store(x, which):
+                p = make_pair(kv_dtype=fmt, num_layers=1, head_dim=128, num_kv_heads=4, gqa=1,
+                              max_total_tokens=512)
+                cache = p.dut
+                if scales is not None:
+                    s = (kv_quant.calibrate_fp8(x) * scales).tolist()
+                    cache.set_kv_scales(0, s, s)
+                sid = next(counter)
+                cache.add_sequence(sid)
+                t = len(x)
+                with cache.forward([sid], [t]):
+                    cache.append_kv(0, cache.from_numpy(x), cache.from_numpy(x))
+                k, v = cache.get_kv(sid, layer=0)
+                return to_numpy(k if which == "k" else v).astype(np.float32)
+            return store
+
+        dtype = make_pair(kv_dtype=fmt).config.dtype
+        kv_quant.accuracy_gate(fmt, dtype, 64, store=store_with(), seeds=(0,))
+        if fmt == "float8_e4m3":
+            with pytest.raises(AssertionError, match="accuracy gate"):
+                kv_quant.accuracy_gate(fmt, dtype, 64, store=store_with(0.01), seeds=(0,))
