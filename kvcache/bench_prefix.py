@@ -5,6 +5,7 @@ request per 1,000 prompt tokens (issue 31)."""
 
 from __future__ import annotations
 
+import array
 import statistics
 import time
 
@@ -15,9 +16,10 @@ PREFIX_LENGTHS = (1000, 4000)
 
 
 def prefix_bench(repeat: int = 200, page_size: int = 16, lengths=PREFIX_LENGTHS) -> list:
-    """One row per prompt length: medians of ``repeat`` calls on a cache whose index holds the
-    prompt (and 7 other prompts sharing its first half, so lookups walk a real tree); the
-    prompt given as a list of Python ints (what the Engine passes) and as an int64 array."""
+    """One row per prompt length and input kind: medians of ``repeat`` calls on a cache whose
+    index holds the prompt (and 7 other prompts sharing its first half, so lookups walk a real
+    tree); the prompt given as a list of Python ints, an int64 numpy array and an
+    ``array('q')`` (what the Engine's scheduler passes: its prompt converted once)."""
     from .cache import PagedKVCache
     from .config import CacheConfig
 
@@ -39,7 +41,9 @@ def prefix_bench(repeat: int = 200, page_size: int = 16, lengths=PREFIX_LENGTHS)
                 cache.attention(0, q[start:], q[start:], q[start:])
             cache.remove_sequence(i)
         probe = base + [1]
-        for kind, given in (("list", probe), ("int64 array", np.array(probe, np.int64))):
+        # the Engine's scheduler passes array('q'): converted once per request, not per call
+        for kind, given in (("list", probe), ("int64 array", np.array(probe, np.int64)),
+                            ("array('q')", array.array("q", probe))):
             times_match, times_add = [], []
             for r in range(repeat):
                 t0 = time.perf_counter()

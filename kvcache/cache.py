@@ -1322,9 +1322,13 @@ class PagedKVCache:
 
 
 def _token_ids(tokens, what: str) -> array.array:
-    """``tokens`` (a list or tuple of ints, or a 1-D integer array) as an ``array('q')`` of
+    """``tokens`` (a list or tuple of ints, a 1-D integer array or an ``array('q')``) as an
+    ``array('q')`` (the same object for an ``array('q')``) of
     ids >= 0. The common case (a list of Python ints) is checked at C speed: the index's host
     cost is a few microseconds per 1,000 tokens, and a Python loop here would be ten times it."""
+    if isinstance(tokens, array.array) and tokens.typecode == "q":     # int64 already
+        if not tokens or int(np.frombuffer(tokens, np.int64).min()) >= 0:
+            return tokens
     if isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
         ids = tokens.astype(np.int64, copy=False)     # uint64 past 2**63 wraps negative: refused
         if not len(ids) or int(ids.min()) >= 0:

@@ -65,7 +65,7 @@ class Batching:
             start = s.fork_pos
             taken = 1 if start % ps else 0                    # the fork copies a partial page
         elif self.config.prefix_cache:                        # from its cached prefix, which
-            start, taken = self.cache.prefix_admission(self.seqs.known(s))    # it then holds
+            start, taken = self.cache.prefix_admission(self.seqs.known_ids(s))  # it then holds
         else:
             start, taken = 0, 0
         want = min(len(s.tokens) - start, budget)

@@ -8,6 +8,7 @@ becomes their prefix and each *sample* forks from it. Pure Python over the cache
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from typing import Optional
 
@@ -37,6 +38,7 @@ class Seq:
     waiting: int = 0                   # dependants not yet forked from it
     computed: int = 0                  # tokens ever run for it (recompute accounting)
     recorded: int = 0                  # its first tokens whose ids the cache knows (prefix cache)
+    ids: Optional[array.array] = None  # ``known`` tokens as int64 (prefix cache lookups), cached
 
     @property
     def pending(self) -> int:
@@ -167,6 +169,15 @@ class Sequences:
         """``seq``'s tokens up to a pick still on its way (pipelined mode)."""
         return seq.tokens[:seq.tokens.index(SLOT)] if SLOT in seq.tokens else seq.tokens
 
+    @classmethod
+    def known_ids(cls, seq: Seq) -> array.array:
+        """``known(seq)`` as an int64 ``array``, made once per length: a waiting request's
+        prefix lookups (one per step it waits, then its admission) convert it once."""
+        known = cls.known(seq)
+        if seq.ids is None or len(seq.ids) != len(known) or (known and seq.ids[-1] != known[-1]):
+            seq.ids = array.array("q", known)
+        return seq.ids
+
     def record(self, seq: Seq) -> None:
         """Tell the prefix cache the ids of ``seq``'s tokens it does not know yet (up to a pick
         still on its way), so that its full pages stay cached after it leaves."""
@@ -229,7 +240,7 @@ class Sequences:
             stats.forks += 1
             stats.shared_prefix_tokens += seq.fork_pos
         elif cache.config.prefix_cache:         # starts from the longest cached prefix
-            known = self.known(seq)
+            known = self.known_ids(seq)
             seq.cached = cache.add_sequence(seq.sid, known)
             seq.recorded = len(known)
             seq.computed = max(seq.computed, seq.cached)

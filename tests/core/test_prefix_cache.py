@@ -243,3 +243,12 @@ def test_a_copy_of_a_cached_page_with_a_new_page_after_it_is_evicted_whole():
     cached = cache.num_cached_pages
     assert cached == 2 and cache.clear_prefix_cache() == cached
     assert cache.match_prefix([1, 2, 3, 4, 1, 2, 3, 4, 0]) == 8
+
+
+def test_an_int64_array_of_ids_is_taken_as_it_is_and_still_checked():
+    import array as _array
+    from kvcache.cache import _token_ids
+    ids = _array.array("q", [3, 4, 5])
+    assert _token_ids(ids, "t") is ids                      # no conversion, no copy
+    with pytest.raises(kvcache.InvalidArgumentError, match="-1"):
+        _token_ids(_array.array("q", [3, -1]), "t")

@@ -283,3 +283,14 @@ def test_logprobs_k_reports_the_k_likeliest_per_token_beside_pipelined_requests(
     for token, alts in zip(got[a][0], got[a][1]):
         assert [i for i, _ in alts] == [(token + i) % 97 for i in range(3)]
         assert [lp for _, lp in alts] == [0.0, -1.0, -2.0]
+
+
+def test_a_waiting_sequence_converts_its_known_tokens_once_per_length():
+    from kvcache.serving.sequences import Seq, Sequences
+    seq = Seq(sid=0, kind="prompt", tokens=[5, 6, 7], order=(0, 1, 0))
+    first = Sequences.known_ids(seq)
+    assert list(first) == [5, 6, 7] and Sequences.known_ids(seq) is first
+    seq.tokens.append(8)
+    assert list(Sequences.known_ids(seq)) == [5, 6, 7, 8]
+    seq.tokens[-1] = 9                                       # same length, other last token
+    assert list(Sequences.known_ids(seq)) == [5, 6, 7, 9]
