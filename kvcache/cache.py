@@ -134,13 +134,13 @@ class PagedKVCache:
         else:
             self.aux_manager = PlainAuxManager(self.backend)
         self.planner = Planner(self.state, config, caps)
+        """Plans forwards; ``planner.begin`` plans and reserves without opening a forward
+        (benchmarks and tests of the host work use it)."""
         self._prefix = PrefixIndex(self.state) if config.prefix_cache else None
         # fp8 pages: per layer, None (not set yet) or (host (2, Hkv) float32, backend array)
         self._kv_scales: Optional[list] = (
             [None] * config.num_layers if config.kv_dtype == "float8_e4m3" else None)
         self._calibrated: list = []         # layers whose scales the open forward calibrated
-        """Plans forwards; ``planner.begin`` plans and reserves without opening a forward
-        (benchmarks and tests of the host work use it)."""
         self._rope = config.rope_spec()
         self._plan: Optional[ForwardPlan] = None
         self._aux: Optional[ForwardAux] = None
@@ -610,9 +610,11 @@ class PagedKVCache:
     def _put_scales(self, layer: int, host) -> None:
         self._kv_scales[layer] = (host, self.backend.from_numpy(host, "float32"))   # type: ignore[index]
 
-    def _scale_kw(self, plan: ForwardPlan, layer: int, k, v) -> dict:
+    def _scale_kw(self, plan: ForwardPlan, layer: int, k, v, positions) -> dict:
         """The ``kv_scale`` keyword of layer ``layer``'s kernels ({} unless fp8 pages),
-        calibrating the layer's scales from this forward's ``k`` / ``v`` when none are set."""
+        calibrating the layer's scales from this forward's ``k`` / ``v`` as they are stored
+        (K rotated at ``positions`` where the cache applies RoPE as it writes: a rotation can
+        raise a coordinate up to sqrt(2) times) when none are set."""
         if self._kv_scales is None:
             return {}
         if self._kv_scales[layer] is None:
@@ -623,6 +625,8 @@ class PagedKVCache:
                     f"forward first (forward over sequences {plan.seq_ids})")
             from .kv_quant import calibrate_fp8
             b = self.backend
+            if self.config.effective_rope_mode == "normal":
+                k = b.rope(k, positions, self._rope)
             self._put_scales(layer, np.stack([calibrate_fp8(b.to_numpy(k)),
                                               calibrate_fp8(b.to_numpy(v))]))
             self._calibrated.append(layer)
@@ -1254,7 +1258,7 @@ class PagedKVCache:
         rows = self.backend.shape_of(k)[0]
         self._check_input("v", v, c.num_kv_heads, rows, c.head_dim_v)
         positions, slots = self._write_rows(plan, self._device_aux(), rows)
-        quant = self._scale_kw(plan, layer_id, k, v)
+        quant = self._scale_kw(plan, layer_id, k, v, positions)
         if self.config.effective_rope_mode == "normal":
             self.backend.append_kv(self.pages[layer_id], k, v, slots, positions, self._rope, **quant)
         else:
@@ -1288,7 +1292,7 @@ class PagedKVCache:
         tokens = aux.tokens
         positions, slots = self._write_rows(plan, aux, b.shape_of(q)[0])
         # quantized pages: every kernel reads K/V as stored, the forward's own rows included
-        quant = self._scale_kw(plan, layer, k, v)
+        quant = self._scale_kw(plan, layer, k, v, positions)
         if not plan.write_after:
             if mode == "normal":
                 q, k = b.rope_append(pages, q, k, v, slots, positions, self._rope, **quant)

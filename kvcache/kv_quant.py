@@ -14,8 +14,8 @@ its quantized pages and attention against it, not against full precision.
   ``float32(code) * float32(scale) + float32(bias)`` (one rounding, in float32).
 
 ``calibrate_fp8`` is the scale rule when none is given: the largest magnitude a (layer, KV
-head) holds in the first forward that writes it, over 448, so that forward's values are in
-range and later ones saturate.
+head) holds in the first forward that writes it (K as stored: rotated where the cache applies
+RoPE), over 448, so that forward's values are in range and later ones saturate.
 """
 
 from __future__ import annotations

@@ -238,3 +238,23 @@ def test_a_group_holding_nan_reads_back_nan_and_the_others_are_untouched():
         back = kq.roundtrip(x, fmt, "float32", 32)
         assert np.isnan(back[1, 0, :32]).all() and np.isfinite(back[1, 0, 32:]).all()
         assert np.isfinite(np.delete(back.reshape(6, 64), 2, axis=0)).all()
+
+
+def test_fp8_calibration_sees_k_as_stored_after_the_caches_rope():
+    # rope_mode="normal": the cache rotates K as it writes it; a rotation can raise a
+    # coordinate's magnitude (up to sqrt(2)), so the scale comes from the rotated K and no
+    # value of the calibrating forward saturates
+    cache = PagedKVCache(config(kv_dtype="float8_e4m3", dtype="float32", rope_mode="normal",
+                                num_layers=1), backend="reference")
+    rng = np.random.default_rng(9)
+    k = rng.standard_normal((12, 2, 64)).astype(np.float32)
+    k[:, :, 0] = k[:, :, 32] = 5.0                   # a rotated pair reaches up to 5 * sqrt(2)
+    q = rng.standard_normal((12, 4, 64)).astype(np.float32)
+    cache.add_sequence(0)
+    with cache.forward([0], [12]):
+        cache.attention(0, q, k, k)
+    rotated = cache.backend.rope(k, np.arange(12), cache.config.rope_spec())
+    assert np.abs(rotated).max() > np.abs(k).max() * 1.2
+    np.testing.assert_allclose(cache.kv_scales(0)[0], kq.calibrate_fp8(rotated), rtol=1e-6)
+    stored = cache.get_kv(0, layer=0)[0]
+    assert np.allclose(np.abs(stored).max(axis=(0, 2)), np.abs(rotated).max(axis=(0, 2)), rtol=1e-6)
