@@ -25,8 +25,7 @@ from .core.static import capacity_plan
 from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError, KVCacheError,
-                     SequenceExistsError,
-                     UnsupportedFeatureError)
+                     SequenceExistsError, UnsupportedFeatureError)
 from .plugins import open_backend
 from .transfer import SequencePayload, payload_fields
 
@@ -580,9 +579,7 @@ class PagedKVCache:
             raise InvalidArgumentError(
                 f"set_kv_scales: the cache stores kv_dtype={c.kv_dtype!r}; scales are for "
                 f"'float8_e4m3' pages")
-        layer_id = as_int(layer_id, "layer_id")
-        if not 0 <= layer_id < c.num_layers:
-            raise InvalidArgumentError(f"set_kv_scales: layer_id {layer_id} must be in [0, {c.num_layers})")
+        layer_id = self._layer(layer_id, "set_kv_scales: layer_id")
         if self._kv_scales[layer_id] is not None:
             raise InvalidArgumentError(
                 f"set_kv_scales: layer {layer_id} has its scales already (set or calibrated "
@@ -601,10 +598,12 @@ class PagedKVCache:
     @_exclusive
     def kv_scales(self, layer_id: int) -> Optional[tuple]:
         """``(k_scale, v_scale)`` of layer ``layer_id``, each a tuple of ``num_kv_heads``
-        floats, or None while not set (and for pages that are not fp8)."""
+        floats, or None while not set (and for pages that are not fp8). Raises
+        InvalidArgumentError for a layer outside [0, num_layers)."""
+        layer_id = self._layer(layer_id, "kv_scales: layer_id")
         if self._kv_scales is None:
             return None
-        entry = self._kv_scales[as_int(layer_id, "layer_id")]
+        entry = self._kv_scales[layer_id]
         return None if entry is None else (tuple(entry[0][0].tolist()), tuple(entry[0][1].tolist()))
 
     def _put_scales(self, layer: int, host) -> None:
@@ -676,10 +675,7 @@ class PagedKVCache:
                 f"get_kv range [{start}, {end}) of sequence {seq.seq_id} must lie in [0, {length}]")
         pages, layers = self.pages, range(self.config.num_layers)
         if layer is not None:
-            layer = as_int(layer, "layer")
-            if not 0 <= layer < self.config.num_layers:
-                raise InvalidArgumentError(
-                    f"get_kv layer {layer} must be in [0, {self.config.num_layers})")
+            layer = self._layer(layer, "get_kv layer")
             pages, layers = [self.pages[layer]], range(layer, layer + 1)
             if self._plan is not None:
                 self._check_in_forward_read(self._plan, seq, layer, end, length)
@@ -1221,13 +1217,17 @@ class PagedKVCache:
                 f"sinks has shape {b.shape_of(sinks)} and dtype {b.dtype_name(sinks)}, expected "
                 f"({heads},) (one logit per query head) of one of {DTYPES}")
 
+    def _layer(self, layer_id, what: str) -> int:
+        """``layer_id`` as an int in [0, num_layers); InvalidArgumentError naming ``what``."""
+        layer_id = as_int(layer_id, what)
+        if not 0 <= layer_id < self.config.num_layers:
+            raise InvalidArgumentError(f"{what} {layer_id} must be in [0, {self.config.num_layers})")
+        return layer_id
+
     def _layer_to_run(self, layer_id) -> int:
         """``layer_id`` as an int in [0, num_layers) that has not run in this forward (typed
         errors otherwise): the layer an ``attention`` or ``append_kv`` call runs."""
-        layer_id = as_int(layer_id, "layer_id")
-        if not 0 <= layer_id < self.config.num_layers:
-            raise InvalidArgumentError(
-                f"layer_id {layer_id} must be in [0, {self.config.num_layers})")
+        layer_id = self._layer(layer_id, "layer_id")
         if layer_id in self._layers_done:
             raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
         return layer_id
@@ -1327,26 +1327,24 @@ class PagedKVCache:
 
 def _token_ids(tokens, what: str) -> array.array:
     """``tokens`` (a list or tuple of ints, a 1-D integer array or an ``array('q')``) as an
-    ``array('q')`` (the same object for an ``array('q')``) of
-    ids >= 0. The common case (a list of Python ints) is checked at C speed: the index's host
-    cost is a few microseconds per 1,000 tokens, and a Python loop here would be ten times it."""
+    ``array('q')`` (the same object for an ``array('q')``) of ids >= 0. The common cases are
+    converted and checked at C speed: the index's host cost is a few microseconds per 1,000
+    tokens, and a Python loop here would be ten times it; anything else, or a bad id, goes
+    through ``int_values`` (the precise error)."""
+    out = None
     if isinstance(tokens, array.array) and tokens.typecode == "q":     # int64 already
-        if not tokens or int(np.frombuffer(tokens, np.int64).min()) >= 0:
-            return tokens
-    if isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
-        ids = tokens.astype(np.int64, copy=False)     # uint64 past 2**63 wraps negative: refused
-        if not len(ids) or int(ids.min()) >= 0:
-            return array.array("q", ids.tobytes())
-    if isinstance(tokens, np.ndarray) or hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
-        return array.array("q", int_values(tokens, what, 0, 2**63 - 1))
-    if isinstance(tokens, (list, tuple)) and set(map(type, tokens)) <= {int}:
+        out = tokens
+    elif isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
+        # uint64 past 2**63 wraps negative: refused below
+        out = array.array("q", tokens.astype(np.int64, copy=False).tobytes())
+    elif isinstance(tokens, (list, tuple)) and set(map(type, tokens)) <= {int}:
         try:
             out = array.array("q", tokens)
         except OverflowError:
-            out = None
-        if out is not None and (not out or int(np.frombuffer(out, np.int64).min()) >= 0):
-            return out
-    return array.array("q", int_values(tokens, what, 0, 2**63 - 1))    # the precise error
+            pass
+    if out is not None and (not out or int(np.frombuffer(out, np.int64).min()) >= 0):
+        return out
+    return array.array("q", int_values(tokens, what, 0, 2**63 - 1))
 
 
 def _hashable(value, what: str) -> None:

@@ -33,9 +33,8 @@ _TINY = np.float32(2.0 ** -24)      # a scale never below this (an all-zero head
 
 
 def _float_dtype(name: str):
-    if name == "bfloat16":
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
+    from .reference import np_dtype     # the one name -> numpy dtype table (bfloat16 too)
+    return np_dtype(name)
 
 
 def calibrate_fp8(x) -> np.ndarray:

@@ -16,22 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
-
-def rows_of(engine):
-    rows: list = []
-    forward = engine.adapter.forward
-
-    def spy(cache, tokens, positions, want):
-        out = forward(cache, tokens, positions, want)
-        if len(want):
-            rows.extend(np.array(engine.adapter.to_numpy(out).astype(np.float32)))
-        return out
-
-    engine.adapter.forward = spy
-    return rows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
+from engine_cases import logit_rows as rows_of  # noqa: E402  (the tests' spy, one copy)
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,7 @@ import pytest
 from kvcache.config import KV_FORMATS
 
 from .base import Conformance
+from .test_sequences import decode_with_sinks, several_roots_and_commit
 
 FP8_SCALES = (0.02, 0.03)
 """Per-head fp8 scales set on both caches where a test needs identical codes (the values of
@@ -65,25 +66,14 @@ class TestQuantizedKV(Conformance):
     def test_token_tree_and_commit(self, make_pair, fmt):
         """A draft tree over quantized pages (RoPE applied as K is stored), then a commit that
         compacts the accepted rows (copied as stored)."""
-        p = _pair(make_pair, fmt, needs=("tree_attention",), rope_mode="normal")
-        ps = p.config.page_size
-        p.add(0, 1)
-        p.forward([0, 1], [ps + 3, 4])
-        p.forward([0, 1], [6, 3], tree=[-1, 0, 0, -1, 3, 1, -1, 0, 1])
-        p.commit([0, 1], [4, 2])
-        p.decode([0, 1], steps=2)
+        several_roots_and_commit(_pair(make_pair, fmt, needs=("tree_attention",),
+                                       rope_mode="normal"))
 
     @pytest.mark.parametrize("fmt", KV_FORMATS)
     def test_sliding_window_with_sinks(self, make_pair, fmt):
         """A window with sink tokens over quantized pages; RoPE inline (the stored K is the
         unrotated one, rotated as it is read)."""
-        p = _pair(make_pair, fmt, support_sliding_window=True, rope_mode="normal")
-        ps = p.config.page_size
-        p.add(0, 1)
-        p.forward([0, 1], [ps + 3, 5])
-        p.enable_sliding_window(0, max(2 * ps, 8), 4)
-        p.decode([0, 1], steps=ps + 4)
-        p.forward([0, 1], [ps + 2, 2])
+        decode_with_sinks(_pair(make_pair, fmt, support_sliding_window=True, rope_mode="normal"))
 
     @pytest.mark.parametrize("fmt", KV_FORMATS)
     def test_the_result_does_not_depend_on_chunking(self, make_pair, fmt):

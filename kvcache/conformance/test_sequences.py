@@ -143,6 +143,17 @@ def _sliding(make_pair, rope_mode="none", **kw):
     return make_pair(support_sliding_window=True, rope_mode=rope_mode, **kw)
 
 
+def decode_with_sinks(p) -> None:
+    """Two sequences; one gets a window with 4 sink tokens and both decode past it."""
+    ps = p.config.page_size
+    p.add(0, 1)
+    p.forward([0, 1], [ps + 3, 5])
+    p.enable_sliding_window(0, max(2 * ps, 8), 4)
+    p.decode([0, 1], steps=ps + 4)
+    p.forward([0, 1], [ps + 2, 2])
+    p.decode([1, 0], steps=2)
+
+
 class TestSlidingWindow(Conformance):
     """``enable_sliding_window(seq_id, window, sinks)`` (needs the ``sliding_window``
     capability): decode with and without sink tokens, a prefill longer than the window,
@@ -152,14 +163,7 @@ class TestSlidingWindow(Conformance):
     @pytest.mark.parametrize("rope_mode", ["none", "normal"])
     def test_decode_with_sinks(self, make_pair, rope_mode):
         """'normal' RoPE becomes inline RoPE with sliding windows (positions inside the window)."""
-        p = _sliding(make_pair, rope_mode)
-        ps = p.config.page_size
-        p.add(0, 1)
-        p.forward([0, 1], [ps + 3, 5])
-        p.enable_sliding_window(0, max(2 * ps, 8), 4)
-        p.decode([0, 1], steps=ps + 4)
-        p.forward([0, 1], [ps + 2, 2])
-        p.decode([1, 0], steps=2)
+        decode_with_sinks(_sliding(make_pair, rope_mode))
 
     def test_prefill_longer_than_window(self, make_pair):
         p = _sliding(make_pair, "normal")
@@ -209,6 +213,17 @@ def _tree_pair(make_pair, **kw):
     return make_pair(needs=("tree_attention",), **kw)
 
 
+def several_roots_and_commit(p) -> None:
+    """Sequence 0 drafts two roots, sequence 1 a chain; commit one path each, decode on."""
+    ps = p.config.page_size
+    p.add(0, 1)
+    p.forward([0, 1], [ps + 3, 4])
+    # sequence 0: roots 0 and 3; sequence 1: a chain
+    p.forward([0, 1], [6, 3], tree=[-1, 0, 0, -1, 3, 1, -1, 0, 1])
+    p.commit([0, 1], [4, 2])
+    p.decode([0, 1], steps=2)
+
+
 class TestTokenTree(Conformance):
     """Token-tree (speculative decoding) forwards (needs ``tree_attention``): several roots
     per sequence, a draft tree grown one level per forward, trees that cross pages, and
@@ -216,14 +231,7 @@ class TestTokenTree(Conformance):
 
     @pytest.mark.parametrize("rope_mode", ["none", "normal"])
     def test_several_roots_and_commit(self, make_pair, rope_mode):
-        p = _tree_pair(make_pair, rope_mode=rope_mode)
-        ps = p.config.page_size
-        p.add(0, 1)
-        p.forward([0, 1], [ps + 3, 4])
-        # sequence 0: roots 0 and 3; sequence 1: a chain
-        p.forward([0, 1], [6, 3], tree=[-1, 0, 0, -1, 3, 1, -1, 0, 1])
-        p.commit([0, 1], [4, 2])
-        p.decode([0, 1], steps=2)
+        several_roots_and_commit(_tree_pair(make_pair, rope_mode=rope_mode))
 
     def test_grown_over_forwards(self, make_pair):
         """A draft tree grown one level per forward, then one commit."""

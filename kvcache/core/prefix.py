@@ -243,12 +243,17 @@ class PrefixIndex:
         children moves to a child's holder (whose pages run through a copy of it), one without
         leaves the index."""
         for node in sorted((n for n in t.nodes if n.depth > keep), key=lambda n: -n.depth):
-            if node.kids:
-                t.nodes.discard(node)
-                node.holder = next(iter(node.kids)).holder
-                node.holder.nodes.add(node)
-            else:
-                self._remove_node(node)
+            self._let_go(node, t)
+
+    def _let_go(self, node: Node, holder: Union[Ghost, Track]) -> None:
+        """``holder`` gives up ``node``: a node with children moves to a child's holder (whose
+        pages run through a copy of its page), one without leaves the index."""
+        if node.kids:
+            holder.nodes.discard(node)
+            node.holder = next(iter(node.kids)).holder
+            node.holder.nodes.add(node)
+        else:
+            self._remove_node(node)
 
     def forked(self, parent, child, fork_pos: int) -> None:
         """``child`` was forked from ``parent`` at ``fork_pos``: it knows the parent's ids up to
@@ -370,12 +375,7 @@ class PrefixIndex:
                     nxt = at.parent         # the ghost's next deepest node, past others' nodes
                     while nxt is not None and nxt.holder is not ghost:
                         nxt = nxt.parent
-                    if at.kids:     # its children's holders hold copies of its page: one keeps it
-                        ghost.nodes.discard(at)
-                        at.holder = next(iter(at.kids)).holder
-                        at.holder.nodes.add(at)
-                    else:
-                        self._remove_node(at)
+                    self._let_go(at, ghost)
                     if nxt is None or nxt.depth <= floor or (limit is not None and nxt.tick > limit):
                         break
                     at = nxt

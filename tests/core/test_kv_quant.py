@@ -258,3 +258,11 @@ def test_fp8_calibration_sees_k_as_stored_after_the_caches_rope():
     np.testing.assert_allclose(cache.kv_scales(0)[0], kq.calibrate_fp8(rotated), rtol=1e-6)
     stored = cache.get_kv(0, layer=0)[0]
     assert np.allclose(np.abs(stored).max(axis=(0, 2)), np.abs(rotated).max(axis=(0, 2)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3", "int8"])
+def test_kv_scales_names_a_layer_outside_the_cache(fmt):
+    cache = PagedKVCache(config(kv_dtype=fmt), backend="reference")
+    for layer in (2, -1):                   # -1 once read the last layer's scales
+        with pytest.raises(InvalidArgumentError, match=f"kv_scales: layer_id {layer} must be in"):
+            cache.kv_scales(layer)

@@ -18,6 +18,22 @@ def make_prompts(seed: int = 1) -> list:
     return prompts
 
 
+def logit_rows(engine) -> list:
+    """Spy on ``engine``'s adapter forward: the list every logits row it returns is appended
+    to, in order, as float64 host arrays."""
+    rows: list = []
+    forward = engine.adapter.forward
+
+    def spy(cache, tokens, positions, want):
+        out = forward(cache, tokens, positions, want)
+        if len(want):
+            rows.extend(np.array(engine.adapter.to_numpy(out)))
+        return out
+
+    engine.adapter.forward = spy
+    return rows
+
+
 def first_step_logits(engine, prompts) -> list:
     """Each prompt's first-step logits through ``engine`` (one prompt per generate, the logits
     row seen by wrapping the adapter's forward); the adapter is restored afterwards."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_greedy, make_model
+from engine_cases import logit_rows
 
 from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import Engine
@@ -24,21 +25,6 @@ def llama():
 
 def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def logit_rows(engine):
-    """Spy on the adapter's forward: every logits row it returns, in order."""
-    rows: list = []
-    forward = engine.adapter.forward
-
-    def spy(cache, tokens, positions, want):
-        out = forward(cache, tokens, positions, want)
-        if len(want):
-            rows.extend(np.array(engine.adapter.to_numpy(out)))
-        return out
-
-    engine.adapter.forward = spy
-    return rows
 
 
 def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit(llama):
