@@ -64,6 +64,14 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
     prefix_profile) section "issue 31: where the shared-prefix run's host time goes"
       timeout 200 python3 tools/profile_prefix.py ${PROFILE_ARGS:-} > "$OUT/prefix_profile.txt" 2>&1
       grep -a -v -i warn "$OUT/prefix_profile.txt" | head -120 | cut -c1-160 ;;
+    fp8) section "issue 32: fp8 pages: kernel tests, conformance (all classes) side by side; then the fp8 bench"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q tests/cuda -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1 &
+      timeout 420 python3 -m kvcache.cli conformance --backend cuda ${CONF_ARGS:-} > "$OUT/conformance.log" 2>&1; wait
+      tail -15 "$OUT/cuda_tests.log"; grep -a -A40 "conformance summary" "$OUT/conformance.log" | head -60
+      timeout 240 python3 -m kvcache.cli bench --backend cuda --only ${BENCH_ONLY:-decode,prefill,fp8} 2>&1 | tee "$OUT/bench_fp8.log" | tail -30 ;;
+    kv_budget) section "issue 32: serving at one KV memory budget, 16-bit pages against fp8"
+      timeout 400 python3 -m kvcache.cli bench --serving --workload kv-budget --kv-dtype float8_e4m3 ${BUDGET_ARGS:-} > "$OUT/kv_budget.txt" 2> "$OUT/kv_budget.err"
+      cat "$OUT/kv_budget.txt"; tail -4 "$OUT/kv_budget.err" ;;
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
       grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;

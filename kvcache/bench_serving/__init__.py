@@ -19,13 +19,18 @@ Per system:
   wall(n1)`` that the GPU's activity (kernels, copies, memsets; their union) covers (cuda only);
 * ``same_tokens_as_a``: requests whose greedy tokens equal (a)'s.
 
+``--kv-dtype`` (default auto: the compute dtype) is the storage format of (a)'s pages on any
+workload; ``--workload kv-budget`` (``kv_budget``) runs (a) with 16-bit and with quantized pages
+at one KV memory budget in bytes. ``--workload shared-prefix | multi-turn``: ``prefix``.
+
 ``--tiny`` is the CI smoke run (seconds on a CPU): tiny dims and tiny work (4 requests of 8-32
 tokens, 6 new tokens, 1 layer, batch 4, no profiler off the GPU); its targets are not judged.
 Progress goes to stderr (``say``), a line per phase; the results to stdout.
 
 The package's modules: ``model`` (the workload, the model, the roofline's inputs), ``runners``
-(the systems), ``measure`` (timing one system), ``report`` (the table and its targets); this
-module holds the command (its options, ``run``, ``main``) and re-exports their names.
+(the systems), ``measure`` (timing one system), ``report`` (the table and its targets),
+``prefix`` and ``kv_budget`` (the other workloads); this module holds the command (its options,
+``run``, ``main``) and re-exports their names.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from typing import Any, Optional
 from .measure import _check, _gpu_spans, _timed, measure, tail_busy, union_length
 from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate, decode_bytes,
                     workload)
+from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_budget_result,
+                        run_kv_budget)
 from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
 from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
 from .runners import (SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
@@ -93,13 +100,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random (default): the systems (a), (b), (c) above on random prompts; "
                         "shared-prefix: requests sharing a system prompt, arriving one per step; "
                         "multi-turn: conversations whose turns extend the last; both run the "
-                        "Engine with the prefix cache on and off, and (b)")
+                        "Engine with the prefix cache on and off, and (b); kv-budget: the Engine "
+                        "with auto and with --kv-dtype pages at one KV memory budget")
     g.add_argument("--system", type=_pos, default=None, metavar="N",
                    help="shared-prefix: the system prompt's tokens (default 2000; --tiny: 40); "
                         "multi-turn: the first turn's prompt (default 512; --tiny: 24)")
     g.add_argument("--prefix-cache", default="on", choices=("on", "off"),
                    help="(a)'s automatic prefix cache on the random workload (default on, the "
                         "Engine's default; its prompts share nothing, so this prices the index)")
+    g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="(a)'s KV storage format on any workload (default auto: the compute "
+                        "dtype); kv-budget's quantized run (auto there: float8_e4m3 where the "
+                        "backend declares it, else int8)")
+    g.add_argument("--kv-budget-mib", type=_pos_float, default=None, metavar="MIB",
+                   help="kv-budget: the KV memory budget of each run in MiB (default: half of "
+                        "what --batch sequences need at once, in auto KV)")
     g.add_argument("--static-compile", action="store_true",
                    help="let (c) compile its forward (transformers' auto-compile; off by default)")
 
@@ -107,6 +122,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _pos(text: str) -> int:
     from ..bench import _positive_int
     return _positive_int(text)
+
+
+def _pos_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
 
 
 def check_device(device: Optional[str]) -> None:
@@ -148,10 +173,14 @@ def run(args) -> dict:
     """Run the serving bench for parsed ``args``; returns the JSON-ready result."""
     import torch
     import transformers
+    from ..cli import UsageError
     kind = getattr(args, "workload", "random")
-    if kind == "random" and getattr(args, "system", None) is not None:
+    if kind in ("random", "kv-budget") and getattr(args, "system", None) is not None:
         raise ValueError("--system: only with --workload shared-prefix or multi-turn")
-    for name, (full, tiny) in [*PREFIX_SIZES.get(kind, {}).items(), *SIZES.items()]:
+    if kind != "kv-budget" and getattr(args, "kv_budget_mib", None) is not None:
+        raise UsageError("--kv-budget-mib: only with --workload kv-budget")
+    sizes = {**PREFIX_SIZES, "kv-budget": KV_BUDGET_SIZES}.get(kind, {})
+    for name, (full, tiny) in [*sizes.items(), *SIZES.items()]:
         if getattr(args, name, None) is None:
             setattr(args, name, tiny if args.tiny else full)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,7 +188,10 @@ def run(args) -> dict:
     skip = parse_skip(args.skip)
     dtype = "bfloat16" if on_gpu else "float32"
     backend = args.backend or ("cuda" if on_gpu else "reference")
-    if getattr(args, "workload", "random") != "random":
+    kv_dtype = _kv_dtype(args, backend, device)
+    if kind == "kv-budget":
+        return _run_prefix(args, device, backend, dtype, skip, kv_dtype)
+    if kind != "random":
         return _run_prefix(args, device, backend, dtype, skip)
     prompt_range = (8, 32) if args.tiny else (128, 1024)
     decode_prompt = 16 if args.tiny else 512
@@ -189,7 +221,8 @@ def run(args) -> dict:
                      "dtype": dtype, "requests": args.requests, "prompt_range": list(prompt_range),
                      "new_tokens": n2, "seed": args.seed, "batch": args.batch,
                      "decode_prompt": decode_prompt, "decode_n1": n1, "decode_n2": n2,
-                     "a_rope": args.rope, "a_prefix_cache": args.prefix_cache},
+                     "a_rope": args.rope, "a_prefix_cache": args.prefix_cache,
+                     "a_kv_dtype": kv_dtype},
         "roofline": {"copy_rate_Bps": rate, "context": context, **nbytes,
                      "decode_step_ms": roof_s * 1e3, "tokens_per_s": args.batch / roof_s},
         "systems": {}, "skipped": {}, "ratios": {},
@@ -204,7 +237,7 @@ def run(args) -> dict:
         try:
             if key == "a":
                 runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope,
-                                      args.prefix_cache == "on")
+                                      args.prefix_cache == "on", kv_dtype)
             elif key == "b":
                 runner = GenerateBatchRunner(net, None if on_gpu else {
                     "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,
@@ -220,6 +253,8 @@ def run(args) -> dict:
                              lambda msg: say(f"({key}) {msg}"))
             say(f"({key}) done in {time.perf_counter() - t0:.1f} s: "
                 f"{r['tokens_per_s']:.1f} tokens/s")
+            if isinstance(runner, EngineRunner):     # the format the Engine stores
+                r["kv_dtype"] = runner.engine.config.kv_dtype
             a_out = out if key == "a" else a_out
             if key != "a" and a_out is not None:    # a count, not a verdict: bf16 on a GPU
                 r["same_tokens_as_a"] = sum(x == y for x, y in zip(out, a_out))  # may part on ties
@@ -248,13 +283,44 @@ def run(args) -> dict:
     return result
 
 
-def _run_prefix(args, device: str, backend: str, dtype: str, skip: set) -> dict:
+def _kv_dtype(args, backend: str, device: str) -> str:
+    """(a)'s ``kv_dtype`` for ``--kv-dtype``, checked against what ``backend`` declares before
+    any work (kv-budget's "auto": ``default_kv_dtype``); a ``UsageError`` names the fix."""
+    from ..cli import UsageError
+    from ..plugins import resolve_backend
+    kv = getattr(args, "kv_dtype", "auto")
+    budget = getattr(args, "workload", "random") == "kv-budget"
+    if kv == "auto" and not budget:
+        return kv
+    cls = resolve_backend(backend, device)
+    declared = cls.capabilities.kv_dtypes
+    try:
+        kv = default_kv_dtype(declared) if kv == "auto" else kv
+    except ValueError:
+        raise UsageError(f"--workload kv-budget: backend {cls.name!r} declares no quantized KV "
+                         f"format (kv_dtypes: {', '.join(declared)}); it needs one to compare "
+                         f"against 16-bit pages") from None
+    if kv not in declared:
+        quant = [k for k in declared if k in KV_DTYPES]
+        raise UsageError(f"--kv-dtype {kv}: backend {cls.name!r} does not store it (its "
+                         f"quantized formats: {', '.join(quant) or 'none'}); pick another "
+                         f"--kv-dtype or --backend")
+    return kv
+
+
+def _run_prefix(args, device: str, backend: str, dtype: str, skip: set,
+                kv_dtype: Optional[str] = None) -> dict:
+    """The workloads other than random (kv-budget when ``kv_dtype`` is given), with the
+    run's environment added to the result."""
     import torch
     import transformers
     say(f"building the model ({args.model}, {args.layers} layers, "
         f"{'tiny dims' if args.tiny else 'Llama-3-8B layer shapes'}, {dtype} on {device})")
     net = build_model(args.model, args.layers, args.tiny, device, dtype, args.seed)
-    res = run_prefix(args, net, device, backend, skip, say)
+    if kv_dtype is not None:
+        res = run_kv_budget(args, net, device, backend, kv_dtype, say)
+    else:
+        res = run_prefix(args, net, device, backend, skip, say)
     res.update(command=f"kvcache bench --serving --workload {args.workload}",
                date=time.strftime("%Y-%m-%d %H:%M:%S"), machine=platform.node(),
                device=(torch.cuda.get_device_name(device) if device.startswith("cuda")
@@ -268,6 +334,8 @@ def main(args) -> int:
     res = run(args)
     if args.json:
         print(json.dumps(res, indent=2))
+    elif res["workload"].get("kind") == "kv-budget":
+        print_kv_budget_result(res)
     elif "kind" in res["workload"]:
         print_prefix_result(res)
     else:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "kv-budget")
 TARGET_TOKENS = 3.0
 """Shared prefix: tokens/s with the cache over without: at least this."""
 TARGET_TTFT = 5.0
@@ -82,10 +82,14 @@ def ideal_hits(arrivals: list, page_size: int) -> list:
 class Online:
     """Serve through an Engine's online API: ``groups`` of prompts, a group added before each
     step (the next only once the engine has stepped), greedy ``new_tokens`` each. Returns
-    (tokens per prompt, time to first token per prompt in s, wall s)."""
+    (tokens per prompt, time to first token per prompt in s, wall s). ``track_running``: keep
+    ``peak_running``, the most sequences in the cache after any step (off by default: a walk
+    over the sequences per step)."""
 
-    def __init__(self, engine, new_tokens: int):
+    def __init__(self, engine, new_tokens: int, track_running: bool = False):
         self.engine, self.new_tokens = engine, new_tokens
+        self.track_running = track_running
+        self.peak_running = 0
 
     def run(self, groups: list, wait_for_group: bool = False) -> tuple:
         from ..integrations.sampling import SamplingParams
@@ -108,6 +112,8 @@ class Online:
                 if o.new_token_ids and o.request_id not in first:
                     first[o.request_id] = time.perf_counter()
                 out[o.request_id].extend(o.new_token_ids)
+            if self.track_running:
+                self.peak_running = max(self.peak_running, eng.scheduler.num_running)
         wall = time.perf_counter() - t0
         return ([out[r] for r in order], [first[r] - added[r] for r in order], wall)
 
@@ -176,7 +182,8 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
 
     result: dict = {"workload": {"kind": args.workload, "requests": args.requests,
                                  "new_tokens": args.new_tokens, "page_size": page,
-                                 "layers": args.layers, "tiny": tiny, "seed": args.seed},
+                                 "layers": args.layers, "tiny": tiny, "seed": args.seed,
+                                 "a_kv_dtype": getattr(args, "kv_dtype", "auto")},
                     "systems": {}, "skipped": {}, "ratios": {}}
     w = result["workload"]
     if multi:
@@ -187,7 +194,8 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
     for key, on in (("on", True), ("off", False)):
         say(f"({key}) kvcache Engine, prefix cache {key}: warm-up run")
         engine = Engine(net, backend=backend, device=device, page_size=page,
-                        max_batch_size=batch, max_total_tokens=max_total, prefix_cache=on)
+                        max_batch_size=batch, max_total_tokens=max_total, prefix_cache=on,
+                        kv_dtype=getattr(args, "kv_dtype", "auto"))
         engine.progress = False
         try:
             serve(engine, args.seed + 1000)             # other prompts: the measured run is cold
@@ -263,7 +271,8 @@ def print_prefix_result(res: dict) -> None:
     print(f"kvcache bench --serving --workload {w['kind']}: {res.get('device', '')} "
           f"{res.get('date', '')}")
     print(f"  workload: {what}; {w['new_tokens']} new tokens each, {w['layers']} layers"
-          f"{' (tiny dims)' if w['tiny'] else ''}, page {w['page_size']}, seed {w['seed']}")
+          f"{' (tiny dims)' if w['tiny'] else ''}, page {w['page_size']}, seed {w['seed']}"
+          f"{'' if w.get('a_kv_dtype', 'auto') == 'auto' else ', kv ' + w['a_kv_dtype']}")
     print(f"{'system':<58} {'tokens/s':>10} {'wall s':>8} {'TTFT p50 ms':>12} "
           f"{'TTFT p90 ms':>12} {'hit/ideal':>10}")
     for key in ("on", "off", "b"):

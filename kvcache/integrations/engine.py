@@ -43,7 +43,7 @@ def _wants_logprobs(params: SamplingParams) -> bool:
     return params.logprobs is not None and params.logprobs is not False
 
 
-def _quant_group(config, kv_dtype) -> int:
+def quant_group_for(config, kv_dtype) -> int:
     """The affine formats' group: 64 (mlx-lm's default), or 32 where the model's head dims are
     not multiples of 64 (CacheConfig refuses head dims that 32 does not divide either)."""
     if kv_dtype in ("int8", "int4") and (config.head_dim % 64 or config.head_dim_v % 64):
@@ -124,7 +124,7 @@ class Engine:
         config = adapter.cache_config(max_total_tokens=max_total_tokens,
                                       prefill_chunk_size=prefill_chunk_size, **sizes)
         config = dataclasses.replace(config, prefix_cache=prefix_cache, kv_dtype=kv_dtype,
-                                     kv_quant_group=_quant_group(config, kv_dtype))
+                                     kv_quant_group=quant_group_for(config, kv_dtype))
         if self.graphs:
             config = dataclasses.replace(config, static_decode=True,
                                          static_decode_batch_sizes=tuple(graph_batch_sizes or ()))
@@ -186,7 +186,7 @@ class Engine:
         probe_tokens = chunk + ps * (batch + 1)
         config = adapter.cache_config(max_total_tokens=probe_tokens, prefill_chunk_size=chunk, **sizes)
         config = dataclasses.replace(config, kv_dtype=self._kv_dtype,   # bytes per token count it
-                                     kv_quant_group=_quant_group(config, self._kv_dtype))
+                                     kv_quant_group=quant_group_for(config, self._kv_dtype))
         probe = PagedKVCache(config, backend=backend, device=device)
         rows = min(batch, chunk)
         lens = [chunk // rows + (1 if i < chunk % rows else 0) for i in range(rows)]

@@ -76,3 +76,71 @@ def test_serving_rope_option_picks_who_rotates_in_a(capsys, monkeypatch, rope):
     res = json.loads(capsys.readouterr().out)
     assert res["workload"]["a_rope"] == rope and res["systems"]["a"]["tokens"] == 2 * 3
     assert bool(entered) == (rope == "cache")
+
+
+KV_BUDGET = ["bench", "--serving", "--tiny", "--device", "cpu", "--workload", "kv-budget"]
+
+
+def test_kv_budget_quantized_pages_hold_more_at_the_same_budget(capsys):
+    # one budget in bytes for both runs: int8 pages are smaller, so it holds more of them
+    from kvcache.bench_serving import print_kv_budget_result
+    assert main(KV_BUDGET + ["--kv-dtype", "int8", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    w, auto, quant = res["workload"], res["systems"]["auto"], res["systems"]["quantized"]
+    assert w["kind"] == "kv-budget" and w["a_kv_dtype"] == "int8"
+    assert (auto["kv_dtype"], quant["kv_dtype"]) == ("float32", "int8")
+    budget = w["kv_budget_bytes"]
+    assert auto["kv_bytes"] <= budget and quant["kv_bytes"] <= budget
+    assert quant["token_capacity"] > auto["token_capacity"]
+    assert quant["token_capacity"] == quant["kv_pages"] * w["page_size"]
+    # the default budget holds half the batch in float32: that run cannot run them all at once
+    assert auto["peak_running"] < w["batch"]
+    assert quant["peak_running"] >= auto["peak_running"]
+    for r in (auto, quant):
+        assert r["new_tokens"] == w["requests"] * w["new_tokens"] and r["preemptions"] >= 0
+    assert 0 <= res["same_tokens"] <= res["compared"] == w["requests"]
+    assert set(res["verdicts"]) == {"more concurrent sequences", "higher tokens/s"}
+    # the table: both runs, the token count; a smoke run's verdicts are not printed
+    print_kv_budget_result(res)
+    out = capsys.readouterr().out
+    assert any(ln.startswith("float32 ") for ln in out.splitlines())
+    assert any(ln.startswith("int8 ") for ln in out.splitlines())
+    assert "greedy tokens equal in both runs" in out and "not judged" in out
+    assert "PASS" not in out and "MISS" not in out
+    res["targets_judged"] = True
+    print_kv_budget_result(res)
+    out = capsys.readouterr().out
+    assert f"{res['verdicts']['more concurrent sequences']} more concurrent sequences" in out
+    assert f"{res['verdicts']['higher tokens/s']} higher tokens/s" in out
+
+
+def test_serving_kv_dtype_reaches_the_engine_on_the_random_workload(capsys):
+    assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c",
+                        "--kv-dtype", "int8", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    a = res["systems"]["a"]
+    assert res["workload"]["a_kv_dtype"] == "int8" and a["kv_dtype"] == "int8"
+    assert "kv int8" in a["system"] and a["tokens"] == 2 * 3
+
+
+@pytest.mark.parametrize("extra, error", [
+    (["--kv-dtype", "int4"], "--kv-dtype int4: backend 'reference' does not store it"),
+    ([], "declares no quantized KV format"),
+    (["--kv-budget-mib", "0.01"], "the longest request needs"),
+], ids=["format-not-stored", "no-quantized-format", "budget-too-small"])
+def test_kv_budget_mistakes_are_usage_errors(capsys, monkeypatch, extra, error):
+    import dataclasses
+    from kvcache.reference import ReferenceBackend
+    caps = ReferenceBackend.capabilities
+    # a backend storing int8 only, or no quantized format at all
+    kept = ("float32", "int8") if "int4" in extra else ("float32",)
+    if "--kv-budget-mib" not in extra:
+        monkeypatch.setattr(ReferenceBackend, "capabilities",
+                            dataclasses.replace(caps, kv_dtypes=kept))
+    assert main(KV_BUDGET + extra) == 2
+    assert error in capsys.readouterr().err
+
+
+def test_kv_budget_mib_is_only_for_the_kv_budget_workload(capsys):
+    assert main(TINY + ["--kv-budget-mib", "1"]) == 2
+    assert "only with --workload kv-budget" in capsys.readouterr().err

@@ -42,6 +42,8 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "_kernel_time_us", lambda torch, fn: (fn(), 5.0)[1])
     monkeypatch.setattr(bench, "FLUSH_BYTES", 1024)
     monkeypatch.setattr(bench, "COPY_BYTES", 1 << 16)
+    monkeypatch.setattr(bench, "FP8_DECODE", [(16, 40)])
+    monkeypatch.setattr(bench, "FP8_PREFILL", [(1, 24)])
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -56,11 +58,15 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     kinds = {c["kind"] for c in data["cases"]}
     features = {f"{k}+{f}" for k in ("decode", "prefill-paged", "prefill-ragged")
                 for f in ("softcap", "sinks")}
+    fp8 = {"decode-fp8", "prefill-paged-fp8", "prefill-ragged-fp8"}
     assert kinds == {"decode", "prefill-paged", "prefill-ragged", "append-fused",
-                     "append-unfused"} | features
-    # decode x2, paged prefill, fused append, 6 softcap / sinks ratios, graph replay, eager host
-    # time at B=1 (64 not run)
-    assert len(data["verdicts"]) == 2 + 1 + 1 + 6 + 1 + 1
+                     "append-unfused"} | features | fp8
+    # decode x2, paged prefill, fused append, 6 softcap / sinks ratios, 3 fp8 ratios, graph
+    # replay, eager host time at B=1 (64 not run)
+    assert len(data["verdicts"]) == 2 + 1 + 1 + 6 + 3 + 1 + 1
+    assert any(v.startswith(("PASS decode-fp8 B=16,L=40", "MISS decode-fp8 B=16,L=40"))
+               and v.endswith("of the fp8 floor (target >= 0.9)") for v in data["verdicts"])
+    assert all(c["fp8_ratio"] > 0 for c in data["cases"] if c["kind"] in fp8)
     assert any(v.startswith(("PASS decode+sinks B=2,L=40", "MISS decode+sinks B=2,L=40"))
                and v.endswith("x plain (target <= 1.10)") for v in data["verdicts"])
     assert any("eager decode host B=1" in v and v.endswith("us/layer (target <= 30)")

@@ -1,6 +1,7 @@
 """The conformance suite's TestMaskedNonFinite (NaN / inf in the K or V of keys a query must not
 see) against this backend's CPU test mode, with the torch kernels and with the Triton kernels
-through the interpreter (CI has no GPU; on one, ``kvcache conformance --backend cuda`` runs it).
+through the interpreter (CI has no GPU; on one, ``kvcache conformance --backend cuda`` runs it);
+TestQuantizedKV (fp8 pages) with the torch kernels.
 
 The interpreter run writes no poison: writing it through the interpreted append kernel takes
 minutes, and the kernel tests (test_cuda_kernels.py) already run on NaN-poisoned pools."""
@@ -15,16 +16,16 @@ import pytest
 import cuda_cases as cc
 
 
-def _suite(env_changes, *args):
+def _suite(env_changes, *args, cls="TestMaskedNonFinite", row=r"6\s+0\s+0\s+0"):
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "KVCACHE_CUDA_IMPL", "KVCACHE_CUDA_TEST_DEVICE")}
     env.update(KVCACHE_CUDA_CPU="1", **env_changes)
     r = subprocess.run([sys.executable, "-m", "kvcache.cli", "conformance", "--backend", "cuda",
-                        "--device", "cpu", "-k", "TestMaskedNonFinite", *args], env=env,
+                        "--device", "cpu", "-k", cls, *args], env=env,
                        capture_output=True, text=True, timeout=900)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert re.search(r"TestMaskedNonFinite\s+6\s+0\s+0\s+0", out), out[-3000:]
+    assert re.search(cls + r"\s+" + row, out), out[-3000:]
     assert "verdict: CONFORMS" in out
 
 
@@ -37,3 +38,10 @@ def test_masked_nonfinite_class_torch_kernels():
 def test_masked_nonfinite_class_triton_interpreter():
     pytest.importorskip("triton")
     _suite({"TRITON_INTERPRET": "1"}, "--poison", "none")
+
+
+@pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU run of the suite's class")
+def test_quantized_class_torch_kernels():
+    # fp8 pages (the format this backend declares): 14 cases pass, int8 / int4 skip by capability
+    # (the Triton kernels run this class on a GPU, and test_cuda_fp8.py under the interpreter)
+    _suite({}, cls="TestQuantizedKV", row=r"14\s+0\s+0\s+24")

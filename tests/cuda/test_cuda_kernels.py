@@ -413,6 +413,12 @@ def test_split_heuristic():
     assert num_splits(t, 64 * 8, 4096, 132) == 1    # enough programs already
     assert num_splits(t, 8, 300, 132) == 1          # too few keys to be worth a merge pass
     assert num_splits(t.with_(force_splits=5), 512, 10, 132) == 5
+    # fp8 pages: at least fp8_min_splits where the keys allow, the heuristic's count above it
+    assert num_splits(t, 64 * 8, 4096, 132, fp8=True) == 2
+    assert num_splits(t, 8, 4096, 132, fp8=True) == 16
+    assert num_splits(t, 64 * 8, 300, 132, fp8=True) == 1
+    assert t.tiles("decode", 128, fp8=True) == t.fp8_by_head_dim[128]["decode"] != t.tiles("decode", 128)
+    assert t.tiles("decode", 64, fp8=True) == t.tiles("decode", 64)     # no fp8 entry: 16-bit
 
 
 # ---------------------------------------------------------------------- merge / copies

@@ -97,6 +97,38 @@ def matrix():
             mine.copy_page_prefix([case.pages], 0, 1, 5)
             mine.compact_kv([case.pages], slots[:3], slots[3:6])
             mine.gather_kv([case.pages], slots)
+    fp8_matrix(rope, rng)
+
+
+def fp8_matrix(rope, rng):
+    """fp8 e4m3 pages (QUANT kernels): decode (one split and several), prefill, ragged, the
+    stores, gather and compaction, plain and with inline RoPE, bfloat16 and float16."""
+    import cuda_cases as cc
+    from cuda_cases import Entry
+    for dtype, inline in [("bfloat16", False), ("float16", True)]:
+        print(f"{dtype} fp8 pages D=128 Hq=32 Hkv=8 inline_rope={inline}")
+        cfg = cc.config(hq=32, hkv=8, d=128, ps=16, dtype=dtype, kv_dtype="float8_e4m3")
+        ref, mine = cc.pair(cfg, "triton")
+        spec = rope if inline else None
+        scale = mine.from_numpy(np.full((2, 8), 0.01, np.float32), "float32")
+        pages = mine.allocate_pages(12)[0]
+        case = cc.paged_case(rng, ref, mine, [Entry(1, 40, tree=5), Entry(1, 70)], use_decode=True)
+        for splits in (1, 2):
+            mine.tuning = mine.tuning.with_(force_splits=splits)
+            mine.paged_attention(case.q, pages, case.depth, 0.1, rope=spec,
+                                 q_positions=case.q_positions, kv_scale=scale)
+        case.depth = dataclasses.replace(case.depth, use_decode=False)
+        mine.paged_attention(case.q, pages, case.depth, 0.1, rope=spec,
+                             q_positions=case.q_positions, kv_scale=scale)
+        c = cc.ragged_case(rng, ref, mine, [5, 9])
+        mine.ragged_attention(c["q"], c["k"], c["v"], cc.ints(mine, c["qo"]), 0.1, num_seqs=2,
+                              max_len=9, rope=spec, q_positions=cc.ints(mine, c["qpos"]),
+                              k_rope_offset=cc.ints(mine, c["krope"]), kv_scale=scale)
+        slots = cc.ints(mine, np.arange(14))
+        mine.append_kv(pages, c["k"], c["v"], slots, kv_scale=scale)
+        mine.rope_append(pages, c["q"], c["k"], c["v"], slots, slots, rope, kv_scale=scale)
+        mine.compact_kv([pages], slots[:3], slots[3:6])
+        mine.gather_kv([pages], slots, kv_scale=[scale])
 
 
 def main():

@@ -43,6 +43,11 @@ def _torch_dtypes():
             "int32": torch.int32, "int64": torch.int64}
 
 
+def _page_dtype(kv_dtype: str):
+    """The torch dtype of pages storing ``kv_dtype`` (fp8: e4m3fn, kvcache.kv_quant's format)."""
+    return torch.float8_e4m3fn if kv_dtype == "float8_e4m3" else _torch_dtypes()[kv_dtype]
+
+
 @dataclass
 class KernelCtx:
     """What kernels need to know about the cache, fixed per backend instance."""
@@ -59,6 +64,8 @@ class KernelCtx:
     """Per-forward launch records and scratch of the Triton launchers (``kvcache_cuda.launch``)."""
     head_dim_v: int = 0
     """Dv, the value / output head dim (0: ``head_dim``)."""
+    kv_quant: bool = False
+    """The pages hold fp8 e4m3 codes (``kv_dtype="float8_e4m3"``): kernels take ``kv_scale``."""
 
     def __post_init__(self):
         if not self.head_dim_v:
@@ -109,6 +116,9 @@ class CudaBackend(Backend):
         # out of bounds on the H100 (compute-sanitizer, 2026-11-24); 32/48, 32/64, 128/192 and
         # 128/64 ran clean and match the reference.
         head_dims_v=(16, 32, 64, 128, 256),
+        # fp8 e4m3 pages: stored by the append kernels, read with the dequantization fused into
+        # every attention kernel (scales folded out of the inner loop)
+        kv_dtypes=("float16", "bfloat16", "float32", "float8_e4m3"),
     )
     TUNING: Tuning = CUDA_TUNING
     CPU_TEST_SMS = 4          # pretend SM count in CPU test mode: small, so split-K triggers
@@ -232,7 +242,7 @@ class CudaBackend(Backend):
         self.launch_cache.clear()          # records hold tiles and split factors of the old table
         self.ctx = KernelCtx(c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim,
                              c.group_size, self.dtype, value, self._num_sms, self.launch_cache,
-                             c.head_dim_v)
+                             c.head_dim_v, c.kv_dtype == "float8_e4m3")
 
     def kernels(self, tensor=None):
         """The kernel module for this call: Triton on GPU tensors (or under TRITON_INTERPRET=1),
@@ -263,7 +273,7 @@ class CudaBackend(Backend):
     # built or first driven in a model loop under torch.inference_mode()) they would refuse the
     # in-place updates every later forward outside it does.
     def allocate_pages(self, num_pages):
-        kv_dtype = _torch_dtypes()[self.config.kv_dtype]
+        kv_dtype = _page_dtype(self.config.kv_dtype)
         with torch.inference_mode(False):
             return [torch.zeros(self.page_shape(num_pages), dtype=kv_dtype, device=self.torch_device)
                     for _ in range(self.config.num_layers)]
@@ -357,33 +367,34 @@ class CudaBackend(Backend):
         with self._guard():
             return self.kernels(x).rope(self.ctx, x, positions, rope)
 
-    def append_kv(self, pages, k, v, slots, positions=None, rope=None):
+    # kv_scale (fp8 pages only, kvcache.backend): the layer's (2, Hkv) float32 scales
+    def append_kv(self, pages, k, v, slots, positions=None, rope=None, kv_scale=None):
         with self._guard():
-            self.kernels(k).append_kv(self.ctx, pages, k, v, slots, positions, rope)
+            self.kernels(k).append_kv(self.ctx, pages, k, v, slots, positions, rope, kv_scale)
 
     def rope_append(self, pages, q, k, v, slots, positions, rope, **quant):
-        # quant (kv_scale) comes only with a quantized kv_dtype, which this backend does not
-        # declare (Capabilities.kv_dtypes): the core never passes it here
-        assert not quant, "kvcache-cuda stores no quantized KV format"
-        with self._guard():
-            return self.kernels(q).rope_append(self.ctx, pages, q, k, v, slots, positions, rope)
+        with self._guard():          # quant: {"kv_scale": ...} with fp8 pages, else empty
+            return self.kernels(q).rope_append(self.ctx, pages, q, k, v, slots, positions, rope,
+                                               quant.get("kv_scale"))
 
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                          rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
-                         logit_softcap=0.0, sinks=None):
+                         logit_softcap=0.0, sinks=None, kv_scale=None):
         with self._guard():
             return self.kernels(q).ragged_attention(
                 self.ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len,
                 tree=tree, rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset,
-                window_left=window_left, logit_softcap=logit_softcap, sinks=sinks)
+                window_left=window_left, logit_softcap=logit_softcap, sinks=sinks,
+                kv_scale=kv_scale)
 
     def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                        window_left=-1, logit_softcap=0.0, sinks=None):
+                        window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None):
         with self._guard():
             return self.kernels(q).paged_attention(self.ctx, q, pages, depth, sm_scale, rope=rope,
                                                    q_positions=q_positions,
                                                    window_left=window_left,
-                                                   logit_softcap=logit_softcap, sinks=sinks)
+                                                   logit_softcap=logit_softcap, sinks=sinks,
+                                                   kv_scale=kv_scale)
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
         with self._guard():
@@ -398,9 +409,10 @@ class CudaBackend(Backend):
         with self._guard():
             self.kernels(pages_per_layer[0]).compact_kv(self.ctx, pages_per_layer, src_slots, dst_slots)
 
-    def gather_kv(self, pages_per_layer, slots):
+    def gather_kv(self, pages_per_layer, slots, kv_scale=None):
         with self._guard():
-            return self.kernels(pages_per_layer[0]).gather_kv(self.ctx, pages_per_layer, slots)
+            return self.kernels(pages_per_layer[0]).gather_kv(self.ctx, pages_per_layer, slots,
+                                                              kv_scale)
 
 
 _NO_SWITCH = contextlib.nullcontext()     # reusable: it holds no state

@@ -2,7 +2,8 @@
 
 ``kvcache bench --backend cuda`` calls ``CudaBackend.run_benchmarks(argv)``; also runnable as
 ``python -m kvcache_cuda.bench [--iters N] [--json PATH] [--sweep]``.
-Sections (``--only``): decode, prefill, append, features (softcap / sinks vs plain), graphs.
+Sections (``--only``): decode, prefill, append, features (softcap / sinks vs plain), graphs,
+fp8 (fp8 e4m3 pages against the same calls over 16-bit pages, in the same run).
 
 Method: each measured call is captured once in a CUDA graph and replayed (so Python launch
 overhead is excluded; an "eager" column shows the launch-bound time too); before every timed
@@ -29,6 +30,11 @@ FEATURE_CASES = [("decode", 1, 32768), ("decode", 64, 4096), ("prefill-paged", 1
                  ("prefill-ragged", 1, 8192)]
 FEATURE_SOFTCAP = 50.0           # gemma2's attention cap (the cost does not depend on it)
 FEATURE_TARGET = 1.10            # each feature within 10% of the plain kernel
+# fp8 pages vs 16-bit pages: decode (batch, length) and prefill (batch, tokens) cases
+FP8_DECODE = [(1, 32768), (16, 4096), (64, 4096)]
+FP8_PREFILL = [(1, 8192), (8, 2048)]
+FP8_DECODE_TARGET = 0.6          # fp8 decode time <= 0.6 of the 16-bit one
+FP8_PREFILL_TARGET = 1.10        # fp8 prefill within 10% of the 16-bit one
 FLUSH_BYTES = 256 << 20          # > L2 of any current GPU (H100: 50 MB)
 COPY_BYTES = 1 << 30
 
@@ -38,7 +44,7 @@ def _parser():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
-    p.add_argument("--only", default="decode,prefill,append,features,graphs",
+    p.add_argument("--only", default="decode,prefill,append,features,graphs,fp8",
                    help="comma list of sections")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--sweep", action="store_true", help="also sweep split-K factors of B=1 decode")
@@ -99,13 +105,13 @@ def copy_bandwidth(torch, timer, device):
     return 2 * n / (us * 1e-6)
 
 
-def bench_backend(backend_cls, dtype: str, device: str):
+def bench_backend(backend_cls, dtype: str, device: str, kv_dtype: str = "auto"):
     """A bare backend at the benchmarks' head shape (Hq/Hkv/D/page of this module), its pages
     made by ``_paged_setup``: the kernels' benchmarks and the tools' sweeps use it."""
     import kvcache
     cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
                               page_size=PS, dtype=dtype, max_total_tokens=PS,
-                              rope_mode="normal", max_batch_size=256)
+                              rope_mode="normal", max_batch_size=256, kv_dtype=kv_dtype)
     return backend_cls(cfg, device)
 
 
@@ -251,6 +257,9 @@ def run_benchmarks(argv=None, backend_cls=None):
     if "graphs" in sections:
         graph_bench(torch, backend_cls, args, results)
 
+    if "fp8" in sections:
+        fp8_bench(torch, backend_cls, backend, args, timer, rng, device, scale, add, rows)
+
     if args.sweep:                     # after the main table, so a time limit cuts only sweeps
         split_sweep(torch, backend, timer, rng, device, scale, results)
         tile_sweep(torch, backend, timer, rng, device, scale, results)
@@ -292,6 +301,58 @@ def feature_bench(torch, backend, timer, rng, device, scale, add, rows):
                 f"<={FEATURE_TARGET:.2f}x plain", f"{ratio:.3f}x plain ({plain:.1f} us)")
             rows[-1]["feature_ratio"] = ratio
         del pages
+        torch.cuda.empty_cache()
+
+
+def fp8_bench(torch, backend_cls, backend, args, timer, rng, device, scale, add, rows):
+    """Decode and prefill over fp8 e4m3 pages next to the same calls over 16-bit pages (same
+    page table, same queries): ``fp8_ratio`` = fp8 time / 16-bit time (targets: decode <=
+    FP8_DECODE_TARGET, prefill <= FP8_PREFILL_TARGET); the decode floor counts fp8 bytes."""
+    fp8 = bench_backend(backend_cls, args.dtype, args.device, "float8_e4m3")
+    scales = torch.full((2, HKV), 0.02, device=device, dtype=torch.float32)
+
+    def timed(fn):             # the graph replay's time (eager where capture failed)
+        us, eager = timer.measure(fn)
+        return us if us == us else eager
+
+    def codes(pages):
+        return (pages.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    for batch, kv_len in FP8_DECODE:
+        pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
+        base = timed(lambda: backend.paged_attention(q, pages, depth, scale))
+        pages8 = codes(pages)
+        del pages
+        us, eager = timer.measure(lambda: fp8.paged_attention(q, pages8, depth, scale,
+                                                              kv_scale=scales))
+        nbytes = batch * kv_len * HKV * D * 2 + 2 * q.numel() * 2
+        add("decode-fp8", f"B={batch},L={kv_len}", us, eager, nbytes, None,
+            f"<={FP8_DECODE_TARGET} 16-bit", f"{us / base:.3f}x 16-bit ({base:.1f} us)")
+        rows[-1]["fp8_ratio"] = (us if us == us else eager) / base
+        del pages8
+        torch.cuda.empty_cache()
+    for batch, n in FP8_PREFILL:
+        pages, depth, q = _paged_setup(torch, backend, batch, n, n, rng, device)
+        base = timed(lambda: backend.paged_attention(q, pages, depth, scale))
+        pages8 = codes(pages)
+        del pages
+        us, eager = timer.measure(lambda: fp8.paged_attention(q, pages8, depth, scale,
+                                                              kv_scale=scales))
+        add("prefill-paged-fp8", f"B={batch},L={n}", us, eager, 0, None,
+            f"<={FP8_PREFILL_TARGET} 16-bit", f"{us / base:.3f}x 16-bit ({base:.1f} us)")
+        rows[-1]["fp8_ratio"] = (us if us == us else eager) / base
+        del pages8
+        k = torch.randn((batch * n, HKV, D), device=device).to(backend.dtype)
+        v = torch.randn_like(k)
+        qo = torch.arange(0, batch * n + 1, n, device=device, dtype=torch.int32)
+        base = timed(lambda: backend.ragged_attention(q, k, v, qo, scale, num_seqs=batch,
+                                                      max_len=n))
+        us, eager = timer.measure(lambda: fp8.ragged_attention(q, k, v, qo, scale, num_seqs=batch,
+                                                               max_len=n, kv_scale=scales))
+        add("prefill-ragged-fp8", f"B={batch},L={n}", us, eager, 0, None,
+            f"<={FP8_PREFILL_TARGET} 16-bit", f"{us / base:.3f}x 16-bit ({base:.1f} us)")
+        rows[-1]["fp8_ratio"] = (us if us == us else eager) / base
+        del k, v
         torch.cuda.empty_cache()
 
 
@@ -518,6 +579,15 @@ def _verdicts(rows):
             fr = r["sdpa_us"] / us
             out.append(f"{'PASS' if fr >= 0.6 else 'MISS'} paged prefill {r['shape']}: "
                        f"{fr:.2f} of contiguous SDPA (target >= 0.6)")
+        elif "fp8_ratio" in r:
+            want = FP8_DECODE_TARGET if r["kind"] == "decode-fp8" else FP8_PREFILL_TARGET
+            line = (f"{'PASS' if r['fp8_ratio'] <= want else 'MISS'} {r['kind']} {r['shape']}: "
+                    f"{r['fp8_ratio']:.3f}x the 16-bit time (target <= {want})")
+            if r["kind"] == "decode-fp8" and r["shape"].startswith(("B=16", "B=64")):
+                fr = r["floor_us"] / us
+                line += f"; {fr:.2f} of the fp8 floor (target >= 0.9)"
+                line = ("MISS" + line[4:]) if fr < 0.9 else line
+            out.append(line)
         elif "feature_ratio" in r:
             ok = r["feature_ratio"] <= FEATURE_TARGET
             out.append(f"{'PASS' if ok else 'MISS'} {r['kind']} {r['shape']}: "

@@ -7,6 +7,9 @@ the fast path.
 
 Every function takes ``ctx`` (page_size, num_qo_heads, num_kv_heads, head_dim, head_dim_v,
 group, dtype). K is the first ``head_dim`` entries of a page row, V the first ``head_dim_v``.
+``kv_scale`` (2, Hkv) float32 comes with fp8 pages (``ctx.kv_quant``): appends store
+``kvcache.kv_quant``'s codes, attention reads ``code * scale``, and the ragged pass rounds its
+own K/V through the codes first.
 """
 
 from __future__ import annotations
@@ -14,6 +17,25 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
+FP8_MAX = 448.0
+
+
+# ---------------------------------------------------------------------- fp8 pages
+def fp8_codes(x, scale, dtype):
+    """e4m3fn codes of ``x`` (..., Hkv, D) rounded to the compute ``dtype`` first, with
+    ``scale`` (Hkv,) float32: ``clip(x / scale, -448, 448)``, NaN kept."""
+    y = x.to(dtype).float() / scale.float()[:, None]
+    return torch.where(torch.isnan(y), y, y.clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
+
+
+def fp8_values(codes, scale):
+    """float32 values of e4m3fn ``codes`` (..., Hkv, D) with ``scale`` (Hkv,)."""
+    return codes.float() * scale.float()[:, None]
+
+
+def _roundtrip(ctx, x, scale):
+    """``x`` as fp8 pages give it back (float32), or ``x`` itself without a scale."""
+    return x if scale is None else fp8_values(fp8_codes(x, scale, ctx.dtype), scale)
 
 
 # ---------------------------------------------------------------------- RoPE
@@ -41,7 +63,7 @@ def rope(ctx, x, positions, rope_spec):
     return rotate(x, positions.long(), rope_spec).to(ctx.dtype)
 
 
-def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None):
+def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None, kv_scale=None):
     slots = slots.long()
     keep = (slots >= 0).nonzero().squeeze(1)      # host sync: fine for the fallback path
     if keep.numel() == 0:
@@ -49,17 +71,20 @@ def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None):
     s = slots[keep]
     page, row = s // ctx.page_size, s % ctx.page_size
     kk = k[keep]
+    vv = v[keep]
     if rope_spec is not None:
         kk = rotate(kk, positions.long()[keep], rope_spec)
+    if kv_scale is not None:
+        kk, vv = fp8_codes(kk, kv_scale[0], ctx.dtype), fp8_codes(vv, kv_scale[1], ctx.dtype)
     # advanced indices split by a slice: the indexed dims come first -> (n, Hkv, D)
     pages[page, 0, :, row, :kk.shape[-1]] = kk.to(pages.dtype)
-    pages[page, 1, :, row, :v.shape[-1]] = v[keep].to(pages.dtype)
+    pages[page, 1, :, row, :v.shape[-1]] = vv.to(pages.dtype)
 
 
-def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec):
+def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec, kv_scale=None):
     q_rot = rope(ctx, q, positions, rope_spec)
     k_rot = rope(ctx, k, positions, rope_spec)
-    append_kv(ctx, pages, k_rot, v, slots)
+    append_kv(ctx, pages, k_rot, v, slots, kv_scale=kv_scale)
     return q_rot, k_rot
 
 
@@ -122,7 +147,7 @@ def _tree_nodes(tree, entry_idx, node_idx, ok):
 # ---------------------------------------------------------------------- ragged
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                      rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
-                     logit_softcap=0.0, sinks=None):
+                     logit_softcap=0.0, sinks=None, kv_scale=None):
     t_total = q.shape[0]
     dev = q.device
     qo = qo_indptr.long()[: num_seqs + 1]
@@ -130,7 +155,11 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
     seq = torch.searchsorted(qo[1:].contiguous(), tok, right=True).clamp(max=num_seqs - 1)
     r = tok - qo[seq]
     covered = (tok >= qo[0]) & (tok < qo[-1])
-    qf, kf, vf = q.float(), k.float(), v.float()
+    qf = q.float()
+    if kv_scale is None:
+        kf, vf = k.float(), v.float()
+    else:
+        kf, vf = _roundtrip(ctx, k, kv_scale[0]), _roundtrip(ctx, v, kv_scale[1])
     if rope is not None:
         qf = rotate(qf, q_positions.long(), rope)
         kf = rotate(kf, k_rope_offset.long()[seq] + r, rope)
@@ -181,7 +210,7 @@ def entry_key_slots(ctx, depth, max_kv):
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                    window_left=-1, logit_softcap=0.0, sinks=None):
+                    window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None):
     t_total, hq, d = q.shape
     dv = ctx.head_dim_v
     dev = q.device
@@ -204,8 +233,11 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     # padding keys read whatever sits in page 0 (maybe NaN-poisoned freed pages): zero them, as
     # a masked weight of 0 times a NaN value would still be NaN
     pad = ~valid[:, :, None, None]
-    keys = pages[slots // ps, 0, :, slots % ps, :d].float().masked_fill(pad, 0.0)  # (n, M, Hkv, D)
-    vals = pages[slots // ps, 1, :, slots % ps, :dv].float().masked_fill(pad, 0.0)
+    keys = pages[slots // ps, 0, :, slots % ps, :d].float()          # (n, M, Hkv, D)
+    vals = pages[slots // ps, 1, :, slots % ps, :dv].float()
+    if kv_scale is not None:
+        keys, vals = keys * kv_scale[0].float()[:, None], vals * kv_scale[1].float()[:, None]
+    keys, vals = keys.masked_fill(pad, 0.0), vals.masked_fill(pad, 0.0)
     tok = torch.arange(t_total, device=dev)
     ent = torch.searchsorted(qo[1:].contiguous(), tok, right=True).clamp(max=n - 1)
     r = tok - qo[ent]
@@ -274,6 +306,9 @@ def compact_kv(ctx, pages_per_layer, src_slots, dst_slots):
         pages[dst // ps, :, :, dst % ps, :] = rows
 
 
-def gather_kv(ctx, pages_per_layer, slots):
+def gather_kv(ctx, pages_per_layer, slots, kv_scale=None):
     rows = [gather_rows(ctx, p, slots) for p in pages_per_layer]
+    if kv_scale is not None:       # fp8 codes -> values in the cache dtype, per page array
+        rows = [(fp8_values(k, s[0]).to(ctx.dtype), fp8_values(v, s[1]).to(ctx.dtype))
+                for (k, v), s in zip(rows, kv_scale)]
     return torch.stack([k for k, _ in rows]), torch.stack([v for _, v in rows])

@@ -21,6 +21,12 @@ Layout conventions shared by the attention kernels
   form on float32 ones: ``_scores``) and ``SINKS``
   (a per-head logit joins the denominator: folded into ``_finish``'s normalisation, or into the
   split-K merge, never into a partial, so it counts once).
+* ``QUANT``: fp8 e4m3 pages (``kvcache.kv_quant``'s rule, one float32 scale per (layer, KV
+  head) for K and one for V, passed as ``kv_scale`` (2, Hkv)). The append kernel quantizes
+  on the way in (``_fp8_code``); attention loads the codes, widens them to the compute dtype
+  (exact: every e4m3 value is a float16 / bfloat16 value) and folds the scales out of the
+  inner loop: K's into ``qk_scale``, V's into the accumulator before the normalisation. The
+  ragged pass rounds the forward's own K/V through the same codes.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from . import torch_kernels
 from .tuning import num_splits
 
 LOG2E = 1.4426950408889634
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _interpreter_numpy24_shim():
@@ -96,6 +103,62 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _fp8_code(x, scale):
+    """e4m3fn codes of ``x`` (values of the compute dtype) for ``scale`` (float32, broadcast):
+    ``clip(x / scale, -448, 448)`` with an IEEE divide, then round to nearest even; NaN stays
+    NaN (a clamp through min / max would turn it into a bound)."""
+    y = tl.div_rn(x.to(tl.float32), scale)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+    if _INTERPRETED:
+        # Triton 3.6's interpreter rounds float32 -> e4m3 without carrying a rounded-up mantissa
+        # into the exponent (31.7 -> 16): round to the e4m3 grid here (quantum 2^(e-3), 2^-9
+        # below the normal range; round half to even through 1.5 * 2^23) so its cast is exact
+        e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
+        quantum = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        steps = y * ((127 - e) << 23).to(tl.float32, bitcast=True)
+        r = ((steps + 12582912.0) - 12582912.0) * quantum
+        r = tl.where(r == 0.0, y * 0.0, r)          # keeps the sign of a zero (-0 -> 0x80)
+        # its cast of NaN gives a number: NaN's code (0x7F) by its bits
+        bits = tl.where(y != y, 0x7F, r.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+        return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _widen(codes, dtype: tl.constexpr):
+    """fp8 ``codes`` as ``dtype`` values (exact: every e4m3 value is a float16 / bfloat16 one).
+    The interpreter's cast reads NaN's codes (0x7F / 0xFF) as numbers: NaN is put back there."""
+    x = codes.to(dtype)
+    if _INTERPRETED:
+        x = tl.where((codes.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x)
+    return x
+
+
+@triton.jit
+def _operand(x):
+    """A 16-bit value as the paged kernels' dots over fp8 pages take it: float16, whose wider
+    mantissa holds every e4m3 code and every bfloat16 value of magnitude 2^-14 .. 65504 exactly
+    (Triton widens e4m3 to float16 in one instruction per pair, to bfloat16 through float32:
+    bfloat16 operands made fp8 decode 1.17-1.21x slower on the H200); float32 stays float32."""
+    if x.dtype == tl.float32:
+        return x
+    else:
+        return x.to(tl.float16)
+
+
+@triton.jit
+def _kv_scales(scale_ptr, kvh, hkv, QUANT: tl.constexpr):
+    """(K scale, V scale) of KV head ``kvh`` from the layer's (2, hkv) float32 ``kv_scale``;
+    1.0 without QUANT (nothing loaded)."""
+    ks = 1.0
+    vs = 1.0
+    if QUANT:
+        ks = tl.load(scale_ptr + kvh)
+        vs = tl.load(scale_ptr + hkv + kvh)
+    return ks, vs
 
 
 @triton.jit
@@ -241,8 +304,9 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
                 softcap_log2, krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order,
                 kfloor, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr,
-                SOFTCAP: tl.constexpr):
-    """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE)."""
+                SOFTCAP: tl.constexpr, QUANT: tl.constexpr):
+    """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE).
+    QUANT: the pages hold fp8 codes, widened here; the caller applies the scales."""
     j = j0 + tl.arange(0, BLOCK_N)
     j_ok = j < kv_len
     off = tl.where(j < sink, j, j - sink + gap)               # sinks, then window after a gap
@@ -252,12 +316,17 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
         kmask = j_ok[:, None] & dh_ok[None, :]
         k1 = tl.load(pages_ptr + base[:, None] + dh[None, :], mask=kmask, other=0.0)
         k2 = tl.load(pages_ptr + base[:, None] + HALF + dh[None, :], mask=kmask, other=0.0)
+        if QUANT:
+            k1 = _widen(k1, q1.dtype)
+            k2 = _widen(k2, q1.dtype)
         kpos = (krope + j).to(tl.float32) * rope_scale
         r1, r2 = _rotate(k1, k2, kpos, inv_freq)
         qk = _dot(q1, tl.trans(r1.to(q1.dtype)), IEEE) + _dot(q2, tl.trans(r2.to(q1.dtype)), IEEE)
     else:          # one full-width dot: q1 is the whole query row (q2 unused)
         k = tl.load(pages_ptr + base[:, None] + dd[None, :], mask=j_ok[:, None] & dd_ok[None, :],
                     other=0.0)
+        if QUANT:
+            k = _widen(k, q1.dtype)
         qk = _dot(q1, tl.trans(k), IEEE)
     vis = j_ok[None, :] & ((krope + j)[None, :] >= kfloor[:, None])     # per-query window
     if TREE:
@@ -269,6 +338,8 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
         vis = vis & (anc | (~in_tree)[None, :])
     v = tl.load(pages_ptr + sp_kv + base[:, None] + dv[None, :],
                 mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
+    if QUANT:
+        v = _widen(v, q1.dtype)
     return _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE, TREE, SOFTCAP)
 
 
@@ -277,13 +348,16 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
 def _rope_append_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pages_ptr, slots_ptr, pos_ptr,
                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, sko_t, sko_h,
                         sp_page, sp_kv, sp_head, sp_row, HQ, HKV, log2_theta, rope_scale, freq_ptr,
+                        scale_ptr,
                         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                         HB: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_Q: tl.constexpr,
                         STORE_KV: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, K_OUT: tl.constexpr,
-                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, QUANT: tl.constexpr):
     """One token per program: rotate q (HAS_Q), rotate k and write k/v to its slot (STORE_KV),
     optionally returning rotated k (K_OUT). slot -1 skips the store. V is copied as two halves
-    like K (HEAD_DIM_V == HEAD_DIM) or as one BLOCK_DV-wide row (another width)."""
+    like K (HEAD_DIM_V == HEAD_DIM) or as one BLOCK_DV-wide row (another width). QUANT: K and V
+    are stored as fp8 codes of their values in the compute dtype (K rotated and rounded to it
+    first) with the per-head scales of ``scale_ptr`` (2, HKV)."""
     t = tl.program_id(0).to(tl.int64)
     dh = tl.arange(0, BLOCK_HALF)
     dh_ok = dh < HALF
@@ -324,30 +398,44 @@ def _rope_append_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, pages_ptr, slots_pt
                 dst = ko_ptr + t * sko_t + h[:, None] * sko_h + dh[None, :]
                 tl.store(dst, y1.to(ko_ptr.dtype.element_ty), mask=m)
                 tl.store(dst + HALF, y2.to(ko_ptr.dtype.element_ty), mask=m)
+            if QUANT:
+                ks = tl.load(scale_ptr + h, mask=h < HKV, other=1.0)[:, None]
+                y1 = _fp8_code(y1.to(k_ptr.dtype.element_ty), ks)
+                y2 = _fp8_code(y2.to(k_ptr.dtype.element_ty), ks)
             pk = pages_ptr + pbase + h[:, None] * sp_head + dh[None, :]
             tl.store(pk, y1.to(pages_ptr.dtype.element_ty), mask=m & keep)
             tl.store(pk + HALF, y2.to(pages_ptr.dtype.element_ty), mask=m & keep)
+            vsc = 1.0
+            if QUANT:
+                vsc = tl.load(scale_ptr + HKV + h, mask=h < HKV, other=1.0)[:, None]
             if HEAD_DIM_V == HEAD_DIM:
                 vs = v_ptr + t * sv_t + h[:, None] * sv_h + dh[None, :]
                 v1 = tl.load(vs, mask=m & keep, other=0.0)
                 v2 = tl.load(vs + HALF, mask=m & keep, other=0.0)
+                if QUANT:
+                    v1 = _fp8_code(v1, vsc)
+                    v2 = _fp8_code(v2, vsc)
                 tl.store(pk + sp_kv, v1.to(pages_ptr.dtype.element_ty), mask=m & keep)
                 tl.store(pk + sp_kv + HALF, v2.to(pages_ptr.dtype.element_ty), mask=m & keep)
             else:
                 dv = tl.arange(0, BLOCK_DV)
                 mv = (h < HKV)[:, None] & (dv < HEAD_DIM_V)[None, :] & keep
                 vr = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + dv[None, :], mask=mv, other=0.0)
+                if QUANT:
+                    vr = _fp8_code(vr, vsc)
                 tl.store(pages_ptr + pbase + sp_kv + h[:, None] * sp_head + dv[None, :],
                          vr.to(pages_ptr.dtype.element_ty), mask=mv)
 
 
 @triton.jit
-def _gather_rows_kernel(pages_ptr, slots_ptr, ok_ptr, ov_ptr, HKV,
+def _gather_rows_kernel(pages_ptr, slots_ptr, ok_ptr, ov_ptr, scale_ptr, HKV,
                         sp_page, sp_kv, sp_head, sp_row, so_t, so_h, sov_t, sov_h,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+                        PAGE_SIZE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        DEQUANT: tl.constexpr):
     """Row ``slots[i]`` of K (its first HEAD_DIM) and V (its first HEAD_DIM_V), all heads, into
-    out_k[i], out_v[i]."""
+    out_k[i], out_v[i]; DEQUANT: fp8 codes times the per-head scales of ``scale_ptr`` (2, HKV),
+    in float32, then the outputs' dtype (otherwise the rows as stored)."""
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     pbase = (slot // PAGE_SIZE) * sp_page + (slot % PAGE_SIZE) * sp_row
@@ -358,11 +446,17 @@ def _gather_rows_kernel(pages_ptr, slots_ptr, ok_ptr, ov_ptr, HKV,
         h = h0 + hb
         m = (h < HKV)[:, None] & (d < HEAD_DIM)[None, :]
         src = pages_ptr + pbase + h[:, None] * sp_head
-        tl.store(ok_ptr + i * so_t + h[:, None] * so_h + d[None, :],
-                 tl.load(src + d[None, :], mask=m), mask=m)
+        kr = tl.load(src + d[None, :], mask=m)
         mv = (h < HKV)[:, None] & (dv < HEAD_DIM_V)[None, :]
+        vr = tl.load(src + sp_kv + dv[None, :], mask=mv)
+        if DEQUANT:
+            kr = _widen(kr, tl.float32) * tl.load(scale_ptr + h, mask=h < HKV, other=1.0)[:, None]
+            vr = _widen(vr, tl.float32) * tl.load(scale_ptr + HKV + h, mask=h < HKV,
+                                                  other=1.0)[:, None]
+        tl.store(ok_ptr + i * so_t + h[:, None] * so_h + d[None, :],
+                 kr.to(ok_ptr.dtype.element_ty), mask=m)
         tl.store(ov_ptr + i * sov_t + h[:, None] * sov_h + dv[None, :],
-                 tl.load(src + sp_kv + dv[None, :], mask=mv), mask=mv)
+                 vr.to(ov_ptr.dtype.element_ty), mask=mv)
 
 
 @triton.jit
@@ -425,7 +519,8 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
                  SOFTCAP: tl.constexpr):
     """One BLOCK_N step over the new keys c0.. of a sequence (rows r: its query tokens). V holds
     no non-finite value here (``ragged_attention`` zeroes them and puts them back afterwards), so
-    the plain dot is exact although masked keys sit in the tile."""
+    the plain dot is exact although masked keys sit in the tile. (With fp8 pages K and V come
+    as their codes, from ``_codes_kernel``; the caller applies the scales.)"""
     c = c0 + tl.arange(0, BLOCK_N)
     c_ok = c < end
     kt = (lo + c).to(tl.int64)
@@ -451,15 +546,19 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
 def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_ptr,
                    tind_ptr, tmask_ptr, sinks_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    sl_t, qk_scale, softcap_log2, log2_theta, rope_scale, freq_ptr, window_left,
+                   scale_ptr,
                    GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr,
                    ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
-                   SINKS: tl.constexpr):
-    """Causal (or tree) attention among one sequence's new tokens; grid (q tiles, seqs, Hkv)."""
+                   SINKS: tl.constexpr, QUANT: tl.constexpr):
+    """Causal (or tree) attention among one sequence's new tokens; grid (q tiles, seqs, Hkv).
+    QUANT: K and V are fp8 codes (in the compute dtype, from ``_codes_kernel``) with the scales
+    of ``scale_ptr``."""
     seq, kvh, lo, n, m0, r, head, row_ok = _ragged_rows(qo_ptr, GROUP, M_TOK, BLOCK_R)
     if m0 < n:
+        ks, vs = _kv_scales(scale_ptr, kvh, tl.num_programs(2), QUANT)
         tok = (lo + r).to(tl.int64)
         dh = tl.arange(0, BLOCK_HALF)
         dh_ok = dh < HALF
@@ -489,7 +588,10 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
             m_i, l_i, acc = _ragged_tile(
                 q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
-                window_left, qk_scale, softcap_log2, HALF, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP)
+                window_left, qk_scale * ks, softcap_log2, HALF, BLOCK_N, ROPE, TREE, IEEE,
+                SOFTCAP)
+        if QUANT:
+            acc = acc * vs
         o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dv[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
@@ -498,9 +600,13 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
 
 @triton.jit
 def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, so_h, HKV,
-                     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                     scale_ptr, srow, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FLAGS: tl.constexpr):
     """out = v with NaN / +-inf set to 0; bad[t, h] = 1 where v[t, h] held one; any = 1 if one
-    did anywhere (any must be 0 before). Grid (T tiles, Hkv)."""
+    did anywhere (any must be 0 before). Grid (T tiles, Hkv). QUANT: out holds the fp8 codes
+    of v (in its dtype; per-head scales at ``scale_ptr + srow``; they saturate, so only NaN is
+    non-finite). Without FLAGS (K's codes for the ragged kernel) out is just the codes, NaN
+    kept, and bad / any are not written."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -508,23 +614,30 @@ def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, 
     m = t_ok[:, None] & (d < HEAD_DIM)[None, :]
     t64 = t.to(tl.int64)
     x = tl.load(v_ptr + t64[:, None] * sv_t + h * sv_h + d[None, :], mask=m, other=0.0)
-    bad = (x - x) != 0.0                                      # NaN or +-inf
-    tl.store(out_ptr + t64[:, None] * so_t + h * so_h + d[None, :], tl.where(bad, 0.0, x), mask=m)
-    row_bad = tl.max(bad.to(tl.int32), 1)
-    tl.store(bad_ptr + t64 * HKV + h, row_bad, mask=t_ok)
-    if tl.max(row_bad, 0) > 0:
-        tl.atomic_max(any_ptr, 1)
+    if QUANT:
+        x = _widen(_fp8_code(x, tl.load(scale_ptr + srow + h)), v_ptr.dtype.element_ty)
+    if FLAGS:
+        bad = (x - x) != 0.0                                      # NaN or +-inf
+        tl.store(out_ptr + t64[:, None] * so_t + h * so_h + d[None, :], tl.where(bad, 0.0, x),
+                 mask=m)
+        row_bad = tl.max(bad.to(tl.int32), 1)
+        tl.store(bad_ptr + t64 * HKV + h, row_bad, mask=t_ok)
+        if tl.max(row_bad, 0) > 0:
+            tl.atomic_max(any_ptr, 1)
+    else:
+        tl.store(out_ptr + t64[:, None] * so_t + h * so_h + d[None, :], x, mask=m)
 
 
 @triton.jit
 def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, tmask_ptr,
-                             sv_t, sv_h, so_t, so_h, HKV, window_left,
+                             sv_t, sv_h, so_t, so_h, HKV, window_left, scale_ptr,
                              GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                             TREE: tl.constexpr):
+                             TREE: tl.constexpr, QUANT: tl.constexpr):
     """Put the non-finite V values that ``_ragged_kernel`` ran without back into the outputs of
     the rows that see their keys (same grid and rows as ``_ragged_kernel``). Without any such
-    value (``any`` 0: nearly always) a program reads one flag and stops."""
+    value (``any`` 0: nearly always) a program reads one flag and stops. QUANT: V as its fp8
+    codes (an infinite value saturated, only NaN left)."""
     seq, kvh, lo, n, m0, r, head, row_ok = _ragged_rows(qo_ptr, GROUP, M_TOK, BLOCK_R)
     if (tl.load(any_ptr) > 0) & (m0 < n):
         dd = tl.arange(0, BLOCK_D)
@@ -545,6 +658,8 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
                 vis = _ragged_visible(c, c_ok, r, window_left, tlo, q_order, tmask_ptr, TREE)
                 v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dd[None, :],
                             mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
+                if QUANT:
+                    v = _widen(_fp8_code(v, tl.load(scale_ptr + HKV + kvh)), tl.float32)
                 seen = _nonfinite_codes(seen, vis, v, key_bad)
         if tl.max(tl.max(seen, 1), 0) > 0:
             tok = (lo + r).to(tl.int64)
@@ -559,13 +674,13 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                           kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                           sinks_ptr, n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t,
                           so_h, sl_t, qk_scale, softcap_log2, log2_theta, rope_scale, freq_ptr,
-                          window_left,
+                          window_left, scale_ptr,
                           GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
                           PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr,
                           IEEE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                          SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
+                          SOFTCAP: tl.constexpr, SINKS: tl.constexpr, QUANT: tl.constexpr):
     """Entries with many queries; grid (sum of q tiles upper bound, Hkv). Tile -> entry by a
     vector prefix sum over all entries (no host-side tile plan, no extra launches)."""
     pid = tl.program_id(0)
@@ -599,6 +714,8 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         inv = _inv_freq(freq_ptr, dh, dh_ok, HEAD_DIM, log2_theta, FREQ)
         q1, q2 = _load_query(q_ptr, qpos_ptr, tok, head, row_ok, sq_t, sq_h, dh, dh_ok, dd, dd_ok,
                              inv, rope_scale, HALF, ROPE)
+        if QUANT:            # the pages' codes are widened to float16 (_operand)
+            q1, q2 = _operand(q1), _operand(q2)
         krope = tl.load(krope_ptr + e)         # inline RoPE and the per-query window use it
         kfloor = _window_floor(qpos_ptr, tok, row_ok, window_left, BLOCK_R)
         tlo = 0
@@ -610,15 +727,18 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
             tree_start = kv_len - ts
             q_node = ts - nq + r
             q_order = tl.load(tmask_ptr + 2 * (tlo + q_node), mask=row_ok & (ts > 0), other=0)
+        ks, vs = _kv_scales(scale_ptr, kvh, tl.num_programs(1), QUANT)
         m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
         for j0 in range(0, kv_len, BLOCK_N):
             m_i, l_i, acc = _paged_step(
                 q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale,
+                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
                 softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-                HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP)
+                HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP, QUANT)
+        if QUANT:
+            acc = acc * vs
         o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dv[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
@@ -632,13 +752,14 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
                          n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row,
                          so_t, so_s, so_h, sl_t, sl_s, sfo_t, sfo_h, sfl_t,
                          qk_scale, softcap_log2, log2_theta, rope_scale, freq_ptr, window_left,
+                         scale_ptr,
                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                          TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
-                         SINKS: tl.constexpr):
+                         SINKS: tl.constexpr, QUANT: tl.constexpr):
     """One query per entry; grid (rows T, Hkv, splits). Row t belongs to entry t - qo[0] (every
     decode entry holds exactly one row), so rows no entry covers get o = 0 / lse = -inf here too.
     With NUM_SPLITS > 1 each program covers one contiguous key chunk and writes an fp32 partial
@@ -674,6 +795,8 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
     # one token, GROUP heads: every row reads token t (a broadcast index for the shared loader)
     q1, q2 = _load_query(q_ptr, qpos_ptr, tl.zeros([BLOCK_R], tl.int64) + t64, head, row_ok,
                          sq_t, sq_h, dh, dh_ok, dd, dd_ok, inv, rope_scale, HALF, ROPE)
+    if QUANT:                # the pages' codes are widened to float16 (_operand)
+        q1, q2 = _operand(q1), _operand(q2)
     krope = tl.load(krope_ptr + e)             # inline RoPE and the per-query window use it
     kfloor = _window_floor(qpos_ptr, tl.zeros([BLOCK_R], tl.int64) + t64, row_ok & covered,
                            window_left, BLOCK_R)
@@ -685,15 +808,18 @@ def _paged_decode_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, fo_ptr, flse_ptr, sem
         ts = tl.where(covered, tl.load(tind_ptr + e + 1) - tlo, 0)
         tree_start = kv_len - ts
         q_order = tl.zeros([BLOCK_R], tl.int32) + tl.load(tmask_ptr + 2 * (tlo + ts - 1), mask=ts > 0, other=0)
+    ks, vs = _kv_scales(scale_ptr, kvh, tl.num_programs(1), QUANT)
     m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     for j0 in range(j_lo, j_hi, BLOCK_N):
         m_i, l_i, acc = _paged_step(
             q1, q2, m_i, l_i, acc, j0, j_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-            sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale,
+            sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
             softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-            HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP)
+            HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP, QUANT)
+    if QUANT:
+        acc = acc * vs
     if NUM_SPLITS == 1:
         o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
     else:
@@ -870,7 +996,7 @@ class _Cfg:
 
     __slots__ = ("half", "block_half", "block_d", "dv", "block_dv", "ieee", "rope_hb", "ew_warps",
                  "dec_tiles", "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows",
-                 "rope_runs", "merge")
+                 "rope_runs", "merge", "quant")
 
     def __init__(self, ctx):
         d = ctx.head_dim
@@ -878,11 +1004,12 @@ class _Cfg:
         self.dv = ctx.head_dim_v
         self.block_dv = _block(self.dv)
         self.ieee = _ieee(ctx.dtype)
+        self.quant = ctx.kv_quant          # fp8 pages: every attention kernel reads codes
         self.rope_hb = min(_p2(max(ctx.num_qo_heads, ctx.num_kv_heads)), ctx.tuning.elementwise_heads)
         self.ew_warps = ctx.tuning.elementwise_warps
         # tiles by the wider of D and Dv (both tiles of a step share the shared-memory budget)
         tile_d = max(d, self.dv)
-        self.dec_tiles = ctx.tuning.tiles("decode", tile_d, self.ieee)
+        self.dec_tiles = ctx.tuning.tiles("decode", tile_d, self.ieee, ctx.kv_quant)
         self.dec_block_r = max(self.dec_tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
         self.pre_tiles = ctx.tuning.tiles("prefill", tile_d, self.ieee)
         self.pre_block_r = max(self.pre_tiles.block_rows, _p2(ctx.group))
@@ -1052,7 +1179,9 @@ except ImportError:          # a torch without CUDA: the interpreter never takes
 
 
 def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, positions=None,
-                        rope_spec=None, want_k=False):
+                        rope_spec=None, want_k=False, kv_scale=None):
+    """kv_scale: quantize K/V to the fp8 pages with these (2, Hkv) scales (None: store the
+    values as they come, e.g. codes that compaction moves)."""
     cfg = _cfg(ctx)
     has_q, store = q is not None, pages is not None
     dummy = q if has_q else k
@@ -1069,13 +1198,15 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
     if t_total == 0:
         return q_out, k_out
     log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope_spec, dummy)
-    flags = (has_q, store, rope_spec is not None, has_freq, want_k)
+    quant = kv_scale is not None
+    flags = (has_q, store, rope_spec is not None, has_freq, want_k, quant)
     run = cfg.rope_runs.get(flags)
     if run is None:
         run = cfg.rope_runs[flags] = _Kernel(_rope_append_kernel, dict(
             HEAD_DIM=ctx.head_dim, HALF=cfg.half, BLOCK_HALF=cfg.block_half, HB=cfg.rope_hb,
             PAGE_SIZE=ctx.page_size, HAS_Q=has_q, STORE_KV=store, ROPE=flags[2], FREQ=has_freq,
-            K_OUT=want_k, HEAD_DIM_V=cfg.dv, BLOCK_DV=cfg.block_dv, num_warps=cfg.ew_warps))
+            K_OUT=want_k, HEAD_DIM_V=cfg.dv, BLOCK_DV=cfg.block_dv, QUANT=quant,
+            num_warps=cfg.ew_warps))
     qq, qo = (q, q_out) if has_q else (dummy, dummy)
     sq: tuple[int, ...] = (0, 0)
     sqo: tuple[int, ...] = (0, 0)
@@ -1095,11 +1226,11 @@ def _launch_rope_append(ctx, *, q=None, k=None, v=None, pages=None, slots=None, 
     # are fresh, contiguous and aligned, their strides follow from hq and hkv
     spec = (sq, sk, sv, sp, hq, hkv, qq.dtype, kk.dtype, vv.dtype, qq.data_ptr() & 15,
             kk.data_ptr() & 15, vv.data_ptr() & 15, pg.data_ptr() & 15, sl.data_ptr() & 15,
-            pos.data_ptr() & 15, sl.dtype, pos.dtype)
+            pos.data_ptr() & 15, sl.dtype, pos.dtype, quant and kv_scale.data_ptr() & 15)
     run((t_total, 1, 1), spec, qq, kk, vv, qo, ko, pg, sl, pos,
         sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sqo[0], sqo[1], sko[0], sko[1],
         sp[0], sp[1], sp[2], sp[3], hq, hkv, log2_theta, scale,
-        dummy if freq is None else freq)
+        dummy if freq is None else freq, kv_scale if quant else dummy)
     return q_out, k_out
 
 
@@ -1110,18 +1241,19 @@ def rope(ctx, x, positions, rope_spec):
     return q_out
 
 
-def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None):
+def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None, kv_scale=None):
     if _partial(rope_spec):
-        return torch_kernels.append_kv(ctx, pages, k, v, slots, positions, rope_spec)
+        return torch_kernels.append_kv(ctx, pages, k, v, slots, positions, rope_spec, kv_scale)
     _launch_rope_append(ctx, k=k, v=v, pages=pages, slots=slots, positions=positions,
-                        rope_spec=rope_spec)
+                        rope_spec=rope_spec, kv_scale=kv_scale)
 
 
-def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec):
+def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec, kv_scale=None):
     if _partial(rope_spec):
-        return torch_kernels.rope_append(ctx, pages, q, k, v, slots, positions, rope_spec)
+        return torch_kernels.rope_append(ctx, pages, q, k, v, slots, positions, rope_spec,
+                                         kv_scale)
     return _launch_rope_append(ctx, q=q, k=k, v=v, pages=pages, slots=slots, positions=positions,
-                               rope_spec=rope_spec, want_k=True)
+                               rope_spec=rope_spec, want_k=True, kv_scale=kv_scale)
 
 
 def _tree_args(tree, fallback):
@@ -1135,7 +1267,7 @@ class _Record:
 
     __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl",
                  "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
-                 "v_out", "bad", "any_bad", "variants")
+                 "v_out", "bad", "any_bad", "variants", "kgrid", "krun", "k_in")
     # the slots' types, for mypy (annotations only: no class attributes next to the slots)
     grid: Any
     pre: Any
@@ -1158,6 +1290,9 @@ class _Record:
     bad: Any
     any_bad: Any
     variants: Any
+    kgrid: Any
+    krun: Any
+    k_in: Any
 
 
 def _variant(rec, softcap, sinks):
@@ -1199,21 +1334,38 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
         GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
         HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
         TREE=tree is not None, ROPE=rope is not None, FREQ=has_freq, IEEE=cfg.ieee,
-        HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv, SOFTCAP=0, SINKS=False,
+        HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv, SOFTCAP=0, SINKS=False, QUANT=cfg.quant,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     rec.variants = {}
     rec.nrun = _Kernel(_ragged_nonfinite_kernel, dict(
         GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
-        HEAD_DIM=dv, BLOCK_D=cfg.block_dv, TREE=tree is not None, num_warps=cfg.ew_warps))
-    rec.v_out = rec.bad = rec.any_bad = None
-    if max_len > 1:
+        HEAD_DIM=dv, BLOCK_D=cfg.block_dv, TREE=tree is not None, QUANT=cfg.quant,
+        num_warps=cfg.ew_warps))
+    rec.v_out = rec.bad = rec.any_bad = rec.frun = rec.krun = rec.k_in = None
+    if _finite_pass(cfg, max_len):
         hkv = v.shape[1]
         block_t = max(1, 4096 // cfg.block_dv)
         rec.fgrid = (triton.cdiv(t_total, block_t), hkv, 1)
         rec.frun = _Kernel(_finite_v_kernel, dict(HEAD_DIM=dv, BLOCK_T=block_t,
-                                                  BLOCK_D=cfg.block_dv, num_warps=cfg.ew_warps))
-        rec.v_out, rec.bad, rec.any_bad = _scratch(ctx, v.device, _finite_v_specs(v))
+                                                  BLOCK_D=cfg.block_dv, QUANT=cfg.quant,
+                                                  FLAGS=True, num_warps=cfg.ew_warps))
+        specs = _finite_v_specs(v)
+        if cfg.quant:     # K's codes too, once per call (not once per query tile)
+            block_tk = max(1, 4096 // cfg.block_d)
+            rec.kgrid = (triton.cdiv(t_total, block_tk), hkv, 1)
+            rec.krun = _Kernel(_finite_v_kernel, dict(HEAD_DIM=d, BLOCK_T=block_tk,
+                                                      BLOCK_D=cfg.block_d, QUANT=True,
+                                                      FLAGS=False, num_warps=cfg.ew_warps))
+            specs += (((t_total, hkv, d), v.dtype),)
+        rec.v_out, rec.bad, rec.any_bad, *k_in = _scratch(ctx, v.device, specs)
+        rec.k_in = k_in[0] if k_in else None
     return _keep(launch, key, (qo_indptr, tree, rope), rec, v)
+
+
+def _finite_pass(cfg, max_len) -> bool:
+    """Whether a ragged call runs the finite-V pass first: when a row may see masked keys
+    (max_len > 1), and always with fp8 pages, where the pass also rounds V to its codes."""
+    return max_len > 1 or cfg.quant
 
 
 def _finite_v_specs(v):
@@ -1221,15 +1373,25 @@ def _finite_v_specs(v):
     return ((t_total, hkv, d), v.dtype), ((t_total, hkv), torch.int32), ((1,), torch.int32)
 
 
+def _scale_arg(ctx, kv_scale, dummy):
+    """The kernels' ``scale_ptr``: the layer's (2, Hkv) float32 scales with fp8 pages (which
+    must come with them), any tensor otherwise (not read)."""
+    if not ctx.kv_quant:
+        return dummy
+    if kv_scale is None:
+        raise ValueError("fp8 pages need kv_scale (the core passes the layer's scales)")
+    return kv_scale
+
+
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                      rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
-                     logit_softcap=0.0, sinks=None):
+                     logit_softcap=0.0, sinks=None, kv_scale=None):
     softcap = float(logit_softcap or 0.0)
     if _partial(rope):
         return torch_kernels.ragged_attention(
             ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len, tree=tree,
             rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset,
-            window_left=window_left, logit_softcap=softcap, sinks=sinks)
+            window_left=window_left, logit_softcap=softcap, sinks=sinks, kv_scale=kv_scale)
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
     t_total = q.shape[0]
     if t_total == 0 or num_seqs == 0 or max_len == 0:
@@ -1237,20 +1399,22 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         return (torch.empty((t_total, hq, v.shape[2]), dtype=ctx.dtype, device=q.device),
                 torch.empty((t_total, hq), dtype=torch.float32, device=q.device))
     rec = _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope)
+    scales = _scale_arg(ctx, kv_scale, qo_indptr)
     o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
     lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
     qpos = q_positions if rope is not None else qo_indptr
     krope = k_rope_offset if rope is not None else qo_indptr
     tind, tmask = rec.post
-    v_in = v
+    v_in, k_in = v, k
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
     window_left = int(window_left)
     # what Triton's specialisation sees per call beyond the record (``_Kernel``); outputs and
     # scratch are fresh or the record's, contiguous and aligned
     spec = (sq, sk, sv, q.dtype, k.dtype, v.dtype, window_left, q.data_ptr() & 15,
             k.data_ptr() & 15, v.data_ptr() & 15, qpos.data_ptr() & 15, krope.data_ptr() & 15,
-            *_sinks_spec(sinks))
-    if max_len > 1:
+            scales.data_ptr() & 15, *_sinks_spec(sinks))
+    finite = rec.frun is not None
+    if finite:
         # a row's causal / tree mask hides later keys of its own forward, and a masked key's
         # p = 0 times a NaN / inf V is NaN: the kernel runs on V with those zeroed, and a second
         # pass (it reads only flags unless one is set) puts them back where a row sees the key
@@ -1258,16 +1422,22 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         any_bad.zero_()
         svi = v_in.stride()
         rec.frun(rec.fgrid, spec, v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1],
-                 v.shape[1])
+                 v.shape[1], scales, v.shape[1])
+        if rec.krun is not None:
+            k_in = rec.k_in
+            ski = k_in.stride()
+            rec.krun(rec.kgrid, spec, k, k_in, bad, any_bad, t_total, sk[0], sk[1], ski[0],
+                     ski[1], k.shape[1], scales, 0)
+            sk = ski
     svi = v_in.stride()
     _variant(rec, softcap, sinks)(
-        rec.grid, spec, q, k, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
+        rec.grid, spec, q, k_in, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
         qo_indptr if sinks is None else sinks, sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0],
         so[1], lse.stride(0), *_score_scales(sm_scale, softcap, _softcap_mode(rec, softcap)),
-        *rec.rope, window_left)
-    if max_len > 1:
+        *rec.rope, window_left, scales)
+    if finite:
         rec.nrun(rec.grid, spec, v, bad, any_bad, o, qo_indptr, tind, tmask, sv[0], sv[1], so[0],
-                 so[1], ctx.num_kv_heads, window_left)
+                 so[1], ctx.num_kv_heads, window_left, scales)
     return o, lse
 
 
@@ -1294,13 +1464,13 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
     flags = dict(HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
                  PAGE_SIZE=ctx.page_size, TREE=depth.tree is not None, ROPE=rope is not None,
                  FREQ=has_freq, IEEE=cfg.ieee, HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv,
-                 SOFTCAP=0, SINKS=False)
+                 SOFTCAP=0, SINKS=False, QUANT=cfg.quant)
     rec.po = rec.pl = rec.sem = None
     rec.splits = 1
     if depth.use_decode:
         tiles = cfg.dec_tiles
         splits = rec.splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len),
-                                         ctx.num_sms)
+                                         ctx.num_sms, cfg.quant)
         rec.grid = (t_total, ctx.num_kv_heads, splits)
         # outputs are contiguous (T, Hq, Dv) / (T, Hq)
         rec.sf = (hq * dv, dv, hq)
@@ -1330,12 +1500,13 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                    window_left=-1, logit_softcap=0.0, sinks=None):
+                    window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None):
     softcap = float(logit_softcap or 0.0)
     if _partial(rope):
         return torch_kernels.paged_attention(ctx, q, pages, depth, sm_scale, rope=rope,
                                              q_positions=q_positions, window_left=window_left,
-                                             logit_softcap=softcap, sinks=sinks)
+                                             logit_softcap=softcap, sinks=sinks,
+                                             kv_scale=kv_scale)
     q = _last_dim_contig(q)
     # window_left is a plain int argument (not a compile-time constant): a captured static decode
     # step replays with the window of its capture, and a new window needs no recompile
@@ -1345,8 +1516,9 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     t_total = q.shape[0]
     # what Triton's specialisation sees per call beyond the record (``_Kernel``)
     sq, sp = q.stride(), pages.stride()
+    scale_arg = _scale_arg(ctx, kv_scale, qpos)
     spec = (sq, sp, q.dtype, int(window_left), q.data_ptr() & 15, pages.data_ptr() & 15,
-            qpos.data_ptr() & 15, *_sinks_spec(sinks))
+            qpos.data_ptr() & 15, scale_arg.data_ptr() & 15, *_sinks_spec(sinks))
     run = _variant(rec, softcap, sinks)
     scales = _score_scales(sm_scale, softcap, _softcap_mode(rec, softcap))
     sinks_arg = depth.qo_indptr if sinks is None else sinks
@@ -1361,7 +1533,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
             dst, dstl, sem = o, lse, lse
         run(rec.grid, spec, q, pages, dst, dstl, o, lse, sem, sinks_arg, *rec.pre, qpos,
             *rec.post, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *rec.sf,
-            *scales, *rec.rope, int(window_left))
+            *scales, *rec.rope, int(window_left), scale_arg)
         return o, lse
     # prefill: rows no entry covers must read o = 0 / lse = -inf (the sink with sinks)
     o = torch.zeros(rec.o_shape, dtype=ctx.dtype, device=q.device)
@@ -1375,7 +1547,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     tind, tmask, n = rec.post
     run(rec.grid, spec, q, pages, o, lse, *rec.pre, qpos, tind, tmask, sinks_arg, n, sq[0],
         sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
-        int(window_left))
+        int(window_left), scale_arg)
     return o, lse
 
 
@@ -1418,19 +1590,25 @@ def copy_page_prefix(ctx, pages_per_layer, src_page, dst_page, length):
                                      num_warps=ctx.tuning.elementwise_warps)
 
 
-def gather_rows(ctx, pages, slots, out_k=None, out_v=None):
+def gather_rows(ctx, pages, slots, out_k=None, out_v=None, kv_scale=None):
+    """(k, v) rows at ``slots`` of one layer as stored (fp8 codes stay codes), or with
+    ``kv_scale`` dequantized into the cache dtype."""
     n = slots.shape[0]
     d, dv = ctx.head_dim, ctx.head_dim_v
+    dtype = pages.dtype if kv_scale is None else ctx.dtype
     if out_k is None:
-        out_k = torch.empty((n, ctx.num_kv_heads, d), dtype=pages.dtype, device=pages.device)
+        out_k = torch.empty((n, ctx.num_kv_heads, d), dtype=dtype, device=pages.device)
     if out_v is None:
-        out_v = torch.empty((n, ctx.num_kv_heads, dv), dtype=pages.dtype, device=pages.device)
+        out_v = torch.empty((n, ctx.num_kv_heads, dv), dtype=dtype, device=pages.device)
     if n:
         hb = min(_p2(ctx.num_kv_heads), ctx.tuning.elementwise_heads)
-        _gather_rows_kernel[(n,)](pages, slots, out_k, out_v, *_row_kernel_args(ctx, pages),
+        _gather_rows_kernel[(n,)](pages, slots, out_k, out_v,
+                                  slots if kv_scale is None else kv_scale,
+                                  *_row_kernel_args(ctx, pages),
                                   out_k.stride(0), out_k.stride(1), out_v.stride(0),
                                   out_v.stride(1), HEAD_DIM=d, BLOCK_D=_p2(d), HB=hb,
                                   PAGE_SIZE=ctx.page_size, HEAD_DIM_V=dv, BLOCK_DV=_p2(dv),
+                                  DEQUANT=kv_scale is not None,
                                   num_warps=ctx.tuning.elementwise_warps)
     return out_k, out_v
 
@@ -1443,14 +1621,18 @@ def compact_kv(ctx, pages_per_layer, src_slots, dst_slots):
         append_kv(ctx, pages, k, v, dst_slots)
 
 
-def gather_kv(ctx, pages_per_layer, slots):
+def gather_kv(ctx, pages_per_layer, slots, kv_scale=None):
+    """kv_scale: with fp8 pages, one (2, Hkv) scale array per page array: values come back
+    dequantized in the cache dtype."""
     n = slots.shape[0]
     layers = len(pages_per_layer)
     p0 = pages_per_layer[0]
-    out_k = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim), dtype=p0.dtype,
+    dtype = p0.dtype if kv_scale is None else ctx.dtype
+    out_k = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim), dtype=dtype,
                         device=p0.device)
-    out_v = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim_v), dtype=p0.dtype,
+    out_v = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim_v), dtype=dtype,
                         device=p0.device)
     for i, pages in enumerate(pages_per_layer):
-        gather_rows(ctx, pages, slots, out_k[i], out_v[i])
+        gather_rows(ctx, pages, slots, out_k[i], out_v[i],
+                    None if kv_scale is None else kv_scale[i])
     return out_k, out_v

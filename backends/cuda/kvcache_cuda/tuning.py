@@ -51,13 +51,24 @@ class Tuning:
     float32_by_head_dim: dict = field(default_factory=lambda: {
         128: {"prefill": AttnTiles(128, 64, 8, 2), "decode": AttnTiles(16, 64, 4, 2)},
     })
+    # fp8 pages: half the bytes per tile and a widening per element; decode wants 4 warps (8
+    # warps ran 1.7x slower: tools/fp8_decode_sweep.py on the H200, docs/performance.md) and
+    # at least fp8_min_splits splits (B=64 L=4096: 2 splits 0.78x the time of 1)
+    fp8_by_head_dim: dict = field(default_factory=lambda: {
+        128: {"decode": AttnTiles(16, 128, 4, 3)},
+    })
+    fp8_min_splits: int = 2
 
-    def tiles(self, kind: str, head_dim: int, float32: bool = False) -> AttnTiles:
+    def tiles(self, kind: str, head_dim: int, float32: bool = False,
+              fp8: bool = False) -> AttnTiles:
         """The tiles of ``kind`` ("prefill" | "decode") for ``head_dim``, looked up at the
-        padded head_dim the kernels run at (80 and 96 share the 128 tiles)."""
+        padded head_dim the kernels run at (80 and 96 share the 128 tiles); ``fp8``: over fp8
+        pages (their table first, then the 16-bit one)."""
         head_dim = 1 << (max(1, head_dim) - 1).bit_length()
         if float32 and kind in self.float32_by_head_dim.get(head_dim, {}):
             return self.float32_by_head_dim[head_dim][kind]
+        if fp8 and kind in self.fp8_by_head_dim.get(head_dim, {}):
+            return self.fp8_by_head_dim[head_dim][kind]
         return self.by_head_dim.get(head_dim, {}).get(kind, getattr(self, kind))
 
     def with_(self, **changes) -> "Tuning":
@@ -67,13 +78,17 @@ class Tuning:
 CUDA_TUNING = Tuning()
 
 
-def num_splits(tuning: Tuning, num_programs: int, max_kv_len: int, num_sms: int) -> int:
+def num_splits(tuning: Tuning, num_programs: int, max_kv_len: int, num_sms: int,
+               fp8: bool = False) -> int:
     """Split-K factor of the decode kernel: enough (entry, kv-head, split) programs to fill the
-    GPU, but each split keeps at least ``split_min_keys`` keys so the merge pass stays cheap."""
+    GPU, but each split keeps at least ``split_min_keys`` keys so the merge pass stays cheap
+    (``fp8``: over fp8 pages, at least ``fp8_min_splits`` where the keys allow)."""
     if tuning.force_splits > 0:
         return tuning.force_splits
     if num_programs <= 0 or max_kv_len <= 0:
         return 1
     want = -(-tuning.split_programs_per_sm * num_sms // num_programs)
+    if fp8:
+        want = max(want, tuning.fp8_min_splits)
     cap = max(1, max_kv_len // tuning.split_min_keys)
     return int(max(1, min(want, cap, tuning.split_max)))

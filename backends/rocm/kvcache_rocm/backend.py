@@ -17,7 +17,11 @@ class RocmBackend(CudaBackend):
     TUNING = ROCM_TUNING
     # CUDA-graph capture is HIP-graph capture here; declared only where CUDA declares it, and
     # never verified on AMD hardware.
-    capabilities = replace(CudaBackend.capabilities)
+    # fp8 pages are not declared: MI300 (gfx942) computes fp8 as e4m3fnuz (max 240, another
+    # exponent bias), not the e4m3fn format kvcache.kv_quant defines, and no AMD GPU was
+    # available to verify either; a quantized kv_dtype is refused here
+    capabilities = replace(CudaBackend.capabilities,
+                           kv_dtypes=tuple(CudaBackend.capabilities.dtypes))
 
     @classmethod
     def _runtime_problem(cls):
