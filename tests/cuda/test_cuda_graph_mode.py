@@ -23,11 +23,13 @@ DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
 SLOW_IN_INTERPRETER = [pytest.mark.slow] if cc.INTERPRET else []
 
 
-def make(dtype, graph, backend="cuda", rope="normal", buckets=(), max_tokens=8192):
+def make(dtype, graph, backend="cuda", rope="normal", buckets=(), max_tokens=8192,
+         kv_dtype="auto"):
     cfg = kvcache.CacheConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                               page_size=16, max_batch_size=8, max_total_tokens=max_tokens,
                               prefill_chunk_size=2048, dtype=dtype, rope_mode=rope,
-                              static_decode=graph, static_decode_batch_sizes=buckets)
+                              static_decode=graph, static_decode_batch_sizes=buckets,
+                              kv_dtype=kv_dtype)
     if backend == "reference":
         return kvcache.PagedKVCache(cfg.__class__(**{**cfg.__dict__, "static_decode": False}),
                                     backend="reference")
@@ -53,6 +55,10 @@ class Trio:
         self.caches = (self.graph, self.eager, self.ref)
         self.cfg = self.graph.config
         self.rng = np.random.default_rng(seed)
+        if self.cfg.kv_dtype == "float8_e4m3":     # one set of scales (K's per head, V's)
+            for c in self.caches:
+                for layer in range(self.cfg.num_layers):
+                    c.set_kv_scales(layer, [0.011, 0.009], 0.0105)
 
     def each(self, method, *args):
         for c in self.caches:
@@ -135,6 +141,17 @@ def test_graph_mode_decode_equals_eager_and_reference(dtype):
         check(trio.decode(ids, padded_inputs=step % 2 == 0), len(ids), dtype, step % 2 == 0)
     check(trio.decode([3]), 1, dtype, False)     # bucket 1
     check(trio.decode([1, 4]), 2, dtype, False)  # bucket 2
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=SLOW_IN_INTERPRETER) for d in DTYPES])
+def test_graph_mode_decode_over_fp8_pages_equals_eager_and_reference(dtype):
+    """fp8 pages in graph-mode decode: the layer's scales are fixed device arrays, so a replay
+    reads them as the eager kernels do; equal to eager and to the reference's emulation."""
+    trio = Trio(dtype, rope="normal", kv_dtype="float8_e4m3")
+    family(trio)
+    for step, ids in enumerate(([2, 0, 4, 1, 3], [3], [1, 4], [2, 0, 4, 1, 3])):
+        check(trio.decode(ids, padded_inputs=step % 2 == 0), len(ids), dtype, step % 2 == 0)
+    assert np.allclose(trio.graph.kv_scales(1), ((0.011, 0.009), (0.0105, 0.0105)))
 
 
 @pytest.mark.parametrize("window_left", [pytest.param(0, marks=SLOW_IN_INTERPRETER), 20])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy, make_model
+from conftest import backend_or_skip, hf_greedy, make_model
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from kvcache import UnsupportedFeatureError
@@ -70,11 +70,14 @@ def prompt_of(n=40, seed=0):
     return np.random.default_rng(seed).integers(1, 200, n).tolist()
 
 
-@pytest.mark.parametrize("fmt", KV_FORMATS)
-def test_engine_tokens_equal_transformers_generation_over_the_same_format(llama, fmt):
+@pytest.mark.parametrize("backend,fmt", [("reference", f) for f in KV_FORMATS]
+                         + [("cuda", "float8_e4m3")])
+def test_engine_tokens_equal_transformers_generation_over_the_same_format(llama, backend, fmt,
+                                                                          monkeypatch):
     prompt = prompt_of()
     want = judged(llama, prompt, fmt)
-    engine = Engine(llama, backend="reference", max_total_tokens=512, kv_dtype=fmt,
+    name, device = backend_or_skip(backend, monkeypatch, llama.config.head_dim)
+    engine = Engine(llama, backend=name, device=device, max_total_tokens=512, kv_dtype=fmt,
                     prefix_cache=False)
     got = engine.generate([prompt], max_new_tokens=NEW)[0][0]
     assert got == want
