@@ -556,12 +556,16 @@ class PagedKVCache:
         return self.pages_needed(seq_ids, append_lengths,
                                  token_tree_parent_ptr) <= self.num_available_pages
 
-    def _not_quantized(self, what: str) -> None:
-        """UnsupportedFeatureError for a call that does not move quantized pages yet."""
-        if self.config.kv_quantized:
+    def _not_quantized(self, what: str, fp8: bool = False) -> None:
+        """UnsupportedFeatureError for a call that does not move quantized pages yet (``fp8``:
+        the call moves fp8 pages, not the affine formats)."""
+        c = self.config
+        if c.kv_quantized and not (fp8 and c.kv_dtype == "float8_e4m3"):
+            route = "" if fp8 else " through the batched transfer"
             raise UnsupportedFeatureError(
-                f"{what}: moving {self.config.kv_dtype!r} pages between caches (export, import, "
-                f"the host tier) is not supported yet; use kv_dtype='auto' for that")
+                f"{what}: moving {c.kv_dtype!r} pages between caches{route} is not supported "
+                f"yet (float8_e4m3 pages move through export_sequence / import_sequence and "
+                f"the host tier)")
 
     @_exclusive
     def set_kv_scales(self, layer_id: int, k_scale, v_scale) -> None:
@@ -711,9 +715,10 @@ class PagedKVCache:
         SequenceNotFoundError, InvalidArgumentError for a range outside [0, length],
         ForwardStateError inside a forward or for an uncommitted token tree; changes nothing."""
         self._no_forward("export_sequence")
-        self._not_quantized("export_sequence")
+        self._not_quantized("export_sequence", fp8=True)
         header, slots = self._export_range(seq_id, start, end)
-        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots),
+                                      **self._gather_kw(range(self.config.num_layers)))
         return dataclasses.replace(header, k=k, v=v)
 
     @_exclusive
@@ -766,8 +771,14 @@ class PagedKVCache:
             window_size=seq.window if windowed else -1,
             sink_size=seq.sink_request if windowed else 0,
             backend=self.backend.name, device=self.backend.device,
-            **payload_fields(self.config))
+            kv_scales=self._payload_scales(), **payload_fields(self.config))
         return header, self.state.pt.position_slots(seq, start, end)
+
+    def _payload_scales(self) -> Optional[tuple]:
+        """A payload's ``kv_scales``: per layer ((K's), (V's)) or None (fp8 pages only)."""
+        if self._kv_scales is None:
+            return None
+        return tuple(self.kv_scales(layer) for layer in range(self.config.num_layers))
 
     @_exclusive
     def import_sequence(self, seq_id: int, payload: SequencePayload, *,
@@ -781,27 +792,36 @@ class PagedKVCache:
         lie in ``[payload.start, payload.end]``): it shares the parent's first ``fork_pos``
         tokens (their pages, as ``fork_sequence``) and gets the payload's tokens from
         ``fork_pos`` on. The caller vouches that the parent's first ``fork_pos`` tokens are the
-        source's; a payload with a sliding window shares only its sink tokens. ``convert_dtype``: accept a payload stored in another dtype (rounded to
-        this cache's). A sliding window in the payload is enabled on the new sequence.
+        source's; a payload with a sliding window shares only its sink tokens.
+        ``convert_dtype``: accept a payload stored in another dtype (rounded to this cache's).
+        An fp8 cache takes fp8 payloads: it adopts their scales for layers that have none and
+        stores their values again (the source's codes); a layer with other scales refuses
+        unless ``convert_dtype`` (docs/quantized-kv.md). A sliding window in the payload is
+        enabled on the new sequence.
         Raises SequenceExistsError / SequenceNotFoundError for the ids, InvalidArgumentError
         for a payload this cache would store or read otherwise (layers, KV heads, head_dim,
         RoPE mode or settings, dtype) or a bad ``fork_pos``, UnsupportedFeatureError for an
         unknown format version, CacheFullError when the free pages do not suffice,
         ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("import_sequence")
-        self._not_quantized("import_sequence")
+        self._not_quantized("import_sequence", fp8=True)
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
         spec = self._import_spec(seq_id, payload, parent_id, fork_pos, convert_dtype)
         if payload.k is None or payload.v is None:
             raise InvalidArgumentError(
                 f"import of sequence {spec.seq_id}: the payload has no arrays (a header-only "
                 f"payload can only be reserved: reserve_import)")
+        adopt = self._import_scales(spec.seq_id, payload, convert_dtype)
         k, v = self._native_kv(spec.seq_id, payload)
         res = self._reserve_import([spec])
         try:
+            for layer, host in adopt:
+                self._put_scales(layer, host)
             self._write_import(res, k, v)
             self._copy_pages(self.state.commit_import(res))
         except BaseException:
+            for layer, _ in adopt:       # scales taken from the payload go with it
+                self._kv_scales[layer] = None                   # type: ignore[index]
             self.state.cancel_import(res)
             raise
 
@@ -832,16 +852,44 @@ class PagedKVCache:
         return ImportSpec(seq_id, end - fork_pos, payload.window_size, payload.sink_size,
                           parent_id, fork_pos, skip=fork_pos - start)
 
+    def _import_scales(self, seq_id: int, payload: SequencePayload, convert: bool) -> list:
+        """The (layer, host scales) an fp8 import adopts: the payload's, for each layer whose
+        scales are not set yet. Raises InvalidArgumentError for a layer whose scales differ
+        from the payload's (its codes would change) unless ``convert`` (then stored again
+        with this cache's scales: rounded twice). Checks only; changes nothing."""
+        if self._kv_scales is None or payload.kv_scales is None:
+            return []
+        adopt = []
+        for layer, theirs in enumerate(payload.kv_scales):
+            mine = self.kv_scales(layer)
+            if theirs is None:
+                if mine is None and payload.num_tokens:
+                    raise InvalidArgumentError(
+                        f"import of sequence {seq_id}: the payload has no fp8 scales for layer "
+                        f"{layer} and this cache has none either: its values cannot be stored")
+                continue
+            if mine is None:
+                adopt.append((layer, np.asarray(theirs, np.float32)))
+            elif not np.array_equal(np.asarray(mine, np.float32),
+                                    np.asarray(theirs, np.float32)) and not convert:
+                raise InvalidArgumentError(
+                    f"import of sequence {seq_id}: layer {layer}'s fp8 scales are {mine}, the "
+                    f"payload's {theirs}; pass convert_dtype=True to store its values again "
+                    f"with this cache's scales (rounded twice)")
+        return adopt
+
     def _native_kv(self, seq_id: int, payload: SequencePayload) -> tuple[Array, Array]:
-        """The payload's K and V as this backend's arrays in the cache's storage dtype."""
-        b, kv = self.backend, self.config.kv_dtype
+        """The payload's K and V as this backend's arrays in the dtype ``append_kv`` takes
+        (the storage dtype; the compute dtype for fp8 pages, which it quantizes)."""
+        b, c = self.backend, self.config
+        kv = c.dtype if c.kv_quantized else c.kv_dtype
         k, v = payload.k, payload.v
-        if (payload.backend == b.name and payload.device == b.device and payload.kv_dtype == kv
+        src = payload.array_dtype
+        if (payload.backend == b.name and payload.device == b.device and src == kv
                 and b.is_native(k) and b.is_native(v)):
             return k, v
         try:
-            return (b.from_numpy(to_host(k, payload.kv_dtype), kv),
-                    b.from_numpy(to_host(v, payload.kv_dtype), kv))
+            return (b.from_numpy(to_host(k, src), kv), b.from_numpy(to_host(v, src), kv))
         except KVCacheError:
             raise
         except Exception as e:
@@ -854,7 +902,8 @@ class PagedKVCache:
             return
         slots = self.backend.aux_to_device(res.slots)
         for layer, pages in enumerate(self.pages):
-            self.backend.append_kv(pages, k[layer], v[layer], slots)
+            quant = {} if self._kv_scales is None else {"kv_scale": self._kv_scales[layer][1]}
+            self.backend.append_kv(pages, k[layer], v[layer], slots, **quant)
 
     @_exclusive
     def reserve_import(self, items: Sequence[tuple], convert_dtype: bool = False) -> ImportReservation:

@@ -22,6 +22,10 @@ import numpy as np
 
 from .arrays import to_host
 from .config import DTYPES, ROPE_MODES, itemsize
+
+PAYLOAD_FORMATS = DTYPES + ("float8_e4m3",)
+"""The storage formats a payload may come from: the plain dtypes, and fp8 pages (whose
+payload carries the values read back, in the cache's compute dtype, with the scales)."""
 from .errors import InvalidArgumentError, UnsupportedFeatureError
 
 FORMAT_VERSION = 1
@@ -31,8 +35,10 @@ HEADER_FIELDS = ("version", "start", "num_tokens", "source_length", "num_layers"
                  "num_kv_heads", "head_dim", "kv_dtype", "rope_mode", "rope_theta", "rope_scale",
                  "rope_inv_freq", "rope_rotary_dim", "window_size", "sink_size", "backend",
                  "device")
-"""The keys of ``SequencePayload.header()`` (every field but the arrays); ``checksum`` is
-there too, optional when read (None: not computed)."""
+"""The keys of ``SequencePayload.header()`` (every field but the arrays); ``checksum``,
+``dtype`` and ``kv_scales`` are there too, optional when read (None: not computed, the
+arrays in ``kv_dtype``, no scales)."""
+OPTIONAL_FIELDS = ("checksum", "dtype", "kv_scales")
 
 
 def checksum(k: np.ndarray, v: np.ndarray) -> str:
@@ -64,6 +70,12 @@ class SequencePayload:
     ``version``: ``FORMAT_VERSION`` of the writer. ``checksum``: ``checksum(k, v)`` of a host
     payload (``to_numpy()`` computes it; None for device arrays, which never left the process);
     ``import_sequence`` recomputes it and refuses a payload whose arrays differ.
+
+    From fp8 pages (``kv_dtype="float8_e4m3"``) the arrays hold the values read back
+    (``code * scale``) in the cache's compute dtype ``dtype`` (exact enough that storing them
+    again with the same scales gives the same codes), and ``kv_scales`` the exporting cache's
+    scales: per layer ``((K's per KV head), (V's per KV head))``, or None for a layer it never
+    wrote. ``dtype`` None: the arrays are in ``kv_dtype``.
     """
 
     k: Any
@@ -86,6 +98,8 @@ class SequencePayload:
     device: Optional[str] = None
     version: int = FORMAT_VERSION
     checksum: Optional[str] = None
+    dtype: Optional[str] = None
+    kv_scales: Optional[tuple] = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -104,9 +118,14 @@ class SequencePayload:
         return (self.num_layers, self.num_tokens, self.num_kv_heads, self.head_dim)
 
     @property
+    def array_dtype(self) -> str:
+        """The dtype of ``k`` and ``v``: ``dtype``, or ``kv_dtype`` where that is None."""
+        return self.kv_dtype if self.dtype is None else self.dtype
+
+    @property
     def nbytes(self) -> int:
         """Bytes of K and V together."""
-        return 2 * math.prod(self.shape) * itemsize(self.kv_dtype)
+        return 2 * math.prod(self.shape) * itemsize(self.array_dtype)
 
     # ------------------------------------------------------------------ forms
     def header(self) -> dict:
@@ -114,6 +133,9 @@ class SequencePayload:
         out = {name: getattr(self, name) for name in HEADER_FIELDS}
         out["rope_inv_freq"] = list(self.rope_inv_freq)
         out["checksum"] = self.checksum
+        out["dtype"] = self.dtype
+        out["kv_scales"] = None if self.kv_scales is None else [
+            None if s is None else [list(s[0]), list(s[1])] for s in self.kv_scales]
         return out
 
     @classmethod
@@ -139,7 +161,11 @@ class SequencePayload:
                 f"payload header: rope_inv_freq={inv!r} must be a list of numbers (empty: "
                 f"theta's frequencies)")
         fields["rope_inv_freq"] = tuple(float(f) for f in inv)
-        payload = cls(k=k, v=v, checksum=header.get("checksum"), **fields)
+        scales = header.get("kv_scales")
+        if scales is not None:
+            scales = _scales_tuple(scales)
+        payload = cls(k=k, v=v, checksum=header.get("checksum"), dtype=header.get("dtype"),
+                      kv_scales=scales, **fields)
         payload.check("payload header")
         return payload
 
@@ -151,7 +177,7 @@ class SequencePayload:
         if self.k is None:
             return self
         self.check_arrays("to_numpy")
-        k, v = to_host(self.k, self.kv_dtype), to_host(self.v, self.kv_dtype)
+        k, v = to_host(self.k, self.array_dtype), to_host(self.v, self.array_dtype)
         return dataclasses.replace(self, k=k, v=v, backend=None, device=None,
                                    checksum=checksum(k, v) if with_checksum else None)
 
@@ -169,8 +195,10 @@ class SequencePayload:
                 f"{where}: format version {self.version!r} is not supported: this kvcache reads "
                 f"version {FORMAT_VERSION}")
         # isinstance first: `in` on a numpy array value raises an untyped ValueError
-        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in DTYPES:
-            raise InvalidArgumentError(f"{where}: kv_dtype={self.kv_dtype!r} must be one of {DTYPES}")
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in PAYLOAD_FORMATS:
+            raise InvalidArgumentError(
+                f"{where}: kv_dtype={self.kv_dtype!r} must be one of {PAYLOAD_FORMATS}")
+        self._check_format(where)
         if not isinstance(self.rope_mode, str) or self.rope_mode not in ROPE_MODES:
             raise InvalidArgumentError(
                 f"{where}: rope_mode={self.rope_mode!r} must be one of {ROPE_MODES}")
@@ -202,6 +230,36 @@ class SequencePayload:
             return
         self.check_arrays(where)
 
+    def _check_format(self, where: str) -> None:
+        """``dtype`` and ``kv_scales`` against ``kv_dtype``: both (the compute dtype, the scales
+        per layer) from fp8 pages, neither otherwise."""
+        if self.kv_dtype in DTYPES:
+            if self.dtype not in (None, self.kv_dtype) or self.kv_scales is not None:
+                raise InvalidArgumentError(
+                    f"{where}: kv_dtype={self.kv_dtype!r} is a plain dtype, but dtype="
+                    f"{self.dtype!r} and kv_scales are given (only fp8 payloads carry them)")
+            return
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            raise InvalidArgumentError(
+                f"{where}: a {self.kv_dtype} payload needs dtype (its arrays' compute dtype) in "
+                f"{DTYPES}, got {self.dtype!r}")
+        scales = self.kv_scales
+        n = self.num_layers if isinstance(self.num_layers, int) else -1
+        if not isinstance(scales, tuple) or len(scales) != n:
+            raise InvalidArgumentError(
+                f"{where}: a {self.kv_dtype} payload needs kv_scales, one entry per layer "
+                f"({self.num_layers}), got {scales!r:.200}")
+        for layer, entry in enumerate(scales):
+            if entry is None:
+                continue
+            ok = (isinstance(entry, tuple) and len(entry) == 2
+                  and all(isinstance(row, tuple) and len(row) == self.num_kv_heads
+                          and all(_real(x) and x > 0 for x in row) for row in entry))
+            if not ok:
+                raise InvalidArgumentError(
+                    f"{where}: kv_scales[{layer}]={entry!r:.200} must be None or (K's, V's) "
+                    f"scales, {self.num_kv_heads} positive numbers each")
+
     def check_arrays(self, where: str = "payload") -> None:
         """InvalidArgumentError unless ``k`` and ``v`` are what the header says: arrays (numpy,
         or a backend's torch / MLX arrays) of ``shape`` in ``kv_dtype`` exactly (no
@@ -212,14 +270,16 @@ class SequencePayload:
             a = getattr(self, name)
             dtype = _dtype_name(a)
             shape = tuple(int(x) for x in getattr(a, "shape", ()) or ()) if dtype else ()
+            want = self.array_dtype
             if dtype is None:
                 raise InvalidArgumentError(
-                    f"{where}: {name} must be an array (numpy, torch or MLX) of {self.kv_dtype}, "
+                    f"{where}: {name} must be an array (numpy, torch or MLX) of {want}, "
                     f"got {type(a).__name__}")
-            if dtype != self.kv_dtype:
+            if dtype != want:
                 raise InvalidArgumentError(
-                    f"{where}: {name} holds {dtype} but the header says kv_dtype="
-                    f"{self.kv_dtype} (the bits are taken as stored: no conversion)")
+                    f"{where}: {name} holds {dtype} but the header says "
+                    f"{'dtype' if self.dtype is not None else 'kv_dtype'}={want} (the bits are "
+                    f"taken as stored: no conversion)")
             if shape != self.shape:
                 raise InvalidArgumentError(
                     f"{where}: {name} has shape {shape}, expected {self.shape} (num_layers, "
@@ -265,15 +325,36 @@ class SequencePayload:
                     raise InvalidArgumentError(
                         f"{where}: the payload's K was stored with {name}={got!r}, this cache "
                         f"uses {name}={want!r}")
+        if config.kv_quantized and self.kv_dtype != config.kv_dtype:
+            raise InvalidArgumentError(
+                f"{where}: the payload stores {self.kv_dtype}, this cache {config.kv_dtype}: "
+                f"only a {config.kv_dtype} payload can be imported here")
         if self.kv_dtype != config.kv_dtype and not convert_dtype:
             raise InvalidArgumentError(
                 f"{where}: the payload stores {self.kv_dtype}, this cache {config.kv_dtype}; pass "
                 f"convert_dtype=True to convert (rounding to {config.kv_dtype})")
+        if config.kv_quantized and self.array_dtype != config.dtype and not convert_dtype:
+            raise InvalidArgumentError(
+                f"{where}: the payload's values are in {self.array_dtype}, this cache computes "
+                f"in {config.dtype}; pass convert_dtype=True to convert")
         if self.window_size != -1 and not config.support_sliding_window:
             raise InvalidArgumentError(
                 f"{where}: the payload has a sliding window (window_size={self.window_size}, "
                 f"sink_size={self.sink_size}) but this cache was built with "
                 f"support_sliding_window=False")
+
+
+def _scales_tuple(scales) -> Any:
+    """A header's ``kv_scales`` (lists) as the payload's nested tuples; other values as they
+    are, for ``check`` to name."""
+    if not isinstance(scales, (list, tuple)):
+        return scales
+    out = []
+    for entry in scales:
+        if isinstance(entry, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in entry):
+            entry = tuple(tuple(r) for r in entry)
+        out.append(entry)
+    return tuple(out)
 
 
 def _is_version(x) -> bool:
@@ -302,6 +383,7 @@ def payload_fields(config) -> dict:
     spec = config.rope_spec()
     return dict(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim, kv_dtype=config.kv_dtype,
+                dtype=config.dtype if config.kv_quantized else None,
                 rope_mode=config.effective_rope_mode, rope_theta=spec.theta,
                 rope_scale=spec.scale, rope_inv_freq=tuple(spec.inv_freq or ()),
                 rope_rotary_dim=spec.rotary_dim)

@@ -27,7 +27,7 @@ from ..cache import PagedKVCache
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
 from ..serving import EngineCore, EngineStats, RequestOutput, Scheduler
 from ..serving.progress import Progress
-from ..transfer import HostTier
+from ..transfer import PAYLOAD_FORMATS, HostTier
 from .adapter import ModelAdapter, PendingPicks
 from .runner import Runner
 from .sampling import SamplingParams, sampling_params_for
@@ -86,7 +86,8 @@ class Engine:
     (``CacheConfig.kv_dtype``: "float8_e4m3", "int8", "int4" where the backend declares them
     in ``Capabilities.kv_dtypes``); with ``max_total_tokens=None`` a format of fewer bytes
     holds more tokens in the same memory. The affine formats quantize groups of 64 values (32
-    where the head dims are not multiples of 64). Quantized pages are not offloaded (yet).
+    where the head dims are not multiples of 64). fp8 pages are offloaded like plain ones; the
+    affine formats (int8, int4) are not (yet).
 
     ``progress``: None (default) shows a progress display on a terminal during ``generate``;
     True / False force it.
@@ -131,11 +132,11 @@ class Engine:
         self.cache = PagedKVCache(config, backend=backend, device=device)
         self.config = config
         adapter.check(self.cache)
-        if offload is None:     # (payloads hold one head dim: no host tier for head_dim_v, and
-            # none for quantized pages yet)
+        movable = config.kv_dtype in PAYLOAD_FORMATS     # fp8 pages move, affine ones not yet
+        if offload is None:     # (payloads hold one head dim: no host tier for head_dim_v)
             offload = (not str(self.cache.backend.device or "cpu").startswith("cpu")
-                       and config.head_dim_v == config.head_dim and not config.kv_quantized)
-        elif offload and config.kv_quantized:
+                       and config.head_dim_v == config.head_dim and movable)
+        elif offload and not movable:
             raise UnsupportedFeatureError(
                 f"offload=True: the host tier does not take kv_dtype={config.kv_dtype!r} pages "
                 f"yet; pass offload=False (preempted sequences are then recomputed)")

@@ -125,9 +125,14 @@ def test_scales_are_for_fp8_pages_only():
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 def test_moving_quantized_pages_is_refused_for_now(fmt):
+    # fp8 pages move through export_sequence / import_sequence (tests/transfer/
+    # test_fp8_payloads.py), not the batched transfer; the affine formats not at all yet
     cache, *_ = filled(fmt)
     with pytest.raises(UnsupportedFeatureError, match="not supported yet"):
-        cache.export_sequence(0)
+        cache.export_sequences([0])
+    if fmt != "float8_e4m3":
+        with pytest.raises(UnsupportedFeatureError, match="not supported yet"):
+            cache.export_sequence(0)
 
 
 # ------------------------------------------------------------------ the formats
