@@ -23,10 +23,11 @@ Layout conventions shared by the attention kernels
   split-K merge, never into a partial, so it counts once).
 * ``QUANT``: fp8 e4m3 pages (``kvcache.kv_quant``'s rule, one float32 scale per (layer, KV
   head) for K and one for V, passed as ``kv_scale`` (2, Hkv)). The append kernel quantizes
-  on the way in (``_fp8_code``); attention loads the codes, widens them to the compute dtype
-  (exact: every e4m3 value is a float16 / bfloat16 value) and folds the scales out of the
-  inner loop: K's into ``qk_scale``, V's into the accumulator before the normalisation. The
-  ragged pass rounds the forward's own K/V through the same codes.
+  on the way in (``_fp8_code``); the paged kernels load the codes, widen them exactly to
+  float16 operands (16-bit caches: the query too, ``_operand``; float32 caches: float32) and
+  fold the scales out of the inner loop: K's into ``qk_scale``, V's into the accumulator
+  before the normalisation. The ragged pass reads the forward's own K/V as their codes,
+  written once per call by ``_finite_v_kernel``.
 """
 
 from __future__ import annotations
@@ -520,7 +521,7 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
     """One BLOCK_N step over the new keys c0.. of a sequence (rows r: its query tokens). V holds
     no non-finite value here (``ragged_attention`` zeroes them and puts them back afterwards), so
     the plain dot is exact although masked keys sit in the tile. (With fp8 pages K and V come
-    as their codes, from ``_codes_kernel``; the caller applies the scales.)"""
+    as their codes, from ``_finite_v_kernel``; the caller applies the scales.)"""
     c = c0 + tl.arange(0, BLOCK_N)
     c_ok = c < end
     kt = (lo + c).to(tl.int64)
@@ -554,7 +555,7 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
                    SINKS: tl.constexpr, QUANT: tl.constexpr):
     """Causal (or tree) attention among one sequence's new tokens; grid (q tiles, seqs, Hkv).
-    QUANT: K and V are fp8 codes (in the compute dtype, from ``_codes_kernel``) with the scales
+    QUANT: K and V are fp8 codes (in the compute dtype, from ``_finite_v_kernel``) with the scales
     of ``scale_ptr``."""
     seq, kvh, lo, n, m0, r, head, row_ok = _ragged_rows(qo_ptr, GROUP, M_TOK, BLOCK_R)
     if m0 < n:
