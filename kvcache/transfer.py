@@ -38,7 +38,6 @@ HEADER_FIELDS = ("version", "start", "num_tokens", "source_length", "num_layers"
 """The keys of ``SequencePayload.header()`` (every field but the arrays); ``checksum``,
 ``dtype`` and ``kv_scales`` are there too, optional when read (None: not computed, the
 arrays in ``kv_dtype``, no scales)."""
-OPTIONAL_FIELDS = ("checksum", "dtype", "kv_scales")
 
 
 def checksum(k: np.ndarray, v: np.ndarray) -> str:

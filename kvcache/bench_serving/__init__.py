@@ -46,7 +46,7 @@ from typing import Any, Optional
 # the private names too: everything stays importable from kvcache.bench_serving as before
 from .measure import _check, _gpu_spans, _timed, measure, tail_busy, union_length
 from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate, decode_bytes,
-                    workload)
+                    random_prompt_range, workload)
 from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_budget_result,
                         run_kv_budget)
 from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
@@ -193,7 +193,7 @@ def run(args) -> dict:
         return _run_prefix(args, device, backend, dtype, skip, kv_dtype)
     if kind != "random":
         return _run_prefix(args, device, backend, dtype, skip)
-    prompt_range = (8, 32) if args.tiny else (128, 1024)
+    prompt_range = random_prompt_range(args.tiny)
     decode_prompt = 16 if args.tiny else 512
     n2 = args.new_tokens
     n1 = max(1, n2 // 4)

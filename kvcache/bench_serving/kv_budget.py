@@ -16,8 +16,8 @@ Per run, measured after a warm-up run of the same shape on other prompts: tokens
 and p90 time to first token (from the moment every request was added), the peak number of
 sequences in the cache at once (``Scheduler.num_running`` after each step), the Engine's
 preemptions and recomputed tokens, the pages and their token capacity, and whether preempted
-sequences were parked in the host tier (the Engine's default on a GPU, for 16-bit pages only:
-the host tier does not take quantized pages yet, so those are recomputed). For the pair: the ratios
+sequences were parked in the host tier (the Engine's default on a GPU, for 16-bit and fp8
+pages; int8 / int4 pages are recomputed). For the pair: the ratios
 quantized / auto of tokens/s and peak concurrency (targets: > 1.0 each) and the requests whose
 greedy tokens are equal (a count, not a verdict: quantization changes tokens).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .model import workload
+from .model import random_prompt_range, workload
 from .prefix import Online, _free, _row
 
 KV_DTYPES = ("auto", "float8_e4m3", "int8", "int4")
@@ -38,11 +38,6 @@ KV_BUDGET_SIZES = {"requests": (256, 8), "batch": (64, 8)}
 TARGET_RATIO = 1.0
 """Quantized over auto, tokens/s and peak concurrency: more than this."""
 PAGE = 16
-
-
-def prompt_range(tiny: bool) -> tuple:
-    """The random workload's prompt lengths (inclusive)."""
-    return (8, 32) if tiny else (128, 1024)
 
 
 def default_kv_dtype(declared) -> str:
@@ -75,7 +70,7 @@ def run_kv_budget(args, net, device: str, backend: str, kv_dtype: str, say: Call
     ``kv_dtype="auto"`` and with ``kv_dtype`` (quantized) at one budget in bytes."""
     from ..cli import UsageError
     from ..integrations.transformers import Engine
-    lo, hi = prompt_range(bool(args.tiny))
+    lo, hi = random_prompt_range(bool(args.tiny))
     vocab = net.config.vocab_size
     prompts = workload(args.requests, (lo, hi), vocab, args.seed)
     warm = workload(args.requests, (lo, hi), vocab, args.seed + 1000)

@@ -21,6 +21,11 @@ TINY: dict[str, Any] = dict(
 """Small dims for a CPU smoke run (``--tiny``)."""
 
 
+def random_prompt_range(tiny: bool) -> tuple:
+    """The random workload's prompt lengths (inclusive): 128-1,024 tokens, 8-32 with --tiny."""
+    return (8, 32) if tiny else (128, 1024)
+
+
 def workload(requests: int, prompt_range: tuple, vocab: int, seed: int) -> list:
     """``requests`` prompts of uniformly random length in ``prompt_range`` (inclusive) and
     uniformly random token ids in ``[1, vocab)``, from ``seed``."""

@@ -318,40 +318,40 @@ def fp8_bench(torch, backend_cls, backend, args, timer, rng, device, scale, add,
     def codes(pages):
         return (pages.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
 
+    def compare(kind, shape, base_fn, fp8_fn, nbytes, target):
+        """One row: ``fp8_fn`` timed, its ratio to ``base_fn``'s time (same run)."""
+        base = timed(base_fn)
+        us, eager = timer.measure(fp8_fn)
+        ratio = (us if us == us else eager) / base
+        add(kind, shape, us, eager, nbytes, None, f"<={target} 16-bit",
+            f"{ratio:.3f}x 16-bit ({base:.1f} us)")
+        rows[-1]["fp8_ratio"] = ratio
+
     for batch, kv_len in FP8_DECODE:
         pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
-        base = timed(lambda: backend.paged_attention(q, pages, depth, scale))
         pages8 = codes(pages)
-        del pages
-        us, eager = timer.measure(lambda: fp8.paged_attention(q, pages8, depth, scale,
-                                                              kv_scale=scales))
-        nbytes = batch * kv_len * HKV * D * 2 + 2 * q.numel() * 2
-        add("decode-fp8", f"B={batch},L={kv_len}", us, eager, nbytes, None,
-            f"<={FP8_DECODE_TARGET} 16-bit", f"{us / base:.3f}x 16-bit ({base:.1f} us)")
-        rows[-1]["fp8_ratio"] = (us if us == us else eager) / base
-        del pages8
+        compare("decode-fp8", f"B={batch},L={kv_len}",
+                lambda: backend.paged_attention(q, pages, depth, scale),
+                lambda: fp8.paged_attention(q, pages8, depth, scale, kv_scale=scales),
+                batch * kv_len * HKV * D * 2 + 2 * q.numel() * 2, FP8_DECODE_TARGET)
+        del pages, pages8
         torch.cuda.empty_cache()
     for batch, n in FP8_PREFILL:
         pages, depth, q = _paged_setup(torch, backend, batch, n, n, rng, device)
-        base = timed(lambda: backend.paged_attention(q, pages, depth, scale))
         pages8 = codes(pages)
-        del pages
-        us, eager = timer.measure(lambda: fp8.paged_attention(q, pages8, depth, scale,
-                                                              kv_scale=scales))
-        add("prefill-paged-fp8", f"B={batch},L={n}", us, eager, 0, None,
-            f"<={FP8_PREFILL_TARGET} 16-bit", f"{us / base:.3f}x 16-bit ({base:.1f} us)")
-        rows[-1]["fp8_ratio"] = (us if us == us else eager) / base
-        del pages8
+        compare("prefill-paged-fp8", f"B={batch},L={n}",
+                lambda: backend.paged_attention(q, pages, depth, scale),
+                lambda: fp8.paged_attention(q, pages8, depth, scale, kv_scale=scales),
+                0, FP8_PREFILL_TARGET)
+        del pages, pages8
         k = torch.randn((batch * n, HKV, D), device=device).to(backend.dtype)
         v = torch.randn_like(k)
         qo = torch.arange(0, batch * n + 1, n, device=device, dtype=torch.int32)
-        base = timed(lambda: backend.ragged_attention(q, k, v, qo, scale, num_seqs=batch,
-                                                      max_len=n))
-        us, eager = timer.measure(lambda: fp8.ragged_attention(q, k, v, qo, scale, num_seqs=batch,
-                                                               max_len=n, kv_scale=scales))
-        add("prefill-ragged-fp8", f"B={batch},L={n}", us, eager, 0, None,
-            f"<={FP8_PREFILL_TARGET} 16-bit", f"{us / base:.3f}x 16-bit ({base:.1f} us)")
-        rows[-1]["fp8_ratio"] = (us if us == us else eager) / base
+        compare("prefill-ragged-fp8", f"B={batch},L={n}",
+                lambda: backend.ragged_attention(q, k, v, qo, scale, num_seqs=batch, max_len=n),
+                lambda: fp8.ragged_attention(q, k, v, qo, scale, num_seqs=batch, max_len=n,
+                                             kv_scale=scales),
+                0, FP8_PREFILL_TARGET)
         del k, v
         torch.cuda.empty_cache()
 

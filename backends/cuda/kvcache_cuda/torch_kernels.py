@@ -34,8 +34,8 @@ def fp8_values(codes, scale):
 
 
 def _roundtrip(ctx, x, scale):
-    """``x`` as fp8 pages give it back (float32), or ``x`` itself without a scale."""
-    return x if scale is None else fp8_values(fp8_codes(x, scale, ctx.dtype), scale)
+    """``x`` as fp8 pages with ``scale`` give it back (float32)."""
+    return fp8_values(fp8_codes(x, scale, ctx.dtype), scale)
 
 
 # ---------------------------------------------------------------------- RoPE

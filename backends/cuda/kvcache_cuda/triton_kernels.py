@@ -601,12 +601,12 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
 
 @triton.jit
 def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, so_h, HKV,
-                     scale_ptr, srow, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                     scale_ptr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FLAGS: tl.constexpr):
     """out = v with NaN / +-inf set to 0; bad[t, h] = 1 where v[t, h] held one; any = 1 if one
     did anywhere (any must be 0 before). Grid (T tiles, Hkv). QUANT: out holds the fp8 codes
-    of v (in its dtype; per-head scales at ``scale_ptr + srow``; they saturate, so only NaN is
-    non-finite). Without FLAGS (K's codes for the ragged kernel) out is just the codes, NaN
+    of v (in its dtype; V's per-head scales from the (2, HKV) ``scale_ptr``; they saturate, so
+    only NaN is non-finite). Without FLAGS the input is K: out is its codes (K's scales), NaN
     kept, and bad / any are not written."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
@@ -616,7 +616,8 @@ def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, 
     t64 = t.to(tl.int64)
     x = tl.load(v_ptr + t64[:, None] * sv_t + h * sv_h + d[None, :], mask=m, other=0.0)
     if QUANT:
-        x = _widen(_fp8_code(x, tl.load(scale_ptr + srow + h)), v_ptr.dtype.element_ty)
+        row = HKV if FLAGS else 0                 # V's scales, or K's
+        x = _widen(_fp8_code(x, tl.load(scale_ptr + row + h)), v_ptr.dtype.element_ty)
     if FLAGS:
         bad = (x - x) != 0.0                                      # NaN or +-inf
         tl.store(out_ptr + t64[:, None] * so_t + h * so_h + d[None, :], tl.where(bad, 0.0, x),
@@ -1423,12 +1424,12 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         any_bad.zero_()
         svi = v_in.stride()
         rec.frun(rec.fgrid, spec, v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1],
-                 v.shape[1], scales, v.shape[1])
+                 v.shape[1], scales)
         if rec.krun is not None:
             k_in = rec.k_in
             ski = k_in.stride()
             rec.krun(rec.kgrid, spec, k, k_in, bad, any_bad, t_total, sk[0], sk[1], ski[0],
-                     ski[1], k.shape[1], scales, 0)
+                     ski[1], k.shape[1], scales)
             sk = ski
     svi = v_in.stride()
     _variant(rec, softcap, sinks)(
