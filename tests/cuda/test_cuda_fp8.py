@@ -14,6 +14,7 @@ import pytest
 import cuda_cases as cc
 from cuda_cases import Entry
 from kvcache import kv_quant
+from kvcache.conformance import assert_close
 
 pytest.importorskip("ml_dtypes")
 torch = pytest.importorskip("torch")
@@ -242,3 +243,35 @@ def test_fp8_without_scales_is_refused():
     case = cc.paged_case(_rng("refuse"), ref, mine, [Entry(1, 20)], use_decode=True)
     with pytest.raises(ValueError, match="kv_scale"):
         mine.paged_attention(case.q, mine.allocate_pages(8)[0], case.depth, 0.125)
+
+
+def test_queued_forwards_over_fp8_pages_read_at_the_end():
+    """A serving loop's shape: prefills and many decode steps over fp8 pages queued on the
+    device with no output read in between (a stream race between the append that writes the
+    codes and the attention that reads them would show here, not where each output is read
+    at once), then every output compared with the reference's emulation."""
+    import kvcache
+    dtype = DTYPES[-1]
+    cfg = cc.config(hq=8, hkv=2, d=64, ps=16, dtype=dtype, layers=2, kv_dtype=FP8,
+                    rope_mode="normal")
+    caches = [kvcache.PagedKVCache(cfg, backend="cuda", device=cc.DEVICE),
+              kvcache.PagedKVCache(cfg, backend="reference")]
+    rng = _rng("queued", dtype)
+    for c in caches:
+        for layer in range(2):
+            c.set_kv_scales(layer, [0.011, 0.009], 0.0105)
+        for sid in range(3):
+            c.add_sequence(sid)
+    steps = [([0, 1, 2], [37, 5, 20])] + [([0, 1, 2], [1, 1, 1])] * 12 + [([2, 0], [3, 1])]
+    inputs = [[[rng.standard_normal((sum(lens), h, 64)).astype(np.float32)
+                for h in (8, 2, 2)] for _ in range(2)] for _, lens in steps]
+    outs = []
+    for c in caches:
+        kept = []
+        for (ids, lens), layers in zip(steps, inputs):
+            with c.forward(ids, lens):
+                for layer, x in enumerate(layers):
+                    kept.append(c.attention(layer, *map(c.from_numpy, x)))
+        outs.append([kvcache.to_numpy(o) for o in kept])          # read only now
+    for got, want in zip(*outs):
+        assert_close("queued fp8 output", want.astype(np.float64), got.astype(np.float64), dtype)
