@@ -16,7 +16,9 @@ Calls with ``logit_softcap``, ``sinks`` or a value head dim other than ``head_di
 the ops path (the Metal kernel and the fused-SDPA call implement none of them).
 
 Pages: the base class's ``page_shape``, rows ``config.page_row_dim = max(D, Dv)`` wide, K in the
-first ``D`` entries of ``[:, 0]`` rows and V in the first ``Dv`` of ``[:, 1]`` rows.
+first ``D`` entries of ``[:, 0]`` rows and V in the first ``Dv`` of ``[:, 1]`` rows. With
+``kv_dtype`` int8 / int4 the rows are bytes of codes, scales and biases (``affine.py``); the
+attention decodes the rows it gathers.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
     description = "MLX arrays and streams; Metal kernels on Apple GPUs, MLX ops on MLX's CPU device"
     capabilities = Capabilities(
         dtypes=("float16", "bfloat16", "float32"),
+        # the affine formats as mlx-lm's quantized cache makes them (affine.py)
+        kv_dtypes=("float16", "bfloat16", "float32", "int8", "int4"),
         copy_stream=False, merged_aux=False, static_decode=False,
         tree_attention=True, sliding_window=True, fused_rope_append=False, inline_rope=True,
         window_left=True, rope_frequencies=True, logit_softcap=True, attention_sinks=True,
@@ -131,13 +135,14 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         self.use_metal_kernels = self.on_gpu and not ops_only   # UNVERIFIED path
         self.use_fast_sdpa = self.on_gpu and not ops_only       # UNVERIFIED path on GPU
         self.stats = {"metal_decode": 0, "sdpa_ragged": 0}
+        self.affine = self._affine_rows()
 
     def __getstate__(self):
         """A copy (``copy.deepcopy``, ``pickle``) keeps the settings and leaves out what MLX
         cannot copy (streams, dtype objects) or what is a module; ``__setstate__`` makes them
         again. The page arrays are the cache's and copy as MLX arrays do."""
         state = dict(self.__dict__)
-        for name in ("_ops", "_streams", "dtype"):
+        for name in ("_ops", "_streams", "dtype", "affine"):
             state.pop(name, None)
         return state
 
@@ -147,6 +152,16 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         self._ops = ops
         self._streams = threading.local()           # each thread's stream, made on first use
         self.dtype = ops.MX_DTYPES[self.config.dtype]
+        self.affine = self._affine_rows()
+
+    def _affine_rows(self):
+        """int8 / int4 pages: the rows' codec (rows of codes, scales and biases); else None."""
+        c = self.config
+        if c.kv_dtype not in ("int8", "int4"):
+            return None
+        from .affine import AffineRows
+        return AffineRows(8 if c.kv_dtype == "int8" else 4, c.kv_quant_group, self.dtype,
+                          c.page_row_dim)
 
     @property
     def stream(self):
@@ -160,8 +175,17 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             return stream
 
     # ------------------------------------------------------------------ memory
+    def page_shape(self, num_pages):
+        """The base layout; with int8 / int4 pages each row is ``affine.row_bytes`` bytes of
+        codes, scales and biases (``affine.py``)."""
+        shape = super().page_shape(num_pages)
+        if self.affine is None:
+            return shape
+        return shape[:-1] + (self.affine.row_bytes,)
+
     def allocate_pages(self, num_pages):
-        shape, kv_dtype = self.page_shape(num_pages), self._ops.MX_DTYPES[self.config.kv_dtype]
+        shape = self.page_shape(num_pages)
+        kv_dtype = mx.uint8 if self.affine else self._ops.MX_DTYPES[self.config.kv_dtype]
         pages = []
         with mx.stream(self.stream):
             for _ in range(self.config.num_layers):
@@ -175,6 +199,10 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         if dtype is None:
             dtype = "int32" if array.dtype.kind in "iub" else self.config.dtype
         target = self._ops.MX_DTYPES[dtype]
+        if array.dtype.kind == "f" and dtype == "float16" and array.dtype.itemsize > 4:
+            # rounded once, on the host: MLX reads float64 as float32, and rounding that to
+            # float16 again differs from one rounding in rare ties (which can move an int8 code)
+            array = array.astype(np.float16)
         if array.dtype.kind == "f" and (array.dtype.itemsize < 4 or array.dtype.name == "bfloat16"):
             array = array.astype(np.float32)        # ml_dtypes bfloat16 / float16 via float32
         if dtype == "int32":
@@ -255,7 +283,11 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             page, row = self._slot_index(slots)
             c = self.config
             heads = mx.arange(c.num_kv_heads)
-            if c.head_dim == c.head_dim_v:          # K and V rows in one scatter (T, 2, Hkv, D)
+            if self.affine is not None:             # rows of codes, scales, biases (T, 2, Hkv, B)
+                kv = mx.stack([self.affine.encode(k), self.affine.encode(v)], axis=1)
+                pages[page[:, None, None], mx.arange(2)[None, :, None],
+                      heads[None, None, :], row[:, None, None]] = kv
+            elif c.head_dim == c.head_dim_v:        # K and V rows in one scatter (T, 2, Hkv, D)
                 kv = mx.stack([k.astype(self.dtype), v.astype(self.dtype)], axis=1)
                 pages[page[:, None, None], mx.arange(2)[None, :, None],
                       heads[None, None, :], row[:, None, None]] = kv
@@ -279,10 +311,12 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         with mx.stream(self.stream):
             qo = ops.host(qo_indptr)[: num_seqs + 1].astype(np.int64)
             qlens = np.diff(qo)
-            # fused SDPA: no softcap / sinks / Dv != D there (those take the ops path)
+            if self.affine is not None:     # the new rows as the pages give them back
+                k, v = self.affine.roundtrip(k, d), self.affine.roundtrip(v, dv)
+            # fused SDPA: no softcap / sinks / Dv != D / quantized rows there (the ops path)
             if (self.use_fast_sdpa and tree is None and rope is None and num_seqs == 1
                     and qlens[0] == t and t > 0 and window_left < 0 and not softcap
-                    and sinks is None and dv == d):
+                    and sinks is None and dv == d and self.affine is None):
                 return self._ragged_sdpa(q, k, v, sm_scale)
             out = ops.Output(t, hq, dv, sinks)
             for ent in ops.buckets(qlens, qlens):
@@ -360,7 +394,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             # calls take the ops path below (which runs on the GPU as well)
             if (self.use_metal_kernels and depth.use_decode and depth.tree is None
                     and rope is None and window_left < 0 and d % 32 == 0 and d <= 256
-                    and not softcap and sinks is None and dv == d):
+                    and not softcap and sinks is None and dv == d and self.affine is None):
                 from .metal_kernels import paged_decode
                 self.stats["metal_decode"] += 1
                 o, lse = paged_decode(self, q, pages, depth, sm_scale)
@@ -398,8 +432,9 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 mx.eval(kv)
                 # padding keys read some row of the entry's first page, which may be stale or
                 # poisoned (NaN): zero them, since 0 * NaN would leak through the softmax matmul
-                kv = mx.where(valid_k[:, :, None, None, None], kv.astype(mx.float32), 0.0)
-                kg, vg = kv[:, :, 0, :, :d], kv[:, :, 1, :, :dv]   # (m, Lk, Hkv, D) / Dv
+                kg, vg = self._values(kv[:, :, 0], d), self._values(kv[:, :, 1], dv)
+                kg = mx.where(valid_k[:, :, None, None], kg, 0.0)   # (m, Lk, Hkv, D)
+                vg = mx.where(valid_k[:, :, None, None], vg, 0.0)   # (m, Lk, Hkv, Dv)
                 qg = q[rows_c].astype(mx.float32)                       # (m, Lq, Hq, D)
                 if rope is not None:
                     cq, sq = ops.rope_cos_sin(q_positions[rows_c], d, rope,
@@ -430,6 +465,12 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                                                 softcap=softcap, sinks=sinks)
                     out.put(rows[:, r0:r1], valid_q[:, r0:r1], o, lse)
             return out.result(self.dtype)
+
+    def _values(self, rows, dim):
+        """float32 ``(..., dim)`` values of gathered page rows (decoded from int8 / int4)."""
+        if self.affine is not None:
+            return self.affine.decode(rows, dim)
+        return rows[..., :dim].astype(mx.float32)
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
         with mx.stream(self.stream):
@@ -476,8 +517,12 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             for pages in pages_per_layer:
                 kv = pages[page[:, None, None], mx.arange(2)[None, :, None],
                            mx.arange(pages.shape[2])[None, None, :], row[:, None, None]]
-                ks.append(kv[:, 0, :, :self.config.head_dim])
-                vs.append(kv[:, 1, :, :self.config.head_dim_v])
+                if self.affine is None:
+                    ks.append(kv[:, 0, :, :self.config.head_dim])
+                    vs.append(kv[:, 1, :, :self.config.head_dim_v])
+                else:            # dequantized, in the compute dtype
+                    ks.append(self._values(kv[:, 0], self.config.head_dim).astype(self.dtype))
+                    vs.append(self._values(kv[:, 1], self.config.head_dim_v).astype(self.dtype))
             k, v = mx.stack(ks), mx.stack(vs)
             mx.eval(k, v)
             return k, v

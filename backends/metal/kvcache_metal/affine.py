@@ -1,0 +1,66 @@
+"""Affine int8 / int4 page rows (``CacheConfig(kv_dtype="int8" | "int4")``) on the metal backend.
+
+A quantized page array is ``uint8`` ``(num_pages, 2, num_kv_heads, page_size, row_bytes)``: each
+K or V row holds, in bytes, ``mx.quantize``'s packed codes (``dim * bits / 8`` bytes; int4 two
+per byte, low nibble first, which is MLX's little-endian uint32 packing read byte by byte), then
+the row's ``dim / group`` scales and ``dim / group`` biases in the compute dtype. One array per
+layer keeps every row-moving kernel (page copies, compaction) unchanged: they move bytes. A row
+narrower than the page's (``head_dim_v != head_dim``) leaves its tail zero.
+
+Codes, scales and biases are ``mx.quantize``'s, which equal ``kvcache.kv_quant`` bit for bit;
+reading back is ``float32(code) * float32(scale) + float32(bias)``, the same rule, so the pages
+give back exactly what the reference backend's emulation gives.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class AffineRows:
+    """Encode rows of values into a quantized page row and decode them back (float32).
+
+    ``bits``: 8 or 4; ``group``: values per scale / bias along the head dim; ``dtype``: the
+    compute dtype (an ``mx.Dtype``), which the scales and biases are stored in."""
+
+    def __init__(self, bits: int, group: int, dtype, row_dim: int):
+        self.bits, self.group, self.dtype = bits, group, dtype
+        self.row_bytes = self.bytes_of(row_dim)
+
+    def bytes_of(self, dim: int) -> int:
+        """Bytes of one row of ``dim`` values: codes, scales, biases."""
+        return dim * self.bits // 8 + 2 * (dim // self.group) * self.dtype.size
+
+    def encode(self, x) -> mx.array:
+        """``x`` ``(..., dim)`` (rounded to the compute dtype first, as the format quantizes
+        values of that dtype) as ``uint8`` ``(..., row_bytes)``."""
+        codes, scales, biases = mx.quantize(x.astype(self.dtype), group_size=self.group,
+                                            bits=self.bits)
+        parts = [codes.view(mx.uint8), scales.view(mx.uint8), biases.view(mx.uint8)]
+        pad = self.row_bytes - self.bytes_of(x.shape[-1])
+        if pad:
+            parts.append(mx.zeros((*x.shape[:-1], pad), dtype=mx.uint8))
+        return mx.concatenate(parts, axis=-1)
+
+    def decode(self, rows, dim: int) -> mx.array:
+        """float32 ``(..., dim)`` values of ``uint8`` page rows ``(..., row_bytes)`` holding
+        ``dim``-wide rows."""
+        n_code = dim * self.bits // 8
+        n_group = dim // self.group
+        n_par = n_group * self.dtype.size
+        packed = rows[..., :n_code]
+        if self.bits == 4:
+            codes = mx.stack([packed & 15, packed >> 4], axis=-1)
+        else:
+            codes = packed
+        lead = rows.shape[:-1]
+        codes = codes.reshape(*lead, n_group, self.group).astype(mx.float32)
+        scales = mx.contiguous(rows[..., n_code:n_code + n_par]).view(self.dtype)
+        biases = mx.contiguous(rows[..., n_code + n_par:n_code + 2 * n_par]).view(self.dtype)
+        values = codes * scales.astype(mx.float32)[..., None] \
+            + biases.astype(mx.float32)[..., None]
+        return values.reshape(*lead, dim)
+
+    def roundtrip(self, x, dim: int) -> mx.array:
+        """What pages give back for ``x`` ``(..., dim)``: float32."""
+        return self.decode(self.encode(x), dim)
