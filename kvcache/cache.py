@@ -556,16 +556,16 @@ class PagedKVCache:
         return self.pages_needed(seq_ids, append_lengths,
                                  token_tree_parent_ptr) <= self.num_available_pages
 
-    def _not_quantized(self, what: str, fp8: bool = False) -> None:
-        """UnsupportedFeatureError for a call that does not move quantized pages yet (``fp8``:
-        the call moves fp8 pages, not the affine formats)."""
+    def _not_quantized(self, what: str) -> None:
+        """UnsupportedFeatureError for a call that moves pages between caches when they hold an
+        affine format (int8 / int4): only fp8 pages move yet."""
         c = self.config
-        if c.kv_quantized and not (fp8 and c.kv_dtype == "float8_e4m3"):
-            route = "" if fp8 else " through the batched transfer"
+        if c.kv_quantized and c.kv_dtype != "float8_e4m3":
             raise UnsupportedFeatureError(
-                f"{what}: moving {c.kv_dtype!r} pages between caches{route} is not supported "
-                f"yet (float8_e4m3 pages move through export_sequence / import_sequence and "
-                f"the host tier)")
+                f"{what}: moving {c.kv_dtype!r} pages between caches is not supported yet "
+                f"(float8_e4m3 pages move: export_sequence / import_sequence, the batched "
+                f"export_sequences / reserve_import that kvcache.distributed uses, and the "
+                f"host tier)")
 
     @_exclusive
     def set_kv_scales(self, layer_id: int, k_scale, v_scale) -> None:
@@ -715,7 +715,7 @@ class PagedKVCache:
         SequenceNotFoundError, InvalidArgumentError for a range outside [0, length],
         ForwardStateError inside a forward or for an uncommitted token tree; changes nothing."""
         self._no_forward("export_sequence")
-        self._not_quantized("export_sequence", fp8=True)
+        self._not_quantized("export_sequence")
         header, slots = self._export_range(seq_id, start, end)
         k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots),
                                       **self._gather_kw(range(self.config.num_layers)))
@@ -727,8 +727,10 @@ class PagedKVCache:
         """Several sequences' tails in one gather: ``(headers, k, v)`` with ``headers[i]`` the
         header-only payload of ``seq_ids[i]`` from ``starts[i]`` (None: 0) to its end, and
         ``k``, ``v`` (num_layers, total tokens, num_kv_heads, head_dim) holding their tokens
-        one sequence after another (``kvcache.distributed`` sends them as they are). Errors as
-        ``export_sequence``; a sequence listed twice is refused."""
+        one sequence after another (``kvcache.distributed`` sends them as they are). From fp8
+        pages, as ``export_sequence``: ``k`` and ``v`` hold the values read back (``code *
+        scale``) in the compute dtype, and each header the layer scales (``kv_scales``). Errors
+        as ``export_sequence``; a sequence listed twice is refused."""
         self._no_forward("export_sequences")
         self._not_quantized("export_sequences")
         seq_ids = seq_id_list(seq_ids, "seq_ids")
@@ -740,7 +742,8 @@ class PagedKVCache:
             raise InvalidArgumentError(f"export_sequences: seq_ids {seq_ids} repeat a sequence")
         parts = [self._export_range(sid, st, None) for sid, st in zip(seq_ids, starts)]
         slots = (np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int32))
-        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots))
+        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots),
+                                      **self._gather_kw(range(self.config.num_layers)))
         return [p[0] for p in parts], k, v
 
     def _payloads_supported(self, what: str) -> None:
@@ -804,7 +807,7 @@ class PagedKVCache:
         unknown format version, CacheFullError when the free pages do not suffice,
         ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("import_sequence")
-        self._not_quantized("import_sequence", fp8=True)
+        self._not_quantized("import_sequence")
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
         spec = self._import_spec(seq_id, payload, parent_id, fork_pos, convert_dtype)
         if payload.k is None or payload.v is None:
@@ -814,14 +817,11 @@ class PagedKVCache:
         adopt = self._import_scales(spec.seq_id, payload, convert_dtype)
         k, v = self._native_kv(spec.seq_id, payload)
         res = self._reserve_import([spec])
+        res.scales = dict(adopt)        # adopted by the commit only: a failure leaves none
         try:
-            for layer, host in adopt:
-                self._put_scales(layer, host)
             self._write_import(res, k, v)
-            self._copy_pages(self.state.commit_import(res))
+            self._commit_import(res)
         except BaseException:
-            for layer, _ in adopt:       # scales taken from the payload go with it
-                self._kv_scales[layer] = None                   # type: ignore[index]
             self.state.cancel_import(res)
             raise
 
@@ -852,31 +852,63 @@ class PagedKVCache:
         return ImportSpec(seq_id, end - fork_pos, payload.window_size, payload.sink_size,
                           parent_id, fork_pos, skip=fork_pos - start)
 
-    def _import_scales(self, seq_id: int, payload: SequencePayload, convert: bool) -> list:
-        """The (layer, host scales) an fp8 import adopts: the payload's, for each layer whose
-        scales are not set yet. Raises InvalidArgumentError for a layer whose scales differ
-        from the payload's (its codes would change) unless ``convert`` (then stored again
-        with this cache's scales: rounded twice). Checks only; changes nothing."""
+    def _import_scales(self, seq_id: int, payload: SequencePayload, convert: bool,
+                       pending: Optional[dict] = None) -> list:
+        """The (layer, host (2, Hkv) float32 scales) an fp8 import adopts: the payload's, for
+        each layer whose scales are not set yet. ``pending``: layer -> (seq_id, host scales)
+        that earlier items of the same reservation adopt; they count as this cache's (one
+        reservation adopts one set of scales per layer, as successive ``import_sequence``
+        calls would). Raises InvalidArgumentError for a layer whose scales differ from the
+        payload's (its codes would change) unless ``convert`` (then stored again with the
+        scales the layer has: rounded twice), and for a payload with tokens and no scales for
+        a layer that has none either. Checks only; changes nothing."""
         if self._kv_scales is None or payload.kv_scales is None:
             return []
+        pending = {} if pending is None else pending
         adopt = []
         for layer, theirs in enumerate(payload.kv_scales):
-            mine = self.kv_scales(layer)
+            entry = self._kv_scales[layer]
+            owner, mine = (None, entry[0]) if entry is not None else pending.get(layer, (None, None))
             if theirs is None:
                 if mine is None and payload.num_tokens:
                     raise InvalidArgumentError(
                         f"import of sequence {seq_id}: the payload has no fp8 scales for layer "
                         f"{layer} and this cache has none either: its values cannot be stored")
                 continue
+            host = np.asarray(theirs, np.float32)
             if mine is None:
-                adopt.append((layer, np.asarray(theirs, np.float32)))
-            elif not np.array_equal(np.asarray(mine, np.float32),
-                                    np.asarray(theirs, np.float32)) and not convert:
+                adopt.append((layer, host))
+            elif not np.array_equal(mine, host) and not convert:
+                where = "" if owner is None else (
+                    f" (adopted from sequence {owner}, earlier in this reservation)")
                 raise InvalidArgumentError(
-                    f"import of sequence {seq_id}: layer {layer}'s fp8 scales are {mine}, the "
-                    f"payload's {theirs}; pass convert_dtype=True to store its values again "
-                    f"with this cache's scales (rounded twice)")
+                    f"import of sequence {seq_id}: layer {layer}'s fp8 scales are "
+                    f"{_scales_text(mine)}{where}, the payload's {theirs}; pass "
+                    f"convert_dtype=True to store its values again with those scales (rounded "
+                    f"twice)")
         return adopt
+
+    def _reserved_scales(self, res: ImportReservation, what: str) -> list:
+        """The (layer, host scales) of ``res.scales`` that this cache still lacks, each checked
+        against the layer's scales now: a forward may have calibrated the layer since the
+        reservation, or ``set_kv_scales`` or another import set it. InvalidArgumentError when
+        they differ from the reservation's (its values are stored with the payloads' scales:
+        the codes would mean something else); equal scales need no adopting. Changes
+        nothing."""
+        out = []
+        for layer, host in sorted(res.scales.items()):
+            entry = self._kv_scales[layer]                      # type: ignore[index]
+            if entry is None:
+                out.append((layer, host))
+            elif not np.array_equal(entry[0], host):
+                raise InvalidArgumentError(
+                    f"{what} of sequences {res.seq_ids}: layer {layer} got the fp8 scales "
+                    f"{_scales_text(entry[0])} after the import was reserved (a forward "
+                    f"calibrated them, or set_kv_scales or another import set them), but the "
+                    f"reservation stores its values with the payloads' {_scales_text(host)}: "
+                    f"cancel_import, then import again (convert_dtype=True stores them with "
+                    f"the cache's scales)")
+        return out
 
     def _native_kv(self, seq_id: int, payload: SequencePayload) -> tuple[Array, Array]:
         """The payload's K and V as this backend's arrays in the dtype ``append_kv`` takes
@@ -898,12 +930,41 @@ class PagedKVCache:
                 f"({type(k).__name__}): {e}") from None
 
     def _write_import(self, res: ImportReservation, k: Array, v: Array) -> None:
+        """Write ``k`` / ``v`` (in the dtype ``append_kv`` takes) at ``res.slots``; fp8 pages
+        quantize them with each layer's scales: the cache's, or those ``res`` adopts (checked
+        first: ``_reserved_scales``)."""
+        self._reserved_scales(res, "write_import")
         if res.num_tokens == 0:
             return
-        slots = self.backend.aux_to_device(res.slots)
+        b = self.backend
+        slots = b.aux_to_device(res.slots)
+        ones = None
         for layer, pages in enumerate(self.pages):
-            quant = {} if self._kv_scales is None else {"kv_scale": self._kv_scales[layer][1]}
-            self.backend.append_kv(pages, k[layer], v[layer], slots, **quant)
+            quant = {}
+            if self._kv_scales is not None:
+                entry = self._kv_scales[layer]
+                if entry is not None:
+                    scale = entry[1]
+                elif layer in res.scales:
+                    scale = b.from_numpy(res.scales[layer], "float32")
+                else:           # no item holds tokens with this layer's values (checked)
+                    if ones is None:
+                        ones = b.from_numpy(np.ones((2, self.config.num_kv_heads), np.float32),
+                                            "float32")
+                    scale = ones
+                quant = {"kv_scale": scale}
+            b.append_kv(pages, k[layer], v[layer], slots, **quant)
+
+    def _commit_import(self, res: ImportReservation) -> None:
+        """Commit ``res`` (checked first, its adopted scales too) and then, only then, adopt
+        its fp8 scales."""
+        b = self.backend
+        adopt = [(layer, host, b.from_numpy(host, "float32"))
+                 for layer, host in self._reserved_scales(res, "commit_import")]
+        copies = self.state.commit_import(res)          # validates, then changes the tables
+        for layer, host, device in adopt:
+            self._kv_scales[layer] = (host, device)     # type: ignore[index]
+        self._copy_pages(copies)
 
     @_exclusive
     def reserve_import(self, items: Sequence[tuple], convert_dtype: bool = False) -> ImportReservation:
@@ -911,9 +972,22 @@ class PagedKVCache:
 
         ``items``: ``(seq_id, payload, parent_id, fork_pos)`` tuples as ``import_sequence``
         takes them (``payload`` may be header-only; an item may fork from an earlier item);
-        ``convert_dtype`` as for ``import_sequence``. Checks everything ``import_sequence`` checks and takes the pages; the sequences appear
-        at ``commit_import`` after ``write_import``, or ``cancel_import`` gives the pages
-        back. Between the two the pages count as used and no forward may be open."""
+        ``convert_dtype`` as for ``import_sequence``. Checks everything ``import_sequence``
+        checks and takes the pages; the sequences appear at ``commit_import`` after
+        ``write_import``, or ``cancel_import`` gives the pages back. Between the two the pages
+        count as used (forwards may run, but none may be open at a reserve or commit).
+
+        An fp8 cache checks the payloads' scales as ``import_sequence`` does (a layer whose
+        scales differ is refused unless ``convert_dtype``; a layer with no scales on either
+        side refused for a payload with tokens) and adopts them for the layers that have none,
+        all or nothing: the reservation holds the adopted scales (``reservation.scales``, the
+        cache's to read: layer -> (2, Hkv) float32), ``write_import`` stores the values with
+        them, and only ``commit_import`` makes them the cache's. ``cancel_import``, a refused
+        write or commit, or a cleared cache leave the cache's scales as they were. Items
+        adopting different scales for one layer are refused unless ``convert_dtype`` (then the
+        first item's are adopted and the later items' values stored with them, rounded twice,
+        as successive ``import_sequence`` calls would). The affine formats (int8 / int4) raise
+        UnsupportedFeatureError: they do not move yet."""
         self._no_forward("reserve_import")
         self._not_quantized("reserve_import")
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
@@ -928,7 +1002,13 @@ class PagedKVCache:
                     f"tuple, got {item!r:.80}")
         specs = [self._import_spec(sid, p, parent, pos, convert_dtype)
                  for sid, p, parent, pos in items]
-        return self._reserve_import(specs)
+        pending: dict = {}              # layer -> (seq_id, host scales) the items adopt
+        for spec, item in zip(specs, items):
+            for layer, host in self._import_scales(spec.seq_id, item[1], convert_dtype, pending):
+                pending[layer] = (spec.seq_id, host)
+        res = self._reserve_import(specs)
+        res.scales = {layer: host for layer, (_, host) in pending.items()}
+        return res
 
     def _reserve_import(self, specs) -> ImportReservation:
         ps = self.config.page_size
@@ -938,32 +1018,44 @@ class PagedKVCache:
     @_exclusive
     def write_import(self, reservation: ImportReservation, k: Array, v: Array) -> None:
         """Write a reservation's K/V: ``k``, ``v`` this backend's arrays of shape (num_layers,
-        ``reservation.num_tokens``, num_kv_heads, head_dim) in the storage dtype, the items'
-        payload tokens in order (queued on the device like any append)."""
+        ``reservation.num_tokens``, num_kv_heads, head_dim), the items' payload tokens in order
+        (queued on the device like any append), in the storage dtype; for fp8 pages in the
+        compute dtype instead: the values (as ``export_sequences`` gives them), which are
+        quantized with each layer's scales (the cache's, or those the reservation adopts).
+        Raises InvalidArgumentError for other arrays, or when a layer whose scales the
+        reservation adopts got other scales since (a forward calibrated them: cancel and
+        import again); ForwardStateError inside a forward or for a closed reservation."""
         self._no_forward("write_import")
         self.state.check_reservation(reservation, "write_import")
         b, c = self.backend, self.config
         want = (c.num_layers, reservation.num_tokens, c.num_kv_heads, c.head_dim)
+        dtype = c.dtype if c.kv_quantized else c.kv_dtype
+        what = (f"{dtype} (the compute dtype: the values, which this {c.kv_dtype} cache "
+                f"quantizes with the layer scales)" if c.kv_quantized else dtype)
         for name, a in (("k", k), ("v", v)):
-            if not b.is_native(a) or b.shape_of(a) != want or b.dtype_name(a) != c.kv_dtype:
+            if not b.is_native(a) or b.shape_of(a) != want or b.dtype_name(a) != dtype:
                 got = (f"{b.dtype_name(a)} {b.shape_of(a)}" if b.is_native(a)
                        else type(a).__name__)
                 raise InvalidArgumentError(
                     f"write_import of sequences {reservation.seq_ids}: {name} must be a {b.name} "
-                    f"array {want} in {c.kv_dtype}, got {got}")
+                    f"array {want} in {what}, got {got}")
         self._write_import(reservation, k, v)
 
     @_exclusive
     def commit_import(self, reservation: ImportReservation) -> None:
-        """Make a reservation's sequences appear (their K/V written by then). Checks again
-        that the ids are free and the parents there; on error nothing changes and the
-        reservation stays open."""
+        """Make a reservation's sequences appear (their K/V written by then), and adopt the
+        fp8 scales the reservation holds for layers that have none. Checks again that the
+        ids are free, the parents there and the adopted scales still agree with the cache's
+        (InvalidArgumentError when a forward calibrated a layer since); on error nothing
+        changes and the reservation stays open."""
         self._no_forward("commit_import")
-        self._copy_pages(self.state.commit_import(reservation))
+        self.state.check_reservation(reservation, "commit_import")
+        self._commit_import(reservation)
 
     @_exclusive
     def cancel_import(self, reservation: ImportReservation) -> None:
-        """Give a reservation's pages back (no-op when already committed or cancelled)."""
+        """Give a reservation's pages back (no-op when already committed or cancelled); the fp8
+        scales it would have adopted go with it (the cache never held them)."""
         self._no_forward("cancel_import")
         self.state.cancel_import(reservation)
 
@@ -1401,3 +1493,8 @@ def _hashable(value, what: str) -> None:
         hash(value)
     except TypeError:
         raise InvalidArgumentError(f"{what} must be hashable, got {type(value).__name__}") from None
+
+
+def _scales_text(host) -> str:
+    """A layer's (2, Hkv) fp8 scales as ``kv_scales`` shows them: ((K's), (V's))."""
+    return str((tuple(host[0].tolist()), tuple(host[1].tolist())))

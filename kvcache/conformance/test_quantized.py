@@ -189,3 +189,47 @@ class TestQuantizedKV(Conformance):
         half = len(outs) // 2
         for a, b in zip(outs[:half], outs[half:]):
             np.testing.assert_array_equal(a, b)
+
+    def test_fp8_sequences_move_through_the_batched_transfer(self, make_pair):
+        """The batched route (``export_sequences``, ``reserve_import`` / ``write_import`` /
+        ``commit_import``, what ``kvcache.distributed`` uses) moves fp8 sequences as
+        ``export_sequence`` / ``import_sequence`` do: the values read back in the compute dtype
+        with the scales, adopted at the commit (a cancelled reservation leaves none), giving
+        the same values in a fresh cache of the backend and in the reference."""
+        from kvcache import PagedKVCache, to_numpy
+        fmt = "float8_e4m3"
+        p = _pair(make_pair, fmt)
+        ps, layers = p.config.page_size, range(p.config.num_layers)
+        p.add(0, 1)
+        p.prefill(0, 2 * ps + 3)
+        p.prefill(1, ps + 1)
+        ids = [0, 1]
+        headers, k, v = p.dut.export_sequences(ids)
+        want = tuple(p.dut.kv_scales(layer) for layer in layers)
+        off = 0
+        for sid, h in zip(ids, headers):
+            one = p.dut.export_sequence(sid)
+            assert h.header() == one.header() and h.kv_scales == want
+            n = h.num_tokens
+            np.testing.assert_array_equal(to_numpy(k)[:, off:off + n], to_numpy(one.k))
+            np.testing.assert_array_equal(to_numpy(v)[:, off:off + n], to_numpy(one.v))
+            off += n
+        items = [(5, headers[0], None, None), (6, headers[1], None, None)]
+        for cache in (PagedKVCache(p.config, backend=p.dut.backend.name,
+                                   device=p.dut.backend.device),
+                      PagedKVCache(p.config, backend="reference")):
+            free = cache.num_available_pages
+            cache.cancel_import(cache.reserve_import(items))
+            assert cache.num_available_pages == free
+            assert [cache.kv_scales(layer) for layer in layers] == [None] * len(layers)
+            res = cache.reserve_import(items)
+            cache.write_import(res, *(cache.from_numpy(to_numpy(x)) for x in (k, v)))
+            assert cache.kv_scales(0) is None and cache.sequence_ids == []   # not before the commit
+            cache.commit_import(res)
+            for layer in layers:
+                assert cache.kv_scales(layer) == want[layer]
+                for sid, did in zip(ids, (5, 6)):
+                    got = [to_numpy(x) for x in cache.get_kv(did, layer=layer)]
+                    exp = [to_numpy(x) for x in p.dut.get_kv(sid, layer=layer)]
+                    np.testing.assert_array_equal(got[0], exp[0])
+                    np.testing.assert_array_equal(got[1], exp[1])

@@ -44,7 +44,11 @@ class ImportReservation:
     tokens are ``slots[offsets[i]:offsets[i+1]]``.
     ``table``/``key``: the page table holding the pages and the reservation's key there;
     ``owner``: the cache state that made it (a reservation belongs to its cache: another
-    cache refuses it and leaves it as it is); ``open`` is False once committed or cancelled."""
+    cache refuses it and leaves it as it is); ``open`` is False once committed or cancelled.
+    ``scales``: the owning cache's, not the core's: with fp8 pages, the scales (layer ->
+    (2, Hkv) float32 host array, K's then V's) that the reservation's payloads bring for
+    layers the cache had none of when it reserved; ``write_import`` stores the values with
+    them and ``commit_import`` adopts them, so a cancelled or refused import leaves none."""
 
     specs: tuple
     pages: list
@@ -54,6 +58,7 @@ class ImportReservation:
     key: int = 0
     owner: Any = field(repr=False, default=None)
     open: bool = True
+    scales: dict = field(repr=False, default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -3,12 +3,19 @@
 One call moves a batch of sequences in three point-to-point messages, in this order:
 
 1. a header: an int64 tensor ``[MAGIC, n, nbytes]`` then ``n`` uint8 bytes of JSON
-   ``{"version", "payloads": [SequencePayload.header() per sequence], "kv_dtype", "shape",
-   "nbytes"}`` (``nbytes``: the bytes of K, and of V, that follow; in the fixed-size part too,
-   so that a receiver that refuses the JSON still knows what to drain);
+   ``{"version", "payloads": [SequencePayload.header() per sequence], "kv_dtype", "dtype",
+   "shape", "nbytes"}`` (``nbytes``: the bytes of K, and of V, that follow; in the fixed-size
+   part too, so that a receiver that refuses the JSON still knows what to drain; ``dtype``:
+   the arrays' dtype, the compute dtype for fp8 pages, whose arrays hold the values read back
+   and whose payload headers carry the scales; None or absent: ``kv_dtype``);
 2. K and 3. V: the sequences' tokens, one sequence after another, as the raw bytes of one
-   contiguous (num_layers, total tokens, num_kv_heads, head_dim) array each (what
+   contiguous (num_layers, total tokens, num_kv_heads, head_dim) array each in ``dtype`` (what
    ``PagedKVCache.export_sequences`` gathers; skipped when there are no tokens).
+
+fp8 pages (``kv_dtype="float8_e4m3"``) move as ``export_sequence`` / ``import_sequence`` move
+them: the values with the scales, which the receiver adopts for layers it has none of (at the
+commit in ``wait()``) and stores again, giving the sender's codes. The affine formats (int8,
+int4) do not move yet: UnsupportedFeatureError on either side (the receiver drains the data).
 
 The sender gathers the rows out of its pages on the device (one gather, queued on the
 cache's stream after every forward queued before it, so a forward that is still running
@@ -33,9 +40,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..config import DTYPES, itemsize
+from ..config import DTYPES, KV_FORMATS, itemsize
 from ..errors import ForwardStateError, InvalidArgumentError, UnsupportedFeatureError
-from ..transfer import FORMAT_VERSION, SequencePayload
+from ..transfer import FORMAT_VERSION, PAYLOAD_FORMATS, SequencePayload
 
 MAGIC = 0x6B76_6361_6368_65      # "kvcache": the first int64 of every transfer
 """The first int64 of every transfer ("kvcache" in ASCII): a receiver that reads anything else
@@ -101,6 +108,21 @@ def _to_wire(torch, array, transport):
     else:
         t = array.detach().contiguous().reshape(-1).view(torch.uint8)
     return t.to(transport)
+
+
+def _array_dtype(config) -> str:
+    """The dtype of the K/V arrays a cache of ``config`` sends and ``write_import`` takes:
+    the storage dtype, or the compute dtype for fp8 pages (their values)."""
+    return config.dtype if config.kv_quantized else config.kv_dtype
+
+
+def _moves(config, what: str) -> None:
+    """UnsupportedFeatureError for pages that do not move between caches yet (int8, int4)."""
+    if config.kv_quantized and config.kv_dtype not in PAYLOAD_FORMATS:
+        raise UnsupportedFeatureError(
+            f"{what}: the cache stores kv_dtype={config.kv_dtype!r}, and {config.kv_dtype} "
+            f"pages do not move between caches yet (float8_e4m3 pages and the plain dtypes "
+            f"do)")
 
 
 def _from_wire(torch, buf, dtype: str, shape, kind: str, device, want: str):
@@ -196,21 +218,26 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     sequence, the first token sent (None: 0; a fork's ``fork_pos`` sends only what follows
     its shared prefix, for a receiver that imports it onto the parent); ``group``: the
     torch.distributed process group (None: the default). The cache may go on (forwards,
-    removing the sequences) at once: the rows were copied out on the device first. Raises
-    what ``export_sequences`` raises, UnsupportedFeatureError for a backend whose arrays are
-    not torch/numpy, ForwardStateError without an initialized process group,
-    MissingExtraError without torch."""
+    removing the sequences) at once: the rows were copied out on the device first. fp8 pages
+    are sent as their values in the compute dtype with the layer scales in the headers
+    (``export_sequences``). Raises what ``export_sequences`` raises, UnsupportedFeatureError
+    for int8 / int4 pages (they do not move yet) and for a backend whose arrays are not
+    torch/numpy, ForwardStateError without an initialized process group, MissingExtraError
+    without torch; no message is sent then."""
     torch, dist = _torch()
     ids = _ids(seq_ids, "seq_ids")
+    c = cache.config
+    _moves(c, f"send_sequence of sequences {ids}")
     kind, device = _arrays(cache, torch)
     transport = _transport(torch, dist, group, device)
     headers, k, v = cache.export_sequences(ids, starts)
-    c = cache.config
     total = sum(h.num_tokens for h in headers)
     shape = [c.num_layers, total, c.num_kv_heads, c.head_dim]
-    nbytes = total * c.token_kv_bytes // 2
-    body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "shape": shape,
-                       "nbytes": nbytes, "payloads": [h.header() for h in headers]}).encode()
+    dtype = _array_dtype(c)
+    nbytes = total * c.num_layers * c.num_kv_heads * c.head_dim * itemsize(dtype)
+    body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "dtype": dtype,
+                       "shape": shape, "nbytes": nbytes,
+                       "payloads": [h.header() for h in headers]}).encode()
     tensors = [torch.tensor([MAGIC, len(body), nbytes], dtype=torch.int64).to(transport),
                torch.frombuffer(bytearray(body), dtype=torch.uint8).to(transport)]
     if total:
@@ -228,13 +255,16 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
 
     ``parent_ids``/``fork_pos``: per sequence, None or the sequence of this cache (or an
     earlier one of this batch) it forks from and where, as ``import_sequence`` takes them;
-    ``convert_dtype``: accept another storage dtype; ``group``: the torch.distributed process
-    group (None: the default), the sender's. Blocks for the small header, checks it
-    and reserves the pages, then returns a ``TransferHandle`` whose ``wait()`` makes the
-    sequences appear. On a refused header (a mismatch, a malformed or inconsistent message,
-    CacheFullError, an id in use: typed errors as ``import_sequence``) the data is still
-    received and dropped, so the two sides stay in step for the next transfer, and the error
-    is raised; the cache is unchanged."""
+    ``convert_dtype``: accept another storage dtype (and, into fp8 pages, other scales or
+    another compute dtype); ``group``: the torch.distributed process group (None: the
+    default), the sender's. Blocks for the small header, checks it and reserves the pages,
+    then returns a ``TransferHandle`` whose ``wait()`` makes the sequences appear. An fp8 cache
+    checks the sender's scales as ``import_sequence`` does and adopts them for the layers
+    that have none at ``wait()`` (``reserve_import``). On a refused header (a mismatch, a
+    malformed or inconsistent message, CacheFullError, an id in use: typed errors as
+    ``import_sequence``; UnsupportedFeatureError into int8 / int4 pages, which do not move
+    yet) the data is still received and dropped, so the two sides stay in step for the next
+    transfer, and the error is raised; the cache is unchanged."""
     torch, dist = _torch()
     ids = _ids(seq_ids, "seq_ids")
     parents = _per_sequence(parent_ids, len(ids), "parent_ids")
@@ -257,6 +287,7 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     buffers = ([torch.empty(nbytes, dtype=torch.uint8, device=transport) for _ in range(2)]
                if nbytes else [])
     try:
+        _moves(cache.config, f"recv_sequence of sequences {ids}")
         msg, shape, headers = _read_header(bytes(text.cpu().numpy()), nbytes, ids, src)
         res = cache.reserve_import(list(zip(ids, headers, parents, positions)), convert_dtype)
     except BaseException:
@@ -264,11 +295,11 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
             dist.recv(buf, src, group=group)
         raise
     works = [dist.irecv(buf, src, group=group) for buf in buffers]
-    want = cache.config.kv_dtype
+    sent, want = msg["dtype"], _array_dtype(cache.config)
 
     def finish():
         if buffers:
-            k, v = (_from_wire(torch, buf, msg["kv_dtype"], shape, kind, device, want)
+            k, v = (_from_wire(torch, buf, sent, shape, kind, device, want)
                     for buf in buffers)
             cache.write_import(res, k, v)
         cache.commit_import(res)
@@ -279,8 +310,10 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
 
 def _read_header(text: bytes, nbytes: int, ids: list, src: int):
     """``(message, shape, payload headers)`` of a transfer's JSON header, checked in itself:
-    InvalidArgumentError naming what disagrees (the top-level kv_dtype and shape against
-    every payload's, the byte count against the shape and the fixed-size part)."""
+    InvalidArgumentError naming what disagrees (the top-level kv_dtype, dtype and shape
+    against every payload's, the byte count against the shape and the fixed-size part).
+    ``message["dtype"]`` is set to the arrays' dtype (``kv_dtype`` where the sender wrote
+    none)."""
     where = f"recv_sequence of sequences {ids} from rank {src}"
     try:
         msg = json.loads(text)
@@ -296,18 +329,30 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
             f"{where}: format version {msg['version']!r} is not supported: this kvcache reads "
             f"version {FORMAT_VERSION}")
     kv_dtype, raw_shape, payloads = msg["kv_dtype"], msg["shape"], msg["payloads"]
-    if kv_dtype not in DTYPES:
-        raise InvalidArgumentError(f"{where}: kv_dtype={kv_dtype!r} must be one of {DTYPES}")
+    if isinstance(kv_dtype, str) and kv_dtype in KV_FORMATS and kv_dtype not in PAYLOAD_FORMATS:
+        raise UnsupportedFeatureError(
+            f"{where}: kv_dtype={kv_dtype!r}: {kv_dtype} pages do not move between caches yet")
+    if not isinstance(kv_dtype, str) or kv_dtype not in PAYLOAD_FORMATS:
+        raise InvalidArgumentError(
+            f"{where}: kv_dtype={kv_dtype!r} must be one of {PAYLOAD_FORMATS}")
+    dtype = msg.get("dtype")
+    if dtype is None and kv_dtype in DTYPES:
+        dtype = kv_dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES or (kv_dtype in DTYPES and dtype != kv_dtype):
+        raise InvalidArgumentError(
+            f"{where}: dtype={dtype!r} (the arrays' dtype) must be one of {DTYPES}: "
+            f"kv_dtype itself for plain pages, the compute dtype for {kv_dtype} pages")
+    msg["dtype"] = dtype
     if (not isinstance(raw_shape, list) or len(raw_shape) != 4
             or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in raw_shape)):
         raise InvalidArgumentError(
             f"{where}: shape={raw_shape!r} must be 4 ints >= 0 (layers, tokens, KV heads, head_dim)")
     shape = tuple(raw_shape)
-    want = shape[0] * shape[1] * shape[2] * shape[3] * itemsize(kv_dtype)
+    want = shape[0] * shape[1] * shape[2] * shape[3] * itemsize(dtype)
     if msg["nbytes"] != want or nbytes != want:
         raise InvalidArgumentError(
             f"{where}: {nbytes} bytes each of K and V follow (header nbytes={msg['nbytes']!r}), "
-            f"but shape {list(shape)} in {kv_dtype} is {want} bytes")
+            f"but shape {list(shape)} in {dtype} is {want} bytes")
     if not isinstance(payloads, list):
         raise InvalidArgumentError(f"{where}: payloads must be a list, got {type(payloads).__name__}")
     headers = [SequencePayload.from_header(h) for h in payloads]
@@ -317,10 +362,12 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
             f"{len(headers)} sequences")
     for h in headers:
         dims = (h.num_layers, h.num_kv_heads, h.head_dim)
-        if h.kv_dtype != kv_dtype or dims != (shape[0], shape[2], shape[3]):
+        if (h.kv_dtype != kv_dtype or h.array_dtype != dtype
+                or dims != (shape[0], shape[2], shape[3])):
             raise InvalidArgumentError(
-                f"{where}: a payload header says kv_dtype={h.kv_dtype}, (layers, KV heads, "
-                f"head_dim)={dims}, the transfer {kv_dtype}, {(shape[0], shape[2], shape[3])}")
+                f"{where}: a payload header says kv_dtype={h.kv_dtype} (arrays in "
+                f"{h.array_dtype}), (layers, KV heads, head_dim)={dims}, the transfer "
+                f"{kv_dtype} (arrays in {dtype}), {(shape[0], shape[2], shape[3])}")
     if sum(h.num_tokens for h in headers) != shape[1]:
         raise InvalidArgumentError(
             f"{where}: the payloads hold {sum(h.num_tokens for h in headers)} tokens, the "

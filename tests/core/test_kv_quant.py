@@ -123,16 +123,21 @@ def test_scales_are_for_fp8_pages_only():
     assert cache.kv_scales(0) is None
 
 
-@pytest.mark.parametrize("fmt", KV_FORMATS)
-def test_moving_quantized_pages_is_refused_for_now(fmt):
-    # fp8 pages move through export_sequence / import_sequence (tests/transfer/
-    # test_fp8_payloads.py), not the batched transfer; the affine formats not at all yet
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_moving_affine_pages_is_refused_for_now(fmt):
+    # fp8 pages move, one sequence at a time and batched (tests/transfer/
+    # test_fp8_payloads.py, test_fp8_batched.py); the affine formats not at all yet
     cache, *_ = filled(fmt)
-    with pytest.raises(UnsupportedFeatureError, match="not supported yet"):
-        cache.export_sequences([0])
-    if fmt != "float8_e4m3":
-        with pytest.raises(UnsupportedFeatureError, match="not supported yet"):
-            cache.export_sequence(0)
+    plain, *_ = filled("float32")
+    payload = plain.export_sequence(0)
+    free = cache.num_available_pages
+    for call, args in (("export_sequences", ([0],)), ("export_sequence", (0,)),
+                       ("reserve_import", ([(5, payload, None, None)], True)),
+                       ("import_sequence", (5, payload))):
+        with pytest.raises(UnsupportedFeatureError, match=f"{call}: moving '{fmt}' pages "
+                           f"between caches is not supported yet"):
+            getattr(cache, call)(*args)
+    assert cache.sequence_ids == [0] and cache.num_available_pages == free
 
 
 # ------------------------------------------------------------------ the formats

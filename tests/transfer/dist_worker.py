@@ -15,15 +15,19 @@ import torch.distributed as dist  # noqa: E402
 
 import kvcache  # noqa: E402
 from kvcache.distributed import recv_sequence, send_sequence  # noqa: E402
-from transfer_cases import (assert_same_kv, build_workload, config, make_cache,  # noqa: E402
-                            run_forward)
+from transfer_cases import (assert_same_kv, build_workload, config, fp8_codes,  # noqa: E402
+                            make_cache, run_forward)
 
+FP8 = "float8_e4m3"
 ROUNDS = [
-    # (source backend, page size, destination backend, page size, dtype, rope, sliding)
-    ("reference", 4, "cuda", 16, "bfloat16", "inline", True),
-    ("cuda", 16, "reference", 3, "float32", "normal", False),
+    # (source backend, page size, destination backend, page size, dtype, rope, sliding,
+    #  kv_dtype, sequences)
+    ("reference", 4, "cuda", 16, "bfloat16", "inline", True, "auto", 100),
+    ("cuda", 16, "reference", 3, "float32", "normal", False, "auto", 100),
+    # fp8 pages (issue 32): the values with the scales, which the receiver adopts
+    ("reference", 4, "cuda", 16, "bfloat16", "inline", True, FP8, 40),
+    ("cuda", 16, "reference", 3, "float32", "normal", False, FP8, 40),
 ]
-COUNT = 100
 CHUNKS = 4
 
 
@@ -44,10 +48,14 @@ def plan(wl, chunk):
     return out
 
 
-def one_round(rank, n, src_backend, ps_a, dst_backend, ps_b, dtype, rope, sliding):
-    source = make_cache(src_backend, config(ps_a, dtype, rope, sliding, max_total_tokens=8192))
-    wl = build_workload(source, np.random.default_rng(100 + n), count=COUNT)
-    assert len(wl.forks) > 10, "the workload should hold forks"
+def one_round(rank, n, src_backend, ps_a, dst_backend, ps_b, dtype, rope, sliding, kv_dtype,
+              count):
+    cfg = dict(max_total_tokens=8192, kv_dtype=kv_dtype)
+    source = make_cache(src_backend, config(ps_a, dtype, rope, sliding, **cfg))
+    wl = build_workload(source, np.random.default_rng(100 + n), count=count)
+    assert len(wl.forks) > 4, "the workload should hold forks"
+    fp8 = kv_dtype == FP8
+    layers = range(source.config.num_layers)
     if rank == 0:
         handles = []
         for chunk in chunks(wl.ids):
@@ -59,21 +67,29 @@ def one_round(rank, n, src_backend, ps_a, dst_backend, ps_b, dtype, rope, slidin
         for h in handles:
             assert h.wait() == h.seq_ids
         return
-    dest = make_cache(dst_backend, config(ps_b, dtype, rope, sliding, max_total_tokens=8192))
+    dest = make_cache(dst_backend, config(ps_b, dtype, rope, sliding, **cfg))
     for chunk in chunks(wl.ids):
         p = plan(wl, chunk)
         h = recv_sequence(dest, chunk, src=0, parent_ids=[x[1] for x in p],
                           fork_pos=[x[2] for x in p])
         assert not set(chunk) & set(dest.sequence_ids), "sequences appear only at wait()"
+        if fp8 and dest.is_empty:
+            assert [dest.kv_scales(x) for x in layers] == [None] * len(layers), \
+                "scales are adopted at wait(), not before"
         assert h.wait() == chunk and h.is_completed()
     dest.state.pt.check_invariants()
     assert sorted(dest.sequence_ids) == sorted(wl.ids)
+    if fp8:
+        assert [dest.kv_scales(x) for x in layers] == [source.kv_scales(x) for x in layers]
     for sid in wl.ids:
         assert_same_kv(source, sid, dest, sid)
         assert dest.state.seq(sid).window == source.state.seq(sid).window
+        if fp8:
+            assert np.array_equal(fp8_codes(source, sid), fp8_codes(dest, sid)), sid
     shared = sum(1 for sid in wl.forks if wl.forks[sid][1] >= ps_b)
-    print(f"round {n}: {COUNT} sequences ({len(wl.forks)} forks, {shared} sharing a page) "
-          f"{src_backend}/{ps_a} -> {dst_backend}/{ps_b} {dtype} {rope} ok", flush=True)
+    print(f"round {n}: {count} sequences ({len(wl.forks)} forks, {shared} sharing a page) "
+          f"{src_backend}/{ps_a} -> {dst_backend}/{ps_b} {dtype} {rope} kv_dtype={kv_dtype} "
+          f"ok", flush=True)
 
 
 def refused_then_in_step(rank):
@@ -190,6 +206,57 @@ def malformed_then_in_step(rank):
           f"(receiver on {dest.backend.device})", flush=True)
 
 
+def quantized_edges(rank):
+    """fp8 into a plain cache only with convert_dtype (the values, as they read); int8 pages
+    refused on either side, typed, before any message (sender) or with the data drained
+    (receiver): the next transfers still pair up."""
+    fp8 = kvcache.PagedKVCache(config(4, "float32", "normal", kv_dtype=FP8), backend="reference")
+    fp8.add_sequence(1)
+    run_forward(fp8, [1], [11], np.random.default_rng(3))
+    plain_cfg = config(4, "float32", "normal")
+    plain = kvcache.PagedKVCache(plain_cfg, backend="reference")
+    plain.add_sequence(1)
+    run_forward(plain, [1], [6], np.random.default_rng(4))
+    int8 = kvcache.PagedKVCache(config(4, "float32", "normal", kv_dtype="int8"),
+                                backend="reference")
+    if rank == 0:
+        send_sequence(fp8, [1], dst=1).wait()             # refused: no convert_dtype
+        send_sequence(fp8, [1], dst=1).wait()             # taken with convert_dtype
+        int8.add_sequence(1)
+        run_forward(int8, [1], [3], np.random.default_rng(5))
+        try:
+            send_sequence(int8, [1], dst=1)
+        except kvcache.UnsupportedFeatureError as exc:
+            assert "int8 pages do not move between caches yet" in str(exc), exc
+        else:
+            raise AssertionError("int8 pages were sent")
+        send_sequence(plain, [1], dst=1).wait()           # refused by an int8 receiver
+        send_sequence(plain, [1], dst=1).wait()           # the next one pairs up
+        return
+    dest = kvcache.PagedKVCache(plain_cfg, backend="cuda", device="cpu")
+    free = dest.num_available_pages
+    try:
+        recv_sequence(dest, [5], src=0)
+    except kvcache.InvalidArgumentError as exc:
+        assert "convert_dtype=True" in str(exc), exc
+    else:
+        raise AssertionError("an fp8 transfer was taken by a plain cache without conversion")
+    assert dest.is_empty and dest.num_available_pages == free
+    assert recv_sequence(dest, [5], src=0, convert_dtype=True).wait() == [5]
+    assert_same_kv(fp8, 1, dest, 5)
+    try:
+        recv_sequence(int8, [5], src=0)
+    except kvcache.UnsupportedFeatureError as exc:
+        assert "int8 pages do not move between caches yet" in str(exc), exc
+    else:
+        raise AssertionError("an int8 cache received a transfer")
+    assert int8.is_empty and int8.num_available_pages == int8.num_total_pages
+    assert recv_sequence(dest, [6], src=0).wait() == [6]
+    assert_same_kv(plain, 1, dest, 6)
+    print("fp8 into a plain cache only converted; int8 refused on both sides, in step",
+          flush=True)
+
+
 def main():
     rank, init = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
@@ -199,6 +266,7 @@ def main():
             one_round(rank, n, *case)
         refused_then_in_step(rank)
         malformed_then_in_step(rank)
+        quantized_edges(rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """kvcache.distributed: two processes on gloo move 100 random sequences (forks imported as
 shared prefixes, sliding windows, partial pages) between the reference backend and cuda's
-CPU test mode in a few batched, asynchronous calls, bit-exactly; the errors a caller meets
-before any message moves."""
+CPU test mode in a few batched, asynchronous calls, bit-exactly, and 40 over fp8 pages (the
+sender's scales adopted, its codes bit for bit); the errors a caller meets before any message
+moves."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def test_two_processes_move_100_sequences_bit_exactly(tmp_path):
     log = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o}" for r, (p, o) in enumerate(zip(procs, outs)))
     assert all(p.returncode == 0 for p in procs), log
     assert "round 0: 100 sequences" in outs[1] and "round 1: 100 sequences" in outs[1], log
+    assert "round 2: 40 sequences" in outs[1] and "round 3: 40 sequences" in outs[1], log
+    assert "kv_dtype=float8_e4m3 ok" in outs[1], log
+    assert "fp8 into a plain cache only converted; int8 refused on both sides" in outs[1], log
     assert "refused header drained" in outs[1], log
     assert "malformed headers refused and drained; the next transfer arrived" in outs[1], log
 
@@ -95,3 +99,38 @@ def test_bad_arguments_are_refused_before_any_message(one_process_group):
     with pytest.raises(kvcache.ForwardStateError, match="a forward is open"):
         recv_sequence(cache, [3], src=0)
     cache.abort_forward()
+
+
+def test_fp8_headers_say_the_arrays_dtype_and_are_checked_against_it():
+    """An fp8 transfer's K/V are the values in the compute dtype (``dtype``), the scales in the
+    payload headers: the receiver sizes and reads the data by ``dtype``; a header without it,
+    with another one than its payloads', or naming int8 pages is refused, typed."""
+    import copy
+    import json
+
+    from kvcache.distributed.transfer import _read_header
+    cache = make_cache("reference", config(4, "bfloat16", "none", kv_dtype="float8_e4m3"))
+    cache.add_sequence(1)
+    run_forward(cache, [1], [5], np.random.default_rng(0))
+    headers, k, _ = cache.export_sequences([1])
+    assert k.dtype.name == "bfloat16" and headers[0].kv_scales[0] is not None
+    good = {"version": 1, "kv_dtype": "float8_e4m3", "dtype": "bfloat16",
+            "shape": list(k.shape), "nbytes": k.nbytes, "payloads": [h.header() for h in headers]}
+
+    def read(msg, nbytes=k.nbytes):
+        return _read_header(json.dumps(msg).encode(), nbytes, [7], 0)
+
+    msg, shape, got = read(good)
+    assert msg["dtype"] == "bfloat16" and got[0].kv_scales == headers[0].kv_scales
+    bad = dict(good, dtype=None)
+    with pytest.raises(kvcache.InvalidArgumentError, match="dtype=None"):
+        read(bad)
+    bad = dict(good, dtype="float32", nbytes=2 * k.nbytes)
+    with pytest.raises(kvcache.InvalidArgumentError, match=r"arrays in bfloat16\).*arrays in float32"):
+        read(bad, 2 * k.nbytes)
+    with pytest.raises(kvcache.InvalidArgumentError, match="bytes"):
+        read(good, k.nbytes // 2)
+    bad = copy.deepcopy(good)
+    bad["kv_dtype"] = "int8"
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="int8 pages do not move"):
+        read(bad)

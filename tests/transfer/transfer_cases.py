@@ -122,9 +122,15 @@ def build_workload(cache, rng, count=12, max_len=40, windows=True, forks=True) -
         if min(cache.sequence_length(child), cache.sequence_length(parent)) < pos:
             continue                                 # popped below the fork
         a, b = cache.get_kv(child, 0, pos), cache.get_kv(parent, 0, pos)
-        if all(same(x, y, c.kv_dtype) for x, y in zip(a, b)):
+        if all(same(x, y, read_dtype(c)) for x, y in zip(a, b)):
             valid[child] = (parent, pos)
     return Workload(ids, valid)
+
+
+def read_dtype(cfg) -> str:
+    """The dtype ``get_kv`` gives (and a payload's arrays hold): the storage dtype, or the
+    compute dtype for quantized pages (their values read back)."""
+    return cfg.dtype if cfg.kv_quantized else cfg.kv_dtype
 
 
 def host(array, dtype):
@@ -142,12 +148,38 @@ def assert_same_kv(src, sid, dst, did):
     """``dst``'s sequence ``did`` holds exactly ``src``'s ``sid``: length and K/V bits."""
     assert dst.sequence_length(did) == src.sequence_length(sid), (sid, did)
     for name, a, b in zip("kv", src.get_kv(sid), dst.get_kv(did)):
-        assert same(a, b, src.config.kv_dtype), f"{name} of sequence {sid} -> {did} differs"
+        assert same(a, b, read_dtype(src.config)), f"{name} of sequence {sid} -> {did} differs"
 
 
 def snapshot(cache):
     """Everything a failed call must leave unchanged."""
-    dt = cache.config.kv_dtype
+    dt = read_dtype(cache.config)
     return (cache.num_available_pages, list(cache.sequence_ids),
             {s: cache.sequence_length(s) for s in cache.sequence_ids},
             {s: [host(a, dt).tobytes() for a in cache.get_kv(s)] for s in cache.sequence_ids})
+
+
+def fp8_codes(cache, sid) -> np.ndarray:
+    """The e4m3 codes (uint8) that ``cache`` stores for sequence ``sid``: (num_layers, length,
+    2, num_kv_heads, head_dim), read out of the pages at the sequence's slots. Torch pages hold
+    the codes; the reference's hold ``code * scale`` in float32 (exactly), quantized back with
+    the layer's scales here (``kv_quant.fp8_quantize``: the value over the scale is the code
+    within a float32 rounding, far inside the code's interval)."""
+    from kvcache import kv_quant
+    seq = cache.state.seq(sid)
+    slots = cache.state.pt.position_slots(seq, 0, cache.state.pt.length(seq)).astype(np.int64)
+    ps, d = cache.config.page_size, cache.config.head_dim
+    out = []
+    for layer, pages in enumerate(cache.pages):
+        if isinstance(pages, np.ndarray):
+            rows = pages[slots // ps, :, :, slots % ps, :d]          # (n, 2, Hkv, D) values
+            scales = np.asarray(cache.kv_scales(layer), np.float32)
+            codes = np.stack([kv_quant.fp8_quantize(rows[:, i], scales[i]).view(np.uint8)
+                              for i in (0, 1)], axis=1)
+        else:
+            import torch
+            idx = torch.from_numpy(slots)
+            codes = (pages[idx // ps, :, :, idx % ps, :d].contiguous().view(torch.uint8)
+                     .cpu().numpy())
+        out.append(codes)
+    return np.stack(out)
