@@ -59,6 +59,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional, Sequence
 
+from .errors import UnsupportedFeatureError
+
 
 def _cap(default, doc: str):
     return field(default=default, metadata={"doc": doc})
@@ -413,6 +415,27 @@ class Backend(abc.ABC):
         """(k, v), (num_layers, len(slots), Hkv, D) and (num_layers, len(slots), Hkv, Dv): the
         rows at ``slots`` (an int32 device array) in every layer's page array of
         ``pages_per_layer`` (``num_layers`` is its length)."""
+
+    # ------------------------------------------------------- affine pages as stored (transfer)
+    def gather_kv_packed(self, pages_per_layer: Sequence, slots):
+        """int8 / int4 pages (``config.kv_dtype``): (k, v) the rows at ``slots`` as stored, in
+        the packed form of ``kvcache.kv_quant.affine_pack`` (codes, scales, biases), uint8
+        ``(num_layers, len(slots), Hkv, affine_row_bytes(D))`` (v: of ``Dv``). Export and the
+        host tier move affine pages this way, so a sequence comes back with its codes
+        unchanged. A backend declaring ``"int8"`` / ``"int4"`` in ``kv_dtypes`` implements it
+        and ``append_kv_packed``; the default raises UnsupportedFeatureError."""
+        raise UnsupportedFeatureError(
+            f"backend {self.name!r} does not move {self.config.kv_dtype!r} pages (no "
+            f"gather_kv_packed)")
+
+    def append_kv_packed(self, pages, k, v, slots) -> None:
+        """Write packed rows (``gather_kv_packed``'s form, one layer: ``k`` ``(T, Hkv,
+        affine_row_bytes(D))`` uint8, ``v`` of ``Dv``; native arrays) into ``slots`` of one
+        layer's page array unchanged: reading them back gives their codes, scales and
+        biases."""
+        raise UnsupportedFeatureError(
+            f"backend {self.name!r} does not move {self.config.kv_dtype!r} pages (no "
+            f"append_kv_packed)")
 
     # ------------------------------------------------------------------ helpers for the core
     def split_qkv(self, qkv):

@@ -24,6 +24,7 @@ from .core.imports import ImportReservation, ImportSpec, pages_needed as import_
 from .core.static import capacity_plan
 from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
+from .kv_quant import AFFINE_BITS, affine_row_bytes
 from .errors import (CacheFullError, ForwardStateError, InvalidArgumentError, KVCacheError,
                      SequenceExistsError, UnsupportedFeatureError)
 from .plugins import open_backend
@@ -556,16 +557,19 @@ class PagedKVCache:
         return self.pages_needed(seq_ids, append_lengths,
                                  token_tree_parent_ptr) <= self.num_available_pages
 
-    def _not_quantized(self, what: str) -> None:
-        """UnsupportedFeatureError for a call that moves pages between caches when they hold an
-        affine format (int8 / int4): only fp8 pages move yet."""
-        c = self.config
-        if c.kv_quantized and c.kv_dtype != "float8_e4m3":
-            raise UnsupportedFeatureError(
-                f"{what}: moving {c.kv_dtype!r} pages between caches is not supported yet "
-                f"(float8_e4m3 pages move: export_sequence / import_sequence, the batched "
-                f"export_sequences / reserve_import that kvcache.distributed uses, and the "
-                f"host tier)")
+    @property
+    def _packed(self) -> bool:
+        """Whether pages move as packed rows (int8 / int4: ``Backend.gather_kv_packed``)."""
+        return self.config.kv_dtype in AFFINE_BITS
+
+    def _stored_rows(self, slots: np.ndarray) -> tuple[Array, Array]:
+        """(k, v) of every layer at ``slots`` as a payload carries them: packed rows for int8 /
+        int4 pages, else the values (fp8: read back with the layer scales)."""
+        b = self.backend
+        dev = b.aux_to_device(slots)
+        if self._packed:
+            return b.gather_kv_packed(self.pages, dev)
+        return b.gather_kv(self.pages, dev, **self._gather_kw(range(self.config.num_layers)))
 
     @_exclusive
     def set_kv_scales(self, layer_id: int, k_scale, v_scale) -> None:
@@ -715,10 +719,8 @@ class PagedKVCache:
         SequenceNotFoundError, InvalidArgumentError for a range outside [0, length],
         ForwardStateError inside a forward or for an uncommitted token tree; changes nothing."""
         self._no_forward("export_sequence")
-        self._not_quantized("export_sequence")
         header, slots = self._export_range(seq_id, start, end)
-        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots),
-                                      **self._gather_kw(range(self.config.num_layers)))
+        k, v = self._stored_rows(slots)
         return dataclasses.replace(header, k=k, v=v)
 
     @_exclusive
@@ -732,7 +734,6 @@ class PagedKVCache:
         scale``) in the compute dtype, and each header the layer scales (``kv_scales``). Errors
         as ``export_sequence``; a sequence listed twice is refused."""
         self._no_forward("export_sequences")
-        self._not_quantized("export_sequences")
         seq_ids = seq_id_list(seq_ids, "seq_ids")
         starts = [0] * len(seq_ids) if starts is None else int_values(starts, "starts")
         if len(starts) != len(seq_ids):
@@ -742,8 +743,7 @@ class PagedKVCache:
             raise InvalidArgumentError(f"export_sequences: seq_ids {seq_ids} repeat a sequence")
         parts = [self._export_range(sid, st, None) for sid, st in zip(seq_ids, starts)]
         slots = (np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int32))
-        k, v = self.backend.gather_kv(self.pages, self.backend.aux_to_device(slots),
-                                      **self._gather_kw(range(self.config.num_layers)))
+        k, v = self._stored_rows(slots)
         return [p[0] for p in parts], k, v
 
     def _payloads_supported(self, what: str) -> None:
@@ -807,7 +807,6 @@ class PagedKVCache:
         unknown format version, CacheFullError when the free pages do not suffice,
         ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("import_sequence")
-        self._not_quantized("import_sequence")
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
         spec = self._import_spec(seq_id, payload, parent_id, fork_pos, convert_dtype)
         if payload.k is None or payload.v is None:
@@ -815,11 +814,11 @@ class PagedKVCache:
                 f"import of sequence {spec.seq_id}: the payload has no arrays (a header-only "
                 f"payload can only be reserved: reserve_import)")
         adopt = self._import_scales(spec.seq_id, payload, convert_dtype)
-        k, v = self._native_kv(spec.seq_id, payload)
+        k, v, packed = self._native_kv(spec.seq_id, payload)
         res = self._reserve_import([spec])
         res.scales = dict(adopt)        # adopted by the commit only: a failure leaves none
         try:
-            self._write_import(res, k, v)
+            self._write_import(res, k, v, packed)
             self._commit_import(res)
         except BaseException:
             self.state.cancel_import(res)
@@ -910,18 +909,26 @@ class PagedKVCache:
                     f"the cache's scales)")
         return out
 
-    def _native_kv(self, seq_id: int, payload: SequencePayload) -> tuple[Array, Array]:
-        """The payload's K and V as this backend's arrays in the dtype ``append_kv`` takes
-        (the storage dtype; the compute dtype for fp8 pages, which it quantizes)."""
+    def _native_kv(self, seq_id: int, payload: SequencePayload) -> tuple[Array, Array, bool]:
+        """``(k, v, packed)``: the payload's K and V as this backend's arrays, either packed
+        rows of this cache's int8 / int4 format (``packed``: stored unchanged) or values in
+        the dtype ``append_kv`` takes (the storage dtype; the compute dtype for quantized
+        pages, which it quantizes)."""
         b, c = self.backend, self.config
-        kv = c.dtype if c.kv_quantized else c.kv_dtype
-        k, v = payload.k, payload.v
         src = payload.array_dtype
+        packed = (self._packed and payload.kv_dtype == c.kv_dtype and payload.dtype == c.dtype
+                  and payload.kv_quant_group == c.kv_quant_group)
+        kv = "uint8" if packed else c.dtype if c.kv_quantized else c.kv_dtype
+        k, v = payload.k, payload.v
         if (payload.backend == b.name and payload.device == b.device and src == kv
                 and b.is_native(k) and b.is_native(v)):
-            return k, v
+            return k, v, packed
         try:
-            return (b.from_numpy(to_host(k, src), kv), b.from_numpy(to_host(v, src), kv))
+            if payload.affine and not packed:       # converted: the values the rows read back
+                hk, hv = payload.values()
+            else:
+                hk, hv = to_host(k, src), to_host(v, src)
+            return b.from_numpy(hk, kv), b.from_numpy(hv, kv), packed
         except KVCacheError:
             raise
         except Exception as e:
@@ -929,15 +936,21 @@ class PagedKVCache:
                 f"import of sequence {seq_id}: cannot read the payload's arrays "
                 f"({type(k).__name__}): {e}") from None
 
-    def _write_import(self, res: ImportReservation, k: Array, v: Array) -> None:
-        """Write ``k`` / ``v`` (in the dtype ``append_kv`` takes) at ``res.slots``; fp8 pages
-        quantize them with each layer's scales: the cache's, or those ``res`` adopts (checked
+    def _write_import(self, res: ImportReservation, k: Array, v: Array,
+                      packed: bool = False) -> None:
+        """Write ``k`` / ``v`` at ``res.slots``: ``packed`` rows of this cache's int8 / int4
+        format unchanged, else values in the dtype ``append_kv`` takes, which fp8 pages
+        quantize with each layer's scales: the cache's, or those ``res`` adopts (checked
         first: ``_reserved_scales``)."""
         self._reserved_scales(res, "write_import")
         if res.num_tokens == 0:
             return
         b = self.backend
         slots = b.aux_to_device(res.slots)
+        if packed:
+            for layer, pages in enumerate(self.pages):
+                b.append_kv_packed(pages, k[layer], v[layer], slots)
+            return
         ones = None
         for layer, pages in enumerate(self.pages):
             quant = {}
@@ -989,7 +1002,6 @@ class PagedKVCache:
         as successive ``import_sequence`` calls would). The affine formats (int8 / int4) raise
         UnsupportedFeatureError: they do not move yet."""
         self._no_forward("reserve_import")
-        self._not_quantized("reserve_import")
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise InvalidArgumentError(
@@ -1032,6 +1044,10 @@ class PagedKVCache:
         dtype = c.dtype if c.kv_quantized else c.kv_dtype
         what = (f"{dtype} (the compute dtype: the values, which this {c.kv_dtype} cache "
                 f"quantizes with the layer scales)" if c.kv_quantized else dtype)
+        if self._packed:
+            want = want[:3] + (affine_row_bytes(c.head_dim, AFFINE_BITS[c.kv_dtype],
+                                                c.kv_quant_group, c.dtype),)
+            dtype, what = "uint8", f"uint8 (packed {c.kv_dtype} rows, as export_sequences gives)"
         for name, a in (("k", k), ("v", v)):
             if not b.is_native(a) or b.shape_of(a) != want or b.dtype_name(a) != dtype:
                 got = (f"{b.dtype_name(a)} {b.shape_of(a)}" if b.is_native(a)
@@ -1039,7 +1055,7 @@ class PagedKVCache:
                 raise InvalidArgumentError(
                     f"write_import of sequences {reservation.seq_ids}: {name} must be a {b.name} "
                     f"array {want} in {what}, got {got}")
-        self._write_import(reservation, k, v)
+        self._write_import(reservation, k, v, self._packed)
 
     @_exclusive
     def commit_import(self, reservation: ImportReservation) -> None:

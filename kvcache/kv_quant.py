@@ -87,6 +87,50 @@ def affine_dequantize(codes, scales, biases, group: int) -> np.ndarray:
     return (c * s + b).reshape(*c.shape[:-2], -1)
 
 
+AFFINE_BITS = {"int8": 8, "int4": 4}
+"""Bits per code of the affine formats."""
+
+
+def affine_row_bytes(dim: int, bits: int, group: int, dtype: str) -> int:
+    """Bytes of one packed row of ``dim`` values (``affine_pack``)."""
+    return dim * bits // 8 + 2 * (dim // group) * np.dtype(_float_dtype(dtype)).itemsize
+
+
+def affine_pack(codes, scales, biases, bits: int) -> np.ndarray:
+    """The packed form of affine rows, as payloads carry them and the metal backend stores
+    them: ``uint8`` ``(..., affine_row_bytes)``, the codes (int4: two to a byte, the even
+    value in the low nibble: ``mx.quantize``'s little-endian packing read byte by byte), then
+    the scales, then the biases, each in its dtype's little-endian bytes. ``codes`` ``(..., D)``
+    uint8; ``scales`` / ``biases`` ``(..., D // group)``."""
+    c: np.ndarray = np.asarray(codes, np.uint8)
+    if bits == 4:
+        c = (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
+    parts = [c]
+    for a in (scales, biases):
+        a = np.asarray(a)
+        parts.append(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"))).view(np.uint8))
+    return np.concatenate(parts, axis=-1)
+
+
+def affine_unpack(rows, dim: int, bits: int, group: int,
+                  dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(codes, scales, biases)`` of packed rows ``(..., >= affine_row_bytes)``
+    (``affine_pack``'s inverse; bytes past the row are ignored)."""
+    rows = np.asarray(rows, np.uint8)
+    n_code = dim * bits // 8
+    dt = np.dtype(_float_dtype(dtype)).newbyteorder("<")
+    n_par = (dim // group) * dt.itemsize
+    packed = rows[..., :n_code]
+    codes: np.ndarray
+    if bits == 4:
+        codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*rows.shape[:-1], dim)
+    else:
+        codes = packed.copy()
+    scales = np.ascontiguousarray(rows[..., n_code:n_code + n_par]).view(dt)
+    biases = np.ascontiguousarray(rows[..., n_code + n_par:n_code + 2 * n_par]).view(dt)
+    return codes, scales, biases
+
+
 def roundtrip(x, kv_dtype: str, dtype: str, group: int = 64, scale=None) -> np.ndarray:
     """What a page of ``kv_dtype`` gives back for ``x`` ``(T, H, D)`` (float32): the value
     stored, read back. ``scale`` ``(H,)``: fp8's per-head scales (None: ``calibrate_fp8(x)``).
@@ -94,9 +138,8 @@ def roundtrip(x, kv_dtype: str, dtype: str, group: int = 64, scale=None) -> np.n
     if kv_dtype == "float8_e4m3":
         scale = calibrate_fp8(x) if scale is None else scale
         return fp8_dequantize(fp8_quantize(x, scale), scale)
-    if kv_dtype in ("int8", "int4"):
-        bits = 8 if kv_dtype == "int8" else 4
-        codes, s, b = affine_quantize(x, bits, group, dtype)
+    if kv_dtype in AFFINE_BITS:
+        codes, s, b = affine_quantize(x, AFFINE_BITS[kv_dtype], group, dtype)
         return affine_dequantize(codes, s, b, group)
     return np.asarray(x).astype(_float_dtype(kv_dtype)).astype(np.float32)
 

@@ -25,7 +25,7 @@ else:
     BFLOAT16_MISSING = None
 
 NP_DTYPES: dict[str, np.dtype] = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
-             "int32": np.dtype(np.int32)}
+             "int32": np.dtype(np.int32), "uint8": np.dtype(np.uint8)}
 if ml_dtypes is not None:
     NP_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 _NARROW = tuple(NP_DTYPES[name] for name in ("float16", "bfloat16") if name in NP_DTYPES)
@@ -153,8 +153,20 @@ class ReferenceBackend(Backend):
     def __init__(self, config, device=None):
         super().__init__(config, device or "cpu")
         self.dtype = np_dtype(config.dtype)
-        # quantized formats: pages hold the values read back (float32, exact), not the codes
+        # quantized formats: pages hold the values read back (float32, exact); the affine ones
+        # also their codes, scales and biases (page_shape), which a move carries unchanged
         self.kv_dtype = np.dtype(np.float32) if config.kv_quantized else np_dtype(config.kv_dtype)
+        self.bits = kv_quant.AFFINE_BITS.get(config.kv_dtype)
+
+    def page_shape(self, num_pages):
+        """The base layout; with int8 / int4 each row of ``R = page_row_dim`` values is
+        followed by its ``R`` codes, ``R / group`` scales and ``R / group`` biases (all float32:
+        exact), which only ``gather_kv_packed`` reads."""
+        shape = super().page_shape(num_pages)
+        if self.bits is None:
+            return shape
+        r = self.config.page_row_dim
+        return shape[:-1] + (2 * r + 2 * (r // self.config.kv_quant_group),)
 
     # ------------------------------------------------------------------ memory
     def allocate_pages(self, num_pages):
@@ -206,11 +218,58 @@ class ReferenceBackend(Backend):
         keep = slots >= 0
         if rope is not None:
             k = rotate(k, np.asarray(positions), rope)
-        k, v = self._as_stored(k, 0, kv_scale), self._as_stored(v, 1, kv_scale)
         c = self.config
+        if self.bits is not None:
+            group, dt = c.kv_quant_group, c.dtype
+            self._put_affine(pages, slots, *(kv_quant.affine_quantize(
+                np.asarray(x).astype(self.dtype).astype(np.float32), self.bits, group, dt)
+                for x in (k, v)))
+            return
+        k, v = self._as_stored(k, 0, kv_scale), self._as_stored(v, 1, kv_scale)
         page, row = slots[keep] // c.page_size, slots[keep] % c.page_size
         pages[page, 0, :, row, :c.head_dim] = np.asarray(k)[keep].astype(self.kv_dtype)
         pages[page, 1, :, row, :c.head_dim_v] = np.asarray(v)[keep].astype(self.kv_dtype)
+
+    def _put_affine(self, pages, slots, k_parts, v_parts):
+        """Write affine rows given as (codes, scales, biases) for K and V: the values they read
+        back, then the parts themselves (``page_shape``); slot -1 skipped."""
+        c = self.config
+        keep = slots >= 0
+        page, row = slots[keep] // c.page_size, slots[keep] % c.page_size
+        r, g = c.page_row_dim, c.page_row_dim // c.kv_quant_group
+        for which, (codes, scales, biases), dim in ((0, k_parts, c.head_dim),
+                                                   (1, v_parts, c.head_dim_v)):
+            n = dim // c.kv_quant_group
+            values = kv_quant.affine_dequantize(codes, scales, biases, c.kv_quant_group)
+            for lo, part in ((0, values), (r, codes), (2 * r, scales), (2 * r + g, biases)):
+                width = part.shape[-1]
+                pages[page, which, :, row, lo:lo + width] = \
+                    np.asarray(part)[keep].astype(np.float32)
+
+    def gather_kv_packed(self, pages_per_layer, slots):
+        c = self.config
+        ps, slots = c.page_size, np.asarray(slots)
+        r, g = c.page_row_dim, c.page_row_dim // c.kv_quant_group
+        out = []
+        for which, dim in ((0, c.head_dim), (1, c.head_dim_v)):
+            n = dim // c.kv_quant_group
+            per_layer = []
+            for p in pages_per_layer:
+                rows = p[slots // ps, which, :, slots % ps, :]          # (n, Hkv, width)
+                per_layer.append(kv_quant.affine_pack(
+                    rows[..., r:r + dim].astype(np.uint8),
+                    rows[..., 2 * r:2 * r + n].astype(self.dtype),
+                    rows[..., 2 * r + g:2 * r + g + n].astype(self.dtype),
+                    kv_quant.AFFINE_BITS[c.kv_dtype]))
+            out.append(np.stack(per_layer))
+        return out[0], out[1]
+
+    def append_kv_packed(self, pages, k, v, slots):
+        c = self.config
+        bits = kv_quant.AFFINE_BITS[c.kv_dtype]
+        self._put_affine(pages, np.asarray(slots), *(
+            kv_quant.affine_unpack(x, dim, bits, c.kv_quant_group, c.dtype)
+            for x, dim in ((k, c.head_dim), (v, c.head_dim_v))))
 
     def _output(self, t, sinks=None):
         """Rows that see no key: o = 0, lse = -inf (the sink's logit with sinks)."""

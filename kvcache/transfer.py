@@ -16,17 +16,19 @@ import math
 import numbers
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 
+from . import kv_quant
 from .arrays import to_host
-from .config import DTYPES, ROPE_MODES, itemsize
-
-PAYLOAD_FORMATS = DTYPES + ("float8_e4m3",)
-"""The storage formats a payload may come from: the plain dtypes, and fp8 pages (whose
-payload carries the values read back, in the cache's compute dtype, with the scales)."""
+from .config import DTYPES, KV_QUANT_GROUPS, ROPE_MODES, itemsize
 from .errors import InvalidArgumentError, UnsupportedFeatureError
+
+PAYLOAD_FORMATS = DTYPES + ("float8_e4m3", "int8", "int4")
+"""The storage formats a payload may come from: the plain dtypes; fp8 pages (whose payload
+carries the values read back, in the cache's compute dtype, with the scales); int8 / int4
+pages (whose payload carries the rows as stored, packed: ``kv_quant.affine_pack``)."""
 
 FORMAT_VERSION = 1
 """The payload format this version of kvcache writes and reads."""
@@ -36,8 +38,8 @@ HEADER_FIELDS = ("version", "start", "num_tokens", "source_length", "num_layers"
                  "rope_inv_freq", "rope_rotary_dim", "window_size", "sink_size", "backend",
                  "device")
 """The keys of ``SequencePayload.header()`` (every field but the arrays); ``checksum``,
-``dtype`` and ``kv_scales`` are there too, optional when read (None: not computed, the
-arrays in ``kv_dtype``, no scales)."""
+``dtype``, ``kv_scales`` and ``kv_quant_group`` are there too, optional when read (None: not
+computed, the arrays in ``kv_dtype``, no scales, no groups)."""
 
 
 def checksum(k: np.ndarray, v: np.ndarray) -> str:
@@ -75,6 +77,12 @@ class SequencePayload:
     again with the same scales gives the same codes), and ``kv_scales`` the exporting cache's
     scales: per layer ``((K's per KV head), (V's per KV head))``, or None for a layer it never
     wrote. ``dtype`` None: the arrays are in ``kv_dtype``.
+
+    From int8 / int4 pages the arrays hold the rows as stored, packed (``uint8``, shape
+    ``(num_layers, num_tokens, num_kv_heads, kv_quant.affine_row_bytes(head_dim, ...))``:
+    codes, then scales and biases in the compute dtype ``dtype``; ``kv_quant.affine_pack``),
+    with the group size ``kv_quant_group``: an importing cache of the same format stores the
+    same codes. ``values()`` gives any payload's K/V as values.
     """
 
     k: Any
@@ -99,6 +107,7 @@ class SequencePayload:
     checksum: Optional[str] = None
     dtype: Optional[str] = None
     kv_scales: Optional[tuple] = None
+    kv_quant_group: Optional[int] = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -112,19 +121,52 @@ class SequencePayload:
         return np.arange(self.start, self.end, dtype=np.int32)
 
     @property
+    def affine(self) -> bool:
+        """Whether the arrays hold packed int8 / int4 rows."""
+        return self.kv_dtype in kv_quant.AFFINE_BITS
+
+    @property
     def shape(self) -> tuple:
-        """The shape of ``k`` and of ``v``."""
-        return (self.num_layers, self.num_tokens, self.num_kv_heads, self.head_dim)
+        """The shape of ``k`` and of ``v``: the last axis is ``head_dim``, or for packed rows
+        their bytes."""
+        row = self.head_dim
+        if self.affine:
+            bits, group, dtype = self._affine_format()
+            row = kv_quant.affine_row_bytes(self.head_dim, bits, group, dtype)
+        return (self.num_layers, self.num_tokens, self.num_kv_heads, row)
+
+    def _affine_format(self) -> tuple[int, int, str]:
+        """(bits, group, compute dtype) of an int8 / int4 payload (checked by ``check``)."""
+        return (kv_quant.AFFINE_BITS[self.kv_dtype], cast(int, self.kv_quant_group),
+                cast(str, self.dtype))
 
     @property
     def array_dtype(self) -> str:
-        """The dtype of ``k`` and ``v``: ``dtype``, or ``kv_dtype`` where that is None."""
+        """The dtype of ``k`` and ``v``: "uint8" for packed rows, else ``dtype``, or
+        ``kv_dtype`` where that is None."""
+        if self.affine:
+            return "uint8"
         return self.kv_dtype if self.dtype is None else self.dtype
 
     @property
     def nbytes(self) -> int:
         """Bytes of K and V together."""
-        return 2 * math.prod(self.shape) * itemsize(self.array_dtype)
+        size = 1 if self.affine else itemsize(self.array_dtype)
+        return 2 * math.prod(self.shape) * size
+
+    def values(self) -> tuple:
+        """Host float32 ``(k, v)`` of shape (num_layers, num_tokens, num_kv_heads, head_dim):
+        the values the exporting cache reads back (packed rows decoded by the format's rule)."""
+        k, v = to_host(self.k, self.array_dtype), to_host(self.v, self.array_dtype)
+        if not self.affine:
+            return k.astype(np.float32), v.astype(np.float32)
+        bits, group, dtype = self._affine_format()
+
+        def decode(x):
+            codes, scales, biases = kv_quant.affine_unpack(x, self.head_dim, bits, group, dtype)
+            return kv_quant.affine_dequantize(codes, scales, biases, group)
+
+        return decode(k), decode(v)
 
     # ------------------------------------------------------------------ forms
     def header(self) -> dict:
@@ -133,6 +175,7 @@ class SequencePayload:
         out["rope_inv_freq"] = list(self.rope_inv_freq)
         out["checksum"] = self.checksum
         out["dtype"] = self.dtype
+        out["kv_quant_group"] = self.kv_quant_group
         out["kv_scales"] = None if self.kv_scales is None else [
             None if s is None else [list(s[0]), list(s[1])] for s in self.kv_scales]
         return out
@@ -164,7 +207,7 @@ class SequencePayload:
         if scales is not None:
             scales = _scales_tuple(scales)
         payload = cls(k=k, v=v, checksum=header.get("checksum"), dtype=header.get("dtype"),
-                      kv_scales=scales, **fields)
+                      kv_scales=scales, kv_quant_group=header.get("kv_quant_group"), **fields)
         payload.check("payload header")
         return payload
 
@@ -230,18 +273,35 @@ class SequencePayload:
         self.check_arrays(where)
 
     def _check_format(self, where: str) -> None:
-        """``dtype`` and ``kv_scales`` against ``kv_dtype``: both (the compute dtype, the scales
-        per layer) from fp8 pages, neither otherwise."""
+        """``dtype``, ``kv_scales`` and ``kv_quant_group`` against ``kv_dtype``: the compute
+        dtype and the scales per layer from fp8 pages, the compute dtype and the group size
+        from int8 / int4 pages, none of them otherwise."""
         if self.kv_dtype in DTYPES:
-            if self.dtype not in (None, self.kv_dtype) or self.kv_scales is not None:
+            if (self.dtype not in (None, self.kv_dtype) or self.kv_scales is not None
+                    or self.kv_quant_group is not None):
                 raise InvalidArgumentError(
                     f"{where}: kv_dtype={self.kv_dtype!r} is a plain dtype, but dtype="
-                    f"{self.dtype!r} and kv_scales are given (only fp8 payloads carry them)")
+                    f"{self.dtype!r}, kv_scales or kv_quant_group={self.kv_quant_group!r} are "
+                    f"given (only quantized payloads carry them)")
             return
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidArgumentError(
                 f"{where}: a {self.kv_dtype} payload needs dtype (its arrays' compute dtype) in "
                 f"{DTYPES}, got {self.dtype!r}")
+        if self.affine:
+            group = self.kv_quant_group
+            if (self.kv_scales is not None or isinstance(group, bool) or group not in
+                    KV_QUANT_GROUPS or not isinstance(self.head_dim, int)
+                    or self.head_dim % group):
+                raise InvalidArgumentError(
+                    f"{where}: a {self.kv_dtype} payload needs kv_quant_group in "
+                    f"{KV_QUANT_GROUPS} dividing head_dim={self.head_dim!r} and no kv_scales, "
+                    f"got kv_quant_group={group!r}")
+            return
+        if self.kv_quant_group is not None:
+            raise InvalidArgumentError(
+                f"{where}: a {self.kv_dtype} payload has no kv_quant_group, got "
+                f"{self.kv_quant_group!r}")
         scales = self.kv_scales
         n = self.num_layers if isinstance(self.num_layers, int) else -1
         if not isinstance(scales, tuple) or len(scales) != n:
@@ -332,10 +392,15 @@ class SequencePayload:
             raise InvalidArgumentError(
                 f"{where}: the payload stores {self.kv_dtype}, this cache {config.kv_dtype}; pass "
                 f"convert_dtype=True to convert (rounding to {config.kv_dtype})")
-        if config.kv_quantized and self.array_dtype != config.dtype and not convert_dtype:
+        if config.kv_quantized and self.dtype != config.dtype and not convert_dtype:
             raise InvalidArgumentError(
-                f"{where}: the payload's values are in {self.array_dtype}, this cache computes "
+                f"{where}: the payload's values are in {self.dtype}, this cache computes "
                 f"in {config.dtype}; pass convert_dtype=True to convert")
+        if self.affine and self.kv_quant_group != config.kv_quant_group and not convert_dtype:
+            raise InvalidArgumentError(
+                f"{where}: the payload's {self.kv_dtype} groups hold {self.kv_quant_group} "
+                f"values, this cache's {config.kv_quant_group}; pass convert_dtype=True to store "
+                f"its values again (rounded twice)")
         if self.window_size != -1 and not config.support_sliding_window:
             raise InvalidArgumentError(
                 f"{where}: the payload has a sliding window (window_size={self.window_size}, "
@@ -385,7 +450,9 @@ def payload_fields(config) -> dict:
                 dtype=config.dtype if config.kv_quantized else None,
                 rope_mode=config.effective_rope_mode, rope_theta=spec.theta,
                 rope_scale=spec.scale, rope_inv_freq=tuple(spec.inv_freq or ()),
-                rope_rotary_dim=spec.rotary_dim)
+                rope_rotary_dim=spec.rotary_dim,
+                kv_quant_group=config.kv_quant_group if config.kv_dtype in kv_quant.AFFINE_BITS
+                else None)
 
 
 class HostTier:

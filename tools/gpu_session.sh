@@ -30,6 +30,13 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       timeout 420 python3 -m kvcache.cli bench --serving --model llama --json > "$OUT/serving.json" 2> "$OUT/serving.err"
       tail -4 "$OUT/serving.err"
       python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: (round(v['tokens_per_s'], 1), round(v['decode_step_ms'], 3), v['gpu_busy']) for k, v in r['systems'].items()}, r['ratios'])" "$OUT/serving.json" ;;
+    compile) section "issue 33: the compiled decode step: tokens against eager (Inductor, CUDA graphs), then (a) with and without it"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -s tests/integrations/test_engine_compile.py -p no:cacheprovider 2>&1 | grep -a -v -i warn | tail -6
+      for i in ${ROUNDS:-1 2}; do for cs in off on; do
+        flag=""; [ $cs = on ] && flag="--compile-step"
+        timeout 240 python3 -m kvcache.cli bench --serving --model llama --skip b,c --no-busy ${SERVING_ARGS:-} $flag --json > "$OUT/cs_$cs$i.json" 2> "$OUT/cs_$cs$i.err"
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1])); a = r['systems']['a']; print(sys.argv[2], round(a['tokens_per_s'], 1), 'tok/s, step', round(a['decode_step_ms'], 3), 'ms, roofline', round(r['roofline']['decode_step_ms'], 3), 'ms, ratio', round(a['decode_step_ms'] / r['roofline']['decode_step_ms'], 3))" "$OUT/cs_$cs$i.json" "$cs$i" || tail -5 "$OUT/cs_$cs$i.err"
+      done; done ;;
     engine) section "engine: overlapped and pipelined graph steps against eager ones"
       timeout 150 python3 -m pytest -q -x tests/integrations/test_engine_graphs.py -k gpu 2>&1 | tail -3 ;;
     launch) section "eager decode host time per layer"

@@ -117,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "what --batch sequences need at once, in auto KV)")
     g.add_argument("--static-compile", action="store_true",
                    help="let (c) compile its forward (transformers' auto-compile; off by default)")
+    g.add_argument("--compile-step", action="store_true",
+                   help="(a) with Engine(compile_step=True): its captured decode step's model "
+                        "code through torch.compile (a GPU)")
 
 
 def _pos(text: str) -> int:
@@ -237,7 +240,8 @@ def run(args) -> dict:
         try:
             if key == "a":
                 runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope,
-                                      args.prefix_cache == "on", kv_dtype)
+                                      args.prefix_cache == "on", kv_dtype,
+                                      getattr(args, "compile_step", False))
             elif key == "b":
                 runner = GenerateBatchRunner(net, None if on_gpu else {
                     "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,

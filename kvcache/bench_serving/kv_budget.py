@@ -16,8 +16,8 @@ Per run, measured after a warm-up run of the same shape on other prompts: tokens
 and p90 time to first token (from the moment every request was added), the peak number of
 sequences in the cache at once (``Scheduler.num_running`` after each step), the Engine's
 preemptions and recomputed tokens, the pages and their token capacity, and whether preempted
-sequences were parked in the host tier (the Engine's default on a GPU, for 16-bit and fp8
-pages; int8 / int4 pages are recomputed). For the pair: the ratios
+sequences were parked in the host tier (the Engine's default on a GPU, every format). For
+the pair: the ratios
 quantized / auto of tokens/s and peak concurrency (targets: > 1.0 each) and the requests whose
 greedy tokens are equal (a count, not a verdict: quantization changes tokens).
 """

@@ -15,7 +15,10 @@ One call moves a batch of sequences in three point-to-point messages, in this or
 fp8 pages (``kv_dtype="float8_e4m3"``) move as ``export_sequence`` / ``import_sequence`` move
 them: the values with the scales, which the receiver adopts for layers it has none of (at the
 commit in ``wait()``) and stores again, giving the sender's codes. The affine formats (int8,
-int4) do not move yet: UnsupportedFeatureError on either side (the receiver drains the data).
+int4) move as their packed rows (``dtype`` "uint8", the last axis of ``shape`` the row's
+bytes: ``kvcache.kv_quant.affine_pack``), stored unchanged, into a cache of the same format,
+group size and compute dtype only (InvalidArgumentError otherwise: ``import_sequence`` of an
+``export_sequence`` payload converts).
 
 The sender gathers the rows out of its pages on the device (one gather, queued on the
 cache's stream after every forward queued before it, so a forward that is still running
@@ -40,8 +43,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..config import DTYPES, KV_FORMATS, itemsize
+from ..config import DTYPES, itemsize
 from ..errors import ForwardStateError, InvalidArgumentError, UnsupportedFeatureError
+from ..kv_quant import AFFINE_BITS, affine_row_bytes
 from ..transfer import FORMAT_VERSION, PAYLOAD_FORMATS, SequencePayload
 
 MAGIC = 0x6B76_6361_6368_65      # "kvcache": the first int64 of every transfer
@@ -112,17 +116,38 @@ def _to_wire(torch, array, transport):
 
 def _array_dtype(config) -> str:
     """The dtype of the K/V arrays a cache of ``config`` sends and ``write_import`` takes:
-    the storage dtype, or the compute dtype for fp8 pages (their values)."""
+    the storage dtype, the compute dtype for fp8 pages (their values), uint8 for int8 / int4
+    pages (their packed rows)."""
+    if config.kv_dtype in AFFINE_BITS:
+        return "uint8"
     return config.dtype if config.kv_quantized else config.kv_dtype
 
 
-def _moves(config, what: str) -> None:
-    """UnsupportedFeatureError for pages that do not move between caches yet (int8, int4)."""
-    if config.kv_quantized and config.kv_dtype not in PAYLOAD_FORMATS:
-        raise UnsupportedFeatureError(
-            f"{what}: the cache stores kv_dtype={config.kv_dtype!r}, and {config.kv_dtype} "
-            f"pages do not move between caches yet (float8_e4m3 pages and the plain dtypes "
-            f"do)")
+def _row(config) -> int:
+    """The last axis of the arrays a cache of ``config`` sends: head_dim, or the bytes of a
+    packed int8 / int4 row."""
+    if config.kv_dtype in AFFINE_BITS:
+        return affine_row_bytes(config.head_dim, AFFINE_BITS[config.kv_dtype],
+                                config.kv_quant_group, config.dtype)
+    return config.head_dim
+
+
+def _size(dtype: str) -> int:
+    return 1 if dtype == "uint8" else itemsize(dtype)
+
+
+def _packed_fits(config, msg: dict, where: str) -> None:
+    """InvalidArgumentError unless packed int8 / int4 rows (``msg``) can be stored unchanged in
+    a cache of ``config``: the same format, group size and compute dtype."""
+    head = msg["payloads"][0] if msg["payloads"] else {}
+    theirs = (msg["kv_dtype"], head.get("kv_quant_group"), head.get("dtype"))
+    mine = (config.kv_dtype, config.kv_quant_group, config.dtype)
+    if msg["dtype"] == "uint8" and theirs != mine:
+        raise InvalidArgumentError(
+            f"{where}: packed {theirs[0]} rows (groups of {theirs[1]}, {theirs[2]}) are stored "
+            f"unchanged, so only into a cache of that format, group size and compute dtype; "
+            f"this one stores {mine[0]} (groups of {mine[1]}, {mine[2]}): import an "
+            f"export_sequence payload with convert_dtype=True instead")
 
 
 def _from_wire(torch, buf, dtype: str, shape, kind: str, device, want: str):
@@ -131,7 +156,8 @@ def _from_wire(torch, buf, dtype: str, shape, kind: str, device, want: str):
         from ..reference import np_dtype
         out = buf.cpu().numpy().view(np_dtype(dtype)).reshape(shape)
         return out if dtype == want else out.astype(np_dtype(want))
-    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+              "uint8": torch.uint8}
     out = buf.to(device).view(dtypes[dtype]).reshape(shape)
     return out if dtype == want else out.to(dtypes[want])
 
@@ -220,21 +246,20 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     torch.distributed process group (None: the default). The cache may go on (forwards,
     removing the sequences) at once: the rows were copied out on the device first. fp8 pages
     are sent as their values in the compute dtype with the layer scales in the headers
-    (``export_sequences``). Raises what ``export_sequences`` raises, UnsupportedFeatureError
-    for int8 / int4 pages (they do not move yet) and for a backend whose arrays are not
+    (``export_sequences``), int8 / int4 pages as their packed rows. Raises what
+    ``export_sequences`` raises, UnsupportedFeatureError for a backend whose arrays are not
     torch/numpy, ForwardStateError without an initialized process group, MissingExtraError
     without torch; no message is sent then."""
     torch, dist = _torch()
     ids = _ids(seq_ids, "seq_ids")
     c = cache.config
-    _moves(c, f"send_sequence of sequences {ids}")
     kind, device = _arrays(cache, torch)
     transport = _transport(torch, dist, group, device)
     headers, k, v = cache.export_sequences(ids, starts)
     total = sum(h.num_tokens for h in headers)
-    shape = [c.num_layers, total, c.num_kv_heads, c.head_dim]
+    shape = [c.num_layers, total, c.num_kv_heads, _row(c)]
     dtype = _array_dtype(c)
-    nbytes = total * c.num_layers * c.num_kv_heads * c.head_dim * itemsize(dtype)
+    nbytes = total * c.num_layers * c.num_kv_heads * _row(c) * _size(dtype)
     body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "dtype": dtype,
                        "shape": shape, "nbytes": nbytes,
                        "payloads": [h.header() for h in headers]}).encode()
@@ -262,8 +287,8 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     checks the sender's scales as ``import_sequence`` does and adopts them for the layers
     that have none at ``wait()`` (``reserve_import``). On a refused header (a mismatch, a
     malformed or inconsistent message, CacheFullError, an id in use: typed errors as
-    ``import_sequence``; UnsupportedFeatureError into int8 / int4 pages, which do not move
-    yet) the data is still received and dropped, so the two sides stay in step for the next
+    ``import_sequence``; packed int8 / int4 rows into a cache of another format, group size
+    or compute dtype) the data is still received and dropped, so the two sides stay in step for the next
     transfer, and the error is raised; the cache is unchanged."""
     torch, dist = _torch()
     ids = _ids(seq_ids, "seq_ids")
@@ -287,8 +312,8 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     buffers = ([torch.empty(nbytes, dtype=torch.uint8, device=transport) for _ in range(2)]
                if nbytes else [])
     try:
-        _moves(cache.config, f"recv_sequence of sequences {ids}")
         msg, shape, headers = _read_header(bytes(text.cpu().numpy()), nbytes, ids, src)
+        _packed_fits(cache.config, msg, f"recv_sequence of sequences {ids} from rank {src}")
         res = cache.reserve_import(list(zip(ids, headers, parents, positions)), convert_dtype)
     except BaseException:
         for buf in buffers:          # consume the data the sender has posted
@@ -329,26 +354,27 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
             f"{where}: format version {msg['version']!r} is not supported: this kvcache reads "
             f"version {FORMAT_VERSION}")
     kv_dtype, raw_shape, payloads = msg["kv_dtype"], msg["shape"], msg["payloads"]
-    if isinstance(kv_dtype, str) and kv_dtype in KV_FORMATS and kv_dtype not in PAYLOAD_FORMATS:
-        raise UnsupportedFeatureError(
-            f"{where}: kv_dtype={kv_dtype!r}: {kv_dtype} pages do not move between caches yet")
     if not isinstance(kv_dtype, str) or kv_dtype not in PAYLOAD_FORMATS:
         raise InvalidArgumentError(
             f"{where}: kv_dtype={kv_dtype!r} must be one of {PAYLOAD_FORMATS}")
     dtype = msg.get("dtype")
     if dtype is None and kv_dtype in DTYPES:
         dtype = kv_dtype
-    if not isinstance(dtype, str) or dtype not in DTYPES or (kv_dtype in DTYPES and dtype != kv_dtype):
+    packed = kv_dtype in AFFINE_BITS
+    if (not isinstance(dtype, str) or (packed and dtype != "uint8")
+            or (not packed and dtype not in DTYPES)
+            or (kv_dtype in DTYPES and dtype != kv_dtype)):
         raise InvalidArgumentError(
-            f"{where}: dtype={dtype!r} (the arrays' dtype) must be one of {DTYPES}: "
-            f"kv_dtype itself for plain pages, the compute dtype for {kv_dtype} pages")
+            f"{where}: dtype={dtype!r} (the arrays' dtype) must be kv_dtype itself for plain "
+            f"pages, the compute dtype (one of {DTYPES}) for fp8 pages, uint8 (packed rows) "
+            f"for int8 / int4 pages; kv_dtype is {kv_dtype!r}")
     msg["dtype"] = dtype
     if (not isinstance(raw_shape, list) or len(raw_shape) != 4
             or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in raw_shape)):
         raise InvalidArgumentError(
             f"{where}: shape={raw_shape!r} must be 4 ints >= 0 (layers, tokens, KV heads, head_dim)")
     shape = tuple(raw_shape)
-    want = shape[0] * shape[1] * shape[2] * shape[3] * itemsize(dtype)
+    want = shape[0] * shape[1] * shape[2] * shape[3] * _size(dtype)
     if msg["nbytes"] != want or nbytes != want:
         raise InvalidArgumentError(
             f"{where}: {nbytes} bytes each of K and V follow (header nbytes={msg['nbytes']!r}), "
@@ -361,13 +387,16 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
             f"recv_sequence got {len(ids)} seq_ids {ids} but rank {src} sent "
             f"{len(headers)} sequences")
     for h in headers:
-        dims = (h.num_layers, h.num_kv_heads, h.head_dim)
+        dims = (h.num_layers, h.num_kv_heads, h.shape[3])
         if (h.kv_dtype != kv_dtype or h.array_dtype != dtype
-                or dims != (shape[0], shape[2], shape[3])):
+                or dims != (shape[0], shape[2], shape[3])
+                or (h.kv_quant_group, h.dtype) != (headers[0].kv_quant_group, headers[0].dtype)):
             raise InvalidArgumentError(
                 f"{where}: a payload header says kv_dtype={h.kv_dtype} (arrays in "
-                f"{h.array_dtype}), (layers, KV heads, head_dim)={dims}, the transfer "
-                f"{kv_dtype} (arrays in {dtype}), {(shape[0], shape[2], shape[3])}")
+                f"{h.array_dtype}), kv_quant_group={h.kv_quant_group}, (layers, KV heads, "
+                f"row)={dims}, the transfer {kv_dtype} (arrays in {dtype}), "
+                f"{(shape[0], shape[2], shape[3])}, the first payload's kv_quant_group="
+                f"{headers[0].kv_quant_group}")
     if sum(h.num_tokens for h in headers) != shape[1]:
         raise InvalidArgumentError(
             f"{where}: the payloads hold {sum(h.num_tokens for h in headers)} tokens, the "

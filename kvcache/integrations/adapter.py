@@ -86,12 +86,20 @@ class ModelAdapter(abc.ABC):
         time (a GPU), False where it saves nothing (a CPU: ``graphs=True`` runs the stand-in)."""
         return None
 
-    def step_graphs(self, cache: PagedKVCache):
+    def step_graphs(self, cache: PagedKVCache, compiled: bool = False):
         """A runner of whole decode steps (model and cache) captured per batch bucket on
         ``cache`` (built with ``static_decode=True``): an object with ``run(tokens, positions,
         logit_rows)`` returning the logits of ``logit_rows`` as ``forward`` does, and
-        ``captures`` / ``replays`` counters. Only called when ``graphs_by_default`` is not None."""
+        ``captures`` / ``replays`` counters. ``compiled``: the step's model code compiled
+        (only when ``compiles`` says it can be). Only called when ``graphs_by_default`` is not
+        None."""
         raise NotImplementedError
+
+    def compiles(self, device: Optional[str]) -> Optional[str]:
+        """None when the captured decode step's model code can be compiled on ``device``
+        (``torch.compile``: norms, activations and residuals fused around the cache's
+        attention), else why not."""
+        return f"the {self.family or type(self).__name__} adapter does not compile its model"
 
     def session(self, cache: PagedKVCache):
         """A context manager around one ``generate`` call on ``cache`` (e.g. switching the

@@ -27,7 +27,7 @@ from ..cache import PagedKVCache
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
 from ..serving import EngineCore, EngineStats, RequestOutput, Scheduler
 from ..serving.progress import Progress
-from ..transfer import PAYLOAD_FORMATS, HostTier
+from ..transfer import HostTier
 from .adapter import ModelAdapter, PendingPicks
 from .runner import Runner
 from .sampling import SamplingParams, sampling_params_for
@@ -86,8 +86,16 @@ class Engine:
     (``CacheConfig.kv_dtype``: "float8_e4m3", "int8", "int4" where the backend declares them
     in ``Capabilities.kv_dtypes``); with ``max_total_tokens=None`` a format of fewer bytes
     holds more tokens in the same memory. The affine formats quantize groups of 64 values (32
-    where the head dims are not multiples of 64). fp8 pages are offloaded like plain ones; the
-    affine formats (int8, int4) are not (yet).
+    where the head dims are not multiples of 64). Quantized pages are offloaded as they are
+    stored (fp8 with its scales, int8 / int4 as packed rows), so a restored sequence reads
+    back the same values.
+
+    ``compile_step`` (default False): the captured decode step's model code goes through
+    ``torch.compile`` (the cache's attention an opaque op in it), so the norms, activations and
+    residual adds between the GEMMs fuse; the replayed graph holds the compiled kernels (the
+    first capture per process compiles: seconds to minutes). None: on where the adapter can
+    compile (a CUDA GPU with Triton) and graphs are on; True: on or
+    ``UnsupportedFeatureError``. Prefill and mixed steps stay eager.
 
     ``progress``: None (default) shows a progress display on a terminal during ``generate``;
     True / False force it.
@@ -100,8 +108,9 @@ class Engine:
                  graph_batch_sizes: Optional[Sequence[int]] = None,
                  offload: Optional[bool] = None, offload_tokens: Optional[int] = None,
                  overlap: bool = True, memory_fraction: float = 0.9, prefix_cache: bool = True,
-                 kv_dtype: str = "auto"):
-        for name, value in (("graphs", graphs), ("offload", offload)):
+                 kv_dtype: str = "auto", compile_step: Optional[bool] = False):
+        for name, value in (("graphs", graphs), ("offload", offload),
+                            ("compile_step", compile_step)):
             if value is not None and not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name}={value!r} must be None, True or False")
         for name, value in (("overlap", overlap), ("prefix_cache", prefix_cache)):
@@ -132,14 +141,9 @@ class Engine:
         self.cache = PagedKVCache(config, backend=backend, device=device)
         self.config = config
         adapter.check(self.cache)
-        movable = config.kv_dtype in PAYLOAD_FORMATS     # fp8 pages move, affine ones not yet
         if offload is None:     # (payloads hold one head dim: no host tier for head_dim_v)
             offload = (not str(self.cache.backend.device or "cpu").startswith("cpu")
-                       and config.head_dim_v == config.head_dim and movable)
-        elif offload and not movable:
-            raise UnsupportedFeatureError(
-                f"offload=True: the host tier does not take kv_dtype={config.kv_dtype!r} pages "
-                f"yet; pass offload=False (preempted sequences are then recomputed)")
+                       and config.head_dim_v == config.head_dim)
         self.host_tier: Optional[HostTier] = (
             HostTier(self.cache, config.max_total_tokens if offload_tokens is None else offload_tokens)
             if offload else None)
@@ -147,7 +151,10 @@ class Engine:
         self.overlap = overlap
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.cache, self.host_tier, self.stats, pipelined=overlap)
-        self.runner = Runner(adapter, self.cache, self.stats, graphs=self.graphs)
+        self.compiled = self._want_compile(compile_step, device)
+        """Whether captured decode steps run the compiled model code (``compile_step``)."""
+        self.runner = Runner(adapter, self.cache, self.stats, graphs=self.graphs,
+                             compiled=self.compiled)
         self.decode_graphs = self.runner.decode_graphs
         self.core = EngineCore(self.scheduler, self.runner, self._admit)
         self.progress: Optional[bool] = None
@@ -174,6 +181,17 @@ class Engine:
             raise UnsupportedFeatureError(
                 f"graphs=True: backend {cls.name!r} does not declare 'static_decode' "
                 f"(static-shape decode steps a graph can replay); pass graphs=False")
+        return True
+
+    def _want_compile(self, compile_step: Optional[bool], device) -> bool:
+        if compile_step is False:
+            return False
+        why = self.adapter.compiles(device) if self.graphs else \
+            "it compiles the captured decode step, and graphs are off"
+        if compile_step is None:
+            return why is None
+        if why is not None:
+            raise UnsupportedFeatureError(f"compile_step=True: {why}; pass compile_step=False")
         return True
 
     def _size(self, backend, device, chunk, fraction: float, sizes: dict) -> tuple:

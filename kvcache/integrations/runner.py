@@ -21,14 +21,15 @@ __all__ = ["Runner"]
 
 class Runner:
     """Runs plans on ``cache`` with ``adapter``; ``graphs``: replay a captured whole-step graph
-    for pure decode steps (``adapter.step_graphs``); counts graph use in ``stats``."""
+    for pure decode steps (``adapter.step_graphs``; ``compiled``: of the compiled step); counts
+    graph use in ``stats``."""
 
     def __init__(self, adapter: ModelAdapter, cache: PagedKVCache, stats: EngineStats,
-                 graphs: bool = False):
+                 graphs: bool = False, compiled: bool = False):
         self.adapter = adapter
         self.cache = cache
         self.stats = stats
-        self.decode_graphs = adapter.step_graphs(cache) if graphs else None
+        self.decode_graphs = adapter.step_graphs(cache, compiled) if graphs else None
 
     def session(self):
         """The adapter's context manager for this cache (``ModelAdapter.session``), held by

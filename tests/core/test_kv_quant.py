@@ -124,20 +124,23 @@ def test_scales_are_for_fp8_pages_only():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_moving_affine_pages_is_refused_for_now(fmt):
-    # fp8 pages move, one sequence at a time and batched (tests/transfer/
-    # test_fp8_payloads.py, test_fp8_batched.py); the affine formats not at all yet
+def test_a_backend_without_packed_rows_refuses_to_move_affine_pages(fmt, monkeypatch):
+    # affine pages move as packed rows (tests/transfer/test_affine_payloads.py); a backend
+    # that stores the format but lacks gather_kv_packed / append_kv_packed refuses, typed,
+    # and nothing changes
+    from kvcache.backend import Backend
+    from kvcache.reference import ReferenceBackend
     cache, *_ = filled(fmt)
-    plain, *_ = filled("float32")
-    payload = plain.export_sequence(0)
-    free = cache.num_available_pages
+    payload = cache.export_sequence(0)
+    other, *_ = filled(fmt)
+    monkeypatch.setattr(ReferenceBackend, "gather_kv_packed", Backend.gather_kv_packed)
+    monkeypatch.setattr(ReferenceBackend, "append_kv_packed", Backend.append_kv_packed)
+    free = other.num_available_pages
     for call, args in (("export_sequences", ([0],)), ("export_sequence", (0,)),
-                       ("reserve_import", ([(5, payload, None, None)], True)),
                        ("import_sequence", (5, payload))):
-        with pytest.raises(UnsupportedFeatureError, match=f"{call}: moving '{fmt}' pages "
-                           f"between caches is not supported yet"):
-            getattr(cache, call)(*args)
-    assert cache.sequence_ids == [0] and cache.num_available_pages == free
+        with pytest.raises(UnsupportedFeatureError, match=f"does not move '{fmt}' pages"):
+            getattr(other, call)(*args)
+    assert other.sequence_ids == [0] and other.num_available_pages == free
 
 
 # ------------------------------------------------------------------ the formats

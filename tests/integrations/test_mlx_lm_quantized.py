@@ -104,3 +104,15 @@ def test_other_families_over_int8_pages(family, prompts):
     out = _engine(model, "int8").generate(prompts[2:], max_new_tokens=NEW)
     for j, p in enumerate(prompts[2:]):
         assert out[j][0] == judged(model, p, "int8"), f"{family} prompt {j}"
+
+
+def test_int4_pages_are_parked_and_restored_exactly(llama, prompts):
+    """A tight Engine parks preempted sequences in the host tier as packed int4 rows and
+    restores them: every request's tokens equal a roomy Engine's."""
+    short = [p[:40] for p in prompts]
+    want = [r[0] for r in _engine(llama, "int4").generate(short, max_new_tokens=NEW)]
+    tight = Engine(llama, backend="metal", device="cpu", max_total_tokens=128, page_size=16,
+                   kv_dtype="int4", prefix_cache=False, offload=True)
+    got = [r[0] for r in tight.generate(short, max_new_tokens=NEW)]
+    assert tight.stats.offloaded_tokens > 0
+    assert got == want

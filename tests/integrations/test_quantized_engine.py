@@ -11,7 +11,6 @@ import transformers
 from conftest import backend_or_skip, hf_greedy, make_model
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from kvcache import UnsupportedFeatureError
 from kvcache import kv_quant as kq
 from kvcache.config import KV_FORMATS
 from kvcache.integrations.transformers import Engine
@@ -96,15 +95,27 @@ def test_the_formats_change_tokens_and_auto_is_plain_generation(llama):
     assert judged(llama, prompt, "int4") != plain
 
 
-def test_offloading_quantized_pages_is_refused_at_construction(llama):
-    with pytest.raises(UnsupportedFeatureError, match="offload=True"):
-        Engine(llama, backend="reference", max_total_tokens=512, kv_dtype="int8", offload=True)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_affine_pages_are_offloaded_and_restored_exactly(llama, fmt):
+    """int8 / int4 pages move through the host tier as packed rows: an Engine too small for
+    its batch parks preempted sequences and restores them, and every request's greedy tokens
+    equal those of an Engine with room for all."""
+    prompts = [prompt_of(n=40, seed=s) for s in range(4)]
+    roomy = Engine(llama, backend="reference", max_total_tokens=1024, kv_dtype=fmt,
+                   prefix_cache=False, offload=False)
+    want = [r[0] for r in roomy.generate(prompts, max_new_tokens=NEW)]
+    tight = Engine(llama, backend="reference", max_total_tokens=128, kv_dtype=fmt,
+                   prefix_cache=False, offload=True)
+    got = [r[0] for r in tight.generate(prompts, max_new_tokens=NEW)]
+    assert tight.host_tier is not None
+    assert tight.stats.offloaded_tokens > 0 and tight.stats.recompute_tokens_saved > 0
+    assert got == want
 
 
 def test_fp8_pages_are_offloaded_and_restored_exactly(llama):
     """fp8 pages move through the host tier (their payload carries the scales): an Engine too
     small for its batch parks preempted sequences and restores them, and every request's
-    greedy tokens equal those of an Engine with room for all (affine formats: refused above)."""
+    greedy tokens equal those of an Engine with room for all."""
     prompts = [prompt_of(n=40, seed=s) for s in range(4)]
     roomy = Engine(llama, backend="reference", max_total_tokens=1024, kv_dtype="float8_e4m3",
                    prefix_cache=False, offload=False)

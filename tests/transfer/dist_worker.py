@@ -27,6 +27,9 @@ ROUNDS = [
     # fp8 pages (issue 32): the values with the scales, which the receiver adopts
     ("reference", 4, "cuda", 16, "bfloat16", "inline", True, FP8, 40),
     ("cuda", 16, "reference", 3, "float32", "normal", False, FP8, 40),
+    # int8 / int4 pages: the packed rows, stored unchanged (the same codes)
+    ("reference", 4, "reference", 3, "bfloat16", "inline", True, "int4", 40),
+    ("reference", 3, "reference", 16, "float32", "normal", False, "int8", 40),
 ]
 CHUNKS = 4
 
@@ -86,6 +89,9 @@ def one_round(rank, n, src_backend, ps_a, dst_backend, ps_b, dtype, rope, slidin
         assert dest.state.seq(sid).window == source.state.seq(sid).window
         if fp8:
             assert np.array_equal(fp8_codes(source, sid), fp8_codes(dest, sid)), sid
+        if kv_dtype in ("int8", "int4"):         # the packed rows (codes, scales, biases)
+            a, b = source.export_sequence(sid), dest.export_sequence(sid)
+            assert np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v), sid
     shared = sum(1 for sid in wl.forks if wl.forks[sid][1] >= ps_b)
     print(f"round {n}: {count} sequences ({len(wl.forks)} forks, {shared} sharing a page) "
           f"{src_backend}/{ps_a} -> {dst_backend}/{ps_b} {dtype} {rope} kv_dtype={kv_dtype} "
@@ -207,9 +213,9 @@ def malformed_then_in_step(rank):
 
 
 def quantized_edges(rank):
-    """fp8 into a plain cache only with convert_dtype (the values, as they read); int8 pages
-    refused on either side, typed, before any message (sender) or with the data drained
-    (receiver): the next transfers still pair up."""
+    """fp8 into a plain cache only with convert_dtype (the values, as they read); packed int8
+    rows into an int4 cache (or one of another group size) refused with the data drained, into
+    an int8 cache of the same group stored unchanged: the transfers still pair up."""
     fp8 = kvcache.PagedKVCache(config(4, "float32", "normal", kv_dtype=FP8), backend="reference")
     fp8.add_sequence(1)
     run_forward(fp8, [1], [11], np.random.default_rng(3))
@@ -219,18 +225,14 @@ def quantized_edges(rank):
     run_forward(plain, [1], [6], np.random.default_rng(4))
     int8 = kvcache.PagedKVCache(config(4, "float32", "normal", kv_dtype="int8"),
                                 backend="reference")
+    int8.add_sequence(1)
+    run_forward(int8, [1], [3], np.random.default_rng(5))
     if rank == 0:
         send_sequence(fp8, [1], dst=1).wait()             # refused: no convert_dtype
         send_sequence(fp8, [1], dst=1).wait()             # taken with convert_dtype
-        int8.add_sequence(1)
-        run_forward(int8, [1], [3], np.random.default_rng(5))
-        try:
-            send_sequence(int8, [1], dst=1)
-        except kvcache.UnsupportedFeatureError as exc:
-            assert "int8 pages do not move between caches yet" in str(exc), exc
-        else:
-            raise AssertionError("int8 pages were sent")
-        send_sequence(plain, [1], dst=1).wait()           # refused by an int8 receiver
+        send_sequence(int8, [1], dst=1).wait()            # refused by an int4 receiver
+        send_sequence(int8, [1], dst=1).wait()            # refused by a group-32 int8 one
+        send_sequence(int8, [1], dst=1).wait()            # taken by an int8 one
         send_sequence(plain, [1], dst=1).wait()           # the next one pairs up
         return
     dest = kvcache.PagedKVCache(plain_cfg, backend="cuda", device="cpu")
@@ -244,17 +246,26 @@ def quantized_edges(rank):
     assert dest.is_empty and dest.num_available_pages == free
     assert recv_sequence(dest, [5], src=0, convert_dtype=True).wait() == [5]
     assert_same_kv(fp8, 1, dest, 5)
-    try:
-        recv_sequence(int8, [5], src=0)
-    except kvcache.UnsupportedFeatureError as exc:
-        assert "int8 pages do not move between caches yet" in str(exc), exc
-    else:
-        raise AssertionError("an int8 cache received a transfer")
-    assert int8.is_empty and int8.num_available_pages == int8.num_total_pages
+    for other in (dict(kv_dtype="int4"), dict(kv_dtype="int8", kv_quant_group=32)):
+        wrong = kvcache.PagedKVCache(config(4, "float32", "normal", **other),
+                                     backend="reference")
+        try:
+            recv_sequence(wrong, [5], src=0, convert_dtype=True)
+        except kvcache.InvalidArgumentError as exc:
+            assert "stored unchanged" in str(exc), exc
+        else:
+            raise AssertionError(f"packed int8 rows were taken by a cache of {other}")
+        assert wrong.is_empty and wrong.num_available_pages == wrong.num_total_pages
+    same = kvcache.PagedKVCache(config(4, "float32", "normal", kv_dtype="int8"),
+                                backend="reference")
+    assert recv_sequence(same, [5], src=0).wait() == [5]
+    assert_same_kv(int8, 1, same, 5)
+    a, b = int8.export_sequence(1), same.export_sequence(5)
+    assert np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
     assert recv_sequence(dest, [6], src=0).wait() == [6]
     assert_same_kv(plain, 1, dest, 6)
-    print("fp8 into a plain cache only converted; int8 refused on both sides, in step",
-          flush=True)
+    print("fp8 into a plain cache only converted; packed int8 rows only into int8 of the same "
+          "group, in step", flush=True)
 
 
 def main():

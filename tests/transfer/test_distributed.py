@@ -44,7 +44,9 @@ def test_two_processes_move_100_sequences_bit_exactly(tmp_path):
     assert "round 0: 100 sequences" in outs[1] and "round 1: 100 sequences" in outs[1], log
     assert "round 2: 40 sequences" in outs[1] and "round 3: 40 sequences" in outs[1], log
     assert "kv_dtype=float8_e4m3 ok" in outs[1], log
-    assert "fp8 into a plain cache only converted; int8 refused on both sides" in outs[1], log
+    assert "round 4: 40 sequences" in outs[1] and "round 5: 40 sequences" in outs[1], log
+    assert "kv_dtype=int4 ok" in outs[1] and "kv_dtype=int8 ok" in outs[1], log
+    assert "fp8 into a plain cache only converted; packed int8 rows only into int8" in outs[1], log
     assert "refused header drained" in outs[1], log
     assert "malformed headers refused and drained; the next transfer arrived" in outs[1], log
 
@@ -104,7 +106,8 @@ def test_bad_arguments_are_refused_before_any_message(one_process_group):
 def test_fp8_headers_say_the_arrays_dtype_and_are_checked_against_it():
     """An fp8 transfer's K/V are the values in the compute dtype (``dtype``), the scales in the
     payload headers: the receiver sizes and reads the data by ``dtype``; a header without it,
-    with another one than its payloads', or naming int8 pages is refused, typed."""
+    with another one than its payloads', or packed int8 rows said to be values, is refused,
+    typed."""
     import copy
     import json
 
@@ -132,5 +135,28 @@ def test_fp8_headers_say_the_arrays_dtype_and_are_checked_against_it():
         read(good, k.nbytes // 2)
     bad = copy.deepcopy(good)
     bad["kv_dtype"] = "int8"
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="int8 pages do not move"):
+    with pytest.raises(kvcache.InvalidArgumentError, match="uint8 \\(packed rows\\)"):
         read(bad)
+
+
+def test_packed_affine_headers_are_read_by_their_bytes():
+    """An int8 / int4 transfer's K/V are packed rows (uint8, the last axis the row's bytes):
+    the header's shape and nbytes count them, and a byte count for another group size is
+    refused."""
+    import json
+
+    from kvcache.distributed.transfer import _read_header
+    cache = make_cache("reference", config(4, "bfloat16", "none", kv_dtype="int4"))
+    cache.add_sequence(1)
+    run_forward(cache, [1], [5], np.random.default_rng(0))
+    headers, k, _ = cache.export_sequences([1])
+    assert k.dtype == np.uint8 and k.shape[-1] == headers[0].shape[3] < cache.config.head_dim
+    good = {"version": 1, "kv_dtype": "int4", "dtype": "uint8", "shape": list(k.shape),
+            "nbytes": k.nbytes, "payloads": [h.header() for h in headers]}
+    msg, shape, got = _read_header(json.dumps(good).encode(), k.nbytes, [7], 0)
+    assert shape == k.shape and got[0].kv_quant_group == cache.config.kv_quant_group
+    other = 32 if cache.config.kv_quant_group == 64 else 64
+    bad = dict(good, payloads=[dict(good["payloads"][0], kv_quant_group=other)])
+    with pytest.raises(kvcache.InvalidArgumentError, match="row"):
+        _read_header(json.dumps(bad).encode(), k.nbytes, [7], 0)
+

@@ -12,7 +12,6 @@ import pytest
 
 import kvcache
 from kvcache import HostTier, InvalidArgumentError, PagedKVCache, SequencePayload
-from kvcache.errors import UnsupportedFeatureError
 
 pytest.importorskip("ml_dtypes")
 BACKENDS = ["reference", "cuda"]
@@ -173,10 +172,3 @@ def test_host_tier_parks_and_restores_fp8_sequences(backend):
         np.testing.assert_array_equal(v1, v2)
 
 
-def test_affine_formats_still_do_not_move():
-    cache = make("reference", kv_dtype="int8")
-    fill(cache)
-    with pytest.raises(UnsupportedFeatureError, match="not supported yet"):
-        cache.export_sequence(0)
-    with pytest.raises(UnsupportedFeatureError, match="not supported yet"):
-        HostTier(cache).offload(0)

@@ -510,6 +510,33 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 pages[dp[:, None, None], two, heads, dr[:, None, None]] = rows
                 mx.eval(pages)
 
+    def gather_kv_packed(self, pages_per_layer, slots):
+        c = self.config
+        with mx.stream(self.stream):
+            page, row = self._slot_index(slots)
+            rows = mx.stack([pages[page[:, None, None], mx.arange(2)[None, :, None],
+                                   mx.arange(c.num_kv_heads)[None, None, :], row[:, None, None]]
+                             for pages in pages_per_layer])            # (L, n, 2, Hkv, bytes)
+            k = rows[:, :, 0, :, :self.affine.bytes_of(c.head_dim)]
+            v = rows[:, :, 1, :, :self.affine.bytes_of(c.head_dim_v)]
+            mx.eval(k, v)
+            return k, v
+
+    def append_kv_packed(self, pages, k, v, slots):
+        c = self.config
+        with mx.stream(self.stream):
+            keep = self._ops.host(slots) >= 0
+            if not keep.all():
+                sel = mx.array(np.nonzero(keep)[0].astype(np.int32))
+                k, v, slots = k[sel], v[sel], slots[sel]
+            page, row = self._slot_index(slots)
+            width = self.affine.row_bytes
+            kv = mx.stack([mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[-1])])
+                           for x in (k, v)], axis=1)                    # (T, 2, Hkv, bytes)
+            pages[page[:, None, None], mx.arange(2)[None, :, None],
+                  mx.arange(c.num_kv_heads)[None, None, :], row[:, None, None]] = kv
+            mx.async_eval(pages)
+
     def gather_kv(self, pages_per_layer, slots):
         with mx.stream(self.stream):
             page, row = self._slot_index(slots)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
-             "int32": mx.int32}
+             "int32": mx.int32, "uint8": mx.uint8}
 LOGITS_BUDGET = 1 << 24
 """Max elements of one logits tensor (m * Hq * Lq_tile * Lk); bounds peak memory."""
 NEG_INF = float("-inf")

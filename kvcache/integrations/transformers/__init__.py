@@ -112,7 +112,9 @@ class Engine(_Engine):
     ``tp_group``: their torch.distributed group, None: the default group); the model is split
     over the ranks and each rank's cache holds its ``num_kv_heads / tp`` heads, see
     ``kvcache.integrations.tp``. ``prefix_cache`` (default True): requests start from the
-    longest cached prefix of their prompt, see ``kvcache.integrations.engine.Engine``. See
+    longest cached prefix of their prompt, see ``kvcache.integrations.engine.Engine``.
+    ``compile_step`` (default False): the captured decode step's model code through
+    ``torch.compile``, see ``kvcache.integrations.engine.Engine``. See
     ``kvcache.integrations.engine.Engine.generate``.
     """
 
@@ -123,7 +125,8 @@ class Engine(_Engine):
                  graph_batch_sizes=None, offload: Optional[bool] = None,
                  offload_tokens: Optional[int] = None, overlap: bool = True,
                  tp: Optional[int] = None, tp_group=None, memory_fraction: float = 0.9,
-                 prefix_cache: bool = True, kv_dtype: str = "auto"):
+                 prefix_cache: bool = True, kv_dtype: str = "auto",
+                 compile_step: Optional[bool] = False):
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
@@ -137,4 +140,4 @@ class Engine(_Engine):
                          graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
                          offload_tokens=offload_tokens, overlap=overlap,
                          memory_fraction=memory_fraction, prefix_cache=prefix_cache,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, compile_step=compile_step)

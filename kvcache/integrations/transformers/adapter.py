@@ -20,6 +20,10 @@ from .rope import _check_rope, fused_rope, model_rotary
 
 torch = require("torch", "transformers")
 
+COMPILE_BACKEND = "inductor"
+"""``torch.compile``'s backend for ``compile_step`` (the tests' CPU runs use "aot_eager": the
+same tracing through the cache's op, no kernels generated)."""
+
 
 def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: int = 65536,
                  max_batch_size: int = 64, prefill_chunk_size: int = 2048,
@@ -157,11 +161,15 @@ class TransformersAdapter(ModelAdapter):
         """Whole-step graphs pay on a GPU (the model's device); on a CPU they save nothing."""
         return torch.device(device if device is not None else self.device).type != "cpu"
 
-    def step_graphs(self, cache):
+    def step_graphs(self, cache, compiled: bool = False):
         """Decode steps captured per bucket: the model's whole forward (embedding, layers with
         the cache's attention, LM head) over a fixed ``(3, bucket)`` input buffer (token ids,
-        positions, logit rows); see ``kvcache.integrations.torch_graphs``."""
+        positions, logit rows); see ``kvcache.integrations.torch_graphs``. ``compiled``: the
+        step goes through ``torch.compile`` (one graph for every bucket: dynamic batch), the
+        cache's attention an opaque op in it (``kvcache::attention``), so the model's
+        elementwise work between the GEMMs fuses; the capture records the compiled kernels."""
         from ..torch_graphs import StepGraphs
+        from .interface import expose
         model = self.model
 
         def step(inputs):
@@ -169,7 +177,19 @@ class TransformersAdapter(ModelAdapter):
                         use_cache=False, logits_to_keep=inputs[2], kvcache=cache)
             return out.logits[0]
 
+        if compiled:
+            expose(cache)
+            step = torch.compile(step, dynamic=True, backend=COMPILE_BACKEND)
         return StepGraphs(cache, step, self.device)
+
+    def compiles(self, device) -> Optional[str]:
+        dev = torch.device(device if device is not None else self.device)
+        if dev.type != "cuda":
+            return f"torch.compile of the step runs on CUDA devices only, not {dev.type!r}"
+        from torch.utils._triton import has_triton
+        if not has_triton():
+            return "torch.compile needs Triton for this GPU, and it is not available"
+        return None
 
     def to_numpy(self, logits) -> np.ndarray:
         return logits.detach().to("cpu", torch.float64).numpy()

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -94,6 +95,57 @@ def _show(value) -> str:
     return repr(value)[:60]
 
 
+# ---------------------------------------------------------------- the compiled step's boundary
+_COMPILED_CACHES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+"""The caches a compiled model may reach, by ``id``: the custom op below takes the cache as
+an int (an op's arguments are tensors and numbers), looked up here when it runs."""
+
+
+def expose(cache) -> int:
+    """Make ``cache`` reachable from compiled code (``torch.compile`` of a model whose attention
+    is ``"kvcache"``); returns the id the compiled graph carries."""
+    _COMPILED_CACHES[id(cache)] = cache
+    return id(cache)
+
+
+@torch.library.custom_op("kvcache::attention", mutates_args=())
+def _attention_op(query: torch.Tensor, key: torch.Tensor,  # type: ignore[name-defined]
+                  value: torch.Tensor, cache_id: int,  # type: ignore[name-defined]
+                  layer: int, scaling: float, window_left: int, softcap: float,
+                  sinks: Optional[torch.Tensor]) -> torch.Tensor:  # type: ignore[name-defined]
+    """``cache.attention`` as one opaque op of a compiled graph (the compiler neither traces
+    into the cache's Python nor fuses across it); shapes as ``attention``'s."""
+    cache = _COMPILED_CACHES[cache_id]
+    extra: dict = {}
+    if window_left >= 0:
+        extra["window_left"] = window_left
+    if softcap:
+        extra["logit_softcap"] = softcap
+    if sinks is not None:
+        extra["sinks"] = _to_cache(cache, sinks)
+    q, k, v = (_to_cache(cache, x[0].transpose(0, 1)) for x in (query, key, value))
+    out = cache.attention(layer, q, k, v, sm_scale=scaling, **extra)
+    return out.to(device=query.device, dtype=query.dtype).unsqueeze(0).clone()
+
+
+@_attention_op.register_fake
+def _(query, key, value, cache_id, layer, scaling, window_left, softcap, sinks):
+    return query.new_empty((1, query.shape[2], query.shape[1], value.shape[3]))
+
+
+def _compiled_attention(module, query, key, value, scaling, sliding_window, kwargs):
+    """What ``attention`` is inside ``torch.compile``: the layer's options read here (traced
+    once), the cache call as ``kvcache::attention``. The eager path has checked the same model
+    and cache already (a compiled step only runs decode steps after eager prefills)."""
+    cache = kwargs["kvcache"]
+    window = -1 if sliding_window is None else int(sliding_window) - 1
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    out = _attention_op(query, key, value, id(cache), int(module.layer_idx),
+                        float(scaling), window, float(softcap or 0.0), sinks)
+    return out, None
+
+
 def attention(module, query, key, value, attention_mask, scaling: Optional[float] = None,
               dropout: float = 0.0, sliding_window: Optional[int] = None, **kwargs):
     """The ``"kvcache"`` attention implementation (transformers' attention-function signature).
@@ -106,8 +158,11 @@ def attention(module, query, key, value, attention_mask, scaling: Optional[float
     soft-capping) and ``s_aux`` / ``sinks`` (gpt-oss's learned sinks, one logit per query head)
     are passed on to ``cache.attention``; any other keyword that changes attention is refused
     (``UnsupportedFeatureError`` naming it). Returns ``(output (1, T, num_qo_heads, head_dim_v)
-    in query's dtype, None)``.
+    in query's dtype, None)``. Inside ``torch.compile`` (the Engine's ``torch_compile``) the
+    cache call is the custom op ``kvcache::attention``, opaque to the compiler.
     """
+    if torch.compiler.is_compiling():
+        return _compiled_attention(module, query, key, value, scaling, sliding_window, kwargs)
     cache = kwargs.get("kvcache")
     if cache is None:
         raise InvalidArgumentError(
