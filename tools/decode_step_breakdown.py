@@ -2,6 +2,7 @@
 tiles and split factor do at that step's shape.
 
     python tools/decode_step_breakdown.py [--batch 64] [--prompt 576] [--layers 8] [--sweep]
+        [--rope model|cache] [--compile-step]
 
 Part 1: the ``Engine`` (graphs on) generates ``--batch`` prompts of ``--prompt`` tokens to 8 and
 to 40 new tokens under torch.profiler; per kernel name, (time in the longer run - time in the
@@ -45,9 +46,13 @@ def kernel_times(prof) -> dict:
 
 def breakdown(a) -> None:
     from torch.profiler import ProfilerActivity, profile
+    if a.compile_mode:
+        from kvcache.integrations.transformers import adapter
+        adapter.COMPILE_MODE = a.compile_mode
     net = build_model("llama", a.layers, False, "cuda", "bfloat16", 0)
     eng = Engine(net, backend="cuda", device="cuda", max_batch_size=a.batch,
-                 max_total_tokens=a.batch * (a.prompt + 72), rope=a.rope)
+                 max_total_tokens=a.batch * (a.prompt + 72), rope=a.rope,
+                 compile_step=a.compile_step)
     eng.progress = False
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, net.config.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
@@ -150,6 +155,10 @@ if __name__ == "__main__":
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--rope", default="model", choices=("model", "cache"))
     p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--compile-step", action="store_true",
+                   help="the Engine's compiled decode step (Engine(compile_step=True))")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode of the compiled step (e.g. max-autotune-no-cudagraphs)")
     a = p.parse_args()
     if not a.no_breakdown:
         breakdown(a)

@@ -5,8 +5,11 @@ On the cuda backend's CPU test mode the step compiles with the "aot_eager" backe
 AOT tracing through the op, the op's fake shapes, no kernels generated; the graph stand-in
 re-runs the compiled step): the tokens equal the eager Engine's and transformers' own greedy
 generation, across batch buckets, and the op is in the traced graph (no graph break at the
-attention). On a GPU (``KVCACHE_CUDA_TEST_DEVICE=cuda``) the same test runs with Inductor and
-captured CUDA graphs. The switch: off by default, refused where it cannot run."""
+attention). On a GPU, Inductor and captured CUDA graphs: float32 gives the eager tokens; in
+bfloat16 the fused kernels round differently from the eager ones, so a random-weight model's
+near-ties part, and the judge is transformers' own forward at the first differing token: the
+two picks' logits there must be within bfloat16 rounding of each other. The switch: off by
+default, refused where it cannot run."""
 
 from __future__ import annotations
 
@@ -26,12 +29,11 @@ ON_GPU = os.environ.get("KVCACHE_CUDA_TEST_DEVICE", "").startswith("cuda")
 
 @pytest.fixture
 def compilable(monkeypatch):
-    """On the CPU: the step compiles with "aot_eager" (no C++ / Triton toolchain needed)."""
+    """The CPU test mode's step compiles with "aot_eager" (no C++ / Triton toolchain needed)."""
     import torch
     torch._dynamo.reset()
-    if not ON_GPU:
-        monkeypatch.setattr(tf_adapter, "COMPILE_BACKEND", "aot_eager")
-        monkeypatch.setattr(tf_adapter.TransformersAdapter, "compiles", lambda self, device: None)
+    monkeypatch.setattr(tf_adapter, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(tf_adapter.TransformersAdapter, "compiles", lambda self, device: None)
     yield
     torch._dynamo.reset()
 
@@ -104,7 +106,15 @@ def test_gpu_compiled_step_matches_eager(dtype):
         assert got == want
         np.testing.assert_allclose(np.array(lp_on, dtype=float), np.array(lp_off, dtype=float),
                                    rtol=1e-3, atol=1e-3)
-    else:
-        same = sum(a == b for a, b in zip(got, want))
-        print(f"bfloat16: {same} of {len(got)} requests give the eager tokens")
-        assert same >= len(got) - 1
+        return
+    gaps = []
+    for prompt, (a,), (b,) in zip(prompts, got, want):
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            continue
+        with torch.inference_mode():     # transformers' own forward over the eager tokens
+            logits = model(torch.tensor([prompt + b[:i]], device="cuda")).logits[0, -1].float()
+        gaps.append(round(float(logits[b[i]] - logits[a[i]]), 4))
+    print(f"bfloat16: {len(got) - len(gaps)} of {len(got)} requests give the eager tokens; "
+          f"logit gaps where they part: {gaps}")
+    assert all(abs(g) <= 0.125 for g in gaps), gaps

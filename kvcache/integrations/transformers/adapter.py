@@ -23,6 +23,9 @@ torch = require("torch", "transformers")
 COMPILE_BACKEND = "inductor"
 """``torch.compile``'s backend for ``compile_step`` (the tests' CPU runs use "aot_eager": the
 same tracing through the cache's op, no kernels generated)."""
+COMPILE_MODE: Optional[str] = None
+"""``torch.compile``'s ``mode`` for ``compile_step`` (None: the default; tools try e.g.
+"max-autotune-no-cudagraphs", which also tunes the GEMMs, at a longer compile)."""
 
 
 def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: int = 65536,
@@ -179,7 +182,7 @@ class TransformersAdapter(ModelAdapter):
 
         if compiled:
             expose(cache)
-            step = torch.compile(step, dynamic=True, backend=COMPILE_BACKEND)
+            step = torch.compile(step, dynamic=True, backend=COMPILE_BACKEND, mode=COMPILE_MODE)
         return StepGraphs(cache, step, self.device)
 
     def compiles(self, device) -> Optional[str]:
