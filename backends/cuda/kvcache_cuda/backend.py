@@ -27,7 +27,7 @@ import numpy as np
 from kvcache.backend import Backend, Capabilities
 
 from .launch import LaunchCache
-from .tuning import CUDA_TUNING, Tuning
+from .tuning import CUDA_TUNING, Tuning, device_arch, for_arch
 
 try:  # torch is optional at import time; availability() explains its absence
     import torch
@@ -219,7 +219,9 @@ class CudaBackend(Backend):
         self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if self.on_gpu else self.CPU_TEST_SMS)
         self.launch_cache = LaunchCache()
-        self.tuning = self.TUNING
+        self.arch = device_arch(torch, dev)
+        """The GPU's architecture (``"sm_90"``, ``"gfx942"``; None in the CPU test mode)."""
+        self.tuning = for_arch(self.TUNING, self.arch)      # its tuning_table.json entry
         self.host_compute_stream = None if self.on_gpu else HostStream("compute")
 
     @property
@@ -231,7 +233,9 @@ class CudaBackend(Backend):
 
     @property
     def tuning(self) -> Tuning:
-        """The kernel tile table in use (``TUNING`` unless a test or sweep sets another)."""
+        """The kernel tile table in use: ``TUNING`` with this GPU architecture's entry of
+        ``tuning_table.json`` (``kvcache_cuda.tuning.for_arch``), unless a test or sweep sets
+        another."""
         return self._tuning
 
     @tuning.setter

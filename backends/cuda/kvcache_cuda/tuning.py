@@ -4,11 +4,20 @@ A backend class carries one ``Tuning`` table; the ROCm package subclasses ``Cuda
 swaps this table (wavefront 64, other tile sizes) and its availability check. Per-head-dim
 overrides live in ``by_head_dim`` so one table covers 64/128/256; they are keyed by the padded
 head_dim the kernels run at (the next power of two: 80 and 96 use the 128 tiles).
+
+Per architecture: ``tuning_table.json`` beside this module holds, per ``device_arch`` name
+(``"sm_90"``, ``"sm_80"``, ``"gfx942"``), the entries a sweep on that GPU found best
+(``python -m kvcache_cuda.tune --write``); ``for_arch`` lays them over a backend's base table
+when it opens a GPU. An architecture without an entry runs the base table.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -92,3 +101,87 @@ def num_splits(tuning: Tuning, num_programs: int, max_kv_len: int, num_sms: int,
         want = max(want, tuning.fp8_min_splits)
     cap = max(1, max_kv_len // tuning.split_min_keys)
     return int(max(1, min(want, cap, tuning.split_max)))
+
+
+# ------------------------------------------------------------------ per-architecture entries
+TABLE_PATH = Path(__file__).with_name("tuning_table.json")
+"""The per-architecture table (``python -m kvcache_cuda.tune --write`` on a GPU writes its
+architecture's entry): ``{arch: entry}``, an entry overriding a backend's base ``Tuning``."""
+_TILE_TABLES = ("by_head_dim", "float32_by_head_dim", "fp8_by_head_dim")
+_SCALARS = ("split_programs_per_sm", "split_min_keys", "split_max", "fp8_min_splits")
+_KINDS = ("prefill", "decode")
+
+
+def device_arch(torch, device) -> Optional[str]:
+    """The architecture name a table entry is keyed by: ``"sm_90"`` (CUDA compute capability
+    9.0), ``"gfx942"`` (ROCm: the gcnArchName before its feature flags); None off a GPU."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(dev)
+    gcn = getattr(props, "gcnArchName", "") or ""
+    if getattr(torch.version, "hip", None) and gcn:
+        return gcn.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def _read(path: str, mtime: float) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def read_table(path: Path = TABLE_PATH) -> dict:
+    """The table at ``path`` (``{}`` when there is none)."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    return _read(str(path), path.stat().st_mtime)
+
+
+def for_arch(base: Tuning, arch: Optional[str], table: Optional[dict] = None,
+             where: str = str(TABLE_PATH)) -> Tuning:
+    """``base`` with ``arch``'s entry of ``table`` (None: ``read_table()``) applied: its tile
+    tables (``{"by_head_dim": {"128": {"decode": [block_rows, block_n, warps, stages]}}}``,
+    likewise ``float32_by_head_dim`` / ``fp8_by_head_dim``) merged per head_dim and kind over
+    the base's, its split-K numbers (``split_programs_per_sm``, ``split_min_keys``,
+    ``split_max``, ``fp8_min_splits``) replacing the base's. No entry: ``base``. Raises
+    ValueError naming ``where``, the architecture and the key for an entry it cannot read."""
+    if arch is None:
+        return base
+    entry = (read_table() if table is None else table).get(arch)
+    if entry is None:
+        return base
+    changes: dict = {}
+    for key, value in entry.items():
+        if key in ("source", "measured"):
+            continue
+        if key in _SCALARS:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: {arch}.{key}={value!r} must be an int >= 1")
+            changes[key] = value
+        elif key in _TILE_TABLES:
+            merged = {d: dict(kinds) for d, kinds in getattr(base, key).items()}
+            for dim, kinds in value.items():
+                for kind, tiles in kinds.items():
+                    if (kind not in _KINDS or not str(dim).isdigit() or not isinstance(tiles, list)
+                            or len(tiles) != 4 or not all(isinstance(x, int) and x > 0
+                                                          for x in tiles)):
+                        raise ValueError(
+                            f"{where}: {arch}.{key}[{dim!r}][{kind!r}]={tiles!r}: want a head "
+                            f"dim, 'prefill' or 'decode', and [block_rows, block_n, warps, "
+                            f"stages]")
+                    merged.setdefault(int(dim), {})[kind] = AttnTiles(*tiles)
+            changes[key] = merged
+        else:
+            raise ValueError(f"{where}: {arch} has an unknown key {key!r} (known: "
+                             f"{', '.join(_SCALARS + _TILE_TABLES)}, source, measured)")
+    return base.with_(**changes)
+
+
+def write_entry(arch: str, entry: dict, path: Path = TABLE_PATH) -> None:
+    """Set ``arch``'s entry of the table at ``path`` (the others kept), checked first."""
+    for_arch(Tuning(), arch, {arch: entry}, str(path))
+    table = dict(read_table(path))
+    table[arch] = entry
+    Path(path).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,166 @@
+"""Sweep the attention kernels' tiles and the split-K rule on this GPU and write its
+architecture's entry of the tuning table (``tuning_table.json``, read by ``for_arch``).
+
+    python -m kvcache_cuda.tune [--write] [--table PATH] [--iters N] [--dtype bfloat16]
+
+At the kernel bench's head shape (Hq 32, Hkv 8, D 128, page 16), each candidate is timed the
+bench's way (one call captured in a CUDA graph and replayed, L2 flushed, median), on several
+cases at once, and the best candidate is the one with the lowest geometric mean of its time
+over the case's best time (so no case is given up for another):
+
+1. decode tiles (``bench.DECODE_TILES``) over B=1 L=4096, B=16 L=4096, B=64 L=4096,
+   B=1 L=32768;
+2. with the best decode tiles, the split-K rule (``split_programs_per_sm`` x ``split_min_keys``)
+   over the same cases;
+3. prefill tiles (``bench.PREFILL_TILES``) over paged prefill B=1 L=4096 and causal ragged
+   prefill B=1 L=4096 (the two kernels share the table).
+
+Prints every candidate's times and the chosen entry; ``--write`` stores it under this GPU's
+``device_arch`` (``"sm_90"``, ``"gfx942"``), keeping the other architectures' entries. The
+candidates run from the backend's base table (``TUNING``), not from an entry already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+
+from . import bench
+from .tuning import AttnTiles, TABLE_PATH, device_arch, write_entry
+
+DECODE_CASES = [(1, 4096), (16, 4096), (64, 4096), (1, 32768)]
+PREFILL_CASES = [("paged", 1, 4096), ("ragged", 1, 4096)]
+SPLIT_RULES = [(pps, keys) for pps in (1, 2, 4) for keys in (64, 128, 256, 512)]
+
+
+def best_of(timings: dict) -> tuple:
+    """``(candidate, score)`` with the lowest geometric mean of time / the case's best time;
+    ``timings``: candidate -> list of times per case (None: the candidate failed there)."""
+    ok = {c: t for c, t in timings.items() if t and all(x is not None for x in t)}
+    if not ok:
+        raise RuntimeError("no candidate ran on every case")
+    cases = len(next(iter(ok.values())))
+    floor = [min(t[i] for t in ok.values()) for i in range(cases)]
+    scores = {c: math.exp(sum(math.log(t[i] / floor[i]) for i in range(cases)) / cases)
+              for c, t in ok.items()}
+    best = min(scores, key=lambda c: scores[c])
+    return best, scores[best]
+
+
+def _time_all(label, candidates, apply, runs, timer):
+    """Time every candidate (``apply(candidate)`` sets the backend's table) on every run."""
+    out = {}
+    for cand in candidates:
+        apply(cand)
+        times = []
+        for run in runs:
+            try:
+                times.append(timer.measure(run)[0])
+            except Exception as exc:            # e.g. out of shared memory for big tiles
+                print(f"  {label} {cand}: failed ({type(exc).__name__})", flush=True)
+                times.append(None)
+                break
+        out[cand] = times
+        shown = " ".join("  fail" if t is None else f"{t:8.1f}" for t in times)
+        print(f"  {label} {cand}: {shown} us", flush=True)
+    return out
+
+
+def sweep(torch, backend, timer, rng, device) -> dict:
+    """Run the three sweeps; returns the table entry (tiles as lists, the rule's numbers)."""
+    base = backend.tuning
+    scale = bench.D ** -0.5
+    d = str(bench.D)
+
+    def with_tiles(tuning, kind, tiles):
+        table = dict(tuning.by_head_dim)
+        table[bench.D] = dict(table.get(bench.D, {}), **{kind: AttnTiles(*tiles)})
+        return tuning.with_(by_head_dim=table)
+
+    setups = [bench._paged_setup(torch, backend, b, n, 1, rng, device) for b, n in DECODE_CASES]
+    decode_runs = [functools.partial(backend.paged_attention, q, pages, depth, scale)
+                   for pages, depth, q in setups]
+    print(f"# decode tiles over {DECODE_CASES} (B, L)", flush=True)
+    tiles = _time_all("decode", bench.DECODE_TILES,
+                      lambda t: setattr(backend, "tuning", with_tiles(base, "decode", t)),
+                      decode_runs, timer)
+    decode, dscore = best_of(tiles)
+    tuned = with_tiles(base, "decode", decode)
+    print(f"# split-K rule (split_programs_per_sm, split_min_keys), decode tiles {decode}",
+          flush=True)
+    rules = _time_all("splits", SPLIT_RULES, lambda r: setattr(backend, "tuning", tuned.with_(
+        split_programs_per_sm=r[0], split_min_keys=r[1])), decode_runs, timer)
+    rule, rscore = best_of(rules)
+    del setups, decode_runs
+    torch.cuda.empty_cache()
+
+    runs: list = []
+    for kind, b, n in PREFILL_CASES:
+        if kind == "paged":
+            pages, depth, q = bench._paged_setup(torch, backend, b, n, n, rng, device)
+            runs.append(functools.partial(backend.paged_attention, q, pages, depth, scale))
+        else:
+            q = torch.randn((b * n, bench.HQ, bench.D), device=device).to(backend.dtype)
+            k = torch.randn((b * n, bench.HKV, bench.D), device=device).to(backend.dtype)
+            v = torch.randn_like(k)
+            qo = torch.arange(0, b * n + 1, n, device=device, dtype=torch.int32)
+            runs.append(functools.partial(backend.ragged_attention, q, k, v, qo, scale,
+                                          num_seqs=b, max_len=n))
+    print(f"# prefill tiles over {PREFILL_CASES}", flush=True)
+    ptiles = _time_all("prefill", bench.PREFILL_TILES,
+                       lambda t: setattr(backend, "tuning", with_tiles(base, "prefill", t)),
+                       runs, timer)
+    prefill, pscore = best_of(ptiles)
+    backend.tuning = base
+    entry = {"by_head_dim": {d: {"decode": list(decode), "prefill": list(prefill)}},
+             "split_programs_per_sm": rule[0], "split_min_keys": rule[1],
+             "measured": {"decode_score": round(dscore, 3), "split_score": round(rscore, 3),
+                          "prefill_score": round(pscore, 3),
+                          "decode_us": dict(zip(map(str, DECODE_CASES),
+                                                [round(x, 1) for x in rules[rule]])),
+                          "prefill_us": dict(zip(map(str, PREFILL_CASES),
+                                                 [round(x, 1) for x in ptiles[prefill]]))}}
+    return entry
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvcache_cuda.tune", description=__doc__.split("\n")[0])
+    p.add_argument("--write", action="store_true", help="store the entry in the table")
+    p.add_argument("--table", default=str(TABLE_PATH), help="the table file (default: the package's)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    import torch
+    from .backend import CudaBackend
+    cls = CudaBackend
+    if getattr(torch.version, "hip", None):     # ROCm: its own base table
+        from kvcache_rocm.backend import RocmBackend
+        cls = RocmBackend
+    device = torch.device(args.device)
+    backend = bench.bench_backend(cls, args.dtype, str(device))
+    backend.tuning = cls.TUNING                 # candidates from the base table
+    arch = device_arch(torch, device)
+    if arch is None:
+        p.error(f"--device {args.device!r} is not a GPU: the sweep times GPU kernels")
+    name = torch.cuda.get_device_name(device)
+    print(f"# {name} ({arch}), {args.dtype}, Hq{bench.HQ}/Hkv{bench.HKV}/D{bench.D} page "
+          f"{bench.PS}", flush=True)
+    timer = bench.Timer(torch, device, args.iters, 3)
+    entry = sweep(torch, backend, timer, np.random.default_rng(0), device)
+    entry["source"] = (f"python -m kvcache_cuda.tune --write on {name}, {args.dtype}, "
+                       f"{datetime.date.today().isoformat()}")
+    print(f"# entry for {arch}: {entry}")
+    if args.write:
+        write_entry(arch, entry, Path(args.table))
+        print(f"# written to {args.table}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

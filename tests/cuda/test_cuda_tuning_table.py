@@ -1,0 +1,101 @@
+"""Tuning per GPU architecture (issue 33, item 4): ``tuning_table.json`` entries keyed by
+``device_arch`` ("sm_90", "gfx942") laid over a backend's base ``Tuning`` by ``for_arch``;
+``write_entry`` keeps other architectures; the sweep's choice (``tune.best_of``) is the lowest
+geometric mean over the cases; the table shipped with the package reads for every entry; a
+backend in the CPU test mode runs its base table."""
+
+import json
+import types
+
+import pytest
+
+from kvcache_cuda import tune
+from kvcache_cuda.tuning import (CUDA_TUNING, TABLE_PATH, AttnTiles, Tuning, device_arch, for_arch,
+                                 read_table, write_entry)
+
+
+def test_an_entry_overrides_tiles_per_head_dim_and_the_split_rule():
+    entry = {"by_head_dim": {"128": {"decode": [16, 64, 4, 2]}},
+             "fp8_by_head_dim": {"128": {"prefill": [64, 64, 4, 3]}},
+             "split_min_keys": 128, "split_programs_per_sm": 4,
+             "source": "a test", "measured": {"anything": 1}}
+    t = for_arch(CUDA_TUNING, "sm_90", {"sm_90": entry})
+    assert t.tiles("decode", 128) == AttnTiles(16, 64, 4, 2)
+    assert t.tiles("decode", 96) == AttnTiles(16, 64, 4, 2)          # 96 runs at 128
+    assert t.tiles("prefill", 128) == CUDA_TUNING.tiles("prefill", 128)        # kept
+    assert t.tiles("decode", 64) == CUDA_TUNING.tiles("decode", 64)            # kept
+    assert t.tiles("prefill", 128, fp8=True) == AttnTiles(64, 64, 4, 3)
+    assert t.tiles("decode", 128, fp8=True) == CUDA_TUNING.tiles("decode", 128, fp8=True)
+    assert (t.split_min_keys, t.split_programs_per_sm) == (128, 4)
+    assert t.split_max == CUDA_TUNING.split_max
+    # another architecture, or none (the CPU test mode), keeps the base
+    assert for_arch(CUDA_TUNING, "sm_80", {"sm_90": entry}) is CUDA_TUNING
+    assert for_arch(CUDA_TUNING, None, {"sm_90": entry}) is CUDA_TUNING
+
+
+@pytest.mark.parametrize("entry,names", [
+    ({"split_min_keys": 0}, "split_min_keys=0"),
+    ({"split_min_keys": True}, "split_min_keys=True"),
+    ({"by_head_dim": {"128": {"decode": [16, 64, 4]}}}, "block_rows"),
+    ({"by_head_dim": {"128": {"append": [16, 64, 4, 2]}}}, "'append'"),
+    ({"by_head_dim": {"x": {"decode": [16, 64, 4, 2]}}}, "'x'"),
+    ({"num_warps": 4}, "unknown key 'num_warps'"),
+])
+def test_an_entry_it_cannot_read_is_refused_naming_the_key(entry, names):
+    with pytest.raises(ValueError, match="sm_90") as err:
+        for_arch(CUDA_TUNING, "sm_90", {"sm_90": entry}, "table.json")
+    assert names in str(err.value) and "table.json" in str(err.value)
+
+
+def test_write_entry_keeps_the_other_architectures(tmp_path):
+    path = tmp_path / "table.json"
+    write_entry("gfx942", {"split_min_keys": 512}, path)
+    write_entry("sm_90", {"by_head_dim": {"128": {"decode": [16, 128, 8, 3]}}}, path)
+    write_entry("sm_90", {"split_programs_per_sm": 2}, path)             # replaces sm_90's
+    table = json.loads(path.read_text())
+    assert table == {"gfx942": {"split_min_keys": 512}, "sm_90": {"split_programs_per_sm": 2}}
+    assert read_table(path) == table
+    with pytest.raises(ValueError, match="unknown key"):
+        write_entry("sm_80", {"bogus": 1}, path)
+    assert "sm_80" not in json.loads(path.read_text())                  # checked first
+    assert read_table(tmp_path / "none.json") == {}
+
+
+def test_the_sweep_picks_the_lowest_geometric_mean_over_the_cases():
+    timings = {"a": [10.0, 100.0], "b": [11.0, 80.0], "c": [9.0, 200.0], "d": [8.0, None]}
+    best, score = tune.best_of(timings)
+    # floors 9 and 80 (d failed a case: out): a 1.111 * 1.25, b 1.222 * 1.0, c 1.0 * 2.5
+    assert best == "b" and score == pytest.approx((11 / 9 * 1.0) ** 0.5)
+    with pytest.raises(RuntimeError):
+        tune.best_of({"x": [None]})
+
+
+def test_device_arch_names_cuda_and_rocm_architectures():
+    def fake(hip, major=9, minor=0, gcn=""):
+        props = types.SimpleNamespace(major=major, minor=minor, gcnArchName=gcn)
+        return types.SimpleNamespace(
+            device=lambda d: types.SimpleNamespace(type=str(d).split(":")[0]),
+            version=types.SimpleNamespace(hip=hip),
+            cuda=types.SimpleNamespace(get_device_properties=lambda d: props))
+    assert device_arch(fake(None), "cuda:0") == "sm_90"
+    assert device_arch(fake(None, 8, 6), "cuda") == "sm_86"
+    assert device_arch(fake("6.2", gcn="gfx942:sramecc+:xnack-"), "cuda") == "gfx942"
+    assert device_arch(fake(None), "cpu") is None
+
+
+def test_the_shipped_table_reads_for_every_architecture():
+    from kvcache_rocm.tuning import ROCM_TUNING
+    table = read_table(TABLE_PATH)
+    for arch in table:
+        for base in (CUDA_TUNING, ROCM_TUNING):
+            assert isinstance(for_arch(base, arch, table), Tuning)
+
+
+def test_the_cpu_test_mode_runs_the_base_table(monkeypatch):
+    import kvcache
+    from kvcache_cuda.backend import CudaBackend
+    monkeypatch.setenv("KVCACHE_CUDA_CPU", "1")
+    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                              page_size=16, max_total_tokens=64, rope_mode="normal")
+    backend = CudaBackend(cfg, "cpu")
+    assert backend.arch is None and backend.tuning is CudaBackend.TUNING
