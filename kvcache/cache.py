@@ -7,6 +7,7 @@ import array
 import contextlib
 import dataclasses
 import functools
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
@@ -18,7 +19,7 @@ from .config import DTYPES, CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
 from .core.plan import ForwardAux, ForwardPlan
 from .core.planner import Planner
-from .core.prefix import Ghost, PrefixIndex
+from .core.prefix import Ghost, PrefixIndex, Prompt
 from .arrays import to_host
 from .core.imports import ImportReservation, ImportSpec, pages_needed as import_pages
 from .core.static import capacity_plan
@@ -250,8 +251,10 @@ class PagedKVCache:
             self.state.add_sequence(seq_id)
             return 0
         sid = seq_id_arg(seq_id)
-        ids = _token_ids(tokens, f"add_sequence: sequence {sid}: tokens")
-        _hashable(extra_key, f"add_sequence: sequence {sid}: extra_key")
+        ids = _token_ids(tokens, f"add_sequence: sequence {sid}: tokens",
+                         None if self._prefix is None else self._prefix.memo)
+        if extra_key is not None:
+            _hashable(extra_key, f"add_sequence: sequence {sid}: extra_key")
         if sid in self.state.pt.seqs:
             raise SequenceExistsError(f"sequence {sid} is already in the cache")
         if self._prefix is None:
@@ -265,11 +268,14 @@ class PagedKVCache:
         now: the longest cached prefix of ``tokens`` in whole pages, at most ``len(tokens) -
         1`` (0 without ``CacheConfig(prefix_cache=True)``). Changes nothing (not even the
         least-recently-used order). Raises InvalidArgumentError for bad ids or key."""
-        ids = _token_ids(tokens, "match_prefix: tokens")
-        _hashable(extra_key, "match_prefix: extra_key")
+        ids = _token_ids(tokens, "match_prefix: tokens",
+                         None if self._prefix is None else self._prefix.memo)
+        if extra_key is not None:
+            _hashable(extra_key, "match_prefix: extra_key")
         if self._prefix is None:
             return 0
-        return len(self._prefix.match(ids, extra_key)) * self.config.page_size
+        node = self._prefix.find(ids, extra_key)
+        return 0 if node is None else node.depth * self.config.page_size
 
     @_exclusive
     def prefix_admission(self, tokens: Sequence[int], extra_key: Any = None) -> tuple[int, int]:
@@ -279,12 +285,14 @@ class PagedKVCache:
         are not available anyway). A scheduler admits a request with it: its first chunk then
         needs ``pages_needed`` after those. ``(0, 0)`` without the prefix cache. Changes
         nothing."""
-        ids = _token_ids(tokens, "prefix_admission: tokens")
-        _hashable(extra_key, "prefix_admission: extra_key")
+        ids = _token_ids(tokens, "prefix_admission: tokens",
+                         None if self._prefix is None else self._prefix.memo)
+        if extra_key is not None:
+            _hashable(extra_key, "prefix_admission: extra_key")
         if self._prefix is None:
             return 0, 0
-        path = self._prefix.match(ids, extra_key)
-        return len(path) * self.config.page_size, self._prefix.pinned(path)
+        node = self._prefix.find(ids, extra_key)
+        return (0 if node is None else node.depth * self.config.page_size), self._prefix.pinned(node)
 
     @_exclusive
     def extend_tokens(self, seq_id: int, tokens: Sequence[int]) -> None:
@@ -300,7 +308,7 @@ class PagedKVCache:
         self._no_forward("extend_tokens")
         seq = self.state.seq(seq_id)
         ids = _token_ids(tokens, f"extend_tokens: sequence {seq.seq_id}: tokens")
-        if self._prefix is not None and ids:
+        if self._prefix is not None and len(ids):
             self._prefix.extend(seq, ids)
 
     @property
@@ -1482,26 +1490,39 @@ class PagedKVCache:
         return o, lse
 
 
-def _token_ids(tokens, what: str) -> array.array:
-    """``tokens`` (a list or tuple of ints, a 1-D integer array or an ``array('q')``) as an
-    ``array('q')`` (the same object for an ``array('q')``) of ids >= 0. The common cases are
-    converted and checked at C speed: the index's host cost is a few microseconds per 1,000
-    tokens, and a Python loop here would be ten times it; anything else, or a bad id, goes
-    through ``int_values`` (the precise error)."""
-    out = None
+_SIGN = 7 if sys.byteorder == "little" else 0     # the byte of an int64 that holds its sign bit
+
+
+def _token_ids(tokens, what: str, memo=None) -> Prompt:
+    """``tokens`` (a list or tuple of ints, a 1-D integer array or an ``array('q')``) as a
+    ``Prompt``: a copy of the ids, checked (ints >= 0). The common cases are converted and
+    checked at C speed: the index's host cost is a few microseconds per 1,000 tokens, and a
+    Python loop here would be ten times it; anything else, or a bad id, goes through
+    ``int_values`` (the precise error). ``memo`` (a ``PromptMemo``): for an array, the
+    ``Prompt`` made for the same object before, while its bytes are the same (checked, not
+    hashed again)."""
+    buf = key = None
     if isinstance(tokens, array.array) and tokens.typecode == "q":     # int64 already
-        out = tokens
+        buf, key = tokens.tobytes(), id(tokens)
     elif isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
         # uint64 past 2**63 wraps negative: refused below
-        out = array.array("q", tokens.astype(np.int64, copy=False).tobytes())
-    elif isinstance(tokens, (list, tuple)) and set(map(type, tokens)) <= {int}:
-        try:
-            out = array.array("q", tokens)
+        buf, key = tokens.astype(np.int64, copy=False).tobytes(), id(tokens)
+    elif isinstance(tokens, (list, tuple)) and list(map(type, tokens)).count(int) == len(tokens):
+        try:        # exact ints only (checked above): fromiter is the fastest conversion
+            buf = np.fromiter(tokens, np.int64, len(tokens)).tobytes()
         except OverflowError:
             pass
-    if out is not None and (not out or int(np.frombuffer(out, np.int64).min()) >= 0):
-        return out
-    return array.array("q", int_values(tokens, what, 0, 2**63 - 1))
+    if key is not None and memo is not None:
+        prompt = memo.get(key, buf)
+        if prompt is not None:
+            return prompt
+    # no negative int64: no sign byte >= 0x80 (one C pass over a byte string, no numpy call)
+    if buf is not None and buf[_SIGN::8].isascii():
+        prompt = Prompt(buf)
+        if key is not None and memo is not None:
+            memo.put(key, prompt)
+        return prompt
+    return Prompt(np.array(int_values(tokens, what, 0, 2**63 - 1), np.int64).tobytes())
 
 
 def _hashable(value, what: str) -> None:

@@ -1,10 +1,12 @@
 """Automatic prefix caching: an index of full pages keyed by the token ids that produced them.
 
-The index is a tree of *nodes*, one per full page, keyed by a 64-bit hash chained over the
-pages (and the extra key) up to it (``prefix_hash``), so the longest cached prefix of a prompt is
-found by a binary search over the depth. A hash only finds a candidate: the tokens of the whole
-matched prefix are then compared with the tokens that node was computed from (one byte
-comparison), so a collision can never hand out another prefix's pages.
+The index is a tree of *nodes*, one per full page, keyed by a 64-bit hash of the tokens up to
+its end and the extra key (``prefix_hash``: every page boundary of a prompt in a few numpy
+calls), so the longest cached prefix of a prompt is found by a binary search over the depth. A
+hash only finds a candidate: the tokens of the whole matched prefix are then compared with the
+tokens that node was computed from (one byte comparison), and its extra key with the one asked
+for (by equality: two keys may share a Python hash), so a collision can never hand out another
+prefix's pages.
 
 The pages stay in the page table. A node is *held* by the sequence that computed its page, as
 long as that sequence lives (its ``Track``): indexing changes nothing in the page table, so a
@@ -29,7 +31,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .prefix_hash import page_hashes, start_hash
+from .prefix_hash import _MASK, prefix_hashes, prefix_sums, start_hash
 
 
 class Ghost:
@@ -60,15 +62,81 @@ class Track:
 class Node:
     """One cached full page: ``depth`` pages from the root (1 = the first page)."""
 
-    __slots__ = ("id", "key", "parent", "depth", "holder", "kids", "tick", "alive", "src")
+    __slots__ = ("id", "key", "parent", "depth", "holder", "kids", "tick", "alive", "src", "extra")
 
     def __init__(self, id: int, key: int, parent: Optional["Node"], holder: Union[Ghost, Track],
-                 src: bytes):
+                 src: bytes, extra: Any):
         self.id, self.key, self.parent, self.holder, self.tick = id, key, parent, holder, 0
         self.src = src          # int64 bytes of (at least) the token prefix up to this page
+        self.extra = extra      # the extra key it was computed under
         self.depth: int = 1 if parent is None else parent.depth + 1
         self.kids: set = set()  # the nodes one page deeper (their holders may hold copies of this page)
         self.alive = True
+
+
+class Prompt:
+    """Token ids as the index takes them: ``raw``, their int64 bytes, already checked (ids
+    >= 0; a copy, so the caller's object may change later: this does not); ``n``, how many;
+    ``sums``, once a lookup computed them, its key sums (``prefix_sums``, for the page size
+    ``sums_ps``). A scheduler asks about a waiting request every step it waits:
+    ``PromptMemo`` keeps these per object it was given, so the checks and the hashing run
+    once."""
+
+    __slots__ = ("raw", "n", "sums", "sums_ps")
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+        self.n = len(raw) >> 3
+        self.sums: Optional[np.ndarray] = None
+        self.sums_ps = 0
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The ids (a read-only uint64 array)."""
+        return np.frombuffer(self.raw, np.uint64)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class PromptMemo:
+    """The ``Prompt`` made last for each of the most recent arrays a caller passed, by the
+    array's ``id``: valid only while the array's bytes still equal ``raw`` (the caller checks:
+    an array may change, or a new one take a dead one's id). Least recently used out past
+    ``max_entries`` or ``max_tokens`` in all."""
+
+    def __init__(self, max_entries: int = 64, max_tokens: int = 1 << 20):
+        self.max_entries, self.max_tokens = max_entries, max_tokens
+        self.entries: dict = {}
+        self.tokens = 0
+
+    def get(self, key: int, raw: bytes) -> Optional[Prompt]:
+        """The ``Prompt`` kept for ``key`` if its bytes are ``raw`` (then the most recently
+        used); None: none (one with other bytes is dropped)."""
+        entries = self.entries
+        p = entries.pop(key, None)
+        if p is None:
+            return None
+        if p.raw != raw:
+            self.tokens -= p.n
+            return None
+        entries[key] = p                        # most recently used: last
+        return p
+
+    def put(self, key: int, prompt: Prompt) -> None:
+        entries = self.entries
+        old = entries.pop(key, None)
+        if old is not None:
+            self.tokens -= old.n
+        if prompt.n > self.max_tokens:
+            return
+        entries[key] = prompt
+        self.tokens += prompt.n
+        while len(entries) > self.max_entries or self.tokens > self.max_tokens:
+            self.tokens -= entries.pop(next(iter(entries))).n
+
+
+_START_NONE = start_hash(None)
 
 
 def _key(holder):
@@ -87,53 +155,62 @@ class PrefixIndex:
         self._clock = itertools.count(1)
         self._ids = itertools.count()
         self._evictable: tuple = (None, 0, None)  # ((epoch, version), count, reached blocks)
+        self.memo = PromptMemo()
         # evictions free only pages no real sequence reaches: they leave the plan epoch (and a
         # reused decode plan) alone and bump this instead
         self._version = 0
 
     # ------------------------------------------------------------------ lookups
-    def match(self, tokens, extra) -> list:
-        """The nodes of the longest cached prefix of ``tokens``, whole pages, leaving at least
-        one token uncached (its logits are what a model computes next), that a new sequence can
-        fork from (not the pages of a sequence with an uncommitted token tree)."""
-        pages = (len(tokens) - 1) // self.ps
+    def find(self, prompt: Prompt, extra) -> Optional[Node]:
+        """The deepest node of the longest cached prefix of ``prompt``, whole pages, leaving at
+        least one token uncached (its logits are what a model computes next), that a new
+        sequence can fork from (not the pages of a sequence with an uncommitted token tree);
+        None: nothing cached. Its depth is the prefix's length in pages.
+        Changes nothing but ``prompt.sums``."""
+        ps = self.ps
+        pages = (prompt.n - 1) // ps
         nodes = self.nodes
         if pages <= 0 or not nodes:
-            return []
-        buf = tokens[:pages * self.ps].tobytes()
-        hashes = page_hashes(buf, self.ps, start_hash(extra), pages)
-        lo, hi = 0, pages                   # depth lo is cached; nothing past hi is
-        if hashes[-1] in nodes:
+            return None
+        start = _START_NONE if extra is None else start_hash(extra)
+        sums = prompt.sums
+        if sums is None or prompt.sums_ps != ps:
+            sums = prompt.sums = prefix_sums(prompt.raw, ps, pages)
+            prompt.sums_ps = ps
+        sum_at = sums.item          # depth d's key: (start + sum_at(d * ps - 1)) mod 2**64
+        node = nodes.get((sum_at(pages * ps - 1) + start) & _MASK)
+        if node is not None:
             lo = pages
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in nodes:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo == 0:
-            return []
-        node = nodes[hashes[lo - 1]]
-        size = lo * self.ps * 8
-        if node.depth != lo or node.src[:size] != buf[:size]:
-            path = self._match_slowly(buf, hashes)     # a hash collision: page by page
         else:
-            path = _path(node)
+            lo, hi = 0, pages - 1           # depth lo is cached; nothing past hi is
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if (sum_at(mid * ps - 1) + start) & _MASK in nodes:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo == 0:
+                return None
+            node = nodes[(sum_at(lo * ps - 1) + start) & _MASK]
+        if node.depth != lo or not (node.extra is extra or _same(node.extra, extra)) \
+                or not node.src.startswith(memoryview(prompt.raw)[:lo * ps * 8]):
+            node = self._match_slowly(prompt, sum_at, pages, start, extra)   # a collision: by page
         seqs = self.state.pt.seqs
-        while path and isinstance(path[-1].holder, Track) \
-                and not seqs[path[-1].holder.owner].committed:
-            path.pop()
-        return path
+        while node is not None and isinstance(node.holder, Track) \
+                and not seqs[node.holder.owner].committed:
+            node = node.parent
+        return node
 
-    def _match_slowly(self, buf: bytes, hashes: list) -> list:
-        path: list = []
-        for d, h in enumerate(hashes, 1):
-            node = self.nodes.get(h)
-            size = d * self.ps * 8
-            if node is None or node.depth != d or node.src[:size] != buf[:size]:
+    def _match_slowly(self, prompt: Prompt, sum_at, pages: int, start: int,
+                      extra) -> Optional[Node]:
+        found, ps, raw = None, self.ps, memoryview(prompt.raw)
+        for d in range(1, pages + 1):
+            node = self.nodes.get((sum_at(d * ps - 1) + start) & _MASK)
+            if node is None or node.depth != d or not _same(node.extra, extra) \
+                    or not node.src.startswith(raw[:d * ps * 8]):
                 break
-            path.append(node)
-        return path
+            found = node
+        return found
 
     def track(self, seq) -> Track:
         if seq.prefix is None:
@@ -141,20 +218,28 @@ class PrefixIndex:
         return seq.prefix
 
     # ------------------------------------------------------------------ attach
-    def attach(self, seq_id: int, tokens: array.array, extra) -> int:
+    def attach(self, seq_id: int, prompt: Prompt, extra) -> int:
         """Add sequence ``seq_id`` (validated by the caller) holding the longest cached prefix
-        of ``tokens``; returns its length in tokens."""
+        of ``prompt``; returns its length in tokens."""
         state = self.state
-        path = self.match(tokens, extra)
-        if path:
-            holder = state.pt.seqs[_key(path[-1].holder)]
-            state._fork(holder, seq_id, len(path) * self.ps)    # page-aligned: nothing copied
-            self._touch(path)
+        node = self.find(prompt, extra)
+        path: list = []
+        if node is not None:
+            holder = state.pt.seqs[_key(node.holder)]
+            state._fork(holder, seq_id, node.depth * self.ps)   # page-aligned: nothing copied
+            tick = next(self._clock)        # _touch(path), in the walk that lists it
+            at: Optional[Node] = node
+            while at is not None:
+                at.tick = tick
+                path.append(at)
+                at = at.parent
+            path.reverse()
+            self._pushed(tick, node)
         else:
             state.pt.add_sequence(seq_id, state.pt.new_block())
         state.epoch += 1
         seq = state.pt.seqs[seq_id]
-        seq.prefix = Track(seq_id, extra, array.array("q", tokens), list(path))
+        seq.prefix = Track(seq_id, extra, array.array("q", prompt.raw), path)
         return len(path) * self.ps
 
     def _touch(self, path: list) -> None:
@@ -164,16 +249,20 @@ class PrefixIndex:
         tick = next(self._clock)
         for node in path:
             node.tick = tick
+        self._pushed(tick, path[-1])
+
+    def _pushed(self, tick: int, node: Node) -> None:
+        """``node``, used at ``tick``, onto the heap (rebuilt when mostly stale)."""
         heap = self._heap
-        heapq.heappush(heap, (tick, path[-1].id, path[-1]))
+        heapq.heappush(heap, (tick, node.id, node))
         if len(heap) > 2 * len(self.nodes) + 1024:
             heap[:] = [(n.tick, n.id, n) for n in self.nodes.values()]
             heapq.heapify(heap)
 
     # ------------------------------------------------------------------ record and index
-    def extend(self, seq, tokens) -> None:
+    def extend(self, seq, prompt: Prompt) -> None:
         """Record the ids of ``seq``'s next positions, then index what is complete."""
-        self.track(seq).tokens.extend(tokens)
+        self.track(seq).tokens.frombytes(prompt.raw)
         self.index(seq)
 
     def index(self, seq) -> None:
@@ -191,14 +280,16 @@ class PrefixIndex:
         new = []
         parent = t.chain[-1] if t.chain else None
         src = t.tokens[:full * ps].tobytes()
+        view = memoryview(src)
         start = start_hash(t.extra) if parent is None else parent.key
-        for d, key in enumerate(page_hashes(src, ps, start, full, len(t.chain)), len(t.chain) + 1):
+        keys = prefix_hashes(src, ps, start, full, len(t.chain))
+        for d, key in enumerate(keys, len(t.chain) + 1):
             node = self.nodes.get(key)
-            size = d * ps * 8
-            if node is not None and (node.depth != d or node.src[:size] != src[:size]):
+            if node is not None and (node.depth != d or not _same(node.extra, t.extra)
+                                     or not node.src.startswith(view[:d * ps * 8])):
                 break                       # a hash collision: index no further
             if node is None:
-                node = Node(next(self._ids), key, parent, t, src)
+                node = Node(next(self._ids), key, parent, t, src, t.extra)
                 self.nodes[key] = node
                 t.nodes.add(node)
                 if parent is not None:
@@ -320,14 +411,15 @@ class PrefixIndex:
         self._reached()
         return self._evictable[1]
 
-    def pinned(self, path: list) -> int:
-        """The evictable pages that attaching ``path`` would make a sequence hold."""
-        if not path:
+    def pinned(self, node: Optional[Node]) -> int:
+        """The evictable pages that attaching the prefix up to ``node`` (``find``; None:
+        nothing) would make a sequence hold."""
+        if node is None:
             return 0
         reached = self._reached()
         pt = self.state.pt
-        left, pinned = len(path), 0
-        for b in pt.trace(pt.seqs[_key(path[-1].holder)]):
+        left, pinned = node.depth, 0
+        for b in pt.trace(pt.seqs[_key(node.holder)]):
             n = min(int(pt.b_npages[b]), left)
             if not reached[b]:
                 pinned += n
@@ -451,12 +543,12 @@ class PrefixIndex:
                 assert self._length(k) == max(n.depth for n in k.nodes) * self.ps
 
 
-def _path(node: Node) -> list:
-    """The nodes from the root to ``node``."""
-    out = []
-    at: Optional[Node] = node
-    while at is not None:
-        out.append(at)
-        at = at.parent
-    out.reverse()
-    return out
+def _same(a, b) -> bool:
+    """Extra keys ``a`` and ``b`` are the same key (equal: the index is a dict of them in
+    effect; an ``__eq__`` that raises is a different key)."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

@@ -39,6 +39,7 @@ class Seq:
     computed: int = 0                  # tokens ever run for it (recompute accounting)
     recorded: int = 0                  # its first tokens whose ids the cache knows (prefix cache)
     ids: Optional[array.array] = None  # ``known`` tokens as int64 (prefix cache lookups), cached
+    ids_whole: bool = False            # ``ids`` was made from all of ``tokens`` (no SLOT among them)
 
     @property
     def pending(self) -> int:
@@ -172,11 +173,19 @@ class Sequences:
     @classmethod
     def known_ids(cls, seq: Seq) -> array.array:
         """``known(seq)`` as an int64 ``array``, made once per length: a waiting request's
-        prefix lookups (one per step it waits, then its admission) convert it once."""
+        prefix lookups (one per step it waits, then its admission) convert it once. While it
+        holds all of ``tokens`` and their length and last token are the same, it is returned
+        without looking for a ``SLOT`` (a scan of every token): tokens are only appended, and
+        only a ``SLOT`` is written over in place, so none came in between."""
+        tokens, ids = seq.tokens, seq.ids
+        if seq.ids_whole and ids is not None and len(ids) == len(tokens) \
+                and (not tokens or ids[-1] == tokens[-1]):
+            return ids
         known = cls.known(seq)
-        if seq.ids is None or len(seq.ids) != len(known) or (known and seq.ids[-1] != known[-1]):
-            seq.ids = array.array("q", known)
-        return seq.ids
+        if ids is None or len(ids) != len(known) or (known and ids[-1] != known[-1]):
+            ids = seq.ids = array.array("q", known)
+        seq.ids_whole = len(known) == len(tokens)
+        return ids
 
     def record(self, seq: Seq) -> None:
         """Tell the prefix cache the ids of ``seq``'s tokens it does not know yet (up to a pick

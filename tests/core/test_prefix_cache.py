@@ -245,10 +245,112 @@ def test_a_copy_of_a_cached_page_with_a_new_page_after_it_is_evicted_whole():
     assert cache.match_prefix([1, 2, 3, 4, 1, 2, 3, 4, 0]) == 8
 
 
-def test_an_int64_array_of_ids_is_taken_as_it_is_and_still_checked():
+def test_ids_are_taken_as_a_checked_copy_and_an_array_asked_again_is_not_hashed_again():
+    """``_token_ids`` copies and checks the ids (ints >= 0) at C speed; an array asked about
+    again (a waiting request, every step) gets the ``Prompt`` made for it before, keys and
+    all, but only while its bytes are the same: one changed in place is checked again."""
     import array as _array
     from kvcache.cache import _token_ids
+    from kvcache.core.prefix import PromptMemo
     ids = _array.array("q", [3, 4, 5])
-    assert _token_ids(ids, "t") is ids                      # no conversion, no copy
+    got = _token_ids(ids, "t")
+    assert got.ids.tolist() == [3, 4, 5] and not got.ids.flags.writeable
+    ids[0] = 9
+    assert got.ids.tolist() == [3, 4, 5]                    # a copy: the caller's may change
+    for bad in (_array.array("q", [3, -1]), np.array([3, -1]), np.array([2**63], np.uint64),
+                [3, -1], [3, True], [3, 1.0], [np.int64(3), -1], (3, -1)):
+        with pytest.raises(kvcache.InvalidArgumentError, match="-1|int|9223372036854775808"):
+            _token_ids(bad, "t")
+    assert _token_ids([np.int64(3), np.uint8(4)], "t").ids.tolist() == [3, 4]
+    assert _token_ids(np.array([3, 4], np.int8), "t").ids.tolist() == [3, 4]
+    assert _token_ids(np.arange(6)[::2], "t").ids.tolist() == [0, 2, 4]
+    assert _token_ids([], "t").ids.tolist() == [] and _token_ids((), "t").ids.tolist() == []
+    memo = PromptMemo()
+    first = _token_ids(ids, "t", memo)
+    assert _token_ids(ids, "t", memo) is first                   # same object, same bytes
+    ids[1] = -1                                                  # changed: checked again
     with pytest.raises(kvcache.InvalidArgumentError, match="-1"):
-        _token_ids(_array.array("q", [3, -1]), "t")
+        _token_ids(ids, "t", memo)
+    ids[1] = 7
+    again = _token_ids(ids, "t", memo)
+    assert again is not first and again.ids.tolist() == [9, 7, 5]
+    small = PromptMemo(max_entries=2, max_tokens=5)          # least recently used out
+    a, b, c = (_array.array("q", [i] * 2) for i in range(3))
+    pa, pb = _token_ids(a, "t", small), _token_ids(b, "t", small)
+    assert _token_ids(a, "t", small) is pa                   # a: most recently used now
+    pc = _token_ids(c, "t", small)
+    assert list(small.entries.values()) == [pa, pc] and small.tokens == 4
+    assert _token_ids(_array.array("q", range(6)), "t", small).ids.tolist() == list(range(6))
+    assert list(small.entries.values()) == [pa, pc]          # too long to keep
+    assert _token_ids(b, "t", small) is not pb and small.tokens == 4
+
+
+def test_a_changed_array_is_matched_by_its_new_ids():
+    """The scheduler passes one array per waiting request, step after step: its keys are
+    kept, and an array whose ids changed in place between calls is matched by the new ones."""
+    import array as _array
+    cache = make()
+    serve(cache, 0, list(range(10, 21)))
+    probe = _array.array("q", range(10, 21))
+    arr = np.arange(10, 21)
+    assert cache.match_prefix(probe) == 8 and cache.prefix_admission(probe) == (8, 0)
+    assert cache.match_prefix(arr) == 8
+    probe[5], arr[5] = 99, 99                       # page 2 differs now
+    assert cache.match_prefix(probe) == 4 and cache.match_prefix(arr) == 4
+    probe[0] = 98
+    assert cache.match_prefix(probe) == 0 and cache.add_sequence(1, probe) == 0
+    probe[0], probe[5] = 10, 15
+    assert cache.add_sequence(2, probe) == 8
+    assert stored(cache, 2) == [[t, i] for i, t in enumerate(range(10, 18))]
+
+
+def test_extra_keys_with_one_python_hash_are_still_different_keys():
+    """-1 and -2 hash alike in CPython (so did ``('x', -1)`` and ``('x', -2)``, the keys'
+    starting point): pages computed under one are never handed to the other."""
+    assert hash(-1) == hash(-2)
+    cache = make()
+    prompt = list(range(10, 21))
+    cache.add_sequence(0, prompt, extra_key=-1)
+    run(cache, 0, prompt, 0)
+    assert cache.match_prefix(prompt, extra_key=-1) == 8
+    assert cache.match_prefix(prompt, extra_key=-2) == 0
+    assert cache.prefix_admission(prompt, extra_key=-2) == (0, 0)
+    assert cache.add_sequence(1, prompt, extra_key=-2) == 0
+    run(cache, 1, prompt, 0)                        # its pages are not indexed over -1's
+    cache.remove_sequence(0)
+    assert cache.match_prefix(prompt, extra_key=-1) == 8
+    assert cache.match_prefix(prompt, extra_key=-2) == 0
+    cache.remove_sequence(1)
+
+
+@pytest.mark.parametrize("weights", ["zero", "tiny"])
+def test_colliding_keys_never_hand_out_another_prefixs_pages(weights):
+    """Keys made to collide (all weights 0: every prefix has one key; weights in {0, 1}: many
+    do): a match still gives only pages whose tokens are the prompt's own."""
+    from kvcache.core import prefix_hash
+    w = np.zeros(1 << 12, np.uint64) if weights == "zero" else \
+        np.random.default_rng(1).integers(0, 2, 1 << 12).astype(np.uint64)
+    old, prefix_hash._W[0] = prefix_hash._W[0], w
+    try:
+        _colliding_programs()
+    finally:
+        prefix_hash._W[0] = old
+
+
+def _colliding_programs():
+    cache = make(tokens=128)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 3, int(rng.integers(5, 30))).tolist() for _ in range(40)]
+    for i, p in enumerate(prompts):
+        got = cache.add_sequence(i, p)
+        assert stored(cache, i) == [[t, j] for j, t in enumerate(p[:got])]
+        for q in prompts[:i]:
+            m = cache.match_prefix(q)
+            assert m % PS == 0 and m < len(q)
+        run(cache, i, p[got:], got)
+        assert stored(cache, i) == [[t, j] for j, t in enumerate(p)]
+        cache.remove_sequence(i)
+        cache.state.pt.check_invariants()
+    hits = [cache.match_prefix(p) for p in prompts]
+    for p, m in zip(prompts, hits):            # a hit is a prefix some prompt computed
+        assert m == 0 or any(q[:m] == p[:m] and len(q) >= m for q in prompts)

@@ -304,3 +304,27 @@ class PrefixMachine(RuleBasedStateMachine):
 TestPrefixMachine = PrefixMachine.TestCase
 TestPrefixMachine.settings = settings(max_examples=int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", 60)), stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
+
+
+class CollidingPrefixMachine(PrefixMachine):
+    """The same programs with the index's keys made to collide all the time (weights in
+    {0, 1}: many prefixes share a key): hits may be shorter, never wrong (the model checks
+    every row a sequence holds, and that every match is a prefix that was cached)."""
+
+    @initialize()
+    def setup(self):
+        from kvcache.core import prefix_hash
+        self._weights = prefix_hash._W[0]
+        prefix_hash._W[0] = np.random.default_rng(3).integers(0, 2, 1 << 12).astype(np.uint64)
+        super().setup()
+
+    def teardown(self):
+        from kvcache.core import prefix_hash
+        if hasattr(self, "_weights"):
+            prefix_hash._W[0] = self._weights
+
+
+TestCollidingPrefixMachine = CollidingPrefixMachine.TestCase
+TestCollidingPrefixMachine.settings = settings(
+    max_examples=int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", 30)), stateful_step_count=40,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -294,3 +294,21 @@ def test_a_waiting_sequence_converts_its_known_tokens_once_per_length():
     assert list(Sequences.known_ids(seq)) == [5, 6, 7, 8]
     seq.tokens[-1] = 9                                       # same length, other last token
     assert list(Sequences.known_ids(seq)) == [5, 6, 7, 9]
+
+
+def test_known_ids_leave_out_a_pick_on_its_way_and_take_it_once_it_came():
+    """The ids of a sequence with a ``SLOT`` (a pipelined pick still on its way) end before it;
+    once ``settle`` writes the pick over it (same length), they hold it."""
+    from kvcache.serving.plan import SLOT
+    from kvcache.serving.sequences import Seq, Sequences
+    seq = Seq(sid=0, kind="sample", tokens=[5, 6, 7], order=(0, 2, 0))
+    assert list(Sequences.known_ids(seq)) == [5, 6, 7]
+    seq.tokens.append(SLOT)
+    assert list(Sequences.known_ids(seq)) == [5, 6, 7] and list(Sequences.known_ids(seq)) == [5, 6, 7]
+    seq.tokens[-1] = 8                                       # the pick came
+    assert list(Sequences.known_ids(seq)) == [5, 6, 7, 8]
+    first = Sequences.known_ids(seq)
+    assert Sequences.known_ids(seq) is first
+    seq.tokens.append(SLOT)
+    seq.tokens[-1] = 5                       # settled before any lookup saw its SLOT
+    assert list(Sequences.known_ids(seq)) == [5, 6, 7, 8, 5]
