@@ -38,14 +38,17 @@ def compilable(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_compiled_step_gives_the_eager_tokens(family, monkeypatch, compilable):
+@pytest.mark.parametrize("family,rope", [("llama", "model"), ("qwen2", "model"),
+                                         ("llama", "cache")])
+def test_compiled_step_gives_the_eager_tokens(family, rope, monkeypatch, compilable):
+    """rope="cache": the cache rotates q and k (``fused_rope``), and the layers' rotation is
+    skipped by a wrapper the trace must pass through without a graph break."""
     import torch
     model, prompts, greedy, _ = family_case(family)
     backend, device = backend_or_skip("cuda", monkeypatch, 64)
     new = 16
     kw = dict(backend=backend, device=device, max_batch_size=8, max_total_tokens=8192,
-              prefill_chunk_size=96, graphs=True)
+              prefill_chunk_size=96, graphs=True, rope=rope)
     counts = torch._dynamo.utils.counters
     counts.clear()
     on = Engine(model, compile_step=True, **kw)

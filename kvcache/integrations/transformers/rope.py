@@ -124,7 +124,14 @@ _ROTATION_SKIPPED = contextvars.ContextVar("kvcache_rotation_skipped", default=F
 _WRAPPED: "weakref.WeakSet" = weakref.WeakSet()     # the wrappers _skip_rotation installed
 
 
+# what traced code (torch.compile of a step inside fused_rope: the Engine's compile_step) reads
+# instead: the compiler cannot trace ContextVar.get and would break the graph at every layer
+_SKIPPED_BLOCKS = 0
+
+
 def _rotation_skipped() -> bool:
+    if torch.compiler.is_compiling():
+        return _SKIPPED_BLOCKS > 0
     return _ROTATION_SKIPPED.get()
 
 
@@ -179,12 +186,15 @@ def fused_rope(model, cache):
         raise InvalidArgumentError("fused_rope: the model is already inside a fused_rope block")
     handle = _rotary_module(model).register_forward_hook(_unrotated)
     _skip_rotation(layers)
+    global _SKIPPED_BLOCKS
     token = _ROTATION_SKIPPED.set(True)
+    _SKIPPED_BLOCKS += 1
     try:
         for m in layers:
             _FUSED[m] = cache
         yield
     finally:
+        _SKIPPED_BLOCKS -= 1
         _ROTATION_SKIPPED.reset(token)
         handle.remove()
         for m in layers:
