@@ -25,8 +25,9 @@ KV_QUANT_GROUPS = (32, 64, 128)
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes per element of a cache dtype name (``DTYPES``): 4 for float32, 2 otherwise."""
-    return 4 if dtype == "float32" else 2
+    """Bytes per element of a cache dtype name (``DTYPES``): 4 for float32, 2 otherwise; 1 for
+    "uint8" (the packed int8 / int4 rows payloads carry)."""
+    return 4 if dtype == "float32" else 1 if dtype == "uint8" else 2
 
 _UNSET = type("RopeModeUnset", (), {"__repr__": lambda self: "'normal' (unset)"})()
 

@@ -237,9 +237,7 @@ class ReferenceBackend(Backend):
         keep = slots >= 0
         page, row = slots[keep] // c.page_size, slots[keep] % c.page_size
         r, g = c.page_row_dim, c.page_row_dim // c.kv_quant_group
-        for which, (codes, scales, biases), dim in ((0, k_parts, c.head_dim),
-                                                   (1, v_parts, c.head_dim_v)):
-            n = dim // c.kv_quant_group
+        for which, (codes, scales, biases) in ((0, k_parts), (1, v_parts)):
             values = kv_quant.affine_dequantize(codes, scales, biases, c.kv_quant_group)
             for lo, part in ((0, values), (r, codes), (2 * r, scales), (2 * r + g, biases)):
                 width = part.shape[-1]
@@ -266,9 +264,9 @@ class ReferenceBackend(Backend):
 
     def append_kv_packed(self, pages, k, v, slots):
         c = self.config
-        bits = kv_quant.AFFINE_BITS[c.kv_dtype]
         self._put_affine(pages, np.asarray(slots), *(
-            kv_quant.affine_unpack(x, dim, bits, c.kv_quant_group, c.dtype)
+            kv_quant.affine_unpack(x, dim, kv_quant.AFFINE_BITS[c.kv_dtype], c.kv_quant_group,
+                                   c.dtype)
             for x, dim in ((k, c.head_dim), (v, c.head_dim_v))))
 
     def _output(self, t, sinks=None):

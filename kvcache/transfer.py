@@ -151,8 +151,7 @@ class SequencePayload:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V together."""
-        size = 1 if self.affine else itemsize(self.array_dtype)
-        return 2 * math.prod(self.shape) * size
+        return 2 * math.prod(self.shape) * itemsize(self.array_dtype)
 
     def values(self) -> tuple:
         """Host float32 ``(k, v)`` of shape (num_layers, num_tokens, num_kv_heads, head_dim):

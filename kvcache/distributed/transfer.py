@@ -132,10 +132,6 @@ def _row(config) -> int:
     return config.head_dim
 
 
-def _size(dtype: str) -> int:
-    return 1 if dtype == "uint8" else itemsize(dtype)
-
-
 def _packed_fits(config, msg: dict, where: str) -> None:
     """InvalidArgumentError unless packed int8 / int4 rows (``msg``) can be stored unchanged in
     a cache of ``config``: the same format, group size and compute dtype."""
@@ -259,7 +255,7 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     total = sum(h.num_tokens for h in headers)
     shape = [c.num_layers, total, c.num_kv_heads, _row(c)]
     dtype = _array_dtype(c)
-    nbytes = total * c.num_layers * c.num_kv_heads * _row(c) * _size(dtype)
+    nbytes = total * c.num_layers * c.num_kv_heads * _row(c) * itemsize(dtype)
     body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "dtype": dtype,
                        "shape": shape, "nbytes": nbytes,
                        "payloads": [h.header() for h in headers]}).encode()
@@ -374,7 +370,7 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
         raise InvalidArgumentError(
             f"{where}: shape={raw_shape!r} must be 4 ints >= 0 (layers, tokens, KV heads, head_dim)")
     shape = tuple(raw_shape)
-    want = shape[0] * shape[1] * shape[2] * shape[3] * _size(dtype)
+    want = shape[0] * shape[1] * shape[2] * shape[3] * itemsize(dtype)
     if msg["nbytes"] != want or nbytes != want:
         raise InvalidArgumentError(
             f"{where}: {nbytes} bytes each of K and V follow (header nbytes={msg['nbytes']!r}), "

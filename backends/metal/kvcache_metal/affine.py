@@ -16,20 +16,23 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kvcache.kv_quant import affine_row_bytes
+
 
 class AffineRows:
     """Encode rows of values into a quantized page row and decode them back (float32).
 
     ``bits``: 8 or 4; ``group``: values per scale / bias along the head dim; ``dtype``: the
-    compute dtype (an ``mx.Dtype``), which the scales and biases are stored in."""
+    compute dtype's name, which the scales and biases are stored in."""
 
-    def __init__(self, bits: int, group: int, dtype, row_dim: int):
-        self.bits, self.group, self.dtype = bits, group, dtype
+    def __init__(self, bits: int, group: int, dtype_name: str, row_dim: int):
+        self.bits, self.group, self.dtype_name = bits, group, dtype_name
+        self.dtype = getattr(mx, dtype_name)
         self.row_bytes = self.bytes_of(row_dim)
 
     def bytes_of(self, dim: int) -> int:
         """Bytes of one row of ``dim`` values: codes, scales, biases."""
-        return dim * self.bits // 8 + 2 * (dim // self.group) * self.dtype.size
+        return affine_row_bytes(dim, self.bits, self.group, self.dtype_name)
 
     def encode(self, x) -> mx.array:
         """``x`` ``(..., dim)`` (rounded to the compute dtype first, as the format quantizes

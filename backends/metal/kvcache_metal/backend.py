@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from kvcache.backend import Backend, Capabilities
+from kvcache.kv_quant import AFFINE_BITS
 
 try:  # importing the plugin must work without MLX; availability() says why it cannot run
     import mlx.core as mx
@@ -157,11 +158,10 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
     def _affine_rows(self):
         """int8 / int4 pages: the rows' codec (rows of codes, scales and biases); else None."""
         c = self.config
-        if c.kv_dtype not in ("int8", "int4"):
+        if c.kv_dtype not in AFFINE_BITS:
             return None
         from .affine import AffineRows
-        return AffineRows(8 if c.kv_dtype == "int8" else 4, c.kv_quant_group, self.dtype,
-                          c.page_row_dim)
+        return AffineRows(AFFINE_BITS[c.kv_dtype], c.kv_quant_group, c.dtype, c.page_row_dim)
 
     @property
     def stream(self):
