@@ -22,7 +22,7 @@ from .core.planner import Planner
 from .core.prefix import Ghost, PrefixIndex, Prompt
 from .arrays import to_host
 from .core.imports import ImportReservation, ImportSpec, pages_needed as import_pages
-from .core.static import capacity_plan
+from .core.static import capacity_plan, mixed_capacity_plan
 from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
 from .kv_quant import AFFINE_BITS, affine_row_bytes
@@ -131,7 +131,8 @@ class PagedKVCache:
         if caps.merged_aux:
             self.aux_manager = MergedAuxManager(
                 self.backend, self.copy_stream,
-                static_capacity=capacity_plan(config) if config.static_decode else None)
+                static_capacity=capacity_plan(config) if config.static_decode else None,
+                mixed_capacity=mixed_capacity_plan(config) if config.static_mixed else None)
         else:
             self.aux_manager = PlainAuxManager(self.backend)
         self.planner = Planner(self.state, config, caps)
@@ -1107,6 +1108,10 @@ class PagedKVCache:
         forward's q/k/v rows in this order. Raises a typed error and changes nothing on bad
         input or when the pages do not suffice (CacheFullError)."""
         self._no_forward("begin_forward")
+        if self.config.static_mixed:
+            # a captured step cannot calibrate fp8 scales: mixed steps run eagerly until set
+            self.planner.static_mixed = self._kv_scales is None or all(
+                entry is not None for entry in self._kv_scales)
         plan = self._with_room(
             lambda: self.planner.begin(seq_ids, append_lengths, token_tree_parent_ptr),
             lambda: self.planner.pages_needed(seq_ids, append_lengths, token_tree_parent_ptr)[0]
@@ -1126,8 +1131,10 @@ class PagedKVCache:
     @property
     @_exclusive
     def static_bucket(self) -> Optional[int]:
-        """The batch bucket of the open forward when it is a static-shape decode step (its
-        q/k/v may have this many rows, padded rows give zeros), else None."""
+        """The batch bucket of the open forward when it is a static-shape decode step, its
+        token bucket when it is a static-shape mixed step (``CacheConfig.static_mixed``;
+        ``open_plan.static_mixed`` tells which): its q/k/v may have this many rows, padded rows
+        give zeros. None for an eager forward."""
         return None if self._plan is None else self._plan.static_bucket
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 from .core.validate import INT32_MAX, bool_arg, float_arg, int_arg, int_values
 from .errors import InvalidArgumentError
@@ -99,6 +100,19 @@ class CacheConfig:
     static_decode_batch_sizes: tuple = ()
     """Batch buckets a static-shape decode is padded to (default: powers of two up to and
     including max_batch_size)."""
+    static_mixed: bool = False
+    """Static-shape mixed steps (needs ``static_decode``): a forward that is not a static-shape
+    decode step (prefill chunks, prefills beside decodes), with no token tree and no sliding
+    window, is planned as one paged pass per layer over each sequence's history and new tokens
+    (K/V written first; a sequence's new tokens see one another causally, as a chain token
+    tree), padded to a token bucket (``static_mixed_token_sizes``) and to ``max_batch_size``
+    entries, its arrays in a second fixed-address buffer: a backend can capture such a step
+    once per token bucket and replay it. Off: those forwards run eagerly (a ragged pass over
+    the new tokens plus paged passes over the history)."""
+    static_mixed_token_sizes: tuple = ()
+    """Token buckets a static-shape mixed step is padded to (default: powers of two from 16,
+    then ``prefill_chunk_size``); the last must be at least ``prefill_chunk_size``'s bucket
+    that the steps use: larger steps run eagerly."""
     head_dim_v: int = None  # type: ignore[assignment]   # None in, always an int after init
     """Head dim of values and of the attention output (None: ``head_dim``). Another value than
     head_dim is MLA in expanded form (DeepSeek's 192 / 128); it needs a backend declaring it in
@@ -198,6 +212,21 @@ class CacheConfig:
                 f"{name}={sizes!r} must be a strictly increasing tuple "
                 f"of ints in [1, max_batch_size={self.max_batch_size}]")
         put("static_decode_batch_sizes", sizes)
+        put("static_mixed", bool_arg(self.static_mixed, "CacheConfig.static_mixed"))
+        if self.static_mixed and not self.static_decode:
+            raise InvalidArgumentError(
+                "CacheConfig.static_mixed=True needs static_decode=True (its steps are captured "
+                "beside the static-shape decode steps)")
+        name = "CacheConfig.static_mixed_token_sizes"
+        if not isinstance(self.static_mixed_token_sizes, (tuple, list)):
+            raise InvalidArgumentError(f"{name} must be a tuple of ints, got {self.static_mixed_token_sizes!r}")
+        sizes = tuple(int_values(self.static_mixed_token_sizes, name, 1, self.prefill_chunk_size,
+                                 limit="prefill_chunk_size"))
+        if list(sizes) != sorted(set(sizes)):
+            raise InvalidArgumentError(
+                f"{name}={sizes!r} must be a strictly increasing tuple "
+                f"of ints in [1, prefill_chunk_size={self.prefill_chunk_size}]")
+        put("static_mixed_token_sizes", sizes)
 
         slots = self.num_pages * self.page_size
         if slots > INT32_MAX:
@@ -232,6 +261,26 @@ class CacheConfig:
         raise InvalidArgumentError(
             f"a static-shape decode batch of {batch} sequences exceeds the largest bucket "
             f"{self.static_buckets[-1]} (static_decode_batch_sizes={self.static_buckets})")
+
+    @property
+    def static_mixed_buckets(self) -> tuple:
+        """The token counts a static-shape mixed step is padded to; the last one is the most
+        tokens such a step takes (larger ones run eagerly)."""
+        if self.static_mixed_token_sizes:
+            return self.static_mixed_token_sizes
+        sizes, t = [], 16
+        while t < self.prefill_chunk_size:
+            sizes.append(t)
+            t *= 2
+        return tuple(sizes) + (self.prefill_chunk_size,)
+
+    def static_mixed_bucket(self, tokens: int) -> Optional[int]:
+        """The bucket a static-shape mixed step of ``tokens`` new tokens is padded to (None:
+        more than the largest bucket)."""
+        for size in self.static_mixed_buckets:
+            if tokens <= size:
+                return size
+        return None
 
     @property
     def kv_quantized(self) -> bool:

@@ -120,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-step", action="store_true",
                    help="(a) with Engine(compile_step=True): its captured decode step's model "
                         "code through torch.compile (a GPU)")
+    g.add_argument("--mixed-graphs", action="store_true",
+                   help="(a) and the prefix workloads' Engines with Engine(mixed_graphs=True): "
+                        "steps that prefill are captured too, per token bucket (a GPU)")
 
 
 def _pos(text: str) -> int:
@@ -241,7 +244,8 @@ def run(args) -> dict:
             if key == "a":
                 runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope,
                                       args.prefix_cache == "on", kv_dtype,
-                                      getattr(args, "compile_step", False))
+                                      getattr(args, "compile_step", False),
+                                      getattr(args, "mixed_graphs", False))
             elif key == "b":
                 runner = GenerateBatchRunner(net, None if on_gpu else {
                     "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,

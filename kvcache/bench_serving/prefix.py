@@ -183,7 +183,8 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
     result: dict = {"workload": {"kind": args.workload, "requests": args.requests,
                                  "new_tokens": args.new_tokens, "page_size": page,
                                  "layers": args.layers, "tiny": tiny, "seed": args.seed,
-                                 "a_kv_dtype": getattr(args, "kv_dtype", "auto")},
+                                 "a_kv_dtype": getattr(args, "kv_dtype", "auto"),
+                                 "mixed_graphs": bool(getattr(args, "mixed_graphs", False))},
                     "systems": {}, "skipped": {}, "ratios": {}}
     w = result["workload"]
     if multi:
@@ -195,7 +196,8 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
         say(f"({key}) kvcache Engine, prefix cache {key}: warm-up run")
         engine = Engine(net, backend=backend, device=device, page_size=page,
                         max_batch_size=batch, max_total_tokens=max_total, prefix_cache=on,
-                        kv_dtype=getattr(args, "kv_dtype", "auto"))
+                        kv_dtype=getattr(args, "kv_dtype", "auto"),
+                        mixed_graphs=bool(getattr(args, "mixed_graphs", False)))
         engine.progress = False
         try:
             serve(engine, args.seed + 1000)             # other prompts: the measured run is cold

@@ -26,21 +26,23 @@ class Runner:
 
 class EngineRunner(Runner):
     """(a): our ``Engine``, sized for the workload (``batch`` sequences per forward), its pages
-    stored as ``kv_dtype`` ("auto": the compute dtype); ``compile_step``: the Engine's."""
+    stored as ``kv_dtype`` ("auto": the compute dtype); ``compile_step``, ``mixed_graphs``: the
+    Engine's."""
 
     def __init__(self, net, backend: str, device: str, batch: int, max_len: int,
                  rope: str = "cache", prefix_cache: bool = True, kv_dtype: str = "auto",
-                 compile_step: bool = False):
+                 compile_step: bool = False, mixed_graphs: bool = False):
         from ..integrations.transformers import Engine
         page = 16
         self.engine = Engine(net, backend=backend, device=device, page_size=page,
                              max_batch_size=batch,
                              max_total_tokens=batch * (-(-max_len // page) + 2) * page, rope=rope,
                              prefix_cache=prefix_cache, kv_dtype=kv_dtype,
-                             compile_step=compile_step)
+                             compile_step=compile_step, mixed_graphs=mixed_graphs)
         self.engine.progress = False
         kv = "" if kv_dtype == "auto" else f", kv {kv_dtype}"
         compiled = ", compiled step" if self.engine.compiled else ""
+        compiled += ", mixed graphs" if self.engine.mixed_graphs else ""
         self.name = (f"{SYSTEM_NAMES['a']} ({self.engine.cache.backend.name}, rope={rope}{kv}"
                      f"{compiled})")
 

@@ -66,7 +66,13 @@ class _StaticBuffers:
         arrays = [array for _, _, array in walk(capacity)]
         self.capacities = [len(a) for a in arrays]
         self.page_list = [name == "page_indices" for _, name, _ in walk(capacity)]
-        self.offsets, self.total = MergedAuxManager.layout(arrays)
+        # page lists at the end of the buffer whatever follows them in walk order (a depth's
+        # tree arrays): each copy stops at the end of the data, not of the lists' capacity
+        order = sorted(range(len(arrays)), key=lambda i: self.page_list[i])
+        laid, self.total = MergedAuxManager.layout([arrays[i] for i in order])
+        self.offsets = [0] * len(arrays)
+        for i, off in zip(order, laid):
+            self.offsets[i] = off
         self.device, self.release_event = _fresh_device(backend, self.total)
         self.hosts = [backend.aux_alloc_host(self.total) for _ in range(2)]
         self.copy_events = [None, None]
@@ -83,7 +89,8 @@ class MergedAuxManager:
     kind = "merged"
 
     def __init__(self, backend, copy_stream, num_buffers: int = 2, initial_capacity: int = 1 << 10,
-                 static_capacity: ForwardPlan | None = None):
+                 static_capacity: ForwardPlan | None = None,
+                 mixed_capacity: ForwardPlan | None = None):
         self.backend = backend
         self.copy_stream = copy_stream
         self.slots = [_Slot() for _ in range(num_buffers)]
@@ -93,8 +100,9 @@ class MergedAuxManager:
         self.copies = 0
         self.allocations = 0
         self.static_capacity = static_capacity
-        self._static: Optional[_StaticBuffers] = None
-        self._static_open = False
+        self.mixed_capacity = mixed_capacity
+        self._statics: dict = {}             # False: decode steps' buffers, True: mixed steps'
+        self._static_open: Optional[_StaticBuffers] = None
 
     @staticmethod
     def layout(arrays: list) -> tuple[list, int]:
@@ -145,12 +153,14 @@ class MergedAuxManager:
         """Like ``upload`` but into the fixed static-shape buffer: the device views have the same
         addresses every step (page lists: their whole capacity), so a step captured once reads
         every later step's arrays."""
-        if self._static is None:
-            if self.static_capacity is None:
-                raise AssertionError("upload_static on a cache built without static_decode")
-            self._static = _StaticBuffers(self.backend, self.static_capacity)
+        g = self._statics.get(plan.static_mixed)
+        if g is None:
+            capacity = self.mixed_capacity if plan.static_mixed else self.static_capacity
+            if capacity is None:
+                raise AssertionError("upload_static on a cache built without static_decode "
+                                     "(or, for a mixed step, static_mixed)")
+            g = self._statics[plan.static_mixed] = _StaticBuffers(self.backend, capacity)
             self.allocations += 1
-        g = self._static
         arrays = [array for _, _, array in walk(plan)]
         if len(arrays) != len(g.capacities) or any(
                 len(a) > c for a, c in zip(arrays, g.capacities)):
@@ -170,7 +180,7 @@ class MergedAuxManager:
             self.backend.stream_wait_event(event)
         g.next ^= 1
         self.copies += 1
-        self._static_open = True
+        self._static_open = g
         views = iter([self.backend.aux_view(g.device, off, cap if full else len(array))
                       for off, cap, full, array in zip(g.offsets, g.capacities, g.page_list,
                                                        arrays)])
@@ -179,12 +189,18 @@ class MergedAuxManager:
     @property
     def static_device_buffer(self):
         """The fixed device buffer of static-shape decode (None before its first step)."""
-        return None if self._static is None else self._static.device
+        return self.static_buffer(mixed=False)
+
+    def static_buffer(self, mixed: bool):
+        """The fixed device buffer of static-shape decode steps (``mixed``: of static-shape
+        mixed steps); None before the first such step."""
+        g = self._statics.get(bool(mixed))
+        return None if g is None else g.device
 
     def release(self) -> None:
-        if self._static_open and self._static is not None:
-            self._static.release_event = self.backend.record_event()
-            self._static_open = False
+        if self._static_open is not None:
+            self._static_open.release_event = self.backend.record_event()
+            self._static_open = None
         elif self.current is not None:
             self.slots[self.current].release_event = self.backend.record_event()
 

@@ -65,7 +65,8 @@ class ForwardPlan:
     ``write_after``: K/V are written after attention (sliding windows: a token may overwrite a
     row that slides out in this forward).
     ``static_bucket``: static-shape decode (``CacheConfig(static_decode=True)``): the batch bucket the
-    plan is padded to; None for an eager plan.
+    plan is padded to; None for an eager plan. ``static_mixed``: a static-shape mixed step
+    (``CacheConfig(static_mixed=True)``): ``static_bucket`` is then its token bucket.
     ``undo``: what the forward changed in the page table (``ForwardUndo``), for ``rollback``.
     """
 
@@ -79,6 +80,7 @@ class ForwardPlan:
     depths: tuple
     undo: Any = None
     static_bucket: Optional[int] = None
+    static_mixed: bool = False
 
 
 @dataclass(frozen=True)

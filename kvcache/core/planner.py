@@ -10,7 +10,9 @@ One forward is planned in named steps, each in its own module:
 
 Decode batches take shortcuts (``decode``): a repeat of the last decode batch updates its plan
 while the state's epoch is unchanged; the first step of unshared sequences is built directly.
-Static-shape decode (``static``) pads a plain decode plan to its batch bucket.
+Static-shape decode (``static``) pads a plain decode plan to its batch bucket; with
+``static_mixed`` (set by the cache) a mixed step is planned as one paged pass (chain trees over
+the new tokens, one entry per sequence) and padded to its token bucket.
 
 Attention of one layer then runs, per the plan: when ``paged_only``, K/V are written first and
 one paged attention per depth covers history and new tokens (tree masks hide non-ancestors);
@@ -30,7 +32,7 @@ from .plan import ForwardPlan, ForwardUndo, build
 from .request import ForwardRequest, check_batch, check_forward, exclusive_cumsum
 from .reserve import count_pages, page_need
 from .state import CacheState
-from .static import pad_to_bucket
+from .static import chain_masks, pad_mixed, pad_to_bucket
 from .tokens import token_arrays, tree_masks
 from .validate import all_int_ones, same_int_ids
 
@@ -40,6 +42,9 @@ class Planner:
 
     fast_path = True
     """Take the decode shortcuts when they apply (tests turn them off to compare)."""
+    static_mixed = False
+    """Plan mixed steps as static-shape ones (``CacheConfig.static_mixed``; the cache sets it
+    per forward: off while fp8 scales are still to be calibrated by an eager forward)."""
 
     def __init__(self, state: CacheState, config, capabilities):
         self.state = state
@@ -150,6 +155,10 @@ class Planner:
         cfg, pt = self.config, self.state.pt
         write_after = cfg.support_sliding_window
         had_tree = bool(req.tree_before.any())
+        if (self.static_mixed and not req.is_decode and req.tree_parents is None
+                and not had_tree and not write_after
+                and cfg.static_mixed_bucket(req.total) is not None):
+            return self._static_mixed(req, need, slides, before)
         paged_only = (req.is_decode and not write_after) or had_tree
         qo_indptr = exclusive_cumsum(req.append)
         blen_before, _, seq_len_before = before
@@ -182,6 +191,25 @@ class Planner:
             assert holders is not None                    # built because reused asked for them
             return self._remember(plan, req, holders)
         return plan
+
+    def _static_mixed(self, req: ForwardRequest, need, slides, before) -> ForwardPlan:
+        """A mixed step as one paged pass (K/V written first; each sequence one entry over its
+        whole page list, its new tokens a chain tree), padded to its token bucket."""
+        cfg, pt = self.config, self.state.pt
+        qo_indptr = exclusive_cumsum(req.append)
+        blen_before, _, seq_len_before = before
+        undo = self.state.reserve_forward(req.seqs, req.last, req.append, need, slides,
+                                          slots=req.slots, before=before)
+        tokens = token_arrays(self.state, cfg, req, qo_indptr, blen_before, seq_len_before,
+                              slides, None)
+        sizes, masks = chain_masks(req.append)
+        depths, _ = build_depths(pt, cfg, req.last, qo_indptr, is_decode=False, tree_sizes=sizes,
+                                 tree_masks=masks, max_append=int(req.append.max()),
+                                 want_holders=False, flat=True)
+        plan = build(ForwardPlan, seq_ids=req.seq_ids, append_lengths=req.append,
+                     total_tokens=req.total, max_append=int(req.append.max()), paged_only=True,
+                     write_after=False, tokens=tokens, depths=depths, undo=undo)
+        return pad_mixed(plan, cfg)
 
     def _remember(self, plan: ForwardPlan, req: ForwardRequest, holders: list) -> ForwardPlan:
         """Keep a plain decode plan for the next step to update."""

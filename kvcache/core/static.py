@@ -1,16 +1,24 @@
-"""Static-shape decode (``CacheConfig(static_decode=True)``): a plain decode plan padded to its
-batch bucket, and the capacities of the fixed device buffer its arrays are copied into.
+"""Static-shape steps: a plain decode plan padded to its batch bucket
+(``CacheConfig(static_decode=True)``), a mixed step's one-pass plan padded to its token bucket
+(``CacheConfig(static_mixed=True)``), and the capacities of the fixed device buffers their
+arrays are copied into.
 
 Padded rows append nowhere (slot -1) and their entries hold no keys, so they read o = 0 /
 lse = -inf. Every shape and launch parameter then depends on the bucket alone
 (``max_kv_len`` is the cache's bound; kernels read the real lengths from the arrays), so a
 backend can capture the step once per bucket and replay it on later steps.
+
+A mixed step (prefill chunks, with or without decode rows) is one paged pass per layer: K/V are
+written first and each sequence is one entry over its whole page list, its new tokens a chain
+token tree (token ``r`` sees the history and new tokens ``0..r``: causal), so every array has
+one fixed length per token bucket: tokens ``bucket``, entries ``max_batch_size``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..backend import TreeMask
 from .plan import ForwardPlan, HostDepth, TokenArrays, evolve
 
 
@@ -56,3 +64,68 @@ def capacity_plan(config) -> ForwardPlan:
     return ForwardPlan(seq_ids=[], append_lengths=room(0), total_tokens=rows, max_append=1,
                        paged_only=True, write_after=False, tokens=tokens, depths=(depth,),
                        static_bucket=rows)
+
+
+def chain_masks(append_lengths) -> tuple[np.ndarray, list]:
+    """Per sequence of ``append_lengths`` (B,) new tokens, the ``TreeMask`` pairs of a chain
+    (token ``r``: order ``r``, upper ``n``: it sees tokens ``0..r``), as ``build_depths`` takes
+    them: (tree sizes (B,), one flat int32 array of pairs per sequence)."""
+    sizes = np.asarray(append_lengths, np.int64)
+    return sizes, [np.stack([np.arange(n, dtype=np.int32), np.full(n, n, np.int32)],
+                            axis=1).reshape(-1) for n in sizes.tolist()]
+
+
+def pad_mixed(plan: ForwardPlan, config) -> ForwardPlan:
+    """``plan`` (a mixed step planned as one paged pass: ``paged_only``, one depth whose entry
+    ``i`` is sequence ``i`` with its chain tree) padded to its token bucket and to
+    ``max_batch_size`` entries."""
+    total = plan.total_tokens
+    bucket = config.static_mixed_bucket(total)
+    entries = config.max_batch_size
+    pad_e = entries - len(plan.seq_ids)
+    pad_t = bucket - total
+
+    def tail(array, pad, fill):
+        array = np.asarray(array, np.int32)
+        return np.concatenate([array, np.full(pad, fill, np.int32)]) if pad else array
+
+    t, d = plan.tokens, plan.depths[0]
+    tree = d.tree
+    assert tree is not None and len(plan.depths) == 1 and plan.paged_only
+    tokens = TokenArrays(qo_indptr=tail(t.qo_indptr, pad_e, total),
+                         q_positions=tail(t.q_positions, pad_t, 0),
+                         append_slots=tail(t.append_slots, pad_t, -1),
+                         k_rope_offset=tail(t.k_rope_offset, pad_e, 0))
+    depth = HostDepth(qo_indptr=tail(d.qo_indptr, pad_e, total),
+                      page_indptr=tail(d.page_indptr, pad_e, d.page_indptr[-1]),
+                      page_indices=d.page_indices, last_page_len=tail(d.last_page_len, pad_e, 0),
+                      kv_len=tail(d.kv_len, pad_e, 0), sink_size=tail(d.sink_size, pad_e, 0),
+                      window_offset=tail(d.window_offset, pad_e, 0),
+                      k_rope_offset=tail(d.k_rope_offset, pad_e, 0), num_entries=entries,
+                      use_decode=False,
+                      tree=TreeMask(tail(tree.indptr, pad_e, tree.indptr[-1]),
+                                    tail(tree.mask, 2 * pad_t, 0)),
+                      max_kv_len=config.num_pages * config.page_size, max_qo_len=bucket,
+                      num_pages=d.num_pages)
+    return evolve(plan, tokens=tokens, depths=(depth,), static_bucket=bucket, static_mixed=True)
+
+
+def mixed_capacity_plan(config) -> ForwardPlan:
+    """A padded mixed plan of the largest token bucket whose arrays have the largest length
+    any mixed step's can have (page lists: every entry reading a whole cache's worth of
+    pages); the mixed steps' static aux buffer is laid out from it."""
+    rows, entries = config.static_mixed_buckets[-1], config.max_batch_size
+
+    def room(n):
+        return np.zeros(n, np.int32)
+
+    tokens = TokenArrays(qo_indptr=room(entries + 1), q_positions=room(rows),
+                         append_slots=room(rows), k_rope_offset=room(entries))
+    depth = HostDepth(qo_indptr=room(entries + 1), page_indptr=room(entries + 1),
+                      page_indices=room(entries * config.num_pages), last_page_len=room(entries),
+                      kv_len=room(entries), sink_size=room(entries), window_offset=room(entries),
+                      k_rope_offset=room(entries), num_entries=entries, use_decode=False,
+                      tree=TreeMask(room(entries + 1), room(2 * rows)))
+    return ForwardPlan(seq_ids=[], append_lengths=room(0), total_tokens=rows, max_append=rows,
+                       paged_only=True, write_after=False, tokens=tokens, depths=(depth,),
+                       static_bucket=rows, static_mixed=True)

@@ -69,6 +69,14 @@ class Engine:
     False: off. ``graph_batch_sizes``: the buckets (None: powers of two up to
     ``max_batch_size``).
 
+    ``mixed_graphs`` (default False): with graphs on, steps that prefill (a prompt chunk,
+    alone or beside decode rows) are captured too, once per token bucket
+    (``CacheConfig.static_mixed``: one paged pass per layer, the batch padded to a power of two
+    of tokens): a step that admits a request then costs about what a decode step costs on
+    the host. None: on where graphs are on; True: on, or ``UnsupportedFeatureError`` without
+    graphs. Tokens agree with eager mixed steps to the attention's rounding (another kernel
+    path over the same keys).
+
     ``offload``: a preempted sequence is parked in a host tier (``self.host_tier``, of
     ``offload_tokens`` tokens, None: ``max_total_tokens``) and restored later (True), or dropped
     and recomputed (False); None: on when the cache is on an accelerator.
@@ -108,9 +116,10 @@ class Engine:
                  graph_batch_sizes: Optional[Sequence[int]] = None,
                  offload: Optional[bool] = None, offload_tokens: Optional[int] = None,
                  overlap: bool = True, memory_fraction: float = 0.9, prefix_cache: bool = True,
-                 kv_dtype: str = "auto", compile_step: Optional[bool] = False):
+                 kv_dtype: str = "auto", compile_step: Optional[bool] = False,
+                 mixed_graphs: Optional[bool] = False):
         for name, value in (("graphs", graphs), ("offload", offload),
-                            ("compile_step", compile_step)):
+                            ("compile_step", compile_step), ("mixed_graphs", mixed_graphs)):
             if value is not None and not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name}={value!r} must be None, True or False")
         for name, value in (("overlap", overlap), ("prefix_cache", prefix_cache)):
@@ -135,9 +144,16 @@ class Engine:
                                       prefill_chunk_size=prefill_chunk_size, **sizes)
         config = dataclasses.replace(config, prefix_cache=prefix_cache, kv_dtype=kv_dtype,
                                      kv_quant_group=quant_group_for(config, kv_dtype))
+        if mixed_graphs and not self.graphs:
+            raise UnsupportedFeatureError(
+                "mixed_graphs=True captures prefill steps beside the decode steps, and graphs "
+                "are off; pass graphs=True (or None on a GPU) or mixed_graphs=False")
+        self.mixed_graphs = bool(self.graphs and mixed_graphs is not False)
+        """Whether steps that prefill are captured too (``mixed_graphs``)."""
         if self.graphs:
             config = dataclasses.replace(config, static_decode=True,
-                                         static_decode_batch_sizes=tuple(graph_batch_sizes or ()))
+                                         static_decode_batch_sizes=tuple(graph_batch_sizes or ()),
+                                         static_mixed=self.mixed_graphs)
         self.cache = PagedKVCache(config, backend=backend, device=device)
         self.config = config
         adapter.check(self.cache)

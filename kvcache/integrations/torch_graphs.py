@@ -1,4 +1,6 @@
-"""Whole decode steps of a torch model and its cache, captured once per batch bucket and replayed.
+"""Whole steps of a torch model and its cache, captured once per bucket and replayed: decode steps
+per batch bucket, and with ``CacheConfig(static_mixed=True)`` mixed steps (prefill chunks beside
+decode rows) per token bucket.
 
 Used by the engine adapters whose model is a torch module (``kvcache.integrations.transformers``)
 on a cache built with ``CacheConfig(static_decode=True)``. A static-shape decode ``begin_forward``
@@ -73,7 +75,7 @@ class StepGraphs:
         self.device = torch.device(device)
         self.on_gpu = self.device.type != "cpu"
         self.warmup = int(warmup)
-        self.buckets: dict = {}
+        self.buckets: dict = {}          # (mixed step?, bucket) -> _Bucket
         self.captures = 0
         self.replays = 0
         self._pool: Any = None
@@ -81,29 +83,32 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ public
     def run(self, tokens: np.ndarray, positions: np.ndarray, logit_rows: np.ndarray):
-        """Run the open forward's decode step through its bucket's graph (captured on first use).
+        """Run the open forward's step through its bucket's graph (captured on first use).
 
-        ``tokens``, ``positions`` (B,) int64: one token per sequence of the open forward (a
-        static-shape decode step); ``tokens`` may be a device tensor (the previous step's
-        picks, copied on the device in stream order); ``logit_rows`` (R,) int64, R <= B: the rows whose logits are
-        wanted. Returns the logits ``(R, vocab)``: a view of the graph's static output, valid until
-        the next ``run``."""
+        ``tokens``, ``positions`` (T,) int64: the open forward's new tokens (a static-shape
+        decode step: one per sequence; a static-shape mixed step: its prefill chunks and decode
+        rows), in ``begin_forward`` order; ``tokens`` may be a device tensor (the previous
+        step's picks, copied on the device in stream order); ``logit_rows`` (R,) int64, R <= T:
+        the rows whose logits are wanted. Returns the logits ``(R, vocab)``: a view of the
+        graph's static output, valid until the next ``run``. Decode and mixed steps of one
+        bucket size are captured apart."""
         cache = self.cache
         bucket = cache.static_bucket
         if bucket is None:
             raise InvalidArgumentError(
                 f"StepGraphs.run: the open forward over sequences {cache.open_plan.seq_ids} is not a "
-                f"static-shape decode step; run it eagerly")
+                f"static-shape step; run it eagerly")
+        key = (cache.open_plan.static_mixed, bucket)
         n, r = len(tokens), len(logit_rows)
         if n > bucket or len(positions) != n or r > n:
             raise InvalidArgumentError(
                 f"StepGraphs.run: {n} tokens, {len(positions)} positions and {r} logit rows do not "
                 f"fit bucket {bucket}")
-        slot = self.buckets.get(bucket)
+        slot = self.buckets.get(key)
         if slot is None:
-            slot = self.buckets[bucket] = _Bucket(self.torch, bucket, self.device)
+            slot = self.buckets[key] = _Bucket(self.torch, bucket, self.device)
         self._load(slot, tokens, positions, logit_rows)
-        address = self._aux_address()
+        address = self._aux_address()      # per kind of step: its own fixed buffer
         if slot.graph is None or slot.aux_address != address:
             self._capture(slot)
             slot.aux_address = address

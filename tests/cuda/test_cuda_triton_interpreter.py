@@ -2,8 +2,8 @@
 TRITON_INTERPRET must be set before triton is first imported, and this process may already have
 imported it. The subprocess runs the kernel tests (every kernel vs the reference; softcap, sinks,
 head_dim_v and small head dims vs numpy), two end-to-end scenarios (token tree, fused qkv) and
-the graph-mode decode scenario (padded buckets, forks) with the backend selecting Triton for CPU
-tensors.
+the graph-mode decode scenario (padded buckets, forks) and the static-shape mixed steps
+(test_cuda_static_mixed.py) with the backend selecting Triton for CPU tensors.
 
 The child pytest gets this run's ``-m`` expression: under ``make test`` (``-m 'not slow'``) it
 leaves out the scenarios marked slow for the interpreter only (each 10-60 s there; see

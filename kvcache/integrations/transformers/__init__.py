@@ -114,8 +114,9 @@ class Engine(_Engine):
     ``kvcache.integrations.tp``. ``prefix_cache`` (default True): requests start from the
     longest cached prefix of their prompt, see ``kvcache.integrations.engine.Engine``.
     ``compile_step`` (default False): the captured decode step's model code through
-    ``torch.compile``, see ``kvcache.integrations.engine.Engine``. See
-    ``kvcache.integrations.engine.Engine.generate``.
+    ``torch.compile``, see ``kvcache.integrations.engine.Engine``. ``mixed_graphs`` (default
+    False): steps that prefill are captured too, per token bucket, see
+    ``kvcache.integrations.engine.Engine``. See ``kvcache.integrations.engine.Engine.generate``.
     """
 
     def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
@@ -126,7 +127,7 @@ class Engine(_Engine):
                  offload_tokens: Optional[int] = None, overlap: bool = True,
                  tp: Optional[int] = None, tp_group=None, memory_fraction: float = 0.9,
                  prefix_cache: bool = True, kv_dtype: str = "auto",
-                 compile_step: Optional[bool] = False):
+                 compile_step: Optional[bool] = False, mixed_graphs: Optional[bool] = False):
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
@@ -140,4 +141,5 @@ class Engine(_Engine):
                          graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
                          offload_tokens=offload_tokens, overlap=overlap,
                          memory_fraction=memory_fraction, prefix_cache=prefix_cache,
-                         kv_dtype=kv_dtype, compile_step=compile_step)
+                         kv_dtype=kv_dtype, compile_step=compile_step,
+                         mixed_graphs=mixed_graphs)
