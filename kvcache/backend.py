@@ -159,11 +159,16 @@ class TreeMask:
     node ``m`` is visible to query node ``n`` iff ``order[m] <= order[n] < upper[m]``
     (m is n or an ancestor of n).
     The entry's queries are its *last* tree nodes: query row ``r`` of an entry with ``nq`` queries
-    and tree size ``t`` is node ``t - nq + r``.
+    and tree size ``t`` is node ``t - nq + r``. A node's ancestors come before it (a parent's
+    index is smaller than its child's), so no query sees a tree key after its own node.
+    ``chains``: every entry's tree is a chain (node ``m``'s parent is ``m - 1``: causal
+    attention among the tree keys); a hint a kernel may use to leave the keys every query of
+    a tile sees unmasked. The mask holds the same visibility either way.
     """
 
     indptr: Any
     mask: Any
+    chains: bool = False
 
 
 @dataclass(frozen=True)

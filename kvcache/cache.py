@@ -1350,7 +1350,9 @@ class PagedKVCache:
             return -1
         if window_left >= 0:
             self._need(plan, "window_left", f"window_left={window_left}")
-            if plan.tokens.self_tree is not None or any(d.tree is not None for d in plan.depths):
+            # a static-shape mixed step's trees are chains (causal): positions order its keys
+            if plan.tokens.self_tree is not None or any(
+                    d.tree is not None and not d.tree.chains for d in plan.depths):
                 raise UnsupportedFeatureError(
                     f"window_left={window_left} with a token tree (forward over sequences "
                     f"{plan.seq_ids}): tree attention has no per-query window")

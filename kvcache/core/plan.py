@@ -149,7 +149,7 @@ def device_twin(plan: ForwardPlan, device: Callable[[], Any]) -> ForwardAux:
     depths = []
     for depth in plan.depths:
         arrays = {name: device() for name in DEPTH_ARRAYS}
-        tree = None if depth.tree is None else TreeMask(device(), device())
+        tree = None if depth.tree is None else TreeMask(device(), device(), depth.tree.chains)
         depths.append(DepthAux(**arrays, tree=tree,
                                **{name: getattr(depth, name) for name in DEPTH_SIZES}))
     return ForwardAux(tokens, tuple(depths))

@@ -104,7 +104,7 @@ def pad_mixed(plan: ForwardPlan, config) -> ForwardPlan:
                       k_rope_offset=tail(d.k_rope_offset, pad_e, 0), num_entries=entries,
                       use_decode=False,
                       tree=TreeMask(tail(tree.indptr, pad_e, tree.indptr[-1]),
-                                    tail(tree.mask, 2 * pad_t, 0)),
+                                    tail(tree.mask, 2 * pad_t, 0), chains=True),
                       max_kv_len=config.num_pages * config.page_size, max_qo_len=bucket,
                       num_pages=d.num_pages)
     return evolve(plan, tokens=tokens, depths=(depth,), static_bucket=bucket, static_mixed=True)

@@ -45,7 +45,7 @@ class Trio:
     def each(self, method, *args, **kw):
         return [getattr(c, method)(*args, **kw) for c in self.caches]
 
-    def step(self, ids, lens, padded=False):
+    def step(self, ids, lens, padded=False, window_left=-1):
         self.each("begin_forward", ids, lens)
         plan = self.static.open_plan
         total = sum(lens)
@@ -56,7 +56,9 @@ class Trio:
             per = []
             for c in self.caches:
                 use = parts if c is self.static else [p[:total] for p in parts]
-                per.append(c.attention(layer, *map(c.from_numpy, use), return_lse=True))
+                # a per-layer window (Gemma-style): layer 0 slides, layer 1 sees everything
+                per.append(c.attention(layer, *map(c.from_numpy, use), return_lse=True,
+                                       window_left=window_left if layer == 0 else -1))
             outs.append(per)
         self.each("end_forward")
         self.kept.append((total, rows, outs))
@@ -91,6 +93,17 @@ def test_mixed_steps_equal_eager_and_reference(dtype):
     assert p.static_mixed and p.static_bucket == 32
     p = t.step([3], [200])                            # one long chunk: the 256 bucket
     assert p.static_bucket == 256
+    t.check(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_layer_window_in_mixed_steps(dtype):
+    t = Trio(dtype)
+    t.each("add_sequence", 0)
+    t.each("add_sequence", 1)
+    t.step([0, 1], [40, 9], window_left=12)
+    p = t.step([0, 1], [1, 30], padded=True, window_left=12)
+    assert p.static_mixed and p.depths[0].tree.chains
     t.check(dtype)
 
 
@@ -181,3 +194,8 @@ def test_config_checks():
                               rope_mode="none", prefill_chunk_size=100)
     assert cfg.static_mixed_buckets == (16, 32, 64, 100)
     assert cfg.static_mixed_bucket(65) == 100 and cfg.static_mixed_bucket(101) is None
+    big = kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=2, head_dim=64,
+                              rope_mode="none", prefill_chunk_size=5000)
+    assert big.static_mixed_buckets == (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792,
+                                        2048, 3072, 4096, 5000)
+    assert big.static_mixed_bucket(2100) == 3072

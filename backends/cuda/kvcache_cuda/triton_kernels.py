@@ -306,7 +306,8 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
                 kfloor, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr,
                 SOFTCAP: tl.constexpr, QUANT: tl.constexpr):
-    """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE).
+    """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE);
+    keys from ``kv_len`` on (the entry's length, or a loop's bound) are neither read nor seen.
     QUANT: the pages hold fp8 codes, widened here; the caller applies the scales."""
     j = j0 + tl.arange(0, BLOCK_N)
     j_ok = j < kv_len
@@ -682,9 +683,14 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
                           PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr,
                           IEEE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                          SOFTCAP: tl.constexpr, SINKS: tl.constexpr, QUANT: tl.constexpr):
+                          SOFTCAP: tl.constexpr, SINKS: tl.constexpr, QUANT: tl.constexpr,
+                          CHAINS: tl.constexpr):
     """Entries with many queries; grid (sum of q tiles upper bound, Hkv). Tile -> entry by a
-    vector prefix sum over all entries (no host-side tile plan, no extra launches)."""
+    vector prefix sum over all entries (no host-side tile plan, no extra launches).
+    TREE: a tile's queries see no tree key after its last query node (ancestors come first),
+    so the loop stops there; the keys every row of the tile sees (the history before the tree,
+    and with CHAINS, causal chains, the tree keys up to the tile's first query) run unmasked,
+    only the rest through the tree mask and the masked non-finite V handling."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     ei = tl.arange(0, BLOCK_E)
@@ -733,12 +739,34 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-        for j0 in range(0, kv_len, BLOCK_N):
+        hi = kv_len             # keys any row of this tile may see
+        full = kv_len           # keys before this one every row sees (unmasked loop)
+        if TREE:
+            q_lo = ts - nq + m0                                # the tile's first query node
+            q_hi = ts - nq + tl.minimum(m0 + M_TOK, nq) - 1    # and its last
+            hi = tl.where(ts > 0, tl.minimum(kv_len, tree_start + q_hi + 1), kv_len)
+            if CHAINS:
+                full = tree_start + q_lo + 1
+            else:
+                full = tree_start
+            full = tl.where(ts > 0, tl.minimum(full, hi), kv_len)
+        # the unmasked loop's last tile stops at ``full`` (keys past it load as 0 and are not
+        # seen), the masked one starts there: a decode row's chain ends in its only query, so
+        # it never takes the masked loop
+        for j0 in range(0, full, BLOCK_N):
             m_i, l_i, acc = _paged_step(
-                q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                q1, q2, m_i, l_i, acc, j0, full, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
                 softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-                HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP, QUANT)
+                HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT)
+        if TREE:
+            for j0 in range(full, hi, BLOCK_N):
+                m_i, l_i, acc = _paged_step(
+                    q1, q2, m_i, l_i, acc, j0, hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                    kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                    qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, True, IEEE,
+                    SOFTCAP, QUANT)
         if QUANT:
             acc = acc * vs
         o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
@@ -1497,7 +1525,8 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         rec.sl = (hq,)
         rec.run = _Kernel(_paged_prefill_kernel, dict(
             GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
-            BLOCK_E=_p2(n), **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+            BLOCK_E=_p2(n), **flags, CHAINS=depth.tree is not None and depth.tree.chains,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     return _keep(launch, key, (depth, rope), rec, q)
 
 

@@ -1,0 +1,77 @@
+"""GPU time of one layer's attention in a mixed step, eager plan against the static-shape mixed
+plan (``CacheConfig.static_mixed``: one paged pass, chain trees): each case's kernels summed by
+the torch profiler over 20 layers (bf16, Hq32/Hkv8/D128, page 16). Cases: ``P`` prompts of
+``N`` new tokens beside ``D`` decode rows whose histories are ``H`` tokens.
+
+    python tools/mixed_step_kernels.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import kvcache
+
+CASES = [(1, 2040, 63, 2000), (1, 40, 63, 2040), (4, 512, 0, 0), (1, 2048, 0, 0)]
+LAYERS = 20
+
+
+def build(static: bool):
+    cfg = kvcache.CacheConfig(num_layers=LAYERS, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                              page_size=16, max_batch_size=64, max_total_tokens=64 * 4200,
+                              prefill_chunk_size=2048 + 64, dtype="bfloat16", rope_mode="normal",
+                              static_decode=static, static_mixed=static)
+    return kvcache.PagedKVCache(cfg, backend="cuda", device="cuda")
+
+
+def run_case(static, prompts, new, decodes, hist):
+    cache = build(static)
+    dev = torch.device("cuda")
+    ids = list(range(prompts + decodes))
+    for s in ids:
+        cache.add_sequence(s)
+    if decodes:                            # decode rows' histories, written without attention
+        k = torch.randn((hist, 8, 128), device=dev, dtype=torch.bfloat16)
+        for s in ids[prompts:]:
+            cache.begin_forward([s], [hist])
+            rows = cache.static_bucket or hist
+            kk = torch.cat([k, k.new_zeros((rows - hist, 8, 128))]) if rows != hist else k
+            for layer in range(LAYERS):
+                cache.append_kv(layer, kk, kk)
+            cache.end_forward()
+    lens = [new] * prompts + [1] * decodes
+    t = sum(lens)
+    q = torch.randn((t, 32, 128), device=dev, dtype=torch.bfloat16)
+    k = torch.randn((t, 8, 128), device=dev, dtype=torch.bfloat16)
+    from torch.profiler import ProfilerActivity, profile
+    for rep in range(2):                   # the first compiles
+        cache.begin_forward(ids, lens)
+        bucket = cache.static_bucket
+        rows = bucket if bucket and cache.open_plan.static_mixed else t
+        qq, kk = q, k
+        if rows != t:
+            qq = torch.cat([q, q.new_zeros((rows - t, 32, 128))])
+            kk = torch.cat([k, k.new_zeros((rows - t, 8, 128))])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for layer in range(LAYERS):
+                cache.attention(layer, qq, kk, kk)
+            torch.cuda.synchronize()
+        cache.abort_forward()
+    us = sum(e.self_device_time_total for e in prof.key_averages()) / LAYERS
+    names = sorted({e.key[:24] for e in prof.key_averages() if e.self_device_time_total > 0})
+    return us, bucket, names
+
+
+def main():
+    for prompts, new, decodes, hist in CASES:
+        e_us, _, e_names = run_case(False, prompts, new, decodes, hist)
+        s_us, bucket, s_names = run_case(True, prompts, new, decodes, hist)
+        print(f"{prompts} x {new} new + {decodes} decode rows (history {hist}): eager "
+              f"{e_us:8.1f} us/layer, static mixed (bucket {bucket}) {s_us:8.1f} us/layer "
+              f"({s_us / e_us:.2f}x); kernels eager {e_names} static {s_names}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
