@@ -113,6 +113,9 @@ class PagedKVCache:
             self._require(config.effective_rope_mode != "inline" or caps.inline_rope, "inline_rope",
                           "inline RoPE (rope_mode='inline', or sliding windows with RoPE)", cls)
             self._require(not config.static_decode or caps.static_decode, "static_decode", "static_decode=True", cls)
+            # a static-shape mixed step is one paged pass whose new tokens are chain trees
+            self._require(not config.static_mixed or caps.tree_attention, "tree_attention",
+                          "static_mixed=True", cls)
             self._require(config.effective_rope_mode == "none" or config.rope_spec().default_frequencies
                           or caps.rope_frequencies, "rope_frequencies",
                           "rope_inv_freq / rope_rotary_dim with RoPE on", cls)

@@ -215,3 +215,14 @@ def test_config_checks():
     assert big.static_mixed_buckets == (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792,
                                         2048, 3072, 4096, 5000)
     assert big.static_mixed_bucket(2100) == 3072
+
+
+def test_decode_graphs_refuse_mixed_steps():
+    from kvcache_cuda import DecodeGraphs
+    cache = make("float32", True)
+    cache.add_sequence(0)
+    cache.begin_forward([0], [5])
+    assert cache.open_plan.static_mixed
+    with pytest.raises(InvalidArgumentError, match="not a static-shape decode"):
+        DecodeGraphs(cache).capture(lambda: None)
+    cache.abort_forward()

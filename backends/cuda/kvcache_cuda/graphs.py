@@ -64,7 +64,7 @@ class DecodeGraphs:
         plan = self.cache.open_plan
         if plan is None:
             raise ForwardStateError(f"{what} needs an open forward: call begin_forward first")
-        if plan.static_bucket is None:
+        if plan.static_bucket is None or plan.static_mixed:
             raise InvalidArgumentError(
                 f"{what}: the open forward over sequences {plan.seq_ids} is not a static-shape decode "
                 f"step (one token per committed sequence, at most "
