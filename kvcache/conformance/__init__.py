@@ -49,7 +49,7 @@ _TESTS = {
     "test_matrix": ("TestMatrix",),
     "test_errors": ("TestBadInput", "TestAtomicity", "TestCapabilities", "TestBackendContract"),
     "test_payloads": ("TestPayloadImport",),
-    "test_graph": ("TestGraphMode",),
+    "test_graph": ("TestGraphMode", "TestStaticMixedSteps"),
     "test_run_ahead": ("TestRunAhead",),
     "test_numerics": ("TestMaskedNonFinite",),
     "test_prefix": ("TestPrefixCache",),

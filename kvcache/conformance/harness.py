@@ -57,7 +57,7 @@ def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers
                 rope_theta=10000.0, rope_scale=1.0, static_decode=False,
                 static_decode_batch_sizes=(), rope_inv_freq=(), rope_rotary_dim=0,
                 head_dim_v=None, prefix_cache=False, kv_dtype="auto",
-                kv_quant_group=64) -> CacheConfig:
+                kv_quant_group=64, static_mixed=False) -> CacheConfig:
     """A small config for the suite: GQA ratio ``gqa`` with 2 KV heads (1 for ratio 8)."""
     hkv = num_kv_heads or (1 if gqa >= 8 else 2)
     return CacheConfig(num_layers=num_layers, num_qo_heads=hkv * gqa, num_kv_heads=hkv,
@@ -68,7 +68,7 @@ def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers
                        rope_rotary_dim=rope_rotary_dim, support_sliding_window=support_sliding_window,
                        static_decode=static_decode, static_decode_batch_sizes=static_decode_batch_sizes,
                        head_dim_v=head_dim_v, prefix_cache=prefix_cache, kv_dtype=kv_dtype,
-                       kv_quant_group=kv_quant_group)
+                       kv_quant_group=kv_quant_group, static_mixed=static_mixed)
 
 
 _CALLS = {
@@ -87,7 +87,8 @@ class CachePair:
         self.tol = TOLERANCES[config.dtype]
         self.rng = np.random.default_rng(seed)
         # graph mode is the backend's (the reference runs the same forwards eagerly)
-        ref_config = dataclasses.replace(config, static_decode=False) if config.static_decode else config
+        ref_config = (dataclasses.replace(config, static_decode=False, static_mixed=False)
+                      if config.static_decode else config)
         self.ref = PagedKVCache(ref_config, backend="reference")
         self.dut = PagedKVCache(config, backend=backend, device=device)
         # quantized pages: the reference (kvcache.kv_quant's rule) is the judge, not the dense

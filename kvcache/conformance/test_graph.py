@@ -1,8 +1,10 @@
 """CUDA-graph mode (``CacheConfig(static_decode=True)``), for backends declaring ``static_decode``:
 decode batches padded to their bucket give the reference's results on the real rows and
 o = 0 / lse = -inf on padded rows, one fixed device buffer holds every step's index arrays, and
-forwards that are not plain decode steps stay eager. Capturing a graph is the backend package's
-own API (e.g. ``kvcache_cuda.DecodeGraphs``) and is tested there."""
+forwards that are not plain decode steps stay eager; with ``static_mixed=True`` (and
+``tree_attention``) steps that prefill are padded to a token bucket, one paged pass over chain
+trees, with the reference's results. Capturing a graph is the backend package's own API (e.g.
+``kvcache_cuda.DecodeGraphs``) and is tested there."""
 
 from __future__ import annotations
 
@@ -124,3 +126,79 @@ class TestGraphMode(Conformance):
         for ids in ([2, 0, 3], [1], [3, 2, 1, 0]):
             p.forward(ids, [1] * len(ids), window_left=w)
         p.decode([0, 2], steps=2, window_left=0)
+
+
+class TestStaticMixedSteps(Conformance):
+    """Static-shape mixed steps (``CacheConfig(static_mixed=True)``), run where the backend
+    declares ``static_decode`` and ``tree_attention``: a forward that prefills (alone or beside
+    decode rows) pads to its token bucket as one paged pass whose new tokens are chain trees
+    (``TreeMask.chains``); it gives the reference's results on the real rows, o = 0 and
+    lse = -inf on padded rows (inputs of the bucket's rows), takes a per-layer ``window_left``
+    where the backend declares it, and its arrays go to one fixed buffer of their own; decode
+    steps keep their decode buckets."""
+
+    def _pair(self, make_pair, **kw):
+        return make_pair(needs=("static_decode", "tree_attention"), static_decode=True,
+                         static_mixed=True, rope_mode="normal", **kw)
+
+    def test_mixed_steps_match_the_reference(self, make_pair):
+        p = self._pair(make_pair)
+        _family(p)                       # its prefills are static-shape mixed steps already
+        manager = p.dut.aux_manager
+        buffers = set()
+        for ids, lens in (([2, 0, 3], [4, 1, 9]), ([1, 3], [1, 17]), ([0, 1, 2, 3], [1, 1, 1, 2])):
+            p.begin(ids, lens)
+            plan = p.dut.open_plan
+            bucket = p.config.static_mixed_bucket(sum(lens))
+            if not plan.static_mixed or p.dut.static_bucket != bucket:
+                raise Mismatch(f"static mixed: forward {ids} {lens} should pad to token bucket "
+                               f"{bucket}, static_bucket is {p.dut.static_bucket}{p.context()}")
+            p.check_positions()
+            buffers.add(id(manager.static_buffer(mixed=True)))
+            for layer in range(p.config.num_layers):
+                p.attend(layer)
+            p.end()
+        if len(buffers) != 1:
+            raise Mismatch(f"static mixed: the device aux buffer moved ({len(buffers)} buffers "
+                           f"over the steps){p.context()}")
+        p.decode([3, 0, 2], steps=2)
+        p.begin([3, 0], [1, 1])
+        if p.dut.open_plan.static_mixed or p.dut.static_bucket != 2:
+            raise Mismatch(f"static mixed: a decode step should keep its decode bucket 2, got "
+                           f"{p.dut.static_bucket}{p.context()}")
+        for layer in range(p.config.num_layers):
+            p.attend(layer)
+        p.end()
+
+    def test_bucket_rows_and_padding(self, make_pair):
+        p = self._pair(make_pair)
+        _family(p)
+        ids, lens = [3, 1], [1, 6]
+        p.begin(ids, lens)
+        bucket, total, c = p.dut.static_bucket, sum(lens), p.config
+        for layer in range(c.num_layers):
+            q, k, v = (p.random(bucket, h, c.head_dim) for h in (c.num_qo_heads, c.num_kv_heads,
+                                                                 c.num_kv_heads))
+            o_r, l_r = p.ref.attention(layer, *(p.ref.from_numpy(x[:total]) for x in (q, k, v)),
+                                       return_lse=True)
+            o_d, l_d = p.dut.attention(layer, *(p.dut.from_numpy(x) for x in (q, k, v)),
+                                       return_lse=True)
+            o_d, l_d = p.dut.backend.to_numpy(o_d), p.dut.backend.to_numpy(l_d)
+            assert_close(f"static mixed output (layer {layer})", p.ref.backend.to_numpy(o_r),
+                         o_d[:total], p.tol, context=p.context())
+            assert_close(f"static mixed lse (layer {layer})", p.ref.backend.to_numpy(l_r),
+                         l_d[:total], p.tol, lse=True, context=p.context())
+            if not (np.all(o_d[total:] == 0) and np.all(np.isneginf(l_d[total:]))):
+                raise Mismatch(f"static mixed: padded rows must give o = 0 and lse = -inf "
+                               f"(layer {layer}){p.context()}")
+        p.model = None           # the dense model saw no attention calls this forward
+        p.end()
+
+    def test_window_left_in_mixed_steps(self, make_pair):
+        p = make_pair(needs=("static_decode", "tree_attention", "window_left"),
+                      static_decode=True, static_mixed=True, rope_mode="normal")
+        _family(p)
+        p.begin([2, 0, 3], [5, 1, 12])
+        for layer in range(p.config.num_layers):
+            p.attend(layer, window_left=7 if layer == 0 else -1)
+        p.end()

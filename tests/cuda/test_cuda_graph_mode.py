@@ -532,16 +532,17 @@ def test_captured_split_decode_zeroes_its_merge_counters_once_per_replay():
 
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU run of the suite's graph-mode class")
 def test_conformance_graph_mode_class_on_cpu_test_mode():
-    """The conformance suite's TestGraphMode against this backend's CPU test mode (CI has no GPU:
-    elsewhere the class only skips, by capability)."""
+    """The conformance suite's TestGraphMode and TestStaticMixedSteps against this backend's CPU
+    test mode (CI has no GPU: elsewhere the classes only skip, by capability)."""
     import os
     import subprocess
     import sys
     env = dict(os.environ, KVCACHE_CUDA_CPU="1")
     r = subprocess.run([sys.executable, "-m", "kvcache.cli", "conformance", "--backend", "cuda",
-                        "--device", "cpu", "-k", "TestGraphMode"], env=env, capture_output=True,
-                       text=True, timeout=600)
+                        "--device", "cpu", "-k", "TestGraphMode or TestStaticMixedSteps"],
+                       env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "TestGraphMode               12       0       0        0" in out, out[-3000:]
+    assert "TestStaticMixedSteps         6       0       0        0" in out, out[-3000:]
     assert "verdict: CONFORMS" in out
