@@ -111,8 +111,8 @@ class CacheConfig:
     the new tokens plus paged passes over the history)."""
     static_mixed_token_sizes: tuple = ()
     """Token buckets a static-shape mixed step is padded to (default: powers of two from 16 to
-    256, then steps of 256 up to 2048 and of 1024 beyond, then ``prefill_chunk_size``); a step
-    of more tokens than the last runs eagerly."""
+    256, then steps of 256, then ``prefill_chunk_size``); a step of more tokens than the last
+    runs eagerly."""
     head_dim_v: int = None  # type: ignore[assignment]   # None in, always an int after init
     """Head dim of values and of the attention output (None: ``head_dim``). Another value than
     head_dim is MLA in expanded form (DeepSeek's 192 / 128); it needs a backend declaring it in
@@ -269,11 +269,11 @@ class CacheConfig:
         if self.static_mixed_token_sizes:
             return self.static_mixed_token_sizes
         # padded rows cost the model's GEMMs as real ones: powers of two up to 256, then steps
-        # of 256 up to 2048 and of 1024 beyond (at most 1/8 padded past 2048)
+        # of 256 (at most a tenth padded past 2,560 tokens)
         sizes, t = [], 16
         while t < self.prefill_chunk_size:
             sizes.append(t)
-            t = 2 * t if t < 256 else t + (256 if t < 2048 else 1024)
+            t = 2 * t if t < 256 else t + 256
         return tuple(sizes) + (self.prefill_chunk_size,)
 
     def static_mixed_bucket(self, tokens: int) -> Optional[int]:

@@ -212,9 +212,8 @@ def test_config_checks():
     assert cfg.static_mixed_bucket(65) == 100 and cfg.static_mixed_bucket(101) is None
     big = kvcache.CacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=2, head_dim=64,
                               rope_mode="none", prefill_chunk_size=5000)
-    assert big.static_mixed_buckets == (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792,
-                                        2048, 3072, 4096, 5000)
-    assert big.static_mixed_bucket(2100) == 3072
+    assert big.static_mixed_buckets == (16, 32, 64, 128, 256) + tuple(range(512, 5000, 256)) + (5000,)
+    assert big.static_mixed_bucket(2100) == 2304 and big.static_mixed_bucket(4900) == 5000
 
 
 def test_decode_graphs_refuse_mixed_steps():
