@@ -71,8 +71,8 @@ class Engine:
 
     ``mixed_graphs`` (default False): with graphs on, steps that prefill (a prompt chunk,
     alone or beside decode rows) are captured too, once per token bucket
-    (``CacheConfig.static_mixed``: one paged pass per layer, the batch padded to a power of two
-    of tokens): a step that admits a request then costs about what a decode step costs on
+    (``CacheConfig.static_mixed``: one paged pass per layer, the batch padded to a token
+    bucket): a step that admits a request then costs about what a decode step costs on
     the host. None: on where graphs are on; True: on, or ``UnsupportedFeatureError`` without
     graphs. Tokens agree with eager mixed steps to the attention's rounding (another kernel
     path over the same keys).
