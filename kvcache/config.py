@@ -202,31 +202,17 @@ class CacheConfig:
             bool_arg(self.support_sliding_window, "CacheConfig.support_sliding_window"))
         put("static_decode", bool_arg(self.static_decode, "CacheConfig.static_decode"))
 
-        name = "CacheConfig.static_decode_batch_sizes"
-        if not isinstance(self.static_decode_batch_sizes, (tuple, list)):
-            raise InvalidArgumentError(f"{name} must be a tuple of ints, got {self.static_decode_batch_sizes!r}")
-        sizes = tuple(int_values(self.static_decode_batch_sizes, name, 1, self.max_batch_size,
-                                 limit="max_batch_size"))
-        if list(sizes) != sorted(set(sizes)):
-            raise InvalidArgumentError(
-                f"{name}={sizes!r} must be a strictly increasing tuple "
-                f"of ints in [1, max_batch_size={self.max_batch_size}]")
-        put("static_decode_batch_sizes", sizes)
+        put("static_decode_batch_sizes",
+            _sizes(self.static_decode_batch_sizes, "static_decode_batch_sizes",
+                   self.max_batch_size, "max_batch_size"))
         put("static_mixed", bool_arg(self.static_mixed, "CacheConfig.static_mixed"))
         if self.static_mixed and not self.static_decode:
             raise InvalidArgumentError(
                 "CacheConfig.static_mixed=True needs static_decode=True (its steps are captured "
                 "beside the static-shape decode steps)")
-        name = "CacheConfig.static_mixed_token_sizes"
-        if not isinstance(self.static_mixed_token_sizes, (tuple, list)):
-            raise InvalidArgumentError(f"{name} must be a tuple of ints, got {self.static_mixed_token_sizes!r}")
-        sizes = tuple(int_values(self.static_mixed_token_sizes, name, 1, self.prefill_chunk_size,
-                                 limit="prefill_chunk_size"))
-        if list(sizes) != sorted(set(sizes)):
-            raise InvalidArgumentError(
-                f"{name}={sizes!r} must be a strictly increasing tuple "
-                f"of ints in [1, prefill_chunk_size={self.prefill_chunk_size}]")
-        put("static_mixed_token_sizes", sizes)
+        put("static_mixed_token_sizes",
+            _sizes(self.static_mixed_token_sizes, "static_mixed_token_sizes",
+                   self.prefill_chunk_size, "prefill_chunk_size"))
 
         slots = self.num_pages * self.page_size
         if slots > INT32_MAX:
@@ -334,3 +320,16 @@ class CacheConfig:
         if self.support_sliding_window and self.rope_mode == "normal":
             return "inline"
         return self.rope_mode
+
+
+def _sizes(value, field: str, top: int, top_name: str) -> tuple:
+    """A bucket list field: a strictly increasing tuple of ints in ``[1, top]``."""
+    name = f"CacheConfig.{field}"
+    if not isinstance(value, (tuple, list)):
+        raise InvalidArgumentError(f"{name} must be a tuple of ints, got {value!r}")
+    sizes = tuple(int_values(value, name, 1, top, limit=top_name))
+    if list(sizes) != sorted(set(sizes)):
+        raise InvalidArgumentError(
+            f"{name}={sizes!r} must be a strictly increasing tuple "
+            f"of ints in [1, {top_name}={top}]")
+    return sizes
