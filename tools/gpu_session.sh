@@ -4,6 +4,7 @@
 # logs land in $OUT (or ./gpu-out). STEPS picks sections, e.g. the serving issue's checks:
 #   STEPS="engine runahead launch serving" bash tools/gpu_session.sh     (about 9 minutes)
 # issue 27 (attention features, every model family):  STEPS="features" / STEPS="families"
+# issue 31 (captured mixed steps, about 8 minutes): STEPS="mixed"
 # and the decode kernels of two trees on one machine (issue 16's "kernel times within 5%"):
 #   here: BASE=791c961 bash tools/kernel_ab.sh prepare;  there (carry [".ab"]): STEPS=ab ...
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -79,6 +80,17 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
     kv_budget) section "issue 32: serving at one KV memory budget, 16-bit pages against fp8"
       timeout 400 python3 -m kvcache.cli bench --serving --workload kv-budget --kv-dtype float8_e4m3 ${BUDGET_ARGS:-} > "$OUT/kv_budget.txt" 2> "$OUT/kv_budget.err"
       cat "$OUT/kv_budget.txt"; tail -4 "$OUT/kv_budget.err" ;;
+    mixed) section "issue 31: captured mixed steps: tokens against eager mixed steps, attention per layer, then the shared-prefix and random workloads with and without them"
+      timeout 150 python3 tools/gpu_mixed_check.py --layers 2 2>&1 | grep -a -v -i warn | tail -3
+      timeout 100 python3 tools/mixed_step_kernels.py 2>&1 | grep -a -v -i warn | cut -c1-140 | tail -4
+      for m in "" "--mixed-graphs"; do
+        timeout 140 python3 -m kvcache.cli bench --serving --workload shared-prefix --skip b $m --json > "$OUT/sp$m.json" 2> "$OUT/sp$m.err"
+        python3 -c "import json, sys; from kvcache.bench_serving.prefix import print_prefix_result as p; p(json.load(open(sys.argv[1])))" "$OUT/sp$m.json" | grep -a "on)\|off)\|/ off\|/ on" || tail -3 "$OUT/sp$m.err"
+      done
+      for m in "" "--mixed-graphs"; do
+        timeout 120 python3 -m kvcache.cli bench --serving --model llama --skip b,c --no-busy $m --json > "$OUT/rnd$m.json" 2>/dev/null
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], {k: (round(v['tokens_per_s'], 1), round(v.get('decode_step_ms') or 0, 3)) for k, v in r['systems'].items()})" "$OUT/rnd$m.json" "random$m"
+      done ;;
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
       grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;
