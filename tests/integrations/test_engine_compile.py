@@ -38,7 +38,11 @@ def compilable(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family,rope", [("llama", "model"), ("qwen2", "model"),
+# 8-12 s a case on 2 cores (dynamo and AOT tracing). CI keeps rope="cache" (issue 33's fix): the
+# same compiled step, op and checks as rope="model", plus the layers' skipped rotation traced
+# without a graph break; `make test-all` runs the model's own rotary on llama and qwen2 too.
+@pytest.mark.parametrize("family,rope", [pytest.param("llama", "model", marks=pytest.mark.slow),
+                                         pytest.param("qwen2", "model", marks=pytest.mark.slow),
                                          ("llama", "cache")])
 def test_compiled_step_gives_the_eager_tokens(family, rope, monkeypatch, compilable):
     """rope="cache": the cache rotates q and k (``fused_rope``), and the layers' rotation is

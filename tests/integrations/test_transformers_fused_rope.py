@@ -38,8 +38,11 @@ def rope_case(name: str):
     return model, prompts, [hf_greedy(model, p) for p in prompts]
 
 
+# "plain" (theta's own table) takes llama3's path: the cache is handed the model's inv_freq table
+# either way, and llama3's scaled one is the stricter case; it runs with `make test-all`
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["llama3", "plain", "phi3_partial"])
+@pytest.mark.parametrize("case", ["llama3", pytest.param("plain", marks=pytest.mark.slow),
+                                  "phi3_partial"])
 def test_fused_rope_greedy_matches_the_models_own_rope(case, backend, monkeypatch):
     model, prompts, greedy = rope_case(case)
     name, device = backend_or_skip(backend, monkeypatch, kvt.cache_config(model).head_dim)
