@@ -87,9 +87,10 @@ class ModelAdapter(abc.ABC):
         return None
 
     def step_graphs(self, cache: PagedKVCache, compiled: bool = False):
-        """A runner of whole decode steps (model and cache) captured per batch bucket on
-        ``cache`` (built with ``static_decode=True``): an object with ``run(tokens, positions,
-        logit_rows)`` returning the logits of ``logit_rows`` as ``forward`` does, and
+        """A runner of whole steps (model and cache) captured per bucket on ``cache`` (built
+        with ``static_decode=True``: decode steps per batch bucket; with ``static_mixed`` also
+        mixed steps per token bucket): an object with ``run(tokens, positions, logit_rows)``
+        returning the logits of ``logit_rows`` as ``forward`` does, and
         ``captures`` / ``replays`` counters. ``compiled``: the step's model code compiled
         (only when ``compiles`` says it can be). Only called when ``graphs_by_default`` is not
         None."""

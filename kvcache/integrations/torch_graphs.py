@@ -37,10 +37,15 @@ __all__ = ["StepGraphs"]
 class _Bucket:
     """One bucket's static input buffer, host staging, captured graph and static output."""
 
-    def __init__(self, torch, bucket: int, device):
+    def __init__(self, torch, bucket: int, rows: int, device):
         self.size = bucket
+        self.rows = rows
         on_gpu = device.type != "cpu"
         self.inputs = torch.zeros((3, bucket), dtype=torch.int64, device=device)
+        # what the step reads: ids and positions of every row, the first ``rows`` logit rows
+        # (a mixed step's bucket holds many more tokens than sequences: its static logits, one
+        # row per kept index, stay ``rows x vocab``)
+        self.args = (self.inputs[0], self.inputs[1], self.inputs[2, :rows])
         self.host = torch.zeros((3, bucket), dtype=torch.int64, pin_memory=on_gpu)
         self.host_np = self.host.numpy()
         # event: the last copy out of ``host`` (GPU only; one per bucket, re-recorded each step)
@@ -55,10 +60,11 @@ class StepGraphs:
     """Capture/replay of whole decode steps on ``cache`` (``static_decode=True``).
 
     ``cache``: the engine's cache; ``step``: ``step(inputs)`` runs the model over the packed batch
-    whose ``(3, bucket)`` int64 device tensor ``inputs`` holds token ids, positions and logit-row
-    indices (row ``r`` of the batch in column ``r``), inside the cache's open forward, and returns
-    the logits ``(bucket, vocab)``; ``device``: the model's torch device; ``warmup``: eager runs
-    before a capture (kernels compile and autotune outside capture).
+    whose ``inputs`` are three int64 device tensors, token ids and positions ``(bucket,)`` (row
+    ``r`` of the batch at index ``r``) and logit-row indices ``(min(bucket, max_batch_size),)``,
+    inside the cache's open forward, and returns the logits of those rows; ``device``: the
+    model's torch device; ``warmup``: eager runs before a capture (kernels compile and autotune
+    outside capture).
 
     ``captures`` and ``replays`` count what ``run`` did (a capture includes its first replay).
     """
@@ -100,13 +106,14 @@ class StepGraphs:
                 f"static-shape step; run it eagerly")
         key = (cache.open_plan.static_mixed, bucket)
         n, r = len(tokens), len(logit_rows)
-        if n > bucket or len(positions) != n or r > n:
+        rows = min(bucket, cache.config.max_batch_size)
+        if n > bucket or len(positions) != n or r > min(n, rows):
             raise InvalidArgumentError(
                 f"StepGraphs.run: {n} tokens, {len(positions)} positions and {r} logit rows do not "
-                f"fit bucket {bucket}")
+                f"fit bucket {bucket} (at most {rows} logit rows)")
         slot = self.buckets.get(key)
         if slot is None:
-            slot = self.buckets[key] = _Bucket(self.torch, bucket, self.device)
+            slot = self.buckets[key] = _Bucket(self.torch, bucket, rows, self.device)
         self._load(slot, tokens, positions, logit_rows)
         address = self._aux_address()      # per kind of step: its own fixed buffer
         if slot.graph is None or slot.aux_address != address:
@@ -118,7 +125,7 @@ class StepGraphs:
                 slot.graph.replay()
             else:                       # CPU stand-in: the same step, run again
                 cache.rerun_layers()
-                slot.logits = self.step(slot.inputs)
+                slot.logits = self.step(slot.args)
             cache.mark_layers_run(self._layers)     # the replay ran every layer's attention
         self.replays += 1
         return slot.logits[:r]
@@ -153,7 +160,7 @@ class StepGraphs:
         if not self.on_gpu:
             cache.rerun_layers()
             slot.graph = True
-            slot.logits = self.step(slot.inputs)
+            slot.logits = self.step(slot.args)
             return
         compute = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(device=self.device)
@@ -161,7 +168,7 @@ class StepGraphs:
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
                 cache.rerun_layers()            # appends are idempotent: the same rows again
-                self.step(slot.inputs)
+                self.step(slot.args)
         compute.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -173,7 +180,7 @@ class StepGraphs:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self.step(slot.inputs)
+                logits = self.step(slot.args)
         finally:
             if collecting:
                 gc.enable()

@@ -41,6 +41,9 @@ def test_mixed_steps_replay_their_token_bucket(prefix_cache, monkeypatch):
     kinds = {(tokens > seqs, bucket) for _, tokens, seqs, bucket in log}
     assert on.stats.graph_captures == len(kinds) < len(log)          # one capture per bucket
     assert on.stats.graph_forwards == len(log) == on.stats.forwards
+    # a mixed bucket's static logits hold at most max_batch_size rows, not one per token
+    big = [slot for (mixed, bucket), slot in on.decode_graphs.buckets.items() if bucket > 8]
+    assert big and all(slot.logits.shape[0] <= 8 for slot in big)
 
 
 def test_mixed_graphs_survive_preemption_and_reuse(monkeypatch):

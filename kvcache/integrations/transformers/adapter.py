@@ -165,9 +165,9 @@ class TransformersAdapter(ModelAdapter):
         return torch.device(device if device is not None else self.device).type != "cpu"
 
     def step_graphs(self, cache, compiled: bool = False):
-        """Decode steps captured per bucket: the model's whole forward (embedding, layers with
-        the cache's attention, LM head) over a fixed ``(3, bucket)`` input buffer (token ids,
-        positions, logit rows); see ``kvcache.integrations.torch_graphs``. ``compiled``: the
+        """Steps captured per bucket: the model's whole forward (embedding, layers with the
+        cache's attention, LM head) over fixed input buffers (token ids and positions of the
+        bucket's rows, the logit rows); see ``kvcache.integrations.torch_graphs``. ``compiled``: the
         step goes through ``torch.compile`` (one graph for every bucket: dynamic batch), the
         cache's attention an opaque op in it (``kvcache::attention``), so the model's
         elementwise work between the GEMMs fuses; the capture records the compiled kernels."""
