@@ -2,7 +2,8 @@
 cuda backend's CPU test mode (a capture re-runs the step on the graph's static buffers): steps
 that prefill go through their token bucket's graph too, one capture per bucket, and the tokens
 are transformers' own greedy ones and the eager engine's, with the prefix cache on and off and
-under preemption; the switch and its refusal."""
+under preemption; a warm prefix gives the cold run's logits bit for bit; the switch and its
+refusal."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from conftest import backend_or_skip, family_case, hf_greedy, make_model, make_p
 from test_engine_graphs import spy
 
 from kvcache.errors import UnsupportedFeatureError
+from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import Engine
 
 
@@ -72,3 +74,47 @@ def test_mixed_graph_switch(monkeypatch):
     eng = Engine(model, backend=backend, device=device, graphs=True, mixed_graphs=None,
                  max_total_tokens=1024)
     assert eng.mixed_graphs and eng.cache.config.static_mixed
+
+
+def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit(monkeypatch):
+    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
+    boundary) with every step captured: the warm request's first step (its question over the
+    cached system prompt) is the same padded one-pass plan as the cold run's second chunk."""
+    model = make_model("llama", seed=5)
+    backend, device = backend_or_skip("cuda", monkeypatch, 64)
+    page = 16
+    rng = np.random.default_rng(3)
+    vocab = model.config.vocab_size
+    system = rng.integers(1, vocab, 2 * page).tolist()
+    question, other = rng.integers(1, vocab, 7).tolist(), rng.integers(1, vocab, 9).tolist()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def engine():
+        return Engine(model, backend=backend, device=device, graphs=True, mixed_graphs=True,
+                      page_size=page, max_total_tokens=1024, prefill_chunk_size=2 * page,
+                      overlap=False)
+
+    def spy(eng):
+        rows, run = [], eng.decode_graphs.run
+
+        def graph(tokens, positions, want):
+            out = run(tokens, positions, want)
+            rows.extend(np.array(eng.adapter.to_numpy(out)))
+            return out
+
+        eng.decode_graphs.run = graph
+        return rows
+
+    cold = engine()
+    cold_rows = spy(cold)
+    want = cold.generate([system + question], greedy)
+    warm = engine()
+    warm.generate([system + other], greedy)
+    warm_rows = spy(warm)
+    got = warm.generate([system + question], greedy)
+    assert warm.stats.prefix_hit_tokens == 2 * page and cold.stats.prefix_hit_tokens == 0
+    assert got == want
+    assert len(warm_rows) == len(cold_rows) == 6
+    assert warm.stats.graph_forwards == warm.stats.forwards
+    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
+        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
