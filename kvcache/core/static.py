@@ -22,6 +22,11 @@ from ..backend import TreeMask
 from .plan import ForwardPlan, HostDepth, TokenArrays, evolve
 
 
+def _pad(array, pad: int, fill) -> np.ndarray:
+    """``array`` with ``pad`` int32 values ``fill`` after it (the aux copy stores int32)."""
+    return np.concatenate([array, np.full(pad, fill, np.int32)]) if pad else array
+
+
 def pad_to_bucket(plan: ForwardPlan, config) -> ForwardPlan:
     """``plan`` (a plain decode plan of one depth) padded to its bucket."""
     batch = len(plan.seq_ids)
@@ -30,7 +35,7 @@ def pad_to_bucket(plan: ForwardPlan, config) -> ForwardPlan:
     rows = np.arange(bucket + 1, dtype=np.int32)
 
     def tail(array, fill):
-        return np.concatenate([array, np.full(pad, fill, np.int32)]) if pad else array
+        return _pad(array, pad, fill)
 
     t, d = plan.tokens, plan.depths[0]
     tokens = TokenArrays(qo_indptr=rows, q_positions=tail(t.q_positions, 0),
@@ -51,19 +56,7 @@ def capacity_plan(config) -> ForwardPlan:
     can have (page lists: every row reading a whole cache's worth of pages, since shared
     prefixes repeat per row); the static aux buffer is laid out from it."""
     rows = config.static_buckets[-1]
-
-    def room(n):
-        return np.zeros(n, np.int32)
-
-    tokens = TokenArrays(qo_indptr=room(rows + 1), q_positions=room(rows),
-                         append_slots=room(rows), k_rope_offset=room(rows))
-    depth = HostDepth(qo_indptr=room(rows + 1), page_indptr=room(rows + 1),
-                      page_indices=room(rows * config.num_pages), last_page_len=room(rows),
-                      kv_len=room(rows), sink_size=room(rows), window_offset=room(rows),
-                      k_rope_offset=room(rows), num_entries=rows, use_decode=True)
-    return ForwardPlan(seq_ids=[], append_lengths=room(0), total_tokens=rows, max_append=1,
-                       paged_only=True, write_after=False, tokens=tokens, depths=(depth,),
-                       static_bucket=rows)
+    return _capacity(config, rows, rows, mixed=False)
 
 
 def chain_masks(append_lengths) -> tuple[np.ndarray, list]:
@@ -85,10 +78,7 @@ def pad_mixed(plan: ForwardPlan, config) -> ForwardPlan:
     pad_e = entries - len(plan.seq_ids)
     pad_t = bucket - total
 
-    def tail(array, pad, fill):
-        array = np.asarray(array, np.int32)
-        return np.concatenate([array, np.full(pad, fill, np.int32)]) if pad else array
-
+    tail = _pad
     t, d = plan.tokens, plan.depths[0]
     tree = d.tree
     assert tree is not None and len(plan.depths) == 1 and plan.paged_only
@@ -114,7 +104,12 @@ def mixed_capacity_plan(config) -> ForwardPlan:
     """A padded mixed plan of the largest token bucket whose arrays have the largest length
     any mixed step's can have (page lists: every entry reading a whole cache's worth of
     pages); the mixed steps' static aux buffer is laid out from it."""
-    rows, entries = config.static_mixed_buckets[-1], config.max_batch_size
+    return _capacity(config, config.static_mixed_buckets[-1], config.max_batch_size, mixed=True)
+
+
+def _capacity(config, rows: int, entries: int, mixed: bool) -> ForwardPlan:
+    """A plan of ``rows`` tokens and ``entries`` entries, each array at its largest length;
+    ``mixed``: with the chain trees of a mixed step."""
 
     def room(n):
         return np.zeros(n, np.int32)
@@ -124,8 +119,8 @@ def mixed_capacity_plan(config) -> ForwardPlan:
     depth = HostDepth(qo_indptr=room(entries + 1), page_indptr=room(entries + 1),
                       page_indices=room(entries * config.num_pages), last_page_len=room(entries),
                       kv_len=room(entries), sink_size=room(entries), window_offset=room(entries),
-                      k_rope_offset=room(entries), num_entries=entries, use_decode=False,
-                      tree=TreeMask(room(entries + 1), room(2 * rows)))
-    return ForwardPlan(seq_ids=[], append_lengths=room(0), total_tokens=rows, max_append=rows,
-                       paged_only=True, write_after=False, tokens=tokens, depths=(depth,),
-                       static_bucket=rows, static_mixed=True)
+                      k_rope_offset=room(entries), num_entries=entries, use_decode=not mixed,
+                      tree=TreeMask(room(entries + 1), room(2 * rows)) if mixed else None)
+    return ForwardPlan(seq_ids=[], append_lengths=room(0), total_tokens=rows,
+                       max_append=rows if mixed else 1, paged_only=True, write_after=False,
+                       tokens=tokens, depths=(depth,), static_bucket=rows, static_mixed=mixed)
