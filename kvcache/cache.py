@@ -22,7 +22,7 @@ from .core.planner import Planner
 from .core.prefix import Ghost, PrefixIndex, Prompt
 from .arrays import to_host
 from .core.imports import ImportReservation, ImportSpec, pages_needed as import_pages
-from .core.static import capacity_plan, mixed_capacity_plan
+from .core.static import static_capacity
 from .core.state import CacheState, as_int
 from .core.validate import bool_arg, float_arg, int_arg, int_values, seq_id_arg, seq_id_list
 from .kv_quant import AFFINE_BITS, affine_row_bytes
@@ -134,8 +134,8 @@ class PagedKVCache:
         if caps.merged_aux:
             self.aux_manager = MergedAuxManager(
                 self.backend, self.copy_stream,
-                static_capacity=capacity_plan(config) if config.static_decode else None,
-                mixed_capacity=mixed_capacity_plan(config) if config.static_mixed else None)
+                static_capacity=functools.partial(static_capacity, config)
+                if config.static_decode else None)
         else:
             self.aux_manager = PlainAuxManager(self.backend)
         self.planner = Planner(self.state, config, caps)

@@ -1,7 +1,9 @@
 """GPU time of one layer's attention in a mixed step, eager plan against the static-shape mixed
 plan (``CacheConfig.static_mixed``: one paged pass, chain trees): each case's kernels summed by
 the torch profiler over 20 layers (bf16, Hq32/Hkv8/D128, page 16). Cases: ``P`` prompts of
-``N`` new tokens beside ``D`` decode rows whose histories are ``H`` tokens.
+``N`` new tokens beside ``D`` decode rows whose histories are ``H`` tokens; ``shared``: every
+sequence (the prompts too) forked from one sequence of ``H`` tokens outside the batch, as
+requests hitting a cached system prompt are (the static plan then reads it once: two depths).
 
     python tools/mixed_step_kernels.py
 """
@@ -13,7 +15,8 @@ import torch
 
 import kvcache
 
-CASES = [(1, 2040, 63, 2000), (1, 40, 63, 2040), (4, 512, 0, 0), (1, 2048, 0, 0)]
+CASES = [(1, 2040, 63, 2000, False), (1, 40, 63, 2040, False), (1, 40, 62, 2000, True),
+         (4, 512, 0, 0, False), (1, 2048, 0, 0, False)]
 LAYERS = 20
 
 
@@ -25,21 +28,25 @@ def build(static: bool):
     return kvcache.PagedKVCache(cfg, backend="cuda", device="cuda")
 
 
-def run_case(static, prompts, new, decodes, hist):
+def run_case(static, prompts, new, decodes, hist, shared):
     cache = build(static)
     dev = torch.device("cuda")
     ids = list(range(prompts + decodes))
-    for s in ids:
+    root = len(ids)
+    for s in ([root] if shared else ids):
         cache.add_sequence(s)
-    if decodes:                            # decode rows' histories, written without attention
+    if decodes or shared:                  # histories, written without attention
         k = torch.randn((hist, 8, 128), device=dev, dtype=torch.bfloat16)
-        for s in ids[prompts:]:
+        for s in [root] if shared else ids[prompts:]:
             cache.begin_forward([s], [hist])
             rows = cache.static_bucket or hist
             kk = torch.cat([k, k.new_zeros((rows - hist, 8, 128))]) if rows != hist else k
             for layer in range(LAYERS):
                 cache.append_kv(layer, kk, kk)
             cache.end_forward()
+    if shared:
+        for s in ids:
+            cache.fork_sequence(root, s)
     lens = [new] * prompts + [1] * decodes
     t = sum(lens)
     q = torch.randn((t, 32, 128), device=dev, dtype=torch.bfloat16)
@@ -48,6 +55,7 @@ def run_case(static, prompts, new, decodes, hist):
     for rep in range(2):                   # the first compiles
         cache.begin_forward(ids, lens)
         bucket = cache.static_bucket
+        depths = len(cache.open_plan.depths)
         rows = bucket if bucket and cache.open_plan.static_mixed else t
         qq, kk = q, k
         if rows != t:
@@ -61,14 +69,15 @@ def run_case(static, prompts, new, decodes, hist):
         cache.abort_forward()
     us = sum(e.self_device_time_total for e in prof.key_averages()) / LAYERS
     names = sorted({e.key[:24] for e in prof.key_averages() if e.self_device_time_total > 0})
-    return us, bucket, names
+    return us, f"{bucket}, {depths} depths", names
 
 
 def main():
-    for prompts, new, decodes, hist in CASES:
-        e_us, _, e_names = run_case(False, prompts, new, decodes, hist)
-        s_us, bucket, s_names = run_case(True, prompts, new, decodes, hist)
-        print(f"{prompts} x {new} new + {decodes} decode rows (history {hist}): eager "
+    for prompts, new, decodes, hist, shared in CASES:
+        e_us, _, e_names = run_case(False, prompts, new, decodes, hist, shared)
+        s_us, bucket, s_names = run_case(True, prompts, new, decodes, hist, shared)
+        print(f"{prompts} x {new} new + {decodes} decode rows (history {hist}"
+              f"{', shared' if shared else ''}): eager "
               f"{e_us:8.1f} us/layer, static mixed (bucket {bucket}) {s_us:8.1f} us/layer "
               f"({s_us / e_us:.2f}x); kernels eager {e_names} static {s_names}", flush=True)
 

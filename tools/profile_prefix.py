@@ -2,7 +2,7 @@
 --workload shared-prefix``'s Engine, prefix cache on or off): the measured run timed, under
 cProfile (host time by function) and under torch.profiler (the GPU busy fraction).
 
-    python tools/profile_prefix.py [--off] [--requests 128]
+    python tools/profile_prefix.py [--off] [--requests 128] [--mixed-graphs]
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ def main() -> None:
     p.add_argument("--off", action="store_true")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--mixed-graphs", action="store_true")
     args = p.parse_args()
     net = build_model("llama", args.layers, False, "cuda", "bfloat16", 0)
     eng = Engine(net, backend="cuda", page_size=16, max_batch_size=64,
-                 max_total_tokens=64 * 136 * 16, prefix_cache=not args.off)
+                 max_total_tokens=64 * 136 * 16, prefix_cache=not args.off,
+                 mixed_graphs=args.mixed_graphs)
     eng.progress = False
     runner = Online(eng, 32)
     groups = lambda seed: [[q] for q in shared_prefix_prompts(args.requests, 2000, (16, 64), net.config.vocab_size, seed)]
@@ -39,6 +41,9 @@ def main() -> None:
     steps = eng.stats.forwards - steps0
     print(f"prefix cache {'off' if args.off else 'on'}: {wall:.2f} s, {steps} forwards, "
           f"{wall / steps * 1e3:.2f} ms/forward, graph forwards {eng.stats.graph_forwards}")
+    graphs = eng.runner.decode_graphs
+    if graphs is not None:      # the captured steps: ((mixed, depths), bucket)
+        print("captured steps:", sorted(graphs.buckets))
     pr = cProfile.Profile()
     pr.enable()
     runner.run(groups(102))

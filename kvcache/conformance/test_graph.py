@@ -134,8 +134,9 @@ class TestStaticMixedSteps(Conformance):
     decode rows) pads to its token bucket as one paged pass whose new tokens are chain trees
     (``TreeMask.chains``); it gives the reference's results on the real rows, o = 0 and
     lse = -inf on padded rows (inputs of the bucket's rows), takes a per-layer ``window_left``
-    where the backend declares it, and its arrays go to one fixed buffer of their own; decode
-    steps keep their decode buckets."""
+    where the backend declares it, and its arrays go to one fixed buffer of their own; a step
+    whose sequences share a prefix is two such passes merged (the shared pages read once);
+    decode steps keep their decode buckets."""
 
     def _pair(self, make_pair, **kw):
         return make_pair(needs=("static_decode", "tree_attention"), static_decode=True,
@@ -145,8 +146,9 @@ class TestStaticMixedSteps(Conformance):
         p = self._pair(make_pair)
         _family(p)                       # its prefills are static-shape mixed steps already
         manager = p.dut.aux_manager
-        buffers = set()
-        for ids, lens in (([2, 0, 3], [4, 1, 9]), ([1, 3], [1, 17]), ([0, 1, 2, 3], [1, 1, 1, 2])):
+        buffers: dict = {}
+        for ids, lens in (([2, 0, 3], [4, 1, 9]), ([1, 3], [1, 17]), ([0, 1, 2, 3], [1, 1, 1, 2]),
+                          ([3, 2], [6, 2])):
             p.begin(ids, lens)
             plan = p.dut.open_plan
             bucket = p.config.static_mixed_bucket(sum(lens))
@@ -154,13 +156,15 @@ class TestStaticMixedSteps(Conformance):
                 raise Mismatch(f"static mixed: forward {ids} {lens} should pad to token bucket "
                                f"{bucket}, static_bucket is {p.dut.static_bucket}{p.context()}")
             p.check_positions()
-            buffers.add(id(manager.static_buffer(mixed=True)))
+            kind = plan.static_kind
+            buffers.setdefault(kind, set()).add(id(manager.static_buffer(*kind)))
             for layer in range(p.config.num_layers):
                 p.attend(layer)
             p.end()
-        if len(buffers) != 1:
-            raise Mismatch(f"static mixed: the device aux buffer moved ({len(buffers)} buffers "
-                           f"over the steps){p.context()}")
+        if any(len(b) != 1 for b in buffers.values()):
+            raise Mismatch(f"static mixed: a kind of step's device aux buffer moved "
+                           f"({ {k: len(b) for k, b in buffers.items()} } buffers per kind over "
+                           f"the steps){p.context()}")
         p.decode([3, 0, 2], steps=2)
         p.begin([3, 0], [1, 1])
         if p.dut.open_plan.static_mixed or p.dut.static_bucket != 2:
@@ -169,6 +173,31 @@ class TestStaticMixedSteps(Conformance):
         for layer in range(p.config.num_layers):
             p.attend(layer)
         p.end()
+
+    def test_shared_prefix_mixed_steps(self, make_pair):
+        # many sequences under one prefix, one of them prefilling: the step reads the shared
+        # pages once (depth 0) and merges them with each sequence's own (depth 1), both padded
+        p = self._pair(make_pair)
+        ps = p.config.page_size
+        p.add(0)
+        p.prefill(0, 3 * ps)
+        for sid in (1, 2, 3):
+            p.fork(0, sid)
+            p.prefill(sid, sid + 1)
+        steps = ((([1, 0, 2, 3], [1, 5, 1, 1]), 2), (([0, 1, 2, 3], [1, 1, ps + 2, 1]), 2),
+                 (([3, 2], [ps + 1, 1]), 2))
+        for (ids, lens), depths in steps:
+            p.begin(ids, lens)
+            plan = p.dut.open_plan
+            if plan.static_kind != (True, depths) or p.dut.static_bucket is None:
+                raise Mismatch(f"static mixed: forward {ids} {lens} over a shared prefix should "
+                               f"plan {depths} padded depths, got kind {plan.static_kind}, bucket "
+                               f"{p.dut.static_bucket}{p.context()}")
+            p.check_positions()
+            for layer in range(p.config.num_layers):
+                p.attend(layer)
+            p.end()
+        p.decode([0, 1, 2, 3], steps=2)
 
     def test_bucket_rows_and_padding(self, make_pair):
         p = self._pair(make_pair)

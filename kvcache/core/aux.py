@@ -17,7 +17,7 @@ could issue it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -89,8 +89,7 @@ class MergedAuxManager:
     kind = "merged"
 
     def __init__(self, backend, copy_stream, num_buffers: int = 2, initial_capacity: int = 1 << 10,
-                 static_capacity: ForwardPlan | None = None,
-                 mixed_capacity: ForwardPlan | None = None):
+                 static_capacity: Optional[Callable[[tuple], ForwardPlan]] = None):
         self.backend = backend
         self.copy_stream = copy_stream
         self.slots = [_Slot() for _ in range(num_buffers)]
@@ -99,9 +98,9 @@ class MergedAuxManager:
         self.current: Optional[int] = None
         self.copies = 0
         self.allocations = 0
+        # the capacity plan of a kind of static-shape step (``ForwardPlan.static_kind``)
         self.static_capacity = static_capacity
-        self.mixed_capacity = mixed_capacity
-        self._statics: dict = {}             # False: decode steps' buffers, True: mixed steps'
+        self._statics: dict = {}             # per kind of static-shape step: its buffers
         self._static_open: Optional[_StaticBuffers] = None
 
     @staticmethod
@@ -153,13 +152,12 @@ class MergedAuxManager:
         """Like ``upload`` but into the fixed static-shape buffer: the device views have the same
         addresses every step (page lists: their whole capacity), so a step captured once reads
         every later step's arrays."""
-        g = self._statics.get(plan.static_mixed)
+        kind = plan.static_kind
+        g = self._statics.get(kind)
         if g is None:
-            capacity = self.mixed_capacity if plan.static_mixed else self.static_capacity
-            if capacity is None:
-                raise AssertionError("upload_static on a cache built without static_decode "
-                                     "(or, for a mixed step, static_mixed)")
-            g = self._statics[plan.static_mixed] = _StaticBuffers(self.backend, capacity)
+            if self.static_capacity is None:
+                raise AssertionError("upload_static on a cache built without static_decode")
+            g = self._statics[kind] = _StaticBuffers(self.backend, self.static_capacity(kind))
             self.allocations += 1
         arrays = [array for _, _, array in walk(plan)]
         if len(arrays) != len(g.capacities) or any(
@@ -191,10 +189,11 @@ class MergedAuxManager:
         """The fixed device buffer of static-shape decode (None before its first step)."""
         return self.static_buffer(mixed=False)
 
-    def static_buffer(self, mixed: bool):
+    def static_buffer(self, mixed: bool, depths: int = 1):
         """The fixed device buffer of static-shape decode steps (``mixed``: of static-shape
-        mixed steps); None before the first such step."""
-        g = self._statics.get(bool(mixed))
+        mixed steps of ``depths`` depths: ``ForwardPlan.static_kind``); None before the first
+        such step."""
+        g = self._statics.get((bool(mixed), depths))
         return None if g is None else g.device
 
     def release(self) -> None:

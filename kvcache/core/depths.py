@@ -31,6 +31,26 @@ def decode_kernel_wins(pages: int, grouped_pages: int) -> bool:
     return (pages / grouped_pages if grouped_pages else 0.0) < COALESCE_RATIO
 
 
+def root_blocks(pt, last) -> np.ndarray:
+    """The first (root) block of each sequence whose last block is ``last`` (B,)."""
+    cur = last
+    while True:
+        up = pt.b_parent[cur]
+        has = up >= 0
+        if not has.any():
+            return cur
+        cur = np.where(has, up, cur)
+
+
+def sharing_pays(pt, first) -> bool:
+    """Whether coalescing consecutive sequences with the same first block ``first`` (B,; -1:
+    none) into one entry saves enough pages to read them once (``decode_kernel_wins``): the
+    one coalescing rule of decode batches and static-shape mixed steps."""
+    heads = np.concatenate([[True], first[1:] != first[:-1]])
+    pages = pt.b_npages[np.maximum(first, 0)] * (first >= 0)
+    return not decode_kernel_wins(int(pages.sum()), int(pages[heads].sum()))
+
+
 @dataclass
 class DepthLastBlocks:
     """Where a depth holds the batch's last blocks, and its page counts behind the coalescing
@@ -50,13 +70,16 @@ class DepthLastBlocks:
 
 def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=None,
                  tree_masks: Optional[list] = None, max_append: Optional[int] = None,
-                 want_holders: bool = True, flat: bool = False) -> tuple[tuple, Optional[list]]:
+                 want_holders: bool = True, flat: bool = False,
+                 share: bool = False) -> tuple[tuple, Optional[list]]:
     """(the ``HostDepth`` of each depth, the ``DepthLastBlocks`` of each) for sequences with
     last blocks ``last`` (B,) and queries ``qo_indptr`` (B+1,). ``tree_sizes`` (B,) and
     ``tree_masks``: the sequences' token trees, carried by the entry holding the last block.
     ``max_append``: the longest sequence's query count when known; ``want_holders=False``:
     skip the ``DepthLastBlocks`` (None; only a reused decode plan reads them); ``flat``: one
-    depth, each sequence's whole page list one entry (a static-shape mixed step)."""
+    depth, each sequence's whole page list one entry; ``share`` (a static-shape mixed step):
+    as ``flat`` unless coalescing the batch's first blocks saves pages (the decode rule,
+    ``decode_kernel_wins``), then the shared blocks are depth 0 and the rest depth 1."""
     batch = len(last)
     parent = pt.b_parent
     # walk parents for the whole batch at once: chain[k, i] is the k-th ancestor of i's last block
@@ -87,15 +110,13 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
     flat = flat or (config.static_decode and is_decode)
     max_depth = 1 if flat else MAX_BLOCK_DEPTH
     plain = not config.support_sliding_window and tree_sizes is None
-    if is_decode and not flat and plain and width > 1:
+    if width > 1 and ((is_decode and not flat and plain) or share):
         # a decode batch whose first blocks are not worth coalescing (nothing, or too little,
         # shared inside the batch: e.g. one sequence started from a cached prefix) reads each
         # sequence's whole page list as one entry, as an unforked sequence does: one launch,
         # and the same attention arithmetic as a sequence that computed those pages itself
-        at_0 = chain[width - 1] if trace is None else trace[:, 0]
-        heads = np.concatenate([[True], at_0[1:] != at_0[:-1]])
-        pages_0 = pt.b_npages[np.maximum(at_0, 0)] * (at_0 >= 0)
-        if decode_kernel_wins(int(pages_0.sum()), int(pages_0[heads].sum())):
+        # (a static-shape mixed step takes the same rule)
+        if not sharing_pays(pt, chain[width - 1] if trace is None else trace[:, 0]):
             max_depth = 1
     num_depths = min(width, max_depth)
     seq_all = np.arange(batch)

@@ -67,6 +67,7 @@ class ForwardPlan:
     ``static_bucket``: static-shape decode (``CacheConfig(static_decode=True)``): the batch bucket the
     plan is padded to; None for an eager plan. ``static_mixed``: a static-shape mixed step
     (``CacheConfig(static_mixed=True)``): ``static_bucket`` is then its token bucket.
+    ``static_kind``: which family of static-shape steps the plan belongs to (see there).
     ``undo``: what the forward changed in the page table (``ForwardUndo``), for ``rollback``.
     """
 
@@ -81,6 +82,13 @@ class ForwardPlan:
     undo: Any = None
     static_bucket: Optional[int] = None
     static_mixed: bool = False
+
+    @property
+    def static_kind(self) -> tuple:
+        """``(static_mixed, number of depths)``: static-shape steps of one kind share one fixed
+        device buffer and, per bucket, one capture (a mixed step whose sequences share a prefix
+        has two depths: the shared blocks read once, merged with each sequence's own pages)."""
+        return (self.static_mixed, len(self.depths))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ Decode batches take shortcuts (``decode``): a repeat of the last decode batch up
 while the state's epoch is unchanged; the first step of unshared sequences is built directly.
 Static-shape decode (``static``) pads a plain decode plan to its batch bucket; with
 ``static_mixed`` (set by the cache) a mixed step is planned as one paged pass (chain trees over
-the new tokens, one entry per sequence) and padded to its token bucket.
+the new tokens, one entry per sequence), or two merged where its sequences share a prefix worth
+reading once (a decode batch sharing one is then planned the same way), and padded to its token
+bucket.
 
 Attention of one layer then runs, per the plan: when ``paged_only``, K/V are written first and
 one paged attention per depth covers history and new tokens (tree masks hide non-ancestors);
@@ -27,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from .decode import DecodeReuse, first_step
-from .depths import build_depths
+from .depths import build_depths, root_blocks, sharing_pays
 from .plan import ForwardPlan, ForwardUndo, build
 from .request import ForwardRequest, check_batch, check_forward, exclusive_cumsum
 from .reserve import count_pages, page_need
@@ -155,9 +157,11 @@ class Planner:
         cfg, pt = self.config, self.state.pt
         write_after = cfg.support_sliding_window
         had_tree = bool(req.tree_before.any())
-        if (self.static_mixed and not req.is_decode and req.tree_parents is None
-                and not had_tree and not write_after
-                and cfg.static_mixed_bucket(req.total) is not None):
+        if (self.static_mixed and req.tree_parents is None and not had_tree and not write_after
+                and cfg.static_mixed_bucket(req.total) is not None
+                # a decode batch joins them where its sequences share a prefix worth reading
+                # once (static-shape decode reads one entry per sequence)
+                and (not req.is_decode or sharing_pays(pt, root_blocks(pt, req.last)))):
             return self._static_mixed(req, need, slides, before)
         paged_only = (req.is_decode and not write_after) or had_tree
         qo_indptr = exclusive_cumsum(req.append)
@@ -194,7 +198,8 @@ class Planner:
 
     def _static_mixed(self, req: ForwardRequest, need, slides, before) -> ForwardPlan:
         """A mixed step as one paged pass (K/V written first; each sequence one entry over its
-        whole page list, its new tokens a chain tree), padded to its token bucket."""
+        whole page list, its new tokens a chain tree), or two merged where the batch shares a
+        prefix worth reading once, padded to its token bucket."""
         cfg, pt = self.config, self.state.pt
         qo_indptr = exclusive_cumsum(req.append)
         blen_before, _, seq_len_before = before
@@ -205,7 +210,7 @@ class Planner:
         sizes, masks = chain_masks(req.append)
         depths, _ = build_depths(pt, cfg, req.last, qo_indptr, is_decode=False, tree_sizes=sizes,
                                  tree_masks=masks, max_append=int(req.append.max()),
-                                 want_holders=False, flat=True)
+                                 want_holders=False, share=True)
         plan = build(ForwardPlan, seq_ids=req.seq_ids, append_lengths=req.append,
                      total_tokens=req.total, max_append=int(req.append.max()), paged_only=True,
                      write_after=False, tokens=tokens, depths=depths, undo=undo)

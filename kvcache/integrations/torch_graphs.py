@@ -96,15 +96,16 @@ class StepGraphs:
         rows), in ``begin_forward`` order; ``tokens`` may be a device tensor (the previous
         step's picks, copied on the device in stream order); ``logit_rows`` (R,) int64, R <= T:
         the rows whose logits are wanted. Returns the logits ``(R, vocab)``: a view of the
-        graph's static output, valid until the next ``run``. Decode and mixed steps of one
-        bucket size are captured apart."""
+        graph's static output, valid until the next ``run``. Steps of one bucket size but
+        another ``ForwardPlan.static_kind`` (decode, mixed, mixed over a shared prefix) are
+        captured apart."""
         cache = self.cache
         bucket = cache.static_bucket
         if bucket is None:
             raise InvalidArgumentError(
                 f"StepGraphs.run: the open forward over sequences {cache.open_plan.seq_ids} is not a "
                 f"static-shape step; run it eagerly")
-        key = (cache.open_plan.static_mixed, bucket)
+        key = (cache.open_plan.static_kind, bucket)
         n, r = len(tokens), len(logit_rows)
         rows = min(bucket, cache.config.max_batch_size)
         if n > bucket or len(positions) != n or r > min(n, rows):

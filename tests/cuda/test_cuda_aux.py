@@ -152,7 +152,7 @@ def test_clear_inside_a_forward_releases_the_aux_buffer():
     cache.begin_forward([0], [1])                       # a graph-mode step: buffer uploaded
     assert cache.static_bucket == 1
     cache.clear()
-    assert cache.aux_manager._statics[False].release_event is not None
+    assert cache.aux_manager._statics[(False, 1)].release_event is not None
     assert cache.aux_manager._static_open is None
 
 
@@ -212,7 +212,7 @@ def test_abort_forward_releases_the_aux_buffer(graph):
     cache.query_positions()                             # eager: the lazy copy happens here
     cache.abort_forward()
     if graph:
-        assert mgr._statics[False].release_event is not None and mgr._static_open is None
+        assert mgr._statics[(False, 1)].release_event is not None and mgr._static_open is None
     else:
         assert mgr.slots[mgr.current].release_event is not None
     assert cache.sequence_length(0) == 0

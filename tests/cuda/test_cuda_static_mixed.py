@@ -131,8 +131,23 @@ def test_prefix_cache_hit_then_mixed_step(dtype):
     t.step([0], [len(prompt)])
     hits = t.each("add_sequence", 1, tokens=np.concatenate([prompt[:64], [7, 8, 9]]))
     assert hits[0] == hits[1] == 64                  # four pages from the cache
-    p = t.step([0, 1], [1, 3], padded=True)
-    assert p.static_mixed and p.depths[0].kv_len[1] == 67
+    p = t.step([1], [3], padded=True)
+    # alone in its batch a warm sequence reads its whole page list as one entry, as the cold
+    # sequence that computed those pages does (warm equals cold)
+    assert p.static_kind == (True, 1) and p.depths[0].kv_len[0] == 67
+    t.each("add_sequence", 2, tokens=np.concatenate([prompt[:66], [5, 4]]))
+    p = t.step([0, 1, 2], [1, 1, 4], padded=True)
+    # three sequences under the four cached pages: read once for all (depth 0), merged with
+    # each sequence's own pages and new tokens (depth 1)
+    assert p.static_kind == (True, 2)
+    d0, d1 = p.depths
+    assert list(d0.qo_indptr[:2]) == [0, 6] and d0.kv_len[0] == 64 and (d0.kv_len[1:] == 0).all()
+    assert list(d1.kv_len[:3]) == [70 - 64, 68 - 64, 68 - 64] and (d1.kv_len[3:] == 0).all()
+    assert d0.num_entries == d1.num_entries == 8 and len(d1.tree.mask) == 2 * p.static_bucket
+    # a decode step of the three: a static mixed step over the shared prefix too (a static
+    # decode step would read the four pages once per sequence)
+    p = t.step([2, 0, 1], [1, 1, 1], padded=True)
+    assert p.static_kind == (True, 2) and p.static_bucket == 16 and p.depths[0].kv_len[0] == 64
     t.check(dtype)
 
 
