@@ -83,13 +83,13 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
     mixed) section "issue 31: captured mixed steps: tokens against eager mixed steps, attention per layer, then the shared-prefix and random workloads with and without them"
       timeout 150 python3 tools/gpu_mixed_check.py --layers 2 2>&1 | grep -a -v -i warn | tail -3
       timeout 100 python3 tools/mixed_step_kernels.py 2>&1 | grep -a -v -i warn | cut -c1-140 | tail -4
-      for m in "" "--mixed-graphs"; do
-        timeout 140 python3 -m kvcache.cli bench --serving --workload shared-prefix --skip b $m --json > "$OUT/sp$m.json" 2> "$OUT/sp$m.err"
-        python3 -c "import json, sys; from kvcache.bench_serving.prefix import print_prefix_result as p; p(json.load(open(sys.argv[1])))" "$OUT/sp$m.json" | grep -a "on)\|off)\|/ off\|/ on" || tail -3 "$OUT/sp$m.err"
+      for m in off on; do
+        timeout 140 python3 -m kvcache.cli bench --serving --workload shared-prefix --skip b --mixed-graphs $m --json > "$OUT/sp_$m.json" 2> "$OUT/sp_$m.err"
+        python3 -c "import json, sys; from kvcache.bench_serving.prefix import print_prefix_result as p; p(json.load(open(sys.argv[1])))" "$OUT/sp_$m.json" | grep -a "on)\|off)\|/ off\|/ on" || tail -3 "$OUT/sp_$m.err"
       done
-      for m in "" "--mixed-graphs"; do
-        timeout 120 python3 -m kvcache.cli bench --serving --model llama --skip b,c --no-busy $m --json > "$OUT/rnd$m.json" 2>/dev/null
-        python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], {k: (round(v['tokens_per_s'], 1), round(v.get('decode_step_ms') or 0, 3)) for k, v in r['systems'].items()})" "$OUT/rnd$m.json" "random$m"
+      for m in off on; do
+        timeout 120 python3 -m kvcache.cli bench --serving --model llama --skip b,c --no-busy --mixed-graphs $m --json > "$OUT/rnd_$m.json" 2>/dev/null
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], {k: (round(v['tokens_per_s'], 1), round(v.get('decode_step_ms') or 0, 3)) for k, v in r['systems'].items()})" "$OUT/rnd_$m.json" "random, mixed graphs $m"
       done ;;
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1

@@ -52,7 +52,7 @@ from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_b
 from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
 from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
 from .runners import (SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
-                      StaticRunner, _quiet_transformers)
+                      StaticRunner, _quiet_transformers, mixed_graphs_arg)
 
 __all__ = ["EngineRunner", "GenerateBatchRunner", "LLAMA3_8B_LAYER", "MODELS", "Runner", "SIZES",
            "SYSTEMS", "SYSTEM_NAMES", "StaticRunner", "TARGET_BUSY", "TARGET_ROOFLINE",
@@ -120,9 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-step", action="store_true",
                    help="(a) with Engine(compile_step=True): its captured decode step's model "
                         "code through torch.compile (a GPU)")
-    g.add_argument("--mixed-graphs", action="store_true",
-                   help="(a) and the prefix workloads' Engines with Engine(mixed_graphs=True): "
-                        "steps that prefill are captured too, per token bucket (a GPU)")
+    g.add_argument("--mixed-graphs", choices=("on", "off"), nargs="?", const="on", default=None,
+                   help="(a) and the prefix workloads' Engines with Engine(mixed_graphs=True) "
+                        "(on; the flag alone) or False (off): steps that prefill captured too, "
+                        "per token bucket; default: the Engine's (on where graphs are on)")
 
 
 def _pos(text: str) -> int:
@@ -245,7 +246,7 @@ def run(args) -> dict:
                 runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope,
                                       args.prefix_cache == "on", kv_dtype,
                                       getattr(args, "compile_step", False),
-                                      getattr(args, "mixed_graphs", False))
+                                      mixed_graphs_arg(args))
             elif key == "b":
                 runner = GenerateBatchRunner(net, None if on_gpu else {
                     "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,

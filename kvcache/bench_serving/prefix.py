@@ -133,7 +133,7 @@ def _row(name: str, tokens: list, ttft: list, wall: float, hits: Optional[int],
 def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -> dict:
     """The prefix workloads' result (JSON-ready) for parsed ``args`` on ``net``."""
     from ..integrations.transformers import Engine
-    from .runners import GenerateBatchRunner
+    from .runners import GenerateBatchRunner, mixed_graphs_arg
     tiny = bool(args.tiny)
     sizes = PREFIX_SIZES[args.workload]
     for name, (full, small) in sizes.items():
@@ -184,7 +184,7 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
                                  "new_tokens": args.new_tokens, "page_size": page,
                                  "layers": args.layers, "tiny": tiny, "seed": args.seed,
                                  "a_kv_dtype": getattr(args, "kv_dtype", "auto"),
-                                 "mixed_graphs": bool(getattr(args, "mixed_graphs", False))},
+                                 "mixed_graphs": getattr(args, "mixed_graphs", None) or "default"},
                     "systems": {}, "skipped": {}, "ratios": {}}
     w = result["workload"]
     if multi:
@@ -197,7 +197,7 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
         engine = Engine(net, backend=backend, device=device, page_size=page,
                         max_batch_size=batch, max_total_tokens=max_total, prefix_cache=on,
                         kv_dtype=getattr(args, "kv_dtype", "auto"),
-                        mixed_graphs=bool(getattr(args, "mixed_graphs", False)))
+                        mixed_graphs=mixed_graphs_arg(args))
         engine.progress = False
         try:
             serve(engine, args.seed + 1000)             # other prompts: the measured run is cold

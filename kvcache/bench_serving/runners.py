@@ -24,6 +24,12 @@ class Runner:
         """Undo what the runner changed on the model (its attention implementation)."""
 
 
+def mixed_graphs_arg(args) -> Optional[bool]:
+    """``--mixed-graphs`` as ``Engine(mixed_graphs=...)``: True, False or None (its default)."""
+    value = getattr(args, "mixed_graphs", None)
+    return None if value is None else value == "on"
+
+
 class EngineRunner(Runner):
     """(a): our ``Engine``, sized for the workload (``batch`` sequences per forward), its pages
     stored as ``kv_dtype`` ("auto": the compute dtype); ``compile_step``, ``mixed_graphs``: the
@@ -31,7 +37,7 @@ class EngineRunner(Runner):
 
     def __init__(self, net, backend: str, device: str, batch: int, max_len: int,
                  rope: str = "cache", prefix_cache: bool = True, kv_dtype: str = "auto",
-                 compile_step: bool = False, mixed_graphs: bool = False):
+                 compile_step: bool = False, mixed_graphs: Optional[bool] = None):
         from ..integrations.transformers import Engine
         page = 16
         self.engine = Engine(net, backend=backend, device=device, page_size=page,

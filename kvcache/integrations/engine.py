@@ -69,12 +69,12 @@ class Engine:
     False: off. ``graph_batch_sizes``: the buckets (None: powers of two up to
     ``max_batch_size``).
 
-    ``mixed_graphs`` (default False): with graphs on, steps that prefill (a prompt chunk,
-    alone or beside decode rows) are captured too, once per token bucket
-    (``CacheConfig.static_mixed``: one paged pass per layer, the batch padded to a token
-    bucket): a step that admits a request then costs about what a decode step costs on
-    the host. None: on where graphs are on; True: on, or ``UnsupportedFeatureError`` without
-    graphs. Tokens agree with eager mixed steps to the attention's rounding (another kernel
+    ``mixed_graphs``: with graphs on, steps that prefill (a prompt chunk, alone or beside
+    decode rows) are captured too, once per token bucket (``CacheConfig.static_mixed``: one
+    paged pass per layer, two merged where the batch shares a prefix, the batch padded to a
+    token bucket): a step that admits a request then costs about what a decode step costs on
+    the host. None (default): on where graphs are on; True: on, or
+    ``UnsupportedFeatureError`` without graphs; False: such steps run eagerly. Tokens agree with eager mixed steps to the attention's rounding (another kernel
     path over the same keys).
 
     ``offload``: a preempted sequence is parked in a host tier (``self.host_tier``, of
@@ -117,7 +117,7 @@ class Engine:
                  offload: Optional[bool] = None, offload_tokens: Optional[int] = None,
                  overlap: bool = True, memory_fraction: float = 0.9, prefix_cache: bool = True,
                  kv_dtype: str = "auto", compile_step: Optional[bool] = False,
-                 mixed_graphs: Optional[bool] = False):
+                 mixed_graphs: Optional[bool] = None):
         for name, value in (("graphs", graphs), ("offload", offload),
                             ("compile_step", compile_step), ("mixed_graphs", mixed_graphs)):
             if value is not None and not isinstance(value, bool):

@@ -73,8 +73,9 @@ def test_graphs_match_eager_across_buckets(family, monkeypatch):
 def test_prefill_and_mixed_steps_are_eager_decode_steps_replay(monkeypatch):
     model, prompts, _, _ = family_case("llama")
     backend, device = backend_or_skip("cuda", monkeypatch, 64)
+    # mixed_graphs=False: steps that prefill run eagerly (the default captures them too)
     engine = Engine(model, backend=backend, device=device, graphs=True, max_batch_size=8,
-                    max_total_tokens=8192, prefill_chunk_size=64)
+                    max_total_tokens=8192, prefill_chunk_size=64, mixed_graphs=False)
     log = spy(engine)
     engine.generate(prompts[:5], max_new_tokens=10)
     eager = [e for e in log if e[0] == "eager"]
@@ -128,9 +129,14 @@ def test_graph_switch(monkeypatch):
         Engine(model, backend="reference", graphs=True)
     with pytest.raises(InvalidArgumentError, match="graphs='yes'"):
         Engine(model, backend=backend, device=device, graphs="yes")
-    # chosen buckets: every graph step pads to one of them; larger batches run eagerly
+    # with graphs on, steps that prefill are captured too by default
+    assert Engine(model, backend=backend, device=device, graphs=True, max_batch_size=4,
+                  max_total_tokens=2048).mixed_graphs is True
+    assert auto.mixed_graphs is False
+    # chosen buckets: every decode graph step pads to one of them; larger batches run eagerly
     engine = Engine(model, backend=backend, device=device, graphs=True, max_batch_size=8,
-                    max_total_tokens=8192, prefill_chunk_size=512, graph_batch_sizes=(2, 4))
+                    max_total_tokens=8192, prefill_chunk_size=512, graph_batch_sizes=(2, 4),
+                    mixed_graphs=False)
     assert engine.cache.config.static_buckets == (2, 4)
     log = spy(engine)
     out = engine.generate(prompts[:6], max_new_tokens=6)

@@ -115,7 +115,7 @@ class Engine(_Engine):
     longest cached prefix of their prompt, see ``kvcache.integrations.engine.Engine``.
     ``compile_step`` (default False): the captured decode step's model code through
     ``torch.compile``, see ``kvcache.integrations.engine.Engine``. ``mixed_graphs`` (default
-    False): steps that prefill are captured too, per token bucket, see
+    None: on where graphs are on): steps that prefill are captured too, per token bucket, see
     ``kvcache.integrations.engine.Engine``. See ``kvcache.integrations.engine.Engine.generate``.
     """
 
@@ -127,7 +127,7 @@ class Engine(_Engine):
                  offload_tokens: Optional[int] = None, overlap: bool = True,
                  tp: Optional[int] = None, tp_group=None, memory_fraction: float = 0.9,
                  prefix_cache: bool = True, kv_dtype: str = "auto",
-                 compile_step: Optional[bool] = False, mixed_graphs: Optional[bool] = False):
+                 compile_step: Optional[bool] = False, mixed_graphs: Optional[bool] = None):
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
