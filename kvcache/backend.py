@@ -217,6 +217,10 @@ class DepthAux:
     """Host-side maximum number of queries of one entry (for launch sizing)."""
     num_pages: int = 0
     """Pages in use in ``page_indices`` (a static-shape plan's list may be longer)."""
+    shared: bool = False
+    """Entries group the queries of several sequences over blocks they share (a coalesced
+    depth): few entries, each with many queries over the same keys, so a kernel may split an
+    entry's keys over programs and merge them (host bool; a hint, results are the same)."""
 
 
 class Backend(abc.ABC):

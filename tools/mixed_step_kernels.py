@@ -5,7 +5,10 @@ the torch profiler over 20 layers (bf16, Hq32/Hkv8/D128, page 16). Cases: ``P`` 
 sequence (the prompts too) forked from one sequence of ``H`` tokens outside the batch, as
 requests hitting a cached system prompt are (the static plan then reads it once: two depths).
 
-    python tools/mixed_step_kernels.py
+    python tools/mixed_step_kernels.py [--shared-splits N ...] [--only-shared]
+
+``--shared-splits``: run the shared case once per value of the cuda tuning's ``shared_splits``
+(the paged prefill kernel's key splits over a shared prefix; 1: no split), an A/B on one GPU.
 """
 
 from __future__ import annotations
@@ -20,12 +23,18 @@ CASES = [(1, 2040, 63, 2000, False), (1, 40, 63, 2040, False), (1, 40, 62, 2000,
 LAYERS = 20
 
 
+SPLITS = [None]           # the tuning's shared_splits for build (None: the backend's)
+
+
 def build(static: bool):
     cfg = kvcache.CacheConfig(num_layers=LAYERS, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                               page_size=16, max_batch_size=64, max_total_tokens=64 * 4200,
                               prefill_chunk_size=2048 + 64, dtype="bfloat16", rope_mode="normal",
                               static_decode=static, static_mixed=static)
-    return kvcache.PagedKVCache(cfg, backend="cuda", device="cuda")
+    cache = kvcache.PagedKVCache(cfg, backend="cuda", device="cuda")
+    if SPLITS[0] is not None:
+        cache.backend.tuning = cache.backend.tuning.with_(shared_splits=SPLITS[0])
+    return cache
 
 
 def run_case(static, prompts, new, decodes, hist, shared):
@@ -73,13 +82,23 @@ def run_case(static, prompts, new, decodes, hist, shared):
 
 
 def main():
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--shared-splits", type=int, nargs="*", default=[None])
+    p.add_argument("--only-shared", action="store_true")
+    args = p.parse_args()
     for prompts, new, decodes, hist, shared in CASES:
-        e_us, _, e_names = run_case(False, prompts, new, decodes, hist, shared)
-        s_us, bucket, s_names = run_case(True, prompts, new, decodes, hist, shared)
-        print(f"{prompts} x {new} new + {decodes} decode rows (history {hist}"
-              f"{', shared' if shared else ''}): eager "
-              f"{e_us:8.1f} us/layer, static mixed (bucket {bucket}) {s_us:8.1f} us/layer "
-              f"({s_us / e_us:.2f}x); kernels eager {e_names} static {s_names}", flush=True)
+        if args.only_shared and not shared:
+            continue
+        for splits in args.shared_splits if shared else [None]:
+            SPLITS[0] = splits
+            e_us, _, e_names = run_case(False, prompts, new, decodes, hist, shared)
+            s_us, bucket, s_names = run_case(True, prompts, new, decodes, hist, shared)
+            print(f"{prompts} x {new} new + {decodes} decode rows (history {hist}"
+                  f"{', shared' if shared else ''}"
+                  f"{'' if splits is None else f', shared_splits {splits}'}): eager "
+                  f"{e_us:8.1f} us/layer, static mixed (bucket {bucket}) {s_us:8.1f} us/layer "
+                  f"({s_us / e_us:.2f}x); kernels eager {e_names} static {s_names}", flush=True)
 
 
 if __name__ == "__main__":

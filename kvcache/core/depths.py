@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ..backend import TreeMask
-from .plan import HostDepth, build
+from .plan import HostDepth, build, evolve
 from .request import exclusive_cumsum
 
 MAX_BLOCK_DEPTH = 2
@@ -171,6 +171,8 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
                 pair_entry = np.arange(len(pair_block))
             depth, holds_last = _depth(pt, config.page_size, entry_qo, pair_entry, pair_block,
                                        use_decode, entry_seq, last, tree_sizes, tree_masks)
+        if entry_qo is not qo_indptr:       # coalesced: an entry holds many sequences' rows
+            depth = evolve(depth, shared=True)
         depths.append(depth)
         if want_holders:
             assert ndepth is not None                   # set whenever holders are wanted

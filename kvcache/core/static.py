@@ -98,7 +98,7 @@ def pad_mixed(plan: ForwardPlan, config) -> ForwardPlan:
             tree=TreeMask(tail(tree.indptr, pad_e, tree_rows),
                           tail(tree.mask, 2 * (bucket - tree_rows), 0), chains=True),
             max_kv_len=config.num_pages * config.page_size, max_qo_len=bucket,
-            num_pages=d.num_pages))
+            num_pages=d.num_pages, shared=d.shared))
     return evolve(plan, tokens=tokens, depths=tuple(depths), static_bucket=bucket,
                   static_mixed=True)
 

@@ -160,6 +160,8 @@ def _run_paged(impl, dtype, feature, entries, *, use_decode, splits=1, hq=8, hkv
     ref, mine = cc.pair(cfg, impl)
     if use_decode:
         mine.tuning = mine.tuning.with_(force_splits=splits, split_min_keys=16)
+    else:       # the paged prefill kernel's key splits (a shared prefix's depth)
+        mine.tuning = mine.tuning.with_(force_prefill_splits=splits)
     rng = _rng("paged", impl, dtype, feature, use_decode, splits, d, dv, *seed)
     case, pool = _paged(mine, ref, rng, entries, use_decode=use_decode)
     call, want = _features(feature, mine, rng, hq, sink_dtype)
@@ -184,9 +186,12 @@ def test_ragged_softcap_sinks(impl, dtype, feature):
 
 
 @pytest.mark.parametrize("feature", ["softcap", "sinks"])
-def test_paged_prefill_softcap_sinks(impl, dtype, feature):
-    _slim(dtype, feature == "sinks")
-    lse = _run_paged(impl, dtype, feature, PREFILL, use_decode=False)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_prefill_softcap_sinks(impl, dtype, feature, splits):
+    """With key splits the sink joins their merge once, and rows no split sees (no entry, no
+    key) read the sink alone."""
+    _slim(dtype, feature == "sinks" or splits == 3)
+    lse = _run_paged(impl, dtype, feature, PREFILL, use_decode=False, splits=splits)
     if feature == "sinks":           # rows of no entry / an entry without keys: the sink itself
         assert np.isfinite(lse[[0, 4, 5, -1]]).all()
 

@@ -169,6 +169,31 @@ def test_paged_prefill(impl, dtype, ps, hq, hkv, kind):
     assert np.isneginf(lse[0].cpu().numpy()).all()          # row 0 belongs to no entry
 
 
+# a shared prefix's depth: many rows of one entry over long keys (300: splits of whole key
+# tiles, the last one short), an entry without rows, one without keys, a tree entry
+SHARED = [Entry(40, 300), Entry(0, 17), Entry(5, 0), Entry(3, 130, tree=6)]
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("kind", ["shared", "sliding", "tree"])
+def test_paged_prefill_key_splits(impl, dtype, kind, splits):
+    """The paged prefill kernel with each entry's keys split over programs and merged by lse
+    (``DepthAux.shared`` depths): the reference's results, rows of no entry o = 0 / lse = -inf."""
+    entries = SHARED if kind == "shared" else PAGED[kind]
+    lse = _run_paged(impl, dtype, 8, 2, 64, 16, entries, use_decode=False, seed=(kind, splits),
+                     tuning={"force_prefill_splits": splits})
+    assert np.isneginf(lse[0].cpu().numpy()).all()          # row 0 belongs to no entry
+
+
+def test_prefill_splits_policy():
+    from kvcache_cuda.tuning import CUDA_TUNING as t, prefill_splits
+    assert prefill_splits(t, False, 1 << 20) == 1            # only shared depths split
+    assert prefill_splits(t, True, 1 << 20) == t.shared_splits
+    assert prefill_splits(t, True, 2 * t.split_min_keys) == 2   # each split keeps its keys
+    assert prefill_splits(t, True, 10) == 1
+    assert prefill_splits(t.with_(force_prefill_splits=3), False, 10) == 3
+
+
 def test_paged_prefill_inline_rope(impl, dtype):
     _run_paged(impl, dtype, 8, 2, 64, 16, PAGED["sliding"], use_decode=False, rope=True)
 

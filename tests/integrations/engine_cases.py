@@ -19,18 +19,22 @@ def make_prompts(seed: int = 1) -> list:
 
 
 def logit_rows(engine) -> list:
-    """Spy on ``engine``'s adapter forward: the list every logits row it returns is appended
-    to, in order, as float64 host arrays."""
+    """Spy on ``engine``'s forwards, eager (its adapter's) and captured (its step graphs'): the
+    list every logits row they return is appended to, in order, as host arrays (a graph's
+    logits are a view its next replay overwrites: copied at once)."""
     rows: list = []
-    forward = engine.adapter.forward
 
-    def spy(cache, tokens, positions, want):
-        out = forward(cache, tokens, positions, want)
-        if len(want):
-            rows.extend(np.array(engine.adapter.to_numpy(out)))
-        return out
+    def wrap(run):
+        def spy(*args):
+            out = run(*args)
+            if len(args[-1]):                   # the rows asked for: the last argument
+                rows.extend(np.array(engine.adapter.to_numpy(out)))
+            return out
+        return spy
 
-    engine.adapter.forward = spy
+    engine.adapter.forward = wrap(engine.adapter.forward)
+    if engine.decode_graphs is not None:
+        engine.decode_graphs.run = wrap(engine.decode_graphs.run)
     return rows
 
 

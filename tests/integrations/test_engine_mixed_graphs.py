@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import backend_or_skip, family_case, hf_greedy, make_model, make_prompts
+from engine_cases import logit_rows
 from test_engine_graphs import spy
 
 from kvcache.errors import UnsupportedFeatureError
@@ -94,23 +95,12 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit(monkeypatch):
                       page_size=page, max_total_tokens=1024, prefill_chunk_size=2 * page,
                       overlap=False)
 
-    def spy(eng):
-        rows, run = [], eng.decode_graphs.run
-
-        def graph(tokens, positions, want):
-            out = run(tokens, positions, want)
-            rows.extend(np.array(eng.adapter.to_numpy(out)))
-            return out
-
-        eng.decode_graphs.run = graph
-        return rows
-
     cold = engine()
-    cold_rows = spy(cold)
+    cold_rows = logit_rows(cold)
     want = cold.generate([system + question], greedy)
     warm = engine()
     warm.generate([system + other], greedy)
-    warm_rows = spy(warm)
+    warm_rows = logit_rows(warm)
     got = warm.generate([system + question], greedy)
     assert warm.stats.prefix_hit_tokens == 2 * page and cold.stats.prefix_hit_tokens == 0
     assert got == want

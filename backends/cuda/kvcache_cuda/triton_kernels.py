@@ -44,7 +44,7 @@ import triton.language as tl
 from triton import knobs
 
 from . import torch_kernels
-from .tuning import num_splits
+from .tuning import prefill_splits, num_splits
 
 LOG2E = 1.4426950408889634
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -676,17 +676,21 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
 def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, pind_ptr,
                           kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                           sinks_ptr, n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t,
-                          so_h, sl_t, qk_scale, softcap_log2, log2_theta, rope_scale, freq_ptr,
-                          window_left, scale_ptr,
+                          so_h, so_s, sl_t, sl_s, qk_scale, softcap_log2, log2_theta, rope_scale,
+                          freq_ptr, window_left, scale_ptr,
                           GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
                           PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr,
                           IEEE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                           SOFTCAP: tl.constexpr, SINKS: tl.constexpr, QUANT: tl.constexpr,
-                          CHAINS: tl.constexpr):
-    """Entries with many queries; grid (sum of q tiles upper bound, Hkv). Tile -> entry by a
-    vector prefix sum over all entries (no host-side tile plan, no extra launches).
+                          CHAINS: tl.constexpr, KV_SPLITS: tl.constexpr):
+    """Entries with many queries; grid (sum of q tiles upper bound, Hkv, KV_SPLITS). Tile ->
+    entry by a vector prefix sum over all entries (no host-side tile plan, no extra launches).
+    KV_SPLITS > 1: program ``s`` of a tile covers the ``s``-th of KV_SPLITS equal runs of its
+    keys (whole BLOCK_N steps) and stores fp32 partial o / lse at split ``s`` (strides so_s /
+    sl_s), merged by ``_merge_splits_kernel`` (a shared prefix's entry holds few row tiles over
+    many keys: without the split it fills a few SMs).
     TREE: a tile's queries see no tree key after its last query node (ancestors come first),
     so the loop stops there; the keys every row of the tile sees (the history before the tree,
     and with CHAINS, causal chains, the tree keys up to the tile's first query) run unmasked,
@@ -750,19 +754,27 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
             else:
                 full = tree_start
             full = tl.where(ts > 0, tl.minimum(full, hi), kv_len)
+        # this program's run of the keys (all of them without a split)
+        s_lo = 0
+        s_hi = hi
+        if KV_SPLITS > 1:
+            span = tl.cdiv(hi, KV_SPLITS * BLOCK_N) * BLOCK_N
+            s_lo = tl.program_id(2) * span
+            s_hi = tl.minimum(hi, s_lo + span)
+        u_hi = tl.minimum(full, s_hi)
         # the unmasked loop's last tile stops at ``full`` (keys past it load as 0 and are not
         # seen), the masked one starts there: a decode row's chain ends in its only query, so
         # it never takes the masked loop
-        for j0 in range(0, full, BLOCK_N):
+        for j0 in range(s_lo, u_hi, BLOCK_N):
             m_i, l_i, acc = _paged_step(
-                q1, q2, m_i, l_i, acc, j0, full, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
                 softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
                 HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT)
         if TREE:
-            for j0 in range(full, hi, BLOCK_N):
+            for j0 in range(tl.maximum(full, s_lo), s_hi, BLOCK_N):
                 m_i, l_i, acc = _paged_step(
-                    q1, q2, m_i, l_i, acc, j0, hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                    q1, q2, m_i, l_i, acc, j0, s_hi, sink, gap, pind_ptr + pstart, pages_ptr,
                     kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
                     qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
                     tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, True, IEEE,
@@ -770,9 +782,50 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         if QUANT:
             acc = acc * vs
         o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
-        tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dv[None, :],
+        split = tl.program_id(2).to(tl.int64)
+        tl.store(o_ptr + tok[:, None] * so_t + split * so_s + head[:, None] * so_h + dv[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-        tl.store(lse_ptr + tok * sl_t + head, lse, mask=row_ok)
+        tl.store(lse_ptr + tok * sl_t + split * sl_s + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, sinks_ptr, n_heads, so_t, so_h, so_s,
+                         sl_t, sl_s, HEADS: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, KV_SPLITS: tl.constexpr, SINKS: tl.constexpr):
+    """o (T, Hq, Dv) / lse (T, Hq) of the paged prefill kernel's KV_SPLITS fp32 partials, by
+    lse; grid (T, heads / HEADS). A split that saw no key (lse -inf, its partial o never
+    written: rows no entry covers) adds nothing, so such a row reads o = 0 / lse = -inf (the
+    sink with SINKS, which joins here once); a NaN lse (a NaN K seen) stays NaN."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    h_ok = h < n_heads
+    d = tl.arange(0, BLOCK_DV)
+    hd_ok = h_ok[:, None] & (d < HEAD_DIM_V)[None, :]
+    peak = tl.full([HEADS], float("-inf"), tl.float32)
+    for s in tl.static_range(KV_SPLITS):
+        ls = tl.load(pl_ptr + t * sl_t + s * sl_s + h, mask=h_ok, other=float("-inf"))
+        peak = tl.maximum(peak, ls)
+    if SINKS:
+        sk = tl.load(sinks_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, sk)
+    peak_use = tl.where(peak == float("-inf"), 0.0, peak)
+    total = tl.zeros([HEADS], tl.float32)
+    acc = tl.zeros([HEADS, BLOCK_DV], tl.float32)
+    for s in tl.static_range(KV_SPLITS):
+        ls = tl.load(pl_ptr + t * sl_t + s * sl_s + h, mask=h_ok, other=float("-inf"))
+        w = tl.exp(ls - peak_use)
+        po = tl.load(po_ptr + t * so_t + s * so_s + h[:, None] * so_h + d[None, :],
+                     mask=hd_ok & (ls != float("-inf"))[:, None], other=0.0)
+        acc += po * w[:, None]
+        total += w
+    if SINKS:
+        total += tl.exp(sk - peak_use)
+    ok = total != 0
+    o = acc / tl.where(ok, total, 1.0)[:, None]
+    lse = tl.where(ok, peak_use + tl.log(tl.where(ok, total, 1.0)), float("-inf"))
+    tl.store(o_ptr + t * n_heads * HEAD_DIM_V + h[:, None] * HEAD_DIM_V + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=hd_ok)
+    tl.store(lse_ptr + t * n_heads + h, lse, mask=h_ok)
 
 
 @triton.jit
@@ -1295,7 +1348,7 @@ def _tree_args(tree, fallback):
 class _Record:
     """One launch record (attributes set by the builder; see launch.py)."""
 
-    __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl",
+    __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl", "mrun",
                  "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
                  "v_out", "bad", "any_bad", "variants", "kgrid", "krun", "k_in")
     # the slots' types, for mypy (annotations only: no class attributes next to the slots)
@@ -1307,6 +1360,7 @@ class _Record:
     lse_shape: Any
     so: Any
     sl: Any
+    mrun: Any
     po: Any
     pl: Any
     splits: Any
@@ -1520,13 +1574,23 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
         tiles = cfg.pre_tiles
-        rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, 1)
-        rec.so = (hq * dv, dv)
-        rec.sl = (hq,)
+        splits = rec.splits = prefill_splits(ctx.tuning, depth.shared, int(depth.max_kv_len))
+        rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, splits)
+        if splits > 1:         # fp32 partials (T, splits, Hq, Dv) / (T, splits, Hq), merged
+            rec.so = (splits * hq * dv, dv, hq * dv)
+            rec.sl = (splits * hq, hq)
+            heads = min(_p2(hq), 16)
+            rec.mrun = {sinks: _Kernel(_merge_splits_kernel, dict(
+                HEADS=heads, HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv, KV_SPLITS=splits,
+                SINKS=sinks, num_warps=cfg.ew_warps)) for sinks in (False, True)}
+            rec.sf = (triton.cdiv(hq, heads),)
+        else:
+            rec.so = (hq * dv, dv, 0)
+            rec.sl = (hq, 0)
         rec.run = _Kernel(_paged_prefill_kernel, dict(
             GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
             BLOCK_E=_p2(n), **flags, CHAINS=depth.tree is not None and depth.tree.chains,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+            KV_SPLITS=splits, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     return _keep(launch, key, (depth, rope), rec, q)
 
 
@@ -1576,6 +1640,21 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     if t_total == 0 or depth.num_entries == 0:
         return o, lse
     tind, tmask, n = rec.post
+    if rec.splits > 1:
+        # the partials carry no sink (the merge adds it once); a split that sees no key of a
+        # row leaves lse -inf, and rows no entry covers keep the fill: the merge skips both
+        po = torch.empty((t_total, rec.splits) + rec.o_shape[1:], dtype=torch.float32,
+                         device=q.device)
+        pl = torch.full((t_total, rec.splits, rec.lse_shape[1]), float("-inf"),
+                        dtype=torch.float32, device=q.device)
+        run = _variant(rec, softcap, None)
+        run(rec.grid, spec[:8], q, pages, po, pl, *rec.pre, qpos, tind, tmask, depth.qo_indptr,
+            n, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
+            int(window_left), scale_arg)
+        merge = rec.mrun[sinks is not None]
+        merge((t_total, rec.sf[0], 1), (o.dtype, *_sinks_spec(sinks)), po, pl, o, lse,
+              sinks_arg, rec.o_shape[1], *rec.so, *rec.sl)
+        return o, lse
     run(rec.grid, spec, q, pages, o, lse, *rec.pre, qpos, tind, tmask, sinks_arg, n, sq[0],
         sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
         int(window_left), scale_arg)

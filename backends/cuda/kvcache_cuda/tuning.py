@@ -47,6 +47,11 @@ class Tuning:
     split_min_keys: int = 256
     split_max: int = 64
     force_splits: int = 0            # >0: always use this many splits (tests, benchmarks)
+    # paged prefill over a shared prefix (``DepthAux.shared``: an entry's rows of many
+    # sequences over one block's keys): split each entry's keys this many ways, fewer where a
+    # split would hold under split_min_keys keys; force_prefill_splits > 0: always (tests)
+    shared_splits: int = 4
+    force_prefill_splits: int = 0
     # splits whose partials the decode launch's merge loads at once; 0: as many as fit in
     # about 32 registers a thread (>0: tests, sweeps)
     split_merge_chunk: int = 0
@@ -101,6 +106,18 @@ def num_splits(tuning: Tuning, num_programs: int, max_kv_len: int, num_sms: int,
         want = max(want, tuning.fp8_min_splits)
     cap = max(1, max_kv_len // tuning.split_min_keys)
     return int(max(1, min(want, cap, tuning.split_max)))
+
+
+def prefill_splits(tuning: Tuning, shared: bool, max_kv_len: int) -> int:
+    """Key splits of the paged prefill kernel for a depth: 1 unless its entries are shared
+    prefixes (``shared``), whose few row tiles over many keys would fill a few SMs; then
+    ``shared_splits``, fewer where ``max_kv_len`` (a static-shape plan's bound, or the real
+    longest) gives a split under ``split_min_keys`` keys."""
+    if tuning.force_prefill_splits > 0:
+        return tuning.force_prefill_splits
+    if not shared:
+        return 1
+    return int(max(1, min(tuning.shared_splits, max_kv_len // tuning.split_min_keys)))
 
 
 # ------------------------------------------------------------------ per-architecture entries
