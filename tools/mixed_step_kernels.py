@@ -5,7 +5,8 @@ the torch profiler over 20 layers (bf16, Hq32/Hkv8/D128, page 16). Cases: ``P`` 
 sequence (the prompts too) forked from one sequence of ``H`` tokens outside the batch, as
 requests hitting a cached system prompt are (the static plan then reads it once: two depths).
 
-    python tools/mixed_step_kernels.py [--shared-splits N ...] [--only-shared]
+    python tools/mixed_step_kernels.py [--shared-splits N ...] [--only-shared] [--per-kernel]
+    python tools/mixed_step_kernels.py --depth-tiles     # the shared step's depths, tile by tile
 
 ``--shared-splits``: run the shared case once per value of the cuda tuning's ``shared_splits``
 (the paged prefill kernel's key splits over a shared prefix; 1: no split), an A/B on one GPU.
@@ -24,6 +25,7 @@ LAYERS = 20
 
 
 SPLITS = [None]           # the tuning's shared_splits for build (None: the backend's)
+PER_KERNEL = [False]      # --per-kernel: list each kernel's time
 
 
 def build(static: bool):
@@ -78,7 +80,53 @@ def run_case(static, prompts, new, decodes, hist, shared):
         cache.abort_forward()
     us = sum(e.self_device_time_total for e in prof.key_averages()) / LAYERS
     names = sorted({e.key[:24] for e in prof.key_averages() if e.self_device_time_total > 0})
+    if PER_KERNEL[0]:          # each kernel's time per layer and calls per layer
+        names = [f"{e.key[:28]} {e.self_device_time_total / LAYERS:.1f}us x{e.count // LAYERS}"
+                 for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+                 if e.self_device_time_total > 0]
     return us, f"{bucket}, {depths} depths", names
+
+
+def depth_tiles():
+    """The shared case's static plan, each depth's paged attention timed alone (CUDA events,
+    median of 50) under several prefill tiles (block_rows, block_n, warps, stages)."""
+    from kvcache_cuda.tuning import AttnTiles
+    cache = build(True)
+    dev = torch.device("cuda")
+    ids = list(range(63))
+    root = 63
+    cache.add_sequence(root)
+    cache.begin_forward([root], [2000])
+    rows = cache.static_bucket or 2000
+    k = torch.randn((rows, 8, 128), device=dev, dtype=torch.bfloat16)
+    for layer in range(LAYERS):
+        cache.append_kv(layer, k, k)
+    cache.end_forward()
+    for s in ids:
+        cache.fork_sequence(root, s)
+    cache.begin_forward(ids, [40] + [1] * 62)
+    bucket = cache.static_bucket
+    q = torch.randn((bucket, 32, 128), device=dev, dtype=torch.bfloat16)
+    aux, pages, base = cache.forward_aux(), cache.pages[0], cache.backend.tuning
+    for tiles in [None, AttnTiles(64, 128, 4, 3), AttnTiles(64, 64, 4, 2), AttnTiles(32, 64, 4, 2),
+                  AttnTiles(16, 64, 4, 2), AttnTiles(128, 64, 8, 2)]:
+        cache.backend.tuning = base if tiles is None else base.with_(prefill=tiles, by_head_dim={})
+        times = []
+        for d in aux.depths:
+            for _ in range(3):
+                cache.backend.paged_attention(q, pages, d, 0.08)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(100)]
+            for i in range(50):
+                ev[2 * i].record()
+                cache.backend.paged_attention(q, pages, d, 0.08)
+                ev[2 * i + 1].record()
+            torch.cuda.synchronize()
+            t = sorted(ev[2 * i].elapsed_time(ev[2 * i + 1]) * 1e3 for i in range(50))
+            times.append(f"{t[25]:.1f}")
+        print(f"tiles {tiles or 'default'}: depth 0 (shared, {aux.depths[0].shared}) {times[0]} us, "
+              f"depth 1 {times[1]} us", flush=True)
+    cache.backend.tuning = base
+    cache.abort_forward()
 
 
 def main():
@@ -86,7 +134,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shared-splits", type=int, nargs="*", default=[None])
     p.add_argument("--only-shared", action="store_true")
+    p.add_argument("--per-kernel", action="store_true")
+    p.add_argument("--depth-tiles", action="store_true")
     args = p.parse_args()
+    if args.depth_tiles:
+        return depth_tiles()
+    PER_KERNEL[0] = args.per_kernel
     for prompts, new, decodes, hist, shared in CASES:
         if args.only_shared and not shared:
             continue

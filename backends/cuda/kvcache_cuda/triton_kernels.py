@@ -1580,10 +1580,11 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             rec.so = (splits * hq * dv, dv, hq * dv)
             rec.sl = (splits * hq, hq)
             heads = min(_p2(hq), 16)
-            rec.mrun = {sinks: _Kernel(_merge_splits_kernel, dict(
+            # the merge's launchers without and with sinks, and its grid
+            rec.mrun = ({sinks: _Kernel(_merge_splits_kernel, dict(
                 HEADS=heads, HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv, KV_SPLITS=splits,
-                SINKS=sinks, num_warps=cfg.ew_warps)) for sinks in (False, True)}
-            rec.sf = (triton.cdiv(hq, heads),)
+                SINKS=sinks, num_warps=cfg.ew_warps)) for sinks in (False, True)},
+                (t_total, triton.cdiv(hq, heads), 1))
         else:
             rec.so = (hq * dv, dv, 0)
             rec.sl = (hq, 0)
@@ -1648,12 +1649,13 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         pl = torch.full((t_total, rec.splits, rec.lse_shape[1]), float("-inf"),
                         dtype=torch.float32, device=q.device)
         run = _variant(rec, softcap, None)
-        run(rec.grid, spec[:8], q, pages, po, pl, *rec.pre, qpos, tind, tmask, depth.qo_indptr,
+        no_sinks = spec[:len(spec) - len(_sinks_spec(sinks))]
+        run(rec.grid, no_sinks, q, pages, po, pl, *rec.pre, qpos, tind, tmask, depth.qo_indptr,
             n, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
             int(window_left), scale_arg)
-        merge = rec.mrun[sinks is not None]
-        merge((t_total, rec.sf[0], 1), (o.dtype, *_sinks_spec(sinks)), po, pl, o, lse,
-              sinks_arg, rec.o_shape[1], *rec.so, *rec.sl)
+        merges, grid = rec.mrun
+        merges[sinks is not None](grid, (o.dtype, *_sinks_spec(sinks)), po, pl, o, lse,
+                                  sinks_arg, rec.o_shape[1], *rec.so, *rec.sl)
         return o, lse
     run(rec.grid, spec, q, pages, o, lse, *rec.pre, qpos, tind, tmask, sinks_arg, n, sq[0],
         sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
