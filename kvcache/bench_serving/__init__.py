@@ -122,8 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "code through torch.compile (a GPU)")
     g.add_argument("--mixed-graphs", choices=("on", "off"), nargs="?", const="on", default=None,
                    help="(a) and the prefix workloads' Engines with Engine(mixed_graphs=True) "
-                        "(on; the flag alone) or False (off): steps that prefill captured too, "
-                        "per token bucket; default: the Engine's (on where graphs are on)")
+                        "(on, or the flag alone) or Engine(mixed_graphs=False) (off): steps "
+                        "that prefill captured too, per token bucket; without the flag the "
+                        "Engine's default (on where graphs are on)")
 
 
 def _pos(text: str) -> int:

@@ -74,8 +74,9 @@ class Engine:
     paged pass per layer, two merged where the batch shares a prefix, the batch padded to a
     token bucket): a step that admits a request then costs about what a decode step costs on
     the host. None (default): on where graphs are on; True: on, or
-    ``UnsupportedFeatureError`` without graphs; False: such steps run eagerly. Tokens agree with eager mixed steps to the attention's rounding (another kernel
-    path over the same keys).
+    ``UnsupportedFeatureError`` without graphs; False: such steps run eagerly. Tokens agree
+    with eager mixed steps to the attention's rounding (another kernel path over the same
+    keys).
 
     ``offload``: a preempted sequence is parked in a host tier (``self.host_tier``, of
     ``offload_tokens`` tokens, None: ``max_total_tokens``) and restored later (True), or dropped
