@@ -70,16 +70,15 @@ class DepthLastBlocks:
 
 def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=None,
                  tree_masks: Optional[list] = None, max_append: Optional[int] = None,
-                 want_holders: bool = True, flat: bool = False,
-                 share: bool = False) -> tuple[tuple, Optional[list]]:
+                 want_holders: bool = True, share: bool = False) -> tuple[tuple, Optional[list]]:
     """(the ``HostDepth`` of each depth, the ``DepthLastBlocks`` of each) for sequences with
     last blocks ``last`` (B,) and queries ``qo_indptr`` (B+1,). ``tree_sizes`` (B,) and
     ``tree_masks``: the sequences' token trees, carried by the entry holding the last block.
     ``max_append``: the longest sequence's query count when known; ``want_holders=False``:
-    skip the ``DepthLastBlocks`` (None; only a reused decode plan reads them); ``flat``: one
-    depth, each sequence's whole page list one entry; ``share`` (a static-shape mixed step):
-    as ``flat`` unless coalescing the batch's first blocks saves pages (the decode rule,
-    ``decode_kernel_wins``), then the shared blocks are depth 0 and the rest depth 1."""
+    skip the ``DepthLastBlocks`` (None; only a reused decode plan reads them); ``share`` (a
+    static-shape mixed step): one depth, each sequence's whole page list one entry, unless
+    coalescing the batch's first blocks saves pages (the decode rule, ``decode_kernel_wins``),
+    then the shared blocks are depth 0 and the rest depth 1."""
     batch = len(last)
     parent = pt.b_parent
     # walk parents for the whole batch at once: chain[k, i] is the k-th ancestor of i's last block
@@ -107,7 +106,7 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
                          -1)                        # (B, K) root first
     # static-shape decode reads each sequence's whole page list as one entry (one launch per
     # layer whatever the fork structure, so one captured step fits every batch of its bucket)
-    flat = flat or (config.static_decode and is_decode)
+    flat = config.static_decode and is_decode
     max_depth = 1 if flat else MAX_BLOCK_DEPTH
     plain = not config.support_sliding_window and tree_sizes is None
     if width > 1 and ((is_decode and not flat and plain) or share):
