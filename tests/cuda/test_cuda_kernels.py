@@ -141,7 +141,7 @@ PAGED = {
 
 
 def _run_paged(impl, dtype, hq, hkv, d, ps, entries, *, use_decode, rope=False, seed=(),
-               row_offset=1, tail_rows=2, tuning=None, window_left=-1):
+               row_offset=1, tail_rows=2, tuning=None, window_left=-1, scale=0.13, softcap=0.0):
     cfg = cc.config(hq=hq, hkv=hkv, d=d, ps=ps, dtype=dtype)
     ref, mine = cc.pair(cfg, impl)
     if tuning:
@@ -151,9 +151,11 @@ def _run_paged(impl, dtype, hq, hkv, d, ps, entries, *, use_decode, rope=False, 
                          tail_rows=tail_rows)
     spec = rope if isinstance(rope, cc.RopeSpec) else cc.ROPE_SCALED if rope else None
     win = {"window_left": window_left} if window_left >= 0 else {}
-    o, lse = mine.paged_attention(case.q, case.pages, case.depth, 0.13, rope=spec,
+    if softcap:
+        win["logit_softcap"] = softcap
+    o, lse = mine.paged_attention(case.q, case.pages, case.depth, scale, rope=spec,
                                   q_positions=case.q_positions, **win)
-    ro, rl = ref.paged_attention(case.ref_q, case.ref_pages, case.ref_depth, 0.13, rope=spec,
+    ro, rl = ref.paged_attention(case.ref_q, case.ref_pages, case.ref_depth, scale, rope=spec,
                                  q_positions=case.ref_q_positions, **win)
     cc.assert_close(mine, ref, o, ro)
     cc.assert_lse(mine, ref, lse, rl)
@@ -367,6 +369,59 @@ def test_paged_window_left(impl, kind, window_left):
             _run_paged(impl, "float32", 8, 2, 64, 16, DECODE, use_decode=True,
                        seed=("win", window_left, splits), tuning={"force_splits": splits},
                        window_left=window_left)
+
+
+# (window_left, scale, softcap, dtype). A large negative scale: the unmasked tiles' row
+# maximum taken on qk (right for a positive scale) would be each row's smallest score there,
+# and exp2 overflow; with a cap of 50 too (float16: on a GPU the hardware-tanh cap, which takes
+# the row maximum through the cap once per row for a positive scale)
+UNMASKED_CASES = [(-1, 0.11, 0.0, "float32"), (30, 0.11, 0.0, "float32"),
+                  (100, 0.11, 0.0, "float32"), (-1, -8.0, 0.0, "float32"),
+                  (-1, 0.11, 50.0, "float16"), (-1, -8.0, 50.0, "float16")]
+
+
+@pytest.mark.parametrize("window_left,scale,softcap,dtype", UNMASKED_CASES)
+def test_ragged_unmasked_tiles(impl, window_left, scale, softcap, dtype):
+    """The ragged kernel runs the key tiles every row of a query tile sees (before its first
+    row, after its last row's window floor) with no mask, the rest masked: 16-key tiles over
+    sequences of 150 / 97 / 64 / 1 / 17 tokens, with and without a window, a negative scale,
+    a logit cap: the reference's results."""
+    from kvcache_cuda.tuning import AttnTiles
+    cfg = cc.config(hq=8, hkv=2, d=64, dtype=dtype)
+    ref, mine = cc.pair(cfg, impl)
+    if impl == "triton":
+        small = AttnTiles(block_rows=16, block_n=16, num_warps=4, num_stages=1)
+        mine.tuning = mine.tuning.with_(prefill=small, by_head_dim={}, float32_by_head_dim={})
+    rng = _rng("ragged_unmasked", impl, window_left, scale, softcap, dtype)
+    lengths = [150, 97, 64, 1, 17]
+    case = cc.ragged_case(rng, ref, mine, lengths)
+    kw = dict(num_seqs=len(lengths), max_len=max(lengths), window_left=window_left,
+              **({"logit_softcap": softcap} if softcap else {}))
+    o, lse = mine.ragged_attention(case["q"], case["k"], case["v"], cc.ints(mine, case["qo"]),
+                                   scale, **kw)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qkv"), case["qo"],
+                                  scale, **kw)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+
+
+@pytest.mark.parametrize("window_left,scale,softcap,dtype", UNMASKED_CASES)
+def test_paged_prefill_unmasked_tiles(impl, window_left, scale, softcap, dtype):
+    """The paged prefill kernel runs the key tiles every row of a query tile sees in full with
+    no mask (EDGE False), the rest masked: with 16-key tiles over entries of 150 / 97 / 64 /
+    40 keys and random per-query windows, a tile's keys split into masked tiles under some
+    row's window floor, unmasked ones, and a partial last one (none at 64); plain and
+    sliding-window (sink + gap) entries, with and without key splits, a negative scale, a
+    logit cap: the reference's results."""
+    from kvcache_cuda.tuning import AttnTiles
+    small = {"prefill": AttnTiles(block_rows=16, block_n=16, num_warps=4, num_stages=1),
+             "by_head_dim": {}, "float32_by_head_dim": {}}
+    entries = [Entry(8, 150), Entry(5, 97), Entry(3, 64), Entry(4, 40, sink=4, gap=21)]
+    for splits in (1, 3):
+        _run_paged(impl, dtype, 8, 2, 64, 16, entries, use_decode=False,
+                   seed=("unmasked", window_left, splits, scale, softcap), window_left=window_left,
+                   scale=scale, softcap=softcap,
+                   tuning=dict(small, force_prefill_splits=splits) if impl == "triton" else None)
 
 
 @pytest.mark.parametrize("spec", ["inv_freq", "partial"])

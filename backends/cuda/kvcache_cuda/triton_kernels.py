@@ -171,30 +171,54 @@ def _tanh_approx(x):
 
 @triton.jit
 def _scores(qk, vis, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
-    """Scores in the log2 domain, -inf where not visible. Plain (SOFTCAP 0): ``qk * qk_scale``
-    (qk_scale = sm_scale * log2 e). SOFTCAP 1 (exact, float32 caches and the interpreter):
-    ``c * tanh(s / c)`` with ``tanh(x) = 2 / (1 + e^{-2x}) - 1``: qk_scale = -2 * sm_scale *
-    log2 e / c (so e^{-2x} = exp2(qk * qk_scale)) and softcap_log2 = c * log2 e; one exp2, one
-    fast divide and no extra live value per score (exp2 overflowing to inf gives -c,
-    underflowing to 0 gives +c; NaN stays NaN). SOFTCAP 2 (16-bit caches on a GPU): the
-    hardware's tanh.approx, qk_scale = sm_scale / c: one MUFU op per score instead of two (the
-    exp2 + divide form made prefill 1.25x slower than without a cap on the H100)."""
-    if SOFTCAP == 2:
+    """Scores in the log2 domain, -inf where not visible. Plain (SOFTCAP 0, and 3: the same
+    with a scale that is not positive): ``qk * qk_scale`` (qk_scale = sm_scale * log2 e).
+    SOFTCAP 1 (exact, float32 caches and the interpreter): ``c * tanh(s / c)`` with
+    ``tanh(x) = 2 / (1 + e^{-2x}) - 1``: qk_scale = -2 * sm_scale * log2 e / c (so e^{-2x} =
+    exp2(qk * qk_scale)) and softcap_log2 = c * log2 e; one exp2, one fast divide and no extra
+    live value per score (exp2 overflowing to inf gives -c, underflowing to 0 gives +c; NaN
+    stays NaN). SOFTCAP 2 (16-bit caches on a GPU; 4: the same
+    with a scale that is not positive): the hardware's tanh.approx, qk_scale = sm_scale / c:
+    one MUFU op per score instead of two (the exp2 + divide form made prefill 1.25x slower
+    than without a cap on the H100)."""
+    return tl.where(vis, _all_scores(qk, qk_scale, softcap_log2, SOFTCAP), float("-inf"))
+
+
+@triton.jit
+def _all_scores(qk, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """``_scores`` where every key is visible (no select per score)."""
+    if SOFTCAP == 2 or SOFTCAP == 4:
         s = softcap_log2 * _tanh_approx(qk * qk_scale)
     elif SOFTCAP == 1:
         s = tl.fdiv(2.0 * softcap_log2, 1.0 + tl.exp2(qk * qk_scale)) - softcap_log2
     else:
         s = qk * qk_scale
-    return tl.where(vis, s, float("-inf"))
+    return s
 
 
 @triton.jit
 def _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE: tl.constexpr,
-                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
-    qk = _scores(qk, vis, qk_scale, softcap_log2, SOFTCAP)
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # all-masked so far: avoid inf-inf
-    p = tl.exp2(qk - m_use[:, None])
+                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EDGE: tl.constexpr = True):
+    """One online-softmax step over a tile of keys. EDGE False: every row sees every key of
+    the tile (``vis`` unused): no select per score, and with SOFTCAP 0 or 2 (a positive scale:
+    the largest qk gives the largest score) the row maximum is taken on qk, once per row
+    through the cap, and each score is shifted in a multiply-add."""
+    if not EDGE and SOFTCAP == 0:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk * qk_scale - m_use[:, None])
+    elif not EDGE and SOFTCAP == 2:
+        m_new = tl.maximum(m_i, softcap_log2 * _tanh_approx(tl.max(qk, 1) * qk_scale))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(softcap_log2 * _tanh_approx(qk * qk_scale) - m_use[:, None])
+    else:
+        if EDGE:
+            qk = _scores(qk, vis, qk_scale, softcap_log2, SOFTCAP)
+        else:
+            qk = _all_scores(qk, qk_scale, softcap_log2, SOFTCAP)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # all-masked so far: no inf-inf
+        p = tl.exp2(qk - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
@@ -305,19 +329,32 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
                 softcap_log2, krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order,
                 kfloor, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr,
-                SOFTCAP: tl.constexpr, QUANT: tl.constexpr):
+                SOFTCAP: tl.constexpr, QUANT: tl.constexpr, EDGE: tl.constexpr = True):
     """One BLOCK_N step over keys j0.. of a paged entry (sliding-window mapping, tree, RoPE);
     keys from ``kv_len`` on (the entry's length, or a loop's bound) are neither read nor seen.
-    QUANT: the pages hold fp8 codes, widened here; the caller applies the scales."""
+    QUANT: the pages hold fp8 codes, widened here; the caller applies the scales.
+    EDGE False (the caller's promise): all BLOCK_N keys are below ``kv_len``, at or after the
+    entry's sinks, and every row sees each of them (no window floor, tree or bound inside the
+    tile), so nothing is masked per key: the loads only by the head dims, the scores not at
+    all; and the keys' page offsets are one run (no select per key)."""
     j = j0 + tl.arange(0, BLOCK_N)
     j_ok = j < kv_len
-    off = tl.where(j < sink, j, j - sink + gap)               # sinks, then window after a gap
-    pg = tl.load(pind_ptr + off // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
+    if EDGE:
+        off = tl.where(j < sink, j, j - sink + gap)           # sinks, then window after a gap
+        pg = tl.load(pind_ptr + off // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
+        kmask = j_ok[:, None] & dd_ok[None, :]
+        hmask = j_ok[:, None] & dh_ok[None, :]
+        vmask = j_ok[:, None] & dv_ok[None, :]
+    else:                                   # by the head dims only (all true at 64 / 128 / 256)
+        off = j + (gap - sink)
+        pg = tl.load(pind_ptr + off // PAGE_SIZE).to(tl.int64)
+        kmask = dd_ok[None, :]
+        hmask = dh_ok[None, :]
+        vmask = dv_ok[None, :]
     base = pg * sp_page + kvh * sp_head + (off % PAGE_SIZE).to(tl.int64) * sp_row
     if ROPE:       # halves, rotated here: q1 / q2 are the query's rotated halves
-        kmask = j_ok[:, None] & dh_ok[None, :]
-        k1 = tl.load(pages_ptr + base[:, None] + dh[None, :], mask=kmask, other=0.0)
-        k2 = tl.load(pages_ptr + base[:, None] + HALF + dh[None, :], mask=kmask, other=0.0)
+        k1 = tl.load(pages_ptr + base[:, None] + dh[None, :], mask=hmask, other=0.0)
+        k2 = tl.load(pages_ptr + base[:, None] + HALF + dh[None, :], mask=hmask, other=0.0)
         if QUANT:
             k1 = _widen(k1, q1.dtype)
             k2 = _widen(k2, q1.dtype)
@@ -325,12 +362,13 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
         r1, r2 = _rotate(k1, k2, kpos, inv_freq)
         qk = _dot(q1, tl.trans(r1.to(q1.dtype)), IEEE) + _dot(q2, tl.trans(r2.to(q1.dtype)), IEEE)
     else:          # one full-width dot: q1 is the whole query row (q2 unused)
-        k = tl.load(pages_ptr + base[:, None] + dd[None, :], mask=j_ok[:, None] & dd_ok[None, :],
-                    other=0.0)
+        k = tl.load(pages_ptr + base[:, None] + dd[None, :], mask=kmask, other=0.0)
         if QUANT:
             k = _widen(k, q1.dtype)
         qk = _dot(q1, tl.trans(k), IEEE)
-    vis = j_ok[None, :] & ((krope + j)[None, :] >= kfloor[:, None])     # per-query window
+    vis = j_ok[None, :]
+    if EDGE:
+        vis = vis & ((krope + j)[None, :] >= kfloor[:, None])     # per-query window
     if TREE:
         in_tree = j_ok & (j >= tree_start)
         node = tlo + j - tree_start
@@ -338,11 +376,11 @@ def _paged_step(q1, q2, m_i, l_i, acc, j0, kv_len, sink, gap, pind_ptr, pages_pt
         k_upper = tl.load(tmask_ptr + 2 * node + 1, mask=in_tree, other=0)
         anc = (k_order[None, :] <= q_order[:, None]) & (q_order[:, None] < k_upper[None, :])
         vis = vis & (anc | (~in_tree)[None, :])
-    v = tl.load(pages_ptr + sp_kv + base[:, None] + dv[None, :],
-                mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
+    v = tl.load(pages_ptr + sp_kv + base[:, None] + dv[None, :], mask=vmask, other=0.0)
     if QUANT:
         v = _widen(v, q1.dtype)
-    return _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE, TREE, SOFTCAP)
+    return _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE, TREE, SOFTCAP,
+                         EDGE)
 
 
 # ====================================================================== append / rope
@@ -518,16 +556,25 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
                  krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
                  window_left, qk_scale, softcap_log2, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
                  ROPE: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr,
-                 SOFTCAP: tl.constexpr):
+                 SOFTCAP: tl.constexpr, EDGE: tl.constexpr = True):
     """One BLOCK_N step over the new keys c0.. of a sequence (rows r: its query tokens). V holds
     no non-finite value here (``ragged_attention`` zeroes them and puts them back afterwards), so
     the plain dot is exact although masked keys sit in the tile. (With fp8 pages K and V come
-    as their codes, from ``_finite_v_kernel``; the caller applies the scales.)"""
+    as their codes, from ``_finite_v_kernel``; the caller applies the scales.) EDGE False (the
+    caller's promise): every row sees all BLOCK_N keys (below ``end``, causal and window
+    satisfied, no tree): nothing is masked per key or score."""
     c = c0 + tl.arange(0, BLOCK_N)
     c_ok = c < end
     kt = (lo + c).to(tl.int64)
-    if ROPE:
+    if EDGE:
         km = c_ok[:, None] & dh_ok[None, :]
+        kfm = c_ok[:, None] & dd_ok[None, :]
+        vm = c_ok[:, None] & dv_ok[None, :]
+    else:                                   # by the head dims only (all true at 64 / 128 / 256)
+        km = dh_ok[None, :]
+        kfm = dd_ok[None, :]
+        vm = dv_ok[None, :]
+    if ROPE:
         kb = k_ptr + kt[:, None] * sk_t + kvh * sk_h + dh[None, :]
         kpos = (krope + c).to(tl.float32) * rope_scale
         kr1, kr2 = _rotate(tl.load(kb, mask=km, other=0.0),
@@ -535,13 +582,14 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
         qk = (_dot(q1, tl.trans(kr1.to(q1.dtype)), IEEE)
               + _dot(q2, tl.trans(kr2.to(q1.dtype)), IEEE))
     else:
-        kf = tl.load(k_ptr + kt[:, None] * sk_t + kvh * sk_h + dd[None, :],
-                     mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
+        kf = tl.load(k_ptr + kt[:, None] * sk_t + kvh * sk_h + dd[None, :], mask=kfm, other=0.0)
         qk = _dot(q1, tl.trans(kf), IEEE)
-    vis = _ragged_visible(c, c_ok, r, window_left, tlo, q_order, tmask_ptr, TREE)
-    v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dv[None, :],
-                mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-    return _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE, False, SOFTCAP)
+    vis = c_ok[None, :]
+    if EDGE:
+        vis = _ragged_visible(c, c_ok, r, window_left, tlo, q_order, tmask_ptr, TREE)
+    v = tl.load(v_ptr + kt[:, None] * sv_t + kvh * sv_h + dv[None, :], mask=vm, other=0.0)
+    return _softmax_step(qk, vis, m_i, l_i, acc, v, qk_scale, softcap_log2, IEEE, False, SOFTCAP,
+                         EDGE)
 
 
 @triton.jit
@@ -586,7 +634,27 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         start = 0
         if window_left >= 0:        # tiles wholly before the first row's window hold no visible key
             start = (tl.maximum(m0 - window_left, 0) // BLOCK_N) * BLOCK_N
-        for c0 in range(start, end, BLOCK_N):
+        # whole tiles every row sees (at or before the first row: causal; at or after the
+        # last row's window floor; none with a tree) run with no mask per key or score; the
+        # rest (before the floor, the diagonal's tiles) masked, in one loop
+        lean_lo = start
+        lean_hi = start
+        if not TREE:
+            lean_hi = tl.maximum(start, start + (tl.minimum(m0 + 1, end) - start) // BLOCK_N
+                                 * BLOCK_N)
+            if window_left >= 0:
+                top = end - 1 - window_left                    # the last row's lowest key
+                lean_lo = tl.minimum(
+                    start + tl.cdiv(tl.maximum(top - start, 0), BLOCK_N) * BLOCK_N, lean_hi)
+        for c0 in range(lean_lo, lean_hi, BLOCK_N):
+            m_i, l_i, acc = _ragged_tile(
+                q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+                krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
+                window_left, qk_scale * ks, softcap_log2, HALF, BLOCK_N, ROPE, TREE, IEEE,
+                SOFTCAP, False)
+        n_head = (lean_lo - start) // BLOCK_N
+        for i in range(0, n_head + tl.cdiv(end - lean_hi, BLOCK_N)):
+            c0 = tl.where(i < n_head, start + i * BLOCK_N, lean_hi + (i - n_head) * BLOCK_N)
             m_i, l_i, acc = _ragged_tile(
                 q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
@@ -762,10 +830,27 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
             s_lo = tl.program_id(2) * span
             s_hi = tl.minimum(hi, s_lo + span)
         u_hi = tl.minimum(full, s_hi)
-        # the unmasked loop's last tile stops at ``full`` (keys past it load as 0 and are not
-        # seen), the masked one starts there: a decode row's chain ends in its only query, so
-        # it never takes the masked loop
-        for j0 in range(s_lo, u_hi, BLOCK_N):
+        # keys s_lo .. u_hi need no tree mask. Of them, whole tiles every row of this tile
+        # sees (below u_hi, at or above every row's window floor, none of the sinks) run with
+        # no mask per key or score (EDGE False); the tiles before (under some row's floor,
+        # holding sinks) and the last, partial one (keys past u_hi load as 0 and are not
+        # seen) run masked, in one loop. The masked tree loop starts at ``full``: a decode
+        # row's chain ends in its only query, so it never takes that loop.
+        lean_hi = tl.maximum(s_lo, s_lo + (u_hi - s_lo) // BLOCK_N * BLOCK_N)
+        top = sink               # the lowest key every row sees in full
+        if window_left >= 0:     # at or above the highest floor
+            top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
+        lean_lo = tl.minimum(s_lo + tl.cdiv(tl.maximum(top - s_lo, 0), BLOCK_N) * BLOCK_N,
+                             lean_hi)
+        for j0 in range(lean_lo, lean_hi, BLOCK_N):
+            m_i, l_i, acc = _paged_step(
+                q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
+                softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
+                HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
+        n_head = (lean_lo - s_lo) // BLOCK_N
+        for i in range(0, n_head + tl.cdiv(u_hi - lean_hi, BLOCK_N)):
+            j0 = tl.where(i < n_head, s_lo + i * BLOCK_N, lean_hi + (i - n_head) * BLOCK_N)
             m_i, l_i, acc = _paged_step(
                 q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
@@ -1027,19 +1112,23 @@ def _dims(head_dim: int):
 
 def _score_scales(sm_scale: float, softcap: float, mode: int):
     """(qk_scale, softcap_log2) of ``_scores`` for its SOFTCAP ``mode`` (``_softcap_mode``)."""
-    if mode == 2:
+    if mode == 2 or mode == 4:
         return sm_scale / softcap, softcap * LOG2E
     if mode == 1:
         return -2.0 * sm_scale * LOG2E / softcap, softcap * LOG2E
     return sm_scale * LOG2E, 0.0
 
 
-def _softcap_mode(rec, softcap: float) -> int:
+def _softcap_mode(rec, softcap: float, sm_scale: float) -> int:
     """``_scores``' SOFTCAP for a record's kernel: 0 without a cap; 2 (tanh.approx) for 16-bit
-    caches on a GPU; 1 (exact) for float32 caches and under the interpreter (no inline asm)."""
+    caches on a GPU; 1 (exact) for float32 caches and under the interpreter (no inline asm).
+    0 and 2 become 3 and 4 for a scale that is not positive: the largest qk then does not give
+    the largest score, which ``_softmax_step`` assumes for 0 and 2."""
     if not softcap > 0:
-        return 0
-    return 1 if rec.run.kw["IEEE"] or os.environ.get("TRITON_INTERPRET") == "1" else 2
+        return 0 if sm_scale > 0 else 3
+    if rec.run.kw["IEEE"] or os.environ.get("TRITON_INTERPRET") == "1":
+        return 1
+    return 2 if sm_scale > 0 else 4
 
 
 @functools.lru_cache(maxsize=32)
@@ -1379,11 +1468,11 @@ class _Record:
     k_in: Any
 
 
-def _variant(rec, softcap, sinks):
+def _variant(rec, softcap, sinks, sm_scale):
     """The record's attention kernel for a call with softcap and / or sinks: the same constexprs
     as ``rec.run`` plus SOFTCAP / SINKS, built on first use (one record serves a forward's calls
     with and without them: the core passes sinks to one call of each layer)."""
-    flags = (_softcap_mode(rec, softcap), sinks is not None)
+    flags = (_softcap_mode(rec, softcap, sm_scale), sinks is not None)
     if flags == (0, False):
         return rec.run
     run = rec.variants.get(flags)
@@ -1514,11 +1603,12 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
                      ski[1], k.shape[1], scales)
             sk = ski
     svi = v_in.stride()
-    _variant(rec, softcap, sinks)(
+    mode = _softcap_mode(rec, softcap, sm_scale)
+    _variant(rec, softcap, sinks, sm_scale)(
         rec.grid, spec, q, k_in, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
         qo_indptr if sinks is None else sinks, sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0],
-        so[1], lse.stride(0), *_score_scales(sm_scale, softcap, _softcap_mode(rec, softcap)),
-        *rec.rope, window_left, scales)
+        so[1], lse.stride(0), *_score_scales(sm_scale, softcap, mode), *rec.rope, window_left,
+        scales)
     if finite:
         rec.nrun(rec.grid, spec, v, bad, any_bad, o, qo_indptr, tind, tmask, sv[0], sv[1], so[0],
                  so[1], ctx.num_kv_heads, window_left, scales)
@@ -1615,8 +1705,8 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     scale_arg = _scale_arg(ctx, kv_scale, qpos)
     spec = (sq, sp, q.dtype, int(window_left), q.data_ptr() & 15, pages.data_ptr() & 15,
             qpos.data_ptr() & 15, scale_arg.data_ptr() & 15, *_sinks_spec(sinks))
-    run = _variant(rec, softcap, sinks)
-    scales = _score_scales(sm_scale, softcap, _softcap_mode(rec, softcap))
+    run = _variant(rec, softcap, sinks, sm_scale)
+    scales = _score_scales(sm_scale, softcap, _softcap_mode(rec, softcap, sm_scale))
     sinks_arg = depth.qo_indptr if sinks is None else sinks
     if depth.use_decode:
         o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
@@ -1648,7 +1738,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
                          device=q.device)
         pl = torch.full((t_total, rec.splits, rec.lse_shape[1]), float("-inf"),
                         dtype=torch.float32, device=q.device)
-        run = _variant(rec, softcap, None)
+        run = _variant(rec, softcap, None, sm_scale)
         no_sinks = spec[:len(spec) - len(_sinks_spec(sinks))]
         run(rec.grid, no_sinks, q, pages, po, pl, *rec.pre, qpos, tind, tmask, depth.qo_indptr,
             n, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
