@@ -12,6 +12,8 @@ Switches (a variant's name lists those on):
   ws                     ``tl.range(..., warp_specialize=True)``
 
   python3 tools/prefill_lab.py [--quick]      (one GPU; prints us, TFLOP/s, x SDPA)
+  python3 tools/prefill_lab.py --shipped-tiles [--default-tiles]
+                                  (the shipped paged and ragged kernels over candidate tiles)
 """
 import argparse
 import sys

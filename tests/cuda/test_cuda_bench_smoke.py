@@ -61,9 +61,16 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     fp8 = {"decode-fp8", "prefill-paged-fp8", "prefill-ragged-fp8"}
     assert kinds == {"decode", "prefill-paged", "prefill-ragged", "append-fused",
                      "append-unfused"} | features | fp8
-    # decode x2, paged prefill, fused append, 6 softcap / sinks ratios, 3 fp8 ratios, graph
-    # replay, eager host time at B=1 (64 not run)
-    assert len(data["verdicts"]) == 2 + 1 + 1 + 6 + 3 + 1 + 1
+    # decode x2, paged and ragged prefill, fused append, 6 softcap / sinks ratios, 3 fp8
+    # ratios, graph replay, eager host time at B=1 (64 not run)
+    assert len(data["verdicts"]) == 2 + 2 + 1 + 6 + 3 + 1 + 1
+    assert any(v.startswith(("PASS decode B=16,L=20", "MISS decode B=16,L=20"))
+               and v.endswith("of floor (target >= 0.95)") for v in data["verdicts"])
+    assert any(v.startswith(("PASS paged prefill B=2,L=24", "MISS paged prefill B=2,L=24"))
+               and v.endswith("of contiguous SDPA (target >= 0.85)") for v in data["verdicts"])
+    assert any(v.startswith(("PASS ragged prefill B=2,L=24", "MISS ragged prefill B=2,L=24"))
+               and v.endswith("of contiguous causal SDPA (target >= 0.9)")
+               for v in data["verdicts"])
     assert any(v.startswith(("PASS decode-fp8 B=16,L=40", "MISS decode-fp8 B=16,L=40"))
                and v.endswith("of the fp8 floor (target >= 0.9)") for v in data["verdicts"])
     assert all(c["fp8_ratio"] > 0 for c in data["cases"] if c["kind"] in fp8)

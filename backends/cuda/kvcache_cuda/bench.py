@@ -35,6 +35,10 @@ FP8_DECODE = [(1, 32768), (16, 4096), (64, 4096)]
 FP8_PREFILL = [(1, 8192), (8, 2048)]
 FP8_DECODE_TARGET = 0.6          # fp8 decode time <= 0.6 of the 16-bit one
 FP8_PREFILL_TARGET = 1.10        # fp8 prefill within 10% of the 16-bit one
+# issue 33's kernel targets: prefill against contiguous flash SDPA (causal for ragged), decode
+# against the copy floor of its KV bytes (B=16: 0.95; larger batches: 0.90; B=1 L=32768: 0.80)
+PREFILL_PAGED_TARGET = 0.85
+PREFILL_RAGGED_TARGET = 0.90
 FLUSH_BYTES = 256 << 20          # > L2 of any current GPU (H100: 50 MB)
 COPY_BYTES = 1 << 30
 
@@ -198,7 +202,9 @@ def run_benchmarks(argv=None, backend_cls=None):
             kc = torch.randn((batch, HKV, kv_len, D), device=device, dtype=backend.dtype)
             vc = torch.randn_like(kc)
             sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc))
-            if batch >= 16:
+            if batch == 16:
+                target = ">=0.95 floor"
+            elif batch > 16:
                 target = ">=0.90 floor"
             elif kv_len >= 32768:
                 target = ">=0.80 floor"
@@ -218,7 +224,8 @@ def run_benchmarks(argv=None, backend_cls=None):
             vc = torch.randn_like(kc)
             sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc))
             flops = 4 * batch * n * n * HQ * D
-            add("prefill-paged", f"B={batch},L={n}", us, eager, 0, sdpa_us, ">=0.6 sdpa",
+            add("prefill-paged", f"B={batch},L={n}", us, eager, 0, sdpa_us,
+                f">={PREFILL_PAGED_TARGET:g} sdpa",
                 f"{flops / us / 1e6:.0f} TFLOP/s")
             # ragged causal self-attention over new tokens vs causal SDPA
             k = torch.randn((batch * n, HKV, D), device=device).to(backend.dtype)
@@ -227,7 +234,8 @@ def run_benchmarks(argv=None, backend_cls=None):
             us, eager = timer.measure(lambda: backend.ragged_attention(
                 q, k, v, qo, scale, num_seqs=batch, max_len=n))
             sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc, causal=True))
-            add("prefill-ragged", f"B={batch},L={n}", us, eager, 0, sdpa_us, "",
+            add("prefill-ragged", f"B={batch},L={n}", us, eager, 0, sdpa_us,
+                f">={PREFILL_RAGGED_TARGET:g} sdpa",
                 f"{flops / 2 / us / 1e6:.0f} TFLOP/s (causal)")
             del pages, kc, vc, k, v
             torch.cuda.empty_cache()
@@ -571,14 +579,17 @@ def _verdicts(rows):
                 ok = us <= 15.0
                 out.append(f"{'PASS' if ok else 'MISS'} decode {r['shape']}: {us:.1f} us (target <= 15)")
             else:
-                want = 0.9 if r["target"].startswith(">=0.90") else 0.8
+                want = float(r["target"][2:6])
                 fr = r["floor_us"] / us
                 out.append(f"{'PASS' if fr >= want else 'MISS'} decode {r['shape']}: "
                            f"{fr:.2f} of floor (target >= {want})")
-        elif r["kind"] == "prefill-paged" and r["sdpa_us"]:
+        elif r["kind"] in ("prefill-paged", "prefill-ragged") and r["sdpa_us"]:
             fr = r["sdpa_us"] / us
-            out.append(f"{'PASS' if fr >= 0.6 else 'MISS'} paged prefill {r['shape']}: "
-                       f"{fr:.2f} of contiguous SDPA (target >= 0.6)")
+            paged = r["kind"] == "prefill-paged"
+            want = PREFILL_PAGED_TARGET if paged else PREFILL_RAGGED_TARGET
+            out.append(f"{'PASS' if fr >= want else 'MISS'} {'paged' if paged else 'ragged'} "
+                       f"prefill {r['shape']}: {fr:.2f} of contiguous "
+                       f"{'' if paged else 'causal '}SDPA (target >= {want:g})")
         elif "fp8_ratio" in r:
             want = FP8_DECODE_TARGET if r["kind"] == "decode-fp8" else FP8_PREFILL_TARGET
             line = (f"{'PASS' if r['fp8_ratio'] <= want else 'MISS'} {r['kind']} {r['shape']}: "
