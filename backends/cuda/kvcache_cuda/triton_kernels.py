@@ -177,10 +177,10 @@ def _scores(qk, vis, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
     ``tanh(x) = 2 / (1 + e^{-2x}) - 1``: qk_scale = -2 * sm_scale * log2 e / c (so e^{-2x} =
     exp2(qk * qk_scale)) and softcap_log2 = c * log2 e; one exp2, one fast divide and no extra
     live value per score (exp2 overflowing to inf gives -c, underflowing to 0 gives +c; NaN
-    stays NaN). SOFTCAP 2 (16-bit caches on a GPU; 4: the same
-    with a scale that is not positive): the hardware's tanh.approx, qk_scale = sm_scale / c:
-    one MUFU op per score instead of two (the exp2 + divide form made prefill 1.25x slower
-    than without a cap on the H100)."""
+    stays NaN). SOFTCAP 2 (16-bit caches on a GPU; 4: the same with a scale that is not
+    positive): the hardware's tanh.approx, qk_scale = sm_scale / c: one MUFU op per score
+    instead of two (the exp2 + divide form made prefill 1.25x slower than without a cap on
+    the H100)."""
     return tl.where(vis, _all_scores(qk, qk_scale, softcap_log2, SOFTCAP), float("-inf"))
 
 
@@ -321,6 +321,33 @@ def _window_floor(qpos_ptr, tok, row_ok, window_left, BLOCK_R: tl.constexpr):
     if window_left >= 0:
         floor = tl.load(qpos_ptr + tok, mask=row_ok, other=0).to(tl.int32) - window_left
     return floor
+
+
+@triton.jit
+def _lean_tiles(lo, seen_hi, top, BLOCK_N: tl.constexpr):
+    """The whole BLOCK_N key tiles from ``lo`` that every row of a query tile sees in full, as
+    ``(lean_lo, lean_hi)``: from the first tile at or above ``top`` (the lowest key every row
+    sees) to the last one ending at or below ``seen_hi`` (every row sees the keys below it);
+    an empty run at ``lo`` where there is none. The prefill kernels run them with EDGE False
+    and the rest (``_edge_tiles``) masked."""
+    lean_hi = tl.maximum(lo, lo + (seen_hi - lo) // BLOCK_N * BLOCK_N)
+    lean_lo = tl.minimum(lo + tl.cdiv(tl.maximum(top - lo, 0), BLOCK_N) * BLOCK_N, lean_hi)
+    return lean_lo, lean_hi
+
+
+@triton.jit
+def _edge_tiles(lo, hi, lean_lo, lean_hi, BLOCK_N: tl.constexpr):
+    """The masked tiles around ``_lean_tiles``' run over keys lo .. hi: ``(count, heads)``;
+    masked tile ``i`` starts at ``_edge_tile(i, heads, lo, lean_hi, BLOCK_N)``: the tiles
+    before the run (``heads`` of them), then those from its end (at most a partial one, or
+    the diagonal's), in one loop."""
+    heads = (lean_lo - lo) // BLOCK_N
+    return heads + tl.cdiv(hi - lean_hi, BLOCK_N), heads
+
+
+@triton.jit
+def _edge_tile(i, heads, lo, lean_hi, BLOCK_N: tl.constexpr):
+    return tl.where(i < heads, lo + i * BLOCK_N, lean_hi + (i - heads) * BLOCK_N)
 
 
 @triton.jit
@@ -637,24 +664,22 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
         # whole tiles every row sees (at or before the first row: causal; at or after the
         # last row's window floor; none with a tree) run with no mask per key or score; the
         # rest (before the floor, the diagonal's tiles) masked, in one loop
-        lean_lo = start
-        lean_hi = start
+        seen = start
         if not TREE:
-            lean_hi = tl.maximum(start, start + (tl.minimum(m0 + 1, end) - start) // BLOCK_N
-                                 * BLOCK_N)
-            if window_left >= 0:
-                top = end - 1 - window_left                    # the last row's lowest key
-                lean_lo = tl.minimum(
-                    start + tl.cdiv(tl.maximum(top - start, 0), BLOCK_N) * BLOCK_N, lean_hi)
+            seen = tl.minimum(m0 + 1, end)
+        top = start
+        if window_left >= 0:
+            top = end - 1 - window_left                        # the last row's lowest key
+        lean_lo, lean_hi = _lean_tiles(start, seen, top, BLOCK_N)
         for c0 in range(lean_lo, lean_hi, BLOCK_N):
             m_i, l_i, acc = _ragged_tile(
                 q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
                 window_left, qk_scale * ks, softcap_log2, HALF, BLOCK_N, ROPE, TREE, IEEE,
                 SOFTCAP, False)
-        n_head = (lean_lo - start) // BLOCK_N
-        for i in range(0, n_head + tl.cdiv(end - lean_hi, BLOCK_N)):
-            c0 = tl.where(i < n_head, start + i * BLOCK_N, lean_hi + (i - n_head) * BLOCK_N)
+        edges, heads = _edge_tiles(start, end, lean_lo, lean_hi, BLOCK_N)
+        for i in range(0, edges):
+            c0 = _edge_tile(i, heads, start, lean_hi, BLOCK_N)
             m_i, l_i, acc = _ragged_tile(
                 q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                 krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
@@ -836,21 +861,19 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         # holding sinks) and the last, partial one (keys past u_hi load as 0 and are not
         # seen) run masked, in one loop. The masked tree loop starts at ``full``: a decode
         # row's chain ends in its only query, so it never takes that loop.
-        lean_hi = tl.maximum(s_lo, s_lo + (u_hi - s_lo) // BLOCK_N * BLOCK_N)
         top = sink               # the lowest key every row sees in full
         if window_left >= 0:     # at or above the highest floor
             top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
-        lean_lo = tl.minimum(s_lo + tl.cdiv(tl.maximum(top - s_lo, 0), BLOCK_N) * BLOCK_N,
-                             lean_hi)
+        lean_lo, lean_hi = _lean_tiles(s_lo, u_hi, top, BLOCK_N)
         for j0 in range(lean_lo, lean_hi, BLOCK_N):
             m_i, l_i, acc = _paged_step(
                 q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
                 softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
                 HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
-        n_head = (lean_lo - s_lo) // BLOCK_N
-        for i in range(0, n_head + tl.cdiv(u_hi - lean_hi, BLOCK_N)):
-            j0 = tl.where(i < n_head, s_lo + i * BLOCK_N, lean_hi + (i - n_head) * BLOCK_N)
+        edges, heads = _edge_tiles(s_lo, u_hi, lean_lo, lean_hi, BLOCK_N)
+        for i in range(0, edges):
+            j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
             m_i, l_i, acc = _paged_step(
                 q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
                 sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
@@ -1468,11 +1491,11 @@ class _Record:
     k_in: Any
 
 
-def _variant(rec, softcap, sinks, sm_scale):
+def _variant(rec, mode, sinks):
     """The record's attention kernel for a call with softcap and / or sinks: the same constexprs
     as ``rec.run`` plus SOFTCAP / SINKS, built on first use (one record serves a forward's calls
     with and without them: the core passes sinks to one call of each layer)."""
-    flags = (_softcap_mode(rec, softcap, sm_scale), sinks is not None)
+    flags = (mode, sinks is not None)
     if flags == (0, False):
         return rec.run
     run = rec.variants.get(flags)
@@ -1604,7 +1627,7 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
             sk = ski
     svi = v_in.stride()
     mode = _softcap_mode(rec, softcap, sm_scale)
-    _variant(rec, softcap, sinks, sm_scale)(
+    _variant(rec, mode, sinks)(
         rec.grid, spec, q, k_in, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
         qo_indptr if sinks is None else sinks, sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0],
         so[1], lse.stride(0), *_score_scales(sm_scale, softcap, mode), *rec.rope, window_left,
@@ -1705,8 +1728,9 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     scale_arg = _scale_arg(ctx, kv_scale, qpos)
     spec = (sq, sp, q.dtype, int(window_left), q.data_ptr() & 15, pages.data_ptr() & 15,
             qpos.data_ptr() & 15, scale_arg.data_ptr() & 15, *_sinks_spec(sinks))
-    run = _variant(rec, softcap, sinks, sm_scale)
-    scales = _score_scales(sm_scale, softcap, _softcap_mode(rec, softcap, sm_scale))
+    mode = _softcap_mode(rec, softcap, sm_scale)
+    run = _variant(rec, mode, sinks)
+    scales = _score_scales(sm_scale, softcap, mode)
     sinks_arg = depth.qo_indptr if sinks is None else sinks
     if depth.use_decode:
         o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
@@ -1738,7 +1762,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
                          device=q.device)
         pl = torch.full((t_total, rec.splits, rec.lse_shape[1]), float("-inf"),
                         dtype=torch.float32, device=q.device)
-        run = _variant(rec, softcap, None, sm_scale)
+        run = _variant(rec, mode, None)
         no_sinks = spec[:len(spec) - len(_sinks_spec(sinks))]
         run(rec.grid, no_sinks, q, pages, po, pl, *rec.pre, qpos, tind, tmask, depth.qo_indptr,
             n, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
