@@ -221,6 +221,10 @@ class DepthAux:
     """Entries group the queries of several sequences over blocks they share (a coalesced
     depth): few entries, each with many queries over the same keys, so a kernel may split an
     entry's keys over programs and merge them (host bool; a hint, results are the same)."""
+    covers_rows: bool = False
+    """The entries' queries are every row of ``q`` (``qo_indptr[0] == 0`` and
+    ``qo_indptr[n] == T``; host bool): a kernel that writes each entry's rows leaves no row
+    to fill with o = 0 / lse = -inf. False: unknown (a static-shape plan's padding rows), fill."""
 
 
 class Backend(abc.ABC):

@@ -12,7 +12,7 @@ Switches (a variant's name lists those on):
   ws                     ``tl.range(..., warp_specialize=True)``
 
   python3 tools/prefill_lab.py [--quick]      (one GPU; prints us, TFLOP/s, x SDPA)
-  python3 tools/prefill_lab.py --shipped-tiles [--default-tiles]
+  python3 tools/prefill_lab.py --shipped-tiles [--default-tiles | --tiles 128,64,8,3 ...]
                                   (the shipped paged and ragged kernels over candidate tiles)
 """
 import argparse
@@ -96,6 +96,9 @@ def main():
                     help="only the shipped paged and ragged kernels over candidate tile tables")
     ap.add_argument("--default-tiles", action="store_true",
                     help="with --shipped-tiles: the shipped table only")
+    ap.add_argument("--tiles", nargs="*", default=None, metavar="R,N,W,S",
+                    help="with --shipped-tiles: these prefill tiles (rows, keys, warps, stages) "
+                         "after the shipped table, instead of the built-in list")
     args = ap.parse_args()
     from triton.tools.tensor_descriptor import TensorDescriptor
     HQ, HKV, D, PS = bench.HQ, bench.HKV, bench.D, bench.PS
@@ -139,7 +142,9 @@ def main():
               f"{sd / ship:.3f}x sdpa  err {err:.3g}")
         if args.shipped_tiles:
             _shipped_tiles(be, timer, q, pages, depth, kc, vc, qs, ks, vs, ref, batch, n, flops, sd,
-                           [None] if args.default_tiles else SHIPPED_TILES)
+                           [None] if args.default_tiles else
+                           [None] + [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+                           if args.tiles is not None else SHIPPED_TILES)
             continue
         o = torch.empty_like(q)
         k2, v2 = kc.view(batch * n, HKV * D), vc.view(batch * n, HKV * D)
@@ -198,9 +203,11 @@ def _shipped_tiles(be, timer, q, pages, depth, kc, vc, qs, ks, vs, ref, batch, n
             be.tuning = base
         else:
             table = dict(base.by_head_dim)
-            table[bench.D] = dict(table.get(bench.D, {}), prefill=AttnTiles(*tiles))
+            table[bench.D] = dict(table.get(bench.D, {}), prefill=AttnTiles(*tiles),
+                                  ragged=AttnTiles(*tiles))
             be.tuning = base.with_(by_head_dim=table)
-        name = str(be.tuning.tiles("prefill", bench.D))
+        name = str(be.tuning.tiles("prefill", bench.D)) + (
+            "" if tiles is not None else f" (ragged {be.tuning.tiles('ragged', bench.D)})")
         try:
             got = be.paged_attention(q, pages, depth, scale)[0]
             ep = (got.float() - ref.float()).abs().max().item()

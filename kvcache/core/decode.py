@@ -93,7 +93,7 @@ def first_step(pt, page_size, seq_ids, slots, last) -> tuple[ForwardPlan, list]:
                       last_page_len=in_page + 1, kv_len=kv_len, sink_size=zeros,
                       window_offset=zeros, k_rope_offset=zeros, num_entries=batch,
                       use_decode=True, max_kv_len=int(kv_len.max()), max_qo_len=1,
-                      num_pages=num_pages)
+                      num_pages=num_pages, covers_rows=True)
     tokens = TokenArrays(qo_indptr=qo, q_positions=blen,
                          append_slots=page_indices[page_indptr[1:] - 1] * page_size + in_page,
                          k_rope_offset=blen)

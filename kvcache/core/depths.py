@@ -212,7 +212,7 @@ def _single_depth(pt, ps, entry_qo, blocks, use_decode, max_qo_len) -> HostDepth
         sink_size=zeros, window_offset=zeros, k_rope_offset=pt.b_start[blocks],
         num_entries=n, use_decode=bool(use_decode), tree=None,
         max_kv_len=int(np.maximum.reduce(kv_len)) if n else 0, max_qo_len=max_qo_len,
-        num_pages=num_pages)
+        num_pages=num_pages, covers_rows=True)
 
 
 def _depth(pt, ps, entry_qo, pair_entry, pair_block, use_decode, entry_seq, last, tree_sizes,
@@ -264,5 +264,6 @@ def _depth(pt, ps, entry_qo, pair_entry, pair_block, use_decode, entry_seq, last
         k_rope_offset=i32(np.where(has, pt.b_start[np.maximum(fb, 0)], 0)),
         num_entries=n, use_decode=bool(use_decode), tree=tree,
         max_kv_len=int(kv_len.max()) if n else 0,
-        max_qo_len=int(np.diff(entry_qo).max()) if n else 0, num_pages=int(page_indptr[-1]))
+        max_qo_len=int(np.diff(entry_qo).max()) if n else 0, num_pages=int(page_indptr[-1]),
+        covers_rows=True)
     return depth, np.flatnonzero(holds_last)

@@ -75,6 +75,31 @@ def test_shared_prefix_is_coalesced_into_one_entry():
     np.testing.assert_array_equal(plan.depths[1].qo_indptr, [0, 3, 5, 10])
     np.testing.assert_array_equal(plan.depths[1].kv_len, [0, 0, 0])
     np.testing.assert_array_equal(plan.tokens.q_positions, [16, 17, 18, 16, 17, 16, 17, 18, 19, 20])
+    # both depths' entries hold every row (an entry of no keys still holds its rows)
+    assert [d.covers_rows for d in plan.depths] == [True, True]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_depths_say_truly_whether_their_entries_cover_every_row(seed):
+    """``covers_rows`` lets a kernel skip filling rows no entry holds: it may be True only
+    where the entries' rows are exactly 0..T-1 (prefill and decode, forks, empty blocks)."""
+    rng = np.random.default_rng(seed)
+    cache = make_cache(page_size=4, tokens=2000)
+    cache.add_sequence(0)
+    grow(cache, 0, int(rng.integers(1, 30)))
+    for sid in range(1, 6):
+        if rng.random() < 0.5:
+            cache.fork_sequence(int(rng.integers(0, sid)), sid)
+        else:
+            cache.add_sequence(sid)
+        grow(cache, sid, int(rng.integers(1, 20)))
+    for _ in range(4):
+        ids = sorted(rng.choice(6, int(rng.integers(1, 7)), replace=False).tolist())
+        lens = [1] * len(ids) if rng.random() < 0.5 else rng.integers(1, 9, len(ids)).tolist()
+        plan = cache.planner.begin(ids, lens)
+        for d in plan.depths:
+            assert d.covers_rows
+            assert d.qo_indptr[0] == 0 and d.qo_indptr[d.num_entries] == plan.total_tokens
 
 
 def test_decode_over_shared_prefix_uses_uncoalesced_decode_entries():

@@ -138,7 +138,8 @@ def paged_case(rng, ref, mine, entries, *, use_decode=False, row_offset=0, tail_
         tree = TreeMask(conv(tree_np[0]), conv(tree_np[1])) if tree_np is not None else None
         return DepthAux(**{k: conv(v) for k, v in arrays.items()}, num_entries=len(entries),
                         use_decode=use_decode, tree=tree,
-                        max_kv_len=int(max([e.kv_len for e in entries], default=0)))
+                        max_kv_len=int(max([e.kv_len for e in entries], default=0)),
+                        covers_rows=row_offset == 0 and tail_rows == 0)
 
     return PagedCase(q, pages, depth_for(lambda a: ints(mine, a)), ints(mine, qpos),
                      to_ref(ref, mine, q), to_ref(ref, mine, pages), depth_for(np.asarray), qpos)

@@ -171,6 +171,26 @@ def test_paged_prefill(impl, dtype, ps, hq, hkv, kind):
     assert np.isneginf(lse[0].cpu().numpy()).all()          # row 0 belongs to no entry
 
 
+@pytest.mark.parametrize("kind", sorted(PAGED))
+def test_paged_prefill_covering_entries(impl, kind, monkeypatch):
+    """Entries that cover every row (``DepthAux.covers_rows``, what the planner's depths
+    declare): the launcher skips the o = 0 / lse = -inf fill, so the kernel must write every
+    row itself, the rows of an entry without keys too. Fresh float tensors are NaN here: a row
+    left unwritten fails."""
+    import torch
+    real = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    lse = _run_paged(impl, ATTN_DTYPES[0], 8, 2, 64, 16, PAGED[kind], use_decode=False,
+                     seed=("covering", kind), row_offset=0, tail_rows=0)
+    if kind == "plain":             # Entry(0, 17) has no rows; Entry(1, 0) is row 3: no keys
+        assert np.isneginf(lse[3].cpu().numpy()).all()
+
+
 # a shared prefix's depth: many rows of one entry over long keys (300: splits of whole key
 # tiles, the last one short), an entry without rows, one without keys, a tree entry
 SHARED = [Entry(40, 300), Entry(0, 17), Entry(5, 0), Entry(3, 130, tree=6)]

@@ -169,7 +169,10 @@ def test_plan_shapes_and_buffer_fixed_per_bucket():
         assert shapes == (9, 16, 16, 8, 9, 8, 9, 32, 8, False, cache.config.num_pages * 16)
         n = sum(lens)
         assert (t.append_slots[n:] == -1).all() and (d.kv_len[len(ids):] == 0).all()
+        # rows n..15 pad the bucket: no entry covers them, so the kernel's fill must run
+        assert not d.covers_rows
         aux = cache.forward_aux()
+        assert not aux.depths[0].covers_rows
         ptrs = tuple(a.data_ptr() for a in (aux.tokens.q_positions, aux.depths[0].page_indices,
                                              aux.depths[0].tree.mask))
         seen.setdefault("ptrs", ptrs)

@@ -33,6 +33,34 @@ def test_an_entry_overrides_tiles_per_head_dim_and_the_split_rule():
     assert for_arch(CUDA_TUNING, None, {"sm_90": entry}) is CUDA_TUNING
 
 
+def test_the_ragged_kernel_takes_its_own_tiles_where_an_entry_gives_them():
+    """A "ragged" entry is the ragged kernel's tiles for a 16-bit cache; without one, and for
+    float32 and fp8 caches (their prefill tiles are sized for their bytes), it runs the
+    prefill tiles."""
+    assert CUDA_TUNING.tiles("ragged", 128) == CUDA_TUNING.tiles("prefill", 128)
+    assert CUDA_TUNING.tiles("ragged", 64) == CUDA_TUNING.tiles("prefill", 64)
+    entry = {"by_head_dim": {"128": {"ragged": [128, 64, 8, 3], "prefill": [64, 64, 4, 2]}}}
+    t = for_arch(CUDA_TUNING, "sm_90", {"sm_90": entry})
+    assert t.tiles("ragged", 128) == t.tiles("ragged", 96) == AttnTiles(128, 64, 8, 3)
+    assert t.tiles("prefill", 128) == AttnTiles(64, 64, 4, 2)
+    assert t.tiles("ragged", 64) == CUDA_TUNING.tiles("prefill", 64)
+    assert t.tiles("ragged", 128, float32=True) == CUDA_TUNING.tiles("prefill", 128, float32=True)
+    assert t.tiles("ragged", 128, fp8=True) == AttnTiles(64, 64, 4, 2)
+
+
+def test_the_cuda_launcher_runs_the_ragged_tiles():
+    pytest.importorskip("triton")
+    import cuda_cases as cc
+    from kvcache_cuda import triton_kernels
+    cfg = cc.config(hq=8, hkv=2, d=128, ps=16, dtype="float16")
+    _, mine = cc.pair(cfg, "torch")
+    mine.tuning = for_arch(CUDA_TUNING, "sm_90", {"sm_90": {"by_head_dim": {"128": {
+        "ragged": [64, 32, 4, 2]}}}})
+    launch = triton_kernels._Cfg(mine.ctx)
+    assert launch.rag_tiles == AttnTiles(64, 32, 4, 2) and launch.rag_m_tok == 16
+    assert launch.pre_tiles == CUDA_TUNING.tiles("prefill", 128)
+
+
 @pytest.mark.parametrize("entry,names", [
     ({"split_min_keys": 0}, "split_min_keys=0"),
     ({"split_min_keys": True}, "split_min_keys=True"),

@@ -579,6 +579,21 @@ def _ragged_rows(qo_ptr, GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.c
 
 
 @triton.jit
+def _out_rows(lo, m0, nq, kvh, GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A prefill program's output rows again, after its key loops: per row its token (int64),
+    query head and whether it is real (``_ragged_rows``' rows from the scalars ``lo`` (first
+    token), ``m0`` (first row), ``nq`` (rows of the entry)). Written as other expressions than
+    the ones before the loops, so the compiler does not keep those vectors alive through them
+    (at the loops' register peak: 45 more registers and spills in the masked loop on sm_90 at
+    128-row tiles); here they cost a few integer ops."""
+    rs = tl.arange(0, BLOCK_R)
+    head = rs % GROUP + kvh * GROUP
+    ok = (rs // GROUP < nq - m0) & (rs < M_TOK * GROUP)
+    tok = (rs // GROUP).to(tl.int64) + (lo + m0).to(tl.int64)
+    return tok, head, ok
+
+
+@triton.jit
 def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                  krope, inv, rope_scale, dh, dh_ok, dd, dd_ok, dv, dv_ok, tlo, q_order, tmask_ptr,
                  window_left, qk_scale, softcap_log2, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -687,6 +702,7 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
                 SOFTCAP)
         if QUANT:
             acc = acc * vs
+        tok, head, row_ok = _out_rows(lo, m0, n, kvh, GROUP, M_TOK, BLOCK_R)
         o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
         tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dv[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
@@ -889,6 +905,7 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                     SOFTCAP, QUANT)
         if QUANT:
             acc = acc * vs
+        tok, head, row_ok = _out_rows(lo, m0, nq, kvh, GROUP, M_TOK, BLOCK_R)
         o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
         split = tl.program_id(2).to(tl.int64)
         tl.store(o_ptr + tok[:, None] * so_t + split * so_s + head[:, None] * so_h + dv[None, :],
@@ -1190,7 +1207,8 @@ class _Cfg:
     """Launch values that depend only on the config and the tuning (one per ``LaunchCache``)."""
 
     __slots__ = ("half", "block_half", "block_d", "dv", "block_dv", "ieee", "rope_hb", "ew_warps",
-                 "dec_tiles", "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "merge_rows",
+                 "dec_tiles", "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "rag_tiles",
+                 "rag_block_r", "rag_m_tok", "merge_rows",
                  "rope_runs", "merge", "quant")
 
     def __init__(self, ctx):
@@ -1209,6 +1227,11 @@ class _Cfg:
         self.pre_tiles = ctx.tuning.tiles("prefill", tile_d, self.ieee)
         self.pre_block_r = max(self.pre_tiles.block_rows, _p2(ctx.group))
         self.pre_m_tok = self.pre_block_r // ctx.group
+        # the ragged kernel's own tiles (16-bit pages; over fp8 ones it keeps the prefill tiles)
+        self.rag_tiles = (self.pre_tiles if ctx.kv_quant else
+                          ctx.tuning.tiles("ragged", tile_d, self.ieee))
+        self.rag_block_r = max(self.rag_tiles.block_rows, _p2(ctx.group))
+        self.rag_m_tok = self.rag_block_r // ctx.group
         self.merge_rows = ctx.tuning.merge_rows
         self.rope_runs = {}   # the rope/append launcher's _Kernel, by flag tuple
         self.merge = None     # the merge launcher's _Kernel
@@ -1520,21 +1543,21 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
     t_total, hq, d = q.shape
     dv = cfg.dv
     rec = _Record()
-    tiles = cfg.pre_tiles
-    rec.grid = (triton.cdiv(max_len, cfg.pre_m_tok), num_seqs, ctx.num_kv_heads)
+    tiles = cfg.rag_tiles
+    rec.grid = (triton.cdiv(max_len, cfg.rag_m_tok), num_seqs, ctx.num_kv_heads)
     log2_theta, scale, freq, has_freq = _rope_cached(ctx, rope, qo_indptr)
     rec.rope = (log2_theta, scale, qo_indptr if freq is None else freq)
     rec.post = _tree_args(tree, qo_indptr)
     rec.o_shape, rec.lse_shape = (t_total, hq, dv), (t_total, hq)
     rec.run = _Kernel(_ragged_kernel, dict(
-        GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
+        GROUP=ctx.group, M_TOK=cfg.rag_m_tok, BLOCK_R=cfg.rag_block_r, BLOCK_N=tiles.block_n,
         HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
         TREE=tree is not None, ROPE=rope is not None, FREQ=has_freq, IEEE=cfg.ieee,
         HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv, SOFTCAP=0, SINKS=False, QUANT=cfg.quant,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     rec.variants = {}
     rec.nrun = _Kernel(_ragged_nonfinite_kernel, dict(
-        GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
+        GROUP=ctx.group, M_TOK=cfg.rag_m_tok, BLOCK_R=cfg.rag_block_r, BLOCK_N=tiles.block_n,
         HEAD_DIM=dv, BLOCK_D=cfg.block_dv, TREE=tree is not None, QUANT=cfg.quant,
         num_warps=cfg.ew_warps))
     rec.v_out = rec.bad = rec.any_bad = rec.frun = rec.krun = rec.k_in = None
@@ -1745,15 +1768,21 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
             *rec.post, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *rec.sf,
             *scales, *rec.rope, int(window_left), scale_arg)
         return o, lse
-    # prefill: rows no entry covers must read o = 0 / lse = -inf (the sink with sinks)
-    o = torch.zeros(rec.o_shape, dtype=ctx.dtype, device=q.device)
-    if sinks is None:
-        lse = torch.full(rec.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-    else:
+    # prefill: rows no entry covers must read o = 0 / lse = -inf (the sink with sinks); where
+    # the entries cover every row the kernel writes them all, and the fill (a pass over o as
+    # long as a short prefill's attention) is skipped
+    if depth.covers_rows and t_total and depth.num_entries:
+        o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
         lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
-        lse.copy_(sinks[None, :])
-    if t_total == 0 or depth.num_entries == 0:
-        return o, lse
+    else:
+        o = torch.zeros(rec.o_shape, dtype=ctx.dtype, device=q.device)
+        if sinks is None:
+            lse = torch.full(rec.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+        else:
+            lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
+            lse.copy_(sinks[None, :])
+        if t_total == 0 or depth.num_entries == 0:
+            return o, lse
     tind, tmask, n = rec.post
     if rec.splits > 1:
         # the partials carry no sink (the merge adds it once); a split that sees no key of a

@@ -12,8 +12,9 @@ over the case's best time (so no case is given up for another):
    B=1 L=32768;
 2. with the best decode tiles, the split-K rule (``split_programs_per_sm`` x ``split_min_keys``)
    over the same cases;
-3. prefill tiles (``bench.PREFILL_TILES``) over paged prefill B=1 L=4096 and causal ragged
-   prefill B=1 L=4096 (the two kernels share the table).
+3. prefill tiles (``bench.PREFILL_TILES``) over paged prefill B=1 L=4096 and B=8 L=1024;
+4. ragged tiles (the same candidates) over causal ragged prefill B=1 L=4096 and B=8 L=1024
+   (the "ragged" entry: the ragged kernel's own tiles for 16-bit caches).
 
 Prints every candidate's times and the chosen entry; ``--write`` stores it under this GPU's
 ``device_arch`` (``"sm_90"``, ``"gfx942"``), keeping the other architectures' entries. The
@@ -34,7 +35,8 @@ from . import bench
 from .tuning import AttnTiles, TABLE_PATH, device_arch, write_entry
 
 DECODE_CASES = [(1, 4096), (16, 4096), (64, 4096), (1, 32768)]
-PREFILL_CASES = [("paged", 1, 4096), ("ragged", 1, 4096)]
+PREFILL_CASES = [("paged", 1, 4096), ("paged", 8, 1024), ("ragged", 1, 4096),
+                 ("ragged", 8, 1024)]
 SPLIT_RULES = [(pps, keys) for pps in (1, 2, 4) for keys in (64, 128, 256, 512)]
 
 
@@ -111,20 +113,26 @@ def sweep(torch, backend, timer, rng, device) -> dict:
             qo = torch.arange(0, b * n + 1, n, device=device, dtype=torch.int32)
             runs.append(functools.partial(backend.ragged_attention, q, k, v, qo, scale,
                                           num_seqs=b, max_len=n))
-    print(f"# prefill tiles over {PREFILL_CASES}", flush=True)
-    ptiles = _time_all("prefill", bench.PREFILL_TILES,
-                       lambda t: setattr(backend, "tuning", with_tiles(base, "prefill", t)),
-                       runs, timer)
-    prefill, pscore = best_of(ptiles)
+    chosen, measured = {}, {}
+    for kind, name in (("paged", "prefill"), ("ragged", "ragged")):
+        cases = [c for c in PREFILL_CASES if c[0] == kind]
+        print(f"# {name} tiles over {cases}", flush=True)
+        ptiles = _time_all(name, bench.PREFILL_TILES,
+                           lambda t, name=name: setattr(backend, "tuning",
+                                                        with_tiles(base, name, t)),
+                           [r for c, r in zip(PREFILL_CASES, runs) if c[0] == kind], timer)
+        chosen[name], score = best_of(ptiles)
+        measured[f"{name}_score"] = round(score, 3)
+        measured[f"{name}_us"] = dict(zip(map(str, cases),
+                                          [round(x, 1) for x in ptiles[chosen[name]]]))
     backend.tuning = base
-    entry = {"by_head_dim": {d: {"decode": list(decode), "prefill": list(prefill)}},
+    entry = {"by_head_dim": {d: {"decode": list(decode), "prefill": list(chosen["prefill"]),
+                                 "ragged": list(chosen["ragged"])}},
              "split_programs_per_sm": rule[0], "split_min_keys": rule[1],
              "measured": {"decode_score": round(dscore, 3), "split_score": round(rscore, 3),
-                          "prefill_score": round(pscore, 3),
                           "decode_us": dict(zip(map(str, DECODE_CASES),
                                                 [round(x, 1) for x in rules[rule]])),
-                          "prefill_us": dict(zip(map(str, PREFILL_CASES),
-                                                 [round(x, 1) for x in ptiles[prefill]]))}}
+                          **measured}}
     return entry
 
 

@@ -37,7 +37,9 @@ class Tuning:
     prefill: AttnTiles = AttnTiles(block_rows=128, block_n=128, num_warps=8, num_stages=3)
     # paged decode: rows are one token's group of heads, padded to >= 16 for tl.dot
     decode: AttnTiles = AttnTiles(block_rows=16, block_n=128, num_warps=8, num_stages=3)
-    # per head_dim overrides of the two tile tables: {head_dim: {"prefill": AttnTiles, ...}}
+    # per head_dim overrides of the tile tables: {head_dim: {"prefill": AttnTiles, ...}}; a
+    # "ragged" entry gives the ragged kernel other tiles than the paged prefill's (16-bit
+    # caches only: float32 and fp8 keep their prefill tiles, sized for their bytes)
     by_head_dim: dict = field(default_factory=lambda: {
         64: {"prefill": AttnTiles(128, 64, 4, 2), "decode": AttnTiles(16, 128, 4, 2)},
         256: {"prefill": AttnTiles(64, 32, 8, 2), "decode": AttnTiles(16, 32, 4, 2)},
@@ -75,10 +77,17 @@ class Tuning:
 
     def tiles(self, kind: str, head_dim: int, float32: bool = False,
               fp8: bool = False) -> AttnTiles:
-        """The tiles of ``kind`` ("prefill" | "decode") for ``head_dim``, looked up at the
-        padded head_dim the kernels run at (80 and 96 share the 128 tiles); ``fp8``: over fp8
-        pages (their table first, then the 16-bit one)."""
+        """The tiles of ``kind`` ("prefill" | "ragged" | "decode") for ``head_dim``, looked up
+        at the padded head_dim the kernels run at (80 and 96 share the 128 tiles); ``fp8``:
+        over fp8 pages (their table first, then the 16-bit one). "ragged": the ragged
+        kernel's, a 16-bit cache's ``by_head_dim`` "ragged" entry where there is one, else
+        the "prefill" tiles."""
         head_dim = 1 << (max(1, head_dim) - 1).bit_length()
+        if kind == "ragged":
+            own = self.by_head_dim.get(head_dim, {}).get("ragged")
+            if own is not None and not float32 and not fp8:
+                return own
+            kind = "prefill"
         if float32 and kind in self.float32_by_head_dim.get(head_dim, {}):
             return self.float32_by_head_dim[head_dim][kind]
         if fp8 and kind in self.fp8_by_head_dim.get(head_dim, {}):
@@ -126,7 +135,7 @@ TABLE_PATH = Path(__file__).with_name("tuning_table.json")
 architecture's entry): ``{arch: entry}``, an entry overriding a backend's base ``Tuning``."""
 _TILE_TABLES = ("by_head_dim", "float32_by_head_dim", "fp8_by_head_dim")
 _SCALARS = ("split_programs_per_sm", "split_min_keys", "split_max", "fp8_min_splits")
-_KINDS = ("prefill", "decode")
+_KINDS = ("prefill", "ragged", "decode")
 
 
 def device_arch(torch, device) -> Optional[str]:
@@ -186,8 +195,8 @@ def for_arch(base: Tuning, arch: Optional[str], table: Optional[dict] = None,
                                                           for x in tiles)):
                         raise ValueError(
                             f"{where}: {arch}.{key}[{dim!r}][{kind!r}]={tiles!r}: want a head "
-                            f"dim, 'prefill' or 'decode', and [block_rows, block_n, warps, "
-                            f"stages]")
+                            f"dim, 'prefill', 'ragged' or 'decode', and [block_rows, block_n, "
+                            f"warps, stages]")
                     merged.setdefault(int(dim), {})[kind] = AttnTiles(*tiles)
             changes[key] = merged
         else:
