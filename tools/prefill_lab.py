@@ -14,6 +14,8 @@ Switches (a variant's name lists those on):
   python3 tools/prefill_lab.py [--quick]      (one GPU; prints us, TFLOP/s, x SDPA)
   python3 tools/prefill_lab.py --shipped-tiles [--default-tiles | --tiles 128,64,8,3 ...]
                                   (the shipped paged and ragged kernels over candidate tiles)
+  python3 tools/prefill_lab.py --persistent [--tiles ...]
+                                  (the stripped paged loop: a program per tile, or persistent)
 """
 import argparse
 import sys
@@ -89,6 +91,64 @@ def _lab_kernel(q_ptr, pages_ptr, k_ptr, v_ptr, o_ptr, pind_ptr, desc_k, desc_v,
              o.to(o_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _lab_persistent_kernel(q_ptr, pages_ptr, o_ptr, pind_ptr, L, pages_per, n_tiles, q_tiles,
+                           nprog, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t, so_h, qk_scale,
+                           GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                           HKV: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr):
+    """The stripped paged loop (no masks) as a persistent kernel: one program per SM walks the
+    (sequence, KV head, q tile) tiles pid, pid + programs, ...; FLATTEN: the tile and key loops
+    flattened into one for the software pipeliner (``tl.range(flatten=True)``), so the next
+    tile's first keys load while this tile's output is stored."""
+    pid = tl.program_id(0)
+    ri = tl.arange(0, BLOCK_R)
+    dd = tl.arange(0, D)
+    for t in tl.range(pid, n_tiles, nprog, flatten=FLATTEN):
+        mt = t % q_tiles
+        kvh = (t // q_tiles) % HKV
+        b = t // (q_tiles * HKV)
+        r = mt * M_TOK + ri // GROUP
+        head = kvh * GROUP + ri % GROUP
+        tok = (b * L + r).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + dd[None, :])
+        m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for j0 in tl.range(0, L, BLOCK_N, num_stages=STAGES):
+            j = j0 + tl.arange(0, BLOCK_N)
+            pg = tl.load(pind_ptr + b * pages_per + j // PAGE_SIZE).to(tl.int64)
+            base = pg * sp_page + kvh * sp_head + (j % PAGE_SIZE).to(tl.int64) * sp_row
+            k = tl.load(pages_ptr + base[:, None] + dd[None, :])
+            qk = tl.dot(q, tl.trans(k))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(pages_ptr + sp_kv + base[:, None] + dd[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dd[None, :],
+                 o.to(o_ptr.dtype.element_ty))
+
+
+def _persistent(q, pages, depth, o, batch, n, tiles, flatten, programs):
+    """Launch ``_lab_persistent_kernel`` over ``programs`` programs (None: one per SM)."""
+    rows, bn, warps, stages = tiles
+    G = bench.HQ // bench.HKV
+    m_tok = rows // G
+    q_tiles = n // m_tok
+    n_tiles = batch * bench.HKV * q_tiles
+    grid = (min(n_tiles, programs or torch.cuda.get_device_properties(q.device).multi_processor_count),)
+    _lab_persistent_kernel[grid](
+        q, pages, o, depth.page_indices, n, n // bench.PS, n_tiles, q_tiles, grid[0], q.stride(0),
+        q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2), pages.stride(3),
+        o.stride(0), o.stride(1), bench.D ** -0.5 * 1.4426950408889634, GROUP=G, M_TOK=m_tok,
+        BLOCK_R=rows, BLOCK_N=bn, D=bench.D, PAGE_SIZE=bench.PS, HKV=bench.HKV, FLATTEN=flatten,
+        STAGES=stages, num_warps=warps, num_stages=stages)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer variants")
@@ -96,6 +156,9 @@ def main():
                     help="only the shipped paged and ragged kernels over candidate tile tables")
     ap.add_argument("--default-tiles", action="store_true",
                     help="with --shipped-tiles: the shipped table only")
+    ap.add_argument("--persistent", action="store_true",
+                    help="only the stripped paged loop, one program per tile against one per SM "
+                         "(persistent, with and without the loops flattened)")
     ap.add_argument("--tiles", nargs="*", default=None, metavar="R,N,W,S",
                     help="with --shipped-tiles: these prefill tiles (rows, keys, warps, stages) "
                          "after the shipped table, instead of the built-in list")
@@ -140,6 +203,39 @@ def main():
         err = (got.float() - ref.float()).abs().max().item()
         print(f"  shipped paged kernel {ship:8.1f} us {flops / ship / 1e6:5.0f} TFLOP/s "
               f"{sd / ship:.3f}x sdpa  err {err:.3g}")
+        if args.persistent:
+            o = torch.empty_like(q)
+            for tiles in ([tuple(int(x) for x in t.split(",")) for t in args.tiles]
+                          if args.tiles else [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3),
+                                              (128, 64, 8, 2)]):
+                rows, bn, warps, stages = tiles
+                m_tok = rows // G
+                variants = [("one program per tile", lambda: _lab_kernel[(n // m_tok, HKV, batch)](
+                    q, pages, q, q, o, depth.page_indices, None, None, n, n // PS, q.stride(0),
+                    q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2),
+                    pages.stride(3), 0, 0, o.stride(0), o.stride(1), scale * 1.4426950408889634,
+                    GROUP=G, M_TOK=m_tok, BLOCK_R=rows, BLOCK_N=bn, D=D, PAGE_SIZE=PS, MODE=0,
+                    ACC=False, MASKED=False, WS=False, STAGES=stages, num_warps=warps,
+                    num_stages=stages))]
+                for flatten in (False, True):
+                    for per_sm in (1, 2):
+                        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                        variants.append((f"persistent, {per_sm} per SM, flatten={flatten}",
+                                         lambda f=flatten, p=per_sm * sms: _persistent(
+                                             q, pages, depth, o, batch, n, tiles, f, p)))
+                for name, run in variants:
+                    try:
+                        o.zero_()
+                        run()
+                        torch.cuda.synchronize()
+                        err = (o.float() - ref.float()).abs().max().item()
+                        us, _ = timer.measure(run)
+                        print(f"  {str(tiles):18} {name:36} {us:8.1f} us {sd / us:.3f}x sdpa  "
+                              f"err {err:.3g}", flush=True)
+                    except Exception as exc:
+                        print(f"  {str(tiles):18} {name:36} failed: {type(exc).__name__}: "
+                              f"{(str(exc) or ' ').splitlines()[0][:120]}", flush=True)
+            continue
         if args.shipped_tiles:
             _shipped_tiles(be, timer, q, pages, depth, kc, vc, qs, ks, vs, ref, batch, n, flops, sd,
                            [None] if args.default_tiles else
