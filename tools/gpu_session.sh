@@ -5,6 +5,7 @@
 #   STEPS="engine runahead launch serving" bash tools/gpu_session.sh     (about 9 minutes)
 # issue 27 (attention features, every model family):  STEPS="features" / STEPS="families"
 # issue 31 (captured mixed steps, about 8 minutes): STEPS="mixed"
+# issue 33 item 1 (the fourth conformance group, the persistent lab, about 8 minutes): STEPS="prefill33"
 # and the decode kernels of two trees on one machine (issue 16's "kernel times within 5%"):
 #   here: BASE=791c961 bash tools/kernel_ab.sh prepare;  there (carry [".ab"]): STEPS=ab ...
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -91,6 +92,11 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
         timeout 120 python3 -m kvcache.cli bench --serving --model llama --skip b,c --no-busy --mixed-graphs $m --json > "$OUT/rnd_$m.json" 2>/dev/null
         python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], {k: (round(v['tokens_per_s'], 1), round(v.get('decode_step_ms') or 0, 3)) for k, v in r['systems'].items()})" "$OUT/rnd_$m.json" "random, mixed graphs $m"
       done ;;
+    prefill33) section "issue 33 item 1: conformance's fourth group alone, then the persistent prefill lab and the prefill bench (about 8 minutes)"
+      timeout 420 python3 -m kvcache.cli conformance --backend cuda --no-model -k "LogitSoftcap or AttentionSinks or MixedWindowLayers or HeadDimV or HeadDims or OwnAttention or Fork or Popn or SlidingWindow or TokenTree" > "$OUT/conf_group4.log" 2>&1
+      grep -a -E "passed|failed|CONFORMS" "$OUT/conf_group4.log" | tail -3
+      timeout 150 python3 tools/prefill_lab.py --persistent 2>&1 | grep -a -v -i warn | tee "$OUT/persistent.log" | tail -24
+      timeout 120 python3 -m kvcache.cli bench --backend cuda --only prefill,features 2>&1 | tee "$OUT/bench_prefill.log" | grep -a "^prefill" ;;
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
       grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;
