@@ -224,17 +224,7 @@ def main():
                                          lambda f=flatten, p=per_sm * sms: _persistent(
                                              q, pages, depth, o, batch, n, tiles, f, p)))
                 for name, run in variants:
-                    try:
-                        o.zero_()
-                        run()
-                        torch.cuda.synchronize()
-                        err = (o.float() - ref.float()).abs().max().item()
-                        us, _ = timer.measure(run)
-                        print(f"  {str(tiles):18} {name:36} {us:8.1f} us {sd / us:.3f}x sdpa  "
-                              f"err {err:.3g}", flush=True)
-                    except Exception as exc:
-                        print(f"  {str(tiles):18} {name:36} failed: {type(exc).__name__}: "
-                              f"{(str(exc) or ' ').splitlines()[0][:120]}", flush=True)
+                    _check_and_time(f"{str(tiles):18} {name:36}", run, o, ref, timer, sd, flops)
             continue
         if args.shipped_tiles:
             _shipped_tiles(be, timer, q, pages, depth, kc, vc, qs, ks, vs, ref, batch, n, flops, sd,
@@ -263,21 +253,26 @@ def main():
                         GROUP=G, M_TOK=m_tok, BLOCK_R=rows, BLOCK_N=bn, D=D, PAGE_SIZE=PS,
                         MODE={"paged": 0, "contig": 1, "tma": 2}[mode], ACC=acc, MASKED=masked,
                         WS=ws, STAGES=stages, num_warps=warps, num_stages=stages)
-                try:
-                    o.zero_()
-                    run()
-                    torch.cuda.synchronize()
-                    err = (o.float() - ref.float()).abs().max().item()
-                    us, _ = timer.measure(run)
-                    print(f"  {str((rows, bn, warps, stages)):18} {name:26} {us:8.1f} us "
-                          f"{flops / us / 1e6:5.0f} TFLOP/s {sd / us:.3f}x sdpa  err {err:.3g}",
-                          flush=True)
-                except Exception as exc:
-                    print(f"  {str((rows, bn, warps, stages)):18} {name:26} failed: "
-                          f"{type(exc).__name__}: {(str(exc) or ' ').splitlines()[0][:120]}",
-                          flush=True)
+                _check_and_time(f"{str((rows, bn, warps, stages)):18} {name:26}", run, o, ref,
+                                timer, sd, flops)
         del pages, kc, vc
         torch.cuda.empty_cache()
+
+
+def _check_and_time(label, run, o, ref, timer, sd, flops):
+    """Run once into a zeroed ``o``, print its time, TFLOP/s, x SDPA and its error against
+    SDPA's output; a variant that cannot compile or launch prints why."""
+    try:
+        o.zero_()
+        run()
+        torch.cuda.synchronize()
+        err = (o.float() - ref.float()).abs().max().item()
+        us, _ = timer.measure(run)
+        print(f"  {label} {us:8.1f} us {flops / us / 1e6:5.0f} TFLOP/s {sd / us:.3f}x sdpa  "
+              f"err {err:.3g}", flush=True)
+    except Exception as exc:
+        print(f"  {label} failed: {type(exc).__name__}: "
+              f"{(str(exc) or ' ').splitlines()[0][:120]}", flush=True)
 
 
 SHIPPED_TILES = [None, (128, 64, 4, 3), (128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 2),
