@@ -134,13 +134,13 @@ def _lab_persistent_kernel(q_ptr, pages_ptr, o_ptr, pind_ptr, L, pages_per, n_ti
 
 
 def _persistent(q, pages, depth, o, batch, n, tiles, flatten, programs):
-    """Launch ``_lab_persistent_kernel`` over ``programs`` programs (None: one per SM)."""
+    """Launch ``_lab_persistent_kernel`` over ``programs`` programs (at most one per tile)."""
     rows, bn, warps, stages = tiles
     G = bench.HQ // bench.HKV
     m_tok = rows // G
     q_tiles = n // m_tok
     n_tiles = batch * bench.HKV * q_tiles
-    grid = (min(n_tiles, programs or torch.cuda.get_device_properties(q.device).multi_processor_count),)
+    grid = (min(n_tiles, programs),)
     _lab_persistent_kernel[grid](
         q, pages, o, depth.page_indices, n, n // bench.PS, n_tiles, q_tiles, grid[0], q.stride(0),
         q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2), pages.stride(3),
@@ -217,9 +217,9 @@ def main():
                     GROUP=G, M_TOK=m_tok, BLOCK_R=rows, BLOCK_N=bn, D=D, PAGE_SIZE=PS, MODE=0,
                     ACC=False, MASKED=False, WS=False, STAGES=stages, num_warps=warps,
                     num_stages=stages))]
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 for flatten in (False, True):
                     for per_sm in (1, 2):
-                        sms = torch.cuda.get_device_properties(dev).multi_processor_count
                         variants.append((f"persistent, {per_sm} per SM, flatten={flatten}",
                                          lambda f=flatten, p=per_sm * sms: _persistent(
                                              q, pages, depth, o, batch, n, tiles, f, p)))

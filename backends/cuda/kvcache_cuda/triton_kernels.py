@@ -1225,16 +1225,21 @@ class _Cfg:
         self.dec_tiles = ctx.tuning.tiles("decode", tile_d, self.ieee, ctx.kv_quant)
         self.dec_block_r = max(self.dec_tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
         self.pre_tiles = ctx.tuning.tiles("prefill", tile_d, self.ieee)
-        self.pre_block_r = max(self.pre_tiles.block_rows, _p2(ctx.group))
-        self.pre_m_tok = self.pre_block_r // ctx.group
+        self.pre_block_r, self.pre_m_tok = _prefill_rows(self.pre_tiles, ctx.group)
         # the ragged kernel's own tiles (16-bit pages; over fp8 ones it keeps the prefill tiles)
         self.rag_tiles = (self.pre_tiles if ctx.kv_quant else
                           ctx.tuning.tiles("ragged", tile_d, self.ieee))
-        self.rag_block_r = max(self.rag_tiles.block_rows, _p2(ctx.group))
-        self.rag_m_tok = self.rag_block_r // ctx.group
+        self.rag_block_r, self.rag_m_tok = _prefill_rows(self.rag_tiles, ctx.group)
         self.merge_rows = ctx.tuning.merge_rows
         self.rope_runs = {}   # the rope/append launcher's _Kernel, by flag tuple
         self.merge = None     # the merge launcher's _Kernel
+
+
+def _prefill_rows(tiles, group: int) -> tuple:
+    """(BLOCK_R, M_TOK) of a prefill kernel's tiles: rows a program holds (at least one token's
+    group of heads) and the tokens they are."""
+    block_r = max(tiles.block_rows, _p2(group))
+    return block_r, block_r // group
 
 
 def _cfg(ctx) -> _Cfg:
