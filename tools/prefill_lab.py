@@ -16,6 +16,8 @@ Switches (a variant's name lists those on):
                                   (the shipped paged and ragged kernels over candidate tiles)
   python3 tools/prefill_lab.py --persistent [--tiles ...]
                                   (the stripped paged loop: a program per tile, or persistent)
+  ncu --clock-control none --profile-from-start off ... python3 tools/prefill_lab.py --ncu
+                                  (hardware counters of the shipped kernel and the stripped loop)
 """
 import argparse
 import sys
@@ -159,6 +161,10 @@ def main():
     ap.add_argument("--persistent", action="store_true",
                     help="only the stripped paged loop, one program per tile against one per SM "
                          "(persistent, with and without the loops flattened)")
+    ap.add_argument("--ncu", action="store_true",
+                    help="the shipped paged kernel and the stripped loop at (128,128,8,3), each "
+                         "run once between cudaProfilerStart / Stop after a warm-up, for "
+                         "`ncu --profile-from-start off`")
     ap.add_argument("--tiles", nargs="*", default=None, metavar="R,N,W,S",
                     help="with --shipped-tiles: these prefill tiles (rows, keys, warps, stages) "
                          "after the shipped table, instead of the built-in list")
@@ -203,6 +209,23 @@ def main():
         err = (got.float() - ref.float()).abs().max().item()
         print(f"  shipped paged kernel {ship:8.1f} us {flops / ship / 1e6:5.0f} TFLOP/s "
               f"{sd / ship:.3f}x sdpa  err {err:.3g}")
+        if args.ncu:
+            o = torch.empty_like(q)
+            m_tok = 128 // G
+            lab = lambda: _lab_kernel[(n // m_tok, HKV, batch)](
+                q, pages, q, q, o, depth.page_indices, None, None, n, n // PS, q.stride(0),
+                q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2), pages.stride(3),
+                0, 0, o.stride(0), o.stride(1), scale * 1.4426950408889634, GROUP=G,
+                M_TOK=m_tok, BLOCK_R=128, BLOCK_N=128, D=D, PAGE_SIZE=PS, MODE=0, ACC=False,
+                MASKED=False, WS=False, STAGES=3, num_warps=8, num_stages=3)
+            lab()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            be.paged_attention(q, pages, depth, scale)
+            lab()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            continue
         if args.persistent:
             o = torch.empty_like(q)
             for tiles in ([tuple(int(x) for x in t.split(",")) for t in args.tiles]

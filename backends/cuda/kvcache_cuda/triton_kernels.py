@@ -888,13 +888,18 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                 softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
                 HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
         edges, heads = _edge_tiles(s_lo, u_hi, lean_lo, lean_hi, BLOCK_N)
-        for i in range(0, edges):
-            j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
-            m_i, l_i, acc = _paged_step(
-                q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
-                softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-                HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT)
+        # the guard skips the masked loop's pipeline prologue (its first stages' address and
+        # mask arithmetic run even for no trip): where every tile is lean (keys a multiple of
+        # BLOCK_N, no window or sinks) that was most of a program's fixed instructions
+        if edges > 0:
+            for i in range(0, edges):
+                j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
+                m_i, l_i, acc = _paged_step(
+                    q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                    kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                    qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE,
+                    SOFTCAP, QUANT)
         if TREE:
             for j0 in range(tl.maximum(full, s_lo), s_hi, BLOCK_N):
                 m_i, l_i, acc = _paged_step(
