@@ -6,6 +6,8 @@
 # issue 27 (attention features, every model family):  STEPS="features" / STEPS="families"
 # issue 31 (captured mixed steps, about 8 minutes): STEPS="mixed"
 # issue 33 item 1 (the fourth conformance group, the persistent lab, about 8 minutes): STEPS="prefill33"
+# issue 33 item 1, the paged prefill kernel's warp_uniform_scalars off against on (about 3 minutes):
+#   STEPS="uniform33"
 # and the decode kernels of two trees on one machine (issue 16's "kernel times within 5%"):
 #   here: BASE=791c961 bash tools/kernel_ab.sh prepare;  there (carry [".ab"]): STEPS=ab ...
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -97,6 +99,9 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       grep -a -E "passed|failed|CONFORMS" "$OUT/conf_group4.log" | tail -3
       timeout 150 python3 tools/prefill_lab.py --persistent 2>&1 | grep -a -v -i warn | tee "$OUT/persistent.log" | tail -24
       timeout 120 python3 -m kvcache.cli bench --backend cuda --only prefill,features 2>&1 | tee "$OUT/bench_prefill.log" | grep -a "^prefill" ;;
+    uniform33) section "issue 33 item 1: warp_uniform_scalars: its kernel tests, then off against on in one process (about 3 minutes)"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q tests/cuda/test_cuda_kernels.py -k warp_uniform -p no:cacheprovider 2>&1 | tail -2
+      timeout 200 python3 tools/prefill_lab.py --uniform 2>&1 | grep -a -v -i warn | tee "$OUT/uniform.log" | tail -16 ;;
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
       grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;

@@ -7,8 +7,13 @@ prints its register count, spill stores and the kernel's shared memory. A kernel
 registers with spill stores loses time in its loop (issue 33: the edge loop and the epilogue's
 row vectors held registers through the key loops).
 
-    python tools/kernel_regs.py [R,N,W,S ...]     (tiles: rows, keys, warps, stages;
-                                                  default: the shipped table, then 128,64,4,3)
+    python tools/kernel_regs.py [--uniform] [R,N,W,S ...]
+        (tiles: rows, keys, warps, stages; default: the shipped table, then 128,64,4,3;
+        --uniform: the paged prefill kernel again with ``warp_uniform_scalars``)
+
+Beside them, each key loop's size in SASS instructions (cuobjdump on the cubin: a loop is a
+backward branch's span; the span counts code its forward branches may skip). A loop longer than
+the stripped loop's 710 at (128, 128, 8, 3) spends the difference every key tile.
 """
 
 import os
@@ -38,9 +43,30 @@ _run = JITFunction.run
 def _compile_only(self, *args, grid, warmup, **kwargs):
     kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
     if self.fn.__name__ in KERNELS:
-        COMPILED.append((self.fn.__name__, tuple(kwargs.get(k) for k in (
+        name = self.fn.__name__ + (" (uniform)" if kwargs.get("UNIFORM") else "")
+        COMPILED.append((name, tuple(kwargs.get(k) for k in (
             "BLOCK_R", "BLOCK_N", "num_warps", "num_stages")), kernel))
     return kernel
+
+
+def loop_sizes(cubin: bytes) -> list:
+    """SASS instructions in each loop of ``cubin`` (a backward branch to its target), in order."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as fh:
+        fh.write(cubin)
+    try:
+        sass = subprocess.run([str(cuobjdump), "-sass", fh.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(fh.name)
+    code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, text in code:
+        m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            start = int(m.group(1), 16)
+            loops.append(sum(1 for a, _ in code if start <= a <= addr))
+    return loops
 
 
 def ptxas_report(ptx: str) -> tuple:
@@ -70,8 +96,9 @@ def main() -> int:
     case = cc.paged_case(rng, ref, mine, [Entry(256, 512), Entry(256, 512)])
     ragged = cc.ragged_case(rng, ref, mine, [300, 200])
     shipped = for_arch(mine.tuning, "sm_90", read_table())
-    candidates = [None] + [tuple(int(x) for x in t.split(",")) for t in sys.argv[1:]] \
-        if sys.argv[1:] else [None, (128, 64, 4, 3)]
+    args = [a for a in sys.argv[1:] if a != "--uniform"]
+    candidates = [None] + [tuple(int(x) for x in t.split(",")) for t in args] \
+        if args else [None, (128, 64, 4, 3)]
     for tiles in candidates:
         if tiles is None:
             mine.tuning = shipped
@@ -81,13 +108,19 @@ def main() -> int:
                               ragged=AttnTiles(*tiles))
             mine.tuning = shipped.with_(by_head_dim=table)
         mine.paged_attention(case.q, case.pages, case.depth, 0.1)
+        if "--uniform" in sys.argv:
+            flagged, mine.tuning = mine.tuning, mine.tuning.with_(warp_uniform_scalars=True)
+            mine.paged_attention(case.q, case.pages, case.depth, 0.1)
+            mine.tuning = flagged
         mine.ragged_attention(ragged["q"], ragged["k"], ragged["v"], cc.ints(mine, ragged["qo"]),
                               0.1, num_seqs=2, max_len=300)
-    print(f"{'kernel':24} {'tiles (rows, keys, warps, stages)':34} {'registers':>9} "
-          f"{'spill stores':>12} {'shared memory':>13}")
+    print(f"{'kernel':34} {'tiles (rows, keys, warps, stages)':34} {'registers':>9} "
+          f"{'spill stores':>12} {'shared memory':>13}  loops (SASS instructions)")
     for name, tiles, kernel in COMPILED:
         regs, spills = ptxas_report(kernel.asm["ptx"])
-        print(f"{name:24} {str(tiles):34} {regs:>9} {spills:>10} B {kernel.metadata.shared:>11} B")
+        loops = ", ".join(map(str, loop_sizes(kernel.asm["cubin"])))
+        print(f"{name:34} {str(tiles):34} {regs:>9} {spills:>10} B {kernel.metadata.shared:>11} B"
+              f"  {loops}")
     return 0
 
 

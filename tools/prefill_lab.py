@@ -16,6 +16,8 @@ Switches (a variant's name lists those on):
                                   (the shipped paged and ragged kernels over candidate tiles)
   python3 tools/prefill_lab.py --persistent [--tiles ...]
                                   (the stripped paged loop: a program per tile, or persistent)
+  python3 tools/prefill_lab.py --uniform    (the shipped paged kernel, warp_uniform_scalars
+                                            off against on, alternated)
   ncu --clock-control none --profile-from-start off ... python3 tools/prefill_lab.py --ncu
                                   (hardware counters of the shipped kernel and the stripped loop)
 """
@@ -161,6 +163,9 @@ def main():
     ap.add_argument("--persistent", action="store_true",
                     help="only the stripped paged loop, one program per tile against one per SM "
                          "(persistent, with and without the loops flattened)")
+    ap.add_argument("--uniform", action="store_true",
+                    help="only the shipped paged kernel with warp_uniform_scalars off and on, "
+                         "alternated three times (an A/B in one process)")
     ap.add_argument("--ncu", action="store_true",
                     help="the shipped paged kernel and the stripped loop at (128,128,8,3), each "
                          "run once between cudaProfilerStart / Stop after a warm-up, for "
@@ -209,6 +214,16 @@ def main():
         err = (got.float() - ref.float()).abs().max().item()
         print(f"  shipped paged kernel {ship:8.1f} us {flops / ship / 1e6:5.0f} TFLOP/s "
               f"{sd / ship:.3f}x sdpa  err {err:.3g}")
+        if args.uniform:
+            base = be.tuning
+            for rnd in range(3):
+                for on in (False, True):
+                    be.tuning = base.with_(warp_uniform_scalars=on)
+                    _check_and_time(f"round {rnd + 1}: warp_uniform_scalars={on!s:5}",
+                                    lambda: be.paged_attention(q, pages, depth, scale),
+                                    None, ref, timer, sd, flops)
+            be.tuning = base
+            continue
         if args.ncu:
             o = torch.empty_like(q)
             m_tok = 128 // G
@@ -283,13 +298,15 @@ def main():
 
 
 def _check_and_time(label, run, o, ref, timer, sd, flops):
-    """Run once into a zeroed ``o``, print its time, TFLOP/s, x SDPA and its error against
-    SDPA's output; a variant that cannot compile or launch prints why."""
+    """Run once into a zeroed ``o`` (None: ``run`` returns its output first, as the backend's
+    attention calls do), print its time, TFLOP/s, x SDPA and its error against SDPA's output;
+    a variant that cannot compile or launch prints why."""
     try:
-        o.zero_()
-        run()
+        if o is not None:
+            o.zero_()
+        out = run()
         torch.cuda.synchronize()
-        err = (o.float() - ref.float()).abs().max().item()
+        err = ((out[0] if o is None else o).float() - ref.float()).abs().max().item()
         us, _ = timer.measure(run)
         print(f"  {label} {us:8.1f} us {flops / us / 1e6:5.0f} TFLOP/s {sd / us:.3f}x sdpa  "
               f"err {err:.3g}", flush=True)

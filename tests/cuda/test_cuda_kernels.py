@@ -444,6 +444,25 @@ def test_paged_prefill_unmasked_tiles(impl, window_left, scale, softcap, dtype):
                    tuning=dict(small, force_prefill_splits=splits) if impl == "triton" else None)
 
 
+@pytest.mark.skipif(not cc.ON_GPU, reason="inline PTX (shfl.sync) runs on an NVIDIA GPU only; CI "
+                    "compiles it (test_the_warp_uniform_prefill_kernel_compiles_for_sm90)")
+@pytest.mark.parametrize("kind", sorted(PAGED))
+def test_paged_prefill_warp_uniform_scalars(dtype, kind):
+    """The paged prefill kernel with its per-entry scalars broadcast from lane 0
+    (``warp_uniform_scalars``): the reference's results for every entry kind, and with windows,
+    sinks, key splits, a logit cap and a partial last tile (the unmasked-tiles case)."""
+    _run_paged("triton", dtype, 8, 2, 64, 16, PAGED[kind], use_decode=False,
+               seed=("uniform", kind), tuning={"warp_uniform_scalars": True})
+    from kvcache_cuda.tuning import AttnTiles
+    small = {"prefill": AttnTiles(block_rows=16, block_n=16, num_warps=4, num_stages=1),
+             "by_head_dim": {}, "float32_by_head_dim": {}, "warp_uniform_scalars": True}
+    entries = [Entry(8, 150), Entry(5, 97), Entry(3, 64), Entry(4, 40, sink=4, gap=21)]
+    for splits, window_left, softcap in ((1, 37, 0.0), (3, -1, 30.0)):
+        _run_paged("triton", dtype, 8, 2, 64, 16, entries, use_decode=False,
+                   seed=("uniform-unmasked", splits), window_left=window_left, softcap=softcap,
+                   tuning=dict(small, force_prefill_splits=splits))
+
+
 @pytest.mark.parametrize("spec", ["inv_freq", "partial"])
 def test_inline_rope_model_frequencies(impl, spec):
     """Inline RoPE with the model's own frequencies / partial rotary: ragged, prefill, decode."""

@@ -48,3 +48,16 @@ def test_triton_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     compiled = re.search(r"COMPILED (\d+)", r.stdout)
     assert compiled and int(compiled.group(1)) >= 30, r.stdout[-4000:]
+
+
+def test_the_warp_uniform_prefill_kernel_compiles_for_sm90():
+    """``warp_uniform_scalars``' inline PTX (``shfl.sync``) is compiled, never interpreted: the
+    paged prefill kernel with it goes through the whole NVIDIA pipeline (PTX, then ptxas) for
+    sm_90 here, without a GPU (a few seconds; the opt-in check above compiles it in every
+    flag combination)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(HERE / "triton_compile_check.py"), "--uniform", "90"],
+                       cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "compiled _paged_prefill_kernel" in r.stdout and "COMPILED 1" in r.stdout, r.stdout

@@ -61,7 +61,34 @@ def test_the_cuda_launcher_runs_the_ragged_tiles():
     assert launch.pre_tiles == CUDA_TUNING.tiles("prefill", 128)
 
 
+def test_warp_uniform_scalars_come_from_an_entry_and_only_reach_a_compiled_nvidia_kernel(
+        monkeypatch):
+    """``warp_uniform_scalars`` (inline PTX in the paged prefill kernel) is off in the base
+    tables, an architecture's entry turns it on, and the launcher passes it to the kernel only
+    where the kernel is compiled for an NVIDIA GPU: not under Triton's interpreter (it runs no
+    PTX) and not on ROCm, whatever the tuning says."""
+    import cuda_cases as cc
+    from kvcache_cuda import triton_kernels
+    from kvcache_rocm.tuning import ROCM_TUNING
+    assert not CUDA_TUNING.warp_uniform_scalars and not ROCM_TUNING.warp_uniform_scalars
+    t = for_arch(CUDA_TUNING, "sm_90", {"sm_90": {"warp_uniform_scalars": True}})
+    assert t.warp_uniform_scalars and t.tiles("prefill", 128) == CUDA_TUNING.tiles("prefill", 128)
+    _, mine = cc.pair(cc.config(hq=8, hkv=2, d=64, ps=16, dtype="bfloat16"), "torch")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_kernels.torch.version, "hip", None)
+    assert not triton_kernels._Cfg(mine.ctx).uniform
+    mine.tuning = t
+    assert triton_kernels._Cfg(mine.ctx).uniform
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not triton_kernels._Cfg(mine.ctx).uniform
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(triton_kernels.torch.version, "hip", "6.4")
+    assert not triton_kernels._Cfg(mine.ctx).uniform
+
+
 @pytest.mark.parametrize("entry,names", [
+    ({"warp_uniform_scalars": 1}, "warp_uniform_scalars=1"),
+    ({"warp_uniform_scalars": "yes"}, "must be true or false"),
     ({"split_min_keys": 0}, "split_min_keys=0"),
     ({"split_min_keys": True}, "split_min_keys=True"),
     ({"by_head_dim": {"128": {"decode": [16, 64, 4]}}}, "block_rows"),

@@ -8,6 +8,8 @@ source also compiles, for every flag combination the backend uses (tree, inline 
 fp32 'ieee' dots, head dims 64/128/256, group sizes 1/3/4).
 
 Usage: python tests/cuda/triton_compile_check.py [sm ...]     (default: 90)
+       python tests/cuda/triton_compile_check.py --uniform [sm ...]   (only the paged prefill
+       kernel with ``warp_uniform_scalars``: its inline PTX, in CI)
 Prints one line per compiled kernel and "COMPILED n" at the end; exit 0 when all compiled.
 """
 
@@ -80,6 +82,10 @@ def matrix():
         case.depth = dataclasses.replace(case.depth, use_decode=False)
         mine.paged_attention(case.q, case.pages, case.depth, 0.1, rope=spec,
                              q_positions=case.q_positions)
+        mine.tuning = mine.tuning.with_(warp_uniform_scalars=True)
+        mine.paged_attention(case.q, case.pages, case.depth, 0.1, rope=spec,
+                             q_positions=case.q_positions)
+        mine.tuning = mine.tuning.with_(warp_uniform_scalars=False)
         c = cc.ragged_case(rng, ref, mine, [5, 9], tree=tree)
         t = cc.TreeMask(cc.ints(mine, c["tree"][0]), cc.ints(mine, c["tree"][1])) if tree else None
         mine.ragged_attention(c["q"], c["k"], c["v"], cc.ints(mine, c["qo"]), 0.1, num_seqs=2,
@@ -131,15 +137,30 @@ def fp8_matrix(rope, rng):
         mine.gather_kv([pages], slots, kv_scale=[scale])
 
 
+def uniform_only():
+    """The paged prefill kernel with ``warp_uniform_scalars`` (inline PTX the interpreter
+    cannot run), small: bfloat16, D 64, a plain and a sliding-window entry."""
+    import cuda_cases as cc
+    from cuda_cases import Entry
+    cfg = cc.config(hq=8, hkv=2, d=64, ps=16, dtype="bfloat16")
+    _, mine = cc.pair(cfg, "triton")
+    mine.tuning = mine.tuning.with_(warp_uniform_scalars=True)
+    case = cc.paged_case(np.random.default_rng(0), cc.ReferenceBackend(cfg), mine,
+                         [Entry(20, 40), Entry(5, 70, sink=4, gap=21)])
+    mine.paged_attention(case.q, case.pages, case.depth, 0.1)
+
+
 def main():
-    sms = [int(s) for s in sys.argv[1:]] or [90]
+    args = sys.argv[1:]
+    only_uniform = "--uniform" in args
+    sms = [int(s) for s in args if s != "--uniform"] or [90]
     JITFunction.run = _compile_only
     total = 0
     for sm in sms:
         print(f"== target sm_{sm}")
         driver.set_active(CompileOnlyDriver(GPUTarget("cuda", sm, 32)))
         COMPILED.clear()
-        matrix()
+        uniform_only() if only_uniform else matrix()
         total += len(COMPILED)
     print(f"COMPILED {total}")
     return 0

@@ -163,6 +163,18 @@ def _kv_scales(scale_ptr, kvh, hkv, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _warp_uniform(x, ON: tl.constexpr):
+    """``x`` (an int32 scalar every thread of the program holds) as lane 0's copy (ON): the
+    same value, but ptxas then knows it is one per warp and keeps what derives from it (loop
+    bounds, addresses, pipeline-stage descriptors) in uniform registers, instead of per-thread
+    registers moved to uniform ones every key tile. A loaded value is per-thread to ptxas."""
+    if ON:
+        x = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r",
+                                      [x], dtype=tl.int32, is_pure=True, pack=1)
+    return x
+
+
+@triton.jit
 def _tanh_approx(x):
     # one MUFU instruction (sm_75+); relative error about 2^-11, below bfloat16/float16 rounding
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
@@ -793,9 +805,10 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                           PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr,
                           IEEE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                           SOFTCAP: tl.constexpr, SINKS: tl.constexpr, QUANT: tl.constexpr,
-                          CHAINS: tl.constexpr, KV_SPLITS: tl.constexpr):
+                          CHAINS: tl.constexpr, KV_SPLITS: tl.constexpr, UNIFORM: tl.constexpr):
     """Entries with many queries; grid (sum of q tiles upper bound, Hkv, KV_SPLITS). Tile ->
     entry by a vector prefix sum over all entries (no host-side tile plan, no extra launches).
+    UNIFORM: the entry's scalars and the lean loop's bounds through ``_warp_uniform``.
     KV_SPLITS > 1: program ``s`` of a tile covers the ``s``-th of KV_SPLITS equal runs of its
     keys (whole BLOCK_N steps) and stores fp32 partial o / lse at split ``s`` (strides so_s /
     sl_s), merged by ``_merge_splits_kernel`` (a shared prefix's entry holds few row tiles over
@@ -812,15 +825,15 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
     e_hi = tl.load(qo_ptr + ei + 1, mask=e_ok, other=0)
     nb = (e_hi - e_lo + M_TOK - 1) // M_TOK
     cum = tl.cumsum(nb, 0)
-    e = tl.sum((cum <= pid).to(tl.int32), 0)
+    e = _warp_uniform(tl.sum((cum <= pid).to(tl.int32), 0), UNIFORM)
     if e < n_entries:
-        m0 = (pid - tl.sum(tl.where(ei < e, nb, 0), 0)) * M_TOK
-        lo = tl.load(qo_ptr + e)
-        nq = tl.load(qo_ptr + e + 1) - lo
-        kv_len = tl.load(kvlen_ptr + e)
-        sink = tl.load(sink_ptr + e)
-        gap = tl.load(gap_ptr + e)
-        pstart = tl.load(pindptr_ptr + e)
+        m0 = _warp_uniform((pid - tl.sum(tl.where(ei < e, nb, 0), 0)) * M_TOK, UNIFORM)
+        lo = _warp_uniform(tl.load(qo_ptr + e), UNIFORM)
+        nq = _warp_uniform(tl.load(qo_ptr + e + 1), UNIFORM) - lo
+        kv_len = _warp_uniform(tl.load(kvlen_ptr + e), UNIFORM)
+        sink = _warp_uniform(tl.load(sink_ptr + e), UNIFORM)
+        gap = _warp_uniform(tl.load(gap_ptr + e), UNIFORM)
+        pstart = _warp_uniform(tl.load(pindptr_ptr + e), UNIFORM)
         ri = tl.arange(0, BLOCK_R)
         r = m0 + ri // GROUP
         head = kvh * GROUP + ri % GROUP
@@ -837,7 +850,8 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                              inv, rope_scale, HALF, ROPE)
         if QUANT:            # the pages' codes are widened to float16 (_operand)
             q1, q2 = _operand(q1), _operand(q2)
-        krope = tl.load(krope_ptr + e)         # inline RoPE and the per-query window use it
+        # inline RoPE and the per-query window use it
+        krope = _warp_uniform(tl.load(krope_ptr + e), UNIFORM)
         kfloor = _window_floor(qpos_ptr, tok, row_ok, window_left, BLOCK_R)
         tlo = 0
         tree_start = kv_len
@@ -881,6 +895,9 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         if window_left >= 0:     # at or above the highest floor
             top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
         lean_lo, lean_hi = _lean_tiles(s_lo, u_hi, top, BLOCK_N)
+        # (a window's top comes from the rows' floors, a vector: broadcast again)
+        lean_lo = _warp_uniform(lean_lo, UNIFORM)
+        lean_hi = _warp_uniform(lean_hi, UNIFORM)
         for j0 in range(lean_lo, lean_hi, BLOCK_N):
             m_i, l_i, acc = _paged_step(
                 q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
@@ -1214,7 +1231,7 @@ class _Cfg:
     __slots__ = ("half", "block_half", "block_d", "dv", "block_dv", "ieee", "rope_hb", "ew_warps",
                  "dec_tiles", "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "rag_tiles",
                  "rag_block_r", "rag_m_tok", "merge_rows",
-                 "rope_runs", "merge", "quant")
+                 "rope_runs", "merge", "quant", "uniform")
 
     def __init__(self, ctx):
         d = ctx.head_dim
@@ -1236,6 +1253,9 @@ class _Cfg:
                           ctx.tuning.tiles("ragged", tile_d, self.ieee))
         self.rag_block_r, self.rag_m_tok = _prefill_rows(self.rag_tiles, ctx.group)
         self.merge_rows = ctx.tuning.merge_rows
+        # inline PTX: compiled for an NVIDIA GPU only (not HIP, not the interpreter)
+        self.uniform = bool(ctx.tuning.warp_uniform_scalars and torch.version.hip is None
+                            and os.environ.get("TRITON_INTERPRET") != "1")
         self.rope_runs = {}   # the rope/append launcher's _Kernel, by flag tuple
         self.merge = None     # the merge launcher's _Kernel
 
@@ -1737,7 +1757,8 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         rec.run = _Kernel(_paged_prefill_kernel, dict(
             GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
             BLOCK_E=_p2(n), **flags, CHAINS=depth.tree is not None and depth.tree.chains,
-            KV_SPLITS=splits, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+            KV_SPLITS=splits, UNIFORM=cfg.uniform, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages))
     return _keep(launch, key, (depth, rope), rec, q)
 
 

@@ -74,6 +74,13 @@ class Tuning:
         128: {"decode": AttnTiles(16, 128, 4, 3)},
     })
     fp8_min_splits: int = 2
+    # the paged prefill kernel broadcasts its per-entry scalars (bounds, offsets, the start of
+    # the page list: loaded by every thread) from lane 0 (``shfl.sync``), so ptxas knows them
+    # warp-uniform and keeps the key loops' addresses and pipeline-stage descriptors in
+    # uniform registers (sm_90, bf16 D 128: 794 -> 736 instructions a lean key tile, 1707 ->
+    # 1442 a masked one, no spills; docs/performance.md). NVIDIA PTX: never on ROCm or under
+    # Triton's interpreter. Off until timed on a GPU; a table entry may turn it on.
+    warp_uniform_scalars: bool = False
 
     def tiles(self, kind: str, head_dim: int, float32: bool = False,
               fp8: bool = False) -> AttnTiles:
@@ -135,6 +142,7 @@ TABLE_PATH = Path(__file__).with_name("tuning_table.json")
 architecture's entry): ``{arch: entry}``, an entry overriding a backend's base ``Tuning``."""
 _TILE_TABLES = ("by_head_dim", "float32_by_head_dim", "fp8_by_head_dim")
 _SCALARS = ("split_programs_per_sm", "split_min_keys", "split_max", "fp8_min_splits")
+_FLAGS = ("warp_uniform_scalars",)
 _KINDS = ("prefill", "ragged", "decode")
 
 
@@ -171,7 +179,8 @@ def for_arch(base: Tuning, arch: Optional[str], table: Optional[dict] = None,
     tables (``{"by_head_dim": {"128": {"decode": [block_rows, block_n, warps, stages]}}}``,
     likewise ``float32_by_head_dim`` / ``fp8_by_head_dim``) merged per head_dim and kind over
     the base's, its split-K numbers (``split_programs_per_sm``, ``split_min_keys``,
-    ``split_max``, ``fp8_min_splits``) replacing the base's. No entry: ``base``. Raises
+    ``split_max``, ``fp8_min_splits``) and flags (``warp_uniform_scalars``) replacing the
+    base's. No entry: ``base``. Raises
     ValueError naming ``where``, the architecture and the key for an entry it cannot read."""
     if arch is None:
         return base
@@ -185,6 +194,10 @@ def for_arch(base: Tuning, arch: Optional[str], table: Optional[dict] = None,
         if key in _SCALARS:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{where}: {arch}.{key}={value!r} must be an int >= 1")
+            changes[key] = value
+        elif key in _FLAGS:
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {arch}.{key}={value!r} must be true or false")
             changes[key] = value
         elif key in _TILE_TABLES:
             merged = {d: dict(kinds) for d, kinds in getattr(base, key).items()}
@@ -201,7 +214,7 @@ def for_arch(base: Tuning, arch: Optional[str], table: Optional[dict] = None,
             changes[key] = merged
         else:
             raise ValueError(f"{where}: {arch} has an unknown key {key!r} (known: "
-                             f"{', '.join(_SCALARS + _TILE_TABLES)}, source, measured)")
+                             f"{', '.join(_SCALARS + _FLAGS + _TILE_TABLES)}, source, measured)")
     return base.with_(**changes)
 
 
