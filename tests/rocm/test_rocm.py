@@ -84,3 +84,21 @@ def test_python_paths_match_reference_on_cpu():
         for a, b in zip(*outs):
             assert_close("rocm vs reference o", b, a, cfg.dtype)
     assert caches[0].aux_manager.kind == "merged" and caches[0].aux_manager.copies == 3
+
+
+def test_soft_capped_kernels_take_no_inline_ptx_under_hip(monkeypatch):
+    """The shared Triton kernels' fast soft cap is a ``tanh.approx`` PTX instruction, which
+    HIP cannot compile: under a ROCm build the launcher picks the exact cap (mode 1) for
+    16-bit caches too, as it does under the interpreter; on an NVIDIA build it keeps the PTX
+    one (mode 2, mode 4 for a negative scale)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    from kvcache_cuda import triton_kernels as tk
+    rec = SimpleNamespace(run=SimpleNamespace(kw={"IEEE": False}))     # a 16-bit cache's kernel
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert (tk._softcap_mode(rec, 30.0, 0.1), tk._softcap_mode(rec, 30.0, -0.1)) == (2, 4)
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    assert (tk._softcap_mode(rec, 30.0, 0.1), tk._softcap_mode(rec, 30.0, -0.1)) == (1, 1)
+    assert tk._softcap_mode(rec, 0.0, 0.1) == 0

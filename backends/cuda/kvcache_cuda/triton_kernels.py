@@ -1181,14 +1181,22 @@ def _score_scales(sm_scale: float, softcap: float, mode: int):
     return sm_scale * LOG2E, 0.0
 
 
+def _inline_ptx() -> bool:
+    """Whether the kernels launched now are compiled for an NVIDIA GPU, so that inline PTX may
+    reach them: not under Triton's interpreter (it runs no PTX), not on ROCm (HIP compiles
+    none; the ROCm backend runs these kernels)."""
+    return torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def _softcap_mode(rec, softcap: float, sm_scale: float) -> int:
-    """``_scores``' SOFTCAP for a record's kernel: 0 without a cap; 2 (tanh.approx) for 16-bit
-    caches on a GPU; 1 (exact) for float32 caches and under the interpreter (no inline asm).
-    0 and 2 become 3 and 4 for a scale that is not positive: the largest qk then does not give
-    the largest score, which ``_softmax_step`` assumes for 0 and 2."""
+    """``_scores``' SOFTCAP for a record's kernel: 0 without a cap; 2 (tanh.approx, inline
+    PTX) for 16-bit caches on an NVIDIA GPU; 1 (exact) for float32 caches, under the
+    interpreter and on ROCm. 0 and 2 become 3 and 4 for a scale that is not positive: the
+    largest qk then does not give the largest score, which ``_softmax_step`` assumes for 0
+    and 2."""
     if not softcap > 0:
         return 0 if sm_scale > 0 else 3
-    if rec.run.kw["IEEE"] or os.environ.get("TRITON_INTERPRET") == "1":
+    if rec.run.kw["IEEE"] or not _inline_ptx():
         return 1
     return 2 if sm_scale > 0 else 4
 
@@ -1253,9 +1261,7 @@ class _Cfg:
                           ctx.tuning.tiles("ragged", tile_d, self.ieee))
         self.rag_block_r, self.rag_m_tok = _prefill_rows(self.rag_tiles, ctx.group)
         self.merge_rows = ctx.tuning.merge_rows
-        # inline PTX: compiled for an NVIDIA GPU only (not HIP, not the interpreter)
-        self.uniform = bool(ctx.tuning.warp_uniform_scalars and torch.version.hip is None
-                            and os.environ.get("TRITON_INTERPRET") != "1")
+        self.uniform = bool(ctx.tuning.warp_uniform_scalars and _inline_ptx())
         self.rope_runs = {}   # the rope/append launcher's _Kernel, by flag tuple
         self.merge = None     # the merge launcher's _Kernel
 
