@@ -61,6 +61,25 @@ def test_the_cuda_launcher_runs_the_ragged_tiles():
     assert launch.pre_tiles == CUDA_TUNING.tiles("prefill", 128)
 
 
+def test_the_cuda_launcher_runs_fp8_prefill_tiles_over_fp8_pages():
+    """An ``fp8_by_head_dim`` "prefill" entry gives the paged prefill kernel (and the ragged
+    one, which keeps the prefill tiles over fp8 pages) its tiles over fp8 pages; a 16-bit
+    cache keeps the 16-bit table's."""
+    pytest.importorskip("triton")
+    import cuda_cases as cc
+    from kvcache_cuda import triton_kernels
+    t = for_arch(CUDA_TUNING, "sm_90", {"sm_90": {"fp8_by_head_dim": {"128": {
+        "prefill": [64, 64, 4, 2]}}}})
+    _, fp8 = cc.pair(cc.config(hq=8, hkv=2, d=128, ps=16, dtype="bfloat16",
+                               kv_dtype="float8_e4m3"), "torch")
+    fp8.tuning = t
+    launch = triton_kernels._Cfg(fp8.ctx)
+    assert launch.pre_tiles == launch.rag_tiles == AttnTiles(64, 64, 4, 2)
+    _, plain = cc.pair(cc.config(hq=8, hkv=2, d=128, ps=16, dtype="bfloat16"), "torch")
+    plain.tuning = t
+    assert triton_kernels._Cfg(plain.ctx).pre_tiles == CUDA_TUNING.tiles("prefill", 128)
+
+
 def test_warp_uniform_scalars_come_from_an_entry_and_only_reach_a_compiled_nvidia_kernel(
         monkeypatch):
     """``warp_uniform_scalars`` (inline PTX in the paged prefill kernel) is off in the base

@@ -1254,7 +1254,7 @@ class _Cfg:
         tile_d = max(d, self.dv)
         self.dec_tiles = ctx.tuning.tiles("decode", tile_d, self.ieee, ctx.kv_quant)
         self.dec_block_r = max(self.dec_tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
-        self.pre_tiles = ctx.tuning.tiles("prefill", tile_d, self.ieee)
+        self.pre_tiles = ctx.tuning.tiles("prefill", tile_d, self.ieee, ctx.kv_quant)
         self.pre_block_r, self.pre_m_tok = _prefill_rows(self.pre_tiles, ctx.group)
         # the ragged kernel's own tiles (16-bit pages; over fp8 ones it keeps the prefill tiles)
         self.rag_tiles = (self.pre_tiles if ctx.kv_quant else
