@@ -49,16 +49,22 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     return kernel
 
 
-def loop_sizes(cubin: bytes) -> list:
-    """SASS instructions in each loop of ``cubin`` (a backward branch to its target), in order."""
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as fh:
-        fh.write(cubin)
+def _bundled(tool: str, data: bytes, suffix: str, before: list, after: list = ()):
+    """Triton's bundled NVIDIA ``tool`` run on ``data`` written to a temporary ``suffix`` file
+    (its path between the ``before`` and ``after`` arguments); the finished process."""
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+    with tempfile.NamedTemporaryFile("wb", suffix=suffix, delete=False) as fh:
+        fh.write(data)
     try:
-        sass = subprocess.run([str(cuobjdump), "-sass", fh.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([str(path), *before, fh.name, *after], capture_output=True,
+                              text=True, check=True)
     finally:
         os.unlink(fh.name)
+
+
+def loop_sizes(cubin: bytes) -> list:
+    """SASS instructions in each loop of ``cubin`` (a backward branch to its target), in order."""
+    sass = _bundled("cuobjdump", cubin, ".cubin", ["-sass"]).stdout
     code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for addr, text in code:
@@ -71,14 +77,8 @@ def loop_sizes(cubin: bytes) -> list:
 
 def ptxas_report(ptx: str) -> tuple:
     """(registers, spill store bytes) that ptxas -v reports for ``ptx`` on sm_90a."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-        fh.write(ptx)
-    try:
-        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", fh.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    finally:
-        os.unlink(fh.name)
+    out = _bundled("ptxas", ptx.encode(), ".ptx", ["-arch=sm_90a", "-v"],
+                   ["-o", os.devnull]).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
     return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0

@@ -137,6 +137,19 @@ def _lab_persistent_kernel(q_ptr, pages_ptr, o_ptr, pind_ptr, L, pages_per, n_ti
                  o.to(o_ptr.dtype.element_ty))
 
 
+def _stripped(q, pages, depth, o, batch, n, tiles):
+    """Launch ``_lab_kernel``'s unmasked loop over pages (MODE 0), one program per tile."""
+    rows, bn, warps, stages = tiles
+    G = bench.HQ // bench.HKV
+    m_tok = rows // G
+    _lab_kernel[(n // m_tok, bench.HKV, batch)](
+        q, pages, q, q, o, depth.page_indices, None, None, n, n // bench.PS, q.stride(0),
+        q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2), pages.stride(3), 0, 0,
+        o.stride(0), o.stride(1), bench.D ** -0.5 * 1.4426950408889634, GROUP=G, M_TOK=m_tok,
+        BLOCK_R=rows, BLOCK_N=bn, D=bench.D, PAGE_SIZE=bench.PS, MODE=0, ACC=False,
+        MASKED=False, WS=False, STAGES=stages, num_warps=warps, num_stages=stages)
+
+
 def _persistent(q, pages, depth, o, batch, n, tiles, flatten, programs):
     """Launch ``_lab_persistent_kernel`` over ``programs`` programs (at most one per tile)."""
     rows, bn, warps, stages = tiles
@@ -226,13 +239,7 @@ def main():
             continue
         if args.ncu:
             o = torch.empty_like(q)
-            m_tok = 128 // G
-            lab = lambda: _lab_kernel[(n // m_tok, HKV, batch)](
-                q, pages, q, q, o, depth.page_indices, None, None, n, n // PS, q.stride(0),
-                q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2), pages.stride(3),
-                0, 0, o.stride(0), o.stride(1), scale * 1.4426950408889634, GROUP=G,
-                M_TOK=m_tok, BLOCK_R=128, BLOCK_N=128, D=D, PAGE_SIZE=PS, MODE=0, ACC=False,
-                MASKED=False, WS=False, STAGES=3, num_warps=8, num_stages=3)
+            lab = lambda: _stripped(q, pages, depth, o, batch, n, (128, 128, 8, 3))
             lab()
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStart()
@@ -246,15 +253,8 @@ def main():
             for tiles in ([tuple(int(x) for x in t.split(",")) for t in args.tiles]
                           if args.tiles else [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3),
                                               (128, 64, 8, 2)]):
-                rows, bn, warps, stages = tiles
-                m_tok = rows // G
-                variants = [("one program per tile", lambda: _lab_kernel[(n // m_tok, HKV, batch)](
-                    q, pages, q, q, o, depth.page_indices, None, None, n, n // PS, q.stride(0),
-                    q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2),
-                    pages.stride(3), 0, 0, o.stride(0), o.stride(1), scale * 1.4426950408889634,
-                    GROUP=G, M_TOK=m_tok, BLOCK_R=rows, BLOCK_N=bn, D=D, PAGE_SIZE=PS, MODE=0,
-                    ACC=False, MASKED=False, WS=False, STAGES=stages, num_warps=warps,
-                    num_stages=stages))]
+                variants = [("one program per tile", lambda t=tiles: _stripped(
+                    q, pages, depth, o, batch, n, t))]
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 for flatten in (False, True):
                     for per_sm in (1, 2):
