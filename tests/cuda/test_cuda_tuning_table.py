@@ -7,6 +7,7 @@ backend in the CPU test mode runs its base table."""
 import json
 import types
 
+import numpy as np
 import pytest
 
 from kvcache_cuda import tune
@@ -83,16 +84,20 @@ def test_the_cuda_launcher_runs_fp8_prefill_tiles_over_fp8_pages():
 def test_warp_uniform_scalars_come_from_an_entry_and_only_reach_a_compiled_nvidia_kernel(
         monkeypatch):
     """``warp_uniform_scalars`` (inline PTX in the paged prefill kernel) is off in the base
-    tables, an architecture's entry turns it on, and the launcher passes it to the kernel only
-    where the kernel is compiled for an NVIDIA GPU: not under Triton's interpreter (it runs no
-    PTX) and not on ROCm, whatever the tuning says."""
+    tables, an architecture's entry turns it on (the shipped ``sm_90`` entry does: timed on an
+    H100), and the launcher passes it to the kernel only where the kernel is compiled for an
+    NVIDIA GPU: not under Triton's interpreter (it runs no PTX) and not on ROCm, whatever the
+    tuning says."""
     import cuda_cases as cc
     from kvcache_cuda import triton_kernels
     from kvcache_rocm.tuning import ROCM_TUNING
     assert not CUDA_TUNING.warp_uniform_scalars and not ROCM_TUNING.warp_uniform_scalars
     t = for_arch(CUDA_TUNING, "sm_90", {"sm_90": {"warp_uniform_scalars": True}})
     assert t.warp_uniform_scalars and t.tiles("prefill", 128) == CUDA_TUNING.tiles("prefill", 128)
+    assert for_arch(CUDA_TUNING, "sm_90", read_table()).warp_uniform_scalars
+    assert not for_arch(CUDA_TUNING, "sm_80", read_table()).warp_uniform_scalars
     _, mine = cc.pair(cc.config(hq=8, hkv=2, d=64, ps=16, dtype="bfloat16"), "torch")
+    mine.tuning = CUDA_TUNING    # on a GPU the device's own entry would apply
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(triton_kernels.torch.version, "hip", None)
     assert not triton_kernels._Cfg(mine.ctx).uniform
@@ -173,3 +178,41 @@ def test_the_cpu_test_mode_runs_the_base_table(monkeypatch):
                               page_size=16, max_total_tokens=64, rope_mode="normal")
     backend = CudaBackend(cfg, "cpu")
     assert backend.arch is None and backend.tuning is CudaBackend.TUNING
+
+
+@pytest.mark.parametrize("on_factor,hip,expect", [(0.9, None, True), (1.1, None, False),
+                                                  (1.0, None, False), (0.9, "6.4", None)])
+def test_the_sweep_times_warp_uniform_scalars_where_inline_ptx_reaches_the_kernel(
+        monkeypatch, on_factor, hip, expect):
+    """The sweep's last step times ``warp_uniform_scalars`` off and on over the paged prefill
+    cases (on the chosen prefill tiles) and writes the faster (off on a tie) into the entry, so
+    that a new sweep keeps or drops the flag by measurement; where inline PTX cannot reach the
+    kernel (ROCm) the entry leaves the flag out. The kernels are not run: a timer stands in."""
+    import torch
+    from kvcache_cuda import bench, triton_kernels
+    from kvcache_cuda.backend import CudaBackend
+    monkeypatch.setattr(tune, "DECODE_CASES", [(1, 32), (2, 32)])
+    monkeypatch.setattr(tune, "PREFILL_CASES", [("paged", 1, 32), ("paged", 2, 32),
+                                                ("ragged", 1, 32)])
+    monkeypatch.setattr(tune, "SPLIT_RULES", [(1, 64), (2, 128)])
+    monkeypatch.setattr(bench, "DECODE_TILES", bench.DECODE_TILES[:2])
+    monkeypatch.setattr(bench, "PREFILL_TILES", bench.PREFILL_TILES[:2])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_kernels.torch.version, "hip", hip)
+    backend = bench.bench_backend(CudaBackend, "bfloat16", "cpu")
+    seen = []
+
+    class Timer:                      # paged prefill is faster with the flag by on_factor
+        def measure(self, run):
+            t = float(run.args[0].shape[0])
+            on = backend.tuning.warp_uniform_scalars
+            seen.append((run.func.__name__, on))
+            if on and run.func.__name__ == "paged_attention" and run.args[0].shape[0] > 2:
+                t *= on_factor
+            return (t,)
+
+    entry = tune.sweep(torch, backend, Timer(), np.random.default_rng(0), torch.device("cpu"))
+    assert entry.get("warp_uniform_scalars") is expect
+    assert (("paged_attention", True) in seen) is (hip is None)
+    assert not backend.tuning.warp_uniform_scalars            # the base table restored
+    for_arch(CUDA_TUNING, "sm_90", {"sm_90": entry})          # the entry reads back

@@ -14,7 +14,10 @@ over the case's best time (so no case is given up for another):
    over the same cases;
 3. prefill tiles (``bench.PREFILL_TILES``) over paged prefill B=1 L=4096 and B=8 L=1024;
 4. ragged tiles (the same candidates) over causal ragged prefill B=1 L=4096 and B=8 L=1024
-   (the "ragged" entry: the ragged kernel's own tiles for 16-bit caches).
+   (the "ragged" entry: the ragged kernel's own tiles for 16-bit caches);
+5. where the kernels are compiled for an NVIDIA GPU (inline PTX reaches them), the flag
+   ``warp_uniform_scalars`` off and on over the paged prefill cases, with the chosen prefill
+   tiles (on ROCm the flag cannot apply, and the entry leaves it out).
 
 Prints every candidate's times and the chosen entry; ``--write`` stores it under this GPU's
 ``device_arch`` (``"sm_90"``, ``"gfx942"``), keeping the other architectures' entries. The
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench
+from . import bench, triton_kernels
 from .tuning import AttnTiles, TABLE_PATH, device_arch, write_entry
 
 DECODE_CASES = [(1, 4096), (16, 4096), (64, 4096), (1, 32768)]
@@ -74,7 +77,8 @@ def _time_all(label, candidates, apply, runs, timer):
 
 
 def sweep(torch, backend, timer, rng, device) -> dict:
-    """Run the three sweeps; returns the table entry (tiles as lists, the rule's numbers)."""
+    """Run the sweeps; returns the table entry (tiles as lists, the rule's numbers, the flags
+    that could be timed here)."""
     base = backend.tuning
     scale = bench.D ** -0.5
     d = str(bench.D)
@@ -125,10 +129,20 @@ def sweep(torch, backend, timer, rng, device) -> dict:
         measured[f"{name}_score"] = round(score, 3)
         measured[f"{name}_us"] = dict(zip(map(str, cases),
                                           [round(x, 1) for x in ptiles[chosen[name]]]))
+    flags = {}
+    if triton_kernels._inline_ptx():
+        paged = [r for c, r in zip(PREFILL_CASES, runs) if c[0] == "paged"]
+        with_pre = with_tiles(base, "prefill", chosen["prefill"])
+        print(f"# warp_uniform_scalars over {[c for c in PREFILL_CASES if c[0] == 'paged']}, "
+              f"prefill tiles {chosen['prefill']}", flush=True)
+        timed = _time_all("warp_uniform_scalars", (False, True), lambda on: setattr(
+            backend, "tuning", with_pre.with_(warp_uniform_scalars=on)), paged, timer)
+        flags["warp_uniform_scalars"], score = best_of(timed)
+        measured["uniform_us"] = {str(on): [round(x, 1) for x in t] for on, t in timed.items()}
     backend.tuning = base
     entry = {"by_head_dim": {d: {"decode": list(decode), "prefill": list(chosen["prefill"]),
                                  "ragged": list(chosen["ragged"])}},
-             "split_programs_per_sm": rule[0], "split_min_keys": rule[1],
+             "split_programs_per_sm": rule[0], "split_min_keys": rule[1], **flags,
              "measured": {"decode_score": round(dscore, 3), "split_score": round(rscore, 3),
                           "decode_us": dict(zip(map(str, DECODE_CASES),
                                                 [round(x, 1) for x in rules[rule]])),
