@@ -9,7 +9,8 @@ row vectors held registers through the key loops).
 
     python tools/kernel_regs.py [--uniform] [R,N,W,S ...]
         (tiles: rows, keys, warps, stages; default: the shipped table, then 128,64,4,3;
-        --uniform: the paged prefill kernel again with ``warp_uniform_scalars``)
+        --uniform: the paged prefill kernel again with ``warp_uniform_scalars`` flipped from
+        the table's: the shipped sm_90 entry has it on, so this adds the build without it)
 
 Beside them, each key loop's size in SASS instructions (cuobjdump on the cubin: a loop is a
 backward branch's span; the span counts code its forward branches may skip). A loop longer than
@@ -109,9 +110,10 @@ def main() -> int:
             mine.tuning = shipped.with_(by_head_dim=table)
         mine.paged_attention(case.q, case.pages, case.depth, 0.1)
         if "--uniform" in sys.argv:
-            flagged, mine.tuning = mine.tuning, mine.tuning.with_(warp_uniform_scalars=True)
+            table, mine.tuning = mine.tuning, mine.tuning.with_(
+                warp_uniform_scalars=not mine.tuning.warp_uniform_scalars)
             mine.paged_attention(case.q, case.pages, case.depth, 0.1)
-            mine.tuning = flagged
+            mine.tuning = table
         mine.ragged_attention(ragged["q"], ragged["k"], ragged["v"], cc.ints(mine, ragged["qo"]),
                               0.1, num_seqs=2, max_len=300)
     print(f"{'kernel':34} {'tiles (rows, keys, warps, stages)':34} {'registers':>9} "

@@ -131,13 +131,14 @@ def sweep(torch, backend, timer, rng, device) -> dict:
                                           [round(x, 1) for x in ptiles[chosen[name]]]))
     flags = {}
     if triton_kernels._inline_ptx():
-        paged = [r for c, r in zip(PREFILL_CASES, runs) if c[0] == "paged"]
+        paged = [(c, r) for c, r in zip(PREFILL_CASES, runs) if c[0] == "paged"]
         with_pre = with_tiles(base, "prefill", chosen["prefill"])
-        print(f"# warp_uniform_scalars over {[c for c in PREFILL_CASES if c[0] == 'paged']}, "
-              f"prefill tiles {chosen['prefill']}", flush=True)
+        print(f"# warp_uniform_scalars over {[c for c, _ in paged]}, prefill tiles "
+              f"{chosen['prefill']}", flush=True)
         timed = _time_all("warp_uniform_scalars", (False, True), lambda on: setattr(
-            backend, "tuning", with_pre.with_(warp_uniform_scalars=on)), paged, timer)
-        flags["warp_uniform_scalars"], score = best_of(timed)
+            backend, "tuning", with_pre.with_(warp_uniform_scalars=on)), [r for _, r in paged],
+            timer)
+        flags["warp_uniform_scalars"] = best_of(timed)[0]
         measured["uniform_us"] = {str(on): [round(x, 1) for x in t] for on, t in timed.items()}
     backend.tuning = base
     entry = {"by_head_dim": {d: {"decode": list(decode), "prefill": list(chosen["prefill"]),
