@@ -4,9 +4,9 @@ with tokens, then ``remove_sequence``), per 1,000 prompt tokens. Target: matchin
 per request per 1,000 prompt tokens (issue 31).
 
 A request's first lookup is timed on a prompt object the cache has not seen (a fresh copy each
-call: its ids are checked and hashed); ``again``: the same object asked about again, as a
-scheduler asks every step a request waits (an array's keys are kept while its bytes are the
-same; a list is checked and hashed every time)."""
+call: its ids are copied and checked); ``again``: the same object asked about again, as a
+scheduler asks every step a request waits (an array's checked copy is kept while its bytes are
+the same; a list is converted and checked every time)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def prefix_bench(repeat: int = 200, page_size: int = 16, lengths=PREFIX_LENGTHS)
     """One row per prompt length and input kind: medians of ``repeat`` calls on a cache whose
     index holds the prompt (and 7 other prompts sharing its first half, so lookups walk a real
     tree); the prompt given as a list of Python ints, an int64 numpy array and an
-    ``array('q')`` (what the Engine's scheduler passes: its prompt converted once)."""
+    ``array('q')`` (what the Engine's scheduler passes: its prompt converted once); and, as an
+    ``array('q')``, a prompt whose first half only is cached (a shared system prompt and a
+    question not asked before: the lookup searches for where the cached part ends)."""
     from .cache import PagedKVCache
     from .config import CacheConfig
 
@@ -46,9 +48,11 @@ def prefix_bench(repeat: int = 200, page_size: int = 16, lengths=PREFIX_LENGTHS)
                 cache.attention(0, q[start:], q[start:], q[start:])
             cache.remove_sequence(i)
         probe = base + [1]
+        half = base[:n // 2] + rng.integers(0, 32000, n - n // 2 + 1).tolist()
         # the Engine's scheduler passes array('q'): converted once per request, not per call
         for kind, make in (("list", list), ("int64 array", lambda p: np.array(p, np.int64)),
-                           ("array('q')", lambda p: array.array("q", p))):
+                           ("array('q')", lambda p: array.array("q", p)),
+                           ("half cached", lambda p: array.array("q", half))):
             given = make(probe)
             fresh = [make(probe) for _ in range(2 * repeat)]     # first asks: objects unseen
             times_match, times_again, times_add = [], [], []

@@ -1511,8 +1511,8 @@ def _token_ids(tokens, what: str, memo=None) -> Prompt:
     checked at C speed: the index's host cost is a few microseconds per 1,000 tokens, and a
     Python loop here would be ten times it; anything else, or a bad id, goes through
     ``int_values`` (the precise error). ``memo`` (a ``PromptMemo``): for an array, the
-    ``Prompt`` made for the same object before, while its bytes are the same (checked, not
-    hashed again)."""
+    ``Prompt`` made for the same object before, while its bytes are the same (compared, not
+    checked again)."""
     buf = key = None
     if isinstance(tokens, array.array) and tokens.typecode == "q":     # int64 already
         buf, key = tokens.tobytes(), id(tokens)

@@ -1,12 +1,13 @@
 """Automatic prefix caching: an index of full pages keyed by the token ids that produced them.
 
-The index is a tree of *nodes*, one per full page, keyed by a 64-bit hash of the tokens up to
-its end and the extra key (``prefix_hash``: every page boundary of a prompt in a few numpy
-calls), so the longest cached prefix of a prompt is found by a binary search over the depth. A
-hash only finds a candidate: the tokens of the whole matched prefix are then compared with the
-tokens that node was computed from (one byte comparison), and its extra key with the one asked
-for (by equality: two keys may share a Python hash), so a collision can never hand out another
-prefix's pages.
+The index is a tree of *nodes*, one per full page and extra key. A node is filed under its
+depth, its own page's ids (int64 bytes) and the extra key's hash; nodes with one such key (the
+same page at the same depth after different prefixes, or extra keys with one hash) share it, and
+are told apart by the ids of their whole prefix (one byte comparison with the ids the node was
+computed from) and the extra key (by equality). So the longest cached prefix of a prompt is a
+binary search over the depth, each probe a dict lookup on one page and one comparison, with no
+pass over the prompt (its host cost is a few microseconds whatever its length), and no two
+prefixes can ever be taken for each other.
 
 The pages stay in the page table. A node is *held* by the sequence that computed its page, as
 long as that sequence lives (its ``Track``): indexing changes nothing in the page table, so a
@@ -18,7 +19,7 @@ ghosts reach are cached: they count as available, and are evicted least recently
 deepest page first, when pages are needed. A sequence that pops (``popn``) pages it holds
 hands them to a ghost first; one that slides them out (a window) lets go of their nodes.
 
-Pure Python over the page table (numpy only for hashing and counting); no array library.
+Pure Python over the page table (numpy only for counting); no array library.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .prefix_hash import _MASK, prefix_hashes, prefix_sums, start_hash
 
 
 class Ghost:
@@ -60,11 +60,12 @@ class Track:
 
 
 class Node:
-    """One cached full page: ``depth`` pages from the root (1 = the first page)."""
+    """One cached full page: ``depth`` pages from the root (1 = the first page); ``key``: where
+    the index files it, ``(depth, its page's ids as int64 bytes, _extra_hash(extra))``."""
 
     __slots__ = ("id", "key", "parent", "depth", "holder", "kids", "tick", "alive", "src", "extra")
 
-    def __init__(self, id: int, key: int, parent: Optional["Node"], holder: Union[Ghost, Track],
+    def __init__(self, id: int, key: tuple, parent: Optional["Node"], holder: Union[Ghost, Track],
                  src: bytes, extra: Any):
         self.id, self.key, self.parent, self.holder, self.tick = id, key, parent, holder, 0
         self.src = src          # int64 bytes of (at least) the token prefix up to this page
@@ -76,19 +77,15 @@ class Node:
 
 class Prompt:
     """Token ids as the index takes them: ``raw``, their int64 bytes, already checked (ids
-    >= 0; a copy, so the caller's object may change later: this does not); ``n``, how many;
-    ``sums``, once a lookup computed them, its key sums (``prefix_sums``, for the page size
-    ``sums_ps``). A scheduler asks about a waiting request every step it waits:
-    ``PromptMemo`` keeps these per object it was given, so the checks and the hashing run
-    once."""
+    >= 0; a copy, so the caller's object may change later: this does not); ``n``, how many.
+    A scheduler asks about a waiting request every step it waits: ``PromptMemo`` keeps these
+    per object it was given, so the checks run once."""
 
-    __slots__ = ("raw", "n", "sums", "sums_ps")
+    __slots__ = ("raw", "n")
 
     def __init__(self, raw: bytes):
         self.raw = raw
         self.n = len(raw) >> 3
-        self.sums: Optional[np.ndarray] = None
-        self.sums_ps = 0
 
     @property
     def ids(self) -> np.ndarray:
@@ -136,7 +133,10 @@ class PromptMemo:
             self.tokens -= entries.pop(next(iter(entries))).n
 
 
-_START_NONE = start_hash(None)
+def _extra_hash(extra) -> int:
+    """The extra key's part of a node's key (extra keys of one hash share it: told apart by
+    equality)."""
+    return 0 if extra is None else hash(extra)
 
 
 def _key(holder):
@@ -150,7 +150,8 @@ class PrefixIndex:
     def __init__(self, state):
         self.state = state
         self.ps = state.page_size
-        self.nodes: dict = {}
+        self.nodes: dict = {}       # Node.key -> the nodes filed there (almost always one)
+        self.count = 0              # how many nodes
         self._heap: list = []
         self._clock = itertools.count(1)
         self._ids = itertools.count()
@@ -165,51 +166,69 @@ class PrefixIndex:
         """The deepest node of the longest cached prefix of ``prompt``, whole pages, leaving at
         least one token uncached (its logits are what a model computes next), that a new
         sequence can fork from (not the pages of a sequence with an uncommitted token tree);
-        None: nothing cached. Its depth is the prefix's length in pages.
-        Changes nothing but ``prompt.sums``."""
+        None: nothing cached. Its depth is the prefix's length in pages. Changes nothing.
+
+        Depth ``d`` is cached when a node filed under the prompt's page ``d`` holds its first
+        ``d`` pages; then so is every shallower depth (a node's parent stays while it does), so
+        a binary search finds the deepest, trying the whole prompt first (the usual hit). The
+        search only asks whether anything is filed under a depth's key (a cached depth always
+        has one), and the depth it ends at is then checked: when that holds the prompt's
+        prefix, no deeper one can (the next depth's key is absent); when it does not (a page
+        alike after another prefix), the search runs again checking every probe."""
         ps = self.ps
         pages = (prompt.n - 1) // ps
         nodes = self.nodes
         if pages <= 0 or not nodes:
             return None
-        start = _START_NONE if extra is None else start_hash(extra)
-        sums = prompt.sums
-        if sums is None or prompt.sums_ps != ps:
-            sums = prompt.sums = prefix_sums(prompt.raw, ps, pages)
-            prompt.sums_ps = ps
-        sum_at = sums.item          # depth d's key: (start + sum_at(d * ps - 1)) mod 2**64
-        node = nodes.get((sum_at(pages * ps - 1) + start) & _MASK)
-        if node is not None:
-            lo = pages
-        else:
-            lo, hi = 0, pages - 1           # depth lo is cached; nothing past hi is
+        raw, pb = prompt.raw, ps * 8
+        xh = _extra_hash(extra)
+        end = pages * pb
+        filed = nodes.get((pages, raw[end - pb:end], xh))
+        if filed is None:
+            lo, hi = 0, pages - 1           # depth lo has a key; depth hi + 1 has none
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if (sum_at(mid * ps - 1) + start) & _MASK in nodes:
+                end = mid * pb
+                if (mid, raw[end - pb:end], xh) in nodes:
                     lo = mid
                 else:
                     hi = mid - 1
             if lo == 0:
                 return None
-            node = nodes[(sum_at(lo * ps - 1) + start) & _MASK]
-        if node.depth != lo or not (node.extra is extra or _same(node.extra, extra)) \
-                or not node.src.startswith(memoryview(prompt.raw)[:lo * ps * 8]):
-            node = self._match_slowly(prompt, sum_at, pages, start, extra)   # a collision: by page
+            end = lo * pb
+            filed = nodes[(lo, raw[end - pb:end], xh)]
+        prefix = memoryview(raw)[:end]
+        for node in filed:
+            if node.src.startswith(prefix) and (node.extra is extra or _same(node.extra, extra)):
+                break
+        else:
+            node = self._find_checking(raw, extra, xh, end // pb - 1)
         seqs = self.state.pt.seqs
         while node is not None and isinstance(node.holder, Track) \
                 and not seqs[node.holder.owner].committed:
             node = node.parent
         return node
 
-    def _match_slowly(self, prompt: Prompt, sum_at, pages: int, start: int,
-                      extra) -> Optional[Node]:
-        found, ps, raw = None, self.ps, memoryview(prompt.raw)
-        for d in range(1, pages + 1):
-            node = self.nodes.get((sum_at(d * ps - 1) + start) & _MASK)
-            if node is None or node.depth != d or not _same(node.extra, extra) \
-                    or not node.src.startswith(raw[:d * ps * 8]):
-                break
-            found = node
+    def _find_checking(self, raw: bytes, extra, xh: int, hi: int) -> Optional[Node]:
+        """``find``'s search checking the prefix at every probe (``raw``: the prompt's ids,
+        ``xh``: ``_extra_hash(extra)``); ``hi``: no deeper depth than it is cached."""
+        view, pb, nodes = memoryview(raw), self.ps * 8, self.nodes
+
+        def at(depth: int) -> Optional[Node]:
+            end = depth * pb
+            for node in nodes.get((depth, raw[end - pb:end], xh), ()):
+                if node.src.startswith(view[:end]) and _same(node.extra, extra):
+                    return node
+            return None
+
+        lo, found = 0, None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            node = at(mid)
+            if node is None:
+                hi = mid - 1
+            else:
+                lo, found = mid, node
         return found
 
     def track(self, seq) -> Track:
@@ -255,8 +274,8 @@ class PrefixIndex:
         """``node``, used at ``tick``, onto the heap (rebuilt when mostly stale)."""
         heap = self._heap
         heapq.heappush(heap, (tick, node.id, node))
-        if len(heap) > 2 * len(self.nodes) + 1024:
-            heap[:] = [(n.tick, n.id, n) for n in self.nodes.values()]
+        if len(heap) > 2 * self.count + 1024:
+            heap[:] = [(n.tick, n.id, n) for filed in self.nodes.values() for n in filed]
             heapq.heapify(heap)
 
     # ------------------------------------------------------------------ record and index
@@ -280,24 +299,31 @@ class PrefixIndex:
         new = []
         parent = t.chain[-1] if t.chain else None
         src = t.tokens[:full * ps].tobytes()
-        view = memoryview(src)
-        start = start_hash(t.extra) if parent is None else parent.key
-        keys = prefix_hashes(src, ps, start, full, len(t.chain))
-        for d, key in enumerate(keys, len(t.chain) + 1):
-            node = self.nodes.get(key)
-            if node is not None and (node.depth != d or not _same(node.extra, t.extra)
-                                     or not node.src.startswith(view[:d * ps * 8])):
-                break                       # a hash collision: index no further
-            if node is None:
-                node = Node(next(self._ids), key, parent, t, src, t.extra)
-                self.nodes[key] = node
-                t.nodes.add(node)
-                if parent is not None:
-                    parent.kids.add(node)
+        pb, nodes, extra, ids, chain = ps * 8, self.nodes, t.extra, self._ids, t.chain
+        xh = _extra_hash(extra)
+        for d in range(len(chain) + 1, full + 1):
+            key = (d, src[(d - 1) * pb:d * pb], xh)
+            filed = nodes.get(key)
+            if filed is None:
+                node = Node(next(ids), key, parent, t, src, extra)
+                nodes[key] = [node]
                 new.append(node)
-            t.chain.append(node)
+            else:       # the one with this page after this parent (a first page: this extra key)
+                for node in filed:
+                    if node.parent is parent and (parent is not None or _same(node.extra, extra)):
+                        break
+                else:
+                    node = Node(next(ids), key, parent, t, src, extra)
+                    filed.append(node)
+                    new.append(node)
+            chain.append(node)
             parent = node
         if new:
+            self.count += len(new)
+            t.nodes.update(new)
+            for node in new:
+                if node.parent is not None:
+                    node.parent.kids.add(node)
             self._touch(new)
 
     def truncated(self, seq, keep: Optional[int] = None) -> None:
@@ -494,7 +520,12 @@ class PrefixIndex:
 
     def _remove_node(self, node: Node) -> None:
         node.alive = False
-        del self.nodes[node.key]
+        self.count -= 1
+        filed = self.nodes[node.key]
+        if len(filed) == 1:
+            del self.nodes[node.key]
+        else:
+            filed.remove(node)
         node.holder.nodes.discard(node)
         if node.parent is not None:
             node.parent.kids.discard(node)
@@ -528,8 +559,17 @@ class PrefixIndex:
     def check(self) -> None:
         """Raise AssertionError if the index disagrees with the page table (tests call this)."""
         pt = self.state.pt
-        for key, node in self.nodes.items():
-            assert node.alive and node.key == key
+        pb = self.ps * 8
+        assert self.count == sum(map(len, self.nodes.values()))
+        for key, filed in self.nodes.items():
+            assert filed, f"nothing filed under {key}"
+            prefixes = [(n.src[:n.depth * pb], n.extra) for n in filed]
+            assert all(a[0] != b[0] or not _same(a[1], b[1])
+                       for i, a in enumerate(prefixes) for b in prefixes[:i]), "one prefix twice"
+        for node in (n for filed in self.nodes.values() for n in filed):
+            end = node.depth * pb
+            assert node.alive and node.key == (node.depth, node.src[end - pb:end], _extra_hash(node.extra))
+            assert node.parent is None or node.src.startswith(node.parent.src[:end - pb])
             holder = node.holder
             assert _key(holder) in pt.seqs, f"node {node.id} held by a sequence not in the cache"
             assert node in holder.nodes

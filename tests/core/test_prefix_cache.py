@@ -305,8 +305,8 @@ def test_a_changed_array_is_matched_by_its_new_ids():
 
 
 def test_extra_keys_with_one_python_hash_are_still_different_keys():
-    """-1 and -2 hash alike in CPython (so did ``('x', -1)`` and ``('x', -2)``, the keys'
-    starting point): pages computed under one are never handed to the other."""
+    """-1 and -2 hash alike in CPython, so the index files their pages under one key: pages
+    computed under one are never handed to the other, and each key's own pages are found."""
     assert hash(-1) == hash(-2)
     cache = make()
     prompt = list(range(10, 21))
@@ -316,31 +316,61 @@ def test_extra_keys_with_one_python_hash_are_still_different_keys():
     assert cache.match_prefix(prompt, extra_key=-2) == 0
     assert cache.prefix_admission(prompt, extra_key=-2) == (0, 0)
     assert cache.add_sequence(1, prompt, extra_key=-2) == 0
-    run(cache, 1, prompt, 0)                        # its pages are not indexed over -1's
+    k, v = kv(prompt, 0)
+    with cache.forward([1], [len(prompt)]):         # rows told apart from sequence 0's
+        cache.attention(0, np.ones((len(prompt), 2, 8), np.float32), k + 100, v)
     cache.remove_sequence(0)
-    assert cache.match_prefix(prompt, extra_key=-1) == 8
-    assert cache.match_prefix(prompt, extra_key=-2) == 0
     cache.remove_sequence(1)
+    assert cache.match_prefix(prompt, extra_key=-1) == 8
+    assert cache.match_prefix(prompt, extra_key=-2) == 8
+    assert cache.match_prefix(prompt, extra_key=-3) == 0 and cache.match_prefix(prompt) == 0
+    assert cache.add_sequence(2, prompt, extra_key=-1) == 8
+    assert cache.add_sequence(3, prompt, extra_key=-2) == 8
+    assert stored(cache, 2) == [[t, i] for i, t in enumerate(prompt[:8])]
+    assert stored(cache, 3) == [[t + 100, i + 100] for i, t in enumerate(prompt[:8])]
 
 
-@pytest.mark.parametrize("weights", ["zero", "tiny"])
-def test_colliding_keys_never_hand_out_another_prefixs_pages(weights):
-    """Keys made to collide (all weights 0: every prefix has one key; weights in {0, 1}: many
-    do): a match still gives only pages whose tokens are the prompt's own."""
-    from kvcache.core import prefix_hash
-    w = np.zeros(1 << 12, np.uint64) if weights == "zero" else \
-        np.random.default_rng(1).integers(0, 2, 1 << 12).astype(np.uint64)
-    old, prefix_hash._W[0] = prefix_hash._W[0], w
-    try:
-        _colliding_programs()
-    finally:
-        prefix_hash._W[0] = old
+def test_one_page_at_one_depth_after_different_prefixes_is_told_apart():
+    """The index files a node under its depth and its own page: pages alike at one depth
+    after different first pages share that, and each prompt still gets its own pages, all of
+    them."""
+    cache = make()
+    a = [1, 2, 3, 4] + [7, 7, 7, 7] + [9]
+    b = [5, 6, 7, 8] + [7, 7, 7, 7] + [9]
+    assert serve(cache, 0, a) == 0
+    assert cache.match_prefix(b) == 0
+    assert serve(cache, 1, b) == 0
+    for sid in (0, 1):
+        cache.remove_sequence(sid)
+    assert cache.match_prefix(a) == 8 and cache.match_prefix(b) == 8
+    assert cache.match_prefix([1, 2, 3, 4, 7, 7, 7, 0, 9]) == 4
+    assert cache.match_prefix([0, 2, 3, 4, 7, 7, 7, 7, 9]) == 0
+    c = [5, 6, 7, 8] + [8, 8, 8, 8] + [9]
+    assert serve(cache, 2, c) == 4
+    cache.remove_sequence(2)
+    # page 2 of this one is filed (after c's first page), not after its own first page
+    assert cache.match_prefix([1, 2, 3, 4, 8, 8, 8, 8, 9]) == 4
+    assert cache.match_prefix([1, 2, 3, 4, 8, 8, 8, 8, 1, 1, 1, 1, 2]) == 4
+    assert cache.add_sequence(3, b) == 8
+    assert stored(cache, 3) == [[t, i] for i, t in enumerate(b[:8])]
+
+
+def test_prompts_of_three_token_ids_share_keys_and_never_get_another_prefixs_pages():
+    """Random prompts over ids {0, 1, 2} with pages of 4: many pages are alike at one depth
+    after different prefixes. A match gives only pages whose tokens are the prompt's own, and
+    the prompt just computed is found whole."""
+    _colliding_programs()
 
 
 def _colliding_programs():
     cache = make(tokens=128)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 3, int(rng.integers(5, 30))).tolist() for _ in range(40)]
+    after: dict = {}                # (depth, page) -> the prefixes it follows, in these prompts
+    for p in prompts:
+        for d in range(1, (len(p) - 1) // PS + 1):
+            after.setdefault((d, tuple(p[(d - 1) * PS:d * PS])), set()).add(tuple(p[:d * PS]))
+    assert sum(len(prefixes) > 1 for prefixes in after.values()) > 10   # the case this is about
     for i, p in enumerate(prompts):
         got = cache.add_sequence(i, p)
         assert stored(cache, i) == [[t, j] for j, t in enumerate(p[:got])]
@@ -351,6 +381,7 @@ def _colliding_programs():
         assert stored(cache, i) == [[t, j] for j, t in enumerate(p)]
         cache.remove_sequence(i)
         cache.state.pt.check_invariants()
+        assert cache.match_prefix(p) == (len(p) - 1) // PS * PS
     hits = [cache.match_prefix(p) for p in prompts]
     for p, m in zip(prompts, hits):            # a hit is a prefix some prompt computed
         assert m == 0 or any(q[:m] == p[:m] and len(q) >= m for q in prompts)
