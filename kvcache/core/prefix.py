@@ -152,6 +152,7 @@ class PrefixIndex:
         self.ps = state.page_size
         self.nodes: dict = {}       # Node.key -> the nodes filed there (almost always one)
         self.count = 0              # how many nodes
+        self._last = 0              # the depth find's last search ended at: tried first
         self._heap: list = []
         self._clock = itertools.count(1)
         self._ids = itertools.count()
@@ -166,15 +167,18 @@ class PrefixIndex:
         """The deepest node of the longest cached prefix of ``prompt``, whole pages, leaving at
         least one token uncached (its logits are what a model computes next), that a new
         sequence can fork from (not the pages of a sequence with an uncommitted token tree);
-        None: nothing cached. Its depth is the prefix's length in pages. Changes nothing.
+        None: nothing cached. Its depth is the prefix's length in pages. Changes nothing but
+        the depth it tries first next time.
 
         Depth ``d`` is cached when a node filed under the prompt's page ``d`` holds its first
         ``d`` pages; then so is every shallower depth (a node's parent stays while it does), so
-        a binary search finds the deepest, trying the whole prompt first (the usual hit). The
-        search only asks whether anything is filed under a depth's key (a cached depth always
-        has one), and the depth it ends at is then checked: when that holds the prompt's
-        prefix, no deeper one can (the next depth's key is absent); when it does not (a page
-        alike after another prefix), the search runs again checking every probe."""
+        a binary search finds the deepest, trying the whole prompt first (the usual hit), then
+        the depth the last search ended at and the one past it (requests sharing a system
+        prompt end at its last page: three probes instead of a binary search's log2 of the
+        prompt's pages). The search only asks whether anything is filed under a depth's key (a
+        cached depth always has one), and the depth it ends at is then checked: when that holds
+        the prompt's prefix, no deeper one can (the next depth's key is absent); when it does
+        not (a page alike after another prefix), the search runs again checking every probe."""
         ps = self.ps
         pages = (prompt.n - 1) // ps
         nodes = self.nodes
@@ -186,6 +190,18 @@ class PrefixIndex:
         filed = nodes.get((pages, raw[end - pb:end], xh))
         if filed is None:
             lo, hi = 0, pages - 1           # depth lo has a key; depth hi + 1 has none
+            h = self._last
+            if h < hi:      # the depth the last search ended at first (one shared system prompt)
+                end = h * pb
+                if h and (h, raw[end - pb:end], xh) not in nodes:
+                    hi = h - 1
+                else:
+                    lo = h
+                    end += pb
+                    if (h + 1, raw[end - pb:end], xh) in nodes:
+                        lo = h + 1
+                    else:
+                        hi = h
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 end = mid * pb
@@ -193,6 +209,7 @@ class PrefixIndex:
                     lo = mid
                 else:
                     hi = mid - 1
+            self._last = lo
             if lo == 0:
                 return None
             end = lo * pb

@@ -385,3 +385,38 @@ def _colliding_programs():
     hits = [cache.match_prefix(p) for p in prompts]
     for p, m in zip(prompts, hits):            # a hit is a prefix some prompt computed
         assert m == 0 or any(q[:m] == p[:m] and len(q) >= m for q in prompts)
+
+
+def test_every_match_is_the_longest_whole_page_prefix_any_computed_prompt_shares():
+    """Judged by brute force over the prompts computed (a cache large enough to evict none):
+    random asks over ids {0, 1, 2}, some extending a computed prompt, in an order that moves
+    the depth where one search ends (tried first by the next) above and below the next
+    answer."""
+    cache = make(tokens=4096)
+    rng = np.random.default_rng(5)
+    done = []
+    for i in range(24):
+        base = done[int(rng.integers(len(done)))] if done and rng.random() < 0.6 else []
+        p = base[:int(rng.integers(0, len(base) + 1))] + rng.integers(0, 3, int(rng.integers(1, 20))).tolist()
+        serve(cache, i, p)
+        cache.remove_sequence(i)
+        done.append(p)
+
+    def want(q):
+        best = 0
+        for p in done:
+            n = 0
+            while n < min(len(p), len(q)) and p[n] == q[n]:
+                n += 1
+            best = max(best, min(n // PS, len(p) // PS, (len(q) - 1) // PS))
+        return best * PS
+
+    asked = 0
+    for _ in range(400):
+        p = done[int(rng.integers(len(done)))]
+        q = p[:int(rng.integers(0, len(p) + 1))] + rng.integers(0, 3, int(rng.integers(0, 12))).tolist()
+        if not q:
+            continue
+        assert cache.match_prefix(q) == want(q), q
+        asked += want(q) > 0
+    assert asked > 100
