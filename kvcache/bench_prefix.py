@@ -5,8 +5,7 @@ per request per 1,000 prompt tokens (issue 31).
 
 A request's first lookup is timed on a prompt object the cache has not seen (a fresh copy each
 call: its ids are copied and checked); ``again``: the same object asked about again, as a
-scheduler asks every step a request waits (an array's checked copy is kept while its bytes are
-the same; a list is converted and checked every time)."""
+scheduler asks every step a request waits (copied and checked again, its memory warm)."""
 
 from __future__ import annotations
 

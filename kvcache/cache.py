@@ -255,8 +255,7 @@ class PagedKVCache:
             self.state.add_sequence(seq_id)
             return 0
         sid = seq_id_arg(seq_id)
-        ids = _token_ids(tokens, f"add_sequence: sequence {sid}: tokens",
-                         None if self._prefix is None else self._prefix.memo)
+        ids = _token_ids(tokens, f"add_sequence: sequence {sid}: tokens")
         if extra_key is not None:
             _hashable(extra_key, f"add_sequence: sequence {sid}: extra_key")
         if sid in self.state.pt.seqs:
@@ -272,8 +271,7 @@ class PagedKVCache:
         now: the longest cached prefix of ``tokens`` in whole pages, at most ``len(tokens) -
         1`` (0 without ``CacheConfig(prefix_cache=True)``). Changes nothing (not even the
         least-recently-used order). Raises InvalidArgumentError for bad ids or key."""
-        ids = _token_ids(tokens, "match_prefix: tokens",
-                         None if self._prefix is None else self._prefix.memo)
+        ids = _token_ids(tokens, "match_prefix: tokens")
         if extra_key is not None:
             _hashable(extra_key, "match_prefix: extra_key")
         if self._prefix is None:
@@ -289,8 +287,7 @@ class PagedKVCache:
         are not available anyway). A scheduler admits a request with it: its first chunk then
         needs ``pages_needed`` after those. ``(0, 0)`` without the prefix cache. Changes
         nothing."""
-        ids = _token_ids(tokens, "prefix_admission: tokens",
-                         None if self._prefix is None else self._prefix.memo)
+        ids = _token_ids(tokens, "prefix_admission: tokens")
         if extra_key is not None:
             _hashable(extra_key, "prefix_admission: extra_key")
         if self._prefix is None:
@@ -1505,35 +1502,26 @@ class PagedKVCache:
 _SIGN = 7 if sys.byteorder == "little" else 0     # the byte of an int64 that holds its sign bit
 
 
-def _token_ids(tokens, what: str, memo=None) -> Prompt:
+def _token_ids(tokens, what: str) -> Prompt:
     """``tokens`` (a list or tuple of ints, a 1-D integer array or an ``array('q')``) as a
     ``Prompt``: a copy of the ids, checked (ints >= 0). The common cases are converted and
     checked at C speed: the index's host cost is a few microseconds per 1,000 tokens, and a
     Python loop here would be ten times it; anything else, or a bad id, goes through
-    ``int_values`` (the precise error). ``memo`` (a ``PromptMemo``): for an array, the
-    ``Prompt`` made for the same object before, while its bytes are the same (compared, not
-    checked again)."""
-    buf = key = None
+    ``int_values`` (the precise error)."""
+    buf = None
     if isinstance(tokens, array.array) and tokens.typecode == "q":     # int64 already
-        buf, key = tokens.tobytes(), id(tokens)
+        buf = tokens.tobytes()
     elif isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
         # uint64 past 2**63 wraps negative: refused below
-        buf, key = tokens.astype(np.int64, copy=False).tobytes(), id(tokens)
+        buf = tokens.astype(np.int64, copy=False).tobytes()
     elif isinstance(tokens, (list, tuple)) and list(map(type, tokens)).count(int) == len(tokens):
         try:        # exact ints only (checked above): fromiter is the fastest conversion
             buf = np.fromiter(tokens, np.int64, len(tokens)).tobytes()
         except OverflowError:
             pass
-    if key is not None and memo is not None:
-        prompt = memo.get(key, buf)
-        if prompt is not None:
-            return prompt
     # no negative int64: no sign byte >= 0x80 (one C pass over a byte string, no numpy call)
     if buf is not None and buf[_SIGN::8].isascii():
-        prompt = Prompt(buf)
-        if key is not None and memo is not None:
-            memo.put(key, prompt)
-        return prompt
+        return Prompt(buf)
     return Prompt(np.array(int_values(tokens, what, 0, 2**63 - 1), np.int64).tobytes())
 
 

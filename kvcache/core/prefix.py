@@ -77,9 +77,7 @@ class Node:
 
 class Prompt:
     """Token ids as the index takes them: ``raw``, their int64 bytes, already checked (ids
-    >= 0; a copy, so the caller's object may change later: this does not); ``n``, how many.
-    A scheduler asks about a waiting request every step it waits: ``PromptMemo`` keeps these
-    per object it was given, so the checks run once."""
+    >= 0; a copy, so the caller's object may change later: this does not); ``n``, how many."""
 
     __slots__ = ("raw", "n")
 
@@ -94,43 +92,6 @@ class Prompt:
 
     def __len__(self) -> int:
         return self.n
-
-
-class PromptMemo:
-    """The ``Prompt`` made last for each of the most recent arrays a caller passed, by the
-    array's ``id``: valid only while the array's bytes still equal ``raw`` (the caller checks:
-    an array may change, or a new one take a dead one's id). Least recently used out past
-    ``max_entries`` or ``max_tokens`` in all."""
-
-    def __init__(self, max_entries: int = 64, max_tokens: int = 1 << 20):
-        self.max_entries, self.max_tokens = max_entries, max_tokens
-        self.entries: dict = {}
-        self.tokens = 0
-
-    def get(self, key: int, raw: bytes) -> Optional[Prompt]:
-        """The ``Prompt`` kept for ``key`` if its bytes are ``raw`` (then the most recently
-        used); None: none (one with other bytes is dropped)."""
-        entries = self.entries
-        p = entries.pop(key, None)
-        if p is None:
-            return None
-        if p.raw != raw:
-            self.tokens -= p.n
-            return None
-        entries[key] = p                        # most recently used: last
-        return p
-
-    def put(self, key: int, prompt: Prompt) -> None:
-        entries = self.entries
-        old = entries.pop(key, None)
-        if old is not None:
-            self.tokens -= old.n
-        if prompt.n > self.max_tokens:
-            return
-        entries[key] = prompt
-        self.tokens += prompt.n
-        while len(entries) > self.max_entries or self.tokens > self.max_tokens:
-            self.tokens -= entries.pop(next(iter(entries))).n
 
 
 def _extra_hash(extra) -> int:
@@ -157,7 +118,6 @@ class PrefixIndex:
         self._clock = itertools.count(1)
         self._ids = itertools.count()
         self._evictable: tuple = (None, 0, None)  # ((epoch, version), count, reached blocks)
-        self.memo = PromptMemo()
         # evictions free only pages no real sequence reaches: they leave the plan epoch (and a
         # reused decode plan) alone and bump this instead
         self._version = 0
