@@ -5,9 +5,9 @@ depth, its own page's ids (int64 bytes) and the extra key's hash; nodes with one
 same page at the same depth after different prefixes, or extra keys with one hash) share it, and
 are told apart by the ids of their whole prefix (one byte comparison with the ids the node was
 computed from) and the extra key (by equality). So the longest cached prefix of a prompt is a
-binary search over the depth, each probe a dict lookup on one page and one comparison, with no
-pass over the prompt (its host cost is a few microseconds whatever its length), and no two
-prefixes can ever be taken for each other.
+binary search over the depth, each probe a dict lookup on one page, then one comparison (see
+``PrefixIndex.find``), with no pass over the prompt (its host cost is a few microseconds at
+1,000 tokens), and no two prefixes can ever be taken for each other.
 
 The pages stay in the page table. A node is *held* by the sequence that computed its page, as
 long as that sequence lives (its ``Track``): indexing changes nothing in the page table, so a
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import numpy as np
-
 
 
 class Ghost:
