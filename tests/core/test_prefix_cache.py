@@ -405,3 +405,18 @@ def test_every_match_is_the_longest_whole_page_prefix_any_computed_prompt_shares
         assert cache.match_prefix(q) == want(q), q
         asked += want(q) > 0
     assert asked > 100
+
+
+def test_a_page_of_token_id_0_is_cached_like_any_other():
+    """Id 0 is a token like any other (a padding id, or "!" in some vocabularies): a prompt
+    with a page of zeros is cached whole, and told apart from the same prompt without it
+    (the earlier index keyed a prefix by a weighted sum of its ids, to which zeros add
+    nothing: such a page had its parent's key, and indexing stopped there)."""
+    cache = make()
+    prompt = [1, 2, 3, 4] + [0, 0, 0, 0] + [5, 6, 7, 8] + [9]
+    assert serve(cache, 0, prompt) == 0
+    cache.remove_sequence(0)
+    assert cache.match_prefix(prompt) == 12
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
+    assert cache.add_sequence(1, [1, 2, 3, 4, 0, 0, 0, 0, 0]) == 8
+    assert stored(cache, 1) == [[t, i] for i, t in enumerate(prompt[:8])]
