@@ -110,10 +110,10 @@ def main() -> int:
             mine.tuning = shipped.with_(by_head_dim=table)
         mine.paged_attention(case.q, case.pages, case.depth, 0.1)
         if "--uniform" in sys.argv:
-            table, mine.tuning = mine.tuning, mine.tuning.with_(
+            tuned, mine.tuning = mine.tuning, mine.tuning.with_(
                 warp_uniform_scalars=not mine.tuning.warp_uniform_scalars)
             mine.paged_attention(case.q, case.pages, case.depth, 0.1)
-            mine.tuning = table
+            mine.tuning = tuned
         mine.ragged_attention(ragged["q"], ragged["k"], ragged["v"], cc.ints(mine, ragged["qo"]),
                               0.1, num_seqs=2, max_len=300)
     print(f"{'kernel':34} {'tiles (rows, keys, warps, stages)':34} {'registers':>9} "

@@ -344,10 +344,6 @@ def test_prompts_of_three_token_ids_share_keys_and_never_get_another_prefixs_pag
     """Random prompts over ids {0, 1, 2} with pages of 4: many pages are alike at one depth
     after different prefixes. A match gives only pages whose tokens are the prompt's own, and
     the prompt just computed is found whole."""
-    _colliding_programs()
-
-
-def _colliding_programs():
     cache = make(tokens=128)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 3, int(rng.integers(5, 30))).tolist() for _ in range(40)]
