@@ -59,6 +59,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional, Sequence
 
+import numpy as np
+
 from .errors import UnsupportedFeatureError
 
 
@@ -303,6 +305,33 @@ class Backend(abc.ABC):
     def dtype_name(self, array) -> str:
         """'float16' | 'bfloat16' | 'float32' | 'int32' | ... for a native array."""
 
+    # ------------------------------------------------------------------ host tier
+    def host_copy(self, array) -> tuple:
+        """``(host, event)``: a host numpy copy of native ``array`` with its bits as stored
+        (bfloat16 as ml_dtypes' type, never widened), in memory the device copies at full speed
+        (pinned, on a GPU), copied asynchronously: wait for ``event``
+        (``event_synchronize``) before reading it. The host tier parks sequences this way.
+        Default: a plain synchronous copy (``event`` None)."""
+        from .arrays import to_host
+        return to_host(array, self.dtype_name(array)), None
+
+    def from_host(self, host):
+        """A native array holding ``host``'s bits (a ``host_copy``), uploaded asynchronously
+        where the memory allows (the host array must stay unchanged until the device has read
+        it: until a later ``synchronize`` or a read of something computed from the result).
+        Default: ``from_numpy`` in the host array's dtype."""
+        return self.from_numpy(host, host.dtype.name)
+
+    def checksum(self, array):
+        """A native int64 array of two values that change when any bit of ``array`` does: the
+        sum of its bytes as little-endian int64 words, and the sum of its 64-word rows' sums
+        times their index + 1 (both modulo 2**64; an array whose size is not a multiple of 8
+        bytes is zero-padded). Computed where the array lives (the host tier checks a parked
+        sequence with it at device speed); read it with ``kvcache.to_numpy``. Default: computed
+        on the host (``checksum_words``), a numpy array."""
+        return checksum_words(np.frombuffer(
+            np.ascontiguousarray(_host_bits(self, array)).tobytes(), np.uint8))
+
     # ------------------------------------------------------------------ streams
     def create_stream(self):
         """A new stream (the copy stream); backends without streams return None."""
@@ -462,3 +491,21 @@ class Backend(abc.ABC):
 
 
 __all__ = ["Backend", "Capabilities", "RopeSpec", "TreeMask", "DepthAux"]
+
+
+def _host_bits(backend, array) -> np.ndarray:
+    from .arrays import to_host
+    return to_host(array, backend.dtype_name(array))
+
+
+def checksum_words(data: np.ndarray) -> np.ndarray:
+    """``Backend.checksum`` of the bytes ``data`` (uint8) on the host: int64 ``[sum of the
+    int64 words, sum of the 64-word rows' sums times index + 1]`` modulo 2**64."""
+    pad = (-data.size) % 512                    # whole rows of 64 words
+    if pad:
+        data = np.concatenate([data, np.zeros(pad, np.uint8)])
+    words = data.view("<i8").reshape(-1, 64)
+    with np.errstate(over="ignore"):
+        rows = words.sum(axis=1, dtype=np.int64)
+        weights = np.arange(1, rows.size + 1, dtype=np.int64)
+        return np.array([rows.sum(dtype=np.int64), (rows * weights).sum(dtype=np.int64)], np.int64)

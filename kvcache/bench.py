@@ -256,7 +256,7 @@ def main(argv: Optional[list] = None) -> int:
         if args.host or args.serving:
             raise UsageError("--transfer is a separate bench; run it without --host / --serving")
         for name in ("transfer_tokens", "transfer_layers", "transfer_repeat"):
-            if getattr(args, name) < 1:
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive integer")
         if args.backend is not None:
             backend_for(args.backend, args.device)

@@ -2,10 +2,10 @@
 ``torch.distributed`` send of the same bytes measured in the same run.
 
 Two local processes (``kvcache.distributed.tp.spawn``): NCCL with rank r on ``cuda:r`` when the
-device is a GPU (two needed), gloo on CPUs. Rank 0 holds a cache with one sequence of
-``--transfer-tokens`` tokens (default: Llama-3-8B KV shapes, 32 layers, 8 KV heads, head_dim 128,
-bfloat16 on a GPU); each repeat it ``send_sequence``s it and rank 1 ``recv_sequence``s it into its
-own cache (then removes it). The peer: rank 0 ``dist.send``s one contiguous tensor of the same
+device is a GPU (two needed), gloo on CPUs. Rank 0 holds a cache with one sequence per size
+(Llama-3-8B KV shapes, 32 layers, 8 KV heads, head_dim 128, bfloat16 on a GPU; by default a table
+of sequences of 1 MiB to 1 GiB on a GPU, ``--transfer-tokens`` for one size); each repeat it
+``send_sequence``s one and rank 1 ``recv_sequence``s it into its own cache (then removes it). The peer: rank 0 ``dist.send``s one contiguous tensor of the same
 byte count to rank 1. Both are timed on the receiver, from a barrier to the data being usable
 (``wait()`` returned, the device synchronized). Reported: the medians, both bandwidths and their
 ratio (target: the sequence's transfer at >= 0.8 of the plain send).
@@ -19,9 +19,15 @@ import statistics
 import time
 from typing import Optional
 
+from .arrays import to_numpy
+
 __all__ = ["add_arguments", "main", "measure"]
 
 TARGET = 0.8
+
+
+SIZES_MIB = (1, 4, 16, 64, 256, 1024)
+"""The table's sequence sizes (K and V together) on a GPU."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,15 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer", action="store_true",
                    help="one sequence's KV sent between two processes (send_sequence / "
                         "recv_sequence) vs a plain torch.distributed send of the same bytes")
-    g.add_argument("--transfer-tokens", type=int, default=4096, metavar="N",
-                   help="tokens of the sequence (default 4096)")
+    g.add_argument("--transfer-tokens", type=int, default=None, metavar="N",
+                   help="tokens of the sequence (default: a table of sequences of 1 MiB to "
+                        "1 GiB on a GPU, 4096 tokens on CPUs)")
     g.add_argument("--transfer-layers", type=int, default=32, metavar="N",
                    help="layers of the cache (default 32; 8 KV heads, head_dim 128)")
     g.add_argument("--transfer-repeat", type=int, default=10, metavar="N",
                    help="timed repeats of each (default 10, after one warm-up)")
 
 
-def _rank(rank: int, world: int, opts: dict) -> dict:
+def _rank(rank: int, world: int, opts: dict) -> list:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -47,71 +54,139 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     from kvcache.distributed import recv_sequence, send_sequence
     gpu = opts["device"] == "cuda"
     device = f"cuda:{rank}" if gpu else "cpu"
+    sizes = opts["tokens"]
     cfg = kvcache.CacheConfig(
         num_layers=opts["layers"], num_qo_heads=opts["kv_heads"], num_kv_heads=opts["kv_heads"],
         head_dim=opts["head_dim"], page_size=16, dtype=opts["dtype"], rope_mode="none",
-        max_batch_size=1, max_total_tokens=opts["tokens"] + 16,
-        prefill_chunk_size=opts["tokens"])
+        max_batch_size=1, max_total_tokens=sum(sizes) + 16 * len(sizes),
+        prefill_chunk_size=max(sizes))
     cache = kvcache.PagedKVCache(cfg, backend=opts["backend"], device=device)
 
     def sync():
         if gpu:
             torch.cuda.synchronize(device)
 
-    if rank == 0:                          # the sequence: one prefill of random K/V
+    if rank == 0:                          # one sequence per size: one prefill of random K/V
         rng = np.random.default_rng(0)
-        cache.add_sequence(0)
-        with cache.forward([0], [opts["tokens"]]):
-            for layer in range(cfg.num_layers):
-                x = cache.from_numpy(rng.standard_normal(
-                    (opts["tokens"], cfg.num_kv_heads, cfg.head_dim)).astype(np.float32))
-                cache.attention(layer, x, x, x)
+        for sid, n in enumerate(sizes):
+            cache.add_sequence(sid)
+            with cache.forward([sid], [n]):
+                for layer in range(cfg.num_layers):
+                    x = cache.from_numpy(rng.standard_normal(
+                        (n, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32))
+                    cache.attention(layer, x, x, x)
         sync()
-    nbytes = opts["tokens"] * cfg.token_kv_bytes
-    plain = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    kv_times, plain_times = [], []
-    for r in range(opts["repeat"] + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            send_sequence(cache, [0], dst=1).wait()
-        else:
-            recv_sequence(cache, [0], src=0).wait()
-            sync()
-            if r == opts["repeat"]:
-                k, _ = cache.get_kv(0)
-                got = kvcache.to_numpy(k).shape
-            cache.remove_sequence(0)
-        kv_times.append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(plain, 1)
-        else:
-            dist.recv(plain, 0)
-            sync()
-        plain_times.append(time.perf_counter() - t0)
-    out = dict(bytes=nbytes, kv_s=statistics.median(kv_times[1:]),
-               plain_s=statistics.median(plain_times[1:]))
-    if rank == 1:
-        out["received_shape"] = list(got)
-    return out
+    rows = []
+    for sid, n in enumerate(sizes):
+        nbytes = n * cfg.token_kv_bytes
+        plain = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        kv_times, plain_times = [], []
+        got = None
+        for r in range(opts["repeat"] + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                send_sequence(cache, [sid], dst=1).wait()
+            else:
+                recv_sequence(cache, [sid], src=0).wait()
+                sync()
+            kv_times.append(time.perf_counter() - t0)
+            if r == opts["repeat"]:         # the last copy against the source, bit for bit
+                same = _same_bits(cache, sid, device, dist, torch)
+                if rank == 1:
+                    got = list(kvcache.to_numpy(cache.get_kv(sid)[0]).shape)
+            if rank == 1:
+                cache.remove_sequence(sid)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(plain, 1)
+            else:
+                dist.recv(plain, 0)
+                sync()
+            plain_times.append(time.perf_counter() - t0)
+        row = dict(tokens=n, bytes=nbytes, kv_s=statistics.median(kv_times[1:]),
+                   plain_s=statistics.median(plain_times[1:]))
+        if rank == 1:
+            row.update(received_shape=got, bit_exact=same)
+        rows.append(row)
+    if rank == 0:
+        rows.append(_host_tier(cache, len(sizes) - 1, sync, device, opts["repeat"]))
+    return rows
 
 
-def measure(device: str, backend: str, tokens: int, layers: int, repeat: int,
+def _same_bits(cache, sid: int, device: str, dist, torch) -> bool:
+    """Whether the sender's sequence ``sid`` and the receiver's copy hold the same bits (each
+    side's ``Backend.checksum`` of K and V, exchanged)."""
+    payload = cache.export_sequence(sid)
+    b = cache.backend
+    mine = torch.tensor([int(x) for a in (payload.k, payload.v)
+                         for x in to_numpy(b.checksum(a))], dtype=torch.int64,
+                        device=device)
+    both = [torch.zeros_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine)
+    return bool(torch.equal(both[0], both[1]))
+
+
+def _host_tier(cache, sid: int, sync, device: str, repeat: int) -> dict:
+    """Offload and restore of sequence ``sid`` (``HostTier``, checksums kept) against a
+    pinned ``copy_`` of the same bytes each way (a numpy copy on a CPU)."""
+    import numpy as np
+    import torch
+
+    import kvcache
+    nbytes = cache.sequence_length(sid) * cache.config.token_kv_bytes
+    tier = kvcache.HostTier(cache)
+    gpu = device != "cpu"
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
+    times: dict = {"offload": [], "restore": [], "d2h": [], "h2d": []}
+
+    def timed(name, fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times[name].append(time.perf_counter() - t0)
+    for _ in range(repeat + 1):
+        timed("offload", lambda: tier.offload(sid))
+        timed("restore", lambda: tier.restore(sid))
+        if gpu:
+            timed("d2h", lambda: host.copy_(dev, non_blocking=True))
+            timed("h2d", lambda: dev.copy_(host, non_blocking=True))
+        else:
+            a, b = np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+            timed("d2h", lambda: np.copyto(a, b))
+            timed("h2d", lambda: np.copyto(b, a))
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return dict(host_tier=True, tokens=cache.sequence_length(sid), bytes=nbytes,
+                offload_s=med["offload"], restore_s=med["restore"], d2h_s=med["d2h"],
+                h2d_s=med["h2d"], offload_ratio=med["d2h"] / med["offload"],
+                restore_ratio=med["h2d"] / med["restore"])
+
+
+def measure(device: str, backend: str, tokens, layers: int, repeat: int,
             kv_heads: int = 8, head_dim: int = 128, dtype: Optional[str] = None) -> dict:
-    """Run both ranks and return the receiver's medians, bandwidths and their ratio."""
+    """Run both ranks and return the receiver's medians, bandwidths and their ratio: for one
+    size (``tokens`` an int: the row's fields at the top level) or several (a list: ``rows``,
+    and ``ratio`` the smallest of theirs)."""
     from .distributed.tp import spawn
-    opts = dict(device=device, backend=backend, tokens=tokens, layers=layers, repeat=repeat,
+    sizes = [int(tokens)] if isinstance(tokens, int) else [int(t) for t in tokens]
+    opts = dict(device=device, backend=backend, tokens=sizes, layers=layers, repeat=repeat,
                 kv_heads=kv_heads, head_dim=head_dim,
                 dtype=dtype or ("bfloat16" if device == "cuda" else "float32"))
     ranks = spawn(_rank, 2, args=(opts,), backend="nccl" if device == "cuda" else "gloo",
                   timeout_s=600)
-    r = ranks[1]
-    r.update(kv_gbps=r["bytes"] / r["kv_s"] / 1e9, plain_gbps=r["bytes"] / r["plain_s"] / 1e9)
-    r["ratio"] = r["plain_s"] / r["kv_s"]
-    r.update(opts)
-    return r
+    rows = ranks[1]
+    host = ranks[0][-1]
+    for r in rows:
+        r.update(kv_gbps=r["bytes"] / r["kv_s"] / 1e9, plain_gbps=r["bytes"] / r["plain_s"] / 1e9)
+        r["ratio"] = r["plain_s"] / r["kv_s"]
+    out: dict = dict(opts, rows=rows, ratio=min(r["ratio"] for r in rows), host_tier=host)
+    if isinstance(tokens, int):
+        out.update(rows[0])
+        out["tokens"] = sizes[0]
+    return out
 
 
 def main(args) -> int:
@@ -122,19 +197,37 @@ def main(args) -> int:
         from .cli import UsageError
         raise UsageError(f"--transfer on cuda needs two GPUs; this host has {torch.cuda.device_count()}")
     backend = args.backend or ("cuda" if device == "cuda" else "reference")
-    r = measure(device, backend, args.transfer_tokens, args.transfer_layers, args.transfer_repeat)
+    tokens = args.transfer_tokens
+    if tokens is None:
+        per_token = 2 * args.transfer_layers * 8 * 128 * (2 if device == "cuda" else 4)
+        tokens = ([max(1, (mib << 20) // per_token) for mib in SIZES_MIB] if device == "cuda"
+                  else 4096)
+    r = measure(device, backend, tokens, args.transfer_layers, args.transfer_repeat)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
     where = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     print(f"kvcache bench --transfer: {where} x2 ({'nccl' if device == 'cuda' else 'gloo'}), "
           f"backend {backend}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    print(f"  sequence: {r['tokens']} tokens, {r['layers']} layers, {r['kv_heads']} KV heads, "
-          f"head_dim {r['head_dim']}, {r['dtype']}: {r['bytes'] / 2**20:.1f} MiB; medians of "
-          f"{r['repeat']} (receiver, barrier to usable)")
-    print(f"  send_sequence/recv_sequence  {r['kv_s'] * 1e3:9.3f} ms  {r['kv_gbps']:8.2f} GB/s")
-    print(f"  plain dist.send of the bytes {r['plain_s'] * 1e3:9.3f} ms  {r['plain_gbps']:8.2f} GB/s")
+    print(f"  one sequence of {r['layers']} layers, {r['kv_heads']} KV heads, head_dim "
+          f"{r['head_dim']}, {r['dtype']}; medians of {r['repeat']} (receiver, barrier to usable)")
+    print(f"  {'tokens':>7} {'MiB':>8}  {'send/recv ms':>12} {'GB/s':>7}  {'plain send ms':>13} "
+          f"{'GB/s':>7}  {'ratio':>5}  bits")
+    for row in r["rows"]:
+        print(f"  {row['tokens']:7d} {row['bytes'] / 2**20:8.1f}  {row['kv_s'] * 1e3:12.3f} "
+              f"{row['kv_gbps']:7.2f}  {row['plain_s'] * 1e3:13.3f} {row['plain_gbps']:7.2f}  "
+              f"{row['ratio']:5.2f}  {'same' if row['bit_exact'] else 'DIFFER'}")
     ok = r["ratio"] >= TARGET
-    print(f"target: sequence transfer / plain send bandwidth {r['ratio']:.2f} (target >= {TARGET}) "
-          f"{'met' if ok else 'MISSED'}")
+    print(f"target: sequence transfer / plain send bandwidth, smallest ratio {r['ratio']:.2f} "
+          f"(target >= {TARGET}) {'met' if ok else 'MISSED'}; every copy bit for bit: "
+          f"{'yes' if all(row['bit_exact'] for row in r['rows']) else 'NO'}")
+    h = r["host_tier"]
+    copy = "pinned copy_" if device == "cuda" else "numpy copy"
+    print(f"  host tier ({h['bytes'] / 2**20:.1f} MiB, checksums kept): offload "
+          f"{h['offload_s'] * 1e3:.3f} ms against a {copy} to host {h['d2h_s'] * 1e3:.3f} ms "
+          f"({h['offload_ratio']:.2f}); restore {h['restore_s'] * 1e3:.3f} ms against "
+          f"{h['h2d_s'] * 1e3:.3f} ms ({h['restore_ratio']:.2f})")
+    low = min(h["offload_ratio"], h["restore_ratio"])
+    print(f"target: host tier / {copy}, smallest ratio {low:.2f} (target >= {TARGET}) "
+          f"{'met' if low >= TARGET else 'MISSED'}")
     return 0

@@ -571,14 +571,29 @@ class PagedKVCache:
         """Whether pages move as packed rows (int8 / int4: ``Backend.gather_kv_packed``)."""
         return self.config.kv_dtype in AFFINE_BITS
 
-    def _stored_rows(self, slots: np.ndarray) -> tuple[Array, Array]:
-        """(k, v) of every layer at ``slots`` as a payload carries them: packed rows for int8 /
-        int4 pages, else the values (fp8: read back with the layer scales)."""
+    def _stored_rows(self, slots: np.ndarray, layers: Optional[range] = None) -> tuple[Array, Array]:
+        """(k, v) of ``layers`` (None: every layer) at ``slots`` as a payload carries them:
+        packed rows for int8 / int4 pages, else the values (fp8: read back with the layer
+        scales)."""
         b = self.backend
+        layers = range(self.config.num_layers) if layers is None else layers
+        pages = self.pages[layers.start:layers.stop]
         dev = b.aux_to_device(slots)
         if self._packed:
-            return b.gather_kv_packed(self.pages, dev)
-        return b.gather_kv(self.pages, dev, **self._gather_kw(range(self.config.num_layers)))
+            return b.gather_kv_packed(pages, dev)
+        return b.gather_kv(pages, dev, **self._gather_kw(layers))
+
+    def _layer_range(self, layers, what: str) -> range:
+        """``layers`` (None: all, or a ``range`` of consecutive layers, step 1, non-empty)
+        checked against the cache's layer count."""
+        n = self.config.num_layers
+        if layers is None:
+            return range(n)
+        if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= n:
+            raise InvalidArgumentError(
+                f"{what}: layers={layers!r} must be None or a range of consecutive layers "
+                f"within [0, {n}) (e.g. range(0, {n}))")
+        return layers
 
     @_exclusive
     def set_kv_scales(self, layer_id: int, k_scale, v_scale) -> None:
@@ -733,16 +748,21 @@ class PagedKVCache:
         return dataclasses.replace(header, k=k, v=v)
 
     @_exclusive
-    def export_sequences(self, seq_ids: Sequence[int], starts: Optional[Sequence[int]] = None
+    def export_sequences(self, seq_ids: Sequence[int], starts: Optional[Sequence[int]] = None,
+                         *, layers: Optional[range] = None
                          ) -> tuple[list[SequencePayload], Array, Array]:
         """Several sequences' tails in one gather: ``(headers, k, v)`` with ``headers[i]`` the
         header-only payload of ``seq_ids[i]`` from ``starts[i]`` (None: 0) to its end, and
         ``k``, ``v`` (num_layers, total tokens, num_kv_heads, head_dim) holding their tokens
         one sequence after another (``kvcache.distributed`` sends them as they are). From fp8
         pages, as ``export_sequence``: ``k`` and ``v`` hold the values read back (``code *
-        scale``) in the compute dtype, and each header the layer scales (``kv_scales``). Errors
-        as ``export_sequence``; a sequence listed twice is refused."""
+        scale``) in the compute dtype, and each header the layer scales (``kv_scales``).
+        ``layers``: a ``range`` of consecutive layers to gather (None: all); ``k`` and ``v``
+        then hold ``len(layers)`` layers (a transfer sends a large batch a few layers at a
+        time, gathering the next while the last is on the wire). Errors as
+        ``export_sequence``; a sequence listed twice is refused."""
         self._no_forward("export_sequences")
+        layers = self._layer_range(layers, "export_sequences")
         seq_ids = seq_id_list(seq_ids, "seq_ids")
         starts = [0] * len(seq_ids) if starts is None else int_values(starts, "starts")
         if len(starts) != len(seq_ids):
@@ -752,7 +772,7 @@ class PagedKVCache:
             raise InvalidArgumentError(f"export_sequences: seq_ids {seq_ids} repeat a sequence")
         parts = [self._export_range(sid, st, None) for sid, st in zip(seq_ids, starts)]
         slots = (np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int32))
-        k, v = self._stored_rows(slots)
+        k, v = self._stored_rows(slots, layers)
         return [p[0] for p in parts], k, v
 
     def _payloads_supported(self, what: str) -> None:
@@ -946,22 +966,24 @@ class PagedKVCache:
                 f"({type(k).__name__}): {e}") from None
 
     def _write_import(self, res: ImportReservation, k: Array, v: Array,
-                      packed: bool = False) -> None:
-        """Write ``k`` / ``v`` at ``res.slots``: ``packed`` rows of this cache's int8 / int4
-        format unchanged, else values in the dtype ``append_kv`` takes, which fp8 pages
-        quantize with each layer's scales: the cache's, or those ``res`` adopts (checked
-        first: ``_reserved_scales``)."""
+                      packed: bool = False, layers: Optional[range] = None) -> None:
+        """Write ``k`` / ``v`` (the layers ``layers``, None: all) at ``res.slots``: ``packed``
+        rows of this cache's int8 / int4 format unchanged, else values in the dtype
+        ``append_kv`` takes, which fp8 pages quantize with each layer's scales: the cache's,
+        or those ``res`` adopts (checked first: ``_reserved_scales``)."""
         self._reserved_scales(res, "write_import")
         if res.num_tokens == 0:
             return
         b = self.backend
+        layers = range(self.config.num_layers) if layers is None else layers
         slots = b.aux_to_device(res.slots)
         if packed:
-            for layer, pages in enumerate(self.pages):
-                b.append_kv_packed(pages, k[layer], v[layer], slots)
+            for i, layer in enumerate(layers):
+                b.append_kv_packed(self.pages[layer], k[i], v[i], slots)
             return
         ones = None
-        for layer, pages in enumerate(self.pages):
+        for i, layer in enumerate(layers):
+            pages = self.pages[layer]
             quant = {}
             if self._kv_scales is not None:
                 entry = self._kv_scales[layer]
@@ -975,7 +997,7 @@ class PagedKVCache:
                                             "float32")
                     scale = ones
                 quant = {"kv_scale": scale}
-            b.append_kv(pages, k[layer], v[layer], slots, **quant)
+            b.append_kv(pages, k[i], v[i], slots, **quant)
 
     def _commit_import(self, res: ImportReservation) -> None:
         """Commit ``res`` (checked first, its adopted scales too) and then, only then, adopt
@@ -1037,19 +1059,23 @@ class PagedKVCache:
                                lambda: sum(import_pages(s, ps) for s in specs) - self.state.pt.num_free)
 
     @_exclusive
-    def write_import(self, reservation: ImportReservation, k: Array, v: Array) -> None:
+    def write_import(self, reservation: ImportReservation, k: Array, v: Array, *,
+                     layers: Optional[range] = None) -> None:
         """Write a reservation's K/V: ``k``, ``v`` this backend's arrays of shape (num_layers,
         ``reservation.num_tokens``, num_kv_heads, head_dim), the items' payload tokens in order
         (queued on the device like any append), in the storage dtype; for fp8 pages in the
         compute dtype instead: the values (as ``export_sequences`` gives them), which are
         quantized with each layer's scales (the cache's, or those the reservation adopts).
-        Raises InvalidArgumentError for other arrays, or when a layer whose scales the
-        reservation adopts got other scales since (a forward calibrated them: cancel and
+        ``layers``: a ``range`` of consecutive layers that ``k`` and ``v`` hold (None: all;
+        their first axis is then ``len(layers)``): a transfer writes each message's layers as
+        it arrives. Raises InvalidArgumentError for other arrays, or when a layer whose scales
+        the reservation adopts got other scales since (a forward calibrated them: cancel and
         import again); ForwardStateError inside a forward or for a closed reservation."""
         self._no_forward("write_import")
         self.state.check_reservation(reservation, "write_import")
+        layers = self._layer_range(layers, "write_import")
         b, c = self.backend, self.config
-        want = (c.num_layers, reservation.num_tokens, c.num_kv_heads, c.head_dim)
+        want = (len(layers), reservation.num_tokens, c.num_kv_heads, c.head_dim)
         dtype = c.dtype if c.kv_quantized else c.kv_dtype
         what = (f"{dtype} (the compute dtype: the values, which this {c.kv_dtype} cache "
                 f"quantizes with the layer scales)" if c.kv_quantized else dtype)
@@ -1064,7 +1090,7 @@ class PagedKVCache:
                 raise InvalidArgumentError(
                     f"write_import of sequences {reservation.seq_ids}: {name} must be a {b.name} "
                     f"array {want} in {what}, got {got}")
-        self._write_import(reservation, k, v, self._packed)
+        self._write_import(reservation, k, v, self._packed, layers)
 
     @_exclusive
     def commit_import(self, reservation: ImportReservation) -> None:

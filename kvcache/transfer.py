@@ -21,7 +21,7 @@ from typing import Any, Optional, cast
 import numpy as np
 
 from . import kv_quant
-from .arrays import to_host
+from .arrays import to_host, to_numpy
 from .config import DTYPES, KV_QUANT_GROUPS, ROPE_MODES, itemsize
 from .errors import InvalidArgumentError, UnsupportedFeatureError
 
@@ -461,9 +461,12 @@ class HostTier:
 
     ``cache``: the ``PagedKVCache`` whose sequences it holds; ``capacity_tokens``: the most
     tokens it holds at once (None: no bound). A parked sequence is held by its id; the cache
-    may reuse that id meanwhile (``restore`` then needs ``new_id``). Host memory is plain
-    (pageable) numpy: an offload waits for its device-to-host copy, which a preemption needs
-    anyway before the freed pages are reused."""
+    may reuse that id meanwhile (``restore`` then needs ``new_id``). Host memory is what the
+    backend's ``host_copy`` gives (pinned on a GPU: the copies run at the link's speed); an
+    offload waits for its device-to-host copy, which a preemption needs anyway before the freed
+    pages are reused. Each parked K and V keeps a checksum computed on the device
+    (``Backend.checksum``), checked again on the device after ``restore`` uploads them: host
+    memory that changed meanwhile raises ``KVCacheError`` and the sequence stays parked."""
 
     def __init__(self, cache, capacity_tokens: Optional[int] = None):
         from .cache import PagedKVCache
@@ -476,6 +479,7 @@ class HostTier:
         self.cache = cache
         self.capacity_tokens = capacity_tokens
         self._held: dict[int, SequencePayload] = {}
+        self._sums: dict[int, list] = {}    # seq id -> the checksums of its K and V (Backend.checksum)
         self.tokens = 0
         """Tokens held now."""
 
@@ -510,6 +514,12 @@ class HostTier:
                 f"sequences parked)")
         return self._held[seq_id]
 
+    def parked(self, seq_id: int) -> SequencePayload:
+        """The payload of parked sequence ``seq_id``: its K/V in host memory, as stored
+        (SequenceNotFoundError when it is not parked). Its arrays are the tier's own: change
+        them and ``restore`` refuses the sequence (its checksums no longer match)."""
+        return self._payload(seq_id, "parked")
+
     def offload(self, seq_id: int) -> int:
         """Park sequence ``seq_id`` of the cache here and remove it from the cache; returns its
         length. Raises CacheFullError when the tier lacks room, SequenceExistsError when the
@@ -524,10 +534,16 @@ class HostTier:
             raise CacheFullError(
                 f"offload: sequence {seq_id} has {length} tokens but the host tier holds "
                 f"{self.tokens} of {self.capacity_tokens}")
-        # the copy never leaves this process: no checksum to compute or verify
-        payload = self.cache.export_sequence(seq_id).to_numpy(with_checksum=False)
+        payload = self.cache.export_sequence(seq_id)
+        b = self.cache.backend
+        # the checksums are computed where the rows are (at device speed), the copies go to
+        # memory the device writes at the link's speed; one wait for all four
+        sums = [b.checksum(payload.k), b.checksum(payload.v)]
+        (k, _), (v, done) = b.host_copy(payload.k), b.host_copy(payload.v)
+        b.event_synchronize(done)
         self.cache.remove_sequence(seq_id)
-        self._held[seq_id] = payload
+        self._held[seq_id] = dataclasses.replace(payload, k=k, v=v, backend=None, device=None)
+        self._sums[seq_id] = [to_numpy(x).tolist() for x in sums]
         self.tokens += length
         return length
 
@@ -541,8 +557,19 @@ class HostTier:
         pages); the sequence stays parked then."""
         payload = self._payload(seq_id, "restore")
         target = seq_id if new_id is None else new_id
-        self.cache.import_sequence(target, payload, parent_id=parent_id, fork_pos=fork_pos)
+        b = self.cache.backend
+        k, v = b.from_host(payload.k), b.from_host(payload.v)
+        sums = [to_numpy(b.checksum(x)).tolist() for x in (k, v)]     # (waits for the copies)
+        if sums != self._sums[int(seq_id)]:
+            from .errors import KVCacheError
+            raise KVCacheError(
+                f"restore: sequence {int(seq_id)}'s parked K/V changed in host memory since it was "
+                f"offloaded (checksums {self._sums[int(seq_id)]} then, {sums} now); it stays parked, "
+                f"drop it and recompute")
+        device = dataclasses.replace(payload, k=k, v=v, backend=b.name, device=b.device)
+        self.cache.import_sequence(target, device, parent_id=parent_id, fork_pos=fork_pos)
         del self._held[int(seq_id)]
+        del self._sums[int(seq_id)]
         self.tokens -= payload.num_tokens
         shared = 0 if parent_id is None else (payload.start if fork_pos is None else int(fork_pos))
         return payload.num_tokens - shared
@@ -552,11 +579,13 @@ class HostTier:
         parked)."""
         payload = self._payload(seq_id, "drop")
         del self._held[int(seq_id)]
+        del self._sums[int(seq_id)]
         self.tokens -= payload.num_tokens
 
     def clear(self) -> None:
         """Forget every parked sequence."""
         self._held.clear()
+        self._sums.clear()
         self.tokens = 0
 
 

@@ -29,7 +29,7 @@ Progress goes to stderr (``say``), a line per phase; the results to stdout.
 
 The package's modules: ``model`` (the workload, the model, the roofline's inputs), ``runners``
 (the systems), ``measure`` (timing one system), ``report`` (the table and its targets),
-``prefix`` and ``kv_budget`` (the other workloads); this module holds the command (its options,
+``prefix``, ``kv_budget`` and ``tp`` (the other workloads); this module holds the command (its options,
 ``run``, ``main``) and re-exports their names.
 """
 
@@ -50,6 +50,7 @@ from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate
 from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_budget_result,
                         run_kv_budget)
 from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
+from .tp import TP_SIZES, print_tp_result, run_tp
 from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
 from .runners import (SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
                       StaticRunner, _quiet_transformers, mixed_graphs_arg)
@@ -101,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shared-prefix: requests sharing a system prompt, arriving one per step; "
                         "multi-turn: conversations whose turns extend the last; both run the "
                         "Engine with the prefix cache on and off, and (b); kv-budget: the Engine "
-                        "with auto and with --kv-dtype pages at one KV memory budget")
+                        "with auto and with --kv-dtype pages at one KV memory budget; tp: the "
+                        "Engine at TP=1 and TP=2 (two GPUs; --layers default 32)")
     g.add_argument("--system", type=_pos, default=None, metavar="N",
                    help="shared-prefix: the system prompt's tokens (default 2000; --tiny: 40); "
                         "multi-turn: the first turn's prompt (default 512; --tiny: 24)")
@@ -187,7 +189,7 @@ def run(args) -> dict:
         raise ValueError("--system: only with --workload shared-prefix or multi-turn")
     if kind != "kv-budget" and getattr(args, "kv_budget_mib", None) is not None:
         raise UsageError("--kv-budget-mib: only with --workload kv-budget")
-    sizes = {**PREFIX_SIZES, "kv-budget": KV_BUDGET_SIZES}.get(kind, {})
+    sizes = {**PREFIX_SIZES, "kv-budget": KV_BUDGET_SIZES, "tp": TP_SIZES}.get(kind, {})
     for name, (full, tiny) in [*sizes.items(), *SIZES.items()]:
         if getattr(args, name, None) is None:
             setattr(args, name, tiny if args.tiny else full)
@@ -197,6 +199,14 @@ def run(args) -> dict:
     dtype = "bfloat16" if on_gpu else "float32"
     backend = args.backend or ("cuda" if on_gpu else "reference")
     kv_dtype = _kv_dtype(args, backend, device)
+    if kind == "tp":
+        res = run_tp(args, backend, say)
+        res.update(command="kvcache bench --serving --workload tp",
+                   date=time.strftime("%Y-%m-%d %H:%M:%S"), machine=platform.node(),
+                   device=(f"{torch.cuda.get_device_name(0)} x2" if res["workload"]["device"] == "cuda"
+                           else platform.processor() or platform.machine()),
+                   torch=torch.__version__, transformers=transformers.__version__)
+        return res
     if kind == "kv-budget":
         return _run_prefix(args, device, backend, dtype, skip, kv_dtype)
     if kind != "random":
@@ -344,6 +354,8 @@ def main(args) -> int:
     res = run(args)
     if args.json:
         print(json.dumps(res, indent=2))
+    elif res["workload"].get("kind") == "tp":
+        print_tp_result(res)
     elif res["workload"].get("kind") == "kv-budget":
         print_kv_budget_result(res)
     elif "kind" in res["workload"]:

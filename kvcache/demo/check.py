@@ -98,6 +98,27 @@ class CheckResult:
         return True
 
 
+def judge_greedy(tokens: list, logits: np.ndarray, dtype: str) -> tuple:
+    """Greedy ``tokens`` judged by a teacher-forced re-score (``logits``: one row per token,
+    the reference's logits at the position that picked it): ``(near_ties, problem)``, where
+    each token must be the row's argmax, or within twice the dtype's tolerance
+    (``TOLERANCES``) of it: a near-tie the dtype's rounding may flip (counted). ``problem``
+    names the first token that is neither (None: all pass)."""
+    tol = TOLERANCES.get(dtype, TOLERANCES["bfloat16"])
+    logits = np.asarray(logits, np.float64)
+    ties = 0
+    for t, tok in enumerate(tokens):
+        best = int(np.argmax(logits[t]))
+        if best == tok:
+            continue
+        gap = float(logits[t, best] - logits[t, tok])
+        if gap > 2 * tol:
+            return ties, (f"new token {t} is {tok}, the re-score's argmax is {best} (logit gap "
+                          f"{gap:.3g} > {2 * tol:g})")
+        ties += 1
+    return ties, None
+
+
 def choose(workload, k: int, seed: int) -> list:
     """Up to ``k`` requests to check (0: all): one of each feature first, then random ones."""
     reqs = workload.requests

@@ -52,6 +52,10 @@ MAGIC = 0x6B76_6361_6368_65      # "kvcache": the first int64 of every transfer
 """The first int64 of every transfer ("kvcache" in ASCII): a receiver that reads anything else
 is not talking to ``send_sequence`` and raises instead of misreading the bytes."""
 TORCH_DTYPES = ("float16", "bfloat16", "float32")
+MESSAGE_BYTES = 64 << 20
+"""About how many bytes of K (and as many of V) one data message of a large transfer holds."""
+MIN_MESSAGES = 4
+"""A large transfer's data comes in at least this many K/V message pairs (a pipeline)."""
 
 
 def _torch():
@@ -169,7 +173,7 @@ class TransferHandle:
     them back after the data arrived)."""
 
     def __init__(self, works: list, buffers: list, seq_ids: list, what: str,
-                 finish: Optional[Callable[[], None]] = None,
+                 finish: Optional[Callable[[Callable], None]] = None,
                  cancel: Optional[Callable[[], None]] = None):
         self._works = works
         self._buffers = buffers          # the tensors the works read or write: alive until done
@@ -177,6 +181,7 @@ class TransferHandle:
         self.what = what
         self._finish, self._cancel = finish, cancel
         self._received = False
+        self._waited: set = set()
         self._done = False
         self._error: Optional[BaseException] = None
 
@@ -190,27 +195,40 @@ class TransferHandle:
 
     def _arrive(self) -> None:
         if not self._received:
-            for w in self._works:
-                w.wait()
+            self._wait_for(self._works)
             self._received = True
 
+    def _wait_for(self, works) -> None:
+        for w in works:
+            if id(w) not in self._waited:       # (a gloo work waited twice never returns)
+                w.wait()
+                self._waited.add(id(w))
+
     def wait(self) -> list:
-        """Block until the transfer is done; returns the sequence ids. On the receiver the
-        sequences appear now; a ForwardStateError (a forward is open) leaves the handle to
-        wait on again after ``end_forward``; another error gives the reserved pages back and
-        is raised again by every later ``wait()``."""
+        """Wait for the transfer; returns the sequence ids. On the receiver the sequences
+        appear now. Under NCCL the waits are in the device's stream order, not the host's: the
+        receiver queues each message's rows into its pages behind that message's arrival and
+        returns without blocking, and whatever the cache queues after it (a forward over the
+        sequences, an export) runs after the rows are written; under gloo it blocks. A
+        ForwardStateError (a forward is open) leaves the handle to wait on again after
+        ``end_forward``; another error gives the reserved pages back and is raised again by
+        every later ``wait()``."""
         if self._done:
             return list(self.seq_ids)
         if self._error is not None:
             raise self._error
-        self._arrive()
-        if self._finish is not None:
+        if self._finish is None:
+            self._arrive()
+        else:
             try:
-                self._finish()
+                # the receiver waits for each message before it writes that message's rows
+                self._finish(self._wait_for)
+                self._received = True
             except ForwardStateError:
                 raise
             except BaseException as exc:
                 self._error = exc
+                self._arrive()              # every posted receive consumed first
                 if self._cancel is not None:
                     self._cancel()
                 self._buffers = []
@@ -232,14 +250,18 @@ class TransferHandle:
 
 
 def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
-                  starts: Optional[Sequence[int]] = None) -> TransferHandle:
+                  starts: Optional[Sequence[int]] = None,
+                  message_bytes: Optional[int] = None) -> TransferHandle:
     """Send sequences of ``cache`` to the process of global rank ``dst`` (which calls
     ``recv_sequence`` with as many ids); returns a ``TransferHandle`` (non-blocking).
 
     ``seq_ids``: one id or a list (one batch: three messages in all); ``starts``: per
     sequence, the first token sent (None: 0; a fork's ``fork_pos`` sends only what follows
     its shared prefix, for a receiver that imports it onto the parent); ``group``: the
-    torch.distributed process group (None: the default). The cache may go on (forwards,
+    torch.distributed process group (None: the default); ``message_bytes``: about how many
+    bytes of K (and as many of V) one data message holds (None: ``MESSAGE_BYTES``): a large
+    batch goes a few layers a message, each message's layers gathered while the last is on
+    the wire (the receiver writes each as it arrives). The cache may go on (forwards,
     removing the sequences) at once: the rows were copied out on the device first. fp8 pages
     are sent as their values in the compute dtype with the layer scales in the headers
     (``export_sequences``), int8 / int4 pages as their packed rows. Raises what
@@ -251,20 +273,54 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     c = cache.config
     kind, device = _arrays(cache, torch)
     transport = _transport(torch, dist, group, device)
-    headers, k, v = cache.export_sequences(ids, starts)
-    total = sum(h.num_tokens for h in headers)
-    shape = [c.num_layers, total, c.num_kv_heads, _row(c)]
     dtype = _array_dtype(c)
-    nbytes = total * c.num_layers * c.num_kv_heads * _row(c) * itemsize(dtype)
+    row_bytes = c.num_layers * c.num_kv_heads * _row(c) * itemsize(dtype)
+    per = layers_per_message(c.num_layers, _tokens_hint(cache, ids, starts) * row_bytes,
+                             MESSAGE_BYTES if message_bytes is None else int(message_bytes))
+    # the first message's layers, gathered now (every check made before any message)
+    headers, k, v = cache.export_sequences(ids, starts, layers=range(0, per))
+    total = sum(h.num_tokens for h in headers)
+    nbytes = total * row_bytes
+    shape = [c.num_layers, total, c.num_kv_heads, _row(c)]
     body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "dtype": dtype,
                        "shape": shape, "nbytes": nbytes,
                        "payloads": [h.header() for h in headers]}).encode()
-    tensors = [torch.tensor([MAGIC, len(body), nbytes], dtype=torch.int64).to(transport),
+    tensors = [torch.tensor([MAGIC, len(body), nbytes, c.num_layers, per],
+                            dtype=torch.int64).to(transport),
                torch.frombuffer(bytearray(body), dtype=torch.uint8).to(transport)]
-    if total:
-        tensors += [_to_wire(torch, k, transport), _to_wire(torch, v, transport)]
     works = [dist.isend(t, dst, group=group) for t in tensors]
+    for first in range(0, c.num_layers if total else 0, per):
+        # each message's layers are gathered while the last message is on the wire
+        if first:
+            _, k, v = cache.export_sequences(ids, starts,
+                                             layers=range(first, min(first + per, c.num_layers)))
+        for array in (k, v):
+            tensors.append(_to_wire(torch, array, transport))
+            works.append(dist.isend(tensors[-1], dst, group=group))
     return TransferHandle(works, tensors, ids, f"send of sequences {ids} to rank {dst}")
+
+
+def _tokens_hint(cache, ids: list, starts) -> int:
+    """The tokens a transfer of ``ids`` from ``starts`` holds, to size its messages (0 where
+    an argument is bad: ``export_sequences`` then names it)."""
+    try:
+        firsts = [0] * len(ids) if starts is None else [int(x) for x in starts]
+        return sum(max(cache.sequence_length(i) - f, 0) for i, f in zip(ids, firsts))
+    except Exception:
+        return 0
+
+
+def layers_per_message(num_layers: int, nbytes: int, message_bytes: int = MESSAGE_BYTES) -> int:
+    """Layers whose K (and, in a second message, V) one data message of a transfer of
+    ``nbytes`` bytes of K holds: ``num_layers`` for a small transfer, else about
+    ``message_bytes`` a message and at least ``MIN_MESSAGES`` messages, so that gathering
+    (sender) and writing (receiver) the rows of one message overlap the wire time of the
+    next."""
+    if nbytes <= message_bytes or num_layers == 1:
+        return num_layers
+    per_layer = nbytes / num_layers
+    by_size = max(1, int(message_bytes // per_layer))
+    return max(1, min(by_size, -(-num_layers // MIN_MESSAGES)))
 
 
 def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
@@ -295,38 +351,65 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
             f"recv_sequence of sequences {ids}: a forward is open; receive after end_forward")
     kind, device = _arrays(cache, torch)
     transport = _transport(torch, dist, group, device)
-    meta = torch.zeros(3, dtype=torch.int64, device=transport)
+    meta = torch.zeros(5, dtype=torch.int64, device=transport)
     dist.recv(meta, src, group=group)
-    magic, size, nbytes = (int(x) for x in meta.tolist())
+    magic, size, nbytes, num_layers, per = (int(x) for x in meta.tolist())
     if magic != MAGIC:
         raise InvalidArgumentError(
             f"recv_sequence of sequences {ids}: the message from rank {src} is not a kvcache "
             f"transfer (first value {magic:#x}); both sides must pair their calls")
     text = torch.empty(size, dtype=torch.uint8, device=transport)
     dist.recv(text, src, group=group)
-    # the K and V messages the sender posted: received (or drained) whatever the header says
-    buffers = ([torch.empty(nbytes, dtype=torch.uint8, device=transport) for _ in range(2)]
-               if nbytes else [])
+    # the K and V messages the sender posted, per ``per`` layers: received (or drained)
+    # whatever the JSON says
+    spans = _spans(nbytes, num_layers, per, ids, src)
     try:
         msg, shape, headers = _read_header(bytes(text.cpu().numpy()), nbytes, ids, src)
+        if nbytes and shape[0] != num_layers:
+            raise InvalidArgumentError(
+                f"recv_sequence of sequences {ids} from rank {src}: the header's shape has "
+                f"{shape[0]} layers, its fixed part {num_layers}")
         _packed_fits(cache.config, msg, f"recv_sequence of sequences {ids} from rank {src}")
         res = cache.reserve_import(list(zip(ids, headers, parents, positions)), convert_dtype)
     except BaseException:
-        for buf in buffers:          # consume the data the sender has posted
-            dist.recv(buf, src, group=group)
+        for layers in spans:        # consume the data the sender has posted
+            for _ in range(2):
+                dist.recv(torch.empty(nbytes // num_layers * len(layers), dtype=torch.uint8,
+                                      device=transport), src, group=group)
         raise
-    works = [dist.irecv(buf, src, group=group) for buf in buffers]
     sent, want = msg["dtype"], _array_dtype(cache.config)
+    buffers, works = [], []
+    for layers in spans:
+        pair = [torch.empty(nbytes // num_layers * len(layers), dtype=torch.uint8,
+                            device=transport) for _ in range(2)]
+        buffers.append(pair)
+        works.append([dist.irecv(buf, src, group=group) for buf in pair])
 
-    def finish():
-        if buffers:
-            k, v = (_from_wire(torch, buf, sent, shape, kind, device, want)
-                    for buf in buffers)
-            cache.write_import(res, k, v)
+    def finish(arrived):
+        # NCCL: waiting on a message only orders the device's stream after it, so every
+        # message's rows are written (queued) as they arrive and the host never waits
+        for layers, pair, ws in zip(spans, buffers, works):
+            arrived(ws)
+            k, v = (_from_wire(torch, buf, sent, (len(layers),) + tuple(shape[1:]), kind,
+                               device, want) for buf in pair)
+            cache.write_import(res, k, v, layers=layers)
         cache.commit_import(res)
 
-    return TransferHandle(works, buffers, ids, f"receive of sequences {ids} from rank {src}",
+    return TransferHandle([w for ws in works for w in ws], buffers, ids,
+                          f"receive of sequences {ids} from rank {src}",
                           finish=finish, cancel=lambda: cache.cancel_import(res))
+
+
+def _spans(nbytes: int, num_layers: int, per: int, ids: list, src: int) -> list:
+    """The layer ranges of a transfer's data messages (none without data), from the fixed
+    part of its header: InvalidArgumentError when they cannot be a sender's."""
+    if not nbytes:
+        return []
+    if num_layers < 1 or per < 1 or nbytes % num_layers:
+        raise InvalidArgumentError(
+            f"recv_sequence of sequences {ids}: rank {src} announced {nbytes} bytes over "
+            f"{num_layers} layers, {per} a message: not a kvcache transfer of this version")
+    return [range(f, min(f + per, num_layers)) for f in range(0, num_layers, per)]
 
 
 def _read_header(text: bytes, nbytes: int, ids: list, src: int):
@@ -400,4 +483,5 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
     return msg, shape, headers
 
 
-__all__ = ["MAGIC", "TransferHandle", "recv_sequence", "send_sequence"]
+__all__ = ["MAGIC", "MESSAGE_BYTES", "TransferHandle", "layers_per_message", "recv_sequence",
+           "send_sequence"]

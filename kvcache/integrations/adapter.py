@@ -110,7 +110,13 @@ class ModelAdapter(abc.ABC):
     def device_memory(self, device: Optional[str]) -> Optional[tuple]:
         """``(free bytes, total bytes)`` of the accelerator ``device`` (the cache's), or None
         where there is none to ask (a CPU, unified memory): the engine then takes a default
-        ``max_total_tokens``."""
+        ``max_total_tokens``. Free is what this process can still allocate there: the device's
+        free memory and what this process's allocator holds unused."""
+        return None
+
+    def process_memory(self, device: Optional[str]) -> Optional[int]:
+        """Bytes of ``device`` memory this process's tensors hold now (None: unknown), for the
+        sizing error's account of who holds the memory."""
         return None
 
     def peak_memory(self, device: Optional[str], run: Callable[[], object]) -> int:

@@ -19,7 +19,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
+import itertools
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Optional, Sequence
 
@@ -38,6 +41,11 @@ __all__ = ["Engine", "EngineStats", "ModelAdapter", "PendingPicks", "RequestOutp
 DEFAULT_TOKENS_PER_SEQUENCE = 512
 """``max_total_tokens`` where free device memory cannot be asked (a CPU, MLX):
 ``512 * max_batch_size``."""
+
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+"""The engines of this process, alive: a sizing error names what each holds."""
+_NUMBERS = itertools.count(1)
+
 
 def _wants_logprobs(params: SamplingParams) -> bool:
     return params.logprobs is not None and params.logprobs is not False
@@ -58,10 +66,14 @@ class Engine:
     device). ``dtype``: cache dtype (None: the model's). ``page_size``, ``max_batch_size``
     (sequences in one forward), ``prefill_chunk_size`` (tokens in one forward; None:
     ``min(8192, max_total_tokens)``). ``max_total_tokens``: the cache's token capacity; None:
-    sized from the device's free memory after the model and one profiled largest step, so that
-    the engine's share of the device is ``memory_fraction`` (default 0.9, as vLLM's
-    ``gpu_memory_utilization``) of its total memory; where the adapter cannot ask the device (a
-    CPU, MLX's unified memory) ``512 * max_batch_size``. ``self.sizing`` says how it was chosen.
+    sized from the device memory free when the engine starts (the model, the other engines of
+    this process and other processes already counted out; memory this process's allocator holds
+    unused counts as free): the engine takes ``memory_fraction`` (default 0.9) of it, its pages
+    and one profiled largest step together, so a second engine on the device gets a share of
+    what the first left. Where the adapter cannot ask the device (a CPU, MLX's unified memory)
+    ``512 * max_batch_size``. ``self.sizing`` says how it was chosen; when nothing fits, the
+    ``InvalidArgumentError`` says who holds the device's memory (each other engine of this
+    process by number, this process's other tensors, the rest).
 
     ``graphs``: whole-step decode graphs (a pure decode step replays a graph captured per batch
     bucket). None: on where the backend declares ``static_decode`` and the adapter says the
@@ -131,6 +143,8 @@ class Engine:
             raise InvalidArgumentError(f"memory_fraction={memory_fraction!r} must be a number in (0, 1]")
         self.adapter = adapter
         self._kv_dtype = kv_dtype
+        self.number = next(_NUMBERS)
+        """This engine's number in its process (a sizing error names engines by it)."""
         device = device if device is not None else adapter.default_device()
         self.graphs = self._want_graphs(graphs, backend, device)
         sizes: dict = dict(dtype=dtype, page_size=page_size, max_batch_size=max_batch_size)
@@ -180,6 +194,7 @@ class Engine:
         self._streams: dict = {}            # request_id -> asyncio.Queue (astream)
         self._driver: Optional[asyncio.Task] = None
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ construction
     def _want_graphs(self, graphs: Optional[bool], backend: str, device: Optional[str]) -> bool:
@@ -215,8 +230,11 @@ class Engine:
         """``(max_total_tokens, how)`` from the device's free memory (see the class doc)."""
         adapter = self.adapter
         batch = int(sizes["max_batch_size"])
-        if adapter.device_memory(device) is None:
+        gc.collect()        # a dropped engine's pages (its runner and core form a cycle)
+        info = adapter.device_memory(device)
+        if info is None:
             return DEFAULT_TOKENS_PER_SEQUENCE * batch, "default"
+        free, total = info
         chunk = 8192 if chunk is None else int(chunk)
         ps = int(sizes["page_size"])
         probe_tokens = chunk + ps * (batch + 1)
@@ -237,20 +255,39 @@ class Engine:
                                          np.cumsum(lens).astype(np.int64) - 1)
             adapter.to_numpy(logits)
         peak = adapter.peak_memory(device, largest_step)
-        probe_bytes = config.kv_bytes
         del probe
-        info = adapter.device_memory(device)
-        assert info is not None
-        free, total = info
-        budget = free + probe_bytes - (1.0 - fraction) * total - peak
-        tokens = int(budget // config.token_kv_bytes) // ps * ps
+        # this engine's share: a fraction of what was free when it started (the model, other
+        # engines and other processes already counted out), less one largest step
+        tokens = int((fraction * free - peak) // config.token_kv_bytes) // ps * ps
         if tokens < 2 * ps:
             raise InvalidArgumentError(
-                f"memory_fraction={fraction}: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB "
-                f"after the model, a largest step takes {peak / 2**30:.2f} GiB: no room for a cache "
-                f"({config.token_kv_bytes} bytes per token); raise memory_fraction or pass "
-                f"max_total_tokens")
-        return tokens, f"{fraction:g} of {total / 2**30:.1f} GiB: {tokens} tokens"
+                f"memory_fraction={fraction}: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} "
+                f"GiB on {device or adapter.default_device()} when this engine started, a largest "
+                f"step takes {peak / 2**30:.2f} GiB: no room for a cache ({config.token_kv_bytes} "
+                f"bytes per token). {self._holders(device, free, total)}; free them (del an "
+                f"engine you no longer use), raise memory_fraction or pass max_total_tokens")
+        return tokens, f"{fraction:g} of {free / 2**30:.1f} GiB free: {tokens} tokens"
+
+    def _holders(self, device, free: int, total: int) -> str:
+        """Who holds the device memory that is not free: this process's other engines (each by
+        its KV pages), its other tensors, and the rest (other processes, CUDA contexts)."""
+        gib = 2 ** 30
+        here = str(device or self.adapter.default_device())
+        engines = sorted((e for e in list(_LIVE_ENGINES)
+                          if e is not self and str(e.cache.backend.device) == here),
+                         key=lambda e: e.number)
+        held = [f"engine {e.number} ({e.adapter.family or type(e.adapter).__name__}, "
+                f"{e.cache.config.max_total_tokens} tokens): {e.cache.config.kv_bytes / gib:.2f} "
+                f"GiB of KV pages" for e in engines]
+        parts = [f"held on {here}: " + ("; ".join(held) if held else "no other engine of this process")]
+        mine = self.adapter.process_memory(device)
+        if mine is not None:
+            others = sum(e.cache.config.kv_bytes for e in engines)
+            parts.append(f"this process's other tensors (the model among them) "
+                         f"{max(mine - others, 0) / gib:.2f} GiB")
+            parts.append(f"other processes and memory outside the allocator (CUDA context, "
+                         f"NCCL) {max(total - free - mine, 0) / gib:.2f} GiB")
+        return ", ".join(parts)
 
     # ------------------------------------------------------------------ the online API
     def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None, *,

@@ -303,8 +303,8 @@ class TensorParallelAdapter(TransformersAdapter):
     group, or the one the model was split over). ``rope``: as ``TransformersAdapter``.
 
     ``step`` counts the forwards of the current ``generate``; ``plans`` is the ``PlanCheck``.
-    Whole-step graphs are not captured (``graphs_by_default`` is None): the collectives and the
-    per-step check run eagerly."""
+    Whole-step graphs are captured as on one GPU (on a GPU by default), the collectives inside
+    them; the per-step check runs on the host before each step, eager or replayed."""
 
     def __init__(self, model, rope: str = "model", tp: Optional[int] = None, group=None):
         super().__init__(model, rope)
@@ -350,13 +350,31 @@ class TensorParallelAdapter(TransformersAdapter):
         return dtp.plan_digest(cache.open_plan, tokens, positions, logit_rows)
 
     def forward(self, cache, tokens, positions, logit_rows):
+        self._check_step(cache, tokens, positions, logit_rows)
+        return super().forward(cache, tokens, positions, logit_rows)
+
+    def _check_step(self, cache, tokens, positions, logit_rows) -> None:
+        """The lockstep check of the open forward (every rank, before the model runs)."""
         plan = cache.open_plan
         self.plans.exchange(
             f"step {self.step} of generate", self.plan_digest(cache, tokens, positions, logit_rows),
             detail=lambda: f"planned sequences {plan.seq_ids} with {plan.append_lengths.tolist()} "
                            f"new tokens")
         self.step += 1
-        return super().forward(cache, tokens, positions, logit_rows)
+
+    def step_graphs(self, cache, compiled: bool = False):
+        """As ``TransformersAdapter.step_graphs``: the captured steps hold the model's
+        collectives (NCCL all-reduces replay inside the graph; every rank captures and replays
+        the same buckets at the same steps, since their plans are the same), and each replay is
+        checked like an eager step first."""
+        graphs = super().step_graphs(cache, compiled)
+        run = graphs.run
+
+        def checked(tokens, positions, logit_rows):
+            self._check_step(cache, tokens, positions, logit_rows)
+            return run(tokens, positions, logit_rows)
+        graphs.run = checked                # type: ignore[method-assign]
+        return graphs
 
     def greedy_async(self, logits, logprobs: bool = True):
         # the plan digest covers each step's token ids, so they must be on the host when the
@@ -382,9 +400,6 @@ class TensorParallelAdapter(TransformersAdapter):
                 raise
             if not self.plans.failed:
                 self.plans.exchange(f"the end of generate (step {self.step})", dtp.END)
-
-    def graphs_by_default(self, device) -> Optional[bool]:
-        return None
 
     def device_memory(self, device):
         """The least free memory of any rank (and the largest total), so that every rank sizes

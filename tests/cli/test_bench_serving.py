@@ -144,3 +144,20 @@ def test_kv_budget_mistakes_are_usage_errors(capsys, monkeypatch, extra, error):
 def test_kv_budget_mib_is_only_for_the_kv_budget_workload(capsys):
     assert main(TINY + ["--kv-budget-mib", "1"]) == 2
     assert "only with --workload kv-budget" in capsys.readouterr().err
+
+
+def test_tp_workload_times_tp1_and_tp2_in_one_run(capsys):
+    # two gloo processes on the CPU (the GPU run: two GPUs, NCCL, docs/distributed.md)
+    assert main(["bench", "--serving", "--tiny", "--device", "cpu", "--workload", "tp",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    w = res["workload"]
+    assert w["kind"] == "tp" and w["layers"] == 1 and w["batch"] == 4
+    for side in ("tp1", "tp2"):
+        assert res[side]["decode_step_ms"] > 0 and res[side]["tokens_per_s"] > 0
+    assert res["step_ratio"] == pytest.approx(res["tp2"]["decode_step_ms"]
+                                              / res["tp1"]["decode_step_ms"])
+    from kvcache.bench_serving import print_tp_result
+    print_tp_result(res)
+    out = capsys.readouterr().out
+    assert "TP1" in out and "TP2" in out and "not judged here" in out

@@ -192,3 +192,21 @@ def test_a_real_model_runs_online_with_plot_and_quiet(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "llama, random weights" in out and "replayed alone on transformers" in out
     assert "PASSED" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_judge_greedy_accepts_argmax_and_near_ties_and_names_the_first_real_miss():
+    from kvcache.demo.check import TOLERANCES, judge_greedy
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((5, 50)) * 4
+    best = logits.argmax(axis=1).tolist()
+    assert judge_greedy(best, logits, "bfloat16") == (0, None)
+    tied = list(best)
+    second = int(np.argsort(logits[2])[-2])
+    logits[2, second] = logits[2, best[2]] - TOLERANCES["bfloat16"]     # within 2 * tol
+    tied[2] = second
+    assert judge_greedy(tied, logits, "bfloat16") == (1, None)
+    assert judge_greedy(tied, logits, "float32")[1] is not None        # float32's margin is 2e-3
+    far = list(best)
+    far[4] = int(np.argmin(logits[4]))
+    ties, problem = judge_greedy(far, logits, "bfloat16")
+    assert ties == 0 and problem.startswith(f"new token 4 is {far[4]}, the re-score's argmax is {best[4]}")

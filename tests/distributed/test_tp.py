@@ -63,6 +63,18 @@ def test_tp2_greedy_tokens_equal_tp1_and_transformers(run):
             assert got["fork"] == [[want[2]] * 3], (rank, method)
 
 
+def test_whole_step_graphs_run_under_tp_and_every_replay_is_checked(run):
+    if "graphs" not in run[0]:
+        pytest.skip("graphs are the cuda backend's (static_decode)")
+    for rank, res in enumerate(run):
+        g = res["graphs"]
+        assert g["greedy"] == [[w] for w in res["hf"]], rank
+        assert g["graph_forwards"] > 0 and g["checked"] == g["forwards"]
+        name, message = g["mismatch"]
+        assert name == "PlanMismatchError" and "step" in message, (rank, message)
+        assert g["after"], rank
+
+
 def test_projection_biases_are_split_and_added_once(run):
     for rank, res in enumerate(run):
         assert res["hf_bias"] != res["hf"]                # the biases change the tokens

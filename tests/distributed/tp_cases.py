@@ -127,6 +127,28 @@ def greedy(rank: int, world: int, backend: str, methods: tuple) -> dict:
         got["steps"] = engine.adapter.step
         got["preempt"] = _preempting(model, backend)
         res[method] = got
+    if backend == "cuda":
+        # whole-step graphs under TP (the backend's CPU mode re-runs a captured step on its
+        # static buffers): the same tokens, every replayed step checked like an eager one
+        model = make_model()
+        kvtp.shard_model(model, method="integration")
+        engine = Engine(model, backend=backend, max_total_tokens=2048, prefill_chunk_size=32,
+                        graphs=True)
+        got = {"greedy": engine.generate(make_prompts(), max_new_tokens=NEW),
+               "graph_forwards": engine.stats.graph_forwards,
+               "forwards": engine.stats.forwards, "checked": engine.adapter.step}
+        adapter = engine.adapter
+        honest = adapter.plan_digest
+
+        def changed(cache, tokens, positions, rows):
+            digest = honest(cache, tokens, positions, rows)
+            # one rank's plan differs at a replayed decode step
+            return digest + 1 if rank == 1 and cache.static_bucket is not None else digest
+        adapter.plan_digest = changed
+        got["mismatch"] = _error(lambda: engine.generate(make_prompts(), max_new_tokens=4))
+        adapter.plan_digest = honest
+        got["after"] = engine.generate(make_prompts(), max_new_tokens=NEW) == got["greedy"]
+        res["graphs"] = got
     # biases on every projection: column-split ones are sliced, row-split ones added once
     biased = dict(attention_bias=True, mlp_bias=True, random_bias=True)
     res["hf_bias"] = [hf_greedy(make_model(**biased), p) for p in make_prompts()]

@@ -133,16 +133,58 @@ def test_max_total_tokens_none_sizes_the_cache_from_device_memory(llama, monkeyp
     engine = Engine(llama, backend="reference", max_batch_size=8, prefill_chunk_size=256,
                     memory_fraction=0.9, page_size=16)
     per_token = engine.config.token_kv_bytes
-    probe = engine.adapter.cache_config(dtype=None, page_size=16, max_batch_size=8,
-                                        max_total_tokens=256 + 16 * 9, prefill_chunk_size=256)
-    want = int((6 * gib + probe.kv_bytes - 0.1 * 8 * gib - gib) // per_token) // 16 * 16
-    assert ran and engine.config.max_total_tokens == want and "0.9 of 8.0 GiB" in engine.sizing
+    # the engine's share is a fraction of what is free when it starts, less a largest step
+    want = int((0.9 * 6 * gib - gib) // per_token) // 16 * 16
+    assert ran and engine.config.max_total_tokens == want and "0.9 of 6.0 GiB free" in engine.sizing
     monkeypatch.setattr(TransformersAdapter, "device_memory", lambda self, device: (gib, 8 * gib))
     with pytest.raises(kvcache.InvalidArgumentError, match="memory_fraction=0.9: 1.00 GiB free"):
         Engine(llama, backend="reference", max_batch_size=8, prefill_chunk_size=256)
     for bad in (0, 1.5, "0.9", True):
         with pytest.raises(kvcache.InvalidArgumentError, match="memory_fraction"):
             Engine(llama, backend="reference", memory_fraction=bad)
+
+
+def test_a_second_engine_sizes_itself_from_what_the_first_left(llama, monkeypatch):
+    # the tp CLI's case on two GPUs: a first engine holds most of the device, a second one (on
+    # the same device, in the same process) still gets a share of the rest (the old rule, a
+    # fraction of the *total* less what is used, left it nothing: "no room for a cache")
+    from kvcache.integrations.transformers import TransformersAdapter
+    gib = 2 ** 30
+    monkeypatch.setattr(TransformersAdapter, "device_memory",
+                        lambda self, device: (4 * gib, 80 * gib))
+    monkeypatch.setattr(TransformersAdapter, "peak_memory", lambda self, device, run: gib // 2)
+    engine = Engine(llama, backend="reference", max_batch_size=8, prefill_chunk_size=256)
+    want = int((0.9 * 4 * gib - gib // 2) // engine.config.token_kv_bytes) // 16 * 16
+    assert engine.config.max_total_tokens == want > 0
+    engine.generate([[1, 2, 3]], max_new_tokens=2)
+
+
+def test_no_room_names_the_engines_and_processes_that_hold_the_memory(llama, monkeypatch):
+    from kvcache.integrations.transformers import TransformersAdapter
+    first = Engine(llama, backend="reference", max_total_tokens=4096)
+    second = Engine(llama, backend="reference", max_total_tokens=2048)
+    gib = 2 ** 30
+    held = first.config.kv_bytes + second.config.kv_bytes
+    free = 16 * first.config.token_kv_bytes          # one page: less than the two it needs
+    monkeypatch.setattr(TransformersAdapter, "device_memory",
+                        lambda self, device: (free, 80 * gib))
+    monkeypatch.setattr(TransformersAdapter, "process_memory",
+                        lambda self, device: held + 3 * gib)
+    monkeypatch.setattr(TransformersAdapter, "peak_memory", lambda self, device, run: 0)
+    with pytest.raises(kvcache.InvalidArgumentError) as err:
+        Engine(llama, backend="reference", max_batch_size=8, prefill_chunk_size=256)
+    text = str(err.value)
+    for e in (first, second):
+        assert f"engine {e.number} (llama, {e.config.max_total_tokens} tokens): " \
+               f"{e.config.kv_bytes / gib:.2f} GiB of KV pages" in text
+    assert "this process's other tensors (the model among them) 3.00 GiB" in text
+    assert f"other processes and memory outside the allocator (CUDA context, NCCL) " \
+           f"{(80 * gib - free - held - 3 * gib) / gib:.2f} GiB" in text
+    number = second.number
+    del second, e                    # a dropped engine is no longer named
+    with pytest.raises(kvcache.InvalidArgumentError) as err:
+        Engine(llama, backend="reference", max_batch_size=8, prefill_chunk_size=256)
+    assert f"engine {number} " not in str(err.value) and f"engine {first.number} " in str(err.value)
 
 
 def test_the_progress_display_moves_with_tokens_requests_and_pages(llama):

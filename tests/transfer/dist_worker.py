@@ -61,9 +61,11 @@ def one_round(rank, n, src_backend, ps_a, dst_backend, ps_b, dtype, rope, slidin
     layers = range(source.config.num_layers)
     if rank == 0:
         handles = []
-        for chunk in chunks(wl.ids):
+        for i, chunk in enumerate(chunks(wl.ids)):
             starts = [p[0] for p in plan(wl, chunk)]
-            handles.append(send_sequence(source, chunk, dst=1, starts=starts))
+            # every other batch one layer a message: the multi-message path a large transfer takes
+            handles.append(send_sequence(source, chunk, dst=1, starts=starts,
+                                         message_bytes=1 if i % 2 else None))
         # the source may change at once: its rows were copied out
         for sid in wl.ids[::3]:
             source.remove_sequence(sid)
@@ -141,11 +143,14 @@ def _raw_send(msg: dict, k: np.ndarray, v: np.ndarray, dst: int, text: bytes = N
     import torch
     from kvcache.distributed.transfer import MAGIC
     body = text if text is not None else json.dumps(msg).encode()
-    nbytes = k.nbytes
-    dist.send(torch.tensor([MAGIC, len(body), nbytes], dtype=torch.int64), dst)
+    nbytes, layers = k.nbytes, k.shape[0]
+    per = 3                         # K and V of up to 3 layers a message (several messages)
+    dist.send(torch.tensor([MAGIC, len(body), nbytes, layers, per], dtype=torch.int64), dst)
     dist.send(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst)
-    for a in (k, v):
-        dist.send(torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), dst)
+    for first in range(0, layers, per):
+        for a in (k, v):
+            part = np.ascontiguousarray(a[first:first + per])
+            dist.send(torch.from_numpy(part.reshape(-1).view(np.uint8)), dst)
 
 
 MALFORMED = [

@@ -21,15 +21,23 @@ def test_measure_moves_the_whole_sequence():
     assert r["ratio"] == pytest.approx(r["plain_s"] / r["kv_s"])
 
 
+def test_a_table_of_sizes_moves_each_sequence_whole():
+    r = measure("cpu", "reference", tokens=[3, 40], layers=3, repeat=1, kv_heads=2, head_dim=16)
+    assert [row["received_shape"] for row in r["rows"]] == [[3, 3, 2, 16], [3, 40, 2, 16]]
+    assert all(row["bit_exact"] for row in r["rows"])
+    assert r["ratio"] == min(row["ratio"] for row in r["rows"])
+
+
 def test_cli_prints_the_ratio_and_json(capsys):
     argv = ["--transfer", "--transfer-tokens", "32", "--transfer-layers", "2", "--transfer-repeat", "2"]
     assert bench_main(argv) == 0
     out = capsys.readouterr().out
-    assert "send_sequence/recv_sequence" in out and "plain dist.send" in out
-    assert "(target >= 0.8)" in out
+    assert "send/recv ms" in out and "plain send ms" in out
+    assert "(target >= 0.8)" in out and "host tier (" in out and "checksums kept" in out
     assert bench_main(argv + ["--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["tokens"] == 32 and r["layers"] == 2 and r["received_shape"][1] == 32
+    assert r["host_tier"]["tokens"] == 32 and r["host_tier"]["offload_s"] > 0
 
 
 def test_bad_sizes_are_usage_errors():

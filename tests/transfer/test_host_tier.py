@@ -106,3 +106,44 @@ def test_host_tier_copies_carry_no_checksum_and_exports_do():
     tier = kvcache.HostTier(cache)
     tier.offload(1)
     assert tier.restore(1) == 9 and cache.sequence_length(1) == 9
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda", "metal"])
+def test_a_bit_changed_in_host_memory_is_refused_and_the_sequence_stays_parked(backend):
+    cache = make_cache(backend, config(4, "bfloat16", "none"))
+    rng = np.random.default_rng(5)
+    cache.add_sequence(1)
+    run_forward(cache, [1], [11], rng)
+    twin = make_cache(backend, config(4, "bfloat16", "none"))
+    twin.import_sequence(1, cache.export_sequence(1))
+    tier = HostTier(cache)
+    tier.offload(1)
+    k = tier.parked(1).k
+    bits = k.view(np.uint8).reshape(-1)
+    bits[bits.size // 3] ^= 0x10                       # one bit, in the middle of the rows
+    with pytest.raises(kvcache.KVCacheError, match="sequence 1's parked K/V changed"):
+        tier.restore(1)
+    assert 1 in tier and 1 not in cache.sequence_ids and cache.is_empty
+    bits[bits.size // 3] ^= 0x10                       # put back: restored bit for bit
+    assert tier.restore(1) == 11
+    assert_same_kv(twin, 1, cache, 1)
+
+
+@pytest.mark.parametrize("nbytes", [8, 512, 4096 + 24, 3 * 512 + 7])
+def test_the_device_checksum_is_the_host_one(nbytes):
+    # the cuda backend's checksum (torch ops, here on the CPU) against checksum_words (numpy):
+    # one definition, whatever computes it; a padded last row, and values that overflow int64
+    import torch
+
+    from kvcache.backend import checksum_words
+    cache = make_cache("cuda", config(4, "float32", "none"))
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    got = cache.backend.checksum(torch.from_numpy(data.copy()))
+    assert got.tolist() == checksum_words(data).tolist()
+    flipped = data.copy()
+    flipped[nbytes // 2] ^= 1
+    assert checksum_words(flipped).tolist() != checksum_words(data).tolist()
+    swapped = data.copy()
+    if nbytes >= 1024:                                 # two 64-word rows exchanged
+        swapped[:512], swapped[512:1024] = data[512:1024].copy(), data[:512].copy()
+        assert checksum_words(swapped)[1] != checksum_words(data)[1]

@@ -106,7 +106,7 @@ class Engine(_Engine):
     mlx-lm's cache protocol (refused with the reason otherwise: see the module docstring).
     ``backend``: a backend name or ``"auto"`` (``"metal"`` for MLX); ``device``: ``"gpu"`` or
     ``"cpu"`` (None: MLX's default device); ``dtype``: the cache dtype (None: the model's);
-    ``page_size``, ``max_total_tokens`` (None: sized from free device memory, ``memory_fraction`` of it, default 0.9, where the device can be asked; else ``512 * max_batch_size``), ``max_batch_size``,
+    ``page_size``, ``max_total_tokens`` (None: sized from the device memory free when the engine starts, ``memory_fraction`` of it, default 0.9, where the device can be asked; else ``512 * max_batch_size``), ``max_batch_size``,
     ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in ``CacheConfig``.
     ``offload`` / ``offload_tokens``: the host tier preempted sequences are parked in (None: on
     for the GPU); ``overlap`` (default True): greedy decode with the host one step ahead of the

@@ -96,7 +96,7 @@ class Engine(_Engine):
     interface (any family; what its attention needs, soft-capping, sinks, per-layer windows,
     a value head dim of its own, must be declared by the backend). ``backend``: a backend name or
     ``"auto"``; ``device``: the cache's device (None: the model's); ``dtype``: the cache dtype
-    (None: the model's); ``page_size``, ``max_total_tokens`` (None: sized from free device memory, ``memory_fraction`` of it, default 0.9, where the device can be asked; else ``512 * max_batch_size``),
+    (None: the model's); ``page_size``, ``max_total_tokens`` (None: sized from the device memory free when the engine starts, ``memory_fraction`` of it, default 0.9, where the device can be asked; else ``512 * max_batch_size``),
     ``max_batch_size``, ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in
     ``CacheConfig``. ``rope``: who rotates q and k, ``"model"`` (default: the model's own
     rotary embedding, cache ``rope_mode="none"``) or ``"cache"`` (the cache's fused RoPE append

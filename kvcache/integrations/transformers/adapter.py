@@ -221,7 +221,14 @@ class TransformersAdapter(ModelAdapter):
         dev = torch.device(device if device is not None else self.device)
         if dev.type != "cuda":
             return None
-        return torch.cuda.mem_get_info(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        # blocks the caching allocator keeps after tensors died (a dropped engine's pages) are
+        # this process's to reuse
+        return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev), total
+
+    def process_memory(self, device):
+        dev = torch.device(device if device is not None else self.device)
+        return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
 
     def peak_memory(self, device, run) -> int:
         dev = torch.device(device if device is not None else self.device)
