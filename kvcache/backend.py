@@ -391,6 +391,16 @@ class Backend(abc.ABC):
         """Write ``k[t]`` (T, Hkv, D) / ``v[t]`` (T, Hkv, Dv) into ``pages`` at ``slots[t]`` (-1: skip the token).
         With ``rope``, K is rotated at ``positions[t]`` before it is stored (fused RoPE)."""
 
+    def append_kv_layers(self, pages_per_layer: Sequence, k, v, slots) -> None:
+        """Write ``k[l]`` / ``v[l]`` into ``pages_per_layer[l]`` at ``slots`` (an int32 device
+        array (T,); -1: skip the token) for every layer ``l``: ``k`` (L, T, Hkv, D) and ``v``
+        (L, T, Hkv, Dv) native arrays in the pages' storage dtype, ``len(pages_per_layer) ==
+        L``; no RoPE, no fp8 scales (the rows are stored as they come). A transfer's import
+        writes all its layers with one call; this default calls ``append_kv`` once per layer,
+        and a backend may override it with one launch for all of them."""
+        for i, pages in enumerate(pages_per_layer):
+            self.append_kv(pages, k[i], v[i], slots)
+
     def rope_append(self, pages, q, k, v, slots, positions, rope: RopeSpec, **quant):
         """Rotate ``q`` (T, Hq, D) and ``k`` (T, Hkv, D) at ``positions`` (T,) as ``rope``
         specifies, store rotated K and ``v`` (T, Hkv, Dv) in ``pages`` (one layer's page array)

@@ -981,6 +981,11 @@ class PagedKVCache:
             for i, layer in enumerate(layers):
                 b.append_kv_packed(self.pages[layer], k[i], v[i], slots)
             return
+        if not self.config.kv_quantized:
+            # rows stored as they come: one call for every layer (one launch where the backend
+            # can; launches per layer were most of a small transfer's time)
+            b.append_kv_layers([self.pages[layer] for layer in layers], k, v, slots)
+            return
         ones = None
         for i, layer in enumerate(layers):
             pages = self.pages[layer]

@@ -9,7 +9,7 @@ section "setup"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
 python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda 2>&1 | grep -v -i warning | tail -3
-for step in ${STEPS:-link transfer tpbench tp disagg}; do
+for step in ${STEPS:-link transfer runahead tpbench tp disagg}; do
   case $step in
     link) section "how the GPUs are linked"
       nvidia-smi topo -m 2>&1 | head -8 ;;
@@ -17,6 +17,8 @@ for step in ${STEPS:-link transfer tpbench tp disagg}; do
       timeout 300 python3 tools/transfer_lab.py 2>&1 | grep -a -v -i warn | tee "$OUT/transfer_lab.log" | tail -40 ;;
     transfer) section "kvcache bench --transfer"
       timeout 300 python3 -m kvcache.cli bench --transfer ${TRANSFER_ARGS:-} 2>&1 | grep -a -v -i warn | tee "$OUT/transfer.log" | tail -30 ;;
+    runahead) section "cross-process run-ahead: transfers queued behind forwards, outputs read at the end, against one GPU"
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_two_gpu_run_ahead.py 2>&1 | grep -a -v -i warn | tail -5 ;;
     tpbench) section "kvcache bench --serving --workload tp (TP=1 against TP=2, 8B shapes, 32 layers, B=64)"
       timeout ${TPBENCH_TIMEOUT:-300} python3 -m kvcache.cli bench --serving --workload tp ${TPBENCH_ARGS:-} > "$OUT/tpbench.log" 2>&1
       echo "rc $?"; grep -a -m3 "Error:" "$OUT/tpbench.log"; grep -a -v -i warn "$OUT/tpbench.log" | tail -8 ;;

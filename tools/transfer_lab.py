@@ -34,7 +34,7 @@ def _rank(rank, world, opts):
     T, L = opts["tokens"], opts["layers"]
     cfg = kvcache.CacheConfig(num_layers=L, num_qo_heads=8, num_kv_heads=8, head_dim=128,
                               page_size=16, dtype="bfloat16", rope_mode="none", max_batch_size=1,
-                              max_total_tokens=2 * T + 1024, prefill_chunk_size=T)
+                              max_total_tokens=2 * T + 32, prefill_chunk_size=T)
     cache = kvcache.PagedKVCache(cfg, backend="cuda", device=device)
 
     def sync():
@@ -96,32 +96,6 @@ def _rank(rank, world, opts):
             recv_sequence(cache, [0], src=0).wait()
             cache.remove_sequence(0)
     out["send_recv_ms"] = timed(full)
-    # correctness over NCCL: three sequences in one call, one message and a message a layer,
-    # checked bit for bit by sending what arrived back to rank 0
-    if rank == 0:
-        for sid, n in ((1, 777), (2, 16), (3, 1)):
-            cache.add_sequence(sid)
-            with cache.forward([sid], [n]):
-                for layer in range(L):
-                    x = torch.randn(n, 8, 128, device=device)
-                    cache.attention(layer, x, x, x)
-    for mb in (None, 1):
-        if rank == 0:
-            send_sequence(cache, [1, 2, 3], dst=1, message_bytes=mb).wait()
-            for sid in (1, 2, 3):
-                mine = cache.export_sequence(sid)
-                back = [torch.empty_like(mine.k), torch.empty_like(mine.v)]
-                for t in back:
-                    dist.recv(t, 1)
-                same = bool(torch.equal(back[0], mine.k) and torch.equal(back[1], mine.v))
-                out[f"bit_exact_seq{sid}_mb{mb}"] = same
-        else:
-            recv_sequence(cache, [11, 12, 13], src=0).wait()
-            for sid in (11, 12, 13):
-                got = cache.export_sequence(sid)
-                dist.send(got.k.contiguous(), 0)
-                dist.send(got.v.contiguous(), 0)
-                cache.remove_sequence(sid)
     from torch.profiler import ProfilerActivity, profile
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -88,9 +88,12 @@ def _warm_up(engine, opts: dict, prompts: list) -> None:
     """The workload once through ``engine`` before the clock starts, its token ids shifted (the
     same shapes, nothing for the prefix cache to reuse), so that kernel compiles and graph
     captures are not counted as time to first token."""
+    engine.generate(_shifted(engine, prompts), max_new_tokens=opts["max_output"], ignore_eos=True)
+
+
+def _shifted(engine, prompts: list) -> list:
     vocab = engine.adapter.vocab_size
-    shifted = [[1 + (t % (vocab - 1)) for t in p] for p in prompts]
-    engine.generate(shifted, max_new_tokens=opts["max_output"], ignore_eos=True)
+    return [[1 + (t % (vocab - 1)) for t in p] for p in prompts]
 
 
 def _counters(engine) -> dict:
@@ -106,49 +109,65 @@ def _groups(count: int, size: int) -> list:
     return [list(range(g, min(g + size, count))) for g in range(0, count, size)]
 
 
-def _prefill_rank(opts: dict, prompts: list) -> dict:
-    """Rank 0: prefill every prompt (``hold_kv``), send each group's KV and first tokens."""
-    import torch.distributed as dist
-
-    from kvcache.distributed import send_sequence
+def _prefill_groups(engine, prompts: list, group: int, hand_off) -> tuple:
+    """Prefill ``prompts`` on ``engine`` (``hold_kv``, first token only) in groups of ``group``,
+    one group queued ahead; ``hand_off(g, [(sequence id, first token)])`` takes each finished
+    group before its requests are released. Returns (request ids in prompt order, when each
+    request's first token was picked: ``time.monotonic()``)."""
     from kvcache.integrations import SamplingParams
-    torch, engine = _engine(opts, 0, prompts)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    groups = _groups(len(prompts), opts["group"])
+    groups = _groups(len(prompts), group)
     held: dict = {}                 # request id -> (sequence id, first token)
     first_at: dict = {}             # request id -> when its first token was picked
 
     def queue(g: int) -> list:
         return [engine.add_request(prompts[i], first, hold_kv=True) for i in groups[g]]
 
-    before = _counters(engine)
-    dist.barrier()                  # both engines warm: the clock starts on both ranks now
-    t0 = time.monotonic()
     queued = [queue(g) for g in range(min(2, len(groups)))]
-    handles, sent_tokens = [], 0
     for g in range(len(groups)):
         while not all(r in held for r in queued[g]):
             for out in engine.step():
                 if out.finished:
                     held[out.request_id] = (out.seq_id, out.new_token_ids[0])
                     first_at[out.request_id] = time.monotonic()
-        handles.append(send_sequence(engine.cache, [held[r][0] for r in queued[g]], dst=1))
-        tokens = torch.tensor([held[r][1] for r in queued[g]], dtype=torch.int64)
-        dist.send(tokens.to(opts["wire"]), 1)
+        hand_off(g, [held[r] for r in queued[g]])
         for r in queued[g]:         # the rows are copied out: the pages may go
             engine.release(r)
-        sent_tokens += sum(len(prompts[i]) for i in groups[g])
         if g + 2 < len(groups):     # one group ahead: prefilled while this one is on the wire
             queued.append(queue(g + 2))
+    order = [r for q in queued for r in q]
+    return order, [first_at[r] for r in order]
+
+
+def _prefill_rank(opts: dict, prompts: list) -> dict:
+    """Rank 0: prefill every prompt (``hold_kv``), send each group's KV and first tokens."""
+    import torch.distributed as dist
+
+    from kvcache.distributed import send_sequence
+    torch, engine = _engine(opts, 0, prompts)
+    # the prefill side's own shapes (its groups, one token each) once more before the clock
+    _prefill_groups(engine, _shifted(engine, prompts), opts["group"], lambda g, held: None)
+    groups = _groups(len(prompts), opts["group"])
+    handles: list = []
+
+    def hand_off(g: int, held: list) -> None:
+        handles.append(send_sequence(engine.cache, [sid for sid, _ in held], dst=1))
+        tokens = torch.tensor([tok for _, tok in held], dtype=torch.int64)
+        dist.send(tokens.to(opts["wire"]), 1)
+
+    before = _counters(engine)
+    dist.barrier()                  # both engines warm: the clock starts on both ranks now
+    t0 = time.monotonic()
+    _, first_at = _prefill_groups(engine, prompts, opts["group"], hand_off)
     for handle in handles:
         handle.wait()
     s = _since(engine, before)
-    order = [r for q in queued for r in q]          # request ids in prompt order
+    sent_tokens = sum(len(prompts[i]) for g in groups for i in g)
     return dict(prefill_s=time.monotonic() - t0, prompt_tokens=sent_tokens,
                 forwards=s["forwards"], prefill_tokens=s["prefill_tokens"], forks=s["forks"],
                 shared_prefix_tokens=s["shared_prefix_tokens"],
                 kv_bytes=sent_tokens * engine.cache.config.token_kv_bytes,
-                first_token_s=[first_at[r] - t0 for r in order])
+                first_token_s=[t - t0 for t in first_at])
 
 
 def _decode_rank(opts: dict, prompts: list) -> dict:

@@ -118,6 +118,17 @@ def _to_wire(torch, array, transport):
     return t.to(transport)
 
 
+def _staged(torch, host, transport):
+    """``host`` (a small CPU tensor) on ``transport``: through pinned memory without waiting
+    on a GPU (a copy from pageable memory would wait for the forwards queued before it)."""
+    if transport.type == "cpu":
+        return host
+    with torch.inference_mode(False):
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned.to(transport, non_blocking=True)
+
+
 def _array_dtype(config) -> str:
     """The dtype of the K/V arrays a cache of ``config`` sends and ``write_import`` takes:
     the storage dtype, the compute dtype for fp8 pages (their values), uint8 for int8 / int4
@@ -285,9 +296,9 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "dtype": dtype,
                        "shape": shape, "nbytes": nbytes,
                        "payloads": [h.header() for h in headers]}).encode()
-    tensors = [torch.tensor([MAGIC, len(body), nbytes, c.num_layers, per],
-                            dtype=torch.int64).to(transport),
-               torch.frombuffer(bytearray(body), dtype=torch.uint8).to(transport)]
+    tensors = [_staged(torch, torch.tensor([MAGIC, len(body), nbytes, c.num_layers, per],
+                                           dtype=torch.int64), transport),
+               _staged(torch, torch.frombuffer(bytearray(body), dtype=torch.uint8), transport)]
     works = [dist.isend(t, dst, group=group) for t in tensors]
     for first in range(0, c.num_layers if total else 0, per):
         # each message's layers are gathered while the last message is on the wire
@@ -352,19 +363,18 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     kind, device = _arrays(cache, torch)
     transport = _transport(torch, dist, group, device)
     meta = torch.zeros(5, dtype=torch.int64, device=transport)
-    dist.recv(meta, src, group=group)
-    magic, size, nbytes, num_layers, per = (int(x) for x in meta.tolist())
+    magic, size, nbytes, num_layers, per = (int(x) for x in _read_small(torch, dist, meta, src, group))
     if magic != MAGIC:
         raise InvalidArgumentError(
             f"recv_sequence of sequences {ids}: the message from rank {src} is not a kvcache "
             f"transfer (first value {magic:#x}); both sides must pair their calls")
-    text = torch.empty(size, dtype=torch.uint8, device=transport)
-    dist.recv(text, src, group=group)
+    text = _read_small(torch, dist, torch.empty(size, dtype=torch.uint8, device=transport),
+                       src, group)
     # the K and V messages the sender posted, per ``per`` layers: received (or drained)
     # whatever the JSON says
     spans = _spans(nbytes, num_layers, per, ids, src)
     try:
-        msg, shape, headers = _read_header(bytes(text.cpu().numpy()), nbytes, ids, src)
+        msg, shape, headers = _read_header(bytes(text.numpy()), nbytes, ids, src)
         if nbytes and shape[0] != num_layers:
             raise InvalidArgumentError(
                 f"recv_sequence of sequences {ids} from rank {src}: the header's shape has "
@@ -398,6 +408,30 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     return TransferHandle([w for ws in works for w in ws], buffers, ids,
                           f"receive of sequences {ids} from rank {src}",
                           finish=finish, cancel=lambda: cache.cancel_import(res))
+
+
+_SIDE_STREAMS: dict = {}             # device -> the stream headers are read on
+
+
+def _read_small(torch, dist, buf, src: int, group):
+    """Receive ``buf`` (a small header part) and return it on the host. On a GPU the receive and
+    the copy to the host run on a side stream, and the host waits for that stream alone: not
+    for the forwards the cache queued before this call (a decode worker keeps its run-ahead)."""
+    if buf.device.type == "cpu":
+        dist.recv(buf, src, group=group)
+        return buf
+    side = _SIDE_STREAMS.get(buf.device)
+    if side is None:
+        side = _SIDE_STREAMS[buf.device] = torch.cuda.Stream(device=buf.device)
+    with torch.inference_mode(False):
+        host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+    with torch.cuda.stream(side):
+        dist.irecv(buf, src, group=group).wait()        # the side stream waits for the message
+        host.copy_(buf, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    return host
 
 
 def _spans(nbytes: int, num_layers: int, per: int, ids: list, src: int) -> list:

@@ -38,10 +38,12 @@ import re
 import weakref
 from typing import Any, Optional
 
+import numpy as np
+
 from ..config import CacheConfig
 from ..distributed import tp as dtp
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
-from .engine import ModelAdapter
+from .engine import PendingPicks
 from .tp_cli import _demo_model, main  # noqa: F401  (the command; importable from here as before)
 from .transformers import TransformersAdapter, _head_dim, torch
 
@@ -324,6 +326,7 @@ class TensorParallelAdapter(TransformersAdapter):
         self.layout: TPLayout = done if done is not None else shard_model(model, group)
         self.plans = dtp.PlanCheck(self.layout.group)
         self.step = 0
+        self._picked: list = []         # picks the host read since the last step's check
 
     def cache_config(self, *, dtype, page_size, max_total_tokens, max_batch_size,
                      prefill_chunk_size) -> CacheConfig:
@@ -354,8 +357,13 @@ class TensorParallelAdapter(TransformersAdapter):
         return super().forward(cache, tokens, positions, logit_rows)
 
     def _check_step(self, cache, tokens, positions, logit_rows) -> None:
-        """The lockstep check of the open forward (every rank, before the model runs)."""
+        """The lockstep check of the open forward (every rank, before the model runs): its plan,
+        its input tokens the host has (picks still on the device are covered once read), and
+        the picks the host read since the last step."""
         plan = cache.open_plan
+        host = np.zeros(0, np.int64) if torch.is_tensor(tokens) else np.asarray(tokens, np.int64)
+        tokens = np.concatenate(self._picked + [host])
+        self._picked.clear()
         self.plans.exchange(
             f"step {self.step} of generate", self.plan_digest(cache, tokens, positions, logit_rows),
             detail=lambda: f"planned sequences {plan.seq_ids} with {plan.append_lengths.tolist()} "
@@ -377,9 +385,18 @@ class TensorParallelAdapter(TransformersAdapter):
         return graphs
 
     def greedy_async(self, logits, logprobs: bool = True):
-        # the plan digest covers each step's token ids, so they must be on the host when the
-        # step is planned: picks are read at once (no device-side hand-over between steps)
-        return ModelAdapter.greedy_async(self, logits, logprobs)
+        # the picks stay on the device as the next step's input (the host plans one step ahead,
+        # as on one GPU); when the host reads them, they go into the next step's digest, so a
+        # rank whose picks differ still fails, one step later
+        inner = TransformersAdapter.greedy_async(self, logits, logprobs)
+        read: list = []
+
+        def result():
+            if not read:
+                read.append(inner.result())
+                self._picked.append(np.asarray(read[0][0], np.int64))
+            return read[0]
+        return PendingPicks(inner.tokens, result)
 
     @contextlib.contextmanager
     def session(self, cache):
@@ -388,6 +405,7 @@ class TensorParallelAdapter(TransformersAdapter):
         instead of waiting in a collective."""
         self.step = 0
         self.plans.failed = False
+        self._picked.clear()
         with super().session(cache):
             try:
                 yield

@@ -146,6 +146,7 @@ def test_kv_budget_mib_is_only_for_the_kv_budget_workload(capsys):
     assert "only with --workload kv-budget" in capsys.readouterr().err
 
 
+@pytest.mark.slow       # 20 s on 2 cores; the TP engine itself runs in CI through tests/distributed
 def test_tp_workload_times_tp1_and_tp2_in_one_run(capsys):
     # two gloo processes on the CPU (the GPU run: two GPUs, NCCL, docs/distributed.md)
     assert main(["bench", "--serving", "--tiny", "--device", "cpu", "--workload", "tp",

@@ -70,6 +70,7 @@ def test_whole_step_graphs_run_under_tp_and_every_replay_is_checked(run):
         g = res["graphs"]
         assert g["greedy"] == [[w] for w in res["hf"]], rank
         assert g["graph_forwards"] > 0 and g["checked"] == g["forwards"]
+        assert g["overlapped"] > 0 and g["device_picks"] and g["picks_read"]
         name, message = g["mismatch"]
         assert name == "PlanMismatchError" and "step" in message, (rank, message)
         assert g["after"], rank

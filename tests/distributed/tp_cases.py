@@ -136,7 +136,13 @@ def greedy(rank: int, world: int, backend: str, methods: tuple) -> dict:
                         graphs=True)
         got = {"greedy": engine.generate(make_prompts(), max_new_tokens=NEW),
                "graph_forwards": engine.stats.graph_forwards,
-               "forwards": engine.stats.forwards, "checked": engine.adapter.step}
+               "forwards": engine.stats.forwards, "checked": engine.adapter.step,
+               "overlapped": engine.stats.overlapped_forwards}
+        import torch
+        picks = engine.adapter.greedy_async(torch.randn(2, VOCAB))
+        # the picks stay where the logits are (the next step's input), read by the host later
+        got["device_picks"] = torch.is_tensor(picks.tokens)
+        got["picks_read"] = [int(t) for t in picks.result()[0]] == [int(t) for t in picks.tokens]
         adapter = engine.adapter
         honest = adapter.plan_digest
 

@@ -16,11 +16,13 @@ from kvcache.bench_transfer import measure  # noqa: E402
 def test_measure_moves_the_whole_sequence():
     r = measure("cpu", "reference", tokens=40, layers=3, repeat=2, kv_heads=2, head_dim=16)
     assert r["received_shape"] == [3, 40, 2, 16]            # every layer, every token arrived
+    assert r["bit_exact"] is True                           # and the same bits as the source
     assert r["bytes"] == 40 * 3 * 2 * 2 * 16 * 4
     assert r["kv_s"] > 0 and r["plain_s"] > 0
     assert r["ratio"] == pytest.approx(r["plain_s"] / r["kv_s"])
 
 
+@pytest.mark.slow       # the table's path; CI runs the one-size bench below
 def test_a_table_of_sizes_moves_each_sequence_whole():
     r = measure("cpu", "reference", tokens=[3, 40], layers=3, repeat=1, kv_heads=2, head_dim=16)
     assert [row["received_shape"] for row in r["rows"]] == [[3, 3, 2, 16], [3, 40, 2, 16]]

@@ -419,6 +419,14 @@ class CudaBackend(Backend):
         with self._guard():
             self.kernels(k).append_kv(self.ctx, pages, k, v, slots, positions, rope, kv_scale)
 
+    def append_kv_layers(self, pages_per_layer, k, v, slots):
+        # one launch for every layer on the Triton path (a transfer's import)
+        if len(pages_per_layer) != k.shape[0] or len(pages_per_layer) != v.shape[0]:
+            raise ValueError(f"append_kv_layers: {len(pages_per_layer)} page arrays for k of "
+                             f"{k.shape[0]} layers and v of {v.shape[0]}")
+        with self._guard():
+            self.kernels(k).append_kv_layers(self.ctx, pages_per_layer, k, v, slots)
+
     def rope_append(self, pages, q, k, v, slots, positions, rope, **quant):
         with self._guard():          # quant: {"kv_scale": ...} with fp8 pages, else empty
             return self.kernels(q).rope_append(self.ctx, pages, q, k, v, slots, positions, rope,

@@ -63,13 +63,22 @@ def rope(ctx, x, positions, rope_spec):
     return rotate(x, positions.long(), rope_spec).to(ctx.dtype)
 
 
-def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None, kv_scale=None):
+def _kept(ctx, slots):
+    """(kept token indices, their pages, their rows) of ``slots`` (-1: skipped); None when no
+    token is kept."""
     slots = slots.long()
     keep = (slots >= 0).nonzero().squeeze(1)      # host sync: fine for the fallback path
     if keep.numel() == 0:
-        return
+        return None
     s = slots[keep]
-    page, row = s // ctx.page_size, s % ctx.page_size
+    return keep, s // ctx.page_size, s % ctx.page_size
+
+
+def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None, kv_scale=None):
+    kept = _kept(ctx, slots)
+    if kept is None:
+        return
+    keep, page, row = kept
     kk = k[keep]
     vv = v[keep]
     if rope_spec is not None:
@@ -79,6 +88,18 @@ def append_kv(ctx, pages, k, v, slots, positions=None, rope_spec=None, kv_scale=
     # advanced indices split by a slice: the indexed dims come first -> (n, Hkv, D)
     pages[page, 0, :, row, :kk.shape[-1]] = kk.to(pages.dtype)
     pages[page, 1, :, row, :v.shape[-1]] = vv.to(pages.dtype)
+
+
+def append_kv_layers(ctx, pages_per_layer, k, v, slots):
+    """``append_kv`` of ``k[l]`` / ``v[l]`` into ``pages_per_layer[l]`` for every layer (no RoPE,
+    no fp8 scales), the kept slots found once for all layers."""
+    kept = _kept(ctx, slots)
+    if kept is None:
+        return
+    keep, page, row = kept
+    for pages, kl, vl in zip(pages_per_layer, k, v):
+        pages[page, 0, :, row, :kl.shape[-1]] = kl[keep].to(pages.dtype)
+        pages[page, 1, :, row, :vl.shape[-1]] = vl[keep].to(pages.dtype)
 
 
 def rope_append(ctx, pages, q, k, v, slots, positions, rope_spec, kv_scale=None):

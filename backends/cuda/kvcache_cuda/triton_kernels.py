@@ -557,6 +557,81 @@ def _copy_rows_kernel(pages_ptr, src_base, dst_base, HKV,
         tl.store(t + sp_kv, tl.load(s + sp_kv, mask=m), mask=m)
 
 
+# Rows of every layer in one launch (a transfer's export and import: one launch per layer was a
+# fixed few ms of host time for 32 layers). The layers' page arrays are separate allocations of
+# one shape, strides and dtype: program (i, l) reaches layer l at layer 0's pointer plus
+# ``loff[l]``, that layer's element offset from it (``_layer_offsets``; int64, may be negative).
+@triton.jit
+def _layer_base(loff_ptr, layer, ALIGNED: tl.constexpr):
+    off = tl.load(loff_ptr + layer)
+    if ALIGNED:
+        # every offset is a multiple of 16 elements (checked on the host): without the hint the
+        # compiler knows nothing of a loaded offset and loads / stores one element at a time
+        off = tl.multiple_of(off, 16)
+    return off
+
+
+@triton.jit
+def _gather_layers_kernel(pages_ptr, loff_ptr, slots_ptr, ok_ptr, ov_ptr, HKV,
+                          sp_page, sp_kv, sp_head, sp_row,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, ALIGNED: tl.constexpr):
+    """Row ``slots[i]`` of layer ``l`` (program (i, l)), K's first HEAD_DIM and V's first
+    HEAD_DIM_V of every head, as stored, into ``out_k[l, i]`` / ``out_v[l, i]``: fresh contiguous
+    (L, n, HKV, HEAD_DIM) / (L, n, HKV, HEAD_DIM_V) arrays (n is the grid's first axis, so no
+    per-call size reaches the kernel's specialisation)."""
+    i = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    row = layer * tl.num_programs(0).to(tl.int64) + i
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    pbase = (_layer_base(loff_ptr, layer, ALIGNED) + (slot // PAGE_SIZE) * sp_page
+             + (slot % PAGE_SIZE) * sp_row)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    hb = tl.arange(0, HB)
+    for h0 in range(0, HKV, HB):
+        h = h0 + hb
+        m = (h < HKV)[:, None] & (d < HEAD_DIM)[None, :]
+        mv = (h < HKV)[:, None] & (dv < HEAD_DIM_V)[None, :]
+        src = pages_ptr + pbase + h[:, None] * sp_head
+        kr = tl.load(src + d[None, :], mask=m)
+        vr = tl.load(src + sp_kv + dv[None, :], mask=mv)
+        tl.store(ok_ptr + row * HKV * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], kr, mask=m)
+        tl.store(ov_ptr + row * HKV * HEAD_DIM_V + h[:, None] * HEAD_DIM_V + dv[None, :], vr,
+                 mask=mv)
+
+
+@triton.jit
+def _append_layers_kernel(k_ptr, v_ptr, pages_ptr, loff_ptr, slots_ptr,
+                          sk_l, sk_t, sk_h, sv_l, sv_t, sv_h, HKV,
+                          sp_page, sp_kv, sp_head, sp_row,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, ALIGNED: tl.constexpr):
+    """``k[l, t]`` / ``v[l, t]`` (program (t, l)) into layer ``l``'s row ``slots[t]`` (-1: skip),
+    cast to the pages' dtype: what ``_rope_append_kernel`` stores without RoPE or fp8 scales
+    (same slot address, same single cast), for every layer at once."""
+    t = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    keep = slot >= 0
+    pbase = (_layer_base(loff_ptr, layer, ALIGNED) + (slot // PAGE_SIZE) * sp_page
+             + (slot % PAGE_SIZE) * sp_row)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    hb = tl.arange(0, HB)
+    for h0 in range(0, HKV, HB):
+        h = h0 + hb
+        m = (h < HKV)[:, None] & (d < HEAD_DIM)[None, :] & keep
+        mv = (h < HKV)[:, None] & (dv < HEAD_DIM_V)[None, :] & keep
+        kr = tl.load(k_ptr + layer * sk_l + t * sk_t + h[:, None] * sk_h + d[None, :], mask=m)
+        vr = tl.load(v_ptr + layer * sv_l + t * sv_t + h[:, None] * sv_h + dv[None, :], mask=mv)
+        dst = pages_ptr + pbase + h[:, None] * sp_head
+        tl.store(dst + d[None, :], kr.to(pages_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + sp_kv + dv[None, :], vr.to(pages_ptr.dtype.element_ty), mask=mv)
+
+
 # ====================================================================== attention
 @triton.jit
 def _ragged_visible(c, c_ok, r, window_left, tlo, q_order, tmask_ptr, TREE: tl.constexpr):
@@ -1915,7 +1990,8 @@ def compact_kv(ctx, pages_per_layer, src_slots, dst_slots):
 
 def gather_kv(ctx, pages_per_layer, slots, kv_scale=None):
     """kv_scale: with fp8 pages, one (2, Hkv) scale array per page array: values come back
-    dequantized in the cache dtype."""
+    dequantized in the cache dtype (one launch per layer). Without it, one launch for every
+    layer (``_gather_layers_kernel``)."""
     n = slots.shape[0]
     layers = len(pages_per_layer)
     p0 = pages_per_layer[0]
@@ -1924,7 +2000,82 @@ def gather_kv(ctx, pages_per_layer, slots, kv_scale=None):
                         device=p0.device)
     out_v = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim_v), dtype=dtype,
                         device=p0.device)
-    for i, pages in enumerate(pages_per_layer):
-        gather_rows(ctx, pages, slots, out_k[i], out_v[i],
-                    None if kv_scale is None else kv_scale[i])
+    if kv_scale is not None:
+        for i, pages in enumerate(pages_per_layer):
+            gather_rows(ctx, pages, slots, out_k[i], out_v[i], kv_scale[i])
+        return out_k, out_v
+    if n:
+        loff, aligned = _layer_offsets(ctx, pages_per_layer)
+        run = _layers_kernel(ctx, _gather_layers_kernel, aligned)
+        sp = p0.stride()
+        spec = (p0.dtype, sp, slots.dtype, p0.data_ptr() & 15, loff.data_ptr() & 15,
+                slots.data_ptr() & 15, out_k.data_ptr() & 15, out_v.data_ptr() & 15)
+        run((n, layers, 1), spec, p0, loff, slots, out_k, out_v, ctx.num_kv_heads,
+            sp[0], sp[1], sp[2], sp[3])
     return out_k, out_v
+
+
+def append_kv_layers(ctx, pages_per_layer, k, v, slots):
+    """``k[l]`` / ``v[l]`` ((L, T, Hkv, D) / (L, T, Hkv, Dv)) into ``pages_per_layer[l]`` at
+    ``slots`` (-1: skip), no RoPE, no fp8 scales: what ``append_kv`` does per layer, in one
+    launch (``_append_layers_kernel``)."""
+    t_total, layers = k.shape[1], len(pages_per_layer)
+    if t_total == 0 or layers == 0:
+        return
+    k, v = _last_dim_contig(k), _last_dim_contig(v)
+    p0 = pages_per_layer[0]
+    loff, aligned = _layer_offsets(ctx, pages_per_layer)
+    run = _layers_kernel(ctx, _append_layers_kernel, aligned)
+    sk, sv, sp = k.stride(), v.stride(), p0.stride()
+    spec = (k.dtype, v.dtype, p0.dtype, slots.dtype, sk, sv, sp, k.data_ptr() & 15,
+            v.data_ptr() & 15, p0.data_ptr() & 15, loff.data_ptr() & 15, slots.data_ptr() & 15)
+    run((t_total, layers, 1), spec, k, v, p0, loff, slots, sk[0], sk[1], sk[2], sv[0], sv[1],
+        sv[2], ctx.num_kv_heads, sp[0], sp[1], sp[2], sp[3])
+
+
+_MAX_OFFSET_TABLES = 16      # a cache's whole layer list and the layer groups of its transfers
+
+
+def _layer_offsets(ctx, pages_per_layer):
+    """(int64 device tensor, aligned): each page array's element offset from the first one's
+    pointer, and whether all are multiples of 16 elements. Built once per list of page arrays
+    (keyed by their addresses, which alone fix the table) and uploaded without a host sync."""
+    p0 = pages_per_layer[0]
+    ptrs = tuple(p.data_ptr() for p in pages_per_layer)
+    tables = ctx.launch.static.get("layer_offsets")
+    if tables is None:
+        tables = ctx.launch.static["layer_offsets"] = {}
+    key = (p0.device, ptrs)
+    hit = tables.get(key)
+    if hit is not None:
+        return hit
+    size = p0.element_size()
+    for p in pages_per_layer:
+        # one stride and dtype for all: the kernels address every layer with layer 0's
+        if (p.shape != p0.shape or p.stride() != p0.stride() or p.dtype != p0.dtype
+                or p.device != p0.device or (p.data_ptr() - ptrs[0]) % size):
+            raise ValueError("the layers' page arrays differ in shape, strides, dtype, device or "
+                             "element alignment; one-launch row kernels need them alike")
+    offsets = [(ptr - ptrs[0]) // size for ptr in ptrs]
+    # a pinned staging copy and a non-blocking upload (as aux_to_device): a pageable copy
+    # would wait for the stream
+    host = torch.tensor(offsets, dtype=torch.int64, pin_memory=p0.is_cuda)
+    hit = (host.to(p0.device, non_blocking=True), all(o % 16 == 0 for o in offsets))
+    tables[key] = hit
+    while len(tables) > _MAX_OFFSET_TABLES:
+        del tables[next(iter(tables))]          # oldest first (dicts keep insertion order)
+    return hit
+
+
+def _layers_kernel(ctx, jit, aligned: bool) -> _Kernel:
+    """The ``_Kernel`` of a one-launch row kernel, once per config, tuning and alignment."""
+    key = (jit, aligned)
+    static = ctx.launch.static
+    run = static.get(key)
+    if run is None:
+        d, dv = ctx.head_dim, ctx.head_dim_v
+        run = static[key] = _Kernel(jit, dict(
+            HEAD_DIM=d, BLOCK_D=_p2(d), HB=min(_p2(ctx.num_kv_heads), ctx.tuning.elementwise_heads),
+            PAGE_SIZE=ctx.page_size, HEAD_DIM_V=dv, BLOCK_DV=_p2(dv), ALIGNED=aligned,
+            num_warps=ctx.tuning.elementwise_warps))
+    return run
