@@ -362,7 +362,8 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
             f"recv_sequence of sequences {ids}: a forward is open; receive after end_forward")
     kind, device = _arrays(cache, torch)
     transport = _transport(torch, dist, group, device)
-    meta = torch.zeros(5, dtype=torch.int64, device=transport)
+    # (empty, not zeros: a fill queued on the cache's stream could land after the message)
+    meta = torch.empty(5, dtype=torch.int64, device=transport)
     magic, size, nbytes, num_layers, per = (int(x) for x in _read_small(torch, dist, meta, src, group))
     if magic != MAGIC:
         raise InvalidArgumentError(
