@@ -1,16 +1,21 @@
 """Moving sequences' KV between the caches of two processes over torch.distributed.
 
-One call moves a batch of sequences in three point-to-point messages, in this order:
+One call moves a batch of sequences in a few point-to-point messages, in this order:
 
-1. a header: an int64 tensor ``[MAGIC, n, nbytes]`` then ``n`` uint8 bytes of JSON
-   ``{"version", "payloads": [SequencePayload.header() per sequence], "kv_dtype", "dtype",
-   "shape", "nbytes"}`` (``nbytes``: the bytes of K, and of V, that follow; in the fixed-size
-   part too, so that a receiver that refuses the JSON still knows what to drain; ``dtype``:
-   the arrays' dtype, the compute dtype for fp8 pages, whose arrays hold the values read back
-   and whose payload headers carry the scales; None or absent: ``kv_dtype``);
-2. K and 3. V: the sequences' tokens, one sequence after another, as the raw bytes of one
-   contiguous (num_layers, total tokens, num_kv_heads, head_dim) array each in ``dtype`` (what
-   ``PagedKVCache.export_sequences`` gathers; skipped when there are no tokens).
+1. a header: an int64 tensor ``[MAGIC, n, nbytes, num_layers, layers_per_message]`` then ``n``
+   uint8 bytes of JSON ``{"version", "payloads": [SequencePayload.header() per sequence],
+   "kv_dtype", "dtype", "shape", "nbytes"}`` (``nbytes``: the bytes of K, and of V, that
+   follow; in the fixed-size part too, with the layer grouping, so that a receiver that
+   refuses the JSON still knows what to drain; ``dtype``: the arrays' dtype, the compute dtype
+   for fp8 pages, whose arrays hold the values read back and whose payload headers carry the
+   scales; None or absent: ``kv_dtype``);
+2. for each group of ``layers_per_message`` consecutive layers, K then V: the sequences'
+   tokens, one sequence after another, as the raw bytes of a contiguous (layers, total tokens,
+   num_kv_heads, head_dim) array in ``dtype`` (what ``PagedKVCache.export_sequences(...,
+   layers=...)`` gathers; none when there are no tokens). One group holds every layer up to
+   ``MESSAGE_BYTES`` of K; a larger transfer comes in groups of about that size, at least
+   ``MIN_MESSAGES`` of them (``layers_per_message``), so that the sender gathers a group while
+   the last is on the wire and the receiver writes one while the next arrives.
 
 fp8 pages (``kv_dtype="float8_e4m3"``) move as ``export_sequence`` / ``import_sequence`` move
 them: the values with the scales, which the receiver adopts for layers it has none of (at the
@@ -20,14 +25,16 @@ bytes: ``kvcache.kv_quant.affine_pack``), stored unchanged, into a cache of the 
 group size and compute dtype only (InvalidArgumentError otherwise: ``import_sequence`` of an
 ``export_sequence`` payload converts).
 
-The sender gathers the rows out of its pages on the device (one gather, queued on the
-cache's stream after every forward queued before it, so a forward that is still running
-ahead cannot be missed or torn) and posts non-blocking sends of that buffer; the pages
-themselves are free to change or be reused at once, the buffer is what is sent. The receiver
-reads the header (a blocking receive of a few hundred bytes), checks it against its cache
-and reserves the pages (``PagedKVCache.reserve_import``), then posts non-blocking receives
-into two buffers on its device; ``TransferHandle.wait()`` writes the rows into the reserved
-pages (page sizes may differ: the write is per token) and makes the sequences appear.
+The sender gathers the rows out of its pages on the device (a gather per group, queued on
+the cache's stream after every forward queued before it, so a forward that is still running
+ahead cannot be missed or torn) and posts non-blocking sends of those buffers; the pages
+themselves are free to change or be reused at once, the buffers are what is sent. The
+receiver reads the header (a receive of a few hundred bytes, on a side stream on a GPU, so it
+does not wait for the forwards its cache queued), checks it against its cache and reserves
+the pages (``PagedKVCache.reserve_import``), then posts non-blocking receives into a pair of
+buffers per group on its device; ``TransferHandle.wait()`` writes each group's rows into the
+reserved pages behind its arrival (page sizes may differ: the write is per token) and makes
+the sequences appear.
 
 Transports: with an NCCL group and a CUDA/ROCm cache the buffers are device tensors (no host
 staging); otherwise (gloo) CPU tensors: a GPU cache is then staged through host memory, a
@@ -266,7 +273,7 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     """Send sequences of ``cache`` to the process of global rank ``dst`` (which calls
     ``recv_sequence`` with as many ids); returns a ``TransferHandle`` (non-blocking).
 
-    ``seq_ids``: one id or a list (one batch: three messages in all); ``starts``: per
+    ``seq_ids``: one id or a list (one batch: one header and the data's messages); ``starts``: per
     sequence, the first token sent (None: 0; a fork's ``fork_pos`` sends only what follows
     its shared prefix, for a receiver that imports it onto the parent); ``group``: the
     torch.distributed process group (None: the default); ``message_bytes``: about how many

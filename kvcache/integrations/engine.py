@@ -47,6 +47,18 @@ _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _NUMBERS = itertools.count(1)
 
 
+def _weak_admit(engine: "Engine"):
+    """``engine._admit`` for its core, through a weak reference: without that cycle, dropping
+    an engine frees its cache's pages at once (the next engine's sizing sees them free)."""
+    ref = weakref.ref(engine)
+
+    def admit(*args, **kw):
+        live = ref()
+        assert live is not None, "an EngineCore outlived its Engine"
+        return live._admit(*args, **kw)
+    return admit
+
+
 def _wants_logprobs(params: SamplingParams) -> bool:
     return params.logprobs is not None and params.logprobs is not False
 
@@ -187,7 +199,7 @@ class Engine:
         self.runner = Runner(adapter, self.cache, self.stats, graphs=self.graphs,
                              compiled=self.compiled)
         self.decode_graphs = self.runner.decode_graphs
-        self.core = EngineCore(self.scheduler, self.runner, self._admit)
+        self.core = EngineCore(self.scheduler, self.runner, _weak_admit(self))
         self.progress: Optional[bool] = None
         self._eos = frozenset(int(t) for t in adapter.eos_token_ids())
         self._lock = threading.RLock()
@@ -230,7 +242,7 @@ class Engine:
         """``(max_total_tokens, how)`` from the device's free memory (see the class doc)."""
         adapter = self.adapter
         batch = int(sizes["max_batch_size"])
-        gc.collect()        # a dropped engine's pages (its runner and core form a cycle)
+        gc.collect()        # what a reference cycle still holds (a dropped model's, say)
         info = adapter.device_memory(device)
         if info is None:
             return DEFAULT_TOKENS_PER_SEQUENCE * batch, "default"

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         want = one.generate(prompts, max_new_tokens=args.new_tokens)
         one_s = time.perf_counter() - t0
-        del one                 # (its runner and core form a cycle: collected, then freed)
+        del one                 # its pages are free now; the collect covers what a cycle holds
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

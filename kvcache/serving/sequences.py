@@ -113,7 +113,10 @@ class Sequences:
                     self.attach(node, parent)
                 build(members, length, node)
 
-        build(list(range(len(fresh))), 0, None)
+        try:
+            build(list(range(len(fresh))), 0, None)
+        finally:
+            del build           # (a recursive closure is a cycle through self: break it)
         for req, parent in zip(fresh, parents):
             if req.kv_seq_id is not None:           # adopted: its KV is in the cache already
                 seq = Seq(sid=req.kv_seq_id, kind="prompt", tokens=list(req.prompt),

@@ -228,3 +228,22 @@ def test_logprobs_k_gives_the_k_likeliest_tokens_of_the_models_distribution(llam
         assert len(alts) == 3 and ids[0] == token and alts[0][1] == pytest.approx(lp, abs=1e-6)
         assert ids == ref[t].topk(3).indices.tolist()
         assert [v for _, v in alts] == pytest.approx(ref[t][ids].tolist(), abs=1e-3)
+
+
+def test_a_dropped_engine_frees_its_cache_at_once(llama):
+    # no reference cycle holds the cache: `del engine` gives its pages back without waiting for
+    # the garbage collector (the next engine's sizing, or a model loaded next, sees them free)
+    import gc
+    import weakref
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        engine = Engine(llama, backend="reference", max_total_tokens=512)
+        shared = list(range(1, 40))
+        engine.generate([shared, shared + [7]], max_new_tokens=3, n=2)   # a prefix, forks
+        cache = weakref.ref(engine.cache)
+        del engine
+        assert cache() is None
+    finally:
+        if collecting:
+            gc.enable()
