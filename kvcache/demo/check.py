@@ -119,6 +119,22 @@ def judge_greedy(tokens: list, logits: np.ndarray, dtype: str) -> tuple:
     return ties, None
 
 
+def teacher_forced_logits(model, prompt: list, tokens: list) -> np.ndarray:
+    """A transformers causal LM's own logits (float64, host) at the positions that picked
+    ``tokens`` after ``prompt``: one plain forward of ``prompt + tokens[:-1]`` (the model's
+    attention, no cache, no batch)."""
+    import torch
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=device)
+        return model(ids).logits[0, len(prompt) - 1:].double().cpu().numpy()
+
+
+def rescore_greedy(model, prompt: list, tokens: list, dtype: str) -> tuple:
+    """``judge_greedy`` of ``tokens`` against ``model``'s ``teacher_forced_logits``."""
+    return judge_greedy(tokens, teacher_forced_logits(model, prompt, tokens), dtype)
+
+
 def choose(workload, k: int, seed: int) -> list:
     """Up to ``k`` requests to check (0: all): one of each feature first, then random ones."""
     reqs = workload.requests

@@ -30,6 +30,7 @@ import sys
 import time
 
 from . import non_negative_int, positive_int
+from .check import rescore_greedy
 from .real import build_model
 from .workload import make_workload
 
@@ -261,7 +262,7 @@ def run(opts) -> dict:
         first = next(t for t in range(min(len(g), len(w))) if g[t] != w[t])
         # the decode rank's tokens re-scored by the model, teacher-forced (no cache, no batch):
         # a 16-bit run may part at a near-tie that the batch's rounding flipped
-        near, problem = _rescore(model, prompts[i], g, dtype)
+        near, problem = rescore_greedy(model, prompts[i], g, dtype)
         what = (f"request {i} ({len(prompts[i])} prompt tokens): token {first} is {g[first]} on "
                 f"the decode rank, {w[first]} in one process")
         if problem is None and dtype != "float32":
@@ -307,18 +308,6 @@ def _latency(times: dict) -> dict:
     import statistics
     return {f"{k[:-2]}_ms": {"median": 1e3 * statistics.median(v), "max": 1e3 * max(v)}
             for k, v in times.items()}
-
-
-def _rescore(model, prompt: list, tokens: list, dtype: str) -> tuple:
-    """``judge_greedy`` of ``tokens`` against ``model``'s own teacher-forced forward."""
-    import torch
-
-    from .check import judge_greedy
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        ids = torch.tensor([prompt + tokens[:-1]], device=device)
-        logits = model(ids).logits[0, len(prompt) - 1:].double().cpu().numpy()
-    return judge_greedy(tokens, logits, dtype)
 
 
 def main(argv) -> int:

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     import gc
     import time
 
-    from ..demo.check import judge_greedy
+    from ..demo.check import rescore_greedy
     from .tp import SHARD_METHODS, shard_model   # (tp re-exports main: imported here, no cycle)
     parser = argparse.ArgumentParser(prog="python -m kvcache.integrations.tp", description=(
         "Tensor-parallel greedy generation (launch with torchrun --nproc-per-node=TP); rank 0 "
@@ -137,10 +137,7 @@ def main(argv=None) -> int:
         if g == w:
             continue
         first = next((t for t, (a, b) in enumerate(zip(g[0], w[0])) if a != b), None)
-        with torch.inference_mode():     # TP's tokens re-scored by the whole model, teacher-forced
-            ids = torch.tensor([prompts[i] + g[0][:-1]], device=device)
-            logits = whole(ids).logits[0, len(prompts[i]) - 1:].double().cpu().numpy()
-        ties, problem = judge_greedy(g[0], logits, dtype)
+        ties, problem = rescore_greedy(whole, prompts[i], g[0], dtype)   # on the whole model
         judged_ok &= problem is None
         print(f"  prompt {i}: first difference at new token {first}; teacher-forced re-score on "
               f"TP=1: {problem or f'every TP token its argmax or a near-tie ({ties} near-ties)'}")
