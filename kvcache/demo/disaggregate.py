@@ -110,11 +110,11 @@ def _groups(count: int, size: int) -> list:
     return [list(range(g, min(g + size, count))) for g in range(0, count, size)]
 
 
-def _prefill_groups(engine, prompts: list, group: int, hand_off) -> tuple:
+def _prefill_groups(engine, prompts: list, group: int, hand_off) -> list:
     """Prefill ``prompts`` on ``engine`` (``hold_kv``, first token only) in groups of ``group``,
     one group queued ahead; ``hand_off(g, [(sequence id, first token)])`` takes each finished
-    group before its requests are released. Returns (request ids in prompt order, when each
-    request's first token was picked: ``time.monotonic()``)."""
+    group before its requests are released. Returns when each prompt's first token was picked
+    (``time.monotonic()``), in prompt order."""
     from kvcache.integrations import SamplingParams
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     groups = _groups(len(prompts), group)
@@ -136,8 +136,7 @@ def _prefill_groups(engine, prompts: list, group: int, hand_off) -> tuple:
             engine.release(r)
         if g + 2 < len(groups):     # one group ahead: prefilled while this one is on the wire
             queued.append(queue(g + 2))
-    order = [r for q in queued for r in q]
-    return order, [first_at[r] for r in order]
+    return [first_at[r] for q in queued for r in q]
 
 
 def _prefill_rank(opts: dict, prompts: list) -> dict:
@@ -148,7 +147,6 @@ def _prefill_rank(opts: dict, prompts: list) -> dict:
     torch, engine = _engine(opts, 0, prompts)
     # the prefill side's own shapes (its groups, one token each) once more before the clock
     _prefill_groups(engine, _shifted(engine, prompts), opts["group"], lambda g, held: None)
-    groups = _groups(len(prompts), opts["group"])
     handles: list = []
 
     def hand_off(g: int, held: list) -> None:
@@ -159,11 +157,11 @@ def _prefill_rank(opts: dict, prompts: list) -> dict:
     before = _counters(engine)
     dist.barrier()                  # both engines warm: the clock starts on both ranks now
     t0 = time.monotonic()
-    _, first_at = _prefill_groups(engine, prompts, opts["group"], hand_off)
+    first_at = _prefill_groups(engine, prompts, opts["group"], hand_off)
     for handle in handles:
         handle.wait()
     s = _since(engine, before)
-    sent_tokens = sum(len(prompts[i]) for g in groups for i in g)
+    sent_tokens = sum(len(p) for p in prompts)
     return dict(prefill_s=time.monotonic() - t0, prompt_tokens=sent_tokens,
                 forwards=s["forwards"], prefill_tokens=s["prefill_tokens"], forks=s["forks"],
                 shared_prefix_tokens=s["shared_prefix_tokens"],
