@@ -13,7 +13,6 @@ wall(n2)``. Target: the TP=2 step at most ``TARGET_TP_STEP`` of the TP=1 step (B
 from __future__ import annotations
 
 import gc
-import time
 from typing import Callable
 
 __all__ = ["TARGET_TP_STEP", "TP_SIZES", "print_tp_result", "run_tp"]
@@ -24,16 +23,14 @@ TP_SIZES = {"layers": (32, 1)}
 """The tp workload's own defaults (full, --tiny) where it differs from the random one."""
 
 
-def _decode(engine, prompts: list, n1: int, n2: int, sync: Callable) -> dict:
+def _decode(engine, prompts: list, n1: int, n2: int, device: str) -> dict:
+    from .measure import _timed
     engine.progress = False
     engine.generate(prompts, max_new_tokens=n2, ignore_eos=True)       # compiles, captures
     walls = {}
     for n in (n1, n2):
-        sync()
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, max_new_tokens=n, ignore_eos=True)
-        sync()
-        walls[n] = time.perf_counter() - t0
+        walls[n], out = _timed(lambda: engine.generate(prompts, max_new_tokens=n,
+                                                       ignore_eos=True), device)
         assert all(len(o[0]) == n for o in out)
     step = (walls[n2] - walls[n1]) / (n2 - n1)
     return dict(decode_step_ms=step * 1e3, tokens_per_s=len(prompts) * n2 / walls[n2],
@@ -53,10 +50,6 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     if not gpu:
         torch.set_num_threads(1)
 
-    def sync():
-        if gpu:
-            torch.cuda.synchronize(device)
-
     def model():
         return build_model(opts["model"], opts["layers"], opts["tiny"], device, opts["dtype"],
                            opts["seed"])
@@ -67,7 +60,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     out: dict = {}
     if rank == 0:
         one = Engine(net, **kw)
-        out["tp1"] = _decode(one, prompts, opts["n1"], opts["n2"], sync)
+        out["tp1"] = _decode(one, prompts, opts["n1"], opts["n2"], device)
         del one
     del net
     gc.collect()
@@ -77,7 +70,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     net = model()
     shard_model(net, method="integration")     # the all-reduces as plain hooks, captured with the step
     two = Engine(net, tp=world, **kw)
-    out["tp2"] = _decode(two, prompts, opts["n1"], opts["n2"], sync)
+    out["tp2"] = _decode(two, prompts, opts["n1"], opts["n2"], device)
     return out
 
 
