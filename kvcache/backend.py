@@ -329,8 +329,9 @@ class Backend(abc.ABC):
         bytes is zero-padded). Computed where the array lives (the host tier checks a parked
         sequence with it at device speed); read it with ``kvcache.to_numpy``. Default: computed
         on the host (``checksum_words``), a numpy array."""
-        return checksum_words(np.frombuffer(
-            np.ascontiguousarray(_host_bits(self, array)).tobytes(), np.uint8))
+        from .arrays import to_host
+        bits = to_host(array, self.dtype_name(array))       # a contiguous copy, as stored
+        return checksum_words(bits.reshape(-1).view(np.uint8))
 
     # ------------------------------------------------------------------ streams
     def create_stream(self):
@@ -501,11 +502,6 @@ class Backend(abc.ABC):
 
 
 __all__ = ["Backend", "Capabilities", "RopeSpec", "TreeMask", "DepthAux"]
-
-
-def _host_bits(backend, array) -> np.ndarray:
-    from .arrays import to_host
-    return to_host(array, backend.dtype_name(array))
 
 
 def checksum_words(data: np.ndarray) -> np.ndarray:

@@ -478,8 +478,8 @@ class HostTier:
             capacity_tokens = int_arg(capacity_tokens, "HostTier capacity_tokens", 0)
         self.cache = cache
         self.capacity_tokens = capacity_tokens
-        self._held: dict[int, SequencePayload] = {}
-        self._sums: dict[int, list] = {}    # seq id -> the checksums of its K and V (Backend.checksum)
+        # seq id -> (its payload in host memory, the checksums of its K and V: Backend.checksum)
+        self._held: dict[int, tuple[SequencePayload, list]] = {}
         self.tokens = 0
         """Tokens held now."""
 
@@ -512,7 +512,7 @@ class HostTier:
             raise SequenceNotFoundError(
                 f"{what}: sequence {seq_id} is not in the host tier ({len(self._held)} "
                 f"sequences parked)")
-        return self._held[seq_id]
+        return self._held[seq_id][0]
 
     def parked(self, seq_id: int) -> SequencePayload:
         """The payload of parked sequence ``seq_id``: its K/V in host memory, as stored
@@ -542,8 +542,8 @@ class HostTier:
         (k, _), (v, done) = b.host_copy(payload.k), b.host_copy(payload.v)
         b.event_synchronize(done)
         self.cache.remove_sequence(seq_id)
-        self._held[seq_id] = dataclasses.replace(payload, k=k, v=v, backend=None, device=None)
-        self._sums[seq_id] = [to_numpy(x).tolist() for x in sums]
+        self._held[seq_id] = (dataclasses.replace(payload, k=k, v=v, backend=None, device=None),
+                              [to_numpy(x).tolist() for x in sums])
         self.tokens += length
         return length
 
@@ -560,16 +560,16 @@ class HostTier:
         b = self.cache.backend
         k, v = b.from_host(payload.k), b.from_host(payload.v)
         sums = [to_numpy(b.checksum(x)).tolist() for x in (k, v)]     # (waits for the copies)
-        if sums != self._sums[int(seq_id)]:
+        then = self._held[int(seq_id)][1]
+        if sums != then:
             from .errors import KVCacheError
             raise KVCacheError(
                 f"restore: sequence {int(seq_id)}'s parked K/V changed in host memory since it was "
-                f"offloaded (checksums {self._sums[int(seq_id)]} then, {sums} now); it stays parked, "
+                f"offloaded (checksums {then} then, {sums} now); it stays parked, "
                 f"drop it and recompute")
         device = dataclasses.replace(payload, k=k, v=v, backend=b.name, device=b.device)
         self.cache.import_sequence(target, device, parent_id=parent_id, fork_pos=fork_pos)
         del self._held[int(seq_id)]
-        del self._sums[int(seq_id)]
         self.tokens -= payload.num_tokens
         shared = 0 if parent_id is None else (payload.start if fork_pos is None else int(fork_pos))
         return payload.num_tokens - shared
@@ -579,13 +579,11 @@ class HostTier:
         parked)."""
         payload = self._payload(seq_id, "drop")
         del self._held[int(seq_id)]
-        del self._sums[int(seq_id)]
         self.tokens -= payload.num_tokens
 
     def clear(self) -> None:
         """Forget every parked sequence."""
         self._held.clear()
-        self._sums.clear()
         self.tokens = 0
 
 
