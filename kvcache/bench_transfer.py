@@ -55,20 +55,26 @@ def _rank(rank: int, world: int, opts: dict) -> list:
     gpu = opts["device"] == "cuda"
     device = f"cuda:{rank}" if gpu else "cpu"
     sizes = opts["tokens"]
+    count, each = opts.get("batch") or (0, 0)
     cfg = kvcache.CacheConfig(
         num_layers=opts["layers"], num_qo_heads=opts["kv_heads"], num_kv_heads=opts["kv_heads"],
         head_dim=opts["head_dim"], page_size=16, dtype=opts["dtype"], rope_mode="none",
-        max_batch_size=1, max_total_tokens=sum(sizes) + 16 * len(sizes),
-        prefill_chunk_size=max(sizes))
+        max_batch_size=1, max_total_tokens=sum(sizes) + 16 * len(sizes) + count * (each + 16),
+        prefill_chunk_size=max(sizes + [each]))
     cache = kvcache.PagedKVCache(cfg, backend=opts["backend"], device=device)
 
     def sync():
         if gpu:
             torch.cuda.synchronize(device)
 
-    if rank == 0:                          # one sequence per size: one prefill of random K/V
+    # one sequence per size, then ``count`` sequences of ``each`` tokens sent in one call
+    cases = [([sid], n) for sid, n in enumerate(sizes)]
+    if count:
+        cases.append((list(range(BATCH_IDS, BATCH_IDS + count)), count * each))
+    if rank == 0:                          # each sequence: one prefill of random K/V
         rng = np.random.default_rng(0)
-        for sid, n in enumerate(sizes):
+        for sid, n in [(s, n) for s, n in enumerate(sizes)] + [
+                (b, each) for b in range(BATCH_IDS, BATCH_IDS + count)]:
             cache.add_sequence(sid)
             with cache.forward([sid], [n]):
                 for layer in range(cfg.num_layers):
@@ -77,7 +83,7 @@ def _rank(rank: int, world: int, opts: dict) -> list:
                     cache.attention(layer, x, x, x)
         sync()
     rows = []
-    for sid, n in enumerate(sizes):
+    for ids, n in cases:
         nbytes = n * cfg.token_kv_bytes
         plain = torch.empty(nbytes, dtype=torch.uint8, device=device)
         kv_times, plain_times = [], []
@@ -86,17 +92,18 @@ def _rank(rank: int, world: int, opts: dict) -> list:
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
-                send_sequence(cache, [sid], dst=1).wait()
+                send_sequence(cache, ids, dst=1).wait()
             else:
-                recv_sequence(cache, [sid], src=0).wait()
+                recv_sequence(cache, ids, src=0).wait()
                 sync()
             kv_times.append(time.perf_counter() - t0)
             if r == opts["repeat"]:         # the last copy against the source, bit for bit
-                same = _same_bits(cache, sid, device, dist, torch)
+                same = all(_same_bits(cache, sid, device, dist, torch) for sid in ids)
                 if rank == 1:
-                    got = list(kvcache.to_numpy(cache.get_kv(sid)[0]).shape)
+                    got = list(kvcache.to_numpy(cache.get_kv(ids[-1])[0]).shape)
             if rank == 1:
-                cache.remove_sequence(sid)
+                for sid in ids:
+                    cache.remove_sequence(sid)
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
@@ -106,13 +113,83 @@ def _rank(rank: int, world: int, opts: dict) -> list:
                 sync()
             plain_times.append(time.perf_counter() - t0)
         row = dict(tokens=n, bytes=nbytes, kv_s=statistics.median(kv_times[1:]),
-                   plain_s=statistics.median(plain_times[1:]))
+                   plain_s=statistics.median(plain_times[1:]), sequences=len(ids))
         if rank == 1:
             row.update(received_shape=got, bit_exact=same)
         rows.append(row)
     if rank == 0:
         rows.append(_host_tier(cache, len(sizes) - 1, sync, device, opts["repeat"]))
+    rows.append(_pipelined(rank, opts, sync, device))
     return rows
+
+
+BATCH_IDS = 10_000                   # the batch row's sequence ids
+BATCH = 64
+"""The batch row: this many sequences of the table's smallest size, sent in one call."""
+PIPELINE_TOKENS = 4096
+"""The prompt of the pipelined-prefill row (on a GPU; 256 on CPUs)."""
+
+
+def _pipelined(rank: int, opts: dict, sync, device: str) -> dict:
+    """A prefill of one prompt on rank 0 whose KV goes to rank 1: alone (rank 0's forward,
+    to its end), then sent after the forward, and sent from inside it (``send_sequence``
+    during the forward: layer i on the wire while layer i+1 computes). Timed from a barrier
+    to the KV usable on rank 1 (``wait()`` returned, device synchronized) and, alone, to the
+    forward's end on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    import kvcache
+    from kvcache.distributed import recv_sequence, send_sequence
+    n = PIPELINE_TOKENS if device != "cpu" else 256
+    cfg = kvcache.CacheConfig(
+        num_layers=opts["layers"], num_qo_heads=4 * opts["kv_heads"],
+        num_kv_heads=opts["kv_heads"], head_dim=opts["head_dim"], page_size=16,
+        dtype=opts["dtype"], rope_mode="none", max_batch_size=1, max_total_tokens=n + 16,
+        prefill_chunk_size=n)
+    cache = kvcache.PagedKVCache(cfg, backend=opts["backend"], device=device)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    qkv = [cache.from_numpy(rng.standard_normal((n, h, cfg.head_dim)).astype(np.float32))
+           for h in (cfg.num_qo_heads, cfg.num_kv_heads, cfg.num_kv_heads)]   # every layer's
+    times: dict = {"prefill": [], "after": [], "during": []}
+    same = None
+
+    def prefill(send_inside: bool):
+        cache.add_sequence(0)
+        cache.begin_forward([0], [n])
+        h = send_sequence(cache, [0], dst=1) if send_inside else None
+        for layer in range(cfg.num_layers):
+            cache.attention(layer, *qkv)
+        cache.end_forward()
+        return h
+
+    for r in range(opts["repeat"] + 1):
+        for how in ("prefill", "after", "during"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                h = prefill(how == "during")
+                if how == "after":
+                    h = send_sequence(cache, [0], dst=1)
+                if how == "prefill":
+                    sync()
+                    times[how].append(time.perf_counter() - t0)
+                else:
+                    h.wait()
+            elif how != "prefill":
+                recv_sequence(cache, [0], src=0).wait()
+                sync()
+                times[how].append(time.perf_counter() - t0)
+            if how == "during" and r == opts["repeat"]:     # the copy against the source
+                same = _same_bits(cache, 0, device, dist, torch)
+            if how != "prefill" or rank == 0:
+                cache.remove_sequence(0)
+    if rank == 0:
+        return dict(pipelined=True, prefill_s=statistics.median(times["prefill"][1:]))
+    return dict(pipelined=True, tokens=n, bytes=n * cfg.token_kv_bytes,
+                after_s=statistics.median(times["after"][1:]),
+                during_s=statistics.median(times["during"][1:]), bit_exact=same)
 
 
 def _same_bits(cache, sid: int, device: str, dist, torch) -> bool:
@@ -166,23 +243,28 @@ def _host_tier(cache, sid: int, sync, device: str, repeat: int) -> dict:
 
 
 def measure(device: str, backend: str, tokens, layers: int, repeat: int,
-            kv_heads: int = 8, head_dim: int = 128, dtype: Optional[str] = None) -> dict:
+            kv_heads: int = 8, head_dim: int = 128, dtype: Optional[str] = None,
+            batch: int = 0) -> dict:
     """Run both ranks and return the receiver's medians, bandwidths and their ratio: for one
     size (``tokens`` an int: the row's fields at the top level) or several (a list: ``rows``,
-    and ``ratio`` the smallest of theirs)."""
+    and ``ratio`` the smallest of theirs). ``batch``: also ``batch`` sequences of the smallest
+    size in one call (``batch_row``, not in ``ratio``)."""
     from .distributed.tp import spawn
     sizes = [int(tokens)] if isinstance(tokens, int) else [int(t) for t in tokens]
     opts = dict(device=device, backend=backend, tokens=sizes, layers=layers, repeat=repeat,
-                kv_heads=kv_heads, head_dim=head_dim,
+                kv_heads=kv_heads, head_dim=head_dim, batch=(batch, min(sizes)) if batch else None,
                 dtype=dtype or ("bfloat16" if device == "cuda" else "float32"))
     ranks = spawn(_rank, 2, args=(opts,), backend="nccl" if device == "cuda" else "gloo",
                   timeout_s=600)
-    rows = ranks[1]
-    host = ranks[0][-1]
+    rows = ranks[1][:-1]
+    host = ranks[0][-2]
+    pipe = dict(ranks[1][-1], prefill_s=ranks[0][-1]["prefill_s"])
     for r in rows:
         r.update(kv_gbps=r["bytes"] / r["kv_s"] / 1e9, plain_gbps=r["bytes"] / r["plain_s"] / 1e9)
         r["ratio"] = r["plain_s"] / r["kv_s"]
-    out: dict = dict(opts, rows=rows, ratio=min(r["ratio"] for r in rows), host_tier=host)
+    batch_row = rows.pop() if batch else None
+    out: dict = dict(opts, rows=rows, ratio=min(r["ratio"] for r in rows), host_tier=host,
+                     pipelined=pipe, batch_row=batch_row)
     if isinstance(tokens, int):
         out.update(rows[0])
         out["tokens"] = sizes[0]
@@ -202,7 +284,8 @@ def main(args) -> int:
         per_token = 2 * args.transfer_layers * 8 * 128 * (2 if device == "cuda" else 4)
         tokens = ([max(1, (mib << 20) // per_token) for mib in SIZES_MIB] if device == "cuda"
                   else 4096)
-    r = measure(device, backend, tokens, args.transfer_layers, args.transfer_repeat)
+    r = measure(device, backend, tokens, args.transfer_layers, args.transfer_repeat,
+                batch=BATCH if device == "cuda" and args.transfer_tokens is None else 0)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -217,6 +300,12 @@ def main(args) -> int:
         print(f"  {row['tokens']:7d} {row['bytes'] / 2**20:8.1f}  {row['kv_s'] * 1e3:12.3f} "
               f"{row['kv_gbps']:7.2f}  {row['plain_s'] * 1e3:13.3f} {row['plain_gbps']:7.2f}  "
               f"{row['ratio']:5.2f}  {'same' if row['bit_exact'] else 'DIFFER'}")
+    b = r["batch_row"]
+    if b:
+        print(f"  {b['sequences']} sequences of {b['tokens'] // b['sequences']} tokens in one call "
+              f"({b['bytes'] / 2**20:.1f} MiB): {b['kv_s'] * 1e3:.3f} ms, {b['kv_gbps']:.2f} GB/s "
+              f"against a plain send of those bytes {b['plain_s'] * 1e3:.3f} ms: "
+              f"{b['ratio']:.2f}; bits {'same' if b['bit_exact'] else 'DIFFER'}")
     ok = r["ratio"] >= TARGET
     print(f"target: sequence transfer / plain send bandwidth, smallest ratio {r['ratio']:.2f} "
           f"(target >= {TARGET}) {'met' if ok else 'MISSED'}; every copy bit for bit: "
@@ -230,4 +319,12 @@ def main(args) -> int:
     low = min(h["offload_ratio"], h["restore_ratio"])
     print(f"target: host tier / {copy}, smallest ratio {low:.2f} (target >= {TARGET}) "
           f"{'met' if low >= TARGET else 'MISSED'}")
+    p = r["pipelined"]
+    print(f"  prefill of {p['tokens']} tokens ({p['bytes'] / 2**20:.1f} MiB of KV) on rank 0, "
+          f"its KV usable on rank 1: prefill alone {p['prefill_s'] * 1e3:.3f} ms; sent after "
+          f"the forward {p['after_s'] * 1e3:.3f} ms; sent layer by layer from inside it "
+          f"{p['during_s'] * 1e3:.3f} ms: the transfer adds "
+          f"{(p['after_s'] - p['prefill_s']) * 1e3:.3f} ms after, "
+          f"{(p['during_s'] - p['prefill_s']) * 1e3:.3f} ms inside; the copy bit for bit: "
+          f"{'yes' if p['bit_exact'] else 'NO'}")
     return 0

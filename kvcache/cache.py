@@ -38,6 +38,10 @@ _current_thread = threading.current_thread
 
 # calls that may take over a forward left open by a thread that has died (see _exclusive)
 _RECOVERS = frozenset({"abort_forward", "clear"})
+FP8_CALIBRATION_FORWARDS = 8
+"""Eager forwards that may calibrate an fp8 head in all (the first one that writes the layer
+included): a head that only ever held zeros or NaN / inf by then keeps the provisional scale
+(``kv_quant.FP8_PROVISIONAL_SCALE``), and the layer's forwards stop reading K/V back."""
 
 
 def _exclusive(method):
@@ -145,11 +149,18 @@ class PagedKVCache:
         # fp8 pages: per layer, None (not set yet) or (host (2, Hkv) float32, backend array)
         self._kv_scales: Optional[list] = (
             [None] * config.num_layers if config.kv_dtype == "float8_e4m3" else None)
-        self._calibrated: list = []         # layers whose scales the open forward calibrated
+        # fp8 pages: per layer, None or (bool (2, Hkv): the heads (K's, V's) no forward could
+        # calibrate yet, stored with kv_quant.FP8_PROVISIONAL_SCALE; eager forwards left to try)
+        self._kv_pending: Optional[list] = (
+            [None] * config.num_layers if self._kv_scales is not None else None)
+        self._kv_pinned: set = set()        # layers set_kv_scales gave scales (clear() keeps them)
+        self._scale_undo: dict = {}         # layer -> (scales, pending) before the open forward
         self._rope = config.rope_spec()
         self._plan: Optional[ForwardPlan] = None
         self._aux: Optional[ForwardAux] = None
         self._layers_done: set = set()
+        self._watchers: list = []          # of the open forward (watch_forward)
+        self._forward_exports: dict = {}   # (ids, starts) -> [headers, slots, device slots]
         self._lock = threading.Lock()      # held by the thread using the cache (see _exclusive)
         self._owner: Optional[threading.Thread] = None  # that thread
 
@@ -424,9 +435,16 @@ class PagedKVCache:
     @_exclusive
     def clear(self) -> None:
         """Drop every sequence and free every page (also ends an open forward, even one left
-        open by a thread that has died)."""
-        self._close()
+        open by a thread that has died). fp8 pages: the scales forwards calibrated and imports
+        adopted are forgotten (the next forward calibrates again); those ``set_kv_scales``
+        gave stay."""
+        self._close(committed=False)
         self.state.clear()
+        if self._kv_scales is not None:
+            for layer in range(self.config.num_layers):
+                if layer not in self._kv_pinned:
+                    self._kv_scales[layer] = None
+                self._kv_pending[layer] = None          # type: ignore[index]
         if self._prefix is not None:
             self._prefix = PrefixIndex(self.state)
 
@@ -571,14 +589,15 @@ class PagedKVCache:
         """Whether pages move as packed rows (int8 / int4: ``Backend.gather_kv_packed``)."""
         return self.config.kv_dtype in AFFINE_BITS
 
-    def _stored_rows(self, slots: np.ndarray, layers: Optional[range] = None) -> tuple[Array, Array]:
+    def _stored_rows(self, slots: np.ndarray, layers: Optional[range] = None,
+                     dev: Optional[Array] = None) -> tuple[Array, Array]:
         """(k, v) of ``layers`` (None: every layer) at ``slots`` as a payload carries them:
         packed rows for int8 / int4 pages, else the values (fp8: read back with the layer
-        scales)."""
+        scales). ``dev``: ``slots`` on the device already."""
         b = self.backend
         layers = range(self.config.num_layers) if layers is None else layers
         pages = self.pages[layers.start:layers.stop]
-        dev = b.aux_to_device(slots)
+        dev = b.aux_to_device(slots) if dev is None else dev
         if self._packed:
             return b.gather_kv_packed(pages, dev)
         return b.gather_kv(pages, dev, **self._gather_kw(layers))
@@ -601,10 +620,14 @@ class PagedKVCache:
         ``v_scale`` each one float > 0 or ``num_kv_heads`` of them (a stored code times its
         head's scale is the value read back; e.g. a checkpoint's ``k_scale`` / ``v_scale``).
         Without them the first forward that writes a layer calibrates its scales
-        (``kvcache.kv_quant.calibrate_fp8``). A layer's scales are set once, before it holds
-        KV: stored codes would change meaning. Raises InvalidArgumentError for another
-        ``kv_dtype``, a bad layer or scale, or a layer whose scales are set;
-        ForwardStateError inside a forward."""
+        (``kvcache.kv_quant.calibrate_fp8``, from finite values; a head that forward leaves
+        uncalibrated, all zeros or NaN / inf, is calibrated by a later one). A layer's scales
+        are set once, before a calibrated or imported scale binds its stored codes (they would
+        change meaning); scales set here survive ``clear()``, calibrated and imported ones do
+        not. Each scale is checked as the float32 it is stored as: within
+        ``kv_quant.FP8_SCALE_LIMITS`` (1e-50 would be 0, 1e39 inf). Raises
+        InvalidArgumentError for another ``kv_dtype``, a bad layer or scale, or a layer whose
+        scales are set; ForwardStateError inside a forward; nothing changes then."""
         self._no_forward("set_kv_scales")
         c = self.config
         if self._kv_scales is None:
@@ -612,20 +635,37 @@ class PagedKVCache:
                 f"set_kv_scales: the cache stores kv_dtype={c.kv_dtype!r}; scales are for "
                 f"'float8_e4m3' pages")
         layer_id = self._layer(layer_id, "set_kv_scales: layer_id")
-        if self._kv_scales[layer_id] is not None:
+        if self._fixed_scales(layer_id) is not None:
             raise InvalidArgumentError(
-                f"set_kv_scales: layer {layer_id} has its scales already (set or calibrated "
-                f"when it was first written); its stored codes depend on them")
+                f"set_kv_scales: layer {layer_id} has its scales already (set, imported or "
+                f"calibrated when it was first written); its stored codes depend on them")
+        from .kv_quant import FP8_SCALE_LIMITS
+        lo, hi = FP8_SCALE_LIMITS
         rows = []
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             vals = value.tolist() if hasattr(value, "tolist") else value
-            vals = [vals] * c.num_kv_heads if not isinstance(vals, (list, tuple)) else list(vals)
+            one = not isinstance(vals, (list, tuple))
+            vals = [vals] * c.num_kv_heads if one else list(vals)
             if len(vals) != c.num_kv_heads:
                 raise InvalidArgumentError(
                     f"set_kv_scales: {name} has {len(vals)} values, expected 1 or num_kv_heads="
                     f"{c.num_kv_heads}")
-            rows.append([float_arg(x, f"set_kv_scales: {name}", positive=True) for x in vals])
+            row = []
+            for head, x in enumerate(vals):
+                what = f"set_kv_scales: {name}" + ("" if one else f"[{head}]")
+                f = float_arg(x, what, positive=True)
+                with np.errstate(over="ignore", under="ignore"):
+                    f32 = float(np.float32(f))
+                if not lo <= f32 <= hi:
+                    raise InvalidArgumentError(
+                        f"{what}={f!r} is {f32!r} as the float32 it is stored as; a scale must "
+                        f"be in [{lo!r}, {hi!r}] after that cast (a normal float32 whose "
+                        f"saturated code, 448 x scale, is finite)")
+                row.append(f32)
+            rows.append(row)
         self._put_scales(layer_id, np.asarray(rows, np.float32))
+        self._kv_pending[layer_id] = None               # type: ignore[index]
+        self._kv_pinned.add(layer_id)
 
     @_exclusive
     def kv_scales(self, layer_id: int) -> Optional[tuple]:
@@ -641,27 +681,68 @@ class PagedKVCache:
     def _put_scales(self, layer: int, host) -> None:
         self._kv_scales[layer] = (host, self.backend.from_numpy(host, "float32"))   # type: ignore[index]
 
+    def _fixed_scales(self, layer: int) -> Optional[np.ndarray]:
+        """Layer ``layer``'s host (2, Hkv) fp8 scales once some bind its stored codes; None
+        while none do (never set, or every head still waiting for a forward to calibrate it:
+        what such a head holds reads the same at any scale)."""
+        entry = self._kv_scales[layer]                      # type: ignore[index]
+        pending = self._kv_pending[layer]                   # type: ignore[index]
+        if entry is None or (pending is not None and pending[0].all()):
+            return None
+        return entry[0]
+
     def _scale_kw(self, plan: ForwardPlan, layer: int, k, v, positions) -> dict:
         """The ``kv_scale`` keyword of layer ``layer``'s kernels ({} unless fp8 pages),
         calibrating the layer's scales from this forward's ``k`` / ``v`` as they are stored
         (K rotated at ``positions`` where the cache applies RoPE as it writes: a rotation can
-        raise a coordinate up to sqrt(2) times) when none are set."""
+        raise a coordinate up to sqrt(2) times) when none are set, or those of its heads no
+        forward could calibrate yet."""
         if self._kv_scales is None:
             return {}
-        if self._kv_scales[layer] is None:
-            if plan.static_bucket is not None:
+        pending = self._kv_pending[layer]                   # type: ignore[index]
+        if self._kv_scales[layer] is None or pending is not None:
+            if plan.static_bucket is None:
+                self._calibrate(layer, k, v, positions)
+            elif self._kv_scales[layer] is None:
                 raise ForwardStateError(
                     f"layer {layer} has no fp8 scales, and a static-shape decode step (which "
                     f"may be captured) cannot calibrate them: set_kv_scales, or run an eager "
                     f"forward first (forward over sequences {plan.seq_ids})")
-            from .kv_quant import calibrate_fp8
-            b = self.backend
-            if self.config.effective_rope_mode == "normal":
-                k = b.rope(k, positions, self._rope)
-            self._put_scales(layer, np.stack([calibrate_fp8(b.to_numpy(k)),
-                                              calibrate_fp8(b.to_numpy(v))]))
-            self._calibrated.append(layer)
-        return {"kv_scale": self._kv_scales[layer][1]}
+            else:
+                # a captured step cannot look at its values: the heads still uncalibrated keep
+                # the provisional scale for good (not undone by an abort either: a capture may
+                # hold this scale array, which a later calibration would replace)
+                self._kv_pending[layer] = None              # type: ignore[index]
+        return {"kv_scale": self._kv_scales[layer][1]}     # type: ignore[index]
+
+    def _calibrate(self, layer: int, k, v, positions) -> None:
+        """Calibrate layer ``layer``'s fp8 scales, or its heads still uncalibrated, from this
+        forward's ``k`` / ``v`` (``kv_quant.fp8_calibration``: finite values only, outliers
+        clipped). A head left uncalibrated (all zeros, NaN, inf) keeps the provisional scale
+        and is tried again by the next eager forwards that write the layer, up to
+        ``FP8_CALIBRATION_FORWARDS`` in all, then keeps it for good (each try reads the
+        layer's K/V back to the host). ``abort_forward`` undoes it."""
+        from .kv_quant import fp8_calibration
+        b = self.backend
+        if self.config.effective_rope_mode == "normal":
+            k = b.rope(k, positions, self._rope)
+        (ks, k_ok), (vs, v_ok) = fp8_calibration(b.to_numpy(k)), fp8_calibration(b.to_numpy(v))
+        new, ok = np.stack([ks, vs]), np.stack([k_ok, v_ok])
+        entry, pending = self._kv_scales[layer], self._kv_pending[layer]    # type: ignore[index]
+        self._scale_undo.setdefault(layer, (entry, pending))
+        host: Optional[np.ndarray]
+        if entry is None:
+            host, waiting, left = new, ~ok, FP8_CALIBRATION_FORWARDS
+        else:
+            waiting, left = pending                     # type: ignore[misc]
+            take = waiting & ok
+            host = np.where(take, new, entry[0]).astype(np.float32) if take.any() else None
+            waiting = waiting & ~ok
+        if host is not None:
+            self._put_scales(layer, host)
+        left -= 1
+        pending = (waiting, left) if waiting.any() and left > 0 else None
+        self._kv_pending[layer] = pending               # type: ignore[index]
 
     def _gather_kw(self, layers) -> dict:
         """``gather_kv``'s ``kv_scale`` keyword for ``layers`` ({} unless fp8 pages): per layer
@@ -759,10 +840,25 @@ class PagedKVCache:
         scale``) in the compute dtype, and each header the layer scales (``kv_scales``).
         ``layers``: a ``range`` of consecutive layers to gather (None: all); ``k`` and ``v``
         then hold ``len(layers)`` layers (a transfer sends a large batch a few layers at a
-        time, gathering the next while the last is on the wire). Errors as
-        ``export_sequence``; a sequence listed twice is refused."""
-        self._no_forward("export_sequences")
-        layers = self._layer_range(layers, "export_sequences")
+        time, gathering the next while the last is on the wire). Inside an open forward (its
+        own thread) the sequences are as they will be after it, and ``layers`` must be layers
+        the forward has written (``layers_run``): a transfer sends each layer while the next
+        computes (ForwardStateError otherwise, and for sliding-window forwards, whose new
+        tokens may take old tokens' slots). Errors as ``export_sequence``; a sequence listed
+        twice is refused. ``layers=range(i, i)`` (empty): the headers alone, ``k`` and ``v``
+        None (inside a forward too: what a transfer announces before the layers are written)."""
+        headers_only = (isinstance(layers, range) and len(layers) == 0 and layers.step == 1
+                        and 0 <= layers.start <= self.config.num_layers)
+        layers = range(0, 0) if headers_only else self._layer_range(layers, "export_sequences")
+        plan = self._plan
+        if plan is not None:
+            unwritten = sorted(set(layers) - self._layers_done)
+            if plan.write_after or unwritten:
+                raise ForwardStateError(
+                    f"export_sequences inside the forward over sequences {plan.seq_ids}: "
+                    + ("a sliding-window forward's new tokens may take old tokens' slots"
+                       if plan.write_after else f"layers {unwritten} are not written yet "
+                       f"(attention or append_kv first)"))
         seq_ids = seq_id_list(seq_ids, "seq_ids")
         starts = [0] * len(seq_ids) if starts is None else int_values(starts, "starts")
         if len(starts) != len(seq_ids):
@@ -770,10 +866,23 @@ class PagedKVCache:
                 f"export_sequences got {len(seq_ids)} seq_ids but {len(starts)} starts")
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidArgumentError(f"export_sequences: seq_ids {seq_ids} repeat a sequence")
-        parts = [self._export_range(sid, st, None) for sid, st in zip(seq_ids, starts)]
-        slots = (np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int32))
-        k, v = self._stored_rows(slots, layers)
-        return [p[0] for p in parts], k, v
+        key = (tuple(seq_ids), tuple(starts))
+        known = self._forward_exports.get(key) if plan is not None else None
+        if known is None:
+            parts = [self._export_range(sid, st, None) for sid, st in zip(seq_ids, starts)]
+            slots = (np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int32))
+            known = [[p[0] for p in parts], slots, None]
+            # a transfer inside the forward asks again for each layer (not with fp8 pages:
+            # the headers carry scales this forward may still calibrate)
+            if plan is not None and self._kv_scales is None:
+                self._forward_exports[key] = known
+        headers, slots, dev = known
+        if headers_only:
+            return list(headers), None, None
+        if dev is None:
+            dev = known[2] = self.backend.aux_to_device(slots)
+        k, v = self._stored_rows(slots, layers, dev)
+        return list(headers), k, v
 
     def _payloads_supported(self, what: str) -> None:
         c = self.config
@@ -895,10 +1004,10 @@ class PagedKVCache:
         pending = {} if pending is None else pending
         adopt = []
         for layer, theirs in enumerate(payload.kv_scales):
-            entry = self._kv_scales[layer]
-            owner, mine = (None, entry[0]) if entry is not None else pending.get(layer, (None, None))
+            fixed = self._fixed_scales(layer)
+            owner, mine = (None, fixed) if fixed is not None else pending.get(layer, (None, None))
             if theirs is None:
-                if mine is None and payload.num_tokens:
+                if mine is None and self._kv_scales[layer] is None and payload.num_tokens:
                     raise InvalidArgumentError(
                         f"import of sequence {seq_id}: the payload has no fp8 scales for layer "
                         f"{layer} and this cache has none either: its values cannot be stored")
@@ -925,13 +1034,13 @@ class PagedKVCache:
         nothing."""
         out = []
         for layer, host in sorted(res.scales.items()):
-            entry = self._kv_scales[layer]                      # type: ignore[index]
-            if entry is None:
+            fixed = self._fixed_scales(layer)
+            if fixed is None:
                 out.append((layer, host))
-            elif not np.array_equal(entry[0], host):
+            elif not np.array_equal(fixed, host):
                 raise InvalidArgumentError(
                     f"{what} of sequences {res.seq_ids}: layer {layer} got the fp8 scales "
-                    f"{_scales_text(entry[0])} after the import was reserved (a forward "
+                    f"{_scales_text(fixed)} after the import was reserved (a forward "
                     f"calibrated them, or set_kv_scales or another import set them), but the "
                     f"reservation stores its values with the payloads' {_scales_text(host)}: "
                     f"cancel_import, then import again (convert_dtype=True stores them with "
@@ -992,10 +1101,14 @@ class PagedKVCache:
             quant = {}
             if self._kv_scales is not None:
                 entry = self._kv_scales[layer]
-                if entry is not None:
-                    scale = entry[1]
-                elif layer in res.scales:
+                if layer in res.scales:     # adopted (checked: the layer has none or these)
                     scale = b.from_numpy(res.scales[layer], "float32")
+                elif entry is not None:
+                    scale = entry[1]
+                    # heads not calibrated yet get values stored with their provisional scale:
+                    # they keep it (a cancelled reservation does not undo this; it only ends
+                    # the wait for a forward to calibrate them)
+                    self._kv_pending[layer] = None          # type: ignore[index]
                 else:           # no item holds tokens with this layer's values (checked)
                     if ones is None:
                         ones = b.from_numpy(np.ones((2, self.config.num_kv_heads), np.float32),
@@ -1013,6 +1126,7 @@ class PagedKVCache:
         copies = self.state.commit_import(res)          # validates, then changes the tables
         for layer, host, device in adopt:
             self._kv_scales[layer] = (host, device)     # type: ignore[index]
+            self._kv_pending[layer] = None              # type: ignore[index]
         self._copy_pages(copies)
 
     @_exclusive
@@ -1142,7 +1256,9 @@ class PagedKVCache:
         if self.config.static_mixed:
             # a captured step cannot calibrate fp8 scales: mixed steps run eagerly until set
             self.planner.static_mixed = self._kv_scales is None or all(
-                entry is not None for entry in self._kv_scales)
+                entry is not None and pending is None     # every head calibrated
+                for entry, pending in zip(self._kv_scales,
+                                          self._kv_pending))  # type: ignore[arg-type]
         plan = self._with_room(
             lambda: self.planner.begin(seq_ids, append_lengths, token_tree_parent_ptr),
             lambda: self.planner.pages_needed(seq_ids, append_lengths, token_tree_parent_ptr)[0]
@@ -1196,7 +1312,25 @@ class PagedKVCache:
         """Record that ``layers`` ran attention in the open forward without ``attention``
         being called: a replayed capture of a step ran them."""
         self._open("mark_layers_run")
-        self._layers_done |= set(self._layer_list(layers, "mark_layers_run"))
+        self._written(sorted(set(self._layer_list(layers, "mark_layers_run")) - self._layers_done))
+
+    def _written(self, layers: list) -> None:
+        self._layers_done.update(layers)
+        for watcher in list(self._watchers):
+            for layer in layers:
+                watcher.layer_written(layer)
+
+    @_exclusive
+    def watch_forward(self, watcher) -> None:
+        """Tell ``watcher`` about the open forward as it runs: ``watcher.layer_written(layer)``
+        after each layer's K/V is written (queued on the device; an ``attention``,
+        ``append_kv`` or ``mark_layers_run`` call), ``watcher.forward_closed(committed)`` when
+        it ends (True) or is aborted (False); then the watcher is dropped. What a watcher
+        raises propagates from that call (after the layer counts as run; after the forward
+        closed). ``kvcache.distributed.send_sequence`` inside a forward watches it to send
+        each layer while the next computes. ForwardStateError outside a forward."""
+        self._open("watch_forward")
+        self._watchers.append(watcher)
 
     def _layer_list(self, layers, what: str) -> list:
         n = self.config.num_layers
@@ -1226,7 +1360,7 @@ class PagedKVCache:
             raise ForwardStateError(
                 f"end_forward: layers {missing} of {n} have not run attention in the forward over "
                 f"sequences {plan.seq_ids}; run them, or call abort_forward")
-        self._close()
+        self._close(committed=True)
         if self._prefix is not None:        # full pages whose ids are recorded join the index
             seqs, ps = self.state.pt.seqs, self.config.page_size
             for sid in plan.seq_ids:
@@ -1246,16 +1380,21 @@ class PagedKVCache:
         plan = self._open("abort_forward")
         self.planner.rollback(plan.undo)
         if self._kv_scales is not None:     # scales it calibrated are forgotten with it
-            for layer in self._calibrated:
-                self._kv_scales[layer] = None
-        self._close()
+            for layer, (entry, pending) in self._scale_undo.items():
+                self._kv_scales[layer] = entry
+                self._kv_pending[layer] = pending       # type: ignore[index]
+        self._close(committed=False)
 
-    def _close(self) -> None:
+    def _close(self, committed: bool) -> None:
         if self._aux is not None:       # the next copy into that aux buffer waits for its readers
             self.aux_manager.release()
         self._plan, self._aux = None, None
         self._layers_done = set()
-        self._calibrated = []
+        self._scale_undo = {}
+        self._forward_exports = {}
+        watchers, self._watchers = self._watchers, []
+        for watcher in watchers:
+            watcher.forward_closed(committed)
 
     @contextlib.contextmanager
     def forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
@@ -1362,7 +1501,7 @@ class PagedKVCache:
         aux = self._device_aux()
         o, lse = self._attend(plan, aux, layer_id, q, k, v, scale, window_left,
                               softcap, sinks)
-        self._layers_done.add(layer_id)         # a layer that raised has not run
+        self._written([layer_id])               # a layer that raised has not run
         return (o, lse) if return_lse else o
 
     def _window_left(self, plan: ForwardPlan, window_left) -> int:
@@ -1468,7 +1607,7 @@ class PagedKVCache:
             self.backend.append_kv(self.pages[layer_id], k, v, slots, positions, self._rope, **quant)
         else:
             self.backend.append_kv(self.pages[layer_id], k, v, slots, **quant)
-        self._layers_done.add(layer_id)
+        self._written([layer_id])
 
     def attention_with_fused_qkv(self, layer_id: int, qkv: Array, sm_scale: Optional[float] = None,
                                  return_lse: bool = False, window_left: int = -1,

@@ -14,7 +14,7 @@ for step in ${STEPS:-link transfer runahead tpbench tp disagg}; do
     link) section "how the GPUs are linked"
       nvidia-smi topo -m 2>&1 | head -8 ;;
     lab) section "tools/transfer_lab.py: where a transfer's time goes; host tier against pinned copies"
-      timeout 300 python3 tools/transfer_lab.py 2>&1 | grep -a -v -i warn | tee "$OUT/transfer_lab.log" | tail -40 ;;
+      timeout 300 python3 tools/transfer_lab.py ${LAB_ARGS:-} 2>&1 | grep -a -v -i warn | tee "$OUT/transfer_lab.log" | tail -150 ;;
     transfer) section "kvcache bench --transfer"
       timeout 300 python3 -m kvcache.cli bench --transfer ${TRANSFER_ARGS:-} 2>&1 | grep -a -v -i warn | tee "$OUT/transfer.log" | tail -30 ;;
     runahead) section "cross-process run-ahead: transfers queued behind forwards, outputs read at the end, against one GPU"

@@ -10,6 +10,8 @@ wrong fp8 scale.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,34 @@ from .test_sequences import decode_with_sinks, several_roots_and_commit
 FP8_SCALES = (0.02, 0.03)
 """Per-head fp8 scales set on both caches where a test needs identical codes (the values of
 the suite's standard-normal K/V reach about 4.5 / 0.02 = 225 < 448)."""
+
+
+HOSTILE = ("nan", "inf", "zeros", "outlier")
+"""First forwards that once poisoned an fp8 layer for the life of the cache (issue 51)."""
+
+
+def seed_for_hostile(fmt: str, kind: str) -> int:
+    return zlib.crc32(f"{fmt}-{kind}".encode())
+
+
+def hostile_values(kind: str, rng, shape) -> tuple:
+    """``(values (T, H, D) float64, clean (T,) bool)``: standard normal values times 4 with, per
+    ``kind``, NaN or +-inf in a few entries of every head, every value 0, or one 1e30 entry in
+    every head; ``clean`` marks the tokens holding none of these (a NaN, inf or outlier is its
+    token's own: the format may read it back as NaN, saturated, or spread over its group)."""
+    x = rng.standard_normal(shape) * 4
+    clean = np.ones(shape[0], bool)
+    if kind == "zeros":
+        x[:] = 0
+    elif kind == "outlier":
+        x[1, :, 3] = 1e30                   # (inf in a float16 compute dtype)
+        clean[1] = False
+    else:
+        bad = np.nan if kind == "nan" else np.inf
+        x[1, :, 3] = bad
+        x[3, :, 0] = -bad if kind == "inf" else bad
+        clean[[1, 3]] = False
+    return x, clean
 
 
 def _pair(make_pair, fmt, **kw):
@@ -37,7 +67,8 @@ def _pair(make_pair, fmt, **kw):
 class TestQuantizedKV(Conformance):
     """Attention and ``get_kv`` over quantized pages equal the reference's emulation of the
     same format; fp8 scales calibrate from the first forward and are forgotten with an aborted
-    one; the accuracy gate holds through the backend's pages."""
+    one; a first forward of NaN, inf, zeros or an outlier poisons no later value; the accuracy
+    gate holds through the backend's pages."""
 
     @pytest.mark.parametrize("fmt", KV_FORMATS)
     def test_prefill_then_decode(self, make_pair, fmt):
@@ -121,6 +152,44 @@ class TestQuantizedKV(Conformance):
         got = cache.kv_scales(0)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
         np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+
+    @pytest.mark.parametrize("kind", HOSTILE)
+    @pytest.mark.parametrize("fmt", KV_FORMATS)
+    def test_a_hostile_first_forward_does_not_poison_the_layer(self, make_pair, fmt, kind):
+        """A first forward holding NaN, inf, only zeros or one 1e30 outlier: a later forward's
+        K/V read back as their own values within the format's per-token bound (fp8: the scales
+        are calibrated from finite values, an all-zero or non-finite head from a later forward,
+        an absurd outlier clipped; the affine formats scale each group of each token on its
+        own), its attention is finite, and the first forward's clean tokens read back
+        finite."""
+        from kvcache import kv_quant, to_numpy
+        p = make_pair(kv_dtype=fmt, num_layers=1)
+        c, cache = p.config, p.dut
+        rng = np.random.default_rng(seed_for_hostile(fmt, kind))
+        first, clean = hostile_values(kind, rng, (5, c.num_kv_heads, c.head_dim))
+        cache.add_sequence(0)
+        q = rng.standard_normal((5, c.num_qo_heads, c.head_dim))
+        # (1e30 overflows to inf in a float16 compute dtype: the cast is meant, not warned)
+        with cache.forward([0], [5]), np.errstate(over="ignore"):
+            cache.attention(0, *(cache.from_numpy(x) for x in (q, first, first)))
+        if fmt == "float8_e4m3":
+            assert all(np.isfinite(s).all() and min(s) > 0 for s in cache.kv_scales(0))
+        later = rng.standard_normal((7, c.num_kv_heads, c.head_dim)) * 2
+        ql = rng.standard_normal((7, c.num_qo_heads, c.head_dim))
+        cache.add_sequence(1)
+        with cache.forward([1], [7]):
+            out = cache.attention(0, *(cache.from_numpy(x) for x in (ql, later, later)))
+        assert np.isfinite(to_numpy(out)).all()
+        want = np.asarray(cache.backend.to_numpy(cache.from_numpy(later)), np.float32)
+        bound = kv_quant.ROW_BOUNDS[fmt]
+        for got in cache.get_kv(1, layer=0):
+            err = kv_quant.row_errors(want, to_numpy(got))
+            assert np.isfinite(err).all() and err.max() <= bound, (
+                f"{fmt} after a first forward of {kind}: a later token reads back "
+                f"{np.nanmax(np.where(np.isfinite(err), err, np.inf)):.3f} away from its value "
+                f"(bound {bound}); scales {cache.kv_scales(0)}")
+        for got in cache.get_kv(0, layer=0):
+            assert np.isfinite(to_numpy(got)[clean]).all()
 
     @pytest.mark.parametrize("fmt", KV_FORMATS)
     def test_accuracy_gate_through_the_backend(self, make_pair, fmt):

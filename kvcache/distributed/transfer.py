@@ -2,20 +2,26 @@
 
 One call moves a batch of sequences in a few point-to-point messages, in this order:
 
-1. a header: an int64 tensor ``[MAGIC, n, nbytes, num_layers, layers_per_message]`` then ``n``
-   uint8 bytes of JSON ``{"version", "payloads": [SequencePayload.header() per sequence],
-   "kv_dtype", "dtype", "shape", "nbytes"}`` (``nbytes``: the bytes of K, and of V, that
-   follow; in the fixed-size part too, with the layer grouping, so that a receiver that
-   refuses the JSON still knows what to drain; ``dtype``: the arrays' dtype, the compute dtype
-   for fp8 pages, whose arrays hold the values read back and whose payload headers carry the
-   scales; None or absent: ``kv_dtype``);
-2. for each group of ``layers_per_message`` consecutive layers, K then V: the sequences'
-   tokens, one sequence after another, as the raw bytes of a contiguous (layers, total tokens,
-   num_kv_heads, head_dim) array in ``dtype`` (what ``PagedKVCache.export_sequences(...,
-   layers=...)`` gathers; none when there are no tokens). One group holds every layer up to
-   ``MESSAGE_BYTES`` of K; a larger transfer comes in groups of about that size, at least
-   ``MIN_MESSAGES`` of them (``layers_per_message``), so that the sender gathers a group while
-   the last is on the wire and the receiver writes one while the next arrives.
+1. the head: ``HEAD_BYTES`` uint8, whatever the batch: eight int64 ``[MAGIC, n, nbytes,
+   num_layers, layers_per_message, 0, 0, 0]`` then the first bytes of ``n`` bytes of JSON
+   ``{"version", "payloads": [SequencePayload.header() per sequence], "kv_dtype", "dtype",
+   "shape", "nbytes"}`` (``nbytes``: the bytes of K, and of V, that follow; in the fixed part
+   too, with the layer grouping, so that the receiver posts the data's receives before it
+   reads the JSON, and one that refuses the JSON still knows what to drain; ``dtype``: the
+   arrays' dtype, the compute dtype for fp8 pages, whose arrays hold the values read back and
+   whose payload headers carry the scales; None or absent: ``kv_dtype``). A JSON longer than
+   the head holds sends its rest in a second message of exactly those bytes;
+2. for each group of ``layers_per_message`` consecutive layers, one message: K's rows of those
+   layers then V's, each the raw bytes of a contiguous (layers, total tokens, num_kv_heads,
+   head_dim) array in ``dtype``, the sequences' tokens one sequence after another (what
+   ``PagedKVCache.export_sequences(..., layers=...)`` gathers; none when there are no tokens).
+   One group holds every layer up to ``MESSAGE_BYTES`` of K and V; a larger transfer comes in
+   groups of about that size, at least ``MIN_MESSAGES`` of them (``layers_per_message``), so
+   that the sender gathers a group while the last is on the wire and the receiver writes one
+   while the next arrives.
+
+A transfer thus costs the receiver one round trip to its host (the head), whose checks and page
+reservation run while the data is on the wire.
 
 fp8 pages (``kv_dtype="float8_e4m3"``) move as ``export_sequence`` / ``import_sequence`` move
 them: the values with the scales, which the receiver adopts for layers it has none of (at the
@@ -46,29 +52,42 @@ move ``export_sequence(...).to_numpy()`` payloads yourself there.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from ..config import DTYPES, itemsize
-from ..errors import ForwardStateError, InvalidArgumentError, UnsupportedFeatureError
+from ..errors import ForwardStateError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from ..kv_quant import AFFINE_BITS, affine_row_bytes
 from ..transfer import FORMAT_VERSION, PAYLOAD_FORMATS, SequencePayload
 
-MAGIC = 0x6B76_6361_6368_65      # "kvcache": the first int64 of every transfer
-"""The first int64 of every transfer ("kvcache" in ASCII): a receiver that reads anything else
-is not talking to ``send_sequence`` and raises instead of misreading the bytes."""
+MAGIC = 0x6B76_6361_6368_6532    # "kvcache2": the first int64 of every transfer
+"""The first int64 of every transfer ("kvcache2" in ASCII, the wire's second layout): a
+receiver that reads anything else is not talking to this ``send_sequence`` and raises instead of
+misreading the bytes."""
+HEAD_BYTES = 16 << 10
+"""The size of a transfer's first message (its fixed part and the start of its JSON): fixed, so
+that a receiver can post it before it knows anything of the transfer."""
+_FIXED = 8                           # int64s of the head's fixed part
+_JSON_LIMIT = 64 << 20               # a longer JSON is not a sender's
 TORCH_DTYPES = ("float16", "bfloat16", "float32")
-MESSAGE_BYTES = 64 << 20
-"""About how many bytes of K (and as many of V) one data message of a large transfer holds."""
+MESSAGE_BYTES = 128 << 20
+"""About how many bytes (K and V together) one data message of a large transfer holds."""
 MIN_MESSAGES = 4
-"""A large transfer's data comes in at least this many K/V message pairs (a pipeline)."""
+"""A large transfer's data comes in at least this many messages (a pipeline)."""
+STREAM_MESSAGES = 8
+"""A transfer sent during its forward comes in about this many data messages (groups of
+consecutive layers): each costs the sending host a gather and a send (a few hundred us), so
+one a layer would slow a prefill whose layers take less GPU time than that."""
 
 
 def _torch():
     """(torch, torch.distributed), initialized; typed errors otherwise."""
-    from ..integrations import require
-    torch = require("torch", "distributed", "2.4")
+    torch = sys.modules.get("torch")        # imported already: no import machinery a call
+    if torch is None or not hasattr(torch, "distributed"):
+        from ..integrations import require
+        torch = require("torch", "distributed", "2.4")
     dist = torch.distributed
     if not dist.is_available():
         raise UnsupportedFeatureError(
@@ -95,9 +114,10 @@ def _per_sequence(values, count: int, name: str) -> list:
 
 
 def _arrays(cache, torch):
-    """('torch' | 'numpy', the device of the cache's arrays); UnsupportedFeatureError for
-    other array types."""
-    probe = cache.from_numpy(np.zeros(1, np.float32))
+    """('torch' | 'numpy', the device of the cache's arrays), read off its pages (no device
+    work: a probe array uploaded from the host would wait for every forward queued);
+    UnsupportedFeatureError for other array types."""
+    probe = cache.pages[0]
     if isinstance(probe, torch.Tensor):
         return "torch", probe.device
     if isinstance(probe, np.ndarray):
@@ -116,13 +136,36 @@ def _transport(torch, dist, group, device):
     return torch.device("cpu")
 
 
-def _to_wire(torch, array, transport):
-    """The bytes of ``array`` as a flat uint8 tensor on ``transport`` (a view where possible)."""
+def _to_wire(torch, array):
+    """The bytes of ``array`` as a flat uint8 tensor (a view where possible)."""
     if isinstance(array, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-    else:
-        t = array.detach().contiguous().reshape(-1).view(torch.uint8)
-    return t.to(transport)
+        return torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return array.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _group_message(torch, k, v, transport):
+    """One data message: K's bytes then V's, on ``transport``. A view when the gather put V
+    right behind K in one allocation (the cuda backend does), else one copy."""
+    kb, vb = _to_wire(torch, k), _to_wire(torch, v)
+    if (kb.device == vb.device and kb.untyped_storage().data_ptr() == vb.untyped_storage().data_ptr()
+            and kb.data_ptr() + kb.numel() == vb.data_ptr()):
+        return kb.as_strided((kb.numel() + vb.numel(),), (1,), kb.storage_offset()).to(transport)
+    return torch.cat([kb.to(transport), vb.to(transport)])
+
+
+def head_message(body: bytes, nbytes: int, num_layers: int, per: int,
+                 streamed: bool = False) -> tuple:
+    """``(head, rest)``: a transfer's first message (``HEAD_BYTES`` uint8, numpy) for a JSON
+    header ``body``, ``nbytes`` bytes each of K and V over ``num_layers`` layers, ``per`` a data
+    message, ``streamed``: sent during the forward that writes it (a status message follows the
+    data); ``rest``: the JSON's bytes that did not fit (b"" but for very large batches), the
+    second message. The one writer of the wire's head."""
+    head = np.zeros(HEAD_BYTES, np.uint8)
+    head[:_FIXED * 8].view(np.int64)[:6] = (MAGIC, len(body), nbytes, num_layers, per,
+                                            int(streamed))
+    inline = body[:HEAD_BYTES - _FIXED * 8]
+    head[_FIXED * 8:_FIXED * 8 + len(inline)] = np.frombuffer(inline, np.uint8)
+    return head, body[len(inline):]
 
 
 def _staged(torch, host, transport):
@@ -199,6 +242,7 @@ class TransferHandle:
         self.what = what
         self._finish, self._cancel = finish, cancel
         self._received = False
+        self._streaming = False          # a sender's: the forward it watches is still open
         self._waited: set = set()
         self._done = False
         self._error: Optional[BaseException] = None
@@ -209,7 +253,8 @@ class TransferHandle:
 
     def is_completed(self) -> bool:
         """Whether every message of this transfer has completed (never blocks)."""
-        return self._done or self._received or all(w.is_completed() for w in self._works)
+        return self._done or self._received or (
+            not self._streaming and all(w.is_completed() for w in self._works))
 
     def _arrive(self) -> None:
         if not self._received:
@@ -235,6 +280,10 @@ class TransferHandle:
             return list(self.seq_ids)
         if self._error is not None:
             raise self._error
+        if self._streaming:
+            raise ForwardStateError(
+                f"{self.what}: the forward that writes its KV is still open; wait after "
+                f"end_forward (or abort_forward)")
         if self._finish is None:
             self._arrive()
         else:
@@ -277,15 +326,28 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     sequence, the first token sent (None: 0; a fork's ``fork_pos`` sends only what follows
     its shared prefix, for a receiver that imports it onto the parent); ``group``: the
     torch.distributed process group (None: the default); ``message_bytes``: about how many
-    bytes of K (and as many of V) one data message holds (None: ``MESSAGE_BYTES``): a large
+    bytes (K and V together) one data message holds (None: ``MESSAGE_BYTES``): a large
     batch goes a few layers a message, each message's layers gathered while the last is on
     the wire (the receiver writes each as it arrives). The cache may go on (forwards,
     removing the sequences) at once: the rows were copied out on the device first. fp8 pages
     are sent as their values in the compute dtype with the layer scales in the headers
-    (``export_sequences``), int8 / int4 pages as their packed rows. Raises what
-    ``export_sequences`` raises, UnsupportedFeatureError for a backend whose arrays are not
-    torch/numpy, ForwardStateError without an initialized process group, MissingExtraError
-    without torch; no message is sent then."""
+    (``export_sequences``), int8 / int4 pages as their packed rows.
+
+    **Inside an open forward** (its thread; e.g. the prefill of the sequences) the transfer
+    is layer-pipelined: the header goes now, describing the sequences as they will be after
+    the forward, and each group of layers' KV (``STREAM_MESSAGES`` groups; ``message_bytes``:
+    about that many bytes a message) is gathered and sent as soon as the forward has written
+    it, on the wire while the next layers compute (``PagedKVCache.watch_forward``); a last message says whether the
+    forward ended (the receiver's ``wait()`` then makes the sequences appear) or was aborted
+    (the remaining messages carry nothing, and the receiver's ``wait()`` raises
+    KVCacheError and keeps nothing). This handle's ``wait()`` raises ForwardStateError
+    while the forward is open. Refused (UnsupportedFeatureError, before any message) for fp8
+    pages whose layers lack scales (set them with ``set_kv_scales``: the header carries
+    them) and, as ``export_sequences``, for a sliding-window forward.
+
+    Raises what ``export_sequences`` raises, UnsupportedFeatureError for a backend whose
+    arrays are not torch/numpy, ForwardStateError without an initialized process group,
+    MissingExtraError without torch; no message is sent then."""
     torch, dist = _torch()
     ids = _ids(seq_ids, "seq_ids")
     c = cache.config
@@ -293,29 +355,102 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     transport = _transport(torch, dist, group, device)
     dtype = _array_dtype(c)
     row_bytes = c.num_layers * c.num_kv_heads * _row(c) * itemsize(dtype)
-    per = layers_per_message(c.num_layers, _tokens_hint(cache, ids, starts) * row_bytes,
-                             MESSAGE_BYTES if message_bytes is None else int(message_bytes))
-    # the first message's layers, gathered now (every check made before any message)
-    headers, k, v = cache.export_sequences(ids, starts, layers=range(0, per))
+    streamed = cache.open_plan is not None
+    hint = 2 * _tokens_hint(cache, ids, starts) * row_bytes
+    if streamed:
+        per = (-(-c.num_layers // STREAM_MESSAGES) if message_bytes is None
+               else layers_per_message(c.num_layers, hint, int(message_bytes), pipeline=False))
+        unset = [x for x in range(c.num_layers) if c.kv_dtype == "float8_e4m3"
+                 and cache.kv_scales(x) is None]
+        if unset:
+            raise UnsupportedFeatureError(
+                f"send_sequence of sequences {ids} inside a forward: fp8 layers {unset} have no "
+                f"scales yet, and the header (sent first) carries them: set_kv_scales first, "
+                f"or send after end_forward")
+    else:
+        per = layers_per_message(c.num_layers, hint,
+                                 MESSAGE_BYTES if message_bytes is None else int(message_bytes))
+    # every check made before any message; the first message's layers gathered now (inside
+    # a forward: none, each group once the forward has written it)
+    headers, k, v = cache.export_sequences(ids, starts,
+                                           layers=range(0, 0) if streamed else range(0, per))
     total = sum(h.num_tokens for h in headers)
     nbytes = total * row_bytes
     shape = [c.num_layers, total, c.num_kv_heads, _row(c)]
     body = json.dumps({"version": FORMAT_VERSION, "kv_dtype": c.kv_dtype, "dtype": dtype,
                        "shape": shape, "nbytes": nbytes,
                        "payloads": [h.header() for h in headers]}).encode()
-    tensors = [_staged(torch, torch.tensor([MAGIC, len(body), nbytes, c.num_layers, per],
-                                           dtype=torch.int64), transport),
-               _staged(torch, torch.frombuffer(bytearray(body), dtype=torch.uint8), transport)]
+    head, rest = head_message(body, nbytes, c.num_layers, per, streamed)
+    tensors = [_staged(torch, torch.from_numpy(head), transport)]
+    if rest:
+        tensors.append(_staged(torch, torch.frombuffer(bytearray(rest), dtype=torch.uint8),
+                               transport))
     works = [dist.isend(t, dst, group=group) for t in tensors]
+    handle = TransferHandle(works, tensors, ids, f"send of sequences {ids} to rank {dst}")
+    if streamed:
+        cache.watch_forward(_LayerSender(torch, cache, ids, starts, nbytes, per, transport,
+                                         handle, dst, group))
+        return handle
     for first in range(0, c.num_layers if total else 0, per):
         # each message's layers are gathered while the last message is on the wire
         if first:
             _, k, v = cache.export_sequences(ids, starts,
                                              layers=range(first, min(first + per, c.num_layers)))
-        for array in (k, v):
-            tensors.append(_to_wire(torch, array, transport))
-            works.append(dist.isend(tensors[-1], dst, group=group))
-    return TransferHandle(works, tensors, ids, f"send of sequences {ids} to rank {dst}")
+        _post_send(handle, _group_message(torch, k, v, transport), dst, group)
+    return handle
+
+
+def _post_send(handle: "TransferHandle", tensor, dst: int, group) -> None:
+    import torch.distributed as dist
+    handle._buffers.append(tensor)      # alive until the send is done
+    handle._works.append(dist.isend(tensor, dst, group=group))
+
+
+class _LayerSender:
+    """A send inside a forward (``send_sequence``): watches the forward
+    (``PagedKVCache.watch_forward``) and sends each group of ``per`` layers once the forward
+    has written them all, in layer order; at the forward's close the rest (zeros, after an
+    abort) and the last message: ``[1, 0...]`` the forward ended, ``[0, 0...]`` it was
+    aborted."""
+
+    def __init__(self, torch, cache, ids, starts, nbytes: int, per: int, transport, handle,
+                 dst: int, group):
+        self.torch, self.cache, self.ids, self.starts = torch, cache, ids, starts
+        self.nbytes, self.per, self.transport = nbytes, per, transport
+        self.handle, self.dst, self.group = handle, dst, group
+        self.num_layers = cache.config.num_layers
+        self.written = set(cache.layers_run)
+        self.next = 0 if nbytes else self.num_layers     # the first layer not yet sent
+        handle._streaming = True
+        self._flush()
+
+    def _group(self) -> range:
+        return range(self.next, min(self.next + self.per, self.num_layers))
+
+    def _flush(self) -> None:
+        while self.next < self.num_layers and set(self._group()) <= self.written:
+            _, k, v = self.cache.export_sequences(self.ids, self.starts, layers=self._group())
+            _post_send(self.handle, _group_message(self.torch, k, v, self.transport), self.dst,
+                       self.group)
+            self.next = self._group().stop
+
+    def layer_written(self, layer: int) -> None:
+        self.written.add(layer)
+        self._flush()
+
+    def forward_closed(self, committed: bool) -> None:
+        torch = self.torch
+        try:
+            while self.next < self.num_layers:      # aborted: what the receiver still awaits
+                group = self._group()
+                _post_send(self.handle, torch.zeros(
+                    2 * self.nbytes // self.num_layers * len(group), dtype=torch.uint8,
+                    device=self.transport), self.dst, self.group)
+                self.next = group.stop
+            status = torch.tensor([1 if committed else 0] + [0] * (_FIXED - 1), dtype=torch.int64)
+            _post_send(self.handle, _staged(torch, status, self.transport), self.dst, self.group)
+        finally:
+            self.handle._streaming = False
 
 
 def _tokens_hint(cache, ids: list, starts) -> int:
@@ -328,17 +463,18 @@ def _tokens_hint(cache, ids: list, starts) -> int:
         return 0
 
 
-def layers_per_message(num_layers: int, nbytes: int, message_bytes: int = MESSAGE_BYTES) -> int:
-    """Layers whose K (and, in a second message, V) one data message of a transfer of
-    ``nbytes`` bytes of K holds: ``num_layers`` for a small transfer, else about
+def layers_per_message(num_layers: int, nbytes: int, message_bytes: int = MESSAGE_BYTES,
+                       pipeline: bool = True) -> int:
+    """Layers whose K and V one data message of a transfer of ``nbytes`` bytes (K and V
+    together) holds: ``num_layers`` for a small transfer, else about
     ``message_bytes`` a message and at least ``MIN_MESSAGES`` messages, so that gathering
     (sender) and writing (receiver) the rows of one message overlap the wire time of the
-    next."""
+    next (``pipeline=False``: by size alone)."""
     if nbytes <= message_bytes or num_layers == 1:
         return num_layers
     per_layer = nbytes / num_layers
     by_size = max(1, int(message_bytes // per_layer))
-    return max(1, min(by_size, -(-num_layers // MIN_MESSAGES)))
+    return by_size if not pipeline else max(1, min(by_size, -(-num_layers // MIN_MESSAGES)))
 
 
 def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
@@ -370,19 +506,40 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     kind, device = _arrays(cache, torch)
     transport = _transport(torch, dist, group, device)
     # (empty, not zeros: a fill queued on the cache's stream could land after the message)
-    meta = torch.empty(5, dtype=torch.int64, device=transport)
-    magic, size, nbytes, num_layers, per = (int(x) for x in _read_small(torch, dist, meta, src, group))
+    raw = _read_small(torch, dist, torch.empty(HEAD_BYTES, dtype=torch.uint8, device=transport),
+                      src, group).numpy()
+    magic, size, nbytes, num_layers, per, streamed = (
+        int(x) for x in raw[:_FIXED * 8].view(np.int64)[:6])
     if magic != MAGIC:
         raise InvalidArgumentError(
             f"recv_sequence of sequences {ids}: the message from rank {src} is not a kvcache "
-            f"transfer (first value {magic:#x}); both sides must pair their calls")
-    text = _read_small(torch, dist, torch.empty(size, dtype=torch.uint8, device=transport),
-                       src, group)
-    # the K and V messages the sender posted, per ``per`` layers: received (or drained)
-    # whatever the JSON says
-    spans = _spans(nbytes, num_layers, per, ids, src)
+            f"transfer of this version (first value {magic:#x}, expected {MAGIC:#x}); both "
+            f"sides must pair their calls and run one kvcache version")
+    if not 0 <= size <= _JSON_LIMIT or streamed not in (0, 1):
+        raise InvalidArgumentError(
+            f"recv_sequence of sequences {ids}: rank {src} announced a header of {size} bytes "
+            f"(a sender's is within [0, {_JSON_LIMIT}]), streamed={streamed} (0 or 1)")
+    inline = min(size, HEAD_BYTES - _FIXED * 8)
+    text = raw[_FIXED * 8:_FIXED * 8 + inline].tobytes()
+    if size > inline:
+        text += _read_small(torch, dist, torch.empty(size - inline, dtype=torch.uint8,
+                                                     device=transport), src, group).numpy().tobytes()
+    # the data messages the sender posted, per ``per`` layers, received whatever the JSON
+    # says (a refused one is drained); posted now, so that their wire time covers the checks
+    # and the page reservation below
+    c = cache.config
+    spans = _spans(nbytes, num_layers, per, ids, src,
+                   limit=cache.num_total_pages * c.page_size * c.num_layers * c.num_kv_heads
+                   * max(_row(c), c.head_dim) * 4)
+    buffers = [torch.empty(2 * (nbytes // num_layers) * len(layers), dtype=torch.uint8,
+                           device=transport) for layers in spans]
+    works = [dist.irecv(buf, src, group=group) for buf in buffers]
+    # a transfer sent during its forward ends with a status message: [1] ended, [0] aborted
+    status = _Once(_post_small(torch, dist, torch.empty(_FIXED, dtype=torch.int64,
+                                                        device=transport), src, group)
+                   if streamed else (lambda: [1]))
     try:
-        msg, shape, headers = _read_header(bytes(text.numpy()), nbytes, ids, src)
+        msg, shape, headers = _read_header(text, nbytes, ids, src)
         if nbytes and shape[0] != num_layers:
             raise InvalidArgumentError(
                 f"recv_sequence of sequences {ids} from rank {src}: the header's shape has "
@@ -390,67 +547,106 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
         _packed_fits(cache.config, msg, f"recv_sequence of sequences {ids} from rank {src}")
         res = cache.reserve_import(list(zip(ids, headers, parents, positions)), convert_dtype)
     except BaseException:
-        for layers in spans:        # consume the data the sender has posted
-            for _ in range(2):
-                dist.recv(torch.empty(nbytes // num_layers * len(layers), dtype=torch.uint8,
-                                      device=transport), src, group=group)
+        for w in works:             # the data the sender posted, consumed and dropped
+            w.wait()
+        status()
         raise
     sent, want = msg["dtype"], _array_dtype(cache.config)
-    buffers, works = [], []
-    for layers in spans:
-        pair = [torch.empty(nbytes // num_layers * len(layers), dtype=torch.uint8,
-                            device=transport) for _ in range(2)]
-        buffers.append(pair)
-        works.append([dist.irecv(buf, src, group=group) for buf in pair])
 
     def finish(arrived):
         # NCCL: waiting on a message only orders the device's stream after it, so every
-        # message's rows are written (queued) as they arrive and the host never waits
-        for layers, pair, ws in zip(spans, buffers, works):
-            arrived(ws)
-            k, v = (_from_wire(torch, buf, sent, (len(layers),) + tuple(shape[1:]), kind,
-                               device, want) for buf in pair)
-            cache.write_import(res, k, v, layers=layers)
+        # message's rows are written (queued) as they arrive and the host never waits (but
+        # for the status of a transfer sent during its forward: until its last message)
+        try:
+            for layers, buf, w in zip(spans, buffers, works):
+                arrived([w])
+                half = buf.numel() // 2
+                k, v = (_from_wire(torch, part, sent, (len(layers),) + tuple(shape[1:]), kind,
+                                   device, want) for part in (buf[:half], buf[half:]))
+                cache.write_import(res, k, v, layers=layers)
+        except ForwardStateError:
+            raise                   # wait() may be called again after end_forward
+        except BaseException:
+            status()
+            raise
+        if int(status()[0]) != 1:
+            raise KVCacheError(
+                f"recv_sequence of sequences {ids}: rank {src} aborted the forward that wrote "
+                f"their KV while sending it; nothing was kept")
         cache.commit_import(res)
 
-    return TransferHandle([w for ws in works for w in ws], buffers, ids,
-                          f"receive of sequences {ids} from rank {src}",
-                          finish=finish, cancel=lambda: cache.cancel_import(res))
+    def cancel():
+        status()
+        cache.cancel_import(res)
+
+    return TransferHandle(works, buffers, ids, f"receive of sequences {ids} from rank {src}",
+                          finish=finish, cancel=cancel)
+
+
+class _Once:
+    """``fn()``'s result, computed on the first call (a message is received once)."""
+
+    def __init__(self, fn):
+        self.fn, self.done, self.value = fn, False, None
+
+    def __call__(self):
+        if not self.done:
+            self.value, self.done = self.fn(), True
+        return self.value
 
 
 _SIDE_STREAMS: dict = {}             # device -> the stream headers are read on
 
 
 def _read_small(torch, dist, buf, src: int, group):
-    """Receive ``buf`` (a small header part) and return it on the host. On a GPU the receive and
-    the copy to the host run on a side stream, and the host waits for that stream alone: not
-    for the forwards the cache queued before this call (a decode worker keeps its run-ahead)."""
+    """Receive ``buf`` (a small header part) and return it on the host (``_post_small``,
+    then waiting for it)."""
+    return _post_small(torch, dist, buf, src, group)()
+
+
+def _post_small(torch, dist, buf, src: int, group):
+    """Post the receive of ``buf`` (a small message) and return a call that waits for it and
+    returns it on the host. On a GPU the receive and the copy to the host run on a side
+    stream, and the call waits for that stream alone: not for the forwards the cache queued
+    before it (a decode worker keeps its run-ahead). The call raises what the receive does."""
     if buf.device.type == "cpu":
-        dist.recv(buf, src, group=group)
-        return buf
+        work = dist.irecv(buf, src, group=group)
+
+        def read_cpu():
+            work.wait()
+            return buf
+        return read_cpu
     side = _SIDE_STREAMS.get(buf.device)
     if side is None:
         side = _SIDE_STREAMS[buf.device] = torch.cuda.Stream(device=buf.device)
     with torch.inference_mode(False):
         host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
     with torch.cuda.stream(side):
-        dist.irecv(buf, src, group=group).wait()        # the side stream waits for the message
-        host.copy_(buf, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(side)
-    done.synchronize()
-    return host
+        work = dist.irecv(buf, src, group=group)
+
+    def read_gpu():
+        with torch.cuda.stream(side):
+            work.wait()                 # the side stream waits for the message
+            host.copy_(buf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()
+        return host
+    return read_gpu
 
 
-def _spans(nbytes: int, num_layers: int, per: int, ids: list, src: int) -> list:
+def _spans(nbytes: int, num_layers: int, per: int, ids: list, src: int, limit: int) -> list:
     """The layer ranges of a transfer's data messages (none without data), from the fixed
-    part of its header: InvalidArgumentError when they cannot be a sender's."""
+    part of its header: InvalidArgumentError when they cannot be a sender's or hold more
+    than ``limit`` bytes (of K: what the receiving cache could ever hold, in float32)."""
     if not nbytes:
         return []
-    if num_layers < 1 or per < 1 or nbytes % num_layers:
+    if (nbytes < 0 or num_layers < 1 or per < 1 or nbytes % num_layers
+            or nbytes > limit):
         raise InvalidArgumentError(
             f"recv_sequence of sequences {ids}: rank {src} announced {nbytes} bytes over "
-            f"{num_layers} layers, {per} a message: not a kvcache transfer of this version")
+            f"{num_layers} layers, {per} a message: not a kvcache transfer of this version or "
+            f"more than this cache could hold ({limit} bytes)")
     return [range(f, min(f + per, num_layers)) for f in range(0, num_layers, per)]
 
 
@@ -525,5 +721,5 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
     return msg, shape, headers
 
 
-__all__ = ["MAGIC", "MESSAGE_BYTES", "TransferHandle", "layers_per_message", "recv_sequence",
-           "send_sequence"]
+__all__ = ["HEAD_BYTES", "MAGIC", "MESSAGE_BYTES", "TransferHandle", "head_message",
+           "layers_per_message", "recv_sequence", "send_sequence"]

@@ -103,8 +103,18 @@ class ModelAdapter(abc.ABC):
         return f"the {self.family or type(self).__name__} adapter does not compile its model"
 
     def session(self, cache: PagedKVCache):
-        """A context manager around one ``generate`` call on ``cache`` (e.g. switching the
-        model's attention to the cache and back)."""
+        """A context manager held while the engine on ``cache`` has work (from its first step
+        to its last: one ``generate`` call, or a run of online ``step`` calls), e.g. switching
+        the model's attention to the cache and back. Another engine over the same model may
+        hold its own session at the same time, opened and closed in any order: what it changes
+        on the model must be shared (counted per model), not saved and restored per session."""
+        return contextlib.nullcontext()
+
+    def step_context(self, cache: PagedKVCache):
+        """A context manager around each engine step on ``cache`` (its forward and its picks),
+        left before the step returns or raises: per-thread state the model needs while it runs
+        (e.g. torch's inference mode), so the caller's thread is as it was between steps, and
+        engines stepped in turn never leave their state to each other."""
         return contextlib.nullcontext()
 
     def device_memory(self, device: Optional[str]) -> Optional[tuple]:

@@ -262,7 +262,8 @@ class Engine:
             for i in range(rows):
                 probe.add_sequence(i)
             positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int64)
-            with adapter.session(probe), probe.forward(list(range(rows)), lens):
+            with adapter.session(probe), adapter.step_context(probe), \
+                    probe.forward(list(range(rows)), lens):
                 logits = adapter.forward(probe, np.zeros(chunk, np.int64), positions,
                                          np.cumsum(lens).astype(np.int64) - 1)
             adapter.to_numpy(logits)

@@ -36,6 +36,11 @@ class Runner:
         ``EngineCore`` while it has work: e.g. the model's attention routed to the cache."""
         return self.adapter.session(self.cache)
 
+    def step_context(self):
+        """The adapter's context manager around one step (``ModelAdapter.step_context``),
+        entered by ``EngineCore`` per step: e.g. torch's inference mode."""
+        return self.adapter.step_context(self.cache)
+
     def forward(self, plan, picks: Optional[PendingPicks] = None):
         """Run ``plan`` as one forward; returns the logits of ``plan.logit_rows``. Raises
         ``CacheFullError`` (nothing changed) when it does not fit."""
@@ -55,10 +60,14 @@ class Runner:
         rows = np.asarray(plan.logit_rows, np.int64)
         with cache.forward(plan.seq_ids, plan.lens):
             if self.decode_graphs is not None and cache.static_bucket is not None:
-                before = self.decode_graphs.captures
-                logits = self.decode_graphs.run(tokens, positions, rows)
-                stats.graph_forwards += 1
-                stats.graph_captures += self.decode_graphs.captures - before
+                graphs = self.decode_graphs
+                before, eager = graphs.captures, graphs.eager_runs
+                logits = graphs.run(tokens, positions, rows)
+                if graphs.eager_runs == eager:
+                    stats.graph_forwards += 1
+                else:                       # its capture failed: it ran eagerly
+                    stats.graph_fallback_forwards += 1
+                stats.graph_captures += graphs.captures - before
             else:
                 logits = adapter.forward(cache, tokens, positions, rows)
         return logits

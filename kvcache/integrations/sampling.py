@@ -45,8 +45,18 @@ from .sampling_torch import (_GAMMA, _MASK64, _MIX1, _MIX2, _SEED_LIMIT, _check,
                              _compute_dtype, _mix, _seeds_steps, _shr, filter_logits, sample,
                              uniforms)
 
-__all__ = ["SamplingParams", "draw_rows", "filter_logits", "filter_numpy", "sample", "sample_numpy",
-           "sampling_params_for", "top_logprobs", "uniforms", "uniforms_numpy"]
+__all__ = ["GREEDY_TEMPERATURE", "MAX_N", "SamplingParams", "draw_rows", "filter_logits",
+           "filter_numpy", "sample", "sample_numpy", "sampling_params_for", "top_logprobs",
+           "uniforms", "uniforms_numpy"]
+
+MAX_N = 1024
+"""The most samples one request may ask for (``SamplingParams.n``): each is a sequence of its
+own in the cache and a ``Sample`` on the host, made when the request is queued (a million took
+the engine's lock for seconds)."""
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below it are greedy (stored as 0.0), as in vLLM: dividing the logits by a
+smaller one overflows, or underflows to 0 in float32 (<= 1e-38, 1e-310 in float64), and would
+give a NaN distribution instead of its limit, the argmax."""
 
 
 def _bad(name: str, value: Any, allowed: str) -> InvalidArgumentError:
@@ -80,7 +90,8 @@ class SamplingParams:
     max_tokens: int = 32
     """New tokens per sample, at most (fewer when a stop token comes; it is kept). >= 1."""
     temperature: float = 0.0
-    """Scores are divided by it before the filters; 0: greedy (the first argmax). >= 0."""
+    """Scores are divided by it before the filters; 0: greedy (the first argmax). >= 0; below
+    ``GREEDY_TEMPERATURE`` (1e-5) greedy too, stored as 0.0."""
     top_p: float = 1.0
     """Keep the smallest set of most likely tokens whose probability reaches it. In (0, 1]; 1: off."""
     top_k: int = 0
@@ -91,7 +102,7 @@ class SamplingParams:
     """Seed of the request's draws (sample ``j`` of ``n`` uses ``seed + j``); None: a fresh
     random seed (not reproducible). In [0, 2**63)."""
     n: int = 1
-    """Samples of the prompt (they share its prefill). >= 1."""
+    """Samples of the prompt (they share its prefill). In [1, ``MAX_N``] (1024)."""
     stop_token_ids: Sequence[int] = ()
     """Token ids that end a sample (kept as its last token); stored as a tuple (None: ()).
     Each >= 0."""
@@ -110,7 +121,8 @@ class SamplingParams:
         _real("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)")
         if self.seed is not None:
             _integer("seed", self.seed, 0, _SEED_LIMIT, "None or an integer in [0, 2**63)")
-        _integer("n", self.n, 1)
+        _integer("n", self.n, 1, MAX_N + 1,
+                 f"an integer in [1, {MAX_N}] (MAX_N: each sample is a sequence of its own)")
         stops = () if self.stop_token_ids is None else self.stop_token_ids
         if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, set, frozenset)):
             raise _bad("stop_token_ids", stops, "None or a sequence of integer token ids >= 0")
@@ -125,13 +137,15 @@ class SamplingParams:
             _integer("logprobs", self.logprobs, 0, allowed="True, False, None or an integer >= 0")
         for name in ("temperature", "top_p", "min_p"):
             object.__setattr__(self, name, float(getattr(self, name)))
+        if self.temperature < GREEDY_TEMPERATURE:       # greedy: its limit, not a NaN row
+            object.__setattr__(self, "temperature", 0.0)
         for name in ("max_tokens", "top_k", "n"):
             object.__setattr__(self, name, int(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
-        """``temperature == 0``: the pick is the first argmax, the filters and seed unused (the
-        engine may then pipeline the step)."""
+        """``temperature == 0`` (any temperature below ``GREEDY_TEMPERATURE``): the pick is the
+        first argmax, the filters and seed unused (the engine may then pipeline the step)."""
         return self.temperature == 0.0
 
     def sample_seed(self, j: int = 0) -> int:

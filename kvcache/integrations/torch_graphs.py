@@ -19,19 +19,29 @@ one step's logits before the next replay overwrites them.
 
 On a CPU device (the cuda backend's CPU test mode) "capture" records nothing and a replay re-runs
 the step eagerly on the static buffers: the same data path, without a device graph.
+
+A step whose capture fails (the model's code does what a CUDA graph cannot hold: a float32 MoE's
+grouped matmul copies between host and device, "Cannot copy between CPU and CUDA tensors during
+CUDA graph capture") runs eagerly on the same static buffers instead, as every later step of its
+kind and bucket does: one ``GraphCaptureWarning`` per ``StepGraphs``, never an error; ``eager``
+lists the (kind, bucket) keys that fell back, ``eager_runs`` counts their steps.
 """
 
 from __future__ import annotations
 
 import gc
-
+import warnings
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["StepGraphs"]
+__all__ = ["GraphCaptureWarning", "StepGraphs"]
+
+
+class GraphCaptureWarning(RuntimeWarning):
+    """A kind of step could not be captured as a CUDA graph and runs eagerly (once per engine)."""
 
 
 class _Bucket:
@@ -54,6 +64,7 @@ class _Bucket:
         self.graph: Any = None
         self.logits: Any = None
         self.aux_address: Optional[int] = None
+        self.eager = False              # its capture failed: its steps run eagerly
 
 
 class StepGraphs:
@@ -67,6 +78,9 @@ class StepGraphs:
     outside capture).
 
     ``captures`` and ``replays`` count what ``run`` did (a capture includes its first replay).
+    A step whose capture fails runs eagerly on the bucket's buffers, and so do the later steps
+    of its key (see the module docstring): ``eager`` holds those keys, ``eager_runs`` counts
+    their steps (not counted in ``captures`` / ``replays``).
     """
 
     def __init__(self, cache, step: Callable, device, warmup: int = 1):
@@ -86,6 +100,8 @@ class StepGraphs:
         self.replays = 0
         self._pool: Any = None
         self._layers = list(range(cache.config.num_layers))
+        self.eager: dict = {}           # (kind, bucket) -> why its capture failed
+        self.eager_runs = 0
 
     # ------------------------------------------------------------------ public
     def run(self, tokens: np.ndarray, positions: np.ndarray, logit_rows: np.ndarray):
@@ -116,9 +132,13 @@ class StepGraphs:
         if slot is None:
             slot = self.buckets[key] = _Bucket(self.torch, bucket, rows, self.device)
         self._load(slot, tokens, positions, logit_rows)
+        if slot.eager:
+            self._eager(slot)
+            return slot.logits[:r]
         address = self._aux_address()      # per kind of step: its own fixed buffer
         if slot.graph is None or slot.aux_address != address:
-            self._capture(slot)
+            if not self._capture(slot, key):
+                return slot.logits[:r]      # ran eagerly: the capture failed
             slot.aux_address = address
             self.captures += 1
         else:
@@ -156,25 +176,41 @@ class StepGraphs:
         positions = self.cache.forward_aux().tokens.q_positions
         return positions.data_ptr() if hasattr(positions, "data_ptr") else id(positions)
 
-    def _capture(self, slot: _Bucket) -> None:
+    def _capture(self, slot: _Bucket, key) -> bool:
+        """Capture the bucket's step and run it (the first replay); False when the capture
+        failed and the step ran eagerly instead (``_fall_back``)."""
         torch, cache = self.torch, self.cache
+        if self.on_gpu:
+            compute = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    cache.rerun_layers()            # appends are idempotent: the same rows again
+                    self.step(slot.args)
+            compute.wait_stream(side)
+        cache.rerun_layers()
+        try:
+            self._record(slot)
+        except RuntimeError as exc:         # (the warm-up ran the same step eagerly: it can run)
+            if self.on_gpu:
+                torch.cuda.set_stream(compute)  # a failed capture_end leaves its stream current
+            self._fall_back(slot, key, exc)
+            return False
+        return True
+
+    def _record(self, slot: _Bucket) -> None:
+        """The capture proper, inside an open forward whose layers may run again: the step
+        recorded as a CUDA graph over the bucket's buffers, then replayed for this step (on a
+        CPU: the step run once, nothing recorded)."""
+        torch = self.torch
         if not self.on_gpu:
-            cache.rerun_layers()
             slot.graph = True
             slot.logits = self.step(slot.args)
             return
-        compute = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(compute)
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                cache.rerun_layers()            # appends are idempotent: the same rows again
-                self.step(slot.args)
-        compute.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        cache.rerun_layers()
         # no garbage collection inside the capture: collecting another engine's graph there
         # (a reference cycle freed late) resets it mid-capture and invalidates this one
         collecting = gc.isenabled()
@@ -187,3 +223,30 @@ class StepGraphs:
                 gc.enable()
         graph.replay()                          # capture only records: run it for this step
         slot.graph, slot.logits = graph, logits
+
+    def _eager(self, slot: _Bucket) -> None:
+        """The bucket's step run eagerly on its buffers (a bucket whose capture failed)."""
+        self.cache.rerun_layers()
+        slot.logits = self.step(slot.args)
+        self.eager_runs += 1
+
+    def _fall_back(self, slot: _Bucket, key, exc: BaseException) -> None:
+        """A failed capture: this step runs eagerly on the bucket's buffers, and so will every
+        later step of ``key``; the first failure of this ``StepGraphs`` warns. An eager run that
+        fails too raises its own error (the model cannot run the step at all: no warning)."""
+        slot.graph = None
+        self._eager(slot)
+        slot.eager = True
+        first = not self.eager
+        self.eager[key] = f"{type(exc).__name__}: {exc}"
+        if first:
+            (mixed, depths), bucket = key
+            what = f"mixed steps of token bucket {bucket}" if mixed else \
+                f"decode steps of batch bucket {bucket}"
+            warnings.warn(
+                f"a whole-step CUDA graph could not be captured for {what} ({depths} depth(s)) "
+                f"({type(exc).__name__}: {str(exc)[:200]}); such steps run "
+                f"eagerly on the same buffers (tokens unchanged, without the graph's speed-up). "
+                f"Pass graphs=False to the Engine to run every step eagerly; "
+                f"engine.decode_graphs.eager lists the steps that fell back",
+                GraphCaptureWarning, stacklevel=2)

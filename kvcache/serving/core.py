@@ -5,6 +5,9 @@ device). The runner is any object with:
 
 * ``session()``: a context manager held while the core has work (e.g. the model's attention
   switched to the cache);
+* ``step_context()`` (optional): a context manager around each step, left before ``step``
+  returns or raises (e.g. torch's inference mode: the caller's thread is as it was between
+  steps, whatever else runs the same model in between);
 * ``forward(plan, picks)``: runs ``plan`` (a ``StepPlan``) as one forward of the cache and
   returns its logits; ``picks`` is the step before's pending picks when ``plan.slot_dst`` takes
   tokens from them; raises ``CacheFullError`` with nothing changed when it does not fit;
@@ -129,13 +132,18 @@ class EngineCore:
             self._session = contextlib.ExitStack()
             self._session.enter_context(self.runner.session())
         try:
-            out.extend(self._step())
+            with self._step_context():
+                out.extend(self._step())
         except BaseException:
             self.reset()
             raise
         if not self.scheduler.has_unfinished():
             self._close()
         return out
+
+    def _step_context(self):
+        enter = getattr(self.runner, "step_context", None)
+        return enter() if enter is not None else contextlib.nullcontext()
 
     def _step(self) -> list:
         sched, runner = self.scheduler, self.runner

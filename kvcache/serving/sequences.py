@@ -164,9 +164,11 @@ class Sequences:
         return seq.parent is not None and not seq.parent.retired
 
     def maybe_retire(self, seq: Seq) -> None:
-        """A prefix sequence that nobody waits on any more leaves the cache."""
-        if seq.kind == "prefix" and seq.waiting == 0 and seq.pending == 0 and not seq.retired:
-            self.retire(seq)
+        """A prefix sequence that nobody waits on any more leaves the cache, prefilled or not
+        (nothing will fork from it: every request sharing it was aborted or has forked), and
+        stops being waited on by its own parent prefix."""
+        if seq.kind == "prefix" and seq.waiting == 0 and not seq.retired:
+            self.drop(seq)
 
     @staticmethod
     def known(seq: Seq) -> list:

@@ -36,6 +36,9 @@ class EngineStats:
     """Forwards run through a captured whole-step graph (decode steps; captures included)."""
     graph_captures: int = 0
     """Whole-step graphs captured (one per batch bucket, again if the cache's buffers moved)."""
+    graph_fallback_forwards: int = 0
+    """Forwards of a kind of step whose graph capture failed, run eagerly on the graph's
+    buffers instead (``kvcache.integrations.torch_graphs``; one warning per engine)."""
     overlapped_forwards: int = 0
     """Greedy steps launched before the host had the previous step's picks (decode runs, and
     pipelined steps with prompt chunks)."""

@@ -6,7 +6,9 @@ queued first), sends the sequences while that work is still queued, then goes on
 copies: its outputs after the send are the single-GPU run. Rank 1 keeps its own GPU busy too,
 receives the sequences (the writes queue behind the data's arrival; ``wait()`` returns at once)
 and decodes them with the same inputs (drawn on each GPU from one seed). Nothing is read on the
-host until the end; then rank 1's outputs go to rank 0 and are compared with its own.
+host until the end; then rank 1's outputs go to rank 0 and are compared with its own. The
+``inside-the-prefill`` case sends from inside the prefill forward instead (each layer as it is
+written; rank 1's ``wait()`` waits for the last message on its side stream only).
 
 Runs where the host has two CUDA GPUs (``tools/gpu_two.sh``'s ``runahead`` step); elsewhere it is
 skipped: the same protocol runs over gloo in ``test_distributed.py``.
@@ -43,7 +45,7 @@ def _decode(cache, ids, gen, device, outs):
                 outs.append(cache.attention(layer, q, k, v).clone())
 
 
-def _rank(rank: int, world: int) -> dict:
+def _rank(rank: int, world: int, streamed: bool = False) -> dict:
     import torch.distributed as dist
 
     import kvcache
@@ -63,15 +65,18 @@ def _rank(rank: int, world: int) -> dict:
             for sid in ids:
                 cache.add_sequence(sid)
             with cache.forward(ids, list(LENGTHS)):
+                # streamed: sent from inside the prefill, each layer as it is written
+                handles = [send_sequence(cache, ids, dst=1)] if streamed else []
                 for layer in range(LAYERS):
                     t = sum(LENGTHS)
                     q, k, v = (_draw(gen, device, t, h, D) for h in (HQ, HKV, HKV))
                     cache.attention(layer, q, k, v)
-            _decode(cache, ids, gen, device, [])
-            # sent while the prefill and decode steps above may still be queued; half the
-            # batches in messages of one layer each
-            handles = [send_sequence(cache, ids[:2], dst=1),
-                       send_sequence(cache, ids[2:], dst=1, message_bytes=1)]
+            if not streamed:
+                _decode(cache, ids, gen, device, [])
+                # sent while the prefill and decode steps above may still be queued; half the
+                # batches in messages of one layer each
+                handles = [send_sequence(cache, ids[:2], dst=1),
+                           send_sequence(cache, ids[2:], dst=1, message_bytes=1)]
             cont = torch.Generator(device=device).manual_seed(2)
             _decode(cache, ids, cont, device, after)        # the single-GPU continuation
             for h in handles:
@@ -82,7 +87,11 @@ def _rank(rank: int, world: int) -> dict:
             same = all(torch.equal(a, b) for a, b in zip(after, theirs))
             return {"same": same, "outputs": len(after),
                     "nonzero": bool(all(a.abs().sum() > 0 for a in after))}
-        got = recv_sequence(cache, ids[:2], src=0).wait() + recv_sequence(cache, ids[2:], src=0).wait()
+        if streamed:
+            got = recv_sequence(cache, ids, src=0).wait()
+        else:
+            got = (recv_sequence(cache, ids[:2], src=0).wait()
+                   + recv_sequence(cache, ids[2:], src=0).wait())
         cont = torch.Generator(device=device).manual_seed(2)
         _decode(cache, got, cont, device, after)
         lengths = [cache.sequence_length(s) for s in got]
@@ -92,8 +101,9 @@ def _rank(rank: int, world: int) -> dict:
         return {"lengths": lengths}
 
 
-def test_transfers_queued_behind_forwards_match_one_gpu():
-    ranks = spawn(_rank, 2, backend="nccl", timeout_s=300)
+@pytest.mark.parametrize("streamed", [False, True], ids=["after", "inside-the-prefill"])
+def test_transfers_queued_behind_forwards_match_one_gpu(streamed):
+    ranks = spawn(_rank, 2, args=(streamed,), backend="nccl", timeout_s=300)
     assert ranks[0]["outputs"] == STEPS * LAYERS and ranks[0]["nonzero"]
     assert ranks[0]["same"]
-    assert ranks[1]["lengths"] == [n + STEPS * 2 for n in LENGTHS]
+    assert ranks[1]["lengths"] == [n + STEPS * (1 if streamed else 2) for n in LENGTHS]

@@ -185,3 +185,88 @@ def test_gpu_graphs_on_by_default_and_match_eager():
     assert got == want
     np.testing.assert_allclose(np.array(lp_on, dtype=float), np.array(lp_off, dtype=float),
                                rtol=1e-3, atol=1e-3)
+
+
+CAPTURE_ERROR = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
+
+
+@pytest.mark.parametrize("fail", ["every", "first"])
+def test_a_step_that_cannot_be_captured_runs_eagerly_with_one_warning(fail, monkeypatch):
+    """Issue 51 item 5: a float32 MoE's grouped matmul copies between host and device, which a
+    CUDA graph cannot hold ("Cannot copy between CPU and CUDA tensors during CUDA graph
+    capture"). Such a step runs eagerly on the graph's buffers instead, as do the later steps of
+    its kind and bucket: the tokens are the eager engine's, one warning for the engine, never an
+    error. ``every``: no capture succeeds (decode and mixed buckets alike); ``first``: only the
+    first bucket's fails, the others capture and replay as usual."""
+    import warnings
+
+    from kvcache.integrations.torch_graphs import GraphCaptureWarning
+    model, prompts, greedy, _ = family_case("llama")
+    backend, device = backend_or_skip("cuda", monkeypatch, 64)
+    new = 12
+    kw = dict(backend=backend, device=device, max_batch_size=8, max_total_tokens=8192,
+              prefill_chunk_size=96)
+    on = Engine(model, graphs=True, **kw)
+    graphs = on.decode_graphs
+    record, failed = graphs._record, []
+
+    def capture(slot):
+        if fail == "every" or not failed:
+            failed.append(slot.size)
+            raise RuntimeError(CAPTURE_ERROR)
+        record(slot)
+
+    monkeypatch.setattr(graphs, "_record", capture)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = on.generate(prompts, max_new_tokens=new)
+        again = on.generate(prompts[:3], max_new_tokens=new)    # the fallen-back keys stay eager
+    want = Engine(model, graphs=False, **kw).generate(prompts, max_new_tokens=new)
+    assert got == want and again == want[:3]
+    assert [g[0] for g in got] == [g[:new] for g in greedy]
+    capture_warnings = [w for w in caught if issubclass(w.category, GraphCaptureWarning)]
+    assert len(capture_warnings) == 1, [str(w.message) for w in capture_warnings]
+    assert CAPTURE_ERROR in str(capture_warnings[0].message)
+    assert "graphs=False" in str(capture_warnings[0].message)
+    stats = on.stats
+    assert stats.graph_fallback_forwards == graphs.eager_runs > 0
+    assert stats.graph_forwards + stats.graph_fallback_forwards == stats.forwards
+    assert len(graphs.eager) == len(failed)         # each key tried once, then stays eager
+    assert all(CAPTURE_ERROR in why for why in graphs.eager.values())
+    if fail == "every":
+        assert stats.graph_forwards == stats.graph_captures == 0
+    else:
+        assert len(failed) == 1 and stats.graph_captures >= 1
+        assert stats.graph_forwards > stats.graph_captures
+    assert on.cache.is_empty and not on.has_unfinished()
+
+
+def test_an_error_the_eager_step_raises_too_is_not_a_capture_failure(monkeypatch):
+    """A capture that fails because the step itself cannot run (its eager re-run raises as well)
+    is the model's error: it reaches the caller, with no capture warning, and the engine is
+    usable afterwards."""
+    import warnings
+
+    from kvcache.integrations.torch_graphs import GraphCaptureWarning
+    model, prompts, greedy, _ = family_case("llama")
+    backend, device = backend_or_skip("cuda", monkeypatch, 64)
+    on = Engine(model, backend=backend, device=device, graphs=True, max_batch_size=8,
+                max_total_tokens=8192)
+    graphs = on.decode_graphs
+    step = graphs.step
+    broken = [True]
+
+    def failing(args):
+        if broken[0]:
+            raise RuntimeError("the model's own error")
+        return step(args)
+
+    monkeypatch.setattr(graphs, "step", failing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="the model's own error"):
+            on.generate(prompts[:2], max_new_tokens=4)
+    assert not [w for w in caught if issubclass(w.category, GraphCaptureWarning)]
+    assert not graphs.eager and on.cache.is_empty
+    broken[0] = False
+    assert on.generate(prompts[:2], max_new_tokens=4) == [[g[:4]] for g in greedy[:2]]

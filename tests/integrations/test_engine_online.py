@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from conftest import make_model
+from conftest import hf_greedy, make_model
 from engine_cases import make_prompts
 
 import kvcache
@@ -247,3 +247,73 @@ def test_a_dropped_engine_frees_its_cache_at_once(llama):
     finally:
         if collecting:
             gc.enable()
+
+
+def _modes():
+    torch = pytest.importorskip("torch")
+    return torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("rope", ["model", "cache"])
+def test_two_engines_over_one_model_stepped_in_turn(llama, rope):
+    """Issue 51 item 3: two engines over one model, stepped alternately (the first one ending
+    first, while the second still runs), both give transformers' own greedy tokens; the
+    thread's autograd mode is the caller's after every step, a failed step included (the model
+    session is entered per step, the model's attention switch counted per model), and the
+    model gets its attention implementation back once both are done. ``rope="cache"``: each
+    step inside its own engine's ``fused_rope``."""
+    import torch
+
+    prompts = make_prompts(seed=41)[:4]
+    want = [hf_greedy(llama, p, 10) for p in prompts]
+    attn = llama.config._attn_implementation
+    a = Engine(llama, backend="reference", max_total_tokens=2048, rope=rope)
+    b = Engine(llama, backend="reference", max_total_tokens=2048, rope=rope)
+    got: dict = {}
+
+    def step(engine):
+        for out in engine.step():
+            got.setdefault((engine is a, out.request_id), []).extend(out.new_token_ids)
+
+    ids_a = [a.add_request(p, greedy(6)) for p in prompts[:3]]
+    step(a)                                     # a's session is open: b starts beside it
+    assert _modes() == (False, True)
+    ids_b = [b.add_request(p, greedy(10)) for p in prompts[1:]]
+    turns = 0
+    while a.has_unfinished() or b.has_unfinished():
+        for engine in (a, b):
+            if engine.has_unfinished():
+                if turns % 3 == 2:              # the caller's own mode is kept, too
+                    with torch.no_grad():
+                        step(engine)
+                        assert _modes() == (False, False)
+                else:
+                    step(engine)
+                assert _modes() == (False, True), f"turn {turns}: the thread's mode changed"
+        turns += 1
+    for rid, p in zip(ids_a, prompts[:3]):
+        assert got[(True, rid)] == want[prompts.index(p)][:6]
+    for rid, p in zip(ids_b, prompts[1:]):
+        assert got[(False, rid)] == want[prompts.index(p)]
+    assert llama.config._attn_implementation == attn
+    # a step that raises mid-run restores the mode too, and the other engine goes on
+    ids_a = [a.add_request(p, greedy(4)) for p in prompts[:2]]
+    ids_b = [b.add_request(p, greedy(4)) for p in prompts[2:]]
+    step(a)
+    forward = b.adapter.forward
+
+    def broken(*args):
+        raise RuntimeError("a model error")
+
+    b.adapter.forward = broken
+    with pytest.raises(RuntimeError, match="a model error"):
+        step(b)
+    assert _modes() == (False, True) and not b.has_unfinished() and b.cache.is_empty
+    b.adapter.forward = forward
+    while a.has_unfinished():
+        step(a)
+        assert _modes() == (False, True)
+    for rid, p in zip(ids_a, prompts[:2]):
+        assert got[(True, rid)] == want[prompts.index(p)][:4]
+    assert llama.config._attn_implementation == attn
+    assert b.generate(prompts[2:], max_new_tokens=4) == [[w[:4]] for w in want[2:]]

@@ -172,7 +172,7 @@ BAD = [("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", True), ("temperatu
        ("temperature", math.inf), ("temperature", math.nan), ("temperature", "hot"),
        ("top_p", 0.0), ("top_p", 1.5), ("top_p", None), ("top_k", -2), ("top_k", 1.5),
        ("min_p", -0.01), ("min_p", 1.01), ("seed", -1), ("seed", 2 ** 63), ("seed", 1.0),
-       ("n", 0), ("n", "2"), ("stop_token_ids", [1, -2]), ("stop_token_ids", "ab"),
+       ("n", 0), ("n", "2"), ("n", 1025), ("n", 10 ** 6), ("stop_token_ids", [1, -2]), ("stop_token_ids", "ab"),
        ("stop_token_ids", [1.0]), ("ignore_eos", 1), ("logprobs", -1), ("logprobs", 0.5)]
 
 
@@ -183,6 +183,59 @@ def test_each_bad_field_is_a_typed_error_naming_it(field, value):
     msg = str(err.value)
     assert f"SamplingParams.{field}=" in msg and "must be" in msg
     assert repr(value)[:20] in msg
+
+
+def test_n_is_bounded_by_max_n_and_the_error_names_the_value_and_the_limit(engine):
+    """Issue 51 item 6: ``n=10**6`` was accepted and held the engine's lock for 12 s (10**9:
+    hours, ~100 GB) making its samples. ``MAX_N`` (1024) samples at most: the error names the
+    value and the limit, and nothing is queued."""
+    import time
+
+    from kvcache.integrations.sampling import MAX_N
+    assert SamplingParams(n=MAX_N).n == MAX_N
+    for n in (MAX_N + 1, 10 ** 6, 10 ** 9):
+        with pytest.raises(InvalidArgumentError, match=rf"SamplingParams.n={n} .*\[1, {MAX_N}\]"):
+            SamplingParams(n=n)
+    start = time.perf_counter()
+    with pytest.raises(InvalidArgumentError, match=rf"n={10 ** 9} .*{MAX_N}"):
+        engine.generate([[1, 2, 3]], n=10 ** 9, max_new_tokens=2)
+    assert time.perf_counter() - start < 1.0
+    assert not engine.has_unfinished() and engine.cache.is_empty
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 1e-46, 1e-39, 1e-30, 9.9e-6])
+def test_a_temperature_below_the_epsilon_is_greedy(temperature):
+    """Issue 51 item 6: a valid tiny temperature (1e-310; <= 1e-38 once cast to float32) gave a
+    NaN distribution that always drew the last token id. Below ``GREEDY_TEMPERATURE`` (1e-5,
+    vLLM's epsilon) a request is greedy: the first argmax on every path (torch in float32 and
+    float64, numpy), with the model's log-probabilities."""
+    from kvcache.integrations.sampling import GREEDY_TEMPERATURE, sample_numpy
+    p = SamplingParams(temperature=temperature, top_p=0.9, seed=5)
+    assert p.greedy and p.temperature == 0.0
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen, dtype=torch.float64) * 4
+    want = logits.argmax(-1)
+    for dtype in (torch.float32, torch.float64):
+        tokens, lps = sample(logits.to(dtype), [p] * 6, steps=list(range(6)))
+        assert torch.equal(tokens, want) and torch.isfinite(lps).all()
+    tokens, lps = sample_numpy(logits.numpy(), [p] * 6)
+    np.testing.assert_array_equal(tokens, want.numpy())
+    assert np.isfinite(lps).all()
+    # the epsilon itself is a temperature: a finite distribution (its mode, at these gaps)
+    q = SamplingParams(temperature=GREEDY_TEMPERATURE, seed=5)
+    assert not q.greedy and q.temperature == GREEDY_TEMPERATURE
+    scores = filter_logits(logits.float(), [q] * 6)
+    assert not torch.isnan(scores).any() and torch.isfinite(scores.max(-1).values).all()
+    assert torch.equal(sample(logits.float(), [q] * 6)[0], want)
+
+
+def test_an_engine_request_below_the_epsilon_is_greedy(engine):
+    from engine_cases import make_prompts
+    prompts = make_prompts(seed=21)[:2]
+    greedy = engine.generate(prompts, max_new_tokens=6)
+    tiny = engine.generate(prompts, sampling_params=SamplingParams(temperature=1e-300,
+                                                                   max_tokens=6, seed=1))
+    assert tiny == greedy
 
 
 def test_good_fields_are_kept_and_normalised():

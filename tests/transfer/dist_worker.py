@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 import kvcache  # noqa: E402
 from kvcache.distributed import recv_sequence, send_sequence  # noqa: E402
 from transfer_cases import (assert_same_kv, build_workload, config, fp8_codes,  # noqa: E402
-                            make_cache, run_forward)
+                            make_cache, run_forward, snapshot)
 
 FP8 = "float8_e4m3"
 ROUNDS = [
@@ -32,6 +32,19 @@ ROUNDS = [
     ("reference", 3, "reference", 16, "float32", "normal", False, "int8", 40),
 ]
 CHUNKS = 4
+CONTINUED = []          # rank 0: the transfers whose JSON went on past the head message
+
+
+def _counting_heads():
+    from kvcache.distributed import transfer
+    real = transfer.head_message
+
+    def head_message(body, *args):
+        head, rest = real(body, *args)
+        if rest:
+            CONTINUED.append(len(body))
+        return head, rest
+    transfer.head_message = head_message
 
 
 def chunks(ids):
@@ -136,21 +149,29 @@ def refused_then_in_step(rank):
     print("refused header drained; wait inside a forward retried ok", flush=True)
 
 
-def _raw_send(msg: dict, k: np.ndarray, v: np.ndarray, dst: int, text: bytes = None) -> None:
+def _raw_send(msg: dict, k: np.ndarray, v: np.ndarray, dst: int, text: bytes = None,
+              fixed: dict = None) -> None:
     """A transfer written by hand (the wire format of kvcache.distributed), so that its header
     can be what no sender of ours writes."""
     import json
     import torch
-    from kvcache.distributed.transfer import MAGIC
+    from kvcache.distributed.transfer import head_message
     body = text if text is not None else json.dumps(msg).encode()
     nbytes, layers = k.nbytes, k.shape[0]
     per = 3                         # K and V of up to 3 layers a message (several messages)
-    dist.send(torch.tensor([MAGIC, len(body), nbytes, layers, per], dtype=torch.int64), dst)
-    dist.send(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst)
+    head, rest = head_message(body, nbytes, layers, per)
+    if fixed:                       # a fixed part no sender writes, and no data after it
+        head[:40].view(np.int64)[:] = [fixed.get(f, x) for f, x in zip(
+            ("magic", "size", "nbytes", "layers", "per"), head[:40].view(np.int64))]
+        dist.send(torch.from_numpy(head), dst)
+        return
+    dist.send(torch.from_numpy(head), dst)
+    if rest:
+        dist.send(torch.frombuffer(bytearray(rest), dtype=torch.uint8), dst)
     for first in range(0, layers, per):
-        for a in (k, v):
-            part = np.ascontiguousarray(a[first:first + per])
-            dist.send(torch.from_numpy(part.reshape(-1).view(np.uint8)), dst)
+        part = np.concatenate([np.ascontiguousarray(a[first:first + per]).reshape(-1).view(np.uint8)
+                               for a in (k, v)])
+        dist.send(torch.from_numpy(part), dst)
 
 
 MALFORMED = [
@@ -162,7 +183,16 @@ MALFORMED = [
     ("a payload kv_dtype float16 under a float32 transfer", "kv_dtype=float16"),
     ("tokens that do not add up", "tokens"),
     ("not JSON", "not JSON"),
+    # fixed parts no sender writes (issue 51: a negative size raised an untyped RuntimeError)
+    ("a negative byte count", "announced -4096 bytes"),
+    ("more bytes than the cache could hold", "more than this cache could hold"),
+    ("a negative header size", "a header of -5 bytes"),
+    ("another magic", "not a kvcache transfer of this version"),
 ]
+FIXED = {"a negative byte count": {"nbytes": -4096},
+         "more bytes than the cache could hold": {"nbytes": 1 << 40},
+         "a negative header size": {"size": -5},
+         "another magic": {"magic": 0x6B76_6361_6368_65}}
 
 
 def malformed_then_in_step(rank):
@@ -194,9 +224,9 @@ def malformed_then_in_step(rank):
                 msg["payloads"][0]["kv_dtype"] = "float16"
             elif label.startswith("tokens"):
                 msg["payloads"][0]["num_tokens"] = 12
-            else:
+            elif label == "not JSON":
                 text = b"{not json"
-            _raw_send(msg, k, v, 1, text)
+            _raw_send(msg, k, v, 1, text, FIXED.get(label))
         send_sequence(source, [1], dst=1).wait()
         return
     # KVCACHE_TRANSFER_GPU=1: the receiving cache on the GPU (gloo stages through the host)
@@ -273,13 +303,127 @@ def quantized_edges(rank):
           "group, in step", flush=True)
 
 
+def long_header_in_step(rank):
+    """One batch of 160 short sequences: its JSON header outgrows the fixed-size head message
+    and goes on in a second one; everything arrives, and the next transfer is in step."""
+    cfg = config(4, "float32", "normal", max_total_tokens=4096)
+    source = kvcache.PagedKVCache(cfg, backend="reference")
+    ids = list(range(160))
+    rng = np.random.default_rng(5)
+    for sid in ids:
+        source.add_sequence(sid)
+        run_forward(source, [sid], [3], rng)
+    if rank == 0:
+        send_sequence(source, ids, dst=1).wait()
+        send_sequence(source, [7], dst=1).wait()
+        assert CONTINUED, "the batch's JSON fit the head: the test does not reach the second message"
+        return
+    dest = kvcache.PagedKVCache(cfg, backend="reference")
+    assert recv_sequence(dest, ids, src=0).wait() == ids
+    assert recv_sequence(dest, [1000], src=0).wait() == [1000]
+    for sid in ids:
+        assert_same_kv(source, sid, dest, sid)
+    assert_same_kv(source, 7, dest, 1000)
+    print("a header longer than the head message arrives in two; in step after", flush=True)
+
+
+def streamed_in_step(rank, backend):
+    """send_sequence inside the forward that writes the sequences (issue 50: a prefill rank
+    sends layer i while layer i+1 computes): each layer's message is posted before the next
+    layer's attention is called, what arrives is the sequences after the forward bit for bit;
+    a send begun after some layers ran and grouped two layers a message too; a send whose
+    forward is aborted leaves the receiver unchanged with a typed error, in step for the next."""
+    import torch
+    cfg = config(4, "bfloat16" if backend == "cuda" else "float32", "normal", layers=5)
+    rng = np.random.default_rng(11)
+    source = make_cache(backend, cfg)
+    for sid in (1, 2):
+        source.add_sequence(sid)
+        run_forward(source, [sid], [6 + sid], rng)
+    if rank == 0:
+        events = []
+        real = dist.isend
+
+        def isend(tensor, dst, *args, **kw):
+            events.append("send")
+            return real(tensor, dst, *args, **kw)
+        dist.isend = isend
+        try:
+            def forward(ids, lens, send_at, abort=False, **kw):
+                h = None
+                cache_before = source.sequence_length(ids[0])
+                source.begin_forward(ids, lens)
+                for layer in range(cfg.num_layers):
+                    if layer == send_at:
+                        h = send_sequence(source, ids, dst=1, **kw)
+                        try:
+                            h.wait()
+                        except kvcache.ForwardStateError:
+                            pass
+                        else:
+                            raise AssertionError("a send's wait() returned inside its forward")
+                    x = [source.from_numpy(rng.standard_normal(
+                        (sum(lens), h_, cfg.head_dim)).astype(np.float32))
+                         for h_ in (cfg.num_qo_heads, cfg.num_kv_heads, cfg.num_kv_heads)]
+                    events.append(f"layer {layer}")
+                    source.attention(layer, *x)
+                    if abort and layer == 2:
+                        source.abort_forward()
+                        assert source.sequence_length(ids[0]) == cache_before
+                        return h
+                source.end_forward()
+                return h
+            events.clear()
+            h = forward([1, 2], [5, 3], send_at=0)
+            assert h.wait() == [1, 2]
+            order = [e for e in events if e.startswith("layer") or e == "send"]
+            # the head first, then each layer's message right after that layer, then the status
+            want = ["send"] + [x for layer in range(5) for x in (f"layer {layer}", "send")] + ["send"]
+            assert order == want, order
+            send_sequence(source, [1, 2], dst=1).wait()     # the same, sent after the forward
+            h = forward([2], [4], send_at=2, message_bytes=1 << 40)   # the rest in one message
+            assert h.wait() == [2]
+            send_sequence(source, [2], dst=1).wait()
+            h = forward([1], [2], send_at=1, abort=True)
+            assert h.wait() == [1]          # the sender's side finished its messages
+            send_sequence(source, [1], dst=1).wait()
+        finally:
+            dist.isend = real
+        return
+    dest = make_cache(backend, cfg)
+    assert recv_sequence(dest, [10, 20], src=0).wait() == [10, 20]
+    assert recv_sequence(dest, [11, 21], src=0).wait() == [11, 21]
+    assert recv_sequence(dest, [30], src=0).wait() == [30]
+    assert recv_sequence(dest, [31], src=0).wait() == [31]
+    before = snapshot(dest)
+    h = recv_sequence(dest, [40], src=0)
+    try:
+        h.wait()
+    except kvcache.KVCacheError as exc:
+        assert "aborted the forward" in str(exc), exc
+    else:
+        raise AssertionError("a transfer whose forward was aborted was kept")
+    assert snapshot(dest) == before
+    assert recv_sequence(dest, [50], src=0).wait() == [50]
+    # each streamed copy against the same sequences sent after their forward
+    for streamed, plain in ((10, 11), (20, 21), (30, 31), (50, 11)):
+        assert_same_kv(dest, plain, dest, streamed)
+    assert [dest.sequence_length(x) for x in (10, 20, 30)] == [7 + 5, 8 + 3, 8 + 3 + 4]
+    print(f"sends inside their forwards ({backend}): layer by layer, grouped, aborted; in step",
+          flush=True)
+
+
 def main():
     rank, init = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     t0 = time.perf_counter()
+    _counting_heads()
     try:
         for n, case in enumerate(ROUNDS):
             one_round(rank, n, *case)
+        long_header_in_step(rank)
+        streamed_in_step(rank, "reference")
+        streamed_in_step(rank, "cuda")
         refused_then_in_step(rank)
         malformed_then_in_step(rank)
         quantized_edges(rank)

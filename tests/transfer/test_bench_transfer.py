@@ -14,8 +14,12 @@ from kvcache.bench_transfer import measure  # noqa: E402
 
 
 def test_measure_moves_the_whole_sequence():
-    r = measure("cpu", "reference", tokens=40, layers=3, repeat=2, kv_heads=2, head_dim=16)
+    r = measure("cpu", "reference", tokens=40, layers=3, repeat=2, kv_heads=2, head_dim=16,
+                batch=5)
     assert r["received_shape"] == [3, 40, 2, 16]            # every layer, every token arrived
+    b = r["batch_row"]                                      # five sequences in one call
+    assert b["sequences"] == 5 and b["tokens"] == 200 and b["bit_exact"] is True
+    assert b["received_shape"] == [3, 40, 2, 16] and b["ratio"] > 0
     assert r["bit_exact"] is True                           # and the same bits as the source
     assert r["bytes"] == 40 * 3 * 2 * 2 * 16 * 4
     assert r["kv_s"] > 0 and r["plain_s"] > 0
@@ -36,10 +40,12 @@ def test_cli_prints_the_ratio_and_json(capsys):
     out = capsys.readouterr().out
     assert "send/recv ms" in out and "plain send ms" in out
     assert "(target >= 0.8)" in out and "host tier (" in out and "checksums kept" in out
+    assert "sent layer by layer from inside it" in out and "bit for bit: yes" in out
     assert bench_main(argv + ["--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["tokens"] == 32 and r["layers"] == 2 and r["received_shape"][1] == 32
     assert r["host_tier"]["tokens"] == 32 and r["host_tier"]["offload_s"] > 0
+    assert r["pipelined"]["bit_exact"] is True and r["pipelined"]["during_s"] > 0
 
 
 def test_bad_sizes_are_usage_errors():

@@ -48,6 +48,9 @@ def test_two_processes_move_100_sequences_bit_exactly(tmp_path):
     assert "kv_dtype=int4 ok" in outs[1] and "kv_dtype=int8 ok" in outs[1], log
     assert "fp8 into a plain cache only converted; packed int8 rows only into int8" in outs[1], log
     assert "refused header drained" in outs[1], log
+    assert "a header longer than the head message arrives in two" in outs[1], log
+    assert "sends inside their forwards (reference)" in outs[1], log
+    assert "sends inside their forwards (cuda)" in outs[1], log
     assert "malformed headers refused and drained; the next transfer arrived" in outs[1], log
 
 

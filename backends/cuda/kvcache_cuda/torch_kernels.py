@@ -332,4 +332,7 @@ def gather_kv(ctx, pages_per_layer, slots, kv_scale=None):
     if kv_scale is not None:       # fp8 codes -> values in the cache dtype, per page array
         rows = [(fp8_values(k, s[0]).to(ctx.dtype), fp8_values(v, s[1]).to(ctx.dtype))
                 for (k, v), s in zip(rows, kv_scale)]
-    return torch.stack([k for k, _ in rows]), torch.stack([v for _, v in rows])
+    ks, vs = [k for k, _ in rows], [v for _, v in rows]
+    if ctx.head_dim == ctx.head_dim_v:       # V right behind K (a transfer's one message)
+        return torch.stack([torch.stack(ks), torch.stack(vs)]).unbind(0)
+    return torch.stack(ks), torch.stack(vs)

@@ -1996,10 +1996,15 @@ def gather_kv(ctx, pages_per_layer, slots, kv_scale=None):
     layers = len(pages_per_layer)
     p0 = pages_per_layer[0]
     dtype = p0.dtype if kv_scale is None else ctx.dtype
-    out_k = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim), dtype=dtype,
-                        device=p0.device)
-    out_v = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim_v), dtype=dtype,
-                        device=p0.device)
+    if ctx.head_dim == ctx.head_dim_v:
+        # V right behind K in one allocation: a transfer sends both as one message, no copy
+        out_k, out_v = torch.empty((2, layers, n, ctx.num_kv_heads, ctx.head_dim), dtype=dtype,
+                                   device=p0.device).unbind(0)
+    else:
+        out_k = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim), dtype=dtype,
+                            device=p0.device)
+        out_v = torch.empty((layers, n, ctx.num_kv_heads, ctx.head_dim_v), dtype=dtype,
+                            device=p0.device)
     if kv_scale is not None:
         for i, pages in enumerate(pages_per_layer):
             gather_rows(ctx, pages, slots, out_k[i], out_v[i], kv_scale[i])

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -15,7 +17,7 @@ from .. import require
 from ..engine import ModelAdapter, PendingPicks
 from .interface import ATTN_IMPLEMENTATION, register
 from .model import (_dtype_name, _model_needs, attention_layers, eos_token_ids, head_dims,
-                    sliding_windows)
+                    refuse_hybrid, sliding_windows)
 from .rope import _check_rope, fused_rope, model_rotary
 
 torch = require("torch", "transformers")
@@ -36,7 +38,11 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     ``rope``: ``"model"`` gives ``rope_mode="none"`` (the model rotates q and k itself);
     ``"cache"`` gives ``rope_mode="normal"`` with the model's ``inv_freq`` and partial rotary
     dim (``model_rotary``; raises ``UnsupportedFeatureError`` when they cannot be proven
-    standard); run the model inside ``fused_rope(model, cache)`` then."""
+    standard); run the model inside ``fused_rope(model, cache)`` then. A model that keeps
+    state the cache does not hold beside its attention (a hybrid: Mamba mixers, linear
+    attention, short convolutions, position biases) raises ``UnsupportedFeatureError`` naming
+    the layers and the reason (``refuse_hybrid``)."""
+    refuse_hybrid(model)
     config = model.config
     heads = int(config.num_attention_heads)
     head_dim, head_dim_v = head_dims(config)
@@ -55,11 +61,61 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
         rope_inv_freq=inv_freq, rope_rotary_dim=rot)
 
 
+# ---------------------------------------------------------------------- the model's attention
+_ROUTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""model -> [open sessions, the attention implementation it had before the first]."""
+_ROUTED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _routed(model):
+    """``model`` runs the "kvcache" attention for the duration; nested and interleaved uses
+    (several engines over one model) are counted, and the last to leave restores the
+    implementation the model had before the first. Raises ``UnsupportedFeatureError`` when the
+    model cannot switch (its layers do not call transformers' attention interface)."""
+    register()
+    with _ROUTED_LOCK:
+        entry = _ROUTED.get(model)
+        if entry is not None:
+            entry[0] += 1
+        else:
+            before = model.config._attn_implementation
+            if before != ATTN_IMPLEMENTATION:
+                _switch(model, before)
+            _ROUTED[model] = [1, before]
+    try:
+        yield
+    finally:
+        with _ROUTED_LOCK:
+            entry = _ROUTED[model]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _ROUTED[model]
+                if entry[1] != ATTN_IMPLEMENTATION:
+                    model.set_attn_implementation(entry[1])
+
+
+def _switch(model, before) -> None:
+    try:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    except (ValueError, NotImplementedError) as exc:
+        raise UnsupportedFeatureError(
+            f"{type(model).__name__} cannot switch to a custom attention implementation "
+            f"({exc}); its attention cannot reach the cache") from None
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(before)
+        raise UnsupportedFeatureError(
+            f"{type(model).__name__} kept its attention implementation {before!r} when asked "
+            f"for {ATTN_IMPLEMENTATION!r} (its layers do not call transformers' attention "
+            f"interface): its attention cannot reach the cache")
+
+
 # ---------------------------------------------------------------------- engine adapter
 class TransformersAdapter(ModelAdapter):
     """A transformers decoder-only causal LM as the engine's model: any family whose decoder
     layers call transformers' attention interface (checked: ``attention_layers``; refused with
-    the reason otherwise)."""
+    the reason otherwise) and keep no other state from token to token (a hybrid's Mamba mixer,
+    linear attention, short convolution or position bias: refused, ``refuse_hybrid``)."""
 
     def __init__(self, model, rope: str = "model"):
         config = getattr(model, "config", None)
@@ -71,6 +127,7 @@ class TransformersAdapter(ModelAdapter):
             raise UnsupportedFeatureError(
                 f"{type(model).__name__} is an encoder-decoder model; the Engine runs decoder-only "
                 f"causal LMs")
+        refuse_hybrid(model)             # state beside attention (Mamba, linear attention ...)
         attention_layers(model)          # refuses a model whose layers the cache cannot serve
         self.model = model
         self.family = str(family or type(model).__name__)
@@ -109,30 +166,23 @@ class TransformersAdapter(ModelAdapter):
 
     @contextlib.contextmanager
     def session(self, cache):
-        """The model runs the "kvcache" attention for the duration (restored afterwards); with
-        ``rope="cache"`` inside ``fused_rope(model, cache)``."""
-        register()
-        before = self.model.config._attn_implementation
-        if before != ATTN_IMPLEMENTATION:
-            try:
-                self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-            except (ValueError, NotImplementedError) as exc:
-                raise UnsupportedFeatureError(
-                    f"{type(self.model).__name__} cannot switch to a custom attention "
-                    f"implementation ({exc}); its attention cannot reach the cache") from None
-            if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
-                self.model.set_attn_implementation(before)
-                raise UnsupportedFeatureError(
-                    f"{type(self.model).__name__} kept its attention implementation "
-                    f"{before!r} when asked for {ATTN_IMPLEMENTATION!r} (its layers do not call "
-                    f"transformers' attention interface): its attention cannot reach the cache")
+        """The model runs the "kvcache" attention while any engine over it has work: the first
+        session over the model switches it, the last one to close restores what it had
+        (``_routed``: counted per model, so two engines over one model, opened and closed in any
+        order, never switch it back under each other). Inference mode and ``rope="cache"``'s
+        ``fused_rope`` are per step (``step_context``)."""
+        with _routed(self.model):
+            yield
+
+    @contextlib.contextmanager
+    def step_context(self, cache):
+        """One step under ``torch.inference_mode()`` (with ``rope="cache"`` inside
+        ``fused_rope(model, cache)``), left before the step returns or raises: between steps
+        the thread's autograd mode is the caller's, and another engine's steps over the same
+        model find it as they left it."""
         rotary = fused_rope(self.model, cache) if self.rope == "cache" else contextlib.nullcontext()
-        try:
-            with torch.inference_mode(), rotary:
-                yield
-        finally:
-            if before != ATTN_IMPLEMENTATION:
-                self.model.set_attn_implementation(before)
+        with torch.inference_mode(), rotary:
+            yield
 
     def _upload(self, array: np.ndarray):
         """A host array on the model's device without waiting for the device: a pageable copy

@@ -3,6 +3,8 @@ ids, the attention layers and what they need of a backend (re-exported by the pa
 
 from __future__ import annotations
 
+import re
+
 from ...errors import UnsupportedFeatureError
 from .. import require
 
@@ -84,6 +86,136 @@ def attention_layers(model) -> list:
             f"layer_idx in layers {sorted(found)} only (layers without attention, e.g. a hybrid "
             f"recurrent model, cannot run on the cache)")
     return [found[i] for i in range(layers)]
+
+
+# ---------------------------------------------------------------------- hybrid models
+# what keeps state the cache does not hold, by the words of a module's class name (its model's
+# prefix taken off: "FalconH1Mixer" -> "mixer"), and why it matters
+_STATE_MODULES = (
+    (re.compile(r"\b(mamba\d*|ssm|mixer)\b"), "a Mamba / state-space mixer: its convolution "
+     "and SSM state carry from token to token"),
+    (re.compile(r"\b(linear (attention|attn)|delta (net|attention|rule)|gated delta|lightning|"
+                r"gdn|kda)\b"),
+     "linear attention: its recurrent state carries from token to token"),
+    (re.compile(r"\b(recurrent|rglru|lru)\b"), "a recurrent block: its hidden state carries from "
+     "token to token"),
+    (re.compile(r"\b(short conv\w*|causal conv\w*)\b"), "a short causal convolution: its window "
+     "of earlier inputs carries from token to token"),
+    (re.compile(r"\b(position bias|relative position\w*|alibi)\b"), "a position bias added to "
+     "the attention scores, which the cache's attention does not apply"),
+)
+_CONV_REASON = _STATE_MODULES[3][1]
+# transformers' layer types whose cache keeps a recurrent or convolution state (legacy names too)
+_STATE_LAYER_TYPES = frozenset(("conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba",
+                                "recurrent"))
+
+
+def _state_layer_types() -> frozenset:
+    """The layer types (``config.layer_types``) for which transformers' own cache keeps a
+    recurrent or convolution state: its ``LinearAttentionCacheLayerMixin`` layers, and the
+    names above."""
+    try:
+        from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING,
+                                              LinearAttentionCacheLayerMixin)
+    except ImportError:         # (an older transformers: the names above)
+        return _STATE_LAYER_TYPES
+    return _STATE_LAYER_TYPES | {
+        name for name, cls in DYNAMIC_LAYER_TYPE_MAPPING.items()
+        if isinstance(cls, type) and issubclass(cls, LinearAttentionCacheLayerMixin)}
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get(decoder=True) if get is not None else config
+    except Exception:            # (a config that cannot tell: itself)
+        return config
+
+
+def _layer_types(config) -> list:
+    try:
+        types = getattr(config, "layer_types", None)
+    except Exception:            # (a derived property that cannot be computed)
+        types = None
+    if isinstance(types, str) or not isinstance(types, (list, tuple)):
+        return []
+    return [str(t) for t in types]
+
+
+def _decoder_layer_lists(model) -> list:
+    """``(path, ModuleList)`` of the lists that hold the model's decoder layers: those with an
+    attention module (``layer_idx``), and the other layers of the same lists."""
+    attn = [name for name, m in model.named_modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and any(
+                hasattr(m, n) for n in ("q_proj", "qkv_proj", "q_a_proj", "query_key_value",
+                                        "c_attn"))]
+    lists: dict = {}
+    modules = dict(model.named_modules())
+    for name in attn:
+        parts = name.split(".")
+        for k in range(len(parts) - 1, 0, -1):
+            path = ".".join(parts[:k])
+            if isinstance(modules.get(path), torch.nn.ModuleList):
+                lists[path] = modules[path]
+                break
+    return sorted(lists.items())
+
+
+def stateful_layers(model) -> list:
+    """What in ``model`` keeps state the cache does not hold, beside (or instead of) attention:
+    ``(layer, where, reason)`` per decoder layer that has it (``where``: the module's path and
+    class, or the layer type transformers' own cache gives it). Read off the config's
+    ``layer_types`` (transformers' own cache keeps a recurrent or convolution state for
+    ``conv``, ``linear_attention``, ``hybrid``... layers) and off the decoder layers' modules
+    (Mamba / SSM mixers, linear attention and gated DeltaNet, recurrent blocks, short
+    convolutions, relative position biases). Empty for a model the cache can serve whole."""
+    found: dict = {}                    # layer -> {reason: where}
+    prefix = re.sub(r"(For\w+|Model|LMHeadModel)$", "", type(model).__name__)
+    for path, layers in _decoder_layer_lists(model):
+        for i, layer in enumerate(layers):
+            matched: list = []
+            for name, m in layer.named_modules():
+                if not name or any(name.startswith(p + ".") for p in matched):
+                    continue            # (the layer itself: its parts tell; a match's parts)
+                cls = type(m).__name__
+                own = cls[len(prefix):] if prefix and cls.startswith(prefix) else cls
+                words = " ".join(re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", own)).lower()
+                reason = next((why for pattern, why in _STATE_MODULES if pattern.search(words)),
+                              None)
+                if reason is None and isinstance(m, torch.nn.Conv1d):
+                    reason = _CONV_REASON
+                if reason is not None:
+                    matched.append(name)
+                    found.setdefault(i, {}).setdefault(reason, f"{path}.{i}.{name} ({cls})")
+    config = _text_config(model.config)
+    state = _state_layer_types()
+    for i, kind in enumerate(_layer_types(config)):
+        if kind.lower() in state and i not in found:
+            found[i] = {"transformers' own cache keeps a recurrent or convolution state for it":
+                        f"a {kind!r} layer"}
+    return [(i, where, why) for i in sorted(found) for why, where in found[i].items()]
+
+
+def refuse_hybrid(model) -> None:
+    """Raise ``UnsupportedFeatureError`` naming the model type, the layers and modules and the
+    reason when ``model`` keeps state the cache does not hold (``stateful_layers``): a hybrid
+    (Falcon-H1, Jamba, Bamba, Zamba, Qwen3-Next, LFM2 ...) or a recurrent model. The cache
+    holds attention K/V only; such a state would be lost between steps, and the tokens would
+    differ from the model's own generation without an error."""
+    found = stateful_layers(model)
+    if not found:
+        return
+    config = _text_config(model.config)
+    family = getattr(config, "model_type", None) or getattr(model.config, "model_type", None)
+    layers = sorted({i for i, _, _ in found})
+    shown = "; ".join(f"layer {i}: {where}, {why}" for i, where, why in found
+                      if i in layers[:3])
+    more = f"; and {len(layers) - 3} more layers" if len(layers) > 3 else ""
+    raise UnsupportedFeatureError(
+        f"the {family} model ({type(model).__name__}) keeps state the cache does not hold: "
+        f"{shown}{more}. The cache holds attention K/V only: that state would be lost between "
+        f"steps and the tokens would differ from the model's own generation, so hybrid and "
+        f"recurrent models cannot run on the cache")
 
 
 def _model_needs(model) -> list:
