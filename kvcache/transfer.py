@@ -12,6 +12,7 @@ recreate the sequence's state (sliding window and sinks). See docs/distributed.m
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import zlib
@@ -42,10 +43,23 @@ HEADER_FIELDS = ("version", "start", "num_tokens", "source_length", "num_layers"
 computed, the arrays in ``kv_dtype``, no scales, no groups)."""
 
 
-def checksum(k: np.ndarray, v: np.ndarray) -> str:
-    """The CRC-32 of ``k``'s bytes then ``v``'s (host arrays), as 8 hex digits: what a host payload carries so that
-    an importer can tell that its arrays are the ones the exporter wrote."""
-    crc = zlib.crc32(np.ascontiguousarray(k).tobytes())
+UNCHECKED_FIELDS = ("backend", "device", "checksum")
+"""The header fields a payload's checksum does not cover: where the arrays live, and itself."""
+
+
+def checksum(k: np.ndarray, v: np.ndarray, header: Optional[dict] = None) -> str:
+    """The CRC-32 of ``header`` in canonical form (every field but ``UNCHECKED_FIELDS``, sorted
+    JSON) then ``k``'s bytes then ``v``'s (host arrays), as 8 hex digits: what a host payload
+    carries (``header``: its ``header()``) so that an importer can tell that its arrays and
+    what it says of them (positions, window, scales, group, dtype, RoPE...) are the ones the
+    exporter wrote. Without ``header``: the arrays' alone."""
+    crc = 0
+    if header is not None:
+        canonical = {name: value for name, value in header.items()
+                     if name not in UNCHECKED_FIELDS}
+        crc = zlib.crc32(json.dumps(canonical, sort_keys=True, separators=(",", ":"),
+                                    default=float).encode())
+    crc = zlib.crc32(np.ascontiguousarray(k).tobytes(), crc)
     return f"{zlib.crc32(np.ascontiguousarray(v).tobytes(), crc):08x}"
 
 
@@ -68,9 +82,10 @@ class SequencePayload:
     "inline"; sliding windows force "inline"), with its ``rope_theta``, ``rope_scale``,
     ``rope_inv_freq`` (the model's frequencies, () for theta's) and ``rope_rotary_dim`` (0:
     every dim). ``window_size`` (-1: none) and ``sink_size``: the sequence's sliding window.
-    ``version``: ``FORMAT_VERSION`` of the writer. ``checksum``: ``checksum(k, v)`` of a host
-    payload (``to_numpy()`` computes it; None for device arrays, which never left the process);
-    ``import_sequence`` recomputes it and refuses a payload whose arrays differ.
+    ``version``: ``FORMAT_VERSION`` of the writer. ``checksum``: ``checksum(k, v, header())`` of
+    a host payload (``to_numpy()`` computes it; None for device arrays, which never left the
+    process): the header's fields but ``backend``, ``device`` and itself, then K, then V;
+    ``import_sequence`` recomputes it and refuses a payload whose arrays or header differ.
 
     From fp8 pages (``kv_dtype="float8_e4m3"``) the arrays hold the values read back
     (``code * scale``) in the cache's compute dtype ``dtype`` (exact enough that storing them
@@ -219,8 +234,10 @@ class SequencePayload:
             return self
         self.check_arrays("to_numpy")
         k, v = to_host(self.k, self.array_dtype), to_host(self.v, self.array_dtype)
-        return dataclasses.replace(self, k=k, v=v, backend=None, device=None,
-                                   checksum=checksum(k, v) if with_checksum else None)
+        out = dataclasses.replace(self, k=k, v=v, backend=None, device=None, checksum=None)
+        if not with_checksum:
+            return out
+        return dataclasses.replace(out, checksum=checksum(k, v, out.header()))
 
     def without_arrays(self) -> SequencePayload:
         """The header-only form (``k`` and ``v`` None)."""
@@ -351,11 +368,12 @@ class SequencePayload:
                 raise InvalidArgumentError(
                     f"{where}: a payload with a checksum carries host numpy arrays, got "
                     f"{type(self.k).__name__}")
-            got = checksum(self.k, self.v)
+            got = checksum(self.k, self.v, self.header())
             if got != self.checksum:
                 raise InvalidArgumentError(
-                    f"{where}: the arrays' checksum is {got}, the header's {self.checksum}: "
-                    f"the K/V are not the ones exported")
+                    f"{where}: the checksum of the header and arrays is {got}, the header's "
+                    f"{self.checksum}: the K/V or what the header says of them (a field but "
+                    f"{', '.join(UNCHECKED_FIELDS)}) are not the ones exported")
 
     def check_fits(self, config, seq_id, convert_dtype: bool = False) -> None:
         """Raise a typed error naming ``seq_id``, the payload's value and the cache's when a
@@ -587,4 +605,4 @@ class HostTier:
         self.tokens = 0
 
 
-__all__ = ["FORMAT_VERSION", "HEADER_FIELDS", "HostTier", "SequencePayload", "checksum"]
+__all__ = ["FORMAT_VERSION", "HEADER_FIELDS", "HostTier", "SequencePayload", "UNCHECKED_FIELDS", "checksum"]

@@ -3,7 +3,8 @@
 One call moves a batch of sequences in a few point-to-point messages, in this order:
 
 1. the head: ``HEAD_BYTES`` uint8, whatever the batch: eight int64 ``[MAGIC, n, nbytes,
-   num_layers, layers_per_message, 0, 0, 0]`` then the first bytes of ``n`` bytes of JSON
+   num_layers, layers_per_message, streamed, CRC-32 of the JSON, 0]`` then the first bytes
+   of ``n`` bytes of JSON
    ``{"version", "payloads": [SequencePayload.header() per sequence], "kv_dtype", "dtype",
    "shape", "nbytes"}`` (``nbytes``: the bytes of K, and of V, that follow; in the fixed part
    too, with the layer grouping, so that the receiver posts the data's receives before it
@@ -18,7 +19,10 @@ One call moves a batch of sequences in a few point-to-point messages, in this or
    One group holds every layer up to ``MESSAGE_BYTES`` of K and V; a larger transfer comes in
    groups of about that size, at least ``MIN_MESSAGES`` of them (``layers_per_message``), so
    that the sender gathers a group while the last is on the wire and the receiver writes one
-   while the next arrives.
+   while the next arrives;
+3. the tail: int64 ``[ended, messages, then per data message the two sums of its bytes]``
+   (``ended`` 0: the forward a send from inside it watched was aborted), the sums computed on
+   the sender's device behind each gather, checked on the receiver's (``verify``).
 
 A transfer thus costs the receiver one round trip to its host (the head), whose checks and page
 reservation run while the data is on the wire.
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -157,12 +162,12 @@ def head_message(body: bytes, nbytes: int, num_layers: int, per: int,
                  streamed: bool = False) -> tuple:
     """``(head, rest)``: a transfer's first message (``HEAD_BYTES`` uint8, numpy) for a JSON
     header ``body``, ``nbytes`` bytes each of K and V over ``num_layers`` layers, ``per`` a data
-    message, ``streamed``: sent during the forward that writes it (a status message follows the
-    data); ``rest``: the JSON's bytes that did not fit (b"" but for very large batches), the
-    second message. The one writer of the wire's head."""
+    message, ``streamed``: sent during the forward that writes it; the JSON's CRC-32 goes in
+    the fixed part too. ``rest``: the JSON's bytes that did not fit (b"" but for very large
+    batches), the second message. The one writer of the wire's head."""
     head = np.zeros(HEAD_BYTES, np.uint8)
-    head[:_FIXED * 8].view(np.int64)[:6] = (MAGIC, len(body), nbytes, num_layers, per,
-                                            int(streamed))
+    head[:_FIXED * 8].view(np.int64)[:7] = (MAGIC, len(body), nbytes, num_layers, per,
+                                            int(streamed), zlib.crc32(body))
     inline = body[:HEAD_BYTES - _FIXED * 8]
     head[_FIXED * 8:_FIXED * 8 + len(inline)] = np.frombuffer(inline, np.uint8)
     return head, body[len(inline):]
@@ -391,13 +396,38 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
         cache.watch_forward(_LayerSender(torch, cache, ids, starts, nbytes, per, transport,
                                          handle, dst, group))
         return handle
+    sums = []
     for first in range(0, c.num_layers if total else 0, per):
         # each message's layers are gathered while the last message is on the wire
         if first:
             _, k, v = cache.export_sequences(ids, starts,
                                              layers=range(first, min(first + per, c.num_layers)))
         _post_send(handle, _group_message(torch, k, v, transport), dst, group)
+        sums.append(_sums(torch, handle._buffers[-1]))
+    _post_send(handle, _tail(torch, True, sums, transport), dst, group)
     return handle
+
+
+def _sums(torch, message):
+    """Two int64 that change when any bit of ``message`` (a flat uint8 tensor) does, computed
+    where it lives (``Backend.checksum``'s definition: the sum of its little-endian int64
+    words and the sum of its 64-word rows' sums times their index + 1, modulo 2**64,
+    zero-padded to whole rows)."""
+    b = message if message.data_ptr() % 8 == 0 else message.clone()
+    n = b.numel()
+    pad = (-n) % 512
+    if pad:
+        b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
+    rows = b.view(torch.int64).view(-1, 64).sum(dim=1)
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=b.device)
+    return torch.stack([rows.sum(), (rows * weights).sum()])
+
+
+def _tail(torch, ended: bool, sums: list, transport):
+    """A transfer's last message: int64 ``[ended, messages, (the two sums of each data
+    message)...]`` on ``transport`` (the sums stay where they were computed: no host wait)."""
+    fixed = _staged(torch, torch.tensor([int(ended), len(sums)], dtype=torch.int64), transport)
+    return torch.cat([fixed] + [x.to(transport) for x in sums]) if sums else fixed
 
 
 def _post_send(handle: "TransferHandle", tensor, dst: int, group) -> None:
@@ -410,14 +440,14 @@ class _LayerSender:
     """A send inside a forward (``send_sequence``): watches the forward
     (``PagedKVCache.watch_forward``) and sends each group of ``per`` layers once the forward
     has written them all, in layer order; at the forward's close the rest (zeros, after an
-    abort) and the last message: ``[1, 0...]`` the forward ended, ``[0, 0...]`` it was
-    aborted."""
+    abort) and the tail (``_tail``: ended or aborted, and the messages' sums)."""
 
     def __init__(self, torch, cache, ids, starts, nbytes: int, per: int, transport, handle,
                  dst: int, group):
         self.torch, self.cache, self.ids, self.starts = torch, cache, ids, starts
         self.nbytes, self.per, self.transport = nbytes, per, transport
         self.handle, self.dst, self.group = handle, dst, group
+        self.sums: list = []
         self.num_layers = cache.config.num_layers
         self.written = set(cache.layers_run)
         self.next = 0 if nbytes else self.num_layers     # the first layer not yet sent
@@ -430,9 +460,12 @@ class _LayerSender:
     def _flush(self) -> None:
         while self.next < self.num_layers and set(self._group()) <= self.written:
             _, k, v = self.cache.export_sequences(self.ids, self.starts, layers=self._group())
-            _post_send(self.handle, _group_message(self.torch, k, v, self.transport), self.dst,
-                       self.group)
+            self._send(_group_message(self.torch, k, v, self.transport))
             self.next = self._group().stop
+
+    def _send(self, message) -> None:
+        _post_send(self.handle, message, self.dst, self.group)
+        self.sums.append(_sums(self.torch, message))
 
     def layer_written(self, layer: int) -> None:
         self.written.add(layer)
@@ -443,12 +476,11 @@ class _LayerSender:
         try:
             while self.next < self.num_layers:      # aborted: what the receiver still awaits
                 group = self._group()
-                _post_send(self.handle, torch.zeros(
-                    2 * self.nbytes // self.num_layers * len(group), dtype=torch.uint8,
-                    device=self.transport), self.dst, self.group)
+                self._send(torch.zeros(2 * self.nbytes // self.num_layers * len(group),
+                                       dtype=torch.uint8, device=self.transport))
                 self.next = group.stop
-            status = torch.tensor([1 if committed else 0] + [0] * (_FIXED - 1), dtype=torch.int64)
-            _post_send(self.handle, _staged(torch, status, self.transport), self.dst, self.group)
+            _post_send(self.handle, _tail(torch, committed, self.sums, self.transport), self.dst,
+                       self.group)
         finally:
             self.handle._streaming = False
 
@@ -480,7 +512,7 @@ def layers_per_message(num_layers: int, nbytes: int, message_bytes: int = MESSAG
 def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
                   parent_ids: Optional[Sequence[Optional[int]]] = None,
                   fork_pos: Optional[Sequence[Optional[int]]] = None,
-                  convert_dtype: bool = False) -> TransferHandle:
+                  convert_dtype: bool = False, verify: bool = True) -> TransferHandle:
     """Receive the sequences the process of global rank ``src`` sends (``send_sequence``)
     into ``cache`` as ``seq_ids`` (one id or a list, as many as were sent, in the same order).
 
@@ -494,10 +526,21 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     that have none at ``wait()`` (``reserve_import``). On a refused header (a mismatch, a
     malformed or inconsistent message, CacheFullError, an id in use: typed errors as
     ``import_sequence``; packed int8 / int4 rows into a cache of another format, group size
-    or compute dtype) the data is still received and dropped, so the two sides stay in step for the next
-    transfer, and the error is raised; the cache is unchanged."""
+    or compute dtype; a header whose CRC-32 is not the sender's) the data is still received
+    and dropped, so the two sides stay in step for the next transfer, and the error is
+    raised; the cache is unchanged.
+
+    ``verify`` (default True): ``wait()`` checks each data message against the two sums the
+    sender computed on its device (the tail message carries them), computed here where the
+    message landed, and raises KVCacheError naming the layers, keeping nothing, on a
+    difference. On a GPU ``wait()`` then waits for the data to arrive and be summed, on a side
+    stream (not for the forwards this cache queued before); ``verify=False`` leaves integrity to
+    the transport and ``wait()`` only queues the writes behind the data (it still waits for
+    the tail of a transfer sent during its forward, which says whether that forward ended)."""
     torch, dist = _torch()
     ids = _ids(seq_ids, "seq_ids")
+    from ..core.validate import bool_arg
+    verify = bool_arg(verify, "verify")
     parents = _per_sequence(parent_ids, len(ids), "parent_ids")
     positions = _per_sequence(fork_pos, len(ids), "fork_pos")
     if cache.open_plan is not None:
@@ -508,8 +551,8 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     # (empty, not zeros: a fill queued on the cache's stream could land after the message)
     raw = _read_small(torch, dist, torch.empty(HEAD_BYTES, dtype=torch.uint8, device=transport),
                       src, group).numpy()
-    magic, size, nbytes, num_layers, per, streamed = (
-        int(x) for x in raw[:_FIXED * 8].view(np.int64)[:6])
+    magic, size, nbytes, num_layers, per, streamed, crc = (
+        int(x) for x in raw[:_FIXED * 8].view(np.int64)[:7])
     if magic != MAGIC:
         raise InvalidArgumentError(
             f"recv_sequence of sequences {ids}: the message from rank {src} is not a kvcache "
@@ -534,11 +577,14 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     buffers = [torch.empty(2 * (nbytes // num_layers) * len(layers), dtype=torch.uint8,
                            device=transport) for layers in spans]
     works = [dist.irecv(buf, src, group=group) for buf in buffers]
-    # a transfer sent during its forward ends with a status message: [1] ended, [0] aborted
-    status = _Once(_post_small(torch, dist, torch.empty(_FIXED, dtype=torch.int64,
-                                                        device=transport), src, group)
-                   if streamed else (lambda: [1]))
+    # every transfer ends with its tail: [ended, messages, each data message's two sums]
+    tail = _Once(_post_small(torch, dist, torch.empty(2 + 2 * len(spans), dtype=torch.int64,
+                                                      device=transport), src, group))
     try:
+        if zlib.crc32(text) != crc & 0xFFFF_FFFF:
+            raise InvalidArgumentError(
+                f"recv_sequence of sequences {ids} from rank {src}: the header's CRC-32 is "
+                f"{zlib.crc32(text):08x}, the sender's {crc & 0xFFFF_FFFF:08x}: changed on the way")
         msg, shape, headers = _read_header(text, nbytes, ids, src)
         if nbytes and shape[0] != num_layers:
             raise InvalidArgumentError(
@@ -549,14 +595,15 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     except BaseException:
         for w in works:             # the data the sender posted, consumed and dropped
             w.wait()
-        status()
+        tail()
         raise
     sent, want = msg["dtype"], _array_dtype(cache.config)
 
     def finish(arrived):
         # NCCL: waiting on a message only orders the device's stream after it, so every
-        # message's rows are written (queued) as they arrive and the host never waits (but
-        # for the status of a transfer sent during its forward: until its last message)
+        # message's rows are written (queued) as they arrive; the host waits (on a side
+        # stream, not for the forwards queued before) for the tail, and with ``verify`` for
+        # the data's sums, before the sequences appear
         try:
             for layers, buf, w in zip(spans, buffers, works):
                 arrived([w])
@@ -564,23 +611,56 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
                 k, v = (_from_wire(torch, part, sent, (len(layers),) + tuple(shape[1:]), kind,
                                    device, want) for part in (buf[:half], buf[half:]))
                 cache.write_import(res, k, v, layers=layers)
+            got = _received_sums(torch, buffers, works) if verify else None
         except ForwardStateError:
             raise                   # wait() may be called again after end_forward
         except BaseException:
-            status()
+            tail()
             raise
-        if int(status()[0]) != 1:
+        end = np.asarray(tail(), np.int64).reshape(-1)
+        if int(end[0]) != 1:
             raise KVCacheError(
                 f"recv_sequence of sequences {ids}: rank {src} aborted the forward that wrote "
                 f"their KV while sending it; nothing was kept")
+        if got is not None:
+            theirs = end[2:].reshape(-1, 2)
+            bad = [i for i in range(len(spans)) if not np.array_equal(got[i], theirs[i])]
+            if bad:
+                i = bad[0]
+                raise KVCacheError(
+                    f"recv_sequence of sequences {ids} from rank {src}: the data of layers "
+                    f"{list(spans[i])} arrived with sums {got[i].tolist()}, sent with "
+                    f"{theirs[i].tolist()} ({len(bad)} of {len(spans)} messages differ): "
+                    f"changed on the way; nothing was kept")
         cache.commit_import(res)
 
     def cancel():
-        status()
+        tail()
         cache.cancel_import(res)
 
     return TransferHandle(works, buffers, ids, f"receive of sequences {ids} from rank {src}",
                           finish=finish, cancel=cancel)
+
+
+def _received_sums(torch, buffers: list, works: list) -> np.ndarray:
+    """(messages, 2) int64 on the host: ``_sums`` of each received buffer, computed where it
+    lives once it arrived (on a GPU on the side stream, which waits for the messages alone)."""
+    if not buffers:
+        return np.zeros((0, 2), np.int64)
+    device = buffers[0].device
+    if device.type == "cpu":
+        return np.stack([_sums(torch, b).numpy() for b in buffers])
+    side = _side_stream(torch, device)
+    with torch.inference_mode(False):
+        host = torch.empty((len(buffers), 2), dtype=torch.int64, pin_memory=True)
+    with torch.cuda.stream(side):
+        for w in works:
+            w.wait()                    # the side stream waits for the data
+        host.copy_(torch.stack([_sums(torch, b) for b in buffers]), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    return host.numpy()
 
 
 class _Once:
@@ -596,6 +676,13 @@ class _Once:
 
 
 _SIDE_STREAMS: dict = {}             # device -> the stream headers are read on
+
+
+def _side_stream(torch, device):
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return side
 
 
 def _read_small(torch, dist, buf, src: int, group):
@@ -616,9 +703,7 @@ def _post_small(torch, dist, buf, src: int, group):
             work.wait()
             return buf
         return read_cpu
-    side = _SIDE_STREAMS.get(buf.device)
-    if side is None:
-        side = _SIDE_STREAMS[buf.device] = torch.cuda.Stream(device=buf.device)
+    side = _side_stream(torch, buf.device)
     with torch.inference_mode(False):
         host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
     with torch.cuda.stream(side):

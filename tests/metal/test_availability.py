@@ -29,6 +29,21 @@ def test_auto_on_machine_without_metal(monkeypatch):
     assert MetalBackend.devices() == ["cpu"]
 
 
+def test_mlx_cuda_build_offers_its_gpu_but_never_wins_auto(monkeypatch):
+    """MLX's CUDA build (mlx-cuda-*, an NVIDIA GPU): device "gpu" runs there with the MLX-ops
+    kernels (issue 51: MLX's lazy GPU execution proven on a lent GPU); "auto" still prefers
+    the reference backend (and the cuda backend where it is installed)."""
+    monkeypatch.setattr(mb, "_metal_available", lambda: False)
+    monkeypatch.setattr(mb, "_mlx_cuda_available", lambda: True)
+    ok, reason = MetalBackend.availability("gpu")
+    assert ok and "CUDA build" in reason and "MLX-ops kernels" in reason
+    assert MetalBackend.devices() == ["gpu", "cpu"]
+    assert MetalBackend.priority < 0
+    assert resolve_backend("auto", "cpu").name == "reference"
+    ok, _ = MetalBackend.availability("metal")      # Metal by name still needs Apple's GPU
+    assert not ok
+
+
 def test_auto_on_apple_gpu(monkeypatch):
     monkeypatch.setattr(mb, "_metal_available", lambda: True)
     ok, reason = MetalBackend.availability()

@@ -150,16 +150,19 @@ def refused_then_in_step(rank):
 
 
 def _raw_send(msg: dict, k: np.ndarray, v: np.ndarray, dst: int, text: bytes = None,
-              fixed: dict = None) -> None:
+              fixed: dict = None, corrupt: str = None) -> None:
     """A transfer written by hand (the wire format of kvcache.distributed), so that its header
     can be what no sender of ours writes."""
     import json
     import torch
+    from kvcache.distributed import transfer
     from kvcache.distributed.transfer import head_message
     body = text if text is not None else json.dumps(msg).encode()
     nbytes, layers = k.nbytes, k.shape[0]
     per = 3                         # K and V of up to 3 layers a message (several messages)
     head, rest = head_message(body, nbytes, layers, per)
+    if corrupt == "json":           # a JSON byte changed after its CRC was taken
+        head[64 + body.index(b'"start"') + 3] ^= 0x01
     if fixed:                       # a fixed part no sender writes, and no data after it
         head[:40].view(np.int64)[:] = [fixed.get(f, x) for f, x in zip(
             ("magic", "size", "nbytes", "layers", "per"), head[:40].view(np.int64))]
@@ -168,10 +171,17 @@ def _raw_send(msg: dict, k: np.ndarray, v: np.ndarray, dst: int, text: bytes = N
     dist.send(torch.from_numpy(head), dst)
     if rest:
         dist.send(torch.frombuffer(bytearray(rest), dtype=torch.uint8), dst)
+    sums = []
     for first in range(0, layers, per):
-        part = np.concatenate([np.ascontiguousarray(a[first:first + per]).reshape(-1).view(np.uint8)
-                               for a in (k, v)])
-        dist.send(torch.from_numpy(part), dst)
+        part = torch.from_numpy(np.concatenate(
+            [np.ascontiguousarray(a[first:first + per]).reshape(-1).view(np.uint8) for a in (k, v)]))
+        sums.append(transfer._sums(torch, part))
+        if corrupt in ("K", "V") and (first == 0) == (corrupt == "K"):
+            # one bit flipped after the sender's sums: in K of the first message, V of the last
+            part = part.clone()
+            part[3 if corrupt == "K" else -5] ^= 0x04
+        dist.send(part, dst)
+    dist.send(transfer._tail(torch, True, sums, torch.device("cpu")), dst)
 
 
 MALFORMED = [
@@ -327,6 +337,44 @@ def long_header_in_step(rank):
     print("a header longer than the head message arrives in two; in step after", flush=True)
 
 
+def corrupted_on_the_wire(rank):
+    """Issue 51: K/V on the wire carried no checksum, so a flipped bit arrived silently, and a
+    changed header was read as sent. A bit of K in the first data message, of V in the last,
+    a byte of the JSON: each refused typed (the data's at wait(), naming the layers), the cache
+    unchanged, and the next transfer arrives bit for bit."""
+    cfg = config(4, "float32", "none", layers=5)
+    source = kvcache.PagedKVCache(cfg, backend="reference")
+    source.add_sequence(1)
+    run_forward(source, [1], [11], np.random.default_rng(8))
+    headers, k, v = source.export_sequences([1])
+    msg = {"version": 1, "kv_dtype": "float32", "shape": list(k.shape), "nbytes": k.nbytes,
+           "payloads": [h.header() for h in headers]}
+    cases = ("K", "V", "json")
+    if rank == 0:
+        for corrupt in cases:
+            _raw_send(msg, k, v, 1, corrupt=corrupt)
+        send_sequence(source, [1], dst=1).wait()
+        return
+    dest = kvcache.PagedKVCache(cfg, backend="reference")
+    before = snapshot(dest)
+    for corrupt in cases:
+        try:
+            recv_sequence(dest, [5], src=0).wait()
+        except kvcache.KVCacheError as exc:
+            want = "CRC-32" if corrupt == "json" else "changed on the way"
+            assert want in str(exc), (corrupt, exc)
+            if corrupt == "K":
+                assert "layers [0, 1, 2]" in str(exc), exc
+            if corrupt == "V":
+                assert "layers [3, 4]" in str(exc), exc
+        else:
+            raise AssertionError(f"a transfer with a changed {corrupt} was kept")
+        assert snapshot(dest) == before, corrupt
+    assert recv_sequence(dest, [5], src=0).wait() == [5]
+    assert_same_kv(source, 1, dest, 5)
+    print("a flipped bit of K, of V, of the JSON: refused; in step after", flush=True)
+
+
 def streamed_in_step(rank, backend):
     """send_sequence inside the forward that writes the sequences (issue 50: a prefill rank
     sends layer i while layer i+1 computes): each layer's message is posted before the next
@@ -422,6 +470,7 @@ def main():
         for n, case in enumerate(ROUNDS):
             one_round(rank, n, *case)
         long_header_in_step(rank)
+        corrupted_on_the_wire(rank)
         streamed_in_step(rank, "reference")
         streamed_in_step(rank, "cuda")
         refused_then_in_step(rank)

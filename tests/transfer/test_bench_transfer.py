@@ -24,6 +24,7 @@ def test_measure_moves_the_whole_sequence():
     assert r["bytes"] == 40 * 3 * 2 * 2 * 16 * 4
     assert r["kv_s"] > 0 and r["plain_s"] > 0
     assert r["ratio"] == pytest.approx(r["plain_s"] / r["kv_s"])
+    assert r["unverified_s"] > 0 and "verify=False" not in r           # a column, not a mode
 
 
 @pytest.mark.slow       # the table's path; CI runs the one-size bench below

@@ -49,6 +49,7 @@ def test_two_processes_move_100_sequences_bit_exactly(tmp_path):
     assert "fp8 into a plain cache only converted; packed int8 rows only into int8" in outs[1], log
     assert "refused header drained" in outs[1], log
     assert "a header longer than the head message arrives in two" in outs[1], log
+    assert "a flipped bit of K, of V, of the JSON: refused; in step after" in outs[1], log
     assert "sends inside their forwards (reference)" in outs[1], log
     assert "sends inside their forwards (cuda)" in outs[1], log
     assert "malformed headers refused and drained; the next transfer arrived" in outs[1], log

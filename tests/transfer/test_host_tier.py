@@ -102,7 +102,8 @@ def test_host_tier_copies_carry_no_checksum_and_exports_do():
     cache.add_sequence(1)
     run_forward(cache, [1], [9], np.random.default_rng(0))
     exported = cache.export_sequence(1).to_numpy()
-    assert exported.checksum == kvcache.transfer.checksum(exported.k, exported.v)
+    assert exported.checksum == kvcache.transfer.checksum(exported.k, exported.v,
+                                                          exported.header())
     tier = kvcache.HostTier(cache)
     tier.offload(1)
     assert tier.restore(1) == 9 and cache.sequence_length(1) == 9

@@ -31,9 +31,9 @@ def host_payload(cfg, n, seed):
     rng = np.random.default_rng(seed)
     k, v = (rng.standard_normal((cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim))
             .astype(np.float32) for _ in range(2))
-    return kvcache.SequencePayload(k, v, start=0, num_tokens=n, source_length=n,
-                                   checksum=kvcache.transfer.checksum(k, v),
-                                   **payload_fields(cfg))
+    plain = kvcache.SequencePayload(k, v, start=0, num_tokens=n, source_length=n,
+                                    **payload_fields(cfg))
+    return dataclasses.replace(plain, checksum=kvcache.transfer.checksum(k, v, plain.header()))
 
 
 def bad_payloads(good):
@@ -53,6 +53,14 @@ def bad_payloads(good):
     out.append(("K one token short", dataclasses.replace(good, k=k[:, 1:], checksum=None),
                 "shape"))
     out.append(("a flipped bit", dataclasses.replace(good, k=flipped), "checksum"))
+    v_flipped = good.v.copy()
+    v_flipped.reshape(-1).view(np.uint8)[-2] ^= 0x01
+    out.append(("a flipped bit of V", dataclasses.replace(good, v=v_flipped), "checksum"))
+    # header fields the checksum covers (issue 51: only K/V were): each still a valid value
+    for change in (dict(window_size=4), dict(sink_size=2), dict(source_length=12),
+                   dict(rope_theta=5000.0), dict(rope_scale=2.0),
+                   dict(start=3, source_length=12)):
+        out.append((f"{change} changed", dataclasses.replace(good, **change), "checksum"))
     out.append(("kv_dtype float64", dataclasses.replace(good, kv_dtype="float64"), "float64"))
     return out
 
@@ -123,3 +131,37 @@ def test_malformed_import_arguments_are_typed(backend):
         with pytest.raises(kvcache.KVCacheError, match=field.replace("version", "format version")):
             cache.import_sequence(7, dataclasses.replace(good, **{field: np.array([1, 2])}))
     assert snapshot(cache) == before
+
+
+def test_the_checksum_covers_the_fp8_scales_and_the_ids_positions():
+    """Issue 51: an fp8 payload whose kv_scales were altered under its checksum was adopted and
+    read back up to 2.8 off; the checksum now covers every header field but backend, device and
+    itself. Altered scales, an altered window, a flipped V byte: each refused naming the
+    checksum; the genuine payload imports."""
+    cfg = kvcache.CacheConfig(num_layers=2, num_qo_heads=2, num_kv_heads=1, head_dim=64,
+                              page_size=4, max_total_tokens=64, max_batch_size=2,
+                              dtype="float32", rope_mode="none", kv_dtype="float8_e4m3")
+    src = kvcache.PagedKVCache(cfg, backend="reference")
+    src.add_sequence(0)
+    rng = np.random.default_rng(3)
+    with src.forward([0], [6]):
+        for layer in range(2):
+            x = src.from_numpy(rng.standard_normal((6, 1, 64)).astype(np.float32))
+            src.attention(layer, src.from_numpy(rng.standard_normal((6, 2, 64)).astype(np.float32)),
+                          x, x)
+    good = src.export_sequence(0).to_numpy()
+    assert good.checksum is not None and good.kv_scales[0] is not None
+    (k0, v0), rest = good.kv_scales[0], good.kv_scales[1:]
+    scaled = ((tuple(2 * s for s in k0), v0),) + rest
+    v = good.v.copy()
+    v.reshape(-1).view(np.uint8)[-1] ^= 0x10
+    for label, bad in (("scales", dataclasses.replace(good, kv_scales=scaled)),
+                       ("window", dataclasses.replace(good, window_size=4)),
+                       ("V", dataclasses.replace(good, v=v))):
+        dest = kvcache.PagedKVCache(cfg, backend="reference")
+        with pytest.raises(InvalidArgumentError, match="checksum"):
+            dest.import_sequence(5, bad)
+        assert dest.is_empty and dest.kv_scales(0) is None, label
+    dest = kvcache.PagedKVCache(cfg, backend="reference")
+    dest.import_sequence(5, good)
+    assert dest.kv_scales(0) == good.kv_scales[0]

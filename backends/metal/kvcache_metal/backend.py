@@ -59,6 +59,16 @@ def _metal_available() -> bool:
         return False
 
 
+def _mlx_cuda_available() -> bool:
+    """MLX's CUDA build on an NVIDIA GPU (``mlx-cuda-*``): the same lazy, asynchronous GPU
+    execution, without Metal's kernels (the backend then runs its MLX-ops kernels)."""
+    try:
+        return bool(mx is not None and getattr(mx, "cuda", None) is not None
+                    and mx.cuda.is_available())
+    except Exception:
+        return False
+
+
 class _PriorityMeta(abc.ABCMeta):
     """``priority`` is a class attribute in the contract, but the right value depends on the
     machine: above the reference backend only where an Apple GPU is present, below it otherwise
@@ -102,6 +112,9 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         if dev in GPU_NAMES or dev.startswith("gpu:"):
             if _metal_available():
                 return True, f"Apple GPU through Metal (MLX {_mlx_version()})"
+            if dev == "gpu" and _mlx_cuda_available():
+                return True, (f"NVIDIA GPU through MLX's CUDA build (MLX {_mlx_version()}; "
+                              f"MLX-ops kernels: Metal's are Apple-only)")
             return False, f"device {device!r} needs an Apple GPU: {NO_METAL_REASON}"
         return False, f"the metal backend runs on 'gpu' (Apple GPU) or 'cpu' (MLX CPU), not {device!r}"
 
@@ -109,7 +122,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
     def devices(cls):
         if cls._mlx_error() is not None:
             return []
-        return (["gpu"] if _metal_available() else []) + ["cpu"]
+        return (["gpu"] if _metal_available() or _mlx_cuda_available() else []) + ["cpu"]
 
     @classmethod
     def platform(cls):
@@ -132,7 +145,9 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         self._streams.stream = mx.new_stream(self.mx_device)
         self.dtype = ops.MX_DTYPES[config.dtype]
         self.precise_rope = not self.on_gpu          # float64 exists on MLX's CPU device only
-        ops_only = os.environ.get("KVCACHE_METAL_OPS_ONLY", "") not in ("", "0")
+        # Metal's own kernels on an Apple GPU only (MLX's CUDA build runs the MLX-ops kernels)
+        ops_only = (os.environ.get("KVCACHE_METAL_OPS_ONLY", "") not in ("", "0")
+                    or (self.on_gpu and not _metal_available()))
         self.use_metal_kernels = self.on_gpu and not ops_only   # UNVERIFIED path
         self.use_fast_sdpa = self.on_gpu and not ops_only       # UNVERIFIED path on GPU
         self.stats = {"metal_decode": 0, "sdpa_ragged": 0}
