@@ -9,7 +9,8 @@ from .errors import (BackendNotAvailableError, CacheFullError, ForwardStateError
                      SequenceNotFoundError, UnsupportedFeatureError)
 from .hookspecs import hookimpl
 from .plugins import available_backends, list_backends
-from .transfer import HostTier, SequencePayload
+from .host_tier import HostTier
+from .transfer import SequencePayload
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,36 @@ libraries the caller did not already use."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
+
+try:   # numpy has no bfloat16; without ml_dtypes host arrays hold fp16/fp32 only
+    import ml_dtypes
+except ImportError as exc:
+    ml_dtypes = None  # type: ignore[assignment]
+    BFLOAT16_MISSING: Optional[str] = f"no bfloat16 storage: ml_dtypes cannot be imported ({exc})"
+else:
+    BFLOAT16_MISSING = None
+
+NP_DTYPES: dict[str, np.dtype] = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+                                  "int32": np.dtype(np.int32), "uint8": np.dtype(np.uint8)}
+"""The one name -> numpy dtype table of host arrays (bfloat16 as ml_dtypes' type)."""
+if ml_dtypes is not None:
+    NP_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a storage dtype name; UnsupportedFeatureError for bfloat16 without
+    ml_dtypes (``PagedKVCache`` raises the same error earlier, from the capabilities) and for
+    a name with no host type."""
+    if name not in NP_DTYPES:
+        from .errors import UnsupportedFeatureError
+        extra = f"; {BFLOAT16_MISSING}" if name == "bfloat16" and BFLOAT16_MISSING else ""
+        raise UnsupportedFeatureError(
+            f"backend 'reference' does not support dtype {name!r}: host arrays hold "
+            f"{sorted(NP_DTYPES)}{extra}")
+    return NP_DTYPES[name]
 
 
 def to_numpy(array) -> np.ndarray:
@@ -29,7 +58,6 @@ def to_host(array, dtype: str) -> np.ndarray:
     """A host numpy copy of a numpy, torch or mlx array in the storage dtype ``dtype``
     ('float16' | 'bfloat16' | 'float32'; bfloat16 as ml_dtypes' type): the same bits, never
     widened (what a payload moved between backends keeps)."""
-    from .reference import np_dtype
     want = np_dtype(dtype)
     module = type(array).__module__
     if module.startswith("torch") and dtype == "bfloat16":

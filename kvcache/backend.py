@@ -242,6 +242,11 @@ class Backend(abc.ABC):
     conformance suite skips the tests of what it lacks."""
     description: ClassVar[str] = ""
     """A line for ``kvcache info`` (the hardware and kernels it runs)."""
+    benchmarks: ClassVar[Optional[str]] = None
+    """``"module:function"`` of the backend's kernel benchmarks (``kvcache bench --backend
+    NAME``), called as ``function(argv, backend_cls=cls)`` and returning an exit status; None:
+    it ships none. Named, not imported, so that the backend's module does not import its
+    benchmarks (which import it)."""
 
     # ------------------------------------------------------------------ discovery
     @classmethod
@@ -254,6 +259,18 @@ class Backend(abc.ABC):
     def devices(cls) -> list[str]:
         """Device names this backend can run on here (for ``kvcache info``)."""
         return []
+
+    @classmethod
+    def run_benchmarks(cls, argv: Optional[Sequence[str]] = None) -> int:
+        """Run the kernel benchmarks ``benchmarks`` names with ``argv`` (its own options);
+        UnsupportedFeatureError where the backend ships none."""
+        if cls.benchmarks is None:
+            from .errors import UnsupportedFeatureError
+            raise UnsupportedFeatureError(f"backend {cls.name!r} ships no kernel benchmarks")
+        import importlib
+        module, _, function = cls.benchmarks.partition(":")
+        return int(getattr(importlib.import_module(module), function)(
+            list(argv or []), backend_cls=cls) or 0)
 
     @classmethod
     def platform(cls) -> dict:

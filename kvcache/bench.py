@@ -13,6 +13,7 @@ import numpy as np
 
 from .cache import PagedKVCache
 from .config import CacheConfig
+from .cli_kit import positive_int
 from .plugins import resolve_backend
 
 BATCHES = (1, 16, 64, 256, 1024)
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, metavar="DEV",
                    help="device for the backend's benchmarks (default: the backend's own); with "
                         "--serving: the model's device (default cuda when there is one)")
-    p.add_argument("--repeat", type=_positive_int, default=200, metavar="N",
+    p.add_argument("--repeat", type=positive_int, default=200, metavar="N",
                    help="begin_forward calls timed per batch size for --host (default 200)")
     p.add_argument("--json", action="store_true",
                    help="print the --host (or --serving) results as JSON (for machines) instead "
@@ -226,20 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
 def main(argv: Optional[list] = None) -> int:
     """``kvcache bench ARGS``: 0 on success, 2 for a usage mistake (unknown or unavailable
     backend, an option no part of the bench knows)."""
-    from .cli import UsageError, backend_for
+    from .cli_kit import UsageError, backend_for
     parser = build_parser()
     argv = list(argv or [])
     wants_help = [a for a in argv if a in ("-h", "--help")]
@@ -285,7 +276,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.backend is not None:
         # checked before any host work: a missing GPU or backend fails at once
         cls = backend_for(args.backend, args.device)
-        run = getattr(cls, "run_benchmarks", None)
+        run = cls.run_benchmarks if cls.benchmarks is not None else None
         if run is None:
             raise UsageError(f"backend {cls.name!r} ships no kernel benchmarks; "
                              "use --host, or a backend that has them (e.g. cuda)")

@@ -290,7 +290,7 @@ def main(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2
                              else "cpu")
     if device == "cuda" and torch.cuda.device_count() < 2:
-        from .cli import UsageError
+        from .cli_kit import UsageError
         raise UsageError(f"--transfer on cuda needs two GPUs; this host has {torch.cuda.device_count()}")
     backend = args.backend or ("cuda" if device == "cuda" else "reference")
     tokens = args.transfer_tokens

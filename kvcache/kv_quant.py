@@ -55,7 +55,7 @@ _MEDIAN_SAMPLE = 1 << 16            # values per head the outlier median looks a
 
 
 def _float_dtype(name: str):
-    from .reference import np_dtype     # the one name -> numpy dtype table (bfloat16 too)
+    from .arrays import np_dtype        # the one name -> numpy dtype table (bfloat16 too)
     return np_dtype(name)
 
 

@@ -16,30 +16,9 @@ from . import kv_quant
 from .backend import Backend, Capabilities, DepthAux, RopeSpec, TreeMask
 from .config import KV_FORMATS
 
-try:   # numpy has no bfloat16; without ml_dtypes the reference backend stores fp16/fp32 only
-    import ml_dtypes
-except ImportError as exc:
-    ml_dtypes = None  # type: ignore[assignment]
-    BFLOAT16_MISSING: Optional[str] = f"no bfloat16 storage: ml_dtypes cannot be imported ({exc})"
-else:
-    BFLOAT16_MISSING = None
+from .arrays import BFLOAT16_MISSING, NP_DTYPES, np_dtype  # noqa: F401  (re-exported)
 
-NP_DTYPES: dict[str, np.dtype] = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
-             "int32": np.dtype(np.int32), "uint8": np.dtype(np.uint8)}
-if ml_dtypes is not None:
-    NP_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 _NARROW = tuple(NP_DTYPES[name] for name in ("float16", "bfloat16") if name in NP_DTYPES)
-
-
-def np_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a storage dtype name; UnsupportedFeatureError for bfloat16 without
-    ml_dtypes (``PagedKVCache`` raises the same error earlier, from the capabilities)."""
-    if name not in NP_DTYPES:
-        from .errors import UnsupportedFeatureError
-        extra = f"; {BFLOAT16_MISSING}" if name == "bfloat16" and BFLOAT16_MISSING else ""
-        raise UnsupportedFeatureError(f"backend 'reference' does not support dtype {name!r}: "
-                                      f"{Capabilities.reason('dtypes')}{extra}")
-    return NP_DTYPES[name]
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, rope: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -128,7 +107,7 @@ class ReferenceBackend(Backend):
         dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES),
         # the quantized formats emulated exactly (kvcache.kv_quant; fp8 needs ml_dtypes)
         kv_dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES)
-        + (KV_FORMATS if ml_dtypes is not None else ()),
+        + (KV_FORMATS if "bfloat16" in NP_DTYPES else ()),
         tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
         rope_frequencies=True, logit_softcap=True, attention_sinks=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(1, 1025)),

@@ -68,7 +68,7 @@ def token_bytes(net, kv_dtype: str, rope: str) -> int:
 def run_kv_budget(args, net, device: str, backend: str, kv_dtype: str, say: Callable) -> dict:
     """The kv-budget workload's result (JSON-ready) for parsed ``args`` on ``net``: (a) with
     ``kv_dtype="auto"`` and with ``kv_dtype`` (quantized) at one budget in bytes."""
-    from ..cli import UsageError
+    from ..cli_kit import UsageError
     from ..integrations.transformers import Engine
     lo, hi = random_prompt_range(bool(args.tiny))
     vocab = net.config.vocab_size

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvcache.cli import guarded
+from kvcache.cli_kit import guarded
 
 from .cli import main
 

@@ -73,7 +73,7 @@ def main(argv: Optional[list] = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
-    from kvcache.cli import UsageError, backend_for
+    from kvcache.cli_kit import UsageError, backend_for
     try:
         import pytest
     except ImportError:

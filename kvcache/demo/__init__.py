@@ -196,7 +196,7 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
     ``kvcache.cli.UsageError`` for an option the kind does not take."""
     if getattr(opts, "mode", None):
         return opts
-    from kvcache.cli import UsageError
+    from kvcache.cli_kit import UsageError
     if opts.model is None:
         backend = pick_backend(opts.backend, opts.device)
         opts.model = "llama" if _gpu_model_default(backend, opts.device) else "synthetic"
@@ -216,7 +216,7 @@ def check_plot_prerequisite(path: Optional[str]) -> None:
     Raises ``kvcache.cli.UsageError`` naming the fix."""
     if not path:
         return
-    from kvcache.cli import UsageError
+    from kvcache.cli_kit import UsageError
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -232,7 +232,7 @@ def _check_fits(engine, workload: Workload, opts) -> None:
     """Every request must fit the cache alone (else the run could never finish it): a
     ``UsageError`` naming the largest request, the pages it needs, the pages the cache holds
     and a --max-total-tokens that fits every request."""
-    from kvcache.cli import UsageError
+    from kvcache.cli_kit import UsageError
     ps, pages = engine.config.page_size, engine.cache.num_total_pages - 1
 
     def need(r) -> int:        # its prompt and every new token but the last, in pages
@@ -303,7 +303,7 @@ def main(argv=None, tamper=None) -> int:
     if "--disaggregate" in argv:
         from .disaggregate import main as disaggregate_main     # prefill and decode ranks
         return disaggregate_main(argv)
-    from kvcache.cli import UsageError, backend_for
+    from kvcache.cli_kit import UsageError, backend_for
 
     from .report import plot, report, summary
     opts = resolve(build_parser().parse_args(argv))

@@ -309,7 +309,7 @@ def _latency(times: dict) -> dict:
 
 
 def main(argv) -> int:
-    from kvcache.cli import UsageError, backend_for
+    from kvcache.cli_kit import UsageError, backend_for
     if any(a == "--plot" or a.startswith("--plot=") for a in argv):
         raise UsageError("--plot draws the single-engine run; --disaggregate prints its two "
                          "ranks' numbers instead (leave out --plot)")

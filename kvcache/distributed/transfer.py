@@ -219,7 +219,7 @@ def _packed_fits(config, msg: dict, where: str) -> None:
 def _from_wire(torch, buf, dtype: str, shape, kind: str, device, want: str):
     """A received uint8 buffer as the cache's array of ``shape`` in ``want`` (from ``dtype``)."""
     if kind == "numpy":
-        from ..reference import np_dtype
+        from ..arrays import np_dtype
         out = buf.cpu().numpy().view(np_dtype(dtype)).reshape(shape)
         return out if dtype == want else out.astype(np_dtype(want))
     dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,

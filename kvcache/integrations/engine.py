@@ -30,7 +30,7 @@ from ..cache import PagedKVCache
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
 from ..serving import EngineCore, EngineStats, RequestOutput, Scheduler
 from ..serving.progress import Progress
-from ..transfer import HostTier
+from ..host_tier import HostTier
 from .adapter import ModelAdapter, PendingPicks
 from .runner import Runner
 from .sampling import SamplingParams, sampling_params_for

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import numbers
 import sys
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .sampling_torch import (_GAMMA, _MASK64, _MIX1, _MIX2, _SEED_LIMIT, _check, _compute_dtype,
-                             _seeds_steps, sample)
+from .sampling_torch import (SamplingRow, _GAMMA, _MASK64, _MIX1, _MIX2, _SEED_LIMIT, _check,
+                             _compute_dtype, _seeds_steps, sample)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .sampling import SamplingParams
 
 
 # ---------------------------------------------------------------------------- numpy, no torch
@@ -44,7 +42,7 @@ def _probs(x):
     return e / e.sum()
 
 
-def _filter_row(x, p: SamplingParams):
+def _filter_row(x, p: SamplingRow):
     """``filter_logits`` of one float64 row ``x`` (vocab,) in numpy (see ``filter_numpy``)."""
     vocab = x.shape[0]
     if p.temperature > 0 and p.temperature != 1.0:
@@ -65,7 +63,7 @@ def _filter_row(x, p: SamplingParams):
     return x
 
 
-def filter_numpy(table, params: Sequence[SamplingParams]):
+def filter_numpy(table, params: Sequence[SamplingRow]):
     """``filter_logits`` in numpy on ``table`` (B, vocab) as float64. One difference: top-p
     orders tied scores by id (a stable sort), ``torch.sort`` its own way (on the CPU stable up
     to 16 columns only): where ties straddle the top-p boundary both keep as many of them (the
@@ -83,7 +81,7 @@ def _log_softmax_numpy(raw):
     return raw - (top + np.log(np.exp(raw - top).sum(axis=-1, keepdims=True)))
 
 
-def sample_numpy(table, params: Sequence[SamplingParams], seeds: Optional[Sequence[int]] = None,
+def sample_numpy(table, params: Sequence[SamplingRow], seeds: Optional[Sequence[int]] = None,
                  steps: Optional[Sequence[int]] = None):
     """``sample`` on the host in numpy, without torch: ``table`` (B, vocab) as float64, the same
     filter (``filter_numpy``), uniforms (``uniforms_numpy``), draw and defaults, so on float64
@@ -110,7 +108,7 @@ def _is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def draw_rows(logits, rows: Sequence[int], params: Sequence[SamplingParams],
+def draw_rows(logits, rows: Sequence[int], params: Sequence[SamplingRow],
               seeds: Sequence[int], steps: Sequence[int], to_numpy=None):
     """The engine's call: draw ``d`` from row ``rows[d]`` of ``logits`` with ``params[d]``,
     ``seeds[d]`` and ``steps[d]``: torch logits on their device (``sample``), others through

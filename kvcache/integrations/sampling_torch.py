@@ -5,14 +5,35 @@ the functions only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .sampling import SamplingParams
+
+class SamplingRow(Protocol):
+    """What the samplers read of one row's ``SamplingParams`` (declared here, below
+    ``sampling``, which imports the samplers)."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def top_p(self) -> float: ...
+
+    @property
+    def min_p(self) -> float: ...
+
+    @property
+    def greedy(self) -> bool: ...
+
+    def sample_seed(self, j: int = 0) -> int: ...
+
 
 _SEED_LIMIT = 2 ** 63          # seeds are int64 on the device (SamplingParams.seed too)
 
@@ -45,7 +66,7 @@ def _column(values: Sequence[float], dtype, device) -> "torch.Tensor":
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]
 
 
-def filter_logits(logits: "torch.Tensor", params: Sequence[SamplingParams]) -> "torch.Tensor":
+def filter_logits(logits: "torch.Tensor", params: Sequence[SamplingRow]) -> "torch.Tensor":
     """The scores of ``logits`` (B, vocab) after temperature, top-k, top-p and min-p of each
     row's ``params`` (removed tokens: ``-inf``), in float32 (float64 for float64 logits), on the
     logits' device. Greedy rows are filtered as if at temperature 1 (the sampler ignores them)."""
@@ -119,7 +140,7 @@ def uniforms(seeds: "torch.Tensor", steps: "torch.Tensor", dtype=None) -> "torch
     return _shr(h, 64 - bits).to(dtype) * (2.0 ** -bits)
 
 
-def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
+def sample(logits: "torch.Tensor", params: Sequence[SamplingRow],
            seeds: Optional[Sequence[int]] = None, steps: Optional[Sequence[int]] = None,
            generators: Optional[Sequence["torch.Generator"]] = None):
     """One token per row of ``logits`` (B, vocab), drawn on their device from the distribution

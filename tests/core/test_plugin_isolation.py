@@ -101,8 +101,10 @@ def test_failing_reference_plugin_breaks_only_reference(monkeypatch):
 def reference_without_ml_dtypes(monkeypatch):
     """kvcache.reference imported afresh as if ml_dtypes were not installed (all restored after)."""
     monkeypatch.setattr(kvcache, "reference", sys.modules["kvcache.reference"])
+    monkeypatch.setattr(kvcache, "arrays", sys.modules["kvcache.arrays"])
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)          # `import ml_dtypes` raises
     monkeypatch.delitem(sys.modules, "kvcache.reference")
+    monkeypatch.delitem(sys.modules, "kvcache.arrays")           # (the host dtype table's home)
     module = importlib.import_module("kvcache.reference")
     assert module.ReferenceBackend is not ReferenceBackend
     return module

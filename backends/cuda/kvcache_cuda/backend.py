@@ -103,6 +103,7 @@ class CudaBackend(Backend):
     name = "cuda"
     priority = 100
     description = "torch + Triton on NVIDIA GPUs (copy stream, merged aux, split-K decode)"
+    benchmarks = "kvcache_cuda.bench:run_benchmarks"
     capabilities = Capabilities(
         dtypes=("float16", "bfloat16", "float32"),
         copy_stream=True, merged_aux=True, static_decode=True,
@@ -188,12 +189,6 @@ class CudaBackend(Backend):
         except Exception:
             pass
         return info
-
-    @classmethod
-    def run_benchmarks(cls, argv=None):
-        """``kvcache bench --backend cuda`` entry: GPU kernel benchmarks (see kvcache_cuda.bench)."""
-        from .bench import run_benchmarks
-        return run_benchmarks(list(argv or []), backend_cls=cls)
 
     # ------------------------------------------------------------------ construction
     def __init__(self, config, device=None):

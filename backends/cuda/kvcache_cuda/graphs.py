@@ -27,7 +27,10 @@ from typing import Any, Callable, Optional
 
 from kvcache.errors import ForwardStateError, InvalidArgumentError
 
-from .backend import torch
+try:  # torch is optional at import time (kvcache_cuda.backend explains its absence)
+    import torch
+except Exception:  # pragma: no cover - exercised only where torch is missing
+    torch = None  # type: ignore[assignment]
 
 
 class _HostGraph:
