@@ -44,7 +44,6 @@ from ..config import CacheConfig
 from ..distributed import tp as dtp
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
 from .engine import PendingPicks
-from .tp_cli import _demo_model, main  # noqa: F401  (the command; importable from here as before)
 from .transformers import TransformersAdapter, _head_dim, torch
 
 dist = torch.distributed
@@ -439,5 +438,5 @@ class TensorParallelAdapter(TransformersAdapter):
 if __name__ == "__main__":
     import sys
 
-    from kvcache.integrations.tp import main as _main   # the package's module, not a second copy
+    from kvcache.integrations.tp_cli import main as _main    # the command (python -m ...tp)
     sys.exit(_main())

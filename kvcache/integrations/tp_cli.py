@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     import time
 
     from ..demo.check import rescore_greedy
-    from .tp import SHARD_METHODS, shard_model   # (tp re-exports main: imported here, no cycle)
+    from .tp import SHARD_METHODS, shard_model
     parser = argparse.ArgumentParser(prog="python -m kvcache.integrations.tp", description=(
         "Tensor-parallel greedy generation (launch with torchrun --nproc-per-node=TP); rank 0 "
         "compares the tokens with one process running the whole model."))

@@ -165,3 +165,28 @@ def test_the_checksum_covers_the_fp8_scales_and_the_ids_positions():
     dest = kvcache.PagedKVCache(cfg, backend="reference")
     dest.import_sequence(5, good)
     assert dest.kv_scales(0) == good.kv_scales[0]
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("axis", [0, 1, 2, 3], ids=["layers", "tokens", "heads", "dim"])
+def test_an_array_truncated_at_any_boundary_is_refused(which, axis):
+    """Issue 51's families: K or V cut short along each axis (a layer, a token, a KV head, a
+    column of the row), with and without the checksum: refused naming the shape, nothing
+    changes; the bytes cut at the end of the flat array cannot even take the header's shape."""
+    cfg = kvcache.CacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                              page_size=4, max_total_tokens=64, max_batch_size=2,
+                              dtype="float32", rope_mode="none")
+    cache = make_cache("reference", cfg)
+    good = host_payload(cfg, 5, 7)
+    before = snapshot(cache)
+    arr = getattr(good, which)
+    cut = np.take(arr, range(arr.shape[axis] - 1), axis=axis)
+    for checksum in (good.checksum, None):
+        bad = dataclasses.replace(good, **{which: cut}, checksum=checksum)
+        with pytest.raises(InvalidArgumentError, match="shape|checksum"):
+            cache.import_sequence(3, bad)
+        assert snapshot(cache) == before
+    flat = np.ascontiguousarray(arr).reshape(-1)[:-1]
+    with pytest.raises(InvalidArgumentError):
+        cache.import_sequence(3, dataclasses.replace(good, **{which: flat}, checksum=None))
+    assert snapshot(cache) == before
