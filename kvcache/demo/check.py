@@ -151,12 +151,10 @@ def choose(workload, k: int, seed: int) -> list:
     return sorted(chosen + rest[:max(k - len(chosen), 0)])
 
 
-def replay_toy(adapter, workload, served, rids: list, dtype: str,
-               page_size: int = 16) -> CheckResult:
-    """Replay the requests ``rids`` of a toy-model run on fresh reference-backend caches."""
-    import kvcache
+def replay(result: CheckResult, workload, served, rids: list, logits) -> CheckResult:
+    """Score every sample of the requests ``rids`` again into ``result``: ``logits(prompt,
+    tokens)`` gives the judge's logits at the sample's positions (one teacher-forced pass)."""
     t0 = time.perf_counter()
-    result = CheckResult(dtype, "the reference backend")
     by_rid = {r.rid: r for r in workload.requests}
     for rid in rids:
         req, tr = by_rid[rid], served.traces[rid]
@@ -164,12 +162,19 @@ def replay_toy(adapter, workload, served, rids: list, dtype: str,
         for j, (toks, lps) in enumerate(zip(tr.tokens, tr.logprobs)):
             if not toks:
                 continue
-            logits = _toy_logits(kvcache, adapter, req.prompt + toks[:-1], len(req.prompt),
-                                 dtype, page_size)
             what = f"request {rid} ({', '.join(req.kinds)}) sample {j}"
-            result.compare(what, toks, lps, logits, greedy=not req.sampled)
+            result.compare(what, toks, lps, logits(req.prompt, toks), greedy=not req.sampled)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def replay_toy(adapter, workload, served, rids: list, dtype: str,
+               page_size: int = 16) -> CheckResult:
+    """Replay the requests ``rids`` of a toy-model run on fresh reference-backend caches."""
+    import kvcache
+    return replay(CheckResult(dtype, "the reference backend"), workload, served, rids,
+                  lambda prompt, toks: _toy_logits(kvcache, adapter, prompt + toks[:-1],
+                                                   len(prompt), dtype, page_size))
 
 
 def _toy_logits(kvcache, adapter, tokens: list, prompt_len: int, dtype: str,

@@ -13,8 +13,8 @@ dtype's tolerance), and every token's log-probability must agree.
 from __future__ import annotations
 
 import os
-import time
 
+from . import check
 from .check import CheckResult, teacher_forced_logits
 
 __all__ = ["FAMILY_SHAPES", "build_model", "build_parser", "make_engine", "replay", "run"]
@@ -90,20 +90,9 @@ def make_engine(opts, seed: int):
 def replay(model, workload, served, rids: list, dtype: str) -> CheckResult:
     """Score the samples of requests ``rids`` again with the model's own forward (one plain
     forward of prompt + generated tokens per sample, transformers' attention, no cache)."""
-    t0 = time.perf_counter()
-    result = CheckResult(dtype, "transformers (the model's own forward)")
-    by_rid = {r.rid: r for r in workload.requests}
-    for rid in rids:
-        req, tr = by_rid[rid], served.traces[rid]
-        result.requests += 1
-        for j, (toks, lps) in enumerate(zip(tr.tokens, tr.logprobs)):
-            if not toks:
-                continue
-            logits = teacher_forced_logits(model, req.prompt, toks)
-            what = f"request {rid} ({', '.join(req.kinds)}) sample {j}"
-            result.compare(what, toks, lps, logits, greedy=not req.sampled)
-    result.seconds = time.perf_counter() - t0
-    return result
+    return check.replay(CheckResult(dtype, "transformers (the model's own forward)"), workload,
+                        served, rids,
+                        lambda prompt, toks: teacher_forced_logits(model, prompt, toks))
 
 
 def build_parser():
