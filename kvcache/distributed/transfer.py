@@ -55,6 +55,7 @@ move ``export_sequence(...).to_numpy()`` payloads yourself there.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import zlib
@@ -403,24 +404,18 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
             _, k, v = cache.export_sequences(ids, starts,
                                              layers=range(first, min(first + per, c.num_layers)))
         _post_send(handle, _group_message(torch, k, v, transport), dst, group)
-        sums.append(_sums(torch, handle._buffers[-1]))
+        sums.append(_sums(torch, handle._buffers[-1], cache.backend))
     _post_send(handle, _tail(torch, True, sums, transport), dst, group)
     return handle
 
 
-def _sums(torch, message):
-    """Two int64 that change when any bit of ``message`` (a flat uint8 tensor) does, computed
-    where it lives (``Backend.checksum``'s definition: the sum of its little-endian int64
-    words and the sum of its 64-word rows' sums times their index + 1, modulo 2**64,
-    zero-padded to whole rows)."""
-    b = message if message.data_ptr() % 8 == 0 else message.clone()
-    n = b.numel()
-    pad = (-n) % 512
-    if pad:
-        b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
-    rows = b.view(torch.int64).view(-1, 64).sum(dim=1)
-    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=b.device)
-    return torch.stack([rows.sum(), (rows * weights).sum()])
+def _sums(torch, message, backend=None):
+    """``Backend.checksum`` of ``message`` (a flat uint8 tensor), computed where it lives: on a
+    GPU by ``backend`` (the cache's), on the host by ``checksum_words`` (as a tensor)."""
+    if message.device.type == "cpu":
+        from ..backend import checksum_words
+        return torch.from_numpy(checksum_words(message.numpy()))
+    return backend.checksum(message)
 
 
 def _tail(torch, ended: bool, sums: list, transport):
@@ -465,7 +460,7 @@ class _LayerSender:
 
     def _send(self, message) -> None:
         _post_send(self.handle, message, self.dst, self.group)
-        self.sums.append(_sums(self.torch, message))
+        self.sums.append(_sums(self.torch, message, self.cache.backend))
 
     def layer_written(self, layer: int) -> None:
         self.written.add(layer)
@@ -578,8 +573,10 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
                            device=transport) for layers in spans]
     works = [dist.irecv(buf, src, group=group) for buf in buffers]
     # every transfer ends with its tail: [ended, messages, each data message's two sums]
-    tail = _Once(_post_small(torch, dist, torch.empty(2 + 2 * len(spans), dtype=torch.int64,
-                                                      device=transport), src, group))
+    # (read once, by whichever of finish / cancel / a refusal asks first)
+    tail = functools.cache(_post_small(
+        torch, dist, torch.empty(2 + 2 * len(spans), dtype=torch.int64, device=transport),
+        src, group))
     try:
         if zlib.crc32(text) != crc & 0xFFFF_FFFF:
             raise InvalidArgumentError(
@@ -611,7 +608,7 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
                 k, v = (_from_wire(torch, part, sent, (len(layers),) + tuple(shape[1:]), kind,
                                    device, want) for part in (buf[:half], buf[half:]))
                 cache.write_import(res, k, v, layers=layers)
-            got = _received_sums(torch, buffers, works) if verify else None
+            got = _received_sums(torch, buffers, works, cache.backend) if verify else None
         except ForwardStateError:
             raise                   # wait() may be called again after end_forward
         except BaseException:
@@ -642,7 +639,7 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
                           finish=finish, cancel=cancel)
 
 
-def _received_sums(torch, buffers: list, works: list) -> np.ndarray:
+def _received_sums(torch, buffers: list, works: list, backend) -> np.ndarray:
     """(messages, 2) int64 on the host: ``_sums`` of each received buffer, computed where it
     lives once it arrived (on a GPU on the side stream, which waits for the messages alone)."""
     if not buffers:
@@ -656,23 +653,11 @@ def _received_sums(torch, buffers: list, works: list) -> np.ndarray:
     with torch.cuda.stream(side):
         for w in works:
             w.wait()                    # the side stream waits for the data
-        host.copy_(torch.stack([_sums(torch, b) for b in buffers]), non_blocking=True)
+        host.copy_(torch.stack([_sums(torch, b, backend) for b in buffers]), non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
     done.synchronize()
     return host.numpy()
-
-
-class _Once:
-    """``fn()``'s result, computed on the first call (a message is received once)."""
-
-    def __init__(self, fn):
-        self.fn, self.done, self.value = fn, False, None
-
-    def __call__(self):
-        if not self.done:
-            self.value, self.done = self.fn(), True
-        return self.value
 
 
 _SIDE_STREAMS: dict = {}             # device -> the stream headers are read on
