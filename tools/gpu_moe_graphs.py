@@ -21,7 +21,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 import torch  # noqa: E402
 
 from conftest import NEW_TOKENS, make_model, make_prompts  # noqa: E402
+from kvcache.demo.check import rescore_greedy, teacher_forced_logits  # noqa: E402
 from kvcache.integrations.transformers import Engine  # noqa: E402
+
+
+def explain(model, prompt, got, want) -> str:
+    """Where the engine's greedy tokens part from transformers' ``generate``: the first
+    differing position, the teacher-forced logits' gap between the two picks there (the
+    model's own forward over the common prefix, no cache), and each run's re-score verdict."""
+    t = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    logits = teacher_forced_logits(model, prompt, want[:t + 1])[t]
+    top = sorted(range(len(logits)), key=lambda i: -logits[i])[:2]
+    ours, theirs = (rescore_greedy(model, prompt, toks, "float32") for toks in (got, want))
+    return (f"part at new token {t}: engine {got[t]}, generate {want[t]}; re-score top-2 "
+            f"{top} gap {logits[top[0]] - logits[top[1]]:.3g}, engine pick - generate pick "
+            f"{logits[got[t]] - logits[want[t]]:.3g}; engine re-score (near-ties, problem) "
+            f"{ours}, generate re-score {theirs}")
 
 
 def main() -> int:
@@ -55,6 +70,9 @@ def main() -> int:
               f"{getattr(graphs, 'replays', 0)}, eager steps {getattr(graphs, 'eager_runs', 0)} "
               f"({sorted(getattr(graphs, 'eager', {}))}); graph warnings {names} "
               f"({sum('graph' in str(w.message).lower() for w in caught)}); {wall:.1f} s", flush=True)
+        for pr, x, y in zip(prompts, toks, want):
+            if x != y:
+                print(f"  {explain(model, pr, x, y)}", flush=True)
         bad += same != len(prompts)
         del engine, model, graphs, got      # (the step graphs hold the engine's cache)
         gc.collect()

@@ -1,5 +1,6 @@
 """int8 / int4 pages on the metal backend (issue 32), on MLX's CPU device: the page rows hold
-exactly what ``mx.quantize`` makes (mlx-lm's quantized cache), the page arrays take the bytes
+exactly ``kv_quant``'s codes (what ``mx.quantize`` makes for mlx-lm's quantized cache on Apple
+GPUs and MLX's CPU), the page arrays take the bytes
 ``CacheConfig.kv_bytes`` counts, a value head dim other than head_dim works, and many forwards
 queued with no output read until the end equal the reference backend's emulation (MLX
 evaluates lazily: nothing synchronizes between them). Conformance (``TestQuantizedKV``) covers
@@ -12,6 +13,7 @@ import mlx.core as mx
 
 import kvcache
 from kvcache.conformance import assert_close
+from kvcache.kv_quant import affine_pack, affine_quantize
 from kvcache.reference import NP_DTYPES
 from kvcache_metal.backend import MetalBackend
 
@@ -29,7 +31,7 @@ def config(fmt, dtype="bfloat16", d=64, dv=None, group=32, **kw):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_page_rows_hold_mx_quantize_output(fmt, dtype):
+def test_page_rows_hold_the_rules_codes(fmt, dtype):
     cfg = config(fmt, dtype)
     bits = 8 if fmt == "int8" else 4
     row = 64 * bits // 8 + 2 * (64 // 32) * np.dtype(NP_DTYPES[dtype]).itemsize
@@ -37,7 +39,8 @@ def test_page_rows_hold_mx_quantize_output(fmt, dtype):
     assert all(p.dtype == mx.uint8 and p.shape == (cfg.num_pages, 2, 2, 8, row)
                for p in cache.pages)
     assert sum(p.nbytes for p in cache.pages) == cfg.kv_bytes
-    # the kernel itself, at known slots: each row is mx.quantize's codes, scales, biases
+    # the kernel itself, at known slots: each row is kv_quant's codes, scales, biases (which
+    # mx.quantize also makes on an Apple GPU and MLX's CPU, not on MLX's CUDA build)
     mb = MetalBackend(cfg, DEVICE)
     pages = mb.allocate_pages(cfg.num_pages)
     rng = np.random.default_rng(0)
@@ -47,10 +50,7 @@ def test_page_rows_hold_mx_quantize_output(fmt, dtype):
     mb.append_kv(pages[0], mb.from_numpy(k), mb.from_numpy(v), mb.aux_to_device(slots))
     stored = np.array(pages[0])[slots // 8, :, :, slots % 8]                  # (11, 2, 2, row)
     for which, x in enumerate((k, v)):
-        codes, scales, biases = mx.quantize(mx.array(x).astype(getattr(mx, dtype)),
-                                            group_size=32, bits=bits)
-        want = np.concatenate([np.array(codes.view(mx.uint8)), np.array(scales.view(mx.uint8)),
-                               np.array(biases.view(mx.uint8))], axis=-1)
+        want = affine_pack(*affine_quantize(x.astype(NP_DTYPES[dtype]), bits, 32, dtype), bits)
         np.testing.assert_array_equal(stored[:, which], want)
 
 
@@ -145,3 +145,36 @@ def test_float64_input_rounds_once_to_float16():
     got = np.array(dut.from_numpy(x).astype(mx.float32))
     want = x.astype(np.float16).astype(np.float32)
     assert np.array_equal(got, want)
+
+
+def _ties(dtype, bits, group=32):
+    """Rows whose values land on a code's midpoint: groups spanning ``0 .. n_bins`` hold
+    ``k + 0.5`` (exact in every compute dtype), so ``(x - bias) / scale`` is a tie that rounds
+    half to even under the rule and half away from zero under mx.quantize's CUDA kernel."""
+    n_bins = (1 << bits) - 1
+    rng = np.random.default_rng(bits)
+    x = rng.integers(0, n_bins, (5, 2, 64)).astype(np.float32) + 0.5
+    x[..., ::group] = 0.0
+    x[..., 1::group] = n_bins
+    return x.astype(NP_DTYPES[dtype]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_ops_encoder_is_the_rule_bit_for_bit_at_midpoints(fmt, dtype):
+    """The encoder that runs off Apple GPUs (MLX ops, MLX's CUDA build included) gives
+    ``kv_quant``'s codes, scales and biases byte for byte, on ordinary values and on values at
+    a code's midpoint (where mx.quantize's CUDA kernel, rounding half away from zero, parted
+    from the rule on an H100: docs/conformance.md)."""
+    from kvcache_metal.affine import AffineRows
+    bits = 8 if fmt == "int8" else 4
+    rows = AffineRows(bits, 32, dtype, 64)
+    assert not rows.fused and MetalBackend(config(fmt, dtype), DEVICE).affine.fused is False
+    rng = np.random.default_rng(1)
+    ties = _ties(dtype, bits)
+    for x in (rng.standard_normal((7, 2, 64)).astype(np.float32) * 3, ties):
+        want = affine_pack(*affine_quantize(x.astype(NP_DTYPES[dtype]), bits, 32, dtype), bits)
+        got = np.array(rows.encode(mx.array(x)))
+        np.testing.assert_array_equal(got[..., :want.shape[-1]], want)
+    half_away = np.floor(np.abs(ties) + 0.5)        # the CUDA kernel's rounding, for contrast
+    assert (half_away != np.round(np.abs(ties))).any()

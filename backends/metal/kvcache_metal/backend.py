@@ -176,7 +176,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         if c.kv_dtype not in AFFINE_BITS:
             return None
         from .affine import AffineRows
-        return AffineRows(AFFINE_BITS[c.kv_dtype], c.kv_quant_group, c.dtype, c.page_row_dim)
+        return AffineRows(AFFINE_BITS[c.kv_dtype], c.kv_quant_group, c.dtype, c.page_row_dim,
+                          fused=self.on_gpu and _metal_available())
 
     @property
     def stream(self):
