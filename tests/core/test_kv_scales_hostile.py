@@ -10,7 +10,7 @@ import pytest
 
 from kvcache import CacheConfig, InvalidArgumentError, PagedKVCache, to_numpy
 from kvcache import kv_quant as kq
-from kvcache.cache import FP8_CALIBRATION_FORWARDS
+from kvcache.kv_scales import FP8_CALIBRATION_FORWARDS
 
 FP8 = "float8_e4m3"
 KINDS = ("nan", "inf", "zeros", "outlier")

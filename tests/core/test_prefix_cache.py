@@ -249,7 +249,7 @@ def test_ids_are_taken_as_a_checked_copy():
     """``_token_ids`` copies and checks the ids (ints >= 0) at C speed, every time: an array
     changed in place since it was last asked about is checked again."""
     import array as _array
-    from kvcache.cache import _token_ids
+    from kvcache.kv_manager import token_ids as _token_ids
     ids = _array.array("q", [3, 4, 5])
     got = _token_ids(ids, "t")
     assert got.ids.tolist() == [3, 4, 5] and not got.ids.flags.writeable

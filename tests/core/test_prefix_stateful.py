@@ -287,8 +287,8 @@ class PrefixMachine(RuleBasedStateMachine):
             return
         c = self.cache
         c.state.pt.check_invariants()
-        c._prefix.check()
-        twin = copy.deepcopy(c._prefix)             # every cached page can be evicted, now
+        c.manager.prefix.check()
+        twin = copy.deepcopy(c.manager.prefix)             # every cached page can be evicted, now
         assert twin.clear() == c.num_cached_pages
         assert sorted(c.sequence_ids) == sorted(self.model)
         assert 0 <= c.num_cached_pages <= c.num_available_pages <= c.num_total_pages

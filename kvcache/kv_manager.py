@@ -1,0 +1,379 @@
+"""``KVManager``: the host-only part of a cache that a scheduler talks to: sequences (add,
+fork, pop, remove, windows, tree commits), the prefix cache's index, and the page questions
+("is there room": ``pages_needed``, ``append_room``, ``num_available_pages``).
+
+It knows no array and no device: where a call must move K/V (a fork's or a pop's partial page,
+a tree commit's compaction) it returns the copies, or takes the device step as an argument,
+and ``PagedKVCache`` runs it on the backend. Validation first, then changes: a call that
+raises has changed nothing."""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from .core.prefix import Ghost, PrefixIndex, Prompt
+from .core.validate import bool_arg, int_arg, int_values, seq_id_arg
+from .errors import CacheFullError, InvalidArgumentError, SequenceExistsError
+
+
+class KVManager:
+    """Sequences and pages of one cache, on the host.
+
+    ``config``: the ``CacheConfig``; ``state``: the core's ``CacheState`` (sequences and page
+    table); ``planner``: the ``Planner`` whose page counts ``begin_forward`` reserves with.
+    ``prefix``: the ``PrefixIndex`` with ``CacheConfig(prefix_cache=True)``, else None."""
+
+    def __init__(self, config, state, planner) -> None:
+        self.config, self.state, self.planner = config, state, planner
+        self.prefix: Optional[PrefixIndex] = PrefixIndex(state) if config.prefix_cache else None
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self, seq_id: int, tokens: Optional[Sequence[int]] = None, *,
+                     extra_key: Any = None) -> int:
+        """Add sequence ``seq_id`` (an int in the int64 range, numpy ints too); returns its
+        length: 0, or with the prefix cache the cached prefix it starts from.
+
+        ``tokens``: the token ids of the sequence's positions as far as known (e.g. the
+        prompt), ints >= 0. With ``CacheConfig(prefix_cache=True)`` the sequence starts holding
+        the longest cached prefix of ``tokens`` in whole pages, at most ``len(tokens) - 1``
+        tokens (the last one is left for the model to compute: its logits are the next pick),
+        shared with the sequences that hold it; the ids are recorded, and each full page whose
+        KV the sequence then computes joins the index. Without the prefix cache they are
+        checked and ignored. ``extra_key``: any hashable value that must also match (e.g. a
+        LoRA adapter id); None: none. A new sequence without a cached prefix takes no page
+        until a forward appends to it.
+        Raises SequenceExistsError if the id is in the cache, InvalidArgumentError for an id
+        that is not such an int (a bool or a float neither), bad token ids or an unhashable
+        ``extra_key``, ForwardStateError inside a forward; nothing changes then."""
+        if tokens is None:
+            if extra_key is not None:
+                raise InvalidArgumentError(
+                    f"add_sequence({seq_id!r:.40}): extra_key is matched with tokens; pass tokens too")
+            self.state.add_sequence(seq_id)
+            return 0
+        sid = seq_id_arg(seq_id)
+        ids = token_ids(tokens, f"add_sequence: sequence {sid}: tokens")
+        if extra_key is not None:
+            _hashable(extra_key, f"add_sequence: sequence {sid}: extra_key")
+        if sid in self.state.pt.seqs:
+            raise SequenceExistsError(f"sequence {sid} is already in the cache")
+        if self.prefix is None:
+            self.state.add_sequence(sid)
+            return 0
+        return self.prefix.attach(sid, ids, extra_key)
+
+    def match_prefix(self, tokens: Sequence[int], extra_key: Any = None) -> int:
+        """The length ``add_sequence(seq_id, tokens, extra_key=extra_key)`` would start from
+        now: the longest cached prefix of ``tokens`` in whole pages, at most ``len(tokens) -
+        1`` (0 without ``CacheConfig(prefix_cache=True)``). Changes nothing (not even the
+        least-recently-used order). Raises InvalidArgumentError for bad ids or key."""
+        return self._admission(tokens, extra_key, "match_prefix")[0]
+
+    def prefix_admission(self, tokens: Sequence[int], extra_key: Any = None) -> tuple[int, int]:
+        """``(start, pages)``: the length ``add_sequence(seq_id, tokens, extra_key=extra_key)``
+        would start from now (``match_prefix``), and how many of ``num_available_pages`` that
+        takes (cached pages the new sequence would hold; pages other sequences hold already
+        are not available anyway). A scheduler admits a request with it: its first chunk then
+        needs ``pages_needed`` after those. ``(0, 0)`` without the prefix cache. Changes
+        nothing."""
+        return self._admission(tokens, extra_key, "prefix_admission")
+
+    def _admission(self, tokens, extra_key, what: str) -> tuple[int, int]:
+        ids = token_ids(tokens, f"{what}: tokens")
+        if extra_key is not None:
+            _hashable(extra_key, f"{what}: extra_key")
+        if self.prefix is None:
+            return 0, 0
+        node = self.prefix.find(ids, extra_key)
+        if node is None:
+            return 0, 0
+        return node.depth * self.config.page_size, self.prefix.pinned(node)
+
+    def extend_tokens(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Record the token ids of sequence ``seq_id``'s next positions, after the ones already
+        recorded (``add_sequence``'s ``tokens``, earlier calls): e.g. the tokens a request
+        generated, before removing it, so that a next turn of the conversation finds them
+        cached. Full pages whose ids and KV are both there join the index (at once, and after
+        each forward). Ids of positions a sequence pops (``popn``) are forgotten; a sequence
+        with a sliding window or an uncommitted token tree is indexed only once committed
+        and unwindowed (never, for a window). No-op without ``CacheConfig(prefix_cache=True)``
+        (the ids are still checked). Raises SequenceNotFoundError, InvalidArgumentError for bad
+        ids, ForwardStateError inside a forward; nothing changes then."""
+        seq = self.state.seq(seq_id)
+        ids = token_ids(tokens, f"extend_tokens: sequence {seq.seq_id}: tokens")
+        if self.prefix is not None and len(ids):
+            self.prefix.extend(seq, ids)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drop sequence ``seq_id`` and free the pages only it holds (pages shared with a fork
+        stay with the other sequences). Raises SequenceNotFoundError for an id not in the cache,
+        ForwardStateError inside a forward; nothing changes then."""
+        seq = self.state.seq(seq_id)
+        if self.prefix is not None and self.prefix.retire(seq):
+            return                  # its indexed pages stay cached, held by a ghost
+        self.state.remove_sequence(seq_id)
+
+    def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> list:
+        """Add sequence ``child_id`` holding the first ``fork_pos`` tokens of ``parent_id``
+        (-1: all of them). Whole pages are shared, not copied; a partial last page is copied.
+        Raises SequenceNotFoundError / SequenceExistsError for the ids, InvalidArgumentError
+        for ``fork_pos`` outside [0, length] (or beyond a windowed parent's sinks),
+        ForwardStateError inside a forward or on an uncommitted token tree, CacheFullError
+        when a partial page must be copied and no page is free; nothing changes then.
+        Returns the page copies for the device (``PagedKVCache`` runs them)."""
+        copies = self.with_room(lambda: self.state.fork_sequence(parent_id, child_id, fork_pos),
+                                lambda: 1 - self.state.pt.num_free)
+        if self.prefix is not None:
+            child = self.state.seq(child_id)
+            self.prefix.forked(self.state.seq(parent_id), child, self.state.length(child_id))
+        return copies
+
+    def popn(self, seq_id: int, n: int) -> list:
+        """Remove the last ``n`` tokens of sequence ``seq_id`` (``0 <= n <= length``; sinks of
+        a sliding window included): pages left empty are freed; when the new end lies in a
+        page shared with a fork, that partial page is copied first, so the other sequence keeps
+        its tokens. Raises SequenceNotFoundError, InvalidArgumentError for ``n`` outside
+        [0, length], ForwardStateError inside a forward or on an uncommitted token tree,
+        CacheFullError when a partial page must be copied and no page is free; nothing changes
+        then. Returns the page copies for the device."""
+        if self.prefix is not None:                # the pages it pops stay cached
+            try:
+                seq, count = self.state.check_popn(seq_id, n)
+            except CacheFullError:              # eviction may make room: popn says
+                seq, count = self.state.seq(seq_id), int(n)
+            self.prefix.detach(seq, (int(self.state.pt.s_len[seq.slot]) - count) // self.config.page_size)
+        copies = self.with_room(lambda: self.state.popn(seq_id, n),
+                                lambda: 1 - self.state.pt.num_free)
+        if self.prefix is not None:
+            self.prefix.truncated(self.state.seq(seq_id))
+        return copies
+
+    def enable_sliding_window(self, seq_id: int, window_size: int, sink_size: int) -> None:
+        """Give sequence ``seq_id`` a sliding window (eviction): after each forward it keeps its
+        first ``sink_size`` tokens (the attention sinks) and its last ``window_size -
+        sink_size``; whole pages between the two are freed, and RoPE is applied inside attention
+        at the positions within the kept tokens. Needs ``CacheConfig(support_sliding_window=True)``.
+
+        ``window_size``: an int > 0, the tokens kept; ``sink_size``: an int in
+        [0, window_size). Pages shared with another sequence never slide out, so ``sink_size``
+        must cover the prefix the sequence shares with a fork. Raises SequenceNotFoundError,
+        InvalidArgumentError (a cache without sliding-window support, bad sizes, a window
+        already set, a shared prefix longer than ``sink_size``), ForwardStateError inside a
+        forward or on an uncommitted token tree; nothing changes then."""
+        self.state.enable_sliding_window(seq_id, window_size, sink_size)
+        if self.prefix is not None:            # its pages will slide: their entries go
+            seq = self.state.seq(seq_id)
+            if seq.prefix is not None:
+                self.prefix.release(seq.prefix)
+
+    def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int],
+                                         leaf_indices: Sequence[int],
+                                         compact: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        """Accept one path of each sequence's uncommitted token tree (speculative decoding):
+        the accepted nodes' K/V rows move right after the committed history (``compact(src,
+        dst)``, host int32 slot arrays, when any row moves: the cache's one
+        ``Backend.compact_kv`` launch), every other tree token is dropped, and the sequences
+        are committed (they can be forked, popped, exported and windowed again).
+
+        ``seq_ids``: B distinct ids of sequences in the cache; ``leaf_indices``: B ints, the
+        accepted leaf of each as an index into that sequence's uncommitted tree (all tree
+        tokens appended since its last commit, in ``token_tree_parent_ptr`` order): the path
+        from the root to that node is kept; -1 keeps none of the tree. Raises
+        SequenceNotFoundError, InvalidArgumentError (lengths differ, a sequence listed twice,
+        a leaf outside [-1, tree size)), ForwardStateError inside a forward; nothing changes
+        then."""
+        items = self.state.check_commit(seq_ids, leaf_indices)
+        src, dst = self.state.commit_plan(items)
+        bases = [self.state.pt.length(seq) - len(seq.tree_parent) for seq, _ in items]
+        if len(src):
+            compact(src, dst)
+        self.state.commit(items)
+        if self.prefix is not None:
+            for (seq, _), base in zip(items, bases):    # ids recorded past the tree's
+                self.prefix.truncated(seq, base)           # root are not the accepted ones
+                self.prefix.index(seq)
+
+    def forward_committed(self, plan) -> None:
+        """After ``end_forward`` of ``plan``: full pages whose ids are recorded join the
+        prefix index."""
+        if self.prefix is None:
+            return
+        seqs, ps = self.state.pt.seqs, self.config.page_size
+        for sid in plan.seq_ids:
+            seq = seqs[int(sid)]
+            t = seq.prefix              # most decode steps complete no recorded page
+            if t is not None and len(t.tokens) >= (len(t.chain) + 1) * ps:
+                self.prefix.index(seq)
+
+    def clear(self) -> None:
+        """Drop every sequence, free every page and forget the prefix index."""
+        self.state.clear()
+        if self.prefix is not None:
+            self.prefix = PrefixIndex(self.state)
+
+    # ------------------------------------------------------------------ prefix cache
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages that only the prefix cache holds (no sequence reads them): part of
+        ``num_available_pages``, evicted least recently used when a call needs pages. 0
+        without ``CacheConfig(prefix_cache=True)``."""
+        return 0 if self.prefix is None else self.prefix.evictable()
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached page that no sequence reads (e.g. after the model's weights
+        changed: cached KV would be stale) and forget it; returns the pages freed, all of
+        ``num_cached_pages``. Raises ForwardStateError inside a forward."""
+        return 0 if self.prefix is None else self.prefix.clear()
+
+    def with_room(self, call, shortfall):
+        """``call()``; when it raises CacheFullError and evicting cached pages covers the
+        ``shortfall()`` (pages missing), evict them and call again. The call changed nothing
+        when it raised, so a refusal that eviction cannot fix leaves the index as it was."""
+        try:
+            return call()
+        except CacheFullError:
+            prefix = self.prefix
+            if prefix is None:
+                raise
+            short = shortfall()
+            cached = prefix.evictable()
+            if short <= 0 or cached < short:
+                raise
+            # a few pages more than this call lacks: the next calls then find free pages
+            # instead of failing and planning again (a 32nd of the cache, at most 64 pages)
+            prefix.evict(max(short, min(cached, 64, self.state.pt.num_pages // 32)))
+        return call()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages now (of ``num_total_pages``), counting the cached pages that eviction
+        frees when needed (``num_cached_pages``); ``begin_forward`` raises CacheFullError when a
+        forward needs more (``pages_needed``)."""
+        free = int(self.state.pt.num_free)
+        return free if self.prefix is None else free + self.prefix.evictable()
+
+    @property
+    def num_total_pages(self) -> int:
+        """Pages per layer, ``config.num_pages``: the capacity in tokens is about
+        ``num_total_pages * page_size`` (one page is spare; see ``CacheConfig.num_pages``)."""
+        return int(self.state.pt.num_pages)
+
+    @property
+    def total_sequence_length(self) -> int:
+        """The tokens of every sequence added up (a token shared by forks counts once per
+        sequence; a sliding window counts the tokens it keeps)."""
+        pt = self.state.pt
+        return int(sum(int(pt.s_len[s.slot]) for k, s in pt.seqs.items() if not isinstance(k, Ghost)))
+
+    def sequence_length(self, seq_id: int) -> int:
+        """The tokens sequence ``seq_id`` holds (committed ones and its uncommitted token tree;
+        with a sliding window, the tokens it keeps). Raises SequenceNotFoundError."""
+        return self.state.length(seq_id)
+
+    @property
+    def num_sequences(self) -> int:
+        """The number of sequences in the cache."""
+        return len(self.sequence_ids)
+
+    @property
+    def sequence_ids(self) -> list[int]:
+        """The ids of the sequences in the cache (a new list; no particular order)."""
+        seqs = self.state.pt.seqs
+        if self.prefix is None:
+            return list(seqs)
+        return [k for k in seqs if not isinstance(k, Ghost)]
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the cache holds no sequence and every page is free (or only cached: see
+        ``num_cached_pages``)."""
+        return not self.sequence_ids and self.num_available_pages == self.state.pt.num_pages
+
+    def pages_needed(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
+                     token_tree_parent_ptr: Optional[Sequence[int]] = None, *,
+                     net: bool = False) -> int:
+        """The free pages that ``begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)``
+        would take now: a scheduler's "is there room" question (vLLM's ``allocate_slots``),
+        answered by the code ``begin_forward`` reserves with, so the two cannot disagree.
+
+        ``seq_ids``: B distinct ids of sequences in the cache (1 <= B <= max_batch_size);
+        ``append_lengths``: B ints >= 1, the new tokens of each, summing to at most
+        ``prefill_chunk_size``; ``token_tree_parent_ptr``: None, or one int per new token, as
+        for ``begin_forward`` (a tree does not change the count, only what is valid).
+        Each sequence counts the pages its new tokens need beyond the room left in its last
+        page (a partial last page is filled first; a page shared with a fork never is: the
+        fork already copied the partial page, so a sequence's last page is its own).
+        ``net``: False (default) counts every page taken off the free list, the number
+        ``begin_forward`` compares with ``num_available_pages`` (CacheFullError above it);
+        a sliding window frees the pages that slide out only after every new page is taken, so
+        they do not make room for the same forward. True: that count minus the pages the
+        forward's sliding windows free, i.e. how far ``num_available_pages`` drops from now to
+        after the forward (negative when windows free more than the forward takes); the two
+        counts differ only for sequences with a sliding window.
+        Validates like ``begin_forward`` (SequenceNotFoundError, InvalidArgumentError,
+        ForwardStateError for an uncommitted tree, naming the sequence, value and limit) but
+        never raises CacheFullError, and changes nothing. Inside an open forward it counts
+        against the pages that forward leaves (``end_forward`` changes no page)."""
+        net = bool_arg(net, "net")
+        taken, freed = self.planner.pages_needed(seq_ids, append_lengths, token_tree_parent_ptr)
+        return taken - freed if net else taken
+
+    def append_room(self, seq_id: int, pages: int, limit: int) -> int:
+        """The most new tokens, at most ``limit``, that ``seq_id`` can append in one forward of
+        its own taking at most ``pages`` free pages: the inverse of ``pages_needed`` (the room
+        in its own last page first, then whole pages; a sliding window counted as
+        ``pages_needed`` counts it), so a scheduler sizes a prompt chunk without page maths.
+
+        ``seq_id``: a sequence in the cache; ``pages``: an int (below 1: the room in its last
+        page only); ``limit``: an int in [1, prefill_chunk_size]. Raises what ``pages_needed``
+        raises for ``([seq_id], [limit])``; changes nothing."""
+        pages = int_arg(pages, "pages")
+        return self.planner.append_room(seq_id, pages, limit)
+
+    def can_append(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
+                   token_tree_parent_ptr: Optional[Sequence[int]] = None) -> bool:
+        """Whether ``begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)`` has the
+        pages it needs now: ``pages_needed(...) <= num_available_pages`` (False exactly when
+        it would raise CacheFullError). Same arguments and input errors as ``pages_needed``;
+        changes nothing."""
+        return self.pages_needed(seq_ids, append_lengths,
+                                 token_tree_parent_ptr) <= self.num_available_pages
+
+
+_SIGN = 7 if sys.byteorder == "little" else 0     # the byte of an int64 that holds its sign bit
+
+
+def token_ids(tokens, what: str) -> Prompt:
+    """``tokens`` (a list or tuple of ints, a 1-D integer array or an ``array('q')``) as a
+    ``Prompt``: a copy of the ids, checked (ints >= 0). The common cases are converted and
+    checked at C speed: the index's host cost is a few microseconds per 1,000 tokens, and a
+    Python loop here would be ten times it; anything else, or a bad id, goes through
+    ``int_values`` (the precise error)."""
+    buf = None
+    if isinstance(tokens, array.array) and tokens.typecode == "q":     # int64 already
+        buf = tokens.tobytes()
+    elif isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
+        # uint64 past 2**63 wraps negative: refused below
+        buf = tokens.astype(np.int64, copy=False).tobytes()
+    elif isinstance(tokens, (list, tuple)) and list(map(type, tokens)).count(int) == len(tokens):
+        try:        # exact ints only (checked above): fromiter is the fastest conversion
+            buf = np.fromiter(tokens, np.int64, len(tokens)).tobytes()
+        except OverflowError:
+            pass
+    # no negative int64: no sign byte >= 0x80 (one C pass over a byte string, no numpy call)
+    if buf is not None and buf[_SIGN::8].isascii():
+        return Prompt(buf)
+    return Prompt(np.array(int_values(tokens, what, 0, 2**63 - 1), np.int64).tobytes())
+
+
+def _hashable(value, what: str) -> None:
+    try:
+        hash(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be hashable, got {type(value).__name__}") from None
