@@ -34,7 +34,7 @@ from .errors import CacheFullError, ForwardStateError, InvalidArgumentError, Uns
 from .forward_run import ForwardRun, layer_arg
 from .kv_manager import KVManager
 from .kv_scales import KVScales
-from .payloads import Payloads
+from .payloads import Payloads, copy_pages
 from .plugins import open_backend
 from .transfer import SequencePayload
 
@@ -115,7 +115,8 @@ class PagedKVCache:
         self.rope = config.rope_spec()
         self.manager = KVManager(config, self.state, self.planner)
         self.scales = KVScales(config, self.backend) if config.kv_dtype == "float8_e4m3" else None
-        self.payloads = Payloads(self)
+        self.payloads = Payloads(config, self.backend, self.pages, self.state, self.manager,
+                                 self.scales)
         self._run: Optional[ForwardRun] = None
         self._lock = threading.Lock()      # held by the thread using the cache (see exclusive)
         self._owner: Optional[threading.Thread] = None  # that thread
@@ -186,8 +187,7 @@ class PagedKVCache:
         return run
 
     def _copy_pages(self, copies) -> None:
-        for c in copies:
-            self.backend.copy_page_prefix(self.pages, c.src_page, c.dst_page, c.length)
+        copy_pages(self.backend, self.pages, copies)
 
     def _compact(self, src: np.ndarray, dst: np.ndarray) -> None:
         b = self.backend
@@ -282,10 +282,16 @@ class PagedKVCache:
                layer: Optional[int] = None) -> tuple[Array, Array]:
         if layer is None:
             self._no_forward("get_kv")
-        return self.payloads.get_kv(seq_id, start, end, layer)
+        return self.payloads.get_kv(seq_id, start, end, layer, self._run)
+
+    @exclusive
+    @doc_of(Payloads.export_sequences)
+    def export_sequences(self, seq_ids: Sequence[int], starts: Optional[Sequence[int]] = None,
+                         *, layers: Optional[range] = None
+                         ) -> tuple[list[SequencePayload], Array, Array]:
+        return self.payloads.export_sequences(seq_ids, starts, layers=layers, run=self._run)
 
     export_sequence = part_call("payloads", Payloads.export_sequence, between_forwards=True)
-    export_sequences = part_call("payloads", Payloads.export_sequences)
     import_sequence = part_call("payloads", Payloads.import_sequence, between_forwards=True)
     reserve_import = part_call("payloads", Payloads.reserve_import, between_forwards=True)
     write_import = part_call("payloads", Payloads.write_import, between_forwards=True)

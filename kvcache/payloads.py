@@ -28,15 +28,22 @@ from .transfer import SequencePayload, payload_fields
 Array = Any
 
 
-class Payloads:
-    """The payload calls of ``cache`` (a ``PagedKVCache``: its config, backend, pages, core
-    state, KV manager, fp8 scales and open forward). ``PagedKVCache`` checks the thread and the
-    forward state before each call."""
+def copy_pages(backend, pages, copies) -> None:
+    """Run the core's page copies (``PageCopy``: a fork's or a pop's partial page)."""
+    for c in copies:
+        backend.copy_page_prefix(pages, c.src_page, c.dst_page, c.length)
 
-    def __init__(self, cache) -> None:
-        self.cache = cache
-        self.config, self.backend, self.pages = cache.config, cache.backend, cache.pages
-        self.state, self.scales = cache.state, cache.scales
+
+class Payloads:
+    """The payload calls of a cache with ``config``, ``backend``, ``pages`` (one array per
+    layer), core ``state``, KV ``manager`` and fp8 ``scales`` (None unless fp8 pages).
+    ``PagedKVCache`` checks the thread and the forward state before each call and passes the
+    open forward (``run``) to the calls that may run inside one. It holds no reference to the
+    cache: a dropped cache is freed at once, without a cycle for the collector."""
+
+    def __init__(self, config, backend, pages, state, manager, scales) -> None:
+        self.config, self.backend, self.pages = config, backend, pages
+        self.state, self.manager, self.scales = state, manager, scales
         self.packed = self.config.kv_dtype in AFFINE_BITS
         """Whether pages move as packed rows (int8 / int4: ``Backend.gather_kv_packed``)."""
 
@@ -44,7 +51,7 @@ class Payloads:
         return {} if self.scales is None else self.scales.gather_kw(layers)
 
     def get_kv(self, seq_id: int, start: int = 0, end: Optional[int] = None,
-               layer: Optional[int] = None) -> tuple[Array, Array]:
+               layer: Optional[int] = None, run=None) -> tuple[Array, Array]:
         """The K/V of tokens ``start .. end-1`` (None: to the end) of sequence ``seq_id``, K as
         stored: ``(k, v)`` each ``(num_layers, end-start, num_kv_heads, head_dim)`` (v:
         ``head_dim_v``), or with ``layer`` that layer's only, ``(end-start, num_kv_heads,
@@ -68,7 +75,6 @@ class Payloads:
         if layer is not None:
             layer = layer_arg(layer, self.config.num_layers, "get_kv layer")
             pages, layers = [self.pages[layer]], range(layer, layer + 1)
-            run = self.cache._run
             if run is not None:
                 run.check_read(seq, layer, end, length)
         slots = self.state.pt.position_slots(seq, start, end)
@@ -113,7 +119,7 @@ class Payloads:
         return dataclasses.replace(header, k=k, v=v)
 
     def export_sequences(self, seq_ids: Sequence[int], starts: Optional[Sequence[int]] = None,
-                         *, layers: Optional[range] = None
+                         *, layers: Optional[range] = None, run=None
                          ) -> tuple[list[SequencePayload], Array, Array]:
         """Several sequences' tails in one gather: ``(headers, k, v)`` with ``headers[i]`` the
         header-only payload of ``seq_ids[i]`` from ``starts[i]`` (None: 0) to its end, and
@@ -133,7 +139,6 @@ class Payloads:
         headers_only = (isinstance(layers, range) and len(layers) == 0 and layers.step == 1
                         and 0 <= layers.start <= self.config.num_layers)
         layers = range(0, 0) if headers_only else self._layer_range(layers, "export_sequences")
-        run = self.cache._run
         if run is not None:
             run.check_export(layers)
         seq_ids = seq_id_list(seq_ids, "seq_ids")
@@ -320,7 +325,7 @@ class Payloads:
         copies = self.state.commit_import(res)          # validates, then changes the tables
         for layer, host, device in adopt:
             self.scales.adopt(layer, host, device)     # type: ignore[union-attr]
-        self.cache._copy_pages(copies)
+        copy_pages(self.backend, self.pages, copies)
 
     def reserve_import(self, items: Sequence[tuple], convert_dtype: bool = False) -> ImportReservation:
         """The first phase of an import whose K/V arrives later (``kvcache.distributed``).
@@ -365,7 +370,7 @@ class Payloads:
 
     def _reserve_import(self, specs) -> ImportReservation:
         ps = self.config.page_size
-        return self.cache.manager.with_room(lambda: self.state.reserve_import(specs),
+        return self.manager.with_room(lambda: self.state.reserve_import(specs),
                                lambda: sum(import_pages(s, ps) for s in specs) - self.state.pt.num_free)
 
     def write_import(self, reservation: ImportReservation, k: Array, v: Array, *,
