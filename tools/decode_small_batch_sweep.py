@@ -67,11 +67,11 @@ def main() -> None:
             print(f"B={batch} L={kv_len}: plain read of {nbytes / 1e6:.1f} MB by {progs} programs "
                   f"{us:.1f} us ({nbytes / us / 1e3:.0f} GB/s)", flush=True)
         del buf
-        pages, depth, q = B._paged_setup(torch, be, batch, kv_len, 1, rng, dev)
+        pages, depth, q = B.paged_setup(torch, be, batch, kv_len, 1, rng, dev)
         kc = torch.randn((batch, B.HKV, kv_len, B.D), device=dev, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         qs = q.view(batch, B.HQ, 1, B.D)
-        sd, _ = timer.measure(lambda: B._sdpa(torch, qs, kc, vc))
+        sd, _ = timer.measure(lambda: B.sdpa(torch, qs, kc, vc))
         del kc, vc
         auto = num_splits(base, batch * B.HKV, kv_len, sms)
         us, _ = timer.measure(lambda: be.paged_attention(q, pages, depth, B.D ** -0.5))

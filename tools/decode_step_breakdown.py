@@ -21,7 +21,7 @@ import collections
 import numpy as np
 import torch
 
-from kvcache.bench_serving import build_model
+from kvcache.bench.serving import build_model
 from kvcache.integrations.transformers import Engine
 
 
@@ -94,7 +94,7 @@ def breakdown(a) -> None:
     ws = [torch.randn(o, i, device="cuda", dtype=torch.bfloat16) for o, i in
           ((h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter))]
     lm = torch.randn(net.config.vocab_size, h, device="cuda", dtype=torch.bfloat16)
-    from kvcache_cuda.bench import Timer
+    from kvcache_cuda.bench_kit import Timer
     timer = Timer(torch, torch.device("cuda"), 20, 0)      # L2 flushed before each timed call
 
     def timed(fn, iters=20):
@@ -122,7 +122,7 @@ def sweep(a) -> None:
     rng = np.random.default_rng(0)
     base = be.tuning
     for L in (a.prompt + 24, 4096):
-        pages, depth, q = B._paged_setup(torch, be, a.batch, L, 1, rng, dev)
+        pages, depth, q = B.paged_setup(torch, be, a.batch, L, 1, rng, dev)
         nbytes = pages.numel() * 2
         res = []
         for t in [base.tiles("decode", 128)] + [AttnTiles(*t) for t in B.DECODE_TILES]:

@@ -7,13 +7,13 @@ import numpy as np
 import torch
 
 from kvcache_cuda.backend import CudaBackend
-from kvcache_cuda.bench import _paged_setup, bench_backend
+from kvcache_cuda.bench_kit import bench_backend, paged_setup
 
 B, L = 16, 4096
 rng = np.random.default_rng(0)
 plain = bench_backend(CudaBackend, "bfloat16", "cuda")
 fp8 = bench_backend(CudaBackend, "bfloat16", "cuda", "float8_e4m3")
-pages, depth, q = _paged_setup(torch, plain, B, L, 1, rng, "cuda")
+pages, depth, q = paged_setup(torch, plain, B, L, 1, rng, "cuda")
 codes = (pages.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
 scales = torch.full((2, 8), 0.02, device="cuda")
 for _ in range(2):       # launches 0-1: bf16 warm-up, 2-3: fp8 warm-up

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from kvcache_cuda.backend import CudaBackend
-from kvcache_cuda.bench import Timer, _paged_setup, bench_backend
+from kvcache_cuda.bench_kit import Timer, bench_backend, paged_setup
 from kvcache_cuda.tuning import AttnTiles
 
 CASES = [(1, 32768), (16, 4096), (64, 4096)]
@@ -20,7 +20,7 @@ scales = torch.full((2, 8), 0.02, device="cuda")
 base = fp8.tuning
 sm = 128 ** -0.5
 for batch, n in CASES:
-    pages, depth, q = _paged_setup(torch, plain, batch, n, 1, rng, "cuda")
+    pages, depth, q = paged_setup(torch, plain, batch, n, 1, rng, "cuda")
     codes = (pages.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
     bf16_us = timer.measure(lambda: plain.paged_attention(q, pages, depth, sm))[0]
     print(f"B={batch} L={n}: bf16 {bf16_us:.1f} us", flush=True)

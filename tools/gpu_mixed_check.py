@@ -17,7 +17,7 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    from kvcache.bench_serving.model import build_model
+    from kvcache.bench.serving.model import build_model
     from kvcache.integrations import SamplingParams
     from kvcache.integrations.transformers import Engine
     p = argparse.ArgumentParser()

@@ -25,7 +25,7 @@ def main() -> int:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     a = p.parse_args()
-    from kvcache.bench_serving import build_model
+    from kvcache.bench.serving import build_model
     from kvcache.integrations import SamplingParams
     from kvcache.integrations.transformers import Engine
 

@@ -26,7 +26,7 @@ from engine_cases import logit_rows as rows_of  # noqa: E402  (the tests' spy, o
 
 def main(argv=None) -> int:
     import torch
-    from kvcache.bench_serving.model import build_model
+    from kvcache.bench.serving.model import build_model
     from kvcache.integrations import SamplingParams
     from kvcache.integrations.transformers import Engine
     p = argparse.ArgumentParser()

@@ -76,7 +76,7 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
     prefix_work) section "issue 31: shared-prefix and multi-turn workloads"
       for w in shared-prefix multi-turn; do
         timeout 280 python3 -m kvcache.cli bench --serving --workload $w --json > "$OUT/$w.json" 2> "$OUT/$w.err"
-        python3 -c "import json, sys; from kvcache.bench_serving.prefix import print_prefix_result as p; p(json.load(open(sys.argv[1])))" "$OUT/$w.json" || tail -5 "$OUT/$w.err"
+        python3 -c "import json, sys; from kvcache.bench.serving.prefix import print_prefix_result as p; p(json.load(open(sys.argv[1])))" "$OUT/$w.json" || tail -5 "$OUT/$w.err"
       done ;;
     prefix_profile) section "issue 31: where the shared-prefix run's host time goes"
       timeout 200 python3 tools/profile_prefix.py ${PROFILE_ARGS:-} > "$OUT/prefix_profile.txt" 2>&1
@@ -94,7 +94,7 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       timeout 100 python3 tools/mixed_step_kernels.py 2>&1 | grep -a -v -i warn | cut -c1-140 | tail -4
       for m in off on; do
         timeout 140 python3 -m kvcache.cli bench --serving --workload shared-prefix --skip b --mixed-graphs $m --json > "$OUT/sp_$m.json" 2> "$OUT/sp_$m.err"
-        python3 -c "import json, sys; from kvcache.bench_serving.prefix import print_prefix_result as p; p(json.load(open(sys.argv[1])))" "$OUT/sp_$m.json" | grep -a "on)\|off)\|/ off\|/ on" || tail -3 "$OUT/sp_$m.err"
+        python3 -c "import json, sys; from kvcache.bench.serving.prefix import print_prefix_result as p; p(json.load(open(sys.argv[1])))" "$OUT/sp_$m.json" | grep -a "on)\|off)\|/ off\|/ on" || tail -3 "$OUT/sp_$m.err"
       done
       for m in off on; do
         timeout 120 python3 -m kvcache.cli bench --serving --model llama --skip b,c --no-busy --mixed-graphs $m --json > "$OUT/rnd_$m.json" 2>/dev/null

@@ -23,7 +23,7 @@ import numpy as np
 CHILD = "import json, kvcache.bench as b; print(json.dumps(b.host_bench()))"
 CHANGING = """
 import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("kvcache.bench_ab", sys.argv[1])
+spec = importlib.util.spec_from_file_location("kvcache.bench.ab", sys.argv[1])
 b = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(b)
 print(json.dumps(getattr(b, sys.argv[2])()))
@@ -47,8 +47,9 @@ def main() -> None:
     what.add_argument("--changing", action="store_true")
     what.add_argument("--prefix", action="store_true")
     args = parser.parse_args()
-    bench_file = (os.path.abspath(os.path.join(args.new, "kvcache", "bench.py")) if args.changing
-                  else os.path.abspath(os.path.join(args.new, "kvcache", "bench_prefix.py"))
+    bench_file = (os.path.abspath(os.path.join(args.new, "kvcache", "bench", "host.py"))
+                  if args.changing
+                  else os.path.abspath(os.path.join(args.new, "kvcache", "bench", "host_prefix.py"))
                   if args.prefix else None)
     bench = "prefix_bench" if args.prefix else "changing_bench"
     results = {args.old: [], args.new: []}

@@ -26,7 +26,7 @@ def main() -> None:
     base = be.tuning
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for batch, kv_len in CASES:
-        pages, depth, q = B._paged_setup(torch, be, batch, kv_len, 1, rng, dev)
+        pages, depth, q = B.paged_setup(torch, be, batch, kv_len, 1, rng, dev)
         auto = num_splits(base, batch * B.HKV, kv_len, sms)
         for s in sorted({auto, 8, 16, 32, 64}):
             row = []

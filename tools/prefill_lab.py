@@ -210,7 +210,7 @@ def main():
     if args.quick:
         tiles = tiles[:2]
     for batch, n in bench.PREFILL_CASES:
-        pages, depth, q = bench._paged_setup(torch, be, batch, n, n, rng, dev)
+        pages, depth, q = bench.paged_setup(torch, be, batch, n, n, rng, dev)
         # the same keys, contiguous: [T, Hkv, D] (token-major, as a ragged K)
         pind = depth.page_indices.long()
         kc = pages[pind, 0].permute(0, 2, 1, 3).reshape(batch * n, HKV, D).contiguous()
@@ -218,9 +218,9 @@ def main():
         qs = q.view(batch, n, HQ, D).transpose(1, 2)
         ks = kc.view(batch, n, HKV, D).transpose(1, 2)
         vs = vc.view(batch, n, HKV, D).transpose(1, 2)
-        ref = bench._sdpa(torch, qs, ks, vs).transpose(1, 2).reshape(batch * n, HQ, D)
+        ref = bench.sdpa(torch, qs, ks, vs).transpose(1, 2).reshape(batch * n, HQ, D)
         flops = 4 * batch * n * n * HQ * D
-        sd, _ = timer.measure(lambda: bench._sdpa(torch, qs, ks, vs))
+        sd, _ = timer.measure(lambda: bench.sdpa(torch, qs, ks, vs))
         print(f"\nB={batch} L={n}: sdpa {sd:.1f} us ({flops / sd / 1e6:.0f} TFLOP/s)")
         ship, _ = timer.measure(lambda: be.paged_attention(q, pages, depth, scale))
         got = be.paged_attention(q, pages, depth, scale)[0]
@@ -326,8 +326,8 @@ def _shipped_tiles(be, timer, q, pages, depth, kc, vc, qs, ks, vs, ref, batch, n
     base = be.tuning
     scale = bench.D ** -0.5
     qo = torch.arange(0, batch * n + 1, n, device=q.device, dtype=torch.int32)
-    sdc, _ = timer.measure(lambda: bench._sdpa(torch, qs, ks, vs, causal=True))
-    refc = bench._sdpa(torch, qs, ks, vs, causal=True).transpose(1, 2).reshape(q.shape)
+    sdc, _ = timer.measure(lambda: bench.sdpa(torch, qs, ks, vs, causal=True))
+    refc = bench.sdpa(torch, qs, ks, vs, causal=True).transpose(1, 2).reshape(q.shape)
     print(f"  causal sdpa {sdc:.1f} us")
     for tiles in candidates:
         if tiles is None:

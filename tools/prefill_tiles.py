@@ -20,15 +20,15 @@ base = be.tuning
 scale = bench.D ** -0.5
 setups = []
 for batch, n in bench.PREFILL_CASES:
-    pages, depth, q = bench._paged_setup(torch, be, batch, n, n, rng, dev)
+    pages, depth, q = bench.paged_setup(torch, be, batch, n, n, rng, dev)
     qs = q.view(batch, n, bench.HQ, bench.D).transpose(1, 2)
     kc = torch.randn((batch, bench.HKV, n, bench.D), device=dev, dtype=be.dtype)
     vc = torch.randn_like(kc)
     k = torch.randn((batch * n, bench.HKV, bench.D), device=dev).to(be.dtype)
     v = torch.randn_like(k)
     qo = torch.arange(0, batch * n + 1, n, device=dev, dtype=torch.int32)
-    sd, _ = timer.measure(lambda: bench._sdpa(torch, qs, kc, vc))
-    sdc, _ = timer.measure(lambda: bench._sdpa(torch, qs, kc, vc, causal=True))
+    sd, _ = timer.measure(lambda: bench.sdpa(torch, qs, kc, vc))
+    sdc, _ = timer.measure(lambda: bench.sdpa(torch, qs, kc, vc, causal=True))
     setups.append((batch, n, pages, depth, q, k, v, qo, sd, sdc))
 for tiles in CANDIDATES:
     if tiles is None:

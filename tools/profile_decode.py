@@ -16,7 +16,7 @@ cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=32, num_kv_heads=8, head_di
 be = CudaBackend(cfg, "cuda")
 rng = np.random.default_rng(0)
 kv_len = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
-pages, depth, q = bench._paged_setup(torch, be, 1, kv_len, 1, rng, torch.device("cuda"))
+pages, depth, q = bench.paged_setup(torch, be, 1, kv_len, 1, rng, torch.device("cuda"))
 base = be.tuning
 for splits in (16, 32):
     for tiles in ((16, 64, 4, 2), (16, 128, 8, 3), (16, 128, 4, 4)):

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from kvcache.bench_serving import build_model
+from kvcache.bench.serving import build_model
 from kvcache.integrations.transformers import Engine
 
 
@@ -72,7 +72,7 @@ def main() -> None:
 def serve(a) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from kvcache.bench_serving import EngineRunner, union_length, workload
+    from kvcache.bench.serving import EngineRunner, union_length, workload
     dev = a.device
     net = build_model("llama", a.layers, a.tiny, dev, "bfloat16" if dev != "cpu" else "float32", 0)
     prompts = workload(a.requests, (8, 32) if a.tiny else (128, 1024), net.config.vocab_size, 0)

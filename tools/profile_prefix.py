@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from kvcache.bench_serving import build_model
-from kvcache.bench_serving.measure import union_length
-from kvcache.bench_serving.prefix import Online, shared_prefix_prompts
+from kvcache.bench.serving import build_model
+from kvcache.bench.serving.measure import union_length
+from kvcache.bench.serving.prefix import Online, shared_prefix_prompts
 from kvcache.integrations.transformers import Engine
 
 

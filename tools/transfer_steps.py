@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import statistics
 import time
 
@@ -19,8 +20,7 @@ def _rank(rank, world, opts):
     import torch.distributed as dist
 
     import kvcache
-    from kvcache.distributed import recv_sequence, send_sequence
-    from kvcache.distributed import transfer as tr
+    from kvcache.distributed import recv, recv_sequence, send, send_sequence
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
     T, L = opts["tokens"], 32
@@ -60,7 +60,7 @@ def _rank(rank, world, opts):
     out["p2p_fresh_us"] = timed(p2p(lambda: torch.empty(nbytes, dtype=torch.uint8, device=device)))
     head = torch.zeros(16384, dtype=torch.uint8)
     out["p2p_head_staged_us"] = timed(p2p(
-        lambda: tr._staged(torch, head, torch.device(device)) if rank == 0
+        lambda: send._staged(torch, head, torch.device(device)) if rank == 0
         else torch.empty(16384, dtype=torch.uint8, device=device)))
 
     def two():
@@ -85,15 +85,18 @@ def _rank(rank, world, opts):
                 spent[label] += time.perf_counter() - t0
                 calls[label] += 1
         setattr(owner, name, timed_call)
-    for name in ("_staged", "head_message", "_group_message", "_read_header", "_read_small",
-                 "_post_small", "_spans", "_arrays", "_transport", "_torch", "_tokens_hint",
-                 "_from_wire"):
-        wrap(tr, name)
+    # each step wrapped in the module that calls it (a step both sides call, in both)
+    for owner, names in ((send, ("_staged", "head_message", "_group_message", "_arrays",
+                                 "_transport", "_torch", "_tokens_hint")),
+                         (recv, ("_read_header", "_read_small", "_post_small", "_spans",
+                                 "_arrays", "_transport", "_torch", "_from_wire"))):
+        for name in names:
+            wrap(owner, name)
     for name in ("isend", "irecv"):
         wrap(dist, name)
     for name in ("export_sequences", "reserve_import", "write_import", "commit_import"):
         wrap(cache, name)
-    wrap(tr.json, "dumps", "json.dumps")
+    wrap(json, "dumps", "json.dumps")
 
     def full():
         if rank == 0:

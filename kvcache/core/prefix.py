@@ -520,16 +520,7 @@ class PrefixIndex:
             heapq.heappush(self._heap, (deepest.tick, deepest.id, deepest))    # a candidate now
 
     def _drop_ghost(self, ghost: Ghost) -> None:
-        pt = self.state.pt
-        seq = pt.seqs[ghost]
-        b = int(pt.s_last[seq.slot])
-        while b != -1 and pt.b_ref[b] == 1:
-            parent = int(pt.b_parent[b])
-            pt.free_block(b)
-            b = parent
-        if b != -1:
-            pt.b_ref[b] -= 1
-        pt.drop_sequence(ghost)
+        self.state._release(self.state.pt.seqs[ghost])     # its seq_id is the ghost key
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:

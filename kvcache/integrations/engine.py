@@ -1,11 +1,13 @@
 """``Engine``: continuous-batching generation over a ``PagedKVCache``, neutral to the model library.
 
 Three parts, one loop (``kvcache.serving``): the ``Scheduler`` decides what each forward runs
-(admission, chunked prefill, shared prefixes, ``n`` samples, preemption with the host tier, the
-host one step ahead of the device); the ``Runner`` runs a plan through the model (a
-``ModelAdapter``: the transformers and mlx-lm integrations each provide one), the whole-step
-decode graphs and the sampler; the ``EngineCore`` joins them: ``add_request`` / ``step`` /
-``abort`` / ``has_unfinished``. ``generate``, ``stream`` and ``astream`` are thin wrappers over it.
+(admission, chunked prefill, shared prefixes, ``n`` samples, preemption with the host tier; an
+``AsyncScheduler`` keeps the host one step ahead of the device); the ``Runner`` runs a plan
+through the model (a ``ModelAdapter``: the transformers and mlx-lm integrations each provide
+one), the whole-step decode graphs and the sampler; the ``EngineCore`` joins them:
+``add_request`` / ``step`` / ``abort`` / ``has_unfinished``, each step a ``schedule()`` and an
+``update(plan, output)`` of the scheduler. ``generate``, ``stream`` and ``astream`` are thin
+wrappers over it. The options are an ``EngineConfig`` (``kvcache.serving.config``).
 
 Sampling follows ``SamplingParams`` per request: greedy (``temperature == 0``) is the first
 argmax; otherwise the logits are filtered (top-k, top-p, min-p, as transformers' logits
@@ -28,15 +30,16 @@ from typing import Optional, Sequence
 
 from ..cache import PagedKVCache
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
-from ..serving import EngineCore, EngineStats, RequestOutput, Scheduler
+from ..serving import (AsyncScheduler, EngineConfig, EngineCore, EngineStats, RequestOutput,
+                       SamplingParams, Scheduler)
 from ..serving.progress import Progress
 from ..host_tier import HostTier
 from .adapter import ModelAdapter, PendingPicks
 from .runner import Runner
-from .sampling import SamplingParams, sampling_params_for
+from .sampling import sampling_params_for
 
-__all__ = ["Engine", "EngineStats", "ModelAdapter", "PendingPicks", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "ModelAdapter", "PendingPicks",
+           "RequestOutput", "SamplingParams"]
 
 DEFAULT_TOKENS_PER_SEQUENCE = 512
 """``max_total_tokens`` where free device memory cannot be asked (a CPU, MLX):
@@ -74,127 +77,79 @@ def quant_group_for(config, kv_dtype) -> int:
 class Engine:
     """Continuous-batching generation on one ``PagedKVCache`` for one model adapter.
 
-    ``backend``/``device``: as ``PagedKVCache`` (device None: the adapter's, the model's
-    device). ``dtype``: cache dtype (None: the model's). ``page_size``, ``max_batch_size``
-    (sequences in one forward), ``prefill_chunk_size`` (tokens in one forward; None:
-    ``min(8192, max_total_tokens)``). ``max_total_tokens``: the cache's token capacity; None:
-    sized from the device memory free when the engine starts (the model, the other engines of
-    this process and other processes already counted out; memory this process's allocator holds
-    unused counts as free): the engine takes ``memory_fraction`` (default 0.9) of it, its pages
-    and one profiled largest step together, so a second engine on the device gets a share of
-    what the first left. Where the adapter cannot ask the device (a CPU, MLX's unified memory)
-    ``512 * max_batch_size``. ``self.sizing`` says how it was chosen; when nothing fits, the
-    ``InvalidArgumentError`` says who holds the device's memory (each other engine of this
-    process by number, this process's other tensors, the rest).
-
-    ``graphs``: whole-step decode graphs (a pure decode step replays a graph captured per batch
-    bucket). None: on where the backend declares ``static_decode`` and the adapter says the
-    device gains from it (a GPU); True: on (``UnsupportedFeatureError`` if it cannot be);
-    False: off. ``graph_batch_sizes``: the buckets (None: powers of two up to
-    ``max_batch_size``).
-
-    ``mixed_graphs``: with graphs on, steps that prefill (a prompt chunk, alone or beside
-    decode rows) are captured too, once per token bucket (``CacheConfig.static_mixed``: one
-    paged pass per layer, two merged where the batch shares a prefix, the batch padded to a
-    token bucket): a step that admits a request then costs about what a decode step costs on
-    the host. None (default): on where graphs are on; True: on, or
-    ``UnsupportedFeatureError`` without graphs; False: such steps run eagerly. Tokens agree
-    with eager mixed steps to the attention's rounding (another kernel path over the same
-    keys).
-
-    ``offload``: a preempted sequence is parked in a host tier (``self.host_tier``, of
-    ``offload_tokens`` tokens, None: ``max_total_tokens``) and restored later (True), or dropped
-    and recomputed (False); None: on when the cache is on an accelerator.
-
-    ``overlap`` (default True): the host stays one step ahead of the device for greedy steps
-    (``stats.overlapped_forwards``); the tokens are the same as with ``overlap=False``.
-
-    ``prefix_cache`` (default True): automatic prefix caching (``CacheConfig.prefix_cache``):
-    a request starts from the longest cached prefix of its prompt, whole pages, left by any
-    earlier request, call or turn of a conversation (``stats.prefix_hit_tokens``); the pages
-    of finished requests stay cached until pages are needed. The tokens are the same as with
-    it off, bit for bit where docs/prefix-caching.md says.
-
-    ``kv_dtype`` (default "auto": the compute dtype): the pages' storage format
-    (``CacheConfig.kv_dtype``: "float8_e4m3", "int8", "int4" where the backend declares them
-    in ``Capabilities.kv_dtypes``); with ``max_total_tokens=None`` a format of fewer bytes
-    holds more tokens in the same memory. The affine formats quantize groups of 64 values (32
-    where the head dims are not multiples of 64). Quantized pages are offloaded as they are
-    stored (fp8 with its scales, int8 / int4 as packed rows), so a restored sequence reads
-    back the same values.
-
-    ``compile_step`` (default False): the captured decode step's model code goes through
-    ``torch.compile`` (the cache's attention an opaque op in it), so the norms, activations and
-    residual adds between the GEMMs fuse; the replayed graph holds the compiled kernels (the
-    first capture per process compiles: seconds to minutes). None: on where the adapter can
-    compile (a CUDA GPU with Triton) and graphs are on; True: on or
-    ``UnsupportedFeatureError``. Prefill and mixed steps stay eager.
+    ``adapter``: the model (a ``ModelAdapter``). The options are ``EngineConfig``'s fields (its
+    docstrings say what each does), given as keywords (``Engine(adapter, page_size=16,
+    max_total_tokens=None, max_batch_size=64, ...)``) or as ``config=EngineConfig(...)``;
+    keywords given beside ``config`` replace its fields. In short: ``backend`` / ``device``
+    (None: the adapter's, the model's device) / ``dtype`` (None: the model's) as
+    ``PagedKVCache``; ``page_size``, ``max_batch_size``, ``prefill_chunk_size`` and
+    ``max_total_tokens`` (None: sized from the device memory free when the engine starts,
+    ``memory_fraction`` of it; ``self.sizing`` says how); ``graphs`` / ``graph_batch_sizes`` /
+    ``mixed_graphs`` / ``compile_step`` (whole-step graphs, their buckets, prefill steps
+    captured too, the captured step compiled); ``offload`` / ``offload_tokens`` (the host tier
+    preempted sequences are parked in); ``overlap`` (the host one step ahead of the device:
+    an ``AsyncScheduler``); ``prefix_cache``; ``kv_dtype`` (the pages' storage format).
+    ``self.engine_config`` holds them as given. A bad value raises ``InvalidArgumentError``
+    naming the option; an option the backend or adapter cannot honour,
+    ``UnsupportedFeatureError``.
 
     ``progress``: None (default) shows a progress display on a terminal during ``generate``;
     True / False force it.
     """
 
-    def __init__(self, adapter: ModelAdapter, backend: str = "auto", device: Optional[str] = None,
-                 dtype: Optional[str] = None, page_size: int = 16,
-                 max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
-                 prefill_chunk_size: Optional[int] = None, graphs: Optional[bool] = None,
-                 graph_batch_sizes: Optional[Sequence[int]] = None,
-                 offload: Optional[bool] = None, offload_tokens: Optional[int] = None,
-                 overlap: bool = True, memory_fraction: float = 0.9, prefix_cache: bool = True,
-                 kv_dtype: str = "auto", compile_step: Optional[bool] = False,
-                 mixed_graphs: Optional[bool] = None):
-        for name, value in (("graphs", graphs), ("offload", offload),
-                            ("compile_step", compile_step), ("mixed_graphs", mixed_graphs)):
-            if value is not None and not isinstance(value, bool):
-                raise InvalidArgumentError(f"{name}={value!r} must be None, True or False")
-        for name, value in (("overlap", overlap), ("prefix_cache", prefix_cache)):
-            if not isinstance(value, bool):
-                raise InvalidArgumentError(f"{name}={value!r} must be True or False")
-        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
-                or not 0 < memory_fraction <= 1:
-            raise InvalidArgumentError(f"memory_fraction={memory_fraction!r} must be a number in (0, 1]")
+    def __init__(self, adapter: ModelAdapter, *, config: Optional[EngineConfig] = None,
+                 **options):
+        opts = EngineConfig.of(config, **options)
+        self.engine_config = opts
+        """The options this engine was built with (``EngineConfig``)."""
         self.adapter = adapter
-        self._kv_dtype = kv_dtype
+        self._kv_dtype = opts.kv_dtype
         self.number = next(_NUMBERS)
         """This engine's number in its process (a sizing error names engines by it)."""
-        device = device if device is not None else adapter.default_device()
-        self.graphs = self._want_graphs(graphs, backend, device)
-        sizes: dict = dict(dtype=dtype, page_size=page_size, max_batch_size=max_batch_size)
+        backend = opts.backend
+        device = opts.device if opts.device is not None else adapter.default_device()
+        self.graphs = self._want_graphs(opts.graphs, backend, device)
+        sizes: dict = dict(dtype=opts.dtype, page_size=opts.page_size,
+                           max_batch_size=opts.max_batch_size)
+        max_total_tokens, prefill_chunk_size = opts.max_total_tokens, opts.prefill_chunk_size
         if max_total_tokens is None:
             max_total_tokens, self.sizing = self._size(backend, device, prefill_chunk_size,
-                                                       float(memory_fraction), sizes)
+                                                       float(opts.memory_fraction), sizes)
         else:
             self.sizing = "given"
         if prefill_chunk_size is None:
             prefill_chunk_size = min(8192, int(max_total_tokens))
-        config = adapter.cache_config(max_total_tokens=max_total_tokens,
-                                      prefill_chunk_size=prefill_chunk_size, **sizes)
-        config = dataclasses.replace(config, prefix_cache=prefix_cache, kv_dtype=kv_dtype,
-                                     kv_quant_group=quant_group_for(config, kv_dtype))
-        if mixed_graphs and not self.graphs:
+        cfg = adapter.cache_config(max_total_tokens=max_total_tokens,
+                                   prefill_chunk_size=prefill_chunk_size, **sizes)
+        cfg = dataclasses.replace(cfg, prefix_cache=opts.prefix_cache, kv_dtype=opts.kv_dtype,
+                                  kv_quant_group=quant_group_for(cfg, opts.kv_dtype))
+        if opts.mixed_graphs and not self.graphs:
             raise UnsupportedFeatureError(
                 "mixed_graphs=True captures prefill steps beside the decode steps, and graphs "
                 "are off; pass graphs=True (or None on a GPU) or mixed_graphs=False")
-        self.mixed_graphs = bool(self.graphs and mixed_graphs is not False)
+        self.mixed_graphs = bool(self.graphs and opts.mixed_graphs is not False)
         """Whether steps that prefill are captured too (``mixed_graphs``)."""
         if self.graphs:
-            config = dataclasses.replace(config, static_decode=True,
-                                         static_decode_batch_sizes=tuple(graph_batch_sizes or ()),
-                                         static_mixed=self.mixed_graphs)
-        self.cache = PagedKVCache(config, backend=backend, device=device)
-        self.config = config
+            cfg = dataclasses.replace(cfg, static_decode=True,
+                                      static_decode_batch_sizes=opts.graph_batch_sizes or (),
+                                      static_mixed=self.mixed_graphs)
+        self.cache = PagedKVCache(cfg, backend=backend, device=device)
+        self.config = cfg
         adapter.check(self.cache)
+        offload = opts.offload
         if offload is None:     # (payloads hold one head dim: no host tier for head_dim_v)
             offload = (not str(self.cache.backend.device or "cpu").startswith("cpu")
-                       and config.head_dim_v == config.head_dim)
+                       and cfg.head_dim_v == cfg.head_dim)
         self.host_tier: Optional[HostTier] = (
-            HostTier(self.cache, config.max_total_tokens if offload_tokens is None else offload_tokens)
+            HostTier(self.cache, cfg.max_total_tokens if opts.offload_tokens is None
+                     else opts.offload_tokens)
             if offload else None)
         """Where preempted sequences are parked (None: offload is off, they are recomputed)."""
-        self.overlap = overlap
+        self.overlap = opts.overlap
         self.stats = EngineStats()
-        self.scheduler = Scheduler(self.cache, self.host_tier, self.stats, pipelined=overlap)
-        self.compiled = self._want_compile(compile_step, device)
+        scheduler = AsyncScheduler if opts.overlap else Scheduler
+        self.scheduler = scheduler(self.cache, self.host_tier, self.stats)
+        self.compiled = self._want_compile(opts.compile_step, device)
         """Whether captured decode steps run the compiled model code (``compile_step``)."""
         self.runner = Runner(adapter, self.cache, self.stats, graphs=self.graphs,
                              compiled=self.compiled)

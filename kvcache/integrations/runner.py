@@ -1,7 +1,7 @@
 """The model runner: one ``StepPlan`` through the model and the cache, and the picks.
 
 It holds the ``ModelAdapter``, the whole-step decode graphs and the sampler; the
-``EngineCore`` calls it (see ``kvcache.serving.core`` for the protocol).
+``EngineCore`` calls it (the calls: ``kvcache.serving.protocols.ModelRunner``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from ..errors import InvalidArgumentError
+# seeds are int64 on the device, SamplingParams.seed's range
+from ..serving.sampling_params import SEED_LIMIT as _SEED_LIMIT
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -33,9 +35,6 @@ class SamplingRow(Protocol):
     def greedy(self) -> bool: ...
 
     def sample_seed(self, j: int = 0) -> int: ...
-
-
-_SEED_LIMIT = 2 ** 63          # seeds are int64 on the device (SamplingParams.seed too)
 
 
 # ---------------------------------------------------------------------------- the filter

@@ -10,21 +10,19 @@ from .plan import SLOT, StepPlan
 from .sequences import Seq
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .plan import Inflight
+    from .protocols import SchedulerCache
     from .sequences import Sequences
 
 
 class Batching:
     """``Scheduler``'s planning methods (``Scheduler.schedule`` calls them), over the
-    scheduler's cache, sequences and step in flight."""
+    scheduler's cache and sequences."""
 
     if TYPE_CHECKING:  # pragma: no cover: what they read of the Scheduler
-        cache: Any
+        cache: SchedulerCache
         config: Any
         seqs: Sequences
-        pipelined: bool
         _head: Optional[Seq]
-        _inflight: Optional[Inflight]
 
     def _choose(self):
         """The next forward's (seq, chunk) list with the head in it, preempting for the head
@@ -68,7 +66,7 @@ class Batching:
             start, taken = self.cache.prefix_admission(self.seqs.known_ids(s))  # it then holds
         else:
             start, taken = 0, 0
-        want = min(len(s.tokens) - start, budget)
+        want = min(s.length - start, budget)
         have = free - taken
         if have < 0 and taken:
             fits = 0                                          # no page for the restore / copy
@@ -93,7 +91,7 @@ class Batching:
             if chunk <= 0:
                 if not force:
                     return None
-                chunk, pages = min(len(head.tokens) - start, own), 0     # try anyway
+                chunk, pages = min(head.length - start, own), 0          # try anyway
             free -= pages
         batch = [(s, 1) for s in decodes[:slots]]
         if batch:                           # the cache counts the decodes' new pages
@@ -119,7 +117,12 @@ class Batching:
             free -= pages
         return batch
 
-    def _plan(self, batch) -> StepPlan:
+    def _pack(self, batch, sources: Optional[dict] = None) -> StepPlan:
+        """The ``StepPlan`` of ``batch``'s (seq, chunk) pairs: the chunks' tokens packed, and a
+        logit row for each sequence whose chunk reaches its end; no picks (``draws``) yet. A
+        chunk that ends in a placeholder (``Seq.ahead``: an ``AsyncScheduler``'s pick still on
+        its way, one at most: one step is in flight) packs it as ``SLOT`` at ``slot_dst``, its
+        pick at ``slot_src``: the row ``sources[id(seq)]`` of the step in flight's picks."""
         ids: list = []
         lens: list = []
         toks: list = []
@@ -128,28 +131,29 @@ class Batching:
         wants: list = []
         dst: list = []
         src: list = []
-        slots = self._inflight.slots if self._inflight is not None else {}
         decode = True
         for seq, chunk in batch:
-            chunk = min(chunk, seq.pending)
+            tokens = seq.tokens
+            known = len(tokens)
+            length = known + seq.ahead
             start = seq.cached
-            slot = slots.get(id(seq))
-            if slot is not None and start <= slot[0] < start + chunk:
-                dst.append(len(toks) + slot[0] - start)
-                src.append(slot[1])
+            chunk = min(chunk, length - start)
+            end = start + chunk
             ids.append(seq.sid)
             lens.append(chunk)
-            toks.extend(seq.tokens[start:start + chunk])
-            pos.extend(range(start, start + chunk))
+            if end > known:
+                toks.extend(tokens[start:])
+                dst.append(len(toks))
+                src.append(sources[id(seq)])            # type: ignore[index]
+                toks.append(SLOT)
+            else:
+                toks.extend(tokens[start:end])
+            pos.extend(range(start, end))
             decode = decode and chunk == 1 and seq.kind == "sample"
-            if start + chunk == len(seq.tokens) and seq.kind != "prefix":
+            if end == length and seq.kind != "prefix":
                 rows.append(len(toks) - 1)
                 wants.append(seq)
-        assert len(dst) == toks.count(SLOT), "a pick still on its way has no source in the step before"
         reqs = [s.req for s in wants]
-        top = max((r.top_logprobs for r in reqs), default=0)
-        return StepPlan(ids, lens, toks, pos, rows, wants, dst, src,
-                        pipelined=self.pipelined and top == 0
-                        and all(r.greedy and r.params.n == 1 for r in reqs),
+        return StepPlan(ids, lens, toks, pos, rows, wants, dst, src, pipelined=False,
                         logprobs=any(r.wants_logprobs for r in reqs), decode=decode, batch=batch,
-                        top_logprobs=top)
+                        top_logprobs=max((r.top_logprobs for r in reqs), default=0))

@@ -1,22 +1,16 @@
 """``EngineCore``: the one loop that turns requests into tokens.
 
-It joins a ``Scheduler`` (which sequences run, pure Python) and a runner (the model on the
-device). The runner is any object with:
+It joins a ``Scheduler`` (which sequences run, pure Python; an ``AsyncScheduler`` keeps the
+host one step ahead of the device) and a runner (the model on the device: ``ModelRunner`` in
+``kvcache.serving.protocols``). A step is two calls of the scheduler, as vLLM v1's engine
+core makes them::
 
-* ``session()``: a context manager held while the core has work (e.g. the model's attention
-  switched to the cache);
-* ``step_context()`` (optional): a context manager around each step, left before ``step``
-  returns or raises (e.g. torch's inference mode: the caller's thread is as it was between
-  steps, whatever else runs the same model in between);
-* ``forward(plan, picks)``: runs ``plan`` (a ``StepPlan``) as one forward of the cache and
-  returns its logits; ``picks`` is the step before's pending picks when ``plan.slot_dst`` takes
-  tokens from them; raises ``CacheFullError`` with nothing changed when it does not fit;
-* ``greedy_async(logits, logprobs)``: the first argmax of each row, still on its way to the
-  host (an object with ``result() -> (tokens, logprobs)``);
-* ``pick(logits, draws, logprobs)``: one host ``(token, logprob)`` pair per ``Draw``;
-* ``alternatives(logits, rows, k)``: the ``k`` likeliest tokens of each of ``rows`` and their
-  log-probabilities, host ``(ids (D, k), logprobs (D, k))``, best first (asked only when a
-  request wants them, ``SamplingParams(logprobs=k)``).
+    plan = scheduler.schedule()                 # StepPlan: what the forward runs, its picks
+    output = <the runner runs plan>             # StepOutput: the picks (or picks on their way)
+    outputs = scheduler.update(plan, output)    # booked; the RequestOutputs
+
+and a forward that does not fit (``CacheFullError``, nothing changed) is handed to
+``update(plan, error)`` in place of its output, which preempts, and the step plans again.
 
 Pure Python: it is driven with a fake runner in the tests.
 """
@@ -24,11 +18,16 @@ Pure Python: it is driven with a fake runner in the tests.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ..errors import CacheFullError, InvalidArgumentError
+from .plan import StepOutput, StepPlan
 from .request import Request, RequestOutput, Sample
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .protocols import ModelRunner
 
 __all__ = ["EngineCore"]
 
@@ -39,7 +38,7 @@ class EngineCore:
     is queued (raising a typed error that names the bad value) and returns the prompt as a list
     of ints, the ``SamplingParams`` to use and the token ids that end a sample."""
 
-    def __init__(self, scheduler: Scheduler, runner, admit: Callable):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, admit: Callable):
         self.scheduler = scheduler
         self.runner = runner
         self._admit = admit
@@ -53,8 +52,8 @@ class EngineCore:
         every ``step``."""
         return self.scheduler.stats
 
-    def add_request(self, prompt, params=None, *, hold_kv: bool = False,
-                    kv_seq_id: Optional[int] = None) -> int:
+    def add_request(self, prompt, params: Optional[SamplingParams] = None, *,
+                    hold_kv: bool = False, kv_seq_id: Optional[int] = None) -> int:
         """Queue a request; returns its id. ``params``: a ``SamplingParams`` (None: the
         defaults). Raises ``InvalidArgumentError`` (nothing queued) on a bad prompt or one that
         cannot fit the cache even alone.
@@ -146,37 +145,35 @@ class EngineCore:
         return enter() if enter is not None else contextlib.nullcontext()
 
     def _step(self) -> list:
-        sched, runner = self.scheduler, self.runner
+        sched = self.scheduler
         while True:
             plan = sched.schedule()
-            if plan is None:
-                before = sched.take_inflight()
-                return [] if before is None else self._settle(before)
-            before = sched.inflight
             try:
-                logits = runner.forward(plan, before.picks if plan.slot_dst else None)
+                output = self._execute(plan)
             except CacheFullError as exc:
-                sched.forward_failed(exc)
+                sched.update(plan, exc)         # preempts for the head: plan again
                 continue
-            sched.ran(plan)
-            before = sched.take_inflight()
-            if before is not None:
-                sched.stats.overlapped_forwards += 1
-            if plan.pipelined:
-                if plan.wants:
-                    sched.launched(plan, runner.greedy_async(logits, plan.logprobs))
-                return [] if before is None else self._settle(before)
-            out = [] if before is None else self._settle(before)
-            draws = sched.draws(plan)
-            tokens, logprobs = runner.pick(logits, draws, plan.logprobs) if draws else ([], [])
-            alternatives = None
-            if draws and plan.top_logprobs:
-                alternatives = runner.alternatives(logits, [d.row for d in draws], plan.top_logprobs)
-            return out + sched.consume(plan, tokens, logprobs, alternatives)
+            return sched.update(plan, output)
 
-    def _settle(self, inflight) -> list:
-        tokens, logprobs = inflight.picks.result()
-        return self.scheduler.settle(inflight, tokens, logprobs)
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        """Run ``plan`` on the runner: its forward (none for an empty plan) and its picks, on
+        their way for a pipelined step, else on the host."""
+        if not plan.seq_ids:
+            return StepOutput()
+        runner = self.runner
+        logits = runner.forward(plan, plan.slot_picks)
+        self.scheduler.stats.forwards += 1      # counted once it ran, before its picks are made
+        if plan.pipelined:
+            return StepOutput(pending=runner.greedy_async(logits, plan.logprobs)
+                              if plan.wants else None)
+        draws = plan.draws
+        if not draws:
+            return StepOutput()
+        tokens, logprobs = runner.pick(logits, draws, plan.logprobs)
+        alternatives = None
+        if plan.top_logprobs:
+            alternatives = runner.alternatives(logits, [d.row for d in draws], plan.top_logprobs)
+        return StepOutput(tokens, logprobs, alternatives)
 
     def reset(self) -> None:
         """Drop every request and sequence (after an error: the cache is cleared)."""

@@ -49,7 +49,6 @@ class Sample:
     logprobs: list = dataclasses.field(default_factory=list)
     top: list = dataclasses.field(default_factory=list)     # per token: [(id, logprob)] (logprobs=k)
     finish_reason: Optional[str] = None
-    planned: int = 0            # picks launched for it (pipelined steps: some still in flight)
     emitted: int = 0            # tokens already reported in a RequestOutput
 
     @property

@@ -3,9 +3,9 @@
 Pure Python over the cache's public API (no array library, no model library), so it is tested
 with a fake runner. Per step (one forward):
 
-* every sequence holds ``tokens`` (what it must have in the cache) and ``cached`` (what it has);
-  its pending tokens ``tokens[cached:]`` are one token for a decoding sample and a chunk of the
-  prompt for a prefill;
+* every sequence holds ``tokens`` (what it must have in the cache; with ``AsyncScheduler`` also
+  ``ahead`` placeholders, picks still on their way) and ``cached`` (what it has); its pending
+  tokens are one token for a decoding sample and a chunk of the prompt for a prefill;
 * decodes first, oldest first; then prefills oldest first, chunked to the forward's token budget
   (``prefill_chunk_size``) and admitted only while the free pages cover them;
 * shared prefixes and ``n > 1`` samples fork from a sequence prefilled once
@@ -19,23 +19,28 @@ with a fake runner. Per step (one forward):
   from its prefix when that is still in the cache), or, with a host tier, parked in host memory
   and restored when it is scheduled again.
 
-*Pipelined mode* (the host one step ahead of the device): a step whose picks are all greedy and
-one per sequence is booked before its picks reach the host (``launched``): each sequence that
-goes on gets a placeholder token (``SLOT``) that the next step takes from those picks where they
-are (on the device), and the picks are read (``settle``) after the next step is launched. A
-sample that the settled picks stop had one more step launched for it: that pick is dropped.
+The engine core calls it twice a step (vLLM v1's ``schedule`` / ``update_from_output``):
+``schedule()`` plans the forward (a ``StepPlan``, with a ``Draw`` per pick) and ``update(plan,
+output)`` books it with the runner's ``StepOutput`` and returns the step's ``RequestOutput``
+records; a forward that did not fit is reported as ``update(plan, CacheFullError)``. This
+scheduler is synchronous: a step's picks are read before the next is planned.
+``AsyncScheduler`` (``kvcache.serving.async_scheduler``) keeps the host one step ahead of the
+device.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from ..errors import CacheFullError
 from .batching import Batching
-from .plan import SLOT, Draw, Inflight, StepPlan
+from .plan import Draw, StepOutput, StepPlan
 from .request import Request, RequestOutput, Sample
 from .sequences import Seq, Sequences
 from .stats import EngineStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .protocols import HostStore, SchedulerCache
 
 __all__ = ["Scheduler"]
 
@@ -43,24 +48,22 @@ __all__ = ["Scheduler"]
 class Scheduler(Batching):
     """Requests and sequences on one ``PagedKVCache`` (see the module docstring).
 
-    ``cache``: the cache; ``host_tier``: a ``kvcache.HostTier`` preempted sequences are parked
-    in (None: they are recomputed); ``stats``: the ``EngineStats`` it counts in;
-    ``pipelined``: the host one step ahead for greedy steps."""
+    ``cache``: the cache (what the scheduler calls of it: ``SchedulerCache``); ``host_tier``: a
+    ``kvcache.HostTier`` preempted sequences are parked in (None: they are recomputed);
+    ``stats``: the ``EngineStats`` it counts in."""
 
-    def __init__(self, cache, host_tier=None, stats: Optional[EngineStats] = None,
-                 pipelined: bool = True):
+    def __init__(self, cache: SchedulerCache, host_tier: Optional[HostStore] = None,
+                 stats: Optional[EngineStats] = None):
         self.cache = cache
         self.config = cache.config
         self.host_tier = host_tier
         self.stats = stats if stats is not None else EngineStats()
-        self.pipelined = pipelined
         self.requests: dict = {}           # request_id -> Request, unfinished
         self.seqs = Sequences(cache, host_tier, self.stats)
         self._fresh: list = []             # requests added since the last plan
         self.held: dict = {}               # request_id -> sequence id kept (hold_kv), finished
         self._orders = 0
         self._head: Optional[Seq] = None
-        self._inflight: Optional[Inflight] = None
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -71,8 +74,8 @@ class Scheduler(Batching):
         self._fresh.append(request)
 
     def has_unfinished(self) -> bool:
-        """A request is queued or running, or a pipelined step's picks are still unread."""
-        return bool(self.requests) or self._inflight is not None
+        """A request is queued or running."""
+        return bool(self.requests)
 
     @property
     def num_running(self) -> int:
@@ -105,18 +108,18 @@ class Scheduler(Batching):
                 out.append(self._output(req, j, smp))
         return out
 
-    # ------------------------------------------------------------------ sequences
     # ---------------------------------------------- planning (the batch policy: .batching)
-    def schedule(self) -> Optional[StepPlan]:
-        """The next forward, its sequences admitted to the cache; None when nothing is left to
-        run (a pipelined step may still be in flight: ``settle`` it)."""
+    def schedule(self) -> StepPlan:
+        """The next forward, its sequences admitted to the cache, with the picks to make from
+        its logits (``plan.draws``); a plan with no sequences when nothing is left to run.
+        Hand it to ``update`` with what the runner made of it, run or not."""
         if self._fresh:
             fresh, self._fresh = self._fresh, []
             self.seqs.take_fresh(fresh)
         while True:
             batch = self._choose()
             if batch is None:
-                return None
+                return StepPlan.idle()
             try:
                 for seq, _ in batch:
                     if not seq.live:
@@ -126,16 +129,47 @@ class Scheduler(Batching):
                 continue
             return self._plan(batch)
 
-    # ------------------------------------------------------------------ admission, preemption
-    def forward_failed(self, exc: CacheFullError) -> None:
-        """The planned forward did not fit: preempt for the head, then plan again."""
-        self.seqs.preempt(str(exc), keep=self._head)
+    def _plan(self, batch) -> StepPlan:
+        plan = self._pack(batch)
+        plan.draws = self._draws(plan.wants)
+        return plan
+
+    def _draws(self, wants: list) -> list:
+        """One ``Draw`` per unfinished sample of each sequence in ``wants`` (a prompt's ``n``
+        samples draw from its row); ``step`` counts the sample's picks still on their way."""
+        out = []
+        for k, seq in enumerate(wants):
+            req = seq.req
+            group = range(len(req.samples)) if seq.kind == "prompt" else (seq.sample,)
+            for j in group:
+                smp = req.samples[j]
+                if not smp.done:
+                    out.append(Draw(k, req.params, smp.seed, len(smp.tokens) + seq.ahead, j))
+        return out
 
     # ------------------------------------------------------------------ after the forward
-    def ran(self, plan: StepPlan) -> None:
-        """The planned forward ran: its sequences hold their new tokens."""
+    def update(self, plan: StepPlan, output: Union[StepOutput, CacheFullError]) -> list:
+        """Book ``plan`` (from ``schedule``) with ``output``, what the runner made of it:
+
+        * a ``StepOutput``: the forward ran (or ``plan`` had nothing to run); its sequences hold
+          their new tokens and each sample takes its pick (one per ``plan.draws``, in order).
+          A prompt with one sample goes on as it; with ``n > 1`` its sequence becomes the
+          samples' shared prefix and each sample forks from it;
+        * a ``CacheFullError``: the forward did not fit and changed nothing; the youngest
+          sequence other than the head is preempted, and the next ``schedule`` plans again.
+
+        Returns the ``RequestOutput`` of every sample that got tokens or ended."""
+        if isinstance(output, CacheFullError):
+            self.seqs.preempt(str(output), keep=self._head)
+            return []
+        if plan.seq_ids:
+            self._ran(plan)
+        return self._consume(plan, output)
+
+    def _ran(self, plan: StepPlan) -> None:
+        """The planned forward ran (``EngineCore`` counted it): its sequences hold their new
+        tokens."""
         stats = self.stats
-        stats.forwards += 1
         for (seq, _), chunk in zip(plan.batch, plan.lens):
             if seq.kind == "sample" and chunk == 1 and seq.computed == seq.cached:
                 stats.decode_tokens += 1
@@ -147,101 +181,24 @@ class Scheduler(Batching):
             if seq.kind == "prefix":
                 self.seqs.maybe_retire(seq)
 
-    def launched(self, plan: StepPlan, picks) -> None:
-        """Book a pipelined step's picks before the host has them: a prompt's sequence goes on
-        as its sample; a sample this pick brings to ``max_tokens`` leaves the cache now (the
-        forward in flight still writes its pages: the cache keeps them until it is done); every
-        other one gets a ``SLOT`` token, its next step's input, filled by ``settle``."""
-        assert self._inflight is None, "settle the step before first"
-        if not plan.wants:
-            return
-        slots = {}
-        for k, seq in enumerate(plan.wants):
-            if seq.kind == "prompt":
+    def _consume(self, plan: StepPlan, output: StepOutput) -> list:
+        """Each draw's sample takes its pick (a sample that ended since the plan was made drops
+        it), then each sequence of ``plan.wants`` goes on or ends. Returns the outputs."""
+        tokens, logprobs, alternatives = output.tokens, output.logprobs, output.alternatives
+        wants, touched = plan.wants, []
+        for d, draw in enumerate(plan.draws):
+            req = wants[draw.row].req
+            if self._draw(req, req.samples[draw.sample], int(tokens[d]), float(logprobs[d]),
+                          _top(alternatives, d, req.top_logprobs)):
+                touched.append((req, draw.sample))
+        for seq in wants:
+            req = seq.req
+            if seq.kind != "prompt":
+                self._after(seq, req.samples[seq.sample])
+            elif len(req.samples) == 1:
                 seq.go_on_as_sample()
-            smp = seq.req.samples[seq.sample]
-            smp.planned += 1
-            if smp.done or smp.planned >= seq.req.max_tokens:
-                self._finish(seq)
+                self._after(seq, req.samples[0])
             else:
-                seq.tokens.append(SLOT)
-                slots[id(seq)] = (len(seq.tokens) - 1, k)
-        self._inflight = Inflight(list(plan.wants), picks, slots)
-
-    @property
-    def inflight(self):
-        """The pipelined step in flight (its pending picks: ``.picks``), or None."""
-        return self._inflight
-
-    def reset(self) -> None:
-        """Forget every request and sequence; the cache is cleared (after an error)."""
-        self.requests.clear()
-        self.seqs.clear()
-        self.held.clear()
-        self._fresh = []
-        self._inflight = None
-        self._head = None
-        self.cache.clear()
-        if self.host_tier is not None:
-            self.host_tier.clear()
-
-    def take_inflight(self):
-        """The pipelined step in flight (its picks: ``.picks``), or None; it is no longer
-        referenced by the next plan once taken: ``settle`` it."""
-        inflight, self._inflight = self._inflight, None
-        return inflight
-
-    def settle(self, inflight, tokens, logprobs) -> list:
-        """Read a pipelined step's picks (host ``tokens`` / ``logprobs``, one per sequence of
-        ``inflight.wants``): each sample takes its token (none once it has ended), ``SLOT``
-        tokens get their ids, and a sample that ended leaves the cache. Returns the outputs."""
-        touched = []
-        for k, seq in enumerate(inflight.wants):
-            smp = seq.req.samples[seq.sample]
-            if self._draw(seq.req, smp, int(tokens[k]), float(logprobs[k])):
-                touched.append((seq.req, seq.sample))
-            slot = inflight.slots.get(id(seq))
-            if slot is None:
-                continue
-            if smp.done:
-                self.seqs.retire(seq)
-            else:
-                seq.tokens[slot[0]] = int(tokens[k])
-        return self._outputs(touched)
-
-    def draws(self, plan: StepPlan) -> list:
-        """The picks a synchronous step makes (call after settling the step before): one
-        ``Draw`` per unfinished sample of each sequence in ``plan.wants`` (a prompt's ``n``
-        samples draw from its row)."""
-        out = []
-        for k, seq in enumerate(plan.wants):
-            req = seq.req
-            group = range(len(req.samples)) if seq.kind == "prompt" else (seq.sample,)
-            for j in group:
-                smp = req.samples[j]
-                if not smp.done:
-                    out.append(Draw(k, req.params, smp.seed, len(smp.tokens)))
-        return out
-
-    def consume(self, plan: StepPlan, tokens, logprobs, alternatives=None) -> list:
-        """Take a synchronous step's picks (one per ``draws(plan)`` entry, in order;
-        ``alternatives``: ``(ids (D, k), logprobs (D, k))`` when ``plan.top_logprobs``). A prompt
-        with one sample goes on as it; with ``n > 1`` its sequence becomes the samples' shared
-        prefix and each sample forks from it. Returns the outputs."""
-        touched, d = [], 0
-        for seq in plan.wants:
-            req = seq.req
-            if seq.kind == "prompt":
-                for j, smp in enumerate(req.samples):
-                    if not smp.done:
-                        if self._draw(req, smp, int(tokens[d]), float(logprobs[d]),
-                                      _top(alternatives, d, req.top_logprobs)):
-                            touched.append((req, j))
-                        d += 1
-                if len(req.samples) == 1:
-                    seq.go_on_as_sample()
-                    self._after(seq, req.samples[0])
-                    continue
                 seq.kind = "prefix"
                 for j, smp in enumerate(req.samples):
                     if smp.done:
@@ -251,15 +208,18 @@ class Scheduler(Batching):
                                           origin=seq, computed=len(seq.tokens))
                     self.seqs.attach(child, seq)
                 self.seqs.maybe_retire(seq)
-                continue
-            smp = req.samples[seq.sample]
-            if not smp.done:
-                if self._draw(req, smp, int(tokens[d]), float(logprobs[d]),
-                              _top(alternatives, d, req.top_logprobs)):
-                    touched.append((req, seq.sample))
-                d += 1
-            self._after(seq, smp)
         return self._outputs(touched)
+
+    def reset(self) -> None:
+        """Forget every request and sequence; the cache is cleared (after an error)."""
+        self.requests.clear()
+        self.seqs.clear()
+        self.held.clear()
+        self._fresh = []
+        self._head = None
+        self.cache.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
 
     def _after(self, seq: Seq, smp: Sample) -> None:
         if smp.done:
@@ -292,7 +252,6 @@ class Scheduler(Batching):
         smp.logprobs.append(logprob)
         if top is not None:
             smp.top.append(top)
-        smp.planned = max(smp.planned, len(smp.tokens))
         if token in req.stops:
             smp.finish_reason = "stop"
         elif len(smp.tokens) >= req.max_tokens:

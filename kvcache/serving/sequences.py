@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import array
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import CacheFullError
-from .plan import SLOT
 from .request import Request
 from .stats import EngineStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .protocols import HostStore, SchedulerCache
 
 __all__ = ["Seq", "Sequences"]
 
@@ -38,12 +40,17 @@ class Seq:
     waiting: int = 0                   # dependants not yet forked from it
     computed: int = 0                  # tokens ever run for it (recompute accounting)
     recorded: int = 0                  # its first tokens whose ids the cache knows (prefix cache)
-    ids: Optional[array.array] = None  # ``known`` tokens as int64 (prefix cache lookups), cached
-    ids_whole: bool = False            # ``ids`` was made from all of ``tokens`` (no SLOT among them)
+    ids: Optional[array.array] = None  # ``tokens`` as int64 (prefix cache lookups), cached
+    ahead: int = 0                     # placeholders after ``tokens``: picks on their way (async)
+
+    @property
+    def length(self) -> int:
+        """The tokens it holds once its picks on their way come: ``tokens`` and placeholders."""
+        return len(self.tokens) + self.ahead
 
     @property
     def pending(self) -> int:
-        return len(self.tokens) - self.cached
+        return len(self.tokens) + self.ahead - self.cached
 
     def go_on_as_sample(self) -> None:
         """A prompt's sequence with one sample (``n == 1``) goes on as that sample."""
@@ -55,7 +62,7 @@ class Sequences:
     """The sequences of one cache (``by_sid``: those not retired), with the host tier
     preempted ones are parked in (None: they are recomputed)."""
 
-    def __init__(self, cache, host_tier, stats: EngineStats):
+    def __init__(self, cache: SchedulerCache, host_tier: Optional[HostStore], stats: EngineStats):
         self.cache = cache
         self.config = cache.config
         self.host_tier = host_tier
@@ -151,7 +158,7 @@ class Sequences:
             parent = parent.origin
         if parent is not None:
             seq.parent = parent
-            seq.fork_pos = min(len(parent.tokens), len(seq.tokens) - 1)
+            seq.fork_pos = min(len(parent.tokens), seq.length - 1)
             parent.waiting += 1
         else:
             seq.parent, seq.fork_pos = None, 0
@@ -171,36 +178,24 @@ class Sequences:
             self.drop(seq)
 
     @staticmethod
-    def known(seq: Seq) -> list:
-        """``seq``'s tokens up to a pick still on its way (pipelined mode)."""
-        return seq.tokens[:seq.tokens.index(SLOT)] if SLOT in seq.tokens else seq.tokens
-
-    @classmethod
-    def known_ids(cls, seq: Seq) -> array.array:
-        """``known(seq)`` as an int64 ``array``, made once per length: a waiting request's
-        prefix lookups (one per step it waits, then its admission) convert it once. While it
-        holds all of ``tokens`` and their length and last token are the same, it is returned
-        without looking for a ``SLOT`` (a scan of every token): tokens are only appended, and
-        only a ``SLOT`` is written over in place, so none came in between."""
+    def known_ids(seq: Seq) -> array.array:
+        """``seq``'s tokens as an int64 ``array`` (prefix cache lookups), made once per length: a
+        waiting request's lookups (one per step it waits, then its admission) convert it once.
+        Tokens are only appended (a pick on its way is a count, ``Seq.ahead``, not a token), so
+        the same length and last token are the same ids."""
         tokens, ids = seq.tokens, seq.ids
-        if seq.ids_whole and ids is not None and len(ids) == len(tokens) \
-                and (not tokens or ids[-1] == tokens[-1]):
-            return ids
-        known = cls.known(seq)
-        if ids is None or len(ids) != len(known) or (known and ids[-1] != known[-1]):
-            ids = seq.ids = array.array("q", known)
-        seq.ids_whole = len(known) == len(tokens)
+        if ids is None or len(ids) != len(tokens) or (tokens and ids[-1] != tokens[-1]):
+            ids = seq.ids = array.array("q", tokens)
         return ids
 
     def record(self, seq: Seq) -> None:
-        """Tell the prefix cache the ids of ``seq``'s tokens it does not know yet (up to a pick
-        still on its way), so that its full pages stay cached after it leaves."""
+        """Tell the prefix cache the ids of ``seq``'s tokens it does not know yet, so that its
+        full pages stay cached after it leaves."""
         if not self.cache.config.prefix_cache or not seq.live:
             return
-        upto = seq.tokens.index(SLOT) if SLOT in seq.tokens[seq.recorded:] else len(seq.tokens)
-        if upto > seq.recorded:
-            self.cache.extend_tokens(seq.sid, seq.tokens[seq.recorded:upto])
-            seq.recorded = upto
+        if len(seq.tokens) > seq.recorded:
+            self.cache.extend_tokens(seq.sid, seq.tokens[seq.recorded:])
+            seq.recorded = len(seq.tokens)
 
     def retire(self, seq: Seq) -> None:
         if seq.live:

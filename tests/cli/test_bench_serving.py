@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvcache.bench_serving import tail_busy, union_length  # noqa: E402
+from kvcache.bench.serving import tail_busy, union_length  # noqa: E402
 from kvcache.cli import main  # noqa: E402
 
 TINY = ["bench", "--serving", "--model", "llama", "--tiny", "--device", "cpu", "--layers", "1",
@@ -83,7 +83,7 @@ KV_BUDGET = ["bench", "--serving", "--tiny", "--device", "cpu", "--workload", "k
 
 def test_kv_budget_quantized_pages_hold_more_at_the_same_budget(capsys):
     # one budget in bytes for both runs: int8 pages are smaller, so it holds more of them
-    from kvcache.bench_serving import print_kv_budget_result
+    from kvcache.bench.serving import print_kv_budget_result
     assert main(KV_BUDGET + ["--kv-dtype", "int8", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     w, auto, quant = res["workload"], res["systems"]["auto"], res["systems"]["quantized"]
@@ -158,7 +158,7 @@ def test_tp_workload_times_tp1_and_tp2_in_one_run(capsys):
         assert res[side]["decode_step_ms"] > 0 and res[side]["tokens_per_s"] > 0
     assert res["step_ratio"] == pytest.approx(res["tp2"]["decode_step_ms"]
                                               / res["tp1"]["decode_step_ms"])
-    from kvcache.bench_serving import print_tp_result
+    from kvcache.bench.serving import print_tp_result
     print_tp_result(res)
     out = capsys.readouterr().out
     assert "TP1" in out and "TP2" in out and "not judged here" in out

@@ -108,7 +108,7 @@ def test_tiny_serving_bench_says_what_it_is_doing(tiny_run):
 
 
 def test_tiny_serving_table_does_not_judge_the_targets(tiny_run, capsys):
-    from kvcache.bench_serving import print_result
+    from kvcache.bench.serving import print_result
     _, res, _ = tiny_run
     print_result(res)
     out = capsys.readouterr().out

@@ -25,7 +25,7 @@ class FakeEvent:
 
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU smoke test of the bench driver")
 def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
-    from kvcache_cuda import bench
+    from kvcache_cuda import bench, bench_kit
     monkeypatch.setattr(bench, "DECODE_CASES", [(1, 40), (16, 20)])
     monkeypatch.setattr(bench, "PREFILL_CASES", [(2, 24)])
     monkeypatch.setattr(bench, "APPEND_TOKENS", [8])
@@ -40,8 +40,8 @@ def test_bench_driver_runs_end_to_end(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "GRAPH_KV", 20)
     monkeypatch.setattr(bench, "GRAPH_BATCHES", (1, 2))
     monkeypatch.setattr(bench, "_kernel_time_us", lambda torch, fn: (fn(), 5.0)[1])
-    monkeypatch.setattr(bench, "FLUSH_BYTES", 1024)
-    monkeypatch.setattr(bench, "COPY_BYTES", 1 << 16)
+    monkeypatch.setattr(bench_kit, "FLUSH_BYTES", 1024)
+    monkeypatch.setattr(bench_kit, "COPY_BYTES", 1 << 16)
     monkeypatch.setattr(bench, "FP8_DECODE", [(16, 40)])
     monkeypatch.setattr(bench, "FP8_PREFILL", [(1, 24)])
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)

@@ -6,6 +6,7 @@ memory; the progress display moves."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -317,3 +318,24 @@ def test_two_engines_over_one_model_stepped_in_turn(llama, rope):
         assert got[(True, rid)] == want[prompts.index(p)][:4]
     assert llama.config._attn_implementation == attn
     assert b.generate(prompts[2:], max_new_tokens=4) == [[w[:4]] for w in want[2:]]
+
+
+def test_an_engine_config_builds_the_engine_its_keywords_build(llama, reference):
+    """``Engine(model, config=EngineConfig(...))`` is ``Engine(model, **its fields)``; keywords
+    beside it replace its fields; a bad option (keyword or field) is a typed error naming it,
+    raised before anything is built; an unknown keyword a TypeError, as a signature's."""
+    from kvcache.serving import AsyncScheduler, EngineConfig, Scheduler
+    prompts, out, sampled = reference
+    cfg = EngineConfig(backend="reference", max_total_tokens=4096, overlap=False)
+    engine = Engine(llama, config=cfg)
+    assert engine.engine_config is cfg and type(engine.scheduler) is Scheduler
+    assert engine.generate(prompts, [greedy(12)] * 5 + [sampled]) == out
+    ahead = Engine(llama, config=cfg, overlap=True, page_size=32)
+    assert type(ahead.scheduler) is AsyncScheduler and ahead.config.page_size == 32
+    assert ahead.engine_config == dataclasses.replace(cfg, overlap=True, page_size=32)
+    with pytest.raises(kvcache.InvalidArgumentError, match="max_batch_size=0"):
+        Engine(llama, config=cfg, max_batch_size=0)
+    with pytest.raises(kvcache.InvalidArgumentError, match="config="):
+        Engine(llama, config={"backend": "reference"})
+    with pytest.raises(TypeError, match="pagesize"):
+        Engine(llama, backend="reference", pagesize=16)

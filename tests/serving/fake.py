@@ -15,7 +15,7 @@ import numpy as np
 import kvcache
 from kvcache.errors import InvalidArgumentError
 from kvcache.integrations.sampling import SamplingParams
-from kvcache.serving import EngineCore, Scheduler
+from kvcache.serving import AsyncScheduler, EngineCore, Scheduler
 
 VOCAB = 97
 
@@ -121,7 +121,7 @@ def make_core(max_total_tokens=256, page_size=4, max_batch_size=8, prefill_chunk
         stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos))
         return list(prompt), params, stops
 
-    core = EngineCore(Scheduler(cache, tier, pipelined=pipelined), runner, admit)
+    core = EngineCore((AsyncScheduler if pipelined else Scheduler)(cache, tier), runner, admit)
     return core, runner, cache
 
 

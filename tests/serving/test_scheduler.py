@@ -296,19 +296,66 @@ def test_a_waiting_sequence_converts_its_known_tokens_once_per_length():
     assert list(Sequences.known_ids(seq)) == [5, 6, 7, 9]
 
 
-def test_known_ids_leave_out_a_pick_on_its_way_and_take_it_once_it_came():
-    """The ids of a sequence with a ``SLOT`` (a pipelined pick still on its way) end before it;
-    once ``settle`` writes the pick over it (same length), they hold it."""
-    from kvcache.serving.plan import SLOT
+def test_a_pick_on_its_way_is_a_count_not_a_token():
+    """``AsyncScheduler``'s placeholder (``Seq.ahead``: a pipelined pick still on its way) is
+    counted in what the sequence holds, never written into its tokens: the ids the prefix cache
+    is asked with end before it, and hold the pick once it came (appended by the settle)."""
     from kvcache.serving.sequences import Seq, Sequences
-    seq = Seq(sid=0, kind="sample", tokens=[5, 6, 7], order=(0, 2, 0))
+    seq = Seq(sid=0, kind="sample", tokens=[5, 6, 7], order=(0, 2, 0), cached=3)
+    assert list(Sequences.known_ids(seq)) == [5, 6, 7] and seq.pending == 0
+    seq.ahead = 1                                            # launched: its pick is on its way
+    assert seq.length == 4 and seq.pending == 1
     assert list(Sequences.known_ids(seq)) == [5, 6, 7]
-    seq.tokens.append(SLOT)
-    assert list(Sequences.known_ids(seq)) == [5, 6, 7] and list(Sequences.known_ids(seq)) == [5, 6, 7]
-    seq.tokens[-1] = 8                                       # the pick came
-    assert list(Sequences.known_ids(seq)) == [5, 6, 7, 8]
+    seq.tokens.append(8)                                     # the pick came
+    seq.ahead = 0
+    assert list(Sequences.known_ids(seq)) == [5, 6, 7, 8] and seq.pending == 1
     first = Sequences.known_ids(seq)
     assert Sequences.known_ids(seq) is first
-    seq.tokens.append(SLOT)
-    seq.tokens[-1] = 5                       # settled before any lookup saw its SLOT
-    assert list(Sequences.known_ids(seq)) == [5, 6, 7, 8, 5]
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_step_is_schedule_then_update(pipelined):
+    """The core calls the scheduler twice a step, ``schedule()`` then ``update(plan, output)``
+    (a forward that does not fit: ``update(plan, CacheFullError)``, then ``schedule()`` again);
+    pipelined, no placeholder ever enters a sequence's tokens."""
+    from kvcache.serving import AsyncScheduler, StepOutput
+    core, runner, _ = make_core(max_total_tokens=96, page_size=4, pipelined=pipelined)
+    sched = core.scheduler
+    assert isinstance(sched, AsyncScheduler) == pipelined
+    calls: list = []
+    schedule, update = sched.schedule, sched.update
+
+    def spy_schedule():
+        calls.append("schedule")
+        return schedule()
+
+    def spy_update(plan, output):
+        calls.append("update" if isinstance(output, StepOutput) else type(output).__name__)
+        assert all(t >= 0 for s in sched.seqs.by_sid.values() for t in s.tokens)
+        return update(plan, output)
+
+    sched.schedule, sched.update = spy_schedule, spy_update
+    forward, failed = runner.forward, []
+
+    def full_once(plan, picks=None):          # the third forward does not fit, once
+        if len(runner.forwards) == 2 and not failed:
+            failed.append(plan)
+            raise CacheFullError("no room (test)")
+        return forward(plan, picks)
+
+    runner.forward = full_once
+    rng = random.Random(5)
+    prompts = prompts_sharing(rng, 4)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ids = [core.add_request(p, params) for p in prompts]
+    got: dict = {}
+    while core.has_unfinished():
+        before = len(calls)
+        for out in core.step():
+            got[out.request_id] = got.get(out.request_id, []) + out.new_token_ids
+        step = calls[before:]
+        assert step in (["schedule", "update"],
+                        ["schedule", "CacheFullError", "schedule", "update"]), step
+    assert failed and calls.count("CacheFullError") == 1
+    for rid, p in zip(ids, prompts):
+        assert got[rid] == expected(p, params)

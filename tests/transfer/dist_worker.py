@@ -36,15 +36,15 @@ CONTINUED = []          # rank 0: the transfers whose JSON went on past the head
 
 
 def _counting_heads():
-    from kvcache.distributed import transfer
-    real = transfer.head_message
+    from kvcache.distributed import send        # where send_sequence looks head_message up
+    real = send.head_message
 
     def head_message(body, *args):
         head, rest = real(body, *args)
         if rest:
             CONTINUED.append(len(body))
         return head, rest
-    transfer.head_message = head_message
+    send.head_message = head_message
 
 
 def chunks(ids):
@@ -155,7 +155,8 @@ def _raw_send(msg: dict, k: np.ndarray, v: np.ndarray, dst: int, text: bytes = N
     can be what no sender of ours writes."""
     import json
     import torch
-    from kvcache.distributed import transfer
+    from kvcache.distributed.endpoints import _sums
+    from kvcache.distributed.send import _tail
     from kvcache.distributed.transfer import head_message
     body = text if text is not None else json.dumps(msg).encode()
     nbytes, layers = k.nbytes, k.shape[0]
@@ -175,13 +176,13 @@ def _raw_send(msg: dict, k: np.ndarray, v: np.ndarray, dst: int, text: bytes = N
     for first in range(0, layers, per):
         part = torch.from_numpy(np.concatenate(
             [np.ascontiguousarray(a[first:first + per]).reshape(-1).view(np.uint8) for a in (k, v)]))
-        sums.append(transfer._sums(torch, part))
+        sums.append(_sums(torch, part))
         if corrupt in ("K", "V") and (first == 0) == (corrupt == "K"):
             # one bit flipped after the sender's sums: in K of the first message, V of the last
             part = part.clone()
             part[3 if corrupt == "K" else -5] ^= 0x04
         dist.send(part, dst)
-    dist.send(transfer._tail(torch, True, sums, torch.device("cpu")), dst)
+    dist.send(_tail(torch, True, sums, torch.device("cpu")), dst)
 
 
 MALFORMED = [

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kvcache.bench import main as bench_main  # noqa: E402
-from kvcache.bench_transfer import measure  # noqa: E402
+from kvcache.bench.transfer import measure  # noqa: E402
 
 
 def test_measure_moves_the_whole_sequence():

@@ -115,7 +115,7 @@ def test_fp8_headers_say_the_arrays_dtype_and_are_checked_against_it():
     import copy
     import json
 
-    from kvcache.distributed.transfer import _read_header
+    from kvcache.distributed.wire import _read_header
     cache = make_cache("reference", config(4, "bfloat16", "none", kv_dtype="float8_e4m3"))
     cache.add_sequence(1)
     run_forward(cache, [1], [5], np.random.default_rng(0))
@@ -149,7 +149,7 @@ def test_packed_affine_headers_are_read_by_their_bytes():
     refused."""
     import json
 
-    from kvcache.distributed.transfer import _read_header
+    from kvcache.distributed.wire import _read_header
     cache = make_cache("reference", config(4, "bfloat16", "none", kv_dtype="int4"))
     cache.add_sequence(1)
     run_forward(cache, [1], [5], np.random.default_rng(0))

@@ -21,7 +21,8 @@ import sys
 
 import numpy as np
 
-HQ, HKV, D, PS = 32, 8, 128, 16
+from .bench_kit import D, HKV, HQ, PS, Timer, bench_backend, copy_bandwidth, paged_setup, sdpa
+
 DECODE_CASES = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 1024)]
 PREFILL_CASES = [(1, 8192), (8, 2048)]
 APPEND_TOKENS = [64, 8192]
@@ -39,8 +40,6 @@ FP8_PREFILL_TARGET = 1.10        # fp8 prefill within 10% of the 16-bit one
 # against the copy floor of its KV bytes (B=16: 0.95; larger batches: 0.90; B=1 L=32768: 0.80)
 PREFILL_PAGED_TARGET = 0.85
 PREFILL_RAGGED_TARGET = 0.90
-FLUSH_BYTES = 256 << 20          # > L2 of any current GPU (H100: 50 MB)
-COPY_BYTES = 1 << 30
 
 
 def _parser():
@@ -54,100 +53,6 @@ def _parser():
     p.add_argument("--sweep", action="store_true", help="also sweep split-K factors of B=1 decode")
     p.add_argument("--device", default="cuda")
     return p
-
-
-class Timer:
-    def __init__(self, torch, device, iters, warmup):
-        self.torch, self.device, self.iters, self.warmup = torch, device, iters, warmup
-        self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-
-    def _median(self, run):
-        torch = self.torch
-        times = []
-        for _ in range(self.iters):
-            self.flush_buf.zero_()                         # evict L2 (not timed)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(times)
-
-    def measure(self, fn):
-        """(graph-replay median us, eager median us) of ``fn``."""
-        torch = self.torch
-        for _ in range(self.warmup):
-            fn()
-        torch.cuda.synchronize()
-        eager = self._median(fn)
-        graph_us = float("nan")
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):                     # warm the allocator on a side stream
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            for _ in range(self.warmup):
-                g.replay()
-            graph_us = self._median(g.replay)
-        except Exception as exc:  # capture can fail for reasons outside the kernel (report it)
-            print(f"    (graph capture failed: {type(exc).__name__}: {exc}; eager time only)")
-        return graph_us, eager
-
-
-def copy_bandwidth(torch, timer, device):
-    """Device-to-device copy bandwidth in bytes/s (read + write), COPY_BYTES buffers."""
-    n = COPY_BYTES
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    us, _ = timer.measure(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * n / (us * 1e-6)
-
-
-def bench_backend(backend_cls, dtype: str, device: str, kv_dtype: str = "auto"):
-    """A bare backend at the benchmarks' head shape (Hq/Hkv/D/page of this module), its pages
-    made by ``_paged_setup``: the kernels' benchmarks and the tools' sweeps use it."""
-    import kvcache
-    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                              page_size=PS, dtype=dtype, max_total_tokens=PS,
-                              rope_mode="normal", max_batch_size=256, kv_dtype=kv_dtype)
-    return backend_cls(cfg, device)
-
-
-def _paged_setup(torch, backend, batch, kv_len, nq, rng, device):
-    """Pages in a random permutation and one DepthAux with ``batch`` entries of ``kv_len`` keys
-    and ``nq`` queries each."""
-    from kvcache.backend import DepthAux
-    pages_per = -(-kv_len // PS)
-    total = batch * pages_per
-    pages = torch.randn((total + 1, 2, HKV, PS, D), device=device).to(backend.dtype)
-    perm = torch.from_numpy(rng.permutation(total + 1)[:total].astype(np.int32)).to(device)
-    i32 = lambda a: torch.as_tensor(np.asarray(a, np.int32), device=device)
-    ar = np.arange(batch + 1)
-    depth = DepthAux(
-        qo_indptr=i32(ar * nq), page_indptr=i32(ar * pages_per), page_indices=perm,
-        last_page_len=i32(np.full(batch, (kv_len - 1) % PS + 1)), kv_len=i32(np.full(batch, kv_len)),
-        sink_size=i32(np.zeros(batch)), window_offset=i32(np.zeros(batch)),
-        k_rope_offset=i32(np.zeros(batch)), num_entries=batch, use_decode=nq == 1,
-        max_kv_len=kv_len, covers_rows=True)
-    q = torch.randn((batch * nq, HQ, D), device=device).to(backend.dtype)
-    return pages, depth, q
-
-
-def _sdpa(torch, q, k, v, causal=False):
-    """Contiguous-KV SDPA (flash where available); q (B, Hq, n, D), k/v (B, Hkv, L, D)."""
-    F = torch.nn.functional
-    try:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    except Exception:
-        g = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1),
-                                              v.repeat_interleave(g, 1), is_causal=causal)
 
 
 def run_benchmarks(argv=None, backend_cls=None):
@@ -194,14 +99,14 @@ def run_benchmarks(argv=None, backend_cls=None):
 
     if "decode" in sections:
         for batch, kv_len in DECODE_CASES:
-            pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
+            pages, depth, q = paged_setup(torch, backend, batch, kv_len, 1, rng, device)
             fn = lambda: backend.paged_attention(q, pages, depth, scale)
             us, eager = timer.measure(fn)
             nbytes = batch * kv_len * HKV * D * 2 * elem + 2 * q.numel() * elem
             qs = q.view(batch, HQ, 1, D)
             kc = torch.randn((batch, HKV, kv_len, D), device=device, dtype=backend.dtype)
             vc = torch.randn_like(kc)
-            sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc))
+            sdpa_us, _ = timer.measure(lambda: sdpa(torch, qs, kc, vc))
             if batch == 16:
                 target = ">=0.95 floor"
             elif batch > 16:
@@ -217,12 +122,12 @@ def run_benchmarks(argv=None, backend_cls=None):
     if "prefill" in sections:
         for batch, n in PREFILL_CASES:
             # paged prefill kernel: n queries per entry over n paged keys (non-causal, as a depth)
-            pages, depth, q = _paged_setup(torch, backend, batch, n, n, rng, device)
+            pages, depth, q = paged_setup(torch, backend, batch, n, n, rng, device)
             us, eager = timer.measure(lambda: backend.paged_attention(q, pages, depth, scale))
             qs = q.view(batch, n, HQ, D).transpose(1, 2)
             kc = torch.randn((batch, HKV, n, D), device=device, dtype=backend.dtype)
             vc = torch.randn_like(kc)
-            sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc))
+            sdpa_us, _ = timer.measure(lambda: sdpa(torch, qs, kc, vc))
             flops = 4 * batch * n * n * HQ * D
             add("prefill-paged", f"B={batch},L={n}", us, eager, 0, sdpa_us,
                 f">={PREFILL_PAGED_TARGET:g} sdpa",
@@ -233,7 +138,7 @@ def run_benchmarks(argv=None, backend_cls=None):
             qo = torch.arange(0, batch * n + 1, n, device=device, dtype=torch.int32)
             us, eager = timer.measure(lambda: backend.ragged_attention(
                 q, k, v, qo, scale, num_seqs=batch, max_len=n))
-            sdpa_us, _ = timer.measure(lambda: _sdpa(torch, qs, kc, vc, causal=True))
+            sdpa_us, _ = timer.measure(lambda: sdpa(torch, qs, kc, vc, causal=True))
             add("prefill-ragged", f"B={batch},L={n}", us, eager, 0, sdpa_us,
                 f">={PREFILL_RAGGED_TARGET:g} sdpa",
                 f"{flops / 2 / us / 1e6:.0f} TFLOP/s (causal)")
@@ -290,7 +195,7 @@ def feature_bench(torch, backend, timer, rng, device, scale, add, rows):
     variants = (("softcap", {"logit_softcap": FEATURE_SOFTCAP}), ("sinks", {"sinks": sinks}))
     for kind, batch, n in FEATURE_CASES:
         nq = 1 if kind == "decode" else n
-        pages, depth, q = _paged_setup(torch, backend, batch, n, nq, rng, device)
+        pages, depth, q = paged_setup(torch, backend, batch, n, nq, rng, device)
         if kind == "prefill-ragged":
             k = torch.randn((batch * n, HKV, D), device=device).to(backend.dtype)
             v = torch.randn_like(k)
@@ -336,7 +241,7 @@ def fp8_bench(torch, backend_cls, backend, args, timer, rng, device, scale, add,
         rows[-1]["fp8_ratio"] = ratio
 
     for batch, kv_len in FP8_DECODE:
-        pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
+        pages, depth, q = paged_setup(torch, backend, batch, kv_len, 1, rng, device)
         pages8 = codes(pages)
         compare("decode-fp8", f"B={batch},L={kv_len}",
                 lambda: backend.paged_attention(q, pages, depth, scale),
@@ -345,7 +250,7 @@ def fp8_bench(torch, backend_cls, backend, args, timer, rng, device, scale, add,
         del pages, pages8
         torch.cuda.empty_cache()
     for batch, n in FP8_PREFILL:
-        pages, depth, q = _paged_setup(torch, backend, batch, n, n, rng, device)
+        pages, depth, q = paged_setup(torch, backend, batch, n, n, rng, device)
         pages8 = codes(pages)
         compare("prefill-paged-fp8", f"B={batch},L={n}",
                 lambda: backend.paged_attention(q, pages, depth, scale),
@@ -515,7 +420,7 @@ def split_sweep(torch, backend, timer, rng, device, scale, results):
         if batch != 1:
             continue
         auto = num_splits(base, HKV, kv_len, backend._num_sms)
-        pages, depth, q = _paged_setup(torch, backend, batch, kv_len, 1, rng, device)
+        pages, depth, q = paged_setup(torch, backend, batch, kv_len, 1, rng, device)
         for s in SPLITS:
             backend.tuning = base.with_(force_splits=s)
             us, _ = timer.measure(lambda: backend.paged_attention(q, pages, depth, scale))
@@ -546,7 +451,7 @@ def tile_sweep(torch, backend, timer, rng, device, scale, results):
     for kind, tiles, (batch, n, nq) in (("decode", DECODE_TILES, (1, SWEEP_DECODE[1], 1)),
                                         ("decode", DECODE_TILES, SWEEP_DECODE + (1,)),
                                         ("prefill", PREFILL_TILES, SWEEP_PREFILL + SWEEP_PREFILL[1:])):
-        pages, depth, q = _paged_setup(torch, backend, batch, n, nq, rng, device)
+        pages, depth, q = paged_setup(torch, backend, batch, n, nq, rng, device)
         timings = []
         for t in tiles:
             table = dict(base.by_head_dim)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench, triton_kernels
+from . import bench, bench_kit, triton_kernels
 from .tuning import AttnTiles, TABLE_PATH, device_arch, write_entry
 
 DECODE_CASES = [(1, 4096), (16, 4096), (64, 4096), (1, 32768)]
@@ -80,15 +80,15 @@ def sweep(torch, backend, timer, rng, device) -> dict:
     """Run the sweeps; returns the table entry (tiles as lists, the rule's numbers, the flags
     that could be timed here)."""
     base = backend.tuning
-    scale = bench.D ** -0.5
-    d = str(bench.D)
+    scale = bench_kit.D ** -0.5
+    d = str(bench_kit.D)
 
     def with_tiles(tuning, kind, tiles):
         table = dict(tuning.by_head_dim)
-        table[bench.D] = dict(table.get(bench.D, {}), **{kind: AttnTiles(*tiles)})
+        table[bench_kit.D] = dict(table.get(bench_kit.D, {}), **{kind: AttnTiles(*tiles)})
         return tuning.with_(by_head_dim=table)
 
-    setups = [bench._paged_setup(torch, backend, b, n, 1, rng, device) for b, n in DECODE_CASES]
+    setups = [bench_kit.paged_setup(torch, backend, b, n, 1, rng, device) for b, n in DECODE_CASES]
     decode_runs = [functools.partial(backend.paged_attention, q, pages, depth, scale)
                    for pages, depth, q in setups]
     print(f"# decode tiles over {DECODE_CASES} (B, L)", flush=True)
@@ -108,11 +108,11 @@ def sweep(torch, backend, timer, rng, device) -> dict:
     runs: list = []
     for kind, b, n in PREFILL_CASES:
         if kind == "paged":
-            pages, depth, q = bench._paged_setup(torch, backend, b, n, n, rng, device)
+            pages, depth, q = bench_kit.paged_setup(torch, backend, b, n, n, rng, device)
             runs.append(functools.partial(backend.paged_attention, q, pages, depth, scale))
         else:
-            q = torch.randn((b * n, bench.HQ, bench.D), device=device).to(backend.dtype)
-            k = torch.randn((b * n, bench.HKV, bench.D), device=device).to(backend.dtype)
+            q = torch.randn((b * n, bench_kit.HQ, bench_kit.D), device=device).to(backend.dtype)
+            k = torch.randn((b * n, bench_kit.HKV, bench_kit.D), device=device).to(backend.dtype)
             v = torch.randn_like(k)
             qo = torch.arange(0, b * n + 1, n, device=device, dtype=torch.int32)
             runs.append(functools.partial(backend.ragged_attention, q, k, v, qo, scale,
@@ -166,15 +166,15 @@ def main(argv=None) -> int:
         from kvcache_rocm.backend import RocmBackend
         cls = RocmBackend
     device = torch.device(args.device)
-    backend = bench.bench_backend(cls, args.dtype, str(device))
+    backend = bench_kit.bench_backend(cls, args.dtype, str(device))
     backend.tuning = cls.TUNING                 # candidates from the base table
     arch = device_arch(torch, device)
     if arch is None:
         p.error(f"--device {args.device!r} is not a GPU: the sweep times GPU kernels")
     name = torch.cuda.get_device_name(device)
-    print(f"# {name} ({arch}), {args.dtype}, Hq{bench.HQ}/Hkv{bench.HKV}/D{bench.D} page "
-          f"{bench.PS}", flush=True)
-    timer = bench.Timer(torch, device, args.iters, 3)
+    print(f"# {name} ({arch}), {args.dtype}, Hq{bench_kit.HQ}/Hkv{bench_kit.HKV}/D{bench_kit.D} "
+          f"page {bench_kit.PS}", flush=True)
+    timer = bench_kit.Timer(torch, device, args.iters, 3)
     entry = sweep(torch, backend, timer, np.random.default_rng(0), device)
     entry["source"] = (f"python -m kvcache_cuda.tune --write on {name}, {args.dtype}, "
                        f"{datetime.date.today().isoformat()}")

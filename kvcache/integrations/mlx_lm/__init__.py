@@ -75,6 +75,7 @@ from typing import Optional, Sequence
 from ...serving import RequestOutput
 from .. import require
 from ..engine import Engine as _Engine
+from ..engine import EngineConfig
 from ..sampling import SamplingParams
 
 mx = require("mlx.core", "mlx-lm")
@@ -104,32 +105,22 @@ class Engine(_Engine):
 
     ``model``: an mlx-lm model (e.g. from ``mlx_lm.load``) whose attention goes through
     mlx-lm's cache protocol (refused with the reason otherwise: see the module docstring).
-    ``backend``: a backend name or ``"auto"`` (``"metal"`` for MLX); ``device``: ``"gpu"`` or
-    ``"cpu"`` (None: MLX's default device); ``dtype``: the cache dtype (None: the model's);
-    ``page_size``, ``max_total_tokens`` (None: sized from the device memory free when the engine starts, ``memory_fraction`` of it, default 0.9, where the device can be asked; else ``512 * max_batch_size``), ``max_batch_size``,
-    ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in ``CacheConfig``.
-    ``offload`` / ``offload_tokens``: the host tier preempted sequences are parked in (None: on
-    for the GPU); ``overlap`` (default True): greedy decode with the host one step ahead of the
-    device; both as in ``kvcache.integrations.engine.Engine``. ``tokenizer`` (e.g.
-    ``mlx_lm.load``'s) or ``eos_token_ids``: where a sample ends unless ``ignore_eos``
-    (``eos_token_ids(model, tokenizer)``; explicit ids win). ``prefix_cache`` (default True):
-    requests start from the longest cached prefix of their prompt, see
-    ``kvcache.integrations.engine.Engine``. See ``kvcache.integrations.engine.Engine.generate``.
+    ``tokenizer`` (e.g. ``mlx_lm.load``'s) or ``eos_token_ids``: where a sample ends unless
+    ``ignore_eos`` (``eos_token_ids(model, tokenizer)``; explicit ids win).
+
+    ``config`` / ``options``: the engine's options, an ``EngineConfig`` and / or its fields as
+    keywords (``backend``: a backend name or ``"auto"``, ``"metal"`` for MLX; ``device``:
+    ``"gpu"`` or ``"cpu"``, None: MLX's default device; ``dtype`` (None: the model's),
+    ``page_size``, ``max_total_tokens``, ``memory_fraction``, ``max_batch_size``,
+    ``prefill_chunk_size``, ``offload``, ``offload_tokens``, ``overlap``, ``prefix_cache``,
+    ``kv_dtype``; MLX has no whole-step graphs), see ``kvcache.integrations.engine.Engine``.
+    See ``kvcache.integrations.engine.Engine.generate``.
     """
 
-    def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
-                 dtype: Optional[str] = None, page_size: int = 16,
-                 max_total_tokens: Optional[int] = None, max_batch_size: int = 64,
-                 prefill_chunk_size: Optional[int] = None, offload: Optional[bool] = None,
-                 offload_tokens: Optional[int] = None, overlap: bool = True,
-                 tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None,
-                 memory_fraction: float = 0.9,
-                 prefix_cache: bool = True, kv_dtype: str = "auto"):
+    def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None,
+                 config: Optional[EngineConfig] = None, **options):
+        # a bad option fails before the model is touched
+        config = EngineConfig.of(config, **options)
         self.model = model
         super().__init__(MlxLmAdapter(model, tokenizer=tokenizer, eos_token_ids=eos_token_ids),
-                         backend=backend, device=device, dtype=dtype,
-                         page_size=page_size, max_total_tokens=max_total_tokens,
-                         max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                         offload=offload, offload_tokens=offload_tokens, overlap=overlap,
-                         memory_fraction=memory_fraction, prefix_cache=prefix_cache,
-                         kv_dtype=kv_dtype)
+                         config=config)

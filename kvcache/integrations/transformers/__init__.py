@@ -24,9 +24,10 @@ transformers defines it; that is ``window_left = sliding_window - 1`` in the cac
 needs the backend capability ``window_left`` once a sequence outgrows the window.
 
 The package's modules: ``model`` (what is read off a model), ``rope`` (``model_rotary``,
-``fused_rope``), ``interface`` (the ``"kvcache"`` attention, ``register``) and ``adapter``
-(``cache_config``, ``TransformersAdapter``); this module checks the requirements, holds
-``Engine`` and re-exports their names.
+``fused_rope``), ``interface`` (the ``"kvcache"`` attention, ``register``), ``adapter``
+(``cache_config``, ``TransformersAdapter``) and ``tp`` (the adapter on tensor-parallel ranks,
+published as ``kvcache.integrations.tp``); this module checks the requirements, holds ``Engine``
+and re-exports the names of the first four.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Optional
 from ...serving import RequestOutput
 from .. import MissingExtraError, install_hint, require
 from ..engine import Engine as _Engine
-from ..engine import ModelAdapter
+from ..engine import EngineConfig, ModelAdapter
 from ..sampling import SamplingParams
 
 MIN_VERSION = (5, 17)
@@ -86,7 +87,7 @@ def _tensor_parallel(model, tp, tp_group) -> bool:
         return True
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return False
-    from ..tp import tp_layout
+    from .tp import tp_layout
     return tp_layout(model) is not None
 
 
@@ -95,52 +96,34 @@ class Engine(_Engine):
 
     ``model``: a decoder-only ``*ForCausalLM`` whose layers call transformers' attention
     interface (any family; what its attention needs, soft-capping, sinks, per-layer windows,
-    a value head dim of its own, must be declared by the backend). ``backend``: a backend name or
-    ``"auto"``; ``device``: the cache's device (None: the model's); ``dtype``: the cache dtype
-    (None: the model's); ``page_size``, ``max_total_tokens`` (None: sized from the device memory free when the engine starts, ``memory_fraction`` of it, default 0.9, where the device can be asked; else ``512 * max_batch_size``),
-    ``max_batch_size``, ``prefill_chunk_size`` (None: ``min(8192, max_total_tokens)``): as in
-    ``CacheConfig``. ``rope``: who rotates q and k, ``"model"`` (default: the model's own
-    rotary embedding, cache ``rope_mode="none"``) or ``"cache"`` (the cache's fused RoPE append
-    with the model's inverse frequencies, ``rope_mode="normal"``; raises
-    ``UnsupportedFeatureError`` unless ``model_rotary`` proves the rotary standard and the
-    backend has ``rope_frequencies``). ``graphs`` (None: on for a GPU model on a backend
-    declaring ``static_decode``; True / False force it) and ``graph_batch_sizes``: whole-step
-    decode graphs, see ``kvcache.integrations.engine.Engine``. ``offload`` / ``offload_tokens``:
-    the host tier preempted sequences are parked in (None: on for a GPU cache); ``overlap``
-    (default True): greedy decode with the host one step ahead of the device; both as in
-    ``kvcache.integrations.engine.Engine``. ``tp`` / ``tp_group``: tensor parallelism, one
-    process per rank (``tp``: the number of ranks, None: 1 unless the model is already split;
-    ``tp_group``: their torch.distributed group, None: the default group); the model is split
-    over the ranks and each rank's cache holds its ``num_kv_heads / tp`` heads, see
-    ``kvcache.integrations.tp``. ``prefix_cache`` (default True): requests start from the
-    longest cached prefix of their prompt, see ``kvcache.integrations.engine.Engine``.
-    ``compile_step`` (default False): the captured decode step's model code through
-    ``torch.compile``, see ``kvcache.integrations.engine.Engine``. ``mixed_graphs`` (default
-    None: on where graphs are on): steps that prefill are captured too, per token bucket, see
-    ``kvcache.integrations.engine.Engine``. See ``kvcache.integrations.engine.Engine.generate``.
+    a value head dim of its own, must be declared by the backend). ``rope``: who rotates q and
+    k, ``"model"`` (default: the model's own rotary embedding, cache ``rope_mode="none"``) or
+    ``"cache"`` (the cache's fused RoPE append with the model's inverse frequencies,
+    ``rope_mode="normal"``; raises ``UnsupportedFeatureError`` unless ``model_rotary`` proves
+    the rotary standard and the backend has ``rope_frequencies``). ``tp`` / ``tp_group``:
+    tensor parallelism, one process per rank (``tp``: the number of ranks, None: 1 unless the
+    model is already split; ``tp_group``: their torch.distributed group, None: the default
+    group); the model is split over the ranks and each rank's cache holds its
+    ``num_kv_heads / tp`` heads, see ``kvcache.integrations.tp``.
+
+    ``config`` / ``options``: the engine's options, an ``EngineConfig`` and / or its fields as
+    keywords (``backend``, ``device`` (None: the model's), ``dtype`` (None: the model's),
+    ``page_size``, ``max_total_tokens``, ``memory_fraction``, ``max_batch_size``,
+    ``prefill_chunk_size``, ``graphs``, ``graph_batch_sizes``, ``mixed_graphs``,
+    ``compile_step``, ``offload``, ``offload_tokens``, ``overlap``, ``prefix_cache``,
+    ``kv_dtype``), see ``kvcache.integrations.engine.Engine``. See
+    ``kvcache.integrations.engine.Engine.generate``.
     """
 
-    def __init__(self, model, backend: str = "auto", device: Optional[str] = None,
-                 dtype=None, page_size: int = 16, max_total_tokens: Optional[int] = None,
-                 max_batch_size: int = 64, prefill_chunk_size: Optional[int] = None,
-                 rope: str = "model", graphs: Optional[bool] = None,
-                 graph_batch_sizes=None, offload: Optional[bool] = None,
-                 offload_tokens: Optional[int] = None, overlap: bool = True,
-                 tp: Optional[int] = None, tp_group=None, memory_fraction: float = 0.9,
-                 prefix_cache: bool = True, kv_dtype: str = "auto",
-                 compile_step: Optional[bool] = False, mixed_graphs: Optional[bool] = None):
+    def __init__(self, model, *, rope: str = "model", tp: Optional[int] = None, tp_group=None,
+                 config: Optional[EngineConfig] = None, **options):
+        # a bad option fails before the model is touched
+        config = EngineConfig.of(config, **options)
         self.model = model
         adapter: ModelAdapter
         if _tensor_parallel(model, tp, tp_group):
-            from ..tp import TensorParallelAdapter
+            from .tp import TensorParallelAdapter
             adapter = TensorParallelAdapter(model, rope, tp=tp, group=tp_group)
         else:
             adapter = TransformersAdapter(model, rope)
-        super().__init__(adapter, backend=backend, device=device, dtype=dtype,
-                         page_size=page_size, max_total_tokens=max_total_tokens,
-                         max_batch_size=max_batch_size, prefill_chunk_size=prefill_chunk_size,
-                         graphs=graphs, graph_batch_sizes=graph_batch_sizes, offload=offload,
-                         offload_tokens=offload_tokens, overlap=overlap,
-                         memory_fraction=memory_fraction, prefix_cache=prefix_cache,
-                         kv_dtype=kv_dtype, compile_step=compile_step,
-                         mixed_graphs=mixed_graphs)
+        super().__init__(adapter, config=config)

@@ -58,8 +58,8 @@ def budget_tokens(budget: int, token_bytes: int) -> int:
 def token_bytes(net, kv_dtype: str, rope: str) -> int:
     """``CacheConfig.token_kv_bytes`` of ``net``'s cache in ``kv_dtype``, as the Engine makes it
     (the affine formats' group as the Engine picks it)."""
-    from ..integrations.engine import quant_group_for
-    from ..integrations.transformers import cache_config
+    from ...integrations.engine import quant_group_for
+    from ...integrations.transformers import cache_config
     cfg = cache_config(net, page_size=PAGE, rope=rope)
     return dataclasses.replace(cfg, kv_dtype=kv_dtype,
                                kv_quant_group=quant_group_for(cfg, kv_dtype)).token_kv_bytes
@@ -68,8 +68,8 @@ def token_bytes(net, kv_dtype: str, rope: str) -> int:
 def run_kv_budget(args, net, device: str, backend: str, kv_dtype: str, say: Callable) -> dict:
     """The kv-budget workload's result (JSON-ready) for parsed ``args`` on ``net``: (a) with
     ``kv_dtype="auto"`` and with ``kv_dtype`` (quantized) at one budget in bytes."""
-    from ..cli_kit import UsageError
-    from ..integrations.transformers import Engine
+    from ...cli_kit import UsageError
+    from ...integrations.transformers import Engine
     lo, hi = random_prompt_range(bool(args.tiny))
     vocab = net.config.vocab_size
     prompts = workload(args.requests, (lo, hi), vocab, args.seed)

@@ -42,8 +42,8 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..integrations.tp import shard_model
-    from ..integrations.transformers import Engine
+    from ...integrations.tp import shard_model
+    from ...integrations.transformers import Engine
     from .model import build_model, workload
     gpu = opts["device"] == "cuda"
     device = f"cuda:{rank}" if gpu else "cpu"
@@ -78,7 +78,7 @@ def run_tp(args, backend: str, say: Callable) -> dict:
     """Both sides of the tp workload for parsed ``args``; the JSON-ready result."""
     import torch
 
-    from ..distributed.tp import spawn
+    from ...distributed.tp import spawn
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     device = "cuda" if gpu else "cpu"
     n2 = args.new_tokens

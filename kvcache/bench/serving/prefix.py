@@ -92,7 +92,7 @@ class Online:
         self.peak_running = 0
 
     def run(self, groups: list, wait_for_group: bool = False) -> tuple:
-        from ..integrations.sampling import SamplingParams
+        from ...integrations.sampling import SamplingParams
         params = SamplingParams(max_tokens=self.new_tokens, temperature=0.0)
         eng = self.engine
         out: dict = {}
@@ -132,7 +132,7 @@ def _row(name: str, tokens: list, ttft: list, wall: float, hits: Optional[int],
 
 def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -> dict:
     """The prefix workloads' result (JSON-ready) for parsed ``args`` on ``net``."""
-    from ..integrations.transformers import Engine
+    from ...integrations.transformers import Engine
     from .runners import GenerateBatchRunner, mixed_graphs_arg
     tiny = bool(args.tiny)
     sizes = PREFIX_SIZES[args.workload]

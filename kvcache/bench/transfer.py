@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Optional
 
-from .arrays import to_numpy
+from ..arrays import to_numpy
 
 __all__ = ["add_arguments", "main", "measure"]
 
@@ -262,7 +262,7 @@ def measure(device: str, backend: str, tokens, layers: int, repeat: int,
     size (``tokens`` an int: the row's fields at the top level) or several (a list: ``rows``,
     and ``ratio`` the smallest of theirs). ``batch``: also ``batch`` sequences of the smallest
     size in one call (``batch_row``, not in ``ratio``)."""
-    from .distributed.tp import spawn
+    from ..distributed.tp import spawn
     sizes = [int(tokens)] if isinstance(tokens, int) else [int(t) for t in tokens]
     opts = dict(device=device, backend=backend, tokens=sizes, layers=layers, repeat=repeat,
                 kv_heads=kv_heads, head_dim=head_dim, batch=(batch, min(sizes)) if batch else None,
@@ -290,7 +290,7 @@ def main(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2
                              else "cpu")
     if device == "cuda" and torch.cuda.device_count() < 2:
-        from .cli_kit import UsageError
+        from ..cli_kit import UsageError
         raise UsageError(f"--transfer on cuda needs two GPUs; this host has {torch.cuda.device_count()}")
     backend = args.backend or ("cuda" if device == "cuda" else "reference")
     tokens = args.transfer_tokens

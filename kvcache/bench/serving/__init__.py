@@ -43,7 +43,7 @@ import sys
 import time
 from typing import Any, Optional
 
-# the private names too: everything stays importable from kvcache.bench_serving as before
+# the private names too: everything stays importable from kvcache.bench.serving as before
 from .measure import _check, _gpu_spans, _timed, measure, tail_busy, union_length
 from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate, decode_bytes,
                     random_prompt_range, workload)
@@ -130,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pos(text: str) -> int:
-    from ..cli_kit import positive_int
+    from ...cli_kit import positive_int
     return positive_int(text)
 
 
@@ -147,7 +147,7 @@ def _pos_float(text: str) -> float:
 def check_device(device: Optional[str]) -> None:
     """Raise ``UsageError`` at once when torch or transformers is missing or ``device`` (None:
     cuda when there is one, else cpu) is a GPU torch cannot reach."""
-    from ..cli_kit import UsageError
+    from ...cli_kit import UsageError
     say("loading torch and transformers")
     try:
         import torch
@@ -183,7 +183,7 @@ def run(args) -> dict:
     """Run the serving bench for parsed ``args``; returns the JSON-ready result."""
     import torch
     import transformers
-    from ..cli_kit import UsageError
+    from ...cli_kit import UsageError
     kind = getattr(args, "workload", "random")
     if kind in ("random", "kv-budget") and getattr(args, "system", None) is not None:
         raise ValueError("--system: only with --workload shared-prefix or multi-turn")
@@ -306,8 +306,8 @@ def run(args) -> dict:
 def _kv_dtype(args, backend: str, device: str) -> str:
     """(a)'s ``kv_dtype`` for ``--kv-dtype``, checked against what ``backend`` declares before
     any work (kv-budget's "auto": ``default_kv_dtype``); a ``UsageError`` names the fix."""
-    from ..cli_kit import UsageError
-    from ..plugins import resolve_backend
+    from ...cli_kit import UsageError
+    from ...plugins import resolve_backend
     kv = getattr(args, "kv_dtype", "auto")
     budget = getattr(args, "workload", "random") == "kv-budget"
     if kv == "auto" and not budget:

@@ -26,8 +26,8 @@ def prefix_bench(repeat: int = 200, page_size: int = 16, lengths=PREFIX_LENGTHS)
     ``array('q')`` (what the Engine's scheduler passes: its prompt converted once); and, as an
     ``array('q')``, a prompt whose first half only is cached (a shared system prompt and a
     question not asked before: the lookup searches for where the cached part ends)."""
-    from .cache import PagedKVCache
-    from .config import CacheConfig
+    from ..cache import PagedKVCache
+    from ..config import CacheConfig
 
     rows = []
     rng = np.random.default_rng(0)

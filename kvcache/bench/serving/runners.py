@@ -38,7 +38,7 @@ class EngineRunner(Runner):
     def __init__(self, net, backend: str, device: str, batch: int, max_len: int,
                  rope: str = "cache", prefix_cache: bool = True, kv_dtype: str = "auto",
                  compile_step: bool = False, mixed_graphs: Optional[bool] = None):
-        from ..integrations.transformers import Engine
+        from ...integrations.transformers import Engine
         page = 16
         self.engine = Engine(net, backend=backend, device=device, page_size=page,
                              max_batch_size=batch,

@@ -1,33 +1,7 @@
-"""Tensor parallelism for transformers models on the ``Engine`` (extra ``kvcache[transformers]``).
-
-One process per rank (``torchrun --nproc-per-node=TP``, or ``kvcache.distributed.tp.spawn``),
-torch.distributed initialised (``kvcache.distributed.tp.init()``). Every rank holds the same
-model; ``Engine(model, tp=TP)`` splits it the Megatron way: the attention's q/k/v projections
-column-wise (each rank computes ``num_qo_heads / TP`` query heads and ``num_kv_heads / TP`` KV
-heads), ``o_proj`` row-wise, the MLP's gate/up column-wise and ``down_proj`` row-wise, with an
-all-reduce after ``o_proj`` and ``down_proj``. Each rank's cache holds its own KV heads only, and
-every rank runs the same scheduler: planning is identical on every rank, and checked to be
-(``kvcache.distributed.tp.PlanCheck``: the ranks' plan digests are compared every step).
-The logits are whole on every rank (the vocabulary head is replicated or gathered), so every
-rank samples the same tokens from the same seed; the next step's digest covers those tokens.
-
-Who splits the model (``shard_model``, ``method``):
-
-* ``"transformers"``: transformers' own plan (the family's ``tp_plan``, as
-  ``from_pretrained(..., tp_plan="auto")`` applies it) on the model in memory: each rank keeps its
-  slice of the weights it holds (a model built from the same seed, or loaded from one
-  checkpoint, holds the same weights on every rank). It needs the tensor-parallel group to be
-  the whole world (transformers builds its mesh over every rank) and the model on the
-  accelerator transformers picks (the CPU where there is none).
-* ``"integration"``: the same layout by slicing each projection's weights in place and adding
-  the two all-reduces as forward hooks; works on any process group (e.g. a TP group inside a
-  larger world) and with any transformers version. Vocabulary embedding and head stay whole.
-* ``"auto"`` (default): ``"transformers"`` where it applies, else ``"integration"``.
-
-A model that ``from_pretrained(..., tp_plan="auto")`` already split (``model.tp_size > 1``) is
-used as it is. Families whose plan does not split the KV heads (Phi-3: its packed ``qkv_proj`` is
-gathered) and ``tp`` not dividing the head counts raise ``UnsupportedFeatureError``.
-"""
+"""The transformers Engine on tensor-parallel ranks: ``shard_model`` (who splits the model, how),
+``tp_layout`` and ``TPLayout`` (how a model is split), and ``TensorParallelAdapter`` (the
+``TransformersAdapter`` of one rank, its every step checked against the other ranks').
+Published, with the whole story and the ``python -m`` command, as ``kvcache.integrations.tp``."""
 
 from __future__ import annotations
 
@@ -40,18 +14,21 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..config import CacheConfig
-from ..distributed import tp as dtp
-from ..errors import InvalidArgumentError, UnsupportedFeatureError
-from .engine import PendingPicks
-from .transformers import TransformersAdapter, _head_dim, torch
+from ...config import CacheConfig
+from ...distributed import tp as dtp
+from ...errors import InvalidArgumentError, UnsupportedFeatureError
+from .. import require
+from ..engine import PendingPicks
+from .adapter import TransformersAdapter
+from .model import head_dims
 
+torch = require("torch", "transformers")
 dist = torch.distributed
 
 __all__ = ["SHARD_METHODS", "TPLayout", "TensorParallelAdapter", "shard_model", "tp_layout"]
 
 SHARD_METHODS = ("auto", "transformers", "integration")
-"""Who splits a model over the ranks: see the module's docstring."""
+"""Who splits a model over the ranks: see ``kvcache.integrations.tp``."""
 
 # plan styles whose module computes its whole output on every rank: the integration keeps it whole
 _WHOLE = ("colwise_gather_output", "colwise_rep", "embedding_rowwise", "embedding_colwise",
@@ -69,7 +46,7 @@ class TPLayout:
     group: Any
     """The torch.distributed process group (None: the default group)."""
     method: str
-    """``"transformers"`` or ``"integration"`` (see the module's docstring); ``"none"`` on a
+    """``"transformers"`` or ``"integration"`` (see ``kvcache.integrations.tp``); ``"none"`` on a
     group of one rank (nothing is split)."""
     num_qo_heads: int
     """Query heads this rank computes (the model's ``num_attention_heads / tp``)."""
@@ -95,7 +72,7 @@ def _attention_modules(model) -> list:
 def _measured_heads(model) -> tuple:
     """(query heads, KV heads) the model's attention layers compute on this rank, from their
     projections' local weights."""
-    head_dim = _head_dim(model.config)
+    head_dim = head_dims(model.config)[0]
     seen = {(int(_local(m.q_proj.weight).shape[0]) // head_dim,
              int(_local(m.k_proj.weight).shape[0]) // head_dim) for m in _attention_modules(model)}
     if len(seen) != 1:
@@ -237,11 +214,11 @@ def shard_model(model, group=None, method: str = "auto") -> TPLayout:
     ranks of ``group`` (a torch.distributed process group; None: the default group), in place,
     and return its ``TPLayout``. Every rank of the group must call it.
 
-    ``method``: ``"transformers"``, ``"integration"`` or ``"auto"`` (see the module's
-    docstring). Raises ``InvalidArgumentError`` (torch.distributed not initialised, an unknown
-    method, a model already split another way) or ``UnsupportedFeatureError`` (the group's size
-    does not divide the head counts, a family whose plan does not split the KV heads, a
-    ``method`` that cannot apply here, naming why)."""
+    ``method``: ``"transformers"``, ``"integration"`` or ``"auto"`` (see
+    ``kvcache.integrations.tp``). Raises ``InvalidArgumentError`` (torch.distributed not
+    initialised, an unknown method, a model already split another way) or
+    ``UnsupportedFeatureError`` (the group's size does not divide the head counts, a family whose
+    plan does not split the KV heads, a ``method`` that cannot apply here, naming why)."""
     if method not in SHARD_METHODS:
         raise InvalidArgumentError(f"method={method!r} is not one of {SHARD_METHODS}")
     _need_distributed()
@@ -434,9 +411,3 @@ class TensorParallelAdapter(TransformersAdapter):
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.layout.group)
         return int(peak[0])
 
-
-if __name__ == "__main__":
-    import sys
-
-    from kvcache.integrations.tp_cli import main as _main    # the command (python -m ...tp)
-    sys.exit(_main())

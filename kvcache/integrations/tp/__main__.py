@@ -1,6 +1,5 @@
 """``python -m kvcache.integrations.tp``'s command (``main``, launched by torchrun): tensor-parallel
-greedy generation that rank 0 checks against one process; apart from ``kvcache.integrations.tp``
-(which re-exports ``main`` and runs it as ``__main__``) to keep that module small."""
+greedy generation that rank 0 checks against one process."""
 
 from __future__ import annotations
 
@@ -8,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..distributed import tp as dtp
-from .transformers import torch
+from ...distributed import tp as dtp
+from ..transformers import torch
 
 if TYPE_CHECKING:
     from torch.nn import Module as _TorchModule
@@ -56,8 +55,8 @@ def main(argv=None) -> int:
     import gc
     import time
 
-    from ..demo.check import rescore_greedy
-    from .tp import SHARD_METHODS, shard_model
+    from ...demo.check import rescore_greedy
+    from ..transformers.tp import SHARD_METHODS, shard_model
     parser = argparse.ArgumentParser(prog="python -m kvcache.integrations.tp", description=(
         "Tensor-parallel greedy generation (launch with torchrun --nproc-per-node=TP); rank 0 "
         "compares the tokens with one process running the whole model."))
@@ -95,7 +94,7 @@ def main(argv=None) -> int:
         model: _TorchModule = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
         return model.to(device).eval()
 
-    from .transformers import Engine
+    from ..transformers import Engine
     want = None
     whole: Any = None
     if rank == 0:              # TP=1 first: its engine's pages are free again before TP's
@@ -150,3 +149,9 @@ def main(argv=None) -> int:
 def _prompts(args, vocab: int) -> list:
     rng = np.random.default_rng(args.seed)
     return [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""``EngineConfig``: an engine's options, in one place (each integration's ``Engine`` takes them
+as keywords, or as ``config=EngineConfig(...)``). Pure Python: it checks each option's type and
+range when made; which backend, device and dtype exist is asked of the plugin registry and the
+model adapter when the engine is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Iterable
+from typing import Any, Optional
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["EngineConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The options of an ``Engine`` (``kvcache.integrations.engine.Engine`` and the
+    transformers and mlx-lm ones), checked when made: a bad one raises
+    ``InvalidArgumentError`` naming the option and the value. ``dataclasses.replace`` makes a
+    changed copy (checked again)."""
+
+    backend: str = "auto"
+    """A backend name, or ``"auto"`` (the highest-priority available one), as ``PagedKVCache``."""
+    device: Any = None
+    """The cache's device (None: the model's)."""
+    dtype: Any = None
+    """The cache dtype, a name (``"bfloat16"`` ...) or the model library's dtype (None: the
+    model's)."""
+    page_size: int = 16
+    """Tokens per page."""
+    max_total_tokens: Optional[int] = None
+    """The cache's token capacity. None: sized from the device memory free when the engine
+    starts (the model, the other engines of this process and other processes already counted
+    out; memory this process's allocator holds unused counts as free): the engine takes
+    ``memory_fraction`` of it, its pages and one profiled largest step together, so a second
+    engine on the device gets a share of what the first left. Where the adapter cannot ask the
+    device (a CPU, MLX's unified memory) ``512 * max_batch_size``. ``Engine.sizing`` says how it
+    was chosen; when nothing fits, the ``InvalidArgumentError`` says who holds the device's
+    memory (each other engine of this process by number, this process's other tensors, the
+    rest)."""
+    max_batch_size: int = 64
+    """Sequences in one forward."""
+    prefill_chunk_size: Optional[int] = None
+    """Tokens in one forward (None: ``min(8192, max_total_tokens)``)."""
+    graphs: Optional[bool] = None
+    """Whole-step decode graphs (a pure decode step replays a graph captured per batch bucket).
+    None: on where the backend declares ``static_decode`` and the adapter says the device gains
+    from it (a GPU); True: on (``UnsupportedFeatureError`` if it cannot be); False: off."""
+    graph_batch_sizes: Optional[tuple] = None
+    """The graphs' batch buckets, any sequence of ints (stored as a tuple; None: powers of two
+    up to ``max_batch_size``)."""
+    offload: Optional[bool] = None
+    """A preempted sequence is parked in a host tier (``Engine.host_tier``, of
+    ``offload_tokens`` tokens) and restored later (True), or dropped and recomputed (False);
+    None: on when the cache is on an accelerator."""
+    offload_tokens: Optional[int] = None
+    """The host tier's capacity in tokens (None: ``max_total_tokens``)."""
+    overlap: bool = True
+    """The host stays one step ahead of the device for greedy steps (an ``AsyncScheduler``;
+    ``stats.overlapped_forwards``); the tokens are the same as with ``overlap=False``."""
+    memory_fraction: float = 0.9
+    """The share of the device memory free at start that the engine takes, in (0, 1] (see
+    ``max_total_tokens``)."""
+    prefix_cache: bool = True
+    """Automatic prefix caching (``CacheConfig.prefix_cache``): a request starts from the
+    longest cached prefix of its prompt, whole pages, left by any earlier request, call or turn
+    of a conversation (``stats.prefix_hit_tokens``); the pages of finished requests stay cached
+    until pages are needed. The tokens are the same as with it off, bit for bit where
+    docs/prefix-caching.md says."""
+    kv_dtype: str = "auto"
+    """The pages' storage format (``CacheConfig.kv_dtype``): ``"auto"`` (the compute dtype),
+    or ``"float8_e4m3"``, ``"int8"``, ``"int4"`` where the backend declares them in
+    ``Capabilities.kv_dtypes``; with ``max_total_tokens=None`` a format of fewer bytes holds
+    more tokens in the same memory. The affine formats quantize groups of 64 values (32 where
+    the head dims are not multiples of 64). Quantized pages are offloaded as they are stored
+    (fp8 with its scales, int8 / int4 as packed rows), so a restored sequence reads back the
+    same values."""
+    compile_step: Optional[bool] = False
+    """The captured decode step's model code goes through ``torch.compile`` (the cache's
+    attention an opaque op in it), so the norms, activations and residual adds between the
+    GEMMs fuse; the replayed graph holds the compiled kernels (the first capture per process
+    compiles: seconds to minutes). None: on where the adapter can compile (a CUDA GPU with
+    Triton) and graphs are on; True: on or ``UnsupportedFeatureError``. Prefill and mixed
+    steps stay eager."""
+    mixed_graphs: Optional[bool] = None
+    """With graphs on, steps that prefill (a prompt chunk, alone or beside decode rows) are
+    captured too, once per token bucket (``CacheConfig.static_mixed``: one paged pass per
+    layer, two merged where the batch shares a prefix, the batch padded to a token bucket): a
+    step that admits a request then costs about what a decode step costs on the host. None: on
+    where graphs are on; True: on, or ``UnsupportedFeatureError`` without graphs; False: such
+    steps run eagerly. Tokens agree with eager mixed steps to the attention's rounding (another
+    kernel path over the same keys)."""
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_batch_size", "max_total_tokens", "prefill_chunk_size",
+                     "offload_tokens"):
+            value = getattr(self, name)
+            optional = name not in ("page_size", "max_batch_size")
+            if value is None and optional:
+                continue
+            low = 0 if name == "offload_tokens" else 1
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise InvalidArgumentError(
+                    f"{name}={value!r:.80} must be {'None or ' if optional else ''}an integer "
+                    f">= {low}")
+            object.__setattr__(self, name, int(value))
+        for name in ("graphs", "offload", "compile_step", "mixed_graphs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidArgumentError(f"{name}={value!r} must be None, True or False")
+        for name in ("overlap", "prefix_cache"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidArgumentError(f"{name}={value!r} must be True or False")
+        fraction = self.memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+                or not 0 < fraction <= 1:
+            raise InvalidArgumentError(f"memory_fraction={fraction!r} must be a number in (0, 1]")
+        if not isinstance(self.kv_dtype, str):
+            raise InvalidArgumentError(f"kv_dtype={self.kv_dtype!r:.80} must be 'auto' or a "
+                                       f"storage format's name")
+        sizes = self.graph_batch_sizes
+        if sizes is not None:
+            if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+                raise InvalidArgumentError(
+                    f"graph_batch_sizes={sizes!r:.80} must be None or a sequence of integers")
+            sizes = tuple(sizes)
+            for b in sizes:
+                if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
+                    raise InvalidArgumentError(
+                        f"graph_batch_sizes={sizes!r:.80} must hold integers >= 1 (holds "
+                        f"{b!r:.40})")
+            object.__setattr__(self, "graph_batch_sizes", tuple(int(b) for b in sizes))
+
+    @classmethod
+    def of(cls, config: Optional["EngineConfig"] = None, **options) -> "EngineConfig":
+        """The options an ``Engine`` is given: ``config`` (None: the defaults) with ``options``
+        (keyword options, ``EngineConfig`` field names) over it. Raises ``TypeError`` for a
+        keyword that is no option (as a signature would), ``InvalidArgumentError`` for a bad
+        value or a ``config`` that is not an ``EngineConfig``."""
+        unknown = sorted(set(options) - _FIELDS)
+        if unknown:
+            raise TypeError(f"unknown Engine option(s) {unknown}; the options are "
+                            f"EngineConfig's fields: {', '.join(sorted(_FIELDS))}")
+        if config is None:
+            return cls(**options)
+        if not isinstance(config, EngineConfig):
+            raise InvalidArgumentError(f"config={config!r:.80} must be an EngineConfig or None")
+        return dataclasses.replace(config, **options) if options else config
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
