@@ -114,7 +114,7 @@ class PagedKVCache:
         (benchmarks and tests of the host work use it)."""
         self.rope = config.rope_spec()
         self.manager = KVManager(config, self.state, self.planner)
-        self.scales = KVScales(config, self.backend) if config.kv_dtype == "float8_e4m3" else None
+        self.scales = KVScales(config, self.backend) if config.kv_format.scaled else None
         self.payloads = Payloads(config, self.backend, self.pages, self.state, self.manager,
                                  self.scales)
         self._run: Optional[ForwardRun] = None

@@ -8,16 +8,18 @@ from typing import Optional
 
 from .core.validate import INT32_MAX, bool_arg, float_arg, int_arg, int_values
 from .errors import InvalidArgumentError
+from .formats import FORMAT_TABLE as KV_TABLE, KVFormat, kv_format, quantized_names
 
-DTYPES = ("float16", "bfloat16", "float32")
-"""The cache dtypes a ``CacheConfig`` accepts (compute and storage)."""
+DTYPES = tuple(name for name, fmt in KV_TABLE.items() if not fmt.quantized)
+"""The cache dtypes a ``CacheConfig`` accepts (compute and storage): ``"float16"``,
+``"bfloat16"``, ``"float32"`` (``kvcache.formats.FORMAT_TABLE``' unquantized names)."""
 ROPE_MODES = ("none", "normal", "inline")
 """``CacheConfig.rope_mode`` values: the model rotates q/k itself; the cache rotates them as K/V
 are written; the cache rotates inside attention (sliding windows need it)."""
 
 
-KV_FORMATS = ("float8_e4m3", "int8", "int4")
-"""The quantized storage formats ``CacheConfig.kv_dtype`` names besides ``"auto"`` (a backend
+KV_FORMATS = quantized_names()
+"""The quantized storage formats (``kvcache.formats.FORMAT_TABLE``' quantized names) ``CacheConfig.kv_dtype`` names besides ``"auto"`` (a backend
 declares the ones it stores in ``Capabilities.kv_dtypes``): fp8 e4m3 with one float32 scale
 per (layer, KV head); affine 8- and 4-bit codes with a scale and a bias per group of
 ``kv_quant_group`` values along the head dim, in ``dtype`` (mlx-lm's quantized cache)."""
@@ -156,17 +158,18 @@ class CacheConfig:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidArgumentError(f"CacheConfig.dtype={self.dtype!r} is not one of {DTYPES}")
         kv = self.kv_dtype
-        if not isinstance(kv, str) or kv not in ("auto", self.dtype) + KV_FORMATS:
+        quantized = quantized_names()
+        if not isinstance(kv, str) or kv not in ("auto", self.dtype) + quantized:
             raise InvalidArgumentError(
                 f"CacheConfig.kv_dtype={kv!r} is not 'auto', dtype={self.dtype!r} or one of "
-                f"{KV_FORMATS}")
+                f"{quantized}")
         put("kv_dtype", self.dtype if kv == "auto" else kv)
         group = int_arg(self.kv_quant_group, "CacheConfig.kv_quant_group", 1, INT32_MAX)
         if group not in KV_QUANT_GROUPS:
             raise InvalidArgumentError(
                 f"CacheConfig.kv_quant_group={group} is not one of {KV_QUANT_GROUPS}")
         put("kv_quant_group", group)
-        if self.kv_dtype in ("int8", "int4") and (self.head_dim % group or self.head_dim_v % group):
+        if self.kv_format.packed and (self.head_dim % group or self.head_dim_v % group):
             raise InvalidArgumentError(
                 f"CacheConfig.kv_dtype={self.kv_dtype!r} quantizes groups of kv_quant_group="
                 f"{group} values: head_dim={self.head_dim} and head_dim_v={self.head_dim_v} "
@@ -271,9 +274,16 @@ class CacheConfig:
         return None
 
     @property
+    def kv_format(self) -> KVFormat:
+        """The storage format ``kv_dtype`` names (``kvcache.formats.FORMAT_TABLE``): what the
+        pages hold (``scaled``, ``packed``, ``quantized``, ``row_bytes``)."""
+        return kv_format(self.kv_dtype)
+
+    @property
     def kv_quantized(self) -> bool:
-        """Whether the pages hold a quantized format (``kv_dtype`` in ``KV_FORMATS``)."""
-        return self.kv_dtype in KV_FORMATS
+        """Whether the pages hold a quantized format (``kv_format.quantized``: ``kv_dtype`` in
+        ``KV_FORMATS``)."""
+        return self.kv_format.quantized
 
     @property
     def page_row_dim(self) -> int:
@@ -284,14 +294,7 @@ class CacheConfig:
     def token_kv_bytes(self) -> int:
         """Bytes one token's K and V take over every layer, in the storage format (with the
         affine formats' scales and biases; fp8's per-head scales are outside the pages)."""
-        row = self.page_row_dim
-        if self.kv_dtype == "float8_e4m3":
-            row_bytes = row
-        elif self.kv_dtype in ("int8", "int4"):
-            bits = 8 if self.kv_dtype == "int8" else 4
-            row_bytes = row * bits // 8 + row // self.kv_quant_group * 2 * itemsize(self.dtype)
-        else:
-            row_bytes = row * itemsize(self.kv_dtype)
+        row_bytes = self.kv_format.row_bytes(self.page_row_dim, self.dtype, self.kv_quant_group)
         return self.num_layers * 2 * self.num_kv_heads * row_bytes
 
     @property

@@ -26,7 +26,10 @@ class KVManager:
 
     ``config``: the ``CacheConfig``; ``state``: the core's ``CacheState`` (sequences and page
     table); ``planner``: the ``Planner`` whose page counts ``begin_forward`` reserves with.
-    ``prefix``: the ``PrefixIndex`` with ``CacheConfig(prefix_cache=True)``, else None."""
+    ``prefix``: the prefix cache with ``CacheConfig(prefix_cache=True)`` (a ``PrefixIndex``,
+    used through ``BasePrefixCache``'s ``match`` / ``insert`` / ``release`` / ``evict`` and the
+    sequence hooks ``attach`` / ``extend`` / ``forked`` / ``detach`` / ``truncated`` /
+    ``retire``), else None."""
 
     def __init__(self, config, state, planner) -> None:
         self.config, self.state, self.planner = config, state, planner
@@ -89,10 +92,7 @@ class KVManager:
             _hashable(extra_key, f"{what}: extra_key")
         if self.prefix is None:
             return 0, 0
-        node = self.prefix.find(ids, extra_key)
-        if node is None:
-            return 0, 0
-        return node.depth * self.config.page_size, self.prefix.pinned(node)
+        return self.prefix.match(ids, extra_key)
 
     def extend_tokens(self, seq_id: int, tokens: Sequence[int]) -> None:
         """Record the token ids of sequence ``seq_id``'s next positions, after the ones already
@@ -167,9 +167,7 @@ class KVManager:
         forward or on an uncommitted token tree; nothing changes then."""
         self.state.enable_sliding_window(seq_id, window_size, sink_size)
         if self.prefix is not None:            # its pages will slide: their entries go
-            seq = self.state.seq(seq_id)
-            if seq.prefix is not None:
-                self.prefix.release(seq.prefix)
+            self.prefix.release(self.state.seq(seq_id))
 
     def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int],
                                          leaf_indices: Sequence[int],
@@ -196,7 +194,7 @@ class KVManager:
         if self.prefix is not None:
             for (seq, _), base in zip(items, bases):    # ids recorded past the tree's
                 self.prefix.truncated(seq, base)           # root are not the accepted ones
-                self.prefix.index(seq)
+                self.prefix.insert(seq)
 
     def forward_committed(self, plan) -> None:
         """After ``end_forward`` of ``plan``: full pages whose ids are recorded join the
@@ -208,7 +206,7 @@ class KVManager:
             seq = seqs[int(sid)]
             t = seq.prefix              # most decode steps complete no recorded page
             if t is not None and len(t.tokens) >= (len(t.chain) + 1) * ps:
-                self.prefix.index(seq)
+                self.prefix.insert(seq)
 
     def clear(self) -> None:
         """Drop every sequence, free every page and forget the prefix index."""

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .formats import FORMAT_TABLE, affine_row_bytes   # affine_row_bytes: re-exported here
+
 try:        # a dependency of the package (float8 and bfloat16 in numpy); the reference backend
     import ml_dtypes    # declares no quantized format without it
 except ImportError:
@@ -134,13 +136,8 @@ def affine_dequantize(codes, scales, biases, group: int) -> np.ndarray:
     return (c * s + b).reshape(*c.shape[:-2], -1)
 
 
-AFFINE_BITS = {"int8": 8, "int4": 4}
-"""Bits per code of the affine formats."""
-
-
-def affine_row_bytes(dim: int, bits: int, group: int, dtype: str) -> int:
-    """Bytes of one packed row of ``dim`` values (``affine_pack``)."""
-    return dim * bits // 8 + 2 * (dim // group) * np.dtype(_float_dtype(dtype)).itemsize
+AFFINE_BITS = {name: fmt.bits for name, fmt in FORMAT_TABLE.items() if fmt.packed}
+"""Bits per code of the affine formats (``kvcache.formats.FORMAT_TABLE``' packed ones)."""
 
 
 def affine_pack(codes, scales, biases, bits: int) -> np.ndarray:
@@ -182,11 +179,12 @@ def roundtrip(x, kv_dtype: str, dtype: str, group: int = 64, scale=None) -> np.n
     """What a page of ``kv_dtype`` gives back for ``x`` ``(T, H, D)`` (float32): the value
     stored, read back. ``scale`` ``(H,)``: fp8's per-head scales (None: ``calibrate_fp8(x)``).
     A ``dtype`` name other than the formats: ``x`` rounded to it."""
-    if kv_dtype == "float8_e4m3":
+    fmt = FORMAT_TABLE.get(kv_dtype)
+    if fmt is not None and fmt.scaled:
         scale = calibrate_fp8(x) if scale is None else scale
         return fp8_dequantize(fp8_quantize(x, scale), scale)
-    if kv_dtype in AFFINE_BITS:
-        codes, s, b = affine_quantize(x, AFFINE_BITS[kv_dtype], group, dtype)
+    if fmt is not None and fmt.packed:
+        codes, s, b = affine_quantize(x, fmt.bits, group, dtype)
         return affine_dequantize(codes, s, b, group)
     return np.asarray(x).astype(_float_dtype(kv_dtype)).astype(np.float32)
 

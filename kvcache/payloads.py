@@ -21,7 +21,6 @@ from .core.state import as_int
 from .core.validate import bool_arg, int_values, seq_id_arg, seq_id_list
 from .errors import ForwardStateError, InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from .forward_run import layer_arg
-from .kv_quant import AFFINE_BITS, affine_row_bytes
 from .transfer import SequencePayload, payload_fields
 
 # A backend-native array (numpy.ndarray, torch.Tensor, mlx.core.array): the core never looks inside.
@@ -44,7 +43,7 @@ class Payloads:
     def __init__(self, config, backend, pages, state, manager, scales) -> None:
         self.config, self.backend, self.pages = config, backend, pages
         self.state, self.manager, self.scales = state, manager, scales
-        self.packed = self.config.kv_dtype in AFFINE_BITS
+        self.packed = self.config.kv_format.packed
         """Whether pages move as packed rows (int8 / int4: ``Backend.gather_kv_packed``)."""
 
     def _gather_kw(self, layers) -> dict:
@@ -273,7 +272,7 @@ class Payloads:
         src = payload.array_dtype
         packed = (self.packed and payload.kv_dtype == c.kv_dtype and payload.dtype == c.dtype
                   and payload.kv_quant_group == c.kv_quant_group)
-        kv = "uint8" if packed else c.dtype if c.kv_quantized else c.kv_dtype
+        kv = "uint8" if packed else c.dtype if c.kv_format.quantized else c.kv_dtype
         k, v = payload.k, payload.v
         if (payload.backend == b.name and payload.device == b.device and src == kv
                 and b.is_native(k) and b.is_native(v)):
@@ -307,7 +306,7 @@ class Payloads:
             for i, layer in enumerate(layers):
                 b.append_kv_packed(self.pages[layer], k[i], v[i], slots)
             return
-        if not self.config.kv_quantized:
+        if not self.config.kv_format.quantized:
             # rows stored as they come: one call for every layer (one launch where the backend
             # can; launches per layer were most of a small transfer's time)
             b.append_kv_layers([self.pages[layer] for layer in layers], k, v, slots)
@@ -389,12 +388,12 @@ class Payloads:
         layers = self._layer_range(layers, "write_import")
         b, c = self.backend, self.config
         want = (len(layers), reservation.num_tokens, c.num_kv_heads, c.head_dim)
-        dtype = c.dtype if c.kv_quantized else c.kv_dtype
+        fmt = c.kv_format
+        dtype = c.dtype if fmt.quantized else c.kv_dtype
         what = (f"{dtype} (the compute dtype: the values, which this {c.kv_dtype} cache "
-                f"quantizes with the layer scales)" if c.kv_quantized else dtype)
+                f"quantizes with the layer scales)" if fmt.quantized else dtype)
         if self.packed:
-            want = want[:3] + (affine_row_bytes(c.head_dim, AFFINE_BITS[c.kv_dtype],
-                                                c.kv_quant_group, c.dtype),)
+            want = want[:3] + (fmt.row_bytes(c.head_dim, c.dtype, c.kv_quant_group),)
             dtype, what = "uint8", f"uint8 (packed {c.kv_dtype} rows, as export_sequences gives)"
         for name, a in (("k", k), ("v", v)):
             if not b.is_native(a) or b.shape_of(a) != want or b.dtype_name(a) != dtype:

@@ -14,7 +14,8 @@ import numpy as np
 
 from . import kv_quant
 from .backend import Backend, Capabilities, DepthAux, RopeSpec, TreeMask
-from .config import KV_FORMATS
+from .config import DTYPES
+from .formats import FORMAT_TABLE
 
 from .arrays import BFLOAT16_MISSING, NP_DTYPES, np_dtype  # noqa: F401  (re-exported)
 
@@ -104,10 +105,10 @@ class ReferenceBackend(Backend):
     description = "numpy, float64 math; the conformance oracle"
     capabilities = Capabilities(
         # bfloat16 only with ml_dtypes: PagedKVCache then raises UnsupportedFeatureError for it
-        dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES),
+        dtypes=tuple(name for name in DTYPES if name in NP_DTYPES),
         # the quantized formats emulated exactly (kvcache.kv_quant; fp8 needs ml_dtypes)
-        kv_dtypes=tuple(name for name in ("float16", "bfloat16", "float32") if name in NP_DTYPES)
-        + (KV_FORMATS if "bfloat16" in NP_DTYPES else ()),
+        kv_dtypes=tuple(name for name, fmt in FORMAT_TABLE.items()
+                        if ("bfloat16" if fmt.quantized else name) in NP_DTYPES),
         tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
         rope_frequencies=True, logit_softcap=True, attention_sinks=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(1, 1025)),
@@ -134,8 +135,9 @@ class ReferenceBackend(Backend):
         self.dtype = np_dtype(config.dtype)
         # quantized formats: pages hold the values read back (float32, exact); the affine ones
         # also their codes, scales and biases (page_shape), which a move carries unchanged
-        self.kv_dtype = np.dtype(np.float32) if config.kv_quantized else np_dtype(config.kv_dtype)
-        self.bits = kv_quant.AFFINE_BITS.get(config.kv_dtype)
+        fmt = config.kv_format
+        self.kv_dtype = np.dtype(np.float32) if fmt.quantized else np_dtype(config.kv_dtype)
+        self.bits = fmt.bits if fmt.packed else None
 
     def page_shape(self, num_pages):
         """The base layout; with int8 / int4 each row of ``R = page_row_dim`` values is
@@ -185,7 +187,7 @@ class ReferenceBackend(Backend):
         """``x`` as quantized pages give it back (K: ``which`` 0, V: 1), float32; ``x`` itself
         for plain pages. The format quantizes values of the compute dtype."""
         c = self.config
-        if not c.kv_quantized:
+        if not c.kv_format.quantized:
             return x
         x = np.asarray(x).astype(self.dtype).astype(np.float32)
         scale = np.ones(x.shape[1], np.float32) if kv_scale is None \
@@ -237,15 +239,14 @@ class ReferenceBackend(Backend):
                     rows[..., r:r + dim].astype(np.uint8),
                     rows[..., 2 * r:2 * r + n].astype(self.dtype),
                     rows[..., 2 * r + g:2 * r + g + n].astype(self.dtype),
-                    kv_quant.AFFINE_BITS[c.kv_dtype]))
+                    c.kv_format.bits))
             out.append(np.stack(per_layer))
         return out[0], out[1]
 
     def append_kv_packed(self, pages, k, v, slots):
         c = self.config
         self._put_affine(pages, np.asarray(slots), *(
-            kv_quant.affine_unpack(x, dim, kv_quant.AFFINE_BITS[c.kv_dtype], c.kv_quant_group,
-                                   c.dtype)
+            kv_quant.affine_unpack(x, dim, c.kv_format.bits, c.kv_quant_group, c.dtype)
             for x, dim in ((k, c.head_dim), (v, c.head_dim_v))))
 
     def _output(self, t, sinks=None):
@@ -350,7 +351,7 @@ class ReferenceBackend(Backend):
             pages[dst // ps, :, :, dst % ps, :] = rows
 
     def gather_kv(self, pages_per_layer, slots, kv_scale=None):
-        if self.config.kv_quantized:        # dequantized (held as float32), in the cache dtype
+        if self.config.kv_format.quantized:        # dequantized (held as float32), in the cache dtype
             k, v = self._gather(pages_per_layer, slots)
             return k.astype(self.dtype), v.astype(self.dtype)
         return self._gather(pages_per_layer, slots)

@@ -25,9 +25,10 @@ from . import kv_quant
 from .arrays import to_host, to_numpy
 from .config import DTYPES, KV_QUANT_GROUPS, ROPE_MODES, itemsize
 from .errors import InvalidArgumentError, UnsupportedFeatureError
+from .formats import FORMAT_TABLE
 
-PAYLOAD_FORMATS = DTYPES + ("float8_e4m3", "int8", "int4")
-"""The storage formats a payload may come from: the plain dtypes; fp8 pages (whose payload
+PAYLOAD_FORMATS = tuple(FORMAT_TABLE)
+"""The storage formats a payload may come from (``kvcache.formats.FORMAT_TABLE``): the plain dtypes; fp8 pages (whose payload
 carries the values read back, in the cache's compute dtype, with the scales); int8 / int4
 pages (whose payload carries the rows as stored, packed: ``kv_quant.affine_pack``)."""
 
@@ -138,7 +139,8 @@ class SequencePayload:
     @property
     def affine(self) -> bool:
         """Whether the arrays hold packed int8 / int4 rows."""
-        return self.kv_dtype in kv_quant.AFFINE_BITS
+        fmt = FORMAT_TABLE.get(self.kv_dtype)
+        return fmt is not None and fmt.packed
 
     @property
     def shape(self) -> tuple:
@@ -146,13 +148,13 @@ class SequencePayload:
         their bytes."""
         row = self.head_dim
         if self.affine:
-            bits, group, dtype = self._affine_format()
-            row = kv_quant.affine_row_bytes(self.head_dim, bits, group, dtype)
+            _, group, dtype = self._affine_format()
+            row = FORMAT_TABLE[self.kv_dtype].row_bytes(self.head_dim, dtype, group)
         return (self.num_layers, self.num_tokens, self.num_kv_heads, row)
 
     def _affine_format(self) -> tuple[int, int, str]:
         """(bits, group, compute dtype) of an int8 / int4 payload (checked by ``check``)."""
-        return (kv_quant.AFFINE_BITS[self.kv_dtype], cast(int, self.kv_quant_group),
+        return (FORMAT_TABLE[self.kv_dtype].bits, cast(int, self.kv_quant_group),
                 cast(str, self.dtype))
 
     @property
@@ -401,7 +403,7 @@ class SequencePayload:
                     raise InvalidArgumentError(
                         f"{where}: the payload's K was stored with {name}={got!r}, this cache "
                         f"uses {name}={want!r}")
-        if config.kv_quantized and self.kv_dtype != config.kv_dtype:
+        if config.kv_format.quantized and self.kv_dtype != config.kv_dtype:
             raise InvalidArgumentError(
                 f"{where}: the payload stores {self.kv_dtype}, this cache {config.kv_dtype}: "
                 f"only a {config.kv_dtype} payload can be imported here")
@@ -409,7 +411,7 @@ class SequencePayload:
             raise InvalidArgumentError(
                 f"{where}: the payload stores {self.kv_dtype}, this cache {config.kv_dtype}; pass "
                 f"convert_dtype=True to convert (rounding to {config.kv_dtype})")
-        if config.kv_quantized and self.dtype != config.dtype and not convert_dtype:
+        if config.kv_format.quantized and self.dtype != config.dtype and not convert_dtype:
             raise InvalidArgumentError(
                 f"{where}: the payload's values are in {self.dtype}, this cache computes "
                 f"in {config.dtype}; pass convert_dtype=True to convert")
@@ -464,12 +466,11 @@ def payload_fields(config) -> dict:
     spec = config.rope_spec()
     return dict(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim, kv_dtype=config.kv_dtype,
-                dtype=config.dtype if config.kv_quantized else None,
+                dtype=config.dtype if config.kv_format.quantized else None,
                 rope_mode=config.effective_rope_mode, rope_theta=spec.theta,
                 rope_scale=spec.scale, rope_inv_freq=tuple(spec.inv_freq or ()),
                 rope_rotary_dim=spec.rotary_dim,
-                kv_quant_group=config.kv_quant_group if config.kv_dtype in kv_quant.AFFINE_BITS
-                else None)
+                kv_quant_group=config.kv_quant_group if config.kv_format.packed else None)
 
 
 __all__ = ["FORMAT_VERSION", "HEADER_FIELDS", "SequencePayload", "UNCHECKED_FIELDS", "checksum"]

@@ -93,7 +93,7 @@ class CachePair:
         self.dut = PagedKVCache(config, backend=backend, device=device)
         # quantized pages: the reference (kvcache.kv_quant's rule) is the judge, not the dense
         # full-precision model
-        self.model = DenseModel(config) if model and not config.kv_quantized else None
+        self.model = DenseModel(config) if model and not config.kv_format.quantized else None
         self.poison_value = {"nan": np.nan, "large": 3.0e4 if config.dtype == "float16" else 1.0e6,
                              "none": None}[poison]
         self.seqs: list = []

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvcache.config import KV_FORMATS
+from kvcache.formats import kv_format
 
 from .base import Conformance
 from .test_sequences import decode_with_sinks, several_roots_and_commit
@@ -55,7 +56,7 @@ def hostile_values(kind: str, rng, shape) -> tuple:
 
 def _pair(make_pair, fmt, **kw):
     p = make_pair(kv_dtype=fmt, **kw)
-    if fmt == "float8_e4m3":         # one scale rule for both: the codes are then the same
+    if kv_format(fmt).scaled:         # one scale rule for both: the codes are then the same
         heads = p.config.num_kv_heads
         for cache in (p.ref, p.dut):
             for layer in range(p.config.num_layers):
@@ -172,7 +173,7 @@ class TestQuantizedKV(Conformance):
         # (1e30 overflows to inf in a float16 compute dtype: the cast is meant, not warned)
         with cache.forward([0], [5]), np.errstate(over="ignore"):
             cache.attention(0, *(cache.from_numpy(x) for x in (q, first, first)))
-        if fmt == "float8_e4m3":
+        if kv_format(fmt).scaled:
             assert all(np.isfinite(s).all() and min(s) > 0 for s in cache.kv_scales(0))
         later = rng.standard_normal((7, c.num_kv_heads, c.head_dim)) * 2
         ql = rng.standard_normal((7, c.num_qo_heads, c.head_dim))
@@ -218,7 +219,7 @@ class TestQuantizedKV(Conformance):
 
         dtype = make_pair(kv_dtype=fmt).config.dtype
         kv_quant.accuracy_gate(fmt, dtype, 64, store=store_with(), seeds=(0,))
-        if fmt == "float8_e4m3":
+        if kv_format(fmt).scaled:
             with pytest.raises(AssertionError, match="accuracy gate"):
                 kv_quant.accuracy_gate(fmt, dtype, 64, store=store_with(0.01), seeds=(0,))
 
@@ -303,7 +304,7 @@ class TestQuantizedKV(Conformance):
                     np.testing.assert_array_equal(got[0], exp[0])
                     np.testing.assert_array_equal(got[1], exp[1])
 
-    @pytest.mark.parametrize("fmt", ["int8", "int4"])
+    @pytest.mark.parametrize("fmt", [f for f in KV_FORMATS if kv_format(f).packed])
     def test_affine_sequences_move_between_caches(self, make_pair, fmt):
         """int8 / int4 sequences move as their packed rows (``gather_kv_packed`` /
         ``append_kv_packed``): the backend's export equals the reference's bit for bit (the

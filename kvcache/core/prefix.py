@@ -24,6 +24,7 @@ Pure Python over the page table (numpy only for counting); no array library.
 
 from __future__ import annotations
 
+import abc
 import array
 import heapq
 import itertools
@@ -104,7 +105,33 @@ def _key(holder):
     return holder if isinstance(holder, Ghost) else holder.owner
 
 
-class PrefixIndex:
+class BasePrefixCache(abc.ABC):
+    """What a cache's ``KVManager`` asks of its prefix cache (SGLang's ``BasePrefixCache``):
+    ``match`` a prompt, ``insert`` a sequence's full pages, ``release`` a sequence's hold on
+    them, ``evict`` cached pages for room. ``PrefixIndex`` implements it."""
+
+    @abc.abstractmethod
+    def match(self, prompt: Prompt, extra) -> tuple[int, int]:
+        """``(length, pages)``: the longest cached prefix of ``prompt`` under extra key
+        ``extra``, in tokens (whole pages, at least one token left uncached), and the cached
+        pages a sequence starting from it would hold (taken from the available ones); ``(0,
+        0)``: nothing cached. Changes nothing."""
+
+    @abc.abstractmethod
+    def insert(self, seq) -> None:
+        """Index ``seq``'s full pages whose token ids are recorded and whose KV is stored."""
+
+    @abc.abstractmethod
+    def release(self, seq, keep: int = 0) -> None:
+        """``seq`` lets go of the indexed pages it holds deeper than ``keep`` pages."""
+
+    @abc.abstractmethod
+    def evict(self, pages: int) -> int:
+        """Free at least ``pages`` cached pages (fewer when fewer are cached); returns how
+        many were freed."""
+
+
+class PrefixIndex(BasePrefixCache):
     """The index over one ``CacheState`` (see the module docstring)."""
 
     def __init__(self, state):
@@ -122,6 +149,10 @@ class PrefixIndex:
         self._version = 0
 
     # ------------------------------------------------------------------ lookups
+    def match(self, prompt: Prompt, extra) -> tuple[int, int]:
+        node = self.find(prompt, extra)
+        return (0, 0) if node is None else (node.depth * self.ps, self.pinned(node))
+
     def find(self, prompt: Prompt, extra) -> Optional[Node]:
         """The deepest node of the longest cached prefix of ``prompt``, whole pages, leaving at
         least one token uncached (its logits are what a model computes next), that a new
@@ -258,9 +289,9 @@ class PrefixIndex:
     def extend(self, seq, prompt: Prompt) -> None:
         """Record the ids of ``seq``'s next positions, then index what is complete."""
         self.track(seq).tokens.frombytes(prompt.raw)
-        self.index(seq)
+        self.insert(seq)
 
-    def index(self, seq) -> None:
+    def insert(self, seq) -> None:
         """Add ``seq``'s full pages whose tokens are recorded and whose KV is stored (committed,
         no sliding window) to the index; the sequence holds the new nodes."""
         t = seq.prefix
@@ -312,7 +343,7 @@ class PrefixIndex:
         n = n if keep is None else min(n, keep)
         del t.tokens[n:]
         del t.chain[n // self.ps:]
-        self.release(t, n // self.ps)
+        self.release(seq, n // self.ps)
 
     def detach(self, seq, keep: int) -> None:
         """Before ``seq`` pops back to ``keep`` pages (``popn``): the nodes it holds deeper than
@@ -331,22 +362,22 @@ class PrefixIndex:
         heapq.heappush(self._heap, (deepest.tick, deepest.id, deepest))
         self.state.epoch += 1
 
-    def release(self, t: Track, keep: int = 0) -> None:
-        """Let go of the nodes ``t`` holds deeper than ``keep`` pages, deepest first: one with
-        children moves to a child's holder (whose pages run through a copy of it), one without
-        leaves the index."""
-        for node in sorted((n for n in t.nodes if n.depth > keep), key=lambda n: -n.depth):
-            self._let_go(node, t)
+    def release(self, seq, keep: int = 0) -> None:
+        """``seq`` lets go of the nodes it holds deeper than ``keep`` pages (``_drop_chain``)."""
+        t = seq.prefix
+        if t is not None:
+            self._drop_chain(t, [n for n in t.nodes if n.depth > keep])
 
-    def _let_go(self, node: Node, holder: Union[Ghost, Track]) -> None:
-        """``holder`` gives up ``node``: a node with children moves to a child's holder (whose
-        pages run through a copy of its page), one without leaves the index."""
-        if node.kids:
-            holder.nodes.discard(node)
-            node.holder = next(iter(node.kids)).holder
-            node.holder.nodes.add(node)
-        else:
-            self._remove_node(node)
+    def _drop_chain(self, holder: Union[Ghost, Track], nodes: list) -> None:
+        """``holder`` gives up ``nodes``, deepest first: a node with children moves to a child's
+        holder (whose pages run through a copy of its page), one without leaves the index."""
+        for node in sorted(nodes, key=lambda n: -n.depth):
+            if node.kids:
+                holder.nodes.discard(node)
+                node.holder = next(iter(node.kids)).holder
+                node.holder.nodes.add(node)
+            else:
+                self._remove_node(node)
 
     def forked(self, parent, child, fork_pos: int) -> None:
         """``child`` was forked from ``parent`` at ``fork_pos``: it knows the parent's ids up to
@@ -364,7 +395,7 @@ class PrefixIndex:
         if t is None or not t.nodes:
             return False
         if seq.window != -1 or not seq.committed:
-            self.release(t)
+            self.release(seq)
             return False
         state, pt = self.state, self.state.pt
         deepest = max(t.nodes, key=lambda n: n.depth)
@@ -464,15 +495,15 @@ class PrefixIndex:
                     continue
                 limit = self._heap[0][0] if self._heap else None
                 floor = max(own, node.depth - (pages - (pt.num_free - start)))
-                at: Optional[Node] = node
-                while at is not None:
-                    nxt = at.parent         # the ghost's next deepest node, past others' nodes
+                chain = [node]
+                while True:
+                    nxt = chain[-1].parent  # the ghost's next deepest node, past others' nodes
                     while nxt is not None and nxt.holder is not ghost:
                         nxt = nxt.parent
-                    self._let_go(at, ghost)
                     if nxt is None or nxt.depth <= floor or (limit is not None and nxt.tick > limit):
                         break
-                    at = nxt
+                    chain.append(nxt)
+                self._drop_chain(ghost, chain)
                 self._trim(ghost, nxt)
             for entry in skipped:
                 heapq.heappush(self._heap, entry)

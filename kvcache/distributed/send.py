@@ -91,7 +91,7 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     if streamed:
         per = (-(-c.num_layers // STREAM_MESSAGES) if message_bytes is None
                else layers_per_message(c.num_layers, hint, int(message_bytes), pipeline=False))
-        unset = [x for x in range(c.num_layers) if c.kv_dtype == "float8_e4m3"
+        unset = [x for x in range(c.num_layers) if c.kv_format.scaled
                  and cache.kv_scales(x) is None]
         if unset:
             raise UnsupportedFeatureError(

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..config import DTYPES, itemsize
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
-from ..kv_quant import AFFINE_BITS, affine_row_bytes
+from ..formats import FORMAT_TABLE
 from ..transfer import FORMAT_VERSION, PAYLOAD_FORMATS, SequencePayload
 
 MAGIC = 0x6B76_6361_6368_6532    # "kvcache2": the first int64 of every transfer
@@ -68,17 +68,14 @@ def _array_dtype(config) -> str:
     """The dtype of the K/V arrays a cache of ``config`` sends and ``write_import`` takes:
     the storage dtype, the compute dtype for fp8 pages (their values), uint8 for int8 / int4
     pages (their packed rows)."""
-    if config.kv_dtype in AFFINE_BITS:
-        return "uint8"
-    return config.dtype if config.kv_quantized else config.kv_dtype
+    return config.kv_format.payload_dtype(config.dtype)
 
 
 def _row(config) -> int:
     """The last axis of the arrays a cache of ``config`` sends: head_dim, or the bytes of a
     packed int8 / int4 row."""
-    if config.kv_dtype in AFFINE_BITS:
-        return affine_row_bytes(config.head_dim, AFFINE_BITS[config.kv_dtype],
-                                config.kv_quant_group, config.dtype)
+    if config.kv_format.packed:
+        return config.kv_format.row_bytes(config.head_dim, config.dtype, config.kv_quant_group)
     return config.head_dim
 
 
@@ -138,7 +135,7 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
     dtype = msg.get("dtype")
     if dtype is None and kv_dtype in DTYPES:
         dtype = kv_dtype
-    packed = kv_dtype in AFFINE_BITS
+    packed = FORMAT_TABLE[kv_dtype].packed
     if (not isinstance(dtype, str) or (packed and dtype != "uint8")
             or (not packed and dtype not in DTYPES)
             or (kv_dtype in DTYPES and dtype != kv_dtype)):

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 from ..cache import PagedKVCache
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
+from ..formats import FORMAT_TABLE
 from ..serving import (AsyncScheduler, EngineConfig, EngineCore, EngineStats, RequestOutput,
                        SamplingParams, Scheduler)
 from ..serving.progress import Progress
@@ -69,7 +70,8 @@ def _wants_logprobs(params: SamplingParams) -> bool:
 def quant_group_for(config, kv_dtype) -> int:
     """The affine formats' group: 64 (mlx-lm's default), or 32 where the model's head dims are
     not multiples of 64 (CacheConfig refuses head dims that 32 does not divide either)."""
-    if kv_dtype in ("int8", "int4") and (config.head_dim % 64 or config.head_dim_v % 64):
+    fmt = FORMAT_TABLE.get(kv_dtype) if isinstance(kv_dtype, str) else None
+    if fmt is not None and fmt.packed and (config.head_dim % 64 or config.head_dim_v % 64):
         return 32
     return config.kv_quant_group
 

@@ -177,6 +177,15 @@ class Sequences:
         if seq.kind == "prefix" and seq.waiting == 0 and not seq.retired:
             self.drop(seq)
 
+    def unwait(self, seq: Seq) -> None:
+        """``seq`` stops waiting on its parent (it forked, or is gone): the parent prefix, and
+        up its chain each one nobody waits on any more, leaves the cache (``maybe_retire``)."""
+        parent = seq.parent
+        if parent is not None:
+            parent.waiting -= 1
+            seq.parent = None
+            self.maybe_retire(parent)
+
     @staticmethod
     def known_ids(seq: Seq) -> array.array:
         """``seq``'s tokens as an int64 ``array`` (prefix cache lookups), made once per length: a
@@ -208,10 +217,8 @@ class Sequences:
         """``seq`` is gone for good (abort): out of the cache, the tier and its parent's count."""
         if seq.retired:
             return
-        if seq.parent is not None and not seq.live:
-            seq.parent.waiting -= 1
-            parent, seq.parent = seq.parent, None
-            self.maybe_retire(parent)
+        if not seq.live:
+            self.unwait(seq)
         if seq.parked and self.host_tier is not None:
             self.host_tier.drop(seq.sid)
             seq.parked = 0
@@ -263,10 +270,7 @@ class Sequences:
         seq.parked = 0
         seq.live = True
         self.record(seq)
-        if parent is not None:
-            parent.waiting -= 1
-            seq.parent = None
-            self.maybe_retire(parent)
+        self.unwait(seq)
 
     def preempt(self, why: str, keep: Optional[Seq] = None) -> None:
         """Remove the youngest sequence in the cache other than ``keep`` (the head) to free its

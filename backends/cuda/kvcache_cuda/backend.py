@@ -43,9 +43,10 @@ def _torch_dtypes():
             "int32": torch.int32, "int64": torch.int64}
 
 
-def _page_dtype(kv_dtype: str):
-    """The torch dtype of pages storing ``kv_dtype`` (fp8: e4m3fn, kvcache.kv_quant's format)."""
-    return torch.float8_e4m3fn if kv_dtype == "float8_e4m3" else _torch_dtypes()[kv_dtype]
+def _page_dtype(fmt):
+    """The torch dtype of pages storing ``fmt`` (a ``KVFormat``: its storage dtype; fp8:
+    e4m3fn, kvcache.kv_quant's format)."""
+    return torch.float8_e4m3fn if fmt.storage == "float8_e4m3" else _torch_dtypes()[fmt.storage]
 
 
 @dataclass
@@ -241,7 +242,7 @@ class CudaBackend(Backend):
         self.launch_cache.clear()          # records hold tiles and split factors of the old table
         self.ctx = KernelCtx(c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim,
                              c.group_size, self.dtype, value, self._num_sms, self.launch_cache,
-                             c.head_dim_v, c.kv_dtype == "float8_e4m3")
+                             c.head_dim_v, c.kv_format.scaled)
 
     def kernels(self, tensor=None):
         """The kernel module for this call: Triton on GPU tensors (or under TRITON_INTERPRET=1),
@@ -272,7 +273,7 @@ class CudaBackend(Backend):
     # built or first driven in a model loop under torch.inference_mode()) they would refuse the
     # in-place updates every later forward outside it does.
     def allocate_pages(self, num_pages):
-        kv_dtype = _page_dtype(self.config.kv_dtype)
+        kv_dtype = _page_dtype(self.config.kv_format)
         with torch.inference_mode(False):
             return [torch.zeros(self.page_shape(num_pages), dtype=kv_dtype, device=self.torch_device)
                     for _ in range(self.config.num_layers)]

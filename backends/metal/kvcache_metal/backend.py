@@ -31,7 +31,6 @@ from typing import Optional
 import numpy as np
 
 from kvcache.backend import Backend, Capabilities
-from kvcache.kv_quant import AFFINE_BITS
 
 try:  # importing the plugin must work without MLX; availability() says why it cannot run
     import mlx.core as mx
@@ -173,10 +172,10 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
     def _affine_rows(self):
         """int8 / int4 pages: the rows' codec (rows of codes, scales and biases); else None."""
         c = self.config
-        if c.kv_dtype not in AFFINE_BITS:
+        if not c.kv_format.packed:
             return None
         from .affine import AffineRows
-        return AffineRows(AFFINE_BITS[c.kv_dtype], c.kv_quant_group, c.dtype, c.page_row_dim,
+        return AffineRows(c.kv_format.bits, c.kv_quant_group, c.dtype, c.page_row_dim,
                           fused=self.on_gpu and _metal_available())
 
     @property

@@ -27,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ...config import KV_FORMATS
 from .model import random_prompt_range, workload
 from .prefix import Online, _free, _row
 
-KV_DTYPES = ("auto", "float8_e4m3", "int8", "int4")
+KV_DTYPES = ("auto",) + KV_FORMATS
 """``--kv-dtype``'s choices: "auto" is the compute dtype (for kv-budget's quantized run:
 ``default_kv_dtype``)."""
 KV_BUDGET_SIZES = {"requests": (256, 8), "batch": (64, 8)}
