@@ -137,3 +137,40 @@ def run_all(core, max_steps=10_000) -> dict:
                 "output after the sample finished"
             got[(out.request_id, out.index)] = (tokens + out.new_token_ids, out.finish_reason)
     raise AssertionError("the engine did not finish")
+
+
+def run_program(core, cache, prog: dict, max_steps: int, settle: int) -> None:
+    """Drive a random request program (``prog["reqs"]``: prompt, params, the step it arrives
+    at, the steps after which it is aborted or None) to the end and judge it: every sample's
+    tokens equal ``expected`` (an aborted one a prefix of them), and every page comes back.
+    A request that could not fit alone is never added (the engine refuses it up front). The
+    loop ends once nothing is unfinished after ``settle`` steps, or at ``max_steps``."""
+    ps = cache.config.page_size
+    base = cache.num_available_pages
+    ids: dict = {}
+    got: dict = {}
+    for step in range(max_steps):
+        for k, r in enumerate(prog["reqs"]):
+            if r["at"] == step:
+                need = -(-(len(r["prompt"]) + r["params"].max_tokens - 1) // ps)
+                if need <= base:
+                    ids[k] = core.add_request(r["prompt"], r["params"])
+            if r["abort"] is not None and r["at"] + r["abort"] == step and k in ids:
+                core.abort(ids[k])
+        if not core.has_unfinished() and step > settle:
+            break
+        for out in core.step():
+            key = (out.request_id, out.index)
+            tokens, _ = got.get(key, ([], None))
+            got[key] = (tokens + out.new_token_ids, out.finish_reason)
+    assert not core.has_unfinished()
+    for k, rid in ids.items():
+        r = prog["reqs"][k]
+        for j in range(r["params"].n):
+            tokens, reason = got[(rid, j)]
+            want = expected(r["prompt"], r["params"], j)
+            if reason == "abort":
+                assert tokens == want[:len(tokens)]
+            else:
+                assert (tokens, reason) == (want, "length"), (k, j)
+    assert cache.is_empty and cache.num_available_pages == base

@@ -60,15 +60,22 @@ def test_aborting_every_request_on_a_half_prefilled_prefix_retires_it(pipelined,
     assert cache.is_empty and cache.num_available_pages == base and not core.has_unfinished()
 
 
-def test_aborting_every_request_retires_nested_prefixes_still_waiting_on_each_other():
-    # an outer prefix shared by three prompts, an inner one (longer) by two of them: the inner
-    # waits to fork from the outer, which is half prefilled when every request is aborted
+def _nested():
+    """An outer prefix shared by three prompts, an inner one (longer) by two of them, all
+    added: ``(core, cache, base pages, outer, prompts, request ids)``."""
     core, _, cache = make_core(page_size=4, prefill_chunk_size=8)
     base = cache.num_available_pages
     outer = list(range(1, 17))
     inner = outer + list(range(70, 82))
     prompts = [inner + [90], inner + [91], outer + [92, 93]]
     ids = [core.add_request(p, PARAMS) for p in prompts]
+    return core, cache, base, outer, prompts, ids
+
+
+def test_aborting_every_request_retires_nested_prefixes_still_waiting_on_each_other():
+    # an outer prefix shared by three prompts, an inner one (longer) by two of them: the inner
+    # waits to fork from the outer, which is half prefilled when every request is aborted
+    core, cache, base, _, prompts, ids = _nested()
     _half_prefilled(core)
     assert len(_prefixes(core)) == 2
     for rid in ids:
@@ -83,12 +90,7 @@ def test_aborting_the_requests_of_an_inner_prefix_keeps_the_outer_for_the_rest()
     # the inner prefix (two requests) is retired with them; the outer one, half prefilled,
     # stays for the third request, which forks from it and gets the judge's tokens; then
     # nothing is left in the cache
-    core, _, cache = make_core(page_size=4, prefill_chunk_size=8)
-    base = cache.num_available_pages
-    outer = list(range(1, 17))
-    inner = outer + list(range(70, 82))
-    prompts = [inner + [90], inner + [91], outer + [92, 93]]
-    ids = [core.add_request(p, PARAMS) for p in prompts]
+    core, cache, base, outer, prompts, ids = _nested()
     (half,) = _half_prefilled(core)
     assert half.tokens == outer
     core.abort(ids[0])

@@ -8,7 +8,7 @@ judge's throughout."""
 from __future__ import annotations
 
 import pytest
-from fake import expected, make_core, run_all
+from fake import expected, make_core, run_all, run_program
 
 from kvcache.integrations.sampling import SamplingParams
 
@@ -101,31 +101,5 @@ def test_no_forward_of_a_random_program_exceeds_max_batch_size(prog):
                                     pipelined=prog["pipelined"], host_tier=prog["tier"],
                                     prefix_cache=prog["prefix_cache"])
     plans = checked(core, runner)
-    base = cache.num_available_pages
-    ids: dict = {}
-    got: dict = {}
-    for step in range(3000):
-        for k, r in enumerate(prog["reqs"]):
-            if r["at"] == step:
-                need = -(-(len(r["prompt"]) + r["params"].max_tokens - 1) // ps)
-                if need <= base:                # (one that cannot fit alone is refused)
-                    ids[k] = core.add_request(r["prompt"], r["params"])
-            if r["abort"] is not None and r["at"] + r["abort"] == step and k in ids:
-                core.abort(ids[k])
-        if not core.has_unfinished() and step > 8:
-            break
-        for out in core.step():
-            key = (out.request_id, out.index)
-            tokens, _ = got.get(key, ([], None))
-            got[key] = (tokens + out.new_token_ids, out.finish_reason)
-    assert not core.has_unfinished() and plans
-    for k, rid in ids.items():
-        r = prog["reqs"][k]
-        for j in range(r["params"].n):
-            tokens, reason = got[(rid, j)]
-            want = expected(r["prompt"], r["params"], j)
-            if reason == "abort":
-                assert tokens == want[:len(tokens)]
-            else:
-                assert (tokens, reason) == (want, "length"), (k, j)
-    assert cache.is_empty and cache.num_available_pages == base
+    run_program(core, cache, prog, max_steps=3000, settle=8)
+    assert plans

@@ -11,7 +11,7 @@ import pytest
 from kvcache.errors import CacheFullError, InvalidArgumentError
 from kvcache.integrations.sampling import SamplingParams
 
-from fake import expected, make_core, next_token, run_all
+from fake import expected, make_core, next_token, run_all, run_program
 
 
 def prompts_sharing(rng, count, shared=10, vocab=97):
@@ -155,37 +155,7 @@ def test_random_programs_in_small_caches_equal_the_judge(seed, prefix_cache):
                                max_batch_size=prog["batch"], prefill_chunk_size=prog["chunk"],
                                pipelined=prog["pipelined"], host_tier=prog["tier"],
                                prefix_cache=prefix_cache)
-    base = cache.num_available_pages
-    ids: dict = {}
-    got: dict = {}
-    step = 0
-    while step < 5000:
-        for k, r in enumerate(prog["reqs"]):
-            if r["at"] == step:
-                need = -(-(len(r["prompt"]) + r["params"].max_tokens - 1) // ps)
-                if need > base:
-                    continue                            # would not fit alone: the engine refuses it
-                ids[k] = core.add_request(r["prompt"], r["params"])
-            if r["abort"] is not None and r["at"] + r["abort"] == step and k in ids:
-                core.abort(ids[k])
-        if not core.has_unfinished() and step > 6:
-            break
-        for out in core.step():
-            key = (out.request_id, out.index)
-            tokens, _ = got.get(key, ([], None))
-            got[key] = (tokens + out.new_token_ids, out.finish_reason)
-        step += 1
-    assert not core.has_unfinished()
-    for k, rid in ids.items():
-        r = prog["reqs"][k]
-        for j in range(r["params"].n):
-            tokens, reason = got[(rid, j)]
-            want = expected(r["prompt"], r["params"], j)
-            if reason == "abort":
-                assert tokens == want[:len(tokens)]
-            else:
-                assert (tokens, reason) == (want, "length"), (k, j)
-    assert cache.is_empty and cache.num_available_pages == base
+    run_program(core, cache, prog, max_steps=5000, settle=6)
 
 
 def test_a_request_bigger_than_the_cache_fails_the_step_with_cache_full():
