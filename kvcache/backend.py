@@ -25,10 +25,16 @@ Shared conventions
   ``kv_dtypes``): the kernels store and read the format as ``kvcache.kv_quant`` defines it.
   Every kernel reads K/V as stored, a forward's own new rows too (``ragged_attention`` rounds
   them through the format), so a result does not depend on how the tokens were chunked.
-  ``gather_kv`` returns dequantized values in the cache dtype. With ``"float8_e4m3"`` the core
-  passes ``kv_scale`` to ``append_kv``, ``rope_append``, ``ragged_attention`` and
+  One store/load contract for every format: ``append_kv`` stores values (the compute dtype)
+  as the format encodes them and ``gather_kv`` loads them back decoded, in the cache dtype.
+  The optional scale: with a scaled format (``KVFormat.scaled``, fp8) the core passes
+  ``kv_scale`` to ``append_kv``, ``rope_append``, ``ragged_attention`` and
   ``paged_attention`` (the layer's ``(2, Hkv)`` float32 array: K's scales, then V's) and to
-  ``gather_kv`` (a list of them, one per page array); never for other formats.
+  ``gather_kv`` (a list of them, one per page array); never for other formats. With a packed
+  format (``KVFormat.packed``: int8 / int4) the rows also move as stored: ``packed=True`` on
+  ``gather_kv``, ``append_kv`` and ``append_kv_layers`` reads or writes the uint8 rows of
+  ``kvcache.kv_quant.affine_pack`` unchanged (export, import and the host tier, so a sequence
+  comes back with its codes); the core passes it for packed formats only.
 * Logit soft-capping (``logit_softcap``, capability ``logit_softcap``): ``c > 0`` turns each
   score ``s = q . k * sm_scale`` into ``c * tanh(s / c)`` before the softmax (and the lse);
   ``0``: off.
@@ -405,19 +411,30 @@ class Backend(abc.ABC):
         module docstring); returns a new array, cache dtype."""
 
     @abc.abstractmethod
-    def append_kv(self, pages, k, v, slots, positions=None, rope: Optional[RopeSpec] = None) -> None:
+    def append_kv(self, pages, k, v, slots, positions=None, rope: Optional[RopeSpec] = None, *,
+                  kv_scale=None, packed: bool = False) -> None:
         """Write ``k[t]`` (T, Hkv, D) / ``v[t]`` (T, Hkv, Dv) into ``pages`` at ``slots[t]`` (-1: skip the token).
-        With ``rope``, K is rotated at ``positions[t]`` before it is stored (fused RoPE)."""
+        With ``rope``, K is rotated at ``positions[t]`` before it is stored (fused RoPE).
+        ``kv_scale``: a scaled format's (2, Hkv) float32 scales of the layer (see the module
+        docstring). ``packed`` (packed formats only, no ``rope``): ``k`` / ``v`` are rows as
+        stored, uint8 ``(T, Hkv, affine_row_bytes(D))`` (v: of ``Dv``), written unchanged, so
+        that reading them back gives their codes, scales and biases. A backend that stores a
+        packed format implements it (``UnsupportedFeatureError`` where it cannot)."""
 
-    def append_kv_layers(self, pages_per_layer: Sequence, k, v, slots) -> None:
+    def append_kv_layers(self, pages_per_layer: Sequence, k, v, slots, *,
+                         packed: bool = False) -> None:
         """Write ``k[l]`` / ``v[l]`` into ``pages_per_layer[l]`` at ``slots`` (an int32 device
         array (T,); -1: skip the token) for every layer ``l``: ``k`` (L, T, Hkv, D) and ``v``
-        (L, T, Hkv, Dv) native arrays in the pages' storage dtype, ``len(pages_per_layer) ==
-        L``; no RoPE, no fp8 scales (the rows are stored as they come). A transfer's import
-        writes all its layers with one call; this default calls ``append_kv`` once per layer,
-        and a backend may override it with one launch for all of them."""
+        (L, T, Hkv, Dv) native arrays, ``len(pages_per_layer) == L``; no RoPE, no scales: the
+        rows of a plain format in its dtype, or with ``packed`` a packed format's stored rows
+        (``append_kv``). A transfer's import writes all its layers with one call; this default
+        calls ``append_kv`` once per layer, and a backend may override it with one launch for
+        all of them."""
         for i, pages in enumerate(pages_per_layer):
-            self.append_kv(pages, k[i], v[i], slots)
+            if packed:
+                self.append_kv(pages, k[i], v[i], slots, packed=True)
+            else:                      # backends without packed formats never see the keyword
+                self.append_kv(pages, k[i], v[i], slots)
 
     def rope_append(self, pages, q, k, v, slots, positions, rope: RopeSpec, **quant):
         """Rotate ``q`` (T, Hq, D) and ``k`` (T, Hkv, D) at ``positions`` (T,) as ``rope``
@@ -433,7 +450,8 @@ class Backend(abc.ABC):
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale: float, *, num_seqs: int,
                          max_len: int, tree: Optional[TreeMask] = None,
                          rope: Optional[RopeSpec] = None, q_positions=None, k_rope_offset=None,
-                         window_left: int = -1, logit_softcap: float = 0.0, sinks=None):
+                         window_left: int = -1, logit_softcap: float = 0.0, sinks=None,
+                         kv_scale=None):
         """Causal self-attention among each sequence's new tokens (rows ``qo_indptr[i]:qo_indptr[i+1]``
         of q, k, v): row ``r`` sees rows ``0..r`` of its sequence; with ``tree`` (tree size equal to
         the append length) row ``r`` sees only its tree ancestors and itself. With ``rope`` (inline
@@ -449,7 +467,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def paged_attention(self, q, pages, depth: DepthAux, sm_scale: float, *,
                         rope: Optional[RopeSpec] = None, q_positions=None, window_left: int = -1,
-                        logit_softcap: float = 0.0, sinks=None):
+                        logit_softcap: float = 0.0, sinks=None, kv_scale=None):
         """Attention of each entry's queries (rows of ``q``, (T, Hq, D)) over that entry's keys in
         ``pages`` (one layer's page array), as the index arrays of ``depth`` (one block depth,
         see ``DepthAux``) lay them out, each logit scaled by ``sm_scale``; with ``rope`` (inline
@@ -481,31 +499,14 @@ class Backend(abc.ABC):
         Sources are read before any destination is written."""
 
     @abc.abstractmethod
-    def gather_kv(self, pages_per_layer: Sequence, slots):
+    def gather_kv(self, pages_per_layer: Sequence, slots, *, kv_scale=None, packed: bool = False):
         """(k, v), (num_layers, len(slots), Hkv, D) and (num_layers, len(slots), Hkv, Dv): the
         rows at ``slots`` (an int32 device array) in every layer's page array of
-        ``pages_per_layer`` (``num_layers`` is its length)."""
-
-    # ------------------------------------------------------- affine pages as stored (transfer)
-    def gather_kv_packed(self, pages_per_layer: Sequence, slots):
-        """int8 / int4 pages (``config.kv_dtype``): (k, v) the rows at ``slots`` as stored, in
-        the packed form of ``kvcache.kv_quant.affine_pack`` (codes, scales, biases), uint8
-        ``(num_layers, len(slots), Hkv, affine_row_bytes(D))`` (v: of ``Dv``). Export and the
-        host tier move affine pages this way, so a sequence comes back with its codes
-        unchanged. A backend declaring ``"int8"`` / ``"int4"`` in ``kv_dtypes`` implements it
-        and ``append_kv_packed``; the default raises UnsupportedFeatureError."""
-        raise UnsupportedFeatureError(
-            f"backend {self.name!r} does not move {self.config.kv_dtype!r} pages (no "
-            f"gather_kv_packed)")
-
-    def append_kv_packed(self, pages, k, v, slots) -> None:
-        """Write packed rows (``gather_kv_packed``'s form, one layer: ``k`` ``(T, Hkv,
-        affine_row_bytes(D))`` uint8, ``v`` of ``Dv``; native arrays) into ``slots`` of one
-        layer's page array unchanged: reading them back gives their codes, scales and
-        biases."""
-        raise UnsupportedFeatureError(
-            f"backend {self.name!r} does not move {self.config.kv_dtype!r} pages (no "
-            f"append_kv_packed)")
+        ``pages_per_layer`` (``num_layers`` is its length), decoded into the cache dtype for
+        quantized formats (``kv_scale``: a scaled format's per-page-array scales). ``packed``
+        (packed formats only): the rows as stored instead, uint8 ``(num_layers, len(slots),
+        Hkv, affine_row_bytes(D))`` (v: of ``Dv``), as ``append_kv(..., packed=True)`` takes
+        them."""
 
     # ------------------------------------------------------------------ helpers for the core
     def split_qkv(self, qkv):

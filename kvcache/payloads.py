@@ -44,7 +44,7 @@ class Payloads:
         self.config, self.backend, self.pages = config, backend, pages
         self.state, self.manager, self.scales = state, manager, scales
         self.packed = self.config.kv_format.packed
-        """Whether pages move as packed rows (int8 / int4: ``Backend.gather_kv_packed``)."""
+        """Whether pages move as packed rows (int8 / int4: ``gather_kv(..., packed=True)``)."""
 
     def _gather_kw(self, layers) -> dict:
         return {} if self.scales is None else self.scales.gather_kw(layers)
@@ -91,7 +91,7 @@ class Payloads:
         pages = self.pages[layers.start:layers.stop]
         dev = b.aux_to_device(slots) if dev is None else dev
         if self.packed:
-            return b.gather_kv_packed(pages, dev)
+            return b.gather_kv(pages, dev, packed=True)
         return b.gather_kv(pages, dev, **self._gather_kw(layers))
 
     def _layer_range(self, layers, what: str) -> range:
@@ -302,14 +302,11 @@ class Payloads:
         b = self.backend
         layers = range(self.config.num_layers) if layers is None else layers
         slots = b.aux_to_device(res.slots)
-        if packed:
-            for i, layer in enumerate(layers):
-                b.append_kv_packed(self.pages[layer], k[i], v[i], slots)
-            return
-        if not self.config.kv_format.quantized:
+        if packed or not self.config.kv_format.quantized:
             # rows stored as they come: one call for every layer (one launch where the backend
             # can; launches per layer were most of a small transfer's time)
-            b.append_kv_layers([self.pages[layer] for layer in layers], k, v, slots)
+            b.append_kv_layers([self.pages[layer] for layer in layers], k, v, slots,
+                               **({"packed": True} if packed else {}))
             return
         for i, layer in enumerate(layers):
             quant = {} if self.scales is None else {"kv_scale": self.scales.for_import(layer, res)}

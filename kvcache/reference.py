@@ -142,7 +142,7 @@ class ReferenceBackend(Backend):
     def page_shape(self, num_pages):
         """The base layout; with int8 / int4 each row of ``R = page_row_dim`` values is
         followed by its ``R`` codes, ``R / group`` scales and ``R / group`` biases (all float32:
-        exact), which only ``gather_kv_packed`` reads."""
+        exact), which only ``gather_kv(..., packed=True)`` reads."""
         shape = super().page_shape(num_pages)
         if self.bits is None:
             return shape
@@ -194,12 +194,18 @@ class ReferenceBackend(Backend):
             else np.asarray(kv_scale, np.float32)[which]       # fp8 only; 1.0 when not given
         return kv_quant.roundtrip(x, c.kv_dtype, c.dtype, c.kv_quant_group, scale)
 
-    def append_kv(self, pages, k, v, slots, positions=None, rope=None, kv_scale=None):
+    def append_kv(self, pages, k, v, slots, positions=None, rope=None, kv_scale=None,
+                  packed=False):
         slots = np.asarray(slots)
+        c = self.config
+        if packed:                  # rows as stored: their values, codes, scales and biases
+            self._put_affine(pages, slots, *(
+                kv_quant.affine_unpack(x, dim, c.kv_format.bits, c.kv_quant_group, c.dtype)
+                for x, dim in ((k, c.head_dim), (v, c.head_dim_v))))
+            return
         keep = slots >= 0
         if rope is not None:
             k = rotate(k, np.asarray(positions), rope)
-        c = self.config
         if self.bits is not None:
             group, dt = c.kv_quant_group, c.dtype
             self._put_affine(pages, slots, *(kv_quant.affine_quantize(
@@ -225,7 +231,8 @@ class ReferenceBackend(Backend):
                 pages[page, which, :, row, lo:lo + width] = \
                     np.asarray(part)[keep].astype(np.float32)
 
-    def gather_kv_packed(self, pages_per_layer, slots):
+    def _gather_packed(self, pages_per_layer, slots):
+        """``gather_kv(..., packed=True)``: the rows' codes, scales and biases, packed."""
         c = self.config
         ps, slots = c.page_size, np.asarray(slots)
         r, g = c.page_row_dim, c.page_row_dim // c.kv_quant_group
@@ -242,12 +249,6 @@ class ReferenceBackend(Backend):
                     c.kv_format.bits))
             out.append(np.stack(per_layer))
         return out[0], out[1]
-
-    def append_kv_packed(self, pages, k, v, slots):
-        c = self.config
-        self._put_affine(pages, np.asarray(slots), *(
-            kv_quant.affine_unpack(x, dim, c.kv_format.bits, c.kv_quant_group, c.dtype)
-            for x, dim in ((k, c.head_dim), (v, c.head_dim_v))))
 
     def _output(self, t, sinks=None):
         """Rows that see no key: o = 0, lse = -inf (the sink's logit with sinks)."""
@@ -350,7 +351,9 @@ class ReferenceBackend(Backend):
             rows = pages[src // ps, :, :, src % ps, :].copy()
             pages[dst // ps, :, :, dst % ps, :] = rows
 
-    def gather_kv(self, pages_per_layer, slots, kv_scale=None):
+    def gather_kv(self, pages_per_layer, slots, kv_scale=None, packed=False):
+        if packed:
+            return self._gather_packed(pages_per_layer, slots)
         if self.config.kv_format.quantized:        # dequantized (held as float32), in the cache dtype
             k, v = self._gather(pages_per_layer, slots)
             return k.astype(self.dtype), v.astype(self.dtype)

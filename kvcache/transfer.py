@@ -27,11 +27,6 @@ from .config import DTYPES, KV_QUANT_GROUPS, ROPE_MODES, itemsize
 from .errors import InvalidArgumentError, UnsupportedFeatureError
 from .formats import FORMAT_TABLE
 
-PAYLOAD_FORMATS = tuple(FORMAT_TABLE)
-"""The storage formats a payload may come from (``kvcache.formats.FORMAT_TABLE``): the plain dtypes; fp8 pages (whose payload
-carries the values read back, in the cache's compute dtype, with the scales); int8 / int4
-pages (whose payload carries the rows as stored, packed: ``kv_quant.affine_pack``)."""
-
 FORMAT_VERSION = 1
 """The payload format this version of kvcache writes and reads."""
 
@@ -255,9 +250,9 @@ class SequencePayload:
                 f"{where}: format version {self.version!r} is not supported: this kvcache reads "
                 f"version {FORMAT_VERSION}")
         # isinstance first: `in` on a numpy array value raises an untyped ValueError
-        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in PAYLOAD_FORMATS:
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in FORMAT_TABLE:
             raise InvalidArgumentError(
-                f"{where}: kv_dtype={self.kv_dtype!r} must be one of {PAYLOAD_FORMATS}")
+                f"{where}: kv_dtype={self.kv_dtype!r} must be one of {tuple(FORMAT_TABLE)}")
         self._check_format(where)
         if not isinstance(self.rope_mode, str) or self.rope_mode not in ROPE_MODES:
             raise InvalidArgumentError(

@@ -306,8 +306,8 @@ class TestQuantizedKV(Conformance):
 
     @pytest.mark.parametrize("fmt", [f for f in KV_FORMATS if kv_format(f).packed])
     def test_affine_sequences_move_between_caches(self, make_pair, fmt):
-        """int8 / int4 sequences move as their packed rows (``gather_kv_packed`` /
-        ``append_kv_packed``): the backend's export equals the reference's bit for bit (the
+        """int8 / int4 sequences move as their packed rows (``gather_kv`` / ``append_kv``
+        with ``packed=True``): the backend's export equals the reference's bit for bit (the
         same codes, scales and biases), and imported into a fresh cache of the backend and
         into the reference, one at a time and through the batched route, they read back the
         source's values and export the same rows again."""

@@ -3,8 +3,8 @@
 The same workload runs on the synthetic toy model and on a real architecture; only the
 vocabulary and the sizes differ. Requests arrive in *groups* (one client sending a few requests at
 once) as a Poisson process in engine steps: a group's requests that open with a system prompt
-open with the same one, so they share its pages in the engine (it forks prompts added together
-from one prefill). Kinds of request:
+open with the same one, so they share its pages in the engine (through its prefix cache: a
+younger request waits while an older one computes the system prompt, then starts from it). Kinds of request:
 
 * *shared system prompt*: one of two system prompts (or a few-shot prefix nested in the first)
   and a short question;

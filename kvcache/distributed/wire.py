@@ -13,7 +13,7 @@ import numpy as np
 from ..config import DTYPES, itemsize
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
 from ..formats import FORMAT_TABLE
-from ..transfer import FORMAT_VERSION, PAYLOAD_FORMATS, SequencePayload
+from ..transfer import FORMAT_VERSION, SequencePayload
 
 MAGIC = 0x6B76_6361_6368_6532    # "kvcache2": the first int64 of every transfer
 """The first int64 of every transfer ("kvcache2" in ASCII, the wire's second layout): a
@@ -129,9 +129,9 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
             f"{where}: format version {msg['version']!r} is not supported: this kvcache reads "
             f"version {FORMAT_VERSION}")
     kv_dtype, raw_shape, payloads = msg["kv_dtype"], msg["shape"], msg["payloads"]
-    if not isinstance(kv_dtype, str) or kv_dtype not in PAYLOAD_FORMATS:
+    if not isinstance(kv_dtype, str) or kv_dtype not in FORMAT_TABLE:
         raise InvalidArgumentError(
-            f"{where}: kv_dtype={kv_dtype!r} must be one of {PAYLOAD_FORMATS}")
+            f"{where}: kv_dtype={kv_dtype!r} must be one of {tuple(FORMAT_TABLE)}")
     dtype = msg.get("dtype")
     if dtype is None and kv_dtype in DTYPES:
         dtype = kv_dtype

@@ -102,6 +102,7 @@ class Batching:
             budget -= chunk
             rest = rest[1:]
         reserve = len(decodes)              # a page per running decode for the steps to come
+        sharing = _Sharing(self.seqs, cfg.page_size, batch) if cfg.prefix_cache else None
         for s in rest:
             if len(batch) == cfg.max_batch_size or budget == 0:
                 break
@@ -109,9 +110,13 @@ class Batching:
                 continue                                      # no page to admit it with
             if not self.seqs.ready(s):
                 continue
-            _, chunk, pages = self._room(s, free - (0 if s.live else reserve), budget)
+            start, chunk, pages = self._room(s, free - (0 if s.live else reserve), budget)
             if chunk <= 0:
                 continue                                      # wait for pages to free up
+            if sharing is not None and s.kind == "prompt" and not s.live and not s.parked:
+                if sharing.defers(s, start):
+                    continue                        # an older prompt computes its prefix
+                sharing.add(s)
             batch.append((s, chunk))
             budget -= chunk
             free -= pages
@@ -157,3 +162,49 @@ class Batching:
         return StepPlan(ids, lens, toks, pos, rows, wants, dst, src, pipelined=False,
                         logprobs=any(r.wants_logprobs for r in reqs), decode=decode, batch=batch,
                         top_logprobs=max((r.top_logprobs for r in reqs), default=0))
+
+
+class _Sharing:
+    """In-batch prefix sharing through the prefix cache: a prompt still to be admitted waits
+    while an older prompt in the cache or in this forward computes a whole page more of its
+    prefix than the prefix cache holds now; once computed, those pages are in the prefix cache
+    and the younger prompt starts from them (``prefix_admission``) instead of computing them
+    again. The older prompt is planned first at every step (it is older), so a wait ends."""
+
+    def __init__(self, seqs: Sequences, page_size: int, batch: list) -> None:
+        self.seqs, self.ps, self.batch = seqs, page_size, batch
+        self.by_page: Optional[dict] = None       # first page's tokens -> prompts; built lazily
+
+    def add(self, seq: Seq) -> None:
+        """``seq`` joins this forward (``_fill`` admits it): it may compute a shared prefix."""
+        if self.by_page is not None and seq.kind == "prompt" and not seq.live:
+            self._file(seq)
+
+    def _file(self, seq: Seq) -> None:
+        if len(seq.tokens) > self.ps and seq.cached < len(seq.tokens):
+            self.by_page.setdefault(tuple(seq.tokens[:self.ps]), []).append(seq)  # type: ignore[union-attr]
+
+    def defers(self, s: Seq, start: int) -> bool:
+        """Whether ``s`` (not in the cache; its admission would start at ``start``) waits."""
+        ps, toks = self.ps, s.tokens
+        if len(toks) <= ps + start:
+            return False                      # no whole page to gain before its last token
+        if self.by_page is None:
+            self.by_page = {}
+            for seq in self.seqs.by_sid.values():
+                if seq.kind == "prompt" and seq.live:
+                    self._file(seq)
+            for seq, _ in self.batch:
+                self.add(seq)
+        for o in self.by_page.get(tuple(toks[:ps]), ()):
+            if o.order >= s.order:
+                continue
+            other = o.tokens
+            m = min(len(other), len(toks) - 1)   # a match leaves the last token to compute
+            n = ps
+            while n < m and other[n] == toks[n]:
+                n += 1
+            whole = n - n % ps
+            if whole > start and o.cached < whole:
+                return True
+        return False

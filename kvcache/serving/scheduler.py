@@ -8,15 +8,16 @@ with a fake runner. Per step (one forward):
   tokens are one token for a decoding sample and a chunk of the prompt for a prefill;
 * decodes first, oldest first; then prefills oldest first, chunked to the forward's token budget
   (``prefill_chunk_size``) and admitted only while the free pages cover them;
-* shared prefixes and ``n > 1`` samples fork from a sequence prefilled once
-  (``kvcache.serving.sequences``);
+* ``n > 1`` samples fork from their prompt, prefilled once (``kvcache.serving.sequences``);
+  prompts that share a whole page or more share it through the prefix cache: a younger prompt
+  waits while an older one computes it (``kvcache.serving.batching``);
 * the oldest unfinished sequence (the *head*) is in every forward and is never preempted: when
   the free pages do not cover a token of it, the youngest other sequences in the cache are
-  preempted until they do (the prefix it is about to fork from last). So every forward advances
+  preempted until they do (the prompt it is about to fork from last). So every forward advances
   the oldest request, and every request that fits the cache alone finishes;
 * a forward that does not fit (``CacheFullError``) preempts the youngest sequence other than the
   head and is planned again. A preempted sequence is recomputed later from its tokens (re-forking
-  from its prefix when that is still in the cache), or, with a host tier, parked in host memory
+  from its prompt, or starting from the prefix cache, when that still holds them), or, with a host tier, parked in host memory
   and restored when it is scheduled again.
 
 The engine core calls it twice a step (vLLM v1's ``schedule`` / ``update_from_output``):

@@ -1,9 +1,10 @@
-"""The scheduler's sequences and their life in the cache: forks from shared prefixes,
-admission (add, fork or restore from the host tier), preemption, retirement.
+"""The scheduler's sequences and their life in the cache: admission (add, from the prefix
+cache, fork or restore from the host tier), preemption, retirement.
 
-A request has a *prompt* sequence; prompts added together that share a prefix of at least a page
-fork from a *prefix* sequence prefilled once (prefixes nest); a prompt with ``n > 1`` samples
-becomes their prefix and each *sample* forks from it. Pure Python over the cache's public API.
+A request has a *prompt* sequence; a prompt with ``n > 1`` samples becomes their *prefix* and
+each *sample* forks from it. Prompts that share a prefix share it through the cache's prefix
+cache (a younger one waits while an older one computes it: ``kvcache.serving.batching``). Pure
+Python over the cache's public API.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Seq:
     kind: str                          # "prefix" | "prompt" | "sample"
     tokens: list
     order: tuple                       # smaller is older; the youngest is preempted first
-    req: Optional[Request] = None      # None for a prefix shared by several requests
+    req: Optional[Request] = None      # the request it serves (its prompt, samples or their prefix)
     sample: int = -1
     parent: Optional["Seq"] = None     # sequence it forks from when admitted
     origin: Optional["Seq"] = None     # the sequence it shares a prefix with (re-fork after preemption)
@@ -82,49 +83,11 @@ class Sequences:
         return seq
 
     def take_fresh(self, fresh: list) -> None:
-        """Sequences for ``fresh`` requests (added since the last plan): a prefix sequence for
-        each group of their prompts sharing at least a page, and a prompt sequence each."""
-        prompts = [r.prompt if r.kv_seq_id is None else [] for r in fresh]   # adopted: no sharing
-        parents: list = [None] * len(fresh)
-        minimum = self.config.page_size
-
-        def common(idx, start):
-            first = prompts[idx[0]]
-            length = len(first)
-            for i in idx[1:]:
-                other = prompts[i]
-                m = min(length, len(other))
-                k = start
-                while k < m and first[k] == other[k]:
-                    k += 1
-                length = k
-            return length
-
-        def build(idx, depth, parent):
-            groups: dict = {}
-            for i in idx:
-                if len(prompts[i]) > depth:
-                    groups.setdefault(prompts[i][depth], []).append(i)
-                else:
-                    parents[i] = parent
-            for members in groups.values():
-                if len(members) == 1:
-                    parents[members[0]] = parent
-                    continue
-                length = common(members, depth)
-                node = parent
-                if length >= minimum and (parent is None or length > len(parent.tokens)):
-                    node = self.new(kind="prefix", tokens=list(prompts[members[0]][:length]),
-                                         order=(min(fresh[i].order for i in members), 0, length),
-                                         origin=parent)
-                    self.attach(node, parent)
-                build(members, length, node)
-
-        try:
-            build(list(range(len(fresh))), 0, None)
-        finally:
-            del build           # (a recursive closure is a cycle through self: break it)
-        for req, parent in zip(fresh, parents):
+        """A prompt sequence for each of the ``fresh`` requests (added since the last plan), or
+        the sequence already in the cache that an adopting request (``kv_seq_id``) goes on from.
+        Prompts that share a prefix share it through the prefix cache (``Batching``'s deferral),
+        not through a sequence of their own."""
+        for req in fresh:
             if req.kv_seq_id is not None:           # adopted: its KV is in the cache already
                 seq = Seq(sid=req.kv_seq_id, kind="prompt", tokens=list(req.prompt),
                           order=(req.order, 1, 0), req=req, live=True,
@@ -133,9 +96,7 @@ class Sequences:
                 self.by_sid[seq.sid] = seq
                 req.seqs.append(seq)
                 continue
-            seq = self.new(kind="prompt", tokens=list(req.prompt), order=(req.order, 1, 0),
-                           req=req, origin=parent)
-            self.attach(seq, parent)
+            self.new(kind="prompt", tokens=list(req.prompt), order=(req.order, 1, 0), req=req)
 
     def new_seq_id(self) -> int:
         """A sequence id the scheduler never gives one of its own sequences (for a sequence

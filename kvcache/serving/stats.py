@@ -18,7 +18,7 @@ class EngineStats:
     decode_tokens: int = 0
     """Tokens run as one-token decode steps."""
     forks: int = 0
-    """Sequences started by forking (shared prefix or parallel sample)."""
+    """Sequences started by forking (parallel samples, ``n > 1``, from their prompt)."""
     shared_prefix_tokens: int = 0
     """Prompt tokens not computed because a fork shared them."""
     prefix_hit_tokens: int = 0

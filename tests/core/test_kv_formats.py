@@ -25,8 +25,6 @@ def test_the_table_is_the_one_list_of_names():
     assert config_mod.DTYPES == tuple(n for n, f in FORMAT_TABLE.items() if not f.quantized)
     assert config_mod.KV_FORMATS == tuple(n for n, f in FORMAT_TABLE.items() if f.quantized)
     assert kv_quant.AFFINE_BITS == {n: f.bits for n, f in FORMAT_TABLE.items() if f.packed}
-    from kvcache.transfer import PAYLOAD_FORMATS
-    assert PAYLOAD_FORMATS == tuple(FORMAT_TABLE)
     # the reference declares every format of the table (fp8 / bfloat16 need ml_dtypes)
     assert set(ReferenceBackend.capabilities.kv_dtypes) <= set(FORMAT_TABLE)
     # CacheConfig accepts exactly the table's names (a plain dtype: only the compute one)
@@ -109,3 +107,37 @@ def test_a_format_added_to_the_table_goes_through_the_generic_path(int4_test):
     want = kv_quant.roundtrip(k, "int4_test", "float32", 32)
     assert not np.array_equal(got["int4_test"][0], k)
     np.testing.assert_array_equal(got["int4_test"][0], want)
+
+
+def test_a_format_added_to_the_table_moves_between_caches(int4_test):
+    # payloads and their checks ask the table as it is, not a list fixed at import: a table-only
+    # format exports as packed rows, crosses the host as a payload and imports bit for bit
+    from kvcache import to_numpy
+    rng = np.random.default_rng(2)
+    c = config(kv_dtype="int4_test", kv_quant_group=32, dtype="float32")
+    src = PagedKVCache(c, backend="reference")
+    src.add_sequence(0)
+    with src.forward([0], [6]):
+        for layer in range(2):
+            src.attention(layer, *(rng.standard_normal((6, h, 64)).astype(np.float32)
+                                   for h in (4, 2, 2)))
+    payload = src.export_sequence(0).to_numpy()
+    assert payload.kv_dtype == "int4_test" and payload.k.dtype == np.uint8
+    dst = PagedKVCache(c, backend="reference")
+    dst.import_sequence(3, payload)
+    again = dst.export_sequence(3)
+    np.testing.assert_array_equal(to_numpy(again.k), payload.k)
+    for layer in range(2):
+        for a, b in zip(src.get_kv(0, layer=layer), dst.get_kv(3, layer=layer)):
+            np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+    # the wire's header check takes it too (the JSON a transfer's sender writes)
+    import json
+    from kvcache.distributed import wire
+    headers, k, v = src.export_sequences([0])
+    shape = [2, 6, 2, k.shape[-1]]
+    nbytes = int(np.prod(shape))
+    body = json.dumps({"version": 1, "kv_dtype": "int4_test", "dtype": "uint8", "shape": shape,
+                       "nbytes": nbytes, "payloads": [h.header() for h in headers]}).encode()
+    msg, got_shape, got = wire._read_header(body, nbytes, [0], 1)
+    assert msg["kv_dtype"] == "int4_test" and list(got_shape) == shape
+    assert got[0].kv_dtype == "int4_test"

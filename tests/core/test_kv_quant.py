@@ -125,21 +125,33 @@ def test_scales_are_for_fp8_pages_only():
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_backend_without_packed_rows_refuses_to_move_affine_pages(fmt, monkeypatch):
-    # affine pages move as packed rows (tests/transfer/test_affine_payloads.py); a backend
-    # that stores the format but lacks gather_kv_packed / append_kv_packed refuses, typed,
-    # and nothing changes
-    from kvcache.backend import Backend
+    # affine pages move as packed rows (tests/transfer/test_affine_payloads.py): the core asks
+    # gather_kv / append_kv(..., packed=True); a backend that stores the format but cannot
+    # move its rows refuses, typed (the ABC's contract), and nothing changes
     from kvcache.reference import ReferenceBackend
     cache, *_ = filled(fmt)
     payload = cache.export_sequence(0)
     other, *_ = filled(fmt)
-    monkeypatch.setattr(ReferenceBackend, "gather_kv_packed", Backend.gather_kv_packed)
-    monkeypatch.setattr(ReferenceBackend, "append_kv_packed", Backend.append_kv_packed)
+    asked = []
+
+    def refusing(method):
+        def call(self, *args, packed=False, **kw):
+            if packed:
+                asked.append(method.__name__)
+                raise UnsupportedFeatureError(f"backend {self.name!r} does not move "
+                                              f"{self.config.kv_dtype!r} pages")
+            return method(self, *args, **kw)
+        call.__name__ = method.__name__
+        return call
+
+    for name in ("gather_kv", "append_kv"):
+        monkeypatch.setattr(ReferenceBackend, name, refusing(getattr(ReferenceBackend, name)))
     free = other.num_available_pages
     for call, args in (("export_sequences", ([0],)), ("export_sequence", (0,)),
                        ("import_sequence", (5, payload))):
         with pytest.raises(UnsupportedFeatureError, match=f"does not move '{fmt}' pages"):
             getattr(other, call)(*args)
+    assert asked == ["gather_kv", "gather_kv", "append_kv"]
     assert other.sequence_ids == [0] and other.num_available_pages == free
 
 

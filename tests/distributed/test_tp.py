@@ -56,9 +56,10 @@ def test_tp2_greedy_tokens_equal_tp1_and_transformers(run):
         for method in METHODS:
             got = res[method]
             assert got["greedy"] == [[w] for w in want], (rank, method)
-            # the last prompt forked from a prefix shared with the second one
+            # the last prompt started from the whole pages of a prefix shared with the second
+            # one, in the prefix cache
             assert got["greedy_stats"] == res["tp1"]["greedy_stats"]
-            assert got["greedy_stats"][0] >= 2 and got["greedy_stats"][1] >= 32
+            assert got["greedy_stats"][0] >= got["greedy_stats"][1] > 0
             # n = 3 greedy samples fork from one prefill: all equal the single greedy answer
             assert got["fork"] == [[want[2]] * 3], (rank, method)
 

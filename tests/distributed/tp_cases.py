@@ -67,12 +67,12 @@ def _backend(name: str):
 
 
 def _scenarios(engine) -> dict:
-    """The same requests on any engine: shared prefix, n > 1 forks, a forced preemption,
+    """The same requests on any engine: a shared prefix (the prefix cache), n > 1 forks, a forced preemption,
     seeded sampling; tokens and the counters that show each feature ran."""
     prompts = make_prompts()
     out: dict = {}
     out["greedy"] = engine.generate(prompts, max_new_tokens=NEW)
-    out["greedy_stats"] = (engine.stats.forks, engine.stats.shared_prefix_tokens)
+    out["greedy_stats"] = (engine.stats.prefix_hit_tokens, engine.cache.config.page_size)
     out["fork"] = engine.generate([prompts[2]], max_new_tokens=NEW, n=3)
     out["sampled"] = engine.generate([prompts[1]], max_new_tokens=8, n=2, temperature=1.0, seed=7)
     return out

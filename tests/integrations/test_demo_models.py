@@ -11,7 +11,7 @@ from kvcache.demo import main
 from kvcache.demo.real import build_parser, run
 
 SMALL = ["--requests", "8", "--max-output", "16", "--long-prompt", "300", "--max-total-tokens",
-         "512", "--max-batch-size", "6", "--prefill-chunk-size", "128", "--check-requests", "3",
+         "384", "--max-batch-size", "6", "--prefill-chunk-size", "128", "--check-requests", "3",
          "--quiet", "--samples", "2"]
 
 
@@ -25,7 +25,8 @@ def test_a_family_runs_every_feature_and_the_check_passes(family):
     assert r["backend"] == "reference" and r["checked"] >= 3
     s = r["stats"]
     assert s.preemptions > 0, "the small cache should preempt"
-    assert s.forks > 0 and s.shared_prefix_tokens > 0
+    assert s.forks > 0 and s.shared_prefix_tokens > 0      # parallel samples
+    assert s.prefix_hit_tokens > 0                         # shared system prompts
     assert all(v > 0 for v in r["features"].values()), r["features"]
     assert all(d > 1 for d in r["distinct"]), "parallel samples should differ"
 

@@ -150,22 +150,26 @@ def test_preemption_takes_the_youngest_request_first(llama):
 # ------------------------------------------------------------------ prefix sharing
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_identical_prompts_and_a_prefix_prompt_share_their_prefix(llama, prefix_cache):
-    # a 40-token prompt twice and its first 20 tokens: a 20-token prefix sequence, a 40-token
-    # one forked from it, and each prompt forked one token before its end (to get its logits):
-    # 20 + 20 + 1 + 1 + 1 prompt tokens computed, no preemption
+    # a 40-token prompt twice and its first 20 tokens, pages of 16: with the prefix cache the
+    # first computes its 40 tokens, the others wait for it and start from its whole pages (the
+    # second from 32 tokens, computing 8; the third from 16, computing 4); without it each
+    # computes its own. No fork (prompts share through the prefix cache), no preemption
     a = tokens(20, 40)
     prompts = [a, a, a[:20]]
     engine = Engine(llama, backend="reference", max_total_tokens=1024, prefix_cache=prefix_cache)
+    assert engine.cache.config.page_size == 16
     out = engine.generate(prompts, max_new_tokens=8)
     assert out == [[alone(llama, p, 8)] for p in prompts]
     s = engine.stats
-    assert (s.prefill_tokens, s.preemptions) == (43, 0)
-    assert (s.forks, s.shared_prefix_tokens) == (4, 20 + 39 + 39 + 19)
+    first = 40 + 8 + 4 if prefix_cache else 100
+    assert (s.prefill_tokens, s.preemptions, s.forks) == (first, 0, 0)
+    assert s.prefix_hit_tokens == (32 + 16 if prefix_cache else 0)
     engine.generate([a, a], max_new_tokens=8)
-    # a later call: without the prefix cache its shared prefix is computed again (40 + 1 + 1);
-    # with it, the prefix finds its two whole pages cached and computes the last 8 (8 + 1 + 1)
-    assert (s.prefill_tokens - 43, s.preemptions) == ((10 if prefix_cache else 42), 0)
-    assert s.prefix_hit_tokens == (32 if prefix_cache else 0)
+    # a later call: without the prefix cache every token is computed again (40 + 40); with it,
+    # both find the two whole pages cached and compute the last 8 each (neither waits: the
+    # older has nothing more of a whole page to compute for the younger)
+    assert (s.prefill_tokens - first, s.preemptions) == ((16 if prefix_cache else 80), 0)
+    assert s.prefix_hit_tokens == (48 + 64 if prefix_cache else 0)
 
 
 # ------------------------------------------------------------------ argument checks

@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 
 from kvcache.backend import Backend, Capabilities
+from kvcache.errors import UnsupportedFeatureError
 
 from .launch import LaunchCache
 from .tuning import CUDA_TUNING, Tuning, device_arch, for_arch
@@ -207,7 +208,6 @@ class CudaBackend(Backend):
         if self.interpret and not self.on_gpu and config.dtype == "bfloat16":
             # the interpreter runs the kernels on numpy, which has no bfloat16: it reads the
             # bits as another type and returns garbage without an error
-            from kvcache.errors import UnsupportedFeatureError
             raise UnsupportedFeatureError(
                 "the cuda backend's CPU test mode under TRITON_INTERPRET=1 cannot run bfloat16 "
                 "(Triton's interpreter computes in numpy, which has no bfloat16): use float16 "
@@ -410,12 +410,23 @@ class CudaBackend(Backend):
         with self._guard():
             return self.kernels(x).rope(self.ctx, x, positions, rope)
 
+    def _no_packed_format(self):
+        # the core asks for packed rows only of a packed format, which kv_dtypes does not list
+        raise UnsupportedFeatureError(
+            f"backend {self.name!r} stores no packed format (kv_dtypes: "
+            f"{self.capabilities.kv_dtypes}); packed rows cannot move through it")
+
     # kv_scale (fp8 pages only, kvcache.backend): the layer's (2, Hkv) float32 scales
-    def append_kv(self, pages, k, v, slots, positions=None, rope=None, kv_scale=None):
+    def append_kv(self, pages, k, v, slots, positions=None, rope=None, kv_scale=None,
+                  packed=False):
+        if packed:
+            self._no_packed_format()
         with self._guard():
             self.kernels(k).append_kv(self.ctx, pages, k, v, slots, positions, rope, kv_scale)
 
-    def append_kv_layers(self, pages_per_layer, k, v, slots):
+    def append_kv_layers(self, pages_per_layer, k, v, slots, packed=False):
+        if packed:
+            self._no_packed_format()
         # one launch for every layer on the Triton path (a transfer's import)
         if len(pages_per_layer) != k.shape[0] or len(pages_per_layer) != v.shape[0]:
             raise ValueError(f"append_kv_layers: {len(pages_per_layer)} page arrays for k of "
@@ -460,7 +471,9 @@ class CudaBackend(Backend):
         with self._guard():
             self.kernels(pages_per_layer[0]).compact_kv(self.ctx, pages_per_layer, src_slots, dst_slots)
 
-    def gather_kv(self, pages_per_layer, slots, kv_scale=None):
+    def gather_kv(self, pages_per_layer, slots, kv_scale=None, packed=False):
+        if packed:
+            self._no_packed_format()
         with self._guard():
             return self.kernels(pages_per_layer[0]).gather_kv(self.ctx, pages_per_layer, slots,
                                                               kv_scale)

@@ -278,7 +278,10 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         ps = self.config.page_size
         return slots // ps, slots % ps
 
-    def append_kv(self, pages, k, v, slots, positions=None, rope=None):
+    def append_kv(self, pages, k, v, slots, positions=None, rope=None, kv_scale=None,
+                  packed=False):
+        if packed:
+            return self._append_packed(pages, k, v, slots)
         ops = self._ops
         with mx.stream(self.stream):
             s_host = ops.host(slots)
@@ -316,7 +319,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
     # -------------------------------------------------------------- ragged (new tokens only)
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                          rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
-                         logit_softcap=0.0, sinks=None):
+                         logit_softcap=0.0, sinks=None, kv_scale=None):
+        # kv_scale: a scaled format's, which this backend does not store (never passed)
         ops = self._ops
         c = self.config
         t, hq, d = q.shape
@@ -396,7 +400,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
 
     # -------------------------------------------------------------------- paged (history)
     def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                        window_left=-1, logit_softcap=0.0, sinks=None):
+                        window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None):
         ops = self._ops
         c = self.config
         t, hq, d = q.shape
@@ -525,7 +529,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                 pages[dp[:, None, None], two, heads, dr[:, None, None]] = rows
                 mx.eval(pages)
 
-    def gather_kv_packed(self, pages_per_layer, slots):
+    def _gather_packed(self, pages_per_layer, slots):
+        """``gather_kv(..., packed=True)``: each row's packed bytes as the page holds them."""
         c = self.config
         with mx.stream(self.stream):
             page, row = self._slot_index(slots)
@@ -537,7 +542,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             mx.eval(k, v)
             return k, v
 
-    def append_kv_packed(self, pages, k, v, slots):
+    def _append_packed(self, pages, k, v, slots):
+        """``append_kv(..., packed=True)``: packed rows into the pages unchanged."""
         c = self.config
         with mx.stream(self.stream):
             keep = self._ops.host(slots) >= 0
@@ -552,7 +558,9 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                   mx.arange(c.num_kv_heads)[None, None, :], row[:, None, None]] = kv
             mx.async_eval(pages)
 
-    def gather_kv(self, pages_per_layer, slots):
+    def gather_kv(self, pages_per_layer, slots, kv_scale=None, packed=False):
+        if packed:
+            return self._gather_packed(pages_per_layer, slots)
         with mx.stream(self.stream):
             page, row = self._slot_index(slots)
             ks, vs = [], []
