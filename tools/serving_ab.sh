@@ -9,10 +9,12 @@ ARGS=${ARGS:---serving --model llama --skip b,c --no-busy}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda 2>&1 | grep -v -i warn | tail -2
 nvidia-smi --query-gpu=name --format=csv,noheader
-for run in new old new old; do
+# ROUNDS: how many (new, old) pairs (default 2)
+for run in $(for _ in $(seq ${ROUNDS:-2}); do echo new old; done); do
   echo "=================== $run ($(date +%T))"
   if [ "$run" = old ]; then
-    PYTHONPATH=$PWD/.ab/old:$PWD/.ab/old/backends/cuda timeout 280 python3 -m kvcache.cli bench $ARGS 2>&1 | grep -a -v -i warn | tail -${TAIL:-12}
+    # from inside the old tree: `python -m` puts the working folder first on the path
+    (cd .ab/old && PYTHONPATH=$PWD:$PWD/backends/cuda timeout 280 python3 -m kvcache.cli bench $ARGS 2>&1 | grep -a -v -i warn | tail -${TAIL:-12})
   else
     timeout 280 python3 -m kvcache.cli bench $ARGS 2>&1 | grep -a -v -i warn | tail -${TAIL:-12}
   fi

@@ -11,14 +11,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcache conformance",
         description="Run the kvcache conformance suite: the backend under test and the reference "
-                    "backend get the same random inputs and their outputs are compared.",
-        epilog="Arguments after '--' go to pytest unchanged (e.g. -- -x -vv --tb=short).")
+                    "backend get the same random inputs and their outputs are compared. By "
+                    "default the quick matrix: every test class and test function, on fewer "
+                    "dtypes, page sizes, shapes and parameter values (about 1 test in 9 of the "
+                    "full matrix; minutes on a GPU, where kernels compile per shape). The end "
+                    "of the run prints the summary table and the time of each test class.",
+        epilog="Arguments after '--' go to pytest unchanged (e.g. -- -x -vv --tb=short "
+               "--durations=20).")
     p.add_argument("--backend", required=True, help="registered backend name (see `kvcache info`)")
     p.add_argument("--device", default=None, help="device for the backend (default: its own)")
     p.add_argument("-k", dest="keyword", default=None, metavar="EXPR",
-                   help="only tests matching this pytest -k expression")
+                   help="only tests matching this pytest -k expression (chosen from the quick "
+                        "matrix; with --full from the whole one)")
     p.add_argument("--full", action="store_true",
-                   help="the whole matrix (dtypes x GQA 1/4/8 x head dims 64/128/256 x page sizes 1/16/32)")
+                   help="the whole matrix: every test on every dtype (float32/float16/bfloat16) "
+                        "x page size (1/16/32), every value combination of its parameters, and "
+                        "the shape matrix's dtype x GQA 1/4/8 x head dims 64/80/96/128/256 x "
+                        "page sizes (about 9 times the quick matrix's tests)")
     p.add_argument("--xfail", action="append", default=[], metavar="FILE",
                    help="expected-failure list ('pattern  # reason' a line); strict: an unexpected "
                         "pass fails, and a pattern that matches no test stops the run (exit "

@@ -20,7 +20,8 @@ OPTIONS = (
     ("--kvcache-backend", dict(default=None, help="backend under test (default: reference)")),
     ("--kvcache-device", dict(default=None, help="device for the backend under test")),
     ("--kvcache-full", dict(action="store_true", default=None,
-                            help="the whole matrix of dtypes x GQA x head dims x page sizes")),
+                            help="the whole matrix (default: the quick one, every test "
+                                 "function on fewer dtypes, page sizes, shapes and values)")),
     ("--kvcache-xfail", dict(action="append", default=None, metavar="FILE",
                              help="expected-failure list (one 'pattern  # reason' a line); strict")),
     ("--kvcache-poison", dict(default=None, choices=["nan", "large", "none"],

@@ -29,29 +29,20 @@ whose exit status is not 0 never reads CONFORMS.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
+import time
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
+from . import matrix
+from .matrix import (DEFAULT_VARIANT, DTYPES, FULL_SHAPES, FULL_VARIANTS, GQA,  # noqa: F401
+                     HEAD_DIMS, PAGE_SIZES, QUICK_EDGES, QUICK_SHAPES, QUICK_VALUES,
+                     QUICK_VARIANTS)
+
 PLUGIN_NAME = "kvcache.conformance.plugin"
-
-DTYPES = ("float32", "float16", "bfloat16")
-GQA = (1, 4, 8)
-HEAD_DIMS = (64, 80, 96, 128, 256)
-PAGE_SIZES = (1, 16, 32)
-
-# Operation tests run on these (dtype, page_size) variants; the shape matrix below covers the
-# other axis values. Quick: every axis value at least once over the whole suite.
-QUICK_VARIANTS = [("float32", 16), ("float16", 1)]
-FULL_VARIANTS = list(itertools.product(DTYPES, PAGE_SIZES))
-# (dtype, gqa, head_dim, page_size); the quick rows form a Latin square over the four axes.
-QUICK_SHAPES = [("float32", 1, 64, 1), ("float16", 4, 128, 16), ("bfloat16", 8, 256, 32),
-                ("bfloat16", 4, 64, 16), ("float32", 4, 80, 16), ("float16", 8, 96, 1)]
-FULL_SHAPES = list(itertools.product(DTYPES, GQA, HEAD_DIMS, PAGE_SIZES))
 
 _ENV = {"kvcache_backend": "KVCACHE_CONFORMANCE_BACKEND",
         "kvcache_device": "KVCACHE_CONFORMANCE_DEVICE",
@@ -113,6 +104,9 @@ def pytest_configure(config):
     config._kvcache_bases = set()   # their base names (Class::test, test)
     config._kvcache_checked = set()  # expected-failure lists checked for stale patterns
     config._kvcache_stale = []
+    config._kvcache_seconds = {}    # (backend, area) -> [seconds, node ids]: the time table
+    config._kvcache_started = time.perf_counter()
+    config._kvcache_matrix = (0, 0)  # (suite tests this run selects, of the full matrix)
 
 
 def pytest_itemcollected(item):
@@ -134,13 +128,33 @@ def _shape_id(s):
 def pytest_generate_tests(metafunc):
     if not is_suite_class(metafunc.cls):
         return
-    full = _full(metafunc.config)
+    # the full matrix always: the quick one deselects (pytest_collection_modifyitems), so both
+    # name their tests the same and a quick run knows every name of the full one
     if "shape" in metafunc.fixturenames:
-        shapes = FULL_SHAPES if full else QUICK_SHAPES
-        metafunc.parametrize("shape", shapes, ids=[_shape_id(s) for s in shapes])
+        metafunc.parametrize("shape", FULL_SHAPES, ids=[_shape_id(s) for s in FULL_SHAPES])
     elif "variant" in metafunc.fixturenames:
-        variants = FULL_VARIANTS if full else QUICK_VARIANTS
-        metafunc.parametrize("variant", variants, ids=[_variant_id(v) for v in variants])
+        metafunc.parametrize("variant", FULL_VARIANTS,
+                             ids=[_variant_id(v) for v in FULL_VARIANTS])
+
+
+def in_quick_matrix(item) -> bool:
+    """Whether the quick matrix runs this test of the suite (``matrix.in_quick_matrix``)."""
+    return matrix.in_quick_matrix(item, _base_name(item))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The quick matrix (default): deselect the suite's tests it does not run, before ``-k``."""
+    suite = [item for item in items if is_suite_item(item)]
+    config._kvcache_matrix = (len(suite), len(suite))
+    if _full(config) or not suite:
+        return
+    drop = [item for item in suite if not in_quick_matrix(item)]
+    if drop:
+        dropped = set(map(id, drop))
+        items[:] = [item for item in items if id(item) not in dropped]
+        config.hook.pytest_deselected(items=drop)
+    config._kvcache_matrix = (len(suite) - len(drop), len(suite))
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -212,7 +226,7 @@ def kvcache_model_check(request) -> bool:
 @pytest.fixture
 def variant():
     """(dtype, page_size) of an operation test (parametrized by the plugin)."""
-    return QUICK_VARIANTS[0]
+    return DEFAULT_VARIANT
 
 
 def suite_name(item) -> str:
@@ -446,6 +460,9 @@ def pytest_runtest_makereport(item, call):
             device = _opt(item.config, "kvcache_device", None)
         item.config._kvcache_owners[item.nodeid] = (backend, device, area_of(item),
                                                     suite_name(item))
+        spent = item.config._kvcache_seconds.setdefault((backend, area_of(item)), [0.0, set()])
+        spent[0] += getattr(report, "duration", 0.0) or 0.0      # setup, call and teardown
+        spent[1].add(item.nodeid)
     return report
 
 
@@ -479,6 +496,35 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("kvcache conformance summary")
     for line in format_summary(summary, full):
         terminalreporter.write_line(line)
+    seconds = getattr(config, "_kvcache_seconds", {})
+    selected, whole = getattr(config, "_kvcache_matrix", (0, 0))
+    for backend, b in summary["backends"].items():
+        b["seconds"] = {area: round(spent, 3) for (name, area), (spent, _) in seconds.items()
+                        if name == backend}
+    terminalreporter.section("kvcache conformance time")
+    for line in format_times(seconds, full, selected, whole,
+                             time.perf_counter() - config._kvcache_started):
+        terminalreporter.write_line(line)
     for path in reports:
         write_report(path, summary, full)
         terminalreporter.write_line(f"report written to {path}")
+
+
+def format_times(seconds: dict, full: bool, selected: int, whole: int, wall: float) -> list[str]:
+    """The time table: per backend, each area's tests and seconds (setup, call and teardown of
+    its tests, slowest first), the total, and the run's wall time (collection included)."""
+    matrix = "full matrix" if full else f"quick matrix, {selected} of the full matrix's {whole} " \
+        "tests (--full runs all)" if whole else "quick matrix"
+    lines = [f"{matrix}; wall time {wall:.1f} s"]
+    for backend in sorted({name for name, _ in seconds}, key=str):
+        rows = sorted(((area, spent, len(ids)) for (name, area), (spent, ids) in seconds.items()
+                       if name == backend), key=lambda r: (-r[1], r[0]))
+        total = sum(r[1] for r in rows) or 1e-9
+        w = max([22] + [len(r[0]) + 1 for r in rows])
+        lines.append(f"backend {backend!r}")
+        lines.append(f"  {'area':<{w}}{'tests':>7}{'seconds':>10}{'share':>8}")
+        for area, spent, n in rows:
+            lines.append(f"  {area:<{w}}{n:>7}{spent:>10.1f}{100 * spent / total:>7.1f}%")
+        lines.append(f"  {'total':<{w}}{sum(r[2] for r in rows):>7}{sum(r[1] for r in rows):>10.1f}"
+                     f"{100.0:>7.1f}%")
+    return lines

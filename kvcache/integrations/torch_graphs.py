@@ -17,8 +17,13 @@ comes from a pinned staging array whose previous copy the host waits for (an eve
 rewriting it. The logits are the graph's static output: the caller consumes (copies to the host)
 one step's logits before the next replay overwrites them.
 
-On a CPU device (the cuda backend's CPU test mode) "capture" records nothing and a replay re-runs
-the step eagerly on the static buffers: the same data path, without a device graph.
+Warm-up, capture into one memory pool, replay and the CPU stand-in (on a CPU device, the cuda
+backend's CPU test mode, "capture" records nothing and a replay re-runs the step eagerly on the
+static buffers) are ``kvcache_cuda.graph_core.GraphCore``'s, the core ``kvcache_cuda.DecodeGraphs``
+drives too; this module owns the model's input assembly and the eager fall-back. The adapters
+import this module lazily, when an engine wants graphs: only the cuda backend (rocm on it) offers
+``static_decode``, so the core is installed whenever a cache can have graphs (an arrow down), and
+the backend never imports the integrations.
 
 A step whose capture fails (the model's code does what a CUDA graph cannot hold: a float32 MoE's
 grouped matmul copies between host and device, "Cannot copy between CPU and CUDA tensors during
@@ -29,11 +34,12 @@ lists the (kind, bucket) keys that fell back, ``eager_runs`` counts their steps.
 
 from __future__ import annotations
 
-import gc
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
+
+from kvcache_cuda.graph_core import GraphCore, GraphSlot
 
 from ..errors import InvalidArgumentError
 
@@ -44,10 +50,13 @@ class GraphCaptureWarning(RuntimeWarning):
     """A kind of step could not be captured as a CUDA graph and runs eagerly (once per engine)."""
 
 
-class _Bucket:
-    """One bucket's static input buffer, host staging, captured graph and static output."""
+class _Bucket(GraphSlot):
+    """One key's slot of the core, with the step's static input buffer and its host staging;
+    ``logits``: the captured step's static output."""
 
-    def __init__(self, torch, bucket: int, rows: int, device):
+    def __init__(self, torch, key, rows: int, device):
+        super().__init__(key)
+        bucket = key[1]
         self.size = bucket
         self.rows = rows
         on_gpu = device.type != "cpu"
@@ -61,10 +70,12 @@ class _Bucket:
         # event: the last copy out of ``host`` (GPU only; one per bucket, re-recorded each step)
         self.copied: Any = torch.cuda.Event() if on_gpu else None
         self.pending = False
-        self.graph: Any = None
-        self.logits: Any = None
-        self.aux_address: Optional[int] = None
         self.eager = False              # its capture failed: its steps run eagerly
+
+    @property
+    def logits(self):
+        """The captured step's static output (its logits), valid until the next run."""
+        return self.outputs
 
 
 class StepGraphs:
@@ -80,28 +91,30 @@ class StepGraphs:
     ``captures`` and ``replays`` count what ``run`` did (a capture includes its first replay).
     A step whose capture fails runs eagerly on the bucket's buffers, and so do the later steps
     of its key (see the module docstring): ``eager`` holds those keys, ``eager_runs`` counts
-    their steps (not counted in ``captures`` / ``replays``).
+    their steps (not counted in ``captures`` / ``replays``). ``core``: the ``GraphCore`` that
+    captures and replays; ``buckets``: its slots, ``(kind, bucket)`` -> slot.
     """
 
     def __init__(self, cache, step: Callable, device, warmup: int = 1):
         import torch
-        if not cache.config.static_decode:
-            raise InvalidArgumentError("StepGraphs needs a cache built with CacheConfig(static_decode=True)")
-        if warmup < 1:
-            raise InvalidArgumentError(f"warmup must be at least 1, got {warmup}")
+        self.core = GraphCore(cache, device, warmup, owner="StepGraphs")
         self.torch = torch
         self.cache = cache
         self.step = step
-        self.device = torch.device(device)
-        self.on_gpu = self.device.type != "cpu"
-        self.warmup = int(warmup)
-        self.buckets: dict = {}          # (mixed step?, bucket) -> _Bucket
-        self.captures = 0
-        self.replays = 0
-        self._pool: Any = None
-        self._layers = list(range(cache.config.num_layers))
+        self.device = self.core.device
+        self.buckets = self.core.slots
         self.eager: dict = {}           # (kind, bucket) -> why its capture failed
         self.eager_runs = 0
+
+    @property
+    def captures(self) -> int:
+        """Steps captured (the core's count)."""
+        return self.core.captures
+
+    @property
+    def replays(self) -> int:
+        """Steps run through a captured graph, each capture's first run included."""
+        return self.core.replays
 
     # ------------------------------------------------------------------ public
     def run(self, tokens: np.ndarray, positions: np.ndarray, logit_rows: np.ndarray):
@@ -115,12 +128,8 @@ class StepGraphs:
         graph's static output, valid until the next ``run``. Steps of one bucket size but
         another ``ForwardPlan.static_kind`` (decode, mixed, mixed over a shared prefix) are
         captured apart."""
-        cache = self.cache
-        bucket = cache.static_bucket
-        if bucket is None:
-            raise InvalidArgumentError(
-                f"StepGraphs.run: the open forward over sequences {cache.open_plan.seq_ids} is not a "
-                f"static-shape step; run it eagerly")
+        core, cache = self.core, self.cache
+        bucket = core.open_bucket("StepGraphs.run")
         key = (cache.open_plan.static_kind, bucket)
         n, r = len(tokens), len(logit_rows)
         rows = min(bucket, cache.config.max_batch_size)
@@ -128,32 +137,21 @@ class StepGraphs:
             raise InvalidArgumentError(
                 f"StepGraphs.run: {n} tokens, {len(positions)} positions and {r} logit rows do not "
                 f"fit bucket {bucket} (at most {rows} logit rows)")
-        slot = self.buckets.get(key)
-        if slot is None:
-            slot = self.buckets[key] = _Bucket(self.torch, bucket, rows, self.device)
+        slot = core.slot(key, lambda k: _Bucket(self.torch, k, rows, self.device))
         self._load(slot, tokens, positions, logit_rows)
         if slot.eager:
             self._eager(slot)
-            return slot.logits[:r]
-        address = self._aux_address()      # per kind of step: its own fixed buffer
-        if slot.graph is None or slot.aux_address != address:
-            if not self._capture(slot, key):
-                return slot.logits[:r]      # ran eagerly: the capture failed
-            slot.aux_address = address
-            self.captures += 1
+        elif slot.graph is None or slot.address != core.address():
+            # (a graph captured over another index buffer would read stale memory: capture again)
+            self._capture(slot, key)
         else:
-            if self.on_gpu:
-                slot.graph.replay()
-            else:                       # CPU stand-in: the same step, run again
-                cache.rerun_layers()
-                slot.logits = self.step(slot.args)
-            cache.mark_layers_run(self._layers)     # the replay ran every layer's attention
-        self.replays += 1
+            core.replay(slot)
         return slot.logits[:r]
 
     # ------------------------------------------------------------------ internals
     def _load(self, slot: _Bucket, tokens, positions, logit_rows) -> None:
         """This step's inputs into the bucket's device buffer, on the compute stream."""
+        on_gpu = self.core.on_gpu
         if slot.pending:
             slot.copied.synchronize()           # the staging array's last copy has left it
         host, n, r = slot.host_np, len(tokens), len(logit_rows)
@@ -163,71 +161,36 @@ class StepGraphs:
         host[2, :r] = logit_rows
         host[:2, n:] = 0                        # padded rows: token 0 at position 0
         host[2, r:] = 0
-        slot.inputs.copy_(slot.host, non_blocking=self.on_gpu)
+        slot.inputs.copy_(slot.host, non_blocking=on_gpu)
         if on_device:       # the previous step's picks, not yet on the host: a device copy
             slot.inputs[0, :n].copy_(tokens)
-        if self.on_gpu:
+        if on_gpu:
             slot.copied.record()
             slot.pending = True
 
-    def _aux_address(self) -> int:
-        """Where the open forward's index arrays live (fixed for a static-shape cache); a graph
-        captured at another address would read stale memory, so it is captured again."""
-        positions = self.cache.forward_aux().tokens.q_positions
-        return positions.data_ptr() if hasattr(positions, "data_ptr") else id(positions)
+    def _run_of(self, slot: _Bucket) -> Callable:
+        """The bucket's step over its buffers (``self.step`` read at each run: it may be swapped)."""
+        return lambda: self.step(slot.args)
 
-    def _capture(self, slot: _Bucket, key) -> bool:
-        """Capture the bucket's step and run it (the first replay); False when the capture
-        failed and the step ran eagerly instead (``_fall_back``)."""
-        torch, cache = self.torch, self.cache
-        if self.on_gpu:
-            compute = torch.cuda.current_stream(self.device)
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(compute)
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    cache.rerun_layers()            # appends are idempotent: the same rows again
-                    self.step(slot.args)
-            compute.wait_stream(side)
-        cache.rerun_layers()
+    def _capture(self, slot: _Bucket, key) -> None:
+        """Warm up, capture the bucket's step and run it (the first replay); when the capture
+        fails the step runs eagerly instead (``_fall_back``). A warm-up that fails is the
+        model's own error: it propagates."""
+        self.core.warm(self._run_of(slot))
         try:
             self._record(slot)
         except RuntimeError as exc:         # (the warm-up ran the same step eagerly: it can run)
-            if self.on_gpu:
-                torch.cuda.set_stream(compute)  # a failed capture_end leaves its stream current
             self._fall_back(slot, key, exc)
-            return False
-        return True
 
     def _record(self, slot: _Bucket) -> None:
-        """The capture proper, inside an open forward whose layers may run again: the step
-        recorded as a CUDA graph over the bucket's buffers, then replayed for this step (on a
-        CPU: the step run once, nothing recorded)."""
-        torch = self.torch
-        if not self.on_gpu:
-            slot.graph = True
-            slot.logits = self.step(slot.args)
-            return
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # no garbage collection inside the capture: collecting another engine's graph there
-        # (a reference cycle freed late) resets it mid-capture and invalidates this one
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self.step(slot.args)
-        finally:
-            if collecting:
-                gc.enable()
-        graph.replay()                          # capture only records: run it for this step
-        slot.graph, slot.logits = graph, logits
+        """The capture proper (``GraphCore.record``), inside an open forward whose layers may
+        run again."""
+        self.core.record(slot, self._run_of(slot))
 
     def _eager(self, slot: _Bucket) -> None:
         """The bucket's step run eagerly on its buffers (a bucket whose capture failed)."""
         self.cache.rerun_layers()
-        slot.logits = self.step(slot.args)
+        slot.outputs = self.step(slot.args)
         self.eager_runs += 1
 
     def _fall_back(self, slot: _Bucket, key, exc: BaseException) -> None:

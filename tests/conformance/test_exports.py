@@ -64,7 +64,7 @@ def test_ci_file_collects_what_kvcache_conformance_runs(tmp_path):
                    CI_FILE], tmp_path, **env)
     assert rc == 0, out[-4000:]
     ci_file = collected(out)
-    assert len(cli) > 200 and "test_window_left_unsupported_raises" in cli
+    assert len(cli) > 150 and "test_window_left_unsupported_raises" in cli   # the quick matrix
     missing, extra = sorted(set(cli) - set(ci_file)), sorted(set(ci_file) - set(cli))
     assert (missing, extra) == ([], []), f"the CI file misses {missing}, adds {extra}"
     assert ci_file == cli

@@ -82,8 +82,9 @@ def test_the_guides_plugin_installs_and_conforms(plugin):
     counts, table = check_run(rc, out)
     # both module-level refusal tests ran on the guide's float16/bfloat16 capabilities
     assert nonzero(table["test_forward"]) == {"passed": 2}, out[-4000:]
-    # float16 prefill and decode, two refusals, two module-level tests; float32 skipped
-    assert counts == {"passed": 6, "skipped": 2}, counts
+    # float16 prefill and decode, two refusals, two module-level tests; the decode test's float32
+    # row (page size 1, a row of the quick matrix's edge cases) skipped
+    assert counts == {"passed": 6, "skipped": 1}, counts
 
 
 @pytest.mark.slow

@@ -168,4 +168,4 @@ def test_brackets_in_patterns_are_literal(tmp_path):
     rc, out = conformance(tmp_path, "--backend", "reference", "--xfail", xfail, "-k", XFAIL_RUNS)
     assert rc == 1, out[-4000:]
     assert pytest_counts(out) == {"passed": 1, "failed": 1}
-    assert "TestPrefill::test_batch[float16-ps1]: unexpected pass" in out
+    assert "TestPrefill::test_batch[float16-ps16]: unexpected pass" in out

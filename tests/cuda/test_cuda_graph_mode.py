@@ -543,6 +543,7 @@ def test_conformance_graph_mode_class_on_cpu_test_mode():
                        env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "TestGraphMode               12       0       0        0" in out, out[-3000:]
-    assert "TestStaticMixedSteps         8       0       0        0" in out, out[-3000:]
+    # the quick matrix (the default): every test of both classes once
+    assert "TestGraphMode                6       0       0        0" in out, out[-3000:]
+    assert "TestStaticMixedSteps         4       0       0        0" in out, out[-3000:]
     assert "verdict: CONFORMS" in out

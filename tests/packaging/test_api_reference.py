@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.tools      # `make build-check` runs it once; `make test` leaves it out
 # page -> objects it must render (mkdocstrings gives each a heading with the full path as id)
 PAGES = {
     "index.html": [],

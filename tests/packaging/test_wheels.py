@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.tools      # `make build-check` runs it once; `make test` leaves it out
 PROJECTS = {"kvcache": ROOT, "kvcache_cuda": ROOT / "backends" / "cuda",
             "kvcache_rocm": ROOT / "backends" / "rocm", "kvcache_metal": ROOT / "backends" / "metal",
             "kvcache_example": ROOT / "docs" / "examples" / "kvcache-example"}

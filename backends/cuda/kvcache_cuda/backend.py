@@ -26,6 +26,7 @@ import numpy as np
 
 from kvcache.backend import Backend, Capabilities
 from kvcache.errors import UnsupportedFeatureError
+from kvcache.plugins import FrameworkNotImported
 
 from .launch import LaunchCache
 from .tuning import CUDA_TUNING, Tuning, device_arch, for_arch
@@ -148,10 +149,23 @@ class CudaBackend(Backend):
                            "https://pytorch.org/get-started/locally/)")
         if device is not None and str(device).startswith("cpu"):
             if os.environ.get(CPU_TEST_ENV) == "1":
-                return True, (f"CPU test mode (torch {torch.__version__} on CPU tensors; "
+                try:
+                    version = str(torch.__version__)
+                except FrameworkNotImported:    # backend='auto' asking without importing torch
+                    version = "(not imported yet)"
+                return True, (f"CPU test mode (torch {version} on CPU tensors; "
                               "not a production device)")
-            return False, (f"device {device!r} is only a test mode of the {cls.name} backend; "
-                           f"set {CPU_TEST_ENV}=1 to enable it")
+            # the model (or the cache) is on the CPU: say how to run it, not how to test us
+            try:
+                problem = cls._runtime_problem()
+            except FrameworkNotImported:    # listed without importing torch: the rest holds
+                problem = None
+            here = f"; this machine has no GPU for it: {problem}" if problem else ""
+            return False, (f"device {device!r} is the CPU and the {cls.name} backend runs on a "
+                           f"GPU: move the model to a GPU, model.to('cuda') (a cache: "
+                           f"device='cuda'), or use backend='reference' on the CPU{here}; "
+                           f"{CPU_TEST_ENV}=1 turns on a CPU test mode of this backend, for "
+                           f"testing it only")
         problem = cls._runtime_problem()
         if problem:
             return False, problem

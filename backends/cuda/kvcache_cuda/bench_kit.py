@@ -42,14 +42,9 @@ class Timer:
         eager = self._median(fn)
         graph_us = float("nan")
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):                     # warm the allocator on a side stream
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
+            from .graph_core import record_graph, warm_up
+            warm_up(fn, self.device, 1)                    # warm the allocator on a side stream
+            g, _ = record_graph(fn, self.device)
             for _ in range(self.warmup):
                 g.replay()
             graph_us = self._median(g.replay)

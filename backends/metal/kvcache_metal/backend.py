@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import os
+import sys
 import threading
 from typing import Optional
 
@@ -52,6 +53,8 @@ def _mlx_version() -> str:
 
 
 def _metal_available() -> bool:
+    if sys.platform != "darwin":
+        return False        # known without MLX: backend='auto' need not import it to rank us
     try:
         return bool(mx is not None and mx.metal.is_available())
     except Exception:
