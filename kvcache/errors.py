@@ -21,6 +21,11 @@ class InvalidArgumentError(KVCacheError, ValueError):
     """Wrong shapes, dtypes, lengths, positions or tree pointers."""
 
 
+def pages(n: int, what: str = "page") -> str:
+    """``"1 page"``, ``"2 pages"`` (``what``: the noun): the counts in the errors' messages."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
 class CacheFullError(KVCacheError, MemoryError):
     """Not enough free pages for the request; nothing was reserved."""
 

@@ -19,6 +19,7 @@ import numpy as np
 from .core.prefix import Ghost, PrefixIndex, Prompt
 from .core.validate import bool_arg, int_arg, int_values, seq_id_arg
 from .errors import CacheFullError, InvalidArgumentError, SequenceExistsError
+from .errors import pages as n_pages
 
 
 class KVManager:
@@ -234,14 +235,22 @@ class KVManager:
         when it raised, so a refusal that eviction cannot fix leaves the index as it was."""
         try:
             return call()
-        except CacheFullError:
+        except CacheFullError as exc:
             prefix = self.prefix
             if prefix is None:
                 raise
             short = shortfall()
             cached = prefix.evictable()
             if short <= 0 or cached < short:
-                raise
+                if not cached or short <= 0:
+                    raise
+                # the refusal counts free pages only: name the cached ones too, so that its
+                # numbers add up to what num_available_pages reports
+                free = int(self.state.pt.num_free)
+                raise CacheFullError(
+                    f"{exc}; the prefix cache holds {n_pages(cached)} more that eviction would "
+                    f"free (num_available_pages={free + cached}), short of the "
+                    f"{n_pages(short)} missing") from None
             # a few pages more than this call lacks: the next calls then find free pages
             # instead of failing and planning again (a 32nd of the cache, at most 64 pages)
             prefix.evict(max(short, min(cached, 64, self.state.pt.num_pages // 32)))

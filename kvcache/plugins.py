@@ -229,26 +229,108 @@ def list_backends(device: Optional[str] = None) -> list[dict]:
     has ``available`` None ("not checked: needs torch, ..."), and ``priority`` None if that does
     too (listed after the others)."""
     classes, broken, duplicates = _plugin_backends()
-    rows: list[dict[str, Any]] = []
-    for cls in classes.values():
-        try:
-            priority: Optional[int] = cls.priority
-        except FrameworkNotImported:
-            priority = None
-        available: Optional[bool]
-        try:
-            ok, reason = cls.availability(device)
-            available = bool(ok)
-        except FrameworkNotImported as exc:
-            available, reason = None, f"not checked: needs {exc.framework}, not imported"
-        except Exception as exc:
-            available, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
-        rows.append({"name": cls.name, "priority": priority, "available": available,
-                     "reason": reason, "class": cls})
-    rows.sort(key=lambda r: (r["priority"] is None, -(r["priority"] or 0)))   # stable
+    rows = [_check(cls, device)[0] for cls in classes.values()]
+    _by_priority(rows)
     for name, why in [*_load_errors.items(), *broken.items(), *duplicates.items()]:
         rows.append({"name": name, "priority": None, "available": False, "reason": why, "class": None})
     return rows
+
+
+def _check(cls: type[Backend], device: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
+    """``cls``'s row of ``list_backends``, and the framework its check needed that is not
+    imported (inside ``deferred_frameworks()``; None: it was checked)."""
+    needs: Optional[str] = None
+    try:
+        priority: Optional[int] = cls.priority
+    except FrameworkNotImported as exc:
+        priority, needs = None, exc.framework
+    available: Optional[bool]
+    try:
+        ok, reason = cls.availability(device)
+        available = bool(ok)
+    except FrameworkNotImported as exc:
+        available, reason, needs = None, f"not checked: needs {exc.framework}, not imported", exc.framework
+    except Exception as exc:
+        available, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
+    return ({"name": cls.name, "priority": priority, "available": available, "reason": reason,
+             "class": cls}, needs)
+
+
+def _by_priority(rows: list[dict[str, Any]]) -> None:
+    rows.sort(key=lambda r: (r["priority"] is None, -(r["priority"] or 0)))   # stable
+
+
+# ------------------------------------------------------------------ backend="auto", cheaply
+_GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+"""Device files a GPU driver makes on Linux (NVIDIA; AMD's ROCm; WSL2's GPU): with none of them,
+``backend='auto'`` does not import torch to ask it for a GPU."""
+
+
+def _why_not_import(framework: str, device: Optional[str]) -> Optional[str]:
+    """Why ``backend='auto'`` does not import ``framework`` (not imported yet) to check a backend
+    that needs it; None: it imports it. The array framework a caller works in is imported already
+    (a torch or MLX model is), and its backends are checked as ever; one not imported is worth
+    its import (torch 1.5 s, MLX 0.1 s here) only where it may give an accelerator."""
+    dev = None if device is None else str(device).lower()
+    if dev is not None and dev != "cpu" and not dev.startswith("cpu:"):
+        return None             # a device was named: every backend that may serve it is checked
+    if framework == "torch":
+        where = "the cache is on the CPU" if dev is not None else None
+        if where is None and sys.platform == "darwin":
+            where = "macOS has no CUDA or ROCm GPU"
+        if where is None and sys.platform.startswith("linux") \
+                and not any(os.path.exists(node) for node in _GPU_DEVICE_NODES):
+            where = f"no GPU device file ({', '.join(_GPU_DEVICE_NODES)}) exists"
+        return where and f"torch is not imported and {where}"
+    if framework == "mlx":
+        import platform
+        if sys.platform == "darwin" and platform.machine() == "arm64":
+            return None         # Apple silicon: MLX may give the Metal GPU
+        return "mlx is not imported and this is not macOS on Apple silicon (no Metal GPU)"
+    return None
+
+
+def _auto_rows(device: Optional[str]) -> list[dict[str, Any]]:
+    """``list_backends(device)`` for ``backend='auto'``, without importing a framework that cannot
+    change the choice. The backends are listed inside ``deferred_frameworks()`` first; one whose
+    check needs a framework not imported is then checked for real (importing it) only when it
+    could rank above the best backend found available so far (its priority is higher, or unknown
+    without the framework) and ``_why_not_import`` finds the import worth it; otherwise it is
+    listed unavailable, saying why it was not checked (naming the backend checks it). The pick
+    (and each fallback of ``open_backend``) is checked again outside the deferral before use."""
+    with deferred_frameworks():
+        classes, broken, duplicates = _plugin_backends()
+        checked = [_check(cls, device) for cls in classes.values()]
+    best = max((row["priority"] for row, needs in checked
+                if row["available"] and row["priority"] is not None), default=None)
+    rows = []
+    for row, needs in checked:
+        if needs is not None:
+            below = row["priority"] is not None and best is not None and row["priority"] < best
+            why = f"a backend of priority {best} is available" if below else _why_not_import(needs, device)
+            if why is None:
+                row = _check(row["class"], device)[0]          # imports the framework
+            else:
+                row = dict(row, available=False, reason=(
+                    f"not checked by backend='auto' (it needs {needs}, not imported: {why}); "
+                    f"backend={row['name']!r} checks it"))
+        rows.append(row)
+    _by_priority(rows)
+    for name, why in [*_load_errors.items(), *broken.items(), *duplicates.items()]:
+        rows.append({"name": name, "priority": None, "available": False, "reason": why, "class": None})
+    return rows
+
+
+def _auto_candidates(device: Optional[str], rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The available rows of ``_auto_rows``, best first, each checked again outside the deferral
+    (a framework's stand-in imports cleanly where the framework itself may fail to)."""
+    for row in rows:
+        if row["available"] and row["class"] is not None:
+            again = _check(row["class"], device)[0]
+            if again["available"]:
+                yield again
+            else:
+                row.update(available=False, reason=again["reason"])
 
 
 def available_backends(device: Optional[str] = None) -> list[str]:
@@ -271,12 +353,11 @@ def open_backend(name: str, device: Optional[str], make: Callable[[type[Backend]
     configuration asks for what the backend lacks, or more memory than it has) is the caller's
     to see and stops the search; so does a backend named explicitly, whose error is raised as
     is."""
-    cls = resolve_backend(name, device)
     if name != "auto":
-        return make(cls)
-    rows = [row for row in list_backends(device) if row["available"] and row["class"] is not None]
+        return make(resolve_backend(name, device))
+    rows = _auto_rows(device)
     skipped: list[str] = []
-    for row in rows[rows.index(next(r for r in rows if r["class"] is cls)):]:
+    for row in _auto_candidates(device, rows):
         try:
             return make(row["class"])
         except KVCacheError:
@@ -285,6 +366,9 @@ def open_backend(name: str, device: Optional[str], make: Callable[[type[Backend]
             why = f"backend {row['name']!r} failed to start: {type(exc).__name__}: {exc}"
             skipped.append(why)
             warnings.warn(f"backend='auto' skipped {why}", RuntimeWarning, stacklevel=3)
+    if not skipped:
+        raise BackendNotAvailableError(
+            f"no kvcache backend is available for device={device!r}; registered backends:\n{_table(rows)}")
     raise BackendNotAvailableError(
         f"no kvcache backend could start for device={device!r} (backend='auto'):\n"
         + "\n".join(f"  - {why}" for why in skipped))
@@ -304,13 +388,13 @@ def resolve_backend(name: str = "auto", device: Optional[str] = None) -> type[Ba
                 ok, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
             if ok:
                 return cls
-    rows = list_backends(device)
     if name == "auto":
-        for row in rows:
-            if row["available"] and row["class"] is not None:
-                return row["class"]
+        rows = _auto_rows(device)
+        for row in _auto_candidates(device, rows):
+            return row["class"]
         raise BackendNotAvailableError(
             f"no kvcache backend is available for device={device!r}; registered backends:\n{_table(rows)}")
+    rows = list_backends(device)
     for row in rows:
         if row["name"] == name:
             if row["available"]:

@@ -95,6 +95,9 @@ def main(argv: Optional[list] = None) -> int:
         return serving.main(args)
     if rest and args.backend is None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.device is not None and args.backend is None:     # was ignored: the host bench ran
+        raise UsageError(f"--device {args.device} applies to a backend's benchmarks (--backend "
+                         "NAME), --serving and --transfer; the host bench (--host) runs on the CPU")
     if not args.host and args.backend is None:
         args.host = True
     run = None

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import CacheFullError
+from ..errors import pages as n_pages
 from .depths import DepthLastBlocks, decode_kernel_wins
 from .plan import ForwardPlan, ForwardUndo, HostDepth, TokenArrays, evolve
 
@@ -25,8 +26,8 @@ def reserve_pages(pt, page_size, seq_ids, last, blen, npages) -> np.ndarray:
     grow = np.flatnonzero(blen == npages * page_size)
     if len(grow) > pt.num_free:
         raise CacheFullError(
-            f"forward needs {len(grow)} new pages but {pt.num_free} of {pt.num_pages} are "
-            f"free (sequence {seq_ids[int(grow[0])]} alone needs 1 for 1 tokens)")
+            f"forward needs {n_pages(len(grow), 'new page')} but {pt.num_free} of {pt.num_pages} "
+            f"are free (sequence {seq_ids[int(grow[0])]} alone needs 1 for 1 token)")
     return grow
 
 

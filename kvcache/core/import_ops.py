@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CacheFullError, ForwardStateError, InvalidArgumentError, SequenceExistsError
+from ..errors import pages as n_pages
 from .epoch import query
 from .imports import ImportReservation, ImportSpec, pages_needed, token_slots
 from .sequences import PageCopy
@@ -51,9 +52,9 @@ class ImportOps(WindowOps):
         if not reserved and sum(needs) > pt.num_free:
             worst = int(np.argmax(needs))
             raise CacheFullError(
-                f"importing sequences {[s.seq_id for s in specs]} needs {sum(needs)} pages but "
+                f"importing sequences {[s.seq_id for s in specs]} needs {n_pages(sum(needs))} but "
                 f"{pt.num_free} of {pt.num_pages} are free (sequence {specs[worst].seq_id} alone "
-                f"needs {needs[worst]} for {specs[worst].num_tokens} tokens)")
+                f"needs {needs[worst]} for {n_pages(specs[worst].num_tokens, 'token')})")
         return needs
 
     def _check_import_parent(self, spec: ImportSpec, sid: int, pending: dict) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheFullError
+from ..errors import pages as n_pages
 
 
 def _grow(array: np.ndarray, size: int, fill) -> np.ndarray:
@@ -83,7 +84,8 @@ class PageTable:
     # ------------------------------------------------------------------ pages
     def take_pages(self, n: int) -> np.ndarray:
         if n > self.num_free:
-            raise CacheFullError(f"need {n} free pages, {self.num_free} of {self.num_pages} are free")
+            raise CacheFullError(
+                f"need {n_pages(n, 'free page')}, {self.num_free} of {self.num_pages} are free")
         self.num_free -= n
         return self.free_pages[self.num_free:self.num_free + n][::-1].copy()
 

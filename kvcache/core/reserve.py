@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CacheFullError
+from ..errors import pages as n_pages
 from .request import ForwardRequest
 
 
@@ -42,8 +43,8 @@ def count_pages(state, config, req: ForwardRequest, before=None) -> tuple[np.nda
     if needed > pt.num_free:
         worst = int(np.argmax(need))
         raise CacheFullError(
-            f"forward needs {needed} new pages but {pt.num_free} of {pt.num_pages} are free "
-            f"(sequence {req.seq_ids[worst]} alone needs {int(need[worst])} for "
-            f"{int(req.append[worst])} tokens)")
+            f"forward needs {n_pages(needed, 'new page')} but {pt.num_free} of {pt.num_pages} "
+            f"are free (sequence {req.seq_ids[worst]} alone needs {int(need[worst])} for "
+            f"{n_pages(int(req.append[worst]), 'token')})")
     return need, slides
 

@@ -80,7 +80,8 @@ def pick_backend(name: str, device: Optional[str]) -> str:
         return name
     if device is not None:
         return kvcache.available_backends(device)[0] if kvcache.available_backends(device) else "auto"
-    for row in kvcache.list_backends():
+    from kvcache.plugins import _auto_rows       # auto's listing: no framework imported in vain
+    for row in _auto_rows(None):
         cls = row["class"]
         if not row["available"] or cls is None:
             continue
@@ -233,7 +234,8 @@ def _check_fits(engine, workload: Workload, opts) -> None:
     ``UsageError`` naming the largest request, the pages it needs, the pages the cache holds
     and a --max-total-tokens that fits every request."""
     from kvcache.cli_kit import UsageError
-    ps, pages = engine.config.page_size, engine.cache.num_total_pages - 1
+    total = engine.cache.num_total_pages
+    ps, pages = engine.config.page_size, total - 1      # CacheConfig.num_pages: 1 spare page
 
     def need(r) -> int:        # its prompt and every new token but the last, in pages
         return -(-(len(r.prompt) + r.max_tokens - 1) // ps)
@@ -245,8 +247,9 @@ def _check_fits(engine, workload: Workload, opts) -> None:
         raise UsageError(
             f"request {r.rid}{others} cannot fit the cache even alone: its {len(r.prompt):,} "
             f"prompt tokens + {r.max_tokens} new tokens need {n} pages of {ps} tokens, more "
-            f"than the whole cache holds ({pages} pages, --max-total-tokens "
-            f"{engine.config.max_total_tokens}); "
+            f"than the whole cache holds ({pages} page{'s' if pages != 1 else ''}, "
+            f"--max-total-tokens {engine.config.max_total_tokens}; its {total} pages less the 1 "
+            f"kept spare); "
             f"raise --max-total-tokens to at least {(n + 1) * ps} or lower --long-prompt / "
             f"--max-output")
 
@@ -311,6 +314,8 @@ def main(argv=None, tamper=None) -> int:
     if opts.mode == "synthetic":
         backend_for(pick_backend(opts.backend, opts.device), opts.device)   # before any work
     else:
+        from .real import check_model_name
+        check_model_name(opts.model)                # a bad --model: usage error, exit 2
         if opts.backend != "auto":
             backend_for(opts.backend, None)         # before the model is built
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:

@@ -225,8 +225,10 @@ def run(opts) -> dict:
     device = opts.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2
                              else "cpu")
     if device == "cuda" and torch.cuda.device_count() < 2:
-        raise SystemExit(f"kvcache demo --disaggregate: --device cuda needs two GPUs, this host "
-                         f"has {torch.cuda.device_count()}")
+        from kvcache.cli_kit import UsageError
+        raise UsageError(f"--device cuda needs two GPUs for --disaggregate, this host has "
+                         f"{torch.cuda.device_count()}; leave out --device (two GPUs, else the "
+                         f"CPU) or pass --device cpu")
     dtype = "float32" if device == "cpu" else "bfloat16"
     model, what_model = build_model(opts.model, opts.seed, dtype)
     work = make_workload(opts.requests, opts.seed, model.config.vocab_size,
@@ -328,6 +330,8 @@ def main(argv) -> int:
         raise UsageError("--disaggregate runs a real architecture (--model llama, the default, "
                          "qwen2, mistral, phi3, gemma or a checkpoint directory), not the "
                          "synthetic model")
+    from .real import check_model_name
+    check_model_name(opts.model)                    # a bad --model: usage error, exit 2
     if opts.backend != "auto":
         backend_for(opts.backend, None)
     if opts.json:

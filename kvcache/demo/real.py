@@ -17,7 +17,8 @@ import os
 from . import check
 from .check import CheckResult, teacher_forced_logits
 
-__all__ = ["FAMILY_SHAPES", "build_model", "build_parser", "make_engine", "replay", "run"]
+__all__ = ["FAMILY_SHAPES", "build_model", "build_parser", "check_model_name", "make_engine", "replay",
+           "run"]
 
 FAMILY_SHAPES = {
     # family: (config class, model class, config fields)
@@ -40,6 +41,22 @@ FAMILY_SHAPES = {
 VOCAB = 2048
 
 
+def check_model_name(name: str) -> None:
+    """``--model NAME`` must be a family of ``FAMILY_SHAPES`` or a checkpoint directory (one with
+    a ``config.json``): else a ``kvcache.cli_kit.UsageError`` (exit status 2) naming the choices,
+    before anything is built or imported."""
+    from kvcache.cli_kit import UsageError
+    if name in FAMILY_SHAPES:
+        return
+    families = ", ".join([*FAMILY_SHAPES, "synthetic"])
+    if not os.path.isdir(name):
+        raise UsageError(f"--model {name!r} is neither a model family ({families}) nor a "
+                         "checkpoint directory")
+    if not os.path.isfile(os.path.join(name, "config.json")):
+        raise UsageError(f"--model {name!r} is a directory without a config.json, not a "
+                         f"transformers checkpoint; give one, or a model family ({families})")
+
+
 def build_model(name: str, seed: int, dtype: str = "float32"):
     """A transformers causal LM: a family's small random model (seeded), or a local checkpoint
     directory. Returns (model, description)."""
@@ -47,13 +64,11 @@ def build_model(name: str, seed: int, dtype: str = "float32"):
     torch = require("torch", "transformers")
     transformers = require("transformers", "transformers", "5.17")
     tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    check_model_name(name)
     if os.path.isdir(name):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             name, local_files_only=True, dtype=tdtype)
         return model.eval(), f"{model.config.model_type} checkpoint {name}"
-    if name not in FAMILY_SHAPES:
-        raise SystemExit(f"kvcache demo: --model {name!r} is neither a family "
-                         f"({', '.join(FAMILY_SHAPES)}, synthetic) nor a directory")
     config_name, model_name, shape = FAMILY_SHAPES[name]
     config = getattr(transformers, config_name)(
         vocab_size=VOCAB, num_hidden_layers=4, max_position_embeddings=4096,

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 from ..cache import PagedKVCache
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
+from ..errors import pages as n_pages
 from ..formats import FORMAT_TABLE
 from ..serving import (AsyncScheduler, EngineConfig, EngineCore, EngineStats, RequestOutput,
                        SamplingParams, Scheduler)
@@ -330,13 +331,16 @@ class Engine:
         # what one sequence of the request holds at most: its prompt and every new token but
         # the last (never run); the scheduler can always shrink to that one sequence
         need = -(-(length - 1) // cfg.page_size)
-        pages = self.cache.num_total_pages - 1
+        total = self.cache.num_total_pages
+        pages = total - 1       # CacheConfig.num_pages keeps one page spare beyond the capacity
         if need > pages:
             raise InvalidArgumentError(
                 f"{what}: {len(tokens)} tokens + max_tokens={max_tokens} hold up to {length - 1} "
-                f"tokens in the cache, {need} pages of {cfg.page_size}, more than the cache holds "
-                f"even for this request alone ({pages} pages, max_total_tokens="
-                f"{cfg.max_total_tokens}); raise max_total_tokens or lower max_tokens")
+                f"tokens in the cache, {n_pages(need, 'page')} of {cfg.page_size}, more than the cache "
+                f"holds even for this request alone ({n_pages(pages, 'page')}: its {n_pages(total, 'page')}, "
+                f"cache.num_total_pages, less the 1 kept spare; max_total_tokens="
+                f"{cfg.max_total_tokens}); raise max_total_tokens (to {need * cfg.page_size}, "
+                f"say) or lower max_tokens")
         self.adapter.check_request(self.cache, what, length)
         return [int(t) for t in tokens]
 

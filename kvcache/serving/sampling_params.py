@@ -6,6 +6,7 @@ names (``kvcache.integrations.SamplingParams`` and every integration module's to
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 import random
@@ -54,7 +55,23 @@ class SamplingParams:
 
     Every field is checked when the object is made: a bad one raises
     ``kvcache.errors.InvalidArgumentError`` naming the field, the value and the allowed range.
+
+    ``max_new_tokens`` (the name ``Engine.generate`` and transformers use) is accepted as an
+    alias of ``max_tokens`` when the object is made, and reads back as ``max_tokens``; given
+    both with different values, it raises ``InvalidArgumentError`` naming both.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
+        # Sees the call's arguments as given (the generated __init__ only sees the default
+        # max_tokens=32 when it is left out), to tell "both given and different" apart.
+        alias = kwargs.get("max_new_tokens")
+        if alias is not None and (args or "max_tokens" in kwargs):
+            given = args[0] if args else kwargs["max_tokens"]
+            if given != alias:
+                raise InvalidArgumentError(
+                    f"SamplingParams got max_tokens={given!r:.40} and max_new_tokens={alias!r:.40}: "
+                    f"they are two names of one setting (new tokens per sample); give one of them")
+        return super().__new__(cls)
 
     max_tokens: int = 32
     """New tokens per sample, at most (fewer when a stop token comes; it is kept). >= 1."""
@@ -81,8 +98,14 @@ class SamplingParams:
     """True (or vLLM's integer >= 0): report the log-probability of each chosen token under the
     model's distribution (before the filters); False or None: none. An integer k > 0 asks for
     the k likeliest alternatives too (vLLM's ``logprobs=k``), which ``top_logprobs`` computes."""
+    max_new_tokens: dataclasses.InitVar[Optional[int]] = None
+    """An alias of ``max_tokens`` (``generate``'s and transformers' name), taken when the object
+    is made (not a field: ``repr`` and ``==`` show ``max_tokens``); reads back as ``max_tokens``."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_new_tokens: Optional[int] = None) -> None:
+        if max_new_tokens is not None:
+            _integer("max_new_tokens", max_new_tokens, 1)
+            object.__setattr__(self, "max_tokens", max_new_tokens)
         _integer("max_tokens", self.max_tokens, 1)
         _real("temperature", self.temperature, lambda v: v >= 0, "a finite number >= 0 (0: greedy)")
         _real("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)")
@@ -122,3 +145,12 @@ class SamplingParams:
         if self.seed is None:
             return random.SystemRandom().randrange(SEED_LIMIT)
         return (self.seed + j) % SEED_LIMIT
+
+
+# The alias reads back as the field it names (the InitVar's class default, None, would not), and
+# the signature shown (help, inspect, the API reference) is the generated __init__'s, not __new__'s.
+setattr(SamplingParams, "__signature__", inspect.signature(SamplingParams.__init__).replace(
+    parameters=list(inspect.signature(SamplingParams.__init__).parameters.values())[1:]))
+setattr(SamplingParams, "max_new_tokens", property(
+    lambda self: self.max_tokens,
+    doc="``max_tokens`` under ``generate``'s name (an alias, accepted when the object is made)."))

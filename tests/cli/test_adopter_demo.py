@@ -107,11 +107,11 @@ def test_the_capacity_error_is_consistent_and_its_fix_runs(capsys):
     line = one_line_error(capsys, SMALL + ["--max-total-tokens", "32"])
     assert "pages free" not in line          # old: "2 of 2 pages free; ... needs 1 pages ..."
     m = re.search(r"need (\d+) pages of (\d+) tokens, more than the whole cache holds \((\d+) "
-                  r"pages, --max-total-tokens 32\); raise --max-total-tokens to at least (\d+)",
-                  line)
+                  r"pages?, --max-total-tokens 32; its (\d+) pages less the 1 kept spare\); "
+                  r"raise --max-total-tokens to at least (\d+)", line)
     assert m, line
-    need, page, holds, suggested = map(int, m.groups())
-    assert page == 16 and need > holds, line
+    need, page, holds, total, suggested = map(int, m.groups())
+    assert page == 16 and need > holds and total == holds + 1, line
     # the largest request is named, so the suggestion fits every request: the run finishes
     assert main(["demo", *SMALL, "--max-total-tokens", str(suggested)]) == 0
     out = capsys.readouterr().out

@@ -43,5 +43,6 @@ def test_a_checkpoint_directory_loads_without_network(tmp_path, capsys):
 
 
 def test_an_unknown_model_name_is_refused():
-    with pytest.raises(SystemExit, match="neither a family"):
+    from kvcache.cli_kit import UsageError       # exit status 2 under `kvcache demo` (issue 53)
+    with pytest.raises(UsageError, match="neither a model family"):
         main(["--model", "not-a-family-or-dir", "--backend", "reference"] + SMALL)

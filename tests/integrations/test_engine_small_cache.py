@@ -97,8 +97,8 @@ def test_a_request_that_cannot_fit_alone_is_refused_up_front(llama):
     prompts = [tokens(4, 17), tokens(5, 40)]
     # 40 + 26 - 1 = 65 tokens: 9 pages of 8, the cache has 8
     with pytest.raises(kvcache.InvalidArgumentError,
-                       match=r"prompt 1: 40 tokens \+ max_tokens=26 .*9 pages of 8.*8 pages, "
-                             r"max_total_tokens=64"):
+                       match=r"prompt 1: 40 tokens \+ max_tokens=26 .*9 pages of 8.*\(8 pages: "
+                             r"its 9 pages, .* less the 1 kept spare; max_total_tokens=64\)"):
         engine.generate(prompts, max_new_tokens=26, n=2)
     assert engine.stats.forwards == 0 and engine.cache.is_empty
 
