@@ -74,7 +74,7 @@ $(DEMO_STAMP): pyproject.toml backends/cuda/pyproject.toml tools/install_torch.s
 # the whole suite but the tool runs (mypy, the distributions, the API reference: make build-check);
 # CI (.ci/run) runs `make test build-check`. The echo says what comes before pytest's first dot.
 test: $(STAMP)
-	@echo "make: running the suite (tests/; about 11 min here; collection takes 20-30 s, then a dot per test)"
+	@echo "make: running the suite (tests/; about 9 min here; collection takes 20-30 s, then a dot per test)"
 	$(PY) -m pytest -q tests -m "not slow and not tools"
 
 # the fast lane (about 2-3 min here): mypy once over the core and the backends, then the quick suite
