@@ -231,9 +231,7 @@ def list_backends(device: Optional[str] = None) -> list[dict]:
     classes, broken, duplicates = _plugin_backends()
     rows = [_check(cls, device)[0] for cls in classes.values()]
     _by_priority(rows)
-    for name, why in [*_load_errors.items(), *broken.items(), *duplicates.items()]:
-        rows.append({"name": name, "priority": None, "available": False, "reason": why, "class": None})
-    return rows
+    return rows + _unloaded_rows(broken, duplicates)
 
 
 def _check(cls: type[Backend], device: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
@@ -254,6 +252,12 @@ def _check(cls: type[Backend], device: Optional[str]) -> tuple[dict[str, Any], O
         available, reason = False, f"availability() raised {type(exc).__name__}: {exc}"
     return ({"name": cls.name, "priority": priority, "available": available, "reason": reason,
              "class": cls}, needs)
+
+
+def _unloaded_rows(broken: dict, duplicates: dict) -> list[dict[str, Any]]:
+    """A row for each plugin that failed to load, is broken or names a backend twice."""
+    return [{"name": name, "priority": None, "available": False, "reason": why, "class": None}
+            for name, why in [*_load_errors.items(), *broken.items(), *duplicates.items()]]
 
 
 def _by_priority(rows: list[dict[str, Any]]) -> None:
@@ -316,9 +320,7 @@ def _auto_rows(device: Optional[str]) -> list[dict[str, Any]]:
                     f"backend={row['name']!r} checks it"))
         rows.append(row)
     _by_priority(rows)
-    for name, why in [*_load_errors.items(), *broken.items(), *duplicates.items()]:
-        rows.append({"name": name, "priority": None, "available": False, "reason": why, "class": None})
-    return rows
+    return rows + _unloaded_rows(broken, duplicates)
 
 
 def _auto_candidates(device: Optional[str], rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
