@@ -40,9 +40,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="base random seed")
     p.add_argument("--no-model", action="store_true",
                    help="skip checking the reference against the dense model")
+    p.add_argument("--jobs", "-j", default="auto", type=_jobs, metavar="N",
+                   help="pytest processes at once, each running every N-th test (a GPU backend's "
+                        "kernels compile on the CPU: N compile at once); 'auto' (default): half "
+                        "the CPUs up to 8 on a machine of 8 or more, else 1")
     p.add_argument("-q", "--quiet", action="store_true", help="less pytest output")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     return p
+
+
+def _jobs(text: str) -> int:
+    if text == "auto":
+        from .parallel import auto_jobs
+        return auto_jobs()
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'auto'")
+    return value
 
 
 def pytest_args(args, extra=()) -> list[str]:
@@ -88,7 +105,16 @@ def main(argv: Optional[list] = None) -> int:
     except ImportError:
         from kvcache.integrations import install_hint
         raise UsageError(f"kvcache conformance needs pytest: {install_hint('test')}") from None
-    cls = backend_for(args.backend, args.device)
-    print(f"kvcache conformance: backend {cls.name!r} ({cls.__module__}.{cls.__qualname__}), "
-          f"device {args.device or 'default'}")
+    if args.jobs > 1:               # the workers fork from this process: no device started here
+        from .parallel import backend_in_child
+        what = backend_in_child(args.backend, args.device)
+    else:
+        cls = backend_for(args.backend, args.device)
+        what = f"{cls.name!r} ({cls.__module__}.{cls.__qualname__})"
+    print(f"kvcache conformance: backend {what}, device {args.device or 'default'}")
+    if args.jobs > 1:
+        from .parallel import run_parallel
+        reports = [os.path.abspath(f) for f in args.report]
+        single = pytest_args(argparse.Namespace(**{**vars(args), "report": []}), extra)
+        return run_parallel(single, args.jobs, args.full, reports)
     return int(pytest.main(pytest_args(args, extra)))

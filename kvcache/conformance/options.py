@@ -35,6 +35,12 @@ OPTIONS = (
     ("--kvcache-report", dict(action="append", default=None, metavar="PATH",
                               help="write the summary as JSON (.json) or Markdown (.md); may be "
                                    "given more than once")),
+    ("--kvcache-shard", dict(default=None, metavar="I/N",
+                             help="run every N-th selected test of the suite from the I-th (a "
+                                  "worker of `kvcache conformance --jobs N`)")),
+    ("--kvcache-dump", dict(default=None, metavar="PATH",
+                            help="write this run's results as JSON to PATH instead of printing "
+                                 "the summary (a worker of `kvcache conformance --jobs N`)")),
 )
 
 

@@ -29,6 +29,8 @@ whose exit status is not 0 never reads CONFORMS.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import time
@@ -147,14 +149,48 @@ def pytest_collection_modifyitems(session, config, items):
     """The quick matrix (default): deselect the suite's tests it does not run, before ``-k``."""
     suite = [item for item in items if is_suite_item(item)]
     config._kvcache_matrix = (len(suite), len(suite))
-    if _full(config) or not suite:
-        return
-    drop = [item for item in suite if not in_quick_matrix(item)]
+    drop = [] if _full(config) else [item for item in suite if not in_quick_matrix(item)]
     if drop:
         dropped = set(map(id, drop))
         items[:] = [item for item in items if id(item) not in dropped]
         config.hook.pytest_deselected(items=drop)
     config._kvcache_matrix = (len(suite) - len(drop), len(suite))
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_shard(session, config, items) -> None:
+    """A worker of a parallel run (``--kvcache-shard I/N``) keeps every N-th of the selected
+    suite tests (after the quick matrix and ``-k``), from the I-th (the tests of a class spread over the workers, so slow classes
+    do not pile up on one); tests outside the suite stay with worker 0."""
+    shard = _opt(config, "kvcache_shard", None)
+    if not shard:
+        return
+    index, count = parse_shard(shard)
+    keep: list = []
+    drop: list = []
+    n = 0
+    for item in items:
+        if is_suite_item(item):
+            (keep if n % count == index else drop).append(item)
+            n += 1
+        else:
+            (keep if index == 0 else drop).append(item)
+    if drop:
+        items[:] = keep
+        config.hook.pytest_deselected(items=drop)
+    selected, whole = config._kvcache_matrix
+    config._kvcache_matrix = (len([item for item in keep if is_suite_item(item)]), whole)
+
+
+def parse_shard(text: str) -> tuple:
+    """``"I/N"`` -> (I, N), 0 <= I < N; a ``pytest.UsageError`` otherwise."""
+    try:
+        index, count = (int(v) for v in str(text).split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--kvcache-shard {text!r}: expected I/N, e.g. 0/4") from None
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"--kvcache-shard {text!r}: I must be in 0..N-1")
+    return index, count
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -478,8 +514,10 @@ def pytest_report_header(config, start_path):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The summary table (and ``--kvcache-report``), from pytest's own outcomes."""
-    from .report import format_summary, outcomes_from_stats, summarize, write_report
+    """The summary table and the time table (and ``--kvcache-report``), from pytest's own
+    outcomes; a worker of a parallel run (``--kvcache-dump``) writes its record for the run that
+    started it instead (``kvcache.conformance.parallel``)."""
+    from .report import finish
     owners = getattr(config, "_kvcache_owners", {})
     reports = _opt(config, "kvcache_report", None) or []
     if isinstance(reports, str):
@@ -488,43 +526,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     stale = getattr(config, "_kvcache_stale", [])
     if not (owners or reports or asked or stale):    # e.g. a project's tests, the suite deselected
         return
-    full = _full(config)
-    problems = [f"stale expected-failure patterns (they match no test of the suite): "
-                f"{', '.join(map(repr, stale))}"] if stale else []
-    summary = summarize(outcomes_from_stats(terminalreporter.stats, owners), exitstatus,
-                        problems=problems)
-    terminalreporter.section("kvcache conformance summary")
-    for line in format_summary(summary, full):
-        terminalreporter.write_line(line)
+    record = run_record(terminalreporter.stats, exitstatus, config)
+    dump = _opt(config, "kvcache_dump", None)
+    if dump:
+        Path(dump).write_text(json.dumps(record))
+        return
+    finish([record], _full(config), reports, terminalreporter.section,
+           terminalreporter.write_line)
+
+
+def run_record(stats: dict, exitstatus, config) -> dict:
+    """This run's results as plain data: its outcomes (``report.Outcome`` fields), pytest's exit
+    status, stale expected-failure patterns, the seconds per (backend, area) with their tests,
+    (suite tests selected, of the full matrix) and the wall time."""
+    from .report import outcomes_from_stats
     seconds = getattr(config, "_kvcache_seconds", {})
-    selected, whole = getattr(config, "_kvcache_matrix", (0, 0))
-    for backend, b in summary["backends"].items():
-        b["seconds"] = {area: round(spent, 3) for (name, area), (spent, _) in seconds.items()
-                        if name == backend}
-    terminalreporter.section("kvcache conformance time")
-    for line in format_times(seconds, full, selected, whole,
-                             time.perf_counter() - config._kvcache_started):
-        terminalreporter.write_line(line)
-    for path in reports:
-        write_report(path, summary, full)
-        terminalreporter.write_line(f"report written to {path}")
-
-
-def format_times(seconds: dict, full: bool, selected: int, whole: int, wall: float) -> list[str]:
-    """The time table: per backend, each area's tests and seconds (setup, call and teardown of
-    its tests, slowest first), the total, and the run's wall time (collection included)."""
-    matrix = "full matrix" if full else f"quick matrix, {selected} of the full matrix's {whole} " \
-        "tests (--full runs all)" if whole else "quick matrix"
-    lines = [f"{matrix}; wall time {wall:.1f} s"]
-    for backend in sorted({name for name, _ in seconds}, key=str):
-        rows = sorted(((area, spent, len(ids)) for (name, area), (spent, ids) in seconds.items()
-                       if name == backend), key=lambda r: (-r[1], r[0]))
-        total = sum(r[1] for r in rows) or 1e-9
-        w = max([22] + [len(r[0]) + 1 for r in rows])
-        lines.append(f"backend {backend!r}")
-        lines.append(f"  {'area':<{w}}{'tests':>7}{'seconds':>10}{'share':>8}")
-        for area, spent, n in rows:
-            lines.append(f"  {area:<{w}}{n:>7}{spent:>10.1f}{100 * spent / total:>7.1f}%")
-        lines.append(f"  {'total':<{w}}{sum(r[2] for r in rows):>7}{sum(r[1] for r in rows):>10.1f}"
-                     f"{100.0:>7.1f}%")
-    return lines
+    return {"outcomes": [dataclasses.asdict(o) for o in
+                         outcomes_from_stats(stats, getattr(config, "_kvcache_owners", {}))],
+            "exitstatus": int(exitstatus), "stale": list(getattr(config, "_kvcache_stale", [])),
+            "seconds": [[backend, area, spent, sorted(ids)]
+                        for (backend, area), (spent, ids) in seconds.items()],
+            "matrix": list(getattr(config, "_kvcache_matrix", (0, 0))),
+            "wall": time.perf_counter() - config._kvcache_started}

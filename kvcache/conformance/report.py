@@ -283,3 +283,76 @@ def write_report(path: str, summary: dict, full: bool) -> None:
         lines += [f"Tests outside the suite: {pytest_line(outside['counts'])}", ""]
         lines += [f"- `{n}`: {_md(r)}" for n, r in outside["failures"]]
     p.write_text("\n".join(lines).rstrip("\n") + "\n")
+
+
+def finish(records: list, full: bool, reports, section, write_line) -> dict:
+    """The end of a run: the summary table, the time table and the ``reports`` (paths) of one
+    run's record or the merged records of a parallel run's workers (``plugin.run_record``);
+    ``section(title)`` and ``write_line(text)`` print. Returns the summary."""
+    outcomes = [Outcome(**o) for r in records for o in r["outcomes"]]
+    stale: list = []
+    for r in records:
+        stale += [p for p in r["stale"] if p not in stale]
+    problems = [f"stale expected-failure patterns (they match no test of the suite): "
+                f"{', '.join(map(repr, stale))}"] if stale else []
+    summary = summarize(outcomes, merged_exitstatus([r["exitstatus"] for r in records]),
+                        problems=problems)
+    section("kvcache conformance summary")
+    for line in format_summary(summary, full):
+        write_line(line)
+    seconds: dict = {}
+    for r in records:
+        for backend, area, spent, ids in r["seconds"]:
+            row = seconds.setdefault((backend, area), [0.0, set()])
+            row[0] += spent
+            row[1] |= set(ids)
+    for backend, b in summary["backends"].items():
+        b["seconds"] = {area: round(spent, 3) for (name, area), (spent, _) in seconds.items()
+                        if name == backend}
+    section("kvcache conformance time")
+    selected = sum(r["matrix"][0] for r in records)
+    whole = max((r["matrix"][1] for r in records), default=0)
+    for line in format_times(seconds, full, selected, whole, max(r["wall"] for r in records),
+                             workers=len(records)):
+        write_line(line)
+    for path in reports:
+        write_report(path, summary, full)
+        write_line(f"report written to {path}")
+    return summary
+
+
+def merged_exitstatus(statuses: list) -> int:
+    """One exit status for a run of several pytest processes: an interruption, internal or
+    usage error first, then a failure; "no tests" (5) only when no process ran a test."""
+    statuses = [int(s) for s in statuses]
+    for s in statuses:
+        if s in (2, 3, 4):
+            return s
+    if 1 in statuses:
+        return 1
+    if statuses and all(s == 5 for s in statuses):
+        return 5
+    return next((s for s in statuses if s not in (0, 5)), 0)
+
+
+def format_times(seconds: dict, full: bool, selected: int, whole: int, wall: float,
+                 workers: int = 1) -> list[str]:
+    """The time table: per backend, each area's tests and seconds (setup, call and teardown of
+    its tests, slowest first; summed over the workers of a parallel run), the total, and the
+    run's wall time (collection included; a parallel run's slowest worker)."""
+    matrix = "full matrix" if full else f"quick matrix, {selected} of the full matrix's {whole} " \
+        "tests (--full runs all)" if whole else "quick matrix"
+    where = f" ({workers} workers at once)" if workers > 1 else ""
+    lines = [f"{matrix}; wall time {wall:.1f} s{where}"]
+    for backend in sorted({name for name, _ in seconds}, key=str):
+        rows = sorted(((area, spent, len(ids)) for (name, area), (spent, ids) in seconds.items()
+                       if name == backend), key=lambda r: (-r[1], r[0]))
+        total = sum(r[1] for r in rows) or 1e-9
+        w = max([22] + [len(r[0]) + 1 for r in rows])
+        lines.append(f"backend {backend!r}")
+        lines.append(f"  {'area':<{w}}{'tests':>7}{'seconds':>10}{'share':>8}")
+        for area, spent, n in rows:
+            lines.append(f"  {area:<{w}}{n:>7}{spent:>10.1f}{100 * spent / total:>7.1f}%")
+        lines.append(f"  {'total':<{w}}{sum(r[2] for r in rows):>7}{sum(r[1] for r in rows):>10.1f}"
+                     f"{100.0:>7.1f}%")
+    return lines

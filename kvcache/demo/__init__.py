@@ -23,6 +23,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import time
 from typing import Any, Optional
 
 import kvcache
@@ -57,6 +58,8 @@ class DemoResult:
     engine: Any
     check: Optional[CheckResult]
     options: argparse.Namespace
+    setup_s: float = 0.0             # the model (a real one) and the engine built
+    warm_up: Any = None              # the engine's WarmUp before serving (None: not run)
 
     @property
     def stats(self):
@@ -261,6 +264,7 @@ def run_demo(opts: argparse.Namespace, tamper=None) -> DemoResult:
     from kvcache.integrations.engine import Engine
     resolve(opts)
     model = None
+    started = time.perf_counter()
     if opts.mode == "synthetic":
         backend = pick_backend(opts.backend, opts.device)
         dtype = opts.dtype or ("float32" if backend == "reference" else "bfloat16")
@@ -279,6 +283,11 @@ def run_demo(opts: argparse.Namespace, tamper=None) -> DemoResult:
                              max_output=opts.max_output, samples=opts.samples,
                              arrival_rate=opts.arrival_rate)
     _check_fits(engine, workload, opts)
+    setup_s = time.perf_counter() - started
+    # on an accelerator the first step of each shape compiles kernels and captures its graph:
+    # paid here, before the first request, and reported apart from serving
+    on_host = str(engine.cache.backend.device or "cpu").startswith("cpu")
+    warm = engine.warm_up() if engine.graphs or not on_host else None
 
     def params(r) -> SamplingParams:
         return SamplingParams(max_tokens=r.max_tokens, temperature=0.8 if r.sampled else 0.0,
@@ -296,7 +305,7 @@ def run_demo(opts: argparse.Namespace, tamper=None) -> DemoResult:
         else:
             check = real.replay(model, workload, served, rids, dtype)
     return DemoResult(opts.mode, what, backend, device, dtype, workload, served, engine, check,
-                      opts)
+                      opts, setup_s, warm)
 
 
 def main(argv=None, tamper=None) -> int:

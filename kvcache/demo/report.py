@@ -48,7 +48,7 @@ def rows(result) -> tuple:
     ]
     if result.engine.graphs:
         out.append(("whole-step graphs", f"{s.graph_forwards:,} forwards replayed a graph "
-                                         f"({s.graph_captures} captures)"))
+                                         f"({s.graph_captures} captured while serving)"))
     shared = f"{s.forks} forks, {s.shared_prefix_tokens:,} prompt tokens not recomputed"
     shared += (f"; prefix cache: {s.prefix_hit_tokens:,} tokens found cached "
                f"({100 * s.prefix_hit_rate:.0f}% of prompt tokens)")
@@ -69,10 +69,25 @@ def rows(result) -> tuple:
                   f"{cache.config.page_size}, chunk {cache.config.prefill_chunk_size}, batch "
                   f"{cache.config.max_batch_size}"),
         ("check", "skipped (--no-check)" if result.check is None else result.check.text()),
+        ("time", time_split(result)),
     ]
     title = (f"kvcache demo on backend {result.backend} ({result.device}, {result.dtype}), "
              f"seed {result.options.seed}")
     return title, out
+
+
+def time_split(result) -> str:
+    """Where the run's wall time went: set-up (model and engine), the engine's warm-up (kernels
+    compiled, graphs captured), serving (what the tokens/s are of) and the check."""
+    warm = result.warm_up
+    parts = [f"set-up {result.setup_s:.1f} s"]
+    if warm is not None:
+        parts.append(f"warm-up {warm.seconds:.1f} s ({warm.forwards} forwards, {warm.captures} "
+                     f"graphs captured)")
+    parts.append(f"serving {result.served.wall_s:.1f} s")
+    if result.check is not None:
+        parts.append(f"check {result.check.seconds:.1f} s")
+    return ", ".join(parts)
 
 
 def summary(result) -> dict:
@@ -91,6 +106,8 @@ def summary(result) -> dict:
         "ttft_ms": {} if not ttft else {"p50": float(np.percentile(ttft, 50) * 1e3),
                                         "p99": float(np.percentile(ttft, 99) * 1e3)},
         "graphs": bool(result.engine.graphs), "stats": stats,
+        "setup_s": result.setup_s,
+        "warm_up": None if result.warm_up is None else dataclasses.asdict(result.warm_up),
         "peak_pages": served.peak_pages, "total_pages": served.total_pages,
         "distinct_samples": result.distinct(), "check_ok": result.check_ok,
         "check": check_summary(result.check),

@@ -26,7 +26,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..cache import PagedKVCache
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
@@ -39,6 +39,9 @@ from ..host_tier import HostTier
 from .adapter import ModelAdapter, PendingPicks
 from .runner import Runner
 from .sampling import sampling_params_for
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .warm_up import WarmUp
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "ModelAdapter", "PendingPicks",
            "RequestOutput", "SamplingParams"]
@@ -261,6 +264,19 @@ class Engine:
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ the online API
+    def warm_up(self) -> "WarmUp":
+        """Pay the first-use costs before serving: one throwaway forward of every kind of step
+        the engine's whole-step graphs hold (each decode batch bucket; with ``mixed_graphs``
+        each prefill token bucket, alone and over a shared prefix), so kernels compile and
+        graphs are captured now rather than on the first requests that meet each shape; without
+        graphs, one prefill and one decode step. Leaves no page, sequence or prefix-cache entry
+        behind and counts nothing in ``stats``. Returns a ``WarmUp`` (seconds, forwards,
+        captures, the steps run and those the free pages could not hold). Raises
+        ``InvalidArgumentError`` while requests are unfinished."""
+        from .warm_up import warm_up
+        with self._lock:
+            return warm_up(self)
+
     def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None, *,
                     hold_kv: bool = False, kv_seq_id: Optional[int] = None) -> int:
         """Queue a request: ``prompt`` token ids, ``params`` a ``SamplingParams`` (None: its

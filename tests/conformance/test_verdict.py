@@ -54,10 +54,20 @@ TOYS = textwrap.dedent('''
             return o * 1.5, lse
 
 
+    class Dies(ReferenceBackend):
+        """Its process is killed in paged attention (a crashing kernel): no results come back."""
+        name = "toy-dies"
+
+        def paged_attention(self, *args, **kwargs):
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
     class Plugin:
         @kvcache.hookimpl
         def kvcache_register_backends(self):
-            return [GuideCapabilities, ModuleLevelFault, WrongAttention]
+            return [GuideCapabilities, ModuleLevelFault, WrongAttention, Dies]
 
 
     register_plugin(Plugin(), name="toys")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_model, torch  # noqa: F401
+from conftest import backend_or_skip, make_model, torch  # noqa: F401
 
 from kvcache.demo import main
 from kvcache.demo.real import build_parser, run
@@ -46,3 +46,35 @@ def test_an_unknown_model_name_is_refused():
     from kvcache.cli_kit import UsageError       # exit status 2 under `kvcache demo` (issue 53)
     with pytest.raises(UsageError, match="neither a model family"):
         main(["--model", "not-a-family-or-dir", "--backend", "reference"] + SMALL)
+
+
+def test_the_demo_warms_the_engine_up_before_serving_and_splits_its_time(monkeypatch):
+    """With whole-step graphs (the cuda backend's CPU test mode standing in for a GPU), the demo
+    captures every kind of step before the first request: serving captures nothing, and the
+    summary shows set-up, warm-up, serving and the check apart."""
+    import kvcache.demo.real as real
+    from kvcache.demo import build_parser as demo_parser
+    from kvcache.demo import resolve, run_demo
+    from kvcache.demo.report import rows, summary
+    from kvcache.integrations.transformers import Engine
+    backend, device = backend_or_skip("cuda", monkeypatch, 64)
+    made = real.make_engine
+
+    def with_graphs(opts, seed):
+        engine, model, what, dtype = made(opts, seed)
+        c = engine.config
+        return (Engine(model, backend=backend, device=device, graphs=True, mixed_graphs=True,
+                       page_size=c.page_size, max_total_tokens=c.max_total_tokens,
+                       max_batch_size=c.max_batch_size, prefill_chunk_size=c.prefill_chunk_size),
+                model, what, dtype)
+    monkeypatch.setattr(real, "make_engine", with_graphs)
+    opts = resolve(demo_parser().parse_args(["--model", "llama", "--backend", backend] + SMALL))
+    r = run_demo(opts)
+    assert r.check_ok, r.check.failures
+    assert r.warm_up is not None and r.warm_up.captures > 0 and not r.warm_up.skipped
+    assert r.stats.graph_captures == 0 and r.stats.graph_forwards == r.stats.forwards > 0
+    text = dict(rows(r)[1])["time"]
+    assert text.startswith("set-up ") and "warm-up" in text and "serving" in text \
+        and "check" in text, text
+    s = summary(r)
+    assert s["warm_up"]["captures"] == r.warm_up.captures and s["setup_s"] > 0

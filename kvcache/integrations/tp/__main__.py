@@ -51,6 +51,18 @@ def main(argv=None) -> int:
     or within the dtype's near-tie margin (``kvcache.demo.check.judge_greedy``), and the report
     says how many were. ``--help`` lists the options (``--model PATH``: a transformers
     checkpoint, loaded whole on every rank; default a random-weight Llama of ``--shape``)."""
+    try:
+        return _main(argv)
+    finally:
+        # every group torn down before the interpreter exits: a rank done before the others
+        # (rank 1 returns while rank 0 still reports) otherwise died in the process group's
+        # threads at exit ("terminate called without an active exception", SIGABRT)
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _main(argv) -> int:
     import argparse
     import gc
     import time
