@@ -104,6 +104,11 @@ class Capabilities:
     attention_sinks: bool = _cap(False, "Learned attention sinks: one logit per query head joins "
                                         "the softmax denominator with no value "
                                         "(attention(..., sinks=...)).")
+    batch_invariant: bool = _cap(False, "Batch-invariant attention (CacheConfig(batch_invariant="
+                                        "True)): a token's output and lse depend only on its own "
+                                        "sequence's keys and values, bit for bit: not on the "
+                                        "batch around it, how its prompt was chunked, or which "
+                                        "pages it shares.")
 
     def __post_init__(self):
         if not self.kv_dtypes:      # pages stored as computed, the only format today

@@ -87,6 +87,10 @@ class PagedKVCache:
             # a static-shape mixed step is one paged pass whose new tokens are chain trees
             self._require(not config.static_mixed or caps.tree_attention, "tree_attention",
                           "static_mixed=True", cls)
+            self._require(not config.batch_invariant or caps.batch_invariant, "batch_invariant",
+                          "batch_invariant=True", cls)
+            self._require(not config.batch_invariant or caps.tree_attention, "tree_attention",
+                          "batch_invariant=True", cls)
             self._require(config.effective_rope_mode == "none" or config.rope_spec().default_frequencies
                           or caps.rope_frequencies, "rope_frequencies",
                           "rope_inv_freq / rope_rotary_dim with RoPE on", cls)

@@ -121,6 +121,15 @@ class CacheConfig:
     ``head_dims_v``. A page row is ``max(head_dim, head_dim_v)`` wide (``page_row_dim``). Read
     back it is always an int (None becomes head_dim), so ``dataclasses.replace(config,
     head_dim=...)`` keeps the old value: pass head_dim_v too."""
+    batch_invariant: bool = False
+    """Batch-invariant attention: every forward is planned as one paged pass per layer over each
+    sequence's whole page list (K/V written first, the new tokens a chain token tree; no ragged
+    pass, no shared-prefix depth, no merge), so a token's attention output and lse are the
+    same bits whatever else runs in its forward, however its prompt was chunked, whether its
+    prefix came from the prefix cache, a fork or its own prefill, and whether it arrived in a
+    prefill chunk or a decode step. Needs a backend declaring ``batch_invariant`` (and
+    ``tree_attention``); not with ``support_sliding_window`` or token trees (refused). Costs
+    what reading a shared prefix once per sequence costs. See docs/determinism.md."""
     prefix_cache: bool = False
     """Automatic prefix caching: full pages are indexed by the token ids that produced them
     (``add_sequence(seq_id, tokens=...)`` / ``extend_tokens`` tell the cache the ids), a
@@ -209,6 +218,12 @@ class CacheConfig:
             _sizes(self.static_decode_batch_sizes, "static_decode_batch_sizes",
                    self.max_batch_size, "max_batch_size"))
         put("static_mixed", bool_arg(self.static_mixed, "CacheConfig.static_mixed"))
+        put("batch_invariant", bool_arg(self.batch_invariant, "CacheConfig.batch_invariant"))
+        if self.batch_invariant and self.support_sliding_window:
+            raise InvalidArgumentError(
+                "CacheConfig.batch_invariant=True with support_sliding_window=True: a sliding "
+                "window's forward writes K/V after attention, which the one-pass plan cannot; "
+                "leave one of them off")
         if self.static_mixed and not self.static_decode:
             raise InvalidArgumentError(
                 "CacheConfig.static_mixed=True needs static_decode=True (its steps are captured "

@@ -110,7 +110,7 @@ class ReferenceBackend(Backend):
         kv_dtypes=tuple(name for name, fmt in FORMAT_TABLE.items()
                         if ("bfloat16" if fmt.quantized else name) in NP_DTYPES),
         tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
-        rope_frequencies=True, logit_softcap=True, attention_sinks=True,
+        rope_frequencies=True, logit_softcap=True, attention_sinks=True, batch_invariant=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(1, 1025)),
     )
 
@@ -325,9 +325,15 @@ class ReferenceBackend(Backend):
                 k_pos = int(depth.k_rope_offset[i]) + np.arange(kv_len)
                 q_pos = np.asarray(q_positions)[lo:hi].astype(np.int64)
                 visible &= k_pos[None, :] >= (q_pos - window_left)[:, None]
-            o[lo:hi], lse[lo:hi] = softmax_attend(qi, keys, values.astype(np.float64), visible,
-                                                  sm_scale, self.config.group_size,
-                                                  logit_softcap, sinks)
+            values = values.astype(np.float64)
+            # batch-invariant: one query row at a time, so numpy's reductions run in an order
+            # set by the row's keys alone, not by how many rows share the entry
+            rows = [(lo, hi)] if not self.config.batch_invariant else \
+                [(r, r + 1) for r in range(lo, hi)]
+            for a, b in rows:
+                o[a:b], lse[a:b] = softmax_attend(qi[a - lo:b - lo], keys, values,
+                                                  visible[a - lo:b - lo], sm_scale,
+                                                  self.config.group_size, logit_softcap, sinks)
         return self._store(o), lse.astype(np.float32)
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):

@@ -54,6 +54,7 @@ _TESTS = {
     "test_numerics": ("TestMaskedNonFinite",),
     "test_prefix": ("TestPrefixCache",),
     "test_quantized": ("TestQuantizedKV",),
+    "test_invariance": ("TestBatchInvariance",),
 }
 _HELPERS = {
     "harness": ("CachePair", "RunAhead", "make_config"),

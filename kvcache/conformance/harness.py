@@ -57,7 +57,7 @@ def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers
                 rope_theta=10000.0, rope_scale=1.0, static_decode=False,
                 static_decode_batch_sizes=(), rope_inv_freq=(), rope_rotary_dim=0,
                 head_dim_v=None, prefix_cache=False, kv_dtype="auto",
-                kv_quant_group=64, static_mixed=False) -> CacheConfig:
+                kv_quant_group=64, static_mixed=False, batch_invariant=False) -> CacheConfig:
     """A small config for the suite: GQA ratio ``gqa`` with 2 KV heads (1 for ratio 8)."""
     hkv = num_kv_heads or (1 if gqa >= 8 else 2)
     return CacheConfig(num_layers=num_layers, num_qo_heads=hkv * gqa, num_kv_heads=hkv,
@@ -68,7 +68,8 @@ def make_config(*, dtype="float32", gqa=4, head_dim=64, page_size=16, num_layers
                        rope_rotary_dim=rope_rotary_dim, support_sliding_window=support_sliding_window,
                        static_decode=static_decode, static_decode_batch_sizes=static_decode_batch_sizes,
                        head_dim_v=head_dim_v, prefix_cache=prefix_cache, kv_dtype=kv_dtype,
-                       kv_quant_group=kv_quant_group, static_mixed=static_mixed)
+                       kv_quant_group=kv_quant_group, static_mixed=static_mixed,
+                       batch_invariant=batch_invariant)
 
 
 _CALLS = {

@@ -117,6 +117,8 @@ def build_depths(pt, config, last, qo_indptr, *, is_decode: bool, tree_sizes=Non
         # (a static-shape mixed step takes the same rule)
         if not sharing_pays(pt, chain[width - 1] if trace is None else trace[:, 0]):
             max_depth = 1
+    if config.batch_invariant:      # each sequence's whole page list, one entry: no coalescing
+        max_depth = 1
     num_depths = min(width, max_depth)
     seq_all = np.arange(batch)
     depths, holders = [], []

@@ -157,11 +157,19 @@ class Planner:
         cfg, pt = self.config, self.state.pt
         write_after = cfg.support_sliding_window
         had_tree = bool(req.tree_before.any())
-        if (self.static_mixed and req.tree_parents is None and not had_tree and not write_after
-                and cfg.static_mixed_bucket(req.total) is not None
+        one_pass = req.tree_parents is None and not had_tree and not write_after
+        bucket = cfg.static_mixed_bucket(req.total) if self.static_mixed else None
+        if cfg.batch_invariant and one_pass and not req.is_decode:
+            # every prompt chunk one pass over its sequence's whole page list (decode batches
+            # take the decode path below, one entry per sequence as well)
+            plan = self._one_pass(req, need, slides, before)
+            return plan if bucket is None else pad_mixed(plan, cfg)
+        if (one_pass and bucket is not None
                 # a decode batch joins them where its sequences share a prefix worth reading
-                # once (static-shape decode reads one entry per sequence)
-                and (not req.is_decode or sharing_pays(pt, root_blocks(pt, req.last)))):
+                # once (static-shape decode reads one entry per sequence); never in a
+                # batch-invariant cache, which reads no prefix once for several sequences
+                and (not req.is_decode or (not cfg.batch_invariant
+                                           and sharing_pays(pt, root_blocks(pt, req.last))))):
             return self._static_mixed(req, need, slides, before)
         paged_only = (req.is_decode and not write_after) or had_tree
         qo_indptr = exclusive_cumsum(req.append)
@@ -200,6 +208,12 @@ class Planner:
         """A mixed step as one paged pass (K/V written first; each sequence one entry over its
         whole page list, its new tokens a chain tree), or two merged where the batch shares a
         prefix worth reading once, padded to its token bucket."""
+        return pad_mixed(self._one_pass(req, need, slides, before), self.config)
+
+    def _one_pass(self, req: ForwardRequest, need, slides, before) -> ForwardPlan:
+        """One paged pass per layer (K/V written first; each sequence one entry over its whole
+        page list, its new tokens a chain tree), or two merged where the batch shares a prefix
+        worth reading once (never in a batch-invariant cache: ``build_depths``); unpadded."""
         cfg, pt = self.config, self.state.pt
         qo_indptr = exclusive_cumsum(req.append)
         blen_before, _, seq_len_before = before
@@ -211,10 +225,9 @@ class Planner:
         depths, _ = build_depths(pt, cfg, req.last, qo_indptr, is_decode=False, tree_sizes=sizes,
                                  tree_masks=masks, max_append=int(req.append.max()),
                                  want_holders=False, share=True)
-        plan = build(ForwardPlan, seq_ids=req.seq_ids, append_lengths=req.append,
+        return build(ForwardPlan, seq_ids=req.seq_ids, append_lengths=req.append,
                      total_tokens=req.total, max_append=int(req.append.max()), paged_only=True,
                      write_after=False, tokens=tokens, depths=depths, undo=undo)
-        return pad_mixed(plan, cfg)
 
     def _remember(self, plan: ForwardPlan, req: ForwardRequest, holders: list) -> ForwardPlan:
         """Keep a plain decode plan for the next step to update."""

@@ -109,6 +109,10 @@ def check_tree(config, capabilities, seq_ids, append, tree_before, tree_parent_p
     if config.support_sliding_window:
         raise InvalidArgumentError(
             "token trees are not supported in a cache built with support_sliding_window=True")
+    if config.batch_invariant:
+        raise UnsupportedFeatureError(
+            "token trees are not supported in a cache built with batch_invariant=True (its one "
+            "pass per sequence reads the new tokens as a chain); pass token_tree_parent_ptr=None")
     if config.effective_rope_mode == "inline":
         raise InvalidArgumentError("token trees need rope_mode 'none' or 'normal', not 'inline'")
     qo = exclusive_cumsum(append)

@@ -179,6 +179,9 @@ def test_unsupported_features_are_declared():
             kvcache.PagedKVCache(config(dtype="float16"), backend="no-trees-test")
         with pytest.raises(UnsupportedFeatureError, match="inline_rope"):
             kvcache.PagedKVCache(config(rope_mode="inline"), backend="no-trees-test")
+        with pytest.raises(UnsupportedFeatureError, match="batch_invariant"):
+            kvcache.PagedKVCache(config(batch_invariant=True, rope_mode="none"),
+                                 backend="no-trees-test")
         c = kvcache.PagedKVCache(config(rope_mode="none"), backend="no-trees-test")
         c.add_sequence(0)
         with pytest.raises(UnsupportedFeatureError, match="tree_attention"):
@@ -189,6 +192,10 @@ def test_unsupported_features_are_declared():
 
 
 def test_config_validation_names_the_field():
+    with pytest.raises(InvalidArgumentError, match="batch_invariant=True with support_sliding"):
+        config(batch_invariant=True, support_sliding_window=True)
+    with pytest.raises(InvalidArgumentError, match="batch_invariant"):
+        config(batch_invariant="yes")
     with pytest.raises(InvalidArgumentError, match="num_qo_heads=6.*num_kv_heads=4"):
         config(num_qo_heads=6, num_kv_heads=4)
     with pytest.raises(InvalidArgumentError, match="dtype"):

@@ -73,6 +73,7 @@ class Seq:
 class CacheMachine(RuleBasedStateMachine):
     rope_mode = "normal"
     sliding = False
+    one_pass = False        # CacheConfig(batch_invariant=True): one pass a sequence, no trees
 
     def __init__(self):
         super().__init__()
@@ -84,7 +85,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.cfg = kvcache.CacheConfig(
             num_layers=L, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
             max_batch_size=4, max_total_tokens=96, prefill_chunk_size=24, dtype=dtype,
-            rope_mode=self.rope_mode, support_sliding_window=self.sliding)
+            rope_mode=self.rope_mode, support_sliding_window=self.sliding,
+            batch_invariant=self.one_pass)
         self.cache = kvcache.PagedKVCache(self.cfg, backend="reference")
         self.model: dict[int, Seq] = {}
 
@@ -254,7 +256,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def forward(self, data):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=4, unique=True))
-        use_tree = (not self.sliding and self.rope_mode != "inline"
+        use_tree = (not self.sliding and not self.one_pass and self.rope_mode != "inline"
                     and (data.draw(st.booleans()) or any(self.model[s].tree_parent for s in ids)))
         lens = [data.draw(st.integers(1, 1 if data.draw(st.booleans()) else 7)) for _ in ids]
         parents = None
@@ -386,7 +388,7 @@ class CacheMachine(RuleBasedStateMachine):
         """A forward undone after some layers (an exception inside ``with cache.forward``, or
         abort_forward): the model does not change, so the cache must not either."""
         ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=4, unique=True))
-        use_tree = (not self.sliding and self.rope_mode != "inline"
+        use_tree = (not self.sliding and not self.one_pass and self.rope_mode != "inline"
                     and (data.draw(st.booleans()) or any(self.model[s].tree_parent for s in ids)))
         lens = [data.draw(st.integers(1, 1 if data.draw(st.booleans()) else 7)) for _ in ids]
         parents = None
@@ -455,6 +457,10 @@ class NoRopeMachine(CacheMachine):
     rope_mode = "none"
 
 
+class InvariantMachine(CacheMachine):
+    one_pass = True
+
+
 SETTINGS = settings(max_examples=40, stateful_step_count=25, deadline=None,
                     suppress_health_check=list(HealthCheck))
 
@@ -473,3 +479,7 @@ class TestSlidingModelFull(TestSlidingModel):
 
 TestNoRopeModel = NoRopeMachine.TestCase
 TestNoRopeModel.settings = settings(SETTINGS, max_examples=15)
+# the batch-invariant plans (one paged pass per sequence, no shared-prefix depth) judged by the
+# same token-list model
+TestInvariantModel = InvariantMachine.TestCase
+TestInvariantModel.settings = settings(SETTINGS, max_examples=15)
