@@ -110,6 +110,12 @@ class ModelAdapter(abc.ABC):
         on the model must be shared (counted per model), not saved and restored per session."""
         return contextlib.nullcontext()
 
+    def batch_invariant_ops(self):
+        """A context manager under which the model's own ops give each row the same bits
+        whatever the other rows (``Engine(deterministic=True)`` enters it around every step), or
+        None where the adapter has none (such an engine is then refused)."""
+        return None
+
     def step_context(self, cache: PagedKVCache):
         """A context manager around each engine step on ``cache`` (its forward and its picks),
         left before the step returns or raises: per-thread state the model needs while it runs

@@ -128,7 +128,9 @@ class Engine:
         cfg = adapter.cache_config(max_total_tokens=max_total_tokens,
                                    prefill_chunk_size=prefill_chunk_size, **sizes)
         cfg = dataclasses.replace(cfg, prefix_cache=opts.prefix_cache, kv_dtype=opts.kv_dtype,
-                                  kv_quant_group=quant_group_for(cfg, opts.kv_dtype))
+                                  kv_quant_group=quant_group_for(cfg, opts.kv_dtype),
+                                  batch_invariant=opts.deterministic)
+        invariant_ops = self._invariant_ops(opts)
         if opts.mixed_graphs and not self.graphs:
             raise UnsupportedFeatureError(
                 "mixed_graphs=True captures prefill steps beside the decode steps, and graphs "
@@ -155,10 +157,12 @@ class Engine:
         self.stats = EngineStats()
         scheduler = AsyncScheduler if opts.overlap else Scheduler
         self.scheduler = scheduler(self.cache, self.host_tier, self.stats)
-        self.compiled = self._want_compile(opts.compile_step, device)
+        self.compiled = self._want_compile(
+            False if opts.deterministic and opts.compile_step is None else opts.compile_step,
+            device)
         """Whether captured decode steps run the compiled model code (``compile_step``)."""
         self.runner = Runner(adapter, self.cache, self.stats, graphs=self.graphs,
-                             compiled=self.compiled)
+                             compiled=self.compiled, invariant_ops=invariant_ops)
         self.decode_graphs = self.runner.decode_graphs
         self.core = EngineCore(self.scheduler, self.runner, _weak_admit(self))
         self.progress: Optional[bool] = None
@@ -187,6 +191,24 @@ class Engine:
                 f"graphs=True: backend {cls.name!r} does not declare 'static_decode' "
                 f"(static-shape decode steps a graph can replay); pass graphs=False")
         return True
+
+    def _invariant_ops(self, opts):
+        """The adapter's batch-invariant ops for ``deterministic=True`` (None when off); an
+        ``UnsupportedFeatureError`` where the adapter has none or ``compile_step`` is asked
+        (the compiled step would fuse the ops the invariant mode runs in row blocks)."""
+        if not opts.deterministic:
+            return None
+        ops = self.adapter.batch_invariant_ops()
+        if ops is None:
+            raise UnsupportedFeatureError(
+                f"deterministic=True: the {self.adapter.family or type(self.adapter).__name__} "
+                f"adapter has no batch-invariant model ops (ModelAdapter.batch_invariant_ops); "
+                f"pass deterministic=False")
+        if opts.compile_step:
+            raise UnsupportedFeatureError(
+                "deterministic=True with compile_step=True: the compiled step would fuse the "
+                "model ops that deterministic mode runs in fixed row blocks; pass one of them")
+        return ops
 
     def _want_compile(self, compile_step: Optional[bool], device) -> bool:
         if compile_step is False:

@@ -25,21 +25,27 @@ class Runner:
     graph use in ``stats``."""
 
     def __init__(self, adapter: ModelAdapter, cache: PagedKVCache, stats: EngineStats,
-                 graphs: bool = False, compiled: bool = False):
+                 graphs: bool = False, compiled: bool = False, invariant_ops=None):
         self.adapter = adapter
         self.cache = cache
         self.stats = stats
         self.decode_graphs = adapter.step_graphs(cache, compiled) if graphs else None
+        self.invariant_ops = invariant_ops
+        """The adapter's ``batch_invariant_ops`` entered around every step (None: none)."""
 
     def session(self):
         """The adapter's context manager for this cache (``ModelAdapter.session``), held by
         ``EngineCore`` while it has work: e.g. the model's attention routed to the cache."""
         return self.adapter.session(self.cache)
 
+    @contextlib.contextmanager
     def step_context(self):
         """The adapter's context manager around one step (``ModelAdapter.step_context``),
-        entered by ``EngineCore`` per step: e.g. torch's inference mode."""
-        return self.adapter.step_context(self.cache)
+        entered by ``EngineCore`` per step: e.g. torch's inference mode; with the adapter's
+        batch-invariant ops inside it where the engine is deterministic."""
+        with self.adapter.step_context(self.cache), \
+                (self.invariant_ops or contextlib.nullcontext()):
+            yield
 
     def forward(self, plan, picks: Optional[PendingPicks] = None):
         """Run ``plan`` as one forward; returns the logits of ``plan.logit_rows``. Raises

@@ -60,6 +60,15 @@ def _compute_dtype(logits: "torch.Tensor") -> "torch.dtype":
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def token_logprobs(logits: "torch.Tensor", tokens: "torch.Tensor") -> "torch.Tensor":
+    """The log-probability of ``tokens`` (B,) under ``log_softmax`` of ``logits`` (B, vocab),
+    in ``_compute_dtype``: the one formula of every pick (greedy on the device, drawn), so a
+    token's log-probability does not depend on which picks share its step."""
+    import torch
+    raw = logits.to(_compute_dtype(logits))
+    return raw.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
+
+
 def _column(values: Sequence[float], dtype, device) -> "torch.Tensor":
     import torch
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]
@@ -179,5 +188,4 @@ def sample(logits: "torch.Tensor", params: Sequence[SamplingRow],
         drawn = torch.searchsorted(cdf, goal, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
         mask = torch.tensor(drawing, dtype=torch.bool).to(device, non_blocking=True)
         tokens = torch.where(mask, drawn, tokens)
-    logprobs = raw.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens, logprobs
+    return tokens, token_logprobs(raw, tokens)

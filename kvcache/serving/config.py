@@ -70,6 +70,14 @@ class EngineConfig:
     of a conversation (``stats.prefix_hit_tokens``); the pages of finished requests stay cached
     until pages are needed. The tokens are the same as with it off, bit for bit where
     docs/prefix-caching.md says."""
+    deterministic: bool = False
+    """Batch-invariant steps: a request's logits are the same bits whatever else runs with it,
+    however its prompt is chunked, whether its prefix came from the prefix cache, and after
+    preemption, recompute or a round trip through the host tier. The cache is built with
+    ``CacheConfig(batch_invariant=True)`` (the backend must declare ``batch_invariant``) and the
+    model's own row ops run batch-invariantly during each step (the adapter's
+    ``batch_invariant_ops``); an adapter or backend without them raises
+    ``UnsupportedFeatureError``. Costs speed: see docs/determinism.md."""
     kv_dtype: str = "auto"
     """The pages' storage format (``CacheConfig.kv_dtype``): ``"auto"`` (the compute dtype),
     or ``"float8_e4m3"``, ``"int8"``, ``"int4"`` where the backend declares them in
@@ -111,7 +119,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name}={value!r} must be None, True or False")
-        for name in ("overlap", "prefix_cache"):
+        for name in ("overlap", "prefix_cache", "deterministic"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name}={value!r} must be True or False")

@@ -174,6 +174,12 @@ class TransformersAdapter(ModelAdapter):
         with _routed(self.model):
             yield
 
+    def batch_invariant_ops(self):
+        """``BatchInvariantMode``: the model's matmuls and row reductions in fixed-size row
+        blocks (``kvcache.integrations.torch_invariant``)."""
+        from ..torch_invariant import BatchInvariantMode
+        return BatchInvariantMode()
+
     @contextlib.contextmanager
     def step_context(self, cache):
         """One step under ``torch.inference_mode()`` (with ``rope="cache"`` inside
@@ -258,10 +264,11 @@ class TransformersAdapter(ModelAdapter):
             tokens = logits.detach().argmax(dim=-1)
             return tokens, torch.stack([tokens.to(torch.float64),
                                         torch.full_like(tokens, float("nan"), dtype=torch.float64)])
-        rows = logits.detach().float()
+        from ..sampling_torch import token_logprobs
+        rows = logits.detach()
         tokens = rows.argmax(dim=-1)
-        lps = rows.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
-        return tokens, torch.stack([tokens.to(torch.float64), lps.to(torch.float64)])
+        return tokens, torch.stack([tokens.to(torch.float64),
+                                    token_logprobs(rows, tokens).to(torch.float64)])
 
     def greedy(self, logits, logprobs: bool = True) -> tuple[np.ndarray, np.ndarray]:
         picked = self._greedy_picks(logits, logprobs)[1].cpu().numpy()

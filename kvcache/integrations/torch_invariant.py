@@ -1,0 +1,134 @@
+"""Batch-invariant model ops for a torch model: a row's result depends on that row alone.
+
+A GEMM library picks its kernel (and with it the order in which a row's products are summed)
+by the matrix shape: a decode step of 1 row takes a matrix-vector kernel, a prompt chunk of 300
+rows a tiled one, and the same row gets other last bits. Reductions along a row (RMSNorm's mean,
+log-softmax, log-sum-exp) can likewise split a row differently by the number of rows.
+``BatchInvariantMode`` (a ``TorchDispatchMode``, active around each engine step of an
+``Engine(deterministic=True)``) runs those ops on blocks of exactly ``ROWS`` rows, the last one
+padded with zeros: every call has one shape, so one kernel and one summation order, whatever
+the batch; a row's result does not depend on the other rows of its block (each output row of a
+GEMM or a row-wise reduction reads its own input row only). Elementwise ops, gathers and
+argmax are exact and pass through.
+
+Intercepted (rows: every leading dimension; reductions only over the last one):
+``aten.linear`` (which inference mode dispatches whole), ``aten.matmul`` by a 2-D weight,
+``aten.mm``, ``aten.addmm``,
+``aten.mean.dim``, ``aten.sum.dim_IntList``, ``aten.logsumexp``, ``aten._log_softmax``,
+``aten._softmax``, ``aten.cumsum``. Anything else runs as it is; a reduction over another
+dimension too. The cost is the padding (a 1-row step computes ``ROWS`` rows) and one call per
+block; inside a captured CUDA graph only the kernels remain.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["BatchInvariantMode", "ROWS"]
+
+ROWS = 32
+"""Rows per block: every intercepted op runs on ``ROWS`` rows at a time."""
+
+aten = torch.ops.aten
+
+
+def _blocks(fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` over ``x`` (M, ...) in blocks of ``ROWS`` rows (the last padded with zeros), the
+    results' first M rows."""
+    m = x.shape[0]
+    pad = (-m) % ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
+    outs = [fn(x[i:i + ROWS]) for i in range(0, m + pad, ROWS)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:m] if pad else out
+
+
+def _last_dim_only(x: torch.Tensor, dims) -> bool:
+    if dims is None:
+        return False
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return x.dim() >= 2 and len(dims) == 1 and dims[0] % x.dim() == x.dim() - 1
+
+
+def _rowwise(func, x: torch.Tensor, rest: tuple, kwargs: dict, keepdim_index=None):
+    """A reduction / row op over the last dim of ``x`` (any leading dims), in row blocks."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    out = _blocks(lambda blk: func(blk, *rest, **kwargs), rows)
+    return out.reshape(tuple(lead) + tuple(out.shape[1:]))
+
+
+def _mm(func, args, kwargs):
+    a, b = args[0], args[1]
+    return _blocks(lambda blk: func(blk, b, **kwargs), a)
+
+
+def _linear(func, args, kwargs):
+    x, rest = args[0], tuple(args[1:])
+    if x.dim() < 2:
+        return func(*args, **kwargs)
+    return _rowwise(func, x, rest, kwargs)
+
+
+def _matmul(func, args, kwargs):
+    x, w = args[0], args[1]
+    if x.dim() < 2 or w.dim() != 2:         # a batched product: not a layer's weights
+        return func(*args, **kwargs)
+    return _rowwise(func, x, (w,), kwargs)
+
+
+def _addmm(func, args, kwargs):
+    bias, a, b = args[0], args[1], args[2]
+    if bias.dim() == 2 and bias.shape[0] == a.shape[0] and a.shape[0] > 1:
+        both = torch.cat([bias.expand(a.shape[0], b.shape[1]), a], dim=1)
+        n = b.shape[1]
+        return _blocks(lambda blk: func(blk[:, :n], blk[:, n:], b, **kwargs), both)
+    return _blocks(lambda blk: func(bias, blk, b, **kwargs), a)
+
+
+def _reduce(func, args, kwargs):
+    x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
+    if not _last_dim_only(x, dims):
+        return func(*args, **kwargs)
+    return _rowwise(func, x, tuple(args[1:]), kwargs)
+
+
+def _softmax_like(func, args, kwargs):
+    x, dim = args[0], args[1]
+    if not _last_dim_only(x, dim):
+        return func(*args, **kwargs)
+    return _rowwise(func, x, tuple(args[1:]), kwargs)
+
+
+_HANDLERS = {
+    aten.linear.default: _linear,
+    aten.matmul.default: _matmul,
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.mean.dim: _reduce,
+    aten.sum.dim_IntList: _reduce,
+    aten.logsumexp.default: _reduce,
+    aten._log_softmax.default: _softmax_like,
+    aten._softmax.default: _softmax_like,
+    aten.cumsum.default: _softmax_like,
+}
+
+
+class BatchInvariantMode(TorchDispatchMode):
+    """While active, the intercepted ops (module doc) run in blocks of ``ROWS`` rows, so each
+    row's result is the same bits whatever the other rows. Enter it around a step (``with
+    BatchInvariantMode(): ...``); it may be entered again after it is left."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is None or not args or not torch.is_tensor(args[0]):
+            return func(*args, **kwargs)
+        first = args[1] if func in (aten.addmm.default,) else args[0]
+        if first.dim() < 1 or first.shape[0] == 0:
+            return func(*args, **kwargs)
+        return handler(func, args, kwargs)
