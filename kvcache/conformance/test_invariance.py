@@ -28,7 +28,7 @@ def _rows(config, content: int, start: int, n: int, layer: int) -> tuple:
     """q (n, Hq, D), k (n, Hkv, D), v (n, Hkv, Dv) float32 of tokens ``start..start+n`` of
     ``content`` at ``layer``: a function of (content, position, layer) alone."""
     c = config
-    out = ([], [], [])
+    out: tuple = ([], [], [])
     for pos in range(start, start + n):
         rng = np.random.default_rng((content, pos, layer))
         for i, (h, d) in enumerate(((c.num_qo_heads, c.head_dim), (c.num_kv_heads, c.head_dim),
@@ -97,7 +97,7 @@ class TestBatchInvariance(Conformance):
                                                                    kvcache_device):
         config, fresh = self._cache(make_pair, kvcache_device)
         ps = config.page_size
-        n = 3 * ps + 5                      # the prompt: three pages and a part
+        n = max(3 * ps + 5, 24)             # the prompt: three pages and a part, or more
         steps = 3                           # decode steps after it
 
         # alone: the prompt in one forward, then decode steps

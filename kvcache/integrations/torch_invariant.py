@@ -92,16 +92,17 @@ def _addmm(func, args, kwargs):
 
 def _reduce(func, args, kwargs):
     x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
-    if not _last_dim_only(x, dims):
+    if len(args) < 2 or not _last_dim_only(x, dims):
         return func(*args, **kwargs)
-    return _rowwise(func, x, tuple(args[1:]), kwargs)
+    # the rows are 2-D blocks: the dimension is named from the end
+    return _rowwise(func, x, ([-1],) + tuple(args[2:]), kwargs)
 
 
 def _softmax_like(func, args, kwargs):
     x, dim = args[0], args[1]
     if not _last_dim_only(x, dim):
         return func(*args, **kwargs)
-    return _rowwise(func, x, tuple(args[1:]), kwargs)
+    return _rowwise(func, x, (-1,) + tuple(args[2:]), kwargs)
 
 
 _HANDLERS = {

@@ -1,24 +1,31 @@
 """``Engine(deterministic=True)``: one request's tokens and log-probabilities are the same bits
-however the engine serves it. On the reference backend (batch-invariant attention) with a
-transformers model (its matmuls and row reductions in fixed row blocks during each step), one
-greedy request and one sampled request are served alone, then beside seven other prompts with
-the prompt cut into 7-token chunks, from a prefix-cache hit, under preemption with recompute,
-under preemption through the host tier, and with the host not running ahead: every run gives
-the alone run's tokens and log-probabilities exactly. Without the flag the batched run's
-log-probabilities differ (the case is not vacuous). Refusals: an adapter without invariant ops,
-a backend without the capability, and compile_step."""
+however the engine serves it. On the reference backend and on the cuda backend's CPU test mode
+(batch-invariant attention; graphs on and off), with a transformers model (its matmuls and row
+reductions in fixed row blocks during each step), one greedy request and one sampled request
+are served alone, then beside seven other prompts with the prompt cut into 7-token chunks,
+from a prefix-cache hit, under preemption with recompute, under preemption through the host
+tier, and with the host not running ahead: every run gives the alone run's tokens and
+log-probabilities exactly. Without the flag the batched run's log-probabilities differ (the
+case is not vacuous). Refusals: an adapter without invariant ops, a backend without the
+capability, a model on a GPU (not proven there yet), and compile_step."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 
-from conftest import backend_or_skip, make_model, make_prompts
+from conftest import backend_or_skip, make_model, make_prompts, torch
 
 from kvcache.errors import UnsupportedFeatureError
 from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import Engine
 
 NEW = 12
+
+
+BACKENDS = [("reference", {}), ("cuda", {"graphs": False}), ("cuda", {"graphs": True})]
 
 
 def _serve(model, prompts, *, deterministic=True, warm=None, **kw):
@@ -38,21 +45,25 @@ def _serve(model, prompts, *, deterministic=True, warm=None, **kw):
     return (tokens[0][0], lps[0][0], tokens[1][0], lps[1][0]), engine.stats
 
 
-def test_a_request_gets_the_same_bits_however_it_is_served():
+@pytest.mark.parametrize("backend, extra", BACKENDS, ids=["reference", "cuda-eager", "cuda-graphs"])
+def test_a_request_gets_the_same_bits_however_it_is_served(backend, extra, monkeypatch):
     model = make_model("llama", seed=3)
     prompts = make_prompts(seed=13)
     target = prompts[3]                              # 128 tokens: eight pages of 16
     others = [p for i, p in enumerate(prompts) if i != 3][:7]
-    want, _ = _serve(model, [target])
+    kw = dict(extra)
+    if backend == "cuda":
+        kw["backend"], kw["device"] = backend_or_skip("cuda", monkeypatch, 64)
+    serve = functools.partial(_serve, model, **kw)
+    want, _ = serve([target])
     runs = {
-        "beside seven others, in 7-token chunks": _serve(model, [target] + others,
-                                                         prefill_chunk_size=7),
-        "from a prefix-cache hit": _serve(model, [target], warm=[target[:100] + [5, 6]]),
-        "preempted and recomputed": _serve(model, [target] + others, max_total_tokens=448,
-                                           offload=False),
-        "preempted through the host tier": _serve(model, [target] + others,
-                                                  max_total_tokens=448, offload=True),
-        "the host not running ahead": _serve(model, [target] + others, overlap=False),
+        "beside seven others, in 7-token chunks": serve([target] + others, prefill_chunk_size=7),
+        "from a prefix-cache hit": serve([target], warm=[target[:100] + [5, 6]]),
+        "preempted and recomputed": serve([target] + others, max_total_tokens=448,
+                                          offload=False),
+        "preempted through the host tier": serve([target] + others, max_total_tokens=448,
+                                                 offload=True),
+        "the host not running ahead": serve([target] + others, overlap=False),
     }
     stats = {what: s for what, (_, s) in runs.items()}
     assert stats["from a prefix-cache hit"].prefix_hit_tokens >= 96
@@ -63,19 +74,42 @@ def test_a_request_gets_the_same_bits_however_it_is_served():
                                "sampled logprobs"), got, want):
             assert a == b, f"{what}: {name} differ from the request served alone"
     # the case is not vacuous: without the flag the batched run parts in the last bits
-    plain, _ = _serve(model, [target], deterministic=False)
-    batched, _ = _serve(model, [target] + others, deterministic=False, prefill_chunk_size=7)
+    plain, _ = serve([target], deterministic=False)
+    batched, _ = serve([target] + others, deterministic=False, prefill_chunk_size=7)
     assert plain[1] != batched[1] or plain[3] != batched[3]
 
 
-def test_deterministic_is_refused_where_it_cannot_hold(monkeypatch):
+def test_deterministic_is_refused_where_it_cannot_hold():
+    import kvcache
+    from kvcache.plugins import register_plugin, reset_plugins
+    from kvcache.reference import ReferenceBackend
     model = make_model("llama", seed=3)
     with pytest.raises(UnsupportedFeatureError, match="compile_step"):
         Engine(model, backend="reference", deterministic=True, compile_step=True,
                max_total_tokens=256)
-    backend, device = backend_or_skip("cuda", monkeypatch, 64)
-    with pytest.raises(UnsupportedFeatureError, match="batch_invariant"):
-        Engine(model, backend=backend, device=device, deterministic=True, max_total_tokens=256)
+
+    class Variant(ReferenceBackend):
+        name = "no-invariance-test"
+        capabilities = dataclasses.replace(ReferenceBackend.capabilities, batch_invariant=False)
+
+    class Plugin:
+        @kvcache.hookimpl
+        def kvcache_register_backends(self):
+            return [Variant]
+    register_plugin(Plugin(), name="no-invariance-test")
+    try:
+        with pytest.raises(UnsupportedFeatureError, match="batch_invariant"):
+            Engine(model, backend="no-invariance-test", deterministic=True, max_total_tokens=256)
+    finally:
+        reset_plugins()
+
+
+def test_a_model_on_a_gpu_is_refused_until_proven_there():
+    from kvcache.integrations.transformers.adapter import TransformersAdapter
+    adapter = TransformersAdapter.__new__(TransformersAdapter)
+    adapter.device = torch.device("cuda", 0)         # (no GPU needed: refused before any work)
+    with pytest.raises(UnsupportedFeatureError, match="proven on the CPU only"):
+        adapter.batch_invariant_ops()
 
 
 def test_an_adapter_without_invariant_ops_is_refused():

@@ -69,6 +69,9 @@ class KernelCtx:
     """Dv, the value / output head dim (0: ``head_dim``)."""
     kv_quant: bool = False
     """The pages hold fp8 e4m3 codes (``kv_dtype="float8_e4m3"``): kernels take ``kv_scale``."""
+    batch_invariant: bool = False
+    """``CacheConfig(batch_invariant=True)``: paged attention computes each row in one fixed
+    order of its own keys (decode entries through the prefill kernel's invariant loop)."""
 
     def __post_init__(self):
         if not self.head_dim_v:
@@ -112,6 +115,9 @@ class CudaBackend(Backend):
         copy_stream=True, merged_aux=True, static_decode=True,
         tree_attention=True, sliding_window=True, fused_rope_append=True, inline_rope=True,
         window_left=True, rope_frequencies=True, logit_softcap=True, attention_sinks=True,
+        # batch_invariant: every entry through the paged prefill kernel's invariant loop (one
+        # order of a row's own key tiles); the torch fallback computes each row alone
+        batch_invariant=True,
         # the Triton kernels pad head_dim, head_dim_v (and the RoPE half) to a power of two of
         # at least 16 (tl.dot's minimum), masked
         head_dims=tuple(range(8, 257, 8)),
@@ -256,7 +262,7 @@ class CudaBackend(Backend):
         self.launch_cache.clear()          # records hold tiles and split factors of the old table
         self.ctx = KernelCtx(c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim,
                              c.group_size, self.dtype, value, self._num_sms, self.launch_cache,
-                             c.head_dim_v, c.kv_format.scaled)
+                             c.head_dim_v, c.kv_format.scaled, c.batch_invariant)
 
     def kernels(self, tensor=None):
         """The kernel module for this call: Triton on GPU tensors (or under TRITON_INTERPRET=1),

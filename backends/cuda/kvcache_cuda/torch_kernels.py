@@ -290,9 +290,31 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         qpos[ent[sel], r[sel]] = q_positions.long()[sel]
         kpos = depth.k_rope_offset.long()[:n, None] + torch.arange(max_kv, device=dev)[None, :]
         visible = visible & (kpos[:, None, :] >= (qpos - window_left)[:, :, None])
+    if ctx.batch_invariant:
+        return _rows_alone(ctx, qp, keys, vals, visible, ent, r, sel, sm_scale, logit_softcap,
+                           sinks, o_out, lse_out)
     o, lse = _attend(qp, keys, vals, visible, sm_scale, ctx.group, logit_softcap, sinks)
     o_out[sel] = o[ent[sel], r[sel]].to(ctx.dtype)
     lse_out[sel] = lse[ent[sel], r[sel]]
+    return o_out, lse_out
+
+
+def _rows_alone(ctx, qp, keys, vals, visible, ent, r, sel, sm_scale, softcap, sinks, o_out,
+                lse_out):
+    """Batch-invariant paged attention: each row by itself over its keys up to the last it
+    sees, so every reduction has a length set by the row alone (not by its entry's length or
+    the rows beside it)."""
+    for t in sel.tolist():
+        e, i = int(ent[t]), int(r[t])
+        vis = visible[e, i]
+        seen = vis.nonzero()
+        if not len(seen):
+            continue
+        m = int(seen[-1]) + 1
+        o, lse = _attend(qp[e:e + 1, i:i + 1], keys[e:e + 1, :m], vals[e:e + 1, :m],
+                         vis[None, None, :m], sm_scale, ctx.group, softcap, sinks)
+        o_out[t] = o[0, 0].to(ctx.dtype)
+        lse_out[t] = lse[0, 0]
     return o_out, lse_out
 
 

@@ -880,7 +880,8 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                           PAGE_SIZE: tl.constexpr, TREE: tl.constexpr, ROPE: tl.constexpr, FREQ: tl.constexpr,
                           IEEE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                           SOFTCAP: tl.constexpr, SINKS: tl.constexpr, QUANT: tl.constexpr,
-                          CHAINS: tl.constexpr, KV_SPLITS: tl.constexpr, UNIFORM: tl.constexpr):
+                          CHAINS: tl.constexpr, KV_SPLITS: tl.constexpr, UNIFORM: tl.constexpr,
+                          INVARIANT: tl.constexpr = False):
     """Entries with many queries; grid (sum of q tiles upper bound, Hkv, KV_SPLITS). Tile ->
     entry by a vector prefix sum over all entries (no host-side tile plan, no extra launches).
     UNIFORM: the entry's scalars and the lean loop's bounds through ``_warp_uniform``.
@@ -891,7 +892,12 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
     TREE: a tile's queries see no tree key after its last query node (ancestors come first),
     so the loop stops there; the keys every row of the tile sees (the history before the tree,
     and with CHAINS, causal chains, the tree keys up to the tile's first query) run unmasked,
-    only the rest through the tree mask and the masked non-finite V handling."""
+    only the rest through the tree mask and the masked non-finite V handling.
+    INVARIANT (``CacheConfig(batch_invariant=True)``, KV_SPLITS 1): every row's keys in BLOCK_N
+    tiles from key 0, in key order, each masked per key, in one loop: a row's online softmax
+    takes the same steps whatever the other rows of its tile (the tiles past its last key
+    change nothing: p = 0, alpha = 1), so a token gets the same bits in a prompt chunk or a
+    decode step (the launcher sends decode entries here too)."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     ei = tl.arange(0, BLOCK_E)
@@ -952,54 +958,63 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
             else:
                 full = tree_start
             full = tl.where(ts > 0, tl.minimum(full, hi), kv_len)
-        # this program's run of the keys (all of them without a split)
-        s_lo = 0
-        s_hi = hi
-        if KV_SPLITS > 1:
-            span = tl.cdiv(hi, KV_SPLITS * BLOCK_N) * BLOCK_N
-            s_lo = tl.program_id(2) * span
-            s_hi = tl.minimum(hi, s_lo + span)
-        u_hi = tl.minimum(full, s_hi)
-        # keys s_lo .. u_hi need no tree mask. Of them, whole tiles every row of this tile
-        # sees (below u_hi, at or above every row's window floor, none of the sinks) run with
-        # no mask per key or score (EDGE False); the tiles before (under some row's floor,
-        # holding sinks) and the last, partial one (keys past u_hi load as 0 and are not
-        # seen) run masked, in one loop. The masked tree loop starts at ``full``: a decode
-        # row's chain ends in its only query, so it never takes that loop.
-        top = sink               # the lowest key every row sees in full
-        if window_left >= 0:     # at or above the highest floor
-            top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
-        lean_lo, lean_hi = _lean_tiles(s_lo, u_hi, top, BLOCK_N)
-        # (a window's top comes from the rows' floors, a vector: broadcast again)
-        lean_lo = _warp_uniform(lean_lo, UNIFORM)
-        lean_hi = _warp_uniform(lean_hi, UNIFORM)
-        for j0 in range(lean_lo, lean_hi, BLOCK_N):
-            m_i, l_i, acc = _paged_step(
-                q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
-                softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-                HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
-        edges, heads = _edge_tiles(s_lo, u_hi, lean_lo, lean_hi, BLOCK_N)
-        # the guard skips the masked loop's pipeline prologue (its first stages' address and
-        # mask arithmetic run even for no trip): where every tile is lean (keys a multiple of
-        # BLOCK_N, no window or sinks) that was most of a program's fixed instructions
-        if edges > 0:
-            for i in range(0, edges):
-                j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
+        if INVARIANT:
+            for j0 in range(0, hi, BLOCK_N):
                 m_i, l_i, acc = _paged_step(
-                    q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                    q1, q2, m_i, l_i, acc, j0, hi, sink, gap, pind_ptr + pstart, pages_ptr,
                     kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
                     qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
-                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE,
+                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE,
                     SOFTCAP, QUANT)
-        if TREE:
-            for j0 in range(tl.maximum(full, s_lo), s_hi, BLOCK_N):
+        else:
+            # this program's run of the keys (all of them without a split)
+            s_lo = 0
+            s_hi = hi
+            if KV_SPLITS > 1:
+                span = tl.cdiv(hi, KV_SPLITS * BLOCK_N) * BLOCK_N
+                s_lo = tl.program_id(2) * span
+                s_hi = tl.minimum(hi, s_lo + span)
+            u_hi = tl.minimum(full, s_hi)
+            # keys s_lo .. u_hi need no tree mask. Of them, whole tiles every row of this tile
+            # sees (below u_hi, at or above every row's window floor, none of the sinks) run with
+            # no mask per key or score (EDGE False); the tiles before (under some row's floor,
+            # holding sinks) and the last, partial one (keys past u_hi load as 0 and are not
+            # seen) run masked, in one loop. The masked tree loop starts at ``full``: a decode
+            # row's chain ends in its only query, so it never takes that loop.
+            top = sink               # the lowest key every row sees in full
+            if window_left >= 0:     # at or above the highest floor
+                top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
+            lean_lo, lean_hi = _lean_tiles(s_lo, u_hi, top, BLOCK_N)
+            # (a window's top comes from the rows' floors, a vector: broadcast again)
+            lean_lo = _warp_uniform(lean_lo, UNIFORM)
+            lean_hi = _warp_uniform(lean_hi, UNIFORM)
+            for j0 in range(lean_lo, lean_hi, BLOCK_N):
                 m_i, l_i, acc = _paged_step(
-                    q1, q2, m_i, l_i, acc, j0, s_hi, sink, gap, pind_ptr + pstart, pages_ptr,
-                    kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
-                    qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
-                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, True, IEEE,
-                    SOFTCAP, QUANT)
+                    q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                    sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
+                    softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                    kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
+            edges, heads = _edge_tiles(s_lo, u_hi, lean_lo, lean_hi, BLOCK_N)
+            # the guard skips the masked loop's pipeline prologue (its first stages' address and
+            # mask arithmetic run even for no trip): where every tile is lean (keys a multiple of
+            # BLOCK_N, no window or sinks) that was most of a program's fixed instructions
+            if edges > 0:
+                for i in range(0, edges):
+                    j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
+                    m_i, l_i, acc = _paged_step(
+                        q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                        kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                        qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE,
+                        SOFTCAP, QUANT)
+            if TREE:
+                for j0 in range(tl.maximum(full, s_lo), s_hi, BLOCK_N):
+                    m_i, l_i, acc = _paged_step(
+                        q1, q2, m_i, l_i, acc, j0, s_hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                        kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                        qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, True, IEEE,
+                        SOFTCAP, QUANT)
         if QUANT:
             acc = acc * vs
         tok, head, row_ok = _out_rows(lo, m0, nq, kvh, GROUP, M_TOK, BLOCK_R)
@@ -1596,7 +1611,7 @@ class _Record:
 
     __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl", "mrun",
                  "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
-                 "v_out", "bad", "any_bad", "variants", "kgrid", "krun", "k_in")
+                 "v_out", "bad", "any_bad", "variants", "kgrid", "krun", "k_in", "decode")
     # the slots' types, for mypy (annotations only: no class attributes next to the slots)
     grid: Any
     pre: Any
@@ -1623,6 +1638,7 @@ class _Record:
     kgrid: Any
     krun: Any
     k_in: Any
+    decode: Any
 
 
 def _variant(rec, mode, sinks):
@@ -1798,7 +1814,9 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
                  SOFTCAP=0, SINKS=False, QUANT=cfg.quant)
     rec.po = rec.pl = rec.sem = None
     rec.splits = 1
-    if depth.use_decode:
+    # batch-invariant: every entry, decode ones too, through the prefill kernel's one loop
+    rec.decode = depth.use_decode and not ctx.batch_invariant
+    if rec.decode:
         tiles = cfg.dec_tiles
         splits = rec.splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len),
                                          ctx.num_sms, cfg.quant)
@@ -1821,7 +1839,8 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
         tiles = cfg.pre_tiles
-        splits = rec.splits = prefill_splits(ctx.tuning, depth.shared, int(depth.max_kv_len))
+        splits = rec.splits = 1 if ctx.batch_invariant else \
+            prefill_splits(ctx.tuning, depth.shared, int(depth.max_kv_len))
         rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, splits)
         if splits > 1:         # fp32 partials (T, splits, Hq, Dv) / (T, splits, Hq), merged
             rec.so = (splits * hq * dv, dv, hq * dv)
@@ -1838,8 +1857,8 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         rec.run = _Kernel(_paged_prefill_kernel, dict(
             GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
             BLOCK_E=_p2(n), **flags, CHAINS=depth.tree is not None and depth.tree.chains,
-            KV_SPLITS=splits, UNIFORM=cfg.uniform, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages))
+            KV_SPLITS=splits, UNIFORM=cfg.uniform, INVARIANT=ctx.batch_invariant,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     return _keep(launch, key, (depth, rope), rec, q)
 
 
@@ -1867,7 +1886,7 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     run = _variant(rec, mode, sinks)
     scales = _score_scales(sm_scale, softcap, mode)
     sinks_arg = depth.qo_indptr if sinks is None else sinks
-    if depth.use_decode:
+    if rec.decode:
         o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
         lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
         if t_total == 0:

@@ -176,7 +176,14 @@ class TransformersAdapter(ModelAdapter):
 
     def batch_invariant_ops(self):
         """``BatchInvariantMode``: the model's matmuls and row reductions in fixed-size row
-        blocks (``kvcache.integrations.torch_invariant``)."""
+        blocks (``kvcache.integrations.torch_invariant``). A model on a GPU is refused
+        (``UnsupportedFeatureError``): the blocks' invariance is proven on the CPU only so far
+        (a GPU's GEMM library may still split a block's work by its own rules)."""
+        if self.device.type != "cpu":
+            raise UnsupportedFeatureError(
+                f"deterministic=True with a model on {self.device}: the model's batch-invariant "
+                f"ops are proven on the CPU only so far (docs/determinism.md); run the model on "
+                f"the CPU or pass deterministic=False")
         from ..torch_invariant import BatchInvariantMode
         return BatchInvariantMode()
 

@@ -1,0 +1,48 @@
+"""The cuda backend declares ``batch_invariant``: the conformance suite's ``TestBatchInvariance``
+(one sequence's tokens bit-identical alone, batched in uneven chunks, from a prefix-cache hit,
+forked inside a page, decoding beside its forks) passes on each of its implementations: the
+torch fallback of the CPU test mode (each row computed alone), the Triton kernels under
+Triton's interpreter (the paged prefill kernel's invariant loop, decode entries included), and
+the GPU where there is one. Before the invariant loop the Triton kernels failed the class at
+the second token of the chunked run, on the H100 and under the interpreter alike."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import cuda_cases as cc
+
+
+def _run(env_extra: dict, device: str, full: bool = False) -> str:
+    env = dict(os.environ, **env_extra)
+    cmd = [sys.executable, "-m", "kvcache.cli", "conformance", "--backend", "cuda", "--device",
+           device, "--jobs", "1", "-k", "TestBatchInvariance"]
+    if full:
+        cmd.append("--full")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="the CPU test mode's torch fallback")
+def test_the_torch_fallback_is_batch_invariant():
+    out = _run({"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "0"}, "cpu", full=True)
+    # every dtype and page size: two tests each
+    assert "TestBatchInvariance         18       0       0        0" in out, out[-3000:]
+
+
+@pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="a child run under the interpreter")
+def test_the_triton_kernels_are_batch_invariant_under_the_interpreter():
+    out = _run({"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "1"}, "cpu")
+    assert "TestBatchInvariance          2       0       0        0" in out, out[-3000:]
+
+
+@pytest.mark.skipif(not cc.ON_GPU, reason="needs a GPU")
+def test_the_triton_kernels_are_batch_invariant_on_the_gpu():
+    out = _run({}, "cuda", full=True)
+    assert "verdict: CONFORMS" in out, out[-3000:]
