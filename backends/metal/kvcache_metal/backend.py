@@ -91,6 +91,8 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         copy_stream=False, merged_aux=False, static_decode=False,
         tree_attention=True, sliding_window=True, fused_rope_append=False, inline_rope=True,
         window_left=True, rope_frequencies=True, logit_softcap=True, attention_sinks=True,
+        # batch_invariant: each row alone through the ops path (_rows_alone)
+        batch_invariant=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(2, 1025, 2)),
     )
 
@@ -415,6 +417,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             # the Metal decode kernel implements neither softcap, sinks nor Dv != D: those
             # calls take the ops path below (which runs on the GPU as well)
             if (self.use_metal_kernels and depth.use_decode and depth.tree is None
+                    and not c.batch_invariant
                     and rope is None and window_left < 0 and d % 32 == 0 and d <= 256
                     and not softcap and sinks is None and dv == d and self.affine is None):
                 from .metal_kernels import paged_decode
@@ -480,6 +483,10 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                     kpos = depth.k_rope_offset[e][:, None] + j[None, :]
                     floor = q_positions[rows_c] - window_left
                     visible = visible & (kpos[:, None, :] >= floor[:, :, None])
+                if c.batch_invariant:
+                    self._rows_alone(out, qg, kg, vg, visible, rows, valid_q, sm_scale,
+                                     softcap, sinks)
+                    continue
                 for r0, r1 in ops._tiles(len(ent), hq, lq, lk):
                     o, lse = ops.softmax_attend(qg[:, r0:r1], kg, vg, visible[:, r0:r1],
                                                 sm_scale, c.group_size,
@@ -487,6 +494,25 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
                                                 softcap=softcap, sinks=sinks)
                     out.put(rows[:, r0:r1], valid_q[:, r0:r1], o, lse)
             return out.result(self.dtype)
+
+    def _rows_alone(self, out, qg, kg, vg, visible, rows, valid_q, sm_scale, softcap, sinks):
+        """Batch-invariant attention (``CacheConfig(batch_invariant=True)``): each query row by
+        itself over its keys up to the last it sees, always through the masked path, so every
+        reduction's length and order are the row's own (not its entry's, its group's or its
+        neighbours')."""
+        seen = np.array(visible)
+        ok = np.array(valid_q)
+        for i in range(seen.shape[0]):
+            for r in range(seen.shape[1]):
+                keys = np.flatnonzero(seen[i, r])
+                if not ok[i, r] or not len(keys):
+                    continue
+                m = int(keys[-1]) + 1
+                o, lse = self._ops.softmax_attend(
+                    qg[i:i + 1, r:r + 1], kg[i:i + 1, :m], vg[i:i + 1, :m],
+                    visible[i:i + 1, r:r + 1, :m], sm_scale, self.config.group_size,
+                    masked=True, softcap=softcap, sinks=sinks)
+                out.put(rows[i:i + 1, r:r + 1], valid_q[i:i + 1, r:r + 1], o, lse)
 
     def _values(self, rows, dim):
         """float32 ``(..., dim)`` values of gathered page rows (decoded from int8 / int4)."""
