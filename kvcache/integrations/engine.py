@@ -291,8 +291,9 @@ class Engine:
         the engine's whole-step graphs hold (each decode batch bucket; with ``mixed_graphs``
         each prefill token bucket, alone and over a shared prefix), so kernels compile and
         graphs are captured now rather than on the first requests that meet each shape; without
-        graphs, one prefill and one decode step. Leaves no page, sequence or prefix-cache entry
-        behind and counts nothing in ``stats``. Returns a ``WarmUp`` (seconds, forwards,
+        graphs, one prefill and one decode step; then a fork inside a page, a round trip through
+        the host tier (when offload is on) and the pickers once. Leaves no page, sequence or
+        prefix-cache entry behind and counts nothing in ``stats``. Returns a ``WarmUp`` (seconds, forwards,
         captures, the steps run and those the free pages could not hold). Raises
         ``InvalidArgumentError`` while requests are unfinished."""
         from .warm_up import warm_up
