@@ -35,8 +35,8 @@ def test_serving_table_says_what_was_skipped(capsys, monkeypatch):
 
 
 def test_serving_rejects_an_unknown_system_to_skip(capsys):
-    assert main(TINY + ["--skip", "a,d"]) == 2
-    assert "unknown system(s) d" in capsys.readouterr().err
+    assert main(TINY + ["--skip", "a,e"]) == 2
+    assert "unknown system(s) e" in capsys.readouterr().err
 
 
 def test_union_length_counts_overlaps_once():
@@ -162,3 +162,24 @@ def test_tp_workload_times_tp1_and_tp2_in_one_run(capsys):
     print_tp_result(res)
     out = capsys.readouterr().out
     assert "TP1" in out and "TP2" in out and "not judged here" in out
+
+
+def test_deterministic_adds_system_d_and_its_ratios(capsys):
+    """``--deterministic``: (d), the Engine with deterministic=True, on the same work as (a), in
+    the same run; its decode step and tokens/s against (a)'s. Without the option (d) is not in
+    the table at all."""
+    assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c", "--json",
+                        "--deterministic"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    d = res["systems"]["d"]
+    assert "deterministic" in d["system"] and d["tokens"] == 2 * 3
+    assert 0 <= d["same_tokens_as_a"] <= 2              # a count (a near-tie may part them)
+    assert res["ratios"]["d_over_a_tokens_per_s"] > 0 and "d_decode_step_over_a" in res["ratios"]
+    assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c"]) == 0
+    out = capsys.readouterr().out
+    assert "(d)" not in out
+    assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c",
+                        "--deterministic"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("(d)")]
+    assert rows and "deterministic" in rows[0]
+

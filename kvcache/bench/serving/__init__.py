@@ -52,7 +52,7 @@ from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_b
 from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
 from .tp import TP_SIZES, print_tp_result, run_tp
 from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
-from .runners import (SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
+from .runners import (ASKED, SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
                       StaticRunner, _quiet_transformers, mixed_graphs_arg)
 
 __all__ = ["EngineRunner", "GenerateBatchRunner", "LLAMA3_8B_LAYER", "MODELS", "Runner", "SIZES",
@@ -119,6 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "what --batch sequences need at once, in auto KV)")
     g.add_argument("--static-compile", action="store_true",
                    help="let (c) compile its forward (transformers' auto-compile; off by default)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="also run (d), the Engine with deterministic=True (batch-invariant "
+                        "steps), on the same work: its decode step and tokens/s against (a)'s "
+                        "in the same run (targets: at most 1.3x the step, at least 0.75x the "
+                        "tokens/s)")
     g.add_argument("--compile-step", action="store_true",
                    help="(a) with Engine(compile_step=True): its captured decode step's model "
                         "code through torch.compile (a GPU)")
@@ -247,17 +252,19 @@ def run(args) -> dict:
     }
     a_out: Optional[list] = None
     for key in SYSTEMS:
+        if key in ASKED and not getattr(args, ASKED[key], False):
+            continue                            # not asked for: not in the table at all
         if key in skip:
             result["skipped"][key] = "--skip"
             continue
         runner: Optional[Runner] = None
         say(f"({key}) {SYSTEM_NAMES[key]}: starting")
         try:
-            if key == "a":
+            if key in ("a", "d"):
                 runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope,
                                       args.prefix_cache == "on", kv_dtype,
-                                      getattr(args, "compile_step", False),
-                                      mixed_graphs_arg(args))
+                                      key == "a" and getattr(args, "compile_step", False),
+                                      mixed_graphs_arg(args), deterministic=key == "d")
             elif key == "b":
                 runner = GenerateBatchRunner(net, None if on_gpu else {
                     "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,
@@ -300,6 +307,10 @@ def run(args) -> dict:
         result["ratios"]["a_gpu_busy"] = a["gpu_busy"]
         if b is not None:
             result["ratios"]["a_over_b_tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"]
+        d = result["systems"].get("d")
+        if d is not None:
+            result["ratios"]["d_decode_step_over_a"] = d["decode_step_ms"] / a["decode_step_ms"]
+            result["ratios"]["d_over_a_tokens_per_s"] = d["tokens_per_s"] / a["tokens_per_s"]
     return result
 
 

@@ -10,6 +10,10 @@ TARGET_VS_B = 10.0
 """(a)'s tokens/s over (b)'s: at least this."""
 TARGET_BUSY = 0.85
 """(a)'s GPU busy fraction during decode: at least this."""
+TARGET_DET_STEP = 1.3
+"""(d)'s decode step (deterministic) over (a)'s: at most this."""
+TARGET_DET_TOKENS = 0.75
+"""(d)'s tokens/s over (a)'s: at least this."""
 
 
 def print_result(res: dict) -> None:
@@ -27,7 +31,8 @@ def print_result(res: dict) -> None:
     for key in SYSTEMS:
         r = res["systems"].get(key)
         if r is None:
-            print(f"({key}) {SYSTEM_NAMES[key]:<44} skipped: {res['skipped'].get(key)}")
+            if key in res["skipped"]:
+                print(f"({key}) {SYSTEM_NAMES[key]:<44} skipped: {res['skipped'][key]}")
             continue
         busy = "n/a" if r["gpu_busy"] is None else f"{r['gpu_busy'] * 100:.0f}%"
         step = r["decode_step_ms"]      # a difference of two walls: noise can make it negative
@@ -50,13 +55,19 @@ def print_result(res: dict) -> None:
     rt, a = res["ratios"], res["systems"].get("a", {})
     print("targets (ratios; met when the comparison holds):")
     for label, x, op, target, skipped in (
-            (f"decode step / roofline at B={w['batch']}", rt.get("a_decode_step_over_roofline"),
-             "<=", TARGET_ROOFLINE, "(a) skipped"),
-            ("/ (b) tokens/s", rt.get("a_over_b_tokens_per_s"), ">=", TARGET_VS_B, "(b) skipped"),
-            ("gpu busy during decode", rt.get("a_gpu_busy"), ">=", TARGET_BUSY,
-             a.get("gpu_busy_note", "(a) skipped"))):
+            (f"(a) decode step / roofline at B={w['batch']}",
+             rt.get("a_decode_step_over_roofline"), "<=", TARGET_ROOFLINE, "(a) skipped"),
+            ("(a) / (b) tokens/s", rt.get("a_over_b_tokens_per_s"), ">=", TARGET_VS_B,
+             "(b) skipped"),
+            ("(a) gpu busy during decode", rt.get("a_gpu_busy"), ">=", TARGET_BUSY,
+             a.get("gpu_busy_note", "(a) skipped"))) + (
+            (("(d) decode step / (a)'s", rt.get("d_decode_step_over_a"), "<=", TARGET_DET_STEP,
+              res["skipped"].get("d", "(d) skipped")),
+             ("(d) tokens/s / (a)'s", rt.get("d_over_a_tokens_per_s"), ">=", TARGET_DET_TOKENS,
+              res["skipped"].get("d", "(d) skipped")))
+            if "d" in res["systems"] or "d" in res["skipped"] else ()):
         if x is None:
-            print(f"  (a) {label}: n/a ({skipped})")
+            print(f"  {label}: n/a ({skipped})")
             continue
         met = x <= target if op == "<=" else x >= target
-        print(f"  (a) {label}: {x:.2f} (target {op} {target}) {'met' if met else 'MISSED'}")
+        print(f"  {label}: {x:.2f} (target {op} {target}) {'met' if met else 'MISSED'}")

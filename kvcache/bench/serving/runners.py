@@ -1,5 +1,6 @@
 """The serving bench's systems: (a) ``EngineRunner``, (b) ``GenerateBatchRunner``, (c)
-``StaticRunner``; each ``run(prompts, new_tokens)`` returns the new tokens of each prompt."""
+``StaticRunner``, and with ``--deterministic`` (d), the ``EngineRunner`` in deterministic mode;
+each ``run(prompts, new_tokens)`` returns the new tokens of each prompt."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import contextlib
 import warnings
 from typing import Optional
 
-SYSTEMS = ("a", "b", "c")
+SYSTEMS = ("a", "b", "c", "d")
 SYSTEM_NAMES = {"a": "kvcache Engine", "b": "transformers generate_batch (paged|sdpa)",
-                "c": "transformers generate (static cache)"}
+                "c": "transformers generate (static cache)",
+                "d": "kvcache Engine, deterministic=True"}
+ASKED = {"d": "deterministic"}
+"""Systems that run only when their option is given (the option's ``args`` attribute)."""
 
 
 class Runner:
@@ -37,18 +41,21 @@ class EngineRunner(Runner):
 
     def __init__(self, net, backend: str, device: str, batch: int, max_len: int,
                  rope: str = "cache", prefix_cache: bool = True, kv_dtype: str = "auto",
-                 compile_step: bool = False, mixed_graphs: Optional[bool] = None):
+                 compile_step: bool = False, mixed_graphs: Optional[bool] = None,
+                 deterministic: bool = False):
         from ...integrations.transformers import Engine
         page = 16
         self.engine = Engine(net, backend=backend, device=device, page_size=page,
                              max_batch_size=batch,
                              max_total_tokens=batch * (-(-max_len // page) + 2) * page, rope=rope,
                              prefix_cache=prefix_cache, kv_dtype=kv_dtype,
-                             compile_step=compile_step, mixed_graphs=mixed_graphs)
+                             compile_step=compile_step, mixed_graphs=mixed_graphs,
+                             deterministic=deterministic)
         self.engine.progress = False
         kv = "" if kv_dtype == "auto" else f", kv {kv_dtype}"
         compiled = ", compiled step" if self.engine.compiled else ""
         compiled += ", mixed graphs" if self.engine.mixed_graphs else ""
+        compiled += ", deterministic" if deterministic else ""
         self.name = (f"{SYSTEM_NAMES['a']} ({self.engine.cache.backend.name}, rope={rope}{kv}"
                      f"{compiled})")
 
