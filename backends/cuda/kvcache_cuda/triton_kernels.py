@@ -893,8 +893,9 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
     so the loop stops there; the keys every row of the tile sees (the history before the tree,
     and with CHAINS, causal chains, the tree keys up to the tile's first query) run unmasked,
     only the rest through the tree mask and the masked non-finite V handling.
-    INVARIANT (``CacheConfig(batch_invariant=True)``, KV_SPLITS 1): every row's keys in BLOCK_N
-    tiles from key 0, in key order, each masked per key, in one loop: a row's online softmax
+    INVARIANT (``CacheConfig(batch_invariant=True)``, KV_SPLITS 1): no unmasked run (``full``
+    0), so every row's keys go through the masked loop in BLOCK_N tiles from key 0, in key
+    order, each masked per key: a row's online softmax
     takes the same steps whatever the other rows of its tile (the tiles past its last key
     change nothing: p = 0, alpha = 1), so a token gets the same bits in a prompt chunk or a
     decode step (the launcher sends decode entries here too)."""
@@ -959,62 +960,56 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                 full = tree_start
             full = tl.where(ts > 0, tl.minimum(full, hi), kv_len)
         if INVARIANT:
-            for j0 in range(0, hi, BLOCK_N):
+            # no unmasked run: every key tile, from key 0, through the masked loop at the end
+            full = hi * 0
+        # this program's run of the keys (all of them without a split)
+        s_lo = 0
+        s_hi = hi
+        if KV_SPLITS > 1:
+            span = tl.cdiv(hi, KV_SPLITS * BLOCK_N) * BLOCK_N
+            s_lo = tl.program_id(2) * span
+            s_hi = tl.minimum(hi, s_lo + span)
+        u_hi = tl.minimum(full, s_hi)
+        # keys s_lo .. u_hi need no tree mask. Of them, whole tiles every row of this tile
+        # sees (below u_hi, at or above every row's window floor, none of the sinks) run with
+        # no mask per key or score (EDGE False); the tiles before (under some row's floor,
+        # holding sinks) and the last, partial one (keys past u_hi load as 0 and are not
+        # seen) run masked, in one loop. The masked tree loop starts at ``full``: a decode
+        # row's chain ends in its only query, so it never takes that loop.
+        top = sink               # the lowest key every row sees in full
+        if window_left >= 0:     # at or above the highest floor
+            top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
+        lean_lo, lean_hi = _lean_tiles(s_lo, u_hi, top, BLOCK_N)
+        # (a window's top comes from the rows' floors, a vector: broadcast again)
+        lean_lo = _warp_uniform(lean_lo, UNIFORM)
+        lean_hi = _warp_uniform(lean_hi, UNIFORM)
+        for j0 in range(lean_lo, lean_hi, BLOCK_N):
+            m_i, l_i, acc = _paged_step(
+                q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
+                softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
+                HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
+        edges, heads = _edge_tiles(s_lo, u_hi, lean_lo, lean_hi, BLOCK_N)
+        # the guard skips the masked loop's pipeline prologue (its first stages' address and
+        # mask arithmetic run even for no trip): where every tile is lean (keys a multiple of
+        # BLOCK_N, no window or sinks) that was most of a program's fixed instructions
+        if edges > 0:
+            for i in range(0, edges):
+                j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
                 m_i, l_i, acc = _paged_step(
-                    q1, q2, m_i, l_i, acc, j0, hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                    q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                    kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                    qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE,
+                    SOFTCAP, QUANT)
+        if TREE or INVARIANT:
+            for j0 in range(tl.maximum(full, s_lo), s_hi, BLOCK_N):
+                m_i, l_i, acc = _paged_step(
+                    q1, q2, m_i, l_i, acc, j0, s_hi, sink, gap, pind_ptr + pstart, pages_ptr,
                     kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
                     qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
                     tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE,
                     SOFTCAP, QUANT)
-        else:
-            # this program's run of the keys (all of them without a split)
-            s_lo = 0
-            s_hi = hi
-            if KV_SPLITS > 1:
-                span = tl.cdiv(hi, KV_SPLITS * BLOCK_N) * BLOCK_N
-                s_lo = tl.program_id(2) * span
-                s_hi = tl.minimum(hi, s_lo + span)
-            u_hi = tl.minimum(full, s_hi)
-            # keys s_lo .. u_hi need no tree mask. Of them, whole tiles every row of this tile
-            # sees (below u_hi, at or above every row's window floor, none of the sinks) run with
-            # no mask per key or score (EDGE False); the tiles before (under some row's floor,
-            # holding sinks) and the last, partial one (keys past u_hi load as 0 and are not
-            # seen) run masked, in one loop. The masked tree loop starts at ``full``: a decode
-            # row's chain ends in its only query, so it never takes that loop.
-            top = sink               # the lowest key every row sees in full
-            if window_left >= 0:     # at or above the highest floor
-                top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
-            lean_lo, lean_hi = _lean_tiles(s_lo, u_hi, top, BLOCK_N)
-            # (a window's top comes from the rows' floors, a vector: broadcast again)
-            lean_lo = _warp_uniform(lean_lo, UNIFORM)
-            lean_hi = _warp_uniform(lean_hi, UNIFORM)
-            for j0 in range(lean_lo, lean_hi, BLOCK_N):
-                m_i, l_i, acc = _paged_step(
-                    q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-                    sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
-                    softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order,
-                    kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
-            edges, heads = _edge_tiles(s_lo, u_hi, lean_lo, lean_hi, BLOCK_N)
-            # the guard skips the masked loop's pipeline prologue (its first stages' address and
-            # mask arithmetic run even for no trip): where every tile is lean (keys a multiple of
-            # BLOCK_N, no window or sinks) that was most of a program's fixed instructions
-            if edges > 0:
-                for i in range(0, edges):
-                    j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
-                    m_i, l_i, acc = _paged_step(
-                        q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr,
-                        kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
-                        qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
-                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE,
-                        SOFTCAP, QUANT)
-            if TREE:
-                for j0 in range(tl.maximum(full, s_lo), s_hi, BLOCK_N):
-                    m_i, l_i, acc = _paged_step(
-                        q1, q2, m_i, l_i, acc, j0, s_hi, sink, gap, pind_ptr + pstart, pages_ptr,
-                        kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
-                        qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
-                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, True, IEEE,
-                        SOFTCAP, QUANT)
         if QUANT:
             acc = acc * vs
         tok, head, row_ok = _out_rows(lo, m0, nq, kvh, GROUP, M_TOK, BLOCK_R)
