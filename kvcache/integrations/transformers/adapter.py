@@ -15,6 +15,7 @@ from ...config import CacheConfig
 from ...errors import UnsupportedFeatureError
 from .. import require
 from ..engine import ModelAdapter, PendingPicks
+from ..sampling_torch import token_logprobs
 from .interface import ATTN_IMPLEMENTATION, register
 from .model import (_dtype_name, _model_needs, attention_layers, eos_token_ids, head_dims,
                     refuse_hybrid, sliding_windows)
@@ -271,7 +272,6 @@ class TransformersAdapter(ModelAdapter):
             tokens = logits.detach().argmax(dim=-1)
             return tokens, torch.stack([tokens.to(torch.float64),
                                         torch.full_like(tokens, float("nan"), dtype=torch.float64)])
-        from ..sampling_torch import token_logprobs
         rows = logits.detach()
         tokens = rows.argmax(dim=-1)
         return tokens, torch.stack([tokens.to(torch.float64),
