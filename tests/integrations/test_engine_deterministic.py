@@ -16,7 +16,7 @@ import functools
 
 import pytest
 
-from conftest import backend_or_skip, make_model, make_prompts, torch
+from conftest import backend_or_skip, hf_greedy, make_model, make_prompts, torch
 
 from kvcache.errors import UnsupportedFeatureError
 from kvcache.integrations import SamplingParams
@@ -56,6 +56,7 @@ def test_a_request_gets_the_same_bits_however_it_is_served(backend, extra, monke
         kw["backend"], kw["device"] = backend_or_skip("cuda", monkeypatch, 64)
     serve = functools.partial(_serve, model, **kw)
     want, _ = serve([target])
+    assert want[0] == hf_greedy(model, target, NEW)     # transformers' own greedy generation
     runs = {
         "beside seven others, in 7-token chunks": serve([target] + others, prefill_chunk_size=7),
         "from a prefix-cache hit": serve([target], warm=[target[:100] + [5, 6]]),
