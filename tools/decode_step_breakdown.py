@@ -2,7 +2,7 @@
 tiles and split factor do at that step's shape.
 
     python tools/decode_step_breakdown.py [--batch 64] [--prompt 576] [--layers 8] [--sweep]
-        [--rope model|cache] [--compile-step]
+        [--rope model|cache] [--compile-step] [--deterministic]
 
 Part 1: the ``Engine`` (graphs on) generates ``--batch`` prompts of ``--prompt`` tokens to 8 and
 to 40 new tokens under torch.profiler; per kernel name, (time in the longer run - time in the
@@ -27,6 +27,10 @@ from kvcache.integrations.transformers import Engine
 
 def category(name: str) -> str:
     n = name.lower()
+    if "_matmul_kernel" in n or "_sum_chunks" in n:
+        return "GEMM (invariant Triton)"
+    if "_row_" in n:
+        return "row reductions (invariant Triton)"
     if "paged_decode" in n or "rope_append" in n or "_ragged" in n or "paged_prefill" in n:
         return "kvcache attention"
     if any(t in n for t in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")):
@@ -52,7 +56,7 @@ def breakdown(a) -> None:
     net = build_model("llama", a.layers, False, "cuda", "bfloat16", 0)
     eng = Engine(net, backend="cuda", device="cuda", max_batch_size=a.batch,
                  max_total_tokens=a.batch * (a.prompt + 72), rope=a.rope,
-                 compile_step=a.compile_step)
+                 compile_step=a.compile_step, deterministic=a.deterministic)
     eng.progress = False
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, net.config.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
@@ -66,6 +70,9 @@ def breakdown(a) -> None:
             torch.cuda.synchronize()
         runs[n] = kernel_times(p)
     steps = 32
+    st = eng.stats
+    print(f"# engine: {st.forwards} forwards, {st.graph_forwards} replayed from graphs, "
+          f"{st.graph_fallback_forwards} fell back to eager, {st.graph_captures} captures")
     per = {k: (runs[40][k] - runs[8].get(k, 0)) / steps for k in runs[40]}
     total = sum(per.values())
     cats = collections.Counter()
@@ -79,7 +86,7 @@ def breakdown(a) -> None:
           f"{eng.graphs}, rope={a.rope}: GPU kernel time {total:.1f} us")
     for c, us in cats.most_common():
         print(f"  {c:<45} {us:9.1f} us  {100 * us / total:5.1f}%")
-    g = cats["GEMM (cuBLAS)"]
+    g = cats["GEMM (cuBLAS)"] + cats["GEMM (invariant Triton)"]
     print(f"  GEMM weight bytes {weights / 1e9:.3f} GB -> {weights / (g * 1e-6) / 1e12:.2f} TB/s")
     print("# top kernels per step (us, count per step)")
     counts = collections.Counter()
@@ -157,6 +164,8 @@ if __name__ == "__main__":
     p.add_argument("--no-breakdown", action="store_true")
     p.add_argument("--compile-step", action="store_true",
                    help="the Engine's compiled decode step (Engine(compile_step=True))")
+    p.add_argument("--deterministic", action="store_true",
+                   help="Engine(deterministic=True): the batch-invariant kernels")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode of the compiled step (e.g. max-autotune-no-cudagraphs)")
     a = p.parse_args()

@@ -111,5 +111,14 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
     serve_profile) section "where the serving run's time goes"
       timeout 300 python3 tools/profile_engine.py --serve > "$OUT/serve_profile.txt" 2>&1
       grep -a "whole run\|idle gaps\|ms .* gaps\|profiled" "$OUT/serve_profile.txt" | cut -c1-200 ;;
+    det54) section "issue 54: deterministic mode on the GPU, three correctness jobs side by side (about 5 minutes)"
+      (KVCACHE_CUDA_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_invariant_triton_ops.py tests/cuda/test_cuda_batch_invariant.py > "$OUT/det_ops.log" 2>&1; echo "ops + cache kernels rc $?: $(tail -1 "$OUT/det_ops.log")") &
+      (timeout 500 python3 -m pytest -q -p no:cacheprovider tests/integrations/test_engine_deterministic.py -k gpu > "$OUT/det_engine.log" 2>&1; echo "engine on the GPU rc $?: $(tail -1 "$OUT/det_engine.log")") &
+      (timeout 500 python3 -m kvcache.cli conformance --backend cuda --full -k TestBatchInvariance --jobs 4 > "$OUT/det_conf.log" 2>&1; echo "conformance rc $?: $(grep -a -E "passed|failed" "$OUT/det_conf.log" | tail -1)") &
+      wait
+      grep -a -h "^FAILED\|^ERROR\|Error\|assert" "$OUT"/det_*.log | head -20 ;;
+    det54cost) section "issue 54: what deterministic mode costs (random workload B=64, (a) and (d) in one run), then the shared-prefix check"
+      timeout 330 python3 -m kvcache.cli bench --serving --model llama --skip b,c --deterministic > "$OUT/det_cost.log" 2>&1; tail -22 "$OUT/det_cost.log"
+      timeout 250 python3 -m kvcache.cli bench --serving --workload shared-prefix --skip b --deterministic > "$OUT/det_prefix.log" 2>&1; tail -12 "$OUT/det_prefix.log" ;;
   esac
 done

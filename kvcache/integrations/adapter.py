@@ -112,8 +112,9 @@ class ModelAdapter(abc.ABC):
 
     def batch_invariant_ops(self):
         """A context manager under which the model's own ops give each row the same bits
-        whatever the other rows (``Engine(deterministic=True)`` enters it around every step), or
-        None where the adapter has none (such an engine is then refused)."""
+        whatever the other rows (``Engine(deterministic=True)`` enters it around the model's
+        code and the picks of every step), or None where the adapter has none (such an engine
+        is then refused)."""
         return None
 
     def step_context(self, cache: PagedKVCache):

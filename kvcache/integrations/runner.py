@@ -31,21 +31,23 @@ class Runner:
         self.stats = stats
         self.decode_graphs = adapter.step_graphs(cache, compiled) if graphs else None
         self.invariant_ops = invariant_ops
-        """The adapter's ``batch_invariant_ops`` entered around every step (None: none)."""
+        """The adapter's ``batch_invariant_ops`` (None: none), entered around the model's code
+        and the picks only: under a torch dispatch mode every torch op of the host's step work
+        (plans, the cache's index arrays) would pay a Python call too, several ms a step."""
 
     def session(self):
         """The adapter's context manager for this cache (``ModelAdapter.session``), held by
         ``EngineCore`` while it has work: e.g. the model's attention routed to the cache."""
         return self.adapter.session(self.cache)
 
-    @contextlib.contextmanager
     def step_context(self):
         """The adapter's context manager around one step (``ModelAdapter.step_context``),
-        entered by ``EngineCore`` per step: e.g. torch's inference mode; with the adapter's
-        batch-invariant ops inside it where the engine is deterministic."""
-        with self.adapter.step_context(self.cache), \
-                (self.invariant_ops or contextlib.nullcontext()):
-            yield
+        entered by ``EngineCore`` per step: e.g. torch's inference mode."""
+        return self.adapter.step_context(self.cache)
+
+    def _invariant(self):
+        """The batch-invariant ops where the engine is deterministic, else nothing."""
+        return self.invariant_ops or contextlib.nullcontext()
 
     def forward(self, plan, picks: Optional[PendingPicks] = None):
         """Run ``plan`` as one forward; returns the logits of ``plan.logit_rows``. Raises
@@ -68,33 +70,38 @@ class Runner:
             if self.decode_graphs is not None and cache.static_bucket is not None:
                 graphs = self.decode_graphs
                 before, eager = graphs.captures, graphs.eager_runs
-                logits = graphs.run(tokens, positions, rows)
+                with self._invariant():         # (a capture runs the model's code)
+                    logits = graphs.run(tokens, positions, rows)
                 if graphs.eager_runs == eager:
                     stats.graph_forwards += 1
                 else:                       # its capture failed: it ran eagerly
                     stats.graph_fallback_forwards += 1
                 stats.graph_captures += graphs.captures - before
             else:
-                logits = adapter.forward(cache, tokens, positions, rows)
+                with self._invariant():
+                    logits = adapter.forward(cache, tokens, positions, rows)
         return logits
 
     def greedy_async(self, logits, logprobs: bool) -> PendingPicks:
         """The first argmax of each row of ``logits`` ``(B, vocab_size)``, left on the device
         for the next step's input while it is copied to the host (``ModelAdapter.greedy_async``);
         ``logprobs``: compute their log-probabilities too (else NaN)."""
-        return self.adapter.greedy_async(logits, logprobs)
+        with self._invariant():
+            return self.adapter.greedy_async(logits, logprobs)
 
     def pick(self, logits, draws: list, logprobs: bool) -> tuple:
         """One ``(token, logprob)`` per ``Draw``, on the host: greedy rows as the argmax, the
         others drawn with their ``SamplingParams`` and seeds on the logits' device."""
         rows = [d.row for d in draws]
-        if all(d.params.temperature == 0.0 for d in draws):
-            tokens, lps = self.adapter.greedy(logits, logprobs)
-            return tokens[rows], lps[rows]
-        return draw_rows(logits, rows, [d.params for d in draws], [d.seed for d in draws],
-                         [d.step for d in draws], self.adapter.to_numpy)
+        with self._invariant():
+            if all(d.params.temperature == 0.0 for d in draws):
+                tokens, lps = self.adapter.greedy(logits, logprobs)
+                return tokens[rows], lps[rows]
+            return draw_rows(logits, rows, [d.params for d in draws], [d.seed for d in draws],
+                             [d.step for d in draws], self.adapter.to_numpy)
 
     def alternatives(self, logits, rows: list, k: int) -> tuple:
         """The ``k`` likeliest tokens of each of ``rows`` and their log-probabilities (under the
         raw logits), host ``(ids (D, k), logprobs (D, k))``, best first."""
-        return top_logprobs(logits, k, self.adapter.to_numpy, rows=rows)
+        with self._invariant():
+            return top_logprobs(logits, k, self.adapter.to_numpy, rows=rows)

@@ -183,3 +183,13 @@ def test_deterministic_adds_system_d_and_its_ratios(capsys):
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("(d)")]
     assert rows and "deterministic" in rows[0]
 
+
+
+def test_deterministic_shared_prefix_asks_every_request_equal(capsys):
+    """``--workload shared-prefix --deterministic``: both Engines (prefix cache on and off) run
+    deterministic, and the report judges every request's tokens equal on and off."""
+    assert main(TINY + ["--workload", "shared-prefix", "--requests", "4", "--new-tokens", "3",
+                        "--skip", "b", "--deterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy tokens equal with the cache on and off: 4/4 requests (deterministic=True" in out
+    assert "every request's tokens equal with the cache on and off: met" in out

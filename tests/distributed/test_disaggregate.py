@@ -40,9 +40,11 @@ def test_decode_rank_matches_the_single_process_engine(backend, monkeypatch):
 
 
 def test_the_cli_reports_and_exits_zero(capsys):
+    # --deterministic (the default on a GPU): every Engine batch-invariant, identity asked
     code = demo_main(["--disaggregate", "--device", "cpu", "--requests", "3", "--max-output", "4",
-                      "--long-prompt", "40"])
+                      "--long-prompt", "40", "--deterministic"])
     out = capsys.readouterr().out
     assert code == 0
+    assert "each driving an Engine (deterministic=True)" in out
     assert "3/3 requests token-identical to the single-process Engine" in out
     assert "rank 0 (prefill)" in out and "rank 1 (decode)" in out

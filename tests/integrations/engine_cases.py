@@ -61,3 +61,55 @@ def first_step_logits(engine, prompts) -> list:
     finally:
         engine.adapter.forward = forward
     return result
+
+
+def served_every_way(serve, target: list, others: list) -> dict:
+    """The deterministic engines' conditions (issue 54): ``serve(prompts, **engine options)``
+    (the target first; returns (its results, the engine's stats)) run beside seven others in
+    7-token chunks, from a prefix-cache hit, preempted and recomputed, preempted through the
+    host tier, and with the host not running ahead. Checks that each condition happened and
+    returns {condition: results}."""
+    runs = {
+        "beside seven others, in 7-token chunks": serve([target] + others, prefill_chunk_size=7),
+        "from a prefix-cache hit": serve([target], warm=[target[:100] + [5, 6]]),
+        "preempted and recomputed": serve([target] + others, max_total_tokens=448,
+                                          offload=False),
+        "preempted through the host tier": serve([target] + others, max_total_tokens=448,
+                                                 offload=True),
+        "the host not running ahead": serve([target] + others, overlap=False),
+    }
+    assert runs["from a prefix-cache hit"][1].prefix_hit_tokens >= 96
+    assert runs["preempted and recomputed"][1].recomputed_tokens > 0
+    assert runs["preempted through the host tier"][1].recompute_tokens_saved > 0
+    return {what: got for what, (got, _) in runs.items()}
+
+
+def assert_same_bits(runs: dict, want: tuple) -> None:
+    """Every run's (greedy tokens, greedy logprobs, sampled tokens, sampled logprobs) equal
+    ``want``'s, bit for bit."""
+    for what, got in runs.items():
+        for name, a, b in zip(("greedy tokens", "greedy logprobs", "sampled tokens",
+                               "sampled logprobs"), got, want):
+            assert a == b, f"{what}: {name} differ from the request served alone"
+
+
+TARGET_NEW = 12
+"""New tokens of ``serve_target``'s target requests."""
+
+
+def serve_target(engine_cls, model, prompts: list, *, deterministic=True, warm=None, **opts):
+    """One greedy and one sampled request of ``prompts[0]`` beside ``prompts[1:]`` on a new
+    ``engine_cls(model, deterministic=..., **opts)``, after ``warm`` prompts were served (the
+    prefix cache keeps their pages): the target's (greedy tokens, greedy logprobs, sampled
+    tokens, sampled logprobs) and the engine's stats."""
+    from kvcache.integrations import SamplingParams
+    engine = engine_cls(model, deterministic=deterministic, **opts)
+    if warm:
+        engine.generate(warm, max_new_tokens=2)
+    new = TARGET_NEW
+    params = [SamplingParams(max_tokens=new, logprobs=True, ignore_eos=True),
+              SamplingParams(max_tokens=new, logprobs=True, ignore_eos=True, temperature=0.9,
+                             top_p=0.95, seed=11)]
+    params += [SamplingParams(max_tokens=new + 6, ignore_eos=True)] * (len(prompts) - 1)
+    tokens, lps = engine.generate([prompts[0], prompts[0]] + list(prompts[1:]), params)
+    return (tokens[0][0], lps[0][0], tokens[1][0], lps[1][0]), engine.stats

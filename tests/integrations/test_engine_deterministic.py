@@ -7,42 +7,32 @@ from a prefix-cache hit, under preemption with recompute, under preemption throu
 tier, and with the host not running ahead: every run gives the alone run's tokens and
 log-probabilities exactly. Without the flag the batched run's log-probabilities differ (the
 case is not vacuous). Refusals: an adapter without invariant ops, a backend without the
-capability, a model on a GPU (not proven there yet), and compile_step."""
+capability, a device where the ops are not proven (or a float64 model on a GPU), and
+compile_step."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
 import pytest
 
 from conftest import backend_or_skip, hf_greedy, make_model, make_prompts, torch
+from engine_cases import TARGET_NEW, assert_same_bits, serve_target, served_every_way
 
 from kvcache.errors import UnsupportedFeatureError
-from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import Engine
 
-NEW = 12
 
 
 BACKENDS = [("reference", {}), ("cuda", {"graphs": False}), ("cuda", {"graphs": True})]
 
 
-def _serve(model, prompts, *, deterministic=True, warm=None, **kw):
-    """Serve the target (prompts[0]) greedy and sampled, beside ``prompts[1:]``; after
-    ``warm`` prompts were served (the prefix cache keeps their pages). Returns the target's
-    (greedy tokens, greedy logprobs, sampled tokens, sampled logprobs) and the engine's stats."""
+def _serve(model, prompts, **kw):
+    """``serve_target`` on the transformers Engine (reference backend unless ``kw`` says)."""
     opts = dict(backend="reference", max_total_tokens=4096, max_batch_size=8)
-    opts.update(kw)
-    engine = Engine(model, deterministic=deterministic, **opts)
-    if warm:
-        engine.generate(warm, max_new_tokens=2)
-    params = [SamplingParams(max_tokens=NEW, logprobs=True, ignore_eos=True),
-              SamplingParams(max_tokens=NEW, logprobs=True, ignore_eos=True, temperature=0.9,
-                             top_p=0.95, seed=11)]
-    params += [SamplingParams(max_tokens=NEW + 6, ignore_eos=True)] * (len(prompts) - 1)
-    tokens, lps = engine.generate([prompts[0], prompts[0]] + list(prompts[1:]), params)
-    return (tokens[0][0], lps[0][0], tokens[1][0], lps[1][0]), engine.stats
+    return serve_target(Engine, model, prompts, **{**opts, **kw})
 
 
 @pytest.mark.parametrize("backend, extra", BACKENDS, ids=["reference", "cuda-eager", "cuda-graphs"])
@@ -56,24 +46,8 @@ def test_a_request_gets_the_same_bits_however_it_is_served(backend, extra, monke
         kw["backend"], kw["device"] = backend_or_skip("cuda", monkeypatch, 64)
     serve = functools.partial(_serve, model, **kw)
     want, _ = serve([target])
-    assert want[0] == hf_greedy(model, target, NEW)     # transformers' own greedy generation
-    runs = {
-        "beside seven others, in 7-token chunks": serve([target] + others, prefill_chunk_size=7),
-        "from a prefix-cache hit": serve([target], warm=[target[:100] + [5, 6]]),
-        "preempted and recomputed": serve([target] + others, max_total_tokens=448,
-                                          offload=False),
-        "preempted through the host tier": serve([target] + others, max_total_tokens=448,
-                                                 offload=True),
-        "the host not running ahead": serve([target] + others, overlap=False),
-    }
-    stats = {what: s for what, (_, s) in runs.items()}
-    assert stats["from a prefix-cache hit"].prefix_hit_tokens >= 96
-    assert stats["preempted and recomputed"].recomputed_tokens > 0
-    assert stats["preempted through the host tier"].recompute_tokens_saved > 0
-    for what, (got, _) in runs.items():
-        for name, a, b in zip(("greedy tokens", "greedy logprobs", "sampled tokens",
-                               "sampled logprobs"), got, want):
-            assert a == b, f"{what}: {name} differ from the request served alone"
+    assert want[0] == hf_greedy(model, target, TARGET_NEW)     # transformers' own greedy generation
+    assert_same_bits(served_every_way(serve, target, others), want)
     # the case is not vacuous: without the flag the batched run parts in the last bits
     plain, _ = serve([target], deterministic=False)
     batched, _ = serve([target] + others, deterministic=False, prefill_chunk_size=7)
@@ -105,12 +79,21 @@ def test_deterministic_is_refused_where_it_cannot_hold():
         reset_plugins()
 
 
-def test_a_model_on_a_gpu_is_refused_until_proven_there():
+def test_a_model_where_the_ops_are_not_proven_is_refused():
+    from kvcache.integrations.torch_invariant import BatchInvariantMode
     from kvcache.integrations.transformers.adapter import TransformersAdapter
     adapter = TransformersAdapter.__new__(TransformersAdapter)
-    adapter.device = torch.device("cuda", 0)         # (no GPU needed: refused before any work)
-    with pytest.raises(UnsupportedFeatureError, match="proven on the CPU only"):
+    adapter.model = make_model("llama", seed=3)
+    adapter.device = torch.device("mps")             # (no such device needed: refused first)
+    with pytest.raises(UnsupportedFeatureError, match="CPU and on NVIDIA GPUs only"):
         adapter.batch_invariant_ops()
+    adapter.device = torch.device("cuda", 0)
+    if not torch.version.hip:
+        ops = adapter.batch_invariant_ops()          # (no GPU needed: nothing runs yet)
+        assert isinstance(ops, BatchInvariantMode) and ops.kernels is None
+        adapter.model = adapter.model.to(torch.float64)
+        with pytest.raises(UnsupportedFeatureError, match="float64"):
+            adapter.batch_invariant_ops()
 
 
 def test_an_adapter_without_invariant_ops_is_refused():
@@ -119,3 +102,42 @@ def test_an_adapter_without_invariant_ops_is_refused():
     with pytest.raises(UnsupportedFeatureError, match="batch-invariant model ops"):
         PlainEngine(ToyAdapter("tiny", 0, "float32"), backend="reference", dtype="float32",
                     deterministic=True, max_total_tokens=256)
+
+
+GPU_DIMS = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=8,
+                num_key_value_heads=2, num_hidden_layers=4)
+"""A model whose GEMMs span several of the GPU kernels' K chunks (1,024 and 3,072 columns)."""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_on_a_gpu_in_bfloat16_a_request_gets_the_same_bits(graphs):
+    """The conditions of the CPU test above, on a GPU in bfloat16 (the cuda backend's Triton
+    kernels, the model's ops through ``invariant_triton``). Greedy tokens are judged against
+    transformers by a teacher-forced re-score (bfloat16 near-ties may part from its own
+    generation): transformers' forward in float32 (the same weights) over the prompt and the
+    engine's tokens must find each token within twice bfloat16's own noise of its best logit
+    (the noise: how far transformers' bfloat16 forward of the same tokens is from float32), and
+    the greedy log-probabilities within three times it of float32's."""
+    model = make_model("llama", seed=3, **GPU_DIMS).to("cuda", torch.bfloat16)
+    prompts = make_prompts(seed=13)
+    target = prompts[3]
+    others = [p for i, p in enumerate(prompts) if i != 3][:7]
+    serve = functools.partial(_serve, model, backend="cuda", device="cuda", graphs=graphs)
+    want, alone = serve([target])
+    if graphs:                      # the steps replay their graphs: no capture fell back
+        assert alone.graph_forwards > 0 and alone.graph_fallback_forwards == 0
+    ids = torch.tensor([target + want[0]], device="cuda")
+    with torch.no_grad():
+        wide = copy.deepcopy(model).float()(ids).logits[0, len(target) - 1:-1]
+        narrow = model(ids).logits[0, len(target) - 1:-1].float()
+    noise = (narrow - wide).abs().max().item()
+    tokens = torch.tensor(want[0], device="cuda")[:, None]
+    gap = wide.max(-1).values - wide.gather(1, tokens)[:, 0]
+    assert bool((gap <= 2 * noise).all()), f"gaps {gap.tolist()}, bfloat16 noise {noise}"
+    lp = torch.log_softmax(wide, -1).gather(1, tokens)[:, 0].cpu().double()
+    assert float((lp - torch.tensor(want[1], dtype=torch.float64)).abs().max()) <= 3 * noise
+    assert_same_bits(served_every_way(serve, target, others), want)
+    plain, _ = serve([target], deterministic=False)
+    batched, _ = serve([target] + others, deterministic=False, prefill_chunk_size=7)
+    assert plain[1] != batched[1] or plain[3] != batched[3]

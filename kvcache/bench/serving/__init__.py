@@ -120,10 +120,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--static-compile", action="store_true",
                    help="let (c) compile its forward (transformers' auto-compile; off by default)")
     g.add_argument("--deterministic", action="store_true",
-                   help="also run (d), the Engine with deterministic=True (batch-invariant "
-                        "steps), on the same work: its decode step and tokens/s against (a)'s "
-                        "in the same run (targets: at most 1.3x the step, at least 0.75x the "
-                        "tokens/s)")
+                   help="random workload: also run (d), the Engine with deterministic=True "
+                        "(batch-invariant steps), on the same work: its decode step and "
+                        "tokens/s against (a)'s in the same run (targets: at most 1.3x the "
+                        "step, at least 0.75x the tokens/s); shared-prefix and multi-turn: "
+                        "both Engines deterministic, every request's tokens equal with the "
+                        "cache on and off")
     g.add_argument("--compile-step", action="store_true",
                    help="(a) with Engine(compile_step=True): its captured decode step's model "
                         "code through torch.compile (a GPU)")

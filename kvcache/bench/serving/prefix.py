@@ -135,6 +135,9 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
     from ...integrations.transformers import Engine
     from .runners import GenerateBatchRunner, mixed_graphs_arg
     tiny = bool(args.tiny)
+    # --deterministic: both Engines batch-invariant, so the cache on and off must give the same
+    # tokens for every request (judged below)
+    deterministic = bool(getattr(args, "deterministic", False))
     sizes = PREFIX_SIZES[args.workload]
     for name, (full, small) in sizes.items():
         if getattr(args, name, None) is None:
@@ -184,7 +187,8 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
                                  "new_tokens": args.new_tokens, "page_size": page,
                                  "layers": args.layers, "tiny": tiny, "seed": args.seed,
                                  "a_kv_dtype": getattr(args, "kv_dtype", "auto"),
-                                 "mixed_graphs": getattr(args, "mixed_graphs", None) or "default"},
+                                 "mixed_graphs": getattr(args, "mixed_graphs", None) or "default",
+                                 "deterministic": deterministic},
                     "systems": {}, "skipped": {}, "ratios": {}}
     w = result["workload"]
     if multi:
@@ -197,7 +201,7 @@ def run_prefix(args, net, device: str, backend: str, skip: set, say: Callable) -
         engine = Engine(net, backend=backend, device=device, page_size=page,
                         max_batch_size=batch, max_total_tokens=max_total, prefix_cache=on,
                         kv_dtype=getattr(args, "kv_dtype", "auto"),
-                        mixed_graphs=mixed_graphs_arg(args))
+                        mixed_graphs=mixed_graphs_arg(args), deterministic=deterministic)
         engine.progress = False
         try:
             serve(engine, args.seed + 1000)             # other prompts: the measured run is cold
@@ -288,9 +292,16 @@ def print_prefix_result(res: dict) -> None:
             f"{r['hit_tokens']}/{r['ideal_hit_tokens']}"
         print(f"({key:>3}) {r['system']:<52} {r['tokens_per_s']:>10.1f} {r['wall_s']:>8.2f} "
               f"{p50:>12} {p90:>12} {hit:>10}")
+    det = w.get("deterministic", False)
     print(f"greedy tokens equal with the cache on and off: {res['same_tokens_on_off']}/"
-          f"{res['compared']} requests")
+          f"{res['compared']} requests" + (" (deterministic=True: every one must be)" if det else
+                                           " (deterministic=False: a 16-bit run may part at "
+                                           "near-ties; --deterministic asks for every one)"))
     rt = res["ratios"]
+    if det:
+        same = res["same_tokens_on_off"] == res["compared"]
+        print(f"  deterministic: every request's tokens equal with the cache on and off: "
+              f"{'met' if same else 'MISSED'}")
     if w["tiny"]:
         print("targets: not judged on a --tiny smoke run")
         return

@@ -70,6 +70,18 @@ class MlxLmAdapter(ModelAdapter):
                 f"{cache.backend.name!r} backend takes the model's arrays as they are, so the "
                 f"dtypes must match (pass dtype=None)")
 
+    def batch_invariant_ops(self):
+        """``MlxBatchInvariant``: the model's linear layers in fixed row blocks
+        (``kvcache.integrations.mlx_lm.invariant``); a model whose products it cannot see
+        (own attention, MoE experts, a family not proven) is refused
+        (``UnsupportedFeatureError``)."""
+        from .invariant import MlxBatchInvariant, unsupported
+        why = unsupported(self.model, self.description)
+        if why is not None:
+            raise UnsupportedFeatureError(f"deterministic=True with this mlx-lm model: {why}; "
+                                          f"pass deterministic=False")
+        return MlxBatchInvariant(self.model)
+
     @contextlib.contextmanager
     def session(self, cache):
         """mlx-lm's ``scaled_dot_product_attention`` routes ``LayerCache`` calls (``route``)."""

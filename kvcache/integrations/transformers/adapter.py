@@ -176,15 +176,25 @@ class TransformersAdapter(ModelAdapter):
             yield
 
     def batch_invariant_ops(self):
-        """``BatchInvariantMode``: the model's matmuls and row reductions in fixed-size row
-        blocks (``kvcache.integrations.torch_invariant``). A model on a GPU is refused
-        (``UnsupportedFeatureError``): the blocks' invariance is proven on the CPU only so far
-        (a GPU's GEMM library may still split a block's work by its own rules)."""
+        """``BatchInvariantMode``: the model's matmuls and row reductions with a summation order
+        that does not depend on the batch (``kvcache.integrations.torch_invariant``): fixed
+        row blocks on the CPU, Triton kernels on an NVIDIA GPU. Refused
+        (``UnsupportedFeatureError``) on other devices (ROCm included: the kernels are not
+        proven there), for a float64 model on a GPU, and without Triton."""
+        where = f"deterministic=True with a model on {self.device}"
         if self.device.type != "cpu":
-            raise UnsupportedFeatureError(
-                f"deterministic=True with a model on {self.device}: the model's batch-invariant "
-                f"ops are proven on the CPU only so far (docs/determinism.md); run the model on "
-                f"the CPU or pass deterministic=False")
+            if self.device.type != "cuda" or torch.version.hip:
+                raise UnsupportedFeatureError(
+                    f"{where}: the model's batch-invariant ops are proven on the CPU and on "
+                    f"NVIDIA GPUs only (docs/determinism.md); pass deterministic=False")
+            if self.model.dtype == torch.float64:
+                raise UnsupportedFeatureError(
+                    f"{where} in float64: the GPU kernels take float16, bfloat16 and float32; "
+                    f"pass deterministic=False or another dtype")
+            import importlib.util
+            if importlib.util.find_spec("triton") is None:
+                raise UnsupportedFeatureError(
+                    f"{where}: the GPU kernels need Triton (pip install triton)")
         from ..torch_invariant import BatchInvariantMode
         return BatchInvariantMode()
 
