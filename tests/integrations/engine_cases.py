@@ -66,11 +66,15 @@ def first_step_logits(engine, prompts) -> list:
 def served_every_way(serve, target: list, others: list) -> dict:
     """The deterministic engines' conditions (issue 54): ``serve(prompts, **engine options)``
     (the target first; returns (its results, the engine's stats)) run beside seven others in
-    7-token chunks, from a prefix-cache hit, preempted and recomputed, preempted through the
-    host tier, and with the host not running ahead. Checks that each condition happened and
-    returns {condition: results}."""
+    7-token chunks, beside 64 random short prompts, from a prefix-cache hit, preempted and
+    recomputed, preempted through the host tier, and with the host not running ahead. Checks
+    that each condition happened and returns {condition: results}."""
+    rng = np.random.default_rng(64)
+    crowd = [rng.integers(1, VOCAB, int(n)).tolist() for n in rng.integers(4, 40, 64)]
     runs = {
         "beside seven others, in 7-token chunks": serve([target] + others, prefill_chunk_size=7),
+        "beside 64 random others": serve([target] + crowd, max_batch_size=66,
+                                         max_total_tokens=8192),
         "from a prefix-cache hit": serve([target], warm=[target[:100] + [5, 6]]),
         "preempted and recomputed": serve([target] + others, max_total_tokens=448,
                                           offload=False),
@@ -82,6 +86,34 @@ def served_every_way(serve, target: list, others: list) -> dict:
     assert runs["preempted and recomputed"][1].recomputed_tokens > 0
     assert runs["preempted through the host tier"][1].recompute_tokens_saved > 0
     return {what: got for what, (got, _) in runs.items()}
+
+
+def prefilled_elsewhere(engine_cls, model, target: list, **opts) -> tuple:
+    """The disaggregated path within one process: one deterministic engine prefills ``target``
+    and picks its first token, keeping the KV (``hold_kv``); another engine imports that KV
+    (``export_sequence`` / ``import_sequence``, what ``send_sequence`` moves between processes)
+    and decodes the rest (``kv_seq_id``). Returns the greedy (tokens, logprobs)."""
+    from kvcache.integrations import SamplingParams
+    first = SamplingParams(max_tokens=1, logprobs=True, ignore_eos=True)
+    rest = SamplingParams(max_tokens=TARGET_NEW - 1, logprobs=True, ignore_eos=True)
+    prefill = engine_cls(model, deterministic=True, **opts)
+    rid = prefill.add_request(target, first, hold_kv=True)
+    outs = []
+    while prefill.has_unfinished():
+        outs += [o for o in prefill.step() if o.request_id == rid]
+    token, lp = outs[-1].new_token_ids[0], outs[-1].logprobs[0]
+    payload = prefill.cache.export_sequence(outs[-1].seq_id)
+    decode = engine_cls(model, deterministic=True, **opts)
+    sid = decode.new_seq_id()
+    decode.cache.import_sequence(sid, payload)
+    rid = decode.add_request(target + [token], rest, kv_seq_id=sid)
+    tokens, lps = [token], [lp]
+    while decode.has_unfinished():
+        for o in decode.step():
+            if o.request_id == rid:
+                tokens += o.new_token_ids
+                lps += o.logprobs
+    return tokens, lps
 
 
 def assert_same_bits(runs: dict, want: tuple) -> None:

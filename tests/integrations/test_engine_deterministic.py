@@ -3,12 +3,13 @@ however the engine serves it. On the reference backend and on the cuda backend's
 (batch-invariant attention; graphs on and off), with a transformers model (its matmuls and row
 reductions in fixed row blocks during each step), one greedy request and one sampled request
 are served alone, then beside seven other prompts with the prompt cut into 7-token chunks,
-from a prefix-cache hit, under preemption with recompute, under preemption through the host
-tier, and with the host not running ahead: every run gives the alone run's tokens and
-log-probabilities exactly. Without the flag the batched run's log-probabilities differ (the
-case is not vacuous). Refusals: an adapter without invariant ops, a backend without the
-capability, a device where the ops are not proven (or a float64 model on a GPU), and
-compile_step."""
+beside 64 random short prompts, from a prefix-cache hit, under preemption with recompute,
+under preemption through the host tier, and with the host not running ahead: every run gives
+the alone run's tokens and log-probabilities exactly; so does the greedy one prefilled by
+another engine whose KV the decoding one imports. Without the flag the batched run's
+log-probabilities differ (the case is not vacuous). Refusals: an adapter without invariant
+ops, a backend without the capability, a device where the ops are not proven (or a float64
+model on a GPU), and compile_step."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import functools
 import pytest
 
 from conftest import backend_or_skip, hf_greedy, make_model, make_prompts, torch
-from engine_cases import TARGET_NEW, assert_same_bits, serve_target, served_every_way
+from engine_cases import (TARGET_NEW, assert_same_bits, prefilled_elsewhere, serve_target,
+                          served_every_way)
 
 from kvcache.errors import UnsupportedFeatureError
 from kvcache.integrations.transformers import Engine
@@ -29,10 +31,14 @@ from kvcache.integrations.transformers import Engine
 BACKENDS = [("reference", {}), ("cuda", {"graphs": False}), ("cuda", {"graphs": True})]
 
 
+def _opts(**kw) -> dict:
+    """The test engines' options: the reference backend unless ``kw`` says."""
+    return {**dict(backend="reference", max_total_tokens=4096, max_batch_size=8), **kw}
+
+
 def _serve(model, prompts, **kw):
-    """``serve_target`` on the transformers Engine (reference backend unless ``kw`` says)."""
-    opts = dict(backend="reference", max_total_tokens=4096, max_batch_size=8)
-    return serve_target(Engine, model, prompts, **{**opts, **kw})
+    """``serve_target`` on the transformers Engine."""
+    return serve_target(Engine, model, prompts, **_opts(**kw))
 
 
 @pytest.mark.parametrize("backend, extra", BACKENDS, ids=["reference", "cuda-eager", "cuda-graphs"])
@@ -48,6 +54,7 @@ def test_a_request_gets_the_same_bits_however_it_is_served(backend, extra, monke
     want, _ = serve([target])
     assert want[0] == hf_greedy(model, target, TARGET_NEW)     # transformers' own greedy generation
     assert_same_bits(served_every_way(serve, target, others), want)
+    assert prefilled_elsewhere(Engine, model, target, **_opts(**kw)) == want[:2]
     # the case is not vacuous: without the flag the batched run parts in the last bits
     plain, _ = serve([target], deterministic=False)
     batched, _ = serve([target] + others, deterministic=False, prefill_chunk_size=7)
@@ -138,6 +145,8 @@ def test_on_a_gpu_in_bfloat16_a_request_gets_the_same_bits(graphs):
     lp = torch.log_softmax(wide, -1).gather(1, tokens)[:, 0].cpu().double()
     assert float((lp - torch.tensor(want[1], dtype=torch.float64)).abs().max()) <= 3 * noise
     assert_same_bits(served_every_way(serve, target, others), want)
+    assert prefilled_elsewhere(Engine, model, target, **_opts(backend="cuda", device="cuda",
+                                                              graphs=graphs)) == want[:2]
     plain, _ = serve([target], deterministic=False)
     batched, _ = serve([target] + others, deterministic=False, prefill_chunk_size=7)
     assert plain[1] != batched[1] or plain[3] != batched[3]

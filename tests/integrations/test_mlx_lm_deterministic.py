@@ -2,9 +2,10 @@
 the model's linear layers in fixed 32-row blocks (``kvcache.integrations.mlx_lm.invariant``), the
 cache's batch-invariant attention. One greedy and one sampled request give the same tokens and
 log-probabilities, bit for bit, served alone, beside seven other prompts with the prompt cut
-into 7-token chunks, from a prefix-cache hit, under preemption with recompute and through the
-host tier, and with the host not running ahead; the greedy tokens are mlx-lm's own generation.
-Without the flag the batched run parts in the last bits (the case is not vacuous). Every family
+into 7-token chunks, beside 64 random short prompts, from a prefix-cache hit, under preemption
+with recompute and through the host tier, with the host not running ahead, and (greedy)
+prefilled by another engine whose KV the decoding one imports; the greedy tokens are mlx-lm's
+own generation. Without the flag the batched run parts in the last bits (the case is not vacuous). Every family
 the mode takes is checked alone against batched-and-chunked; what it cannot see is refused."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import functools
 import pytest
 
 from mlx_lm_cases import make_model, make_prompts, metal_cpu_or_skip, mlx_greedy
-from engine_cases import TARGET_NEW, assert_same_bits, serve_target, served_every_way
+from engine_cases import (TARGET_NEW, assert_same_bits, prefilled_elsewhere, serve_target,
+                          served_every_way)
 
 from kvcache.errors import UnsupportedFeatureError  # noqa: E402
 from kvcache.integrations.mlx_lm import Engine  # noqa: E402
@@ -22,10 +24,13 @@ from kvcache.integrations.mlx_lm.invariant import FAMILIES  # noqa: E402
 
 
 
+OPTS = dict(backend="metal", device="cpu", max_total_tokens=4096, max_batch_size=8)
+"""The test engines' options: the metal backend on MLX's CPU device."""
+
+
 def _serve(model, prompts, **kw):
-    """``serve_target`` on the mlx-lm Engine, the metal backend on MLX's CPU device."""
-    opts = dict(backend="metal", device="cpu", max_total_tokens=4096, max_batch_size=8)
-    return serve_target(Engine, model, prompts, **{**opts, **kw})
+    """``serve_target`` on the mlx-lm Engine."""
+    return serve_target(Engine, model, prompts, **{**OPTS, **kw})
 
 
 def _case(family="llama"):
@@ -40,6 +45,7 @@ def test_a_request_gets_the_same_bits_however_it_is_served():
     want, _ = serve([target])
     assert want[0] == mlx_greedy(model, target, TARGET_NEW)     # mlx-lm's own greedy generation
     assert_same_bits(served_every_way(serve, target, others), want)
+    assert prefilled_elsewhere(Engine, model, target, **OPTS) == want[:2]
     plain, _ = serve([target], deterministic=False)
     batched, _ = serve([target] + others, deterministic=False, prefill_chunk_size=7)
     assert plain[1] != batched[1] or plain[3] != batched[3]
