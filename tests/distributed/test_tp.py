@@ -116,6 +116,19 @@ def test_each_rank_caches_its_share_of_the_kv_heads(run):
             assert got["steps"] > 0                      # the plan check ran every step
 
 
+def test_deterministic_mode_holds_under_tp(run):
+    """``deterministic=True`` on a model split over two ranks: a prompt's tokens and
+    log-probabilities are the same bits alone and beside three others in 7-token chunks (without
+    the flag they part), on both ranks (each rank's matmuls in row blocks; an all-reduce of two halves adds them in
+    one order). Not the same bits as TP=1: the halves are added across ranks (docs/
+    determinism.md)."""
+    ranks = [res["deterministic"] for res in run]
+    for res in ranks:
+        assert res["alone"] == res["batched"]
+        assert res["plain alone"][1] != res["plain batched"][1]     # without it they part
+    assert ranks[0] == ranks[1]
+
+
 def test_tp_not_dividing_the_heads_is_refused_naming_the_numbers(errors):
     for res in errors:
         kind, msg = res["kv_heads"]

@@ -163,6 +163,7 @@ def greedy(rank: int, world: int, backend: str, methods: tuple) -> dict:
         kvtp.shard_model(model, method=method)
         engine = Engine(model, backend=backend, max_total_tokens=2048, prefill_chunk_size=32)
         res["bias_" + method] = engine.generate(make_prompts(), max_new_tokens=NEW)
+    res["deterministic"] = deterministic(rank, world, backend)
     return res
 
 
@@ -248,3 +249,30 @@ def fail_on(rank: int, world: int, bad: int) -> int:
     if rank == bad:
         raise ValueError(f"rank {rank} fails")
     return rank
+
+
+def deterministic(rank: int, world: int, backend: str) -> dict:
+    """``Engine(deterministic=True)`` over a model split by the integration: one prompt's greedy
+    tokens and log-probabilities alone, and beside the other prompts with 7-token chunks; the
+    same without the flag ("plain ...")."""
+    import torch
+    torch.set_num_threads(1)
+    backend, why = _backend(backend)
+    if backend is None:
+        return {"skip": why}
+    from kvcache.integrations import SamplingParams
+    from kvcache.integrations import tp as kvtp
+    from kvcache.integrations.transformers import Engine
+    model = make_model()
+    kvtp.shard_model(model, method="integration")
+    prompts = make_prompts()
+    params = SamplingParams(max_tokens=NEW, logprobs=True, ignore_eos=True)
+    res = {}
+    for det in (True, False):
+        for what, batch, chunk in (("alone", prompts[1:2], 512), ("batched", prompts, 7)):
+            engine = Engine(model, backend=backend, max_total_tokens=2048, deterministic=det,
+                            prefill_chunk_size=chunk)
+            tokens, lps = engine.generate(batch, params)
+            at = batch.index(prompts[1])
+            res[what if det else f"plain {what}"] = (tokens[at][0], lps[at][0])
+    return res
