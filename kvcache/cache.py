@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .backend import Capabilities
+from . import files
 from .cache_calls import busy_error, doc_of, exclusive, part_call, part_view, run_call
 from .config import CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
@@ -294,6 +295,20 @@ class PagedKVCache:
                          *, layers: Optional[range] = None
                          ) -> tuple[list[SequencePayload], Array, Array]:
         return self.payloads.export_sequences(seq_ids, starts, layers=layers, run=self._run)
+
+    @exclusive
+    @doc_of(files.save_sequences)
+    def save_sequences(self, path, seq_ids: Sequence[int], tokens: Optional[Sequence] = None,
+                       fingerprint: Optional[dict] = None) -> None:
+        self._no_forward("save_sequences")
+        files.save_sequences(self, path, seq_ids, tokens, fingerprint)
+
+    @exclusive
+    @doc_of(files.load_sequences)
+    def load_sequences(self, path, seq_ids: Optional[Sequence[int]] = None,
+                       fingerprint: Optional[dict] = None, convert_dtype: bool = False) -> list:
+        self._no_forward("load_sequences")
+        return files.load_sequences(self, path, seq_ids, fingerprint, convert_dtype)
 
     export_sequence = part_call("payloads", Payloads.export_sequence, between_forwards=True)
     import_sequence = part_call("payloads", Payloads.import_sequence, between_forwards=True)

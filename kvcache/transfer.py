@@ -55,8 +55,9 @@ def checksum(k: np.ndarray, v: np.ndarray, header: Optional[dict] = None) -> str
                      if name not in UNCHECKED_FIELDS}
         crc = zlib.crc32(json.dumps(canonical, sort_keys=True, separators=(",", ":"),
                                     default=float).encode())
-    crc = zlib.crc32(np.ascontiguousarray(k).tobytes(), crc)
-    return f"{zlib.crc32(np.ascontiguousarray(v).tobytes(), crc):08x}"
+    # the arrays' bytes as they are (a uint8 view, no copy)
+    crc = zlib.crc32(np.ascontiguousarray(k).view(np.uint8).data, crc)
+    return f"{zlib.crc32(np.ascontiguousarray(v).view(np.uint8).data, crc):08x}"
 
 
 @dataclass(frozen=True)

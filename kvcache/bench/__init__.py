@@ -4,7 +4,8 @@ provide them, kernel benchmarks against the memory-bandwidth floor (``--backend 
 The benches, one module each: ``host`` (``begin_forward`` on fixed and changing batches) and
 ``host_prefix`` (the prefix cache's lookups), the two of ``--host``; ``serving`` (``--serving``:
 the Engine beside transformers' serving paths); ``transfer`` (``--transfer``: one sequence's KV
-between two processes). A backend's kernel benchmarks are its own (``Backend.benchmarks``)."""
+between two processes); ``files`` (``--files``: a KV file saved and loaded). A backend's kernel
+benchmarks are its own (``Backend.benchmarks``)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "throughput of the kvcache Engine beside transformers' own serving paths and "
                     "the decode-step roofline (--backend then names the Engine's backend). "
                     "--transfer: one sequence's KV sent between two processes vs a plain "
-                    "torch.distributed send of the same bytes.",
+                    "torch.distributed send of the same bytes. --files: one sequence's KV file "
+                    "saved and loaded vs a plain write and read of the same bytes.",
         epilog="Options this parser does not know are passed to the backend's benchmarks "
                "(e.g. kvcache bench --backend cuda --iters 50 --only decode); "
                "`kvcache bench --backend NAME --help` lists them.")
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     from .transfer import add_arguments as add_transfer_arguments
     add_transfer_arguments(p)
+    from .files import add_arguments as add_files_arguments
+    add_files_arguments(p)
     return p
 
 
@@ -66,6 +70,18 @@ def main(argv: Optional[list] = None) -> int:
         wants_help = []
     args, rest = parser.parse_known_args(argv)
     rest += wants_help
+    if args.files:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.host or args.serving or args.transfer:
+            raise UsageError("--files is a separate bench; run it without --host / --serving / "
+                             "--transfer")
+        if args.files_mib < 1:
+            raise UsageError("--files-mib must be a positive integer")
+        if args.backend is not None:
+            backend_for(args.backend, args.device)
+        from . import files
+        return files.main(args)
     if args.transfer:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -1,0 +1,196 @@
+"""KV files (``cache.save_sequences`` / ``cache.load_sequences``, ``kvcache.files``):
+
+* a file written on one backend loads on every other, bit for bit (reference, cuda's CPU test
+  mode, metal on MLX's CPU device; float32 and bfloat16, forks and partial pages), and the
+  token ids it carries put the loaded sequences' full pages in the prefix index;
+* every corruption is refused with a typed error naming what failed, and the cache keeps what
+  it had: a flipped byte in each part of the file (the container header, the file header's
+  fields, the token ids, the page hashes, the payload header, K, V), a truncation at every
+  boundary, another format version, another model fingerprint, a cache of other geometry,
+  and a cache with room for only some of the sequences (all or nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+import kvcache
+from kvcache.errors import (CacheFullError, InvalidArgumentError, KVCacheError,
+                            UnsupportedFeatureError)
+from kvcache.files import read_header
+
+from transfer_cases import assert_same_kv, build_workload, config, make_cache, run_forward, snapshot
+
+BACKENDS = ["reference", "cuda", "metal"]
+
+
+def _saved(tmp_path, backend="reference", dtype="float32", count=6, seed=0):
+    """A cache with a workload of ``count`` sequences on ``backend``, and a file of all of them
+    with token ids for every other one."""
+    src = make_cache(backend, config(dtype=dtype, prefix_cache=True))
+    rng = np.random.default_rng(seed)
+    work = build_workload(src, rng, count=count, windows=False)
+    tokens = [rng.integers(1, 500, src.sequence_length(s)).tolist() if i % 2 == 0 else None
+              for i, s in enumerate(work.ids)]
+    path = tmp_path / f"{backend}-{dtype}.kv"
+    src.save_sequences(path, work.ids, tokens=tokens, fingerprint={"model": "test", "layers": 2})
+    return src, work.ids, tokens, path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("src_backend", BACKENDS)
+def test_a_file_loads_on_every_backend_bit_for_bit(tmp_path, src_backend, dtype):
+    src, ids, tokens, path = _saved(tmp_path, src_backend, dtype)
+    for dst_backend in BACKENDS:
+        dst = make_cache(dst_backend, config(dtype=dtype, prefix_cache=True))
+        dst.add_sequence(5)                             # ids are taken after the largest
+        new = dst.load_sequences(path, fingerprint={"layers": 2, "model": "test"})
+        assert new == list(range(6, 6 + len(ids)))
+        for sid, did in zip(ids, new):
+            assert_same_kv(src, sid, dst, did)
+        # a loaded sequence with ids has its full pages in the prefix index
+        t = tokens[0]
+        ps = dst.config.page_size
+        assert dst.match_prefix(t + [1]) == len(t) // ps * ps
+    header = read_header(path)
+    assert header["page_size"] == 4 and len(header["sequences"]) == len(ids)
+    assert [len(e["pages"]) for e in header["sequences"]] == \
+        [-(-src.sequence_length(s) // 4) for s in ids]
+
+
+def test_loading_continues_the_sequence_as_if_it_never_left(tmp_path):
+    """A loaded sequence attends to the same keys: a forward over it gives the outputs the
+    source's gives."""
+    src = make_cache("reference", config())
+    rng = np.random.default_rng(3)
+    src.add_sequence(1)
+    run_forward(src, [1], [37], rng)
+    path = tmp_path / "one.kv"
+    src.save_sequences(path, [1])
+    dst = make_cache("reference", config())
+    (did,) = dst.load_sequences(path, seq_ids=[9])
+    c = src.config
+    qkv = [tuple(rng.standard_normal((3, h, c.head_dim)).astype(np.float32)
+                 for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads))
+           for _ in range(c.num_layers)]
+    a = run_forward(src, [1], [3], rng, return_output=True, qkv=qkv)
+    b = run_forward(dst, [did], [3], rng, return_output=True, qkv=qkv)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def _regions(path) -> dict:
+    """Byte offsets in the file of each part the adversarial test flips."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    table = json.loads(raw[8:8 + n])
+    head = raw[8:8 + n].decode()
+    meta = table["__metadata__"]["kvcache"]
+    at = head.index(json.dumps(meta)[1:20])        # where the file header's text starts
+
+    def field(text):
+        return 8 + head.index(text, at)
+    start = 8 + n
+    entry = json.loads(meta)["sequences"][0]
+    k0 = table[entry["k"]]["data_offsets"][0]
+    v0 = table[entry["v"]]["data_offsets"][0]
+    return {"container length": 3, "tensor table": 12,
+            "format": field("kvcache-kv-file"), "page_size": field('page_size\\":') + 12,
+            "token ids": field('tokens\\":[') + 10, "page hash": field('pages\\":[\\"') + 12,
+            "payload header": field('num_kv_heads\\":') + 15,
+            "K": start + k0 + 5, "V": start + v0 + 7}
+
+
+REASONS = {"container length": "header length", "tensor table": "not in the file",
+           "format": "format=", "page_size": "fails its hash", "token ids": "fails its hash",
+           "page hash": "fails its hash", "payload header": "num_kv_heads", "K": "checksum",
+           "V": "checksum"}
+"""What each flipped part is refused for (the K/V flips meet the payload's CRC-32 before the
+page hashes, which would refuse them too)."""
+
+
+@pytest.mark.parametrize("part", list(REASONS))
+def test_a_flipped_byte_anywhere_is_refused_and_nothing_changes(tmp_path, part):
+    _, ids, _, path = _saved(tmp_path, count=3)
+    raw = bytearray(path.read_bytes())
+    at = _regions(path)[part]
+    raw[at] ^= 0x01 if part not in ("K", "V") else 0x40
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(bytes(raw))
+    dst = make_cache("reference", config(prefix_cache=True))
+    dst.add_sequence(1)
+    run_forward(dst, [1], [9], np.random.default_rng(1))
+    before = snapshot(dst)
+    with pytest.raises(KVCacheError) as info:
+        dst.load_sequences(bad)
+    assert isinstance(info.value, InvalidArgumentError), info.value
+    assert REASONS[part] in str(info.value) and "nothing was loaded" in str(info.value)
+    assert snapshot(dst) == before
+
+
+def test_a_truncated_file_is_refused_at_every_boundary(tmp_path):
+    _, _, _, path = _saved(tmp_path, count=2)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    cuts = sorted({0, 4, 8, 9, 8 + n // 2, 8 + n, 8 + n + 1, (8 + n + len(raw)) // 2,
+                   len(raw) - 1})
+    dst = make_cache("reference", config())
+    before = snapshot(dst)
+    for cut in cuts:
+        bad = tmp_path / f"cut{cut}.kv"
+        bad.write_bytes(raw[:cut])
+        with pytest.raises(InvalidArgumentError, match="nothing was loaded"):
+            dst.load_sequences(bad)
+        assert snapshot(dst) == before, cut
+
+
+def test_mismatches_name_the_field_and_change_nothing(tmp_path):
+    _, ids, _, path = _saved(tmp_path, count=3)
+    dst = make_cache("reference", config())
+    before = snapshot(dst)
+    with pytest.raises(InvalidArgumentError, match="fingerprint field 'model'"):
+        dst.load_sequences(path, fingerprint={"model": "other", "layers": 2})
+    # another geometry: the payload's own checks name the field
+    other = make_cache("reference", config(layers=3))
+    with pytest.raises(InvalidArgumentError, match="num_layers|layers"):
+        other.load_sequences(path)
+    assert other.num_sequences == 0
+    # another version of the format
+    raw = path.read_bytes().replace(b'\\"version\\":1,\\"fingerprint', b'\\"version\\":7,\\"fingerprint')
+    (tmp_path / "v7.kv").write_bytes(raw)
+    with pytest.raises(UnsupportedFeatureError, match="version=7"):
+        dst.load_sequences(tmp_path / "v7.kv")
+    # room for some of the sequences only: the ones loaded first go again
+    pages = [-(-e["payload"]["num_tokens"] // 4) for e in read_header(path)["sequences"]]
+    assert pages[0] < sum(pages) - 2
+    small = make_cache("reference", config(max_total_tokens=4 * (sum(pages) - 2)))
+    with pytest.raises(CacheFullError):
+        small.load_sequences(path)
+    assert small.num_sequences == 0 and small.num_available_pages == small.num_total_pages
+    assert snapshot(dst) == before
+
+
+def test_bad_arguments_are_refused_before_writing(tmp_path):
+    src, ids, _, _ = _saved(tmp_path, count=2)
+    path = tmp_path / "x.kv"
+    with pytest.raises(InvalidArgumentError, match="token ids list"):
+        src.save_sequences(path, ids[:1], tokens=[[1, 2, 3]])
+    with pytest.raises(kvcache.SequenceNotFoundError):
+        src.save_sequences(path, [12345])
+    assert not path.exists()
+
+
+def test_the_files_bench_runs_and_judges_its_ratios(capsys):
+    """``kvcache bench --files`` (1 MiB here): save and load against a plain write and read of
+    the same bytes, in one run, each with its ratio and target."""
+    from kvcache.cli import main
+    assert main(["bench", "--files", "--files-mib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "save_sequences" in out and "load_sequences" in out and "loaded length right: True" in out
+    assert out.count("(target >= 0.8)") == 2
+    assert main(["bench", "--files", "--files-mib", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tokens"] == 8 and res["save_over_write"] > 0 and res["load_over_read"] > 0
