@@ -112,6 +112,10 @@ def save_sequences(cache, path, seq_ids: Sequence[int], tokens: Optional[Sequenc
             raise InvalidArgumentError(
                 f"save_sequences: sequence {sid} holds {p.num_tokens} tokens, its token ids "
                 f"list {len(toks)}")
+        if toks is not None and not all(0 <= t < 2**31 for t in toks):
+            raise InvalidArgumentError(
+                f"save_sequences: sequence {sid}: token ids must lie in [0, 2**31) (the file "
+                f"hashes them as int32)")
         entries.append({"payload": p.header(), "tokens": toks, "k": f"s{i}.k", "v": f"s{i}.v",
                         "pages": _page_hashes(p.k, p.v, toks, ps, _root(p.header()))})
         arrays += [(f"s{i}.k", p.k, p.array_dtype), (f"s{i}.v", p.v, p.array_dtype)]
@@ -132,7 +136,7 @@ def save_sequences(cache, path, seq_ids: Sequence[int], tokens: Optional[Sequenc
             f.write(struct.pack("<Q", len(head)))
             f.write(head)
             for _, a, _ in arrays:
-                f.write(np.ascontiguousarray(a).tobytes())
+                f.write(np.ascontiguousarray(a).view(np.uint8).data)     # (no copy)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -178,6 +178,8 @@ def test_bad_arguments_are_refused_before_writing(tmp_path):
     path = tmp_path / "x.kv"
     with pytest.raises(InvalidArgumentError, match="token ids list"):
         src.save_sequences(path, ids[:1], tokens=[[1, 2, 3]])
+    with pytest.raises(InvalidArgumentError, match="2\\*\\*31"):
+        src.save_sequences(path, ids[:1], tokens=[[-1] * src.sequence_length(ids[0])])
     with pytest.raises(kvcache.SequenceNotFoundError):
         src.save_sequences(path, [12345])
     assert not path.exists()
