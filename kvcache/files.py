@@ -50,6 +50,7 @@ FILE_VERSION = 1
 """The file format version this kvcache writes and reads."""
 
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8"}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 _MAX_HEADER = 1 << 28
 """A container header longer than this is refused (a corrupt length, not a real file)."""
 
@@ -222,7 +223,7 @@ def _array(path, table: dict, name, start: int, size: int, f) -> np.ndarray:
     spec = table.get(name) if isinstance(name, str) else None
     if not isinstance(spec, dict):
         raise _refuse(path, f"array {name!r} is not in the file")
-    st = {v: k for k, v in _ST_DTYPES.items()}.get(str(spec.get("dtype")))
+    st = _ST_NAMES.get(str(spec.get("dtype")))
     shape, offs = spec.get("shape"), spec.get("data_offsets")
     if st is None or not isinstance(shape, list) or not isinstance(offs, list) \
             or len(offs) != 2 or not all(isinstance(d, int) and d >= 0 for d in shape):
@@ -271,9 +272,10 @@ def load_sequences(cache, path, seq_ids: Optional[Sequence[int]] = None,
             k = _array(path, table, e["k"], start, size, f)
             v = _array(path, table, e["v"], start, size, f)
             try:
-                # the header's checks now, the arrays' (shapes, CRC-32) once, here
+                # the header's, the arrays' (shapes, CRC-32) and the cache's (geometry, RoPE,
+                # dtype) checks, for every sequence before the first is imported
                 p = dataclasses.replace(SequencePayload.from_header(e["payload"]), k=k, v=v)
-                p.check(f"sequence {i}")
+                p.check_fits(cache.config, ids[i], convert_dtype)
             except KVCacheError as exc:
                 raise _refuse(path, f"sequence {i}: {exc}") from None
             toks = e["tokens"]

@@ -293,9 +293,9 @@ class Engine:
         graphs are captured now rather than on the first requests that meet each shape; without
         graphs, one prefill and one decode step; then a fork inside a page, a round trip through
         the host tier (when offload is on) and the pickers once. Leaves no page, sequence or
-        prefix-cache entry behind and counts nothing in ``stats``. Returns a ``WarmUp`` (seconds, forwards,
-        captures, the steps run and those the free pages could not hold). Raises
-        ``InvalidArgumentError`` while requests are unfinished."""
+        prefix-cache entry behind and counts nothing in ``stats``. Returns a ``WarmUp``
+        (seconds, forwards, captures, the steps run and those the free pages could not hold).
+        Raises ``InvalidArgumentError`` while requests are unfinished."""
         from .warm_up import warm_up
         with self._lock:
             return warm_up(self)
