@@ -65,6 +65,23 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
         -k "Softcap or Sinks or MixedWindow or HeadDim or WindowLeft" 2>&1 | tail -14 ;;
     families) section "issue 27: every family at 8B-like attention shapes, bf16, against transformers' own generate"
       timeout 560 python3 tools/gpu_hf_check.py ${FAMILY_ARGS:-} 2>&1 | grep -a -v -i "warn" | tee "$OUT/families.log" | tail -40 ;;
+    flash55) section "issue 55: FlashAttention prefill: its tests and the prefill kernel tests on the GPU beside the whole conformance suite with KVCACHE_CUDA_FLASH=on (about 6 minutes)"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_flash.py \
+        tests/cuda/test_cuda_kernels.py -k "flash or library or ragged or paged_prefill or gather" > "$OUT/flash_tests.log" 2>&1 &
+      KVCACHE_CUDA_FLASH=on timeout 540 python3 -m kvcache.cli conformance --backend cuda --report "$OUT/conformance_flash.md" > "$OUT/conformance_flash.log" 2>&1
+      echo "conformance rc $?"; tail -25 "$OUT/conformance_flash.log"; wait
+      grep -a "passed\|failed\|^FAILED\|^ERROR" "$OUT/flash_tests.log" | tail -15 ;;
+    fix55) section "issue 55: conformance classes (CONF_K) and the flash tests, with KVCACHE_CUDA_FLASH=on"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout ${FIX_S:-200} python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_flash.py \
+        tests/cuda/test_cuda_attention_features.py -k "flash or library or softcap or sink" > "$OUT/flash_tests.log" 2>&1 &
+      KVCACHE_CUDA_FLASH=on timeout ${FIX_S:-200} python3 -m kvcache.cli conformance --backend cuda -k "${CONF_K:-AttentionSinks or LogitSoftcap or HeadDimV or MixedWindow or NonFinite}" > "$OUT/conformance_fix.log" 2>&1
+      echo "conformance rc $?"; grep -a "passed\|FAILED\|verdict" "$OUT/conformance_fix.log" | tail -8; wait
+      grep -a "passed\|failed\|^FAILED\|^ERROR" "$OUT/flash_tests.log" | tail -8 ;;
+    bench55) section "issue 55: prefill Triton against FlashAttention against SDPA, fp8 against 16-bit, the dispatch thresholds (about 4 minutes)"
+      cp backends/cuda/kvcache_cuda/tuning_table.json "$OUT/tuning_table.json"
+      timeout ${TUNE_S:-240} python3 -m kvcache_cuda.tune --only flash --write --table "$OUT/tuning_table.json" 2>&1 | grep -a -v -i warn | tail -20
+      cp "$OUT/tuning_table.json" backends/cuda/kvcache_cuda/tuning_table.json
+      timeout ${BENCH_S:-300} python3 -m kvcache_cuda.bench --only ${BENCH_ONLY:-decode,prefill,fp8} --json "$OUT/bench55.json" 2>&1 | grep -a -v -i warn | tee "$OUT/bench55.log" | tail -40 ;;
     prefix) section "issue 31: prefix cache warm = cold on the GPU, conformance -k Prefix"
       timeout 280 python3 tools/gpu_prefix_check.py 2>&1 | grep -a -v -i warn | tee "$OUT/prefix_check.log" | tail -16 &
       timeout 280 python3 -m kvcache.cli conformance --backend cuda -k Prefix 2>&1 | tail -4; wait ;;

@@ -239,6 +239,20 @@ class CudaBackend(Backend):
         """The GPU's architecture (``"sm_90"``, ``"gfx942"``; None in the CPU test mode)."""
         self.tuning = for_arch(self.TUNING, self.arch)      # its tuning_table.json entry
         self.host_compute_stream = None if self.on_gpu else HostStream("compute")
+        self.flash_problem: Optional[str] = None
+        """Why ``flash`` is None (the bench prints it)."""
+        self.flash = self._flash_prefill()
+        """The prefill calls' dispatch to torch's attention kernels
+        (``kvcache_cuda.flash.FlashPrefill``), or None where they cannot run (no GPU, ROCm, an old GPU or torch,
+        ``KVCACHE_CUDA_FLASH=off``): every call runs the Triton kernels."""
+
+    def _flash_prefill(self):
+        if not self.on_gpu or self.impl == "torch":
+            self.flash_problem = "not on a GPU" if not self.on_gpu else f"{IMPL_ENV}=torch"
+            return None
+        from . import flash                 # imports Triton: GPU users only
+        self.flash_problem = flash.flash_problem(self.torch_device)
+        return None if self.flash_problem else flash.FlashPrefill()
 
     @property
     def scratch_allocations(self) -> int:
@@ -462,21 +476,32 @@ class CudaBackend(Backend):
     def ragged_attention(self, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                          rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
                          logit_softcap=0.0, sinks=None, kv_scale=None):
+        kernels, flash = self.kernels(q), self.flash
+        extra = {}
+        if flash is not None and kernels.__name__.endswith("triton_kernels") and flash.ragged_ok(
+                self.ctx, q, k, v, num_seqs=num_seqs, max_len=max_len, tree=tree, rope=rope,
+                softcap=logit_softcap, sinks=sinks, window_left=window_left):
+            extra["attend"] = flash.ragged_attend(qo_indptr, max_len, sm_scale, int(window_left))
         with self._guard():
-            return self.kernels(q).ragged_attention(
+            return kernels.ragged_attention(
                 self.ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len,
                 tree=tree, rope=rope, q_positions=q_positions, k_rope_offset=k_rope_offset,
                 window_left=window_left, logit_softcap=logit_softcap, sinks=sinks,
-                kv_scale=kv_scale)
+                kv_scale=kv_scale, **extra)
 
     def paged_attention(self, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
                         window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None):
+        kernels, flash = self.kernels(q), self.flash
+        extra = {}
+        if flash is not None and kernels.__name__.endswith("triton_kernels") and flash.paged_ok(
+                self.ctx, q, depth, rope=rope, window_left=window_left, softcap=logit_softcap,
+                sinks=sinks):
+            extra["attend"] = flash.paged_attend(self.ctx, q, pages, depth, sm_scale)
         with self._guard():
-            return self.kernels(q).paged_attention(self.ctx, q, pages, depth, sm_scale, rope=rope,
-                                                   q_positions=q_positions,
-                                                   window_left=window_left,
-                                                   logit_softcap=logit_softcap, sinks=sinks,
-                                                   kv_scale=kv_scale)
+            return kernels.paged_attention(self.ctx, q, pages, depth, sm_scale, rope=rope,
+                                           q_positions=q_positions, window_left=window_left,
+                                           logit_softcap=logit_softcap, sinks=sinks,
+                                           kv_scale=kv_scale, **extra)
 
     def merge_attention(self, o_a, lse_a, o_b, lse_b):
         with self._guard():

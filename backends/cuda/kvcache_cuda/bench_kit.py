@@ -88,9 +88,31 @@ def paged_setup(torch, backend, batch, kv_len, nq, rng, device):
         last_page_len=i32(np.full(batch, (kv_len - 1) % PS + 1)), kv_len=i32(np.full(batch, kv_len)),
         sink_size=i32(np.zeros(batch)), window_offset=i32(np.zeros(batch)),
         k_rope_offset=i32(np.zeros(batch)), num_entries=batch, use_decode=nq == 1,
-        max_kv_len=kv_len, covers_rows=True)
+        max_kv_len=kv_len, max_qo_len=nq, covers_rows=True)
     q = torch.randn((batch * nq, HQ, D), device=device).to(backend.dtype)
     return pages, depth, q
+
+
+class prefill_path:
+    """``with prefill_path(backend, "triton" | "flash" | "auto"):`` the backend's prefill calls
+    run the Triton kernels, torch's attention kernels wherever they can compute them
+    (``kvcache_cuda.flash``), or the dispatch of its tuning table; ``ok`` is False where the
+    library is not there ("flash" asked)."""
+
+    def __init__(self, backend, path: str):
+        self.backend, self.path, self.saved = backend, path, backend.flash
+        self.ok = path != "flash" or backend.flash is not None
+
+    def __enter__(self):
+        from .flash import FlashPrefill
+        if self.path == "triton":
+            self.backend.flash = None
+        elif self.path == "flash" and self.ok:
+            self.backend.flash = FlashPrefill(force="on")
+        return self
+
+    def __exit__(self, *exc):
+        self.backend.flash = self.saved
 
 
 def sdpa(torch, q, k, v, causal=False):

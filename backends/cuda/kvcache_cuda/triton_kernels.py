@@ -725,18 +725,22 @@ def _ragged_tile(q1, q2, m_i, l_i, acc, c0, end, lo, r, kvh, k_ptr, v_ptr, sk_t,
 def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_ptr,
                    tind_ptr, tmask_ptr, sinks_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    sl_t, qk_scale, softcap_log2, log2_theta, rope_scale, freq_ptr, window_left,
-                   scale_ptr,
+                   scale_ptr, guard_ptr,
                    GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr,
                    ROPE: tl.constexpr, FREQ: tl.constexpr, IEEE: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
-                   SINKS: tl.constexpr, QUANT: tl.constexpr):
+                   SINKS: tl.constexpr, QUANT: tl.constexpr, GUARD: tl.constexpr):
     """Causal (or tree) attention among one sequence's new tokens; grid (q tiles, seqs, Hkv).
     QUANT: K and V are fp8 codes (in the compute dtype, from ``_finite_v_kernel``) with the scales
-    of ``scale_ptr``."""
+    of ``scale_ptr``. GUARD: every program returns at once unless ``guard_ptr[0]`` is set (the
+    library's result stands unless its inputs held a non-finite q or k: ``kvcache_cuda.flash``)."""
     seq, kvh, lo, n, m0, r, head, row_ok = _ragged_rows(qo_ptr, GROUP, M_TOK, BLOCK_R)
-    if m0 < n:
+    go = m0 < n
+    if GUARD:
+        go = go & (tl.load(guard_ptr) != 0)
+    if go:
         ks, vs = _kv_scales(scale_ptr, kvh, tl.num_programs(2), QUANT)
         tok = (lo + r).to(tl.int64)
         dh = tl.arange(0, BLOCK_HALF)
@@ -873,7 +877,7 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                           kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                           sinks_ptr, n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t,
                           so_h, so_s, sl_t, sl_s, qk_scale, softcap_log2, log2_theta, rope_scale,
-                          freq_ptr, window_left, scale_ptr,
+                          freq_ptr, window_left, scale_ptr, guard_ptr,
                           GROUP: tl.constexpr, M_TOK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -881,7 +885,7 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                           IEEE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                           SOFTCAP: tl.constexpr, SINKS: tl.constexpr, QUANT: tl.constexpr,
                           CHAINS: tl.constexpr, KV_SPLITS: tl.constexpr, UNIFORM: tl.constexpr,
-                          INVARIANT: tl.constexpr = False):
+                          INVARIANT: tl.constexpr = False, GUARD: tl.constexpr = False):
     """Entries with many queries; grid (sum of q tiles upper bound, Hkv, KV_SPLITS). Tile ->
     entry by a vector prefix sum over all entries (no host-side tile plan, no extra launches).
     UNIFORM: the entry's scalars and the lean loop's bounds through ``_warp_uniform``.
@@ -898,7 +902,8 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
     order, each masked per key: a row's online softmax
     takes the same steps whatever the other rows of its tile (the tiles past its last key
     change nothing: p = 0, alpha = 1), so a token gets the same bits in a prompt chunk or a
-    decode step (the launcher sends decode entries here too)."""
+    decode step (the launcher sends decode entries here too).
+    GUARD (KV_SPLITS 1): as the ragged kernel's."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     ei = tl.arange(0, BLOCK_E)
@@ -908,7 +913,10 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
     nb = (e_hi - e_lo + M_TOK - 1) // M_TOK
     cum = tl.cumsum(nb, 0)
     e = _warp_uniform(tl.sum((cum <= pid).to(tl.int32), 0), UNIFORM)
-    if e < n_entries:
+    go = e < n_entries
+    if GUARD:
+        go = go & (tl.load(guard_ptr) != 0)
+    if go:
         m0 = _warp_uniform((pid - tl.sum(tl.where(ei < e, nb, 0), 0)) * M_TOK, UNIFORM)
         lo = _warp_uniform(tl.load(qo_ptr + e), UNIFORM)
         nq = _warp_uniform(tl.load(qo_ptr + e + 1), UNIFORM) - lo
@@ -1636,18 +1644,21 @@ class _Record:
     decode: Any
 
 
-def _variant(rec, mode, sinks):
+def _variant(rec, mode, sinks, guard=False):
     """The record's attention kernel for a call with softcap and / or sinks: the same constexprs
     as ``rec.run`` plus SOFTCAP / SINKS, built on first use (one record serves a forward's calls
-    with and without them: the core passes sinks to one call of each layer)."""
-    flags = (mode, sinks is not None)
-    if flags == (0, False):
+    with and without them: the core passes sinks to one call of each layer). ``guard``: the
+    GUARD variant (the fallback behind the library, ``kvcache_cuda.flash``)."""
+    flags = (mode, sinks is not None, guard)
+    if flags == (0, False, False):
         return rec.run
     run = rec.variants.get(flags)
     if run is None:
         base = rec.run
-        run = rec.variants[flags] = _Kernel(base.jit, dict(base.kw, SOFTCAP=flags[0],
-                                                           SINKS=flags[1]))
+        kw = dict(base.kw, SOFTCAP=flags[0], SINKS=flags[1])
+        if guard:                   # the decode kernel has no GUARD
+            kw["GUARD"] = True
+        run = rec.variants[flags] = _Kernel(base.jit, kw)
     return run
 
 
@@ -1676,7 +1687,7 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
         HEAD_DIM=d, HALF=cfg.half, BLOCK_HALF=cfg.block_half, BLOCK_D=cfg.block_d,
         TREE=tree is not None, ROPE=rope is not None, FREQ=has_freq, IEEE=cfg.ieee,
         HEAD_DIM_V=dv, BLOCK_DV=cfg.block_dv, SOFTCAP=0, SINKS=False, QUANT=cfg.quant,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+        GUARD=False, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     rec.variants = {}
     rec.nrun = _Kernel(_ragged_nonfinite_kernel, dict(
         GROUP=ctx.group, M_TOK=cfg.rag_m_tok, BLOCK_R=cfg.rag_block_r, BLOCK_N=tiles.block_n,
@@ -1726,7 +1737,11 @@ def _scale_arg(ctx, kv_scale, dummy):
 
 def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tree=None,
                      rope=None, q_positions=None, k_rope_offset=None, window_left=-1,
-                     logit_softcap=0.0, sinks=None, kv_scale=None):
+                     logit_softcap=0.0, sinks=None, kv_scale=None, attend=None):
+    """``Backend.ragged_attention``. ``attend``: ``(q, k, v) -> (o, lse)`` run instead of the
+    attention kernel, between the finite-V pass and the non-finite fix-up (``kvcache_cuda.flash``
+    for a plain call; its caller checked that the call has no tree, RoPE, soft-cap, sinks or
+    fp8)."""
     softcap = float(logit_softcap or 0.0)
     if _partial(rope):
         return torch_kernels.ragged_attention(
@@ -1741,13 +1756,11 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
                 torch.empty((t_total, hq), dtype=torch.float32, device=q.device))
     rec = _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope)
     scales = _scale_arg(ctx, kv_scale, qo_indptr)
-    o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
-    lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
     qpos = q_positions if rope is not None else qo_indptr
     krope = k_rope_offset if rope is not None else qo_indptr
     tind, tmask = rec.post
     v_in, k_in = v, k
-    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
     window_left = int(window_left)
     # what Triton's specialisation sees per call beyond the record (``_Kernel``); outputs and
     # scratch are fresh or the record's, contiguous and aligned
@@ -1771,12 +1784,21 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
                      ski[1], k.shape[1], scales)
             sk = ski
     svi = v_in.stride()
+    # with the library (``attend``) its result stands and the kernel, guarded, recomputes the
+    # call only where the library's inputs held a non-finite q or k (its NaN rules are not ours)
+    guard = None
+    if attend is not None:
+        o, lse, guard = attend(q, k_in, v_in)
+    else:
+        o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
+        lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
+    so = o.stride()
     mode = _softcap_mode(rec, softcap, sm_scale)
-    _variant(rec, mode, sinks)(
+    _variant(rec, mode, sinks, guard is not None)(
         rec.grid, spec, q, k_in, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
-        qo_indptr if sinks is None else sinks, sq[0], sq[1], sk[0], sk[1], svi[0], svi[1], so[0],
-        so[1], lse.stride(0), *_score_scales(sm_scale, softcap, mode), *rec.rope, window_left,
-        scales)
+        qo_indptr if sinks is None else sinks, sq[0], sq[1], sk[0], sk[1], svi[0], svi[1],
+        so[0], so[1], lse.stride(0), *_score_scales(sm_scale, softcap, mode), *rec.rope,
+        window_left, scales, qo_indptr if guard is None else guard)
     if finite:
         rec.nrun(rec.grid, spec, v, bad, any_bad, o, qo_indptr, tind, tmask, sv[0], sv[1], so[0],
                  so[1], ctx.num_kv_heads, window_left, scales)
@@ -1852,13 +1874,17 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
         rec.run = _Kernel(_paged_prefill_kernel, dict(
             GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
             BLOCK_E=_p2(n), **flags, CHAINS=depth.tree is not None and depth.tree.chains,
-            KV_SPLITS=splits, UNIFORM=cfg.uniform, INVARIANT=ctx.batch_invariant,
+            KV_SPLITS=splits, UNIFORM=cfg.uniform, INVARIANT=ctx.batch_invariant, GUARD=False,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     return _keep(launch, key, (depth, rope), rec, q)
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
-                    window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None):
+                    window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None, attend=None):
+    """``Backend.paged_attention``. ``attend``: ``() -> (o, lse, guard)``, the library's result
+    for a prefill call its caller checked it computes (``kvcache_cuda.flash``): it stands, and
+    the kernel, guarded, recomputes the call where ``guard`` is set. Taken where the kernel
+    would run one key split (decode calls and split shared prefixes keep the kernel)."""
     softcap = float(logit_softcap or 0.0)
     if _partial(rope):
         return torch_kernels.paged_attention(ctx, q, pages, depth, sm_scale, rope=rope,
@@ -1894,10 +1920,14 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
             *rec.post, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *rec.sf,
             *scales, *rec.rope, int(window_left), scale_arg)
         return o, lse
+    guard = None
+    if attend is not None and rec.splits == 1:
+        o, lse, guard = attend()
+        run = _variant(rec, mode, sinks, True)
     # prefill: rows no entry covers must read o = 0 / lse = -inf (the sink with sinks); where
     # the entries cover every row the kernel writes them all, and the fill (a pass over o as
     # long as a short prefill's attention) is skipped
-    if depth.covers_rows and t_total and depth.num_entries:
+    elif depth.covers_rows and t_total and depth.num_entries:
         o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
         lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
     else:
@@ -1921,14 +1951,14 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         no_sinks = spec[:len(spec) - len(_sinks_spec(sinks))]
         run(rec.grid, no_sinks, q, pages, po, pl, *rec.pre, qpos, tind, tmask, depth.qo_indptr,
             n, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
-            int(window_left), scale_arg)
+            int(window_left), scale_arg, scale_arg)
         merges, grid = rec.mrun
         merges[sinks is not None](grid, (o.dtype, *_sinks_spec(sinks)), po, pl, o, lse,
                                   sinks_arg, rec.o_shape[1], *rec.so, *rec.sl)
         return o, lse
     run(rec.grid, spec, q, pages, o, lse, *rec.pre, qpos, tind, tmask, sinks_arg, n, sq[0],
         sq[1], sp[0], sp[1], sp[2], sp[3], *rec.so, *rec.sl, *scales, *rec.rope,
-        int(window_left), scale_arg)
+        int(window_left), scale_arg, scale_arg if guard is None else guard)
     return o, lse
 
 

@@ -17,7 +17,13 @@ over the case's best time (so no case is given up for another):
    (the "ragged" entry: the ragged kernel's own tiles for 16-bit caches);
 5. where the kernels are compiled for an NVIDIA GPU (inline PTX reaches them), the flag
    ``warp_uniform_scalars`` off and on over the paged prefill cases, with the chosen prefill
-   tiles (on ROCm the flag cannot apply, and the entry leaves it out).
+   tiles (on ROCm the flag cannot apply, and the entry leaves it out);
+6. where torch's attention kernels run (``kvcache_cuda.flash``), the Triton prefill against them
+   over growing calls (``FLASH_RAGGED_ROWS``: one sequence of that many rows;
+   ``FLASH_PAGED_ROWS``: that many queries over 4096 paged keys, the gather included): the
+   thresholds ``flash_ragged_min_rows`` / ``flash_paged_min_rows`` are the smallest size from
+   which the library is faster at that size and every larger one (left out where it never is).
+   ``--only flash`` runs this step alone and keeps the rest of the architecture's entry.
 
 Prints every candidate's times and the chosen entry; ``--write`` stores it under this GPU's
 ``device_arch`` (``"sm_90"``, ``"gfx942"``), keeping the other architectures' entries. The
@@ -35,12 +41,15 @@ from pathlib import Path
 import numpy as np
 
 from . import bench, bench_kit, triton_kernels
-from .tuning import AttnTiles, TABLE_PATH, device_arch, write_entry
+from .tuning import AttnTiles, TABLE_PATH, device_arch, read_table, write_entry
 
 DECODE_CASES = [(1, 4096), (16, 4096), (64, 4096), (1, 32768)]
 PREFILL_CASES = [("paged", 1, 4096), ("paged", 8, 1024), ("ragged", 1, 4096),
                  ("ragged", 8, 1024)]
 SPLIT_RULES = [(pps, keys) for pps in (1, 2, 4) for keys in (64, 128, 256, 512)]
+FLASH_RAGGED_ROWS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+FLASH_PAGED_ROWS = (16, 64, 256, 1024, 4096)
+FLASH_PAGED_KEYS = 4096
 
 
 def best_of(timings: dict) -> tuple:
@@ -151,6 +160,58 @@ def sweep(torch, backend, timer, rng, device) -> dict:
     return entry
 
 
+def crossover(sizes, triton_us, flash_us):
+    """The smallest size from which ``flash_us`` beats ``triton_us`` there and at every larger
+    size (None: at no size)."""
+    best = None
+    for size, t, f in reversed(list(zip(sizes, triton_us, flash_us))):
+        if f is None or t is None or f >= t:
+            break
+        best = size
+    return best
+
+
+def flash_sweep(torch, backend, timer, rng, device) -> dict:
+    """Step 6: the entry's library thresholds and what they came from ({} where the
+    library does not run here)."""
+    from .bench_kit import prefill_path
+    if backend.flash is None:
+        print(f"# torch's attention kernels: not here ({backend.flash_problem})", flush=True)
+        return {}
+    scale = bench_kit.D ** -0.5
+    entry: dict = {}
+    measured: dict = {}
+    for kind, sizes in (("ragged", FLASH_RAGGED_ROWS), ("paged", FLASH_PAGED_ROWS)):
+        times: dict = {"triton": [], "flash": []}
+        for n in sizes:
+            if kind == "ragged":
+                q = torch.randn((n, bench_kit.HQ, bench_kit.D), device=device).to(backend.dtype)
+                k = torch.randn((n, bench_kit.HKV, bench_kit.D), device=device).to(backend.dtype)
+                v = torch.randn_like(k)
+                qo = torch.tensor([0, n], device=device, dtype=torch.int32)
+                run = functools.partial(backend.ragged_attention, q, k, v, qo, scale, num_seqs=1,
+                                        max_len=n)
+            else:
+                pages, depth, q = bench_kit.paged_setup(torch, backend, 1, FLASH_PAGED_KEYS, n,
+                                                        rng, device)
+                run = functools.partial(backend.paged_attention, q, pages, depth, scale)
+            for path in ("triton", "flash"):
+                with prefill_path(backend, path):
+                    try:
+                        times[path].append(round(timer.measure(run)[0], 1))
+                    except Exception as exc:
+                        print(f"  {kind} {n} {path}: failed ({type(exc).__name__}: {exc})")
+                        times[path].append(None)
+            print(f"  flash {kind} rows {n}: triton {times['triton'][-1]} us, flash "
+                  f"{times['flash'][-1]} us", flush=True)
+        at = crossover(sizes, times["triton"], times["flash"])
+        if at is not None:
+            entry[f"flash_{kind}_min_rows"] = at
+        measured[f"flash_{kind}_us"] = {"rows": list(sizes), **times}
+    entry["measured"] = measured
+    return entry
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcache_cuda.tune", description=__doc__.split("\n")[0])
     p.add_argument("--write", action="store_true", help="store the entry in the table")
@@ -158,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     p.add_argument("--device", default="cuda")
+    p.add_argument("--only", choices=("all", "flash"), default="all",
+                   help="flash: step 6 alone, merged into the architecture's entry")
     args = p.parse_args(argv)
     import torch
     from .backend import CudaBackend
@@ -175,9 +238,24 @@ def main(argv=None) -> int:
     print(f"# {name} ({arch}), {args.dtype}, Hq{bench_kit.HQ}/Hkv{bench_kit.HKV}/D{bench_kit.D} "
           f"page {bench_kit.PS}", flush=True)
     timer = bench_kit.Timer(torch, device, args.iters, 3)
-    entry = sweep(torch, backend, timer, np.random.default_rng(0), device)
-    entry["source"] = (f"python -m kvcache_cuda.tune --write on {name}, {args.dtype}, "
-                       f"{datetime.date.today().isoformat()}")
+    rng = np.random.default_rng(0)
+    today = datetime.date.today().isoformat()
+    if args.only == "flash":
+        entry = dict(read_table(Path(args.table)).get(arch, {}))
+        found = flash_sweep(torch, backend, timer, rng, device)
+        for key in ("flash_ragged_min_rows", "flash_paged_min_rows"):
+            entry.pop(key, None)
+        entry.update({k: v for k, v in found.items() if k != "measured"})
+        entry["measured"] = dict(entry.get("measured", {}), **found.get("measured", {}))
+        entry["source"] = (f"{entry.get('source', '')}; --only flash on {name}, {args.dtype}, "
+                           f"{today}").lstrip("; ")
+    else:
+        entry = sweep(torch, backend, timer, rng, device)
+        found = flash_sweep(torch, backend, timer, rng, device)
+        entry.update({k: v for k, v in found.items() if k != "measured"})
+        entry["measured"].update(found.get("measured", {}))
+        entry["source"] = (f"python -m kvcache_cuda.tune --write on {name}, {args.dtype}, "
+                           f"{today}")
     print(f"# entry for {arch}: {entry}")
     if args.write:
         write_entry(arch, entry, Path(args.table))

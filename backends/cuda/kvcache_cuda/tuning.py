@@ -82,6 +82,12 @@ class Tuning:
     # Triton's interpreter. Off in the base tables; the sweep times it per architecture and
     # the shipped sm_90 entry turns it on (paged prefill B=8 L=2048 11% faster on an H100).
     warp_uniform_scalars: bool = False
+    # prefill of one sequence through torch's attention kernels (``kvcache_cuda.flash``) from
+    # this many rows of a ragged call / queries of a paged call's entry (its page gather costs
+    # per key); 0: never. Off in the base tables; ``python -m kvcache_cuda.tune`` times both
+    # paths per architecture and writes the crossover it found
+    flash_ragged_min_rows: int = 0
+    flash_paged_min_rows: int = 0
 
     def tiles(self, kind: str, head_dim: int, float32: bool = False,
               fp8: bool = False) -> AttnTiles:
@@ -142,7 +148,8 @@ TABLE_PATH = Path(__file__).with_name("tuning_table.json")
 """The per-architecture table (``python -m kvcache_cuda.tune --write`` on a GPU writes its
 architecture's entry): ``{arch: entry}``, an entry overriding a backend's base ``Tuning``."""
 _TILE_TABLES = ("by_head_dim", "float32_by_head_dim", "fp8_by_head_dim")
-_SCALARS = ("split_programs_per_sm", "split_min_keys", "split_max", "fp8_min_splits")
+_SCALARS = ("split_programs_per_sm", "split_min_keys", "split_max", "fp8_min_splits",
+            "flash_ragged_min_rows", "flash_paged_min_rows")
 _FLAGS = ("warp_uniform_scalars",)
 _KINDS = ("prefill", "ragged", "decode")
 
@@ -180,7 +187,8 @@ def for_arch(base: Tuning, arch: Optional[str], table: Optional[dict] = None,
     tables (``{"by_head_dim": {"128": {"decode": [block_rows, block_n, warps, stages]}}}``,
     likewise ``float32_by_head_dim`` / ``fp8_by_head_dim``) merged per head_dim and kind over
     the base's, its split-K numbers (``split_programs_per_sm``, ``split_min_keys``,
-    ``split_max``, ``fp8_min_splits``) and flags (``warp_uniform_scalars``) replacing the
+    ``split_max``, ``fp8_min_splits``), library thresholds (``flash_ragged_min_rows``,
+    ``flash_paged_min_rows``) and flags (``warp_uniform_scalars``) replacing the
     base's. No entry: ``base``. Raises
     ValueError naming ``where``, the architecture and the key for an entry it cannot read."""
     if arch is None:

@@ -1,0 +1,276 @@
+"""Prefill through the attention kernels that torch ships, where they compute what the call asks.
+
+torch's CUDA wheels carry cuDNN's attention (``aten._scaled_dot_product_cudnn_attention``, what
+SDPA runs on Hopper) and FlashAttention-2 (``aten._flash_attention_forward``, what
+``torch.nn.attention.varlen.varlen_attn`` runs). On one long sequence cuDNN is faster than our
+Triton prefill, so ``CudaBackend`` sends a prefill call here when
+
+* the library is there (``flash_problem``: a CUDA build of torch with the ops, an sm_80+ GPU,
+  ``KVCACHE_CUDA_FLASH`` not ``off``; ROCm's build returns another lse layout and runs the
+  Triton kernels),
+* the call asks only for what the library computes (``FlashPrefill.ragged_ok`` / ``paged_ok``):
+  16-bit pages and compute (no fp8), ``head_dim == head_dim_v <= 256``, no inline RoPE,
+  soft-capping, sinks or token tree, not the batch-invariant mode (whose point is one
+  arithmetic for prefill and decode); paged calls without a window, over a depth whose entries
+  cover every query row,
+* the rule takes it: one sequence (a ragged call's ``num_seqs``, a paged call's entries), no
+  window, and big enough: the tuning table's ``flash_ragged_min_rows`` (rows of a ragged call)
+  and ``flash_paged_min_rows`` (queries of the paged call's entry: the page gather below costs
+  per key, the attention per key and query), measured per architecture by
+  ``python -m kvcache_cuda.tune --only flash``; 0 (the base tables): never. Several sequences
+  would need FlashAttention-2's varlen kernel, slower than our Triton kernels on Hopper, so the
+  rule leaves them to Triton. ``KVCACHE_CUDA_FLASH=on`` takes every call the library can
+  compute, several sequences and windows through FlashAttention-2 (tests), ``off`` none.
+
+Paged calls gather the entries' keys into contiguous K/V (``gather_entries``, one Triton
+kernel: pages are ``(2, Hkv, page, D)``, head-major, which the library's page tables cannot
+read). Ragged calls run inside ``triton_kernels.ragged_attention``, after its finite-V pass and
+before its non-finite fix-up, so a NaN or inf in the V of a key a row does not see stays out of
+that row (the library multiplies masked keys' zero weights by V). A NaN / inf in q or in a key
+read sets a flag (``flag_nonfinite``, the gather), and the Triton kernel, launched with
+``GUARD``, recomputes the call where it is set: the library's NaN rules are not ours.
+
+The results differ from the Triton kernels' by rounding only (both accumulate in float32); the
+conformance suite runs with ``KVCACHE_CUDA_FLASH=on`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+FLASH_ENV = "KVCACHE_CUDA_FLASH"       # "auto" (default): the tuning table; "on": always; "off"
+_MODES = ("auto", "on", "off")
+MAX_HEAD_DIM = 256                    # FlashAttention-2's largest head dim
+
+Attend = Callable[..., tuple]
+"""``attend(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, window_left) -> (o, lse)``:
+varlen attention with FlashAttention's conventions: ``q`` (Tq, Hq, D), ``k``/``v`` (Tk, Hkv, D)
+(Hkv dividing Hq), ``cu_q``/``cu_k`` (n+1,) int32 prefix sums, ``causal`` aligned to the last
+key, ``window_left`` -1 or the keys before a query's diagonal it sees; ``o`` (Tq, Hq, D) in q's
+dtype, ``lse`` (Hq, Tq) float32 natural log, +inf for a row that sees no key."""
+
+
+def mode() -> str:
+    """``KVCACHE_CUDA_FLASH``: "auto" (default), "on" or "off"; ValueError for anything else."""
+    value = os.environ.get(FLASH_ENV, "auto")
+    if value not in _MODES:
+        raise ValueError(f"{FLASH_ENV}={value!r}: want one of {', '.join(_MODES)}")
+    return value
+
+
+def flash_problem(device) -> Optional[str]:
+    """Why torch's attention kernels cannot serve ``device`` (None: they can)."""
+    if mode() == "off":
+        return f"{FLASH_ENV}=off"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"{device} is not a CUDA device"
+    if getattr(torch.version, "hip", None):
+        return "torch is built for ROCm (its FlashAttention returns lse per padded batch)"
+    if getattr(torch.ops.aten, "_flash_attention_forward", None) is None:
+        return f"torch {torch.__version__} has no aten._flash_attention_forward"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return f"torch {torch.__version__} was built without FlashAttention"
+    major, _ = torch.cuda.get_device_capability(dev)
+    if major < 8:
+        return f"FlashAttention-2 needs sm_80 or newer, {torch.cuda.get_device_name(dev)} is sm_{major}x"
+    return None
+
+
+def aten_attend(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, window_left):
+    """``Attend`` through torch's kernels: one sequence (``cu_q`` of 2, every row of q and k in
+    it, no window) through cuDNN's attention (``aten._scaled_dot_product_cudnn_attention``,
+    what SDPA runs on Hopper: 1.9x FlashAttention-2 there), on (1, H, T, D) views of the rows;
+    several through FlashAttention-2 varlen (``aten._flash_attention_forward``). Both take
+    GQA natively (K/V are not repeated per query head)."""
+    if (cu_q.shape[0] == 2 and window_left < 0 and q.shape[0] == max_q and k.shape[0] == max_k
+            and (not causal or max_q == max_k) and _cudnn_ok()):
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
+            True, 0.0, causal, False, scale=sm_scale)
+        o = out[0][0].transpose(0, 1)
+        return (o if o.is_contiguous() else o.contiguous()), out[1][0, :, :, 0]
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=sm_scale,
+        window_size_left=int(window_left), window_size_right=0 if causal else -1)
+    return out[0], out[1]
+
+
+_CUDNN: list = []
+
+
+def _cudnn_ok() -> bool:
+    """torch has cuDNN's attention and it is on (``torch.backends.cuda.enable_cudnn_sdp``)."""
+    if not _CUDNN:
+        _CUDNN.append(getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+                      is not None and torch.backends.cudnn.is_available())
+    return _CUDNN[0] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+class FlashPrefill:
+    """The dispatch rule and the calls (see the module docstring). ``attend``: the library
+    function (``aten_attend``; tests pass a stand-in with its conventions); ``force``: "on"
+    takes every call it can compute, whatever the thresholds."""
+
+    def __init__(self, attend: Attend = aten_attend, force: Optional[str] = None):
+        self.attend = attend
+        self.force = mode() if force is None else force
+        self.calls = 0
+        """Calls served (tests and benches read it)."""
+
+    def _plain(self, ctx, q, rope, softcap, sinks) -> bool:
+        """The parts of the rule common to both kinds of call."""
+        return (self.force != "off" and not ctx.batch_invariant and not ctx.kv_quant
+                and rope is None and not softcap and sinks is None
+                and ctx.dtype in (torch.float16, torch.bfloat16) and q.dtype == ctx.dtype
+                and ctx.head_dim == ctx.head_dim_v and ctx.head_dim <= MAX_HEAD_DIM
+                and ctx.head_dim % 8 == 0)
+
+    def _big_enough(self, rows: int, threshold: int) -> bool:
+        if self.force == "on":
+            return rows > 1
+        return threshold > 0 and rows >= threshold
+
+    def ragged_ok(self, ctx, q, k, v, *, num_seqs, max_len, tree, rope, softcap, sinks,
+                  window_left=-1) -> bool:
+        """Whether a ragged call (causal over the forward's own rows) goes to the library: by
+        the rule, one sequence without a window (cuDNN's path; FlashAttention-2 varlen, which
+        takes the rest under ``KVCACHE_CUDA_FLASH=on``, ran 1.4-1.9x our Triton kernel's time
+        on an H200)."""
+        return (tree is None and self._plain(ctx, q, rope, softcap, sinks)
+                and k.dtype == ctx.dtype and v.dtype == ctx.dtype
+                and (self.force == "on" or (num_seqs == 1 and int(window_left) < 0))
+                and self._big_enough(int(q.shape[0]), ctx.tuning.flash_ragged_min_rows)
+                and max_len > 1)
+
+    def ragged_attend(self, qo_indptr, max_len: int, sm_scale: float, window_left: int):
+        """The attention step ``triton_kernels.ragged_attention`` runs instead of its kernel:
+        ``(q, k, v) -> (o (T, Hq, D), lse (T, Hq) contiguous, guard)``, ``guard`` a (1,) int32
+        flag set where q or k holds a NaN / inf (the kernel then recomputes the call)."""
+        def run(q, k, v):
+            self.calls += 1
+            guard = torch.zeros(1, dtype=torch.int32, device=q.device)
+            flag_nonfinite(q, guard)
+            flag_nonfinite(k, guard)
+            o, lse = self.attend(q, k, v, qo_indptr, qo_indptr, max_len, max_len, True, sm_scale,
+                                 window_left)
+            return o, lse.t().contiguous(), guard   # every row sees itself: no empty rows
+        return run
+
+    def paged_ok(self, ctx, q, depth, *, rope, window_left, softcap, sinks) -> bool:
+        """Whether a paged call (every key of an entry visible to its queries) goes to the
+        library: no window (the library's is relative to the last key, ours to positions),
+        no tree, entries covering every row (the library writes only the entries' rows); by
+        the rule, one entry (cuDNN's path, as for ragged calls)."""
+        return (depth.tree is None and int(window_left) < 0 and depth.covers_rows
+                and not depth.use_decode and depth.num_entries > 0 and depth.max_kv_len > 0
+                and (self.force == "on" or depth.num_entries == 1)
+                and self._plain(ctx, q, rope, softcap, sinks)
+                and self._big_enough(int(depth.max_qo_len), ctx.tuning.flash_paged_min_rows))
+
+    def paged_attend(self, ctx, q, pages, depth, sm_scale: float):
+        """The attention step ``triton_kernels.paged_attention`` runs instead of its kernel for a
+        call ``paged_ok`` took: ``() -> (o (T, Hq, D), lse (T, Hq), guard)``, the entries' keys
+        gathered, then varlen attention (not causal) over them; ``guard`` as for
+        ``ragged_attend`` (q, or a key the gather read)."""
+        def run():
+            self.calls += 1
+            guard = torch.zeros(1, dtype=torch.int32, device=q.device)
+            flag_nonfinite(q, guard)
+            k, v, cu_k = gather_entries(pages, depth, ctx.head_dim, guard)
+            o, lse = self.attend(q, k, v, depth.qo_indptr, cu_k, int(depth.max_qo_len),
+                                 int(depth.max_kv_len), False, sm_scale, -1)
+            # an entry with no key: the library's lse is +inf, ours -inf (o is 0 in both);
+            # (T, Hq) contiguous, as the kernels write it (the guarded one may)
+            lse = lse.t().contiguous()
+            return o, lse.masked_fill_(lse == float("inf"), float("-inf")), guard
+        return run
+
+
+def flag_nonfinite(x, flag) -> None:
+    """Set ``flag`` (a (1,) int32 tensor) where ``x`` ((T, H, D), last dim contiguous) holds a
+    NaN or an inf; leave it otherwise. One pass over x, no host sync."""
+    t, h, d = x.shape
+    if t == 0:
+        return
+    block_d = max(16, triton.next_power_of_2(d))
+    block_t = max(1, min(64, 8192 // block_d))
+    _flag_nonfinite_kernel[(triton.cdiv(t, block_t), h)](
+        x, flag, t, x.stride(0), x.stride(1), HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=block_t,
+        num_warps=4)
+
+
+def gather_entries(pages, depth, head_dim: int, flag=None) -> tuple:
+    """The keys of each entry of ``depth`` out of ``pages`` (``(P, 2, Hkv, page, W)``, W >= D),
+    in key order (sinks, then the window after its gap: ``DepthAux``'s offsets).
+
+    Returns ``(k, v, cu_k)``: k and v ``(n * max_kv_len, Hkv, head_dim)`` with entry ``i``'s
+    keys at rows ``cu_k[i]:cu_k[i+1]`` (the rows after ``cu_k[n]`` are not written), ``cu_k``
+    ``(n+1,)`` int32 prefix sums of ``kv_len``. No host sync: the sizes are host ints of the
+    depth and the offsets a device prefix sum. ``flag``: a (1,) int32 tensor set where a key
+    read holds a NaN or an inf."""
+    n, max_kv = depth.num_entries, int(depth.max_kv_len)
+    hkv, page_size = pages.shape[2], pages.shape[3]
+    k = torch.empty((n * max_kv, hkv, head_dim), dtype=pages.dtype, device=pages.device)
+    v = torch.empty_like(k)
+    cu_k = torch.zeros(n + 1, dtype=torch.int32, device=pages.device)
+    torch.cumsum(depth.kv_len[:n], 0, out=cu_k[1:])
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_t = max(1, min(64, 8192 // block_d))
+    sp = pages.stride()
+    _gather_entries_kernel[(triton.cdiv(max_kv, block_t), n, hkv)](
+        pages, depth.page_indptr, depth.page_indices, depth.kv_len, depth.sink_size,
+        depth.window_offset, cu_k, k, v, cu_k if flag is None else flag, sp[0], sp[1], sp[2],
+        sp[3], k.stride(0), k.stride(1), PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_T=block_t, FLAG=flag is not None, num_warps=4)
+    return k, v, cu_k
+
+
+@triton.jit
+def _gather_entries_kernel(pages_ptr, pindptr_ptr, pind_ptr, kvlen_ptr, sink_ptr, gap_ptr,
+                           cuk_ptr, ok_ptr, ov_ptr, flag_ptr, sp_page, sp_kv, sp_head, sp_row,
+                           so_t, so_h, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, FLAG: tl.constexpr):
+    """Grid (key tiles of the longest entry, entries, Hkv): BLOCK_T keys of one entry and head.
+    FLAG: ``flag_ptr[0] = 1`` where a key read holds a NaN / inf."""
+    e = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    kv_len = tl.load(kvlen_ptr + e)
+    t0 = tl.program_id(0) * BLOCK_T
+    if t0 < kv_len:
+        j = t0 + tl.arange(0, BLOCK_T)
+        j_ok = j < kv_len
+        sink = tl.load(sink_ptr + e)
+        gap = tl.load(gap_ptr + e)
+        off = tl.where(j < sink, j, j - sink + gap)
+        page = tl.load(pind_ptr + tl.load(pindptr_ptr + e) + off // PAGE_SIZE, mask=j_ok,
+                       other=0).to(tl.int64)
+        src = page * sp_page + h * sp_head + (off % PAGE_SIZE).to(tl.int64) * sp_row
+        dst = (tl.load(cuk_ptr + e) + j).to(tl.int64) * so_t + h * so_h
+        d = tl.arange(0, BLOCK_D)
+        m = j_ok[:, None] & (d < HEAD_DIM)[None, :]
+        kk = tl.load(pages_ptr + src[:, None] + d[None, :], mask=m)
+        tl.store(ok_ptr + dst[:, None] + d[None, :], kk, mask=m)
+        if FLAG:
+            if tl.max(tl.max(((kk - kk) != 0).to(tl.int32), 1), 0) > 0:
+                tl.atomic_max(flag_ptr, 1)
+        vv = tl.load(pages_ptr + sp_kv + src[:, None] + d[None, :], mask=m)
+        tl.store(ov_ptr + dst[:, None] + d[None, :], vv, mask=m)
+
+
+@triton.jit
+def _flag_nonfinite_kernel(x_ptr, flag_ptr, n_rows, sx_t, sx_h, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Grid (row tiles, heads): ``flag_ptr[0] = 1`` where a row of the tile holds a NaN / inf."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = (t < n_rows)[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx_t + h * sx_h + d[None, :], mask=m, other=0.0)
+    if tl.max(tl.max(((x - x) != 0).to(tl.int32), 1), 0) > 0:
+        tl.atomic_max(flag_ptr, 1)

@@ -1,0 +1,394 @@
+"""The cuda backend's prefill dispatch to torch's FlashAttention (``kvcache_cuda.flash``).
+
+* the rule: which calls go to the library (plain 16-bit ones above the tuning table's
+  thresholds) and which stay on Triton (softcap, sinks, trees, inline RoPE, fp8, the
+  batch-invariant mode, a paged window, rows no entry covers, small calls), and the table's
+  thresholds read per architecture;
+* the plumbing, through a stand-in with the library's conventions (lse (Hq, T), +inf for a row
+  with no key, causal aligned to the last key, masked keys' zero weights times V): ragged and
+  paged calls give the reference's results, a NaN / inf in a V no row sees stays out, sliding
+  entries' sinks and gaps are gathered in order. Under the interpreter (CI) the page gather is
+  the real Triton kernel; on a GPU (``KVCACHE_CUDA_TEST_DEVICE=cuda``) the same cases also run
+  the real library (float16 / bfloat16);
+* the library made unavailable (``KVCACHE_CUDA_FLASH=off``, or its probe failing: ROCm, an old
+  GPU or torch): the backend runs the Triton kernels, with the same results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import cuda_cases as cc
+from cuda_cases import Entry
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+if cc.INTERPRET:
+    import kvcache_cuda.triton_kernels  # noqa: F401  (mends the interpreter under numpy 2.4)
+from kvcache_cuda import flash  # noqa: E402
+from kvcache_cuda.tuning import Tuning, for_arch  # noqa: E402
+
+TRITON = cc.INTERPRET or cc.ON_GPU
+needs_triton = pytest.mark.skipif(not TRITON, reason="the Triton kernels run under the "
+                                  "interpreter or on a GPU only")
+# the stand-in computes in float32; float16 where the interpreter runs (no bfloat16 there)
+DTYPES = ["float16", "bfloat16"] if cc.ON_GPU else ["float16"]
+
+
+def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left):
+    """``flash.Attend`` written out with the library's conventions, in float32."""
+    hq, hkv = q.shape[1], k.shape[1]
+    o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((hq, q.shape[0]), math.inf, device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        qs = q[cq[i]:cq[i + 1]].float()
+        ks = k[ck[i]:ck[i + 1]].float().repeat_interleave(hq // hkv, 1)
+        vs = v[ck[i]:ck[i + 1]].float().repeat_interleave(hq // hkv, 1)
+        nq, nk = len(qs), len(ks)
+        if nq == 0 or nk == 0:
+            continue
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        diag = torch.arange(nq, device=q.device)[:, None] + nk - nq
+        key = torch.arange(nk, device=q.device)[None, :]
+        seen = torch.ones((nq, nk), dtype=torch.bool, device=q.device)
+        if causal:
+            seen &= key <= diag
+        if window_left >= 0:
+            seen &= key >= diag - window_left
+        s = s.masked_fill(~seen, -math.inf)
+        m = torch.logsumexp(s, -1)
+        p = torch.exp(s - m[..., None]).nan_to_num(0.0)
+        o[cq[i]:cq[i + 1]] = torch.einsum("hqk,khd->qhd", p, vs)   # 0 * NaN: NaN, as there
+        lse[:, cq[i]:cq[i + 1]] = torch.where(m == -math.inf, math.inf, m)
+    return o.to(q.dtype), lse
+
+
+def nan_blind(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left):
+    """A stand-in with other NaN rules than ours: a NaN score counts as a masked key (a
+    ``fmaxf``-style max), an inf one as 0. Its results for rows that see a non-finite q or k
+    are wrong for us; the guarded kernel must replace them."""
+    def clean(x):
+        return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    return stand_in(clean(q), clean(k), v, cu_q, cu_k, max_q, max_k, causal, scale,
+                    window_left)
+
+
+class Counted:
+    def __init__(self, fn):
+        self.fn, self.n = fn, 0
+
+    def __call__(self, *a):
+        self.n += 1
+        return self.fn(*a)
+
+
+def _backend(dtype, attend, **kw):
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype=dtype, **kw)
+    ref, mine = cc.pair(cfg, "triton")
+    fn = Counted(attend)
+    mine.flash = flash.FlashPrefill(fn, force="on")
+    return ref, mine, fn
+
+
+def _attends():
+    yield "stand-in", stand_in
+    if cc.ON_GPU:
+        yield "library", flash.aten_attend
+
+
+ATTENDS = [name for name, _ in _attends()]
+
+
+def _attend(name):
+    return dict(_attends())[name]
+
+
+# ---------------------------------------------------------------------- the rule
+def test_rule_takes_plain_calls_and_leaves_the_rest():
+    from kvcache_cuda.backend import KernelCtx
+    from kvcache_cuda.launch import LaunchCache
+
+    def ctx(**kw):
+        base = dict(page_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, group=2,
+                    dtype=torch.float16, tuning=Tuning(flash_ragged_min_rows=64,
+                                                       flash_paged_min_rows=32),
+                    num_sms=4, launch=LaunchCache())
+        base.update(kw)
+        return KernelCtx(**base)
+
+    auto = flash.FlashPrefill(stand_in, force="auto")
+    q = torch.zeros((100, 4, 64), dtype=torch.float16)
+    kv = torch.zeros((100, 2, 64), dtype=torch.float16)
+    plain = dict(num_seqs=1, max_len=100, tree=None, rope=None, softcap=0.0, sinks=None)
+    assert auto.ragged_ok(ctx(), q, kv, kv, **plain)
+    for change, why in [(dict(tree=object()), "tree"), (dict(rope=cc.ROPE), "inline RoPE"),
+                        (dict(softcap=30.0), "softcap"), (dict(sinks=torch.zeros(4)), "sinks"),
+                        (dict(max_len=1), "one row per sequence"),
+                        (dict(num_seqs=2), "several sequences: not by the rule"),
+                        (dict(window_left=9), "a window: not by the rule")]:
+        assert not auto.ragged_ok(ctx(), q, kv, kv, **dict(plain, **change)), why
+    for c, why in [(ctx(batch_invariant=True), "batch-invariant"), (ctx(kv_quant=True), "fp8"),
+                   (ctx(dtype=torch.float32), "float32"), (ctx(head_dim_v=32), "Dv != D"),
+                   (ctx(head_dim=288), "D > 256"),
+                   (ctx(tuning=Tuning()), "the base table's threshold 0: never")]:
+        qq = q.to(c.dtype)
+        kk = kv.to(c.dtype)
+        assert not auto.ragged_ok(c, qq, kk, kk, **plain), why
+    assert not auto.ragged_ok(ctx(), q[:63], kv[:63], kv[:63], **plain)      # under 64 rows
+    assert flash.FlashPrefill(stand_in, force="on").ragged_ok(
+        ctx(tuning=Tuning()), q[:2], kv[:2], kv[:2], **dict(plain, max_len=2))
+    assert not flash.FlashPrefill(stand_in, force="off").ragged_ok(ctx(), q, kv, kv, **plain)
+
+    from kvcache.backend import DepthAux
+    z = torch.zeros(3, dtype=torch.int32)
+    depth = dict(qo_indptr=z, page_indptr=z, page_indices=z, last_page_len=z, kv_len=z,
+                 sink_size=z, window_offset=z, k_rope_offset=z, num_entries=2, use_decode=False,
+                 max_kv_len=40, max_qo_len=50, covers_rows=True)
+    paged = dict(rope=None, window_left=-1, softcap=0.0, sinks=None)
+    assert not auto.paged_ok(ctx(), q, DepthAux(**depth), **paged)     # two entries
+    assert flash.FlashPrefill(stand_in, force="on").paged_ok(ctx(), q, DepthAux(**depth), **paged)
+    depth["num_entries"] = 1
+    assert auto.paged_ok(ctx(), q, DepthAux(**depth), **paged)
+    for change, why in [(dict(covers_rows=False), "rows no entry covers"),
+                        (dict(num_entries=2), "several entries: not by the rule"),
+                        (dict(use_decode=True), "decode"), (dict(max_qo_len=31), "small"),
+                        (dict(tree=object()), "tree"), (dict(max_kv_len=0), "no keys")]:
+        assert not auto.paged_ok(ctx(), q, DepthAux(**dict(depth, **change)), **paged), why
+    assert not auto.paged_ok(ctx(), q, DepthAux(**depth), **dict(paged, window_left=8))
+
+
+def test_thresholds_come_from_the_architecture_table():
+    table = {"sm_90": {"flash_ragged_min_rows": 512, "flash_paged_min_rows": 1024}}
+    t = for_arch(Tuning(), "sm_90", table)
+    assert (t.flash_ragged_min_rows, t.flash_paged_min_rows) == (512, 1024)
+    assert Tuning().flash_ragged_min_rows == Tuning().flash_paged_min_rows == 0
+    with pytest.raises(ValueError, match="flash_paged_min_rows"):
+        for_arch(Tuning(), "sm_90", {"sm_90": {"flash_paged_min_rows": 0}})
+
+
+def test_mode_and_probe(monkeypatch):
+    monkeypatch.setenv(flash.FLASH_ENV, "sometimes")
+    with pytest.raises(ValueError, match="KVCACHE_CUDA_FLASH='sometimes'"):
+        flash.mode()
+    monkeypatch.setenv(flash.FLASH_ENV, "off")
+    assert flash.flash_problem("cpu") == "KVCACHE_CUDA_FLASH=off"
+    monkeypatch.delenv(flash.FLASH_ENV)
+    assert "not a CUDA device" in flash.flash_problem("cpu")
+    # ROCm's torch: its FlashAttention returns the lse per padded batch; the Triton path runs
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert "ROCm" in flash.flash_problem("cuda")
+
+
+# ---------------------------------------------------------------------- the plumbing
+@needs_triton
+@pytest.mark.parametrize("attend", ATTENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window_left", [-1, 5])
+@pytest.mark.parametrize("lengths", [[40, 1, 0, 23], [57]], ids=["several", "one"])
+def test_ragged_through_the_library(attend, dtype, window_left, lengths):
+    """Causal (and windowed) ragged attention equals the reference's; a NaN / inf in the V of
+    a key some rows do not see stays out of them (the library multiplies masked keys' zero
+    weights by V: the finite-V pass around it keeps them out)."""
+    ref, mine, fn = _backend(dtype, _attend(attend))
+    rng = np.random.default_rng(7)
+    case = cc.ragged_case(rng, ref, mine, lengths)
+    v_host = cc.to_ref(ref, mine, case["v"]).copy()
+    v_host[30, 0, 3], v_host[41, 1, 0] = np.nan, np.inf    # seq 0's key 30, seq 3's key 0 (or 41)
+    v = mine.from_numpy(v_host)
+    kw = dict(num_seqs=len(lengths), max_len=max(lengths), window_left=window_left)
+    o, lse = mine.ragged_attention(case["q"], case["k"], v, cc.ints(mine, case["qo"]), 0.11, **kw)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qk"), v_host,
+                                  case["qo"], 0.11, **kw)
+    assert fn.n == 1
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    got = mine.to_numpy(o).astype(np.float32)
+    nan_rows = np.flatnonzero(np.isnan(got[:40, 0]).any(axis=1)).tolist()
+    assert nan_rows == list(range(30, 40 if window_left < 0 else 36))   # key 30's rows only
+    assert np.isfinite(got[:30]).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("attend", ATTENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["plain", "sliding", "one entry"])
+def test_paged_through_the_library(attend, dtype, kind):
+    """Paged prefill through the page gather and the library equals the reference's, over
+    pages in a random order with NaN in every row no entry holds (a wrong gather reads one),
+    sliding entries (sinks, then the window after a gap) and an entry with no key."""
+    ref, mine, fn = _backend(dtype, _attend(attend))
+    entries = {"plain": [Entry(3, 40), Entry(5, 0), Entry(7, 1), Entry(20, 100)],
+               "sliding": [Entry(3, 40, sink=4, gap=21), Entry(2, 33, sink=0, gap=9),
+                           Entry(4, 5, sink=8, gap=8)],
+               "one entry": [Entry(64, 130)]}[kind]
+    rng = np.random.default_rng(11)
+    case = cc.paged_case(rng, ref, mine, entries)
+    case.depth = replace(case.depth, max_qo_len=max(e.nq for e in entries))
+    o, lse = mine.paged_attention(case.q, case.pages, case.depth, 0.125)
+    ro, rl = ref.paged_attention(case.ref_q, case.ref_pages, case.ref_depth, 0.125)
+    assert fn.n == 1
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+
+
+@needs_triton
+def test_gather_entries_follows_sinks_and_gaps():
+    """The page gather alone, key by key against the depth's offsets (float32: exact)."""
+    ref, mine, _ = _backend("float32", stand_in)
+    entries = [Entry(1, 40, sink=4, gap=21), Entry(1, 0), Entry(1, 17), Entry(1, 33, gap=9)]
+    case = cc.paged_case(np.random.default_rng(3), ref, mine, entries)
+    flag = torch.zeros(1, dtype=torch.int32, device=cc.DEVICE)
+    k, v, cu = flash.gather_entries(case.pages, case.depth, 64, flag)
+    assert flag.item() == 0          # NaN fills only the rows no entry holds: none read
+    pages = mine.to_numpy(case.pages)
+    k, v, cu = mine.to_numpy(k), mine.to_numpy(v), mine.to_numpy(cu)
+    assert cu.tolist() == [0, 40, 40, 57, 90]
+    d = case.ref_depth
+    for i, e in enumerate(entries):
+        for j in range(e.kv_len):
+            off = j if j < e.sink else j - e.sink + e.gap
+            page = d.page_indices[d.page_indptr[i] + off // 16]
+            np.testing.assert_array_equal(k[cu[i] + j], pages[page, 0, :, off % 16])
+            np.testing.assert_array_equal(v[cu[i] + j], pages[page, 1, :, off % 16])
+
+
+@needs_triton
+def test_calls_the_library_cannot_compute_stay_on_triton():
+    """Soft-capping, sinks, a token tree, a paged window and rows no entry covers: the
+    stand-in is never called and the results are the reference's."""
+    ref, mine, fn = _backend("float16", stand_in)
+    rng = np.random.default_rng(5)
+    lengths = [9, 14]
+    case = cc.ragged_case(rng, ref, mine, lengths)
+    qo = cc.ints(mine, case["qo"])
+    args = [cc.to_ref(ref, mine, case[x]) for x in "qkv"]
+    for kw in (dict(logit_softcap=20.0), dict(sinks=np.linspace(-1, 1, 4).astype(np.float32))):
+        mkw = dict(kw)
+        if "sinks" in kw:
+            mkw["sinks"] = mine.from_numpy(kw["sinks"], "float32")
+        o, _ = mine.ragged_attention(case["q"], case["k"], case["v"], qo, 0.2, num_seqs=2,
+                                     max_len=14, **mkw)
+        ro, _ = ref.ragged_attention(*args, case["qo"], 0.2, num_seqs=2, max_len=14, **kw)
+        cc.assert_close(mine, ref, o, ro)
+    pc = cc.paged_case(rng, ref, mine, [Entry(5, 30), Entry(4, 20)], row_offset=2)
+    pc.depth = replace(pc.depth, max_qo_len=5)
+    o, _ = mine.paged_attention(pc.q, pc.pages, pc.depth, 0.2)
+    ro, _ = ref.paged_attention(pc.ref_q, pc.ref_pages, pc.ref_depth, 0.2)
+    cc.assert_close(mine, ref, o, ro)
+    pc = cc.paged_case(rng, ref, mine, [Entry(5, 30), Entry(4, 20)])
+    pc.depth = replace(pc.depth, max_qo_len=5)
+    o, _ = mine.paged_attention(pc.q, pc.pages, pc.depth, 0.2, window_left=6,
+                                q_positions=pc.q_positions)
+    ro, _ = ref.paged_attention(pc.ref_q, pc.ref_pages, pc.ref_depth, 0.2, window_left=6,
+                                q_positions=pc.ref_q_positions)
+    cc.assert_close(mine, ref, o, ro)
+    assert fn.n == 0
+
+
+@needs_triton
+def test_queued_prefills_read_at_the_end():
+    """Several ragged and paged calls queued before any output is read (no sync between
+    them), against the reference."""
+    ref, mine, fn = _backend("float16", stand_in)
+    rng = np.random.default_rng(9)
+    outs, wants = [], []
+    for i in range(4):
+        case = cc.ragged_case(rng, ref, mine, [12 + i, 30 - i])
+        outs.append(mine.ragged_attention(case["q"], case["k"], case["v"],
+                                          cc.ints(mine, case["qo"]), 0.1, num_seqs=2,
+                                          max_len=30)[0])
+        wants.append(ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qkv"),
+                                          case["qo"], 0.1, num_seqs=2, max_len=30)[0])
+        pc = cc.paged_case(rng, ref, mine, [Entry(6 + i, 50), Entry(3, 17 + i)])
+        pc.depth = replace(pc.depth, max_qo_len=6 + i)
+        outs.append(mine.paged_attention(pc.q, pc.pages, pc.depth, 0.1)[0])
+        wants.append(ref.paged_attention(pc.ref_q, pc.ref_pages, pc.ref_depth, 0.1)[0])
+    assert fn.n == 8
+    for o, want in zip(outs, wants):
+        cc.assert_close(mine, ref, o, want)
+
+
+# ---------------------------------------------------------------------- the library made unavailable
+@pytest.mark.skipif(not cc.ON_GPU, reason="the library is probed on a GPU only")
+@pytest.mark.parametrize("how", ["env", "probe"])
+def test_without_the_library_the_triton_kernels_run(monkeypatch, how):
+    if how == "env":
+        monkeypatch.setenv(flash.FLASH_ENV, "off")
+    else:    # what ROCm, an sm_7x GPU or a torch without the op report
+        monkeypatch.setattr(flash, "flash_problem", lambda device: "no FlashAttention (test)")
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="float16")
+    ref, mine = cc.pair(cfg, "triton")
+    assert mine.flash is None and mine.flash_problem
+    rng = np.random.default_rng(2)
+    case = cc.ragged_case(rng, ref, mine, [50, 70])
+    o, lse = mine.ragged_attention(case["q"], case["k"], case["v"], cc.ints(mine, case["qo"]),
+                                   0.1, num_seqs=2, max_len=70)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qkv"), case["qo"],
+                                  0.1, num_seqs=2, max_len=70)
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+
+
+@pytest.mark.skipif(not cc.ON_GPU, reason="the library is probed on a GPU only")
+def test_the_gpu_backend_finds_the_library():
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="bfloat16")
+    _, mine = cc.pair(cfg, "triton")
+    assert mine.flash is not None, mine.flash_problem
+
+
+def test_tune_takes_the_smallest_size_from_which_the_library_always_wins():
+    from kvcache_cuda.tune import crossover
+    sizes = (64, 128, 256, 512)
+    assert crossover(sizes, [5, 5, 5, 5], [6, 4, 6, 4]) == 512    # a loss at 256: from 512
+    assert crossover(sizes, [5, 5, 5, 5], [4, 4, 4, 4]) == 64
+    assert crossover(sizes, [5, 5, 5, 5], [6, 6, 6, 6]) is None
+    assert crossover(sizes, [5, 5, 5, 5], [4, 4, 4, None]) is None   # failed at the top
+
+
+@needs_triton
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_q_or_k_recomputed_by_the_kernel(where, bad):
+    """A NaN / inf in q or k: the library's NaN rules differ from ours (``nan_blind``), so the
+    guard flags the call and the Triton kernel recomputes it: ragged and paged, the bits of
+    the Triton kernels alone, and for a NaN the reference's results (an infinite score is
+    where the Triton kernels and the reference already part: lse NaN against inf)."""
+    ref, mine, fn = _backend("float16", nan_blind)
+    _, alone = cc.pair(ref.config, "triton")
+    alone.flash = None
+    rng = np.random.default_rng(13)
+    case = cc.ragged_case(rng, ref, mine, [20, 9])
+    host = {x: cc.to_ref(ref, mine, case[x]).copy() for x in "qkv"}
+    host[where][12, 1, 5] = bad
+    args = {x: mine.from_numpy(host[x]) for x in "qkv"}
+    pc = cc.paged_case(rng, ref, mine, [Entry(6, 40), Entry(4, 19)])
+    pc.depth = replace(pc.depth, max_qo_len=6)
+    q = cc.to_ref(ref, mine, pc.q).copy()
+    pages = cc.to_ref(ref, mine, pc.pages).copy()
+    if where == "q":
+        q[2, 1, 5] = bad
+    else:       # the first key of entry 0
+        pages[pc.ref_depth.page_indices[0], 0, 0, 0, 5] = bad
+    for backend in (mine, alone):
+        got = [backend.ragged_attention(args["q"], args["k"], args["v"],
+                                        cc.ints(mine, case["qo"]), 0.1, num_seqs=2, max_len=20),
+               backend.paged_attention(mine.from_numpy(q), mine.from_numpy(pages), pc.depth,
+                                       0.1)]
+        if backend is mine:
+            with_library = got
+    assert fn.n == 2
+    for (o, lse), (o_t, lse_t) in zip(with_library, got):
+        np.testing.assert_array_equal(mine.to_numpy(o), mine.to_numpy(o_t))
+        np.testing.assert_array_equal(mine.to_numpy(lse), mine.to_numpy(lse_t))
+    if np.isnan(bad):
+        wants = [ref.ragged_attention(host["q"], host["k"], host["v"], case["qo"], 0.1,
+                                      num_seqs=2, max_len=20),
+                 ref.paged_attention(q, pages, pc.ref_depth, 0.1)]
+        for (o, lse), (ro, rl) in zip(with_library, wants):
+            cc.assert_close(mine, ref, o, ro)
+            cc.assert_lse(mine, ref, lse, rl)
