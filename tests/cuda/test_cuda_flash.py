@@ -392,3 +392,40 @@ def test_nonfinite_q_or_k_recomputed_by_the_kernel(where, bad):
         for (o, lse), (ro, rl) in zip(with_library, wants):
             cc.assert_close(mine, ref, o, ro)
             cc.assert_lse(mine, ref, lse, rl)
+
+
+@needs_triton
+@pytest.mark.parametrize("attend", ATTENDS)
+def test_paged_fp8_pages_through_the_library(attend):
+    """fp8 pages: the gather writes ``code * scale`` (K's scale for K, V's for V, per head)
+    and the library attends over them: the reference's results over the same codes; with the
+    scales swapped between K and V the result is far off (the check has teeth)."""
+    from kvcache import kv_quant
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="float16", kv_dtype="float8_e4m3")
+    ref, mine = cc.pair(cfg, "triton")
+    fn = Counted(_attend(attend))
+    mine.flash = flash.FlashPrefill(fn, force="on")
+    rng = np.random.default_rng(17)
+    case = cc.paged_case(rng, ref, mine, [Entry(9, 70, sink=4, gap=12)])
+    case.depth = replace(case.depth, max_qo_len=9)
+    sc = np.array([[0.01, 0.03], [0.05, 0.02]], np.float32)
+    pool = np.nan_to_num(mine.to_numpy(case.pages).astype(np.float32)) * 0.05
+    codes = np.empty(pool.shape, dtype=kv_quant.ml_dtypes.float8_e4m3fn)
+    values = np.empty(pool.shape, np.float32)
+    for which in (0, 1):
+        part = pool[:, which].transpose(0, 2, 1, 3)                       # (P, ps, Hkv, D)
+        c = kv_quant.fp8_quantize(part.reshape(-1, *part.shape[-2:]), sc[which])
+        codes[:, which] = c.reshape(part.shape).transpose(0, 2, 1, 3)
+        values[:, which] = kv_quant.fp8_dequantize(c, sc[which]).reshape(
+            part.shape).transpose(0, 2, 1, 3)
+    pages = torch.from_numpy(codes.view(np.uint8)).view(torch.float8_e4m3fn).to(mine.torch_device)
+    o, lse = mine.paged_attention(case.q, pages, case.depth, 0.125,
+                                  kv_scale=mine.from_numpy(sc, "float32"))
+    ro, rl = ref.paged_attention(case.ref_q, values, case.ref_depth, 0.125, kv_scale=sc)
+    assert fn.n == 1
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    wrong, _ = mine.paged_attention(case.q, pages, case.depth, 0.125,
+                                    kv_scale=mine.from_numpy(sc[::-1].copy(), "float32"))
+    got = mine.to_numpy(o).astype(np.float32)
+    assert np.abs(mine.to_numpy(wrong).astype(np.float32) - got).max() > 0.2 * np.abs(got).max()

@@ -118,6 +118,7 @@ class CudaBackend(Backend):
         # batch_invariant: every entry through the paged prefill kernel's invariant loop (one
         # order of a row's own key tiles); the torch fallback computes each row alone
         batch_invariant=True,
+        window_groups=True,
         # the Triton kernels pad head_dim, head_dim_v (and the RoPE half) to a power of two of
         # at least 16 (tl.dot's minimum), masked
         head_dims=tuple(range(8, 257, 8)),
@@ -495,8 +496,8 @@ class CudaBackend(Backend):
         extra = {}
         if flash is not None and kernels.__name__.endswith("triton_kernels") and flash.paged_ok(
                 self.ctx, q, depth, rope=rope, window_left=window_left, softcap=logit_softcap,
-                sinks=sinks):
-            extra["attend"] = flash.paged_attend(self.ctx, q, pages, depth, sm_scale)
+                sinks=sinks, kv_scale=kv_scale):
+            extra["attend"] = flash.paged_attend(self.ctx, q, pages, depth, sm_scale, kv_scale)
         with self._guard():
             return kernels.paged_attention(self.ctx, q, pages, depth, sm_scale, rope=rope,
                                            q_positions=q_positions, window_left=window_left,

@@ -9,7 +9,8 @@ Triton prefill, so ``CudaBackend`` sends a prefill call here when
   ``KVCACHE_CUDA_FLASH`` not ``off``; ROCm's build returns another lse layout and runs the
   Triton kernels),
 * the call asks only for what the library computes (``FlashPrefill.ragged_ok`` / ``paged_ok``):
-  16-bit pages and compute (no fp8), ``head_dim == head_dim_v <= 256``, no inline RoPE,
+  16-bit compute, 16-bit pages (fp8 pages for paged calls: the gather dequantizes them),
+  ``head_dim == head_dim_v <= 256``, no inline RoPE,
   soft-capping, sinks or token tree, not the batch-invariant mode (whose point is one
   arithmetic for prefill and decode); paged calls without a window, over a depth whose entries
   cover every query row,
@@ -42,6 +43,8 @@ from typing import Callable, Optional
 import torch
 import triton
 import triton.language as tl
+
+from .triton_kernels import _widen
 
 FLASH_ENV = "KVCACHE_CUDA_FLASH"       # "auto" (default): the tuning table; "on": always; "off"
 _MODES = ("auto", "on", "off")
@@ -123,9 +126,10 @@ class FlashPrefill:
         self.calls = 0
         """Calls served (tests and benches read it)."""
 
-    def _plain(self, ctx, q, rope, softcap, sinks) -> bool:
-        """The parts of the rule common to both kinds of call."""
-        return (self.force != "off" and not ctx.batch_invariant and not ctx.kv_quant
+    def _plain(self, ctx, q, rope, softcap, sinks, fp8_ok=False) -> bool:
+        """The parts of the rule common to both kinds of call (``fp8_ok``: fp8 pages allowed,
+        the paged call's gather dequantizes them)."""
+        return (self.force != "off" and not ctx.batch_invariant and (fp8_ok or not ctx.kv_quant)
                 and rope is None and not softcap and sinks is None
                 and ctx.dtype in (torch.float16, torch.bfloat16) and q.dtype == ctx.dtype
                 and ctx.head_dim == ctx.head_dim_v and ctx.head_dim <= MAX_HEAD_DIM
@@ -162,18 +166,20 @@ class FlashPrefill:
             return o, lse.t().contiguous(), guard   # every row sees itself: no empty rows
         return run
 
-    def paged_ok(self, ctx, q, depth, *, rope, window_left, softcap, sinks) -> bool:
+    def paged_ok(self, ctx, q, depth, *, rope, window_left, softcap, sinks,
+                 kv_scale=None) -> bool:
         """Whether a paged call (every key of an entry visible to its queries) goes to the
         library: no window (the library's is relative to the last key, ours to positions),
         no tree, entries covering every row (the library writes only the entries' rows); by
-        the rule, one entry (cuDNN's path, as for ragged calls)."""
+        the rule, one entry (cuDNN's path, as for ragged calls). fp8 pages too (with their
+        ``kv_scale``): the gather writes ``code * scale`` in the compute dtype."""
         return (depth.tree is None and int(window_left) < 0 and depth.covers_rows
                 and not depth.use_decode and depth.num_entries > 0 and depth.max_kv_len > 0
                 and (self.force == "on" or depth.num_entries == 1)
-                and self._plain(ctx, q, rope, softcap, sinks)
+                and self._plain(ctx, q, rope, softcap, sinks, fp8_ok=kv_scale is not None)
                 and self._big_enough(int(depth.max_qo_len), ctx.tuning.flash_paged_min_rows))
 
-    def paged_attend(self, ctx, q, pages, depth, sm_scale: float):
+    def paged_attend(self, ctx, q, pages, depth, sm_scale: float, kv_scale=None):
         """The attention step ``triton_kernels.paged_attention`` runs instead of its kernel for a
         call ``paged_ok`` took: ``() -> (o (T, Hq, D), lse (T, Hq), guard)``, the entries' keys
         gathered, then varlen attention (not causal) over them; ``guard`` as for
@@ -182,7 +188,7 @@ class FlashPrefill:
             self.calls += 1
             guard = torch.zeros(1, dtype=torch.int32, device=q.device)
             flag_nonfinite(q, guard)
-            k, v, cu_k = gather_entries(pages, depth, ctx.head_dim, guard)
+            k, v, cu_k = gather_entries(pages, depth, ctx.head_dim, guard, kv_scale, q.dtype)
             o, lse = self.attend(q, k, v, depth.qo_indptr, cu_k, int(depth.max_qo_len),
                                  int(depth.max_kv_len), False, sm_scale, -1)
             # an entry with no key: the library's lse is +inf, ours -inf (o is 0 in both);
@@ -205,7 +211,7 @@ def flag_nonfinite(x, flag) -> None:
         num_warps=4)
 
 
-def gather_entries(pages, depth, head_dim: int, flag=None) -> tuple:
+def gather_entries(pages, depth, head_dim: int, flag=None, kv_scale=None, dtype=None) -> tuple:
     """The keys of each entry of ``depth`` out of ``pages`` (``(P, 2, Hkv, page, W)``, W >= D),
     in key order (sinks, then the window after its gap: ``DepthAux``'s offsets).
 
@@ -213,10 +219,12 @@ def gather_entries(pages, depth, head_dim: int, flag=None) -> tuple:
     keys at rows ``cu_k[i]:cu_k[i+1]`` (the rows after ``cu_k[n]`` are not written), ``cu_k``
     ``(n+1,)`` int32 prefix sums of ``kv_len``. No host sync: the sizes are host ints of the
     depth and the offsets a device prefix sum. ``flag``: a (1,) int32 tensor set where a key
-    read holds a NaN or an inf."""
+    read holds a NaN or an inf. ``kv_scale``: fp8 pages' (2, Hkv) float32 scales (K's, then
+    V's): k and v are ``code * scale`` in ``dtype`` (the compute dtype)."""
     n, max_kv = depth.num_entries, int(depth.max_kv_len)
     hkv, page_size = pages.shape[2], pages.shape[3]
-    k = torch.empty((n * max_kv, hkv, head_dim), dtype=pages.dtype, device=pages.device)
+    out_dtype = pages.dtype if kv_scale is None else dtype
+    k = torch.empty((n * max_kv, hkv, head_dim), dtype=out_dtype, device=pages.device)
     v = torch.empty_like(k)
     cu_k = torch.zeros(n + 1, dtype=torch.int32, device=pages.device)
     torch.cumsum(depth.kv_len[:n], 0, out=cu_k[1:])
@@ -225,19 +233,23 @@ def gather_entries(pages, depth, head_dim: int, flag=None) -> tuple:
     sp = pages.stride()
     _gather_entries_kernel[(triton.cdiv(max_kv, block_t), n, hkv)](
         pages, depth.page_indptr, depth.page_indices, depth.kv_len, depth.sink_size,
-        depth.window_offset, cu_k, k, v, cu_k if flag is None else flag, sp[0], sp[1], sp[2],
-        sp[3], k.stride(0), k.stride(1), PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_T=block_t, FLAG=flag is not None, num_warps=4)
+        depth.window_offset, cu_k, k, v, cu_k if flag is None else flag,
+        cu_k if kv_scale is None else kv_scale, sp[0], sp[1], sp[2], sp[3], k.stride(0),
+        k.stride(1), PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t,
+        FLAG=flag is not None, QUANT=kv_scale is not None, num_warps=4)
     return k, v, cu_k
 
 
 @triton.jit
 def _gather_entries_kernel(pages_ptr, pindptr_ptr, pind_ptr, kvlen_ptr, sink_ptr, gap_ptr,
-                           cuk_ptr, ok_ptr, ov_ptr, flag_ptr, sp_page, sp_kv, sp_head, sp_row,
-                           so_t, so_h, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, FLAG: tl.constexpr):
+                           cuk_ptr, ok_ptr, ov_ptr, flag_ptr, scale_ptr, sp_page, sp_kv,
+                           sp_head, sp_row, so_t, so_h, PAGE_SIZE: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                           FLAG: tl.constexpr, QUANT: tl.constexpr):
     """Grid (key tiles of the longest entry, entries, Hkv): BLOCK_T keys of one entry and head.
-    FLAG: ``flag_ptr[0] = 1`` where a key read holds a NaN / inf."""
+    FLAG: ``flag_ptr[0] = 1`` where a key read holds a NaN / inf. QUANT: the pages hold fp8
+    codes, written out as ``code * scale`` (``scale_ptr``: (2, Hkv), K's then V's) in the
+    outputs' dtype."""
     e = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
     kv_len = tl.load(kvlen_ptr + e)
@@ -254,13 +266,17 @@ def _gather_entries_kernel(pages_ptr, pindptr_ptr, pind_ptr, kvlen_ptr, sink_ptr
         dst = (tl.load(cuk_ptr + e) + j).to(tl.int64) * so_t + h * so_h
         d = tl.arange(0, BLOCK_D)
         m = j_ok[:, None] & (d < HEAD_DIM)[None, :]
-        kk = tl.load(pages_ptr + src[:, None] + d[None, :], mask=m)
+        kk = tl.load(pages_ptr + src[:, None] + d[None, :], mask=m, other=0.0)
+        vv = tl.load(pages_ptr + sp_kv + src[:, None] + d[None, :], mask=m, other=0.0)
+        if QUANT:
+            kk = _widen(kk, tl.float32) * tl.load(scale_ptr + h)
+            vv = _widen(vv, tl.float32) * tl.load(scale_ptr + tl.num_programs(2) + h)
+        kk = kk.to(ok_ptr.dtype.element_ty)
         tl.store(ok_ptr + dst[:, None] + d[None, :], kk, mask=m)
         if FLAG:
-            if tl.max(tl.max(((kk - kk) != 0).to(tl.int32), 1), 0) > 0:
+            if tl.max(tl.max((((kk - kk) != 0) & m).to(tl.int32), 1), 0) > 0:
                 tl.atomic_max(flag_ptr, 1)
-        vv = tl.load(pages_ptr + sp_kv + src[:, None] + d[None, :], mask=m)
-        tl.store(ov_ptr + dst[:, None] + d[None, :], vv, mask=m)
+        tl.store(ov_ptr + dst[:, None] + d[None, :], vv.to(ov_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
