@@ -109,6 +109,12 @@ class Capabilities:
                                         "sequence's keys and values, bit for bit: not on the "
                                         "batch around it, how its prompt was chunked, or which "
                                         "pages it shares.")
+    window_groups: bool = _cap(False, "Window groups (CacheConfig(layer_kinds={layer: "
+                                      "Window(w)})): a windowed layer's pages are a pool of "
+                                      "its own, and its attention reads one entry per sequence "
+                                      "whose keys start at the first live page (k_rope_offset "
+                                      "its first position) with window_left; needs "
+                                      "window_left.")
 
     def __post_init__(self):
         if not self.kv_dtypes:      # pages stored as computed, the only format today
@@ -315,6 +321,21 @@ class Backend(abc.ABC):
     def allocate_pages(self, num_pages: int) -> list:
         """Zeroed page arrays, one per layer, of shape ``page_shape(num_pages)`` in the config's
         ``kv_dtype``."""
+
+    def allocate_group_pages(self, num_pages: int, num_layers: int) -> list:
+        """``num_layers`` zeroed page arrays of shape ``page_shape(num_pages)`` in the
+        config's ``kv_dtype``: the pages of one layer group (``CacheConfig.layer_kinds``: the
+        full-attention layers get ``num_pages``, each window group its own, smaller pool).
+        Default: ``allocate_pages`` with the config's ``num_layers`` set to ``num_layers`` for
+        the call; a backend whose ``allocate_pages`` reads more than ``page_shape`` and the
+        layer count from its config overrides this."""
+        import dataclasses
+        config = self.config
+        self.config = dataclasses.replace(config, num_layers=num_layers, layer_kinds=())
+        try:
+            return self.allocate_pages(num_pages)
+        finally:
+            self.config = config
 
     @abc.abstractmethod
     def from_numpy(self, array, dtype: Optional[str] = None):

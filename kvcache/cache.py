@@ -22,10 +22,11 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .backend import Capabilities
-from . import files
+from . import files, layer_groups, prefix_files
 from .cache_calls import busy_error, doc_of, exclusive, part_call, part_view, run_call
 from .config import CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
+from .core.groups import group_specs
 from .core.imports import ImportReservation
 from .core.plan import ForwardAux, ForwardPlan
 from .core.planner import Planner
@@ -90,6 +91,10 @@ class PagedKVCache:
                           "static_mixed=True", cls)
             self._require(not config.batch_invariant or caps.batch_invariant, "batch_invariant",
                           "batch_invariant=True", cls)
+            # a windowed layer's pages start at its first live page: the window masks the rest
+            for capability in ("window_groups", "window_left"):
+                self._require(not config.layer_kinds or getattr(caps, capability), capability,
+                              "window groups (CacheConfig.layer_kinds)", cls)
             self._require(not config.batch_invariant or caps.tree_attention, "tree_attention",
                           "batch_invariant=True", cls)
             self._require(config.effective_rope_mode == "none" or config.rope_spec().default_frequencies
@@ -98,7 +103,8 @@ class PagedKVCache:
             self.config = config
             self.backend = cls(config, device)
             self.capabilities: Capabilities = caps
-            self.state = CacheState(config.num_pages, config.page_size, config.support_sliding_window)
+            self.state = CacheState(config.num_pages, config.page_size,
+                                    config.support_sliding_window, group_specs(config))
             self.pages = self._allocate_pages(config)
             return cls
 
@@ -137,15 +143,17 @@ class PagedKVCache:
         """The page arrays, refused up front (CacheFullError, nothing allocated) when they
         exceed the memory the backend says its device has."""
         need, capacity = config.kv_bytes, self.backend.memory_capacity()
-        what = (f"{config.num_layers} layers x {config.num_pages} pages of {config.page_size} "
-                f"tokens in {config.dtype}: {need} bytes ({need / 2**30:,.1f} GiB)")
+        layers = (f"{config.num_layers} layers x {config.num_pages} pages" if not config.layer_kinds
+                  else layer_groups.describe(config))
+        what = (f"{layers} of {config.page_size} tokens in {config.dtype}: {need} bytes "
+                f"({need / 2**30:,.1f} GiB)")
         if capacity is not None and need > capacity:
             raise CacheFullError(
                 f"the cache's page arrays need {what}, but the {self.backend.name!r} backend's "
                 f"device holds {capacity} bytes ({capacity / 2**30:,.1f} GiB); lower "
                 f"max_total_tokens or num_layers")
         try:
-            return self.backend.allocate_pages(config.num_pages)
+            return layer_groups.allocate(self.backend, config)
         except MemoryError as e:
             raise CacheFullError(f"allocating the cache's page arrays ({what}) failed: {e}") from None
 
@@ -192,7 +200,10 @@ class PagedKVCache:
         return run
 
     def _copy_pages(self, copies) -> None:
-        copy_pages(self.backend, self.pages, copies)
+        if self.config.layer_kinds:
+            layer_groups.copy_pages(self.backend, self.config, self.pages, copies)
+        else:
+            copy_pages(self.backend, self.pages, copies)
 
     def _compact(self, src: np.ndarray, dst: np.ndarray) -> None:
         b = self.backend
@@ -214,6 +225,9 @@ class PagedKVCache:
     num_cached_pages = part_view("manager", KVManager.num_cached_pages)
     num_available_pages = part_view("manager", KVManager.num_available_pages)
     num_total_pages = part_view("manager", KVManager.num_total_pages, locked=False)
+    num_available_pages_by_group = part_view("manager", KVManager.num_available_pages_by_group)
+    num_total_pages_by_group = part_view("manager", KVManager.num_total_pages_by_group)
+    window_pages = part_call("manager", KVManager.window_pages)
     total_sequence_length = part_view("manager", KVManager.total_sequence_length)
     num_sequences = part_view("manager", KVManager.num_sequences)
     sequence_ids = part_view("manager", KVManager.sequence_ids)
@@ -287,6 +301,8 @@ class PagedKVCache:
                layer: Optional[int] = None) -> tuple[Array, Array]:
         if layer is None:
             self._no_forward("get_kv")
+        if self.config.layer_kinds:
+            return layer_groups.get_kv(self, seq_id, start, end, layer)
         return self.payloads.get_kv(seq_id, start, end, layer, self._run)
 
     @exclusive
@@ -294,6 +310,7 @@ class PagedKVCache:
     def export_sequences(self, seq_ids: Sequence[int], starts: Optional[Sequence[int]] = None,
                          *, layers: Optional[range] = None
                          ) -> tuple[list[SequencePayload], Array, Array]:
+        layer_groups.refuse(self.config, "export_sequences")
         return self.payloads.export_sequences(seq_ids, starts, layers=layers, run=self._run)
 
     @exclusive
@@ -301,6 +318,7 @@ class PagedKVCache:
     def save_sequences(self, path, seq_ids: Sequence[int], tokens: Optional[Sequence] = None,
                        fingerprint: Optional[dict] = None) -> None:
         self._no_forward("save_sequences")
+        layer_groups.refuse(self.config, "save_sequences")
         files.save_sequences(self, path, seq_ids, tokens, fingerprint)
 
     @exclusive
@@ -308,14 +326,42 @@ class PagedKVCache:
     def load_sequences(self, path, seq_ids: Optional[Sequence[int]] = None,
                        fingerprint: Optional[dict] = None, convert_dtype: bool = False) -> list:
         self._no_forward("load_sequences")
+        layer_groups.refuse(self.config, "load_sequences")
         return files.load_sequences(self, path, seq_ids, fingerprint, convert_dtype)
 
-    export_sequence = part_call("payloads", Payloads.export_sequence, between_forwards=True)
-    import_sequence = part_call("payloads", Payloads.import_sequence, between_forwards=True)
-    reserve_import = part_call("payloads", Payloads.reserve_import, between_forwards=True)
-    write_import = part_call("payloads", Payloads.write_import, between_forwards=True)
-    commit_import = part_call("payloads", Payloads.commit_import, between_forwards=True)
-    cancel_import = part_call("payloads", Payloads.cancel_import, between_forwards=True)
+    @exclusive
+    @doc_of(prefix_files.save)
+    def save_prefix_cache(self, path, fingerprint: Optional[dict] = None,
+                          prefixes: Optional[Sequence] = None, extra_key: Any = None) -> int:
+        self._no_forward("save_prefix_cache")
+        return prefix_files.save(self, path, fingerprint, prefixes, extra_key)
+
+    @exclusive
+    @doc_of(prefix_files.load)
+    def load_prefix_cache(self, path, fingerprint: Optional[dict] = None,
+                          convert_dtype: bool = False) -> int:
+        self._no_forward("load_prefix_cache")
+        return prefix_files.load(self, path, fingerprint, convert_dtype)
+
+    @property
+    def prefix_cache(self) -> prefix_files.PrefixCache:
+        """The automatic prefix cache (``CacheConfig(prefix_cache=True)``) as the SPEC names
+        it: ``cache.prefix_cache.save(path)`` / ``.load(path)`` (``save_prefix_cache`` /
+        ``load_prefix_cache``, which raise InvalidArgumentError when the cache has none)."""
+        return prefix_files.PrefixCache(self)
+
+    export_sequence = part_call("payloads", Payloads.export_sequence, between_forwards=True,
+                                whole_sequences=True)
+    import_sequence = part_call("payloads", Payloads.import_sequence, between_forwards=True,
+                                whole_sequences=True)
+    reserve_import = part_call("payloads", Payloads.reserve_import, between_forwards=True,
+                               whole_sequences=True)
+    write_import = part_call("payloads", Payloads.write_import, between_forwards=True,
+                             whole_sequences=True)
+    commit_import = part_call("payloads", Payloads.commit_import, between_forwards=True,
+                              whole_sequences=True)
+    cancel_import = part_call("payloads", Payloads.cancel_import, between_forwards=True,
+                              whole_sequences=True)
 
     # ------------------------------------------------------------------ forward
     @exclusive

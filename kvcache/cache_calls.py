@@ -49,14 +49,20 @@ def exclusive(method):
     return call
 
 
-def part_call(part: str, method, between_forwards: bool = False):
+def part_call(part: str, method, between_forwards: bool = False,
+              whole_sequences: bool = False):
     """A cache call that runs ``method`` of the part the attribute ``part`` holds, under the
-    lock; ``between_forwards``: refused inside a forward (ForwardStateError), checked first."""
+    lock; ``between_forwards``: refused inside a forward (ForwardStateError), checked first;
+    ``whole_sequences``: moves whole sequences' K/V (exports, imports), refused in a cache
+    with window groups (UnsupportedFeatureError)."""
     name = method.__name__
 
     def call(self, *args, **kwargs):
         if between_forwards:
             self._no_forward(name)
+        if whole_sequences and self.config.layer_kinds:
+            from .layer_groups import refuse
+            refuse(self.config, name)
         return getattr(getattr(self, part), name)(*args, **kwargs)
     return exclusive(functools.update_wrapper(call, method))
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .core.validate import INT32_MAX, bool_arg, float_arg, int_arg, int_values
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedFeatureError
 from .formats import FORMAT_TABLE as KV_TABLE, KVFormat, kv_format, quantized_names
 
 DTYPES = tuple(name for name, fmt in KV_TABLE.items() if not fmt.quantized)
@@ -32,6 +33,26 @@ def itemsize(dtype: str) -> int:
     "uint8" (the packed int8 / int4 rows payloads carry)."""
     return 4 if dtype == "float32" else 1 if dtype == "uint8" else 2
 
+@dataclass(frozen=True)
+class Window:
+    """A layer kind of ``CacheConfig.layer_kinds``: sliding-window attention over ``size``
+    positions, as ``attention(..., window_left=size)`` means it: a query at position ``p`` sees
+    the keys at positions ``p - size .. p``. The layers of one ``Window`` form a *window group*
+    with a page pool of its own, and each sequence keeps only the group's pages that a later
+    query can still see: a page whose last key lies below ``length - size`` is freed when the
+    forward that makes the sequence that long ends (docs/hybrid.md). ``size``: an int >= 0
+    (InvalidArgumentError otherwise). A model library's ``sliding_window=W`` (each query sees
+    ``W`` positions, itself included) is ``Window(W - 1)``."""
+
+    size: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "size", int_arg(self.size, "Window.size", 0, INT32_MAX))
+
+    def __repr__(self) -> str:
+        return f"Window({self.size})"
+
+
 _UNSET = type("RopeModeUnset", (), {"__repr__": lambda self: "'normal' (unset)"})()
 
 
@@ -44,7 +65,8 @@ class CacheConfig:
     ``CacheConfig(num_layers=32, num_qo_heads=32, num_kv_heads=8, head_dim=128,
     rope_mode="none")`` is a Llama-3-8B-like cache whose model rotates q and k itself. The
     properties derive the rest: ``num_pages`` (pages per layer), ``kv_bytes`` (the page
-    arrays' size), ``group_size``, ``page_row_dim``. Use ``dataclasses.replace`` for a
+    arrays' size), ``group_size``, ``page_row_dim``, and with ``layer_kinds`` the window groups
+    (``window_groups``, ``full_layers``, ``window_group_pages``). Use ``dataclasses.replace`` for a
     variant (pass ``head_dim_v`` too when changing ``head_dim``).
     """
 
@@ -144,6 +166,17 @@ class CacheConfig:
     kv_quant_group: int = 64
     """Values per scale and bias of the affine formats (``"int8"`` / ``"int4"``), along the
     head dim: one of ``KV_QUANT_GROUPS``, dividing ``head_dim`` and ``head_dim_v``."""
+    layer_kinds: Union[Mapping, tuple] = ()
+    """The kind of each layer that is not full attention: a mapping ``{layer: Window(w)}`` (or
+    pairs ``(layer, Window(w))``); full attention is the default. Layers with the same
+    ``Window`` form a *window group*: their page arrays have ``window_group_pages`` pages (far
+    fewer than ``num_pages``), each sequence keeps only the pages its later queries can see,
+    and their attention calls use the window (``window_left`` at most ``w``; -1 means ``w``).
+    Read back it is a tuple of ``(layer, Window)`` pairs sorted by layer. Needs a backend
+    declaring ``window_groups``. Not yet with ``prefix_cache``, ``support_sliding_window``,
+    ``static_decode`` / ``static_mixed`` or ``batch_invariant`` (UnsupportedFeatureError); a
+    cache with window groups also refuses token trees, ``popn`` below a window, and exports,
+    imports, files and the host tier of a sequence (docs/hybrid.md, increment 1)."""
 
     def __post_init__(self):
         # normalise numpy scalars to Python ints / floats / bools (the dataclass is frozen)
@@ -231,6 +264,16 @@ class CacheConfig:
         put("static_mixed_token_sizes",
             _sizes(self.static_mixed_token_sizes, "static_mixed_token_sizes",
                    self.prefill_chunk_size, "prefill_chunk_size"))
+
+        put("layer_kinds", _layer_kinds(self.layer_kinds, self.num_layers))
+        if self.layer_kinds:
+            for name in ("prefix_cache", "support_sliding_window", "static_decode",
+                         "static_mixed", "batch_invariant"):
+                if getattr(self, name):
+                    raise UnsupportedFeatureError(
+                        f"CacheConfig.{name}=True with window groups (layer_kinds "
+                        f"{dict(self.layer_kinds)}): not composed with window groups yet "
+                        f"(docs/hybrid.md); leave one of them out")
 
         slots = self.num_pages * self.page_size
         if slots > INT32_MAX:
@@ -329,8 +372,58 @@ class CacheConfig:
     @property
     def kv_bytes(self) -> int:
         """Bytes of the page arrays: ``num_pages`` pages of (2, num_kv_heads, page_size,
-        page_row_dim) per layer, in the storage format (``token_kv_bytes``)."""
-        return self.num_pages * self.page_size * self.token_kv_bytes
+        page_row_dim) per full-attention layer and ``window_group_pages(g)`` per layer of
+        window group ``g``, in the storage format (``token_kv_bytes``)."""
+        if not self.layer_kinds:
+            return self.num_pages * self.page_size * self.token_kv_bytes
+        pages = sum(self.layer_pages(layer) for layer in range(self.num_layers))
+        return pages * self.page_size * (self.token_kv_bytes // self.num_layers)
+
+    @property
+    def window_groups(self) -> tuple:
+        """The window groups: ``(Window, layers)`` pairs, the layers a sorted tuple, groups in
+        the order of their smallest window (empty: every layer is full attention)."""
+        groups: dict = {}
+        for layer, kind in self.layer_kinds:
+            groups.setdefault(kind, []).append(layer)
+        return tuple((kind, tuple(layers)) for kind, layers in
+                     sorted(groups.items(), key=lambda item: item[0].size))
+
+    @property
+    def full_layers(self) -> tuple:
+        """The full-attention layers (every layer without a ``layer_kinds`` entry)."""
+        windowed = {layer for layer, _ in self.layer_kinds}
+        return tuple(layer for layer in range(self.num_layers) if layer not in windowed)
+
+    def layer_group(self, layer: int) -> int:
+        """The index in ``window_groups`` of ``layer``'s group; -1 for a full-attention layer."""
+        for g, (_, layers) in enumerate(self.window_groups):
+            if layer in layers:
+                return g
+        return -1
+
+    def window_group_pages(self, g: int) -> int:
+        """Pages per layer of window group ``g`` (``window_groups[g]``, window ``w``): enough
+        for ``max_batch_size`` sequences to run one forward, at most ``num_pages``:
+        ``max_batch_size * (ceil(w / page_size) + 2) + ceil(prefill_chunk_size / page_size)``.
+
+        Why: between forwards a sequence of length ``L`` keeps the pages from the one holding
+        position ``max(0, L - w)`` on, at most ``ceil(w / page_size) + 1`` pages; a forward
+        appending ``c`` tokens to it holds at most ``ceil((w + c) / page_size) + 1`` until it
+        ends, and a forward's appends add up to at most ``prefill_chunk_size``. A cache that
+        holds more sequences than ``max_batch_size`` may run out of a group's pages before the
+        full pool (``CacheFullError`` names the group; the page queries answer per group).
+        Capped at ``num_pages``: a group never needs more pages than the full pool."""
+        w = self.window_groups[g][0].size
+        ps = self.page_size
+        per_sequence = -(-w // ps) + 2
+        return min(self.num_pages,
+                   self.max_batch_size * per_sequence + -(-self.prefill_chunk_size // ps))
+
+    def layer_pages(self, layer: int) -> int:
+        """Pages of ``layer``'s page array: ``num_pages``, or its window group's pages."""
+        g = self.layer_group(layer)
+        return self.num_pages if g < 0 else self.window_group_pages(g)
 
     @property
     def effective_rope_mode(self) -> str:
@@ -338,6 +431,36 @@ class CacheConfig:
         if self.support_sliding_window and self.rope_mode == "normal":
             return "inline"
         return self.rope_mode
+
+
+def _layer_kinds(value, num_layers: int) -> tuple:
+    """``CacheConfig.layer_kinds`` as a tuple of ``(layer, Window)`` pairs sorted by layer,
+    from a mapping or pairs; InvalidArgumentError naming the layer, the value and the limit."""
+    name = "CacheConfig.layer_kinds"
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (tuple, list)):
+        pairs = list(value)
+        for item in pairs:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise InvalidArgumentError(
+                    f"{name} must be a mapping {{layer: kvcache.Window(w)}} or (layer, Window) "
+                    f"pairs, got the item {item!r}")
+    else:
+        raise InvalidArgumentError(
+            f"{name} must be a mapping {{layer: kvcache.Window(w)}}, got {type(value).__name__}")
+    out: dict = {}
+    for layer, kind in pairs:
+        layer = int_arg(layer, f"{name}: layer", 0, num_layers - 1,
+                        limit=f"num_layers={num_layers}")
+        if not isinstance(kind, Window):
+            raise InvalidArgumentError(
+                f"{name}[{layer}]={kind!r} is not a kvcache.Window (full attention is the "
+                f"default: leave layer {layer} out)")
+        if layer in out:
+            raise InvalidArgumentError(f"{name} gives layer {layer} twice")
+        out[layer] = kind
+    return tuple(sorted(out.items()))
 
 
 def _sizes(value, field: str, top: int, top_name: str) -> tuple:

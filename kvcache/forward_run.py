@@ -10,6 +10,7 @@ ForwardStateError."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Union
 
 from .backend import Capabilities
@@ -36,6 +37,8 @@ class ForwardRun:
         rope = cache.rope
         self.rope_on_write = rope if mode == "normal" else None    # K rotated as it is stored
         self.rope_inline = rope if mode == "inline" else None      # rotated inside attention
+        # window groups: layer -> (group index, window) of each windowed layer
+        self.windowed = layer_windows(c) if c.layer_kinds else {}
         self.layers_done: set = set()
         self.watchers: list = []
         self.exports: dict = {}     # (ids, starts) -> [headers, slots, device slots]
@@ -190,7 +193,7 @@ class ForwardRun:
         layer_id = as_int(layer_id, "layer_id")
         return_lse = bool_arg(return_lse, "return_lse")
         scale = c.head_dim ** -0.5 if sm_scale is None else float_arg(sm_scale, "sm_scale")
-        window_left = self._window_left(plan, window_left)
+        window_left = self._window_left(plan, window_left, layer_id)
         softcap = self._softcap(plan, logit_softcap)
         self._layer_to_run(layer_id)
         total = plan.total_tokens
@@ -220,7 +223,10 @@ class ForwardRun:
         self._check_input("k", k, c.num_kv_heads, plan.total_tokens)
         rows = self.backend.shape_of(k)[0]
         self._check_input("v", v, c.num_kv_heads, rows, c.head_dim_v)
-        positions, slots = self._write_rows(plan, self.device_aux(), rows)
+        aux = self.device_aux()
+        positions, slots = self._write_rows(plan, aux, rows)
+        if layer_id in self.windowed:              # its window group's pages
+            slots = aux.groups[self.windowed[layer_id][0]].append_slots
         quant = self._quant(plan, layer_id, k, v, positions)
         if self.rope_on_write is not None:
             self.backend.append_kv(self.pages[layer_id], k, v, slots, positions,
@@ -253,6 +259,12 @@ class ForwardRun:
         b, pages, tokens = self.backend, self.pages[layer], aux.tokens
         inline = self.rope_inline
         positions, slots = self._write_rows(plan, aux, b.shape_of(q)[0])
+        depths = aux.depths
+        if layer in self.windowed:
+            # a windowed layer: its group's pages (``pages`` is that pool already), the new
+            # tokens' slots there and one depth over each sequence's live keys
+            group = aux.groups[self.windowed[layer][0]]
+            slots, depths = group.append_slots, (group.depth,)
         # quantized pages: every kernel reads K/V as stored, the forward's own rows included
         quant = self._quant(plan, layer, k, v, positions)
         if not plan.write_after:
@@ -272,7 +284,7 @@ class ForwardRun:
                                         tree=tokens.self_tree, rope=inline, q_positions=positions,
                                         k_rope_offset=tokens.k_rope_offset, **quant,
                                         **features, **_sinks(sinks))
-        for depth in aux.depths:
+        for depth in depths:
             if depth.num_pages == 0 and plan.static_bucket is None:
                 continue
             o_d, lse_d = b.paged_attention(q, pages, depth, scale, rope=inline,
@@ -302,18 +314,31 @@ class ForwardRun:
         return positions, slots
 
     # ------------------------------------------------------------------ checks
-    def _window_left(self, plan: ForwardPlan, window_left) -> int:
+    def _window_left(self, plan: ForwardPlan, window_left, layer=None) -> int:
         """The validated ``window_left`` of an attention call: -1 (no window) or an int in
         ``[0, num_pages * page_size)``. No sequence holds more tokens than the cache has slots,
         so a window of that many positions or more sees every key: it is -1, decided here
         once, so no backend sees a value beyond int32 (2**31, 2**64-1: overflow, or a wrong
-        window) and one without the capability runs it."""
+        window) and one without the capability runs it. A windowed ``layer``
+        (``CacheConfig.layer_kinds``) takes its group's window ``w`` for -1 and refuses one
+        above ``w`` (its keys below ``p - w`` are freed)."""
+        group = self.windowed.get(layer) if self.windowed else None
         if type(window_left) is int and window_left == -1:     # the default: nothing to check
-            return -1
+            if group is None:
+                return -1
+            window_left = group[1]
         try:
             window_left = int_arg(window_left, "window_left", lo=-1, limit="-1: no window")
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{exc} (forward over sequences {plan.seq_ids})") from None
+        if group is not None:
+            if window_left == -1:
+                window_left = group[1]
+            elif window_left > group[1]:
+                raise InvalidArgumentError(
+                    f"window_left={window_left} for layer {layer}, a layer of window group "
+                    f"Window({group[1]}): the group frees the keys a window above {group[1]} "
+                    f"would see; pass at most {group[1]} (-1: the group's)")
         if window_left >= self.config.num_pages * self.config.page_size:
             return -1
         if window_left >= 0:
@@ -385,6 +410,13 @@ class ForwardRun:
         if layer_id in self.layers_done:
             raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
         return layer_id
+
+
+@functools.lru_cache(maxsize=32)
+def layer_windows(config) -> dict:
+    """``{layer: (group index, window)}`` of the windowed layers of ``config``."""
+    return {layer: (g, kind.size) for g, (kind, layers) in enumerate(config.window_groups)
+            for layer in layers}
 
 
 def layer_arg(layer_id, num_layers: int, what: str) -> int:

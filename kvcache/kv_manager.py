@@ -12,13 +12,14 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 
 from .core.prefix import Ghost, PrefixIndex, Prompt
 from .core.validate import bool_arg, int_arg, int_values, seq_id_arg
-from .errors import CacheFullError, InvalidArgumentError, SequenceExistsError
+from .errors import (CacheFullError, InvalidArgumentError, SequenceExistsError,
+                     UnsupportedFeatureError)
 from .errors import pages as n_pages
 
 
@@ -165,7 +166,12 @@ class KVManager:
         must cover the prefix the sequence shares with a fork. Raises SequenceNotFoundError,
         InvalidArgumentError (a cache without sliding-window support, bad sizes, a window
         already set, a shared prefix longer than ``sink_size``), ForwardStateError inside a
-        forward or on an uncommitted token tree; nothing changes then."""
+        forward or on an uncommitted token tree, UnsupportedFeatureError in a cache with
+        window groups (not composed with them yet); nothing changes then."""
+        if self.state.pt.groups is not None:
+            raise UnsupportedFeatureError(
+                f"enable_sliding_window on sequence {seq_id!r:.40} in a cache with window groups "
+                f"(CacheConfig.layer_kinds): not composed with window groups yet (docs/hybrid.md)")
         self.state.enable_sliding_window(seq_id, window_size, sink_size)
         if self.prefix is not None:            # its pages will slide: their entries go
             self.prefix.release(self.state.seq(seq_id))
@@ -198,8 +204,14 @@ class KVManager:
                 self.prefix.insert(seq)
 
     def forward_committed(self, plan) -> None:
-        """After ``end_forward`` of ``plan``: full pages whose ids are recorded join the
+        """After ``end_forward`` of ``plan``: each window group frees the pages of the forward's
+        sequences that fell below its window; full pages whose ids are recorded join the
         prefix index."""
+        pt = self.state.pt
+        if pt.groups is not None:
+            seqs = pt.seqs
+            pt.groups.commit(plan.seq_ids, [int(pt.s_len[seqs[int(s)].slot])
+                                            for s in plan.seq_ids])
         if self.prefix is None:
             return
         seqs, ps = self.state.pt.seqs, self.config.page_size
@@ -228,6 +240,70 @@ class KVManager:
         changed: cached KV would be stale) and forget it; returns the pages freed, all of
         ``num_cached_pages``. Raises ForwardStateError inside a forward."""
         return 0 if self.prefix is None else self.prefix.clear()
+
+    def prefix_chains(self, prefixes: Optional[Sequence] = None, extra_key: Any = None) -> list:
+        """What saving the prefix cache writes (``kvcache.prefix_files``): the indexed
+        prefixes as chains, parents first, each a ``PrefixChain``. ``prefixes``: None for every
+        cached prefix, or token id lists (conversations: a prompt and what followed it) whose
+        longest cached prefixes, whole pages, under ``extra_key`` are wanted. Raises
+        InvalidArgumentError without the prefix cache or for bad ids; changes nothing."""
+        prefix = self._prefix_on("saving the prefix cache")
+        tips = None
+        if prefixes is not None:
+            if isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence):
+                raise InvalidArgumentError(
+                    f"prefixes must be None or a list of token id lists, got "
+                    f"{type(prefixes).__name__}")
+            if extra_key is not None:
+                _hashable(extra_key, "extra_key")
+            tips = []
+            for i, tokens in enumerate(prefixes):
+                ids = token_ids(tokens, f"prefixes[{i}]")
+                # one id more: find leaves one token uncached, and every full page is wanted
+                node = prefix.find(Prompt(ids.raw + bytes(8)), extra_key)
+                if node is not None:
+                    tips.append(node)
+        ps = self.config.page_size
+        out = []
+        for tip, base, parent in prefix.chains(tips):
+            out.append(PrefixChain(prefix.holder_key(tip), base * ps, tip.depth * ps,
+                                   tip.src[:tip.depth * ps * 8], tip.extra, parent))
+        return out
+
+    def cache_imported(self, seq_ids: Sequence[int], tokens: Sequence, extra_keys: Sequence) -> int:
+        """Sequences ``seq_ids`` (imported, with no ids recorded; a later one may be a fork of
+        an earlier one) become cached pages: each records ``tokens[i]``, the ids of all its
+        positions, under ``extra_keys[i]``, its full pages join the prefix index, and it is
+        removed (its indexed pages stay cached, evictable, least recently used last; pages the
+        index held already are freed). Checks every argument first (InvalidArgumentError,
+        SequenceNotFoundError); returns the pages the index gained."""
+        prefix = self._prefix_on("loading the prefix cache")
+        seqs = [self.state.seq(s) for s in seq_ids]
+        if len(tokens) != len(seqs) or len(extra_keys) != len(seqs):
+            raise InvalidArgumentError(
+                f"cache_imported: {len(seqs)} sequences, {len(tokens)} token lists, "
+                f"{len(extra_keys)} extra keys")
+        ids = [token_ids(t, f"cache_imported: sequence {s.seq_id}: tokens")
+               for s, t in zip(seqs, tokens)]
+        for s, key in zip(seqs, extra_keys):
+            if key is not None:
+                _hashable(key, f"cache_imported: sequence {s.seq_id}: extra_key")
+            if s.prefix is not None or s.window != -1 or not s.committed:
+                raise InvalidArgumentError(
+                    f"cache_imported: sequence {s.seq_id} has ids recorded, a window or an "
+                    f"uncommitted tree: only a freshly imported sequence can be cached")
+        before = prefix.count
+        for s, prompt, key in zip(seqs, ids, extra_keys):       # parents first: their nodes
+            prefix.adopt(s, prompt, key)                        # are the forks' ancestors
+        for sid in seq_ids:
+            self.remove_sequence(sid)
+        return prefix.count - before
+
+    def _prefix_on(self, what: str) -> PrefixIndex:
+        if self.prefix is None:
+            raise InvalidArgumentError(
+                f"{what}: the cache has no prefix cache (CacheConfig(prefix_cache=False))")
+        return self.prefix
 
     def with_room(self, call, shortfall):
         """``call()``; when it raises CacheFullError and evicting cached pages covers the
@@ -304,7 +380,7 @@ class KVManager:
 
     def pages_needed(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
                      token_tree_parent_ptr: Optional[Sequence[int]] = None, *,
-                     net: bool = False) -> int:
+                     net: bool = False, by_group: bool = False) -> Union[int, dict]:
         """The free pages that ``begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)``
         would take now: a scheduler's "is there room" question (vLLM's ``allocate_slots``),
         answered by the code ``begin_forward`` reserves with, so the two cannot disagree.
@@ -323,13 +399,32 @@ class KVManager:
         forward's sliding windows free, i.e. how far ``num_available_pages`` drops from now to
         after the forward (negative when windows free more than the forward takes); the two
         counts differ only for sequences with a sliding window.
+        ``by_group``: the count of every group instead, ``{"full": n, "window=<w>": n, ...}``:
+        the full pool's (as above) and each window group's (``CacheConfig.layer_kinds``; its
+        pages are freed at ``end_forward``, never by the same forward), each to compare with
+        that group's entry of ``num_available_pages_by_group``. Without ``by_group`` the count
+        is the full pool's, and ``can_append`` checks every group.
         Validates like ``begin_forward`` (SequenceNotFoundError, InvalidArgumentError,
         ForwardStateError for an uncommitted tree, naming the sequence, value and limit) but
         never raises CacheFullError, and changes nothing. Inside an open forward it counts
         against the pages that forward leaves (``end_forward`` changes no page)."""
         net = bool_arg(net, "net")
+        by_group = bool_arg(by_group, "by_group")
+        if by_group:
+            return self._pages_by_group(seq_ids, append_lengths, token_tree_parent_ptr, net)
         taken, freed = self.planner.pages_needed(seq_ids, append_lengths, token_tree_parent_ptr)
         return taken - freed if net else taken
+
+    def _pages_by_group(self, seq_ids, append_lengths, token_tree_parent_ptr,
+                        net: bool = False) -> dict:
+        """``pages_needed(..., by_group=True)``."""
+        taken, freed = self.planner.pages_needed(seq_ids, append_lengths, token_tree_parent_ptr)
+        out = {"full": taken - freed if net else taken}
+        groups = self.state.pt.groups
+        if groups is not None:
+            need = self.planner.group_pages_needed(seq_ids, append_lengths, token_tree_parent_ptr)
+            out.update((spec.name, n) for spec, n in zip(groups.specs, need))
+        return out
 
     def append_room(self, seq_id: int, pages: int, limit: int) -> int:
         """The most new tokens, at most ``limit``, that ``seq_id`` can append in one forward of
@@ -347,10 +442,61 @@ class KVManager:
                    token_tree_parent_ptr: Optional[Sequence[int]] = None) -> bool:
         """Whether ``begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)`` has the
         pages it needs now: ``pages_needed(...) <= num_available_pages`` (False exactly when
-        it would raise CacheFullError). Same arguments and input errors as ``pages_needed``;
-        changes nothing."""
-        return self.pages_needed(seq_ids, append_lengths,
-                                 token_tree_parent_ptr) <= self.num_available_pages
+        it would raise CacheFullError), and in a cache with window groups the same for each
+        group (the most constrained group decides). Same arguments and input errors as
+        ``pages_needed``; changes nothing."""
+        if self.state.pt.groups is None:
+            return self.planner.pages_needed(seq_ids, append_lengths,
+                                             token_tree_parent_ptr)[0] <= self.num_available_pages
+        need = self._pages_by_group(seq_ids, append_lengths, token_tree_parent_ptr)
+        free = self.num_available_pages_by_group
+        return all(n <= free[name] for name, n in need.items())
+
+    @property
+    def num_available_pages_by_group(self) -> dict:
+        """``{"full": num_available_pages, "window=<w>": free pages of that window group,
+        ...}`` (one entry per window group of ``CacheConfig.layer_kinds``; only "full"
+        without)."""
+        out = {"full": self.num_available_pages}
+        if self.state.pt.groups is not None:
+            out.update(self.state.pt.groups.free_pages())
+        return out
+
+    @property
+    def num_total_pages_by_group(self) -> dict:
+        """``{"full": num_total_pages, "window=<w>": that window group's pool, ...}``: pages
+        per layer of each group (``CacheConfig.window_group_pages``)."""
+        out = {"full": self.num_total_pages}
+        if self.state.pt.groups is not None:
+            out.update((s.name, s.num_pages) for s in self.state.pt.groups.specs)
+        return out
+
+    def window_pages(self, seq_id: int) -> dict:
+        """``{"window=<w>": (start, pages)}`` of sequence ``seq_id`` in each window group: the
+        first position whose K/V the group still holds (keys below it were freed) and the
+        pages it holds, at most ``ceil(w / page_size) + 1`` between forwards. Empty without
+        window groups. Raises SequenceNotFoundError."""
+        seq = self.state.seq(seq_id)
+        groups = self.state.pt.groups
+        return {} if groups is None else groups.held(seq.seq_id)
+
+
+class PrefixChain(NamedTuple):
+    """One chain of the prefix index as a file writes it (``KVManager.prefix_chains``)."""
+
+    holder: Any
+    """The page-table key of the sequence whose first ``end`` tokens are the chain's prefix
+    (a sequence id, or the prefix cache's hidden ``Ghost``)."""
+    start: int
+    """The first token of the chain's own pages (0, or where it leaves ``parent``'s)."""
+    end: int
+    """One past its last token (whole pages)."""
+    ids: bytes
+    """The ids of tokens ``0 .. end-1``, int64 bytes."""
+    extra: Any
+    """Its extra key (None: none)."""
+    parent: Optional[int]
+    """The index of the chain whose first ``start`` tokens it continues (None: from 0)."""
 
 
 _SIGN = 7 if sys.byteorder == "little" else 0     # the byte of an int64 that holds its sign bit

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .arrays import to_host
+from .arrays import np_dtype, to_host
 from .core.imports import ImportReservation, ImportSpec, pages_needed as import_pages
 from .core.state import as_int
 from .core.validate import bool_arg, int_values, seq_id_arg, seq_id_list
@@ -277,11 +277,19 @@ class Payloads:
         if (payload.backend == b.name and payload.device == b.device and src == kv
                 and b.is_native(k) and b.is_native(v)):
             return k, v, packed
+        if (src == kv and type(k) is np.ndarray and type(v) is np.ndarray and b.is_native(k)
+                and b.is_native(v) and b.dtype_name(k) == kv and b.dtype_name(v) == kv):
+            # host arrays a host backend takes as they are (the reference backend's): the
+            # write copies them into the pages; a from_numpy copy first (through float64 for
+            # bfloat16) was most of a KV file's load
+            return k, v, packed
         try:
             if payload.affine and not packed:       # converted: the values the rows read back
                 hk, hv = payload.values()
             else:
-                hk, hv = to_host(k, src), to_host(v, src)
+                # (no host copy of host arrays in the right dtype: from_numpy copies them)
+                hk, hv = (a if type(a) is np.ndarray and a.dtype == np_dtype(src)
+                          else to_host(a, src) for a in (k, v))
             return b.from_numpy(hk, kv), b.from_numpy(hv, kv), packed
         except KVCacheError:
             raise
@@ -291,17 +299,20 @@ class Payloads:
                 f"({type(k).__name__}): {e}") from None
 
     def _write_import(self, res: ImportReservation, k: Array, v: Array,
-                      packed: bool = False, layers: Optional[range] = None) -> None:
-        """Write ``k`` / ``v`` (the layers ``layers``, None: all) at ``res.slots``: ``packed``
-        rows of this cache's int8 / int4 format unchanged, else values in the dtype
-        ``append_kv`` takes, which fp8 pages quantize with each layer's scales: the cache's,
-        or those ``res`` adopts (checked first: ``KVScales.still_adoptable``)."""
+                      packed: bool = False, layers: Optional[range] = None,
+                      tokens: Optional[range] = None) -> None:
+        """Write ``k`` / ``v`` (the layers ``layers``, None: all; the reservation's tokens
+        ``tokens``, None: all) at ``res.slots``: ``packed`` rows of this cache's int8 / int4
+        format unchanged, else values in the dtype ``append_kv`` takes, which fp8 pages
+        quantize with each layer's scales: the cache's, or those ``res`` adopts (checked
+        first: ``KVScales.still_adoptable``)."""
         self._still_adoptable(res, "write_import")
-        if res.num_tokens == 0:
+        if res.num_tokens == 0 or (tokens is not None and len(tokens) == 0):
             return
         b = self.backend
         layers = range(self.config.num_layers) if layers is None else layers
-        slots = b.aux_to_device(res.slots)
+        slots = b.aux_to_device(res.slots if tokens is None
+                                else res.slots[tokens.start:tokens.stop])
         if packed or not self.config.kv_format.quantized:
             # rows stored as they come: one call for every layer (one launch where the backend
             # can; launches per layer were most of a small transfer's time)
@@ -342,8 +353,9 @@ class Payloads:
         write or commit, or a cleared cache leave the cache's scales as they were. Items
         adopting different scales for one layer are refused unless ``convert_dtype`` (then the
         first item's are adopted and the later items' values stored with them, rounded twice,
-        as successive ``import_sequence`` calls would). The affine formats (int8 / int4) raise
-        UnsupportedFeatureError: they do not move yet."""
+        as successive ``import_sequence`` calls would). The affine formats (int8 / int4) are
+        taken as packed rows of this cache's format, group size and compute dtype
+        (``write_import`` stores them unchanged)."""
         convert_dtype = bool_arg(convert_dtype, "convert_dtype")
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise InvalidArgumentError(
@@ -370,7 +382,7 @@ class Payloads:
                                lambda: sum(import_pages(s, ps) for s in specs) - self.state.pt.num_free)
 
     def write_import(self, reservation: ImportReservation, k: Array, v: Array, *,
-                     layers: Optional[range] = None) -> None:
+                     layers: Optional[range] = None, tokens: Optional[range] = None) -> None:
         """Write a reservation's K/V: ``k``, ``v`` this backend's arrays of shape (num_layers,
         ``reservation.num_tokens``, num_kv_heads, head_dim), the items' payload tokens in order
         (queued on the device like any append), in the storage dtype; for fp8 pages in the
@@ -378,13 +390,23 @@ class Payloads:
         quantized with each layer's scales (the cache's, or those the reservation adopts).
         ``layers``: a ``range`` of consecutive layers that ``k`` and ``v`` hold (None: all;
         their first axis is then ``len(layers)``): a transfer writes each message's layers as
-        it arrives. Raises InvalidArgumentError for other arrays, or when a layer whose scales
-        the reservation adopts got other scales since (a forward calibrated them: cancel and
-        import again); ForwardStateError inside a forward or for a closed reservation."""
+        it arrives. ``tokens``: a ``range`` of the reservation's tokens (in
+        ``[0, reservation.num_tokens]``, step 1) that ``k`` and ``v`` hold (None: all; their
+        second axis is then ``len(tokens)``): a KV file's load writes a few pages at a time,
+        each as it is read. Raises InvalidArgumentError for other arrays or ranges, or when a
+        layer whose scales the reservation adopts got other scales since (a forward
+        calibrated them: cancel and import again); ForwardStateError inside a forward or for
+        a closed reservation."""
         self.state.check_reservation(reservation, "write_import")
         layers = self._layer_range(layers, "write_import")
+        n = reservation.num_tokens
+        if tokens is not None and (not isinstance(tokens, range) or tokens.step != 1
+                                   or not 0 <= tokens.start <= tokens.stop <= n):
+            raise InvalidArgumentError(
+                f"write_import of sequences {reservation.seq_ids}: tokens={tokens!r} must be "
+                f"None or a range of consecutive tokens within [0, {n}]")
         b, c = self.backend, self.config
-        want = (len(layers), reservation.num_tokens, c.num_kv_heads, c.head_dim)
+        want = (len(layers), n if tokens is None else len(tokens), c.num_kv_heads, c.head_dim)
         fmt = c.kv_format
         dtype = c.dtype if fmt.quantized else c.kv_dtype
         what = (f"{dtype} (the compute dtype: the values, which this {c.kv_dtype} cache "
@@ -399,7 +421,7 @@ class Payloads:
                 raise InvalidArgumentError(
                     f"write_import of sequences {reservation.seq_ids}: {name} must be a {b.name} "
                     f"array {want} in {what}, got {got}")
-        self._write_import(reservation, k, v, self.packed, layers)
+        self._write_import(reservation, k, v, self.packed, layers, tokens)
 
     def commit_import(self, reservation: ImportReservation) -> None:
         """Make a reservation's sequences appear (their K/V written by then), and adopt the

@@ -111,6 +111,7 @@ class ReferenceBackend(Backend):
                         if ("bfloat16" if fmt.quantized else name) in NP_DTYPES),
         tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
         rope_frequencies=True, logit_softcap=True, attention_sinks=True, batch_invariant=True,
+        window_groups=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(1, 1025)),
     )
 

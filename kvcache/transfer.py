@@ -49,15 +49,18 @@ def checksum(k: np.ndarray, v: np.ndarray, header: Optional[dict] = None) -> str
     carries (``header``: its ``header()``) so that an importer can tell that its arrays and
     what it says of them (positions, window, scales, group, dtype, RoPE...) are the ones the
     exporter wrote. Without ``header``: the arrays' alone."""
-    crc = 0
-    if header is not None:
-        canonical = {name: value for name, value in header.items()
-                     if name not in UNCHECKED_FIELDS}
-        crc = zlib.crc32(json.dumps(canonical, sort_keys=True, separators=(",", ":"),
-                                    default=float).encode())
+    crc = 0 if header is None else header_crc(header)
     # the arrays' bytes as they are (a uint8 view, no copy)
     crc = zlib.crc32(np.ascontiguousarray(k).view(np.uint8).data, crc)
     return f"{zlib.crc32(np.ascontiguousarray(v).view(np.uint8).data, crc):08x}"
+
+
+def header_crc(header: dict) -> int:
+    """The CRC-32 of ``header`` in canonical form (every field but ``UNCHECKED_FIELDS``, sorted
+    keys, no spaces): where ``checksum`` starts, before the arrays' bytes."""
+    canonical = {name: value for name, value in header.items() if name not in UNCHECKED_FIELDS}
+    return zlib.crc32(json.dumps(canonical, sort_keys=True, separators=(",", ":"),
+                                 default=float).encode())
 
 
 @dataclass(frozen=True)

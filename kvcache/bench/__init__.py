@@ -4,7 +4,8 @@ provide them, kernel benchmarks against the memory-bandwidth floor (``--backend 
 The benches, one module each: ``host`` (``begin_forward`` on fixed and changing batches) and
 ``host_prefix`` (the prefix cache's lookups), the two of ``--host``; ``serving`` (``--serving``:
 the Engine beside transformers' serving paths); ``transfer`` (``--transfer``: one sequence's KV
-between two processes); ``files`` (``--files``: a KV file saved and loaded). A backend's kernel
+between two processes); ``files`` (``--files``: a KV file saved and loaded); ``memory``
+(``--memory``: tokens per GiB of KV with window groups against without). A backend's kernel
 benchmarks are its own (``Backend.benchmarks``)."""
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the decode-step roofline (--backend then names the Engine's backend). "
                     "--transfer: one sequence's KV sent between two processes vs a plain "
                     "torch.distributed send of the same bytes. --files: one sequence's KV file "
-                    "saved and loaded vs a plain write and read of the same bytes.",
+                    "saved and loaded vs a plain write and read of the same bytes. --memory: "
+                    "tokens held per GiB of KV with window groups (5:1 local:global, w=1024, "
+                    "32k context) against the same cache without them.",
         epilog="Options this parser does not know are passed to the backend's benchmarks "
                "(e.g. kvcache bench --backend cuda --iters 50 --only decode); "
                "`kvcache bench --backend NAME --help` lists them.")
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_transfer_arguments(p)
     from .files import add_arguments as add_files_arguments
     add_files_arguments(p)
+    from .memory import add_arguments as add_memory_arguments
+    add_memory_arguments(p)
     return p
 
 
@@ -70,6 +75,18 @@ def main(argv: Optional[list] = None) -> int:
         wants_help = []
     args, rest = parser.parse_known_args(argv)
     rest += wants_help
+    if args.memory:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.host or args.serving or args.transfer or args.files:
+            raise UsageError("--memory is a separate bench; run it alone")
+        for name in ("memory_context", "memory_window", "memory_local"):
+            if getattr(args, name) < (0 if name == "memory_window" else 1):
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer")
+        if args.backend is not None:
+            backend_for(args.backend, args.device)
+        from . import memory
+        return memory.main(args)
     if args.files:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -55,6 +55,7 @@ _TESTS = {
     "test_prefix": ("TestPrefixCache",),
     "test_quantized": ("TestQuantizedKV",),
     "test_invariance": ("TestBatchInvariance",),
+    "test_groups": ("TestWindowGroups",),
 }
 _HELPERS = {
     "harness": ("CachePair", "RunAhead", "make_config"),

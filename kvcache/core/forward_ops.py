@@ -97,3 +97,5 @@ class ForwardOps(WindowOps):
         for seq, size in undo.trees:
             del seq.tree_parent[size:], seq.tree_depth[size:]
             pt.s_tree[seq.slot] = size
+        if undo.groups is not None:
+            pt.groups.rollback(undo.groups)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CacheFullError, ForwardStateError, InvalidArgumentError, SequenceExistsError
+from ..errors import (CacheFullError, ForwardStateError, InvalidArgumentError, SequenceExistsError,
+                      UnsupportedFeatureError)
 from ..errors import pages as n_pages
 from .epoch import query
 from .imports import ImportReservation, ImportSpec, pages_needed, token_slots
@@ -29,6 +30,10 @@ class ImportOps(WindowOps):
         (a commit re-checks), so free pages are not counted. Raises typed errors naming the
         sequence, the value and the limit."""
         pt, ps = self.pt, self.page_size
+        if pt.groups is not None:
+            raise UnsupportedFeatureError(
+                "importing sequences into a cache with window groups (CacheConfig.layer_kinds): "
+                "not composed with window groups yet (docs/hybrid.md)")
         pending: dict = {}
         needs = []
         for spec in specs:

@@ -47,9 +47,12 @@ class SeqState:
 
 
 class PageTable:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, groups=None):
         self.page_size = page_size
         self.num_pages = num_pages
+        # window groups (``core.groups.WindowGroups``, CacheConfig.layer_kinds): each windowed
+        # group's own pool and live lists, keyed by sequence id; None without window groups
+        self.groups = groups
         # free pages: a stack, popped from the end; initial order hands out 0, 1, 2, ...
         self.free_pages = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self.num_free = num_pages
@@ -263,6 +266,9 @@ class PageTable:
             assert self.s_len[seq.slot] == self.trace_length(int(self.s_last[seq.slot])), (
                 f"sequence {seq.seq_id}: length {self.s_len[seq.slot]} != blocks' total")
         self._check_windows(live)
+        if self.groups is not None:
+            self.groups.check_invariants({sid: int(self.s_len[seq.slot])
+                                          for sid, seq in self.seqs.items()})
 
     def _check_regions(self) -> None:
         """Each live block's page-list region ``[pstart, pstart + pcap)`` lies below

@@ -83,6 +83,10 @@ class ForwardPlan:
     undo: Any = None
     static_bucket: Optional[int] = None
     static_mixed: bool = False
+    groups: tuple = ()
+    """Window groups (``CacheConfig.layer_kinds``): one ``core.groups.GroupPlan`` per group,
+    the append slots and the one depth a windowed layer uses instead of ``tokens.append_slots``
+    and ``depths`` (empty without window groups)."""
 
     @property
     def static_kind(self) -> tuple:
@@ -94,10 +98,12 @@ class ForwardPlan:
 
 @dataclass(frozen=True)
 class ForwardAux:
-    """The device twin of a plan's arrays: ``tokens`` and one ``DepthAux`` per depth."""
+    """The device twin of a plan's arrays: ``tokens``, one ``DepthAux`` per depth, and per
+    window group a ``GroupPlan`` of device arrays (``append_slots``, ``depth``)."""
 
     tokens: TokenArrays
     depths: tuple
+    groups: tuple = ()
 
 
 def evolve(record, **changes):
@@ -146,6 +152,11 @@ def walk(record) -> Iterator[tuple[Optional[int], str, Any]]:
         if depth.tree is not None:
             yield d, "tree.indptr", depth.tree.indptr
             yield d, "tree.mask", depth.tree.mask
+    # window groups last, named "group<g>.<field>", with no depth index (none of ``depths``)
+    for g, group in enumerate(getattr(record, "groups", ())):
+        yield None, f"group{g}.append_slots", group.append_slots
+        for name in DEPTH_ARRAYS:
+            yield None, f"group{g}.{name}", getattr(group.depth, name)
 
 
 def device_twin(plan: ForwardPlan, device: Callable[[], Any]) -> ForwardAux:
@@ -161,7 +172,13 @@ def device_twin(plan: ForwardPlan, device: Callable[[], Any]) -> ForwardAux:
         tree = None if depth.tree is None else TreeMask(device(), device(), depth.tree.chains)
         depths.append(DepthAux(**arrays, tree=tree,
                                **{name: getattr(depth, name) for name in DEPTH_SIZES}))
-    return ForwardAux(tokens, tuple(depths))
+    groups = []
+    for group in plan.groups:
+        slots = device()
+        arrays = {name: device() for name in DEPTH_ARRAYS}
+        groups.append(type(group)(slots, DepthAux(
+            **arrays, tree=None, **{name: getattr(group.depth, name) for name in DEPTH_SIZES})))
+    return ForwardAux(tokens, tuple(depths), tuple(groups))
 
 
 class ForwardUndo:
@@ -170,7 +187,7 @@ class ForwardUndo:
     the rare cases a sliding block's pages and the tree sizes."""
 
     __slots__ = ("num_free", "slots", "last", "seq_len", "block_len", "npages", "free_top",
-                 "slid", "trees")
+                 "slid", "trees", "groups")
 
     def __init__(self, num_free, slots, last, seq_len, block_len, npages):
         self.num_free, self.slots, self.last = num_free, slots, last
@@ -181,3 +198,5 @@ class ForwardUndo:
         self.slid: Sequence[tuple[int, np.ndarray, int, int]] = ()
         # (sequence: a core.pagetable.SeqState, uncommitted tree size) of each tree sequence
         self.trees: Sequence[tuple[Any, int]] = ()
+        # the window groups' reservation (``core.groups.GroupUndo``), or None
+        self.groups: Any = None

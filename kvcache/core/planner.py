@@ -28,9 +28,10 @@ from typing import Optional
 
 import numpy as np
 
+from ..errors import UnsupportedFeatureError
 from .decode import DecodeReuse, first_step
 from .depths import build_depths, root_blocks, sharing_pays
-from .plan import ForwardPlan, ForwardUndo, build
+from .plan import ForwardPlan, ForwardUndo, build, evolve
 from .request import ForwardRequest, check_batch, check_forward, exclusive_cumsum
 from .reserve import count_pages, page_need
 from .state import CacheState
@@ -64,6 +65,8 @@ class Planner:
         """Plan (and reserve) a forward: ``seq_ids`` (B ids), ``append_lengths`` (B ints),
         ``tree_parent_ptr`` (T ints or None). Raises a typed error, changing nothing, on bad
         input or when the pages do not suffice; ``rollback(plan.undo)`` undoes it."""
+        if self.state.pt.groups is not None:
+            return self._begin_grouped(seq_ids, append_lengths, tree_parent_ptr)
         plan = self._repeat_decode(seq_ids, append_lengths, tree_parent_ptr)
         if plan is None:
             plan = self._plan(seq_ids, append_lengths, tree_parent_ptr)
@@ -72,13 +75,51 @@ class Planner:
             return pad_to_bucket(plan, self.config)
         return plan
 
+    def _begin_grouped(self, seq_ids, append_lengths, tree_parent_ptr) -> ForwardPlan:
+        """``begin`` in a cache with window groups: every group's pages are counted before
+        anything is reserved (CacheFullError naming the group), the full pool is planned as
+        without groups, then each group reserves its pages and gets its ``GroupPlan``."""
+        groups = self.state.pt.groups
+        req = self._grouped_request(seq_ids, append_lengths, tree_parent_ptr)
+        lengths = self.state.pt.s_len[req.slots].astype(np.int64)
+        groups.check_room(req.seq_ids, lengths, req.append,
+                          f"forward of sequences {req.seq_ids}")
+        plan = self._repeat_decode(seq_ids, append_lengths, None)
+        if plan is None:
+            plan = self._plan(seq_ids, append_lengths, None)
+        undo = groups.reserve(req.seq_ids, lengths, req.append)
+        plan.undo.groups = undo
+        return evolve(plan, groups=groups.plan(req.seq_ids, lengths, req.append,
+                                               plan.tokens.qo_indptr, plan.paged_only))
+
+    def _grouped_request(self, seq_ids, append_lengths, tree_parent_ptr) -> ForwardRequest:
+        """Step 1 in a cache with window groups: token trees are refused (not composed with
+        window groups yet)."""
+        if tree_parent_ptr is not None:
+            raise UnsupportedFeatureError(
+                "token trees in a cache with window groups (CacheConfig.layer_kinds): not "
+                "composed with window groups yet (docs/hybrid.md); pass token_tree_parent_ptr=None")
+        return self._request(seq_ids, append_lengths, None)
+
+    def group_pages_needed(self, seq_ids, append_lengths, tree_parent_ptr=None) -> list:
+        """Per window group, the pages ``begin`` would take off its free list now (the
+        validation of ``pages_needed``); [] without window groups. Changes nothing."""
+        groups = self.state.pt.groups
+        if groups is None:
+            return []
+        req = self._grouped_request(seq_ids, append_lengths, tree_parent_ptr)
+        return groups.need(req.seq_ids, self.state.pt.s_len[req.slots], req.append)
+
     def pages_needed(self, seq_ids, append_lengths, tree_parent_ptr=None) -> tuple[int, int]:
         """(pages taken, pages freed) by the forward ``begin(seq_ids, append_lengths,
         tree_parent_ptr)`` would reserve now: taken off the free list (what must be free, else
         CacheFullError), and given back by its sliding windows after every new page is taken.
         The same validation (``_request``) and page count (``reserve.page_need``) as ``begin``,
         without reserving, refusing for room, or touching the decode reuse: changes nothing."""
-        req = self._request(seq_ids, append_lengths, tree_parent_ptr)
+        if self.state.pt.groups is not None:
+            req = self._grouped_request(seq_ids, append_lengths, tree_parent_ptr)
+        else:
+            req = self._request(seq_ids, append_lengths, tree_parent_ptr)
         need, slides = page_need(self.state, self.config, req)
         return int(need.sum()), sum(s.erase_count for s in slides.values())
 
@@ -93,7 +134,15 @@ class Planner:
         pages = max(pages, 0)
         if not (self.config.support_sliding_window and pt.s_window[req.slots[0]] >= 0):
             room = int(pt.b_npages[req.last[0]]) * ps - int(pt.b_len[req.last[0]])
-            return min(limit, room + pages * ps)
+            most = min(limit, room + pages * ps)
+            if pt.groups is not None:
+                # each window group holds the pages up to the sequence's last one too: its
+                # room is the last page's plus its own free pages
+                length = int(pt.s_len[req.slots[0]])
+                tail = -(-length // ps) * ps - length
+                for free in pt.groups.free_pages().values():
+                    most = min(most, tail + free * ps)
+            return most
 
         def need(n: int) -> int:
             return int(page_need(self.state, self.config, self._request([seq_id], [n], None))[0].sum())

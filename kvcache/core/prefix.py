@@ -412,6 +412,44 @@ class PrefixIndex(BasePrefixCache):
         state.epoch += 1
         return True
 
+    # ------------------------------------------------------------------ files
+    def chains(self, tips: Optional[list] = None) -> list:
+        """The indexed prefixes as a forest of chains, each written once (the prefix cache's
+        files, ``kvcache.prefix_files``): ``(tip, base, parent)`` per chain, parents first.
+        ``tip``: the chain's deepest node (its holder's first ``tip.depth`` pages are the
+        whole prefix); ``base``: the depth, in pages, at which the chain leaves chain
+        ``parent`` (an index into the list; None and 0 for a chain from the root). ``tips``:
+        the nodes whose prefixes to cover (None: every node, through the leaves, least
+        recently used first). Changes nothing."""
+        if tips is None:
+            tips = sorted((n for filed in self.nodes.values() for n in filed if not n.kids),
+                          key=lambda n: (n.tick, n.id))
+        covered: dict = {}      # node -> the chain that holds it
+        out: list = []
+        for tip in tips:
+            path, at = [], tip
+            while at is not None and at not in covered:
+                path.append(at)
+                at = at.parent
+            if not path:
+                continue
+            for node in path:
+                covered[node] = len(out)
+            out.append((tip, 0, None) if at is None else (tip, at.depth, covered[at]))
+        return out
+
+    def holder_key(self, node: Node):
+        """The page-table key of the sequence (a real one's id, or a ``Ghost``) whose first
+        ``node.depth`` pages hold ``node``'s prefix."""
+        return _key(node.holder)
+
+    def adopt(self, seq, prompt: Prompt, extra) -> None:
+        """Record ``prompt`` as the ids of ``seq``'s positions under extra key ``extra`` (a
+        sequence with none recorded yet: an imported one) and index its full pages; the
+        sequence holds the new nodes (``retire`` then leaves them cached)."""
+        seq.prefix = Track(seq.seq_id, extra, array.array("q", prompt.raw))
+        self.insert(seq)
+
     # ------------------------------------------------------------------ eviction
     def _length(self, ghost: Ghost) -> int:
         pt = self.state.pt

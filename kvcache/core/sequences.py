@@ -21,9 +21,14 @@ from .validate import seq_id_arg
 
 @dataclass(frozen=True)
 class PageCopy:
+    """Copy rows ``0 .. length-1`` of page ``src_page`` into ``dst_page`` (a fork's or a
+    pop's partial page) in the page arrays of the full-attention layers, or with ``group >=
+    0`` in those of window group ``group`` (``CacheConfig.window_groups``)."""
+
     src_page: int
     dst_page: int
     length: int
+    group: int = -1
 
 
 class SequenceOps(EpochCounted):
@@ -55,9 +60,14 @@ class SequenceOps(EpochCounted):
         if seq_id in self.pt.seqs:
             raise SequenceExistsError(f"sequence {seq_id} is already in the cache")
         self.pt.add_sequence(seq_id, self.pt.new_block())
+        if self.pt.groups is not None:
+            self.pt.groups.add(seq_id)
 
     def remove_sequence(self, seq_id) -> None:
-        self._release(self.seq(seq_id))
+        seq = self.seq(seq_id)
+        self._release(seq)
+        if self.pt.groups is not None:
+            self.pt.groups.remove(seq.seq_id)
 
     def _release(self, seq: SeqState) -> None:
         """Drop ``seq``: free the blocks only it reaches, unshare the first shared one."""
@@ -103,7 +113,13 @@ class SequenceOps(EpochCounted):
 
     def fork_sequence(self, parent_id, child_id, fork_pos=-1) -> list[PageCopy]:
         parent, child_id, fork_pos = self.check_fork(parent_id, child_id, fork_pos)
-        return self._fork(parent, child_id, fork_pos)
+        groups = self.pt.groups
+        if groups is None:
+            return self._fork(parent, child_id, fork_pos)
+        groups.check_fork(parent.seq_id, fork_pos)
+        copies = self._fork(parent, child_id, fork_pos)
+        return copies + [PageCopy(src, dst, rows, g)
+                         for g, src, dst, rows in groups.fork(parent.seq_id, child_id, fork_pos)]
 
     def _fork(self, parent: SeqState, child_id: int, fork_pos: int,
               page: Optional[int] = None) -> list[PageCopy]:
@@ -189,7 +205,14 @@ class SequenceOps(EpochCounted):
 
     def popn(self, seq_id, n) -> list[PageCopy]:
         seq, n = self.check_popn(seq_id, n)
-        return self._popn(seq, n)
+        groups = self.pt.groups
+        if groups is None:
+            return self._popn(seq, n)
+        sid, length = seq.seq_id, self.pt.length(seq)
+        groups.check_popn(sid, length, n)
+        copies = self._popn(seq, n)
+        return copies + [PageCopy(src, dst, rows, g)
+                         for g, src, dst, rows in groups.popn(sid, length, n)]
 
     def _popn(self, seq: SeqState, n: int) -> list[PageCopy]:
         if n == 0:

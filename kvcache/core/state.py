@@ -18,7 +18,10 @@ invalidate it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from .forward_ops import ForwardOps
+from .groups import WindowGroups
 from .import_ops import ImportOps
 from .pagetable import PageTable
 from .tree_commit import TreeCommitOps
@@ -35,11 +38,16 @@ class CacheState(ImportOps, ForwardOps, TreeCommitOps):
     grows each sequence's last block by one token, which the reused plan accounts for.
     """
 
-    def __init__(self, num_pages: int, page_size: int, support_sliding_window: bool):
+    def __init__(self, num_pages: int, page_size: int, support_sliding_window: bool,
+                 groups: Optional[tuple] = None):
         self.page_size = page_size
         self.support_sliding_window = support_sliding_window
-        self.pt = PageTable(num_pages, page_size)
+        # groups: the ``core.groups.GroupSpec`` of each window group (None: none)
+        self.pt = PageTable(num_pages, page_size,
+                            None if groups is None else WindowGroups(groups, page_size))
         self.epoch = 0
 
     def clear(self) -> None:
-        self.pt = PageTable(self.pt.num_pages, self.page_size)
+        groups = self.pt.groups
+        self.pt = PageTable(self.pt.num_pages, self.page_size,
+                            None if groups is None else groups.fresh())

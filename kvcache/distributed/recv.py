@@ -15,7 +15,7 @@ from ..errors import ForwardStateError, InvalidArgumentError, KVCacheError
 from .endpoints import _arrays, _ids, _sums, _torch, _transport
 from .handle import TransferHandle
 from .wire import (_FIXED, _JSON_LIMIT, HEAD_BYTES, MAGIC, _array_dtype, _packed_fits,
-                   _read_header, _row, _spans)
+                   _read_header, _row, _spans, check_chain_header, transfer_chains)
 
 
 def _per_sequence(values, count: int, name: str) -> list:
@@ -63,7 +63,12 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     ``verify`` (default True): ``wait()`` checks each data message against the two sums the
     sender computed on its device (the tail message carries them), computed here where the
     message landed, and raises KVCacheError naming the layers, keeping nothing, on a
-    difference. On a GPU ``wait()`` then waits for the data to arrive and be summed, on a side
+    difference; then, when the sender hashed the pages (``send_sequence``'s
+    ``page_hashes``: by default over gloo), the SHA-256 hash chain of every sequence's pages
+    (a KV file's: rooted at its payload header as received, over its token ids and rows as
+    they arrived) against the sender's, raising KVCacheError naming the sequence and the
+    page, keeping nothing, on a difference. Token ids the sender sent are recorded
+    (``extend_tokens``) once the sequences appear. On a GPU ``wait()`` then waits for the data to arrive and be summed, on a side
     stream (not for the forwards this cache queued before); ``verify=False`` leaves integrity to
     the transport and ``wait()`` only queues the writes behind the data (it still waits for
     the tail of a transfer sent during its forward, which says whether that forward ended)."""
@@ -81,17 +86,20 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     # (empty, not zeros: a fill queued on the cache's stream could land after the message)
     raw = _read_small(torch, dist, torch.empty(HEAD_BYTES, dtype=torch.uint8, device=transport),
                       src, group).numpy()
-    magic, size, nbytes, num_layers, per, streamed, crc = (
-        int(x) for x in raw[:_FIXED * 8].view(np.int64)[:7])
+    magic, size, nbytes, num_layers, per, streamed, crc, pages = (
+        int(x) for x in raw[:_FIXED * 8].view(np.int64)[:8])
     if magic != MAGIC:
         raise InvalidArgumentError(
             f"recv_sequence of sequences {ids}: the message from rank {src} is not a kvcache "
             f"transfer of this version (first value {magic:#x}, expected {MAGIC:#x}); both "
             f"sides must pair their calls and run one kvcache version")
-    if not 0 <= size <= _JSON_LIMIT or streamed not in (0, 1):
+    c = cache.config
+    most = cache.num_total_pages * c.page_size      # (a page hashes one token at least)
+    if not 0 <= size <= _JSON_LIMIT or streamed not in (0, 1) or not 0 <= pages <= most:
         raise InvalidArgumentError(
             f"recv_sequence of sequences {ids}: rank {src} announced a header of {size} bytes "
-            f"(a sender's is within [0, {_JSON_LIMIT}]), streamed={streamed} (0 or 1)")
+            f"(a sender's is within [0, {_JSON_LIMIT}]), streamed={streamed} (0 or 1), the "
+            f"hashes of {pages} pages (this cache holds at most {most} tokens)")
     inline = min(size, HEAD_BYTES - _FIXED * 8)
     text = raw[_FIXED * 8:_FIXED * 8 + inline].tobytes()
     if size > inline:
@@ -100,18 +108,18 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
     # the data messages the sender posted, per ``per`` layers, received whatever the JSON
     # says (a refused one is drained); posted now, so that their wire time covers the checks
     # and the page reservation below
-    c = cache.config
     spans = _spans(nbytes, num_layers, per, ids, src,
                    limit=cache.num_total_pages * c.page_size * c.num_layers * c.num_kv_heads
                    * max(_row(c), c.head_dim) * 4)
     buffers = [torch.empty(2 * (nbytes // num_layers) * len(layers), dtype=torch.uint8,
                            device=transport) for layers in spans]
     works = [dist.irecv(buf, src, group=group) for buf in buffers]
-    # every transfer ends with its tail: [ended, messages, each data message's two sums]
-    # (read once, by whichever of finish / cancel / a refusal asks first)
+    # every transfer ends with its tail: [ended, messages, each data message's two sums, the
+    # pages' hash chain (4 words a page)] (read once, by whichever of finish / cancel / a
+    # refusal asks first)
     tail = functools.cache(_post_small(
-        torch, dist, torch.empty(2 + 2 * len(spans), dtype=torch.int64, device=transport),
-        src, group))
+        torch, dist, torch.empty(2 + 2 * len(spans) + 4 * pages, dtype=torch.int64,
+                                 device=transport), src, group))
     try:
         if zlib.crc32(text) != crc & 0xFFFF_FFFF:
             raise InvalidArgumentError(
@@ -123,6 +131,8 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
                 f"recv_sequence of sequences {ids} from rank {src}: the header's shape has "
                 f"{shape[0]} layers, its fixed part {num_layers}")
         _packed_fits(cache.config, msg, f"recv_sequence of sequences {ids} from rank {src}")
+        chain_ps = check_chain_header(msg, headers, pages,
+                                      f"recv_sequence of sequences {ids} from rank {src}")
         res = cache.reserve_import(list(zip(ids, headers, parents, positions)), convert_dtype)
     except BaseException:
         for w in works:             # the data the sender posted, consumed and dropped
@@ -164,7 +174,13 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
                     f"{list(spans[i])} arrived with sums {got[i].tolist()}, sent with "
                     f"{theirs[i].tolist()} ({len(bad)} of {len(spans)} messages differ): "
                     f"changed on the way; nothing was kept")
+        if verify and pages:
+            _check_chain(torch, msg, headers, chain_ps, spans, buffers, shape, sent,
+                         end[2 + 2 * len(spans):], ids, src)
         cache.commit_import(res)
+        for sid, toks in zip(ids, msg["tokens"]):
+            if toks is not None:
+                cache.extend_tokens(sid, toks)
 
     def cancel():
         tail()
@@ -172,6 +188,30 @@ def recv_sequence(cache, seq_ids, src: int, group: Any = None, *,
 
     return TransferHandle(works, buffers, ids, f"receive of sequences {ids} from rank {src}",
                           finish=finish, cancel=cancel)
+
+
+def _check_chain(torch, msg: dict, headers: list, page_size: int, spans: list, buffers: list,
+                 shape: tuple, dtype: str, theirs: np.ndarray, ids: list, src: int) -> None:
+    """KVCacheError naming the sequence and the first page whose hash chain, computed over
+    the received buffers (on the host: a GPU's are copied there), differs from the sender's
+    (``theirs``: the tail's chain words)."""
+    from ..config import itemsize
+    host = [(b if b.device.type == "cpu" else b.cpu()).numpy() for b in buffers]
+    mine = transfer_chains(msg["payloads"], msg["tokens"], page_size, spans, host, shape,
+                           itemsize(dtype))
+    sent = np.ascontiguousarray(theirs, dtype="<i8").tobytes()
+    at = 0
+    from ..files import first_difference
+    for sid, h, chain in zip(ids, headers, mine):
+        want = [sent[at + 32 * j:at + 32 * (j + 1)] for j in range(len(chain))]
+        at += 32 * len(chain)
+        bad = first_difference(want, chain)
+        if bad is not None:
+            raise KVCacheError(
+                f"recv_sequence of sequences {ids} from rank {src}: sequence {sid}'s page {bad} "
+                f"(its tokens from {h.start + bad * page_size}) fails its hash: its K/V, a "
+                f"scale, a token id or its header differs from what the sender hashed; "
+                f"nothing was kept")
 
 
 def _received_sums(torch, buffers: list, works: list, backend) -> np.ndarray:

@@ -3,15 +3,18 @@
 One call moves a batch of sequences in a few point-to-point messages, in this order:
 
 1. the head: ``HEAD_BYTES`` uint8, whatever the batch: eight int64 ``[MAGIC, n, nbytes,
-   num_layers, layers_per_message, streamed, CRC-32 of the JSON, 0]`` then the first bytes
-   of ``n`` bytes of JSON
+   num_layers, layers_per_message, streamed, CRC-32 of the JSON, hashed pages]`` then the
+   first bytes of ``n`` bytes of JSON
    ``{"version", "payloads": [SequencePayload.header() per sequence], "kv_dtype", "dtype",
-   "shape", "nbytes"}`` (``nbytes``: the bytes of K, and of V, that follow; in the fixed part
-   too, with the layer grouping, so that the receiver posts the data's receives before it
-   reads the JSON, and one that refuses the JSON still knows what to drain; ``dtype``: the
-   arrays' dtype, the compute dtype for fp8 pages, whose arrays hold the values read back and
-   whose payload headers carry the scales; None or absent: ``kv_dtype``). A JSON longer than
-   the head holds sends its rest in a second message of exactly those bytes;
+   "shape", "nbytes"}`` and, optionally, ``"tokens"`` (per sequence null or its token ids
+   from token 0 to its end) and ``"page_size"`` (the hash chain's pages, present when the
+   fixed part announces hashed pages) (``nbytes``: the bytes of K, and of V, that follow; in
+   the fixed part too, with the layer grouping and the hashed pages, so that the receiver
+   posts the data's and the tail's receives before it reads the JSON, and one that refuses
+   the JSON still knows what to drain; ``dtype``: the arrays' dtype, the compute dtype for fp8
+   pages, whose arrays hold the values read back and whose payload headers carry the scales;
+   None or absent: ``kv_dtype``). A JSON longer than the head holds sends its rest in a
+   second message of exactly those bytes;
 2. for each group of ``layers_per_message`` consecutive layers, one message: K's rows of those
    layers then V's, each the raw bytes of a contiguous (layers, total tokens, num_kv_heads,
    head_dim) array in ``dtype``, the sequences' tokens one sequence after another (what
@@ -20,9 +23,15 @@ One call moves a batch of sequences in a few point-to-point messages, in this or
    groups of about that size, at least ``MIN_MESSAGES`` of them (``layers_per_message``), so
    that the sender gathers a group while the last is on the wire and the receiver writes one
    while the next arrives;
-3. the tail: int64 ``[ended, messages, then per data message the two sums of its bytes]``
-   (``ended`` 0: the forward a send from inside it watched was aborted), the sums computed on
-   the sender's device behind each gather, checked on the receiver's (``verify``).
+3. the tail: int64 ``[ended, messages, then per data message the two sums of its bytes,
+   then the hash chain of every sequence's pages, 4 words (32 bytes) a page]`` (``ended`` 0:
+   the forward a send from inside it watched was aborted), the sums computed on the sender's
+   device behind each gather, checked on the receiver's (``verify``). The chain is a KV
+   file's (``kvcache.files``): per sequence, rooted at its payload header as the JSON holds
+   it, each page of ``page_size`` tokens over its token ids (when sent) and its rows of K's
+   layers then V's as sent; the sender hashes the messages it sent (by default over gloo,
+   whose messages are host memory: ``send_sequence(..., page_hashes=...)``), the receiver
+   the messages that arrived, before the sequences appear.
 
 A transfer thus costs the receiver one round trip to its host (the head), whose checks and page
 reservation run while the data is on the wire.

@@ -15,10 +15,10 @@ from ..errors import InvalidArgumentError, UnsupportedFeatureError
 from ..formats import FORMAT_TABLE
 from ..transfer import FORMAT_VERSION, SequencePayload
 
-MAGIC = 0x6B76_6361_6368_6532    # "kvcache2": the first int64 of every transfer
-"""The first int64 of every transfer ("kvcache2" in ASCII, the wire's second layout): a
-receiver that reads anything else is not talking to this ``send_sequence`` and raises instead of
-misreading the bytes."""
+MAGIC = 0x6B76_6361_6368_6533    # "kvcache3": the first int64 of every transfer
+"""The first int64 of every transfer ("kvcache3" in ASCII, the wire's third layout: the tail
+carries the pages' hash chain): a receiver that reads anything else is not talking to this
+``send_sequence`` and raises instead of misreading the bytes."""
 HEAD_BYTES = 16 << 10
 """The size of a transfer's first message (its fixed part and the start of its JSON): fixed, so
 that a receiver can post it before it knows anything of the transfer."""
@@ -36,15 +36,16 @@ one a layer would slow a prefill whose layers take less GPU time than that."""
 
 
 def head_message(body: bytes, nbytes: int, num_layers: int, per: int,
-                 streamed: bool = False) -> tuple:
+                 streamed: bool = False, chain_pages: int = 0) -> tuple:
     """``(head, rest)``: a transfer's first message (``HEAD_BYTES`` uint8, numpy) for a JSON
     header ``body``, ``nbytes`` bytes each of K and V over ``num_layers`` layers, ``per`` a data
-    message, ``streamed``: sent during the forward that writes it; the JSON's CRC-32 goes in
-    the fixed part too. ``rest``: the JSON's bytes that did not fit (b"" but for very large
-    batches), the second message. The one writer of the wire's head."""
+    message, ``streamed``: sent during the forward that writes it, ``chain_pages``: the pages
+    whose hash chain the tail carries (0: none); the JSON's CRC-32 goes in the fixed part
+    too. ``rest``: the JSON's bytes that did not fit (b"" but for very large batches), the
+    second message. The one writer of the wire's head."""
     head = np.zeros(HEAD_BYTES, np.uint8)
-    head[:_FIXED * 8].view(np.int64)[:7] = (MAGIC, len(body), nbytes, num_layers, per,
-                                            int(streamed), zlib.crc32(body))
+    head[:_FIXED * 8].view(np.int64)[:8] = (MAGIC, len(body), nbytes, num_layers, per,
+                                            int(streamed), zlib.crc32(body), chain_pages)
     inline = body[:HEAD_BYTES - _FIXED * 8]
     head[_FIXED * 8:_FIXED * 8 + len(inline)] = np.frombuffer(inline, np.uint8)
     return head, body[len(inline):]
@@ -176,4 +177,63 @@ def _read_header(text: bytes, nbytes: int, ids: list, src: int):
         raise InvalidArgumentError(
             f"{where}: the payloads hold {sum(h.num_tokens for h in headers)} tokens, the "
             f"arrays {shape[1]}")
+    tokens = msg.get("tokens")
+    if tokens is None:
+        msg["tokens"] = [None] * len(headers)
+    elif not isinstance(tokens, list) or len(tokens) != len(headers) or not all(
+            t is None or (isinstance(t, list) and len(t) == h.end and all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 for x in t))
+            for t, h in zip(tokens, headers)):
+        raise InvalidArgumentError(
+            f"{where}: tokens={tokens!r:.80} must be null or per sequence null or its token "
+            f"ids from token 0 to its end ({[h.end for h in headers]} of them), each in "
+            f"[0, 2**31)")
     return msg, shape, headers
+
+
+def chain_pages(headers: list, page_size: int) -> int:
+    """The pages of a transfer's hash chain: each sequence's tokens in pages of
+    ``page_size``."""
+    return sum(-(-h.num_tokens // page_size) for h in headers)
+
+
+def check_chain_header(msg: dict, headers: list, pages: int, where: str) -> int:
+    """The chain's page size (``msg["page_size"]``) when the fixed part announced ``pages``
+    hashed pages (0: none, returns 0): InvalidArgumentError unless the JSON's page size gives
+    that many."""
+    if not pages:
+        return 0
+    ps = msg.get("page_size")
+    if (not isinstance(ps, int) or isinstance(ps, bool) or ps < 1
+            or chain_pages(headers, ps) != pages):
+        raise InvalidArgumentError(
+            f"{where}: the head announced the hashes of {pages} pages, but page_size={ps!r} "
+            f"makes them {chain_pages(headers, ps) if isinstance(ps, int) and ps >= 1 else '?'}")
+    return ps
+
+
+def transfer_chains(payloads: list, tokens: list, page_size: int, spans: list, messages: list,
+                    shape: tuple, itemsize_: int) -> list:
+    """Per sequence of a transfer its hash chain (``kvcache.files.page_chain``: raw 32-byte
+    digests, rooted at its payload header as the JSON holds it, over its token ids' share and
+    its rows) over the data ``messages`` (flat host uint8 arrays: per layer group of
+    ``spans``, K's rows of those layers then V's, the sequences' tokens one after another):
+    what the sender puts in the tail and the receiver computes again."""
+    from ..files import chain_root, page_chains
+    row = shape[2] * shape[3] * itemsize_
+    layer = shape[1] * row
+    ks, vs = [], []
+    for span, message in zip(spans, messages):
+        data = memoryview(message)
+        half = len(span) * layer
+        for i in range(len(span)):
+            ks.append(data[i * layer:(i + 1) * layer])
+            vs.append(data[half + i * layer:half + (i + 1) * layer])
+    items, offset = [], 0
+    for head, ids in zip(payloads, tokens):
+        n, start = head["num_tokens"], head["start"]
+        parts = [(x[offset * row:(offset + n) * row], row) for x in ks + vs]
+        items.append((chain_root(head), parts, None if ids is None else ids[start:start + n],
+                      n, page_size))
+        offset += n
+    return page_chains(items)

@@ -94,7 +94,12 @@ class Engine:
     ``mixed_graphs`` / ``compile_step`` (whole-step graphs, their buckets, prefill steps
     captured too, the captured step compiled); ``offload`` / ``offload_tokens`` (the host tier
     preempted sequences are parked in); ``overlap`` (the host one step ahead of the device:
-    an ``AsyncScheduler``); ``prefix_cache``; ``kv_dtype`` (the pages' storage format).
+    an ``AsyncScheduler``); ``prefix_cache``; ``kv_dtype`` (the pages' storage format);
+    ``prefix_file`` (a saved prefix cache, e.g. a system prompt, loaded at start: its pages
+    are hits for the requests that begin with them) and ``fingerprint_weights`` (the model
+    fingerprint KV files carry hashes the weights too). KV files: ``save_prefix_cache``,
+    ``load_prefix_cache`` and ``resume`` (a conversation saved by another engine, possibly on
+    another backend), all checked against ``fingerprint``.
     ``self.engine_config`` holds them as given. A bad value raises ``InvalidArgumentError``
     naming the option; an option the backend or adapter cannot honour,
     ``UnsupportedFeatureError``.
@@ -171,7 +176,12 @@ class Engine:
         self._streams: dict = {}            # request_id -> asyncio.Queue (astream)
         self._driver: Optional[asyncio.Task] = None
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._fingerprint: Optional[dict] = None
         _LIVE_ENGINES.add(self)
+        self.prefix_loaded = 0
+        """Pages the ``prefix_file`` put in the prefix cache at start (0: none)."""
+        if opts.prefix_file is not None:
+            self.prefix_loaded = self.load_prefix_cache(opts.prefix_file)
 
     # ------------------------------------------------------------------ construction
     def _want_graphs(self, graphs: Optional[bool], backend: str, device: Optional[str]) -> bool:
@@ -382,6 +392,63 @@ class Engine:
                 f"say) or lower max_tokens")
         self.adapter.check_request(self.cache, what, length)
         return [int(t) for t in tokens]
+
+    # ------------------------------------------------------------------ KV files
+    @property
+    def fingerprint(self) -> Optional[dict]:
+        """The model's fingerprint (``kvcache.integrations.fingerprint.model_fingerprint`` of
+        the adapter's ``model``: architecture, layers, heads, head dims, RoPE, a hash of the
+        parameter shapes, and with ``fingerprint_weights`` of the weights), which the
+        engine's KV files carry and are checked against; computed once. None for an adapter
+        without a ``model``: its files carry none and are checked against none."""
+        if self._fingerprint is None:
+            model = getattr(self.adapter, "model", None)
+            if model is None:
+                return None
+            from .fingerprint import model_fingerprint
+            self._fingerprint = model_fingerprint(
+                model, weights=self.engine_config.fingerprint_weights)
+        return dict(self._fingerprint)
+
+    def save_prefix_cache(self, path, conversations: Optional[Sequence[Sequence[int]]] = None
+                          ) -> int:
+        """Write the prefix cache to the file ``path`` with the model's ``fingerprint``
+        (``cache.prefix_cache.save``): every cached prefix (``conversations`` None), or the
+        longest cached prefix of each token id list in ``conversations``, whole pages; e.g. a
+        conversation's prompt followed by the tokens the engine generated for it, saved once
+        its request finished (a finished request leaves its full pages cached). Another engine
+        loads it (``load_prefix_cache``, ``prefix_file``) or goes on with the conversation
+        (``resume``). Returns the pages written. Raises ``InvalidArgumentError`` with
+        ``prefix_cache=False``."""
+        with self._lock:
+            return self.cache.save_prefix_cache(path, self.fingerprint, conversations)
+
+    def load_prefix_cache(self, path) -> int:
+        """Load a prefix cache file (``save_prefix_cache``'s, from any engine, process or
+        backend of the same model; or a KV file of sequences with token ids) into the prefix
+        cache as cached pages, checked against the model's ``fingerprint`` first: a request
+        that begins with one of its prefixes starts from it (``stats.prefix_hit_tokens``).
+        Returns the pages the prefix cache gained. Raises ``InvalidArgumentError`` naming the
+        field for a file of another model or a corrupt one, ``CacheFullError`` without room;
+        nothing is loaded then. ``prefix_file`` calls it at start."""
+        with self._lock:
+            return self.cache.load_prefix_cache(path, self.fingerprint)
+
+    def resume(self, path, prompt: Sequence[int], params: Optional[SamplingParams] = None) -> int:
+        """Go on with a conversation another engine saved (``save_prefix_cache(path,
+        [tokens])``, ``tokens`` its prompt and generated tokens): load ``path``
+        (``load_prefix_cache``), then queue ``prompt``, the saved tokens and what follows them
+        (a next turn), as ``add_request`` does; returns the request id. The request starts
+        from the loaded pages and computes the rest (the last partial page, the new turn).
+        Greedy tokens are those of a run that never stopped (the conversation as one request)
+        with ``deterministic=True``: a token's output is the same bits whether it arrives in
+        a prefill chunk or a decode step; without it, those of a next turn on the saving
+        engine (on the same backend). ``prompt`` and ``params`` are checked first (nothing is loaded for a bad
+        one)."""
+        with self._lock:
+            self._admit(prompt, params)
+            self.load_prefix_cache(path)
+            return self.add_request(prompt, params)
 
     # ------------------------------------------------------------------ wrappers
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params=None, *,

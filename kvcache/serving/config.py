@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -101,6 +102,17 @@ class EngineConfig:
     where graphs are on; True: on, or ``UnsupportedFeatureError`` without graphs; False: such
     steps run eagerly. Tokens agree with eager mixed steps to the attention's rounding (another
     kernel path over the same keys)."""
+    prefix_file: Any = None
+    """A prefix cache file (a path: ``Engine.save_prefix_cache``'s, or any KV file whose
+    sequences carry token ids) loaded when the engine starts, checked against the model's
+    fingerprint (``Engine.fingerprint``; another model's file is refused): its prefixes, a
+    system prompt or saved conversations, are cached pages, and a request that begins with one
+    starts from it (``stats.prefix_hit_tokens``). Needs ``prefix_cache``; None: none."""
+    fingerprint_weights: bool = False
+    """The model fingerprint the engine writes into KV files and checks them against also
+    hashes every weight (read once, when first needed: about a second per GiB), so two
+    checkpoints of one architecture are told apart; False: the architecture, shapes and RoPE
+    (``kvcache.integrations.fingerprint``)."""
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_total_tokens", "prefill_chunk_size",
@@ -119,10 +131,18 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name}={value!r} must be None, True or False")
-        for name in ("overlap", "prefix_cache", "deterministic"):
+        for name in ("overlap", "prefix_cache", "deterministic", "fingerprint_weights"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name}={value!r} must be True or False")
+        if self.prefix_file is not None:
+            if not isinstance(self.prefix_file, (str, os.PathLike)):
+                raise InvalidArgumentError(
+                    f"prefix_file={self.prefix_file!r:.80} must be None or a path")
+            if not self.prefix_cache:
+                raise InvalidArgumentError(
+                    f"prefix_file={str(self.prefix_file)!r:.80} loads into the prefix cache, and "
+                    f"prefix_cache=False; pass prefix_cache=True or no prefix_file")
         fraction = self.memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
                 or not 0 < fraction <= 1:

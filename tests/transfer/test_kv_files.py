@@ -106,10 +106,10 @@ def _regions(path) -> dict:
 
 REASONS = {"container length": "header length", "tensor table": "not in the file",
            "format": "format=", "page_size": "fails its hash", "token ids": "fails its hash",
-           "page hash": "fails its hash", "payload header": "num_kv_heads", "K": "checksum",
-           "V": "checksum"}
-"""What each flipped part is refused for (the K/V flips meet the payload's CRC-32 before the
-page hashes, which would refuse them too)."""
+           "page hash": "fails its hash", "payload header": "num_kv_heads",
+           "K": "page 0 (tokens 0..) fails its hash", "V": "page 0 (tokens 0..) fails its hash"}
+"""What each flipped part is refused for (the K/V flips meet the page hashes, which cover
+everything the payload's CRC-32 covers: the CRC is not computed again)."""
 
 
 @pytest.mark.parametrize("part", list(REASONS))
@@ -196,3 +196,46 @@ def test_the_files_bench_runs_and_judges_its_ratios(capsys):
     assert main(["bench", "--files", "--files-mib", "1", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["tokens"] == 8 and res["save_over_write"] > 0 and res["load_over_read"] > 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3"])
+def test_a_flipped_scale_in_a_quantized_file_is_refused_by_its_page(tmp_path, kv_dtype):
+    """A file written from a quantized cache carries its scales: int8 in each packed row of K
+    and V (after the row's codes), fp8 in the payload header (per layer, K's and V's per KV
+    head). One flipped byte of a scale is refused by the page hash that covers it: int8 by
+    the page of the row's token, fp8 by page 0, whose chain starts from the payload header;
+    the cache is unchanged (no sequence, no page taken, no scales adopted)."""
+    cfg = config(dtype="bfloat16", kv_dtype=kv_dtype)
+    src = make_cache("reference", cfg)
+    src.add_sequence(1)
+    run_forward(src, [1], [11], np.random.default_rng(7))
+    path = tmp_path / f"{kv_dtype}.kv"
+    src.save_sequences(path, [1])
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    table = json.loads(raw[8:8 + n])
+    entry = json.loads(table["__metadata__"]["kvcache"])["sequences"][0]
+    if kv_dtype == "int8":
+        _, tokens, heads, row = table[entry["k"]]["shape"]
+        token, page = 6, 1                          # token 6 of layer 0, head 0: page 1 of 4
+        at = 8 + n + table[entry["k"]]["data_offsets"][0] + (token * heads) * row
+        at += cfg.head_dim + 1                      # the high byte of the row's first scale
+    else:
+        assert entry["payload"]["kv_scales"][0] is not None
+        at = raw.index(b'kv_scales\\":[[[', 8) + len(b'kv_scales\\":[[[')
+        while chr(raw[at + 1]) not in ",]":         # the last digit of layer 0's first scale
+            at += 1
+        assert chr(raw[at]).isdigit()
+        page = 0
+    raw[at] ^= 0x01
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(bytes(raw))
+    dst = make_cache("reference", cfg)
+    before = (snapshot(dst), [dst.kv_scales(x) for x in range(cfg.num_layers)])
+    with pytest.raises(InvalidArgumentError,
+                       match=rf"page {page} \(tokens {4 * page}\.\.\) fails its hash.*nothing was "
+                             rf"loaded"):
+        dst.load_sequences(bad)
+    assert (snapshot(dst), [dst.kv_scales(x) for x in range(cfg.num_layers)]) == before
+    assert dst.load_sequences(path) == [0]          # the file as written loads
+    assert_same_kv(src, 1, dst, 0)

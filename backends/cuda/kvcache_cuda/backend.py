@@ -118,6 +118,7 @@ class CudaBackend(Backend):
         # batch_invariant: every entry through the paged prefill kernel's invariant loop (one
         # order of a row's own key tiles); the torch fallback computes each row alone
         batch_invariant=True,
+        window_groups=True,
         # the Triton kernels pad head_dim, head_dim_v (and the RoPE half) to a power of two of
         # at least 16 (tl.dot's minimum), masked
         head_dims=tuple(range(8, 257, 8)),

@@ -92,7 +92,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         tree_attention=True, sliding_window=True, fused_rope_append=False, inline_rope=True,
         window_left=True, rope_frequencies=True, logit_softcap=True, attention_sinks=True,
         # batch_invariant: each row alone through the ops path (_rows_alone)
-        batch_invariant=True,
+        batch_invariant=True, window_groups=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(2, 1025, 2)),
     )
 
