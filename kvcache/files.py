@@ -85,6 +85,17 @@ _POOLS: dict = {}
 _POOL_LOCK = threading.Lock()
 
 
+def _after_fork() -> None:
+    # a forked child has none of the parent's threads, and its copy of the lock may be held
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    _POOLS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 def _pool(kind: str = "hash") -> ThreadPoolExecutor:
     """The process's threads of ``kind``: "hash" (``_WORKERS`` of them: hashlib and zlib let
     go of the GIL on large buffers) or "io" (one: a file's reads or writes, in order, beside

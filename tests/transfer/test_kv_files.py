@@ -239,3 +239,50 @@ def test_a_flipped_scale_in_a_quantized_file_is_refused_by_its_page(tmp_path, kv
     assert (snapshot(dst), [dst.kv_scales(x) for x in range(cfg.num_layers)]) == before
     assert dst.load_sequences(path) == [0]          # the file as written loads
     assert_same_kv(src, 1, dst, 0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_large_files_move_in_chunks_checked_the_same(tmp_path, monkeypatch, kv_dtype):
+    """The path of a large file, on small ones: chunks of one page (``_CHUNK_BYTES``), hashed
+    and CRC'd on the hashing threads, written and read ahead on the io thread. The file is the
+    one written in one piece, byte for byte; it loads bit for bit; a byte flipped in its last
+    page is refused naming that page, the pages reserved for it given back; a load that
+    converts the dtype (read whole, then imported) checks the same."""
+    from kvcache import files
+    kw = {} if kv_dtype == "auto" else {"kv_dtype": kv_dtype}
+    src = make_cache("reference", config(dtype="bfloat16", prefix_cache=True, **kw))
+    rng = np.random.default_rng(9)
+    work = build_workload(src, rng, count=4, windows=False)
+    tokens = [rng.integers(1, 500, src.sequence_length(s)).tolist() for s in work.ids]
+    whole = tmp_path / "whole.kv"
+    src.save_sequences(whole, work.ids, tokens=tokens)
+    monkeypatch.setattr(files, "_CHUNK_BYTES", 1)          # one page a chunk
+    monkeypatch.setattr(files, "_INLINE_BYTES", 0)         # every chunk on the threads
+    path = tmp_path / "chunked.kv"
+    src.save_sequences(path, work.ids, tokens=tokens)
+    assert path.read_bytes() == whole.read_bytes()
+    dst = make_cache("reference", config(page_size=3, dtype="bfloat16", prefix_cache=True, **kw))
+    new = dst.load_sequences(path)
+    for sid, did in zip(work.ids, new):
+        assert_same_kv(src, sid, dst, did)
+    # a byte of V in the last sequence's last token: its last page
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    table = json.loads(raw[8:8 + n])
+    entry = json.loads(table["__metadata__"]["kvcache"])["sequences"][-1]
+    lo, hi = table[entry["v"]]["data_offsets"]
+    raw[8 + n + hi - 2] ^= 0x10
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(bytes(raw))
+    last = len(entry["pages"]) - 1
+    before = snapshot(dst)
+    with pytest.raises(InvalidArgumentError, match=rf"sequence {len(work.ids) - 1}: page {last} "
+                                                   rf"\(tokens {4 * last}\.\.\) fails its hash"):
+        dst.load_sequences(bad)
+    assert snapshot(dst) == before
+    if kv_dtype == "auto":                  # into float32: converted, read whole
+        wide = make_cache("reference", config(dtype="float32"))
+        with pytest.raises(InvalidArgumentError, match=rf"page {last} .* fails its hash"):
+            wide.load_sequences(bad, convert_dtype=True)
+        assert wide.is_empty and wide.num_available_pages == wide.num_total_pages
+        assert len(wide.load_sequences(path, convert_dtype=True)) == len(work.ids)
