@@ -560,6 +560,24 @@ def _array(path, table: dict, name, start: int, size: int, f) -> np.ndarray:
     return _read(path, f, _spec(path, table, name, start, size), name)
 
 
+def _check_fingerprint(path, header: dict, fingerprint, where: str) -> None:
+    """The caller's model ``fingerprint`` (None: not checked) against the file's: every field
+    equal, else InvalidArgumentError naming the first that differs. ``where`` names the
+    argument in a refusal of ``fingerprint`` itself."""
+    theirs = header.get("fingerprint")
+    if fingerprint is None:
+        return
+    _json_dict(fingerprint, where)
+    if theirs is None:
+        return
+    if not isinstance(theirs, dict):
+        raise _refuse(path, f"fingerprint={type(theirs).__name__} must be an object")
+    for key in sorted(set(fingerprint) | set(theirs)):
+        if fingerprint.get(key) != theirs.get(key):
+            raise _refuse(path, f"fingerprint field {key!r} is {theirs.get(key)!r} in "
+                                f"the file, {fingerprint.get(key)!r} here")
+
+
 def load_sequences(cache, path, seq_ids: Optional[Sequence[int]] = None,
                    fingerprint: Optional[dict] = None, convert_dtype: bool = False) -> list:
     """Load every sequence of the KV file ``path`` into ``cache``; returns their new ids
@@ -572,14 +590,7 @@ def load_sequences(cache, path, seq_ids: Optional[Sequence[int]] = None,
     forward; the cache is unchanged then."""
     table, header, start, size = _container(path)
     _check_header(path, header)
-    theirs = header.get("fingerprint")
-    if fingerprint is not None:
-        _json_dict(fingerprint, "load_sequences: fingerprint")
-        if theirs is not None:
-            for key in sorted(set(fingerprint) | set(theirs)):
-                if fingerprint.get(key) != theirs.get(key):
-                    raise _refuse(path, f"fingerprint field {key!r} is {theirs.get(key)!r} in "
-                                        f"the file, {fingerprint.get(key)!r} here")
+    _check_fingerprint(path, header, fingerprint, "load_sequences: fingerprint")
     seqs = header["sequences"]
     ids = _new_ids(cache, len(seqs)) if seq_ids is None else [int(s) for s in seq_ids]
     if len(ids) != len(seqs):
@@ -857,16 +868,7 @@ def read_payloads(path, config, fingerprint: Optional[dict] = None,
     UnsupportedFeatureError for another version."""
     table, header, start, size = _container(path)
     _check_header(path, header)
-    theirs = header.get("fingerprint")
-    if fingerprint is not None:
-        _json_dict(fingerprint, "fingerprint")
-        if theirs is not None:
-            if not isinstance(theirs, dict):
-                raise _refuse(path, f"fingerprint={type(theirs).__name__} must be an object")
-            for key in sorted(set(fingerprint) | set(theirs)):
-                if fingerprint.get(key) != theirs.get(key):
-                    raise _refuse(path, f"fingerprint field {key!r} is {theirs.get(key)!r} in "
-                                        f"the file, {fingerprint.get(key)!r} here")
+    _check_fingerprint(path, header, fingerprint, "fingerprint")
     ps = header["page_size"]
     out: list = []
     with open(path, "rb") as f:

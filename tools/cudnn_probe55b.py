@@ -1,24 +1,13 @@
 """Issue 55 probe 2: aten._scaled_dot_product_cudnn_attention (what SDPA runs on Hopper) with
 the lse, GQA (Hkv 8 < Hq 32) and strided views of (T, H, D) rows, one sequence; timed."""
-import statistics
 import torch
 import torch.nn.functional as F
+
+from cudnn_probe55 import timed     # tools/ on sys.path: run as python3 tools/cudnn_probe55b.py
 
 HQ, HKV, D = 32, 8, 128
 dev, dt = "cuda", torch.bfloat16
 print(torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema)
-
-
-def timed(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 for nq, nk, causal in ((8192, 8192, True), (8192, 8192, False), (512, 8704, False), (2048, 2048, True)):
