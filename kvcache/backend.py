@@ -244,6 +244,10 @@ class DepthAux:
     """The entries' queries are every row of ``q`` (``qo_indptr[0] == 0`` and
     ``qo_indptr[n] == T``; host bool): a kernel that writes each entry's rows leaves no row
     to fill with o = 0 / lse = -inf. False: unknown (a static-shape plan's padding rows), fill."""
+    uniform: bool = False
+    """Every entry has ``max_qo_len`` queries and ``max_kv_len`` keys, with no sinks or window
+    gap (host bool): a kernel may view the entries as one (n, len, ...) batch, no padding.
+    False: unknown."""
 
 
 class Backend(abc.ABC):

@@ -214,7 +214,8 @@ def _single_depth(pt, ps, entry_qo, blocks, use_decode, max_qo_len) -> HostDepth
         sink_size=zeros, window_offset=zeros, k_rope_offset=pt.b_start[blocks],
         num_entries=n, use_decode=bool(use_decode), tree=None,
         max_kv_len=int(np.maximum.reduce(kv_len)) if n else 0, max_qo_len=max_qo_len,
-        num_pages=num_pages, covers_rows=True)
+        num_pages=num_pages, covers_rows=True,
+        uniform=not use_decode and _uniform(entry_qo, kv_len))
 
 
 def _depth(pt, ps, entry_qo, pair_entry, pair_block, use_decode, entry_seq, last, tree_sizes,
@@ -267,5 +268,17 @@ def _depth(pt, ps, entry_qo, pair_entry, pair_block, use_decode, entry_seq, last
         num_entries=n, use_decode=bool(use_decode), tree=tree,
         max_kv_len=int(kv_len.max()) if n else 0,
         max_qo_len=int(np.diff(entry_qo).max()) if n else 0, num_pages=int(page_indptr[-1]),
-        covers_rows=True)
+        covers_rows=True,
+        uniform=(not use_decode and tree is None and not slid.any()
+                 and _uniform(entry_qo, kv_len)))
     return depth, np.flatnonzero(holds_last)
+
+
+def _uniform(entry_qo, kv_len) -> bool:
+    """Every entry has as many queries as the longest and as many keys as the longest (and
+    at least one of each): ``DepthAux.uniform``."""
+    n = len(kv_len)
+    if n == 0 or np.minimum.reduce(kv_len) != np.maximum.reduce(kv_len) or kv_len[0] == 0:
+        return False
+    qo = entry_qo[1:] - entry_qo[:-1]
+    return bool(qo[0] > 0 and np.minimum.reduce(qo) == np.maximum.reduce(qo))

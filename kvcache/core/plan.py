@@ -51,7 +51,7 @@ DEPTH_ARRAYS = ("qo_indptr", "page_indptr", "last_page_len", "kv_len", "sink_siz
 """The array fields of a depth in transfer order: the page list last, so a static-shape copy
 stops at the end of the data, not of the list's capacity."""
 DEPTH_SIZES = ("num_entries", "use_decode", "max_kv_len", "max_qo_len", "num_pages", "shared",
-               "covers_rows")
+               "covers_rows", "uniform")
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,14 @@ needs_triton = pytest.mark.skipif(not TRITON, reason="the Triton kernels run und
 DTYPES = ["float16", "bfloat16"] if cc.ON_GPU else ["float16"]
 
 
-def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left):
-    """``flash.Attend`` written out with the library's conventions, in float32."""
+def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, uniform=False):
+    """``flash.Attend`` written out with the library's conventions, in float32. ``uniform``:
+    the caller's promise, checked here (the library then reads the rows at fixed strides)."""
     hq, hkv = q.shape[1], k.shape[1]
+    if uniform:
+        n = len(cu_q) - 1
+        assert cu_q.tolist() == [i * max_q for i in range(n + 1)], "not uniform queries"
+        assert cu_k.tolist() == [i * max_k for i in range(n + 1)], "not uniform keys"
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((hq, q.shape[0]), math.inf, device=q.device)
     cq, ck = cu_q.tolist(), cu_k.tolist()
@@ -68,23 +73,24 @@ def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left):
     return o.to(q.dtype), lse
 
 
-def nan_blind(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left):
+def nan_blind(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, uniform=False):
     """A stand-in with other NaN rules than ours: a NaN score counts as a masked key (a
     ``fmaxf``-style max), an inf one as 0. Its results for rows that see a non-finite q or k
     are wrong for us; the guarded kernel must replace them."""
     def clean(x):
         return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
     return stand_in(clean(q), clean(k), v, cu_q, cu_k, max_q, max_k, causal, scale,
-                    window_left)
+                    window_left, uniform)
 
 
 class Counted:
     def __init__(self, fn):
         self.fn, self.n = fn, 0
 
-    def __call__(self, *a):
+    def __call__(self, *a, **kw):
         self.n += 1
-        return self.fn(*a)
+        self.uniform = kw.get("uniform", False)
+        return self.fn(*a, **kw)
 
 
 def _backend(dtype, attend, **kw):
@@ -115,8 +121,9 @@ def test_rule_takes_plain_calls_and_leaves_the_rest():
 
     def ctx(**kw):
         base = dict(page_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, group=2,
-                    dtype=torch.float16, tuning=Tuning(flash_ragged_min_rows=64,
-                                                       flash_paged_min_rows=32),
+                    dtype=torch.float16, tuning=Tuning(
+                        flash_ragged_min_rows=64, flash_paged_min_rows=32,
+                        flash_batch_min_len=20, flash_batch_min_rows=80),
                     num_sms=4, launch=LaunchCache())
         base.update(kw)
         return KernelCtx(**base)
@@ -129,7 +136,7 @@ def test_rule_takes_plain_calls_and_leaves_the_rest():
     for change, why in [(dict(tree=object()), "tree"), (dict(rope=cc.ROPE), "inline RoPE"),
                         (dict(softcap=30.0), "softcap"), (dict(sinks=torch.zeros(4)), "sinks"),
                         (dict(max_len=1), "one row per sequence"),
-                        (dict(num_seqs=2), "several sequences: not by the rule"),
+                        (dict(num_seqs=2), "several sequences of several lengths: not by the rule"),
                         (dict(window_left=9), "a window: not by the rule")]:
         assert not auto.ragged_ok(ctx(), q, kv, kv, **dict(plain, **change)), why
     for c, why in [(ctx(batch_invariant=True), "batch-invariant"), (ctx(kv_quant=True), "fp8"),
@@ -140,6 +147,19 @@ def test_rule_takes_plain_calls_and_leaves_the_rest():
         kk = kv.to(c.dtype)
         assert not auto.ragged_ok(c, qq, kk, kk, **plain), why
     assert not auto.ragged_ok(ctx(), q[:63], kv[:63], kv[:63], **plain)      # under 64 rows
+    # several sequences of one length (their rows add up to num_seqs * max_len): cuDNN's
+    # batch, from flash_batch_min_len rows each and flash_batch_min_rows in all
+    for seqs, length, want, why in [(4, 25, True, "4 x 25"), (5, 20, True, "5 x 20"),
+                                    (4, 26, False, "lengths differ (rows < 4 x 26)"),
+                                    (10, 10, False, "under 20 rows each")]:
+        assert auto.ragged_ok(ctx(), q, kv, kv, **dict(plain, num_seqs=seqs,
+                                                        max_len=length)) == want, why
+    assert not auto.ragged_ok(ctx(), q[:60], kv[:60], kv[:60],
+                              **dict(plain, num_seqs=3, max_len=20))     # under 80 rows in all
+    assert not auto.ragged_ok(ctx(), q, kv, kv, **dict(plain, num_seqs=4, max_len=25,
+                                                       window_left=3))
+    assert not auto.ragged_ok(ctx(tuning=Tuning(flash_ragged_min_rows=64)), q, kv, kv,
+                              **dict(plain, num_seqs=4, max_len=25))     # batch threshold 0
     assert flash.FlashPrefill(stand_in, force="on").ragged_ok(
         ctx(tuning=Tuning()), q[:2], kv[:2], kv[:2], **dict(plain, max_len=2))
     assert not flash.FlashPrefill(stand_in, force="off").ragged_ok(ctx(), q, kv, kv, **plain)
@@ -151,6 +171,10 @@ def test_rule_takes_plain_calls_and_leaves_the_rest():
                  max_kv_len=40, max_qo_len=50, covers_rows=True)
     paged = dict(rope=None, window_left=-1, softcap=0.0, sinks=None)
     assert not auto.paged_ok(ctx(), q, DepthAux(**depth), **paged)     # two entries
+    assert auto.paged_ok(ctx(), q, DepthAux(**depth, uniform=True), **paged)    # of one shape
+    assert not auto.paged_ok(ctx(), q[:60], DepthAux(**depth, uniform=True), **paged)  # < 80
+    assert not auto.paged_ok(ctx(), q, DepthAux(**dict(depth, max_qo_len=19), uniform=True),
+                             **paged)                                  # under 20 queries each
     assert flash.FlashPrefill(stand_in, force="on").paged_ok(ctx(), q, DepthAux(**depth), **paged)
     depth["num_entries"] = 1
     assert auto.paged_ok(ctx(), q, DepthAux(**depth), **paged)
@@ -189,7 +213,8 @@ def test_mode_and_probe(monkeypatch):
 @pytest.mark.parametrize("attend", ATTENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window_left", [-1, 5])
-@pytest.mark.parametrize("lengths", [[40, 1, 0, 23], [57]], ids=["several", "one"])
+@pytest.mark.parametrize("lengths", [[40, 1, 0, 23], [57], [40, 40, 40]],
+                         ids=["several", "one", "uniform"])
 def test_ragged_through_the_library(attend, dtype, window_left, lengths):
     """Causal (and windowed) ragged attention equals the reference's; a NaN / inf in the V of
     a key some rows do not see stays out of them (the library multiplies masked keys' zero
@@ -205,6 +230,7 @@ def test_ragged_through_the_library(attend, dtype, window_left, lengths):
     ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qk"), v_host,
                                   case["qo"], 0.11, **kw)
     assert fn.n == 1
+    assert fn.uniform == (len(set(lengths)) == 1)     # the promise, checked by the stand-in
     cc.assert_close(mine, ref, o, ro)
     cc.assert_lse(mine, ref, lse, rl)
     got = mine.to_numpy(o).astype(np.float32)
@@ -216,22 +242,25 @@ def test_ragged_through_the_library(attend, dtype, window_left, lengths):
 @needs_triton
 @pytest.mark.parametrize("attend", ATTENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["plain", "sliding", "one entry"])
+@pytest.mark.parametrize("kind", ["plain", "sliding", "one entry", "uniform"])
 def test_paged_through_the_library(attend, dtype, kind):
     """Paged prefill through the page gather and the library equals the reference's, over
     pages in a random order with NaN in every row no entry holds (a wrong gather reads one),
-    sliding entries (sinks, then the window after a gap) and an entry with no key."""
+    sliding entries (sinks, then the window after a gap), an entry with no key, and entries
+    of one shape (``uniform``: the library's batch over views of the gathered rows)."""
     ref, mine, fn = _backend(dtype, _attend(attend))
     entries = {"plain": [Entry(3, 40), Entry(5, 0), Entry(7, 1), Entry(20, 100)],
                "sliding": [Entry(3, 40, sink=4, gap=21), Entry(2, 33, sink=0, gap=9),
                            Entry(4, 5, sink=8, gap=8)],
-               "one entry": [Entry(64, 130)]}[kind]
+               "one entry": [Entry(64, 130)],
+               "uniform": [Entry(6, 37)] * 3}[kind]
     rng = np.random.default_rng(11)
     case = cc.paged_case(rng, ref, mine, entries)
-    case.depth = replace(case.depth, max_qo_len=max(e.nq for e in entries))
+    case.depth = replace(case.depth, max_qo_len=max(e.nq for e in entries),
+                         uniform=kind == "uniform")
     o, lse = mine.paged_attention(case.q, case.pages, case.depth, 0.125)
     ro, rl = ref.paged_attention(case.ref_q, case.ref_pages, case.ref_depth, 0.125)
-    assert fn.n == 1
+    assert fn.n == 1 and fn.uniform == (kind == "uniform")
     cc.assert_close(mine, ref, o, ro)
     cc.assert_lse(mine, ref, lse, rl)
 

@@ -482,7 +482,8 @@ class CudaBackend(Backend):
         if flash is not None and kernels.__name__.endswith("triton_kernels") and flash.ragged_ok(
                 self.ctx, q, k, v, num_seqs=num_seqs, max_len=max_len, tree=tree, rope=rope,
                 softcap=logit_softcap, sinks=sinks, window_left=window_left):
-            extra["attend"] = flash.ragged_attend(qo_indptr, max_len, sm_scale, int(window_left))
+            extra["attend"] = flash.ragged_attend(qo_indptr, max_len, sm_scale, int(window_left),
+                                                  num_seqs)
         with self._guard():
             return kernels.ragged_attention(
                 self.ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len,

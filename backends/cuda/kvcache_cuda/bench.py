@@ -198,7 +198,8 @@ def _dispatch_line(backend) -> str:
     t = backend.tuning
     if backend.flash is None:
         return f"Triton only (torch's attention kernels: {backend.flash_problem})"
-    return (f"torch's attention kernels (one sequence) from {t.flash_ragged_min_rows or 'never'} rows (ragged) / "
+    return (f"torch's attention kernels (one sequence, or several of one shape) from "
+            f"{t.flash_ragged_min_rows or 'never'} rows (ragged) / "
             f"{t.flash_paged_min_rows or 'never'} rows an entry (paged), Triton below "
             f"(tuning table; KVCACHE_CUDA_FLASH={backend.flash.force})")
 

@@ -88,7 +88,7 @@ def paged_setup(torch, backend, batch, kv_len, nq, rng, device):
         last_page_len=i32(np.full(batch, (kv_len - 1) % PS + 1)), kv_len=i32(np.full(batch, kv_len)),
         sink_size=i32(np.zeros(batch)), window_offset=i32(np.zeros(batch)),
         k_rope_offset=i32(np.zeros(batch)), num_entries=batch, use_decode=nq == 1,
-        max_kv_len=kv_len, max_qo_len=nq, covers_rows=True)
+        max_kv_len=kv_len, max_qo_len=nq, covers_rows=True, uniform=nq > 1 and kv_len > 0)
     q = torch.randn((batch * nq, HQ, D), device=device).to(backend.dtype)
     return pages, depth, q
 

@@ -14,14 +14,18 @@ Triton prefill, so ``CudaBackend`` sends a prefill call here when
   soft-capping, sinks or token tree, not the batch-invariant mode (whose point is one
   arithmetic for prefill and decode); paged calls without a window, over a depth whose entries
   cover every query row,
-* the rule takes it: one sequence (a ragged call's ``num_seqs``, a paged call's entries), no
-  window, and big enough: the tuning table's ``flash_ragged_min_rows`` (rows of a ragged call)
-  and ``flash_paged_min_rows`` (queries of the paged call's entry: the page gather below costs
-  per key, the attention per key and query), measured per architecture by
-  ``python -m kvcache_cuda.tune --only flash``; 0 (the base tables): never. Several sequences
-  would need FlashAttention-2's varlen kernel, slower than our Triton kernels on Hopper, so the
-  rule leaves them to Triton. ``KVCACHE_CUDA_FLASH=on`` takes every call the library can
-  compute, several sequences and windows through FlashAttention-2 (tests), ``off`` none.
+* the rule takes it: one sequence (a ragged call's ``num_seqs``, a paged call's entries) or
+  several of one shape (every sequence as many rows as the longest; a paged depth's
+  ``uniform``: as many queries and as many keys), no window, and big enough: the tuning
+  table's ``flash_ragged_min_rows`` (rows of a ragged call) and ``flash_paged_min_rows``
+  (queries of a paged call's entry: the page gather below costs per key, the attention per
+  key and query), for several sequences ``flash_batch_min_len`` rows each (queries an entry)
+  and ``flash_batch_min_rows`` in all, measured per architecture by ``python -m
+  kvcache_cuda.tune --only flash``; 0 (the base tables): never. Such calls run cuDNN on (n, H, len, D) views of the rows, no
+  copy. Sequences of several lengths would need FlashAttention-2's varlen kernel (or padding
+  copies), slower than our Triton kernels on Hopper, so the rule leaves them to Triton.
+  ``KVCACHE_CUDA_FLASH=on`` takes every call the library can compute, mixed lengths and
+  windows through FlashAttention-2 (tests), ``off`` none.
 
 Paged calls gather the entries' keys into contiguous K/V (``gather_entries``, one Triton
 kernel: pages are ``(2, Hkv, page, D)``, head-major, which the library's page tables cannot
@@ -51,11 +55,13 @@ _MODES = ("auto", "on", "off")
 MAX_HEAD_DIM = 256                    # FlashAttention-2's largest head dim
 
 Attend = Callable[..., tuple]
-"""``attend(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, window_left) -> (o, lse)``:
-varlen attention with FlashAttention's conventions: ``q`` (Tq, Hq, D), ``k``/``v`` (Tk, Hkv, D)
-(Hkv dividing Hq), ``cu_q``/``cu_k`` (n+1,) int32 prefix sums, ``causal`` aligned to the last
-key, ``window_left`` -1 or the keys before a query's diagonal it sees; ``o`` (Tq, Hq, D) in q's
-dtype, ``lse`` (Hq, Tq) float32 natural log, +inf for a row that sees no key."""
+"""``attend(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, window_left, uniform=False)
+-> (o, lse)``: varlen attention with FlashAttention's conventions: ``q`` (Tq, Hq, D), ``k``/``v``
+(Tk, Hkv, D) (Hkv dividing Hq), ``cu_q``/``cu_k`` (n+1,) int32 prefix sums, ``causal`` aligned
+to the last key, ``window_left`` -1 or the keys before a query's diagonal it sees; ``uniform``
+(a host promise): every sequence has ``max_q`` queries and ``max_k`` keys, so ``cu_q`` is
+``arange * max_q`` and ``cu_k`` ``arange * max_k``; ``o`` (Tq, Hq, D) in q's dtype, ``lse``
+(Hq, Tq) float32 natural log, +inf for a row that sees no key."""
 
 
 def mode() -> str:
@@ -85,19 +91,27 @@ def flash_problem(device) -> Optional[str]:
     return None
 
 
-def aten_attend(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, window_left):
-    """``Attend`` through torch's kernels: one sequence (``cu_q`` of 2, every row of q and k in
-    it, no window) through cuDNN's attention (``aten._scaled_dot_product_cudnn_attention``,
-    what SDPA runs on Hopper: 1.9x FlashAttention-2 there), on (1, H, T, D) views of the rows;
-    several through FlashAttention-2 varlen (``aten._flash_attention_forward``). Both take
-    GQA natively (K/V are not repeated per query head)."""
-    if (cu_q.shape[0] == 2 and window_left < 0 and q.shape[0] == max_q and k.shape[0] == max_k
-            and (not causal or max_q == max_k) and _cudnn_ok()):
+def aten_attend(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, window_left,
+                uniform=False):
+    """``Attend`` through torch's kernels: sequences of one shape (``uniform``, or one sequence
+    holding every row of q and k), no window, through cuDNN's attention
+    (``aten._scaled_dot_product_cudnn_attention``, what SDPA runs on Hopper: 1.9x
+    FlashAttention-2 there) on (n, H, len, D) views of the rows; the rest through
+    FlashAttention-2 varlen (``aten._flash_attention_forward``). Both take GQA natively (K/V
+    are not repeated per query head)."""
+    n = cu_q.shape[0] - 1
+    one = n == 1 and q.shape[0] == max_q and k.shape[0] == max_k
+    if ((uniform or one) and n > 0 and window_left < 0 and (not causal or max_q == max_k)
+            and _cudnn_ok()):
+        def batch(x, rows):        # rows i*rows .. of sequence i -> (n, H, rows, D), a view
+            return x[:n * rows].view(n, rows, x.shape[1], x.shape[2]).transpose(1, 2)
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
-            True, 0.0, causal, False, scale=sm_scale)
-        o = out[0][0].transpose(0, 1)
-        return (o if o.is_contiguous() else o.contiguous()), out[1][0, :, :, 0]
+            batch(q, max_q), batch(k, max_k), batch(v, max_k), None, True, 0.0, causal, False,
+            scale=sm_scale)
+        o = out[0].transpose(1, 2).reshape(n * max_q, q.shape[1], out[0].shape[-1])
+        lse = out[1][..., 0]                                   # (n, Hq, max_q)
+        lse = lse[0] if n == 1 else lse.transpose(0, 1).reshape(q.shape[1], n * max_q)
+        return (o if o.is_contiguous() else o.contiguous()), lse
     out = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=sm_scale,
         window_size_left=int(window_left), window_size_right=0 if causal else -1)
@@ -140,19 +154,28 @@ class FlashPrefill:
             return rows > 1
         return threshold > 0 and rows >= threshold
 
+    def _batch_big_enough(self, tuning, length: int, rows: int) -> bool:
+        """Several sequences of one shape: long enough each and enough rows in all (cuDNN's
+        batch loses to the Triton kernels on many short sequences)."""
+        return (self._big_enough(length, tuning.flash_batch_min_len)
+                and self._big_enough(rows, tuning.flash_batch_min_rows))
+
     def ragged_ok(self, ctx, q, k, v, *, num_seqs, max_len, tree, rope, softcap, sinks,
                   window_left=-1) -> bool:
         """Whether a ragged call (causal over the forward's own rows) goes to the library: by
-        the rule, one sequence without a window (cuDNN's path; FlashAttention-2 varlen, which
-        takes the rest under ``KVCACHE_CUDA_FLASH=on``, ran 1.4-1.9x our Triton kernel's time
-        on an H200)."""
+        the rule, one sequence or several of one length, without a window (cuDNN's path;
+        FlashAttention-2 varlen, which takes the rest under ``KVCACHE_CUDA_FLASH=on``, ran
+        1.4-1.9x our Triton kernel's time on an H200)."""
         return (tree is None and self._plain(ctx, q, rope, softcap, sinks)
                 and k.dtype == ctx.dtype and v.dtype == ctx.dtype
-                and (self.force == "on" or (num_seqs == 1 and int(window_left) < 0))
-                and self._big_enough(int(q.shape[0]), ctx.tuning.flash_ragged_min_rows)
-                and max_len > 1)
+                and (self.force == "on" or int(window_left) < 0) and max_len > 1
+                and (self._big_enough(int(q.shape[0]), ctx.tuning.flash_ragged_min_rows)
+                     if num_seqs == 1 or self.force == "on" else
+                     _uniform_rows(q, num_seqs, max_len) and self._batch_big_enough(
+                         ctx.tuning, int(max_len), int(q.shape[0]))))
 
-    def ragged_attend(self, qo_indptr, max_len: int, sm_scale: float, window_left: int):
+    def ragged_attend(self, qo_indptr, max_len: int, sm_scale: float, window_left: int,
+                      num_seqs: int):
         """The attention step ``triton_kernels.ragged_attention`` runs instead of its kernel:
         ``(q, k, v) -> (o (T, Hq, D), lse (T, Hq) contiguous, guard)``, ``guard`` a (1,) int32
         flag set where q or k holds a NaN / inf (the kernel then recomputes the call)."""
@@ -162,7 +185,7 @@ class FlashPrefill:
             flag_nonfinite(q, guard)
             flag_nonfinite(k, guard)
             o, lse = self.attend(q, k, v, qo_indptr, qo_indptr, max_len, max_len, True, sm_scale,
-                                 window_left)
+                                 window_left, uniform=_uniform_rows(q, num_seqs, max_len))
             return o, lse.t().contiguous(), guard   # every row sees itself: no empty rows
         return run
 
@@ -171,13 +194,16 @@ class FlashPrefill:
         """Whether a paged call (every key of an entry visible to its queries) goes to the
         library: no window (the library's is relative to the last key, ours to positions),
         no tree, entries covering every row (the library writes only the entries' rows); by
-        the rule, one entry (cuDNN's path, as for ragged calls). fp8 pages too (with their
-        ``kv_scale``): the gather writes ``code * scale`` in the compute dtype."""
+        the rule, one entry or a ``uniform`` depth (cuDNN's path, as for ragged calls). fp8
+        pages too (with their ``kv_scale``): the gather writes ``code * scale`` in the compute
+        dtype."""
         return (depth.tree is None and int(window_left) < 0 and depth.covers_rows
                 and not depth.use_decode and depth.num_entries > 0 and depth.max_kv_len > 0
-                and (self.force == "on" or depth.num_entries == 1)
                 and self._plain(ctx, q, rope, softcap, sinks, fp8_ok=kv_scale is not None)
-                and self._big_enough(int(depth.max_qo_len), ctx.tuning.flash_paged_min_rows))
+                and (self._big_enough(int(depth.max_qo_len), ctx.tuning.flash_paged_min_rows)
+                     if depth.num_entries == 1 or self.force == "on" else
+                     bool(depth.uniform) and self._batch_big_enough(
+                         ctx.tuning, int(depth.max_qo_len), int(q.shape[0]))))
 
     def paged_attend(self, ctx, q, pages, depth, sm_scale: float, kv_scale=None):
         """The attention step ``triton_kernels.paged_attention`` runs instead of its kernel for a
@@ -190,12 +216,19 @@ class FlashPrefill:
             flag_nonfinite(q, guard)
             k, v, cu_k = gather_entries(pages, depth, ctx.head_dim, guard, kv_scale, q.dtype)
             o, lse = self.attend(q, k, v, depth.qo_indptr, cu_k, int(depth.max_qo_len),
-                                 int(depth.max_kv_len), False, sm_scale, -1)
+                                 int(depth.max_kv_len), False, sm_scale, -1,
+                                 uniform=bool(depth.uniform))
             # an entry with no key: the library's lse is +inf, ours -inf (o is 0 in both);
             # (T, Hq) contiguous, as the kernels write it (the guarded one may)
             lse = lse.t().contiguous()
             return o, lse.masked_fill_(lse == float("inf"), float("-inf")), guard
         return run
+
+
+def _uniform_rows(q, num_seqs: int, max_len: int) -> bool:
+    """A ragged call's sequences all hold ``max_len`` rows (none holds more, so the rows add
+    up only then)."""
+    return num_seqs > 0 and int(q.shape[0]) == num_seqs * int(max_len)
 
 
 def flag_nonfinite(x, flag) -> None:

@@ -23,6 +23,10 @@ over the case's best time (so no case is given up for another):
    ``FLASH_PAGED_ROWS``: that many queries over 4096 paged keys, the gather included): the
    thresholds ``flash_ragged_min_rows`` / ``flash_paged_min_rows`` are the smallest size from
    which the library is faster at that size and every larger one (left out where it never is).
+   Then several sequences of one shape, paged and ragged, both must win: ``FLASH_BATCH_ROWS``
+   rows in all split into sequences of each of ``FLASH_BATCH_LENS`` rows gives
+   ``flash_batch_min_len``; sequences of that length, ``FLASH_BATCH_TOTALS`` rows in all,
+   ``flash_batch_min_rows``.
    ``--only flash`` runs this step alone and keeps the rest of the architecture's entry.
 
 Prints every candidate's times and the chosen entry; ``--write`` stores it under this GPU's
@@ -49,6 +53,9 @@ PREFILL_CASES = [("paged", 1, 4096), ("paged", 8, 1024), ("ragged", 1, 4096),
 SPLIT_RULES = [(pps, keys) for pps in (1, 2, 4) for keys in (64, 128, 256, 512)]
 FLASH_RAGGED_ROWS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FLASH_PAGED_ROWS = (16, 64, 256, 1024, 4096)
+FLASH_BATCH_LENS = (32, 64, 128, 256, 512, 1024)
+FLASH_BATCH_ROWS = 8192
+FLASH_BATCH_TOTALS = (1024, 2048, 4096, 8192, 16384)
 FLASH_PAGED_KEYS = 4096
 
 
@@ -208,8 +215,48 @@ def flash_sweep(torch, backend, timer, rng, device) -> dict:
         if at is not None:
             entry[f"flash_{kind}_min_rows"] = at
         measured[f"flash_{kind}_us"] = {"rows": list(sizes), **times}
+    lens = [n for n in FLASH_BATCH_LENS if n <= FLASH_BATCH_ROWS // 2]
+    at_len = _batch_crossover(torch, backend, timer, rng, device, lens,
+                              [(FLASH_BATCH_ROWS // n, n) for n in lens], "len", measured)
+    if at_len is not None:
+        totals = [t for t in FLASH_BATCH_TOTALS if t >= 2 * at_len]
+        at_rows = _batch_crossover(torch, backend, timer, rng, device, totals,
+                                   [(t // at_len, at_len) for t in totals], "rows", measured)
+        if at_rows is not None:
+            entry["flash_batch_min_len"], entry["flash_batch_min_rows"] = at_len, at_rows
     entry["measured"] = measured
     return entry
+
+
+def _batch_crossover(torch, backend, timer, rng, device, sizes, shapes, what, measured):
+    """The crossover over ``sizes`` of calls of ``shapes`` ((sequences, length) each): paged
+    (length queries over as many keys an entry, a ``uniform`` depth) and ragged (causal), the
+    larger of the two (None where either never wins)."""
+    from .bench_kit import prefill_path
+    scale = bench_kit.D ** -0.5
+    found = []
+    for kind in ("paged", "ragged"):
+        times: dict = {"triton": [], "flash": []}
+        for batch, n in shapes:
+            pages, depth, q = bench_kit.paged_setup(torch, backend, batch, n, n, rng, device)
+            if kind == "ragged":
+                k = torch.randn((batch * n, bench_kit.HKV, bench_kit.D), device=device).to(
+                    backend.dtype)
+                v = torch.randn_like(k)
+                qo = torch.arange(0, batch * n + 1, n, device=device, dtype=torch.int32)
+                run = functools.partial(backend.ragged_attention, q, k, v, qo, scale,
+                                        num_seqs=batch, max_len=n)
+            else:
+                run = functools.partial(backend.paged_attention, q, pages, depth, scale)
+            for path in ("triton", "flash"):
+                with prefill_path(backend, path):
+                    times[path].append(round(timer.measure(run)[0], 1))
+            print(f"  flash batch {kind} {batch} x {n}: triton {times['triton'][-1]} us, flash "
+                  f"{times['flash'][-1]} us", flush=True)
+        measured[f"flash_batch_{kind}_{what}_us"] = {
+            "shapes": [list(s) for s in shapes], **times}
+        found.append(crossover(sizes, times["triton"], times["flash"]))
+    return None if None in found else max(found)
 
 
 def main(argv=None) -> int:
@@ -243,7 +290,8 @@ def main(argv=None) -> int:
     if args.only == "flash":
         entry = dict(read_table(Path(args.table)).get(arch, {}))
         found = flash_sweep(torch, backend, timer, rng, device)
-        for key in ("flash_ragged_min_rows", "flash_paged_min_rows"):
+        for key in ("flash_ragged_min_rows", "flash_paged_min_rows", "flash_batch_min_len",
+                    "flash_batch_min_rows"):
             entry.pop(key, None)
         entry.update({k: v for k, v in found.items() if k != "measured"})
         entry["measured"] = dict(entry.get("measured", {}), **found.get("measured", {}))

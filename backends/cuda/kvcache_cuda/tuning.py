@@ -88,6 +88,11 @@ class Tuning:
     # paths per architecture and writes the crossover it found
     flash_ragged_min_rows: int = 0
     flash_paged_min_rows: int = 0
+    # several sequences of one shape (a ragged call's rows num_seqs * max_len, a paged depth's
+    # ``uniform``) through cuDNN's batch from this many rows a sequence (queries an entry) and
+    # this many rows in all; 0: never. Written by the tuner's batch sweep as above
+    flash_batch_min_len: int = 0
+    flash_batch_min_rows: int = 0
 
     def tiles(self, kind: str, head_dim: int, float32: bool = False,
               fp8: bool = False) -> AttnTiles:
@@ -149,7 +154,8 @@ TABLE_PATH = Path(__file__).with_name("tuning_table.json")
 architecture's entry): ``{arch: entry}``, an entry overriding a backend's base ``Tuning``."""
 _TILE_TABLES = ("by_head_dim", "float32_by_head_dim", "fp8_by_head_dim")
 _SCALARS = ("split_programs_per_sm", "split_min_keys", "split_max", "fp8_min_splits",
-            "flash_ragged_min_rows", "flash_paged_min_rows")
+            "flash_ragged_min_rows", "flash_paged_min_rows", "flash_batch_min_len",
+            "flash_batch_min_rows")
 _FLAGS = ("warp_uniform_scalars",)
 _KINDS = ("prefill", "ragged", "decode")
 
