@@ -147,6 +147,8 @@ def test_rule_takes_plain_calls_and_leaves_the_rest():
         kk = kv.to(c.dtype)
         assert not auto.ragged_ok(c, qq, kk, kk, **plain), why
     assert not auto.ragged_ok(ctx(), q[:63], kv[:63], kv[:63], **plain)      # under 64 rows
+    assert auto.ragged_ok(ctx(kv_quant=True), q, kv, kv, **plain,              # fp8, scaled
+                          kv_scale=torch.ones((2, 2)))
     # several sequences of one length (their rows add up to num_seqs * max_len): cuDNN's
     # batch, from flash_batch_min_len rows each and flash_batch_min_rows in all
     for seqs, length, want, why in [(4, 25, True, "4 x 25"), (5, 20, True, "5 x 20"),
@@ -458,3 +460,43 @@ def test_paged_fp8_pages_through_the_library(attend):
                                     kv_scale=mine.from_numpy(sc[::-1].copy(), "float32"))
     got = mine.to_numpy(o).astype(np.float32)
     assert np.abs(mine.to_numpy(wrong).astype(np.float32) - got).max() > 0.2 * np.abs(got).max()
+
+
+@needs_triton
+@pytest.mark.parametrize("attend", ATTENDS)
+def test_ragged_in_an_fp8_cache_through_the_library(attend, monkeypatch):
+    """An fp8 cache's ragged call: the kernel's passes round K and V to their codes, the
+    library attends over ``code * scale`` (``scale_heads``): the reference's results for the
+    same call; the codes unscaled (``scale_heads`` a no-op) are far off."""
+    cfg = cc.config(hq=4, hkv=2, d=64, dtype="float16", kv_dtype="float8_e4m3")
+    ref, mine = cc.pair(cfg, "triton")
+    fn = Counted(_attend(attend))
+    mine.flash = flash.FlashPrefill(fn, force="on")
+    rng = np.random.default_rng(19)
+    lengths = [33, 33, 33]
+    case = cc.ragged_case(rng, ref, mine, lengths)
+    sc = np.array([[0.01, 0.03], [0.05, 0.02]], np.float32)
+    kw = dict(num_seqs=3, max_len=33)
+    o, lse = mine.ragged_attention(case["q"], case["k"], case["v"], cc.ints(mine, case["qo"]),
+                                   0.11, kv_scale=mine.from_numpy(sc, "float32"), **kw)
+    ro, rl = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qkv"), case["qo"],
+                                  0.11, kv_scale=sc, **kw)
+    assert fn.n == 1 and fn.uniform
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    monkeypatch.setattr(flash, "scale_heads", lambda x, scale: x)
+    wrong, _ = mine.ragged_attention(case["q"], case["k"], case["v"], cc.ints(mine, case["qo"]),
+                                     0.11, kv_scale=mine.from_numpy(sc, "float32"), **kw)
+    assert fn.n == 2
+    got = mine.to_numpy(o).astype(np.float32)
+    assert np.abs(mine.to_numpy(wrong).astype(np.float32) - got).max() > 0.2 * np.abs(got).max()
+
+
+@needs_triton
+def test_scale_heads_multiplies_each_head_in_float32():
+    x = torch.tensor(np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5) - 7.0)
+    x = x.to(torch.float16).to(cc.DEVICE)
+    scale = torch.tensor([0.5, 3.0, 1e-3], dtype=torch.float32, device=x.device)
+    out = flash.scale_heads(x[:, :, :4], scale)       # a view: last dim contiguous, rows strided
+    want = (x[:, :, :4].float() * scale[None, :, None]).to(torch.float16)
+    assert out.dtype == torch.float16 and torch.equal(out.cpu(), want.cpu())

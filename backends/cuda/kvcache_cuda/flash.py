@@ -9,7 +9,8 @@ Triton prefill, so ``CudaBackend`` sends a prefill call here when
   ``KVCACHE_CUDA_FLASH`` not ``off``; ROCm's build returns another lse layout and runs the
   Triton kernels),
 * the call asks only for what the library computes (``FlashPrefill.ragged_ok`` / ``paged_ok``):
-  16-bit compute, 16-bit pages (fp8 pages for paged calls: the gather dequantizes them),
+  16-bit compute, 16-bit or fp8 pages (fp8: the paged gather writes ``code * scale``, and a
+  ragged call's codes go through ``scale_heads``),
   ``head_dim == head_dim_v <= 256``, no inline RoPE,
   soft-capping, sinks or token tree, not the batch-invariant mode (whose point is one
   arithmetic for prefill and decode); paged calls without a window, over a depth whose entries
@@ -161,12 +162,14 @@ class FlashPrefill:
                 and self._big_enough(rows, tuning.flash_batch_min_rows))
 
     def ragged_ok(self, ctx, q, k, v, *, num_seqs, max_len, tree, rope, softcap, sinks,
-                  window_left=-1) -> bool:
+                  window_left=-1, kv_scale=None) -> bool:
         """Whether a ragged call (causal over the forward's own rows) goes to the library: by
         the rule, one sequence or several of one length, without a window (cuDNN's path;
         FlashAttention-2 varlen, which takes the rest under ``KVCACHE_CUDA_FLASH=on``, ran
-        1.4-1.9x our Triton kernel's time on an H200)."""
-        return (tree is None and self._plain(ctx, q, rope, softcap, sinks)
+        1.4-1.9x our Triton kernel's time on an H200). In an fp8 cache (with its
+        ``kv_scale``) too: the library attends over ``code * scale``."""
+        return (tree is None and self._plain(ctx, q, rope, softcap, sinks,
+                                             fp8_ok=kv_scale is not None)
                 and k.dtype == ctx.dtype and v.dtype == ctx.dtype
                 and (self.force == "on" or int(window_left) < 0) and max_len > 1
                 and (self._big_enough(int(q.shape[0]), ctx.tuning.flash_ragged_min_rows)
@@ -175,15 +178,19 @@ class FlashPrefill:
                          ctx.tuning, int(max_len), int(q.shape[0]))))
 
     def ragged_attend(self, qo_indptr, max_len: int, sm_scale: float, window_left: int,
-                      num_seqs: int):
+                      num_seqs: int, kv_scale=None):
         """The attention step ``triton_kernels.ragged_attention`` runs instead of its kernel:
         ``(q, k, v) -> (o (T, Hq, D), lse (T, Hq) contiguous, guard)``, ``guard`` a (1,) int32
-        flag set where q or k holds a NaN / inf (the kernel then recomputes the call)."""
+        flag set where q or k holds a NaN / inf (the kernel then recomputes the call).
+        ``kv_scale``: an fp8 cache's (2, Hkv) scales; k and v then hold the codes (the kernel's
+        passes rounded them), and the library gets ``code * scale``."""
         def run(q, k, v):
             self.calls += 1
             guard = torch.zeros(1, dtype=torch.int32, device=q.device)
             flag_nonfinite(q, guard)
             flag_nonfinite(k, guard)
+            if kv_scale is not None:
+                k, v = scale_heads(k, kv_scale[0]), scale_heads(v, kv_scale[1])
             o, lse = self.attend(q, k, v, qo_indptr, qo_indptr, max_len, max_len, True, sm_scale,
                                  window_left, uniform=_uniform_rows(q, num_seqs, max_len))
             return o, lse.t().contiguous(), guard   # every row sees itself: no empty rows
@@ -229,6 +236,21 @@ def _uniform_rows(q, num_seqs: int, max_len: int) -> bool:
     """A ragged call's sequences all hold ``max_len`` rows (none holds more, so the rows add
     up only then)."""
     return num_seqs > 0 and int(q.shape[0]) == num_seqs * int(max_len)
+
+
+def scale_heads(x, scale):
+    """``x * scale`` per head: x (T, H, D) (last dim contiguous), scale (H,) float32; the
+    product in float32, written in x's dtype (fp8 codes held in a 16-bit dtype to their
+    values)."""
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        block_d = max(16, triton.next_power_of_2(d))
+        block_t = max(1, min(64, 8192 // block_d))
+        _scale_heads_kernel[(triton.cdiv(t, block_t), h)](
+            x, scale, out, t, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4)
+    return out
 
 
 def flag_nonfinite(x, flag) -> None:
@@ -323,3 +345,17 @@ def _flag_nonfinite_kernel(x_ptr, flag_ptr, n_rows, sx_t, sx_h, HEAD_DIM: tl.con
     x = tl.load(x_ptr + t.to(tl.int64)[:, None] * sx_t + h * sx_h + d[None, :], mask=m, other=0.0)
     if tl.max(tl.max(((x - x) != 0).to(tl.int32), 1), 0) > 0:
         tl.atomic_max(flag_ptr, 1)
+
+
+@triton.jit
+def _scale_heads_kernel(x_ptr, scale_ptr, o_ptr, n_rows, sx_t, sx_h, so_t, so_h,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Grid (row tiles, heads): ``o = x * scale[head]`` in float32, stored in o's dtype."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = (t < n_rows)[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(x_ptr + t[:, None] * sx_t + h * sx_h + d[None, :], mask=m, other=0.0)
+    y = x.to(tl.float32) * tl.load(scale_ptr + h)
+    tl.store(o_ptr + t[:, None] * so_t + h * so_h + d[None, :], y.to(o_ptr.dtype.element_ty),
+             mask=m)
