@@ -46,3 +46,35 @@ def test_the_triton_kernels_are_batch_invariant_under_the_interpreter():
 def test_the_triton_kernels_are_batch_invariant_on_the_gpu():
     out = _run({}, "cuda", full=True)
     assert "verdict: CONFORMS" in out, out[-3000:]
+
+
+def test_invariant_decode_steps_take_fewer_rows_with_the_prefill_key_step():
+    """A batch-invariant decode step (one query an entry) runs the paged prefill kernel with
+    the shipped sm_90 tiles cut to 64 rows and 4 warps (one warpgroup's MMA rows), the key
+    step and stages kept: the same arithmetic per row, about half the wasted rows' work;
+    ``invariant_decode_rows=0`` keeps the prefill tiles. (The bits are the GPU run's check:
+    conformance's TestBatchInvariance.)"""
+    import dataclasses
+
+    import torch
+
+    from kvcache_cuda.backend import KernelCtx
+    from kvcache_cuda.launch import LaunchCache
+    from kvcache_cuda.triton_kernels import _Cfg
+    from kvcache_cuda.tuning import Tuning, for_arch, read_table
+
+    sm90 = for_arch(Tuning(), "sm_90", read_table())
+
+    def cfg(tuning):
+        return _Cfg(KernelCtx(page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                              group=4, dtype=torch.bfloat16, tuning=tuning, num_sms=132,
+                              launch=LaunchCache(), batch_invariant=True))
+
+    c = cfg(sm90)
+    pre, inv = c.pre_tiles, c.inv_tiles
+    assert (pre.block_rows, pre.num_warps) == (128, 8)
+    assert (inv.block_rows, inv.num_warps) == (64, 4)
+    assert (inv.block_n, inv.num_stages) == (pre.block_n, pre.num_stages)
+    assert (c.inv_block_r, c.inv_m_tok) == (64, 16)
+    off = cfg(dataclasses.replace(sm90, invariant_decode_rows=0))
+    assert off.inv_tiles == off.pre_tiles and off.inv_m_tok == off.pre_m_tok == 32

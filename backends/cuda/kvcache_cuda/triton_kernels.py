@@ -36,6 +36,7 @@ import functools
 import inspect
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -1331,7 +1332,7 @@ class _Cfg:
 
     __slots__ = ("half", "block_half", "block_d", "dv", "block_dv", "ieee", "rope_hb", "ew_warps",
                  "dec_tiles", "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "rag_tiles",
-                 "rag_block_r", "rag_m_tok", "merge_rows",
+                 "rag_block_r", "rag_m_tok", "merge_rows", "inv_tiles", "inv_block_r", "inv_m_tok",
                  "rope_runs", "merge", "quant", "uniform")
 
     def __init__(self, ctx):
@@ -1349,6 +1350,13 @@ class _Cfg:
         self.dec_block_r = max(self.dec_tiles.block_rows, _p2(ctx.group), ctx.tuning.min_dot_rows)
         self.pre_tiles = ctx.tuning.tiles("prefill", tile_d, self.ieee, ctx.kv_quant)
         self.pre_block_r, self.pre_m_tok = _prefill_rows(self.pre_tiles, ctx.group)
+        # batch-invariant decode steps: the prefill kernel with fewer rows, the same key step
+        rows = ctx.tuning.invariant_decode_rows
+        t = self.pre_tiles
+        self.inv_tiles = t if not rows else replace(
+            t, block_rows=min(t.block_rows, max(rows, _p2(ctx.group))),
+            num_warps=min(t.num_warps, 4))
+        self.inv_block_r, self.inv_m_tok = _prefill_rows(self.inv_tiles, ctx.group)
         # the ragged kernel's own tiles (16-bit pages; over fp8 ones it keeps the prefill tiles)
         self.rag_tiles = (self.pre_tiles if ctx.kv_quant else
                           ctx.tuning.tiles("ragged", tile_d, self.ieee))
@@ -1855,10 +1863,12 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             MERGE_CHUNK=_merge_chunk(ctx.tuning, splits, ctx.group, cfg.block_dv, tiles.num_warps),
             **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
-        tiles = cfg.pre_tiles
+        tiles, block_r, m_tok = cfg.pre_tiles, cfg.pre_block_r, cfg.pre_m_tok
+        if ctx.batch_invariant and depth.use_decode:
+            tiles, block_r, m_tok = cfg.inv_tiles, cfg.inv_block_r, cfg.inv_m_tok
         splits = rec.splits = 1 if ctx.batch_invariant else \
             prefill_splits(ctx.tuning, depth.shared, int(depth.max_kv_len))
-        rec.grid = (triton.cdiv(t_total, cfg.pre_m_tok) + n, ctx.num_kv_heads, splits)
+        rec.grid = (triton.cdiv(t_total, m_tok) + n, ctx.num_kv_heads, splits)
         if splits > 1:         # fp32 partials (T, splits, Hq, Dv) / (T, splits, Hq), merged
             rec.so = (splits * hq * dv, dv, hq * dv)
             rec.sl = (splits * hq, hq)
@@ -1872,7 +1882,7 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             rec.so = (hq * dv, dv, 0)
             rec.sl = (hq, 0)
         rec.run = _Kernel(_paged_prefill_kernel, dict(
-            GROUP=ctx.group, M_TOK=cfg.pre_m_tok, BLOCK_R=cfg.pre_block_r, BLOCK_N=tiles.block_n,
+            GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
             BLOCK_E=_p2(n), **flags, CHAINS=depth.tree is not None and depth.tree.chains,
             KV_SPLITS=splits, UNIFORM=cfg.uniform, INVARIANT=ctx.batch_invariant, GUARD=False,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages))

@@ -62,6 +62,12 @@ class Tuning:
     elementwise_warps: int = 4
     merge_rows: int = 16             # (token, head) rows per program of the merge kernels
     min_dot_rows: int = 16           # tl.dot needs M >= 16
+    # CacheConfig(batch_invariant=True): a decode step's entries (one query each) go through
+    # the paged prefill kernel with at most this many rows a tile and at most 4 warps, the
+    # prefill tiles' key step kept: a row's arithmetic is the prefill tile's (one warpgroup's
+    # MMA rows; conformance's TestBatchInvariance checks the bits), the work wasted on rows of
+    # no query a fraction of the prefill tile's. 0: the prefill tiles
+    invariant_decode_rows: int = 64
 
     # float32 caches: twice the bytes per tile, so the 2-byte defaults can exceed shared memory
     float32_by_head_dim: dict = field(default_factory=lambda: {
