@@ -186,3 +186,23 @@ def test_a_layer_attending_with_another_window_than_its_group_changes_nothing():
                                 np.arange(len(prompts[1]), dtype=np.int64),
                                 np.asarray([len(prompts[1]) - 1], np.int64))
     assert cache.sequence_length(0) == 0 and cache.num_available_pages_by_group == before
+
+
+def test_preemption_and_forks_in_a_small_cache_with_window_groups():
+    """Four requests in a cache of 48 tokens: the scheduler preempts (every group's pages come
+    back, the preempted request recomputes), and n=2 samples fork inside a page; the greedy
+    tokens are transformers' own."""
+    model, _, _ = _case("gemma3_text")
+    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=48,
+                    prefill_chunk_size=16, max_batch_size=4, prefix_cache=False)
+    assert engine.config.layer_kinds
+    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
+    out = engine.generate(prompts, max_new_tokens=NEW)
+    assert engine.stats.preemptions > 0
+    for i, p in enumerate(prompts):
+        assert out[i][0] == hf_greedy(model, p, NEW), f"prompt {i}"
+    two = engine.generate([prompts[0][:6]], kvcache.integrations.SamplingParams(
+        max_tokens=NEW, n=2))
+    assert two[0][0] == two[0][1] == hf_greedy(model, prompts[0][:6], NEW)
+    assert engine.stats.forks >= 2 and engine.cache.is_empty
+    assert engine.cache.num_available_pages_by_group == engine.cache.num_total_pages_by_group
