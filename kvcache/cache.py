@@ -226,6 +226,7 @@ class PagedKVCache:
     num_available_pages = part_view("manager", KVManager.num_available_pages)
     num_total_pages = part_view("manager", KVManager.num_total_pages, locked=False)
     num_available_pages_by_group = part_view("manager", KVManager.num_available_pages_by_group)
+    num_appendable_pages = part_view("manager", KVManager.num_appendable_pages)
     num_total_pages_by_group = part_view("manager", KVManager.num_total_pages_by_group)
     window_pages = part_call("manager", KVManager.window_pages)
     total_sequence_length = part_view("manager", KVManager.total_sequence_length)

@@ -463,6 +463,21 @@ class KVManager:
         return out
 
     @property
+    def num_appendable_pages(self) -> int:
+        """The free pages a forward can take now in every group: ``num_available_pages``, and
+        in a cache with window groups the fewest of ``num_available_pages_by_group`` (the most
+        constrained group decides). A scheduler's page budget for its next forward: a forward,
+        an admission or a fork takes as many new pages from each window group as from the full
+        pool (every group stores a sequence's positions in pages numbered alike; a group frees
+        its pages only at ``end_forward``), so ``pages_needed`` and ``append_room`` counted
+        against this number hold for every group."""
+        free = self.num_available_pages
+        groups = self.state.pt.groups
+        if groups is None:
+            return free
+        return min(free, *groups.free_pages().values())
+
+    @property
     def num_total_pages_by_group(self) -> dict:
         """``{"full": num_total_pages, "window=<w>": that window group's pool, ...}``: pages
         per layer of each group (``CacheConfig.window_group_pages``)."""

@@ -41,6 +41,15 @@ class ModelAdapter(abc.ABC):
         config, ``rope_mode="none"`` when the model rotates q/k itself, ``dtype`` (None: the
         model's own dtype) and the given sizes."""
 
+    def layer_kinds(self) -> dict:
+        """``{layer: kvcache.Window(w)}``: the model's sliding-window layers as
+        ``CacheConfig.layer_kinds`` takes them (a library's ``sliding_window=W``, which counts
+        the query itself, is ``Window(W - 1)``); empty: none. The engine builds window groups
+        from it (``EngineConfig.window_groups``). Raises ``UnsupportedFeatureError`` naming the
+        layer where the model's windowing is not understood (the engine then keeps every page,
+        or refuses ``window_groups=True``)."""
+        return {}
+
     def default_device(self) -> Optional[str]:
         """The device the cache is created on when the engine is given none (the model's)."""
         return None

@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Iterable
@@ -49,6 +50,8 @@ __all__ = ["Engine", "EngineConfig", "EngineStats", "ModelAdapter", "PendingPick
 DEFAULT_TOKENS_PER_SEQUENCE = 512
 """``max_total_tokens`` where free device memory cannot be asked (a CPU, MLX):
 ``512 * max_batch_size``."""
+
+_log = logging.getLogger(__name__)
 
 _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 """The engines of this process, alive: a sizing error names what each holds."""
@@ -94,7 +97,9 @@ class Engine:
     ``mixed_graphs`` / ``compile_step`` (whole-step graphs, their buckets, prefill steps
     captured too, the captured step compiled); ``offload`` / ``offload_tokens`` (the host tier
     preempted sequences are parked in); ``overlap`` (the host one step ahead of the device:
-    an ``AsyncScheduler``); ``prefix_cache``; ``kv_dtype`` (the pages' storage format);
+    an ``AsyncScheduler``); ``prefix_cache``; ``window_groups`` (sliding-window layers keep
+    only the pages their windows see; ``self.window_groups_off`` says why not where they do
+    not); ``kv_dtype`` (the pages' storage format);
     ``prefix_file`` (a saved prefix cache, e.g. a system prompt, loaded at start: its pages
     are hits for the requests that begin with them) and ``fingerprint_weights`` (the model
     fingerprint KV files carry hashes the weights too). KV files: ``save_prefix_cache``,
@@ -119,13 +124,23 @@ class Engine:
         """This engine's number in its process (a sizing error names engines by it)."""
         backend = opts.backend
         device = opts.device if opts.device is not None else adapter.default_device()
+        kinds, self.window_groups_off = self._window_groups(opts, backend, device)
+        """Why the model's sliding-window layers keep every page (``window_groups=None`` and
+        something does not compose with window groups, or the adapter does not understand the
+        model's windowing), else None (window groups on, turned off by ``window_groups=False``,
+        or no windowed layer): ``self.config.layer_kinds`` says which."""
+        if kinds:               # options left at None that do not compose: off
+            opts = dataclasses.replace(
+                opts, graphs=False if opts.graphs is None else opts.graphs,
+                mixed_graphs=False if opts.mixed_graphs is None else opts.mixed_graphs,
+                offload=False if opts.offload is None else opts.offload)
         self.graphs = self._want_graphs(opts.graphs, backend, device)
         sizes: dict = dict(dtype=opts.dtype, page_size=opts.page_size,
                            max_batch_size=opts.max_batch_size)
         max_total_tokens, prefill_chunk_size = opts.max_total_tokens, opts.prefill_chunk_size
         if max_total_tokens is None:
             max_total_tokens, self.sizing = self._size(backend, device, prefill_chunk_size,
-                                                       float(opts.memory_fraction), sizes)
+                                                       float(opts.memory_fraction), sizes, kinds)
         else:
             self.sizing = "given"
         if prefill_chunk_size is None:
@@ -134,7 +149,7 @@ class Engine:
                                    prefill_chunk_size=prefill_chunk_size, **sizes)
         cfg = dataclasses.replace(cfg, prefix_cache=opts.prefix_cache, kv_dtype=opts.kv_dtype,
                                   kv_quant_group=quant_group_for(cfg, opts.kv_dtype),
-                                  batch_invariant=opts.deterministic)
+                                  batch_invariant=opts.deterministic, layer_kinds=kinds)
         invariant_ops = self._invariant_ops(opts)
         if opts.mixed_graphs and not self.graphs:
             raise UnsupportedFeatureError(
@@ -184,6 +199,53 @@ class Engine:
             self.prefix_loaded = self.load_prefix_cache(opts.prefix_file)
 
     # ------------------------------------------------------------------ construction
+    def _window_groups(self, opts: EngineConfig, backend: str, device) -> tuple:
+        """``(layer_kinds, why off)`` by ``opts.window_groups`` (``EngineConfig``): the
+        adapter's ``layer_kinds`` when window groups are on, else ``{}`` and the reason (None
+        when the model has no windowed layer or they were turned off by ``False``). True with
+        an option that does not compose raises ``UnsupportedFeatureError`` naming it."""
+        if opts.window_groups is False:
+            return {}, None
+        asked = opts.window_groups is True
+        try:
+            kinds = dict(self.adapter.layer_kinds())
+        except UnsupportedFeatureError as exc:
+            if asked:
+                raise UnsupportedFeatureError(f"window_groups=True: {exc}") from None
+            return self._groups_off(f"{exc}")
+        if not kinds:
+            if asked:
+                raise UnsupportedFeatureError(
+                    f"window_groups=True: the {self.adapter.family or 'model'} model has no "
+                    f"sliding-window layer; pass window_groups=None or False")
+            return {}, None
+        from ..plugins import resolve_backend
+        cls = resolve_backend(backend, device)
+        why = []
+        if not cls.capabilities.window_groups:
+            why.append(f"backend {cls.name!r} does not declare 'window_groups'")
+        # not composed with window groups yet (docs/hybrid.md); each of these needs every page
+        for name, on in (("prefix_cache", opts.prefix_cache),
+                         ("deterministic", opts.deterministic), ("graphs", opts.graphs),
+                         ("mixed_graphs", opts.mixed_graphs), ("offload", opts.offload)):
+            if on:
+                why.append(f"{name}=True")
+        if not why:
+            return kinds, None
+        reason = (f"{' and '.join(why)} with the sliding-window layers {sorted(kinds)}: not "
+                  f"composed with window groups yet (docs/hybrid.md)")
+        if asked:
+            raise UnsupportedFeatureError(
+                f"window_groups=True: {reason}; pass "
+                + " ".join(f"{w.split('=')[0]}=False" for w in why if "=" in w)
+                + " or window_groups=None")
+        return self._groups_off(reason)
+
+    @staticmethod
+    def _groups_off(reason: str) -> tuple:
+        _log.info("window groups off, every page of the sliding-window layers kept: %s", reason)
+        return {}, reason
+
     def _want_graphs(self, graphs: Optional[bool], backend: str, device: Optional[str]) -> bool:
         if graphs is False:
             return False
@@ -231,8 +293,11 @@ class Engine:
             raise UnsupportedFeatureError(f"compile_step=True: {why}; pass compile_step=False")
         return True
 
-    def _size(self, backend, device, chunk, fraction: float, sizes: dict) -> tuple:
-        """``(max_total_tokens, how)`` from the device's free memory (see the class doc)."""
+    def _size(self, backend, device, chunk, fraction: float, sizes: dict,
+              kinds: Optional[dict] = None) -> tuple:
+        """``(max_total_tokens, how)`` from the device's free memory (see the class doc); with
+        window groups (``kinds``) their pools are counted out first and the tokens are the
+        full-attention layers' (the pools' size does not grow with the tokens)."""
         adapter = self.adapter
         batch = int(sizes["max_batch_size"])
         gc.collect()        # what a reference cycle still holds (a dropped model's, say)
@@ -264,7 +329,15 @@ class Engine:
         del probe
         # this engine's share: a fraction of what was free when it started (the model, other
         # engines and other processes already counted out), less one largest step
-        tokens = int((fraction * free - peak) // config.token_kv_bytes) // ps * ps
+        room, per_token = fraction * free - peak, config.token_kv_bytes
+        if kinds:
+            grouped = dataclasses.replace(config, layer_kinds=kinds, max_total_tokens=2**30)
+            layer_bytes = config.token_kv_bytes // config.num_layers
+            if grouped.full_layers:     # (every layer windowed: sized as without groups)
+                room -= sum(grouped.window_group_pages(g) * ps * layer_bytes * len(layers)
+                            for g, (_, layers) in enumerate(grouped.window_groups))
+                per_token = layer_bytes * len(grouped.full_layers)
+        tokens = int(room // per_token) // ps * ps
         if tokens < 2 * ps:
             raise InvalidArgumentError(
                 f"memory_fraction={fraction}: {free / 2**30:.2f} GiB free of {total / 2**30:.2f} "

@@ -79,9 +79,10 @@ class Batching:
         """One forward's (seq, chunk) list with ``head`` in it, or None when the free pages do
         not cover a token of ``head`` (``force``: nothing else can be preempted; it is planned
         anyway and the forward decides). Decodes first; then prompt chunks oldest first,
-        admitted while the free pages cover them."""
+        admitted while the free pages cover them: the pages every group of the cache can give
+        (``num_appendable_pages``: with window groups the most constrained group's)."""
         cfg = self.config
-        budget, free = cfg.prefill_chunk_size, self.cache.num_available_pages
+        budget, free = cfg.prefill_chunk_size, self.cache.num_appendable_pages
         head_decodes = bool(decodes) and decodes[0] is head
         slots = min(cfg.max_batch_size, budget) - (0 if head_decodes else 1)
         chunk = pages = 0

@@ -108,6 +108,17 @@ class EngineConfig:
     fingerprint (``Engine.fingerprint``; another model's file is refused): its prefixes, a
     system prompt or saved conversations, are cached pages, and a request that begins with one
     starts from it (``stats.prefix_hit_tokens``). Needs ``prefix_cache``; None: none."""
+    window_groups: Optional[bool] = None
+    """The model's sliding-window layers keep only the pages their windows still see
+    (``CacheConfig.layer_kinds`` from the adapter's ``layer_kinds``: each windowed layer's
+    memory is O(window) per sequence; docs/hybrid.md). Window groups do not compose yet with
+    the prefix cache, deterministic mode, whole-step graphs or the host tier. None: on where
+    the model has windowed layers, the backend declares ``window_groups``, the adapter
+    understands the model's windowing and ``prefix_cache`` and ``deterministic`` are off and
+    ``graphs``, ``mixed_graphs`` and ``offload`` are not True (those left at None are then
+    off); else off, with the reason in ``Engine.window_groups_off`` (and logged). True: on,
+    or ``UnsupportedFeatureError`` naming what does not compose (pass ``prefix_cache=False``
+    with it). False: every layer keeps every page (the behaviour before window groups)."""
     fingerprint_weights: bool = False
     """The model fingerprint the engine writes into KV files and checks them against also
     hashes every weight (read once, when first needed: about a second per GiB), so two
@@ -127,7 +138,7 @@ class EngineConfig:
                     f"{name}={value!r:.80} must be {'None or ' if optional else ''}an integer "
                     f">= {low}")
             object.__setattr__(self, name, int(value))
-        for name in ("graphs", "offload", "compile_step", "mixed_graphs"):
+        for name in ("graphs", "offload", "compile_step", "mixed_graphs", "window_groups"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name}={value!r} must be None, True or False")

@@ -86,6 +86,13 @@ class SchedulerCache(Protocol):
         ...
 
     @property
+    def num_appendable_pages(self) -> int:
+        """Pages a forward or an admission can take now from every page group (with window
+        groups, the most constrained group's; else ``num_available_pages``): the scheduler's
+        page budget per forward."""
+        ...
+
+    @property
     def num_total_pages(self) -> int:
         """Pages the cache holds in all."""
         ...

@@ -231,3 +231,34 @@ def test_memory_row_meets_its_target():
     rows = memory_rows(context=32768, window=1024, local=5, sequences=(1,))
     assert rows[0]["ratio"] >= TARGET
     assert rows[0]["grouped_pages"]["window=1024"] < rows[0]["plain_pages"]["full"]
+
+
+def test_appendable_pages_are_the_most_constrained_groups():
+    """``num_appendable_pages`` (the scheduler's page budget): the fewest free pages of any
+    group; a forward takes as many new pages from every group (``pages_needed(by_group=True)``
+    counts them alike), so ``can_append`` is exactly ``pages_needed <= num_appendable_pages``.
+    Five sequences in pools sized for two (max_batch_size): the window groups run short
+    before the full pool does."""
+    cache = PagedKVCache(config(max_total_tokens=512), backend="reference")
+    # empty: every page free, and the window pools far smaller than the full one
+    assert cache.num_appendable_pages == min(cache.num_total_pages_by_group.values()) < 129
+    seen_short = False
+    for sid in range(5):
+        cache.add_sequence(sid)
+        for n in (7, 6, 3):
+            by_group = cache.pages_needed([sid], [n], by_group=True)
+            if not cache.can_append([sid], [n]):
+                break
+            run(cache, [sid], [n])
+            assert len(set(by_group.values())) == 1, by_group
+        free = cache.num_available_pages_by_group
+        assert cache.num_appendable_pages == min(free.values())
+        seen_short |= min(free.values()) < free["full"]
+        for s in cache.sequence_ids:
+            for n in (1, 3, 4, 9, 16):
+                need = cache.pages_needed([s], [n])
+                assert cache.pages_needed([s], [n], by_group=True) == dict.fromkeys(free, need)
+                assert cache.can_append([s], [n]) == (need <= cache.num_appendable_pages)
+                room = cache.append_room(s, cache.num_appendable_pages, n)
+                assert cache.can_append([s], [room]) if room else True
+    assert seen_short

@@ -104,12 +104,16 @@ class FakeRunner:
 
 
 def make_core(max_total_tokens=256, page_size=4, max_batch_size=8, prefill_chunk_size=64,
-              pipelined=True, host_tier=False, eos=(), prefix_cache=False):
-    config = kvcache.CacheConfig(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=4,
+              pipelined=True, host_tier=False, eos=(), prefix_cache=False, layer_kinds=()):
+    """A serving core over a reference cache of one full layer (the one the fake model reads)
+    and, with ``layer_kinds`` (e.g. ``{1: Window(3)}``), the windowed layers it gives."""
+    layers = 1 + len(dict(layer_kinds))
+    config = kvcache.CacheConfig(num_layers=layers, num_qo_heads=1, num_kv_heads=1, head_dim=4,
                                  page_size=page_size, max_total_tokens=max_total_tokens,
                                  max_batch_size=max_batch_size,
                                  prefill_chunk_size=prefill_chunk_size, rope_mode="none",
-                                 dtype="float32", prefix_cache=prefix_cache)
+                                 dtype="float32", prefix_cache=prefix_cache,
+                                 layer_kinds=layer_kinds)
     cache = kvcache.PagedKVCache(config, backend="reference")
     tier = kvcache.HostTier(cache) if host_tier else None
     runner = FakeRunner(cache)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvcache import Window
 from kvcache.errors import CacheFullError, InvalidArgumentError
 from kvcache.integrations.sampling import SamplingParams
 
@@ -157,6 +158,22 @@ def test_random_programs_in_small_caches_equal_the_judge(seed, prefix_cache):
                                pipelined=prog["pipelined"], host_tier=prog["tier"],
                                prefix_cache=prefix_cache)
     run_program(core, cache, prog, max_steps=5000, settle=6)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_programs_with_window_groups_equal_the_judge(seed):
+    """A cache whose second layer is a window group (issue 56): the scheduler's page budget is
+    the most constrained group's (``num_appendable_pages``), preemption, aborts and finishing
+    give every group's pages back, and the tokens are the judge's (the fake model reads the
+    full layer)."""
+    prog = random_program(seed)
+    ps = prog["page_size"]
+    window = Window([0, 1, ps, 3 * ps - 1][seed % 4])
+    core, _, cache = make_core(max_total_tokens=prog["pages"] * ps, page_size=ps,
+                               max_batch_size=prog["batch"], prefill_chunk_size=prog["chunk"],
+                               pipelined=prog["pipelined"], layer_kinds={1: window})
+    run_program(core, cache, prog, max_steps=5000, settle=6)
+    assert cache.num_available_pages_by_group == cache.num_total_pages_by_group
 
 
 def test_a_request_bigger_than_the_cache_fails_the_step_with_cache_full():

@@ -86,13 +86,14 @@ from mlx_lm.models import cache as _mlx_cache  # noqa: E402
 
 __all__ = ["Engine", "LayerCache", "MlxLmAdapter", "ModelDescription", "RequestOutput",
            "SamplingParams", "cache_config",
-           "describe", "eos_token_ids", "layer_caches", "sliding_windows"]
+           "describe", "eos_token_ids", "layer_caches", "layer_kinds", "sliding_windows"]
 
 # the package's modules, imported once the requirements are checked; every name the module had
 # stays importable from here
 from .adapter import MlxLmAdapter  # noqa: E402
 from .model import (_DTYPES, ModelDescription, _eos_ids, _family, _Label,  # noqa: E402
-                    _label, _layers, _mlx_caches, eos_token_ids, sliding_windows)
+                    _label, _layers, _mlx_caches, eos_token_ids, layer_kinds,
+                    sliding_windows)
 from .protocol import (LayerCache, _Forward, _from_cache, _mx_dtype,  # noqa: E402
                        _to_cache, _window_unsupported)
 from .routing import (_DESCRIBED, _ROUTED_ATTR, _described, _one_dtype,  # noqa: E402

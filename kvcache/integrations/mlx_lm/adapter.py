@@ -13,7 +13,7 @@ from ...config import CacheConfig
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
 from ..engine import ModelAdapter
-from .model import _eos_ids, _family
+from .model import _eos_ids, _family, layer_kinds
 from .protocol import LayerCache, _Forward, _to_cache
 from .routing import _run, cache_config, describe, route
 
@@ -45,6 +45,9 @@ class MlxLmAdapter(ModelAdapter):
         return cache_config(self.model, dtype=dtype, page_size=page_size,
                             max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
                             prefill_chunk_size=prefill_chunk_size, description=self.description)
+
+    def layer_kinds(self) -> dict:
+        return layer_kinds(self.windows)
 
     def default_device(self) -> Optional[str]:
         return "gpu" if mx.default_device() == mx.gpu else "cpu"

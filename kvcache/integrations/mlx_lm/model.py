@@ -81,6 +81,15 @@ def sliding_windows(model) -> dict:
     return windows
 
 
+def layer_kinds(windows: dict) -> dict:
+    """``{layer: kvcache.Window(w - 1)}`` for the ``{layer: w}`` of ``sliding_windows``: a
+    ``RotatingKVCache(max_size=w)`` layer sees ``w`` positions, itself included, which is
+    ``Window(w - 1)`` (``CacheConfig.layer_kinds``: the layer keeps only the pages its window
+    still sees)."""
+    from ...config import Window
+    return {layer: Window(w - 1) for layer, w in windows.items()}
+
+
 def eos_token_ids(model, tokenizer=None) -> tuple:
     """The end-of-sequence ids mlx-lm's own generation stops at: the tokenizer's
     ``eos_token_ids`` (``mlx_lm.load`` fills them from the config's ``eos_token_id`` and the

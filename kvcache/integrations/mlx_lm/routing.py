@@ -15,7 +15,8 @@ from ...arrays import to_numpy
 from ...config import CacheConfig
 from ...errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from .. import require
-from .model import _DTYPES, ModelDescription, _family, _label, _mlx_caches, sliding_windows
+from .model import (_DTYPES, ModelDescription, _family, _label, _mlx_caches, layer_kinds,
+                    sliding_windows)
 from .protocol import LayerCache, _Forward
 
 mx = require("mlx.core", "mlx-lm")
@@ -222,10 +223,13 @@ def _own_attention(model, forward: _Forward, windows: dict, vocab: int,
 def cache_config(model, *, dtype: Optional[str] = None, page_size: int = 16,
                  max_total_tokens: int = 65536, max_batch_size: int = 64,
                  prefill_chunk_size: int = 2048,
-                 description: Optional[ModelDescription] = None) -> CacheConfig:
+                 description: Optional[ModelDescription] = None,
+                 window_groups: bool = False) -> CacheConfig:
     """A ``CacheConfig`` for an mlx-lm model: layers, query/KV heads, head dims (values: their
     own, ``head_dim_v``) as its attention calls show them (``describe``), ``rope_mode="none"``
-    (the model rotates q and k itself), ``dtype`` (None: the model's) and the given sizes."""
+    (the model rotates q and k itself), ``dtype`` (None: the model's) and the given sizes.
+    ``window_groups``: the sliding-window layers (``RotatingKVCache`` in ``make_cache()``) get
+    ``layer_kinds`` and keep only the pages their windows still see; False: every page kept."""
     d = description if description is not None else describe(model)
     args = getattr(model, "args", None)
     return CacheConfig(
@@ -233,4 +237,5 @@ def cache_config(model, *, dtype: Optional[str] = None, page_size: int = 16,
         head_dim=d.head_dim, head_dim_v=d.head_dim_v,
         page_size=page_size, max_batch_size=max_batch_size, max_total_tokens=max_total_tokens,
         prefill_chunk_size=prefill_chunk_size, dtype=dtype if dtype is not None else d.dtype,
-        rope_mode="none", rope_theta=float(getattr(args, "rope_theta", None) or 10000.0))
+        rope_mode="none", rope_theta=float(getattr(args, "rope_theta", None) or 10000.0),
+        layer_kinds=layer_kinds(d.windows) if window_groups else ())

@@ -61,7 +61,7 @@ if _version(transformers.__version__) < MIN_VERSION:
 
 __all__ = ["ATTN_IMPLEMENTATION", "Engine", "ROPE_CHOICES", "ROPE_FAMILIES", "RequestOutput",
            "SamplingParams", "TransformersAdapter",
-           "attention", "cache_config", "fused_rope", "model_rotary", "refuse_hybrid",
+           "attention", "cache_config", "fused_rope", "layer_kinds", "model_rotary", "refuse_hybrid",
            "register", "sliding_windows", "stateful_layers"]
 
 # the package's modules, imported once the requirements are checked; every name the module had
@@ -71,8 +71,8 @@ from .interface import (_HONOURED, _IGNORED, ATTN_IMPLEMENTATION,  # noqa: E402
                         _attention_options, _show, _to_cache, _window_unsupported, attention,
                         register)
 from .model import (_DTYPES, _dtype_name, _head_dim, _model_needs,  # noqa: E402
-                    attention_layers, eos_token_ids, head_dims, refuse_hybrid, sliding_windows,
-                    stateful_layers)
+                    attention_layers, eos_token_ids, head_dims, layer_kinds, refuse_hybrid,
+                    sliding_windows, stateful_layers)
 from .rope import (_FUSED, _ROTATION_SKIPPED, _STATIC_ROPE_TYPES, _WRAPPED,  # noqa: E402
                    ROPE_CHOICES, ROPE_FAMILIES, _check_rope, _rotary_module, _rotation_skipped,
                    _skip_rotation, _unrotated, fused_rope, model_rotary)

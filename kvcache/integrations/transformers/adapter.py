@@ -18,7 +18,7 @@ from ..engine import ModelAdapter, PendingPicks
 from ..sampling_torch import token_logprobs
 from .interface import ATTN_IMPLEMENTATION, register
 from .model import (_dtype_name, _model_needs, attention_layers, eos_token_ids, head_dims,
-                    refuse_hybrid, sliding_windows)
+                    layer_kinds, refuse_hybrid, sliding_windows)
 from .rope import _check_rope, fused_rope, model_rotary
 
 torch = require("torch", "transformers")
@@ -33,7 +33,7 @@ COMPILE_MODE: Optional[str] = None
 
 def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: int = 65536,
                  max_batch_size: int = 64, prefill_chunk_size: int = 2048,
-                 rope: str = "model") -> CacheConfig:
+                 rope: str = "model", window_groups: bool = False) -> CacheConfig:
     """A ``CacheConfig`` for a transformers causal LM: layers, query/KV heads and head_dim from
     ``model.config``, ``dtype`` (None: the model's parameter dtype) and the given sizes.
     ``rope``: ``"model"`` gives ``rope_mode="none"`` (the model rotates q and k itself);
@@ -42,7 +42,10 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     standard); run the model inside ``fused_rope(model, cache)`` then. A model that keeps
     state the cache does not hold beside its attention (a hybrid: Mamba mixers, linear
     attention, short convolutions, position biases) raises ``UnsupportedFeatureError`` naming
-    the layers and the reason (``refuse_hybrid``)."""
+    the layers and the reason (``refuse_hybrid``). ``window_groups``: the model's
+    sliding-window layers get ``layer_kinds`` (``layer_kinds(model)``: each keeps only the
+    pages its window still sees; raises ``UnsupportedFeatureError`` when the model's windowing
+    is not understood); False: every layer keeps every page."""
     refuse_hybrid(model)
     config = model.config
     heads = int(config.num_attention_heads)
@@ -59,7 +62,8 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
         max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
         dtype=_dtype_name(dtype if dtype is not None else model.dtype),
         rope_mode=mode, rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
-        rope_inv_freq=inv_freq, rope_rotary_dim=rot)
+        rope_inv_freq=inv_freq, rope_rotary_dim=rot,
+        layer_kinds=layer_kinds(model) if window_groups else ())
 
 
 # ---------------------------------------------------------------------- the model's attention
@@ -145,6 +149,9 @@ class TransformersAdapter(ModelAdapter):
         return cache_config(self.model, dtype=dtype, page_size=page_size,
                             max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
                             prefill_chunk_size=prefill_chunk_size, rope=self.rope)
+
+    def layer_kinds(self) -> dict:
+        return layer_kinds(self.model)
 
     def default_device(self) -> Optional[str]:
         return str(self.device)

@@ -78,6 +78,8 @@ def _attention_options(cache, module, layer: int, dropout, sliding_window, kwarg
                 f"attention, and backend {cache.backend.name!r} does not support it: "
                 f"{Capabilities.reason(cap)}")
         extra["logit_softcap" if name == "softcap" else "sinks"] = value
+    if cache.config.layer_kinds:
+        _check_group_window(cache, module, layer, sliding_window)
     if sliding_window is not None:
         if getattr(caps, "window_left", False):
             extra["window_left"] = int(sliding_window) - 1
@@ -87,6 +89,23 @@ def _attention_options(cache, module, layer: int, dropout, sliding_window, kwarg
             if positions.size and int(positions.max()) >= int(sliding_window):
                 raise _window_unsupported(cache, layer, int(sliding_window))
     return extra
+
+
+def _check_group_window(cache, module, layer: int, sliding_window) -> None:
+    """A cache with window groups frees the pages a windowed layer's window left behind: the
+    layer must attend with exactly the window its group was built for (``layer_kinds``), or
+    the keys it reads are not the model's. UnsupportedFeatureError naming the layer, raised
+    before the layer's first attention call (the forward then changes nothing)."""
+    g = cache.config.layer_group(layer)
+    if g < 0:
+        return                  # a full layer keeps every page: any window reads held keys
+    w = cache.config.window_groups[g][0].size
+    if sliding_window is None or int(sliding_window) - 1 != w:
+        raise UnsupportedFeatureError(
+            f"layer {layer} ({type(module).__name__}) passes sliding_window={sliding_window!r} "
+            f"to attention, but the cache keeps only the pages of its window group "
+            f"Window({w}) (sliding_window={w + 1}): the model's windowing is not what "
+            f"layer_kinds says; build the cache with window_groups=False (every page kept)")
 
 
 def _show(value) -> str:

@@ -55,6 +55,54 @@ def sliding_windows(config) -> dict:
     return {i: int(window) for i in layers}
 
 
+# the layer types whose attention transformers' masks and attention calls treat as full or as
+# a sliding window of ``config.sliding_window`` positions (masking_utils'
+# ``sliding_window_overlay``: a query at q sees the keys k with k > q - sliding_window)
+_FULL_TYPES = frozenset(("full_attention",))
+_SLIDING_TYPES = frozenset(("sliding_attention",))
+
+
+def layer_kinds(model) -> dict:
+    """``{layer: kvcache.Window(W - 1)}`` for the model's sliding-window layers (the
+    ``CacheConfig.layer_kinds`` of a cache whose windowed layers keep only the pages their
+    windows still see; empty: none). transformers' ``sliding_window=W`` counts the query
+    itself (its masks let a query at ``q`` see the keys ``q - W + 1 .. q``), so ``W`` is
+    ``Window(W - 1)``. The layers come from ``sliding_windows(config)`` and are checked against
+    what each attention module will pass to attention (its ``sliding_window`` attribute, where
+    it keeps one).
+
+    Raises ``UnsupportedFeatureError`` naming the layer when the model's windowing is not
+    understood: a ``layer_types`` entry other than full or sliding attention (e.g. chunked
+    attention), a window below 1, or a module whose own window differs from the config's.
+    Freeing a window's pages on a misread window would change the tokens without an error;
+    keeping every page (``CacheConfig`` without ``layer_kinds``) is always exact."""
+    from ...config import Window
+    config = model.config
+    family = getattr(config, "model_type", None) or type(model).__name__
+    windows = sliding_windows(config)
+    types = getattr(config, "layer_types", None)
+    if types is not None and windows:
+        for i, kind in enumerate(types[:int(config.num_hidden_layers)]):
+            if kind not in _FULL_TYPES and kind not in _SLIDING_TYPES:
+                raise UnsupportedFeatureError(
+                    f"layer {i} of the {family} model has layer type {kind!r}: window groups "
+                    f"know full and sliding attention only, so its windowing is not understood; "
+                    f"pass window_groups=False (every page kept)")
+    for i, module in enumerate(attention_layers(model)):
+        want = windows.get(i)
+        if want is not None and want < 1:
+            raise UnsupportedFeatureError(
+                f"layer {i} of the {family} model has sliding_window={want}: a window must see "
+                f"at least the query itself (>= 1)")
+        if "sliding_window" in vars(module) and module.sliding_window != want:
+            raise UnsupportedFeatureError(
+                f"layer {i} of the {family} model ({type(module).__name__}) passes "
+                f"sliding_window={module.sliding_window!r} to attention, but its config says "
+                f"{want!r} (config.sliding_window, layer_types): its windowing is not "
+                f"understood; pass window_groups=False (every page kept)")
+    return {i: Window(w - 1) for i, w in windows.items()}
+
+
 def _dtype_name(dtype) -> str:
     if isinstance(dtype, str):
         return dtype
