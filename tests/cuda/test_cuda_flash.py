@@ -134,7 +134,7 @@ def test_rule_takes_plain_calls_and_leaves_the_rest():
     plain = dict(num_seqs=1, max_len=100, tree=None, rope=None, softcap=0.0, sinks=None)
     assert auto.ragged_ok(ctx(), q, kv, kv, **plain)
     for change, why in [(dict(tree=object()), "tree"), (dict(rope=cc.ROPE), "inline RoPE"),
-                        (dict(softcap=30.0), "softcap"), (dict(sinks=torch.zeros(4)), "sinks"),
+                        (dict(softcap=30.0), "softcap"),
                         (dict(max_len=1), "one row per sequence"),
                         (dict(num_seqs=2), "several sequences of several lengths: not by the rule"),
                         (dict(window_left=9), "a window: not by the rule")]:
@@ -147,6 +147,7 @@ def test_rule_takes_plain_calls_and_leaves_the_rest():
         kk = kv.to(c.dtype)
         assert not auto.ragged_ok(c, qq, kk, kk, **plain), why
     assert not auto.ragged_ok(ctx(), q[:63], kv[:63], kv[:63], **plain)      # under 64 rows
+    assert auto.ragged_ok(ctx(), q, kv, kv, **dict(plain, sinks=torch.zeros(4)))   # joined after
     assert auto.ragged_ok(ctx(kv_quant=True), q, kv, kv, **plain,              # fp8, scaled
                           kv_scale=torch.ones((2, 2)))
     # several sequences of one length (their rows add up to num_seqs * max_len): cuDNN's
@@ -290,20 +291,18 @@ def test_gather_entries_follows_sinks_and_gaps():
 
 @needs_triton
 def test_calls_the_library_cannot_compute_stay_on_triton():
-    """Soft-capping, sinks, a token tree, a paged window and rows no entry covers: the
-    stand-in is never called and the results are the reference's."""
+    """Soft-capping, a token tree, a paged window and rows no entry covers: the stand-in is
+    never called and the results are the reference's (sinks go to the library:
+    ``test_sinks_joined_to_the_library_result``)."""
     ref, mine, fn = _backend("float16", stand_in)
     rng = np.random.default_rng(5)
     lengths = [9, 14]
     case = cc.ragged_case(rng, ref, mine, lengths)
     qo = cc.ints(mine, case["qo"])
     args = [cc.to_ref(ref, mine, case[x]) for x in "qkv"]
-    for kw in (dict(logit_softcap=20.0), dict(sinks=np.linspace(-1, 1, 4).astype(np.float32))):
-        mkw = dict(kw)
-        if "sinks" in kw:
-            mkw["sinks"] = mine.from_numpy(kw["sinks"], "float32")
+    for kw in (dict(logit_softcap=20.0),):
         o, _ = mine.ragged_attention(case["q"], case["k"], case["v"], qo, 0.2, num_seqs=2,
-                                     max_len=14, **mkw)
+                                     max_len=14, **kw)
         ro, _ = ref.ragged_attention(*args, case["qo"], 0.2, num_seqs=2, max_len=14, **kw)
         cc.assert_close(mine, ref, o, ro)
     pc = cc.paged_case(rng, ref, mine, [Entry(5, 30), Entry(4, 20)], row_offset=2)
@@ -500,3 +499,46 @@ def test_scale_heads_multiplies_each_head_in_float32():
     out = flash.scale_heads(x[:, :, :4], scale)       # a view: last dim contiguous, rows strided
     want = (x[:, :, :4].float() * scale[None, :, None]).to(torch.float16)
     assert out.dtype == torch.float16 and torch.equal(out.cpu(), want.cpu())
+
+
+@needs_triton
+@pytest.mark.parametrize("attend", ATTENDS)
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_sinks_joined_to_the_library_result(attend, kind, monkeypatch):
+    """Attention sinks: the library attends, ``apply_sinks`` joins each head's sink logit to
+    its result (one more denominator term): the reference's results, an entry with no key
+    included (o = 0, lse = the sink); without the join the results are far off."""
+    ref, mine, fn = _backend("float16", _attend(attend))
+    rng = np.random.default_rng(23)
+    sinks_np = np.array([0.5, 3.0, -1.0, 2.0], np.float32)
+    sinks = mine.from_numpy(sinks_np, "float32")
+
+    def run():
+        if kind == "ragged":
+            case = cc.ragged_case(rng, ref, mine, [40, 1, 23])
+            kw = dict(num_seqs=3, max_len=40)
+            got = mine.ragged_attention(case["q"], case["k"], case["v"],
+                                        cc.ints(mine, case["qo"]), 0.11, sinks=sinks, **kw)
+            want = ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qkv"),
+                                        case["qo"], 0.11, sinks=sinks_np, **kw)
+            return got, want
+        case = cc.paged_case(rng, ref, mine, [Entry(3, 40), Entry(5, 0), Entry(20, 100)])
+        case.depth = replace(case.depth, max_qo_len=20)
+        got = mine.paged_attention(case.q, case.pages, case.depth, 0.125, sinks=sinks)
+        want = ref.paged_attention(case.ref_q, case.ref_pages, case.ref_depth, 0.125,
+                                   sinks=sinks_np)
+        return got, want
+
+    (o, lse), (ro, rl) = run()
+    assert fn.n == 1
+    cc.assert_close(mine, ref, o, ro)
+    cc.assert_lse(mine, ref, lse, rl)
+    if kind == "paged":                            # entry 1 (rows 3..7) has no key
+        assert np.allclose(mine.to_numpy(lse)[3:8], sinks_np[None, :])
+        assert not np.abs(mine.to_numpy(o)[3:8].astype(np.float32)).any()
+    monkeypatch.setattr(flash, "apply_sinks", lambda o, lse, sinks: None)
+    rng = np.random.default_rng(23)
+    (o2, _), (ro2, _) = run()
+    got = mine.to_numpy(o2).astype(np.float32)
+    want = np.asarray(ro2, np.float32)
+    assert np.abs(got - want).max() > 0.05

@@ -483,7 +483,7 @@ class CudaBackend(Backend):
                 self.ctx, q, k, v, num_seqs=num_seqs, max_len=max_len, tree=tree, rope=rope,
                 softcap=logit_softcap, sinks=sinks, window_left=window_left, kv_scale=kv_scale):
             extra["attend"] = flash.ragged_attend(qo_indptr, max_len, sm_scale, int(window_left),
-                                                  num_seqs, kv_scale)
+                                                  num_seqs, kv_scale, sinks)
         with self._guard():
             return kernels.ragged_attention(
                 self.ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len,
@@ -498,7 +498,8 @@ class CudaBackend(Backend):
         if flash is not None and kernels.__name__.endswith("triton_kernels") and flash.paged_ok(
                 self.ctx, q, depth, rope=rope, window_left=window_left, softcap=logit_softcap,
                 sinks=sinks, kv_scale=kv_scale):
-            extra["attend"] = flash.paged_attend(self.ctx, q, pages, depth, sm_scale, kv_scale)
+            extra["attend"] = flash.paged_attend(self.ctx, q, pages, depth, sm_scale, kv_scale,
+                                                 sinks)
         with self._guard():
             return kernels.paged_attention(self.ctx, q, pages, depth, sm_scale, rope=rope,
                                            q_positions=q_positions, window_left=window_left,

@@ -12,7 +12,7 @@ Triton prefill, so ``CudaBackend`` sends a prefill call here when
   16-bit compute, 16-bit or fp8 pages (fp8: the paged gather writes ``code * scale``, and a
   ragged call's codes go through ``scale_heads``),
   ``head_dim == head_dim_v <= 256``, no inline RoPE,
-  soft-capping, sinks or token tree, not the batch-invariant mode (whose point is one
+  soft-capping or token tree, not the batch-invariant mode (whose point is one
   arithmetic for prefill and decode); paged calls without a window, over a depth whose entries
   cover every query row,
 * the rule takes it: one sequence (a ragged call's ``num_seqs``, a paged call's entries) or
@@ -145,7 +145,7 @@ class FlashPrefill:
         """The parts of the rule common to both kinds of call (``fp8_ok``: fp8 pages allowed,
         the paged call's gather dequantizes them)."""
         return (self.force != "off" and not ctx.batch_invariant and (fp8_ok or not ctx.kv_quant)
-                and rope is None and not softcap and sinks is None
+                and rope is None and not softcap
                 and ctx.dtype in (torch.float16, torch.bfloat16) and q.dtype == ctx.dtype
                 and ctx.head_dim == ctx.head_dim_v and ctx.head_dim <= MAX_HEAD_DIM
                 and ctx.head_dim % 8 == 0)
@@ -178,12 +178,13 @@ class FlashPrefill:
                          ctx.tuning, int(max_len), int(q.shape[0]))))
 
     def ragged_attend(self, qo_indptr, max_len: int, sm_scale: float, window_left: int,
-                      num_seqs: int, kv_scale=None):
+                      num_seqs: int, kv_scale=None, sinks=None):
         """The attention step ``triton_kernels.ragged_attention`` runs instead of its kernel:
         ``(q, k, v) -> (o (T, Hq, D), lse (T, Hq) contiguous, guard)``, ``guard`` a (1,) int32
         flag set where q or k holds a NaN / inf (the kernel then recomputes the call).
         ``kv_scale``: an fp8 cache's (2, Hkv) scales; k and v then hold the codes (the kernel's
-        passes rounded them), and the library gets ``code * scale``."""
+        passes rounded them), and the library gets ``code * scale``. ``sinks``: (Hq,) sink
+        logits, joined to the library's result by ``apply_sinks``."""
         def run(q, k, v):
             self.calls += 1
             guard = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -193,7 +194,10 @@ class FlashPrefill:
                 k, v = scale_heads(k, kv_scale[0]), scale_heads(v, kv_scale[1])
             o, lse = self.attend(q, k, v, qo_indptr, qo_indptr, max_len, max_len, True, sm_scale,
                                  window_left, uniform=_uniform_rows(q, num_seqs, max_len))
-            return o, lse.t().contiguous(), guard   # every row sees itself: no empty rows
+            lse = lse.t().contiguous()              # every row sees itself: no empty rows
+            if sinks is not None:
+                apply_sinks(o, lse, sinks)
+            return o, lse, guard
         return run
 
     def paged_ok(self, ctx, q, depth, *, rope, window_left, softcap, sinks,
@@ -212,7 +216,7 @@ class FlashPrefill:
                      bool(depth.uniform) and self._batch_big_enough(
                          ctx.tuning, int(depth.max_qo_len), int(q.shape[0]))))
 
-    def paged_attend(self, ctx, q, pages, depth, sm_scale: float, kv_scale=None):
+    def paged_attend(self, ctx, q, pages, depth, sm_scale: float, kv_scale=None, sinks=None):
         """The attention step ``triton_kernels.paged_attention`` runs instead of its kernel for a
         call ``paged_ok`` took: ``() -> (o (T, Hq, D), lse (T, Hq), guard)``, the entries' keys
         gathered, then varlen attention (not causal) over them; ``guard`` as for
@@ -227,8 +231,10 @@ class FlashPrefill:
                                  uniform=bool(depth.uniform))
             # an entry with no key: the library's lse is +inf, ours -inf (o is 0 in both);
             # (T, Hq) contiguous, as the kernels write it (the guarded one may)
-            lse = lse.t().contiguous()
-            return o, lse.masked_fill_(lse == float("inf"), float("-inf")), guard
+            lse = lse.t().contiguous().masked_fill_(lse.t() == float("inf"), float("-inf"))
+            if sinks is not None:
+                apply_sinks(o, lse, sinks)
+            return o, lse, guard
         return run
 
 
@@ -236,6 +242,22 @@ def _uniform_rows(q, num_seqs: int, max_len: int) -> bool:
     """A ragged call's sequences all hold ``max_len`` rows (none holds more, so the rows add
     up only then)."""
     return num_seqs > 0 and int(q.shape[0]) == num_seqs * int(max_len)
+
+
+def apply_sinks(o, lse, sinks) -> None:
+    """Join each head's sink logit to an attention result, in place: ``lse' = log(exp(lse) +
+    exp(sink))`` and ``o' = o * exp(lse - lse')`` (one more term of the softmax's denominator
+    with no value, as the kernels' ``_finish`` adds it). ``o`` (T, Hq, D) contiguous, ``lse``
+    (T, Hq) float32 contiguous, ``sinks`` (Hq,) any float dtype. A row with no key (lse -inf)
+    gets lse = sink and keeps o = 0; a NaN stays NaN."""
+    t, h, d = o.shape
+    if t == 0:
+        return
+    assert o.is_contiguous() and lse.is_contiguous(), "apply_sinks: contiguous o and lse"
+    block_d = max(16, triton.next_power_of_2(d))
+    block_t = max(1, min(64, 8192 // block_d))
+    _apply_sinks_kernel[(triton.cdiv(t, block_t), h)](
+        o, lse, sinks, t, h, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4)
 
 
 def scale_heads(x, scale):
@@ -359,3 +381,25 @@ def _scale_heads_kernel(x_ptr, scale_ptr, o_ptr, n_rows, sx_t, sx_h, so_t, so_h,
     y = x.to(tl.float32) * tl.load(scale_ptr + h)
     tl.store(o_ptr + t[:, None] * so_t + h * so_h + d[None, :], y.to(o_ptr.dtype.element_ty),
              mask=m)
+
+
+@triton.jit
+def _apply_sinks_kernel(o_ptr, lse_ptr, sinks_ptr, n_rows, n_heads, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Grid (row tiles, heads): ``apply_sinks`` on rows of one head."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    h = tl.program_id(1)
+    t_ok = t < n_rows
+    lse = tl.load(lse_ptr + t * n_heads + h, mask=t_ok, other=0.0)
+    sink = tl.load(sinks_ptr + h).to(tl.float32)
+    top = tl.maximum(lse, sink)
+    top_use = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.exp(lse - top_use) + tl.exp(sink - top_use)
+    new = tl.where(total == 0, float("-inf"), top_use + tl.log(total))
+    factor = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - new))
+    d = tl.arange(0, BLOCK_D)
+    m = t_ok[:, None] & (d < HEAD_DIM)[None, :]
+    ptr = o_ptr + (t * n_heads + h)[:, None] * HEAD_DIM + d[None, :]
+    o = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * factor[:, None]
+    tl.store(ptr, o.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(lse_ptr + t * n_heads + h, new, mask=t_ok)

@@ -1748,8 +1748,8 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
                      logit_softcap=0.0, sinks=None, kv_scale=None, attend=None):
     """``Backend.ragged_attention``. ``attend``: ``(q, k, v) -> (o, lse)`` run instead of the
     attention kernel, between the finite-V pass and the non-finite fix-up (``kvcache_cuda.flash``
-    for a plain call; its caller checked that the call has no tree, RoPE, soft-cap or sinks;
-    in an fp8 cache it gets the passes' codes and applies the scales)."""
+    for a plain call; its caller checked that the call has no tree, RoPE or soft-cap; it joins
+    sinks itself, and in an fp8 cache it gets the passes' codes and applies the scales)."""
     softcap = float(logit_softcap or 0.0)
     if _partial(rope):
         return torch_kernels.ragged_attention(
