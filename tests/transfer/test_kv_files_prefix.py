@@ -27,7 +27,8 @@ from kvcache.errors import CacheFullError, InvalidArgumentError
 from kvcache.files import read_header
 
 from test_kv_files import BACKENDS, _saved
-from transfer_cases import assert_same_kv, config, make_cache, run_forward, snapshot
+from transfer_cases import (DEVICES, assert_same_kv, config, make_cache, run_forward,
+                            snapshot)
 
 PS = 4
 """The caches' page size (``transfer_cases.config``)."""
@@ -262,7 +263,7 @@ def llama(one_torch_thread):
 def _engine(model, backend="reference", **kw):
     from kvcache.integrations.transformers import Engine
     if backend == "cuda":
-        kw["device"] = "cpu"
+        kw.setdefault("device", "cpu")
     return Engine(model, backend=backend, **{"max_total_tokens": 1024, "max_batch_size": 4,
                                              "page_size": 16, **kw})
 
@@ -381,3 +382,34 @@ def test_an_engine_resumes_a_conversation_as_if_it_never_stopped(tmp_path, llama
     if where == "mlx-lm on metal":      # the other library's model is another model
         with pytest.raises(InvalidArgumentError, match="fingerprint field 'architecture'"):
             _engine(llama).load_prefix_cache(path)
+
+
+@pytest.mark.skipif(DEVICES["cuda"] == "cpu", reason="the GPU run of the resume test "
+                    "(KVCACHE_CUDA_TEST_DEVICE=cuda); the CPU test mode runs the one above")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_on_the_gpu_resumes_a_conversation(tmp_path, dtype):
+    """On the GPU: the first turn on one engine, saved to a file, the second on a new engine:
+    its greedy tokens are those of the conversation run as one request (deterministic
+    engines), and the file loads on the reference backend with the same page bits."""
+    import torch
+    model = _model().to(device="cuda", dtype=getattr(torch, dtype))
+
+    def make(**kw):
+        return _engine(model, "cuda", device="cuda", dtype=dtype, deterministic=True, **kw)
+
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(1, VOCAB, 40).tolist()
+    whole = make().generate([prompt], _greedy(2 * NEW))[0][0]
+    first = make()
+    said = first.generate([prompt], _greedy(NEW))[0][0]
+    assert said == whole[:NEW]
+    path = tmp_path / "conversation.kv"
+    pages = first.save_prefix_cache(path, [prompt + said])
+    assert pages == 3
+    second = make()
+    rid = second.resume(path, prompt + said, _greedy(NEW))
+    got = []
+    while second.has_unfinished():
+        got += [t for o in second.step() if o.request_id == rid for t in o.new_token_ids]
+    assert second.stats.prefix_hit_tokens == 16 * pages
+    assert got == whole[NEW:]

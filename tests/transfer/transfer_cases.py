@@ -5,6 +5,7 @@ pages behind, and exact comparisons."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -13,8 +14,10 @@ import kvcache
 from kvcache.arrays import to_host
 
 HEAD_DIM = 64          # every backend's kernels take it
-DEVICES = {"reference": None, "cuda": "cpu", "metal": "cpu", "example": None}
-"""The device each backend runs on in these tests (cuda: its CPU test mode; metal: MLX CPU)."""
+DEVICES = {"reference": None, "cuda": os.environ.get("KVCACHE_CUDA_TEST_DEVICE", "cpu"),
+           "metal": "cpu", "example": None}
+"""The device each backend runs on in these tests (cuda: its CPU test mode, or the GPU under
+``KVCACHE_CUDA_TEST_DEVICE=cuda``, as tests/cuda; metal: MLX CPU)."""
 
 
 def config(page_size=4, dtype="float32", rope_mode="normal", sliding=False, layers=2,
