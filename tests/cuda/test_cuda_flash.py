@@ -542,3 +542,26 @@ def test_sinks_joined_to_the_library_result(attend, kind, monkeypatch):
     got = mine.to_numpy(o2).astype(np.float32)
     want = np.asarray(ro2, np.float32)
     assert np.abs(got - want).max() > 0.05
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_triton_ceiling_computes_attention(causal):
+    """The bench's Triton ceiling (``triton_ceiling``: TMA descriptors, warp-specialized key
+    loop) computes attention of sequences of one length, GQA by head index, causal from the
+    top left: SDPA's result in float32 for every tile variant it may pick."""
+    from kvcache_cuda.triton_ceiling import ceiling_attention
+    gen = torch.Generator().manual_seed(3)
+    b, n, hq, hkv, d = 2, 128, 4, 2, 64
+    q, k, v = (torch.randn((b * n, h, d), generator=gen).to(torch.float16).to(cc.DEVICE)
+               for h in (hq, hkv, hkv))
+    qs, ks, vs = (x.float().view(b, n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
+    ks, vs = ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+    want = want.transpose(1, 2).reshape(b * n, hq, d)
+    for block_n, ws in ((64, False), (128, True)):
+        o = ceiling_attention(q, k, v, n, d ** -0.5, causal, block_n=block_n, num_warps=4,
+                              num_stages=2, warp_specialize=ws)
+        assert (o.float() - want).abs().max().item() < 2e-3, (block_n, ws)
+    with pytest.raises(AssertionError, match="one length"):
+        ceiling_attention(q[:200], k[:200], v[:200], 100, 0.1, causal)
