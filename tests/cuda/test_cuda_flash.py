@@ -549,7 +549,10 @@ def test_sinks_joined_to_the_library_result(attend, kind, monkeypatch):
 def test_the_triton_ceiling_computes_attention(causal):
     """The bench's Triton ceiling (``triton_ceiling``: TMA descriptors, warp-specialized key
     loop) computes attention of sequences of one length, GQA by head index, causal from the
-    top left: SDPA's result in float32 for every tile variant it may pick."""
+    top left: SDPA's result in float32 for every tile variant that builds. Without warp
+    specialization every variant must build; with it Triton 3.6's pass fails on some shapes
+    on an H200 (the bench then keeps the other variants), so there a build failure is allowed,
+    a wrong result never."""
     from kvcache_cuda.triton_ceiling import ceiling_attention
     gen = torch.Generator().manual_seed(3)
     b, n, hq, hkv, d = 2, 128, 4, 2, 64
@@ -559,9 +562,14 @@ def test_the_triton_ceiling_computes_attention(causal):
     ks, vs = ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1)
     want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
     want = want.transpose(1, 2).reshape(b * n, hq, d)
-    for block_n, ws in ((64, False), (128, True)):
-        o = ceiling_attention(q, k, v, n, d ** -0.5, causal, block_n=block_n, num_warps=4,
-                              num_stages=2, warp_specialize=ws)
+    for block_n, ws in ((64, False), (128, False), (64, True), (128, True)):
+        try:
+            o = ceiling_attention(q, k, v, n, d ** -0.5, causal, block_n=block_n, num_warps=4,
+                                  num_stages=2, warp_specialize=ws)
+        except Exception:
+            if ws and cc.ON_GPU:
+                continue
+            raise
         assert (o.float() - want).abs().max().item() < 2e-3, (block_n, ws)
     with pytest.raises(AssertionError, match="one length"):
         ceiling_attention(q[:200], k[:200], v[:200], 100, 0.1, causal)
