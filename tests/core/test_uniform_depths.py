@@ -9,15 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvcache
-
-
-def _cache(**kw):
-    cfg = dict(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=8, page_size=4,
-               max_batch_size=8, max_total_tokens=512, prefill_chunk_size=64, dtype="float32",
-               rope_mode="none")
-    cfg.update(kw)
-    return kvcache.PagedKVCache(kvcache.CacheConfig(**cfg), backend="reference")
+from test_batch_invariant_plans import _cache, _plan
 
 
 def _prefill(cache, sids, lens):
@@ -27,12 +19,6 @@ def _prefill(cache, sids, lens):
     with cache.forward(sids, lens):
         cache.attention(0, *(rng.standard_normal((n, h, c.head_dim)).astype(np.float32)
                              for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads)))
-
-
-def _plan(cache, sids, lens):
-    plan = cache.planner.begin(sids, lens)
-    cache.planner.rollback(plan.undo)
-    return plan
 
 
 def _really_uniform(depth) -> bool:

@@ -341,6 +341,31 @@ def _mlx_engine(model, **kw):
         pytest.skip(f"metal on MLX's CPU: {exc}")
 
 
+def _resume_checked(tmp_path, make, resumed, seed: int) -> tuple:
+    """A 40-token prompt: run whole (2 * NEW tokens) on one engine; its first turn on another,
+    saved; the second turn resumed from the file on a third (``resumed()``): its tokens are the
+    whole run's, its saved pages counted as hits. Returns ``(prompt, first turn, file)``."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, VOCAB, 40).tolist()
+    whole = make().generate([prompt], _greedy(2 * NEW))[0][0]
+    first = make()
+    said = first.generate([prompt], _greedy(NEW))[0][0]
+    assert said == whole[:NEW]
+    path = tmp_path / "conversation.kv"
+    pages = first.save_prefix_cache(path, [prompt + said])
+    # the full pages of the ids the finished request recorded (its last token or two, whose
+    # picks were on their way, are not): 3 of the conversation's 52 tokens
+    assert pages == 3
+    second = resumed()
+    rid = second.resume(path, prompt + said, _greedy(NEW))
+    got = []
+    while second.has_unfinished():
+        got += [t for o in second.step() if o.request_id == rid for t in o.new_token_ids]
+    assert second.stats.prefix_hit_tokens == 16 * pages
+    assert got == whole[NEW:]
+    return prompt, said, path
+
+
 @pytest.mark.parametrize("where", ["reference", "reference to cuda", "mlx-lm on metal"])
 def test_an_engine_resumes_a_conversation_as_if_it_never_stopped(tmp_path, llama, where,
                                                                  monkeypatch):
@@ -356,24 +381,9 @@ def test_an_engine_resumes_a_conversation_as_if_it_never_stopped(tmp_path, llama
         monkeypatch.setenv("KVCACHE_CUDA_CPU", "1")
         model, make = llama, _engine
         resumed = (lambda m, **kw: _engine(m, "cuda", **kw)) if where.endswith("cuda") else make
-    rng = np.random.default_rng(9)
-    prompt = rng.integers(1, VOCAB, 40).tolist()
-    whole = make(model, deterministic=True).generate([prompt], _greedy(2 * NEW))[0][0]
-    first = make(model, deterministic=True)
-    said = first.generate([prompt], _greedy(NEW))[0][0]
-    assert said == whole[:NEW]
-    path = tmp_path / "conversation.kv"
-    pages = first.save_prefix_cache(path, [prompt + said])
-    # the full pages of the ids the finished request recorded (its last token or two, whose
-    # picks were on their way, are not): 3 of the conversation's 52 tokens
-    assert pages == 3
-    second = resumed(model, deterministic=True)
-    rid = second.resume(path, prompt + said, _greedy(NEW))
-    got = []
-    while second.has_unfinished():
-        got += [t for o in second.step() if o.request_id == rid for t in o.new_token_ids]
-    assert second.stats.prefix_hit_tokens == 16 * pages
-    assert got == whole[NEW:]
+    prompt, said, path = _resume_checked(
+        tmp_path, lambda: make(model, deterministic=True),
+        lambda: resumed(model, deterministic=True), seed=9)
     # a bad prompt is refused before anything is loaded
     third = resumed(model)
     with pytest.raises(InvalidArgumentError, match="vocabulary"):
@@ -397,19 +407,4 @@ def test_an_engine_on_the_gpu_resumes_a_conversation(tmp_path, dtype):
     def make(**kw):
         return _engine(model, "cuda", device="cuda", dtype=dtype, deterministic=True, **kw)
 
-    rng = np.random.default_rng(11)
-    prompt = rng.integers(1, VOCAB, 40).tolist()
-    whole = make().generate([prompt], _greedy(2 * NEW))[0][0]
-    first = make()
-    said = first.generate([prompt], _greedy(NEW))[0][0]
-    assert said == whole[:NEW]
-    path = tmp_path / "conversation.kv"
-    pages = first.save_prefix_cache(path, [prompt + said])
-    assert pages == 3
-    second = make()
-    rid = second.resume(path, prompt + said, _greedy(NEW))
-    got = []
-    while second.has_unfinished():
-        got += [t for o in second.step() if o.request_id == rid for t in o.new_token_ids]
-    assert second.stats.prefix_hit_tokens == 16 * pages
-    assert got == whole[NEW:]
+    _resume_checked(tmp_path, make, make, seed=11)
