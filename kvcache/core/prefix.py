@@ -267,8 +267,10 @@ class PrefixIndex(BasePrefixCache):
         out = []
         for g, group in enumerate(self.groups.groups):
             first = group.first_kept(node.depth * self.ps)
-            pages, at = [], node
+            pages: list = []
+            at: Optional[Node] = node
             while at is not None and at.depth > first:
+                assert at.wp is not None        # _window_depth found them all held
                 pages.append(at.wp[g])
                 at = at.parent
             out.append(sum(1 for p in pages if group.ref[p] == group.cref[p]))
@@ -428,8 +430,9 @@ class PrefixIndex(BasePrefixCache):
 
     def _drop_window(self, node: Node, g: int) -> None:
         """``node`` lets go of its page of window group ``g``."""
-        page = node.wp[g]
-        node.wp[g] = -1
+        wp = node.wp
+        assert wp is not None
+        page, wp[g] = wp[g], -1
         nodes = self._wnodes[g][page]
         nodes.remove(node)
         if not nodes:

@@ -107,10 +107,35 @@ def cold_pages_after(m):
     return out
 
 
+def expected_match(cache, prompt):
+    """The deepest boundary of ``prompt``'s cached chain at which every window group's nodes
+    hold the pages from the one holding ``P - w`` to ``P`` (docs/hybrid.md), from the index's
+    nodes (``Node.wp``), in tokens."""
+    raw = np.asarray(prompt, np.int64).tobytes()
+    chain = {}
+    for filed in cache.manager.prefix.nodes.values():
+        for node in filed:
+            if raw.startswith(node.src[:node.depth * PS * 8]):
+                chain[node.depth] = node
+    windows = [kind.size for kind, _ in cache.config.window_groups]
+    best = 0
+    for d in range(1, (len(prompt) - 1) // PS + 1):
+        if d not in chain:
+            break
+        if all(chain[j].wp is not None and chain[j].wp[g] >= 0
+               for g, w in enumerate(windows) for j in range(max(0, d * PS - w) // PS + 1, d + 1)):
+            best = d * PS
+    return best
+
+
 def test_a_hit_shortens_to_where_the_window_pages_are_held_and_counts_the_miss():
-    """Pages of window group 5 reclaimed under pressure: the match ends at a boundary whose
-    window pages are all still held; the tokens lost count as window misses."""
-    cache = PagedKVCache(config(max_batch_size=1, prefill_chunk_size=16), backend="reference")
+    """Prompts sharing the first 16 tokens of an older one hit there (those nodes are used
+    again) and run on through a one-sequence cache: the window pools run short and reclaim the
+    older prompt's least recently used window pages, the deeper ones (its full pages stay
+    cached): its match ends at the deepest boundary whose window pages are all held, and the
+    tokens lost count as window misses."""
+    cache = PagedKVCache(config(max_batch_size=1, prefill_chunk_size=16, max_total_tokens=1024),
+                         backend="reference")
     prompt = list(range(40))
     cache.add_sequence(0, prompt[:33])
     for start in range(0, 32, 16):
@@ -118,24 +143,25 @@ def test_a_hit_shortens_to_where_the_window_pages_are_held_and_counts_the_miss()
     run(cache, [(0, prompt, 32, 1)])
     cache.remove_sequence(0)
     check(cache)
-    assert cache.match_prefix(prompt) == 32
-    # drop the window pages of the last two pages' nodes: boundaries 28 and 32 need them
-    prefix = cache.manager.prefix
-    g = 0
-    nodes = sorted((n for ns in prefix._wnodes[g].values() for n in ns), key=lambda n: n.depth)
-    for node in nodes[-2:]:
-        prefix._drop_window(node, g)
+    assert cache.match_prefix(prompt) == expected_match(cache, prompt) == 32
+    sid = 1
+    while cache.match_prefix(prompt) == 32:
+        other = prompt[:16] + [500 + 40 * sid + j for j in range(5)]
+        assert cache.add_sequence(sid, other) == 16
+        run(cache, [(sid, other, 16, 5)])
+        cache.remove_sequence(sid)
+        check(cache)
+        sid += 1
+    got = cache.match_prefix(prompt)
+    assert got == expected_match(cache, prompt) == 16
+    assert cache.prefix_miss_tokens_by_reason == {"window": 0}       # match changes nothing
+    assert cache.add_sequence(sid, prompt) == got
+    assert cache.prefix_miss_tokens_by_reason == {"window": 32 - got}
     check(cache)
-    # boundary 24 needs pages 4 (holding 19) and 5: still held
-    assert cache.match_prefix(prompt) == 24
-    assert cache.manager.prefix.window_miss_tokens == 0        # match changes nothing
-    assert cache.add_sequence(1, prompt) == 24
-    assert cache.manager.prefix.window_miss_tokens == 8
-    assert cache.prefix_miss_tokens_by_reason == {"window": 8}
+    for start in range(got, 40, 16):                # recomputed: the nodes hold pages again
+        run(cache, [(sid, prompt, start, min(16, 40 - start))])
     check(cache)
-    run(cache, [(1, prompt, 24, 16)])      # recomputes 24 .. 40: the nodes get pages again
-    check(cache)
-    cache.remove_sequence(1)
+    cache.remove_sequence(sid)
     assert cache.match_prefix(prompt + [1]) == 40
     check(cache)
 

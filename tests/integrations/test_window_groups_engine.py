@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import backend_or_skip, hf_greedy, make_model, model_needs_or_skip
+from engine_cases import logit_rows
 
 import kvcache  # noqa: E402
 from kvcache.integrations.transformers import (Engine, TransformersAdapter,  # noqa: E402
@@ -260,3 +261,30 @@ def test_a_window_miss_is_counted_in_the_stats():
         assert engine.generate([p], max_new_tokens=2)[0][0] == hf_greedy(model, p, 2)
     # every prompt's window pages stay cached until the small window pool runs short
     assert engine.stats.prefix_miss_tokens_by_reason.get("window", 0) > 0
+
+
+def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit_with_window_groups():
+    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
+    boundary the warm one starts from): with window groups on, the warm request reads the
+    cached full pages and the window pages of that boundary, and every logits row equals the
+    cold run's bit for bit."""
+    model, _, _ = _case("gemma3_text")
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 512, 4 * PAGE).tolist()      # past the window of 7
+    question, other = rng.integers(1, 512, 7).tolist(), rng.integers(1, 512, 9).tolist()
+    kw = dict(backend="reference", page_size=PAGE, max_total_tokens=1024,
+              prefill_chunk_size=4 * PAGE, overlap=False)
+    cold = Engine(model, **kw)
+    assert cold.config.layer_kinds and cold.config.prefix_cache
+    cold_rows = logit_rows(cold)
+    want = cold.generate([system + question], max_new_tokens=6)
+    assert cold.stats.prefix_hit_tokens == 0
+    warm = Engine(model, **kw)
+    warm.generate([system + other], max_new_tokens=3)
+    warm_rows = logit_rows(warm)
+    got = warm.generate([system + question], max_new_tokens=6)
+    assert warm.stats.prefix_hit_tokens == 4 * PAGE
+    assert got == want
+    assert len(warm_rows) == len(cold_rows) == 6
+    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
+        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
