@@ -223,6 +223,7 @@ class PagedKVCache:
     append_room = part_call("manager", KVManager.append_room)
     can_append = part_call("manager", KVManager.can_append)
     num_cached_pages = part_view("manager", KVManager.num_cached_pages)
+    prefix_miss_tokens_by_reason = part_view("manager", KVManager.prefix_miss_tokens_by_reason)
     num_available_pages = part_view("manager", KVManager.num_available_pages)
     num_total_pages = part_view("manager", KVManager.num_total_pages, locked=False)
     num_available_pages_by_group = part_view("manager", KVManager.num_available_pages_by_group)

@@ -173,7 +173,8 @@ class CacheConfig:
     fewer than ``num_pages``), each sequence keeps only the pages its later queries can see,
     and their attention calls use the window (``window_left`` at most ``w``; -1 means ``w``).
     Read back it is a tuple of ``(layer, Window)`` pairs sorted by layer. Needs a backend
-    declaring ``window_groups``. Not yet with ``prefix_cache``, ``support_sliding_window``,
+    declaring ``window_groups``. With ``prefix_cache`` the index also holds each cached
+    page's window-group pages (docs/hybrid.md). Not yet with ``support_sliding_window``,
     ``static_decode`` / ``static_mixed`` or ``batch_invariant`` (UnsupportedFeatureError); a
     cache with window groups also refuses token trees, ``popn`` below a window, and exports,
     imports, files and the host tier of a sequence (docs/hybrid.md, increment 1)."""
@@ -267,7 +268,7 @@ class CacheConfig:
 
         put("layer_kinds", _layer_kinds(self.layer_kinds, self.num_layers))
         if self.layer_kinds:
-            for name in ("prefix_cache", "support_sliding_window", "static_decode",
+            for name in ("support_sliding_window", "static_decode",
                          "static_mixed", "batch_invariant"):
                 if getattr(self, name):
                     raise UnsupportedFeatureError(

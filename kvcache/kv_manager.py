@@ -148,6 +148,11 @@ class KVManager:
                 seq, count = self.state.check_popn(seq_id, n)
             except CacheFullError:              # eviction may make room: popn says
                 seq, count = self.state.seq(seq_id), int(n)
+            if self.state.pt.groups is not None:    # a popn below a window is refused
+                try:                                # before the ghost is made
+                    self.state.pt.groups.check_popn(seq.seq_id, self.state.pt.length(seq), count)
+                except CacheFullError:
+                    pass
             self.prefix.detach(seq, (int(self.state.pt.s_len[seq.slot]) - count) // self.config.page_size)
         copies = self.with_room(lambda: self.state.popn(seq_id, n),
                                 lambda: 1 - self.state.pt.num_free)
@@ -204,22 +209,22 @@ class KVManager:
                 self.prefix.insert(seq)
 
     def forward_committed(self, plan) -> None:
-        """After ``end_forward`` of ``plan``: each window group frees the pages of the forward's
-        sequences that fell below its window; full pages whose ids are recorded join the
-        prefix index."""
+        """After ``end_forward`` of ``plan``: full pages whose ids are recorded join the prefix
+        index, then each window group frees the pages of the forward's sequences that fell
+        below its window (in that order: the new nodes first take the window pages a later
+        sequence attached at their boundaries reads, so sliding does not free them)."""
         pt = self.state.pt
+        if self.prefix is not None:
+            seqs, ps = pt.seqs, self.config.page_size
+            for sid in plan.seq_ids:
+                seq = seqs[int(sid)]
+                t = seq.prefix              # most decode steps complete no recorded page
+                if t is not None and len(t.tokens) >= (len(t.chain) + 1) * ps:
+                    self.prefix.insert(seq)
         if pt.groups is not None:
             seqs = pt.seqs
             pt.groups.commit(plan.seq_ids, [int(pt.s_len[seqs[int(s)].slot])
                                             for s in plan.seq_ids])
-        if self.prefix is None:
-            return
-        seqs, ps = self.state.pt.seqs, self.config.page_size
-        for sid in plan.seq_ids:
-            seq = seqs[int(sid)]
-            t = seq.prefix              # most decode steps complete no recorded page
-            if t is not None and len(t.tokens) >= (len(t.chain) + 1) * ps:
-                self.prefix.insert(seq)
 
     def clear(self) -> None:
         """Drop every sequence, free every page and forget the prefix index."""
@@ -234,6 +239,16 @@ class KVManager:
         ``num_available_pages``, evicted least recently used when a call needs pages. 0
         without ``CacheConfig(prefix_cache=True)``."""
         return 0 if self.prefix is None else self.prefix.evictable()
+
+    @property
+    def prefix_miss_tokens_by_reason(self) -> dict:
+        """Tokens of cached full pages that sequences added with ``tokens`` did not start
+        from, by reason, since the cache was built or cleared: ``{"window": n}`` in a cache
+        with window groups and the prefix cache (a window group's pages for that boundary
+        were reclaimed, docs/hybrid.md), else ``{}``. A hit rate that reads low says why."""
+        if self.prefix is None or self.state.pt.groups is None:
+            return {}
+        return {"window": self.prefix.window_miss_tokens}
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached page that no sequence reads (e.g. after the model's weights

@@ -31,7 +31,7 @@ the append slots of its new tokens and one ``HostDepth`` over each sequence's li
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -87,6 +87,10 @@ class WindowGroup:
         self.ref = np.zeros(spec.num_pages, np.int32)
         self.first: dict = {}       # sequence id -> index (position // page_size) of its first live page
         self.live: dict = {}        # sequence id -> its live pages, in position order
+        # the prefix cache's holds (``core.prefix``): per page, how many index nodes hold it
+        # (counted in ``ref`` too); a page only they hold is *cached*: available, reclaimed
+        # least recently used through ``WindowGroups.reclaim`` when the free list runs short
+        self.cref = np.zeros(spec.num_pages, np.int32)
 
     # ------------------------------------------------------------------ pages
     def _take(self) -> int:
@@ -99,6 +103,24 @@ class WindowGroup:
             self.ref[page] -= 1
             if self.ref[page] == 0:
                 self.free.append(page)
+
+    def cache_hold(self, page: int) -> None:
+        """The prefix cache holds ``page`` (a sequence's live page) for an index node."""
+        self.ref[page] += 1
+        self.cref[page] += 1
+
+    def cache_drop(self, page: int) -> None:
+        """The prefix cache lets go of ``page`` (freed when nothing else holds it)."""
+        self.cref[page] -= 1
+        self._drop([page])
+
+    def cached(self) -> int:
+        """Pages only the prefix cache holds: available, freed when needed."""
+        return int(((self.ref > 0) & (self.ref == self.cref)).sum())
+
+    def available(self) -> int:
+        """Free pages plus cached ones."""
+        return len(self.free) + (self.cached() if self.cref.any() else 0)
 
     def first_kept(self, length: int) -> int:
         """The first page a sequence of ``length`` tokens must keep: the one holding position
@@ -115,11 +137,19 @@ class WindowGroup:
         s = self.spec
         return CacheFullError(
             f"{what} needs {n_pages(need, 'new page')} of window group {s.name!r} (layers "
-            f"{list(s.layers)}) but {len(self.free)} of its {s.num_pages} are free")
+            f"{list(s.layers)}) but {len(self.free)} of its {s.num_pages} are free"
+            + (f" and {cached} cached" if (cached := self.cached()) else ""))
 
     # ------------------------------------------------------------------ sequences
     def add(self, sid) -> None:
         self.first[sid], self.live[sid] = 0, []
+
+    def adopt(self, sid, first: int, pages) -> None:
+        """Add sequence ``sid`` holding ``pages`` (the prefix cache's, shared) from page index
+        ``first`` on: a sequence attached to a cached prefix."""
+        for page in pages:
+            self.ref[page] += 1
+        self.first[sid], self.live[sid] = first, list(pages)
 
     def remove(self, sid) -> None:
         self._drop(self.live.pop(sid))
@@ -208,8 +238,10 @@ class WindowGroup:
 
     def check_invariants(self, lengths: dict) -> None:
         """AssertionError if this group's accounting is broken: ``lengths`` maps each sequence
-        id of the cache to its length."""
+        id of the cache to its length (the prefix cache's ghosts, keys that are not ints, hold
+        no window pages of their own: the index's nodes do, counted in ``cref``)."""
         ps, s = self.page_size, self.spec.name
+        lengths = {k: n for k, n in lengths.items() if isinstance(k, (int, np.integer))}
         assert set(self.live) == set(lengths) == set(self.first), (
             f"group {s}: sequences {sorted(self.live)} != the cache's {sorted(lengths)}")
         counts = np.zeros(self.num_pages, np.int64)
@@ -222,6 +254,8 @@ class WindowGroup:
                 f"group {s}: sequence {sid} of length {length} holds {len(live)} pages from "
                 f"page {first}")
             np.add.at(counts, np.asarray(live, np.int64), 1)
+        assert (self.cref >= 0).all(), f"group {s}: a negative prefix-cache hold"
+        counts += self.cref
         free = np.asarray(self.free, np.int64)
         assert len(np.unique(free)) == len(free), f"group {s}: a page is free twice"
         assert not counts[free].any(), f"group {s}: a page is both free and held"
@@ -237,6 +271,9 @@ class WindowGroups:
         self.specs = tuple(specs)
         self.page_size = page_size
         self.groups = [WindowGroup(spec, page_size) for spec in self.specs]
+        # ``reclaim(g, pages)``: frees at least ``pages`` of group ``g``'s cached pages (the
+        # prefix cache sets it; None: nothing is ever cached)
+        self.reclaim: Optional[Callable[[int, int], None]] = None
 
     def fresh(self) -> WindowGroups:
         """Empty groups of the same shape (``clear``)."""
@@ -251,22 +288,34 @@ class WindowGroups:
         for g in self.groups:
             g.remove(sid)
 
+    def _make_room(self, i: int, need: int) -> None:
+        """Group ``i`` is about to take ``need`` pages (its ``available`` covers them): reclaim
+        cached pages for what its free list lacks."""
+        g = self.groups[i]
+        if need > len(g.free):
+            assert self.reclaim is not None
+            self.reclaim(i, need - len(g.free))
+
     def check_fork(self, parent, fork_pos: int) -> None:
         for g in self.groups:
-            if g.check_fork(parent, fork_pos) > len(g.free):
+            if g.check_fork(parent, fork_pos) > g.available():
                 raise g.full_error(1, f"forking sequence {parent} at {fork_pos} (a partial page)")
 
     def fork(self, parent, child, fork_pos: int) -> list:
         """``[(group index, src, dst, rows)]``: the partial pages to copy."""
+        for i in range(len(self.groups)):
+            self._make_room(i, 1 if fork_pos % self.page_size else 0)
         return [(i, *c) for i, g in enumerate(self.groups)
                 for c in g.fork(parent, child, fork_pos)]
 
     def check_popn(self, sid, length: int, n: int) -> None:
         for g in self.groups:
-            if g.check_popn(sid, length, n) > len(g.free):
+            if g.check_popn(sid, length, n) > g.available():
                 raise g.full_error(1, f"popn {n} on sequence {sid} (a shared partial page)")
 
     def popn(self, sid, length: int, n: int) -> list:
+        for i, g in enumerate(self.groups):
+            self._make_room(i, g.check_popn(sid, length, n))
         return [(i, *c) for i, g in enumerate(self.groups) for c in g.popn(sid, length, n)]
 
     # ------------------------------------------------------------------ forwards
@@ -279,11 +328,14 @@ class WindowGroups:
     def check_room(self, sids, lengths, append, what: str = "forward") -> None:
         """CacheFullError naming the first group whose free pages do not cover the forward."""
         for g, need in zip(self.groups, self.need(sids, lengths, append)):
-            if need > len(g.free):
+            if need > g.available():
                 raise g.full_error(need, what)
 
     def reserve(self, sids, lengths, append) -> GroupUndo:
-        """Take the forward's new pages (``check_room`` passed); returns the undo record."""
+        """Take the forward's new pages (``check_room`` passed: cached pages are reclaimed
+        first where the free ones fall short); returns the undo record."""
+        for i, need in enumerate(self.need(sids, lengths, append)):
+            self._make_room(i, need)
         before = []
         for g in self.groups:
             sizes = []
@@ -365,8 +417,9 @@ class WindowGroups:
         return {g.spec.name: g.held(sid) for g in self.groups}
 
     def free_pages(self) -> dict:
-        """{group name: free pages}."""
-        return {g.spec.name: len(g.free) for g in self.groups}
+        """{group name: available pages}: free ones and those only the prefix cache holds
+        (reclaimed when needed)."""
+        return {g.spec.name: g.available() for g in self.groups}
 
     def check_invariants(self, lengths: dict) -> None:
         for g in self.groups:

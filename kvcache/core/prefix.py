@@ -63,7 +63,8 @@ class Node:
     """One cached full page: ``depth`` pages from the root (1 = the first page); ``key``: where
     the index files it, ``(depth, its page's ids as int64 bytes, _extra_hash(extra))``."""
 
-    __slots__ = ("id", "key", "parent", "depth", "holder", "kids", "tick", "alive", "src", "extra")
+    __slots__ = ("id", "key", "parent", "depth", "holder", "kids", "tick", "alive", "src", "extra",
+                 "wp")
 
     def __init__(self, id: int, key: tuple, parent: Optional["Node"], holder: Union[Ghost, Track],
                  src: bytes, extra: Any):
@@ -73,6 +74,9 @@ class Node:
         self.depth: int = 1 if parent is None else parent.depth + 1
         self.kids: set = set()  # the nodes one page deeper (their holders may hold copies of this page)
         self.alive = True
+        # window groups: per group, the group's page at this node's position that the node
+        # holds (-1: none, never stored or reclaimed); see ``PrefixIndex._window_depth``
+        self.wp: Optional[list] = None
 
 
 class Prompt:
@@ -147,11 +151,25 @@ class PrefixIndex(BasePrefixCache):
         # evictions free only pages no real sequence reaches: they leave the plan epoch (and a
         # reused decode plan) alone and bump this instead
         self._version = 0
+        # window groups (CacheConfig.layer_kinds): per group, page -> the nodes holding it
+        self.groups = state.pt.groups
+        self._wnodes: list = []
+        self.window_miss_tokens = 0
+        """Tokens of cached full pages that attached sequences did not start from because a
+        window group's pages for that boundary were no longer held."""
+        if self.groups is not None:
+            self._wnodes = [{} for _ in self.groups.groups]
+            self.groups.reclaim = self._reclaim
 
     # ------------------------------------------------------------------ lookups
     def match(self, prompt: Prompt, extra) -> tuple[int, int]:
         node = self.find(prompt, extra)
-        return (0, 0) if node is None else (node.depth * self.ps, self.pinned(node))
+        if node is None:
+            return (0, 0)
+        pinned = self.pinned(node)
+        if self.groups is not None:     # a budget for every group: the most any of them loses
+            pinned = max(pinned, *self._window_pinned(node))
+        return (node.depth * self.ps, pinned)
 
     def find(self, prompt: Prompt, extra) -> Optional[Node]:
         """The deepest node of the longest cached prefix of ``prompt``, whole pages, leaving at
@@ -214,7 +232,49 @@ class PrefixIndex(BasePrefixCache):
         while node is not None and isinstance(node.holder, Track) \
                 and not seqs[node.holder.owner].committed:
             node = node.parent
+        if node is not None and self.groups is not None:
+            node = self._window_depth(node)
         return node
+
+    def _window_depth(self, node: Node) -> Optional[Node]:
+        """The deepest node on ``node``'s path (itself included) whose boundary every window
+        group can be restored at: a sequence continuing after position ``P = depth * ps`` sees
+        keys from ``P - w`` on in a group of window ``w``, so the nodes of the pages from the
+        one holding ``max(0, P - w)`` to the one ending at ``P`` must all hold their group
+        page. None: no such node."""
+        path: list = []
+        at: Optional[Node] = node
+        while at is not None:
+            path.append(at)
+            at = at.parent
+        path.reverse()
+        ps = self.ps
+        runs = []       # per group: runs[j] = held group pages ending at path[j], in a row
+        for g, group in enumerate(self.groups.groups):
+            run, n = [], 0
+            for at in path:
+                n = n + 1 if at.wp is not None and at.wp[g] >= 0 else 0
+                run.append(n)
+            runs.append((group, run))
+        for d in range(len(path), 0, -1):
+            if all(run[d - 1] >= d - group.first_kept(d * ps) for group, run in runs):
+                return path[d - 1]
+        return None
+
+    def _window_pinned(self, node: Node) -> list:
+        """Per window group, the cached (available) pages attaching ``node``'s prefix would
+        make a sequence hold."""
+        out = []
+        for g, group in enumerate(self.groups.groups):
+            first = group.first_kept(node.depth * self.ps)
+            pages: list = []
+            at: Optional[Node] = node
+            while at is not None and at.depth > first:
+                assert at.wp is not None        # _window_depth found them all held
+                pages.append(at.wp[g])
+                at = at.parent
+            out.append(sum(1 for p in pages if group.ref[p] == group.cref[p]))
+        return out
 
     def _find_checking(self, raw: bytes, extra, xh: int, hi: int) -> Optional[Node]:
         """``find``'s search checking the prefix at every probe (``raw``: the prompt's ids,
@@ -249,6 +309,9 @@ class PrefixIndex(BasePrefixCache):
         of ``prompt``; returns its length in tokens."""
         state = self.state
         node = self.find(prompt, extra)
+        if self.groups is not None:     # the full pages matched further: a window miss
+            whole = self._whole_match(prompt, extra)
+            self.window_miss_tokens += (whole - (0 if node is None else node.depth)) * self.ps
         path: list = []
         if node is not None:
             holder = state.pt.seqs[_key(node.holder)]
@@ -263,10 +326,23 @@ class PrefixIndex(BasePrefixCache):
             self._pushed(tick, node)
         else:
             state.pt.add_sequence(seq_id, state.pt.new_block())
+        if self.groups is not None:     # the window keys a continuation reads (_window_depth)
+            for g, group in enumerate(self.groups.groups):
+                first = group.first_kept(len(path) * self.ps)
+                group.adopt(seq_id, first, [n.wp[g] for n in path[first:]])
         state.epoch += 1
         seq = state.pt.seqs[seq_id]
         seq.prefix = Track(seq_id, extra, array.array("q", prompt.raw), path)
         return len(path) * self.ps
+
+    def _whole_match(self, prompt: Prompt, extra) -> int:
+        """The depth ``find`` would reach from the full pages alone (window groups aside)."""
+        groups, self.groups = self.groups, None
+        try:
+            node = self.find(prompt, extra)
+        finally:
+            self.groups = groups
+        return 0 if node is None else node.depth
 
     def _touch(self, path: list) -> None:
         """Mark ``path`` used now. The heap holds every ghost's deepest node (the eviction
@@ -331,7 +407,55 @@ class PrefixIndex(BasePrefixCache):
             for node in new:
                 if node.parent is not None:
                     node.parent.kids.add(node)
+            if self.groups is not None:
+                self._hold_window(seq.seq_id, chain, full)
             self._touch(new)
+
+    def _hold_window(self, sid, chain: list, full: int) -> None:
+        """The chain's nodes (of ``sid``'s first ``full`` pages) take the window groups' pages
+        ``sid`` still holds at their positions, where they hold none yet: what a sequence
+        attached at their boundaries will read (``_window_depth``)."""
+        for g, group in enumerate(self.groups.groups):
+            first, live = group.first[sid], group.live[sid]
+            held = self._wnodes[g]
+            for d in range(first + 1, min(full, first + len(live)) + 1):
+                node = chain[d - 1]
+                if node.wp is None:
+                    node.wp = [-1] * len(self.groups.groups)
+                if node.wp[g] < 0:
+                    page = live[d - 1 - first]
+                    node.wp[g] = page
+                    group.cache_hold(page)
+                    held.setdefault(page, []).append(node)
+
+    def _drop_window(self, node: Node, g: int) -> None:
+        """``node`` lets go of its page of window group ``g``."""
+        wp = node.wp
+        assert wp is not None
+        page, wp[g] = wp[g], -1
+        nodes = self._wnodes[g][page]
+        nodes.remove(node)
+        if not nodes:
+            del self._wnodes[g][page]
+        self.groups.groups[g].cache_drop(page)
+
+    def _reclaim(self, g: int, pages: int) -> None:
+        """Free at least ``pages`` of window group ``g``'s cached pages (the group's
+        ``available`` covers them), least recently used first, the shallowest of a prefix
+        first (fewer boundaries read it), and a few more, at most 64, so that the next forwards
+        find free pages. Only the nodes' window pages go: a boundary that needed them is then
+        a window miss (``window_miss_tokens``); their full pages stay cached."""
+        group = self.groups.groups[g]
+        ref, cref = group.ref, group.cref
+        cands = [(max(n.tick for n in nodes), min(n.depth for n in nodes), page, nodes)
+                 for page, nodes in self._wnodes[g].items() if ref[page] == cref[page]]
+        want = len(group.free) + max(pages, min(len(cands), 64, group.num_pages // 32))
+        cands.sort(key=lambda c: c[:3])
+        for _, _, _, nodes in cands:
+            if len(group.free) >= want:
+                break
+            for node in list(nodes):
+                self._drop_window(node, g)
 
     def truncated(self, seq, keep: Optional[int] = None) -> None:
         """``seq`` now holds fewer tokens (popn), or its ids past ``keep`` are stale (a token
@@ -403,6 +527,8 @@ class PrefixIndex(BasePrefixCache):
         if excess > 0:
             state._popn(seq, excess)        # page-aligned: nothing copied
             seq = pt.seqs[t.owner]
+        if self.groups is not None:     # the nodes hold the window pages a hit needs
+            self.groups.remove(t.owner)
         ghost = Ghost(t.nodes)
         for node in t.nodes:
             node.holder = ghost
@@ -564,6 +690,10 @@ class PrefixIndex(BasePrefixCache):
         return 0 if b == -1 else floor
 
     def _remove_node(self, node: Node) -> None:
+        if node.wp is not None:         # its window pages go with it
+            for g, page in enumerate(node.wp):
+                if page >= 0:
+                    self._drop_window(node, g)
         node.alive = False
         self.count -= 1
         filed = self.nodes[node.key]
@@ -613,6 +743,13 @@ class PrefixIndex(BasePrefixCache):
                 assert pt.seqs[holder.owner].prefix is holder
             assert int(pt.s_len[pt.seqs[_key(holder)].slot]) >= node.depth * self.ps
             assert node.parent is None or (node.parent.alive and node in node.parent.kids)
+        if self.groups is not None:
+            for g, group in enumerate(self.groups.groups):
+                counted = np.zeros(group.num_pages, np.int64)
+                for page, nodes in self._wnodes[g].items():
+                    assert nodes and all(n.alive and n.wp[g] == page for n in nodes)
+                    counted[page] = len(nodes)
+                assert (counted == group.cref).all(), f"group {g}: window holds disagree"
         for k, seq in pt.seqs.items():
             if isinstance(k, Ghost):
                 assert k.nodes, "a ghost holds no page"

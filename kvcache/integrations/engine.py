@@ -221,23 +221,26 @@ class Engine:
             return {}, None
         from ..plugins import resolve_backend
         cls = resolve_backend(backend, device)
-        why = []
+        why, fixes = [], []
         if not cls.capabilities.window_groups:
             why.append(f"backend {cls.name!r} does not declare 'window_groups'")
         # not composed with window groups yet (docs/hybrid.md); each of these needs every page
-        for name, on in (("prefix_cache", opts.prefix_cache),
-                         ("deterministic", opts.deterministic), ("graphs", opts.graphs),
+        # (a prefix_file is loaded through imports, refused with window groups)
+        for name, on in (("deterministic", opts.deterministic), ("graphs", opts.graphs),
                          ("mixed_graphs", opts.mixed_graphs), ("offload", opts.offload)):
             if on:
                 why.append(f"{name}=True")
+                fixes.append(f"{name}=False")
+        if opts.prefix_file is not None:
+            why.append("a prefix_file")
+            fixes.append("prefix_file=None")
         if not why:
             return kinds, None
         reason = (f"{' and '.join(why)} with the sliding-window layers {sorted(kinds)}: not "
                   f"composed with window groups yet (docs/hybrid.md)")
         if asked:
             raise UnsupportedFeatureError(
-                f"window_groups=True: {reason}; pass "
-                + " ".join(f"{w.split('=')[0]}=False" for w in why if "=" in w)
+                f"window_groups=True: {reason}; pass " + " ".join(fixes)
                 + " or window_groups=None")
         return self._groups_off(reason)
 

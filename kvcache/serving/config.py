@@ -111,14 +111,16 @@ class EngineConfig:
     window_groups: Optional[bool] = None
     """The model's sliding-window layers keep only the pages their windows still see
     (``CacheConfig.layer_kinds`` from the adapter's ``layer_kinds``: each windowed layer's
-    memory is O(window) per sequence; docs/hybrid.md). Window groups do not compose yet with
-    the prefix cache, deterministic mode, whole-step graphs or the host tier. None: on where
+    memory is O(window) per sequence; docs/hybrid.md); the prefix cache then also keeps the
+    window pages a hit needs (``stats.prefix_miss_tokens_by_reason`` counts the boundaries
+    whose window pages were reclaimed). Window groups do not compose yet with deterministic
+    mode, whole-step graphs, the host tier or a ``prefix_file`` (KV files). None: on where
     the model has windowed layers, the backend declares ``window_groups``, the adapter
-    understands the model's windowing and ``prefix_cache`` and ``deterministic`` are off and
-    ``graphs``, ``mixed_graphs`` and ``offload`` are not True (those left at None are then
+    understands the model's windowing, ``deterministic`` is off, no ``prefix_file`` is given
+    and ``graphs``, ``mixed_graphs`` and ``offload`` are not True (those left at None are then
     off); else off, with the reason in ``Engine.window_groups_off`` (and logged). True: on,
-    or ``UnsupportedFeatureError`` naming what does not compose (pass ``prefix_cache=False``
-    with it). False: every layer keeps every page (the behaviour before window groups)."""
+    or ``UnsupportedFeatureError`` naming what does not compose. False: every layer keeps
+    every page (the behaviour before window groups)."""
     fingerprint_weights: bool = False
     """The model fingerprint the engine writes into KV files and checks them against also
     hashes every weight (read once, when first needed: about a second per GiB), so two

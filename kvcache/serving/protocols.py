@@ -119,6 +119,11 @@ class SchedulerCache(Protocol):
         pages stay cached after it leaves."""
         ...
 
+    @property
+    def prefix_miss_tokens_by_reason(self) -> dict:
+        """Cached tokens new sequences did not start from, by reason (``{"window": n}``)."""
+        ...
+
     def prefix_admission(self, tokens: Sequence[int]) -> tuple:
         """``(start, pages)``: the cached prefix of ``tokens`` a new sequence would start from,
         and the free pages its admission takes."""

@@ -218,10 +218,15 @@ class Sequences:
             stats.shared_prefix_tokens += seq.fork_pos
         elif cache.config.prefix_cache:         # starts from the longest cached prefix
             known = self.known_ids(seq)
+            missed = cache.prefix_miss_tokens_by_reason
             seq.cached = cache.add_sequence(seq.sid, known)
             seq.recorded = len(known)
             seq.computed = max(seq.computed, seq.cached)
             stats.prefix_hit_tokens += seq.cached
+            for why, n in cache.prefix_miss_tokens_by_reason.items():
+                if n > missed.get(why, 0):
+                    by = stats.prefix_miss_tokens_by_reason
+                    by[why] = by.get(why, 0) + n - missed.get(why, 0)
         else:
             cache.add_sequence(seq.sid)
             seq.cached = 0

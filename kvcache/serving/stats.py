@@ -24,6 +24,10 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     """Tokens not computed because the prefix cache held them (``CacheConfig.prefix_cache``:
     earlier requests, earlier calls, or a preempted sequence's own pages)."""
+    prefix_miss_tokens_by_reason: dict = dataclasses.field(default_factory=dict)
+    """Tokens the prefix cache held full pages for that requests did not start from, by
+    reason: ``"window"``, a sliding-window layer's pages for that boundary were no longer held
+    (window groups, docs/hybrid.md); empty where nothing was missed so."""
     preemptions: int = 0
     """Sequences removed to make room (recomputed later, or parked in the host tier)."""
     recomputed_tokens: int = 0

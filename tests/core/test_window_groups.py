@@ -60,7 +60,7 @@ def test_bad_window_sizes(size):
 
 
 @pytest.mark.parametrize("feature, extra", [
-    ("prefix_cache", {}), ("support_sliding_window", {}), ("batch_invariant", {}),
+    ("support_sliding_window", {}), ("batch_invariant", {}),
     ("static_decode", {}), ("static_mixed", {"static_decode": True})])
 def test_features_not_composed_yet_are_refused_by_name(feature, extra):
     name = feature if not extra else "static_decode"     # the first one named

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import backend_or_skip, hf_greedy, make_model, model_needs_or_skip
+from engine_cases import logit_rows
 
 import kvcache  # noqa: E402
 from kvcache.integrations.transformers import (Engine, TransformersAdapter,  # noqa: E402
@@ -63,7 +64,7 @@ def test_engine_greedy_equals_generate_and_frees_window_pages(family, backend, m
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     model_needs_or_skip(name, model)
     engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=1024,
-                    prefill_chunk_size=16, max_batch_size=4, prefix_cache=False)
+                    prefill_chunk_size=16, max_batch_size=4)
     kinds = dict(engine.config.layer_kinds)
     assert kinds == layer_kinds(model) and engine.window_groups_off is None
     assert set(kinds.values()) == {kvcache.Window(WINDOW - 1)}
@@ -133,17 +134,22 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
         assert cache.window_pages(i)["window=7"][0] > 0
 
 
-def test_window_groups_default_off_with_the_prefix_cache_and_refusals():
+def test_window_groups_default_on_with_the_prefix_cache_and_refusals(tmp_path):
     model, _, _ = _case("gemma3_text")
     kw = dict(backend="reference", page_size=PAGE, max_total_tokens=512)
-    # the defaults keep the prefix cache, and so every page: the engine says why
+    # the defaults: the prefix cache and window groups, both on
     engine = Engine(model, **kw)
-    assert engine.config.layer_kinds == () and engine.config.prefix_cache
-    assert "prefix_cache=True" in engine.window_groups_off
+    assert dict(engine.config.layer_kinds) == layer_kinds(model) and engine.config.prefix_cache
+    assert engine.window_groups_off is None
+    assert Engine(model, window_groups=True, **kw).config.prefix_cache
     assert Engine(model, window_groups=False, prefix_cache=False, **kw).config.layer_kinds == ()
+    # a prefix file is loaded through imports (not composed yet): every page kept, or refused
+    path = tmp_path / "none.kvp"
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="prefix_file=None"):
+        Engine(model, window_groups=True, prefix_file=path, **kw)
     # asked for, with what does not compose: refused, naming it
-    for bad, says in ((dict(), "prefix_cache=True"),
-                      (dict(prefix_cache=False, offload=True), "offload=True")):
+    for bad, says in ((dict(deterministic=True), "deterministic=True"),
+                      (dict(offload=True), "offload=True")):
         with pytest.raises(kvcache.UnsupportedFeatureError, match=says):
             Engine(model, window_groups=True, **{**kw, **bad})
     with pytest.raises(kvcache.UnsupportedFeatureError, match="no sliding-window layer"):
@@ -206,3 +212,79 @@ def test_preemption_and_forks_in_a_small_cache_with_window_groups():
     assert two[0][0] == two[0][1] == hf_greedy(model, prompts[0][:6], NEW)
     assert engine.stats.forks >= 2 and engine.cache.is_empty
     assert engine.cache.num_available_pages_by_group == engine.cache.num_total_pages_by_group
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_shared_prefixes_hit_the_prefix_cache_with_window_groups(backend, monkeypatch):
+    """Requests sharing a 22-token prefix (longer than the window: its first pages slide out
+    of the windowed layers) through the Engine's default, prefix cache and window groups both
+    on: later requests start from the cached prefix, the window pages of its boundary included,
+    and the greedy tokens are transformers' own; a second call hits across calls."""
+    model, _, _ = _case("gemma3_text")
+    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
+    model_needs_or_skip(name, model)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(1, 512, 22).tolist()
+    prompts = [shared + rng.integers(1, 512, n).tolist() for n in (5, 9, 2, 13)]
+    want = [hf_greedy(model, p, NEW) for p in prompts]
+    engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=1024,
+                    prefill_chunk_size=16, max_batch_size=4)
+    assert engine.config.prefix_cache and engine.config.layer_kinds
+    out = engine.generate(prompts, max_new_tokens=NEW)
+    for i in range(len(prompts)):
+        assert out[i][0] == want[i], f"prompt {i}"
+    hits = engine.stats.prefix_hit_tokens
+    assert hits >= 3 * 20, hits              # three requests from the shared pages
+    out = engine.generate(prompts[:2], max_new_tokens=NEW)     # cached across calls
+    assert [o[0] for o in out] == want[:2]
+    assert engine.stats.prefix_hit_tokens >= hits + 2 * 20
+    # (the window pools hold max_batch_size sequences' windows and a chunk: the oldest
+    # prompts' window pages may be reclaimed, a miss the stats name, not a wrong token)
+    assert engine.cache.num_available_pages_by_group == engine.cache.num_total_pages_by_group
+    engine.cache.clear_prefix_cache()
+    assert engine.cache.num_cached_pages == 0
+
+
+def test_a_window_miss_is_counted_in_the_stats():
+    """A window pool too small to keep a prefix's window pages: the next request that shares
+    the prefix starts from fewer tokens (or none), the stats say why, and the tokens are
+    still transformers' own."""
+    model, _, _ = _case("gemma3_text")
+    rng = np.random.default_rng(6)
+    shared = rng.integers(1, 512, 22).tolist()
+    first = shared + rng.integers(1, 512, 3).tolist()
+    others = [rng.integers(1, 512, 30).tolist() for _ in range(3)]
+    second = shared + rng.integers(1, 512, 4).tolist()
+    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=1024,
+                    prefill_chunk_size=16, max_batch_size=1)
+    for p in [first] + others + [second]:
+        assert engine.generate([p], max_new_tokens=2)[0][0] == hf_greedy(model, p, 2)
+    # every prompt's window pages stay cached until the small window pool runs short
+    assert engine.stats.prefix_miss_tokens_by_reason.get("window", 0) > 0
+
+
+def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit_with_window_groups():
+    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
+    boundary the warm one starts from): with window groups on, the warm request reads the
+    cached full pages and the window pages of that boundary, and every logits row equals the
+    cold run's bit for bit."""
+    model, _, _ = _case("gemma3_text")
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 512, 4 * PAGE).tolist()      # past the window of 7
+    question, other = rng.integers(1, 512, 7).tolist(), rng.integers(1, 512, 9).tolist()
+    kw = dict(backend="reference", page_size=PAGE, max_total_tokens=1024,
+              prefill_chunk_size=4 * PAGE, overlap=False)
+    cold = Engine(model, **kw)
+    assert cold.config.layer_kinds and cold.config.prefix_cache
+    cold_rows = logit_rows(cold)
+    want = cold.generate([system + question], max_new_tokens=6)
+    assert cold.stats.prefix_hit_tokens == 0
+    warm = Engine(model, **kw)
+    warm.generate([system + other], max_new_tokens=3)
+    warm_rows = logit_rows(warm)
+    got = warm.generate([system + question], max_new_tokens=6)
+    assert warm.stats.prefix_hit_tokens == 4 * PAGE
+    assert got == want
+    assert len(warm_rows) == len(cold_rows) == 6
+    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
+        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
