@@ -231,6 +231,11 @@ class Engine:
             if on:
                 why.append(f"{name}=True")
                 fixes.append(f"{name}=False")
+        # graphs on by default (a GPU): the step's speed wins over the windows' memory unless
+        # window groups are asked for (window_groups=True turns the default graphs off)
+        if (not asked and opts.graphs is None
+                and self._want_graphs(None, backend, device)):
+            why.append("graphs (on by default here)")
         if opts.prefix_file is not None:
             why.append("a prefix_file")
             fixes.append("prefix_file=None")

@@ -117,9 +117,11 @@ class EngineConfig:
     mode, whole-step graphs, the host tier or a ``prefix_file`` (KV files). None: on where
     the model has windowed layers, the backend declares ``window_groups``, the adapter
     understands the model's windowing, ``deterministic`` is off, no ``prefix_file`` is given
-    and ``graphs``, ``mixed_graphs`` and ``offload`` are not True (those left at None are then
-    off); else off, with the reason in ``Engine.window_groups_off`` (and logged). True: on,
-    or ``UnsupportedFeatureError`` naming what does not compose. False: every layer keeps
+    and ``graphs``, ``mixed_graphs`` and ``offload`` are not True, nor graphs on by default
+    (a GPU: there the captured step's speed is kept; ask for window groups with True); those
+    left at None are then off; else off, with the reason in ``Engine.window_groups_off`` (and
+    logged). True: on (graphs left at None then off), or ``UnsupportedFeatureError`` naming
+    what does not compose. False: every layer keeps
     every page (the behaviour before window groups)."""
     fingerprint_weights: bool = False
     """The model fingerprint the engine writes into KV files and checks them against also

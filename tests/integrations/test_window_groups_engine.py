@@ -156,6 +156,22 @@ def test_window_groups_default_on_with_the_prefix_cache_and_refusals(tmp_path):
         Engine(make_model("llama"), window_groups=True, prefix_cache=False, **kw)
 
 
+def test_graphs_on_by_default_keep_every_page_unless_window_groups_are_asked(monkeypatch):
+    """Where graphs are on by default (a GPU; stood in for by the engine's graph rule), the
+    default keeps the graphs and every page, naming why; ``window_groups=True`` makes the
+    other trade: graphs left at None go off."""
+    model, _, _ = _case("gemma3_text")
+    name, device = backend_or_skip("cuda", monkeypatch, cache_config(model).head_dim)
+    kw = dict(backend=name, device=device, page_size=PAGE, max_total_tokens=512)
+    monkeypatch.setattr(Engine, "_want_graphs", lambda self, graphs, backend, device:
+                        graphs is not False)
+    engine = Engine(model, **kw)
+    assert engine.config.layer_kinds == () and engine.graphs
+    assert "graphs (on by default here)" in engine.window_groups_off
+    asked = Engine(model, window_groups=True, **kw)
+    assert dict(asked.config.layer_kinds) == layer_kinds(model) and not asked.graphs
+
+
 def test_a_window_not_understood_is_refused_or_kept_whole():
     model = make_model("gemma3_text", seed=1, **CASES["gemma3_text"])
     kw = dict(backend="reference", page_size=PAGE, max_total_tokens=512, prefix_cache=False)
