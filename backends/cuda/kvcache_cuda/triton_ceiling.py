@@ -51,7 +51,7 @@ def ceiling_attention(q, k, v, seq_len: int, sm_scale: float, causal: bool,
 def best_ceiling(timer, q, k, v, seq_len: int, sm_scale: float, causal: bool):
     """``(us, variant)``: the fastest of ``VARIANTS`` by ``timer.measure`` (graph replay), or
     ``(None, why)`` where none compiles here."""
-    best = (None, "no variant ran")
+    best: tuple = (None, "no variant ran")
     for bn, warps, stages, ws in VARIANTS:
         def run(bn=bn, warps=warps, stages=stages, ws=ws):
             return ceiling_attention(q, k, v, seq_len, sm_scale, causal, bn, warps, stages, ws)
