@@ -473,7 +473,7 @@ class PagedKVCache:
         unwritten = run.missing_states()
         if unwritten:
             raise ForwardStateError(
-                f"end_forward: the states {unwritten} have not been written (set_state) in the "
+                f"end_forward: the states {', '.join(unwritten)} have not been written (set_state) in the "
                 f"forward over sequences {run.plan.seq_ids}: each state layer writes every "
                 f"state of the forward's sequences once it has read them; write them, or call "
                 f"abort_forward")
