@@ -18,6 +18,6 @@ __all__ = [
     "Backend", "BackendNotAvailableError", "CacheConfig", "CacheFullError", "Capabilities",
     "DepthAux", "ForwardStateError", "HostTier", "InvalidArgumentError", "KVCacheError",
     "PagedKVCache", "RopeSpec", "SequenceExistsError", "SequenceNotFoundError",
-    "SequencePayload", "State", "TreeMask", "UnsupportedFeatureError", "Window", "available_backends",
-    "hookimpl", "list_backends", "to_numpy",
+    "SequencePayload", "State", "TreeMask", "UnsupportedFeatureError", "Window",
+    "available_backends", "hookimpl", "list_backends", "to_numpy",
 ]

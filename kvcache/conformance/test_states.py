@@ -116,7 +116,13 @@ class StateTwin:
                 bad = "shape " + str(got.shape) if got.shape != want.shape else \
                     f"{int((got != want).sum())} of {want.size} values differ"
                 raise Mismatch(f"{label}: {bad} from the states written{self.context()}")
-        self.cache.state.slots.check_invariants(self.cache.sequence_ids)
+        slots = self.cache.state.slots
+        if slots is None:
+            raise Mismatch(f"CORE BUG: a cache with state layers has no slots{self.context()}")
+        try:
+            slots.check_invariants(self.cache.sequence_ids)
+        except AssertionError as exc:
+            raise Mismatch(f"CORE BUG: state slots broken: {exc}{self.context()}") from None
 
 
 class TestStateSlots(Conformance):
