@@ -3,7 +3,7 @@
 from .arrays import to_numpy
 from .backend import Backend, Capabilities, DepthAux, RopeSpec, TreeMask
 from .cache import PagedKVCache
-from .config import CacheConfig, Window
+from .config import CacheConfig, State, Window
 from .errors import (BackendNotAvailableError, CacheFullError, ForwardStateError,
                      InvalidArgumentError, KVCacheError, SequenceExistsError,
                      SequenceNotFoundError, UnsupportedFeatureError)
@@ -18,6 +18,6 @@ __all__ = [
     "Backend", "BackendNotAvailableError", "CacheConfig", "CacheFullError", "Capabilities",
     "DepthAux", "ForwardStateError", "HostTier", "InvalidArgumentError", "KVCacheError",
     "PagedKVCache", "RopeSpec", "SequenceExistsError", "SequenceNotFoundError",
-    "SequencePayload", "TreeMask", "UnsupportedFeatureError", "Window", "available_backends",
-    "hookimpl", "list_backends", "to_numpy",
+    "SequencePayload", "State", "TreeMask", "UnsupportedFeatureError", "Window",
+    "available_backends", "hookimpl", "list_backends", "to_numpy",
 ]

@@ -115,6 +115,10 @@ class Capabilities:
                                       "whose keys start at the first live page (k_rope_offset "
                                       "its first position) with window_left; needs "
                                       "window_left.")
+    state_slots: bool = _cap(False, "State slots (CacheConfig(layer_kinds={layer: State(shapes)})): "
+                                    "per-sequence recurrent states in arrays of (slots, *shape) "
+                                    "in the cache dtype, moved by slot index "
+                                    "(allocate_state, gather_state, scatter_state).")
 
     def __post_init__(self):
         if not self.kv_dtypes:      # pages stored as computed, the only format today
@@ -537,6 +541,35 @@ class Backend(abc.ABC):
         (packed formats only): the rows as stored instead, uint8 ``(num_layers, len(slots),
         Hkv, affine_row_bytes(D))`` (v: of ``Dv``), as ``append_kv(..., packed=True)`` takes
         them."""
+
+    # ------------------------------------------------------------------ state slots
+    def allocate_state(self, num_slots: int, shape: tuple):
+        """A zeroed array of shape ``(num_slots, *shape)`` in the config's ``dtype`` on the
+        device: one named state of one state layer (``CacheConfig.layer_kinds`` with
+        ``State``), row ``s`` the state of the sequence holding slot ``s``. Capability
+        ``state_slots``; this default raises UnsupportedFeatureError."""
+        raise UnsupportedFeatureError(
+            f"backend {self.name!r} does not implement allocate_state: "
+            f"{Capabilities.reason('state_slots')}")
+
+    def gather_state(self, states, slots):
+        """A new array ``(n, *shape)``: row ``i`` is ``states[slots[i]]``; ``states`` an array
+        of ``allocate_state``, ``slots`` an int32 device array of ``n`` slot indices (in
+        range). The result must not change when ``states`` is written later (a copy, or a
+        value the stream orders before later writes). Default: raises
+        UnsupportedFeatureError."""
+        raise UnsupportedFeatureError(
+            f"backend {self.name!r} does not implement gather_state: "
+            f"{Capabilities.reason('state_slots')}")
+
+    def scatter_state(self, states, slots, values) -> None:
+        """In place: ``states[slots[i]] = values[i]`` for each ``i``; ``values`` ``(n, *shape)``
+        in the cache dtype, ``slots`` an int32 device array of ``n`` distinct slot indices.
+        ``states`` stays the same object (the cache holds it). Queued like ``append_kv``, no
+        synchronization. Default: raises UnsupportedFeatureError."""
+        raise UnsupportedFeatureError(
+            f"backend {self.name!r} does not implement scatter_state: "
+            f"{Capabilities.reason('state_slots')}")
 
     # ------------------------------------------------------------------ helpers for the core
     def split_qkv(self, qkv):

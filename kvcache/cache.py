@@ -31,6 +31,7 @@ from .core.imports import ImportReservation
 from .core.plan import ForwardAux, ForwardPlan
 from .core.planner import Planner
 from .core.static import static_capacity
+from .core.slots import StateSlots
 from .core.state import CacheState
 from .errors import CacheFullError, ForwardStateError, InvalidArgumentError, UnsupportedFeatureError
 from .forward_run import ForwardRun, layer_arg
@@ -38,6 +39,7 @@ from .kv_manager import KVManager
 from .kv_scales import KVScales
 from .payloads import Payloads, copy_pages
 from .plugins import open_backend
+from .state_slots import StateArrays
 from .transfer import SequencePayload
 
 # A backend-native array (numpy.ndarray, torch.Tensor, mlx.core.array): the core never looks inside.
@@ -62,7 +64,9 @@ class PagedKVCache:
     per layer, of shape ``backend.page_shape(config.num_pages)``), ``planner`` (plans
     forwards), ``state`` (the core's sequences and page table), ``manager`` (the
     ``KVManager``: sequences and pages on the host), ``payloads`` (``Payloads``), ``scales``
-    (``KVScales`` of fp8 pages, else None), ``rope`` (the ``RopeSpec``), ``aux_manager``
+    (``KVScales`` of fp8 pages, else None), ``state_arrays`` (``StateArrays``: the state
+    layers' arrays, ``CacheConfig.layer_kinds`` with ``State``), ``rope`` (the ``RopeSpec``),
+    ``aux_manager``
     (moves a forward's index arrays to the device), ``copy_stream`` (the backend's copy
     stream, or None).
     """
@@ -93,8 +97,11 @@ class PagedKVCache:
                           "batch_invariant=True", cls)
             # a windowed layer's pages start at its first live page: the window masks the rest
             for capability in ("window_groups", "window_left"):
-                self._require(not config.layer_kinds or getattr(caps, capability), capability,
+                self._require(not config.window_groups or getattr(caps, capability), capability,
                               "window groups (CacheConfig.layer_kinds)", cls)
+            self._require(not config.state_layers or caps.state_slots, "state_slots",
+                          f"state layers {list(config.state_layers)} (CacheConfig.layer_kinds)",
+                          cls)
             self._require(not config.batch_invariant or caps.tree_attention, "tree_attention",
                           "batch_invariant=True", cls)
             self._require(config.effective_rope_mode == "none" or config.rope_spec().default_frequencies
@@ -103,9 +110,12 @@ class PagedKVCache:
             self.config = config
             self.backend = cls(config, device)
             self.capabilities: Capabilities = caps
+            slots = (StateSlots(config.num_state_slots, tuple(config.state_layers))
+                     if config.state_layers else None)
             self.state = CacheState(config.num_pages, config.page_size,
-                                    config.support_sliding_window, group_specs(config))
+                                    config.support_sliding_window, group_specs(config), slots)
             self.pages = self._allocate_pages(config)
+            self.state_arrays = StateArrays(self.backend, config)
             return cls
 
         cls = open_backend(backend, device, start)
@@ -142,7 +152,7 @@ class PagedKVCache:
     def _allocate_pages(self, config):
         """The page arrays, refused up front (CacheFullError, nothing allocated) when they
         exceed the memory the backend says its device has."""
-        need, capacity = config.kv_bytes, self.backend.memory_capacity()
+        need, capacity = config.kv_bytes + config.state_bytes, self.backend.memory_capacity()
         layers = (f"{config.num_layers} layers x {config.num_pages} pages" if not config.layer_kinds
                   else layer_groups.describe(config))
         what = (f"{layers} of {config.page_size} tokens in {config.dtype}: {need} bytes "
@@ -210,7 +220,6 @@ class PagedKVCache:
         b.compact_kv(self.pages, b.aux_to_device(src), b.aux_to_device(dst))
 
     # ------------------------------------------------------------------ sequences (KVManager)
-    add_sequence = part_call("manager", KVManager.add_sequence, between_forwards=True)
     match_prefix = part_call("manager", KVManager.match_prefix)
     prefix_admission = part_call("manager", KVManager.prefix_admission)
     extend_tokens = part_call("manager", KVManager.extend_tokens, between_forwards=True)
@@ -235,11 +244,28 @@ class PagedKVCache:
     sequence_ids = part_view("manager", KVManager.sequence_ids)
     is_empty = part_view("manager", KVManager.is_empty)
 
+    num_available_state_slots = part_view("manager", KVManager.num_available_state_slots)
+
+    @exclusive
+    @doc_of(KVManager.add_sequence)
+    def add_sequence(self, seq_id: int, tokens: Optional[Sequence[int]] = None, *,
+                     extra_key: Any = None) -> int:
+        self._no_forward("add_sequence")
+        start = self.manager.add_sequence(seq_id, tokens, extra_key=extra_key)
+        slots = self.state.slots
+        if slots is not None:           # a new sequence's state starts at zeros
+            self.state_arrays.zero(slots.slot[self.state.seq(seq_id).seq_id])
+        return start
+
     @exclusive
     @doc_of(KVManager.fork_sequence)
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> None:
         self._no_forward("fork_sequence")
         self._copy_pages(self.manager.fork_sequence(parent_id, child_id, fork_pos))
+        slots = self.state.slots
+        if slots is not None:           # the child starts from the parent's state
+            self.state_arrays.copy(slots.slot[self.state.seq(parent_id).seq_id],
+                                   slots.slot[self.state.seq(child_id).seq_id])
 
     @exclusive
     @doc_of(KVManager.popn)
@@ -424,6 +450,8 @@ class PagedKVCache:
         return frozenset() if self._run is None else frozenset(self._run.layers_done)
 
     attention = run_call(ForwardRun.attention)
+    get_state = run_call(ForwardRun.get_state)
+    set_state = run_call(ForwardRun.set_state)
     append_kv = run_call(ForwardRun.append_kv)
     attention_with_fused_qkv = run_call(ForwardRun.attention_with_fused_qkv)
     query_positions = run_call(ForwardRun.query_positions)
@@ -443,6 +471,14 @@ class PagedKVCache:
                 f"end_forward: layers {missing} of {self.config.num_layers} have not run "
                 f"attention in the forward over sequences {run.plan.seq_ids}; run them, or call "
                 f"abort_forward")
+        unwritten = run.missing_states()
+        if unwritten:
+            raise ForwardStateError(
+                f"end_forward: the states {', '.join(unwritten)} have not been written (set_state) in the "
+                f"forward over sequences {run.plan.seq_ids}: each state layer writes every "
+                f"state of the forward's sequences once it has read them; write them, or call "
+                f"abort_forward")
+        run.commit_states()
         self._close(committed=True)
         self.manager.forward_committed(run.plan)
 

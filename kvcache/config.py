@@ -53,6 +53,74 @@ class Window:
         return f"Window({self.size})"
 
 
+@dataclass(frozen=True)
+class State:
+    """A layer kind of ``CacheConfig.layer_kinds``: a recurrent layer (Mamba-2, gated DeltaNet,
+    a short convolution) that keeps one fixed-size state per sequence instead of K/V pages.
+    The layers of one ``State`` form a *state group*; each sequence holds one *slot* of every
+    state array of those layers from ``add_sequence`` to ``remove_sequence``
+    (``CacheConfig.num_state_slots`` slots), read and written in a forward with
+    ``PagedKVCache.get_state`` / ``set_state``, copied by ``fork_sequence`` and restored by an
+    aborted forward (docs/hybrid.md, increment 4).
+
+    ``shapes``: ``{name: shape}``, at least one named array per layer, each shape a tuple of
+    ints >= 1 (``()``: one value per sequence), e.g. Mamba-2's ``{"conv": (d_conv - 1,
+    conv_dim), "ssm": (heads, head_dim, d_state)}``; a sequence's state of ``name`` is an array
+    of that shape in the cache ``dtype``. Read back ``shapes`` is a tuple of ``(name, shape)``
+    pairs sorted by name (hashable: equal kinds form one group). InvalidArgumentError for an
+    empty mapping, a name that is not a non-empty string, or a shape that is not a tuple of
+    ints >= 1."""
+
+    shapes: Union[Mapping, tuple]
+
+    def __post_init__(self):
+        value = self.shapes
+        pairs = list(value.items()) if isinstance(value, Mapping) else value
+        if not isinstance(pairs, (list, tuple)) or not pairs:
+            raise InvalidArgumentError(
+                f"State.shapes must be a non-empty mapping {{name: shape}}, got {value!r:.80}")
+        out: dict = {}
+        for item in pairs:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise InvalidArgumentError(
+                    f"State.shapes must be a mapping {{name: shape}} or (name, shape) pairs, "
+                    f"got the item {item!r:.80}")
+            name, shape = item
+            if not isinstance(name, str) or not name:
+                raise InvalidArgumentError(
+                    f"State.shapes: a state name must be a non-empty string, got {name!r:.40}")
+            if name in out:
+                raise InvalidArgumentError(f"State.shapes names {name!r} twice")
+            if not isinstance(shape, (tuple, list)):
+                raise InvalidArgumentError(
+                    f"State.shapes[{name!r}] must be a tuple of ints >= 1, got {shape!r:.80}")
+            out[name] = tuple(int_arg(d, f"State.shapes[{name!r}][{i}]", 1, INT32_MAX)
+                              for i, d in enumerate(shape))
+        object.__setattr__(self, "shapes", tuple(sorted(out.items())))
+
+    @property
+    def names(self) -> tuple:
+        """The state names, sorted."""
+        return tuple(name for name, _ in self.shapes)
+
+    def shape(self, name: str) -> tuple:
+        """The per-sequence shape of state ``name`` (KeyError if the kind has none)."""
+        return dict(self.shapes)[name]
+
+    def elements(self) -> int:
+        """Values one sequence's states of one layer hold, over every name."""
+        total = 0
+        for _, shape in self.shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def __repr__(self) -> str:
+        return f"State({dict(self.shapes)})"
+
+
 _UNSET = type("RopeModeUnset", (), {"__repr__": lambda self: "'normal' (unset)"})()
 
 
@@ -168,16 +236,26 @@ class CacheConfig:
     head dim: one of ``KV_QUANT_GROUPS``, dividing ``head_dim`` and ``head_dim_v``."""
     layer_kinds: Union[Mapping, tuple] = ()
     """The kind of each layer that is not full attention: a mapping ``{layer: Window(w)}`` (or
-    pairs ``(layer, Window(w))``); full attention is the default. Layers with the same
+    pairs ``(layer, Window(w))``); full attention is the default. A ``State(shapes)`` layer is
+    a recurrent layer with per-sequence state slots and no pages (``state_groups``;
+    capability ``state_slots``; ``get_state`` / ``set_state`` in a forward instead of
+    ``attention``; docs/hybrid.md, increment 4). Layers with the same
     ``Window`` form a *window group*: their page arrays have ``window_group_pages`` pages (far
     fewer than ``num_pages``), each sequence keeps only the pages its later queries can see,
     and their attention calls use the window (``window_left`` at most ``w``; -1 means ``w``).
-    Read back it is a tuple of ``(layer, Window)`` pairs sorted by layer. Needs a backend
+    Read back it is a tuple of ``(layer, kind)`` pairs sorted by layer. Needs a backend
     declaring ``window_groups``. With ``prefix_cache`` the index also holds each cached
-    page's window-group pages (docs/hybrid.md). Not yet with ``support_sliding_window``,
+    page's window-group pages (docs/hybrid.md); ``prefix_cache`` with ``State`` layers is
+    refused (a hit would need the state at the prefix's end: checkpoints, not built yet).
+    Not yet with ``support_sliding_window``,
     ``static_decode`` / ``static_mixed`` or ``batch_invariant`` (UnsupportedFeatureError); a
     cache with window groups also refuses token trees, ``popn`` below a window, and exports,
     imports, files and the host tier of a sequence (docs/hybrid.md, increment 1)."""
+    max_state_slots: int = 0
+    """The sequences a cache with ``State`` layers holds at once: each holds one slot of every
+    state array (``num_state_slots``; 0, the default: ``max_batch_size``). ``add_sequence`` and
+    ``fork_sequence`` raise CacheFullError naming this limit when every slot is taken;
+    ``remove_sequence`` gives the slot back. Unused without ``State`` layers."""
 
     def __post_init__(self):
         # normalise numpy scalars to Python ints / floats / bools (the dataclass is frozen)
@@ -267,14 +345,22 @@ class CacheConfig:
                    self.prefill_chunk_size, "prefill_chunk_size"))
 
         put("layer_kinds", _layer_kinds(self.layer_kinds, self.num_layers))
+        put("max_state_slots",
+            int_arg(self.max_state_slots, "CacheConfig.max_state_slots", 0, INT32_MAX))
         if self.layer_kinds:
             for name in ("support_sliding_window", "static_decode",
                          "static_mixed", "batch_invariant"):
                 if getattr(self, name):
                     raise UnsupportedFeatureError(
-                        f"CacheConfig.{name}=True with window groups (layer_kinds "
-                        f"{dict(self.layer_kinds)}): not composed with window groups yet "
-                        f"(docs/hybrid.md); leave one of them out")
+                        f"CacheConfig.{name}=True with layer groups (layer_kinds "
+                        f"{dict(self.layer_kinds)}): not composed with window groups or state "
+                        f"layers yet (docs/hybrid.md); leave one of them out")
+            if self.prefix_cache and self.state_layers:
+                raise UnsupportedFeatureError(
+                    f"CacheConfig.prefix_cache=True with the state layers "
+                    f"{sorted(self.state_layers)}: a prefix hit would need each state at the "
+                    f"prefix's end (state checkpoints, not built yet; docs/hybrid.md); pass "
+                    f"prefix_cache=False")
 
         slots = self.num_pages * self.page_size
         if slots > INT32_MAX:
@@ -381,18 +467,52 @@ class CacheConfig:
         return pages * self.page_size * (self.token_kv_bytes // self.num_layers)
 
     @property
+    def state_groups(self) -> tuple:
+        """The state groups: ``(State, layers)`` pairs of the ``State`` layers of
+        ``layer_kinds``, the layers a sorted tuple, groups in the order of their first layer
+        (empty: no state layers)."""
+        groups: dict = {}
+        for layer, kind in self.layer_kinds:
+            if isinstance(kind, State):
+                groups.setdefault(kind, []).append(layer)
+        return tuple((kind, tuple(layers)) for kind, layers in groups.items())
+
+    @property
+    def state_layers(self) -> dict:
+        """``{layer: State}`` of the state layers (a new dict; empty without them)."""
+        return {layer: kind for layer, kind in self.layer_kinds if isinstance(kind, State)}
+
+    @property
+    def num_state_slots(self) -> int:
+        """State slots of a cache with ``State`` layers: ``max_state_slots``, or
+        ``max_batch_size`` when that is 0; 0 without state layers."""
+        if not self.state_layers:
+            return 0
+        return self.max_state_slots or self.max_batch_size
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the state arrays: ``num_state_slots`` slots of every state layer's arrays
+        (``State.shapes``) in ``dtype``; 0 without state layers. The pages
+        (``kv_bytes``) are separate: state layers have none."""
+        per_slot = sum(kind.elements() for kind in self.state_layers.values())
+        return self.num_state_slots * per_slot * itemsize(self.dtype)
+
+    @property
     def window_groups(self) -> tuple:
         """The window groups: ``(Window, layers)`` pairs, the layers a sorted tuple, groups in
         the order of their smallest window (empty: every layer is full attention)."""
         groups: dict = {}
         for layer, kind in self.layer_kinds:
-            groups.setdefault(kind, []).append(layer)
+            if isinstance(kind, Window):
+                groups.setdefault(kind, []).append(layer)
         return tuple((kind, tuple(layers)) for kind, layers in
                      sorted(groups.items(), key=lambda item: item[0].size))
 
     @property
     def full_layers(self) -> tuple:
-        """The full-attention layers (every layer without a ``layer_kinds`` entry)."""
+        """The full-attention layers (every layer without a ``layer_kinds`` entry: neither a
+        window nor a state layer)."""
         windowed = {layer for layer, _ in self.layer_kinds}
         return tuple(layer for layer in range(self.num_layers) if layer not in windowed)
 
@@ -422,7 +542,10 @@ class CacheConfig:
                    self.max_batch_size * per_sequence + -(-self.prefill_chunk_size // ps))
 
     def layer_pages(self, layer: int) -> int:
-        """Pages of ``layer``'s page array: ``num_pages``, or its window group's pages."""
+        """Pages of ``layer``'s page array: ``num_pages``, or its window group's pages; 0 for
+        a state layer (it has no page array)."""
+        if layer in self.state_layers:
+            return 0
         g = self.layer_group(layer)
         return self.num_pages if g < 0 else self.window_group_pages(g)
 
@@ -435,7 +558,7 @@ class CacheConfig:
 
 
 def _layer_kinds(value, num_layers: int) -> tuple:
-    """``CacheConfig.layer_kinds`` as a tuple of ``(layer, Window)`` pairs sorted by layer,
+    """``CacheConfig.layer_kinds`` as a tuple of ``(layer, kind)`` pairs sorted by layer,
     from a mapping or pairs; InvalidArgumentError naming the layer, the value and the limit."""
     name = "CacheConfig.layer_kinds"
     if isinstance(value, Mapping):
@@ -454,10 +577,10 @@ def _layer_kinds(value, num_layers: int) -> tuple:
     for layer, kind in pairs:
         layer = int_arg(layer, f"{name}: layer", 0, num_layers - 1,
                         limit=f"num_layers={num_layers}")
-        if not isinstance(kind, Window):
+        if not isinstance(kind, (Window, State)):
             raise InvalidArgumentError(
-                f"{name}[{layer}]={kind!r} is not a kvcache.Window (full attention is the "
-                f"default: leave layer {layer} out)")
+                f"{name}[{layer}]={kind!r} is not a kvcache.Window or kvcache.State (full "
+                f"attention is the default: leave layer {layer} out)")
         if layer in out:
             raise InvalidArgumentError(f"{name} gives layer {layer} twice")
         out[layer] = kind

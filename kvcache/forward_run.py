@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from .backend import Capabilities
 from .config import DTYPES
 from .core.plan import ForwardAux, ForwardPlan
@@ -39,6 +41,11 @@ class ForwardRun:
         self.rope_inline = rope if mode == "inline" else None      # rotated inside attention
         # window groups: layer -> (group index, window) of each windowed layer
         self.windowed = layer_windows(c) if c.layer_kinds else {}
+        # state layers: {layer: State}, and this forward's writes {(layer, name): values},
+        # scattered into the slots at end_forward only (an aborted forward leaves the states)
+        self.state_layers = c.state_layers if c.layer_kinds else {}
+        self.staged: dict = {}
+        self.state_index = None     # the forward's slots on the device (first state call)
         self.layers_done: set = set()
         self.watchers: list = []
         self.exports: dict = {}     # (ids, starts) -> [headers, slots, device slots]
@@ -111,8 +118,93 @@ class ForwardRun:
                 watcher.layer_written(layer)
 
     def missing_layers(self) -> list:
-        """The layers that have not run attention (``end_forward`` needs none)."""
-        return sorted(set(range(self.config.num_layers)) - self.layers_done)
+        """The attention layers that have not run (``end_forward`` needs none)."""
+        return sorted(set(range(self.config.num_layers)) - self.layers_done
+                      - set(self.state_layers))
+
+    def missing_states(self) -> list:
+        """``"layer <l> <name>"`` of each state not written in this forward (``end_forward``
+        needs none)."""
+        return [f"layer {layer} {name!r}" for layer, kind in self.state_layers.items()
+                for name in kind.names if (layer, name) not in self.staged]
+
+    # ------------------------------------------------------------------ state layers
+    def get_state(self, layer_id: int, name: str) -> Array:
+        """The states ``name`` of state layer ``layer_id`` of the forward's sequences, in
+        ``begin_forward`` order: an array ``(B, *shape)`` in the cache dtype, ``shape`` the
+        layer's ``State.shape(name)`` and row ``i`` the state of ``seq_ids[i]`` after its
+        last token (zeros for a sequence no forward has written yet). A new array: changing it
+        changes no state. After ``set_state(layer_id, name, ...)`` in the same forward it is
+        the array written (read your writes).
+
+        A model's recurrent layer reads its states here, computes, and writes them back with
+        ``set_state``: what mlx-lm's ``ArraysCache`` and transformers' hybrid caches hold.
+        Raises InvalidArgumentError for a layer that is not a state layer or a name it has
+        not, ForwardStateError outside a forward."""
+        plan = self._open("get_state")
+        layer_id, name = self._state_arg(plan, layer_id, name, "get_state")
+        staged = self.staged.get((layer_id, name))
+        if staged is not None:
+            return staged
+        return self.backend.gather_state(self.cache.state_arrays.arrays[layer_id][name],
+                                         self._state_index(plan))
+
+    def set_state(self, layer_id: int, name: str, values: Array) -> None:
+        """Write the states ``name`` of state layer ``layer_id`` for the forward's sequences:
+        ``values`` ``(B, *shape)``, a backend array in the cache dtype, row ``i`` the state of
+        ``seq_ids[i]`` after this forward's tokens. Staged: the slots take it at
+        ``end_forward`` (an aborted forward leaves every state as it was), so the cache reads
+        ``values`` then: do not change it in place before. A second call for the same state
+        replaces the first. ``end_forward`` needs every state of every state layer written.
+        Raises InvalidArgumentError for the layer, the name, the type, shape or dtype,
+        ForwardStateError outside a forward."""
+        plan = self._open("set_state")
+        layer_id, name = self._state_arg(plan, layer_id, name, "set_state")
+        b, c = self.backend, self.config
+        want = (len(plan.seq_ids),) + self.state_layers[layer_id].shape(name)
+        what = f"set_state({layer_id}, {name!r})"
+        if not b.is_native(values):
+            raise InvalidArgumentError(
+                f"{what}: values must be a {b.name} backend array (use cache.from_numpy), got "
+                f"{type(values).__name__}")
+        if b.shape_of(values) != want:
+            raise InvalidArgumentError(
+                f"{what}: values has shape {b.shape_of(values)}, expected {want} (one state "
+                f"per sequence of {plan.seq_ids})")
+        if b.dtype_name(values) != c.dtype:
+            raise InvalidArgumentError(
+                f"{what}: values has dtype {b.dtype_name(values)}, the cache stores {c.dtype}")
+        self.staged[layer_id, name] = values
+
+    def commit_states(self) -> None:
+        """``end_forward``: scatter the staged states into the forward's slots."""
+        if not self.staged:
+            return
+        index = self._state_index(self.plan)
+        arrays = self.cache.state_arrays.arrays
+        for (layer, name), values in self.staged.items():
+            self.backend.scatter_state(arrays[layer][name], index, values)
+
+    def _state_index(self, plan: ForwardPlan):
+        """The forward's sequences' slots, an int32 device array (uploaded once)."""
+        if self.state_index is None:
+            slot = self.cache.state.slots.slot
+            self.state_index = self.backend.aux_to_device(
+                np.array([slot[int(s)] for s in plan.seq_ids], np.int32))
+        return self.state_index
+
+    def _state_arg(self, plan: ForwardPlan, layer_id, name, what: str) -> tuple:
+        """``(layer, name)`` checked: a state layer and one of its state names."""
+        layer_id = layer_arg(layer_id, self.config.num_layers, f"{what}: layer_id")
+        kind = self.state_layers.get(layer_id)
+        if kind is None:
+            raise InvalidArgumentError(
+                f"{what}: layer {layer_id} is not a state layer (state layers: "
+                f"{sorted(self.state_layers)}; CacheConfig.layer_kinds)")
+        if not isinstance(name, str) or name not in kind.names:
+            raise InvalidArgumentError(
+                f"{what}: layer {layer_id} has the states {list(kind.names)}, not {name!r:.40}")
+        return layer_id, name
 
     def close(self, committed: bool) -> None:
         """The forward ended (``committed``) or was aborted: free its index buffer for the
@@ -407,6 +499,10 @@ class ForwardRun:
         """``layer_id`` as an int in [0, num_layers) that has not run in this forward (typed
         errors otherwise): the layer an ``attention`` or ``append_kv`` call runs."""
         layer_id = layer_arg(layer_id, self.config.num_layers, "layer_id")
+        if layer_id in self.state_layers:
+            raise InvalidArgumentError(
+                f"layer {layer_id} is a state layer ({self.state_layers[layer_id]}): it has no "
+                f"K/V; it reads and writes its states (get_state / set_state)")
         if layer_id in self.layers_done:
             raise ForwardStateError(f"layer {layer_id} already ran attention in this forward")
         return layer_id

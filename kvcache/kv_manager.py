@@ -52,9 +52,12 @@ class KVManager:
         checked and ignored. ``extra_key``: any hashable value that must also match (e.g. a
         LoRA adapter id); None: none. A new sequence without a cached prefix takes no page
         until a forward appends to it.
+        In a cache with ``State`` layers the sequence takes a state slot, its states zeros
+        (``get_state``), until ``remove_sequence``.
         Raises SequenceExistsError if the id is in the cache, InvalidArgumentError for an id
         that is not such an int (a bool or a float neither), bad token ids or an unhashable
-        ``extra_key``, ForwardStateError inside a forward; nothing changes then."""
+        ``extra_key``, ForwardStateError inside a forward, CacheFullError naming
+        ``CacheConfig.max_state_slots`` when every state slot is held; nothing changes then."""
         if tokens is None:
             if extra_key is not None:
                 raise InvalidArgumentError(
@@ -127,7 +130,10 @@ class KVManager:
         for ``fork_pos`` outside [0, length] (or beyond a windowed parent's sinks),
         ForwardStateError inside a forward or on an uncommitted token tree, CacheFullError
         when a partial page must be copied and no page is free; nothing changes then.
-        Returns the page copies for the device (``PagedKVCache`` runs them)."""
+        In a cache with ``State`` layers the child takes a state slot holding a copy of the
+        parent's states (CacheFullError when none is free), and a ``fork_pos`` below the
+        parent's length is refused (UnsupportedFeatureError: a state holds no earlier
+        position). Returns the page copies for the device (``PagedKVCache`` runs them)."""
         copies = self.with_room(lambda: self.state.fork_sequence(parent_id, child_id, fork_pos),
                                 lambda: 1 - self.state.pt.num_free)
         if self.prefix is not None:
@@ -141,8 +147,9 @@ class KVManager:
         page shared with a fork, that partial page is copied first, so the other sequence keeps
         its tokens. Raises SequenceNotFoundError, InvalidArgumentError for ``n`` outside
         [0, length], ForwardStateError inside a forward or on an uncommitted token tree,
-        CacheFullError when a partial page must be copied and no page is free; nothing changes
-        then. Returns the page copies for the device."""
+        CacheFullError when a partial page must be copied and no page is free,
+        UnsupportedFeatureError for ``n > 0`` in a cache with ``State`` layers (a state cannot
+        be rewound); nothing changes then. Returns the page copies for the device."""
         if self.prefix is not None:                # the pages it pops stay cached
             try:
                 seq, count = self.state.check_popn(seq_id, n)
@@ -491,6 +498,14 @@ class KVManager:
         if groups is None:
             return free
         return min(free, *groups.free_pages().values())
+
+    @property
+    def num_available_state_slots(self) -> int:
+        """State slots no sequence holds (``CacheConfig.num_state_slots`` in all): the
+        sequences ``add_sequence`` / ``fork_sequence`` can still add before CacheFullError;
+        0 without ``State`` layers."""
+        slots = self.state.slots
+        return 0 if slots is None else len(slots.free)
 
     @property
     def num_total_pages_by_group(self) -> dict:

@@ -39,6 +39,8 @@ def describe(config) -> str:
     parts = [f"{len(config.full_layers)} full layers x {config.num_pages} pages"]
     parts += [f"{len(layers)} layers of {kind} x {config.window_group_pages(g)} pages"
               for g, (kind, layers) in enumerate(config.window_groups)]
+    parts += [f"{len(layers)} layers of {kind} x {config.num_state_slots} state slots"
+              for kind, layers in config.state_groups]
     return ", ".join(parts)
 
 
@@ -55,27 +57,37 @@ def copy_pages(backend, config, pages: list, copies) -> None:
 
 def refuse(config, what: str) -> None:
     """UnsupportedFeatureError for ``what`` (a whole-sequence export, import, file or host-tier
-    call) in a cache with window groups."""
-    if config.layer_kinds:
+    call) in a cache with window groups or state layers."""
+    if config.window_groups:
         raise UnsupportedFeatureError(
             f"{what} in a cache with window groups (CacheConfig.layer_kinds "
             f"{dict(config.layer_kinds)}): its windowed layers hold only the keys their windows "
             f"still see, and payloads, files and the host tier carry whole sequences; not "
             f"composed with window groups yet (docs/hybrid.md)")
+    if config.state_layers:
+        raise UnsupportedFeatureError(
+            f"{what} in a cache with state layers {list(config.state_layers)} "
+            f"(CacheConfig.layer_kinds State): payloads, files and the host tier carry K/V "
+            f"pages, not recurrent states; not composed with state slots yet (docs/hybrid.md)")
 
 
 def get_kv(cache, seq_id: int, start: int = 0, end: Optional[int] = None,
            layer: Optional[int] = None) -> tuple[Array, Array]:
-    """``get_kv`` in a cache with window groups: a full-attention layer's as without groups,
+    """``get_kv`` in a cache with layer groups: a full-attention layer's as without groups,
     a windowed layer's from its group's pages (``start`` at or after the first position the
-    group still holds: ``window_pages``), every layer at once refused
-    (UnsupportedFeatureError: pass ``layer``)."""
+    group still holds: ``window_pages``), a state layer's refused (InvalidArgumentError: no
+    K/V), every layer at once refused (UnsupportedFeatureError: pass ``layer``)."""
     config = cache.config
     if layer is None:
         raise UnsupportedFeatureError(
-            f"get_kv of every layer of sequence {seq_id!r:.40} in a cache with window groups: "
-            f"its windowed layers hold only their windows; pass layer=")
+            f"get_kv of every layer of sequence {seq_id!r:.40} in a cache with layer groups: "
+            f"its windowed layers hold only their windows, its state layers no K/V; pass "
+            f"layer=")
     layer = layer_arg(layer, config.num_layers, "get_kv layer")
+    if layer in config.state_layers:
+        raise InvalidArgumentError(
+            f"get_kv of layer {layer}, a state layer ({config.state_layers[layer]}): it holds "
+            f"no K/V (its states: get_state inside a forward)")
     g = config.layer_group(layer)
     if g < 0:
         return cache.payloads.get_kv(seq_id, start, end, layer, cache._run)

@@ -111,7 +111,7 @@ class ReferenceBackend(Backend):
                         if ("bfloat16" if fmt.quantized else name) in NP_DTYPES),
         tree_attention=True, sliding_window=True, inline_rope=True, window_left=True,
         rope_frequencies=True, logit_softcap=True, attention_sinks=True, batch_invariant=True,
-        window_groups=True,
+        window_groups=True, state_slots=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(1, 1025)),
     )
 
@@ -365,6 +365,15 @@ class ReferenceBackend(Backend):
             k, v = self._gather(pages_per_layer, slots)
             return k.astype(self.dtype), v.astype(self.dtype)
         return self._gather(pages_per_layer, slots)
+
+    def allocate_state(self, num_slots, shape):
+        return np.zeros((num_slots,) + tuple(shape), dtype=self.dtype)
+
+    def gather_state(self, states, slots):
+        return states[np.asarray(slots, np.int64)]          # fancy indexing: a copy
+
+    def scatter_state(self, states, slots, values):
+        states[np.asarray(slots, np.int64)] = np.asarray(values).astype(self.dtype)
 
     def _gather(self, pages_per_layer, slots):
         ps = self.config.page_size

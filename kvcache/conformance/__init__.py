@@ -56,6 +56,7 @@ _TESTS = {
     "test_quantized": ("TestQuantizedKV",),
     "test_invariance": ("TestBatchInvariance",),
     "test_groups": ("TestWindowGroups",),
+    "test_states": ("TestStateSlots",),
 }
 _HELPERS = {
     "harness": ("CachePair", "RunAhead", "make_config"),

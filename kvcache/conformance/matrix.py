@@ -42,7 +42,7 @@ QUICK_EDGES = frozenset({
     "TestTokenTree::test_tree_crossing_pages", "TestSlidingWindow::test_windows_next_to_forks",
     "TestWindowLeft::test_prefill_decode_fork", "TestMaskedNonFinite::test_later_tokens_of_a_prefill",
     "TestMaskedNonFinite::test_token_tree_siblings", "TestMaskedNonFinite::test_evicted_window_token",
-    "TestWindowGroups::test_queued_forwards",
+    "TestWindowGroups::test_queued_forwards", "TestStateSlots::test_queued_lifecycle",
 })
 # {Class::test: {argname: values}}: the quick matrix runs only these values of that parameter
 QUICK_VALUES = {

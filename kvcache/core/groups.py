@@ -428,7 +428,7 @@ class WindowGroups:
 
 def group_specs(config) -> Optional[tuple]:
     """The ``GroupSpec`` of each window group of ``config`` (None: no window groups)."""
-    if not config.layer_kinds:
+    if not config.window_groups:        # (state layers alone: core.slots, no page pools)
         return None
     return tuple(GroupSpec(kind.size, layers, config.window_group_pages(g))
                  for g, (kind, layers) in enumerate(config.window_groups))

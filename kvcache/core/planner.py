@@ -190,6 +190,9 @@ class Planner:
 
     def _request(self, seq_ids, append_lengths, tree_parent_ptr) -> ForwardRequest:
         """Step 1, validate: the checked ``ForwardRequest`` (typed errors, nothing changed)."""
+        if tree_parent_ptr is not None and self.state.slots is not None:
+            # a rejected draft token would have to be taken back out of the state
+            self.state.slots.refuse_rewind("token trees (token_tree_parent_ptr)")
         pt = self.state.pt
         seq_ids, seqs, append = check_batch(pt, self.config, seq_ids, append_lengths)
         return check_forward(pt, self.config, self.capabilities, seq_ids, seqs, append,

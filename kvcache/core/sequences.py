@@ -15,6 +15,7 @@ from ..errors import (CacheFullError, ForwardStateError, InvalidArgumentError,
                       SequenceExistsError, SequenceNotFoundError)
 from .epoch import EpochCounted, query
 from .pagetable import PageTable, SeqState
+from .slots import StateSlots
 from .validate import int_arg as as_int     # the shared int check, under its old name here
 from .validate import seq_id_arg
 
@@ -39,6 +40,7 @@ class SequenceOps(EpochCounted):
     page_size: int
     support_sliding_window: bool
     pt: PageTable
+    slots: Optional[StateSlots]
 
     # ------------------------------------------------------------------ lookups
     @query
@@ -59,15 +61,21 @@ class SequenceOps(EpochCounted):
         seq_id = seq_id_arg(seq_id)
         if seq_id in self.pt.seqs:
             raise SequenceExistsError(f"sequence {seq_id} is already in the cache")
+        if self.slots is not None:
+            self.slots.check_take(f"add_sequence({seq_id})")
         self.pt.add_sequence(seq_id, self.pt.new_block())
         if self.pt.groups is not None:
             self.pt.groups.add(seq_id)
+        if self.slots is not None:
+            self.slots.take(seq_id)
 
     def remove_sequence(self, seq_id) -> None:
         seq = self.seq(seq_id)
         self._release(seq)
         if self.pt.groups is not None:
             self.pt.groups.remove(seq.seq_id)
+        if self.slots is not None:
+            self.slots.release(seq.seq_id)
 
     def _release(self, seq: SeqState) -> None:
         """Drop ``seq``: free the blocks only it reaches, unshare the first shared one."""
@@ -113,6 +121,21 @@ class SequenceOps(EpochCounted):
 
     def fork_sequence(self, parent_id, child_id, fork_pos=-1) -> list[PageCopy]:
         parent, child_id, fork_pos = self.check_fork(parent_id, child_id, fork_pos)
+        slots = self.slots
+        if slots is not None:
+            # the child's state is the parent's now: the state after the parent's last token
+            if fork_pos != self.pt.length(parent):
+                slots.refuse_rewind(f"fork_sequence({parent.seq_id}, {child_id}, fork_pos="
+                                    f"{fork_pos}) below the parent's length "
+                                    f"{self.pt.length(parent)}")
+            slots.check_take(f"fork_sequence({parent.seq_id}, {child_id})")
+        copies = self._fork_groups(parent, child_id, fork_pos)
+        if slots is not None:
+            slots.take(child_id)
+        return copies
+
+    def _fork_groups(self, parent: SeqState, child_id: int, fork_pos: int) -> list[PageCopy]:
+        """``_fork`` and every window group's fork (checked first)."""
         groups = self.pt.groups
         if groups is None:
             return self._fork(parent, child_id, fork_pos)
@@ -205,6 +228,8 @@ class SequenceOps(EpochCounted):
 
     def popn(self, seq_id, n) -> list[PageCopy]:
         seq, n = self.check_popn(seq_id, n)
+        if self.slots is not None and n:
+            self.slots.refuse_rewind(f"popn({seq.seq_id}, {n})")
         groups = self.pt.groups
         if groups is None:
             return self._popn(seq, n)

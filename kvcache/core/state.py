@@ -24,6 +24,7 @@ from .forward_ops import ForwardOps
 from .groups import WindowGroups
 from .import_ops import ImportOps
 from .pagetable import PageTable
+from .slots import StateSlots
 from .tree_commit import TreeCommitOps
 from .validate import int_arg as as_int     # the shared int check, under its old name here
 
@@ -39,9 +40,11 @@ class CacheState(ImportOps, ForwardOps, TreeCommitOps):
     """
 
     def __init__(self, num_pages: int, page_size: int, support_sliding_window: bool,
-                 groups: Optional[tuple] = None):
+                 groups: Optional[tuple] = None, slots: Optional[StateSlots] = None):
         self.page_size = page_size
         self.support_sliding_window = support_sliding_window
+        # slots: each sequence's state slot (``core.slots``; None: no state layers)
+        self.slots = slots
         # groups: the ``core.groups.GroupSpec`` of each window group (None: none)
         self.pt = PageTable(num_pages, page_size,
                             None if groups is None else WindowGroups(groups, page_size))
@@ -51,3 +54,5 @@ class CacheState(ImportOps, ForwardOps, TreeCommitOps):
         groups = self.pt.groups
         self.pt = PageTable(self.pt.num_pages, self.page_size,
                             None if groups is None else groups.fresh())
+        if self.slots is not None:
+            self.slots = self.slots.fresh()

@@ -118,7 +118,7 @@ class CudaBackend(Backend):
         # batch_invariant: every entry through the paged prefill kernel's invariant loop (one
         # order of a row's own key tiles); the torch fallback computes each row alone
         batch_invariant=True,
-        window_groups=True,
+        window_groups=True, state_slots=True,
         # the Triton kernels pad head_dim, head_dim_v (and the RoPE half) to a power of two of
         # at least 16 (tl.dot's minimum), masked
         head_dims=tuple(range(8, 257, 8)),
@@ -526,6 +526,20 @@ class CudaBackend(Backend):
             return self.kernels(pages_per_layer[0]).gather_kv(self.ctx, pages_per_layer, slots,
                                                               kv_scale)
 
+
+    # ------------------------------------------------------------------ state slots
+    def allocate_state(self, num_slots, shape):
+        with torch.inference_mode(False):       # written in place by later forwards
+            return torch.zeros((num_slots,) + tuple(shape), dtype=self.dtype,
+                               device=self.torch_device)
+
+    def gather_state(self, states, slots):
+        with self._guard():
+            return states.index_select(0, slots.long())        # a new tensor
+
+    def scatter_state(self, states, slots, values):
+        with self._guard():
+            states.index_copy_(0, slots.long(), values.to(states.dtype))
 
 _NO_SWITCH = contextlib.nullcontext()     # reusable: it holds no state
 _KERNEL_MODULES: dict = {}                # "torch" / "triton" -> the imported kernel module

@@ -92,7 +92,7 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
         tree_attention=True, sliding_window=True, fused_rope_append=False, inline_rope=True,
         window_left=True, rope_frequencies=True, logit_softcap=True, attention_sinks=True,
         # batch_invariant: each row alone through the ops path (_rows_alone)
-        batch_invariant=True, window_groups=True,
+        batch_invariant=True, window_groups=True, state_slots=True,
         head_dims=tuple(range(2, 1025, 2)), head_dims_v=tuple(range(2, 1025, 2)),
     )
 
@@ -605,3 +605,25 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             k, v = mx.stack(ks), mx.stack(vs)
             mx.eval(k, v)
             return k, v
+
+    # ------------------------------------------------------------------ state slots
+    def allocate_state(self, num_slots, shape):
+        with mx.stream(self.stream):
+            states = mx.zeros((num_slots,) + tuple(shape), dtype=self.dtype)
+            mx.eval(states)
+        return states
+
+    def gather_state(self, states, slots):
+        # lazy, no wait (run-ahead): the gather holds the states it read, so a later
+        # scatter cannot change it (MLX copies instead of donating a buffer still read)
+        with mx.stream(self.stream):
+            out = states[slots]
+            mx.async_eval(out)
+        return out
+
+    def scatter_state(self, states, slots, values):
+        # slice assignment rebinds this same Python object to the scatter's result (see the
+        # module docstring), so the cache's reference sees the write
+        with mx.stream(self.stream):
+            states[slots] = values.astype(states.dtype)
+            mx.async_eval(states)
