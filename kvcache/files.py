@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import struct
+import sys
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -308,6 +309,33 @@ def _pwrite(fd: int, data: memoryview, at: int) -> None:
         data, at = data[n:], at + n
 
 
+def _libc_sync_file_range():
+    """Linux's ``sync_file_range`` through ctypes (Python has no binding), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        f = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    f.restype = ctypes.c_int
+    return f
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int) -> None:
+    """Start the writeback of ``fd``'s dirty pages, not waiting for it (Linux; elsewhere
+    nothing). A saved chunk's pages go to the disk while the next are hashed: the file's
+    replacement (ext4 flushes a file renamed over another, ``auto_da_alloc``) has little left
+    to start then. Best effort: a failure is ignored (the writeback happens later)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
 def save_sequences(cache, path, seq_ids: Sequence[int], tokens: Optional[Sequence] = None,
                    fingerprint: Optional[dict] = None) -> None:
     """Write sequences ``seq_ids`` of ``cache`` to the file ``path`` (replaced whole: written
@@ -391,7 +419,8 @@ def save_sequences(cache, path, seq_ids: Sequence[int], tokens: Optional[Sequenc
 def _save_one(cache, fd: int, at: int, sid: int, h: SequencePayload, toks, ps: int,
               chains: list, writes: list):
     """Write sequence ``sid``'s K and V (header ``h``) at byte ``at`` of ``fd``, a chunk of
-    tokens at a time, each gathered once: its rows written by the io thread, its pages hashed
+    tokens at a time, each gathered once (into one of a few reused buffers where the backend
+    can: ``export_sequence_into``): its rows written by the io thread, its pages hashed
     and its rows' CRCs taken on the hashing threads, while this thread gathers the next.
     Appends its hash chain to ``chains`` and the writes to ``writes``; returns a call that
     gives its payload CRC-32 (``checksum``: the header, then K's bytes, then V's, combined
@@ -403,19 +432,40 @@ def _save_one(cache, fd: int, at: int, sid: int, h: SequencePayload, toks, ps: i
     chains.append(chain)
     ids = _ids_bytes(toks)
     step = _chunk_tokens(2 * num_layers * row, ps)
+    starts = range(0, num, step)
     small = num <= step and h.nbytes < _INLINE_BYTES        # one small chunk: no threads
     segments: list = []                 # per chunk: (its tokens, the CRC of each part)
-    pending: list = []
+    # reused buffers, one per chunk in flight (the first touch of a fresh gigabyte a gigabyte
+    # saved cost more than the gather): flat bytes, each chunk a contiguous (K/V, layers,
+    # tokens, ...) view; and per buffer the work that still reads it
+    into = getattr(getattr(cache, "payloads", None), "export_sequence_into", None)
+    dtype = np_dtype(h.array_dtype)
+    ring = [np.empty(2 * num_layers * min(step, num) * row, np.uint8)
+            for _ in range(min(_IN_FLIGHT, len(starts)) if into is not None and num else 0)]
+    held: list = [[] for _ in ring]
 
     def write(t0: int, parts: list) -> None:
         for i, (data, _) in enumerate(parts):       # layer l of K, then of V, at its place
             which, layer = divmod(i, num_layers)
             _pwrite(fd, data, at + which * half + (layer * num + t0) * row)
+        if not small:
+            _start_writeback(fd)
 
-    for t0 in range(0, num, step):
+    for c, t0 in enumerate(starts):
         t1 = min(t0 + step, num)
-        p = cache.export_sequence(sid, t0, t1)
-        k, v = _host(p.k, h.array_dtype), _host(p.v, h.array_dtype)
+        k = v = None
+        if ring:
+            for f in held[c % len(ring)]:           # the buffer's last chunk is done with
+                f.result()
+            buf = ring[c % len(ring)][:2 * num_layers * (t1 - t0) * row].view(dtype).reshape(
+                (2, num_layers, t1 - t0) + tuple(h.shape[2:]))
+            if into(sid, t0, t1, buf[0], buf[1]) is not None:
+                k, v = buf[0], buf[1]
+            else:
+                ring = []
+        if k is None:
+            p = cache.export_sequence(sid, t0, t1)
+            k, v = _host(p.k, h.array_dtype), _host(p.v, h.array_dtype)
         parts = _layer_parts(k) + _layer_parts(v)
         mine = None if ids is None else ids[4 * t0:4 * t1]
         futures = chain.add(parts, mine, t1 - t0, ps, pool=not small)
@@ -426,10 +476,14 @@ def _save_one(cache, fd: int, at: int, sid: int, h: SequencePayload, toks, ps: i
         crc = _pool().submit(_crcs, parts)
         segments.append((t1 - t0, crc))
         writes.append(_pool("io").submit(write, t0, parts))
-        pending.append(futures + [crc, writes[-1]])
-        if len(pending) >= _IN_FLIGHT:              # (bounds the chunks held meanwhile)
-            for f in pending.pop(0):
-                f.result()
+        if ring:
+            held[c % len(ring)] = futures + [crc, writes[-1]]
+        else:
+            # (bounds the chunks held meanwhile)
+            held.append(futures + [crc, writes[-1]])
+            if len(held) >= _IN_FLIGHT:
+                for f in held.pop(0):
+                    f.result()
 
     def payload_crc() -> int:
         crc = header_crc(h.header())

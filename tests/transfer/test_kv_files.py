@@ -286,3 +286,37 @@ def test_large_files_move_in_chunks_checked_the_same(tmp_path, monkeypatch, kv_d
             wide.load_sequences(bad, convert_dtype=True)
         assert wide.is_empty and wide.num_available_pages == wide.num_total_pages
         assert len(wide.load_sequences(path, convert_dtype=True)) == len(work.ids)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_into_reused_buffers_is_export_sequence(dtype):
+    """The save's gather into reused buffers (``export_sequence_into``, the reference
+    backend's ``gather_kv_into``) writes what ``export_sequence`` returns, over every kind of
+    range: whole pages in one run, pages scattered by forks and windows, a partial last page,
+    a start inside a page, an empty range. Quantized formats have no such path (None: the
+    save exports them as before) and leave the buffers alone."""
+    src = make_cache("reference", config(dtype=dtype))
+    rng = np.random.default_rng(5)
+    work = build_workload(src, rng, count=10, windows=True)
+    ps = src.config.page_size
+    src.add_sequence(1)
+    src.add_sequence(2)
+    for _ in range(3):                  # pages of 1 and 2 taken in turn: neither's in one run
+        run_forward(src, [1, 2], [ps, ps + 1], rng)
+    for sid in work.ids + [1, 2]:
+        n = src.sequence_length(sid)
+        for start, end in {(0, n), (0, n // ps * ps), (min(ps, n), n), (min(1, n), n), (n, n)}:
+            want = src.export_sequence(sid, start, end)
+            shape = (2, src.config.num_layers, end - start) + tuple(want.k.shape[2:])
+            buf = np.full(shape, 7, want.k.dtype)
+            got = src.payloads.export_sequence_into(sid, start, end, buf[0], buf[1])
+            assert got is not None and got.header() == want.header()
+            np.testing.assert_array_equal(buf[0], want.k)
+            np.testing.assert_array_equal(buf[1], want.v)
+    q = make_cache("reference", config(dtype="bfloat16", kv_dtype="int8"))
+    q.add_sequence(1)
+    run_forward(q, [1], [9], rng)
+    k = np.zeros((q.config.num_layers, 9, q.config.num_kv_heads, q.config.head_dim),
+                 src.export_sequence(work.ids[0]).k.dtype)
+    assert q.payloads.export_sequence_into(1, 0, 9, k, k.copy()) is None
+    assert not k.any()
