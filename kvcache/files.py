@@ -757,8 +757,9 @@ def _stream_one(cache, b, res, path, e, h, ks, vs, ps: int, offset: int) -> _Cha
     try:
         for c, t0 in enumerate(starts):
             t1 = min(t0 + step, num)
-            # the io thread reads ahead into the other buffers
-            for ahead in range(c, min(c + len(ring) - 1, len(starts))) if not small else ():
+            # the io thread reads ahead into the other buffers (with one buffer: this chunk)
+            for ahead in range(c, min(c + max(len(ring) - 1, 1), len(starts))) \
+                    if not small else ():
                 if ahead not in reads:
                     reads[ahead] = _pool("io").submit(read, ahead)
             buf = read(c) if small else reads.pop(c).result()

@@ -320,3 +320,19 @@ def test_export_into_reused_buffers_is_export_sequence(dtype):
                  src.export_sequence(work.ids[0]).k.dtype)
     assert q.payloads.export_sequence_into(1, 0, 9, k, k.copy()) is None
     assert not k.any()
+
+
+def test_a_file_of_one_chunk_on_the_threads_loads(tmp_path, monkeypatch):
+    """A sequence of one chunk that is not small (``_INLINE_BYTES``: hashed on the threads)
+    has one read buffer: it is read into it, hashed and loaded (it was never read: a KeyError,
+    for K of 2 to 32 MiB)."""
+    from kvcache import files
+    monkeypatch.setattr(files, "_INLINE_BYTES", 0)
+    src = make_cache("reference", config(dtype="bfloat16"))
+    src.add_sequence(1)
+    run_forward(src, [1], [13], np.random.default_rng(2))
+    path = tmp_path / "one-chunk.kv"
+    src.save_sequences(path, [1], tokens=[list(range(13))])
+    dst = make_cache("reference", config(dtype="bfloat16"))
+    (did,) = dst.load_sequences(path)
+    assert_same_kv(src, 1, dst, did)
