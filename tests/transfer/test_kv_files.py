@@ -192,10 +192,12 @@ def test_the_files_bench_runs_and_judges_its_ratios(capsys):
     assert main(["bench", "--files", "--files-mib", "1"]) == 0
     out = capsys.readouterr().out
     assert "save_sequences" in out and "load_sequences" in out and "loaded length right: True" in out
+    assert "renamed over the old as save_sequences does" in out
     assert out.count("(target >= 0.8)") == 2
     assert main(["bench", "--files", "--files-mib", "1", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["tokens"] == 8 and res["save_over_write"] > 0 and res["load_over_read"] > 0
+    assert res["replace_s"] > 0 and res["save_over_replace"] > 0
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3"])
