@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import struct
-import sys
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -309,33 +308,6 @@ def _pwrite(fd: int, data: memoryview, at: int) -> None:
         data, at = data[n:], at + n
 
 
-def _libc_sync_file_range():
-    """Linux's ``sync_file_range`` through ctypes (Python has no binding), or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        f = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int) -> None:
-    """Start the writeback of ``fd``'s dirty pages, not waiting for it (Linux; elsewhere
-    nothing). A saved chunk's pages go to the disk while the next are hashed: the file's
-    replacement (ext4 flushes a file renamed over another, ``auto_da_alloc``) has little left
-    to start then. Best effort: a failure is ignored (the writeback happens later)."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-
-
 def save_sequences(cache, path, seq_ids: Sequence[int], tokens: Optional[Sequence] = None,
                    fingerprint: Optional[dict] = None) -> None:
     """Write sequences ``seq_ids`` of ``cache`` to the file ``path`` (replaced whole: written
@@ -474,8 +446,6 @@ def _save_one(fetch, fd: int, at: int, h: SequencePayload, toks, ps: int, chains
         for i, (data, _) in enumerate(parts):       # layer l of K, then of V, at its place
             which, layer = divmod(i, num_layers)
             _pwrite(fd, data, at + which * half + (layer * num + t0) * row)
-        if not small:
-            _start_writeback(fd)
 
     for c, t0 in enumerate(starts):
         t1 = min(t0 + step, num)
