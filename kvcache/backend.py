@@ -542,6 +542,16 @@ class Backend(abc.ABC):
         Hkv, affine_row_bytes(D))`` (v: of ``Dv``), as ``append_kv(..., packed=True)`` takes
         them."""
 
+    def gather_kv_into(self, pages_per_layer: Sequence, slots: np.ndarray, k_out: np.ndarray,
+                       v_out: np.ndarray) -> bool:
+        """``gather_kv`` of a format that is not quantized, written into the host arrays
+        ``k_out`` and ``v_out`` (C-contiguous numpy arrays of its shapes, in the storage dtype)
+        instead of new arrays; ``slots``: host int32. Returns False, writing nothing, where this
+        backend has no such path (the caller then calls ``gather_kv``). The reference backend
+        has one (a KV file saved through a few reused buffers, not a fresh gigabyte a
+        gigabyte)."""
+        return False
+
     # ------------------------------------------------------------------ state slots
     def allocate_state(self, num_slots: int, shape: tuple):
         """A zeroed array of shape ``(num_slots, *shape)`` in the config's ``dtype`` on the

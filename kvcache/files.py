@@ -359,6 +359,32 @@ def save_sequences(cache, path, seq_ids: Sequence[int], tokens: Optional[Sequenc
         out = json.dumps(tensors, separators=(",", ":")).encode()
         return out + b" " * (-len(out) % 8)
 
+    def fetch(sid: int):
+        into = getattr(getattr(cache, "payloads", None), "export_sequence_into", None)
+
+        def rows(t0: int, t1: int, k_out, v_out) -> tuple:
+            if into is not None and into(sid, t0, t1, k_out, v_out) is not None:
+                return k_out, v_out
+            p = cache.export_sequence(sid, t0, t1)
+            return p.k, p.v
+        return rows
+
+    _write_streamed(path, heads, all_toks, [fetch(s) for s in ids], ps, head)
+
+
+def _write_streamed(path, heads: Sequence[SequencePayload], all_toks: Sequence, fetches,
+                    ps: int, head) -> None:
+    """Write a KV file of the sequences with header-only payloads ``heads`` (token ids
+    ``all_toks``, each list or None) at ``path`` (replaced whole: written beside it, then
+    renamed), their arrays one after another in ``heads``' order: ``fetches[i](t0, t1, k_out,
+    v_out)`` gives sequence i's K and V of tokens ``t0 .. t1-1`` (host or native arrays in its
+    ``array_dtype``, ``k_out`` / ``v_out`` themselves where it filled those reused buffers).
+    ``head(crc_of, pages_of)``: the container header (8-byte aligned JSON) for the payload
+    CRC-32 of each sequence (8 hex digits) and its hash chain (``pages``, hex)."""
+    offsets, offset = [], 0
+    for h in heads:
+        offsets.append(offset)
+        offset += h.nbytes
     # the header holds the CRCs and hashes, fixed-width hex: its length is known now, so the
     # arrays go in first, at their offsets, while the threads hash them; the header last
     n = len(head(lambda i: "0" * 8, lambda i: ["0" * 64] * -(-heads[i].num_tokens // ps)))
@@ -368,8 +394,8 @@ def save_sequences(cache, path, seq_ids: Sequence[int], tokens: Optional[Sequenc
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            crcs = [_save_one(cache, fd, 8 + n + at, sid, h, toks, ps, chains, writes)
-                    for sid, h, toks, at in zip(ids, heads, all_toks, offsets)]
+            crcs = [_save_one(fetch, fd, 8 + n + at, h, toks, ps, chains, writes)
+                    for fetch, h, toks, at in zip(fetches, heads, all_toks, offsets)]
             for w in writes:
                 w.result()
             final = head(lambda i: f"{crcs[i]():08x}", lambda i: chains[i].hexes())
@@ -388,14 +414,15 @@ def save_sequences(cache, path, seq_ids: Sequence[int], tokens: Optional[Sequenc
             os.remove(tmp)
 
 
-def _save_one(cache, fd: int, at: int, sid: int, h: SequencePayload, toks, ps: int,
-              chains: list, writes: list):
-    """Write sequence ``sid``'s K and V (header ``h``) at byte ``at`` of ``fd``, a chunk of
-    tokens at a time, each gathered once: its rows written by the io thread, its pages hashed
-    and its rows' CRCs taken on the hashing threads, while this thread gathers the next.
-    Appends its hash chain to ``chains`` and the writes to ``writes``; returns a call that
-    gives its payload CRC-32 (``checksum``: the header, then K's bytes, then V's, combined
-    from the chunks' rows)."""
+def _save_one(fetch, fd: int, at: int, h: SequencePayload, toks, ps: int, chains: list,
+              writes: list):
+    """Write a sequence's K and V (header ``h``; ``fetch``: ``_write_streamed``'s) at byte
+    ``at`` of ``fd``, a chunk of tokens at a time, each gathered once (into one of a few
+    reused buffers where the backend can): its rows written by the io thread, its pages
+    hashed and its rows' CRCs taken on the hashing threads, while this thread gathers the
+    next. Appends its hash chain to ``chains`` and the writes to ``writes``; returns a call
+    that gives its payload CRC-32 (``checksum``: the header, then K's bytes, then V's,
+    combined from the chunks' rows)."""
     num_layers, num = h.num_layers, h.num_tokens
     half = h.nbytes // 2
     row = half // (num_layers * num) if num else 0
@@ -403,19 +430,31 @@ def _save_one(cache, fd: int, at: int, sid: int, h: SequencePayload, toks, ps: i
     chains.append(chain)
     ids = _ids_bytes(toks)
     step = _chunk_tokens(2 * num_layers * row, ps)
+    starts = range(0, num, step)
     small = num <= step and h.nbytes < _INLINE_BYTES        # one small chunk: no threads
     segments: list = []                 # per chunk: (its tokens, the CRC of each part)
-    pending: list = []
+    # reused buffers, one per chunk in flight (the first touch of a fresh gigabyte a gigabyte
+    # saved cost more than the gather): flat bytes, each chunk a contiguous (K/V, layers,
+    # tokens, ...) view; and per buffer the work that still reads it (or the chunk that took
+    # its place where the backend gave arrays of its own)
+    dtype = np_dtype(h.array_dtype)
+    ring = [np.empty(2 * num_layers * min(step, num) * row, np.uint8)
+            for _ in range(min(_IN_FLIGHT, len(starts)))]
+    held: list = [[] for _ in ring]
 
     def write(t0: int, parts: list) -> None:
         for i, (data, _) in enumerate(parts):       # layer l of K, then of V, at its place
             which, layer = divmod(i, num_layers)
             _pwrite(fd, data, at + which * half + (layer * num + t0) * row)
 
-    for t0 in range(0, num, step):
+    for c, t0 in enumerate(starts):
         t1 = min(t0 + step, num)
-        p = cache.export_sequence(sid, t0, t1)
-        k, v = _host(p.k, h.array_dtype), _host(p.v, h.array_dtype)
+        for f in held[c % len(ring)]:               # the buffer's last chunk is done with
+            f.result()
+        buf = ring[c % len(ring)][:2 * num_layers * (t1 - t0) * row].view(dtype).reshape(
+            (2, num_layers, t1 - t0) + tuple(h.shape[2:]))
+        k, v = fetch(t0, t1, buf[0], buf[1])
+        k, v = _host(k, h.array_dtype), _host(v, h.array_dtype)
         parts = _layer_parts(k) + _layer_parts(v)
         mine = None if ids is None else ids[4 * t0:4 * t1]
         futures = chain.add(parts, mine, t1 - t0, ps, pool=not small)
@@ -426,10 +465,7 @@ def _save_one(cache, fd: int, at: int, sid: int, h: SequencePayload, toks, ps: i
         crc = _pool().submit(_crcs, parts)
         segments.append((t1 - t0, crc))
         writes.append(_pool("io").submit(write, t0, parts))
-        pending.append(futures + [crc, writes[-1]])
-        if len(pending) >= _IN_FLIGHT:              # (bounds the chunks held meanwhile)
-            for f in pending.pop(0):
-                f.result()
+        held[c % len(ring)] = futures + [crc, writes[-1]]
 
     def payload_crc() -> int:
         crc = header_crc(h.header())
@@ -703,8 +739,9 @@ def _stream_one(cache, b, res, path, e, h, ks, vs, ps: int, offset: int) -> _Cha
     try:
         for c, t0 in enumerate(starts):
             t1 = min(t0 + step, num)
-            # the io thread reads ahead into the other buffers
-            for ahead in range(c, min(c + len(ring) - 1, len(starts))) if not small else ():
+            # the io thread reads ahead into the other buffers (with one buffer: this chunk)
+            for ahead in range(c, min(c + max(len(ring) - 1, 1), len(starts))) \
+                    if not small else ():
                 if ahead not in reads:
                     reads[ahead] = _pool("io").submit(read, ahead)
             buf = read(c) if small else reads.pop(c).result()
@@ -779,9 +816,13 @@ def _new_ids(cache, n: int) -> list:
 def write_payloads(path, payloads: Sequence[SequencePayload], tokens: Sequence,
                    page_size: int, fingerprint: Optional[dict] = None,
                    parents: Optional[Sequence] = None, header_fields: Optional[dict] = None,
-                   entry_fields: Optional[Sequence[dict]] = None) -> None:
+                   entry_fields: Optional[Sequence[dict]] = None,
+                   fetches: Optional[Sequence] = None) -> None:
     """Write host payloads (``SequencePayload.to_numpy()``, checksummed) as a KV file at
-    ``path`` (replaced whole, as ``save_sequences`` does), one entry each. ``tokens``: per
+    ``path`` (replaced whole, as ``save_sequences`` does), one entry each; or, with
+    ``fetches``, header-only payloads whose K and V ``fetches[i](t0, t1, k_out, v_out)`` gives
+    a chunk of tokens at a time (``_write_streamed``'s: the file is written as
+    ``save_sequences`` writes one, through a few reused buffers). ``tokens``: per
     payload its token ids (a list of ``num_tokens`` ints in [0, 2**31), or None); ``page_size``:
     the hash chain's; ``fingerprint``: as ``save_sequences``'s. ``parents``: per payload None
     or the index of an earlier entry it continues: the payload's tokens follow that entry's
@@ -809,7 +850,8 @@ def write_payloads(path, payloads: Sequence[SequencePayload], tokens: Sequence,
         if clash:
             raise InvalidArgumentError(
                 f"write_payloads: {where} may not set the standard fields {clash}")
-    entries: list = []
+    all_toks: list = []
+    links: list = []                    # per entry: None or (its parent, the page at the join)
     for i, (p, toks, parent) in enumerate(zip(payloads, tokens, parents)):
         if toks is not None:
             toks = [int(t) for t in toks]
@@ -826,34 +868,42 @@ def write_payloads(path, payloads: Sequence[SequencePayload], tokens: Sequence,
                     f"write_payloads: entry {i} (tokens from {p.start}) cannot continue entry "
                     f"{parent!r}: it must be an earlier entry whose tokens reach its start, "
                     f"in whole pages of {page_size}")
-            link = [parent, entries[parent]["pages"][(p.start - up.start) // page_size - 1]]
-        entries.append({**extra[i], "payload": p.header(), "tokens": toks, "parent": link,
-                        "k": f"s{i}.k", "v": f"s{i}.v",
-                        "pages": _page_hashes(p.k, p.v, toks, page_size, _root(p.header()))})
-    header = {**(header_fields or {}), "format": FILE_FORMAT, "version": FILE_VERSION,
-              "fingerprint": fingerprint, "page_size": int(page_size), "sequences": entries}
-    tensors: dict = {}
-    offset = 0
-    for i, p in enumerate(payloads):
-        for name, a in ((f"s{i}.k", p.k), (f"s{i}.v", p.v)):
-            tensors[name] = {"dtype": _ST_DTYPES[p.array_dtype], "shape": list(a.shape),
-                             "data_offsets": [offset, offset + a.nbytes]}
-            offset += a.nbytes
-    tensors["__metadata__"] = {"kvcache": json.dumps(header, separators=(",", ":"))}
-    head = json.dumps(tensors, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            for p in payloads:
-                for a in (p.k, p.v):
-                    f.write(np.ascontiguousarray(a).view(np.uint8).data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+            link = (parent, (p.start - up.start) // page_size - 1)
+        all_toks.append(toks)
+        links.append(link)
+    heads = [dataclasses.replace(p, k=None, v=None, backend=None, device=None, checksum=None)
+             for p in payloads]
+    ps = int(page_size)
+
+    def head(crc_of, pages_of) -> bytes:
+        entries = [{**extra[i], "payload": dict(h.header(), checksum=crc_of(i)), "tokens": toks,
+                    "parent": None if link is None else [link[0], pages_of(link[0])[link[1]]],
+                    "k": f"s{i}.k", "v": f"s{i}.v", "pages": pages_of(i)}
+                   for i, (h, toks, link) in enumerate(zip(heads, all_toks, links))]
+        header = {**(header_fields or {}), "format": FILE_FORMAT, "version": FILE_VERSION,
+                  "fingerprint": fingerprint, "page_size": ps, "sequences": entries}
+        tensors: dict = {}
+        offset = 0
+        for i, h in enumerate(heads):
+            half = h.nbytes // 2
+            for name in (f"s{i}.k", f"s{i}.v"):
+                tensors[name] = {"dtype": _ST_DTYPES[h.array_dtype], "shape": list(h.shape),
+                                 "data_offsets": [offset, offset + half]}
+                offset += half
+        tensors["__metadata__"] = {"kvcache": json.dumps(header, separators=(",", ":"))}
+        out = json.dumps(tensors, separators=(",", ":")).encode()
+        return out + b" " * (-len(out) % 8)
+
+    def arrays(p: SequencePayload):
+        def rows(t0: int, t1: int, k_out, v_out) -> tuple:
+            np.copyto(k_out, p.k[:, t0:t1])
+            np.copyto(v_out, p.v[:, t0:t1])
+            return k_out, v_out
+        return rows
+
+    _write_streamed(path, heads, all_toks,
+                    list(fetches) if fetches is not None else [arrays(p) for p in payloads],
+                    ps, head)
 
 
 def read_payloads(path, config, fingerprint: Optional[dict] = None,

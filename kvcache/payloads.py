@@ -117,6 +117,19 @@ class Payloads:
         k, v = self._stored_rows(slots)
         return dataclasses.replace(header, k=k, v=v)
 
+    def export_sequence_into(self, seq_id: int, start: int, end: int, k_out: np.ndarray,
+                             v_out: np.ndarray) -> Optional[SequencePayload]:
+        """``export_sequence`` with its K and V written into the host arrays ``k_out`` and
+        ``v_out`` (C-contiguous, ``(num_layers, end-start, ...)`` in the payload's dtype), not
+        new arrays: the header-only payload, or None (nothing written) where the backend or
+        the format has no such path (``Backend.gather_kv_into``; then ``export_sequence``)."""
+        if self.packed or self.scales is not None:
+            return None
+        header, slots = self._export_range(seq_id, start, end)
+        if not self.backend.gather_kv_into(self.pages, slots, k_out, v_out):
+            return None
+        return header
+
     def export_sequences(self, seq_ids: Sequence[int], starts: Optional[Sequence[int]] = None,
                          *, layers: Optional[range] = None, run=None
                          ) -> tuple[list[SequencePayload], Array, Array]:

@@ -6,7 +6,9 @@ and checks) whose header says ``"contents": "prefix-cache"`` and whose entries a
 of the prefix index: the tokens of a cached prefix, whole pages, with their ids (a prefix
 cache finds pages by them), their extra key, and where a chain continues an earlier one
 (prefixes that share pages, a system prompt under many conversations, write those pages
-once): ``"parent": [index, that entry's page hash at the join]``.
+once): ``"parent": [index, that entry's page hash at the join]``. Saving writes it as
+``save_sequences`` writes a KV file (``files.write_payloads`` with ``fetches``): a chunk of
+pages at a time through a few reused buffers, hashed on the threads beside the writes.
 
 Loading checks all of the file first (``files.read_payloads``: bounds, header, format and
 version, fingerprint, every page hash, each payload's CRC-32 and fit, the parent links, then
@@ -20,7 +22,6 @@ chain from token 0; a partial last page is dropped).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import files
@@ -108,22 +109,36 @@ def save(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
                     for ch in chains]
     pt, fields = cache.state.pt, payload_fields(c)
     scales = None if cache.scales is None else cache.scales.for_payload()
-    payloads, tokens = [], []
+    payloads, tokens, fetches = [], [], []
     for ch in chains:
         # the holder's first ``end`` tokens are the chain's prefix: the chain's own pages
         # are its tokens ``start .. end - 1`` (a ghost has no id: read its slots directly)
         slots = pt.position_slots(pt.seqs[ch.holder], ch.start, ch.end)
-        k, v = cache.payloads._stored_rows(slots)
-        header = SequencePayload(None, None, start=ch.start, num_tokens=ch.end - ch.start,
-                                 source_length=ch.end, backend=cache.backend.name,
-                                 device=cache.backend.device, kv_scales=scales, **fields)
-        payloads.append(dataclasses.replace(header, k=k, v=v).to_numpy())
+        payloads.append(SequencePayload(None, None, start=ch.start, num_tokens=ch.end - ch.start,
+                                        source_length=ch.end, kv_scales=scales, **fields))
+        fetches.append(_rows(cache, slots))
         ids = memoryview(ch.ids).cast("q")
         tokens.append(list(ids[ch.start:ch.end]))
+    # written a chunk at a time, as save_sequences writes (files._write_streamed)
     files.write_payloads(path, payloads, tokens, c.page_size, fingerprint,
                          parents=[ch.parent for ch in chains],
-                         header_fields={"contents": CONTENTS}, entry_fields=entry_fields)
+                         header_fields={"contents": CONTENTS}, entry_fields=entry_fields,
+                         fetches=fetches)
     return sum((ch.end - ch.start) // c.page_size for ch in chains)
+
+
+def _rows(cache: "PagedKVCache", slots):
+    """``files.write_payloads``' fetch of the rows at ``slots``: tokens ``t0 .. t1-1`` of them
+    as a payload carries them (``Payloads._stored_rows``), into the reused buffers where the
+    backend can (``Backend.gather_kv_into``: formats that are not quantized)."""
+    p = cache.payloads
+    direct = not p.packed and p.scales is None
+
+    def rows(t0: int, t1: int, k_out, v_out) -> tuple:
+        if direct and cache.backend.gather_kv_into(p.pages, slots[t0:t1], k_out, v_out):
+            return k_out, v_out
+        return p._stored_rows(slots[t0:t1])
+    return rows
 
 
 # ---------------------------------------------------------------------- load

@@ -366,6 +366,34 @@ class ReferenceBackend(Backend):
             return k.astype(self.dtype), v.astype(self.dtype)
         return self._gather(pages_per_layer, slots)
 
+    def gather_kv_into(self, pages_per_layer, slots, k_out, v_out):
+        if self.config.kv_format.quantized or k_out.dtype != self.dtype \
+                or v_out.dtype != self.dtype:
+            return False
+        ps = self.config.page_size
+        slots = np.asarray(slots)
+        d, dv = self.config.head_dim, self.config.head_dim_v
+        # the tokens that fill whole pages in order (a sequence's, but for its last page) are
+        # copied a page run at a time; the rest row by row
+        full = len(slots) // ps * ps
+        pages = slots[:full:ps] // ps
+        if full and not np.array_equal(slots[:full].reshape(-1, ps),
+                                       pages[:, None] * ps + np.arange(ps)):
+            full, pages = 0, pages[:0]
+        run = len(pages) and pages[-1] - pages[0] + 1 == len(pages) \
+            and bool(np.all(np.diff(pages) == 1))
+        rest = slots[full:]
+        for layer, p in enumerate(pages_per_layer):
+            for which, out, dim in ((0, k_out, d), (1, v_out, dv)):
+                if full:
+                    # (pages, heads, page_size, dim) as (pages, page_size, heads, dim): one copy
+                    src = p[pages[0]:pages[-1] + 1, which] if run else p[pages, which]
+                    np.copyto(out[layer, :full].reshape((len(pages), ps) + out.shape[2:]),
+                              src[..., :dim].transpose(0, 2, 1, 3))
+                if len(rest):
+                    out[layer, full:] = p[rest // ps, which, :, rest % ps, :dim]
+        return True
+
     def allocate_state(self, num_slots, shape):
         return np.zeros((num_slots,) + tuple(shape), dtype=self.dtype)
 

@@ -192,10 +192,12 @@ def test_the_files_bench_runs_and_judges_its_ratios(capsys):
     assert main(["bench", "--files", "--files-mib", "1"]) == 0
     out = capsys.readouterr().out
     assert "save_sequences" in out and "load_sequences" in out and "loaded length right: True" in out
+    assert "renamed over the old as save_sequences does" in out
     assert out.count("(target >= 0.8)") == 2
     assert main(["bench", "--files", "--files-mib", "1", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["tokens"] == 8 and res["save_over_write"] > 0 and res["load_over_read"] > 0
+    assert res["replace_s"] > 0 and res["save_over_replace"] > 0
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3"])
@@ -286,3 +288,53 @@ def test_large_files_move_in_chunks_checked_the_same(tmp_path, monkeypatch, kv_d
             wide.load_sequences(bad, convert_dtype=True)
         assert wide.is_empty and wide.num_available_pages == wide.num_total_pages
         assert len(wide.load_sequences(path, convert_dtype=True)) == len(work.ids)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_into_reused_buffers_is_export_sequence(dtype):
+    """The save's gather into reused buffers (``export_sequence_into``, the reference
+    backend's ``gather_kv_into``) writes what ``export_sequence`` returns, over every kind of
+    range: whole pages in one run, pages scattered by forks and windows, a partial last page,
+    a start inside a page, an empty range. Quantized formats have no such path (None: the
+    save exports them as before) and leave the buffers alone."""
+    src = make_cache("reference", config(dtype=dtype))
+    rng = np.random.default_rng(5)
+    work = build_workload(src, rng, count=10, windows=True)
+    ps = src.config.page_size
+    src.add_sequence(1)
+    src.add_sequence(2)
+    for _ in range(3):                  # pages of 1 and 2 taken in turn: neither's in one run
+        run_forward(src, [1, 2], [ps, ps + 1], rng)
+    for sid in work.ids + [1, 2]:
+        n = src.sequence_length(sid)
+        for start, end in {(0, n), (0, n // ps * ps), (min(ps, n), n), (min(1, n), n), (n, n)}:
+            want = src.export_sequence(sid, start, end)
+            shape = (2, src.config.num_layers, end - start) + tuple(want.k.shape[2:])
+            buf = np.full(shape, 7, want.k.dtype)
+            got = src.payloads.export_sequence_into(sid, start, end, buf[0], buf[1])
+            assert got is not None and got.header() == want.header()
+            np.testing.assert_array_equal(buf[0], want.k)
+            np.testing.assert_array_equal(buf[1], want.v)
+    q = make_cache("reference", config(dtype="bfloat16", kv_dtype="int8"))
+    q.add_sequence(1)
+    run_forward(q, [1], [9], rng)
+    k = np.zeros((q.config.num_layers, 9, q.config.num_kv_heads, q.config.head_dim),
+                 src.export_sequence(work.ids[0]).k.dtype)
+    assert q.payloads.export_sequence_into(1, 0, 9, k, k.copy()) is None
+    assert not k.any()
+
+
+def test_a_file_of_one_chunk_on_the_threads_loads(tmp_path, monkeypatch):
+    """A sequence of one chunk that is not small (``_INLINE_BYTES``: hashed on the threads)
+    has one read buffer: it is read into it, hashed and loaded (it was never read: a KeyError,
+    for K of 2 to 32 MiB)."""
+    from kvcache import files
+    monkeypatch.setattr(files, "_INLINE_BYTES", 0)
+    src = make_cache("reference", config(dtype="bfloat16"))
+    src.add_sequence(1)
+    run_forward(src, [1], [13], np.random.default_rng(2))
+    path = tmp_path / "one-chunk.kv"
+    src.save_sequences(path, [1], tokens=[list(range(13))])
+    dst = make_cache("reference", config(dtype="bfloat16"))
+    (did,) = dst.load_sequences(path)
+    assert_same_kv(src, 1, dst, did)

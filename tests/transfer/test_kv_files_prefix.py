@@ -408,3 +408,31 @@ def test_an_engine_on_the_gpu_resumes_a_conversation(tmp_path, dtype):
         return _engine(model, "cuda", device="cuda", dtype=dtype, deterministic=True, **kw)
 
     _resume_checked(tmp_path, make, make, seed=11)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "float8_e4m3"])
+def test_a_prefix_cache_file_is_written_in_chunks_the_same(tmp_path, monkeypatch, kv_dtype):
+    """The prefix cache's file goes through the chunked writer of ``save_sequences``: in
+    chunks of one page on the threads it is, byte for byte, the file written in one piece,
+    and it loads into the prefix index (plain rows through the reused buffers; int8's packed
+    rows and fp8's read-back values as ``export_sequence`` gives them)."""
+    from kvcache import files
+    kw = {} if kv_dtype == "auto" else {"kv_dtype": kv_dtype}
+    src = make_cache("reference", config(dtype="bfloat16", prefix_cache=True, **kw))
+    rng = np.random.default_rng(4)
+    plain, lora = _conversations(2)
+    for sid, (tokens, extra) in enumerate([(t, None) for t in plain] + [(t, LORA) for t in lora]):
+        start = src.add_sequence(sid, tokens, extra_key=extra)
+        run_forward(src, [sid], [len(tokens) - start], rng)
+    src.remove_sequence(0)
+    whole = tmp_path / "whole.kv"
+    pages = src.prefix_cache.save(whole)
+    monkeypatch.setattr(files, "_CHUNK_BYTES", 1)          # one page a chunk
+    monkeypatch.setattr(files, "_INLINE_BYTES", 0)         # every chunk on the threads
+    path = tmp_path / "chunked.kv"
+    assert src.prefix_cache.save(path) == pages
+    assert path.read_bytes() == whole.read_bytes()
+    dst = make_cache("reference", config(dtype="bfloat16", prefix_cache=True, **kw))
+    assert dst.prefix_cache.load(path) == pages
+    for tokens in plain:
+        assert dst.match_prefix(tokens) == src.match_prefix(tokens)
