@@ -83,15 +83,15 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       cp "$OUT/tuning_table.json" backends/cuda/kvcache_cuda/tuning_table.json
       timeout ${BENCH_S:-300} python3 -m kvcache_cuda.bench --only ${BENCH_ONLY:-decode,prefill,fp8} --json "$OUT/bench55.json" 2>&1 | grep -a -v -i warn | tee "$OUT/bench55.log" | tail -40 ;;
     verify7) section "issues 55-57 (2026-11-28, seventh session): the window-groups budget row and the KV files bench alone, then correctness side by side (about 5 minutes)"
-      timeout 150 python3 tools/window_groups_budget.py cuda --device cuda --dtype bfloat16 --layers 12 --hidden 1024 \
+      timeout 80 python3 tools/window_groups_budget.py cuda --device cuda --dtype bfloat16 --layers 12 --hidden 1024 \
         --heads 8 --kv-heads 4 --head-dim 128 --window 512 --prompt 2048 --new 64 --requests 64 --batch 32 \
         --chunk 2048 --budget-tokens 16384 2>&1 | grep -a -v -i warn | tail -4
-      timeout 100 python3 -m kvcache.cli bench --files --files-dir "${FILES_DIR:-/tmp}" 2>&1 | grep -a -v -i warn | tail -8
-      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_flash.py \
+      timeout 50 python3 -m kvcache.cli bench --files --files-dir "${FILES_DIR:-/tmp}" 2>&1 | grep -a -v -i warn | tail -8
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_flash.py \
         tests/transfer/test_kv_files.py tests/transfer/test_kv_files_prefix.py tests/transfer/test_verified_moves.py \
         > "$OUT/tests7.log" 2>&1 &
-      timeout 300 python3 -m kvcache.cli conformance --backend cuda -k "WindowGroups or StateSlots" > "$OUT/conf_groups.log" 2>&1 &
-      KVCACHE_CUDA_FLASH=on timeout 330 python3 -m kvcache.cli conformance --backend cuda --jobs 6 > "$OUT/conf_flash.log" 2>&1
+      timeout 240 python3 -m kvcache.cli conformance --backend cuda -k "WindowGroups or StateSlots" > "$OUT/conf_groups.log" 2>&1 &
+      KVCACHE_CUDA_FLASH=on timeout 245 python3 -m kvcache.cli conformance --backend cuda --jobs 8 > "$OUT/conf_flash.log" 2>&1
       echo "conformance flash=on rc $?"; grep -a "verdict\|pytest:" "$OUT/conf_flash.log" | tail -3
       awk '/^  Test/ && NF == 5 && $3 != "0" {print "  failed in", $0}' "$OUT/conf_flash.log"; wait
       grep -a "verdict\|pytest:" "$OUT/conf_groups.log" | tail -3
