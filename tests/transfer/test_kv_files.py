@@ -23,7 +23,8 @@ from kvcache.errors import (CacheFullError, InvalidArgumentError, KVCacheError,
                             UnsupportedFeatureError)
 from kvcache.files import read_header
 
-from transfer_cases import assert_same_kv, build_workload, config, make_cache, run_forward, snapshot
+from transfer_cases import (assert_same_kv, build_workload, caches_here, config, make_cache,
+                            run_forward, snapshot)
 
 BACKENDS = ["reference", "cuda", "metal"]
 
@@ -45,8 +46,7 @@ def _saved(tmp_path, backend="reference", dtype="float32", count=6, seed=0):
 @pytest.mark.parametrize("src_backend", BACKENDS)
 def test_a_file_loads_on_every_backend_bit_for_bit(tmp_path, src_backend, dtype):
     src, ids, tokens, path = _saved(tmp_path, src_backend, dtype)
-    for dst_backend in BACKENDS:
-        dst = make_cache(dst_backend, config(dtype=dtype, prefix_cache=True))
+    for _, dst in caches_here(BACKENDS, lambda: config(dtype=dtype, prefix_cache=True)):
         dst.add_sequence(5)                             # ids are taken after the largest
         new = dst.load_sequences(path, fingerprint={"layers": 2, "model": "test"})
         assert new == list(range(6, 6 + len(ids)))

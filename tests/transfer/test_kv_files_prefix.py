@@ -27,8 +27,8 @@ from kvcache.errors import CacheFullError, InvalidArgumentError
 from kvcache.files import read_header
 
 from test_kv_files import BACKENDS, _saved
-from transfer_cases import (DEVICES, assert_same_kv, config, make_cache, run_forward,
-                            snapshot)
+from transfer_cases import (DEVICES, assert_same_kv, caches_here, config, make_cache,
+                            run_forward, snapshot)
 
 PS = 4
 """The caches' page size (``transfer_cases.config``)."""
@@ -80,8 +80,7 @@ def test_a_prefix_cache_loads_on_every_backend_bit_for_bit(tmp_path, src_backend
     header = read_header(path)
     assert header["contents"] == "prefix-cache"
     assert sum(e["parent"] is not None for e in header["sequences"]) == 2
-    for dst_backend in BACKENDS:
-        dst = make_cache(dst_backend, config(dtype=dtype, prefix_cache=True))
+    for _, dst in caches_here(BACKENDS, lambda: config(dtype=dtype, prefix_cache=True)):
         assert dst.prefix_cache.load(path, fingerprint={"model": "test"}) == written
         dst.manager.prefix.check()
         assert dst.num_sequences == 0 and dst.num_cached_pages == written

@@ -47,6 +47,21 @@ def make_cache(backend, cfg) -> kvcache.PagedKVCache:
         pytest.skip(str(exc))
 
 
+def caches_here(backends, cfg_of) -> list:
+    """``[(backend, cache)]`` of ``backends`` that run here (``cfg_of()`` a fresh config each):
+    a destination that cannot run is left out, not the whole test (a GPU machine without MLX
+    still loads a file on reference and on the GPU); at least two must run."""
+    out = []
+    for name in backends:
+        try:
+            out.append((name, make_cache(name, cfg_of())))
+        except pytest.skip.Exception:
+            continue
+    if len(out) < 2:
+        pytest.skip(f"fewer than two of {backends} run here")
+    return out
+
+
 def run_forward(cache, ids, lens, rng, return_output=False, qkv=None):
     """One forward appending ``lens[i]`` random tokens to ``ids[i]``; returns the outputs per
     layer as host arrays when asked. ``qkv``: per layer (q, k, v) host arrays to use."""
