@@ -323,11 +323,24 @@ def test_calls_the_library_cannot_compute_stay_on_triton():
 @needs_triton
 def test_queued_prefills_read_at_the_end():
     """Several ragged and paged calls queued before any output is read (no sync between
-    them), against the reference."""
+    them), against the reference: sequences of several lengths, of one shape (the library's
+    batch over views) and with sinks (joined after it)."""
     ref, mine, fn = _backend("float16", stand_in)
     rng = np.random.default_rng(9)
     outs, wants = [], []
+    sinks_np = np.array([0.3, -1.0, 2.0, 0.0], np.float32)
+    sinks = mine.from_numpy(sinks_np, "float32")
     for i in range(4):
+        case = cc.ragged_case(rng, ref, mine, [16 + i] * 3)
+        kw = dict(num_seqs=3, max_len=16 + i)
+        outs.append(mine.ragged_attention(case["q"], case["k"], case["v"],
+                                          cc.ints(mine, case["qo"]), 0.1, sinks=sinks, **kw)[0])
+        wants.append(ref.ragged_attention(*(cc.to_ref(ref, mine, case[x]) for x in "qkv"),
+                                          case["qo"], 0.1, sinks=sinks_np, **kw)[0])
+        pc = cc.paged_case(rng, ref, mine, [Entry(4 + i, 21)] * 2)
+        pc.depth = replace(pc.depth, max_qo_len=4 + i, uniform=True)
+        outs.append(mine.paged_attention(pc.q, pc.pages, pc.depth, 0.1)[0])
+        wants.append(ref.paged_attention(pc.ref_q, pc.ref_pages, pc.ref_depth, 0.1)[0])
         case = cc.ragged_case(rng, ref, mine, [12 + i, 30 - i])
         outs.append(mine.ragged_attention(case["q"], case["k"], case["v"],
                                           cc.ints(mine, case["qo"]), 0.1, num_seqs=2,
@@ -338,7 +351,7 @@ def test_queued_prefills_read_at_the_end():
         pc.depth = replace(pc.depth, max_qo_len=6 + i)
         outs.append(mine.paged_attention(pc.q, pc.pages, pc.depth, 0.1)[0])
         wants.append(ref.paged_attention(pc.ref_q, pc.ref_pages, pc.ref_depth, 0.1)[0])
-    assert fn.n == 8
+    assert fn.n == 16
     for o, want in zip(outs, wants):
         cc.assert_close(mine, ref, o, want)
 
