@@ -34,11 +34,25 @@ LAYOUT = {"transformers": "transformers", "integration": "integration", "preload
 # digests, gloo) is the same for every backend, so CI runs the whole scenario set on the cuda
 # backend's CPU mode and `make test-all` on the reference backend too; tensor parallelism on the
 # reference backend stays in CI through test_the_documented_torchrun_command_runs (--backend
-# reference --check: TP=2 tokens equal TP=1) and the `errors` spawn.
+# reference --check: TP=2 tokens equal TP=1) and the `errors` cases. The `errors` cases run in
+# the cuda backend's spawn, after its scenarios (tp_cases.greedy_and_errors): a spawn of their
+# own cost as much again, nearly all of it the two ranks starting.
+_SPAWNS: dict = {}
+
+
+def _spawn(backend: str) -> list:
+    """Both ranks' {"greedy": tp_cases.greedy, "errors": tp_cases.errors} on ``backend`` (one
+    spawn per backend in the session; the tests only read the results)."""
+    if backend not in _SPAWNS:
+        _SPAWNS[backend] = dtp.spawn(tp_cases.greedy_and_errors, WORLD, (backend, METHODS),
+                                     timeout_s=600)
+    return _SPAWNS[backend]
+
+
 @pytest.fixture(scope="module", params=[pytest.param("reference", marks=pytest.mark.slow), "cuda"])
 def run(request):
-    """Both ranks' results of ``tp_cases.greedy`` on one backend (one spawn per backend)."""
-    ranks = dtp.spawn(tp_cases.greedy, WORLD, (request.param, METHODS), timeout_s=300)
+    """Both ranks' results of ``tp_cases.greedy`` on one backend."""
+    ranks = [r["greedy"] for r in _spawn(request.param)]
     if "skip" in ranks[0]:
         pytest.skip(ranks[0]["skip"])
     return ranks
@@ -46,7 +60,9 @@ def run(request):
 
 @pytest.fixture(scope="module")
 def errors():
-    return dtp.spawn(tp_cases.errors, WORLD, (), timeout_s=300)
+    """Both ranks' results of ``tp_cases.errors`` (backend-independent: they build their own
+    reference-backend engines), from the cuda backend's spawn."""
+    return [r["errors"] for r in _spawn("cuda")]
 
 
 def test_tp2_greedy_tokens_equal_tp1_and_transformers(run):
