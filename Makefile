@@ -86,10 +86,12 @@ check: $(STAMP)
 
 # the tools, once each (the tests marked `tools`): mypy over the core and the backends; every
 # distribution built as `make dist` builds them, checked by twine and installed into a fresh venv;
-# the API reference rendered as `make docs` renders it
+# the API reference rendered as `make docs` renders it. They all live in tests/packaging, which
+# alone is collected (the whole suite's collection cost 20-30 s more);
+# tests/packaging/test_tools_marker_home.py (in `make test`) fails on a `tools` test elsewhere.
 build-check: $(STAMP)
 	@echo "make: mypy, every sdist and wheel (build + twine check), the API reference (mkdocs)"
-	$(PY) -m pytest -q tests -m tools
+	$(PY) -m pytest -q tests/packaging -m tools
 
 # the slow matrices too (every model family on every backend); CI runs `make test build-check`
 test-all: $(STAMP)
