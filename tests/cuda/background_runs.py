@@ -31,8 +31,13 @@ class Run:
     env: dict
     cwd: Optional[str] = None
     timeout: float = 900.0
+    needs: tuple = ()
+    """Modules the child needs (its test importorskips them): not queued where one is missing."""
     proc: Optional[subprocess.Popen] = None
     _started: float = 0.0
+    wall: Optional[float] = None
+    """Seconds from the child's start to its end (its own wall time, however long its test
+    waited), once it ended."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> bool:
@@ -52,8 +57,14 @@ class Run:
         left = self.timeout - (time.monotonic() - self._started)
         try:
             self.proc.wait(timeout=max(left, 0.001))
+            self._ended()
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def _ended(self) -> None:
+        with self._lock:
+            if self.wall is None:
+                self.wall = time.monotonic() - self._started
 
     def result(self) -> subprocess.CompletedProcess:
         """The finished child as ``subprocess.run(..., capture_output=True, text=True)`` returns
@@ -62,6 +73,7 @@ class Run:
         left = self.timeout - (time.monotonic() - self._started)
         try:
             self.proc.wait(timeout=max(left, 0.001))
+            self._ended()
         except subprocess.TimeoutExpired:
             self.kill()
             raise
@@ -81,10 +93,13 @@ RUNS: dict[str, Run] = {}
 """The registered children, by the name of the test that asserts on each."""
 
 
-def register(name: str, cmd: list, env: dict, cwd=None, timeout: float = 900.0) -> None:
+def register(name: str, cmd: list, env: dict, cwd=None, timeout: float = 900.0,
+             needs: tuple = ()) -> None:
     """Register the child of the test function ``name`` (call it where the test module is
-    imported, under the same conditions as the test's skipif)."""
-    RUNS[name] = Run(name, list(cmd), dict(env), None if cwd is None else str(cwd), timeout)
+    imported, under the same conditions as the test's skipif; ``needs``: the modules its test
+    importorskips)."""
+    RUNS[name] = Run(name, list(cmd), dict(env), None if cwd is None else str(cwd), timeout,
+                     tuple(needs))
 
 
 def result(name: str) -> subprocess.CompletedProcess:

@@ -67,23 +67,19 @@ def _register_interpreter_run(markexpr: str) -> None:
            "-m", markexpr]
     background_runs.register(INTERPRETER_TEST, cmd,
                              background_runs.clean_env(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1"),
-                             cwd=here.parent.parent, timeout=INTERPRETER_TIMEOUT_S)
+                             cwd=here.parent.parent, timeout=INTERPRETER_TIMEOUT_S,
+                             needs=("triton",))
 
 
 _QUEUE = pytest.StashKey["background_runs.Queue"]()
 
 
-def _needs_triton(name: str) -> bool:
-    return name == INTERPRETER_TEST or "TRITON_INTERPRET" in background_runs.RUNS[name].env and \
-        background_runs.RUNS[name].env["TRITON_INTERPRET"] == "1"
-
-
 def _runs_child(item) -> bool:
     if cc.INTERPRET or cc.ON_GPU or item.name not in background_runs.RUNS:
         return False               # not a spawner, or it skips itself (see their skipifs)
-    if _needs_triton(item.name):
-        return importlib.util.find_spec("triton") is not None       # their importorskip
-    return True
+    run = background_runs.RUNS[item.name]
+    needs = set(run.needs) | ({"triton"} if run.env.get("TRITON_INTERPRET") == "1" else set())
+    return all(importlib.util.find_spec(m) is not None for m in needs)     # their importorskips
 
 
 def pytest_collection_finish(session):

@@ -313,7 +313,7 @@ if not (cc.INTERPRET or cc.ON_GPU):
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
          str(Path(__file__).resolve())],
         background_runs.clean_env(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1"),
-        cwd=HERE.parent.parent, timeout=600)
+        cwd=HERE.parent.parent, timeout=600, needs=("triton",))
 
 
 @pytest.mark.skipif(cc.INTERPRET or cc.ON_GPU, reason="the spawner; it runs in CPU mode only")
