@@ -8,8 +8,9 @@ same step; head counts the ranks cannot split are refused."""
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,12 +243,22 @@ def test_spawn_reports_the_failing_rank():
         dtp.spawn(tp_cases.fail_on, WORLD, (1,), timeout_s=120)
 
 
+# background_runs.py: the torchrun command starts when collection ends and runs beside the session
+sys.path.append(str(Path(__file__).resolve().parents[1] / "cuda"))   # tests/ has no packages
+import background_runs  # noqa: E402
+
+background_runs.register(
+    "test_the_documented_torchrun_command_runs",
+    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+     "-m", "kvcache.integrations.tp", "--backend", "reference", "--check"],
+    dict(os.environ), timeout=300)
+
+
 def test_the_documented_torchrun_command_runs():
     """docs/distributed.md's command: torchrun, init() from its environment, the Engine split
     over 2 ranks, rank 0 comparing with the whole model."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "kvcache.integrations.tp", "--backend", "reference", "--check"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # the command (registered above) started when collection ended, on the second core
+    proc = background_runs.result("test_the_documented_torchrun_command_runs")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "each rank caches 2 of 4 KV heads" in proc.stdout
     assert "tokens identical to TP=1: yes" in proc.stdout
