@@ -73,6 +73,20 @@ $(DEMO_STAMP): pyproject.toml backends/cuda/pyproject.toml tools/install_torch.s
 
 # the whole suite but the tool runs (mypy, the distributions, the API reference: make build-check);
 # CI (.ci/run) runs `make test build-check`. The echo says what comes before pytest's first dot.
+# `make test` leaves out the tests marked `slow`: samples of the slow matrices stay in it, so that
+# every behaviour runs in CI at least once (pyproject's `slow` marker; `make test-all` runs all):
+# * the model families: every family once, a sample of four on cuda's CPU mode
+#   (tests/integrations/test_transformers_families.py), mlx-lm families and compile rows;
+# * the deterministic serving conditions: all of them on the reference backend, two each on the
+#   cuda backend's eager CPU mode and on mlx-lm (test_engine_deterministic.py,
+#   test_mlx_lm_deterministic.py); the graphs row;
+# * Triton through the interpreter: every kernel's indexing, fewer shapes (tests/cuda: the
+#   scenarios marked slow for the interpreter); the bad-input catalogue on the example plugin;
+#   the reference backend's TP and disaggregated spawns (the cuda CPU mode's run in CI);
+# * hypothesis state machines: each in CI, the long runs marked slow.
+# The children that a few tests/cuda tests only spawn and read (the interpreter run, conformance
+# classes on the CPU test mode) run on the second core beside the session (tests/cuda/
+# background_runs.py).
 test: $(STAMP)
 	@echo "make: running the suite (tests/; about 9 min here; collection takes 20-30 s, then a dot per test)"
 	$(PY) -m pytest -q tests -m "not slow and not tools"
@@ -86,12 +100,15 @@ check: $(STAMP)
 
 # the tools, once each (the tests marked `tools`): mypy over the core and the backends; every
 # distribution built as `make dist` builds them, checked by twine and installed into a fresh venv;
-# the API reference rendered as `make docs` renders it
+# the API reference rendered as `make docs` renders it. They all live in tests/packaging, which
+# alone is collected (the whole suite's collection cost 20-30 s more);
+# tests/packaging/test_tools_marker_home.py (in `make test`) fails on a `tools` test elsewhere.
 build-check: $(STAMP)
 	@echo "make: mypy, every sdist and wheel (build + twine check), the API reference (mkdocs)"
-	$(PY) -m pytest -q tests -m tools
+	$(PY) -m pytest -q tests/packaging -m tools
 
-# the slow matrices too (every model family on every backend); CI runs `make test build-check`
+# the slow matrices too: every test, `slow` included (every model family on every backend, every
+# serving condition on every backend, every interpreter shape); CI runs `make test build-check`
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests -m ""
 

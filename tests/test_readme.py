@@ -6,10 +6,12 @@ set-up section is the two commands.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
-import subprocess
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,17 +39,37 @@ def test_the_readme_has_its_snippets():
     assert "engine = Engine(model)" in BLOCKS[1] and "LlamaForCausalLM(" in BLOCKS[1]
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_a_python_block_runs_as_pasted(index, tmp_path):
-    pytest.importorskip("numpy")
+def _needs(index) -> tuple:
     if re.search(r"^from transformers import|^import torch", BLOCKS[index], re.M):
-        pytest.importorskip("torch")
-        pytest.importorskip("transformers")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVCACHE_PLUGINS")}
-    env.update(CUDA_VISIBLE_DEVICES="", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c",
-                           BLOCKS[index] + BACKEND], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+        return ("numpy", "torch", "transformers")
+    return ("numpy",)
+
+
+# Each block's fresh Python starts when collection ends and runs on CI's second core beside the
+# session (tests/cuda/background_runs.py; at once, in the test, where that queue does not run),
+# each in an empty folder of its own.
+sys.path.append(str(ROOT / "tests" / "cuda"))          # tests/ has no packages
+import background_runs  # noqa: E402
+
+_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVCACHE_PLUGINS")}
+_ENV.update(CUDA_VISIBLE_DEVICES="", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
+_FOLDERS = {i: tempfile.mkdtemp(prefix=f"readme-block-{i}-") for i in range(len(BLOCKS))}
+for _folder in _FOLDERS.values():          # (each test removes its own; these the deselected)
+    atexit.register(shutil.rmtree, _folder, True)
+for _i, _block in enumerate(BLOCKS):
+    background_runs.register(f"test_a_python_block_runs_as_pasted[{_i}]",
+                             [sys.executable, "-W", "error::FutureWarning", "-c", _block + BACKEND],
+                             _ENV, cwd=_FOLDERS[_i], timeout=300, needs=_needs(_i))
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_a_python_block_runs_as_pasted(index):
+    for module in _needs(index):
+        pytest.importorskip(module)
+    try:
+        proc = background_runs.result(f"test_a_python_block_runs_as_pasted[{index}]")
+    finally:
+        shutil.rmtree(_FOLDERS[index], ignore_errors=True)
     out = proc.stdout
     assert proc.returncode == 0, f"README python block {index + 1}:\n{BLOCKS[index]}\n" \
                                  f"{out[-3000:]}{proc.stderr[-5000:]}"

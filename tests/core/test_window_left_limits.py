@@ -8,7 +8,6 @@ device and cuda's CPU mode (torch kernels here, Triton kernels through the inter
 subprocess)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -101,19 +100,27 @@ def test_a_bad_window_is_a_typed_error_naming_it(backend, bad, monkeypatch):
     assert cache.sequence_length(0) == 2
 
 
+# background_runs.py: the interpreter child starts when collection ends, on CI's second core
+sys.path.append(str(Path(__file__).resolve().parents[1] / "cuda"))   # tests/ has no packages
+import background_runs  # noqa: E402
+
+if not INTERPRET:
+    background_runs.register(
+        "test_cuda_triton_kernels_under_the_interpreter",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "beyond_every_sequence or bad_window"],
+        background_runs.clean_env(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1"),
+        cwd=Path(__file__).resolve().parents[2], timeout=600, needs=("triton", "torch"))
+
+
 @pytest.mark.skipif(INTERPRET, reason="this is the spawner")
 def test_cuda_triton_kernels_under_the_interpreter():
     """The cuda rows again with the Triton kernels, through Triton's interpreter (it must be
     set before triton is imported, hence a subprocess)."""
     pytest.importorskip("triton")
     pytest.importorskip("torch")
-    env = {k: v for k, v in os.environ.items() if k not in ("KVCACHE_CUDA_IMPL",
-                                                             "KVCACHE_CUDA_TEST_DEVICE")}
-    env.update(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        __file__, "-k", "beyond_every_sequence or bad_window"],
-                       cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,
-                       text=True, timeout=600)
+    # the child (registered above) started when collection ended, on the second core
+    r = background_runs.result("test_cuda_triton_kernels_under_the_interpreter")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert "passed" in r.stdout.splitlines()[-1] and "skipped" not in r.stdout.splitlines()[-1], \
         r.stdout[-3000:]

@@ -14,31 +14,50 @@ import sys
 
 import pytest
 
+import background_runs
 import cuda_cases as cc
 
 
-def _run(env_extra: dict, device: str, full: bool = False) -> str:
+def _command(env_extra: dict, device: str, full: bool = False) -> tuple:
     env = dict(os.environ, **env_extra)
     cmd = [sys.executable, "-m", "kvcache.cli", "conformance", "--backend", "cuda", "--device",
            device, "--jobs", "1", "-k", "TestBatchInvariance"]
     if full:
         cmd.append("--full")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    return cmd, env
+
+
+def _check(r) -> str:
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     return out
 
 
+def _run(env_extra: dict, device: str, full: bool = False) -> str:
+    cmd, env = _command(env_extra, device, full)
+    return _check(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900))
+
+
+# the CPU runs' children start when collection ends, on the second core (background_runs.py)
+if not (cc.ON_GPU or cc.INTERPRET):
+    background_runs.register("test_the_torch_fallback_is_batch_invariant",
+                             *_command({"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "0"}, "cpu",
+                                       full=True))
+    background_runs.register("test_the_triton_kernels_are_batch_invariant_under_the_interpreter",
+                             *_command({"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "1"}, "cpu"))
+
+
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="the CPU test mode's torch fallback")
 def test_the_torch_fallback_is_batch_invariant():
-    out = _run({"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "0"}, "cpu", full=True)
+    out = _check(background_runs.result("test_the_torch_fallback_is_batch_invariant"))
     # every dtype and page size: two tests each
     assert "TestBatchInvariance         18       0       0        0" in out, out[-3000:]
 
 
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="a child run under the interpreter")
 def test_the_triton_kernels_are_batch_invariant_under_the_interpreter():
-    out = _run({"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "1"}, "cpu")
+    out = _check(background_runs.result(
+        "test_the_triton_kernels_are_batch_invariant_under_the_interpreter"))
     assert "TestBatchInvariance          2       0       0        0" in out, out[-3000:]
 
 

@@ -8,36 +8,49 @@ minutes, and the kernel tests (test_cuda_kernels.py) already run on NaN-poisoned
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
+import background_runs
 import cuda_cases as cc
 
 
-def _suite(env_changes, *args, cls="TestMaskedNonFinite", row=r"6\s+0\s+0\s+0"):
+def _command(env_changes, *args, cls="TestMaskedNonFinite"):
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "KVCACHE_CUDA_IMPL", "KVCACHE_CUDA_TEST_DEVICE")}
     env.update(KVCACHE_CUDA_CPU="1", **env_changes)
-    r = subprocess.run([sys.executable, "-m", "kvcache.cli", "conformance", "--backend", "cuda",
-                        "--device", "cpu", "-k", cls, *args], env=env,
-                       capture_output=True, text=True, timeout=900)
+    return [sys.executable, "-m", "kvcache.cli", "conformance", "--backend", "cuda",
+            "--device", "cpu", "-k", cls, *args], env
+
+
+def _suite(name, cls="TestMaskedNonFinite", row=r"6\s+0\s+0\s+0"):
+    # the child (_command) started when collection ended, on the second core (background_runs.py)
+    r = background_runs.result(name)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert re.search(cls + r"\s+" + row, out), out[-3000:]
     assert "verdict: CONFORMS" in out
 
 
+if not (cc.ON_GPU or cc.INTERPRET):
+    background_runs.register("test_masked_nonfinite_class_torch_kernels", *_command({}),
+                             timeout=900)
+    background_runs.register("test_masked_nonfinite_class_triton_interpreter",
+                             *_command({"TRITON_INTERPRET": "1"}, "--poison", "none"), timeout=900)
+    background_runs.register("test_quantized_class_torch_kernels",
+                             *_command({}, cls="TestQuantizedKV"), timeout=900)
+
+
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU run of the suite's class")
 def test_masked_nonfinite_class_torch_kernels():
-    _suite({})
+    _suite("test_masked_nonfinite_class_torch_kernels")
 
 
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU run of the suite's class")
 def test_masked_nonfinite_class_triton_interpreter():
     pytest.importorskip("triton")
-    _suite({"TRITON_INTERPRET": "1"}, "--poison", "none")
+    _suite("test_masked_nonfinite_class_triton_interpreter")
 
 
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="CPU run of the suite's class")
@@ -45,4 +58,4 @@ def test_quantized_class_torch_kernels():
     # fp8 pages (the format this backend declares): the quick matrix's 11 fp8 cases pass, its
     # int8 / int4 cases skip by capability (the Triton kernels run this class on a GPU, and
     # test_cuda_fp8.py under the interpreter)
-    _suite({}, cls="TestQuantizedKV", row=r"11\s+0\s+0\s+16")
+    _suite("test_quantized_class_torch_kernels", cls="TestQuantizedKV", row=r"11\s+0\s+0\s+16")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import background_runs
 import cuda_cases as cc
 
 HERE = Path(__file__).resolve().parent
@@ -56,8 +57,16 @@ def test_the_warp_uniform_prefill_kernel_compiles_for_sm90():
     sm_90 here, without a GPU (a few seconds; the opt-in check above compiles it in every
     flag combination)."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(HERE / "triton_compile_check.py"), "--uniform", "90"],
-                       cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=600)
+    # the child (registered below) started when collection ended, on the second core
+    r = background_runs.result("test_the_warp_uniform_prefill_kernel_compiles_for_sm90")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "compiled _paged_prefill_kernel" in r.stdout and "COMPILED 1" in r.stdout, r.stdout
+
+
+# background_runs.py: the compile check's child starts when collection ends (it compiles: no
+# TRITON_INTERPRET; in CPU mode only, where the queue runs)
+background_runs.register(
+    "test_the_warp_uniform_prefill_kernel_compiles_for_sm90",
+    [sys.executable, str(HERE / "triton_compile_check.py"), "--uniform", "90"],
+    {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, cwd=HERE.parent.parent,
+    timeout=600, needs=("triton",))

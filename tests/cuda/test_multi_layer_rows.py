@@ -14,9 +14,7 @@ interpreter must be set before Triton is imported). The interpreter runs every p
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import background_runs
 import cuda_cases as cc
 import kvcache
 
@@ -307,18 +306,23 @@ def test_a_reserved_import_written_in_layer_groups_reproduces_get_kv(impl, dtype
 
 
 # ---------------------------------------------------------------------- the interpreter run
+if not (cc.INTERPRET or cc.ON_GPU):
+    # background_runs.py: the child starts when collection ends and runs on the second core
+    background_runs.register(
+        "test_the_triton_kernels_pass_under_the_interpreter",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         str(Path(__file__).resolve())],
+        background_runs.clean_env(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1"),
+        cwd=HERE.parent.parent, timeout=600, needs=("triton",))
+
+
 @pytest.mark.skipif(cc.INTERPRET or cc.ON_GPU, reason="the spawner; it runs in CPU mode only")
 def test_the_triton_kernels_pass_under_the_interpreter():
     """This file's tests on the Triton kernels through Triton's interpreter, in a child pytest
     (TRITON_INTERPRET must be set before Triton is imported)."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KVCACHE_CUDA_IMPL", "KVCACHE_CUDA_TEST_DEVICE")}
-    env.update(TRITON_INTERPRET="1", KVCACHE_CUDA_CPU="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-p", "no:randomly", str(Path(__file__).resolve())],
-                       cwd=HERE.parent.parent, env=env, capture_output=True, text=True,
-                       timeout=600)
+    # the child (registered below) started when collection ended, on the second core
+    r = background_runs.result("test_the_triton_kernels_pass_under_the_interpreter")
     tail = r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0, tail
     passed = re.search(r"(\d+) passed", r.stdout)

@@ -8,8 +8,9 @@ same step; head counts the ranks cannot split are refused."""
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,11 +35,25 @@ LAYOUT = {"transformers": "transformers", "integration": "integration", "preload
 # digests, gloo) is the same for every backend, so CI runs the whole scenario set on the cuda
 # backend's CPU mode and `make test-all` on the reference backend too; tensor parallelism on the
 # reference backend stays in CI through test_the_documented_torchrun_command_runs (--backend
-# reference --check: TP=2 tokens equal TP=1) and the `errors` spawn.
+# reference --check: TP=2 tokens equal TP=1) and the `errors` cases. The `errors` cases run in
+# the cuda backend's spawn, after its scenarios (tp_cases.greedy_and_errors): a spawn of their
+# own cost as much again, nearly all of it the two ranks starting.
+_SPAWNS: dict = {}
+
+
+def _spawn(backend: str) -> list:
+    """Both ranks' {"greedy": tp_cases.greedy, "errors": tp_cases.errors} on ``backend`` (one
+    spawn per backend in the session; the tests only read the results)."""
+    if backend not in _SPAWNS:
+        _SPAWNS[backend] = dtp.spawn(tp_cases.greedy_and_errors, WORLD, (backend, METHODS),
+                                     timeout_s=600)
+    return _SPAWNS[backend]
+
+
 @pytest.fixture(scope="module", params=[pytest.param("reference", marks=pytest.mark.slow), "cuda"])
 def run(request):
-    """Both ranks' results of ``tp_cases.greedy`` on one backend (one spawn per backend)."""
-    ranks = dtp.spawn(tp_cases.greedy, WORLD, (request.param, METHODS), timeout_s=300)
+    """Both ranks' results of ``tp_cases.greedy`` on one backend."""
+    ranks = [r["greedy"] for r in _spawn(request.param)]
     if "skip" in ranks[0]:
         pytest.skip(ranks[0]["skip"])
     return ranks
@@ -46,7 +61,9 @@ def run(request):
 
 @pytest.fixture(scope="module")
 def errors():
-    return dtp.spawn(tp_cases.errors, WORLD, (), timeout_s=300)
+    """Both ranks' results of ``tp_cases.errors`` (backend-independent: they build their own
+    reference-backend engines), from the cuda backend's spawn."""
+    return [r["errors"] for r in _spawn("cuda")]
 
 
 def test_tp2_greedy_tokens_equal_tp1_and_transformers(run):
@@ -226,12 +243,22 @@ def test_spawn_reports_the_failing_rank():
         dtp.spawn(tp_cases.fail_on, WORLD, (1,), timeout_s=120)
 
 
+# background_runs.py: the torchrun command starts when collection ends and runs beside the session
+sys.path.append(str(Path(__file__).resolve().parents[1] / "cuda"))   # tests/ has no packages
+import background_runs  # noqa: E402
+
+background_runs.register(
+    "test_the_documented_torchrun_command_runs",
+    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+     "-m", "kvcache.integrations.tp", "--backend", "reference", "--check"],
+    dict(os.environ), timeout=300)
+
+
 def test_the_documented_torchrun_command_runs():
     """docs/distributed.md's command: torchrun, init() from its environment, the Engine split
     over 2 ranks, rank 0 comparing with the whole model."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "kvcache.integrations.tp", "--backend", "reference", "--check"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # the command (registered above) started when collection ended, on the second core
+    proc = background_runs.result("test_the_documented_torchrun_command_runs")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "each rank caches 2 of 4 KV heads" in proc.stdout
     assert "tokens identical to TP=1: yes" in proc.stdout

@@ -276,3 +276,9 @@ def deterministic(rank: int, world: int, backend: str) -> dict:
             at = batch.index(prompts[1])
             res[what if det else f"plain {what}"] = (tokens[at][0], lps[at][0])
     return res
+
+
+def greedy_and_errors(rank: int, world: int, backend: str, methods: tuple) -> dict:
+    """``greedy`` and then ``errors`` on the same two processes (one spawn: starting two ranks,
+    each importing torch and transformers, is most of either's time on CI's 2 cores)."""
+    return {"greedy": greedy(rank, world, backend, methods), "errors": errors(rank, world)}

@@ -20,7 +20,7 @@ import functools
 import pytest
 
 from conftest import backend_or_skip, hf_greedy, make_model, make_prompts, torch
-from engine_cases import (TARGET_NEW, assert_same_bits, prefilled_elsewhere, serve_target,
+from engine_cases import (TARGET_NEW, WAYS, assert_same_bits, prefilled_elsewhere, serve_target,
                           served_every_way)
 
 from kvcache.errors import UnsupportedFeatureError
@@ -28,10 +28,19 @@ from kvcache.integrations.transformers import Engine
 
 
 
-# the graphs row (29 s on CI's 2 cores) runs in `make test-all`; graphs stay covered in CI by
-# the deterministic plans' graph tests of the cache, and on a GPU by the test at the end
-BACKENDS = [("reference", {}), ("cuda", {"graphs": False}),
-            pytest.param("cuda", {"graphs": True}, marks=pytest.mark.slow)]
+# The conditions (engine_cases.WAYS) x the backends, sampled: CI serves the request every way on
+# the reference backend and, on the cuda backend's CPU test mode (eager), in 7-token chunks
+# beside seven others and preempted through the host tier (the backend's own copies), with the
+# prefill on another engine and the not-vacuous check; `make test-all` the other conditions on
+# cuda too, and the graphs row (29 s on CI's 2 cores). Graphs stay covered in CI by the
+# deterministic plans' graph tests of the cache, and on a GPU by the test at the end.
+CUDA_IN_CI = ("beside seven others, in 7-token chunks", "preempted through the host tier")
+CUDA_SLOW = tuple(w for w in WAYS if w not in CUDA_IN_CI)
+BACKENDS = [pytest.param("reference", {}, WAYS, id="reference"),
+            pytest.param("cuda", {"graphs": False}, CUDA_IN_CI, id="cuda-eager"),
+            pytest.param("cuda", {"graphs": False}, CUDA_SLOW, id="cuda-eager-other-ways",
+                         marks=pytest.mark.slow),
+            pytest.param("cuda", {"graphs": True}, WAYS, id="cuda-graphs", marks=pytest.mark.slow)]
 
 
 def _opts(**kw) -> dict:
@@ -44,8 +53,8 @@ def _serve(model, prompts, **kw):
     return serve_target(Engine, model, prompts, **_opts(**kw))
 
 
-@pytest.mark.parametrize("backend, extra", BACKENDS, ids=["reference", "cuda-eager", "cuda-graphs"])
-def test_a_request_gets_the_same_bits_however_it_is_served(backend, extra, monkeypatch):
+@pytest.mark.parametrize("backend, extra, ways", BACKENDS)
+def test_a_request_gets_the_same_bits_however_it_is_served(backend, extra, ways, monkeypatch):
     model = make_model("llama", seed=3)
     prompts = make_prompts(seed=13)
     target = prompts[3]                              # 128 tokens: eight pages of 16
@@ -56,7 +65,7 @@ def test_a_request_gets_the_same_bits_however_it_is_served(backend, extra, monke
     serve = functools.partial(_serve, model, **kw)
     want, _ = serve([target])
     assert want[0] == hf_greedy(model, target, TARGET_NEW)     # transformers' own greedy generation
-    assert_same_bits(served_every_way(serve, target, others), want)
+    assert_same_bits(served_every_way(serve, target, others, ways), want)
     assert prefilled_elsewhere(Engine, model, target, **_opts(**kw)) == want[:2]
     # the case is not vacuous: without the flag the batched run parts in the last bits
     plain, _ = serve([target], deterministic=False)

@@ -15,7 +15,7 @@ import functools
 import pytest
 
 from mlx_lm_cases import make_model, make_prompts, metal_cpu_or_skip, mlx_greedy
-from engine_cases import (TARGET_NEW, assert_same_bits, prefilled_elsewhere, serve_target,
+from engine_cases import (TARGET_NEW, WAYS, assert_same_bits, prefilled_elsewhere, serve_target,
                           served_every_way)
 
 from kvcache.errors import UnsupportedFeatureError  # noqa: E402
@@ -38,13 +38,23 @@ def _case(family="llama"):
     return make_model(family, seed=3), prompts[3], [p for i, p in enumerate(prompts) if i != 3][:7]
 
 
-def test_a_request_gets_the_same_bits_however_it_is_served():
+# The conditions (engine_cases.WAYS), sampled: CI serves the request in 7-token chunks beside
+# seven others and from a prefix-cache hit, with the prefill on another engine and the
+# not-vacuous check (every condition runs in CI on the transformers Engine's reference backend:
+# test_engine_deterministic.py); `make test-all` the other conditions here too.
+IN_CI = ("beside seven others, in 7-token chunks", "from a prefix-cache hit")
+
+
+@pytest.mark.parametrize("ways", [pytest.param(IN_CI, id="sampled"),
+                                  pytest.param(tuple(w for w in WAYS if w not in IN_CI),
+                                               id="other-ways", marks=pytest.mark.slow)])
+def test_a_request_gets_the_same_bits_however_it_is_served(ways):
     metal_cpu_or_skip(64)
     model, target, others = _case()
     serve = functools.partial(_serve, model)
     want, _ = serve([target])
     assert want[0] == mlx_greedy(model, target, TARGET_NEW)     # mlx-lm's own greedy generation
-    assert_same_bits(served_every_way(serve, target, others), want)
+    assert_same_bits(served_every_way(serve, target, others, ways), want)
     assert prefilled_elsewhere(Engine, model, target, **OPTS) == want[:2]
     plain, _ = serve([target], deterministic=False)
     batched, _ = serve([target] + others, deterministic=False, prefill_chunk_size=7)

@@ -35,7 +35,19 @@ def test_a_table_of_sizes_moves_each_sequence_whole():
     assert r["ratio"] == min(row["ratio"] for row in r["rows"])
 
 
-def test_cli_prints_the_ratio_and_json(capsys):
+def test_cli_prints_the_ratio_and_json(capsys, monkeypatch):
+    # one measurement (two spawned ranks, most of this test's time on 2 cores) for both forms:
+    # the table is printed from it, then the same result as --json
+    from kvcache.bench import transfer
+    measured, real_measure = [], transfer.measure
+
+    def measure_once(*args, **kw):
+        if not measured:
+            measured.append((args, kw, real_measure(*args, **kw)))
+        assert (args, kw) == measured[0][:2]           # the JSON run asks for the same sizes
+        return measured[0][2]
+
+    monkeypatch.setattr(transfer, "measure", measure_once)
     argv = ["--transfer", "--transfer-tokens", "32", "--transfer-layers", "2", "--transfer-repeat", "2"]
     assert bench_main(argv) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,136 @@
+"""The child processes of the CPU-mode spawner tests, run on CI's otherwise idle second core.
+
+Several tests here only spawn a child (a pytest under TRITON_INTERPRET=1, a `kvcache conformance`
+run) and assert on what it printed: 3-40 s each on 2 cores, most of it a core's worth of the
+child while the session's own process waits. Each of those test modules registers its child's
+command at import time (``register``); when collection ends, conftest.py starts a queue that runs
+the registered children of the selected tests one after another, in the session's order, beside
+the session's other tests (one extra core, as the interpreter run alone took before). The test
+then calls ``result(name)``: the finished child as ``subprocess.run`` returns it (text output),
+waiting for it if it still runs, or starting it at once if the queue has not reached it (or was
+never started: the test selected alone, ``--collect-only`` before). The command, its environment
+and its time limit (counted from the child's start) are the test's own, the assertions unchanged.
+A child still running when the session ends is killed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Run:
+    """One registered child: ``cmd`` run in ``cwd`` with ``env`` and ``timeout`` seconds."""
+    name: str
+    cmd: list
+    env: dict
+    cwd: Optional[str] = None
+    timeout: float = 900.0
+    needs: tuple = ()
+    """Modules the child needs (its test importorskips them): not queued where one is missing."""
+    proc: Optional[subprocess.Popen] = None
+    _started: float = 0.0
+    wall: Optional[float] = None
+    """Seconds from the child's start to its end (its own wall time, however long its test
+    waited), once it ended."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> bool:
+        """Start the child unless it was; True if this call started it."""
+        with self._lock:
+            if self.proc is not None:
+                return False
+            # files, not pipes: nobody reads the child's output until its test runs
+            self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+            self._started = time.monotonic()
+            self.proc = subprocess.Popen([str(c) for c in self.cmd], cwd=self.cwd, env=self.env,
+                                         stdout=self._out, stderr=self._err)
+            return True
+
+    def wait(self) -> None:
+        """Wait until the child ends or its limit passes (then it is killed)."""
+        left = self.timeout - (time.monotonic() - self._started)
+        try:
+            self.proc.wait(timeout=max(left, 0.001))
+            self._ended()
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def _ended(self) -> None:
+        with self._lock:
+            if self.wall is None:
+                self.wall = time.monotonic() - self._started
+
+    def result(self) -> subprocess.CompletedProcess:
+        """The finished child as ``subprocess.run(..., capture_output=True, text=True)`` returns
+        it; a child past its limit is killed and ``subprocess.TimeoutExpired`` raised."""
+        self.start()
+        left = self.timeout - (time.monotonic() - self._started)
+        try:
+            self.proc.wait(timeout=max(left, 0.001))
+            self._ended()
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        if self.proc.returncode is not None and self.proc.returncode < 0 and \
+                time.monotonic() - self._started >= self.timeout:
+            raise subprocess.TimeoutExpired(self.proc.args, self.timeout)
+        out = [f.seek(0) or f.read().decode(errors="replace") for f in (self._out, self._err)]
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, *out)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+RUNS: dict[str, Run] = {}
+"""The registered children, by the name of the test that asserts on each."""
+
+
+def register(name: str, cmd: list, env: dict, cwd=None, timeout: float = 900.0,
+             needs: tuple = ()) -> None:
+    """Register the child of the test function ``name`` (call it where the test module is
+    imported, under the same conditions as the test's skipif; ``needs``: the modules its test
+    importorskips)."""
+    RUNS[name] = Run(name, list(cmd), dict(env), None if cwd is None else str(cwd), timeout,
+                     tuple(needs))
+
+
+def result(name: str) -> subprocess.CompletedProcess:
+    """The finished child of the test ``name`` (see the module's docstring)."""
+    return RUNS[name].result()
+
+
+def clean_env(drop=("KVCACHE_CUDA_IMPL", "KVCACHE_CUDA_TEST_DEVICE"), **changes) -> dict:
+    """This process's environment without ``drop``, with ``changes``."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(changes)
+    return env
+
+
+class Queue:
+    """Runs ``runs`` one after another on a thread (a run its test started already is skipped)."""
+
+    def __init__(self, runs: list[Run]):
+        self.runs = runs
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._work, name="background-runs", daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        for run in self.runs:
+            if self._stop.is_set():
+                return
+            if run.start():
+                run.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for run in self.runs:
+            run.kill()
