@@ -22,6 +22,16 @@ class _Parked:
     pages: Optional[list]           # the hash chain (kvcache.files), None without verify
 
 
+def verify_by_default(device) -> bool:
+    """Whether a ``HostTier`` of a cache on ``device`` (a backend's ``device``: None or a
+    string such as ``"cpu"`` or ``"cuda:0"``) checks its parked copies by their hash chain when
+    ``verify`` is not given: only where the cache lives in host memory. On an accelerator the
+    parked copy is one DMA and the chain's SHA-256 pass costs about 12 times it (two H200s,
+    2026-11-28: 242 ms against 19 ms a GiB), which would undo what the tier is for; the
+    device checksums still refuse a changed byte there."""
+    return str(device or "cpu").startswith("cpu")
+
+
 class HostTier:
     """A host-memory tier under a cache: ``offload`` parks a whole idle sequence there (its
     K/V copied to host numpy arrays, the sequence removed, its pages free), ``restore``
@@ -34,19 +44,23 @@ class HostTier:
     offload waits for its device-to-host copy, which a preemption needs anyway before the freed
     pages are reused.
 
-    Checked moves: with ``verify`` (the default) ``offload`` computes the SHA-256 hash chain
+    Checked moves: with ``verify`` ``offload`` computes the SHA-256 hash chain
     of the parked copy as a KV file holds it (rooted at the payload header, over each page's
     token ids when given, K and V: ``kvcache.files``), and ``restore`` computes it again
     before anything is uploaded; a parked byte of K, V, a scale, a token id or the header that
     changed meanwhile raises ``KVCacheError`` naming the sequence and the page, and the
     sequence stays parked (nothing changes). The chain costs a pass of SHA-256 over the bytes
-    each way, on the host's hashing threads (docs/kv-files.md has the numbers);
+    each way, on the host's hashing threads (docs/kv-files.md has the numbers): about 12
+    times the copy itself where the copy is a DMA at the link's speed, so ``verify=None``
+    (the default, ``verify_by_default``) takes it only for a cache in host memory (its
+    device the CPU), not for one on an accelerator (a GPU: the Engine's preemption tier);
     ``verify=False`` leaves the device checksums alone. Those are always kept: each parked K
     and V keeps a checksum computed on the device (``Backend.checksum``), checked again on
     the device after ``restore`` uploads them (a copy changed on the way up raises
     ``KVCacheError`` too)."""
 
-    def __init__(self, cache, capacity_tokens: Optional[int] = None, *, verify: bool = True):
+    def __init__(self, cache, capacity_tokens: Optional[int] = None, *,
+                 verify: Optional[bool] = None):
         from .cache import PagedKVCache
         from .core.validate import bool_arg, int_arg
         if not isinstance(cache, PagedKVCache):
@@ -56,7 +70,8 @@ class HostTier:
             capacity_tokens = int_arg(capacity_tokens, "HostTier capacity_tokens", 0)
         self.cache = cache
         self.capacity_tokens = capacity_tokens
-        self.verify = bool_arg(verify, "HostTier verify")
+        self.verify = (verify_by_default(cache.backend.device) if verify is None
+                       else bool_arg(verify, "HostTier verify"))
         """Whether parked copies are checked by their hash chain (see the class doc)."""
         self._held: dict[int, _Parked] = {}
         self.tokens = 0

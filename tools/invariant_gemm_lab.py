@@ -21,6 +21,7 @@ SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
           "down": (4096, 14336), "lm head": (128256, 4096)}
 VARIANTS = {
     "current": None,
+    "current, no WIDE tiles": None,         # CONFIG's tiles at every row count (before WIDE)
     "64x128x64 k8 w4 s4 split<264": ((64, 128, 64, 8, 4, 4), 264),
     "64x64x64 k8 w4 s4": ((64, 64, 64, 8, 4, 4), 264),
     "64x128x64 k4 w4 s4": ((64, 128, 64, 4, 4, 4), 264),
@@ -85,6 +86,7 @@ def main() -> None:
     ws = {k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) / 64
           for k, (n, kk) in SHAPES.items()}
     base = (it.CONFIG[torch.bfloat16], it._SPLIT_BELOW)
+    wide = dict(it.WIDE)
     torch_us = {}
     for m in rows:
         for k, w in ws.items():
@@ -98,6 +100,9 @@ def main() -> None:
         for name in names:
             cfg, below = VARIANTS[name] or base
             it.CONFIG[torch.bfloat16], it._SPLIT_BELOW = cfg, below
+            it.WIDE.clear()
+            if name == "current":
+                it.WIDE.update(wide)
             for (m, k), x in inputs.items():
                 w = ws[k]
                 if rnd == 0:
@@ -128,10 +133,15 @@ def main() -> None:
             a.bench = min(decode_ratio, key=decode_ratio.get)
         cfg, below = VARIANTS[a.bench] or base
         it.CONFIG[torch.bfloat16], it._SPLIT_BELOW = cfg, below
+        it.WIDE.clear()
+        if a.bench == "current":
+            it.WIDE.update(wide)
         print(f"# kvcache bench --serving --deterministic with {a.bench}", flush=True)
         from kvcache.cli import main as cli
         cli(["bench", "--serving", "--model", "llama", "--skip", "b,c", "--deterministic"])
     it.CONFIG[torch.bfloat16], it._SPLIT_BELOW = base
+    it.WIDE.clear()
+    it.WIDE.update(wide)
     if a.breakdown:
         import subprocess
         import sys

@@ -219,18 +219,22 @@ def _same_bits(cache, sid: int, device: str, dist, torch) -> bool:
 
 
 def _host_tier(cache, sid: int, sync, device: str, repeat: int) -> dict:
-    """Offload and restore of sequence ``sid`` (``HostTier``, checksums kept) against a
-    pinned ``copy_`` of the same bytes each way (a numpy copy on a CPU)."""
+    """Offload and restore of sequence ``sid`` (``HostTier`` as built by default: the device
+    checksums kept, the hash chain where ``verify_by_default`` says) against a pinned ``copy_``
+    of the same bytes each way (a numpy copy on a CPU); and, apart, with the hash chain on
+    (``verify=True``: ``chained_*``, two repeats)."""
     import numpy as np
     import torch
 
     import kvcache
     nbytes = cache.sequence_length(sid) * cache.config.token_kv_bytes
     tier = kvcache.HostTier(cache)
+    chained = kvcache.HostTier(cache, verify=True)
     gpu = device != "cpu"
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
-    times: dict = {"offload": [], "restore": [], "d2h": [], "h2d": []}
+    times: dict = {"offload": [], "restore": [], "d2h": [], "h2d": [], "chained_offload": [],
+                   "chained_restore": []}
 
     def timed(name, fn):
         sync()
@@ -248,11 +252,15 @@ def _host_tier(cache, sid: int, sync, device: str, repeat: int) -> dict:
             a, b = np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8)
             timed("d2h", lambda: np.copyto(a, b))
             timed("h2d", lambda: np.copyto(b, a))
+    for _ in range(3):
+        timed("chained_offload", lambda: chained.offload(sid))
+        timed("chained_restore", lambda: chained.restore(sid))
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     return dict(host_tier=True, tokens=cache.sequence_length(sid), bytes=nbytes,
                 offload_s=med["offload"], restore_s=med["restore"], d2h_s=med["d2h"],
                 h2d_s=med["h2d"], offload_ratio=med["d2h"] / med["offload"],
-                restore_ratio=med["h2d"] / med["restore"])
+                restore_ratio=med["h2d"] / med["restore"], verify=tier.verify,
+                chained_offload_s=med["chained_offload"], chained_restore_s=med["chained_restore"])
 
 
 def measure(device: str, backend: str, tokens, layers: int, repeat: int,
@@ -327,10 +335,14 @@ def main(args) -> int:
           f"{'yes' if all(row['bit_exact'] for row in r['rows']) else 'NO'}")
     h = r["host_tier"]
     copy = "pinned copy_" if device == "cuda" else "numpy copy"
-    print(f"  host tier ({h['bytes'] / 2**20:.1f} MiB, checksums kept): offload "
+    print(f"  host tier ({h['bytes'] / 2**20:.1f} MiB, device checksums kept, hash chain "
+          f"{'on' if h.get('verify') else 'off'} by default here): offload "
           f"{h['offload_s'] * 1e3:.3f} ms against a {copy} to host {h['d2h_s'] * 1e3:.3f} ms "
           f"({h['offload_ratio']:.2f}); restore {h['restore_s'] * 1e3:.3f} ms against "
           f"{h['h2d_s'] * 1e3:.3f} ms ({h['restore_ratio']:.2f})")
+    if "chained_offload_s" in h:
+        print(f"  (with the hash chain, verify=True: offload {h['chained_offload_s'] * 1e3:.3f} ms,"
+              f" restore {h['chained_restore_s'] * 1e3:.3f} ms)")
     low = min(h["offload_ratio"], h["restore_ratio"])
     print(f"target: host tier / {copy}, smallest ratio {low:.2f} (target >= {TARGET}) "
           f"{'met' if low >= TARGET else 'MISSED'}")

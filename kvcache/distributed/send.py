@@ -116,10 +116,10 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     else:
         per = layers_per_message(c.num_layers, hint,
                                  MESSAGE_BYTES if message_bytes is None else int(message_bytes))
-    # every check made before any message; the first message's layers gathered now (inside
-    # a forward: none, each group once the forward has written it)
-    headers, k, v = cache.export_sequences(ids, starts,
-                                           layers=range(0, 0) if streamed else range(0, per))
+    # every check made before any message, the headers alone: the head leaves before any
+    # gather is queued, so the receiver checks it and reserves its pages while this side
+    # gathers (inside a forward each group goes once the forward has written it)
+    headers, _, _ = cache.export_sequences(ids, starts, layers=range(0, 0))
     ids_sent = _token_lists(tokens, ids, headers)
     total = sum(h.num_tokens for h in headers)
     nbytes = total * row_bytes
@@ -150,9 +150,8 @@ def send_sequence(cache, seq_ids, dst: int, group: Any = None, *,
     sums, messages = [], []
     for first in range(0, c.num_layers if total else 0, per):
         # each message's layers are gathered while the last message is on the wire
-        if first:
-            _, k, v = cache.export_sequences(ids, starts,
-                                             layers=range(first, min(first + per, c.num_layers)))
+        _, k, v = cache.export_sequences(ids, starts,
+                                         layers=range(first, min(first + per, c.num_layers)))
         messages.append(_group_message(torch, k, v, transport))
         _post_send(handle, messages[-1], dst, group)
         sums.append(_sums(torch, handle._buffers[-1], cache.backend))

@@ -8,8 +8,9 @@ prompt chunk several times slower. These kernels fix the arithmetic instead:
 
 * ``matmul`` (``a @ b + bias``): a row's output is, per column, the float32 sum over ``K`` in
   chunks of ``CHUNK`` columns, each chunk a fresh ``tl.dot`` accumulation over ``BLOCK_K``
-  tiles, the chunks added in order to a zero accumulator, then the bias. Tile sizes, warps and
-  chunk size depend on the dtype only, never on ``M``. Few output tiles (a decode step) compute
+  tiles, the chunks added in order to a zero accumulator, then the bias. The chunk size depends
+  on the dtype only, never on ``M``; the output tiles may (``WIDE`` for a prompt chunk's many:
+  the same partials added in the same order). Few output tiles (a decode step) compute
   the chunks in separate programs (split-K) and a second kernel adds them in the same order;
   many tiles (a prompt chunk) add them in the program. Both orders are the same additions of
   the same partials, so the choice, which does depend on ``M``, does not change a bit (the
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["matmul", "row_reduce", "row_softmax", "row_cumsum", "CONFIG"]
+__all__ = ["matmul", "row_reduce", "row_softmax", "row_cumsum", "CONFIG", "WIDE"]
 
 CONFIG = {
     # dtype: (BLOCK_M, BLOCK_N, BLOCK_K, KSTEPS, num_warps, num_stages); CHUNK = BLOCK_K * KSTEPS
@@ -38,7 +39,18 @@ CONFIG = {
     torch.bfloat16: (64, 128, 64, 8, 4, 4),
     torch.float32: (64, 64, 32, 16, 4, 3),
 }
-"""The fixed tiles of ``matmul`` per input dtype (never per shape: that is the invariance)."""
+"""The fixed tiles of ``matmul`` per input dtype: the chunk (``BLOCK_K``, ``KSTEPS``) never
+depends on the shape, which is the invariance."""
+
+WIDE = {
+    torch.float16: (128, 128, 64, 8, 8, 3),
+    torch.bfloat16: (128, 128, 64, 8, 8, 3),
+}
+"""Larger output tiles for a product with many of them (a prompt chunk): the same ``BLOCK_K``
+and ``KSTEPS`` as ``CONFIG``'s row, so each output is the same sums of the same partials in the
+same order and the bits are ``CONFIG``'s (every 64-column-step, 512-column-chunk variant gave
+equal bits on the H200: tools/invariant_gemm_lab.py --equal); only the weights are read fewer
+times. Taken when the wide tiles alone fill a wave of the GPU (see ``matmul``)."""
 
 _SPLIT_BELOW: int | None = None
 """``matmul`` computes the chunks in separate programs while the output has fewer tiles than
@@ -125,13 +137,15 @@ def _sm_count(index: int) -> int:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-           split: bool | None = None) -> torch.Tensor:
+           split: bool | None = None, wide: bool | None = None) -> torch.Tensor:
     """``a @ b (+ bias)`` with the fixed arithmetic of the module doc.
 
     a: (M, K); b: (K, N) (any strides: a linear layer's weight ``w`` (N, K) passes ``w.T``);
     bias: None, (N,) or (M, N), added after the sum. Inputs of one dtype (float16, bfloat16,
     float32; float32 without TF32). Returns (M, N) in that dtype. ``split`` forces the split-K
-    or the in-program order (tests; None: by the tile count)."""
+    or the in-program order, ``wide`` the ``WIDE`` tiles or ``CONFIG``'s (tests; None: by the
+    tile count: split-K below a wave of ``CONFIG`` tiles, ``WIDE`` tiles from a wave of
+    them on)."""
     m, k = a.shape
     n = b.shape[1]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -140,13 +154,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     bm, bn, bk, ksteps, warps, stages = CONFIG[a.dtype]
     chunks = triton.cdiv(k, bk * ksteps)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    below = 0
+    if a.is_cuda and (split is None or wide is None):
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        below = _SPLIT_BELOW or _sm_count(index)
     if split is None:
-        if not a.is_cuda:
-            below = 0
-        else:
-            index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-            below = _SPLIT_BELOW or _sm_count(index)
         split = chunks > 1 and tiles < below
+    if wide is None:
+        # (not below a wide tile's rows: a decode step's LM head has a wave of wide tiles
+        # but would compute half of each for nothing, 1.42x cuBLAS against 0.92x narrow)
+        wide = (not split and a.dtype in WIDE and below > 0 and m >= WIDE[a.dtype][0]
+                and triton.cdiv(m, WIDE[a.dtype][0]) * triton.cdiv(n, WIDE[a.dtype][1]) >= below)
+    if wide and not split and a.dtype in WIDE:
+        bm, bn, bk, ksteps, warps, stages = WIDE[a.dtype]
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if bias is None:
         bias_t, sbias = out, (0, 0)
     else:

@@ -117,3 +117,28 @@ def test_what_the_kernels_do_not_take_runs_as_it_is():
     with _mode():
         got = ops()
     assert all(torch.equal(a, b) for a, b in zip(got, ops()))
+
+
+@pytest.mark.parametrize("dtype", [d for d in cc.DTYPES if d != "float32"])
+def test_wide_tiles_give_the_narrow_tiles_bits(dtype):
+    """A prompt chunk's many output tiles take ``WIDE`` tiles (the same chunk, larger M and N):
+    every output the same partials added in the same order, so on the GPU the bits equal the
+    narrow tiles' split and unsplit, and a row among 2,048 (wide by the tile count) equals the
+    row alone (split-K). Under the interpreter the indexing is checked (close to the narrow
+    result: its float32 dot is numpy's, whose blocking may follow the tile)."""
+    from kvcache.integrations.invariant_triton import matmul
+    shapes = ((300, 1030, 130), (5, 64, 16)) if cc.ON_GPU else ((70, 600, 130), (5, 64, 16))
+    for m, k, n in shapes:
+        x, w, b = _inputs(dtype, m, k, n, seed=m + 1)
+        for bias in (None, b):
+            wide = matmul(x, w.T, bias, split=False, wide=True)
+            for split in (False, True):
+                narrow = matmul(x, w.T, bias, split=split, wide=False)
+                if cc.ON_GPU:
+                    assert torch.equal(wide, narrow), (m, k, n, split, bias is None)
+                else:
+                    err = (wide.double() - narrow.double()).abs().max().item()
+                    assert err <= TOL[dtype] * (narrow.double().abs().max().item() + 1)
+    if cc.ON_GPU:       # by the tile count: 2,048 x 4,096 outputs are wide, one row is split
+        x, w, b = _inputs(dtype, 2048, 1024, 4096, seed=9)
+        assert torch.equal(matmul(x, w.T, b)[700], matmul(x[700:701], w.T, b)[0])

@@ -228,3 +228,32 @@ def test_user_loop_with_fused_rope():
 def _fields(cfg):
     import dataclasses
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def test_the_rotary_is_proven_once_not_at_every_step():
+    """fused_rope is entered at every step: it probed the rotary on the device each time (a
+    host sync, which held the host to the GPU: about half of each step idle on the H200) and
+    walked every module. Now the proof is kept per model while ``inv_freq`` is the same
+    tensor unchanged; a changed ``inv_freq`` is probed again and refused."""
+    model, prompts, greedy = rope_case("plain")
+    emb = model.model.rotary_emb
+    probes = []
+    handle = emb.register_forward_hook(lambda m, a, out: probes.append(1))
+    try:
+        out = Engine(model, backend="reference", max_total_tokens=8192,
+                     rope="cache").generate(prompts[:2], max_new_tokens=6)
+        assert [o[0] for o in out] == [g[:6] for g in greedy[:2]]
+        cache = kvcache.PagedKVCache(kvt.cache_config(model, rope="cache", max_total_tokens=256),
+                                     backend="reference")
+        forwards = len(probes)          # the model's own calls (one a step) and the probes
+        for _ in range(3):
+            with kvt.fused_rope(model, cache):
+                pass
+        assert len(probes) == forwards          # no probe: the proof was kept
+        with torch.no_grad():
+            emb.inv_freq.mul_(1.5)              # in place: the proof no longer holds
+        with pytest.raises(kvcache.UnsupportedFeatureError, match="inv_freq"):
+            with kvt.fused_rope(model, cache):
+                pass
+    finally:
+        handle.remove()

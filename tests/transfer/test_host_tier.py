@@ -148,3 +148,15 @@ def test_the_device_checksum_is_the_host_one(nbytes):
     if nbytes >= 1024:                                 # two 64-word rows exchanged
         swapped[:512], swapped[512:1024] = data[512:1024].copy(), data[:512].copy()
         assert checksum_words(swapped)[1] != checksum_words(data)[1]
+
+
+def test_the_hash_chain_is_on_by_default_in_host_memory_and_off_on_an_accelerator():
+    """On the H200 pair the chain made offload and restore of 1 GiB 12x a pinned copy (0.08
+    of it, issue 50's host tier target is 0.8): the default keeps it for caches in host
+    memory only; the device checksums stay everywhere."""
+    from kvcache.host_tier import verify_by_default
+    assert verify_by_default(None) and verify_by_default("cpu")
+    assert not verify_by_default("cuda:0") and not verify_by_default("gpu")
+    cache = kvcache.PagedKVCache(config(), backend="reference")
+    assert kvcache.HostTier(cache).verify
+    assert not kvcache.HostTier(cache, verify=False).verify

@@ -86,7 +86,7 @@ def test_a_flipped_byte_in_a_parked_sequence_is_refused_and_nothing_changes(kv_d
     cache.add_sequence(1)
     run_forward(cache, [1], [len(IDS)], np.random.default_rng(3))
     twin.import_sequence(1, cache.export_sequence(1))
-    tier = HostTier(cache)
+    tier = HostTier(cache, verify=True)
     assert tier.verify and tier.offload(1, tokens=IDS) == len(IDS)
     payload = tier.parked(1)
     before, held = _states(cache), tier.tokens
@@ -143,7 +143,7 @@ def test_the_chain_is_checked_before_the_upload_on_every_backend(backend):
     cache = _cache("auto", backend=backend)
     cache.add_sequence(1)
     run_forward(cache, [1], [len(IDS)], np.random.default_rng(4))
-    tier = HostTier(cache)
+    tier = HostTier(cache, verify=True)
     tier.offload(1)
     uploads = []
     real = cache.backend.from_host
@@ -178,7 +178,7 @@ def test_offload_refuses_token_ids_that_do_not_fit_and_changes_nothing():
     cache = _cache("auto")
     cache.add_sequence(1)
     run_forward(cache, [1], [len(IDS)], np.random.default_rng(6))
-    tier = HostTier(cache)
+    tier = HostTier(cache, verify=True)
     before = snapshot(cache)
     with pytest.raises(kvcache.InvalidArgumentError,
                        match="sequence 1 holds 11 tokens, its token ids list 10"):

@@ -53,6 +53,31 @@ def _check_rope(rope: str) -> str:
     return rope
 
 
+# model -> (its rotary module, the layers with a layer_idx, {inv_freq's (pointer, version):
+# model_rotary's result}): fused_rope is entered once a step, and walking the modules and
+# probing the rotary on the device (a host sync: it stopped the host from running ahead of
+# the GPU, about half of each step idle on the H200) then cost more than the step itself
+_PROVEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _proven(model) -> tuple:
+    """``(rotary module, layers, model_rotary(model))``, the proof kept while the rotary's
+    ``inv_freq`` is the same tensor unchanged (its data pointer and in-place version)."""
+    held = _PROVEN.get(model)
+    if held is None:
+        layers = [m for m in model.modules() if getattr(m, "layer_idx", None) is not None]
+        fresh: dict = {}
+        held = _PROVEN[model] = (_rotary_module(model), layers, fresh)
+    emb, layers, results = held
+    freq = emb.inv_freq
+    key = (freq.data_ptr(), freq._version, getattr(emb, "rope_type", None),
+           float(getattr(emb, "attention_scaling", 1.0)))
+    if key not in results:
+        results.clear()
+        results[key] = model_rotary(model)
+    return emb, layers, results[key]
+
+
 def model_rotary(model) -> tuple:
     """``(inv_freq, rotary_dim)`` of the model's rotary embedding, once proven standard:
     ``inv_freq`` (R/2,) float64 (R: the rotated dims), ``rotary_dim`` R when R < head_dim
@@ -162,13 +187,15 @@ def fused_rope(model, cache):
 
     ``cache``: built with ``cache_config(model, rope="cache")`` (``rope_mode="normal"``, the
     model's ``inv_freq`` and rotary dim). Checks that the model's rotary is standard
-    (``model_rotary``) and that the cache rotates with exactly its frequencies, then makes the
+    (``model_rotary``; proven once per model and ``inv_freq`` tensor, the model's modules read
+    at its first block: change its modules after that and build a new Engine) and that the
+    cache rotates with exactly its frequencies, then makes the
     model's rotary embedding return cos=1, sin=0 (a forward hook, removed on exit), skips the
     layers' ``apply_rotary_pos_emb`` (the identity at cos=1, sin=0: ``_skip_rotation``) and
     lets the ``"kvcache"`` attention of the model's layers accept this cache. Raises
     ``UnsupportedFeatureError`` (a rotary the cache cannot reproduce) or
     ``InvalidArgumentError`` (a cache whose RoPE differs from the model's)."""
-    inv_freq, rot = model_rotary(model)
+    emb, layers, (inv_freq, rot) = _proven(model)
     cfg = cache.config
     spec_rot = cfg.rope_rotary_dim if cfg.rope_rotary_dim != cfg.head_dim else 0
     same = (cfg.effective_rope_mode == "normal" and cfg.rope_scale == 1.0 and spec_rot == rot
@@ -181,10 +208,9 @@ def fused_rope(model, cache):
             f"values) does not rotate exactly as the model ({len(inv_freq)} inverse "
             f"frequencies, rotary dim {rot or 'all'}); build it with "
             f"cache_config(model, rope='cache')")
-    layers = [m for m in model.modules() if getattr(m, "layer_idx", None) is not None]
     if any(m in _FUSED for m in layers):
         raise InvalidArgumentError("fused_rope: the model is already inside a fused_rope block")
-    handle = _rotary_module(model).register_forward_hook(_unrotated)
+    handle = emb.register_forward_hook(_unrotated)
     _skip_rotation(layers)
     global _SKIPPED_BLOCKS
     token = _ROTATION_SKIPPED.set(True)
