@@ -3,7 +3,7 @@
 variants; then (``--breakdown``) where a deterministic decode step's GPU time goes.
 
     python tools/invariant_gemm_lab.py [--rows 1,64,512,2048] [--variants all|current]
-        [--breakdown] [--equal] [--rounds 3] [--bench VARIANT]
+        [--breakdown] [--equal] [--wide] [--rounds 3] [--bench VARIANT]
 
 Each variant is a (BLOCK_M, BLOCK_N, BLOCK_K, KSTEPS, warps, stages) row of ``CONFIG`` for
 bfloat16 and a split threshold; every variant is itself batch-invariant (fixed for all shapes),
@@ -38,6 +38,57 @@ VARIANTS = {
     "64x128x64 k16 w4 s4 split<132": ((64, 128, 64, 16, 4, 4), 132),
     "64x128x64 k8 w4 s4 split<132": ((64, 128, 64, 8, 4, 4), 132),
 }
+
+
+WIDE_VARIANTS = {
+    # WIDE's row candidates (prompt chunks): the chunk (64-column steps, 8 a chunk) kept
+    "wide 128x128 w8 s3": (128, 128, 64, 8, 8, 3),
+    "wide 128x256 w8 s3": (128, 256, 64, 8, 8, 3),
+    "wide 256x128 w8 s3": (256, 128, 64, 8, 8, 3),
+    "wide 128x128 w4 s4": (128, 128, 64, 8, 4, 4),
+    "wide 128x256 w8 s4": (128, 256, 64, 8, 8, 4),
+    "wide 128x128 w8 s4": (128, 128, 64, 8, 8, 4),
+}
+
+
+def wide_table(rows: list, rounds: int) -> None:
+    """Each ``WIDE_VARIANTS`` row as ``WIDE``'s (forced wide) against torch ``linear``, and
+    its bits against ``CONFIG``'s tiles."""
+    from kvcache_cuda.bench_kit import Timer
+    timer = Timer(torch, torch.device("cuda"), 20, 0)
+    timer.iters = 20
+    ws = {k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) / 64
+          for k, (n, kk) in SHAPES.items()}
+    xs = {(m, k): torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+          for m in rows for k, w in ws.items()}
+    ref = {key: torch.nn.functional.linear(x, ws[key[1]]) for key, x in xs.items()}
+    torch_us = {key: timer._median(lambda: torch.nn.functional.linear(x, ws[key[1]]))
+                for key, x in xs.items()}
+    base = dict(it.WIDE)
+    times: dict = {}
+    for rnd in range(rounds + 1):
+        for name, cfg in WIDE_VARIANTS.items():
+            it.WIDE[torch.bfloat16] = cfg
+            for key, x in xs.items():
+                w = ws[key[1]]
+                if rnd == 0:
+                    got = it.matmul(x, w.T, wide=True, split=False)
+                    same = torch.equal(got, it.matmul(x, w.T, wide=False, split=False))
+                    times[name, key] = [same, float((got.float() - ref[key].float()).abs().max())]
+                    continue
+                times[name, key].append(timer._median(
+                    lambda: it.matmul(x, w.T, wide=True, split=False)))
+    it.WIDE.clear()
+    it.WIDE.update(base)
+    print(f"# wide tiles / torch linear (median of {rounds} rounds); 'bits' against CONFIG's")
+    for name in WIDE_VARIANTS:
+        line, same = [], True
+        for key in xs:
+            eq, err, *ts = times[name, key]
+            same = same and eq
+            us = sorted(ts)[len(ts) // 2]
+            line.append(f"{key[1]}@{key[0]} {us / torch_us[key]:.2f}")
+        print(f"{name:<22} bits {'same' if same else 'DIFFER'} | " + "; ".join(line))
 
 
 def equal_bits() -> None:
@@ -75,7 +126,11 @@ def main() -> None:
     p.add_argument("--bench", default=None, metavar="VARIANT",
                    help="then the serving bench's (a) and (d) in this process with that variant "
                         "('best': the lowest summed time at 64 rows)")
+    p.add_argument("--wide", action="store_true", help="only the WIDE_VARIANTS table")
     a = p.parse_args()
+    if a.wide:
+        wide_table([int(r) for r in a.rows.split(",")], a.rounds)
+        return
     if a.equal:
         equal_bits()
         return
