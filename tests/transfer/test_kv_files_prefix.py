@@ -162,6 +162,104 @@ def test_a_file_of_sequences_with_ids_loads_as_cached_prefixes(tmp_path):
         dst.load_prefix_cache(mixed)
 
 
+def _counting(monkeypatch, cache) -> tuple:
+    """(token rows read from KV files, pages reserved by ``cache``'s imports), as they grow."""
+    from kvcache import files
+    c = cache.config
+    row = c.num_kv_heads * c.head_dim * 4               # one token's row of one layer, float32
+    read, reserved = [], []
+    pread = files._pread
+
+    def counted(path, fd, out, at):
+        read.append(len(out) // row)
+        return pread(path, fd, out, at)
+
+    reserve = cache.reserve_import
+
+    def counted_reserve(items, convert_dtype=False):
+        res = reserve(items, convert_dtype)
+        reserved.append(res.num_pages)
+        return res
+    monkeypatch.setattr(files, "_pread", counted)
+    monkeypatch.setattr(cache, "reserve_import", counted_reserve)
+    return read, reserved
+
+
+def test_a_load_reads_and_writes_only_what_the_index_lacks(tmp_path, monkeypatch):
+    """Issue 57: a chain whose first pages the prefix index holds goes on from them. Where
+    the index's copy hashes to the file's page hashes, those pages are neither read from the
+    file nor written again; the cache ends as one that loaded the file alone, bit for bit,
+    holding no page twice. Where the index's copy differs (computed here), the file's pages
+    are read and checked but not written: the index keeps its copy, and a flipped byte there
+    is refused with nothing changed."""
+    src, plain, lora = _filled("reference")
+    system, whole = tmp_path / "system.kv", tmp_path / "all.kv"
+    assert src.save_prefix_cache(system, prefixes=[plain[0][:12]]) == 3
+    written = src.save_prefix_cache(whole)
+    alone = make_cache("reference", config(prefix_cache=True))
+    assert alone.load_prefix_cache(whole) == written == 15
+    layers = src.config.num_layers
+
+    dst = make_cache("reference", config(prefix_cache=True))
+    assert dst.load_prefix_cache(system) == 3
+    read, reserved = _counting(monkeypatch, dst)
+    assert dst.load_prefix_cache(whole) == written - 3
+    # the 12 pages it lacked, each read once (K and V, each layer) and reserved once: the
+    # first chain's fourth page, the second's three, the third's three (forked from the
+    # second's) and the extra key's five (the file holds whole pages)
+    assert sum(read) == 2 * layers * 12 * PS and reserved == [12]
+    assert dst.num_available_pages == alone.num_available_pages == dst.num_total_pages
+    assert dst.num_cached_pages == alone.num_cached_pages == written
+    convs = [(t, None) for t in plain] + [(t, LORA) for t in lora]
+    for i, (tokens, extra) in enumerate(convs):
+        want = alone.match_prefix(tokens, extra_key=extra)
+        assert want == src.match_prefix(tokens, extra_key=extra)
+        assert dst.add_sequence(10 + i, tokens[:want + 1], extra_key=extra) == want
+        assert alone.add_sequence(10 + i, tokens[:want + 1], extra_key=extra) == want
+        assert_same_kv(alone, 10 + i, dst, 10 + i)
+        dst.remove_sequence(10 + i)
+    dst.manager.prefix.check()
+    # a second time: nothing read, nothing reserved
+    del read[:], reserved[:]
+    assert dst.load_prefix_cache(whole) == 0 and read == [] and reserved == []
+
+    # the index holds the first conversation computed here: other K/V under the same ids
+    here = make_cache("reference", config(prefix_cache=True))
+    here.add_sequence(1, plain[0])
+    run_forward(here, [1], [len(plain[0])], np.random.default_rng(9))
+    mine = [kvcache.to_numpy(a) for a in here.get_kv(1, 0, 16)]
+    here.remove_sequence(1)
+    read, reserved = _counting(monkeypatch, here)
+    bad = bytearray(whole.read_bytes())
+    (n,) = struct.unpack("<Q", bad[:8])
+    first = json.loads(bad[8:8 + n])
+    k0 = first["s0.k"]["data_offsets"][0]
+    assert json.loads(first["__metadata__"]["kvcache"])["sequences"][0]["tokens"] == plain[0][:16]
+    bad[8 + n + k0 + 5] ^= 0x08                 # a byte of the first chain's K, page 0
+    (tmp_path / "bad.kv").write_bytes(bytes(bad))
+    before, count = snapshot(here), _index_pages(here)
+    with pytest.raises(InvalidArgumentError, match="sequence 0: page 0 .*fails its hash"):
+        here.load_prefix_cache(tmp_path / "bad.kv")
+    assert snapshot(here) == before and _index_pages(here) == count   # (its 11 pages back)
+    here.manager.prefix.check()
+    del read[:], reserved[:]
+    assert here.load_prefix_cache(whole) == written - 4
+    # the first chain read whole (4 pages) but not imported; the others' own pages read
+    # and written (3 + 3 + 5)
+    assert sum(read) == 2 * layers * (4 + 11) * PS and reserved == [11]
+    assert here.num_cached_pages == written
+    assert here.add_sequence(20, plain[0]) == 16          # the index's own copy, kept
+    assert all(kvcache.to_numpy(a).tobytes() == m.tobytes()
+               for a, m in zip(here.get_kv(20, 0, 16), mine))
+    here.remove_sequence(20)
+    assert here.add_sequence(21, plain[1]) == 20 and alone.add_sequence(21, plain[1]) == 20
+    for a, b, m in zip(here.get_kv(21), alone.get_kv(21), mine):
+        a, b = kvcache.to_numpy(a), kvcache.to_numpy(b)
+        assert a[:, :8].tobytes() == m[:, :8].tobytes()         # the system prompt: here's
+        assert a[:, 8:].tobytes() == b[:, 8:].tobytes()         # the rest: the file's
+    here.manager.prefix.check()
+
+
 def _flip(path, tmp_path, find: bytes, at: int, name: str):
     raw = bytearray(path.read_bytes())
     i = raw.index(find) + at
@@ -193,7 +291,8 @@ def test_loading_refuses_a_mismatch_and_changes_nothing(tmp_path):
     bad = bytearray(raw)
     bad[8 + n + k0 + 3] ^= 0x40                      # a byte of K in the second chain
     (tmp_path / "k.kv").write_bytes(bytes(bad))
-    flipped = {"k.kv": "checksum",
+    # (the page hashes cover what the payload's CRC-32 does: the CRC is not computed on load)
+    flipped = {"k.kv": "sequence 1: page 0 .*fails its hash",
                "link.kv": "parent=",                 # the parent's page hash it names
                "ids.kv": "fails its hash"}           # a token id of the first chain
     _flip(path, tmp_path, b'\\"parent\\":[0,\\"', 19, "link.kv")
