@@ -272,7 +272,8 @@ def _plan(cache, path, header: dict, entries: list, full: list, extras: list,
     entry that brings no full page and that no imported entry forks from is not imported.
     Changes nothing."""
     mgr, ps, wps = cache.manager, cache.config.page_size, header["page_size"]
-    bases, forks = [], []
+    bases: list = []            # per entry: _Plan.base
+    forks: list = []
     for en, ids, extra in zip(entries, full, extras):
         p = en.payload
         length, holder = mgr.cached_run(ids, extra)
@@ -322,7 +323,7 @@ def _import_streamed(cache, path, header: dict, entries: list, plans: list, item
             k = slot.get(i)
             files.stream_payload(
                 cache, path, header, i, en, None if k is None else res,
-                offset=0 if k is None else int(res.offsets[k]),
+                offset=0 if k is None or res is None else int(res.offsets[k]),
                 first_page=plan.cached_pages, write_from=plan.fork - en.payload.start)
         if res is not None:
             cache.commit_import(res)

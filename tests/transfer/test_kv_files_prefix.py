@@ -492,6 +492,35 @@ def test_an_engine_resumes_a_conversation_as_if_it_never_stopped(tmp_path, llama
             _engine(llama).load_prefix_cache(path)
 
 
+def test_a_seeded_sample_resumes_as_if_it_never_stopped(tmp_path, llama):
+    """Issue 57: a sampled (seeded) conversation saved after its first turn and resumed with
+    ``drawn`` (the picks its sample drew) draws the tokens of the run that never stopped;
+    without it the draws count from the resumed request's start (a new turn's)."""
+    from kvcache.integrations import SamplingParams
+
+    def sampled(n):
+        return SamplingParams(max_tokens=n, temperature=0.9, top_k=50, seed=77, ignore_eos=True)
+    prompt = np.random.default_rng(13).integers(1, VOCAB, 40).tolist()
+    whole = _engine(llama, deterministic=True).generate([prompt], sampled(2 * NEW))[0][0]
+    first = _engine(llama, deterministic=True)
+    said = first.generate([prompt], sampled(NEW))[0][0]
+    assert said == whole[:NEW]
+    path = tmp_path / "sampled.kv"
+    first.save_prefix_cache(path, [prompt + said])
+    got = {}
+    for drawn in (NEW, 0):
+        second = _engine(llama, deterministic=True)
+        rid = second.resume(path, prompt + said, sampled(NEW), drawn=drawn)
+        got[drawn] = []
+        while second.has_unfinished():
+            got[drawn] += [t for o in second.step() if o.request_id == rid
+                           for t in o.new_token_ids]
+    assert got[NEW] == whole[NEW:]
+    assert got[0] != whole[NEW:]            # (the draws of steps 0.., not NEW..)
+    with pytest.raises(InvalidArgumentError, match="drawn=-1"):
+        _engine(llama).resume(path, prompt + said, sampled(NEW), drawn=-1)
+
+
 @pytest.mark.skipif(DEVICES["cuda"] == "cpu", reason="the GPU run of the resume test "
                     "(KVCACHE_CUDA_TEST_DEVICE=cuda); the CPU test mode runs the one above")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
