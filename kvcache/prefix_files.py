@@ -10,14 +10,19 @@ once): ``"parent": [index, that entry's page hash at the join]``. Saving writes 
 ``save_sequences`` writes a KV file (``files.write_payloads`` with ``fetches``): a chunk of
 pages at a time through a few reused buffers, hashed on the threads beside the writes.
 
-Loading checks all of the file first (``files.read_payloads``: bounds, header, format and
-version, fingerprint, every page hash, each payload's CRC-32 and fit, the parent links, then
-the prefix cache's own fields and the room), then imports every chain as a sequence (a
-continuing one as a fork of its parent's), records its ids (``KVManager.cache_imported``) and
-removes it, so its pages stay in the index as cached pages: unreferenced, evictable, and
-attached by a later ``add_sequence`` whose tokens begin with them, as if a request had
-computed them here. A plain KV file of sequences with token ids loads too (each sequence a
-chain from token 0; a partial last page is dropped).
+Loading checks every header first (``files.check_payloads``: bounds, header, format and
+version, fingerprint, each payload's fit, the parent links, then the prefix cache's own
+fields), then skips what the prefix index holds already: each chain goes on from the
+index's pages (pinned while the load runs: ``KVManager.cached_run`` / ``hold_prefix``) or
+from the sequence of the chain it continues, the index's copy of the skipped tokens hashed
+against the file's page hashes instead of reading the file. Then the room, then the rest is
+read a chunk of pages at a time into reserved pages (``files.stream_payload``), every page
+hash checked before anything appears (the CRC-32, which they cover, is not computed). Each
+imported chain records its ids (``KVManager.cache_imported``) and is removed, so its pages
+stay in the index as cached pages: unreferenced, evictable, and attached by a later
+``add_sequence`` whose tokens begin with them, as if a request had computed them here. A
+plain KV file of sequences with token ids loads too (each sequence a chain from token 0; a
+partial last page is dropped).
 """
 
 from __future__ import annotations
@@ -146,17 +151,17 @@ class _Plan(NamedTuple):
     """How one entry of a prefix cache file loads (``_plan``)."""
 
     base: Any
-    """Where its tokens before ``fork`` come from: ("cached", holder) the prefix index's
-    pages (``KVManager.cached_run``), ("entry", j) entry j's sequence, or None (it starts at
-    token 0 and ``fork`` is 0)."""
+    """Where its tokens before ``fork`` come from: ("cached", holder, length) the first
+    ``length`` tokens of the prefix index's pages (``KVManager.cached_run``), ("entry", j)
+    entry j's sequence, or None (it starts at token 0 and ``fork`` is 0)."""
     fork: int
     """Its first token the load writes (a position in the whole prefix)."""
     needed: bool
     """Whether it is imported: it brings full pages the index lacks, or an entry forks from
     it."""
     cached_pages: int
-    """Its own pages (the file's page size) whose tokens the index holds: checked against
-    the index's copy (``files.rows_chain``), not read from the file."""
+    """Its own pages (the file's page size) whose tokens the index holds with the file's
+    bits (checked against the file's page hashes: ``files.rows_chain``): not read."""
 
 
 def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
@@ -166,9 +171,9 @@ def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
     attaches its pages as a hit. A prefix cache file (``save``), or a KV file of sequences
     that all carry token ids. Checks every header first (the module doc; ``fingerprint`` and
     ``convert_dtype`` as ``load_sequences``'), then which tokens of each chain the index
-    holds already: those are not imported (the chain goes on from the index's pages, a fork
-    of them) and, where the index's copy hashes to the file's page hashes, not read either.
-    Then the room: the pages the rest takes, against ``num_available_pages`` (cached pages
+    holds already with the file's bits (its copy hashed against the file's page hashes):
+    those are neither read nor imported (the chain goes on from the index's pages, a fork of
+    them), so the load ends as the file's alone would. Then the room: the pages the rest takes, against ``num_available_pages`` (cached pages
     are evicted for them, least recently used first, the ones the load starts from kept).
     The rest is read a chunk of pages at a time into pages reserved for it and every page
     hash checked before anything appears. Returns the pages the index gained (0 for a file
@@ -218,18 +223,18 @@ def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
     done: list = []             # the entries' sequences added
     try:
         for plan in plans:      # the cached bases first, pinned: eviction for room keeps them
-            key = None if plan.base is None else (plan.base[1], plan.fork)
+            key = None if plan.base is None else plan.base[1:]
             if plan.needed and plan.base is not None and plan.base[0] == "cached" \
                     and key not in held:
-                cache.manager.hold_prefix(pins[len(held)], plan.base[1], plan.fork)
+                cache.manager.hold_prefix(pins[len(held)], *plan.base[1:])
                 held[key] = pins[len(held)]
         items, want = [], []
         for i, (en, plan) in enumerate(zip(entries, plans)):
             if not plan.needed:
                 continue
             base = plan.base
-            parent = (None if base is None else held[(base[1], plan.fork)]
-                      if base[0] == "cached" else seq_of[base[1]])
+            parent = (None if base is None else held[base[1:]] if base[0] == "cached"
+                      else seq_of[base[1]])
             items.append((seq_of[i], en.payload if payloads is None else payloads[i], parent,
                           None if parent is None else plan.fork))
             want.append(i)
@@ -265,49 +270,52 @@ def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
 
 def _plan(cache, path, header: dict, entries: list, full: list, extras: list,
           streamed: bool) -> list:
-    """Per entry its ``_Plan``: the longest prefix of its whole ids the index holds
-    (``cached_run``, whole pages of the cache); tokens of the entry's own before that are not
-    imported (nor read, where the index's copy passes the file's page hashes), an entry whose
-    parent entry's tokens the index does not reach forks from its parent's sequence, and an
-    entry that brings no full page and that no imported entry forks from is not imported.
-    Changes nothing."""
+    """Per entry its ``_Plan``. The index's longest cached prefix of the entry's whole ids
+    (``cached_run``, whole pages of the cache) is checked against the file's page hashes
+    from the entry's own start (the index's copy hashed: ``files.rows_chain``; ``streamed``
+    only, where the cache's rows are the file's format): the tokens up to the last page that
+    agrees are taken from the index (neither read nor written), the rest imported as a fork
+    of them. So the index's pages stand in for the file's only where they hold the file's
+    bits, and a load ends as the load of the file alone would. An entry whose parent's
+    tokens up to its start are not all so taken forks from its parent's sequence; one that
+    brings no full page and that no imported entry forks from is not imported. Changes
+    nothing."""
     mgr, ps, wps = cache.manager, cache.config.page_size, header["page_size"]
+    metas = header["sequences"]
     bases: list = []            # per entry: _Plan.base
-    forks: list = []
-    for en, ids, extra in zip(entries, full, extras):
+    forks: list = []            # per entry: _Plan.fork
+    kept: list = []             # per entry: its prefix's tokens the index holds as the file
+    verified: list = []
+    for i, (en, ids, extra) in enumerate(zip(entries, full, extras)):
         p = en.payload
         length, holder = mgr.cached_run(ids, extra)
-        length = min(length, p.end)
-        if en.parent is not None and length < p.start:
+        if en.parent is not None and (kept[en.parent] < p.start or length < p.start):
             bases.append(("entry", en.parent))      # from its parent's sequence
             forks.append(p.start)
-        else:
-            bases.append(None if holder is None or not length else ("cached", holder))
-            forks.append(length if length else 0)
+            kept.append(kept[en.parent])
+            verified.append(0)
+            continue
+        good = 0
+        own = (length - p.start) // wps if streamed else 0
+        if own > 0:
+            pt = cache.state.pt
+            slots = pt.position_slots(pt.seqs[holder], p.start, p.start + own * wps)
+            got = files.rows_chain(_rows(cache, slots), metas[i]["payload"], p,
+                                   en.tokens[:own * wps], wps, own * wps)
+            bad = files.first_difference(got, metas[i]["pages"][:own])
+            good = own if bad is None else bad
+        fork = p.start + good * wps
+        bases.append(("cached", holder, length) if fork else None)
+        forks.append(fork)
+        kept.append(fork)
+        verified.append(good)
     needed = [False] * len(entries)
     for i in reversed(range(len(entries))):     # an entry forks from its parent only
         needed[i] = needed[i] or entries[i].payload.end // ps * ps > forks[i]
         base = bases[i]
         if needed[i] and base is not None and base[0] == "entry":
             needed[base[1]] = True
-    plans = []
-    for i, (en, base, fork) in enumerate(zip(entries, bases, forks)):
-        cached = 0
-        if streamed and base is not None and base[0] == "cached":
-            # the index's copy of the entry's tokens it holds, against the file's hashes:
-            # where they agree the file's pages need not be read (a page they disagree on,
-            # the index's copy computed otherwise, is read and checked; the index keeps its)
-            p = en.payload
-            own = (fork - p.start) // wps
-            if own:
-                pt = cache.state.pt
-                slots = pt.position_slots(pt.seqs[base[1]], p.start, p.start + own * wps)
-                got = files.rows_chain(_rows(cache, slots), header["sequences"][i]["payload"],
-                                       p, en.tokens[:own * wps], wps, own * wps)
-                bad = files.first_difference(got, header["sequences"][i]["pages"][:own])
-                cached = own if bad is None else bad
-        plans.append(_Plan(base, fork, needed[i], cached))
-    return plans
+    return [_Plan(*plan) for plan in zip(bases, forks, needed, verified)]
 
 
 def _import_streamed(cache, path, header: dict, entries: list, plans: list, items: list,

@@ -186,12 +186,12 @@ def _counting(monkeypatch, cache) -> tuple:
 
 
 def test_a_load_reads_and_writes_only_what_the_index_lacks(tmp_path, monkeypatch):
-    """Issue 57: a chain whose first pages the prefix index holds goes on from them. Where
-    the index's copy hashes to the file's page hashes, those pages are neither read from the
-    file nor written again; the cache ends as one that loaded the file alone, bit for bit,
-    holding no page twice. Where the index's copy differs (computed here), the file's pages
-    are read and checked but not written: the index keeps its copy, and a flipped byte there
-    is refused with nothing changed."""
+    """Issue 57: a chain whose first pages the prefix index holds with the file's bits (its
+    copy hashes to the file's page hashes) goes on from them: those pages are neither read
+    from the file nor written again, and the cache ends as one that loaded the file alone,
+    bit for bit, holding no page twice. Where the index's copy differs (computed here), the
+    file's pages are read and imported as before; a flipped byte among them is refused with
+    nothing changed."""
     src, plain, lora = _filled("reference")
     system, whole = tmp_path / "system.kv", tmp_path / "all.kv"
     assert src.save_prefix_cache(system, prefixes=[plain[0][:12]]) == 3
@@ -244,20 +244,51 @@ def test_a_load_reads_and_writes_only_what_the_index_lacks(tmp_path, monkeypatch
     here.manager.prefix.check()
     del read[:], reserved[:]
     assert here.load_prefix_cache(whole) == written - 4
-    # the first chain read whole (4 pages) but not imported; the others' own pages read
-    # and written (3 + 3 + 5)
-    assert sum(read) == 2 * layers * (4 + 11) * PS and reserved == [11]
-    assert here.num_cached_pages == written
+    # every page read and written: the index's copy is not the file's, so it stands in for
+    # none of them (as before issue 57: the chains the index holds whole keep its copy, the
+    # others read the file's)
+    assert sum(read) == 2 * layers * written * PS and reserved == [written]
+    # (the second chain's first two pages are the file's, under the index's nodes for them)
+    assert here.num_cached_pages == written + 2
     assert here.add_sequence(20, plain[0]) == 16          # the index's own copy, kept
     assert all(kvcache.to_numpy(a).tobytes() == m.tobytes()
                for a, m in zip(here.get_kv(20, 0, 16), mine))
     here.remove_sequence(20)
     assert here.add_sequence(21, plain[1]) == 20 and alone.add_sequence(21, plain[1]) == 20
-    for a, b, m in zip(here.get_kv(21), alone.get_kv(21), mine):
-        a, b = kvcache.to_numpy(a), kvcache.to_numpy(b)
-        assert a[:, :8].tobytes() == m[:, :8].tobytes()         # the system prompt: here's
-        assert a[:, 8:].tobytes() == b[:, 8:].tobytes()         # the rest: the file's
+    assert_same_kv(alone, 21, here, 21)                   # the file's, the system prompt too
     here.manager.prefix.check()
+
+
+@pytest.mark.parametrize("page_size", [2, 8])
+def test_a_load_over_any_cached_part_ends_as_the_file_alone(tmp_path, page_size):
+    """A prefix cache file loaded over a part of it (random prefixes of random chains, the
+    reader's pages smaller or larger than the writer's, K/V that differ between copies of
+    one token's page as a random workload's do) ends as the file loaded alone: the same
+    pages gained in all, the same hits, the same K/V bits, no page left over."""
+    for seed in (1, 2):
+        src, plain, lora = _filled("reference", seed=seed)
+        convs = [(t, None) for t in plain] + [(t, LORA) for t in lora]
+        whole = tmp_path / f"all{seed}.kv"
+        src.save_prefix_cache(whole)
+        rng = np.random.default_rng(seed)
+        for pick in range(3):
+            sub = [t for t, extra in convs if extra is None and rng.random() < 0.6]
+            part = tmp_path / f"part{seed}-{pick}.kv"
+            src.save_prefix_cache(part, prefixes=[t[:rng.integers(4, len(t) + 1)] for t in sub])
+            dst = make_cache("reference", config(prefix_cache=True, page_size=page_size))
+            alone = make_cache("reference", config(prefix_cache=True, page_size=page_size))
+            gained = dst.load_prefix_cache(part) + dst.load_prefix_cache(whole)
+            assert gained == alone.load_prefix_cache(whole)
+            assert dst.num_available_pages == dst.num_total_pages
+            assert dst.num_cached_pages == alone.num_cached_pages
+            for i, (tokens, extra) in enumerate(convs):
+                want = alone.match_prefix(tokens, extra_key=extra)
+                assert dst.add_sequence(9, tokens[:want + 1], extra_key=extra) == want
+                alone.add_sequence(9, tokens[:want + 1], extra_key=extra)
+                assert_same_kv(alone, 9, dst, 9)
+                dst.remove_sequence(9)
+                alone.remove_sequence(9)
+            dst.manager.prefix.check()
 
 
 def _flip(path, tmp_path, find: bytes, at: int, name: str):
