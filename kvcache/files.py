@@ -863,7 +863,7 @@ def write_payloads(path, payloads: Sequence[SequencePayload], tokens: Sequence,
     the hash chain's; ``fingerprint``: as ``save_sequences``'s. ``parents``: per payload None
     or the index of an earlier entry it continues: the payload's tokens follow that entry's
     first ``payload.start - its start`` tokens, a whole number of pages; the entry then
-    records ``"parent": [index, that entry's page hash at the join]`` (``read_payloads`` checks
+    records ``"parent": [index, that entry's page hash at the join]`` (``check_payloads`` checks
     it). ``header_fields`` / ``entry_fields``: more JSON fields for the file header / for each
     entry (a standard field's name is refused). Raises InvalidArgumentError for arguments that
     do not fit; nothing is written then."""
