@@ -173,8 +173,9 @@ def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
     ``convert_dtype`` as ``load_sequences``'), then which tokens of each chain the index
     holds already with the file's bits (its copy hashed against the file's page hashes):
     those are neither read nor imported (the chain goes on from the index's pages, a fork of
-    them), so the load ends as the file's alone would. Then the room: the pages the rest takes, against ``num_available_pages`` (cached pages
-    are evicted for them, least recently used first, the ones the load starts from kept).
+    them), so the load ends as the file's alone would. Then the room: the pages the rest
+    takes, against ``num_available_pages`` (cached pages are evicted for them, least
+    recently used first, the ones the load starts from kept).
     The rest is read a chunk of pages at a time into pages reserved for it and every page
     hash checked before anything appears. Returns the pages the index gained (0 for a file
     whose prefixes it holds). Raises InvalidArgumentError (the field or page named) for a
