@@ -116,8 +116,8 @@ if hasattr(os, "register_at_fork"):
 def _pool(kind: str = "hash") -> ThreadPoolExecutor:
     """The process's threads of ``kind``: "hash" (``_WORKERS`` of them, ``_hash_threads``:
     hashlib and zlib let go of the GIL on large buffers) or "io" (one: a file's reads or
-    writes, in order, beside the thread that gathers or imports the K/V). A child forked from a process that had them
-    starts its own (the parent's threads are not in it)."""
+    writes, in order, beside the thread that gathers or imports the K/V). A child forked
+    from a process that had them starts its own (the parent's threads are not in it)."""
     want = _WORKERS if kind == "hash" else 1
     with _POOL_LOCK:
         pid, pool, count = _POOLS.get(kind, (-1, None, 0))
