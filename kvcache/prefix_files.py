@@ -216,8 +216,8 @@ def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
     streamed = all(en.payload.array_dtype == fmt.payload_dtype(c.dtype) and (
         not fmt.packed or (en.payload.kv_dtype, en.payload.kv_quant_group, en.payload.dtype)
         == (c.kv_dtype, c.kv_quant_group, c.dtype)) for en in entries)
-    plans = _plan(cache, path, header, entries, full, extras, streamed)
-    payloads = None if streamed else _read_checked(path, header, entries, plans)
+    plans = _plan(cache, header, entries, full, extras, streamed)
+    payloads = None if streamed else _read_checked(path, header, entries)
     ids = _new_ids(cache, 2 * len(entries))
     seq_of, pins = ids[:len(entries)], ids[len(entries):]
     held: dict = {}             # (holder, tokens) -> the id of the sequence pinning them
@@ -269,7 +269,7 @@ def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
             cache.remove_sequence(pin)
 
 
-def _plan(cache, path, header: dict, entries: list, full: list, extras: list,
+def _plan(cache, header: dict, entries: list, full: list, extras: list,
           streamed: bool) -> list:
     """Per entry its ``_Plan``. The index's longest cached prefix of the entry's whole ids
     (``cached_run``, whole pages of the cache) is checked against the file's page hashes
@@ -342,7 +342,7 @@ def _import_streamed(cache, path, header: dict, entries: list, plans: list, item
         raise
 
 
-def _read_checked(path, header: dict, entries: list, plans: list) -> list:
+def _read_checked(path, header: dict, entries: list) -> list:
     """The entries' payloads read whole (a cache that converts them: another dtype or
     format), every page hash checked first."""
     out = []
