@@ -80,7 +80,24 @@ def _root(payload_header: dict) -> bytes:
 chain_root = _root
 
 
-_WORKERS = min(8, os.cpu_count() or 1)
+_MAX_WORKERS = 32
+"""At most this many hashing threads, however many cores (SHA-256 of a gigabyte takes 0.6 s on
+one core: 32 of them hash faster than a page cache takes the bytes)."""
+
+
+def _hash_threads() -> int:
+    """The hashing threads: one per core this process may run on (its CPU affinity, not the
+    host's count: a container's or a GPU job's share of a large host), 1 to ``_MAX_WORKERS``.
+    The chain and CRC-32 are combined in file order, so a file is the same bytes whatever
+    the count."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):           # (no affinity on macOS)
+        cores = os.cpu_count() or 1
+    return max(1, min(_MAX_WORKERS, cores))
+
+
+_WORKERS = _hash_threads()
 _POOLS: dict = {}
 _POOL_LOCK = threading.Lock()
 
@@ -97,16 +114,18 @@ if hasattr(os, "register_at_fork"):
 
 
 def _pool(kind: str = "hash") -> ThreadPoolExecutor:
-    """The process's threads of ``kind``: "hash" (``_WORKERS`` of them: hashlib and zlib let
-    go of the GIL on large buffers) or "io" (one: a file's reads or writes, in order, beside
-    the thread that gathers or imports the K/V). A child forked from a process that had them
-    starts its own (the parent's threads are not in it)."""
+    """The process's threads of ``kind``: "hash" (``_WORKERS`` of them, ``_hash_threads``:
+    hashlib and zlib let go of the GIL on large buffers) or "io" (one: a file's reads or
+    writes, in order, beside the thread that gathers or imports the K/V). A child forked
+    from a process that had them starts its own (the parent's threads are not in it)."""
+    want = _WORKERS if kind == "hash" else 1
     with _POOL_LOCK:
-        pid, pool = _POOLS.get(kind, (-1, None))
-        if pool is None or pid != os.getpid():
-            pool = ThreadPoolExecutor(max_workers=_WORKERS if kind == "hash" else 1,
-                                      thread_name_prefix=f"kvcache-{kind}")
-            _POOLS[kind] = (os.getpid(), pool)
+        pid, pool, count = _POOLS.get(kind, (-1, None, 0))
+        if pool is None or pid != os.getpid() or count != want:
+            if pool is not None and pid == os.getpid():
+                pool.shutdown(wait=False)       # (``_WORKERS`` changed: its queued work runs)
+            pool = ThreadPoolExecutor(max_workers=want, thread_name_prefix=f"kvcache-{kind}")
+            _POOLS[kind] = (os.getpid(), pool, want)
         return pool
 
 
@@ -432,7 +451,8 @@ def _save_one(fetch, fd: int, at: int, h: SequencePayload, toks, ps: int, chains
     step = _chunk_tokens(2 * num_layers * row, ps)
     starts = range(0, num, step)
     small = num <= step and h.nbytes < _INLINE_BYTES        # one small chunk: no threads
-    segments: list = []                 # per chunk: (its tokens, the CRC of each part)
+    segments: list = []     # per chunk: (its tokens, the CRC of each part: a list, or a
+    #                         tuple of futures of the lists of consecutive parts)
     # reused buffers, one per chunk in flight (the first touch of a fresh gigabyte a gigabyte
     # saved cost more than the gather): flat bytes, each chunk a contiguous (K/V, layers,
     # tokens, ...) view; and per buffer the work that still reads it (or the chunk that took
@@ -462,14 +482,19 @@ def _save_one(fetch, fd: int, at: int, h: SequencePayload, toks, ps: int, chains
             segments.append((t1 - t0, _crcs(parts)))
             write(t0, parts)
             continue
-        crc = _pool().submit(_crcs, parts)
+        # the CRCs in a few tasks (one task was a 32 MiB CRC on one core per chunk: with
+        # many hashing threads the SHA-256 of a chunk finishes before its CRC)
+        groups = max(1, min(len(parts), _WORKERS // 4))
+        per = -(-len(parts) // groups)
+        crc = tuple(_pool().submit(_crcs, parts[g:g + per]) for g in range(0, len(parts), per))
         segments.append((t1 - t0, crc))
         writes.append(_pool("io").submit(write, t0, parts))
-        held[c % len(ring)] = futures + [crc, writes[-1]]
+        held[c % len(ring)] = futures + list(crc) + [writes[-1]]
 
     def payload_crc() -> int:
         crc = header_crc(h.header())
-        got = [(t, c if isinstance(c, list) else c.result()) for t, c in segments]
+        got = [(t, c if isinstance(c, list) else [x for f in c for x in f.result()])
+               for t, c in segments]
         for part in range(2 * num_layers):          # K's layers then V's, each chunk in order
             for count, crcs in got:
                 crc = _crc_combine(crc, crcs[part], count * row)
@@ -702,25 +727,31 @@ def _load_streamed(cache, path, seqs, ids, heads, specs, ps: int, convert_dtype:
         raise
 
 
-def _stream_one(cache, b, res, path, e, h, ks, vs, ps: int, offset: int) -> _Chain:
-    """Read, hash and write into ``res`` (from its token ``offset``) one sequence's K and V,
-    a chunk of tokens at a time: the io thread reads the next chunks into reused buffers and
-    the hashing threads hash the last ones while this thread writes one; returns its chain
-    (``_Chain``)."""
+def _stream_one(cache, b, res, path, e, h, ks, vs, ps: int, offset: int,
+                chain: Optional[_Chain] = None, first: int = 0,
+                write_from: int = 0) -> _Chain:
+    """Read and hash one sequence's K and V (header ``h``, entry ``e``, array specs ``ks`` /
+    ``vs``) from its token ``first`` (a multiple of ``ps``) on, a chunk of tokens at a time,
+    and write its tokens from ``write_from`` (>= ``first``) on into ``res`` (None: hashed
+    only), token ``t`` of the sequence at the reservation's token ``offset + t``: the io
+    thread reads the next chunks into reused buffers and the hashing threads hash the last
+    ones while this thread writes one. ``chain``: the chain to go on with (None: a new one
+    from the payload header: ``first`` 0); returns it (``_Chain``)."""
     num_layers, num = h.num_layers, h.num_tokens
     st, _, k_at, nbytes = ks
     v_at = vs[2]
     row = nbytes // (num_layers * num) if num else 0
-    chain = _Chain(_root(e["payload"]))
-    if not num:
+    chain = _Chain(_root(e["payload"])) if chain is None else chain
+    if first >= num:
         return chain
     ids = _ids_bytes(e["tokens"])
     step = _chunk_tokens(2 * num_layers * row, ps)
-    starts = range(0, num, step)
-    small = len(starts) == 1 and 2 * nbytes < _INLINE_BYTES    # one small chunk: no threads
+    starts = range(first, num, step)
+    todo = 2 * num_layers * (num - first) * row
+    small = len(starts) == 1 and todo < _INLINE_BYTES    # one small chunk: no threads
     # reused buffers, one per chunk in flight: a fresh gigabyte per gigabyte loaded cost more
     # in first-touch page faults than the copy
-    ring = [np.empty((2, num_layers, min(step, num)) + h.shape[2:], np_dtype(st))
+    ring = [np.empty((2, num_layers, min(step, num - first)) + h.shape[2:], np_dtype(st))
             for _ in range(min(_IN_FLIGHT, len(starts)))]
     hashed: list = [[] for _ in ring]               # per buffer: its last chunk's hashing
     fd = os.open(path, os.O_RDONLY)
@@ -748,10 +779,15 @@ def _stream_one(cache, b, res, path, e, h, ks, vs, ps: int, offset: int) -> _Cha
             parts = _layer_parts(buf[0]) + _layer_parts(buf[1])
             hashed[c % len(ring)] = chain.add(
                 parts, None if ids is None else ids[4 * t0:4 * t1], t1 - t0, ps, pool=not small)
-            k, v = buf[0], buf[1]
+            w0 = max(t0, write_from)
+            if res is None or w0 >= t1:
+                continue
+            # (a chunk that starts before write_from: its rows the cache holds already are
+            # hashed, not written)
+            k, v = buf[0, :, w0 - t0:], buf[1, :, w0 - t0:]
             if not b.is_native(k):
                 k, v = b.from_numpy(k, h.array_dtype), b.from_numpy(v, h.array_dtype)
-            cache.write_import(res, k, v, tokens=range(offset + t0, offset + t1))
+            cache.write_import(res, k, v, tokens=range(offset + w0, offset + t1))
     finally:
         for r in reads.values():                    # (the file stays open until they are done)
             r.cancel() or r.exception()
@@ -827,7 +863,7 @@ def write_payloads(path, payloads: Sequence[SequencePayload], tokens: Sequence,
     the hash chain's; ``fingerprint``: as ``save_sequences``'s. ``parents``: per payload None
     or the index of an earlier entry it continues: the payload's tokens follow that entry's
     first ``payload.start - its start`` tokens, a whole number of pages; the entry then
-    records ``"parent": [index, that entry's page hash at the join]`` (``read_payloads`` checks
+    records ``"parent": [index, that entry's page hash at the join]`` (``check_payloads`` checks
     it). ``header_fields`` / ``entry_fields``: more JSON fields for the file header / for each
     entry (a standard field's name is refused). Raises InvalidArgumentError for arguments that
     do not fit; nothing is written then."""
@@ -906,53 +942,155 @@ def write_payloads(path, payloads: Sequence[SequencePayload], tokens: Sequence,
                     ps, head)
 
 
-def read_payloads(path, config, fingerprint: Optional[dict] = None,
-                  convert_dtype: bool = False) -> tuple:
-    """Read the KV file ``path`` and check all of it for a cache of ``config`` (a
-    ``CacheConfig``) as ``load_sequences`` does before it imports: the container's bounds,
-    the header, format and version, ``fingerprint`` against the file's, every page hash, each
-    payload's CRC-32 and fit (``convert_dtype`` as ``import_sequence``'s), and each entry's
-    ``parent`` link (``write_payloads``). Changes nothing. Returns ``(header, [(payload,
-    tokens), ...])``: the file header and per entry its host payload and token ids (or None).
-    Raises InvalidArgumentError naming the field or page (ending "nothing was loaded"),
-    UnsupportedFeatureError for another version."""
+def check_payloads(path, config, fingerprint: Optional[dict] = None,
+                   convert_dtype: bool = False) -> tuple:
+    """Check the KV file ``path`` for a cache of ``config`` (a ``CacheConfig``) as
+    ``load_sequences`` does before it reads a byte of K/V: the container's bounds, the
+    header, format and version, ``fingerprint`` against the file's, each payload header's fit
+    (``convert_dtype`` as ``import_sequence``'s), its arrays' dtype, shape and place, its
+    token ids' count, and each entry's ``parent`` link (``write_payloads``: an earlier entry,
+    a whole number of its pages, its page hash at the join). Reads no array and changes
+    nothing: the page hashes are checked as the arrays are read (``stream_payload``), and
+    they cover what the payload's CRC-32 covers, which is not computed.
+
+    Returns ``(header, entries)``: the file header and per entry ``PayloadEntry``: its
+    header-only payload (``checksum`` None), token ids (or None), array specs and the index
+    of the entry it continues (or None). Raises InvalidArgumentError naming the field
+    (ending "nothing was loaded"), UnsupportedFeatureError for another version."""
     table, header, start, size = _container(path)
     _check_header(path, header)
     _check_fingerprint(path, header, fingerprint, "fingerprint")
     ps = header["page_size"]
+    seqs = header["sequences"]
     out: list = []
-    with open(path, "rb") as f:
-        for i, e in enumerate(header["sequences"]):
-            k = _array(path, table, e["k"], start, size, f)
-            v = _array(path, table, e["v"], start, size, f)
-            try:
-                p = dataclasses.replace(SequencePayload.from_header(e["payload"]), k=k, v=v)
-                p.check_fits(config, i, convert_dtype)
-            except KVCacheError as exc:
-                raise _refuse(path, f"sequence {i}: {exc}") from None
-            toks = e["tokens"]
-            if toks is not None and len(toks) != p.num_tokens:
-                raise _refuse(path, f"sequence {i}: {len(toks)} token ids for "
-                                    f"{p.num_tokens} tokens")
-            want = _page_hashes(k, v, toks, ps, _root(e["payload"]))
-            bad = next((j for j, (a, b) in enumerate(zip(want, e["pages"])) if a != b), None)
-            if bad is None and len(want) != len(e["pages"]):
-                bad = min(len(want), len(e["pages"]))
-            if bad is not None:
-                raise _refuse(path, f"sequence {i}: page {bad} (tokens {bad * ps}..) fails its "
-                                    f"hash: its bytes, ids or a page before it changed")
-            link = e.get("parent")
-            if link is not None:
-                up = (out[link[0]][0] if isinstance(link, list) and len(link) == 2
-                      and isinstance(link[0], int) and not isinstance(link[0], bool)
-                      and 0 <= link[0] < i else None)
-                joint = 0 if up is None else p.start - up.start
-                if up is None or not (0 < joint <= up.num_tokens and joint % ps == 0) \
-                        or header["sequences"][link[0]]["pages"][joint // ps - 1] != link[1]:
-                    raise _refuse(path, f"sequence {i}: parent={link!r:.80} is not an earlier "
-                                        f"entry whose page hash at token {p.start} it names")
-            elif p.start != 0:
-                raise _refuse(path, f"sequence {i} starts at token {p.start} and continues no "
-                                    f"entry (parent=null)")
-            out.append((p, toks))
+    for i, e in enumerate(seqs):
+        ks = _spec(path, table, e["k"], start, size)
+        vs = _spec(path, table, e["v"], start, size)
+        try:
+            h = SequencePayload.from_header(e["payload"])
+            h.check_fits(config, i, convert_dtype)
+        except KVCacheError as exc:
+            raise _refuse(path, f"sequence {i}: {exc}") from None
+        for which, (st, shape, _, _) in (("k", ks), ("v", vs)):
+            if st != h.array_dtype or shape != h.shape:
+                raise _refuse(path, f"sequence {i}: its {which} array is {st} {list(shape)}, "
+                                    f"its payload header says {h.array_dtype} {list(h.shape)}")
+        toks = e["tokens"]
+        if toks is not None and len(toks) != h.num_tokens:
+            raise _refuse(path, f"sequence {i}: {len(toks)} token ids for "
+                                f"{h.num_tokens} tokens")
+        link = e.get("parent")
+        parent = None
+        if link is not None:
+            up = (out[link[0]].payload if isinstance(link, list) and len(link) == 2
+                  and isinstance(link[0], int) and not isinstance(link[0], bool)
+                  and 0 <= link[0] < i else None)
+            joint = 0 if up is None else h.start - up.start
+            if up is None or not (0 < joint <= up.num_tokens and joint % ps == 0) \
+                    or seqs[link[0]]["pages"][joint // ps - 1:joint // ps] != [link[1]]:
+                raise _refuse(path, f"sequence {i}: parent={link!r:.80} is not an earlier "
+                                    f"entry whose page hash at token {h.start} it names")
+            parent = link[0]
+        elif h.start != 0:
+            raise _refuse(path, f"sequence {i} starts at token {h.start} and continues no "
+                                f"entry (parent=null)")
+        # checked by the chain, which covers what the CRC-32 does: not computed
+        out.append(PayloadEntry(dataclasses.replace(h, checksum=None), toks, (ks, vs), parent))
     return header, out
+
+
+@dataclasses.dataclass(frozen=True)
+class PayloadEntry:
+    """One entry of a checked KV file (``check_payloads``): ``payload``, its header-only
+    payload (no arrays, ``checksum`` None); ``tokens``, its token ids or None; ``specs``, its
+    K and V arrays' ``(dtype name, shape, file offset, bytes)``; ``parent``, the index of the
+    entry it continues, or None."""
+
+    payload: SequencePayload
+    tokens: Optional[list]
+    specs: tuple
+    parent: Optional[int]
+
+
+def stream_payload(cache, path, header: dict, i: int, entry: PayloadEntry, reservation=None,
+                   offset: int = 0, first_page: int = 0, write_from: int = 0) -> None:
+    """Read entry ``i`` of the checked KV file ``path`` (``check_payloads``' ``header`` and
+    ``entry``) a chunk of whole pages at a time through reused buffers, check its page hashes
+    from page ``first_page`` on (the earlier pages' hashes are taken as the file gives them:
+    the caller checked them, e.g. against the cache's copy of those tokens), and write its
+    tokens from ``write_from`` (>= ``first_page * page_size``) on into the open
+    ``reservation`` of ``cache`` (``reserve_import``; None: hashed only), token ``t`` of the
+    entry at the reservation's token ``offset + t``. The reservation's arrays must be those
+    the cache takes as they are (its storage dtype, fp8's compute dtype, its own packed
+    rows). Raises InvalidArgumentError naming the page whose hash fails (the caller then
+    cancels the reservation: nothing was loaded)."""
+    ps = header["page_size"]
+    e = header["sequences"][i]
+    root = _root(e["payload"]) if first_page == 0 else bytes.fromhex(e["pages"][first_page - 1])
+    ks, vs = entry.specs
+    chain = _Chain(root)
+    try:
+        _stream_one(cache, cache.backend, reservation, path, e, entry.payload, ks, vs, ps,
+                    offset, chain, first_page * ps, write_from)
+        bad = first_difference(chain.hexes(), e["pages"][first_page:])
+    finally:
+        chain.cancel()
+    if bad is not None:
+        raise _refuse_page(path, i, first_page + bad, ps)
+
+
+def read_payload(path, entry: PayloadEntry) -> SequencePayload:
+    """The host payload of a checked entry (``check_payloads``): its K and V read whole (a
+    load whose arrays the cache converts), ``checksum`` None (the caller checks the page
+    hashes: ``payload_chain`` against the entry's ``pages``)."""
+    ks, vs = entry.specs
+    with open(path, "rb", buffering=0) as f:
+        k, v = _read(path, f, ks, "k"), _read(path, f, vs, "v")
+    return dataclasses.replace(entry.payload, k=k, v=v)
+
+
+def check_pages(path, header: dict, i: int, payload: SequencePayload) -> None:
+    """Check every page hash of entry ``i`` of the KV file ``path`` (``header``) against its
+    host payload read whole (``read_payload``); InvalidArgumentError naming the first page
+    that fails."""
+    e = header["sequences"][i]
+    ps = header["page_size"]
+    chain = _Chain(_root(e["payload"]), _layer_parts(payload.k) + _layer_parts(payload.v),
+                   _ids_bytes(e["tokens"]), payload.num_tokens, ps)
+    bad = first_difference(chain.hexes(), e["pages"])
+    if bad is not None:
+        raise _refuse_page(path, i, bad, ps)
+
+
+def rows_chain(fetch, payload_header: dict, payload: SequencePayload, tokens, page_size: int,
+               num_tokens: int) -> list:
+    """The hash chain (hex, ``pages``) of a payload's first ``num_tokens`` tokens (whole
+    pages of ``page_size``), rooted at ``payload_header`` (a file entry's ``payload``), over
+    ``tokens`` (their ids, or None) and the K/V rows that ``fetch(t0, t1, k_out, v_out)``
+    gives (``write_payloads``' fetch: host or native arrays in ``payload.array_dtype``,
+    ``k_out`` / ``v_out`` themselves where it filled those buffers): a cache's copy of an
+    entry's tokens, checked against the file's hashes without reading the file."""
+    num_layers = payload.num_layers
+    rest = tuple(payload.shape[2:])
+    dtype = np_dtype(payload.array_dtype)
+    per_token = 2 * num_layers * int(np.prod(rest, dtype=np.int64)) * dtype.itemsize
+    step = _chunk_tokens(per_token, page_size)
+    chain = _Chain(_root(payload_header))
+    ids = _ids_bytes(tokens)
+    ring = [np.empty((2, num_layers, min(step, num_tokens)) + rest, dtype)
+            for _ in range(min(2, -(-num_tokens // step)))]
+    held: list = [[] for _ in ring]
+    try:
+        for c, t0 in enumerate(range(0, num_tokens, step)):
+            t1 = min(t0 + step, num_tokens)
+            for f in held[c % len(ring)]:           # the buffer's last chunk is hashed
+                f.result()
+            buf = ring[c % len(ring)][:, :, :t1 - t0]
+            k, v = fetch(t0, t1, buf[0], buf[1])
+            k, v = _host(k, payload.array_dtype), _host(v, payload.array_dtype)
+            held[c % len(ring)] = chain.add(_layer_parts(k) + _layer_parts(v),
+                                            None if ids is None else ids[4 * t0:4 * t1],
+                                            t1 - t0, page_size)
+        return chain.hexes()
+    finally:
+        chain.cancel()

@@ -321,6 +321,38 @@ class KVManager:
             self.remove_sequence(sid)
         return prefix.count - before
 
+    def cached_run(self, tokens: Sequence[int], extra_key: Any = None) -> tuple:
+        """``(length, holder)``: the longest cached prefix of ``tokens`` under ``extra_key`` in
+        whole pages, all of them (``match_prefix`` leaves one token for the model), and the
+        page-table key of the sequence whose first ``length`` tokens hold it (a sequence id
+        or a hidden ``Ghost``; None when nothing is cached). What a prefix cache file's load
+        need not import. Changes nothing. Raises InvalidArgumentError without the prefix
+        cache or for bad ids."""
+        prefix = self._prefix_on("loading the prefix cache")
+        ids = token_ids(tokens, "cached_run: tokens")
+        node = prefix.find(Prompt(ids.raw + bytes(8)), extra_key)    # (one id more: every
+        if node is None:                                              # full page counts)
+            return 0, None
+        return node.depth * self.config.page_size, prefix.holder_key(node)
+
+    def hold_prefix(self, seq_id: int, holder: Any, length: int) -> None:
+        """Add sequence ``seq_id`` (a new id) holding the first ``length`` tokens (whole
+        pages) of ``holder`` (``cached_run``'s), their pages shared: no ids recorded, the
+        least-recently-used order untouched. While it lives, eviction cannot free those
+        pages: a prefix cache file's load forks the rest of a chain from it, then removes it
+        (``remove_sequence``). Raises SequenceExistsError for an id in the cache."""
+        sid = seq_id_arg(seq_id)
+        if sid in self.state.pt.seqs:
+            raise SequenceExistsError(f"sequence {sid} is already in the cache")
+        ps = self.config.page_size
+        pt = self.state.pt
+        if holder not in pt.seqs or length % ps or not 0 < length <= pt.length(pt.seqs[holder]):
+            raise InvalidArgumentError(
+                f"hold_prefix: length {length} must be whole pages of {ps} that the holder "
+                f"{holder!r:.40} has")
+        self.state._fork(pt.seqs[holder], sid, length)   # page-aligned: no copy
+        self.state.epoch += 1
+
     def _prefix_on(self, what: str) -> PrefixIndex:
         if self.prefix is None:
             raise InvalidArgumentError(

@@ -10,19 +10,24 @@ once): ``"parent": [index, that entry's page hash at the join]``. Saving writes 
 ``save_sequences`` writes a KV file (``files.write_payloads`` with ``fetches``): a chunk of
 pages at a time through a few reused buffers, hashed on the threads beside the writes.
 
-Loading checks all of the file first (``files.read_payloads``: bounds, header, format and
-version, fingerprint, every page hash, each payload's CRC-32 and fit, the parent links, then
-the prefix cache's own fields and the room), then imports every chain as a sequence (a
-continuing one as a fork of its parent's), records its ids (``KVManager.cache_imported``) and
-removes it, so its pages stay in the index as cached pages: unreferenced, evictable, and
-attached by a later ``add_sequence`` whose tokens begin with them, as if a request had
-computed them here. A plain KV file of sequences with token ids loads too (each sequence a
-chain from token 0; a partial last page is dropped).
+Loading checks every header first (``files.check_payloads``: bounds, header, format and
+version, fingerprint, each payload's fit, the parent links, then the prefix cache's own
+fields), then skips what the prefix index holds already: each chain goes on from the
+index's pages (pinned while the load runs: ``KVManager.cached_run`` / ``hold_prefix``) or
+from the sequence of the chain it continues, the index's copy of the skipped tokens hashed
+against the file's page hashes instead of reading the file. Then the room, then the rest is
+read a chunk of pages at a time into reserved pages (``files.stream_payload``), every page
+hash checked before anything appears (the CRC-32, which they cover, is not computed). Each
+imported chain records its ids (``KVManager.cache_imported``) and is removed, so its pages
+stay in the index as cached pages: unreferenced, evictable, and attached by a later
+``add_sequence`` whose tokens begin with them, as if a request had computed them here. A
+plain KV file of sequences with token ids loads too (each sequence a chain from token 0; a
+partial last page is dropped).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 from . import files
 from .core.imports import ImportSpec
@@ -142,34 +147,55 @@ def _rows(cache: "PagedKVCache", slots):
 
 
 # ---------------------------------------------------------------------- load
+class _Plan(NamedTuple):
+    """How one entry of a prefix cache file loads (``_plan``)."""
+
+    base: Any
+    """Where its tokens before ``fork`` come from: ("cached", holder, length) the first
+    ``length`` tokens of the prefix index's pages (``KVManager.cached_run``), ("entry", j)
+    entry j's sequence, or None (it starts at token 0 and ``fork`` is 0)."""
+    fork: int
+    """Its first token the load writes (a position in the whole prefix)."""
+    needed: bool
+    """Whether it is imported: it brings full pages the index lacks, or an entry forks from
+    it."""
+    cached_pages: int
+    """Its own pages (the file's page size) whose tokens the index holds with the file's
+    bits (checked against the file's page hashes: ``files.rows_chain``): not read."""
+
+
 def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
          convert_dtype: bool = False) -> int:
     """Put the prefixes of the file ``path`` into ``cache``'s prefix cache as cached pages
     (unreferenced, evictable): a later ``add_sequence`` whose tokens begin with one of them
     attaches its pages as a hit. A prefix cache file (``save``), or a KV file of sequences
-    that all carry token ids. Checks all of the file first (the module doc; ``fingerprint``
-    and ``convert_dtype`` as ``load_sequences``'), then the room: the pages every chain
-    takes, against ``num_available_pages`` (cached pages are evicted for them, least recently
-    used first). Returns the pages the index gained (where it held a prefix already, that
-    copy stays and the file's is freed). Raises InvalidArgumentError (the field or page
-    named) for a file that fails a check or a cache without the prefix cache,
-    UnsupportedFeatureError for another version, CacheFullError without room,
-    ForwardStateError inside a forward; the cache's sequences, lengths and K/V are unchanged
-    then."""
+    that all carry token ids. Checks every header first (the module doc; ``fingerprint`` and
+    ``convert_dtype`` as ``load_sequences``'), then which tokens of each chain the index
+    holds already with the file's bits (its copy hashed against the file's page hashes):
+    those are neither read nor imported (the chain goes on from the index's pages, a fork of
+    them), so the load ends as the file's alone would. Then the room: the pages the rest
+    takes, against ``num_available_pages`` (cached pages are evicted for them, least
+    recently used first, the ones the load starts from kept).
+    The rest is read a chunk of pages at a time into pages reserved for it and every page
+    hash checked before anything appears. Returns the pages the index gained (0 for a file
+    whose prefixes it holds). Raises InvalidArgumentError (the field or page named) for a
+    file that fails a check or a cache without the prefix cache, UnsupportedFeatureError
+    for another version, CacheFullError without room, ForwardStateError inside a forward;
+    the cache's sequences, lengths, K/V and prefix index are unchanged then."""
     c = cache.config
     if not c.prefix_cache:
         raise InvalidArgumentError(
             f"loading the prefix cache file {str(path)!r}: the cache has no prefix cache "
             f"(CacheConfig(prefix_cache=False)); nothing was loaded")
-    header, entries = files.read_payloads(path, c, fingerprint, convert_dtype)
+    header, entries = files.check_payloads(path, c, fingerprint, convert_dtype)
     meta = header["sequences"]
     if header.get("contents", CONTENTS) != CONTENTS:
         raise _refuse(path, f"contents={header.get('contents')!r}, expected {CONTENTS!r}")
     full: list = []             # per entry: the ids of all its positions
     extras: list = []
-    parents: list = []
-    for i, ((p, toks), e) in enumerate(zip(entries, meta)):
-        if toks is None:
+    for i, (en, e) in enumerate(zip(entries, meta)):
+        p = en.payload
+        if en.tokens is None:
             raise _refuse(path, f"sequence {i} has no token ids (tokens=null): the prefix "
                                 f"cache finds pages by their ids")
         if p.window_size != -1:
@@ -180,41 +206,151 @@ def load(cache: "PagedKVCache", path, fingerprint: Optional[dict] = None,
             hash(extra)
         except (InvalidArgumentError, TypeError) as exc:
             raise _refuse(path, str(exc)) from None
-        link = e.get("parent")
-        parent = None if link is None else int(link[0])      # read_payloads checked it
-        if parent is not None and extras[parent] != extra:
+        if en.parent is not None and extras[en.parent] != extra:
             raise _refuse(path, f"sequence {i}: extra_key={extra!r:.40} continues sequence "
-                                f"{parent}, whose extra key is {extras[parent]!r:.40}")
-        full.append((full[parent][:p.start] if parent is not None else []) + list(toks))
+                                f"{en.parent}, whose extra key is {extras[en.parent]!r:.40}")
+        full.append((full[en.parent][:p.start] if en.parent is not None else []) + en.tokens)
         extras.append(extra)
-        parents.append(parent)
-    ids = _new_ids(cache, len(entries))
-    ps = c.page_size
-    need = sum(import_pages(ImportSpec(sid, p.num_tokens if parent is None else p.end - p.start,
-                                       parent_id=None if parent is None else ids[parent],
-                                       fork_pos=0 if parent is None else p.start), ps)
-               for sid, (p, _), parent in zip(ids, entries, parents))
-    have = cache.num_available_pages
-    if need > have:
-        raise CacheFullError(
-            f"prefix cache file {str(path)!r}: its {len(entries)} prefixes take {need} pages of "
-            f"{ps} tokens, and {have} are available (free and cached, "
-            f"num_available_pages); nothing was loaded")
-    done: list = []
+    cache.state.check_imports([])      # (a cache that cannot import refuses before the pins)
+    fmt = c.kv_format
+    streamed = all(en.payload.array_dtype == fmt.payload_dtype(c.dtype) and (
+        not fmt.packed or (en.payload.kv_dtype, en.payload.kv_quant_group, en.payload.dtype)
+        == (c.kv_dtype, c.kv_quant_group, c.dtype)) for en in entries)
+    plans = _plan(cache, header, entries, full, extras, streamed)
+    payloads = None if streamed else _read_checked(path, header, entries)
+    ids = _new_ids(cache, 2 * len(entries))
+    seq_of, pins = ids[:len(entries)], ids[len(entries):]
+    held: dict = {}             # (holder, tokens) -> the id of the sequence pinning them
+    done: list = []             # the entries' sequences added
     try:
-        for sid, (p, _), parent in zip(ids, entries, parents):
-            if parent is None:
-                cache.import_sequence(sid, p, convert_dtype=convert_dtype)
-            else:
-                cache.import_sequence(sid, p, parent_id=ids[parent], fork_pos=p.start,
+        for plan in plans:      # the cached bases first, pinned: eviction for room keeps them
+            key = None if plan.base is None else plan.base[1:]
+            if plan.needed and plan.base is not None and plan.base[0] == "cached" \
+                    and key not in held:
+                cache.manager.hold_prefix(pins[len(held)], *plan.base[1:])
+                held[key] = pins[len(held)]
+        items, want = [], []
+        for i, (en, plan) in enumerate(zip(entries, plans)):
+            if not plan.needed:
+                continue
+            base = plan.base
+            parent = (None if base is None else held[base[1:]] if base[0] == "cached"
+                      else seq_of[base[1]])
+            items.append((seq_of[i], en.payload if payloads is None else payloads[i], parent,
+                          None if parent is None else plan.fork))
+            want.append(i)
+        ps = c.page_size
+        need = sum(import_pages(ImportSpec(sid, p.end - (fork or 0), parent_id=parent,
+                                           fork_pos=fork or 0), ps)
+                   for sid, p, parent, fork in items)
+        have = cache.num_available_pages
+        if need > have:
+            raise CacheFullError(
+                f"prefix cache file {str(path)!r}: its {len(entries)} prefixes take {need} "
+                f"pages of {ps} tokens beyond those the prefix cache holds, and {have} are "
+                f"available (free and cached, num_available_pages); nothing was loaded")
+        if payloads is None:
+            _import_streamed(cache, path, header, entries, plans, items, want)
+        else:
+            for sid, p, parent, fork in items:
+                cache.import_sequence(sid, p, parent_id=parent, fork_pos=fork,
                                       convert_dtype=convert_dtype)
-            done.append(sid)
+                done.append(sid)
+        done = [sid for sid, _, _, _ in items]
         # (checks its arguments before it changes anything: a refusal leaves the imports)
-        return cache.manager.cache_imported(ids, full, extras)
-    except BaseException:
+        gained = cache.manager.cache_imported(done, [full[i] for i in want],
+                                              [extras[i] for i in want])
+        done = []
+        return gained
+    finally:
         for sid in reversed(done):          # all or nothing: forks first, then their parents
             cache.remove_sequence(sid)
+        for pin in held.values():           # the pinned pages stay cached, as they were
+            cache.remove_sequence(pin)
+
+
+def _plan(cache, header: dict, entries: list, full: list, extras: list,
+          streamed: bool) -> list:
+    """Per entry its ``_Plan``. The index's longest cached prefix of the entry's whole ids
+    (``cached_run``, whole pages of the cache) is checked against the file's page hashes
+    from the entry's own start (the index's copy hashed: ``files.rows_chain``; ``streamed``
+    only, where the cache's rows are the file's format): the tokens up to the last page that
+    agrees are taken from the index (neither read nor written), the rest imported as a fork
+    of them. So the index's pages stand in for the file's only where they hold the file's
+    bits, and a load ends as the load of the file alone would. An entry whose parent's
+    tokens up to its start are not all so taken forks from its parent's sequence; one that
+    brings no full page and that no imported entry forks from is not imported. Changes
+    nothing."""
+    mgr, ps, wps = cache.manager, cache.config.page_size, header["page_size"]
+    metas = header["sequences"]
+    bases: list = []            # per entry: _Plan.base
+    forks: list = []            # per entry: _Plan.fork
+    kept: list = []             # per entry: its prefix's tokens the index holds as the file
+    verified: list = []
+    for i, (en, ids, extra) in enumerate(zip(entries, full, extras)):
+        p = en.payload
+        length, holder = mgr.cached_run(ids, extra)
+        if en.parent is not None and (kept[en.parent] < p.start or length < p.start):
+            bases.append(("entry", en.parent))      # from its parent's sequence
+            forks.append(p.start)
+            kept.append(kept[en.parent])
+            verified.append(0)
+            continue
+        good = 0
+        own = (length - p.start) // wps if streamed else 0
+        if own > 0:
+            pt = cache.state.pt
+            slots = pt.position_slots(pt.seqs[holder], p.start, p.start + own * wps)
+            got = files.rows_chain(_rows(cache, slots), metas[i]["payload"], p,
+                                   en.tokens[:own * wps], wps, own * wps)
+            bad = files.first_difference(got, metas[i]["pages"][:own])
+            good = own if bad is None else bad
+        fork = p.start + good * wps
+        bases.append(("cached", holder, length) if fork else None)
+        forks.append(fork)
+        kept.append(fork)
+        verified.append(good)
+    needed = [False] * len(entries)
+    for i in reversed(range(len(entries))):     # an entry forks from its parent only
+        needed[i] = needed[i] or entries[i].payload.end // ps * ps > forks[i]
+        base = bases[i]
+        if needed[i] and base is not None and base[0] == "entry":
+            needed[base[1]] = True
+    return [_Plan(*plan) for plan in zip(bases, forks, needed, verified)]
+
+
+def _import_streamed(cache, path, header: dict, entries: list, plans: list, items: list,
+                     want: list) -> None:
+    """Reserve the pages of ``items`` (``reserve_import``), read every entry's pages the
+    index's copy did not vouch for (``files.stream_payload``: a chunk at a time, every page
+    hash checked), writing the tokens of each imported entry from its ``fork`` on, and commit;
+    any failure gives the pages back (``cancel_import``)."""
+    res = cache.reserve_import(items) if items else None
+    try:
+        slot = {i: k for k, i in enumerate(want)}
+        for i, (en, plan) in enumerate(zip(entries, plans)):
+            k = slot.get(i)
+            files.stream_payload(
+                cache, path, header, i, en, None if k is None else res,
+                offset=0 if k is None or res is None else int(res.offsets[k]),
+                first_page=plan.cached_pages, write_from=plan.fork - en.payload.start)
+        if res is not None:
+            cache.commit_import(res)
+    except BaseException:
+        if res is not None:
+            cache.cancel_import(res)
         raise
+
+
+def _read_checked(path, header: dict, entries: list) -> list:
+    """The entries' payloads read whole (a cache that converts them: another dtype or
+    format), every page hash checked first."""
+    out = []
+    for i, en in enumerate(entries):
+        p = files.read_payload(path, en)
+        files.check_pages(path, header, i, p)
+        out.append(p)
+    return out
 
 
 def _refuse(path, what: str) -> InvalidArgumentError:

@@ -392,13 +392,16 @@ class Engine:
             return warm_up(self)
 
     def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None, *,
-                    hold_kv: bool = False, kv_seq_id: Optional[int] = None) -> int:
+                    hold_kv: bool = False, kv_seq_id: Optional[int] = None,
+                    drawn: int = 0) -> int:
         """Queue a request: ``prompt`` token ids, ``params`` a ``SamplingParams`` (None: its
         defaults, greedy 32 tokens). Returns its id. A bad prompt or one that cannot fit the
         cache even alone raises ``InvalidArgumentError`` and queues nothing. ``hold_kv`` /
-        ``kv_seq_id``: disaggregated prefill and decode (``EngineCore.add_request``)."""
+        ``kv_seq_id``: disaggregated prefill and decode; ``drawn``: the sample's picks before
+        this request, where its draws count from (``EngineCore.add_request``)."""
         with self._lock:
-            return self.core.add_request(prompt, params, hold_kv=hold_kv, kv_seq_id=kv_seq_id)
+            return self.core.add_request(prompt, params, hold_kv=hold_kv, kv_seq_id=kv_seq_id,
+                                         drawn=drawn)
 
     def new_seq_id(self) -> int:
         """A cache sequence id the engine never uses itself (to import a sequence under)."""
@@ -515,7 +518,8 @@ class Engine:
         with self._lock:
             return self.cache.load_prefix_cache(path, self.fingerprint)
 
-    def resume(self, path, prompt: Sequence[int], params: Optional[SamplingParams] = None) -> int:
+    def resume(self, path, prompt: Sequence[int], params: Optional[SamplingParams] = None, *,
+               drawn: int = 0) -> int:
         """Go on with a conversation another engine saved (``save_prefix_cache(path,
         [tokens])``, ``tokens`` its prompt and generated tokens): load ``path``
         (``load_prefix_cache``), then queue ``prompt``, the saved tokens and what follows them
@@ -524,12 +528,19 @@ class Engine:
         Greedy tokens are those of a run that never stopped (the conversation as one request)
         with ``deterministic=True``: a token's output is the same bits whether it arrives in
         a prefill chunk or a decode step; without it, those of a next turn on the saving
-        engine (on the same backend). ``prompt`` and ``params`` are checked first (nothing is loaded for a bad
+        engine (on the same backend). ``drawn``: how many of the conversation's last tokens
+        the saving engine's sample drew (its ``max_tokens`` so far) when the resumed request
+        goes on with that sample (no new turn): its draws then count from there, so with the
+        same seed and ``deterministic=True`` a sampled continuation is that of the run that
+        never stopped too (0: they count from this request's start, as a new turn's do).
+        ``prompt``, ``params`` and ``drawn`` are checked first (nothing is loaded for a bad
         one)."""
         with self._lock:
             self._admit(prompt, params)
+            if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < 2**62:
+                raise InvalidArgumentError(f"drawn={drawn!r:.40} must be an int in [0, 2**62)")
             self.load_prefix_cache(path)
-            return self.add_request(prompt, params)
+            return self.add_request(prompt, params, drawn=drawn)
 
     # ------------------------------------------------------------------ wrappers
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params=None, *,

@@ -53,7 +53,8 @@ class EngineCore:
         return self.scheduler.stats
 
     def add_request(self, prompt, params: Optional[SamplingParams] = None, *,
-                    hold_kv: bool = False, kv_seq_id: Optional[int] = None) -> int:
+                    hold_kv: bool = False, kv_seq_id: Optional[int] = None,
+                    drawn: int = 0) -> int:
         """Queue a request; returns its id. ``params``: a ``SamplingParams`` (None: the
         defaults). Raises ``InvalidArgumentError`` (nothing queued) on a bad prompt or one that
         cannot fit the cache even alone.
@@ -64,10 +65,17 @@ class EngineCore:
         and ``release(request_id)`` removes it. ``kv_seq_id``: a sequence already in the cache
         (imported, e.g. by ``recv_sequence``, under an id from ``new_seq_id()``) that holds the
         KV of ``prompt``'s first tokens, at least one fewer than the prompt: the request starts
-        from it instead of prefilling them."""
+        from it instead of prefilling them.
+
+        ``drawn``: picks the request's sample drew before it (an int >= 0; a resumed
+        conversation's generated tokens, ``Engine.resume``): its draws count from there, so
+        with the same seed (and batch-invariant logits) a sampled continuation draws what the
+        uninterrupted request would have."""
         prompt, params, stops = self._admit(prompt, params)
         if not isinstance(hold_kv, bool):
             raise InvalidArgumentError(f"hold_kv={hold_kv!r} must be True or False")
+        if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < 2**62:
+            raise InvalidArgumentError(f"drawn={drawn!r:.40} must be an int in [0, 2**62)")
         if hold_kv and (params.max_tokens != 1 or params.n != 1):
             raise InvalidArgumentError(
                 f"hold_kv=True needs max_tokens=1 and n=1 (the held sequence is the prompt's), "
@@ -78,7 +86,7 @@ class EngineCore:
         self._next_id += 1
         samples = [Sample(seed=params.sample_seed(j)) for j in range(params.n)]
         self.scheduler.add(Request(rid, prompt, params, frozenset(stops), 0, samples,
-                                   hold_kv=hold_kv, kv_seq_id=kv_seq_id))
+                                   hold_kv=hold_kv, kv_seq_id=kv_seq_id, drawn=drawn))
         return rid
 
     def _check_adopted(self, sid, prompt_len: int) -> None:

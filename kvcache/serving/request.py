@@ -80,6 +80,10 @@ class Request:
     kv_seq_id: Optional[int] = None
     """A sequence already in the cache (imported) holding the KV of the prompt's first tokens:
     the request starts from it instead of prefilling them; None: prefill from scratch."""
+    drawn: int = 0
+    """Picks its samples drew before this request (a resumed conversation's generated
+    tokens): each draw's step counts from there, so a seeded sample goes on as the request
+    that drew them would have (``Engine.resume(..., drawn=)``)."""
     held: Optional[int] = None
     """The cache sequence kept for it once finished (``hold_kv``) until ``release``; None
     before then, or without ``hold_kv``."""

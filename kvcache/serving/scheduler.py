@@ -137,7 +137,8 @@ class Scheduler(Batching):
 
     def _draws(self, wants: list) -> list:
         """One ``Draw`` per unfinished sample of each sequence in ``wants`` (a prompt's ``n``
-        samples draw from its row); ``step`` counts the sample's picks still on their way."""
+        samples draw from its row); ``step`` counts the sample's picks, those still on their
+        way and those drawn before the request (``Request.drawn``) included."""
         out = []
         for k, seq in enumerate(wants):
             req = seq.req
@@ -145,7 +146,8 @@ class Scheduler(Batching):
             for j in group:
                 smp = req.samples[j]
                 if not smp.done:
-                    out.append(Draw(k, req.params, smp.seed, len(smp.tokens) + seq.ahead, j))
+                    out.append(Draw(k, req.params, smp.seed,
+                                    req.drawn + len(smp.tokens) + seq.ahead, j))
         return out
 
     # ------------------------------------------------------------------ after the forward

@@ -338,3 +338,45 @@ def test_a_file_of_one_chunk_on_the_threads_loads(tmp_path, monkeypatch):
     dst = make_cache("reference", config(dtype="bfloat16"))
     (did,) = dst.load_sequences(path)
     assert_same_kv(src, 1, dst, did)
+
+
+def test_the_hashing_threads_follow_the_cores_and_files_do_not_change_with_them(
+        tmp_path, monkeypatch):
+    """Issue 57: the hashing threads are one per core the process may run on (its affinity),
+    at most ``_MAX_WORKERS``; the page hashes and the CRC-32 (taken in a few tasks a chunk,
+    combined in file order) give the same file, byte for byte, on 1 thread and on 7, for a
+    KV file and a prefix cache file, and each loads on the other count."""
+    import os
+
+    from kvcache import files
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert files._hash_threads() == max(1, min(files._MAX_WORKERS, cores or 1))
+    monkeypatch.setattr(files, "_CHUNK_BYTES", 1)          # one page a chunk
+    monkeypatch.setattr(files, "_INLINE_BYTES", 0)         # every chunk on the threads
+    src = make_cache("reference", config(dtype="bfloat16", prefix_cache=True))
+    rng = np.random.default_rng(11)
+    work = build_workload(src, rng, count=4, windows=False)
+    tokens = [rng.integers(1, 500, src.sequence_length(s)).tolist() for s in work.ids]
+    system = rng.integers(1, 500, 9).tolist()
+    for sid in (20, 21):                    # the prefix cache: two chats under one prompt
+        chat = system + rng.integers(1, 500, 6 + sid % 2 * 5).tolist()
+        start = src.add_sequence(sid, chat)
+        run_forward(src, [sid], [len(chat) - start], rng)
+        src.remove_sequence(sid)
+    out: dict = {}
+    for threads in (1, 7):
+        monkeypatch.setattr(files, "_WORKERS", threads)
+        assert files._pool()._max_workers == threads       # (the pool follows the count)
+        out[threads] = (tmp_path / f"seqs{threads}.kv", tmp_path / f"prefix{threads}.kv")
+        src.save_sequences(out[threads][0], work.ids, tokens=tokens)
+        src.save_prefix_cache(out[threads][1])
+    for a, b in zip(out[1], out[7]):
+        assert a.read_bytes() == b.read_bytes()
+    for threads in (7, 1):                  # each loads with the other count of threads
+        monkeypatch.setattr(files, "_WORKERS", threads)
+        dst = make_cache("reference", config(dtype="bfloat16", prefix_cache=True))
+        new = dst.load_sequences(out[8 - threads][0])
+        for sid, did in zip(work.ids, new):
+            assert_same_kv(src, sid, dst, did)
+        fresh = make_cache("reference", config(dtype="bfloat16", prefix_cache=True))
+        assert fresh.load_prefix_cache(out[8 - threads][1]) == src.num_cached_pages == 3 + 3

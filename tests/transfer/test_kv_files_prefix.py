@@ -162,6 +162,135 @@ def test_a_file_of_sequences_with_ids_loads_as_cached_prefixes(tmp_path):
         dst.load_prefix_cache(mixed)
 
 
+def _counting(monkeypatch, cache) -> tuple:
+    """(token rows read from KV files, pages reserved by ``cache``'s imports), as they grow."""
+    from kvcache import files
+    c = cache.config
+    row = c.num_kv_heads * c.head_dim * 4               # one token's row of one layer, float32
+    read, reserved = [], []
+    pread = files._pread
+
+    def counted(path, fd, out, at):
+        read.append(len(out) // row)
+        return pread(path, fd, out, at)
+
+    reserve = cache.reserve_import
+
+    def counted_reserve(items, convert_dtype=False):
+        res = reserve(items, convert_dtype)
+        reserved.append(res.num_pages)
+        return res
+    monkeypatch.setattr(files, "_pread", counted)
+    monkeypatch.setattr(cache, "reserve_import", counted_reserve)
+    return read, reserved
+
+
+def test_a_load_reads_and_writes_only_what_the_index_lacks(tmp_path, monkeypatch):
+    """Issue 57: a chain whose first pages the prefix index holds with the file's bits (its
+    copy hashes to the file's page hashes) goes on from them: those pages are neither read
+    from the file nor written again, and the cache ends as one that loaded the file alone,
+    bit for bit, holding no page twice. Where the index's copy differs (computed here), the
+    file's pages are read and imported as before; a flipped byte among them is refused with
+    nothing changed."""
+    src, plain, lora = _filled("reference")
+    system, whole = tmp_path / "system.kv", tmp_path / "all.kv"
+    assert src.save_prefix_cache(system, prefixes=[plain[0][:12]]) == 3
+    written = src.save_prefix_cache(whole)
+    alone = make_cache("reference", config(prefix_cache=True))
+    assert alone.load_prefix_cache(whole) == written == 15
+    layers = src.config.num_layers
+
+    dst = make_cache("reference", config(prefix_cache=True))
+    assert dst.load_prefix_cache(system) == 3
+    read, reserved = _counting(monkeypatch, dst)
+    assert dst.load_prefix_cache(whole) == written - 3
+    # the 12 pages it lacked, each read once (K and V, each layer) and reserved once: the
+    # first chain's fourth page, the second's three, the third's three (forked from the
+    # second's) and the extra key's five (the file holds whole pages)
+    assert sum(read) == 2 * layers * 12 * PS and reserved == [12]
+    assert dst.num_available_pages == alone.num_available_pages == dst.num_total_pages
+    assert dst.num_cached_pages == alone.num_cached_pages == written
+    convs = [(t, None) for t in plain] + [(t, LORA) for t in lora]
+    for i, (tokens, extra) in enumerate(convs):
+        want = alone.match_prefix(tokens, extra_key=extra)
+        assert want == src.match_prefix(tokens, extra_key=extra)
+        assert dst.add_sequence(10 + i, tokens[:want + 1], extra_key=extra) == want
+        assert alone.add_sequence(10 + i, tokens[:want + 1], extra_key=extra) == want
+        assert_same_kv(alone, 10 + i, dst, 10 + i)
+        dst.remove_sequence(10 + i)
+    dst.manager.prefix.check()
+    # a second time: nothing read, nothing reserved
+    del read[:], reserved[:]
+    assert dst.load_prefix_cache(whole) == 0 and read == [] and reserved == []
+
+    # the index holds the first conversation computed here: other K/V under the same ids
+    here = make_cache("reference", config(prefix_cache=True))
+    here.add_sequence(1, plain[0])
+    run_forward(here, [1], [len(plain[0])], np.random.default_rng(9))
+    mine = [kvcache.to_numpy(a) for a in here.get_kv(1, 0, 16)]
+    here.remove_sequence(1)
+    read, reserved = _counting(monkeypatch, here)
+    bad = bytearray(whole.read_bytes())
+    (n,) = struct.unpack("<Q", bad[:8])
+    first = json.loads(bad[8:8 + n])
+    k0 = first["s0.k"]["data_offsets"][0]
+    assert json.loads(first["__metadata__"]["kvcache"])["sequences"][0]["tokens"] == plain[0][:16]
+    bad[8 + n + k0 + 5] ^= 0x08                 # a byte of the first chain's K, page 0
+    (tmp_path / "bad.kv").write_bytes(bytes(bad))
+    before, count = snapshot(here), _index_pages(here)
+    with pytest.raises(InvalidArgumentError, match="sequence 0: page 0 .*fails its hash"):
+        here.load_prefix_cache(tmp_path / "bad.kv")
+    assert snapshot(here) == before and _index_pages(here) == count   # (its 11 pages back)
+    here.manager.prefix.check()
+    del read[:], reserved[:]
+    assert here.load_prefix_cache(whole) == written - 4
+    # every page read and written: the index's copy is not the file's, so it stands in for
+    # none of them (as before issue 57: the chains the index holds whole keep its copy, the
+    # others read the file's)
+    assert sum(read) == 2 * layers * written * PS and reserved == [written]
+    # (the second chain's first two pages are the file's, under the index's nodes for them)
+    assert here.num_cached_pages == written + 2
+    assert here.add_sequence(20, plain[0]) == 16          # the index's own copy, kept
+    assert all(kvcache.to_numpy(a).tobytes() == m.tobytes()
+               for a, m in zip(here.get_kv(20, 0, 16), mine))
+    here.remove_sequence(20)
+    assert here.add_sequence(21, plain[1]) == 20 and alone.add_sequence(21, plain[1]) == 20
+    assert_same_kv(alone, 21, here, 21)                   # the file's, the system prompt too
+    here.manager.prefix.check()
+
+
+@pytest.mark.parametrize("page_size", [2, 8])
+def test_a_load_over_any_cached_part_ends_as_the_file_alone(tmp_path, page_size):
+    """A prefix cache file loaded over a part of it (random prefixes of random chains, the
+    reader's pages smaller or larger than the writer's, K/V that differ between copies of
+    one token's page as a random workload's do) ends as the file loaded alone: the same
+    pages gained in all, the same hits, the same K/V bits, no page left over."""
+    for seed in (1, 2):
+        src, plain, lora = _filled("reference", seed=seed)
+        convs = [(t, None) for t in plain] + [(t, LORA) for t in lora]
+        whole = tmp_path / f"all{seed}.kv"
+        src.save_prefix_cache(whole)
+        rng = np.random.default_rng(seed)
+        for pick in range(3):
+            sub = [t for t, extra in convs if extra is None and rng.random() < 0.6]
+            part = tmp_path / f"part{seed}-{pick}.kv"
+            src.save_prefix_cache(part, prefixes=[t[:rng.integers(4, len(t) + 1)] for t in sub])
+            dst = make_cache("reference", config(prefix_cache=True, page_size=page_size))
+            alone = make_cache("reference", config(prefix_cache=True, page_size=page_size))
+            gained = dst.load_prefix_cache(part) + dst.load_prefix_cache(whole)
+            assert gained == alone.load_prefix_cache(whole)
+            assert dst.num_available_pages == dst.num_total_pages
+            assert dst.num_cached_pages == alone.num_cached_pages
+            for i, (tokens, extra) in enumerate(convs):
+                want = alone.match_prefix(tokens, extra_key=extra)
+                assert dst.add_sequence(9, tokens[:want + 1], extra_key=extra) == want
+                alone.add_sequence(9, tokens[:want + 1], extra_key=extra)
+                assert_same_kv(alone, 9, dst, 9)
+                dst.remove_sequence(9)
+                alone.remove_sequence(9)
+            dst.manager.prefix.check()
+
+
 def _flip(path, tmp_path, find: bytes, at: int, name: str):
     raw = bytearray(path.read_bytes())
     i = raw.index(find) + at
@@ -193,7 +322,8 @@ def test_loading_refuses_a_mismatch_and_changes_nothing(tmp_path):
     bad = bytearray(raw)
     bad[8 + n + k0 + 3] ^= 0x40                      # a byte of K in the second chain
     (tmp_path / "k.kv").write_bytes(bytes(bad))
-    flipped = {"k.kv": "checksum",
+    # (the page hashes cover what the payload's CRC-32 does: the CRC is not computed on load)
+    flipped = {"k.kv": "sequence 1: page 0 .*fails its hash",
                "link.kv": "parent=",                 # the parent's page hash it names
                "ids.kv": "fails its hash"}           # a token id of the first chain
     _flip(path, tmp_path, b'\\"parent\\":[0,\\"', 19, "link.kv")
@@ -391,6 +521,35 @@ def test_an_engine_resumes_a_conversation_as_if_it_never_stopped(tmp_path, llama
     if where == "mlx-lm on metal":      # the other library's model is another model
         with pytest.raises(InvalidArgumentError, match="fingerprint field 'architecture'"):
             _engine(llama).load_prefix_cache(path)
+
+
+def test_a_seeded_sample_resumes_as_if_it_never_stopped(tmp_path, llama):
+    """Issue 57: a sampled (seeded) conversation saved after its first turn and resumed with
+    ``drawn`` (the picks its sample drew) draws the tokens of the run that never stopped;
+    without it the draws count from the resumed request's start (a new turn's)."""
+    from kvcache.integrations import SamplingParams
+
+    def sampled(n):
+        return SamplingParams(max_tokens=n, temperature=0.9, top_k=50, seed=77, ignore_eos=True)
+    prompt = np.random.default_rng(13).integers(1, VOCAB, 40).tolist()
+    whole = _engine(llama, deterministic=True).generate([prompt], sampled(2 * NEW))[0][0]
+    first = _engine(llama, deterministic=True)
+    said = first.generate([prompt], sampled(NEW))[0][0]
+    assert said == whole[:NEW]
+    path = tmp_path / "sampled.kv"
+    first.save_prefix_cache(path, [prompt + said])
+    got = {}
+    for drawn in (NEW, 0):
+        second = _engine(llama, deterministic=True)
+        rid = second.resume(path, prompt + said, sampled(NEW), drawn=drawn)
+        got[drawn] = []
+        while second.has_unfinished():
+            got[drawn] += [t for o in second.step() if o.request_id == rid
+                           for t in o.new_token_ids]
+    assert got[NEW] == whole[NEW:]
+    assert got[0] != whole[NEW:]            # (the draws of steps 0.., not NEW..)
+    with pytest.raises(InvalidArgumentError, match="drawn=-1"):
+        _engine(llama).resume(path, prompt + said, sampled(NEW), drawn=-1)
 
 
 @pytest.mark.skipif(DEVICES["cuda"] == "cpu", reason="the GPU run of the resume test "
