@@ -50,6 +50,15 @@ class ModelAdapter(abc.ABC):
         or refuses ``window_groups=True``)."""
         return {}
 
+    def state_layers(self) -> dict:
+        """``{layer: kvcache.State(...)}``: the model's recurrent-state layers (e.g. LFM2's short
+        convolutions) as ``CacheConfig.layer_kinds`` takes them; empty: none. The engine always
+        builds them (the model cannot run without them, whatever ``window_groups`` says) and
+        turns off, or refuses by name, what does not compose with state layers
+        (``Engine.state_layers_off``). The adapter's ``forward`` reads and writes them with
+        ``cache.get_state`` / ``cache.set_state``."""
+        return {}
+
     def default_device(self) -> Optional[str]:
         """The device the cache is created on when the engine is given none (the model's)."""
         return None

@@ -51,6 +51,10 @@ DEFAULT_TOKENS_PER_SEQUENCE = 512
 """``max_total_tokens`` where free device memory cannot be asked (a CPU, MLX):
 ``512 * max_batch_size``."""
 
+STATE_SLOTS_PER_ROW = 2
+"""``CacheConfig.max_state_slots`` of an engine over a model with state layers, per
+``max_batch_size`` row (docs/hybrid.md, increment 5)."""
+
 _log = logging.getLogger(__name__)
 
 _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -124,6 +128,10 @@ class Engine:
         """This engine's number in its process (a sizing error names engines by it)."""
         backend = opts.backend
         device = opts.device if opts.device is not None else adapter.default_device()
+        states, opts, self.state_layers_off = self._state_layers(opts, backend, device)
+        """Why options were turned off for the model's state layers (LFM2's short
+        convolutions: the prefix cache, graphs, offload; docs/hybrid.md), else None (no state
+        layer, or nothing was on): ``self.config.layer_kinds`` holds the ``State`` layers."""
         kinds, self.window_groups_off = self._window_groups(opts, backend, device)
         """Why the model's sliding-window layers keep every page (``window_groups=None`` and
         something does not compose with window groups, or the adapter does not understand the
@@ -138,9 +146,14 @@ class Engine:
         sizes: dict = dict(dtype=opts.dtype, page_size=opts.page_size,
                            max_batch_size=opts.max_batch_size)
         max_total_tokens, prefill_chunk_size = opts.max_total_tokens, opts.prefill_chunk_size
+        # a sequence the cache holds has a state slot: the batch's sequences and as many
+        # again (samples' prefixes, decodes left out of a full batch, a recomputed head);
+        # beyond that an admission preempts, as a full pool does
+        slots = STATE_SLOTS_PER_ROW * int(opts.max_batch_size) if states else 0
         if max_total_tokens is None:
-            max_total_tokens, self.sizing = self._size(backend, device, prefill_chunk_size,
-                                                       float(opts.memory_fraction), sizes, kinds)
+            max_total_tokens, self.sizing = self._size(
+                backend, device, prefill_chunk_size, float(opts.memory_fraction), sizes,
+                {**kinds, **states}, slots)
         else:
             self.sizing = "given"
         if prefill_chunk_size is None:
@@ -149,7 +162,8 @@ class Engine:
                                    prefill_chunk_size=prefill_chunk_size, **sizes)
         cfg = dataclasses.replace(cfg, prefix_cache=opts.prefix_cache, kv_dtype=opts.kv_dtype,
                                   kv_quant_group=quant_group_for(cfg, opts.kv_dtype),
-                                  batch_invariant=opts.deterministic, layer_kinds=kinds)
+                                  batch_invariant=opts.deterministic,
+                                  layer_kinds={**kinds, **states}, max_state_slots=slots)
         invariant_ops = self._invariant_ops(opts)
         if opts.mixed_graphs and not self.graphs:
             raise UnsupportedFeatureError(
@@ -199,6 +213,55 @@ class Engine:
             self.prefix_loaded = self.load_prefix_cache(opts.prefix_file)
 
     # ------------------------------------------------------------------ construction
+    def _state_layers(self, opts: EngineConfig, backend: str, device) -> tuple:
+        """``(state layers, opts, why off)``: the adapter's ``state_layers`` (always built: the
+        model cannot run without them), the options with what does not compose with state
+        layers turned off (the prefix cache: hits need state checkpoints; graphs, mixed graphs,
+        offload left at None), and why (None: no state layer, or nothing was on). Raises
+        ``UnsupportedFeatureError`` naming the option for one asked for that does not compose
+        (``graphs``, ``mixed_graphs``, ``offload``, ``deterministic``, a ``prefix_file``) and
+        for a backend without ``state_slots``."""
+        states = dict(self.adapter.state_layers())
+        if not states:
+            return {}, opts, None
+        what = (f"the {self.adapter.family or 'model'} model's state layers {sorted(states)} "
+                f"(recurrent state: no page, no checkpoint)")
+        from ..plugins import resolve_backend
+        cls = resolve_backend(backend, device)
+        if not cls.capabilities.state_slots:
+            raise UnsupportedFeatureError(
+                f"{what} need the backend capability 'state_slots', and backend {cls.name!r} "
+                f"does not declare it; pick a backend that does (reference, cuda, metal)")
+        # asked for by name: refused (docs/hybrid.md "Refused" for state layers)
+        for name, on, why in (
+                ("deterministic", opts.deterministic, "the batch-invariant mode"),
+                ("graphs", opts.graphs, "captured steps"),
+                ("mixed_graphs", opts.mixed_graphs, "captured steps"),
+                ("offload", opts.offload, "the host tier (a state has no payload)")):
+            if on:
+                raise UnsupportedFeatureError(
+                    f"{name}=True with {what}: {why} does not compose with state layers yet "
+                    f"(docs/hybrid.md); pass {name}=False")
+        if opts.prefix_file is not None:
+            raise UnsupportedFeatureError(
+                f"prefix_file with {what}: the prefix cache does not compose with state layers "
+                f"yet (a hit needs the state at the match point); pass prefix_file=None")
+        off = []
+        if opts.prefix_cache:
+            off.append("prefix_cache (a hit needs the state at the match point: checkpoints "
+                       "are not built)")
+        if opts.graphs is None and self._want_graphs(None, backend, device):
+            off.append("graphs (on by default here)")
+        if opts.offload is None and not str(device or "cpu").startswith("cpu"):
+            off.append("offload (on by default here; preempted sequences are recomputed)")
+        opts = dataclasses.replace(opts, prefix_cache=False, graphs=False, mixed_graphs=False,
+                                   offload=False)
+        if not off:
+            return states, opts, None
+        reason = f"{', '.join(off)} off for {what}: not composed with state layers yet (docs/hybrid.md)"
+        _log.info("%s", reason)
+        return states, opts, reason
+
     def _window_groups(self, opts: EngineConfig, backend: str, device) -> tuple:
         """``(layer_kinds, why off)`` by ``opts.window_groups`` (``EngineConfig``): the
         adapter's ``layer_kinds`` when window groups are on, else ``{}`` and the reason (None
@@ -302,10 +365,11 @@ class Engine:
         return True
 
     def _size(self, backend, device, chunk, fraction: float, sizes: dict,
-              kinds: Optional[dict] = None) -> tuple:
+              kinds: Optional[dict] = None, slots: int = 0) -> tuple:
         """``(max_total_tokens, how)`` from the device's free memory (see the class doc); with
-        window groups (``kinds``) their pools are counted out first and the tokens are the
-        full-attention layers' (the pools' size does not grow with the tokens)."""
+        window groups or state layers (``kinds``; ``slots``: ``max_state_slots``) their pools
+        and state arrays are counted out first and the tokens are the full-attention layers'
+        (neither grows with the tokens)."""
         adapter = self.adapter
         batch = int(sizes["max_batch_size"])
         gc.collect()        # what a reference cycle still holds (a dropped model's, say)
@@ -339,11 +403,13 @@ class Engine:
         # engines and other processes already counted out), less one largest step
         room, per_token = fraction * free - peak, config.token_kv_bytes
         if kinds:
-            grouped = dataclasses.replace(config, layer_kinds=kinds, max_total_tokens=2**30)
+            grouped = dataclasses.replace(config, layer_kinds=kinds, max_total_tokens=2**30,
+                                          max_state_slots=slots)
             layer_bytes = config.token_kv_bytes // config.num_layers
             if grouped.full_layers:     # (every layer windowed: sized as without groups)
                 room -= sum(grouped.window_group_pages(g) * ps * layer_bytes * len(layers)
                             for g, (_, layers) in enumerate(grouped.window_groups))
+                room -= grouped.state_bytes
                 per_token = layer_bytes * len(grouped.full_layers)
         tokens = int(room // per_token) // ps * ps
         if tokens < 2 * ps:

@@ -1,4 +1,5 @@
-"""Hybrid families are refused (issue 51, item 0): a model that keeps, beside (or instead of) its
+"""Hybrid families are refused (issue 51, item 0; LFM2's short convolutions are served since
+issue 56's increment 5, ``SERVED``): a model that keeps, beside (or instead of) its
 attention, state the cache does not hold (a Mamba / SSM mixer, linear attention or gated
 DeltaNet, a recurrent block, a short convolution, a relative position bias) would run with that
 state lost between steps, its tokens differing from transformers' own generation without an
@@ -14,7 +15,8 @@ import pytest
 from conftest import torch, transformers
 
 import kvcache
-from kvcache.integrations.transformers import Engine, cache_config, stateful_layers
+from kvcache.integrations.transformers import (STATE_FAMILIES, Engine, cache_config,
+                                               state_kinds, stateful_layers)
 
 _SMALL = dict(vocab_size=128, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
@@ -100,7 +102,12 @@ def build(model_type: str):
     return transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
 
 
-@pytest.mark.parametrize("model_type", list(HYBRIDS))      # all of them: about 3 s
+# the families whose state layers run on the cache (docs/hybrid.md, increment 5): served,
+# not refused (tests/integrations/test_transformers_lfm2.py)
+SERVED = frozenset(STATE_FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", [t for t in HYBRIDS if t not in SERVED])  # about 3 s
 def test_a_hybrid_family_is_refused_naming_the_layer_module_and_reason(model_type):
     if not _installed(model_type):
         pytest.skip(f"transformers {transformers.__version__} does not ship {model_type}")
@@ -113,6 +120,7 @@ def test_a_hybrid_family_is_refused_naming_the_layer_module_and_reason(model_typ
     assert f"the {model_type} model ({type(model).__name__})" in text
     assert "keeps state the cache does not hold" in text and "lost between steps" in text
     assert "layer 0: " in text and what in text.lower(), text
+    assert "served for the short convolutions of lfm2, lfm2_moe only" in text
     found = stateful_layers(model)
     assert found and found[0][0] == 0
     if not what.startswith("'"):                # the module by its path and class
@@ -122,6 +130,16 @@ def test_a_hybrid_family_is_refused_naming_the_layer_module_and_reason(model_typ
                        match="keeps state the cache does not hold"):
         cache_config(model)                     # your own loop: refused the same way
     assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("model_type", sorted(SERVED))
+def test_a_served_family_builds_its_state_layers(model_type):
+    """The same tiny LFM2 models are accepted: their conv layers are state layers (their
+    tokens: test_transformers_lfm2.py)."""
+    model = build(model_type)
+    kinds = state_kinds(model)
+    assert sorted(kinds) == [i for i, _, _ in stateful_layers(model)] == [0]
+    assert dict(cache_config(model).layer_kinds) == kinds
 
 
 def test_falcon_h1_is_refused_before_anything_runs():

@@ -62,7 +62,8 @@ if _version(transformers.__version__) < MIN_VERSION:
 __all__ = ["ATTN_IMPLEMENTATION", "Engine", "ROPE_CHOICES", "ROPE_FAMILIES", "RequestOutput",
            "SamplingParams", "TransformersAdapter",
            "attention", "cache_config", "fused_rope", "layer_kinds", "model_rotary", "refuse_hybrid",
-           "register", "sliding_windows", "stateful_layers"]
+           "register", "route_state_layers", "sliding_windows", "state_kinds", "stateful_layers",
+           "STATE_FAMILIES"]
 
 # the package's modules, imported once the requirements are checked; every name the module had
 # stays importable from here
@@ -73,6 +74,7 @@ from .interface import (_HONOURED, _IGNORED, ATTN_IMPLEMENTATION,  # noqa: E402
 from .model import (_DTYPES, _dtype_name, _head_dim, _model_needs,  # noqa: E402
                     attention_layers, eos_token_ids, head_dims, layer_kinds, refuse_hybrid,
                     sliding_windows, stateful_layers)
+from .states import STATE_FAMILIES, route_state_layers, state_kinds  # noqa: E402
 from .rope import (_FUSED, _ROTATION_SKIPPED, _STATIC_ROPE_TYPES, _WRAPPED,  # noqa: E402
                    ROPE_CHOICES, ROPE_FAMILIES, _check_rope, _rotary_module, _rotation_skipped,
                    _skip_rotation, _unrotated, fused_rope, model_rotary)

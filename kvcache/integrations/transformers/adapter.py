@@ -20,6 +20,7 @@ from .interface import ATTN_IMPLEMENTATION, register
 from .model import (_dtype_name, _model_needs, attention_layers, eos_token_ids, head_dims,
                     layer_kinds, refuse_hybrid, sliding_windows)
 from .rope import _check_rope, fused_rope, model_rotary
+from .states import route_state_layers, state_kinds
 
 torch = require("torch", "transformers")
 
@@ -33,7 +34,8 @@ COMPILE_MODE: Optional[str] = None
 
 def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: int = 65536,
                  max_batch_size: int = 64, prefill_chunk_size: int = 2048,
-                 rope: str = "model", window_groups: bool = False) -> CacheConfig:
+                 rope: str = "model", window_groups: bool = False,
+                 max_state_slots: int = 0) -> CacheConfig:
     """A ``CacheConfig`` for a transformers causal LM: layers, query/KV heads and head_dim from
     ``model.config``, ``dtype`` (None: the model's parameter dtype) and the given sizes.
     ``rope``: ``"model"`` gives ``rope_mode="none"`` (the model rotates q and k itself);
@@ -41,12 +43,20 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     dim (``model_rotary``; raises ``UnsupportedFeatureError`` when they cannot be proven
     standard); run the model inside ``fused_rope(model, cache)`` then. A model that keeps
     state the cache does not hold beside its attention (a hybrid: Mamba mixers, linear
-    attention, short convolutions, position biases) raises ``UnsupportedFeatureError`` naming
-    the layers and the reason (``refuse_hybrid``). ``window_groups``: the model's
-    sliding-window layers get ``layer_kinds`` (``layer_kinds(model)``: each keeps only the
-    pages its window still sees; raises ``UnsupportedFeatureError`` when the model's windowing
-    is not understood); False: every layer keeps every page."""
+    attention, position biases) raises ``UnsupportedFeatureError`` naming the layers and the
+    reason (``refuse_hybrid``). The short convolutions of LFM2 (``STATE_FAMILIES``) are state
+    layers: they always get their ``State`` kinds (``state_kinds(model)``), in
+    ``max_state_slots`` slots (0: ``max_batch_size``, the sequences the cache holds at once),
+    and the model's conv modules are routed to the cache (``route_state_layers``).
+    ``window_groups``: the model's sliding-window layers get ``layer_kinds``
+    (``layer_kinds(model)``: each keeps only the pages its window still sees; raises
+    ``UnsupportedFeatureError`` when the model's windowing is not understood); False: every
+    layer keeps every page."""
     refuse_hybrid(model)
+    states = state_kinds(model)
+    if states:
+        _no_fused_rope_with_states(model, rope, states)
+        route_state_layers(model)
     config = model.config
     heads = int(config.num_attention_heads)
     head_dim, head_dim_v = head_dims(config)
@@ -62,8 +72,16 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
         max_total_tokens=max_total_tokens, prefill_chunk_size=prefill_chunk_size,
         dtype=_dtype_name(dtype if dtype is not None else model.dtype),
         rope_mode=mode, rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
-        rope_inv_freq=inv_freq, rope_rotary_dim=rot,
-        layer_kinds=layer_kinds(model) if window_groups else ())
+        rope_inv_freq=inv_freq, rope_rotary_dim=rot, max_state_slots=max_state_slots,
+        layer_kinds={**(layer_kinds(model) if window_groups else {}), **states})
+
+
+def _no_fused_rope_with_states(model, rope: str, states: dict) -> None:
+    # the cache's fused RoPE has not been tried beside state layers: the model's own rotary has
+    if rope == "cache":
+        raise UnsupportedFeatureError(
+            f"rope='cache' with the {model.config.model_type} model's state layers "
+            f"{sorted(states)} (short convolutions): not tried yet; pass rope='model'")
 
 
 # ---------------------------------------------------------------------- the model's attention
@@ -120,7 +138,8 @@ class TransformersAdapter(ModelAdapter):
     """A transformers decoder-only causal LM as the engine's model: any family whose decoder
     layers call transformers' attention interface (checked: ``attention_layers``; refused with
     the reason otherwise) and keep no other state from token to token (a hybrid's Mamba mixer,
-    linear attention, short convolution or position bias: refused, ``refuse_hybrid``)."""
+    linear attention or position bias: refused, ``refuse_hybrid``) than the short
+    convolutions of LFM2, which run on the cache's state slots (``state_layers``)."""
 
     def __init__(self, model, rope: str = "model"):
         config = getattr(model, "config", None)
@@ -134,6 +153,11 @@ class TransformersAdapter(ModelAdapter):
                 f"causal LMs")
         refuse_hybrid(model)             # state beside attention (Mamba, linear attention ...)
         attention_layers(model)          # refuses a model whose layers the cache cannot serve
+        self.states = state_kinds(model)
+        """``{layer: State}``: the model's state layers (LFM2's short convolutions)."""
+        if self.states:
+            _no_fused_rope_with_states(model, rope, self.states)
+            route_state_layers(model)
         self.model = model
         self.family = str(family or type(model).__name__)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -152,6 +176,9 @@ class TransformersAdapter(ModelAdapter):
 
     def layer_kinds(self) -> dict:
         return layer_kinds(self.model)
+
+    def state_layers(self) -> dict:
+        return dict(self.states)
 
     def default_device(self) -> Optional[str]:
         return str(self.device)
@@ -233,8 +260,8 @@ class TransformersAdapter(ModelAdapter):
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
                          kvcache=cache)
         ran = cache.layers_run
-        if len(ran) != cache.config.num_layers:
-            missing = sorted(set(range(cache.config.num_layers)) - ran)
+        if len(ran) + len(self.states) != cache.config.num_layers:
+            missing = sorted(set(range(cache.config.num_layers)) - ran - set(self.states))
             raise UnsupportedFeatureError(
                 f"layers {missing} of the {self.family} model ({type(self.model).__name__}) did "
                 f"not call transformers' attention interface: their attention cannot reach the "

@@ -89,6 +89,8 @@ def layer_kinds(model) -> dict:
                     f"know full and sliding attention only, so its windowing is not understood; "
                     f"pass window_groups=False (every page kept)")
     for i, module in enumerate(attention_layers(model)):
+        if module is None:
+            continue                    # a state layer: no attention, no window
         want = windows.get(i)
         if want is not None and want < 1:
             raise UnsupportedFeatureError(
@@ -113,16 +115,23 @@ def _dtype_name(dtype) -> str:
 
 def attention_layers(model) -> list:
     """The model's attention modules, one per decoder layer in layer order (each with its
-    ``layer_idx``). Raises ``UnsupportedFeatureError`` with the reason when the model's layers
-    do not map one to one onto cache layers (layers without attention, or two attention modules
-    in one layer)."""
+    ``layer_idx``); ``None`` at a state layer (an LFM2 short convolution: ``state_kinds``),
+    which has no attention. Raises ``UnsupportedFeatureError`` with the reason when the model's
+    layers do not map one to one onto cache layers (layers without attention that are not
+    state layers, or two attention modules in one layer)."""
+    from .states import conv_layers
     config = model.config
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    found: dict = {}
+    found: dict = dict.fromkeys(conv_layers(model))
     for m in model.modules():
         idx = getattr(m, "layer_idx", None)
         if isinstance(idx, int) and hasattr(m, "config") and any(
                 hasattr(m, name) for name in ("q_proj", "qkv_proj", "q_a_proj", "query_key_value", "c_attn")):
+            if idx in found and found[idx] is None:
+                raise UnsupportedFeatureError(
+                    f"{type(model).__name__}: layer {idx} is a state layer (short convolution) "
+                    f"and has an attention module ({type(m).__name__}) too; the cache holds one "
+                    f"kind per layer")
             if idx in found:
                 raise UnsupportedFeatureError(
                     f"{type(model).__name__}: layer {idx} has two attention modules "
@@ -247,10 +256,18 @@ def stateful_layers(model) -> list:
 def refuse_hybrid(model) -> None:
     """Raise ``UnsupportedFeatureError`` naming the model type, the layers and modules and the
     reason when ``model`` keeps state the cache does not hold (``stateful_layers``): a hybrid
-    (Falcon-H1, Jamba, Bamba, Zamba, Qwen3-Next, LFM2 ...) or a recurrent model. The cache
-    holds attention K/V only; such a state would be lost between steps, and the tokens would
-    differ from the model's own generation without an error."""
+    (Falcon-H1, Jamba, Bamba, Zamba, Qwen3-Next ...) or a recurrent model. The cache holds
+    attention K/V and the state of the layers ``state_kinds`` gives (LFM2's short
+    convolutions, ``STATE_FAMILIES``); any other state would be lost between steps, and the
+    tokens would differ from the model's own generation without an error. An LFM2-family
+    model whose convolutions are not what was read is refused too (``conv_layers``)."""
+    from .states import STATE_FAMILIES, conv_layers
     found = stateful_layers(model)
+    if not found:
+        return
+    # the state layers the cache serves: exactly their conv module, nothing else in the layer
+    served = {i: f"{path} ({type(m).__name__})" for i, (path, m) in conv_layers(model).items()}
+    found = [(i, where, why) for i, where, why in found if served.get(i) != where]
     if not found:
         return
     config = _text_config(model.config)
@@ -263,7 +280,8 @@ def refuse_hybrid(model) -> None:
         f"the {family} model ({type(model).__name__}) keeps state the cache does not hold: "
         f"{shown}{more}. The cache holds attention K/V only: that state would be lost between "
         f"steps and the tokens would differ from the model's own generation, so hybrid and "
-        f"recurrent models cannot run on the cache")
+        f"recurrent models cannot run on the cache (state layers are served for the short "
+        f"convolutions of {', '.join(STATE_FAMILIES)} only)")
 
 
 def _model_needs(model) -> list:
@@ -274,7 +292,8 @@ def _model_needs(model) -> list:
     if getattr(model.config, "attn_logit_softcapping", None) is not None:
         needs.append((f"attention logit soft-capping (attn_logit_softcapping="
                       f"{model.config.attn_logit_softcapping})", "logit_softcap"))
-    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in attention_layers(model)):
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter)
+           for m in attention_layers(model) if m is not None):
         needs.append(("learned attention sinks (the layers' `sinks` parameters)", "attention_sinks"))
     if head_dims(model.config)[0] != head_dims(model.config)[1]:
         needs.append((f"value head dim {head_dims(model.config)[1]} other than the query/key "

@@ -286,6 +286,11 @@ class TensorParallelAdapter(TransformersAdapter):
 
     def __init__(self, model, rope: str = "model", tp: Optional[int] = None, group=None):
         super().__init__(model, rope)
+        if self.states:
+            raise UnsupportedFeatureError(
+                f"tensor parallelism with the {self.family} model's state layers "
+                f"{sorted(self.states)} (short convolutions): their channels are not split "
+                f"over ranks yet; run it on one device (tp=None)")
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise InvalidArgumentError(f"tp={tp!r} must be an integer >= 1")
         done = tp_layout(model)

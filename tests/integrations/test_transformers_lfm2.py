@@ -1,0 +1,236 @@
+"""LFM2's short convolutions on the cache's state slots (issue 56, docs/hybrid.md "Built:
+increment 5"): a small random-weight LFM2 (conv and attention layers) generates greedily
+through the Engine (queued requests of different lengths sharing batches, prompts in chunks
+of 8 tokens, the host one step ahead or not, preemption, ``n = 2`` forks) and through the
+adapter in a loop of one's own, on the reference backend and cuda's CPU mode, token for token
+equal to transformers' own ``generate``; and what is refused, by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import backend_or_skip, torch, transformers
+
+import kvcache
+from kvcache.integrations import SamplingParams
+from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
+                                               route_state_layers, state_kinds, stateful_layers)
+
+PAGE = 4
+NEW = 10
+CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
+LENGTHS = (1, 2, 5, 19, 37)
+TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
+SMALL = dict(vocab_size=128, num_hidden_layers=len(TYPES), hidden_size=64, intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=2, layer_types=TYPES, conv_L_cache=3,
+             pad_token_id=0, bos_token_id=None, eos_token_id=None, initializer_range=0.15,
+             tie_word_embeddings=False, max_position_embeddings=256)
+
+
+def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
+    """A float32 CPU LFM2-family model with seeded random weights (5 layers: conv, attention,
+    conv, conv, attention; hidden 64, a kernel of 3 taps)."""
+    kw = dict(SMALL, **overrides)
+    if model_type == "lfm2_moe":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  num_dense_layers=1)
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.to(torch.float32).eval()
+
+
+def hf_greedy(model, prompt, new=NEW) -> list:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                             min_new_tokens=new)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompts(seed=7):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
+
+
+_CASES: dict = {}
+
+
+def _case(model_type="lfm2"):
+    """(model, prompts, transformers' greedy tokens), once per family."""
+    if model_type not in _CASES:
+        model = make_lfm2(model_type)
+        prompts = _prompts()
+        _CASES[model_type] = (model, prompts, [hf_greedy(model, p) for p in prompts])
+    return _CASES[model_type]
+
+
+def test_the_conv_layers_are_state_layers():
+    model, _, _ = _case()
+    kinds = state_kinds(model)
+    assert kinds == {i: kvcache.State({"conv": (64, 2)}) for i in (0, 2, 3)}
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
+    assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 4)
+    assert cfg.num_state_slots == 3 and cfg.state_bytes == 3 * 3 * 64 * 2 * 4
+    # the conv modules still run transformers' own forward without the cache
+    assert route_state_layers(model) == [0, 2, 3]
+    assert [i for i, _, _ in stateful_layers(model)] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
+    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
+    prefill chunks and decode tokens of several sequences share forwards, and each sequence's
+    convolution runs from its own state."""
+    model, prompts, want = _case()
+    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
+    engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=512,
+                    prefill_chunk_size=CHUNK, max_batch_size=4, overlap=overlap)
+    assert dict(engine.config.layer_kinds) == state_kinds(model)
+    assert engine.config.num_state_slots == 8          # 2 * max_batch_size
+    assert not engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
+    assert "prefix_cache" in engine.state_layers_off and "[0, 2, 3]" in engine.state_layers_off
+    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
+    got: dict = {rid: [] for rid in ids}
+    shared, mixed = 0, 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        shared = max(shared, engine.cache.num_sequences)
+        for out in outs:
+            got[out.request_id].extend(out.new_token_ids)
+        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
+    for i, rid in enumerate(ids):
+        assert got[rid] == want[i], f"{name}: prompt {i} ({len(prompts[i])} tokens)"
+    assert shared == 4 and mixed
+    assert engine.cache.is_empty
+    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
+    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
+    come with it): every prompt prefilled in chunks together, then decoded together."""
+    model, prompts, want = _case()
+    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
+    adapter = TransformersAdapter(model)
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
+                       prefill_chunk_size=64)
+    cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
+    seqs = list(range(len(prompts)))
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)
+    for s in seqs:
+        cache.add_sequence(s)
+    out: list = [[] for _ in seqs]
+    with adapter.session(cache):
+        while min(len(o) for o in out) < NEW:
+            lens = [min(16, len(t) - d) for t, d in zip(tokens, done)]
+            batch = [s for s in seqs if lens[s] > 0]
+            chunk = [lens[s] for s in batch]
+            flat = np.concatenate([tokens[s][done[s]:done[s] + lens[s]] for s in batch])
+            pos = np.concatenate([np.arange(done[s], done[s] + lens[s]) for s in batch])
+            ends = np.cumsum(chunk) - 1
+            rows = [e for s, e in zip(batch, ends) if done[s] + lens[s] == len(tokens[s])]
+            with adapter.step_context(cache), cache.forward(batch, chunk):
+                logits = adapter.forward(cache, flat.astype(np.int64), pos.astype(np.int64),
+                                         np.asarray(rows, np.int64))
+            picks = adapter.greedy(logits, logprobs=False)[0] if rows else []
+            wanting = [s for s, e in zip(batch, ends) if e in rows]
+            for s in batch:
+                done[s] += lens[s]
+            for s, t in zip(wanting, picks):
+                out[s].append(int(t))
+                tokens[s].append(int(t))
+    for i in seqs:
+        assert out[i][:NEW] == want[i], f"prompt {i}"
+
+
+def test_preemption_and_forks_recompute_the_state():
+    """Four requests in a cache of 48 tokens: the scheduler preempts (the state slot comes back,
+    the preempted request recomputes from a fresh state), and ``n = 2`` samples fork at the
+    prompt's end (the child's slot takes a copy of the state); the tokens are transformers'."""
+    model, _, _ = _case()
+    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=48,
+                    prefill_chunk_size=CHUNK, max_batch_size=4)
+    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
+    out = engine.generate(prompts, max_new_tokens=NEW)
+    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
+    for i, p in enumerate(prompts):
+        assert out[i][0] == hf_greedy(model, p), f"prompt {i}"
+    # three samples of one prompt, one sequence per forward: the prefix and one sample hold slots
+    small = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=256,
+                   prefill_chunk_size=CHUNK, max_batch_size=1)
+    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
+    assert three[0] == [hf_greedy(model, prompts[0][:11])] * 3
+    assert small.stats.forks >= 3 and small.cache.is_empty
+    assert small.cache.num_available_state_slots == 2
+
+
+def test_lfm2_moe_greedy_equals_generate():
+    model, prompts, want = _case("lfm2_moe")
+    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
+                    prefill_chunk_size=CHUNK, max_batch_size=4)
+    assert dict(engine.config.layer_kinds) == state_kinds(model)
+    assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
+
+
+def test_what_does_not_compose_is_refused_by_name(tmp_path):
+    model, _, _ = _case()
+    kw = dict(backend="reference", page_size=PAGE, max_total_tokens=256)
+    for bad in ("graphs", "mixed_graphs", "offload", "deterministic"):
+        with pytest.raises(kvcache.UnsupportedFeatureError,
+                           match=f"{bad}=True with the lfm2 model's state layers"):
+            Engine(model, **{**kw, bad: True})
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="prefix_file=None"):
+        Engine(model, prefix_file=tmp_path / "none.kvp", **kw)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="rope='cache' with the lfm2"):
+        Engine(model, rope="cache", **kw)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="no sliding-window layer"):
+        Engine(model, window_groups=True, **kw)
+    engine = Engine(model, **kw)
+    assert engine.state_layers_off is not None and engine.window_groups_off is None
+    # what the cache refuses for state layers: popn, a fork below the length, exports
+    cache = engine.cache
+    cache.add_sequence(0)
+    with engine.adapter.session(cache), engine.adapter.step_context(cache), \
+            cache.forward([0], [5]):
+        engine.adapter.forward(cache, np.arange(1, 6, dtype=np.int64),
+                               np.arange(5, dtype=np.int64), np.asarray([4], np.int64))
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
+        cache.popn(0, 1)
+    with pytest.raises(kvcache.UnsupportedFeatureError):
+        cache.fork_sequence(0, 1, 3)
+    with pytest.raises(kvcache.UnsupportedFeatureError):
+        cache.export_sequence(0)
+    assert cache.sequence_length(0) == 5
+
+
+def test_what_is_not_understood_is_refused():
+    # a layer type the family's state layers do not know
+    other = make_lfm2(seed=1)
+    other.config.layer_types = ["conv", "sliding_attention", "conv", "conv", "full_attention"]
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*'sliding_attention'"):
+        state_kinds(other)
+    # a replaced conv module (a subclass computes what it likes)
+    model = make_lfm2(seed=1)
+    conv = model.model.layers[2].conv
+    conv.__class__ = type("Lfm2ShortConv", (type(conv),), {})
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layers.2.conv .*not transformers'"):
+        Engine(model, backend="reference", max_total_tokens=256)
+    # a kernel of one tap keeps no state: not what was read
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="kernel of 1 taps"):
+        cache_config(make_lfm2(seed=1, conv_L_cache=1))
+    # the conv called with a padding mask
+    model, prompts, _ = _case()
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
+                                              max_batch_size=1), backend="reference")
+    cache.add_sequence(0)
+    adapter = TransformersAdapter(model)
+    with adapter.session(cache), adapter.step_context(cache):
+        with pytest.raises(kvcache.UnsupportedFeatureError, match="padding mask"):
+            with cache.forward([0], [3]):
+                model.model.layers[0].conv(hidden_states=torch.zeros(1, 3, 64),
+                                           attention_mask=torch.tensor([[0, 1, 1]]),
+                                           kvcache=cache)
+    assert cache.sequence_length(0) == 0
