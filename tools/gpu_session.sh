@@ -96,6 +96,19 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       awk '/^  Test/ && NF == 5 && $3 != "0" {print "  failed in", $0}' "$OUT/conf_flash.log"; wait
       grep -a "verdict\|pytest:" "$OUT/conf_groups.log" | tail -3
       grep -a "passed\|failed\|^FAILED\|^ERROR" "$OUT/tests7.log" | tail -12 ;;
+    verify8) section "issues 55-57 (2026-11-28, eighth session): fp8 serving and the KV files bench alone, then correctness side by side (about 4 minutes)"
+      for kv in auto float8_e4m3; do
+        timeout 100 python3 -m kvcache.cli bench --serving --model llama --skip b,c --no-busy --kv-dtype $kv 2>&1 | grep -a "^(a)\|decode step /"
+      done
+      timeout 50 python3 -m kvcache.cli bench --files --files-dir "${FILES_DIR:-/tmp}" 2>&1 | grep -a -v -i warn | tail -6
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_kv_files.py \
+        tests/transfer/test_kv_files_prefix.py tests/transfer/test_verified_moves.py > "$OUT/tests8.log" 2>&1 &
+      [ -f tools/gpu_lfm2_check.py ] && timeout 200 python3 tools/gpu_lfm2_check.py > "$OUT/lfm2.log" 2>&1 &
+      timeout 200 python3 -m kvcache.cli conformance --backend cuda -k "WindowGroups or StateSlots" > "$OUT/conf_groups8.log" 2>&1
+      wait; grep -a "verdict\|pytest:" "$OUT/conf_groups8.log" | tail -3
+      awk '/^  Test/ && NF == 5 && $3 != "0" {print "  failed in", $0}' "$OUT/conf_groups8.log"
+      [ -f "$OUT/lfm2.log" ] && grep -a -v -i warn "$OUT/lfm2.log" | tail -8
+      grep -a "passed\|failed\|^FAILED\|^ERROR" "$OUT/tests8.log" | tail -8 ;;
     prefix) section "issue 31: prefix cache warm = cold on the GPU, conformance -k Prefix"
       timeout 280 python3 tools/gpu_prefix_check.py 2>&1 | grep -a -v -i warn | tee "$OUT/prefix_check.log" | tail -16 &
       timeout 280 python3 -m kvcache.cli conformance --backend cuda -k Prefix 2>&1 | tail -4; wait ;;

@@ -234,3 +234,29 @@ def test_what_is_not_understood_is_refused():
                                            attention_mask=torch.tensor([[0, 1, 1]]),
                                            kvcache=cache)
     assert cache.sequence_length(0) == 0
+
+
+def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_states():
+    """On the H200 (transformers 5.17) the Engine's memory probe failed: its conv layers were
+    called without ``kvcache=`` (the decoder layer did not pass its keywords down), ran
+    transformers' own convolution and wrote no state (``ForwardStateError`` at
+    ``end_forward``). The adapter now names the forward's cache for the routed convs of the
+    call too; here each conv loses the keyword on its way in, and the tokens still equal
+    ``generate``."""
+    model, prompts, greedy = _case()
+    from kvcache.integrations.transformers.states import conv_layers
+
+    def drop(module, args, kwargs):
+        kwargs.pop("kvcache", None)
+        return args, kwargs
+    hooks = [m.register_forward_pre_hook(drop, with_kwargs=True)
+             for _, m in conv_layers(model).values()]
+    try:
+        engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
+                        max_batch_size=3, prefill_chunk_size=CHUNK)
+        out = engine.generate(prompts, max_new_tokens=NEW)
+        assert [o[0] for o in out] == greedy
+    finally:
+        for h in hooks:
+            h.remove()
+    assert hf_greedy(model, prompts[0]) == greedy[0]        # outside: transformers' own again

@@ -20,7 +20,7 @@ from .interface import ATTN_IMPLEMENTATION, register
 from .model import (_dtype_name, _model_needs, attention_layers, eos_token_ids, head_dims,
                     layer_kinds, refuse_hybrid, sliding_windows)
 from .rope import _check_rope, fused_rope, model_rotary
-from .states import route_state_layers, state_kinds
+from .states import route_state_layers, serving, state_kinds
 
 torch = require("torch", "transformers")
 
@@ -257,8 +257,9 @@ class TransformersAdapter(ModelAdapter):
         ids = (tokens.to(self.device) if torch.is_tensor(tokens) else self._upload(tokens)).unsqueeze(0)
         pos = self._upload(positions).unsqueeze(0)
         keep = self._upload(logit_rows) if len(logit_rows) else 1
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
-                         kvcache=cache)
+        with serving(cache) if self.states else contextlib.nullcontext():
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                             logits_to_keep=keep, kvcache=cache)
         ran = cache.layers_run
         if len(ran) + len(self.states) != cache.config.num_layers:
             missing = sorted(set(range(cache.config.num_layers)) - ran - set(self.states))

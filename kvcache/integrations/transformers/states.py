@@ -14,6 +14,8 @@ chunks and decode tokens of many sequences in one row) runs per sequence from th
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import weakref
 from typing import Optional
@@ -41,6 +43,22 @@ STATE_FAMILIES = tuple(sorted(_CONV_CLASSES))
 _LAYER_TYPES = ("conv", "full_attention")
 
 _ROUTED: "weakref.WeakSet" = weakref.WeakSet()     # conv modules whose forward is routed
+# the cache of the forward the adapter is running in this thread (None: none): a decoder layer
+# that does not pass its keyword arguments down to its conv (transformers releases differ)
+# still reaches the cache's states; outside it the conv is transformers' own
+_SERVING: contextvars.ContextVar = contextvars.ContextVar("kvcache_state_cache", default=None)
+
+
+@contextlib.contextmanager
+def serving(cache):
+    """The routed convs of any model run on ``cache``'s state slots for the duration, also
+    when their decoder layer does not pass ``kvcache=cache`` down (``TransformersAdapter``
+    wraps each model call of a forward in it)."""
+    token = _SERVING.set(cache)
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)
 
 
 def _family(model) -> str:
@@ -166,6 +184,8 @@ def route_state_layers(model) -> list:
         @functools.wraps(original)
         def forward(*args, _module=module, _original=original, **kwargs):
             cache = kwargs.get("kvcache")
+            if cache is None:
+                cache = _SERVING.get()
             if cache is None:
                 return _original(*args, **kwargs)
             return _routed_call(_module, cache, args, kwargs)

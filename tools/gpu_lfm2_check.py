@@ -1,0 +1,80 @@
+"""LFM2 (short convolutions on state slots, issue 56) on a GPU in bfloat16: a random-weight
+LFM2 (conv and attention layers) served by the Engine on the cuda backend, greedy, against
+transformers' own ``generate`` on the same model; a request whose tokens differ is judged by
+a teacher-forced re-score (``kvcache.demo.check.rescore_greedy``: every token the argmax or
+within the bfloat16 near-tie margin), and the report says how many parted that way. Then the
+same in float32, where the tokens must be equal.
+
+    python tools/gpu_lfm2_check.py [--layers 8] [--hidden 512] [--requests 12] [--new 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+import transformers
+
+from kvcache.demo.check import rescore_greedy
+from kvcache.integrations.transformers import Engine
+
+
+def model_of(layers: int, hidden: int, dtype, seed: int = 0):
+    types = ["full_attention" if i % 3 == 1 else "conv" for i in range(layers)]
+    config = transformers.AutoConfig.for_model(
+        "lfm2", vocab_size=1024, num_hidden_layers=layers, hidden_size=hidden,
+        intermediate_size=2 * hidden, num_attention_heads=8, num_key_value_heads=4,
+        layer_types=types, conv_L_cache=3, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None, initializer_range=0.05, tie_word_embeddings=False,
+        max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.to("cuda", dtype).eval()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--new", type=int, default=24)
+    a = p.parse_args()
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 1024, int(n)).tolist() for n in rng.integers(3, 300, a.requests)]
+    bad = 0
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        model = model_of(a.layers, a.hidden, dtype)
+        engine = Engine(model, backend="cuda", device="cuda", max_batch_size=8,
+                        prefill_chunk_size=128)
+        out = [o[0] for o in engine.generate(prompts, max_new_tokens=a.new, ignore_eos=True)]
+        same, ties, parted = 0, 0, 0
+        for prompt, got in zip(prompts, out):
+            with torch.no_grad():
+                want = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
+                                      max_new_tokens=a.new, min_new_tokens=a.new)[0, len(prompt):].tolist()
+            if got == want:
+                same += 1
+                continue
+            n, problem = rescore_greedy(model, prompt, got, name)
+            if problem is not None and name == "bfloat16":
+                print(f"  {name}: a request's tokens fail the re-score: {problem}")
+                bad += 1
+            elif name == "float32":
+                print(f"  float32: a request's tokens differ from generate's: {got} vs {want}")
+                bad += 1
+            else:
+                parted += 1
+                ties += n
+        print(f"LFM2 {a.layers} layers, hidden {a.hidden}, {name} on the GPU: {same}/{len(prompts)} "
+              f"requests token-identical to transformers' generate"
+              + (f", {parted} parted at near-ties only ({ties} tokens, teacher-forced re-score)"
+                 if parted else "") + f"; graphs {bool(engine.graphs)}")
+        del engine, model
+        torch.cuda.empty_cache()
+    print("OK" if not bad else f"FAILED ({bad})")
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
