@@ -83,12 +83,21 @@ class Batching:
         (``num_appendable_pages``: with window groups the most constrained group's)."""
         cfg = self.config
         budget, free = cfg.prefill_chunk_size, self.cache.num_appendable_pages
+        # with State layers every sequence admitted takes a state slot: a forward admits no
+        # more than are free, else an admission fails, preempts the one just admitted and
+        # the same forward is planned again (a livelock); None: no state layers
+        slots_free = (getattr(self.cache, "num_available_state_slots", 0)
+                      if getattr(cfg, "state_layers", None) else None)
         head_decodes = bool(decodes) and decodes[0] is head
         slots = min(cfg.max_batch_size, budget) - (0 if head_decodes else 1)
         chunk = pages = 0
         if not head_decodes:
             own = budget - min(len(decodes), slots)
             start, chunk, pages = self._room(head, free, own)
+            if slots_free is not None and not head.live:
+                if slots_free == 0 and not force:
+                    return None                 # preempt for the head's state slot
+                slots_free -= 1
             if chunk <= 0:
                 if not force:
                     return None
@@ -111,6 +120,8 @@ class Batching:
                 continue                                      # no page to admit it with
             if not self.seqs.ready(s):
                 continue
+            if slots_free is not None and not s.live and slots_free <= 0:
+                continue                                      # no state slot to admit it with
             start, chunk, pages = self._room(s, free - (0 if s.live else reserve), budget)
             if chunk <= 0:
                 continue                                      # wait for pages to free up
@@ -121,6 +132,8 @@ class Batching:
             batch.append((s, chunk))
             budget -= chunk
             free -= pages
+            if slots_free is not None and not s.live:
+                slots_free -= 1
         return batch
 
     def _pack(self, batch, sources: Optional[dict] = None) -> StepPlan:

@@ -97,6 +97,12 @@ class SchedulerCache(Protocol):
         """Pages the cache holds in all."""
         ...
 
+    @property
+    def num_available_state_slots(self) -> int:
+        """Sequences the cache can still take (``add_sequence``, ``fork_sequence``) with
+        ``State`` layers: its free state slots; 0 without state layers (then unlimited)."""
+        ...
+
     def add_sequence(self, seq_id: int, tokens: Optional[Sequence[int]] = None) -> int:
         """Add empty sequence ``seq_id``; with ``tokens`` (prefix cache) it starts from their
         longest cached prefix. Returns the tokens it starts with."""

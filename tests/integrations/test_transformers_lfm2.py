@@ -260,3 +260,21 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
         for h in hooks:
             h.remove()
     assert hf_greedy(model, prompts[0]) == greedy[0]        # outside: transformers' own again
+
+
+def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch):
+    """One state slot per batch row (``STATE_SLOTS_PER_ROW = 1``) and ``n = 5`` samples of two
+    prompts with 3 rows: the samples' prefixes and samples need more slots than the cache has.
+    The scheduler admits no more sequences to a forward than there are free slots (before the
+    fix an admission failed, preempted the sequence admitted just before it and the same
+    forward was planned again, forever); the tokens are transformers'."""
+    import kvcache.integrations.engine as engine_module
+    monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
+    model, prompts, want = _case()
+    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
+                    prefill_chunk_size=CHUNK, max_batch_size=3)
+    assert engine.config.num_state_slots == 3
+    out = engine.generate(prompts[3:], SamplingParams(max_tokens=NEW, n=5))
+    assert out == [[want[3]] * 5, [want[4]] * 5]
+    assert engine.stats.forks >= 8
+    assert engine.cache.num_available_state_slots == 3
