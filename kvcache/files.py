@@ -639,6 +639,30 @@ def _check_fingerprint(path, header: dict, fingerprint, where: str) -> None:
                                 f"the file, {fingerprint.get(key)!r} here")
 
 
+def _checked_entry(path, table, start: int, size: int, e: dict, i: int, config, seq_id,
+                   convert_dtype: bool) -> tuple:
+    """Entry ``i`` of a file's ``sequences`` checked before any array is read: its payload
+    header (its fit to ``config`` as ``seq_id``, ``convert_dtype`` as ``import_sequence``'s),
+    its K and V arrays' dtype, shape and place, its token ids' count. Returns ``(payload
+    header, k spec, v spec, token ids or None)``; raises InvalidArgumentError naming the field
+    (``_refuse``)."""
+    ks = _spec(path, table, e["k"], start, size)
+    vs = _spec(path, table, e["v"], start, size)
+    try:
+        h = SequencePayload.from_header(e["payload"])
+        h.check_fits(config, seq_id, convert_dtype)
+    except KVCacheError as exc:
+        raise _refuse(path, f"sequence {i}: {exc}") from None
+    for which, (st, shape, _, _) in (("k", ks), ("v", vs)):
+        if st != h.array_dtype or shape != h.shape:
+            raise _refuse(path, f"sequence {i}: its {which} array is {st} {list(shape)}, "
+                                f"its payload header says {h.array_dtype} {list(h.shape)}")
+    toks = e["tokens"]
+    if toks is not None and len(toks) != h.num_tokens:
+        raise _refuse(path, f"sequence {i}: {len(toks)} token ids for {h.num_tokens} tokens")
+    return h, ks, vs, toks
+
+
 def load_sequences(cache, path, seq_ids: Optional[Sequence[int]] = None,
                    fingerprint: Optional[dict] = None, convert_dtype: bool = False) -> list:
     """Load every sequence of the KV file ``path`` into ``cache``; returns their new ids
@@ -661,21 +685,8 @@ def load_sequences(cache, path, seq_ids: Optional[Sequence[int]] = None,
     # before a byte of K/V is read
     heads, specs = [], []
     for i, e in enumerate(seqs):
-        ks = _spec(path, table, e["k"], start, size)
-        vs = _spec(path, table, e["v"], start, size)
-        try:
-            h = SequencePayload.from_header(e["payload"])
-            h.check_fits(cache.config, ids[i], convert_dtype)
-        except KVCacheError as exc:
-            raise _refuse(path, f"sequence {i}: {exc}") from None
-        for which, (st, shape, _, _) in (("k", ks), ("v", vs)):
-            if st != h.array_dtype or shape != h.shape:
-                raise _refuse(path, f"sequence {i}: its {which} array is {st} {list(shape)}, "
-                                    f"its payload header says {h.array_dtype} {list(h.shape)}")
-        toks = e["tokens"]
-        if toks is not None and len(toks) != h.num_tokens:
-            raise _refuse(path, f"sequence {i}: {len(toks)} token ids for "
-                                f"{h.num_tokens} tokens")
+        h, ks, vs, _ = _checked_entry(path, table, start, size, e, i, cache.config, ids[i],
+                                      convert_dtype)
         # checked by the chain, which covers what the CRC-32 does: not computed again
         heads.append(dataclasses.replace(h, checksum=None))
         specs.append((ks, vs))
@@ -964,21 +975,8 @@ def check_payloads(path, config, fingerprint: Optional[dict] = None,
     seqs = header["sequences"]
     out: list = []
     for i, e in enumerate(seqs):
-        ks = _spec(path, table, e["k"], start, size)
-        vs = _spec(path, table, e["v"], start, size)
-        try:
-            h = SequencePayload.from_header(e["payload"])
-            h.check_fits(config, i, convert_dtype)
-        except KVCacheError as exc:
-            raise _refuse(path, f"sequence {i}: {exc}") from None
-        for which, (st, shape, _, _) in (("k", ks), ("v", vs)):
-            if st != h.array_dtype or shape != h.shape:
-                raise _refuse(path, f"sequence {i}: its {which} array is {st} {list(shape)}, "
-                                    f"its payload header says {h.array_dtype} {list(h.shape)}")
-        toks = e["tokens"]
-        if toks is not None and len(toks) != h.num_tokens:
-            raise _refuse(path, f"sequence {i}: {len(toks)} token ids for "
-                                f"{h.num_tokens} tokens")
+        h, ks, vs, toks = _checked_entry(path, table, start, size, e, i, config, i,
+                                         convert_dtype)
         link = e.get("parent")
         parent = None
         if link is not None:

@@ -102,6 +102,42 @@ def family_case(family: str):
     return model, prompts, greedy, first
 
 
+def own_loop_greedy(adapter, cache, prompts, new: int, chunk: int = 16, each_step=None) -> list:
+    """Greedy tokens of ``prompts`` through ``adapter.forward`` in a loop of one's own (a user
+    driving the cache without the Engine): every prompt added as sequence ``i`` of ``cache``,
+    prefilled in chunks of ``chunk`` tokens together, then decoded together until each has
+    ``new`` tokens; ``each_step(cache)`` after every forward. Returns each prompt's tokens
+    (at least ``new``)."""
+    seqs = list(range(len(prompts)))
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)                # tokens of each in the cache
+    for s in seqs:
+        cache.add_sequence(s)
+    out: list = [[] for _ in seqs]
+    with adapter.session(cache):
+        while min(len(o) for o in out) < new:
+            lens = [min(chunk, len(t) - d) for t, d in zip(tokens, done)]
+            batch = [s for s in seqs if lens[s] > 0]
+            sizes = [lens[s] for s in batch]
+            flat = np.concatenate([tokens[s][done[s]:done[s] + lens[s]] for s in batch])
+            pos = np.concatenate([np.arange(done[s], done[s] + lens[s]) for s in batch])
+            ends = np.cumsum(sizes) - 1
+            rows = [e for s, e in zip(batch, ends) if done[s] + lens[s] == len(tokens[s])]
+            with adapter.step_context(cache), cache.forward(batch, sizes):
+                logits = adapter.forward(cache, flat.astype(np.int64), pos.astype(np.int64),
+                                         np.asarray(rows, np.int64))
+            picks = adapter.greedy(logits, logprobs=False)[0] if rows else []
+            wanting = [s for s, e in zip(batch, ends) if e in rows]
+            for s in batch:
+                done[s] += lens[s]
+            for s, t in zip(wanting, picks):
+                out[s].append(int(t))
+                tokens[s].append(int(t))
+            if each_step is not None:
+                each_step(cache)
+    return out
+
+
 def backend_or_skip(name: str, monkeypatch, head_dim: int):
     """The (backend, device) to run ``name`` on here, or skip: not installed / unavailable, or
     lacking the head_dim (by capability)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, torch, transformers
+from conftest import backend_or_skip, own_loop_greedy, torch, transformers
 
 import kvcache
 from kvcache.integrations import SamplingParams
@@ -117,31 +117,8 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
     cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
                        prefill_chunk_size=64)
     cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
+    out = own_loop_greedy(adapter, cache, prompts, NEW)
     seqs = list(range(len(prompts)))
-    tokens = [list(p) for p in prompts]
-    done = [0] * len(prompts)
-    for s in seqs:
-        cache.add_sequence(s)
-    out: list = [[] for _ in seqs]
-    with adapter.session(cache):
-        while min(len(o) for o in out) < NEW:
-            lens = [min(16, len(t) - d) for t, d in zip(tokens, done)]
-            batch = [s for s in seqs if lens[s] > 0]
-            chunk = [lens[s] for s in batch]
-            flat = np.concatenate([tokens[s][done[s]:done[s] + lens[s]] for s in batch])
-            pos = np.concatenate([np.arange(done[s], done[s] + lens[s]) for s in batch])
-            ends = np.cumsum(chunk) - 1
-            rows = [e for s, e in zip(batch, ends) if done[s] + lens[s] == len(tokens[s])]
-            with adapter.step_context(cache), cache.forward(batch, chunk):
-                logits = adapter.forward(cache, flat.astype(np.int64), pos.astype(np.int64),
-                                         np.asarray(rows, np.int64))
-            picks = adapter.greedy(logits, logprobs=False)[0] if rows else []
-            wanting = [s for s, e in zip(batch, ends) if e in rows]
-            for s in batch:
-                done[s] += lens[s]
-            for s, t in zip(wanting, picks):
-                out[s].append(int(t))
-                tokens[s].append(int(t))
     for i in seqs:
         assert out[i][:NEW] == want[i], f"prompt {i}"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, hf_greedy, make_model, model_needs_or_skip
+from conftest import backend_or_skip, hf_greedy, make_model, model_needs_or_skip, own_loop_greedy
 from engine_cases import logit_rows
 
 import kvcache  # noqa: E402
@@ -103,32 +103,9 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
                        prefill_chunk_size=64, window_groups=True)
     assert dict(cfg.layer_kinds) == {0: kvcache.Window(7), 1: kvcache.Window(7)}
     cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
+    out = own_loop_greedy(adapter, cache, prompts, NEW,
+                          each_step=lambda c: _check_held(c, {"window=7": 7}))
     seqs = list(range(len(prompts)))
-    tokens = [list(p) for p in prompts]
-    done = [0] * len(prompts)                # tokens of each in the cache
-    for s in seqs:
-        cache.add_sequence(s)
-    out: list = [[] for _ in seqs]
-    with adapter.session(cache):
-        while min(len(o) for o in out) < NEW:
-            lens = [min(16, len(t) - d) for t, d in zip(tokens, done)]
-            batch = [s for s in seqs if lens[s] > 0]
-            chunk = [lens[s] for s in batch]
-            flat = np.concatenate([tokens[s][done[s]:done[s] + lens[s]] for s in batch])
-            pos = np.concatenate([np.arange(done[s], done[s] + lens[s]) for s in batch])
-            ends = np.cumsum(chunk) - 1
-            rows = [e for s, e in zip(batch, ends) if done[s] + lens[s] == len(tokens[s])]
-            with adapter.step_context(cache), cache.forward(batch, chunk):
-                logits = adapter.forward(cache, flat.astype(np.int64), pos.astype(np.int64),
-                                         np.asarray(rows, np.int64))
-            picks = adapter.greedy(logits, logprobs=False)[0] if rows else []
-            wanting = [s for s, e in zip(batch, ends) if e in rows]
-            for s in batch:
-                done[s] += lens[s]
-            for s, t in zip(wanting, picks):
-                out[s].append(int(t))
-                tokens[s].append(int(t))
-            _check_held(cache, {"window=7": 7})
     for i in seqs:
         assert out[i][:NEW] == want[i], f"prompt {i}"
         assert cache.window_pages(i)["window=7"][0] > 0
