@@ -36,6 +36,7 @@ from ..formats import FORMAT_TABLE
 from ..serving import (AsyncScheduler, EngineConfig, EngineCore, EngineStats, RequestOutput,
                        SamplingParams, Scheduler)
 from ..serving.progress import Progress
+from ..serving.core import check_drawn
 from ..host_tier import HostTier
 from .adapter import ModelAdapter, PendingPicks
 from .runner import Runner
@@ -603,8 +604,7 @@ class Engine:
         one)."""
         with self._lock:
             self._admit(prompt, params)
-            if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < 2**62:
-                raise InvalidArgumentError(f"drawn={drawn!r:.40} must be an int in [0, 2**62)")
+            check_drawn(drawn)        # before anything is loaded
             self.load_prefix_cache(path)
             return self.add_request(prompt, params, drawn=drawn)
 

@@ -32,6 +32,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["EngineCore"]
 
 
+
+def check_drawn(drawn) -> None:
+    """``add_request``'s ``drawn`` checked: an int in [0, 2**62) (InvalidArgumentError)."""
+    if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < 2**62:
+        raise InvalidArgumentError(f"drawn={drawn!r:.40} must be an int in [0, 2**62)")
+
 class EngineCore:
     """``add_request`` / ``step`` / ``abort`` / ``has_unfinished`` over one scheduler and one
     runner. ``admit(prompt, params) -> (prompt, params, stops)`` validates a request before it
@@ -74,8 +80,7 @@ class EngineCore:
         prompt, params, stops = self._admit(prompt, params)
         if not isinstance(hold_kv, bool):
             raise InvalidArgumentError(f"hold_kv={hold_kv!r} must be True or False")
-        if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < 2**62:
-            raise InvalidArgumentError(f"drawn={drawn!r:.40} must be an int in [0, 2**62)")
+        check_drawn(drawn)
         if hold_kv and (params.max_tokens != 1 or params.n != 1):
             raise InvalidArgumentError(
                 f"hold_kv=True needs max_tokens=1 and n=1 (the held sequence is the prompt's), "
