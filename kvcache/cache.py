@@ -110,7 +110,9 @@ class PagedKVCache:
             self.config = config
             self.backend = cls(config, device)
             self.capabilities: Capabilities = caps
-            slots = (StateSlots(config.num_state_slots, tuple(config.state_layers))
+            slots = (StateSlots(config.num_state_slots, tuple(config.state_layers),
+                                config.num_state_checkpoints,
+                                config.state_checkpoint_interval * config.page_size)
                      if config.state_layers else None)
             self.state = CacheState(config.num_pages, config.page_size,
                                     config.support_sliding_window, group_specs(config), slots)
@@ -253,8 +255,13 @@ class PagedKVCache:
         self._no_forward("add_sequence")
         start = self.manager.add_sequence(seq_id, tokens, extra_key=extra_key)
         slots = self.state.slots
-        if slots is not None:           # a new sequence's state starts at zeros
-            self.state_arrays.zero(slots.slot[self.state.seq(seq_id).seq_id])
+        if slots is not None:   # a new sequence's state: zeros, or a cached prefix's checkpoint
+            sid = self.state.seq(seq_id).seq_id
+            ck = slots.restore.pop(sid, None)
+            if ck is None:
+                self.state_arrays.zero(slots.slot[sid])
+            else:
+                self.state_arrays.restore(ck, slots.slot[sid])
         return start
 
     @exclusive
@@ -452,6 +459,8 @@ class PagedKVCache:
     attention = run_call(ForwardRun.attention)
     get_state = run_call(ForwardRun.get_state)
     set_state = run_call(ForwardRun.set_state)
+    state_checkpoints = run_call(ForwardRun.state_checkpoints)
+    set_state_checkpoints = run_call(ForwardRun.set_state_checkpoints)
     append_kv = run_call(ForwardRun.append_kv)
     attention_with_fused_qkv = run_call(ForwardRun.attention_with_fused_qkv)
     query_positions = run_call(ForwardRun.query_positions)
@@ -481,6 +490,8 @@ class PagedKVCache:
         run.commit_states()
         self._close(committed=True)
         self.manager.forward_committed(run.plan)
+        if self.config.num_state_checkpoints:
+            run.commit_checkpoints()
 
     @exclusive
     def abort_forward(self) -> None:

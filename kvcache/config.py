@@ -245,8 +245,9 @@ class CacheConfig:
     and their attention calls use the window (``window_left`` at most ``w``; -1 means ``w``).
     Read back it is a tuple of ``(layer, kind)`` pairs sorted by layer. Needs a backend
     declaring ``window_groups``. With ``prefix_cache`` the index also holds each cached
-    page's window-group pages (docs/hybrid.md); ``prefix_cache`` with ``State`` layers is
-    refused (a hit would need the state at the prefix's end: checkpoints, not built yet).
+    page's window-group pages (docs/hybrid.md), and with ``State`` layers it keeps state
+    checkpoints at page boundaries (``state_checkpoint_interval``, ``max_state_checkpoints``),
+    so that a hit restores the states at the prefix's end (docs/hybrid.md, increment 6).
     Not yet with ``support_sliding_window``,
     ``static_decode`` / ``static_mixed`` or ``batch_invariant`` (UnsupportedFeatureError); a
     cache with window groups also refuses token trees, ``popn`` below a window, and exports,
@@ -256,6 +257,16 @@ class CacheConfig:
     state array (``num_state_slots``; 0, the default: ``max_batch_size``). ``add_sequence`` and
     ``fork_sequence`` raise CacheFullError naming this limit when every slot is taken;
     ``remove_sequence`` gives the slot back. Unused without ``State`` layers."""
+    state_checkpoint_interval: int = 1
+    """With ``prefix_cache`` and ``State`` layers: a sequence's states are kept (a
+    *checkpoint*) at every boundary of this many pages its forwards pass, so that a later
+    sequence sharing the prefix up to there restores them instead of recomputing the prefix
+    (a prefix hit ends at the deepest boundary with a checkpoint). An int >= 1."""
+    max_state_checkpoints: int = 0
+    """With ``prefix_cache`` and ``State`` layers: how many checkpoints the cache keeps
+    (``num_state_checkpoints``; 0, the default: ``4 * num_state_slots``), the least recently
+    used dropped first when a new one needs room. Each holds every state of every state layer
+    (``state_bytes`` counts them). Unused otherwise."""
 
     def __post_init__(self):
         # normalise numpy scalars to Python ints / floats / bools (the dataclass is frozen)
@@ -347,6 +358,12 @@ class CacheConfig:
         put("layer_kinds", _layer_kinds(self.layer_kinds, self.num_layers))
         put("max_state_slots",
             int_arg(self.max_state_slots, "CacheConfig.max_state_slots", 0, INT32_MAX))
+        put("state_checkpoint_interval",
+            int_arg(self.state_checkpoint_interval, "CacheConfig.state_checkpoint_interval", 1,
+                    INT32_MAX))
+        put("max_state_checkpoints",
+            int_arg(self.max_state_checkpoints, "CacheConfig.max_state_checkpoints", 0,
+                    INT32_MAX))
         if self.layer_kinds:
             for name in ("support_sliding_window", "static_decode",
                          "static_mixed", "batch_invariant"):
@@ -355,12 +372,6 @@ class CacheConfig:
                         f"CacheConfig.{name}=True with layer groups (layer_kinds "
                         f"{dict(self.layer_kinds)}): not composed with window groups or state "
                         f"layers yet (docs/hybrid.md); leave one of them out")
-            if self.prefix_cache and self.state_layers:
-                raise UnsupportedFeatureError(
-                    f"CacheConfig.prefix_cache=True with the state layers "
-                    f"{sorted(self.state_layers)}: a prefix hit would need each state at the "
-                    f"prefix's end (state checkpoints, not built yet; docs/hybrid.md); pass "
-                    f"prefix_cache=False")
 
         slots = self.num_pages * self.page_size
         if slots > INT32_MAX:
@@ -491,12 +502,21 @@ class CacheConfig:
         return self.max_state_slots or self.max_batch_size
 
     @property
+    def num_state_checkpoints(self) -> int:
+        """State checkpoints a cache keeps with ``prefix_cache`` and ``State`` layers:
+        ``max_state_checkpoints``, or ``4 * num_state_slots`` when that is 0; 0 otherwise."""
+        if not (self.prefix_cache and self.state_layers):
+            return 0
+        return self.max_state_checkpoints or 4 * self.num_state_slots
+
+    @property
     def state_bytes(self) -> int:
-        """Bytes of the state arrays: ``num_state_slots`` slots of every state layer's arrays
-        (``State.shapes``) in ``dtype``; 0 without state layers. The pages
-        (``kv_bytes``) are separate: state layers have none."""
+        """Bytes of the state arrays: ``num_state_slots`` slots and ``num_state_checkpoints``
+        checkpoints of every state layer's arrays (``State.shapes``) in ``dtype``; 0 without
+        state layers. The pages (``kv_bytes``) are separate: state layers have none."""
         per_slot = sum(kind.elements() for kind in self.state_layers.values())
-        return self.num_state_slots * per_slot * itemsize(self.dtype)
+        return ((self.num_state_slots + self.num_state_checkpoints) * per_slot
+                * itemsize(self.dtype))
 
     @property
     def window_groups(self) -> tuple:

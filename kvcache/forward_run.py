@@ -46,6 +46,11 @@ class ForwardRun:
         self.state_layers = c.state_layers if c.layer_kinds else {}
         self.staged: dict = {}
         self.state_index = None     # the forward's slots on the device (first state call)
+        # state checkpoints: the boundaries the forward passes ((row, position), computed on
+        # first use), and the states the model gave at the ones inside its appends
+        self.wanted: Optional[list] = None
+        self.inner: Optional[list] = None
+        self.staged_checkpoints: dict = {}
         self.layers_done: set = set()
         self.watchers: list = []
         self.exports: dict = {}     # (ids, starts) -> [headers, slots, device slots]
@@ -160,21 +165,99 @@ class ForwardRun:
         ForwardStateError outside a forward."""
         plan = self._open("set_state")
         layer_id, name = self._state_arg(plan, layer_id, name, "set_state")
-        b, c = self.backend, self.config
         want = (len(plan.seq_ids),) + self.state_layers[layer_id].shape(name)
-        what = f"set_state({layer_id}, {name!r})"
+        self._check_values(f"set_state({layer_id}, {name!r})", values, want,
+                           f"one state per sequence of {plan.seq_ids}")
+        self.staged[layer_id, name] = values
+
+    def _check_values(self, what: str, values, want: tuple, rows: str) -> None:
+        """InvalidArgumentError unless ``values`` is a backend array of shape ``want`` in the
+        cache dtype (``rows``: what its rows are, for the message)."""
+        b = self.backend
         if not b.is_native(values):
             raise InvalidArgumentError(
                 f"{what}: values must be a {b.name} backend array (use cache.from_numpy), got "
                 f"{type(values).__name__}")
         if b.shape_of(values) != want:
             raise InvalidArgumentError(
-                f"{what}: values has shape {b.shape_of(values)}, expected {want} (one state "
-                f"per sequence of {plan.seq_ids})")
-        if b.dtype_name(values) != c.dtype:
+                f"{what}: values has shape {b.shape_of(values)}, expected {want} ({rows})")
+        if b.dtype_name(values) != self.config.dtype:
             raise InvalidArgumentError(
-                f"{what}: values has dtype {b.dtype_name(values)}, the cache stores {c.dtype}")
-        self.staged[layer_id, name] = values
+                f"{what}: values has dtype {b.dtype_name(values)}, the cache stores "
+                f"{self.config.dtype}")
+
+    def _wanted(self) -> list:
+        if self.wanted is None:
+            self.wanted = self.cache.manager.checkpoint_positions(self.plan)
+        return self.wanted
+
+    def _inner(self) -> list:
+        """The wanted boundaries inside the appends (not at a sequence's new end)."""
+        if self.inner is None:
+            ends = self._ends()
+            self.inner = [(row, p) for row, p in self._wanted() if p != ends[row]]
+        return self.inner
+
+    def _ends(self) -> np.ndarray:
+        pt = self.cache.state.pt
+        return pt.s_len[[pt.seqs[int(s)].slot for s in self.plan.seq_ids]]
+
+    def state_checkpoints(self) -> tuple:
+        """The boundaries inside this forward's appends whose states the cache would keep as
+        prefix-cache checkpoints (``CacheConfig.state_checkpoint_interval`` pages apart):
+        ``((row, n), ...)``, ``row`` the sequence's index in the forward (``begin_forward``
+        order) and ``n`` (``0 < n < append_lengths[row]``) how many of its new tokens come
+        before the boundary: the state wanted is the one after its first ``n`` new tokens.
+        A boundary at a sequence's new end is kept from ``set_state`` itself and is not
+        listed. Empty without the prefix cache or state layers. A model that can compute
+        these states passes them to ``set_state_checkpoints``, so that later prompts sharing
+        a shorter prefix hit too; one that does not loses only those hits. Raises
+        ForwardStateError outside a forward."""
+        self._open("state_checkpoints")
+        ends, appends = self._ends(), self.plan.append_lengths
+        return tuple((row, int(p - ends[row] + appends[row])) for row, p in self._inner())
+
+    def set_state_checkpoints(self, layer_id: int, name: str, values: Array) -> None:
+        """The states ``name`` of state layer ``layer_id`` at the ``state_checkpoints()``
+        positions: ``values`` ``(n, *shape)``, a backend array in the cache dtype, row ``j``
+        the state of ``state_checkpoints()[j]``. Staged and read at ``end_forward``, as
+        ``set_state``'s; the checkpoints are kept only when every state of every state layer
+        was given (else none of this forward's inner ones). Raises InvalidArgumentError for
+        the layer, the name, the type, shape or dtype, ForwardStateError outside a forward."""
+        plan = self._open("set_state_checkpoints")
+        layer_id, name = self._state_arg(plan, layer_id, name, "set_state_checkpoints")
+        want = (len(self._inner()),) + self.state_layers[layer_id].shape(name)
+        self._check_values(f"set_state_checkpoints({layer_id}, {name!r})", values, want,
+                           f"one state per position of state_checkpoints()")
+        self.staged_checkpoints[layer_id, name] = values
+
+    def commit_checkpoints(self) -> None:
+        """After ``end_forward`` indexed the forward's pages: the boundaries it passed whose
+        nodes hold no checkpoint yet take the states (queued device copies): those at a
+        sequence's new end from its slot, the others from ``set_state_checkpoints``."""
+        wanted = self._wanted()
+        keep = self.cache.manager.keep_checkpoints(self.plan, wanted)
+        if not keep:
+            return
+        arrays = self.cache.state_arrays
+        ends, slot = self._ends(), self.cache.state.slots.slot
+        inner = {w: j for j, w in enumerate(self._inner())}
+        given = all((layer, name) in self.staged_checkpoints
+                    for layer, kind in self.state_layers.items() for name in kind.names)
+        at_end = [(ck, slot[int(self.plan.seq_ids[wanted[i][0]])]) for i, ck in keep
+                  if wanted[i][1] == ends[wanted[i][0]]]
+        inside = [(ck, inner[wanted[i]]) for i, ck in keep if wanted[i] in inner]
+        if at_end:
+            rows, picks = zip(*at_end)
+            arrays.save(np.array(rows, np.int32), arrays.arrays, np.array(picks, np.int32))
+        if inside and given:
+            rows, picks = zip(*inside)
+            source: dict = {}
+            for (layer, name), values in self.staged_checkpoints.items():
+                source.setdefault(layer, {})[name] = values
+            arrays.save(np.array(rows, np.int32), source, np.array(picks, np.int32))
+        elif inside:            # not given: the rows taken for them go back
+            self.cache.manager.drop_checkpoints([ck for ck, _ in inside])
 
     def commit_states(self) -> None:
         """``end_forward``: scatter the staged states into the forward's slots."""

@@ -73,6 +73,8 @@ class KVManager:
         if self.prefix is None:
             self.state.add_sequence(sid)
             return 0
+        if self.state.slots is not None:
+            self.state.slots.check_take(f"add_sequence({sid})")
         return self.prefix.attach(sid, ids, extra_key)
 
     def match_prefix(self, tokens: Sequence[int], extra_key: Any = None) -> int:
@@ -151,6 +153,8 @@ class KVManager:
         UnsupportedFeatureError for ``n > 0`` in a cache with ``State`` layers (a state cannot
         be rewound); nothing changes then. Returns the page copies for the device."""
         if self.prefix is not None:                # the pages it pops stay cached
+            if self.state.slots is not None and n:     # refused before the ghost is made
+                self.state.slots.refuse_rewind(f"popn({self.state.seq(seq_id).seq_id}, {n})")
             try:
                 seq, count = self.state.check_popn(seq_id, n)
             except CacheFullError:              # eviction may make room: popn says
@@ -233,6 +237,36 @@ class KVManager:
             pt.groups.commit(plan.seq_ids, [int(pt.s_len[seqs[int(s)].slot])
                                             for s in plan.seq_ids])
 
+    def checkpoint_positions(self, plan) -> list:
+        """With state checkpoints (``CacheConfig.num_state_checkpoints``): the boundaries the
+        open forward ``plan`` passes whose states would be kept, ``(row, position)`` pairs
+        (``row``: the sequence's index in ``plan.seq_ids``; the states after ``position``
+        tokens); empty otherwise. Changes nothing."""
+        if self.prefix is None or self.prefix.ckpts is None:
+            return []
+        pt = self.state.pt
+        seqs = [pt.seqs[int(s)] for s in plan.seq_ids]
+        lengths = pt.s_len[[s.slot for s in seqs]]
+        return self.prefix.checkpoint_positions(seqs, lengths, plan.append_lengths)
+
+    def keep_checkpoints(self, plan, wanted: list) -> list:
+        """After ``forward_committed(plan)``: the index nodes of the boundaries ``wanted``
+        (``checkpoint_positions(plan)``) that hold no checkpoint take a checkpoint row;
+        returns ``(index into wanted, row)`` of each, for the device to write."""
+        if not wanted:
+            return []
+        pt = self.state.pt
+        assert self.prefix is not None          # (wanted only with the prefix cache)
+        return self.prefix.keep_checkpoints([pt.seqs[int(s)] for s in plan.seq_ids], wanted)
+
+    def drop_checkpoints(self, rows: list) -> None:
+        """Checkpoint rows ``keep_checkpoints`` gave that will not be written: their nodes let
+        go of them."""
+        ckpts = None if self.prefix is None else self.prefix.ckpts
+        assert ckpts is not None
+        for row in rows:
+            ckpts.drop(ckpts.held[row])
+
     def clear(self) -> None:
         """Drop every sequence, free every page and forget the prefix index."""
         self.state.clear()
@@ -252,10 +286,17 @@ class KVManager:
         """Tokens of cached full pages that sequences added with ``tokens`` did not start
         from, by reason, since the cache was built or cleared: ``{"window": n}`` in a cache
         with window groups and the prefix cache (a window group's pages for that boundary
-        were reclaimed, docs/hybrid.md), else ``{}``. A hit rate that reads low says why."""
-        if self.prefix is None or self.state.pt.groups is None:
+        were reclaimed, docs/hybrid.md), ``"checkpoint": n`` with ``State`` layers and the
+        prefix cache (no state checkpoint held at a boundary past the match: none was saved
+        there, or it was dropped for room), else ``{}``. A hit rate that reads low says why."""
+        if self.prefix is None:
             return {}
-        return {"window": self.prefix.window_miss_tokens}
+        out = {}
+        if self.state.pt.groups is not None:
+            out["window"] = self.prefix.window_miss_tokens
+        if self.prefix.ckpts is not None:
+            out["checkpoint"] = self.prefix.checkpoint_miss_tokens
+        return out
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached page that no sequence reads (e.g. after the model's weights

@@ -19,18 +19,40 @@ Array = Any
 
 class StateArrays:
     """``arrays``: ``{layer: {name: array (num_state_slots, *shape)}}`` of every state layer
-    of ``config`` on ``backend`` (empty without state layers)."""
+    of ``config`` on ``backend`` (empty without state layers); ``checkpoints``: the same with
+    ``num_state_checkpoints`` rows (the prefix cache's checkpoints; empty without them)."""
 
     def __init__(self, backend, config):
         self.backend = backend
-        n = config.num_state_slots
+        n, c = config.num_state_slots, config.num_state_checkpoints
         self.arrays: dict = {layer: {name: backend.allocate_state(n, shape)
                                      for name, shape in kind.shapes}
                              for layer, kind in config.state_layers.items()}
+        self.checkpoints: dict = {layer: {name: backend.allocate_state(c, shape)
+                                          for name, shape in kind.shapes}
+                                  for layer, kind in config.state_layers.items()} if c else {}
         self._zeros: dict = {}      # shape -> a (1, *shape) zero array (a new slot's state)
 
     def _slot(self, slot: int) -> Array:
         return self.backend.aux_to_device(np.array([slot], np.int32))
+
+    def restore(self, ck: int, slot: int) -> None:
+        """A sequence attached at a cached prefix: every state of checkpoint row ``ck`` into
+        slot ``slot`` (queued device copies)."""
+        b = self.backend
+        s, d = self._slot(ck), self._slot(slot)
+        for layer, states in self.arrays.items():
+            for name, array in states.items():
+                b.scatter_state(array, d, b.gather_state(self.checkpoints[layer][name], s))
+
+    def save(self, rows: np.ndarray, source: dict, picks: np.ndarray) -> None:
+        """Checkpoint rows ``rows`` (host int32) take rows ``picks`` (host int32) of
+        ``source[layer][name]`` (arrays ``(n, *shape)``) for every state (queued)."""
+        b = self.backend
+        dst, pick = b.aux_to_device(rows), b.aux_to_device(picks)
+        for layer, states in self.checkpoints.items():
+            for name, array in states.items():
+                b.scatter_state(array, dst, b.gather_state(source[layer][name], pick))
 
     def zero(self, slot: int) -> None:
         """A new sequence's slot: every state zero (queued device writes)."""

@@ -3,7 +3,9 @@ LFM2 (conv and attention layers) served by the Engine on the cuda backend, greed
 transformers' own ``generate`` on the same model; a request whose tokens differ is judged by
 a teacher-forced re-score (``kvcache.demo.check.rescore_greedy``: every token the argmax or
 within the bfloat16 near-tie margin), and the report says how many parted that way. Then the
-same in float32, where the tokens must be equal.
+same in float32, where the tokens must be equal. Half the prompts share a 200-token system
+prompt and are sent after the others, so that they hit the prefix cache through the state
+checkpoints (docs/hybrid.md increment 8); the hit and miss tokens are printed.
 
     python tools/gpu_lfm2_check.py [--layers 8] [--hidden 512] [--requests 12] [--new 24]
 """
@@ -42,12 +44,18 @@ def main() -> None:
     a = p.parse_args()
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 1024, int(n)).tolist() for n in rng.integers(3, 300, a.requests)]
+    system = rng.integers(1, 1024, 200).tolist()
+    half = a.requests // 2
+    prompts = prompts[:half] + [system + p[:40] for p in prompts[half:]]
     bad = 0
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         model = model_of(a.layers, a.hidden, dtype)
         engine = Engine(model, backend="cuda", device="cuda", max_batch_size=8,
                         prefill_chunk_size=128)
-        out = [o[0] for o in engine.generate(prompts, max_new_tokens=a.new, ignore_eos=True)]
+        out = [o[0] for o in engine.generate(prompts[:half + 1], max_new_tokens=a.new,
+                                             ignore_eos=True)]
+        out += [o[0] for o in engine.generate(prompts[half + 1:], max_new_tokens=a.new,
+                                              ignore_eos=True)]
         same, ties, parted = 0, 0, 0
         for prompt, got in zip(prompts, out):
             with torch.no_grad():
@@ -69,7 +77,9 @@ def main() -> None:
         print(f"LFM2 {a.layers} layers, hidden {a.hidden}, {name} on the GPU: {same}/{len(prompts)} "
               f"requests token-identical to transformers' generate"
               + (f", {parted} parted at near-ties only ({ties} tokens, teacher-forced re-score)"
-                 if parted else "") + f"; graphs {bool(engine.graphs)}")
+                 if parted else "") + f"; graphs {bool(engine.graphs)}; prefix cache "
+              f"{engine.config.prefix_cache}: {engine.stats.prefix_hit_tokens} tokens hit, "
+              f"misses {engine.stats.prefix_miss_tokens_by_reason}")
         del engine, model
         torch.cuda.empty_cache()
     print("OK" if not bad else f"FAILED ({bad})")

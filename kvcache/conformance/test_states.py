@@ -5,7 +5,8 @@ order) and stages new ones (``set_state``) that the slots take at ``end_forward`
 
 The judge is a plain dict of states on the host, ``{(sequence, layer, name): array}``: a new
 sequence's states are zeros, a committed forward's writes replace them, an aborted one's do not,
-a fork copies the parent's. Every state written is a value of the cache dtype (rounded on the
+a fork copies the parent's; with the prefix cache, a sequence added at a cached prefix holds
+the states first written for that prefix's boundary (its checkpoint, docs/hybrid.md). Every state written is a value of the cache dtype (rounded on the
 host as ``from_numpy`` rounds), so a backend must give it back bit for bit. The queued test
 reads no device array until every forward, fork and remove is queued (the run-ahead rule)."""
 
@@ -32,11 +33,14 @@ class StateTwin:
     state read is kept and compared in ``finish``."""
 
     def __init__(self, backend: str, device: Optional[str], dtype: str, page_size: int,
-                 slots: int = 4, seed: int = 0):
+                 slots: int = 4, seed: int = 0, prefix: bool = False):
         plain = make_config(dtype=dtype, page_size=page_size, num_layers=NUM_LAYERS,
                             max_total_tokens=512, max_batch_size=4, prefill_chunk_size=128)
         import dataclasses
-        self.config = dataclasses.replace(plain, layer_kinds=KINDS, max_state_slots=slots)
+        self.config = dataclasses.replace(plain, layer_kinds=KINDS, max_state_slots=slots,
+                                          prefix_cache=prefix)
+        self.tokens: dict = {}          # sid -> its token ids (the prefix cache's keys)
+        self.checkpoints: dict = {}     # a prefix's ids -> {(layer, name): its states}
         self.dtype = dtype
         self.cache = PagedKVCache(self.config, backend=backend, device=device)
         self.rng = np.random.default_rng(seed)
@@ -53,12 +57,20 @@ class StateTwin:
         return [(layer, name, shape) for layer, kind in KINDS.items() for name, shape in kind.shapes]
 
     # ------------------------------------------------------------------ sequence ops
-    def add(self, sid):
-        self.history.append(f"add {sid}")
-        self.cache.add_sequence(sid)
-        self.lengths[sid] = 0
+    def add(self, sid, tokens=None):
+        """Add ``sid``; with ``tokens`` (the prefix cache) it starts at the longest cached
+        prefix that holds a checkpoint, with those states."""
+        self.history.append(f"add {sid}" + ("" if tokens is None else f" ({len(tokens)} ids)"))
+        start = self.cache.add_sequence(sid, tokens)
+        self.lengths[sid] = start
+        self.tokens[sid] = list(tokens or ())
+        saved = self.checkpoints.get(tuple(self.tokens[sid][:start])) if start else None
+        if start and saved is None:
+            raise Mismatch(f"CORE BUG: add_sequence started {sid} at {start} tokens, a "
+                           f"boundary no checkpoint was written for{self.context()}")
         for layer, name, shape in self.states():
-            self.judge[sid, layer, name] = np.zeros(shape)
+            self.judge[sid, layer, name] = (np.zeros(shape) if saved is None
+                                            else saved[layer, name].copy())
 
     def remove(self, sid):
         self.history.append(f"remove {sid}")
@@ -87,6 +99,8 @@ class StateTwin:
                    for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads))
         cache.attention(0, q, k, v)
         staged = {}
+        inner = cache.state_checkpoints()
+        given: dict = {}
         for layer, name, shape in self.states():
             label = f"get_state({layer}, {name!r}) of {list(sids)} ({self.history[-1]})"
             want = np.stack([self.judge[s, layer, name] for s in sids])
@@ -94,6 +108,10 @@ class StateTwin:
             new = round_to(self.rng.standard_normal((len(sids),) + shape), self.dtype)
             cache.set_state(layer, name, cache.from_numpy(new))
             staged[layer, name] = new
+            if inner:
+                at = round_to(self.rng.standard_normal((len(inner),) + shape), self.dtype)
+                cache.set_state_checkpoints(layer, name, cache.from_numpy(at))
+                given[layer, name] = at
             if read_back:
                 self.kept.append((label + " after set_state", new, cache.get_state(layer, name)))
         if not commit:
@@ -103,8 +121,18 @@ class StateTwin:
         for (layer, name), new in staged.items():
             for i, s in enumerate(sids):
                 self.judge[s, layer, name] = new[i]
+        # the checkpoints: a boundary's first states stay (later ones for the same ids are
+        # not written again)
+        ps = self.config.page_size
+        for j, (row, n) in enumerate(inner):
+            key = tuple(self.tokens[sids[row]][:self.lengths[sids[row]] + n])
+            self.checkpoints.setdefault(key, {w: v[j] for w, v in given.items()})
         for s, n in zip(sids, lens):
             self.lengths[s] += n
+            end = self.lengths[s]
+            if self.config.prefix_cache and end % ps == 0 and end <= len(self.tokens[s]):
+                self.checkpoints.setdefault(tuple(self.tokens[s][:end]), {
+                    (layer, name): self.judge[s, layer, name] for layer, name, _ in self.states()})
 
     def finish(self):
         """Compare every kept read, then every sequence's states now."""
@@ -181,6 +209,30 @@ class TestStateSlots(Conformance):
                     cache.set_state(layer, name, cache.from_numpy(np.full((1,) + shape, 3.0)))
                 raise RuntimeError("the model failed")
         t.forward([0, 1], [1, 1])
+        t.finish()
+
+    def test_prefix_hits_restore_checkpoints(self, twin):
+        """With the prefix cache: a sequence's forwards keep its states at the page boundaries
+        they pass (those inside a forward given by ``set_state_checkpoints``, one at a
+        forward's end from ``set_state``), and sequences added later at a prefix of its ids
+        start from that boundary's states, all queued and read at the end."""
+        t = twin(prefix=True)
+        ps = t.config.page_size
+        ids = [int(x) for x in t.rng.integers(1, 1000, 3 * ps + 3)]
+        t.add(0, ids)
+        t.forward([0], [ps + 2])                    # the boundary at ps inside
+        t.forward([0], [ps - 2])                    # ends at 2 ps
+        t.forward([0], [ps + 3])                    # 3 ps inside
+        t.remove(0)
+        t.add(1, ids[:2 * ps + 1] + [7])            # starts at 2 ps (a forward's end)
+        t.add(2, ids[:ps + 3])                      # starts at ps (inside a forward)
+        t.add(3, ids)                               # starts at 3 ps
+        if [t.lengths[s] for s in (1, 2, 3)] != [2 * ps, ps, 3 * ps]:
+            raise Mismatch(f"prefix hits at {[t.lengths[s] for s in (1, 2, 3)]}, expected "
+                           f"{[2 * ps, ps, 3 * ps]}{t.context()}")
+        t.forward([1, 2, 3], [2, 1, 3])
+        t.remove(2)
+        t.forward([3, 1], [1, 1])
         t.finish()
 
     def test_refusals(self, twin):

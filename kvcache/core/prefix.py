@@ -64,7 +64,7 @@ class Node:
     the index files it, ``(depth, its page's ids as int64 bytes, _extra_hash(extra))``."""
 
     __slots__ = ("id", "key", "parent", "depth", "holder", "kids", "tick", "alive", "src", "extra",
-                 "wp")
+                 "wp", "ck")
 
     def __init__(self, id: int, key: tuple, parent: Optional["Node"], holder: Union[Ghost, Track],
                  src: bytes, extra: Any):
@@ -77,6 +77,9 @@ class Node:
         # window groups: per group, the group's page at this node's position that the node
         # holds (-1: none, never stored or reclaimed); see ``PrefixIndex._window_depth``
         self.wp: Optional[list] = None
+        # state layers: the checkpoint row holding the states at this node's boundary (-1:
+        # none); see ``PrefixIndex._state_depth``
+        self.ck = -1
 
 
 class Prompt:
@@ -157,6 +160,12 @@ class PrefixIndex(BasePrefixCache):
         self.window_miss_tokens = 0
         """Tokens of cached full pages that attached sequences did not start from because a
         window group's pages for that boundary were no longer held."""
+        # state layers: the checkpoint rows (``core.slots.StateCheckpoints``; None: none)
+        self.slots = state.slots
+        self.ckpts = None if self.slots is None else self.slots.checkpoints
+        self.checkpoint_miss_tokens = 0
+        """Tokens of cached full pages (whose window pages were held) that attached sequences
+        did not start from because no state checkpoint was held at a boundary past them."""
         if self.groups is not None:
             self._wnodes = [{} for _ in self.groups.groups]
             self.groups.reclaim = self._reclaim
@@ -171,7 +180,8 @@ class PrefixIndex(BasePrefixCache):
             pinned = max(pinned, *self._window_pinned(node))
         return (node.depth * self.ps, pinned)
 
-    def find(self, prompt: Prompt, extra) -> Optional[Node]:
+    def find(self, prompt: Prompt, extra, windows: bool = True,
+             states: bool = True) -> Optional[Node]:
         """The deepest node of the longest cached prefix of ``prompt``, whole pages, leaving at
         least one token uncached (its logits are what a model computes next), that a new
         sequence can fork from (not the pages of a sequence with an uncommitted token tree);
@@ -186,7 +196,9 @@ class PrefixIndex(BasePrefixCache):
         prompt's pages). The search only asks whether anything is filed under a depth's key (a
         cached depth always has one), and the depth it ends at is then checked: when that holds
         the prompt's prefix, no deeper one can (the next depth's key is absent); when it does
-        not (a page alike after another prefix), the search runs again checking every probe."""
+        not (a page alike after another prefix), the search runs again checking every probe.
+        ``windows`` / ``states``: the match must also restore every window group's pages
+        (``_window_depth``) / every state layer's states (``_state_depth``) at its end."""
         ps = self.ps
         pages = (prompt.n - 1) // ps
         nodes = self.nodes
@@ -232,9 +244,25 @@ class PrefixIndex(BasePrefixCache):
         while node is not None and isinstance(node.holder, Track) \
                 and not seqs[node.holder.owner].committed:
             node = node.parent
-        if node is not None and self.groups is not None:
-            node = self._window_depth(node)
+        windows = windows and self.groups is not None
+        states = states and self.slots is not None
+        while node is not None:     # the deepest node meeting both (each moves it up only)
+            at = node
+            if windows:
+                node = self._window_depth(node)
+            if states and node is not None:
+                node = self._state_depth(node)
+            if node is at:
+                break
         return node
+
+    def _state_depth(self, node: Node) -> Optional[Node]:
+        """The deepest node on ``node``'s path (itself included) holding a state checkpoint: a
+        sequence continuing after its boundary starts from those states. None: no such node."""
+        at: Optional[Node] = node
+        while at is not None and at.ck < 0:
+            at = at.parent
+        return at
 
     def _window_depth(self, node: Node) -> Optional[Node]:
         """The deepest node on ``node``'s path (itself included) whose boundary every window
@@ -309,10 +337,18 @@ class PrefixIndex(BasePrefixCache):
         of ``prompt``; returns its length in tokens."""
         state = self.state
         node = self.find(prompt, extra)
-        if self.groups is not None:     # the full pages matched further: a window miss
-            whole = self._whole_match(prompt, extra)
-            self.window_miss_tokens += (whole - (0 if node is None else node.depth)) * self.ps
+        depth = 0 if node is None else node.depth
+        if self.groups is not None or self.slots is not None:
+            # the full pages matched further: window, then checkpoint misses
+            whole = self._depth(self.find(prompt, extra, False, False))
+            windowed = self._depth(self.find(prompt, extra, True, False))
+            self.window_miss_tokens += (whole - windowed) * self.ps
+            self.checkpoint_miss_tokens += (windowed - depth) * self.ps
         path: list = []
+        if self.slots is not None:      # checked by the caller (check_take)
+            self.slots.take(seq_id)
+            if node is not None:        # it starts from the states at the boundary
+                self.slots.restore[seq_id] = node.ck
         if node is not None:
             holder = state.pt.seqs[_key(node.holder)]
             state._fork(holder, seq_id, node.depth * self.ps)   # page-aligned: nothing copied
@@ -335,13 +371,8 @@ class PrefixIndex(BasePrefixCache):
         seq.prefix = Track(seq_id, extra, array.array("q", prompt.raw), path)
         return len(path) * self.ps
 
-    def _whole_match(self, prompt: Prompt, extra) -> int:
-        """The depth ``find`` would reach from the full pages alone (window groups aside)."""
-        groups, self.groups = self.groups, None
-        try:
-            node = self.find(prompt, extra)
-        finally:
-            self.groups = groups
+    @staticmethod
+    def _depth(node: Optional[Node]) -> int:
         return 0 if node is None else node.depth
 
     def _touch(self, path: list) -> None:
@@ -529,6 +560,8 @@ class PrefixIndex(BasePrefixCache):
             seq = pt.seqs[t.owner]
         if self.groups is not None:     # the nodes hold the window pages a hit needs
             self.groups.remove(t.owner)
+        if self.slots is not None:      # a ghost has no state: its checkpoints are the nodes'
+            self.slots.release(t.owner)
         ghost = Ghost(t.nodes)
         for node in t.nodes:
             node.holder = ghost
@@ -537,6 +570,52 @@ class PrefixIndex(BasePrefixCache):
         heapq.heappush(self._heap, (deepest.tick, deepest.id, deepest))
         state.epoch += 1
         return True
+
+    # ------------------------------------------------------------------ state checkpoints
+    def checkpoint_positions(self, seqs: list, lengths: np.ndarray, appends: np.ndarray) -> list:
+        """The boundaries a forward passes whose states would be checkpoints: ``(row,
+        position)`` pairs, ``row`` indexing ``seqs`` (the forward's sequences, whose lengths
+        after it are ``lengths`` and appends ``appends``), ``position`` a multiple of the
+        interval in ``(length - append, length]`` up to the recorded ids (so its page can be
+        indexed). Changes nothing."""
+        assert self.ckpts is not None
+        step, out = self.ckpts.interval, []
+        for row, seq in enumerate(seqs):
+            t = seq.prefix
+            if t is None or seq.window != -1 or not seq.committed:
+                continue
+            end = min(int(lengths[row]), len(t.tokens))
+            p = (int(lengths[row]) - int(appends[row])) // step * step + step
+            while p <= end:
+                out.append((row, p))
+                p += step
+        return out
+
+    def keep_checkpoints(self, seqs: list, wanted: list) -> list:
+        """After a forward's pages joined the index (``insert``): the nodes of the boundaries
+        ``wanted`` (``(row, position)`` pairs of ``checkpoint_positions``, ``row`` indexing
+        ``seqs``) that hold no checkpoint take a row. Returns ``(index into wanted, row)`` of
+        each to write; a boundary whose node holds one already (the same states: the same
+        ids) or has left the index is skipped. The deepest boundaries go first: with too few
+        rows, the longest prefixes keep theirs (a prompt sent again hits furthest)."""
+        ckpts, ps, out, kept = self.ckpts, self.ps, [], set()
+        assert ckpts is not None
+        for i in range(len(wanted) - 1, -1, -1):
+            row, p = wanted[i]
+            t = seqs[row].prefix
+            d = p // ps
+            if t is None or len(t.chain) < d:
+                continue
+            node = t.chain[d - 1]
+            if node.ck >= 0 or not node.alive:
+                kept.add(node)
+                continue
+            ck = ckpts.take(node, kept)
+            if ck < 0:
+                break
+            kept.add(node)
+            out.append((i, ck))
+        return out
 
     # ------------------------------------------------------------------ files
     def chains(self, tips: Optional[list] = None) -> list:
@@ -690,6 +769,9 @@ class PrefixIndex(BasePrefixCache):
         return 0 if b == -1 else floor
 
     def _remove_node(self, node: Node) -> None:
+        if node.ck >= 0:                # its checkpoint goes with it
+            assert self.ckpts is not None
+            self.ckpts.drop(node)
         if node.wp is not None:         # its window pages go with it
             for g, page in enumerate(node.wp):
                 if page >= 0:
@@ -750,6 +832,9 @@ class PrefixIndex(BasePrefixCache):
                     assert nodes and all(n.alive and n.wp[g] == page for n in nodes)
                     counted[page] = len(nodes)
                 assert (counted == group.cref).all(), f"group {g}: window holds disagree"
+        if self.ckpts is not None:
+            self.ckpts.check(n for filed in self.nodes.values() for n in filed if n.ck >= 0)
+            assert all(n.depth * self.ps % self.ckpts.interval == 0 for n in self.ckpts.held.values())
         for k, seq in pt.seqs.items():
             if isinstance(k, Ghost):
                 assert k.nodes, "a ghost holds no page"

@@ -154,7 +154,7 @@ class Engine:
         if max_total_tokens is None:
             max_total_tokens, self.sizing = self._size(
                 backend, device, prefill_chunk_size, float(opts.memory_fraction), sizes,
-                {**kinds, **states}, slots)
+                {**kinds, **states}, slots, opts.prefix_cache)
         else:
             self.sizing = "given"
         if prefill_chunk_size is None:
@@ -217,8 +217,9 @@ class Engine:
     def _state_layers(self, opts: EngineConfig, backend: str, device) -> tuple:
         """``(state layers, opts, why off)``: the adapter's ``state_layers`` (always built: the
         model cannot run without them), the options with what does not compose with state
-        layers turned off (the prefix cache: hits need state checkpoints; graphs, mixed graphs,
-        offload left at None), and why (None: no state layer, or nothing was on). Raises
+        layers turned off (graphs, mixed graphs, offload left at None; the prefix cache stays:
+        its hits restore state checkpoints), and why (None: no state layer, or nothing was
+        on). Raises
         ``UnsupportedFeatureError`` naming the option for one asked for that does not compose
         (``graphs``, ``mixed_graphs``, ``offload``, ``deterministic``, a ``prefix_file``) and
         for a backend without ``state_slots``."""
@@ -226,7 +227,7 @@ class Engine:
         if not states:
             return {}, opts, None
         what = (f"the {self.adapter.family or 'model'} model's state layers {sorted(states)} "
-                f"(recurrent state: no page, no checkpoint)")
+                f"(recurrent state: no page)")
         from ..plugins import resolve_backend
         cls = resolve_backend(backend, device)
         if not cls.capabilities.state_slots:
@@ -245,18 +246,14 @@ class Engine:
                     f"(docs/hybrid.md); pass {name}=False")
         if opts.prefix_file is not None:
             raise UnsupportedFeatureError(
-                f"prefix_file with {what}: the prefix cache does not compose with state layers "
-                f"yet (a hit needs the state at the match point); pass prefix_file=None")
+                f"prefix_file with {what}: prefix files do not carry state checkpoints yet "
+                f"(docs/hybrid.md); pass prefix_file=None")
         off = []
-        if opts.prefix_cache:
-            off.append("prefix_cache (a hit needs the state at the match point: checkpoints "
-                       "are not built)")
         if opts.graphs is None and self._want_graphs(None, backend, device):
             off.append("graphs (on by default here)")
         if opts.offload is None and not str(device or "cpu").startswith("cpu"):
             off.append("offload (on by default here; preempted sequences are recomputed)")
-        opts = dataclasses.replace(opts, prefix_cache=False, graphs=False, mixed_graphs=False,
-                                   offload=False)
+        opts = dataclasses.replace(opts, graphs=False, mixed_graphs=False, offload=False)
         if not off:
             return states, opts, None
         reason = f"{', '.join(off)} off for {what}: not composed with state layers yet (docs/hybrid.md)"
@@ -366,11 +363,11 @@ class Engine:
         return True
 
     def _size(self, backend, device, chunk, fraction: float, sizes: dict,
-              kinds: Optional[dict] = None, slots: int = 0) -> tuple:
+              kinds: Optional[dict] = None, slots: int = 0, prefix_cache: bool = False) -> tuple:
         """``(max_total_tokens, how)`` from the device's free memory (see the class doc); with
         window groups or state layers (``kinds``; ``slots``: ``max_state_slots``) their pools
-        and state arrays are counted out first and the tokens are the full-attention layers'
-        (neither grows with the tokens)."""
+        and state arrays (with ``prefix_cache``, their checkpoints too) are counted out first
+        and the tokens are the full-attention layers' (neither grows with the tokens)."""
         adapter = self.adapter
         batch = int(sizes["max_batch_size"])
         gc.collect()        # what a reference cycle still holds (a dropped model's, say)
@@ -405,12 +402,12 @@ class Engine:
         room, per_token = fraction * free - peak, config.token_kv_bytes
         if kinds:
             grouped = dataclasses.replace(config, layer_kinds=kinds, max_total_tokens=2**30,
-                                          max_state_slots=slots)
+                                          max_state_slots=slots, prefix_cache=prefix_cache)
             layer_bytes = config.token_kv_bytes // config.num_layers
+            room -= grouped.state_bytes
             if grouped.full_layers:     # (every layer windowed: sized as without groups)
                 room -= sum(grouped.window_group_pages(g) * ps * layer_bytes * len(layers)
                             for g, (_, layers) in enumerate(grouped.window_groups))
-                room -= grouped.state_bytes
                 per_token = layer_bytes * len(grouped.full_layers)
         tokens = int(room // per_token) // ps * ps
         if tokens < 2 * ps:

@@ -121,8 +121,17 @@ def test_config_memory_and_slots():
         config(layer_kinds={1: {"ssm": (2,)}})
     with pytest.raises(kvcache.InvalidArgumentError, match="layer 1 twice"):
         config(layer_kinds=[(1, MAMBA), (1, Window(3))])
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="prefix_cache=True"):
-        config(prefix_cache=True)
+    # with the prefix cache the checkpoints (4 per slot by default) are counted and allocated
+    warm = config(prefix_cache=True)
+    assert warm.num_state_checkpoints == 8 and c.num_state_checkpoints == 0
+    assert warm.state_bytes == (2 + 8) * per_slot * 4
+    assert config(prefix_cache=True, max_state_checkpoints=3).state_bytes == 5 * per_slot * 4
+    cache = PagedKVCache(warm, backend="reference")
+    ck = cache.state_arrays.checkpoints
+    assert ck[1]["ssm"].shape == (8, 2, 2, 3) and sum(
+        a.nbytes for d in (*arrays.values(), *ck.values()) for a in d.values()) == 5 * c.state_bytes
+    with pytest.raises(kvcache.InvalidArgumentError, match="state_checkpoint_interval=0"):
+        config(state_checkpoint_interval=0)
 
 
 def test_backend_without_state_slots_is_refused():

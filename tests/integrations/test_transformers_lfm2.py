@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import backend_or_skip, own_loop_greedy, torch, transformers
+from engine_cases import logit_rows
 
 import kvcache
 from kvcache.integrations import SamplingParams
@@ -89,8 +90,9 @@ def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
                     prefill_chunk_size=CHUNK, max_batch_size=4, overlap=overlap)
     assert dict(engine.config.layer_kinds) == state_kinds(model)
     assert engine.config.num_state_slots == 8          # 2 * max_batch_size
-    assert not engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
-    assert "prefix_cache" in engine.state_layers_off and "[0, 2, 3]" in engine.state_layers_off
+    # the prefix cache stays on (its hits restore state checkpoints); nothing else was on here
+    assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
+    assert engine.state_layers_off is None
     ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
     got: dict = {rid: [] for rid in ids}
     shared, mixed = 0, 0
@@ -166,7 +168,7 @@ def test_what_does_not_compose_is_refused_by_name(tmp_path):
     with pytest.raises(kvcache.UnsupportedFeatureError, match="no sliding-window layer"):
         Engine(model, window_groups=True, **kw)
     engine = Engine(model, **kw)
-    assert engine.state_layers_off is not None and engine.window_groups_off is None
+    assert engine.state_layers_off is None and engine.window_groups_off is None
     # what the cache refuses for state layers: popn, a fork below the length, exports
     cache = engine.cache
     cache.add_sequence(0)
@@ -255,3 +257,77 @@ def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch)
     assert out == [[want[3]] * 5, [want[4]] * 5]
     assert engine.stats.forks >= 8
     assert engine.cache.num_available_state_slots == 3
+
+
+# ---------------------------------------------------------------------------- prefix hits
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
+    """Requests sharing a 22-token prefix through the Engine's default (prefix cache on): the
+    first one's forwards keep the conv states at every page boundary, those inside a prefill
+    chunk too (the boundary at 20 lies inside the chunk 16..24: the conv gives it,
+    ``set_state_checkpoints``), so the later ones start from 20 cached tokens with the states
+    restored; the greedy tokens are transformers' own, within a call and across calls."""
+    model, _, _ = _case()
+    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(1, 128, 22).tolist()
+    prompts = [shared + rng.integers(1, 128, n).tolist() for n in (5, 9, 2, 13)]
+    want = [hf_greedy(model, p) for p in prompts]
+    engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=512,
+                    prefill_chunk_size=CHUNK, max_batch_size=4)
+    assert engine.config.prefix_cache and engine.config.num_state_checkpoints == 32
+    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
+    assert engine.stats.prefix_hit_tokens == 0
+    out = engine.generate(prompts[1:], max_new_tokens=NEW)
+    assert [o[0] for o in out] == want[1:]
+    assert engine.stats.prefix_hit_tokens == 3 * 20
+    assert engine.stats.prefix_miss_tokens_by_reason == {}      # no miss
+    out = engine.generate(prompts[:2], max_new_tokens=NEW)     # cached across calls
+    assert [o[0] for o in out] == want[:2]
+    assert engine.stats.prefix_hit_tokens >= 3 * 20 + 2 * 24
+    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+
+
+def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit_with_state_layers():
+    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
+    boundary the warm one starts from): the warm request restores the conv states of that
+    boundary beside the cached pages, and every logits row equals the cold run's bit for
+    bit."""
+    model, _, _ = _case()
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 128, 4 * PAGE).tolist()
+    question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
+    kw = dict(backend="reference", page_size=PAGE, max_total_tokens=512,
+              prefill_chunk_size=4 * PAGE, overlap=False)
+    cold = Engine(model, **kw)
+    cold_rows = logit_rows(cold)
+    want = cold.generate([system + question], max_new_tokens=6)
+    assert cold.stats.prefix_hit_tokens == 0
+    warm = Engine(model, **kw)
+    warm.generate([system + other], max_new_tokens=3)
+    warm_rows = logit_rows(warm)
+    got = warm.generate([system + question], max_new_tokens=6)
+    assert warm.stats.prefix_hit_tokens == 4 * PAGE
+    assert got == want
+    assert len(warm_rows) == len(cold_rows) == 6
+    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
+        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
+
+
+def test_a_checkpoint_miss_is_counted_and_recomputed():
+    """Too few checkpoints for every boundary (``max_state_checkpoints``): a request sharing a
+    prefix whose boundary lost its checkpoint starts from a shallower one (or none), the stats
+    say why ("checkpoint"), and the tokens are still transformers' own."""
+    model, _, _ = _case()
+    rng = np.random.default_rng(8)
+    shared = rng.integers(1, 128, 22).tolist()
+    first = shared + rng.integers(1, 128, 3).tolist()
+    others = [rng.integers(1, 128, 30).tolist() for _ in range(2)]
+    second = shared + rng.integers(1, 128, 4).tolist()
+    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
+                    prefill_chunk_size=CHUNK, max_batch_size=1)
+    engine.cache.clear()
+    assert engine.config.num_state_checkpoints == 8
+    for p in [first] + others + [second]:
+        assert engine.generate([p], max_new_tokens=2)[0][0] == hf_greedy(model, p, 2)
+    assert engine.stats.prefix_miss_tokens_by_reason["checkpoint"] > 0

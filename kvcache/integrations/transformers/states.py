@@ -261,6 +261,17 @@ def _indices(lengths: tuple, k1: int) -> tuple:
     return order, out, keep.ravel()
 
 
+def _checkpoint_columns(lengths: tuple, k1: int, inner: tuple) -> np.ndarray:
+    """The columns of ``_indices``' layout holding each boundary's state (``inner``:
+    ``cache.state_checkpoints()``, ``(row, n)`` pairs): the ``k1`` inputs before the row's
+    ``n``-th new token, its block's columns ``n .. n + k1 - 1`` (the state's own columns
+    where ``n < k1``)."""
+    lens = np.asarray(lengths, np.int64)
+    block = np.arange(len(lens)) * k1 + np.concatenate([[0], np.cumsum(lens)[:-1]])
+    first = np.array([block[row] + n for row, n in inner], np.int64)
+    return (first[:, None] + np.arange(k1)).ravel()
+
+
 def _state_to_torch(cache, state, device, dtype):
     if torch.is_tensor(state):
         return state.to(device=device, dtype=dtype)
@@ -318,5 +329,10 @@ def conv_forward(module, cache, hidden_states):
     y = y.index_select(1, out).to(hidden_states.dtype)            # (H, T)
     new = laid.index_select(1, keep).view(hid, s, k1).permute(1, 0, 2)
     cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new))
+    inner = cache.state_checkpoints()
+    if inner:   # the prefix cache's checkpoints inside the appends: the k1 inputs before each
+        at = torch.from_numpy(_checkpoint_columns(lengths, k1, inner)).to(device)
+        kept = laid.index_select(1, at).view(hid, len(inner), k1).permute(1, 0, 2)
+        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, kept))
     y = (c[0] * y).transpose(0, 1).unsqueeze(0).contiguous()      # (1, T, H)
     return module.out_proj(y)
