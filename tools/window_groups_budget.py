@@ -11,6 +11,9 @@ first, the full layers the rest). On the CPU the two runs' tokens must be equal;
     python tools/window_groups_budget.py cuda --device cuda --dtype bfloat16 --layers 12 \
         --hidden 1024 --heads 8 --kv-heads 4 --head-dim 128 --window 512 --prompt 2048 \
         --new 64 --requests 64 --batch 32 --chunk 2048 --budget-tokens 16384
+
+``--profile``: after each timed run, the same requests again under cProfile (the host's
+functions by own time, where a device wait shows as the call that synchronizes).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def _args(argv=None):
                           ("requests", 32), ("batch", 16), ("chunk", 256),
                           ("budget-tokens", 2048)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--profile", action="store_true")
     return p.parse_args(argv)
 
 
@@ -92,6 +96,12 @@ def main(argv=None) -> None:
         dt = time.perf_counter() - t
         n = sum(len(o[0]) for o in out)
         results[groups] = (out, n / dt)
+        if a.profile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.runcall(e.generate, prompts, max_new_tokens=a.new)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(15)
         print(f"window_groups={groups}: max_total_tokens={tokens}, kv_bytes="
               f"{e.config.kv_bytes} of {budget}: {n / dt:.0f} tokens/s ({dt:.1f} s), "
               f"{e.stats.preemptions - before.preemptions} preemptions, "

@@ -580,7 +580,11 @@ class PrefixIndex(BasePrefixCache):
         indexed). Changes nothing."""
         assert self.ckpts is not None
         step, out = self.ckpts.interval, []
-        for row, seq in enumerate(seqs):
+        lengths = np.asarray(lengths, np.int64)
+        starts = lengths - np.asarray(appends, np.int64)
+        # most decode steps pass no boundary: only those rows are looked at
+        for row in np.flatnonzero(lengths // step > starts // step).tolist():
+            seq = seqs[row]
             t = seq.prefix
             if t is None or seq.window != -1 or not seq.committed:
                 continue
