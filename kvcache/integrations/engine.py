@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..cache import PagedKVCache
+from ..config import State, itemsize
 from ..errors import InvalidArgumentError, UnsupportedFeatureError
 from ..errors import pages as n_pages
 from ..formats import FORMAT_TABLE
@@ -55,6 +56,22 @@ DEFAULT_TOKENS_PER_SEQUENCE = 512
 STATE_SLOTS_PER_ROW = 2
 """``CacheConfig.max_state_slots`` of an engine over a model with state layers, per
 ``max_batch_size`` row (docs/hybrid.md, increment 5)."""
+
+
+def checkpoints_for(config, states: dict, slots: int) -> dict:
+    """The state checkpoints of an engine's cache (``CacheConfig`` fields; docs/hybrid.md,
+    increment 8) over ``config`` with the state layers ``states`` and ``slots`` state slots:
+    as many checkpoints as slots, and an interval (in pages) over which the attention layers'
+    KV takes at least a checkpoint's bytes, so that checkpoints cost about what the pages they
+    cover do (one page for LFM2's small conv states; hundreds for a Mamba-2 family's SSM
+    states, whose hits then recompute up to that many pages). Empty without state layers."""
+    if not states:
+        return {}
+    state = sum(kind.elements() for kind in states.values()) * itemsize(config.dtype)
+    layers = max(1, config.num_layers - len(states))       # the layers with pages
+    attention = max(1, config.token_kv_bytes // config.num_layers * layers * config.page_size)
+    return dict(max_state_checkpoints=slots,
+                state_checkpoint_interval=max(1, -(-state // attention)))
 
 _log = logging.getLogger(__name__)
 
@@ -164,7 +181,8 @@ class Engine:
         cfg = dataclasses.replace(cfg, prefix_cache=opts.prefix_cache, kv_dtype=opts.kv_dtype,
                                   kv_quant_group=quant_group_for(cfg, opts.kv_dtype),
                                   batch_invariant=opts.deterministic,
-                                  layer_kinds={**kinds, **states}, max_state_slots=slots)
+                                  layer_kinds={**kinds, **states}, max_state_slots=slots,
+                                  **checkpoints_for(cfg, states, slots))
         invariant_ops = self._invariant_ops(opts)
         if opts.mixed_graphs and not self.graphs:
             raise UnsupportedFeatureError(
@@ -402,7 +420,10 @@ class Engine:
         room, per_token = fraction * free - peak, config.token_kv_bytes
         if kinds:
             grouped = dataclasses.replace(config, layer_kinds=kinds, max_total_tokens=2**30,
-                                          max_state_slots=slots, prefix_cache=prefix_cache)
+                                          max_state_slots=slots, prefix_cache=prefix_cache,
+                                          **checkpoints_for(config, {
+                                              k: v for k, v in kinds.items()
+                                              if isinstance(v, State)}, slots))
             layer_bytes = config.token_kv_bytes // config.num_layers
             room -= grouped.state_bytes
             if grouped.full_layers:     # (every layer windowed: sized as without groups)

@@ -275,7 +275,9 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     want = [hf_greedy(model, p) for p in prompts]
     engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=512,
                     prefill_chunk_size=CHUNK, max_batch_size=4)
-    assert engine.config.prefix_cache and engine.config.num_state_checkpoints == 32
+    # as many checkpoints as slots, one page apart (a conv state is smaller than a page's KV)
+    assert engine.config.prefix_cache and engine.config.num_state_checkpoints == 8
+    assert engine.config.state_checkpoint_interval == 1
     assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
     assert engine.stats.prefix_hit_tokens == 0
     out = engine.generate(prompts[1:], max_new_tokens=NEW)
@@ -284,7 +286,7 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     assert engine.stats.prefix_miss_tokens_by_reason == {}      # no miss
     out = engine.generate(prompts[:2], max_new_tokens=NEW)     # cached across calls
     assert [o[0] for o in out] == want[:2]
-    assert engine.stats.prefix_hit_tokens >= 3 * 20 + 2 * 24
+    assert engine.stats.prefix_hit_tokens >= 3 * 20 + 2 * 20   # (8 rows: 24 may be gone)
     assert engine.cache.num_available_state_slots == engine.config.num_state_slots
 
 
@@ -315,7 +317,8 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit_with_state_layers(
 
 
 def test_a_checkpoint_miss_is_counted_and_recomputed():
-    """Too few checkpoints for every boundary (``max_state_checkpoints``): a request sharing a
+    """Too few checkpoints for every boundary (the Engine keeps as many as slots: 2 here): a
+    request sharing a
     prefix whose boundary lost its checkpoint starts from a shallower one (or none), the stats
     say why ("checkpoint"), and the tokens are still transformers' own."""
     model, _, _ = _case()
@@ -327,7 +330,24 @@ def test_a_checkpoint_miss_is_counted_and_recomputed():
     engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
                     prefill_chunk_size=CHUNK, max_batch_size=1)
     engine.cache.clear()
-    assert engine.config.num_state_checkpoints == 8
+    assert engine.config.num_state_checkpoints == 2
     for p in [first] + others + [second]:
         assert engine.generate([p], max_new_tokens=2)[0][0] == hf_greedy(model, p, 2)
     assert engine.stats.prefix_miss_tokens_by_reason["checkpoint"] > 0
+
+
+def test_the_engines_checkpoint_interval_follows_the_state_size():
+    """``checkpoints_for``: as many checkpoints as slots, and the fewest pages whose attention
+    KV takes at least one checkpoint's bytes (LFM2's conv states: one page; a state of a
+    Mamba-2 size: many)."""
+    from kvcache.integrations.engine import checkpoints_for
+    model, _, _ = _case()
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=2)
+    small = checkpoints_for(cfg, state_kinds(model), 4)
+    assert small == dict(max_state_checkpoints=4, state_checkpoint_interval=1)
+    big = {0: kvcache.State({"ssm": (8, 16, 32)}), 2: kvcache.State({"ssm": (8, 16, 32)})}
+    page_kv = cfg.token_kv_bytes // cfg.num_layers * (cfg.num_layers - 2) * PAGE
+    interval = checkpoints_for(cfg, big, 4)["state_checkpoint_interval"]
+    state = 2 * 8 * 16 * 32 * 4
+    assert interval > 1 and (interval - 1) * page_kv < state <= interval * page_kv
+    assert checkpoints_for(cfg, {}, 4) == {}
