@@ -140,6 +140,31 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
         assert out[i][:NEW] == want[i], f"{name}: prompt {i}"
 
 
+def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
+    """A 37-token prompt prefilled in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens (a new
+    sequence's one token, one-token chunks that take the recurrent step, chunks across SSM
+    chunk boundaries): every position's logits are those of one forward over the whole prompt
+    without a cache, within float32 rounding."""
+    model, _, _ = _case()
+    prompt = np.random.default_rng(1).integers(1, 128, 37)
+    with torch.no_grad():
+        whole = model(torch.from_numpy(prompt)[None]).logits[0].numpy()
+    adapter = TransformersAdapter(model)
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
+                                              max_batch_size=1), backend="reference")
+    cache.add_sequence(0)
+    rows, at = [], 0
+    with adapter.session(cache):
+        for n in (1, 8, 1, 5, 8, 3, 11):
+            with adapter.step_context(cache), cache.forward([0], [n]):
+                logits = adapter.forward(cache, prompt[at:at + n].astype(np.int64),
+                                         np.arange(at, at + n, dtype=np.int64),
+                                         np.arange(n, dtype=np.int64))
+            rows.append(logits.numpy())
+            at += n
+    np.testing.assert_allclose(np.concatenate(rows), whole, atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("zeroed", ["conv", "ssm"])
 def test_each_state_carries(zeroed, monkeypatch):
     """The same Engine with one of the two states read as zeros at every forward (a sequence
