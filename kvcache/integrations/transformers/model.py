@@ -116,9 +116,10 @@ def _dtype_name(dtype) -> str:
 def attention_layers(model) -> list:
     """The model's attention modules, one per decoder layer in layer order (each with its
     ``layer_idx``); ``None`` at a state layer (an LFM2 short convolution, a Bamba-family
-    Mamba-2 mixer: ``state_kinds``), which has no attention. Raises ``UnsupportedFeatureError`` with the reason when the model's
-    layers do not map one to one onto cache layers (layers without attention that are not
-    state layers, or two attention modules in one layer)."""
+    Mamba-2 mixer: ``state_kinds``), which has no attention. Raises
+    ``UnsupportedFeatureError`` with the reason when the model's layers do not map one to one
+    onto cache layers (layers without attention that are not state layers, or two attention
+    modules in one layer)."""
     from .states import state_modules
     config = model.config
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)

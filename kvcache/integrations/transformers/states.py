@@ -11,8 +11,15 @@ convolution (``B * x``) per channel: transformers' cache keeps ``conv_L_cache`` 
 layer is a ``kvcache.State({"conv": (hidden_size, conv_L_cache - 1)})`` layer (channels first,
 the oldest input first, as the model keeps it), and its forward over a packed batch (prefill
 chunks and decode tokens of many sequences in one row) runs per sequence from that state
-(``route_state_layers``). Anything about a family these functions do not know is refused with
-``UnsupportedFeatureError`` naming it (``state_kinds``)."""
+(``route_state_layers``).
+
+A mamba layer of Bamba (``BambaMixer``; Granite-4.0-H's ``GraniteMoeHybridMambaLayer`` is the
+same code) convolves ``x, B, C`` like that (``conv_kernel_size`` taps, then SiLU) and runs a
+selective SSM over them, whose state ``(heads, head_dim, d_state)`` carries from token to
+token: on the cache ``State({"conv": (conv_dim, conv_kernel_size - 1), "ssm": (heads,
+head_dim, d_state)})``, run per sequence by ``mamba_forward``. Anything about a family these
+functions do not know is refused with ``UnsupportedFeatureError`` naming it
+(``state_kinds``)."""
 
 from __future__ import annotations
 
@@ -61,18 +68,18 @@ _LAYER_TYPES = ("conv", "full_attention")
 _MAMBA_TYPES = ("linear_attention", "mamba")
 _ATTENTION_TYPES = ("full_attention", "attention")
 
-_ROUTED: "weakref.WeakSet" = weakref.WeakSet()     # conv modules whose forward is routed
+_ROUTED: "weakref.WeakSet" = weakref.WeakSet()     # state modules whose forward is routed
 # the cache of the forward the adapter is running in this thread (None: none): a decoder layer
-# that does not pass its keyword arguments down to its conv (transformers releases differ)
-# still reaches the cache's states; outside it the conv is transformers' own
+# that does not pass its keyword arguments down to its conv or mixer (transformers releases
+# differ) still reaches the cache's states; outside it the module is transformers' own
 _SERVING: contextvars.ContextVar = contextvars.ContextVar("kvcache_state_cache", default=None)
 
 
 @contextlib.contextmanager
 def serving(cache):
-    """The routed convs of any model run on ``cache``'s state slots for the duration, also
-    when their decoder layer does not pass ``kvcache=cache`` down (``TransformersAdapter``
-    wraps each model call of a forward in it)."""
+    """The routed state modules (convs, mixers) of any model run on ``cache``'s state slots for
+    the duration, also when their decoder layer does not pass ``kvcache=cache`` down
+    (``TransformersAdapter`` wraps each model call of a forward in it)."""
     token = _SERVING.set(cache)
     try:
         yield
