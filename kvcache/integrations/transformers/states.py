@@ -667,5 +667,17 @@ def mamba_forward(module, cache, hidden_states):
         new_ssm[i] = st[0]
     cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv))
     cache.set_state(layer, SSM_STATE, _state_to_cache(cache, new_ssm))
-    out = module.norm(scan.view(1, -1, inner), gate)
-    return module.out_proj(out.to(dtype))
+    flat = scan.view(1, -1, inner)
+    if not step:
+        out = module.norm(flat, gate).to(dtype)
+    else:
+        # transformers' decode step hands the norm its output in the model dtype, its prefill
+        # in float32: the norm rounds where its input's dtype says (bfloat16 differs)
+        is_step = torch.zeros(len(y), dtype=torch.bool, device=device)
+        is_step[rows] = True
+        out = torch.empty(1, len(y), inner, dtype=dtype, device=device)
+        out[:, is_step] = module.norm(flat[:, is_step].to(dtype), gate[:, is_step]).to(dtype)
+        if len(step) < len(y):
+            rest = ~is_step
+            out[:, rest] = module.norm(flat[:, rest], gate[:, rest]).to(dtype)
+    return module.out_proj(out)
