@@ -309,6 +309,36 @@ def test_what_is_not_understood_is_refused():
             with cache.forward([0], [3]):
                 mixer(torch.zeros(1, 3, 64), transformers.DynamicCache(config=model.config),
                       kvcache=cache)
+        with pytest.raises(kvcache.UnsupportedFeatureError, match="not implement 'seq_idx'"):
+            with cache.forward([0], [3]):
+                mixer(torch.zeros(1, 3, 64), seq_idx=torch.zeros(1, 3, dtype=torch.int32),
+                      kvcache=cache)
+    assert cache.sequence_length(0) == 0
+
+
+def test_positional_arguments_are_read_off_the_mixers_signature():
+    """Releases order a mixer's parameters differently (an older one: ``hidden_states,
+    cache_params, cache_position, attention_mask, seq_idx``): the routed call maps positional
+    arguments by the forward's own signature, and its own cache under any of the names is
+    refused beside the cache's."""
+    def older(hidden_states, cache_params=None, cache_position=None, attention_mask=None,
+              seq_idx=None, **kwargs):
+        """(a stand-in signature)"""
+    assert states_module._positional_names(older) == (
+        "hidden_states", "cache_params", "cache_position", "attention_mask", "seq_idx")
+    fresh = make_bamba(seed=1).model.layers[0].mamba.forward      # (not routed yet)
+    names = states_module._positional_names(fresh)                 # (5.24: hidden_states,
+    assert names[0] == "hidden_states" and "attention_mask" in names  # cache, attention_mask)
+    model, _, _ = _case()
+    mixer = model.model.layers[0].mamba
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
+                                              max_batch_size=1), backend="reference")
+    cache.add_sequence(0)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="own cache"):
+        with cache.forward([0], [3]):
+            states_module._routed_call(mixer, cache, (torch.zeros(1, 3, 64), object()), {},
+                                       states_module._positional_names(older),
+                                       states_module.mamba_forward)
     assert cache.sequence_length(0) == 0
 
 
