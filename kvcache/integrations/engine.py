@@ -58,20 +58,21 @@ STATE_SLOTS_PER_ROW = 2
 ``max_batch_size`` row (docs/hybrid.md, increment 5)."""
 
 
-def checkpoints_for(config, states: dict, slots: int) -> dict:
+def checkpoints_for(config, states: dict, slots: int, interval: Optional[int] = None) -> dict:
     """The state checkpoints of an engine's cache (``CacheConfig`` fields; docs/hybrid.md,
     increment 8) over ``config`` with the state layers ``states`` and ``slots`` state slots:
     as many checkpoints as slots, and an interval (in pages) over which the attention layers'
     KV takes at least a checkpoint's bytes, so that checkpoints cost about what the pages they
     cover do (one page for LFM2's small conv states; hundreds for a Mamba-2 family's SSM
-    states, whose hits then recompute up to that many pages). Empty without state layers."""
+    states, whose hits then recompute up to that many pages); ``interval``: that one instead
+    (``EngineConfig.state_checkpoint_interval``). Empty without state layers."""
     if not states:
         return {}
     state = sum(kind.elements() for kind in states.values()) * itemsize(config.dtype)
     layers = max(1, config.num_layers - len(states))       # the layers with pages
     attention = max(1, config.token_kv_bytes // config.num_layers * layers * config.page_size)
     return dict(max_state_checkpoints=slots,
-                state_checkpoint_interval=max(1, -(-state // attention)))
+                state_checkpoint_interval=interval or max(1, -(-state // attention)))
 
 _log = logging.getLogger(__name__)
 
@@ -182,7 +183,8 @@ class Engine:
                                   kv_quant_group=quant_group_for(cfg, opts.kv_dtype),
                                   batch_invariant=opts.deterministic,
                                   layer_kinds={**kinds, **states}, max_state_slots=slots,
-                                  **checkpoints_for(cfg, states, slots))
+                                  **checkpoints_for(cfg, states, slots,
+                                                    opts.state_checkpoint_interval))
         invariant_ops = self._invariant_ops(opts)
         if opts.mixed_graphs and not self.graphs:
             raise UnsupportedFeatureError(

@@ -123,6 +123,12 @@ class EngineConfig:
     logged). True: on (graphs left at None then off), or ``UnsupportedFeatureError`` naming
     what does not compose. False: every layer keeps
     every page (the behaviour before window groups)."""
+    state_checkpoint_interval: Optional[int] = None
+    """With state layers and the prefix cache: the pages between state checkpoints
+    (``CacheConfig.state_checkpoint_interval``; docs/hybrid.md, increment 8): a prefix hit
+    recomputes at most this many pages. None: the engine's choice, the fewest pages whose
+    attention KV takes at least one checkpoint's bytes
+    (``kvcache.integrations.engine.checkpoints_for``)."""
     fingerprint_weights: bool = False
     """The model fingerprint the engine writes into KV files and checks them against also
     hashes every weight (read once, when first needed: about a second per GiB), so two
@@ -131,7 +137,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_total_tokens", "prefill_chunk_size",
-                     "offload_tokens"):
+                     "offload_tokens", "state_checkpoint_interval"):
             value = getattr(self, name)
             optional = name not in ("page_size", "max_batch_size")
             if value is None and optional:

@@ -44,10 +44,11 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     standard); run the model inside ``fused_rope(model, cache)`` then. A model that keeps
     state the cache does not hold beside its attention (a hybrid: Mamba mixers, linear
     attention, position biases) raises ``UnsupportedFeatureError`` naming the layers and the
-    reason (``refuse_hybrid``). The short convolutions of LFM2 (``STATE_FAMILIES``) are state
-    layers: they always get their ``State`` kinds (``state_kinds(model)``), in
-    ``max_state_slots`` slots (0: ``max_batch_size``, the sequences the cache holds at once),
-    and the model's conv modules are routed to the cache (``route_state_layers``).
+    reason (``refuse_hybrid``). The short convolutions of LFM2 and the Mamba-2 mixers of Bamba
+    and Granite-4.0-H (``STATE_FAMILIES``) are state layers: they always get their ``State``
+    kinds (``state_kinds(model)``), in ``max_state_slots`` slots (0: ``max_batch_size``, the
+    sequences the cache holds at once), and the model's state modules are routed to the cache
+    (``route_state_layers``).
     ``window_groups``: the model's sliding-window layers get ``layer_kinds``
     (``layer_kinds(model)``: each keeps only the pages its window still sees; raises
     ``UnsupportedFeatureError`` when the model's windowing is not understood); False: every
@@ -81,7 +82,7 @@ def _no_fused_rope_with_states(model, rope: str, states: dict) -> None:
     if rope == "cache":
         raise UnsupportedFeatureError(
             f"rope='cache' with the {model.config.model_type} model's state layers "
-            f"{sorted(states)} (short convolutions): not tried yet; pass rope='model'")
+            f"{sorted(states)} (recurrent state): not tried yet; pass rope='model'")
 
 
 # ---------------------------------------------------------------------- the model's attention
@@ -139,7 +140,8 @@ class TransformersAdapter(ModelAdapter):
     layers call transformers' attention interface (checked: ``attention_layers``; refused with
     the reason otherwise) and keep no other state from token to token (a hybrid's Mamba mixer,
     linear attention or position bias: refused, ``refuse_hybrid``) than the short
-    convolutions of LFM2, which run on the cache's state slots (``state_layers``)."""
+    convolutions of LFM2 and the Mamba-2 mixers of Bamba and Granite-4.0-H, which run on the
+    cache's state slots (``state_layers``)."""
 
     def __init__(self, model, rope: str = "model"):
         config = getattr(model, "config", None)
@@ -154,7 +156,8 @@ class TransformersAdapter(ModelAdapter):
         refuse_hybrid(model)             # state beside attention (Mamba, linear attention ...)
         attention_layers(model)          # refuses a model whose layers the cache cannot serve
         self.states = state_kinds(model)
-        """``{layer: State}``: the model's state layers (LFM2's short convolutions)."""
+        """``{layer: State}``: the model's state layers (LFM2's short convolutions, Bamba-family
+        Mamba-2 mixers)."""
         if self.states:
             _no_fused_rope_with_states(model, rope, self.states)
             route_state_layers(model)

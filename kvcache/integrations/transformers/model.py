@@ -115,21 +115,22 @@ def _dtype_name(dtype) -> str:
 
 def attention_layers(model) -> list:
     """The model's attention modules, one per decoder layer in layer order (each with its
-    ``layer_idx``); ``None`` at a state layer (an LFM2 short convolution: ``state_kinds``),
-    which has no attention. Raises ``UnsupportedFeatureError`` with the reason when the model's
-    layers do not map one to one onto cache layers (layers without attention that are not
-    state layers, or two attention modules in one layer)."""
-    from .states import conv_layers
+    ``layer_idx``); ``None`` at a state layer (an LFM2 short convolution, a Bamba-family
+    Mamba-2 mixer: ``state_kinds``), which has no attention. Raises
+    ``UnsupportedFeatureError`` with the reason when the model's layers do not map one to one
+    onto cache layers (layers without attention that are not state layers, or two attention
+    modules in one layer)."""
+    from .states import state_modules
     config = model.config
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    found: dict = dict.fromkeys(conv_layers(model))
+    found: dict = dict.fromkeys(state_modules(model))
     for m in model.modules():
         idx = getattr(m, "layer_idx", None)
         if isinstance(idx, int) and hasattr(m, "config") and any(
                 hasattr(m, name) for name in ("q_proj", "qkv_proj", "q_a_proj", "query_key_value", "c_attn")):
             if idx in found and found[idx] is None:
                 raise UnsupportedFeatureError(
-                    f"{type(model).__name__}: layer {idx} is a state layer (short convolution) "
+                    f"{type(model).__name__}: layer {idx} is a state layer (a recurrent state) "
                     f"and has an attention module ({type(m).__name__}) too; the cache holds one "
                     f"kind per layer")
             if idx in found:
@@ -256,17 +257,18 @@ def stateful_layers(model) -> list:
 def refuse_hybrid(model) -> None:
     """Raise ``UnsupportedFeatureError`` naming the model type, the layers and modules and the
     reason when ``model`` keeps state the cache does not hold (``stateful_layers``): a hybrid
-    (Falcon-H1, Jamba, Bamba, Zamba, Qwen3-Next ...) or a recurrent model. The cache holds
-    attention K/V and the state of the layers ``state_kinds`` gives (LFM2's short
-    convolutions, ``STATE_FAMILIES``); any other state would be lost between steps, and the
-    tokens would differ from the model's own generation without an error. An LFM2-family
-    model whose convolutions are not what was read is refused too (``conv_layers``)."""
-    from .states import STATE_FAMILIES, conv_layers
+    (Falcon-H1, Jamba, Zamba, Nemotron-H, Qwen3-Next ...) or a recurrent model. The cache holds
+    attention K/V and the state of the layers ``state_kinds`` gives (``STATE_FAMILIES``: LFM2's
+    short convolutions, the Mamba-2 mixers of Bamba and Granite-4.0-H); any other state would
+    be lost between steps, and the tokens would differ from the model's own generation without
+    an error. A model of a served family whose state modules are not what was read is refused
+    too (``state_modules``)."""
+    from .states import SERVED_STATE_LAYERS, state_modules
     found = stateful_layers(model)
     if not found:
         return
-    # the state layers the cache serves: exactly their conv module, nothing else in the layer
-    served = {i: f"{path} ({type(m).__name__})" for i, (path, m) in conv_layers(model).items()}
+    # the state layers the cache serves: exactly their module, nothing else in the layer
+    served = {i: f"{path} ({type(m).__name__})" for i, (path, m) in state_modules(model).items()}
     found = [(i, where, why) for i, where, why in found if served.get(i) != where]
     if not found:
         return
@@ -280,8 +282,8 @@ def refuse_hybrid(model) -> None:
         f"the {family} model ({type(model).__name__}) keeps state the cache does not hold: "
         f"{shown}{more}. The cache holds attention K/V only: that state would be lost between "
         f"steps and the tokens would differ from the model's own generation, so hybrid and "
-        f"recurrent models cannot run on the cache (state layers are served for the short "
-        f"convolutions of {', '.join(STATE_FAMILIES)} only)")
+        f"recurrent models cannot run on the cache (state layers are served for "
+        f"{SERVED_STATE_LAYERS} only)")
 
 
 def _model_needs(model) -> list:

@@ -1,5 +1,7 @@
 """The recurrent-state layers of a transformers model on the cache's state slots (issue 56,
-docs/hybrid.md "Built: increment 5"): LFM2's short convolutions (``lfm2``, ``lfm2_moe``).
+docs/hybrid.md "Built: increment 5" and "Built: increment 7"): LFM2's short convolutions
+(``lfm2``, ``lfm2_moe``) and the Mamba-2 mixers of Bamba and Granite-4.0-H (``bamba``,
+``granitemoehybrid``; ``mamba_layers``, ``mamba_forward``).
 
 A conv layer of LFM2 (``Lfm2ShortConv``) projects its input to ``B, C, x`` (``in_proj``),
 convolves ``B * x`` causally over time with a depthwise kernel of ``conv_L_cache`` taps, and
@@ -9,8 +11,15 @@ convolution (``B * x``) per channel: transformers' cache keeps ``conv_L_cache`` 
 layer is a ``kvcache.State({"conv": (hidden_size, conv_L_cache - 1)})`` layer (channels first,
 the oldest input first, as the model keeps it), and its forward over a packed batch (prefill
 chunks and decode tokens of many sequences in one row) runs per sequence from that state
-(``route_state_layers``). Anything about a family these functions do not know is refused with
-``UnsupportedFeatureError`` naming it (``state_kinds``)."""
+(``route_state_layers``).
+
+A mamba layer of Bamba (``BambaMixer``; Granite-4.0-H's ``GraniteMoeHybridMambaLayer`` is the
+same code) convolves ``x, B, C`` like that (``conv_kernel_size`` taps, then SiLU) and runs a
+selective SSM over them, whose state ``(heads, head_dim, d_state)`` carries from token to
+token: on the cache ``State({"conv": (conv_dim, conv_kernel_size - 1), "ssm": (heads,
+head_dim, d_state)})``, run per sequence by ``mamba_forward``. Anything about a family these
+functions do not know is refused with ``UnsupportedFeatureError`` naming it
+(``state_kinds``)."""
 
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ import contextlib
 import contextvars
 import functools
 import weakref
-from typing import Optional
+from typing import NoReturn, Optional
 
 import numpy as np
 
@@ -38,22 +47,39 @@ _CONV_CLASSES = {
     "lfm2": ("transformers.models.lfm2.modeling_lfm2", "Lfm2ShortConv"),
     "lfm2_moe": ("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv"),
 }
-STATE_FAMILIES = tuple(sorted(_CONV_CLASSES))
-"""The model types whose recurrent-state layers run on the cache (their short convolutions)."""
+# family -> (the module, the class) of its Mamba-2 mixer: read line by line (transformers 5.24:
+# the same code in both families, conv then chunked / recurrent SSM then gated norm)
+_MAMBA_CLASSES = {
+    "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
+    "granitemoehybrid": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+                         "GraniteMoeHybridMambaLayer"),
+}
+STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES}))
+"""The model types whose recurrent-state layers run on the cache (LFM2's short convolutions,
+the Mamba-2 mixers of Bamba and Granite-4.0-H)."""
+SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))} and the "
+                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))}")
+"""What ``refuse_hybrid``'s message names as served."""
+SSM_STATE = "ssm"
+"""The name of a Mamba-2 layer's SSM state (``(heads, head_dim, d_state)``)."""
 _LAYER_TYPES = ("conv", "full_attention")
+# a Mamba-2 family's layer types: transformers 5.24 names them linear_attention / full_attention,
+# older releases' configs mamba / attention
+_MAMBA_TYPES = ("linear_attention", "mamba")
+_ATTENTION_TYPES = ("full_attention", "attention")
 
-_ROUTED: "weakref.WeakSet" = weakref.WeakSet()     # conv modules whose forward is routed
+_ROUTED: "weakref.WeakSet" = weakref.WeakSet()     # state modules whose forward is routed
 # the cache of the forward the adapter is running in this thread (None: none): a decoder layer
-# that does not pass its keyword arguments down to its conv (transformers releases differ)
-# still reaches the cache's states; outside it the conv is transformers' own
+# that does not pass its keyword arguments down to its conv or mixer (transformers releases
+# differ) still reaches the cache's states; outside it the module is transformers' own
 _SERVING: contextvars.ContextVar = contextvars.ContextVar("kvcache_state_cache", default=None)
 
 
 @contextlib.contextmanager
 def serving(cache):
-    """The routed convs of any model run on ``cache``'s state slots for the duration, also
-    when their decoder layer does not pass ``kvcache=cache`` down (``TransformersAdapter``
-    wraps each model call of a forward in it)."""
+    """The routed state modules (convs, mixers) of any model run on ``cache``'s state slots for
+    the duration, also when their decoder layer does not pass ``kvcache=cache`` down
+    (``TransformersAdapter`` wraps each model call of a forward in it)."""
     token = _SERVING.set(cache)
     try:
         yield
@@ -153,42 +179,179 @@ def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
                 f"on one device")
 
 
+def mamba_layers(model) -> dict:
+    """``{layer: (path, module)}``: the Mamba-2 mixers of a Bamba-family ``model``
+    (``bamba``, ``granitemoehybrid``), by decoder layer; empty for any other family. Raises
+    ``UnsupportedFeatureError`` naming the layer and the value when the model is of such a family
+    but something is not what was read: a layer type other than a mamba or attention layer, a
+    mixer of another class (a subclass too), a kernel below 2 taps or not ``conv_kernel_size``,
+    a conv that is not depthwise over ``conv_dim`` channels, strided or dilated, projections,
+    heads, groups or parameters of other sizes, an activation other than SiLU, a
+    ``time_step_limit`` other than ``(0, inf)``, a gated norm of another class or size,
+    accelerate hooks on the mixer, or mixers not exactly at the mamba layers."""
+    family = _family(model)
+    known = _MAMBA_CLASSES.get(family)
+    if known is None:
+        return {}
+    config = model.config
+    n = int(config.num_hidden_layers)
+    types = list(getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
+                 or ())
+    if len(types) < n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(types)} layer types for {n} layers: which layers are "
+            f"Mamba mixers is not understood")
+    for i, kind in enumerate(types[:n]):
+        if kind not in _MAMBA_TYPES + _ATTENTION_TYPES:
+            raise UnsupportedFeatureError(
+                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
+                f"{', '.join(map(repr, _MAMBA_TYPES + _ATTENTION_TYPES))} layers of this family "
+                f"only")
+    found: dict = {}
+    for path, m in model.named_modules():
+        cls = type(m)
+        if not any(c.__name__ == known[1] for c in cls.__mro__):
+            continue
+        where = f"{path} ({cls.__name__})"
+        if (cls.__module__, cls.__name__) != known:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} is not transformers' {known[1]} (a subclass or "
+                f"a replacement): its mixer is not understood")
+        layer = getattr(m, "layer_idx", None)
+        if not isinstance(layer, int) or not 0 <= layer < n or types[layer] not in _MAMBA_TYPES:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} has layer_idx={layer!r}, not a mamba layer of "
+                f"its {n} layers")
+        if layer in found:
+            raise UnsupportedFeatureError(
+                f"the {family} model has two mixers in layer {layer} ({found[layer][0]}, "
+                f"{path}); the cache holds one state per layer")
+        _check_mixer(family, where, m, int(config.hidden_size))
+        found[layer] = (path, m)
+    want = [i for i in range(n) if types[i] in _MAMBA_TYPES]
+    if sorted(found) != want:
+        raise UnsupportedFeatureError(
+            f"the {family} model's layer types name the mamba layers {want}, but mixers were "
+            f"found in layers {sorted(found)}")
+    return {i: found[i] for i in want}
+
+
+def _check_mixer(family: str, where: str, m, hidden: int) -> None:
+    def refuse(what: str) -> NoReturn:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where}: {what}; the cache's Mamba-2 mixer serves what was "
+            f"read (docs/hybrid.md increment 7) only")
+    try:
+        heads, head_dim, d_state = int(m.num_heads), int(m.head_dim), int(m.ssm_state_size)
+        groups, inner, conv_dim = int(m.n_groups), int(m.intermediate_size), int(m.conv_dim)
+        taps, chunk = int(m.conv_kernel_size), int(m.chunk_size)
+        limit, activation = m.time_step_limit, m.activation
+        conv, norm, in_proj, out_proj = m.conv1d, m.norm, m.in_proj, m.out_proj
+        params = (m.A_log, m.D, m.dt_bias)
+    except (AttributeError, TypeError) as e:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
+    if heads < 1 or groups < 1 or heads % groups or heads * head_dim != inner:
+        refuse(f"num_heads={heads}, head_dim={head_dim}, n_groups={groups}, "
+               f"intermediate_size={inner}: the heads must tile intermediate_size and the groups "
+               f"divide the heads")
+    if conv_dim != inner + 2 * groups * d_state:
+        refuse(f"conv_dim={conv_dim} is not intermediate_size + 2 * n_groups * ssm_state_size "
+               f"({inner + 2 * groups * d_state})")
+    weight = getattr(conv, "weight", None)
+    if not isinstance(conv, torch.nn.Conv1d) or weight is None:
+        refuse("no Conv1d conv1d")
+    k = int(weight.shape[-1])
+    if k < 2 or k != taps:
+        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}): the cache serves kernels of "
+               f">= 2 taps equal to conv_kernel_size")
+    if (tuple(weight.shape) != (conv_dim, 1, k) or conv.groups != conv_dim
+            or tuple(conv.stride) != (1,) or tuple(conv.dilation) != (1,)):
+        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride="
+               f"{tuple(conv.stride)}, dilation={tuple(conv.dilation)}: not a depthwise causal "
+               f"convolution over conv_dim={conv_dim} channels")
+    if (not isinstance(in_proj, torch.nn.Linear) or in_proj.in_features != hidden
+            or in_proj.out_features != inner + conv_dim + heads):
+        refuse(f"in_proj must be a Linear {hidden} -> {inner + conv_dim + heads} (gate, x B C, "
+               f"dt), got {in_proj!r:.80}")
+    if not isinstance(out_proj, torch.nn.Linear) or out_proj.in_features != inner:
+        refuse(f"out_proj must be a Linear from {inner}, got {out_proj!r:.80}")
+    if any(tuple(p.shape) != (heads,) for p in params):
+        refuse(f"A_log, D, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({heads},)")
+    if activation not in ("silu", "swish"):
+        refuse(f"activation {activation!r}: the cache's mixer applies SiLU after the conv")
+    if limit is None or tuple(float(v) for v in limit) != (0.0, float("inf")):
+        # transformers clamps dt in its chunked form but not in its recurrent step: a limit
+        # would make the token a prefill chunk ends on depend on where the chunk ends
+        refuse(f"time_step_limit={limit!r}: the cache serves (0.0, inf) only")
+    if chunk < 1:
+        refuse(f"chunk_size={chunk}")
+    # the gated norm runs as the model's own module (per token): its class and size are checked,
+    # not its grouping (releases differ; whatever it computes, generate computes too)
+    if (not type(norm).__name__.endswith("RMSNormGated")
+            or tuple(getattr(getattr(norm, "weight", None), "shape", ())) != (inner,)):
+        refuse(f"norm {type(norm).__name__}: the cache runs the mixer's gated RMS norm "
+               f"(a *RMSNormGated of weight ({inner},)) only")
+    for part in (m, conv):
+        if getattr(part, "_hf_hook", None) is not None:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} has accelerate hooks (device_map offloading): the "
+                f"cache's mixer reads the weights where they are; load the model whole on one "
+                f"device")
+
+
+def state_modules(model) -> dict:
+    """``{layer: (path, module)}``: the modules whose state the cache keeps for ``model``, by
+    decoder layer: LFM2's short convolutions (``conv_layers``) or a Bamba-family model's
+    Mamba-2 mixers (``mamba_layers``); empty for any other family. Raises
+    ``UnsupportedFeatureError`` for what about a served family is not understood."""
+    return conv_layers(model) or mamba_layers(model)
+
+
 def state_kinds(model) -> dict:
-    """``{layer: kvcache.State({"conv": (hidden_size, conv_L_cache - 1)})}`` for the short
-    convolutions of an LFM2-family ``model`` (``conv_layers``: raises
-    ``UnsupportedFeatureError`` for what is not understood); empty for other families. The
-    ``CacheConfig.layer_kinds`` entries a cache for the model must have, beside any window
-    groups: the model cannot run on the cache without them."""
+    """The ``CacheConfig.layer_kinds`` entries of ``model``'s state layers, beside any window
+    groups (the model cannot run on the cache without them); empty for families without
+    served state layers. LFM2's short convolutions (``conv_layers``):
+    ``State({"conv": (hidden_size, conv_L_cache - 1)})``; a Bamba-family Mamba-2 mixer
+    (``mamba_layers``): ``State({"conv": (conv_dim, conv_kernel_size - 1), "ssm": (num_heads,
+    head_dim, ssm_state_size)})``, the conv's last inputs channels first (oldest first) and the
+    SSM state as the model keeps it. Raises ``UnsupportedFeatureError`` for what is not
+    understood."""
     from ...config import State
     layers = conv_layers(model)
-    if not layers:
-        return {}
-    hidden, taps = int(model.config.hidden_size), int(model.config.conv_L_cache)
-    return {i: State({CONV_STATE: (hidden, taps - 1)}) for i in layers}
+    if layers:
+        hidden, taps = int(model.config.hidden_size), int(model.config.conv_L_cache)
+        return {i: State({CONV_STATE: (hidden, taps - 1)}) for i in layers}
+    return {i: State({CONV_STATE: (int(m.conv_dim), int(m.conv_kernel_size) - 1),
+                      SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))})
+            for i, (_, m) in mamba_layers(model).items()}
 
 
 def route_state_layers(model) -> list:
-    """Route the short convolutions of ``model`` (``conv_layers``) through the cache: each
-    conv module's forward, called with ``kvcache=cache`` (the keyword the ``"kvcache"``
-    attention reads, passed down by the decoder layers), runs ``conv_forward`` on the cache's
-    state slots; called without it (transformers' own ``generate``, a plain forward) it is
-    transformers' own, unchanged. Idempotent (a module is wrapped once). Returns the layers
+    """Route the state modules of ``model`` (``state_modules``: LFM2's short convolutions,
+    Bamba-family Mamba-2 mixers) through the cache: each module's forward, called with
+    ``kvcache=cache`` (the keyword the ``"kvcache"`` attention reads, passed down by the decoder
+    layers) or inside ``serving(cache)``, runs ``conv_forward`` / ``mamba_forward`` on the
+    cache's state slots; called without it (transformers' own ``generate``, a plain forward) it
+    is transformers' own, unchanged. Idempotent (a module is wrapped once). Returns the layers
     routed ([] for a family without state layers). ``cache_config`` and
     ``TransformersAdapter`` call it."""
-    layers = conv_layers(model)
+    layers = state_modules(model)
+    run = mamba_forward if _family(model) in _MAMBA_CLASSES else conv_forward
     for _, (_, module) in layers.items():
         if module in _ROUTED:
             continue
         original = module.forward
+        names = _positional_names(original)
 
         @functools.wraps(original)
-        def forward(*args, _module=module, _original=original, **kwargs):
+        def forward(*args, _module=module, _original=original, _names=names, **kwargs):
             cache = kwargs.get("kvcache")
             if cache is None:
                 cache = _SERVING.get()
             if cache is None:
                 return _original(*args, **kwargs)
-            return _routed_call(_module, cache, args, kwargs)
+            return _routed_call(_module, cache, args, kwargs, _names, run)
 
         module.forward = forward
         _ROUTED.add(module)
@@ -196,35 +359,52 @@ def route_state_layers(model) -> list:
 
 
 # keywords a decoder layer passes its conv that change nothing the cache computes: positions
-# are the cache's, use_cache / output flags belong to other modules, ``kvcache`` is the cache
+# are the cache's, use_cache / output flags (router logits too) belong to other modules,
+# ``kvcache`` is the cache
 _IGNORED = frozenset(("kvcache", "position_ids", "use_cache", "output_attentions",
                       "output_hidden_states", "cache_position", "logits_to_keep",
-                      "return_dict"))
+                      "return_dict", "output_router_logits"))
 
 
-def _routed_call(module, cache, args: tuple, kwargs: dict):
-    """The conv module's call with ``kvcache=cache``: its arguments checked (transformers'
-    ``(hidden_states, cache=None, attention_mask=None, **kwargs)``), then ``conv_forward``."""
+_NAMES = ("hidden_states", "cache", "attention_mask")
+# the keywords transformers' releases give a state module its own cache by
+_OWN_CACHE = ("cache", "cache_params", "past_key_values")
+
+
+def _positional_names(forward) -> tuple:
+    """The names of ``forward``'s positional parameters, read off its signature (transformers'
+    releases order a mixer's parameters differently); ``_NAMES`` where it has none to read."""
+    import inspect
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return _NAMES
+    names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return names if names and names[0] == "hidden_states" else _NAMES
+
+
+def _routed_call(module, cache, args: tuple, kwargs: dict, names: tuple = _NAMES,
+                 run=None):
+    """A state module's call with ``kvcache=cache``: its arguments checked (transformers'
+    ``(hidden_states, cache=None, attention_mask=None, **kwargs)``; ``names`` its positional
+    parameters), then ``run`` (``conv_forward`` or ``mamba_forward``)."""
     layer = module.layer_idx
     kw = dict(kwargs)
-    names = ("hidden_states", "cache", "attention_mask")
     if len(args) > len(names):
         raise UnsupportedFeatureError(
             f"layer {layer} ({type(module).__name__}) was called with {len(args)} positional "
-            f"arguments; its convolution on the cache takes (hidden_states, cache, "
-            f"attention_mask)")
+            f"arguments; its forward on the cache takes ({', '.join(names)})")
     for name, value in zip(names, args):
         kw[name] = value
     hidden_states = kw.pop("hidden_states", None)
     if hidden_states is None:
         raise InvalidArgumentError(f"layer {layer} ({type(module).__name__}) got no hidden_states")
-    own = kw.pop("cache", None)
-    if own is None:
-        own = kw.pop("past_key_values", None)
-    if own is not None:
-        raise UnsupportedFeatureError(
-            f"layer {layer} ({type(module).__name__}) got transformers' own cache "
-            f"({type(own).__name__}) beside kvcache=...: call the model with use_cache=False")
+    for key in _OWN_CACHE:
+        own = kw.pop(key, None)
+        if own is not None:
+            raise UnsupportedFeatureError(
+                f"layer {layer} ({type(module).__name__}) got transformers' own cache "
+                f"({type(own).__name__}) beside kvcache=...: call the model with use_cache=False")
     mask = kw.pop("attention_mask", None)
     if mask is not None and not bool(torch.all(mask == 1)):
         raise UnsupportedFeatureError(
@@ -234,8 +414,8 @@ def _routed_call(module, cache, args: tuple, kwargs: dict):
         if value is not None and name not in _IGNORED:
             raise UnsupportedFeatureError(
                 f"layer {layer} ({type(module).__name__}) was passed {name}=... ; its "
-                f"convolution on the cache does not implement {name!r}")
-    return conv_forward(module, cache, hidden_states)
+                f"forward on the cache does not implement {name!r}")
+    return (run or conv_forward)(module, cache, hidden_states)
 
 
 @functools.lru_cache(maxsize=64)
@@ -336,3 +516,217 @@ def conv_forward(module, cache, hidden_states):
         cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, kept))
     y = (c[0] * y).transpose(0, 1).unsqueeze(0).contiguous()      # (1, T, H)
     return module.out_proj(y)
+
+
+def _open_forward(module, cache, hidden_states, what: str) -> tuple:
+    """``(plan, lengths)`` of ``cache``'s open forward for a state module's call, checked:
+    a forward is open, not a static-shape step, and ``hidden_states`` is its packed row."""
+    layer = module.layer_idx
+    plan = cache.open_plan
+    if plan is None:
+        cache.get_state(layer, CONV_STATE)          # raises ForwardStateError: no forward
+    if cache.static_bucket is not None:
+        raise UnsupportedFeatureError(
+            f"layer {layer}: a static-shape (captured) step cannot run {what} on the cache; "
+            f"graphs are off for models with state layers")
+    lengths = tuple(int(n) for n in plan.append_lengths)
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 \
+            or hidden_states.shape[1] != sum(lengths):
+        raise InvalidArgumentError(
+            f"layer {layer}: hidden_states {tuple(hidden_states.shape)} is not the forward's "
+            f"packed row (1, {sum(lengths)}, hidden) of sequences {plan.seq_ids}")
+    return plan, lengths
+
+
+def _ssm_step(m, state, x, dt, A, B, C):
+    """The mixer's recurrent form for one token of each of ``N`` sequences, in the order of
+    transformers' own decode step (so float32 tokens match it): ``state`` (N, heads, head_dim,
+    d_state) float32, ``x`` (N, heads, head_dim), ``dt`` (N, heads), ``B``/``C`` (N, groups,
+    d_state). Returns ``(y (N, heads, head_dim) in x's dtype, new state float32)``."""
+    n, heads, hd = x.shape
+    groups, ds = B.shape[1], B.shape[2]
+    dt = dt[:, :, None].expand(-1, -1, hd)
+    dt = dt + m.dt_bias[:, None].expand(-1, hd).to(dt.dtype)
+    dt = torch.nn.functional.softplus(dt)[..., None]
+    dA = torch.exp(dt.float() * A[:, None, None].expand(-1, hd, ds).float())
+    B = B.reshape(n, groups, 1, ds).expand(n, groups, heads // groups, ds).contiguous()
+    dBx = dt * B.reshape(n, heads, 1, ds) * x[..., None]
+    new = state * dA + dBx
+    C = C.reshape(n, groups, 1, ds).expand(n, groups, heads // groups, ds).contiguous()
+    C = C.reshape(n, heads, ds)
+    y = torch.bmm(new.to(C.dtype).view(n * heads, hd, ds), C.view(n * heads, ds, 1))
+    y = y.view(n, heads, hd)
+    y = (y + x * m.D[:, None].expand(-1, hd)).to(y.dtype)
+    return y.to(x.dtype), new.float()
+
+
+def _segsum(a):
+    """Segment sums over the last dim (``a[..., i] + ... + a[..., j+1]`` below the diagonal,
+    0 on it, -inf above), by masked cumulative sums as the model computes them."""
+    k = a.size(-1)
+    a = a[..., None].expand(*a.size(), k)
+    below = torch.tril(torch.ones(k, k, device=a.device, dtype=torch.bool), diagonal=-1)
+    s = torch.cumsum(a.masked_fill(~below, 0), dim=-2)
+    keep = torch.tril(torch.ones(k, k, device=a.device, dtype=torch.bool), diagonal=0)
+    return s.masked_fill(~keep, -torch.inf)
+
+
+def _chunks(t, pad: int, size: int):
+    """``t`` (1, L, ...) padded with zeros to a multiple of ``size`` tokens, as (1, chunks,
+    size, ...)."""
+    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    return t.reshape(t.shape[0], -1, size, *t.shape[2:])
+
+
+def _ssm_chunked(m, state, x, dt, A, B, C, at: tuple = ()):
+    """The mixer's chunked (segment-sum) form over the ``L`` tokens of one sequence starting
+    from ``state`` (1, heads, head_dim, d_state) float32 (zeros: a new sequence), in the order
+    of transformers' own prefill: ``x`` (1, L, heads, head_dim), ``dt`` (1, L, heads),
+    ``B``/``C`` (1, L, groups, d_state). A chunk continuing a sequence gives what one prefill
+    over the whole prompt gives (the scan's chunks restart from the carried state). Returns
+    ``(y (1, L, heads, head_dim) float32, final state (1, heads, head_dim, d_state) float32,
+    states)``, ``states`` the list of the states (heads, head_dim, d_state) float32 after the
+    first ``r`` tokens for each ``r`` of ``at`` (``0 < r < L``: the prefix cache's
+    checkpoints inside the chunk, ``_inner_state``)."""
+    length, heads = x.shape[1], x.shape[2]
+    groups, size = B.shape[2], int(m.chunk_size)
+    lo, hi = m.time_step_limit
+    dt = torch.nn.functional.softplus(dt + m.dt_bias.to(dt.dtype))
+    dt = torch.clamp(dt, min=lo, max=hi)
+    x = x.float()
+    B = B.float().repeat_interleave(heads // groups, dim=2, output_size=heads)
+    C = C.float().repeat_interleave(heads // groups, dim=2, output_size=heads)
+    pad = (size - length % size) % size
+    skip = m.D[..., None] * torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+    x = x * dt[..., None].float()
+    A = A.to(x.dtype) * dt.float()
+    x, A, B, C = (_chunks(t, pad, size) for t in (x, A, B, C))
+    A = A.permute(0, 3, 1, 2)
+    A_cumsum = torch.cumsum(A, dim=-1)
+    L = torch.exp(_segsum(A))
+    G = torch.einsum("bclhn,bcshn->bclsh", C, B)
+    M = G * L.permute(0, 2, 3, 4, 1)
+    y_diag = torch.einsum("bclsh,bcshp->bclhp", M, x)
+    decay = torch.exp(A_cumsum[:, :, :, -1:] - A_cumsum)
+    B_decay = B * decay.permute(0, -2, -1, 1)[..., None]
+    states = torch.einsum("bclhn,bclhp->bchpn", B_decay, x)
+    states = torch.cat([state[:, None].to(dtype=states.dtype), states], dim=1)
+    decay_chunk = torch.exp(_segsum(torch.nn.functional.pad(A_cumsum[:, :, :, -1], (1, 0))))
+    new = torch.einsum("bzch,bzhpn->bchpn", decay_chunk.transpose(1, 3), states)
+    states, final = new[:, :-1], new[:, -1]
+    C_states = torch.einsum("bclhn,bchpn->bclhp", C, states)
+    y_off = C_states * torch.exp(A_cumsum).permute(0, 2, 3, 1)[..., None]
+    y = (y_diag + y_off).contiguous().reshape(1, -1, heads, x.shape[-1]) + skip
+    inner = [_inner_state(new, A_cumsum, B, x, r, size) for r in at]
+    return y[:, :length], final, inner
+
+
+def _inner_state(new, A_cumsum, B, x, r: int, size: int):
+    """The SSM state after the first ``r`` tokens of a chunked scan (``_ssm_chunked``'s
+    tensors: ``new`` (1, chunks + 1, heads, head_dim, d_state) the states before each chunk,
+    ``A_cumsum`` (1, heads, chunks, size), ``B`` (1, chunks, size, heads, d_state), ``x``
+    (1, chunks, size, heads, head_dim) scaled by dt): the state before its chunk decayed to
+    token ``r - 1``, plus the chunk's tokens before ``r``, each decayed from its own step.
+    The same sums the scan's next chunk starts from, in another order: a checkpoint, equal to
+    the scan's own state up to rounding."""
+    c, o = divmod(r, size)
+    if o == 0:
+        return new[0, c]
+    last = A_cumsum[0, :, c, o - 1]                                       # (heads,)
+    decay = torch.exp(last[None, :] - A_cumsum[0, :, c, :o].transpose(0, 1))   # (o, heads)
+    tokens = torch.einsum("jh,jhn,jhp->hpn", decay, B[0, c, :o], x[0, c, :o])
+    return new[0, c] * torch.exp(last)[:, None, None] + tokens
+
+
+def mamba_forward(module, cache, hidden_states):
+    """A Bamba-family Mamba-2 mixer over the open forward of ``cache``, per sequence.
+
+    ``module``: the layer's mixer (``mamba_layers``); ``hidden_states`` (1, T, hidden): the T
+    new tokens of the forward's sequences packed in ``begin_forward`` order (prefill chunks
+    and decode tokens alike). The projections and the gated norm run on the packed row; the
+    causal depthwise conv (``conv_kernel_size`` taps, then SiLU) over one block per sequence
+    that starts with its conv state (``cache.get_state(layer, "conv")``, (B, conv_dim,
+    conv_kernel_size - 1): zeros for a new sequence), as ``conv_forward`` does; the SSM per
+    sequence from its state (``"ssm"``, (B, heads, head_dim, d_state)): one token of a sequence
+    with a past in the recurrent form (all such tokens at once), anything else (a new
+    sequence, a prefill chunk) in the chunked form, as transformers' decode step and prefill
+    compute them. The new states are written with ``cache.set_state`` (committed at
+    ``end_forward``). Returns the mixer's output (1, T, hidden) in ``hidden_states``' dtype.
+    Raises ``InvalidArgumentError`` when ``hidden_states`` is not the open forward's packed
+    row."""
+    layer = module.layer_idx
+    plan, lengths = _open_forward(module, cache, hidden_states, "a Mamba mixer")
+    past = np.asarray(plan.tokens.k_rope_offset)[:len(lengths)]   # committed lengths
+    dtype, device = hidden_states.dtype, hidden_states.device
+    inner, conv_dim, heads = module.intermediate_size, module.conv_dim, module.num_heads
+    hd, groups, ds = module.head_dim, module.n_groups, module.ssm_state_size
+    gate, xbc, dt = module.in_proj(hidden_states).split([inner, conv_dim, heads], dim=-1)
+    # the conv: one block per sequence (its state's columns, then its tokens), as conv_forward
+    conv = module.conv1d
+    weight = conv.weight                                          # (conv_dim, 1, K)
+    k1, s = int(weight.shape[-1]) - 1, len(lengths)
+    states = _state_to_torch(cache, cache.get_state(layer, CONV_STATE), device, dtype)
+    order, out, keep = (torch.from_numpy(a).to(device) for a in _indices(lengths, k1))
+    src = torch.cat([states.permute(1, 0, 2).reshape(conv_dim, s * k1), xbc[0].t()], dim=1)
+    laid = src.index_select(1, order)
+    y = torch.nn.functional.conv1d(laid.unsqueeze(0).to(weight.dtype), weight, conv.bias,
+                                   groups=conv_dim)[0]
+    y = torch.nn.functional.silu(y.index_select(1, out)).to(dtype).t()   # (T, conv_dim)
+    new_conv = laid.index_select(1, keep).view(conv_dim, s, k1).permute(1, 0, 2)
+    x, B, C = y.split([inner, groups * ds, groups * ds], dim=-1)
+    A = -torch.exp(module.A_log.float())
+    ssm = _state_to_torch(cache, cache.get_state(layer, SSM_STATE), device, torch.float32)
+    scan = torch.empty(len(y), heads, hd, dtype=torch.float32, device=device)
+    new_ssm = torch.empty_like(ssm)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
+    if step:
+        rows = torch.from_numpy(starts[step]).to(device)
+        seqs = torch.as_tensor(step, device=device)
+        ys, st = _ssm_step(module, ssm.index_select(0, seqs),
+                           x.index_select(0, rows).view(len(step), heads, hd),
+                           dt[0].index_select(0, rows), A,
+                           B.index_select(0, rows).view(len(step), groups, ds),
+                           C.index_select(0, rows).view(len(step), groups, ds))
+        scan[rows] = ys.float()
+        new_ssm[seqs] = st
+    chosen = set(step)
+    marks = cache.state_checkpoints()      # the prefix cache's boundaries inside the chunks
+    wanted: dict = {}
+    for row, n in marks:
+        wanted.setdefault(row, []).append(n)
+    kept: dict = {}
+    for i in range(s):
+        if i in chosen or lengths[i] == 0:
+            if lengths[i] == 0:
+                new_ssm[i] = ssm[i]
+            continue
+        a, n = int(starts[i]), lengths[i]
+        ys, st, at = _ssm_chunked(module, ssm[i:i + 1], x[a:a + n].view(1, n, heads, hd),
+                                  dt[:, a:a + n], A, B[a:a + n].view(1, n, groups, ds),
+                                  C[a:a + n].view(1, n, groups, ds), tuple(wanted.get(i, ())))
+        scan[a:a + n] = ys[0]
+        new_ssm[i] = st[0]
+        kept.update(((i, r), state) for r, state in zip(wanted.get(i, ()), at))
+    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv))
+    cache.set_state(layer, SSM_STATE, _state_to_cache(cache, new_ssm))
+    if marks:
+        cols = torch.from_numpy(_checkpoint_columns(lengths, k1, marks)).to(device)
+        conv_at = laid.index_select(1, cols).view(conv_dim, len(marks), k1).permute(1, 0, 2)
+        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at))
+        cache.set_state_checkpoints(layer, SSM_STATE, _state_to_cache(
+            cache, torch.stack([kept[w] for w in marks])))
+    flat = scan.view(1, -1, inner)
+    if not step:
+        out = module.norm(flat, gate).to(dtype)
+    else:
+        # transformers' decode step hands the norm its output in the model dtype, its prefill
+        # in float32: the norm rounds where its input's dtype says (bfloat16 differs)
+        is_step = torch.zeros(len(y), dtype=torch.bool, device=device)
+        is_step[rows] = True
+        out = torch.empty(1, len(y), inner, dtype=dtype, device=device)
+        out[:, is_step] = module.norm(flat[:, is_step].to(dtype), gate[:, is_step]).to(dtype)
+        if len(step) < len(y):
+            rest = ~is_step
+            out[:, rest] = module.norm(flat[:, rest], gate[:, rest]).to(dtype)
+    return module.out_proj(out)

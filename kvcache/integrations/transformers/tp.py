@@ -289,7 +289,7 @@ class TensorParallelAdapter(TransformersAdapter):
         if self.states:
             raise UnsupportedFeatureError(
                 f"tensor parallelism with the {self.family} model's state layers "
-                f"{sorted(self.states)} (short convolutions): their channels are not split "
+                f"{sorted(self.states)} (recurrent state): their channels are not split "
                 f"over ranks yet; run it on one device (tp=None)")
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise InvalidArgumentError(f"tp={tp!r} must be an integer >= 1")

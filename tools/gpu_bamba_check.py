@@ -1,0 +1,109 @@
+"""Bamba (Mamba-2 mixers on state slots, issue 56, docs/hybrid.md increment 7) on a GPU: a
+random-weight Bamba (mamba and attention layers) served by the Engine on the cuda backend,
+greedy, against transformers' own ``generate`` on the same model, in bfloat16 then float32.
+
+In bfloat16 a request whose tokens differ is judged by a teacher-forced re-score
+(``kvcache.demo.check.rescore_greedy``: every token the argmax or within the bfloat16 near-tie
+margin), and the report says how many parted that way: the cache keeps the SSM state in the
+cache dtype (bfloat16) where transformers keeps it in float32, so near-ties may part. In
+float32 the tokens must be equal, unless transformers runs the mixer with the ``mamba_ssm`` /
+``causal_conv1d`` kernels here (other summation orders than its PyTorch path, which the cache
+follows): then differing requests are judged by the re-score at float32's margin and counted.
+
+    python tools/gpu_bamba_check.py [--family bamba|granitemoehybrid] [--layers 8]
+        [--hidden 512] [--requests 12] [--new 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import numpy as np
+import torch
+import transformers
+
+from kvcache.demo.check import rescore_greedy
+from kvcache.integrations.transformers import Engine, state_kinds
+
+
+def model_of(family: str, layers: int, hidden: int, dtype, seed: int = 0):
+    """A random ``family`` model on the GPU: every third layer attention, the others Mamba-2
+    mixers (16 heads of ``2 * hidden / 16``, 2 groups, a state of 64, a conv of 4 taps, SSM
+    chunks of 64 tokens), ``dt_bias`` and ``D`` drawn."""
+    attn = [i for i in range(layers) if i % 3 == 1]
+    kw = dict(vocab_size=1024, num_hidden_layers=layers, hidden_size=hidden,
+              intermediate_size=2 * hidden, num_attention_heads=8, num_key_value_heads=4,
+              mamba_n_heads=16, mamba_d_head=2 * hidden // 16, mamba_d_state=64,
+              mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=64, pad_token_id=0,
+              bos_token_id=None, eos_token_id=None, initializer_range=0.05,
+              tie_word_embeddings=False, max_position_embeddings=4096)
+    if family == "bamba":
+        kw["attn_layer_indices"] = attn
+    else:
+        kw.update(layer_types=["attention" if i in attn else "mamba" for i in range(layers)],
+                  shared_intermediate_size=2 * hidden, num_local_experts=0)
+    config = transformers.AutoConfig.for_model(family, **kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log"):
+                m.dt_bias.normal_(0.0, 1.0)
+                m.D.normal_(0.0, 1.0)
+    return model.to("cuda", dtype).eval()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--family", choices=("bamba", "granitemoehybrid"), default="bamba")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--new", type=int, default=24)
+    a = p.parse_args()
+    kernels = [k for k in ("mamba_ssm", "causal_conv1d") if importlib.util.find_spec(k)]
+    print(f"transformers {transformers.__version__}; its mixer kernels here: "
+          f"{', '.join(kernels) or 'none (its PyTorch path)'}")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 1024, int(n)).tolist() for n in rng.integers(3, 300, a.requests)]
+    bad = 0
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        model = model_of(a.family, a.layers, a.hidden, dtype)
+        engine = Engine(model, backend="cuda", device="cuda", max_batch_size=8,
+                        prefill_chunk_size=128)
+        out = [o[0] for o in engine.generate(prompts, max_new_tokens=a.new, ignore_eos=True)]
+        same, ties, parted = 0, 0, 0
+        for prompt, got in zip(prompts, out):
+            with torch.no_grad():
+                want = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
+                                      max_new_tokens=a.new,
+                                      min_new_tokens=a.new)[0, len(prompt):].tolist()
+            if got == want:
+                same += 1
+                continue
+            if name == "float32" and not kernels:
+                print(f"  float32: a request's tokens differ from generate's: {got} vs {want}")
+                bad += 1
+                continue
+            n, problem = rescore_greedy(model, prompt, got, name)
+            if problem is not None:
+                print(f"  {name}: a request's tokens fail the re-score: {problem}")
+                bad += 1
+            else:
+                parted += 1
+                ties += n
+        print(f"{a.family} {a.layers} layers ({len(state_kinds(model))} mamba), hidden "
+              f"{a.hidden}, {name} on the GPU: {same}/{len(prompts)} requests token-identical "
+              f"to transformers' generate"
+              + (f", {parted} parted at near-ties only ({ties} tokens, teacher-forced re-score)"
+                 if parted else "") + f"; graphs {bool(engine.graphs)}; "
+              f"{engine.state_layers_off}")
+        del engine, model
+        torch.cuda.empty_cache()
+    print("OK" if not bad else f"FAILED ({bad})")
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
