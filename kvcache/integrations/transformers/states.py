@@ -25,6 +25,7 @@ import numpy as np
 from ...arrays import to_numpy
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
+from ..conv_states import conv_indices as _indices
 
 torch = require("torch", "transformers")
 
@@ -236,29 +237,6 @@ def _routed_call(module, cache, args: tuple, kwargs: dict):
                 f"layer {layer} ({type(module).__name__}) was passed {name}=... ; its "
                 f"convolution on the cache does not implement {name!r}")
     return conv_forward(module, cache, hidden_states)
-
-
-@functools.lru_cache(maxsize=64)
-def _indices(lengths: tuple, k1: int) -> tuple:
-    """Host index arrays of one forward's conv (``conv_forward``), for the sequences'
-    ``lengths`` (their new tokens, in forward order) and ``k1`` state columns: ``(order (S*k1 +
-    T,), out (T,), keep (S*k1,))``. ``order`` lays the sources (the S states' columns, then
-    the T new columns) out as one block per sequence, its state then its tokens; ``out`` picks
-    each token's output of the convolution over that layout (the window that ends at the
-    token and starts in its own block); ``keep`` the last ``k1`` columns of each block, the
-    sequence's new state."""
-    lens = np.asarray(lengths, np.int64)
-    s, t = len(lens), int(lens.sum())
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])         # first token of each sequence
-    block = np.arange(s) * k1 + starts                            # where each block begins
-    seq_of = np.repeat(np.arange(s), lens)                        # each token's sequence
-    order = np.empty(s * k1 + t, np.int64)
-    cols = np.arange(k1)
-    order[(block[:, None] + cols).ravel()] = np.arange(s * k1)    # the states' columns
-    order[np.arange(t) + (seq_of + 1) * k1] = s * k1 + np.arange(t)
-    out = np.arange(t) + seq_of * k1
-    keep = (block + lens)[:, None] + cols
-    return order, out, keep.ravel()
 
 
 def _state_to_torch(cache, state, device, dtype):
