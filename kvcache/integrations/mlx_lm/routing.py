@@ -72,8 +72,9 @@ def layer_caches(model, cache, positions=None) -> list:
     attention to ``cache``'s open forward. Call the model with the forward's T tokens as T
     batch rows: ``model(tokens.reshape(-1, 1), cache=layer_caches(model, cache))``; logits come
     back ``(T, 1, vocab)``. ``positions``: each token's position (None: the cache's
-    ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``).
-    A model that computes attention itself (``describe(model).own_attention``) needs one call
+    ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``);
+    LFM2's short convolutions read and write their states on the cache (``state_kinds``: the
+    cache must have them, as ``cache_config(model)`` gives). A model that computes attention itself (``describe(model).own_attention``) needs one call
     per sequence: it is refused here (``MlxLmAdapter(model).forward`` runs it)."""
     if cache.config.rope_mode != "none":
         raise InvalidArgumentError(
@@ -88,7 +89,7 @@ def layer_caches(model, cache, positions=None) -> list:
     windows = sliding_windows(model)
     route(model)
     slots = len(_mlx_caches(model))
-    forward = _Forward(model, windows, slots, states=state_kinds(model))
+    forward = _Forward(model, windows, slots, states=_described(model).states)
     forward.begin(cache, to_numpy(cache.query_positions()) if positions is None else positions)
     return [LayerCache(i, forward) for i in range(slots)]
 
