@@ -190,6 +190,20 @@ def test_lfm2_moe_greedy_equals_mlx_lm():
     assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
 
 
+def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch):
+    """One state slot per batch row and ``n = 5`` samples of two prompts with 3 rows: the
+    samples' prefixes and samples need more slots than the cache has; the forwards wait for
+    slots and the tokens are mlx-lm's."""
+    import kvcache.integrations.engine as engine_module
+    monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
+    model, prompts, want = _case()
+    engine = _engine(model, max_batch_size=3)
+    assert engine.config.num_state_slots == 3
+    out = engine.generate(prompts[3:], SamplingParams(max_tokens=NEW, n=5))
+    assert out == [[want[3]] * 5, [want[4]] * 5]
+    assert engine.stats.forks >= 8 and engine.cache.num_available_state_slots == 3
+
+
 def test_what_does_not_compose_is_refused_by_name(tmp_path):
     model, _, _ = _case()
     for bad in ("offload", "deterministic"):
