@@ -71,8 +71,8 @@ For a loop of your own: ``layer_caches(model, cache)`` inside ``cache.forward(..
 list to pass as ``model(tokens[:, None], cache=...)``. The cache uses ``rope_mode="none"``.
 
 The package's modules: ``model`` (what is read off a model, ``ModelDescription``),
-``protocol`` (``LayerCache``), ``states`` (LFM2's short convolutions), ``routing`` (``route``, ``layer_caches``, ``describe``,
-``cache_config``) and ``adapter`` (``MlxLmAdapter``); this module checks the requirements,
+``protocol`` (``LayerCache``), ``states`` (LFM2's short convolutions), ``routing``
+(``route``, ``layer_caches``, ``describe``, ``cache_config``) and ``adapter`` (``MlxLmAdapter``); this module checks the requirements,
 holds ``Engine`` and re-exports their names.
 """
 

@@ -74,8 +74,9 @@ def layer_caches(model, cache, positions=None) -> list:
     back ``(T, 1, vocab)``. ``positions``: each token's position (None: the cache's
     ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``);
     LFM2's short convolutions read and write their states on the cache (``state_kinds``: the
-    cache must have them, as ``cache_config(model)`` gives). A model that computes attention itself (``describe(model).own_attention``) needs one call
-    per sequence: it is refused here (``MlxLmAdapter(model).forward`` runs it)."""
+    cache must have them, as ``cache_config(model)`` gives). A model that computes attention
+    itself (``describe(model).own_attention``) needs one call per sequence: it is refused here
+    (``MlxLmAdapter(model).forward`` runs it)."""
     if cache.config.rope_mode != "none":
         raise InvalidArgumentError(
             f"the cache has rope_mode={cache.config.rope_mode!r}, but an mlx-lm model applies "
