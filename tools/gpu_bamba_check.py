@@ -10,8 +10,12 @@ float32 the tokens must be equal, unless transformers runs the mixer with the ``
 ``causal_conv1d`` kernels here (other summation orders than its PyTorch path, which the cache
 follows): then differing requests are judged by the re-score at float32's margin and counted.
 
+Half the prompts share a 200-token system prompt and come in a second call, with a state
+checkpoint every ``--interval`` pages, so that they hit the prefix cache through the
+checkpoints (docs/hybrid.md increment 8); the hit and miss tokens are printed.
+
     python tools/gpu_bamba_check.py [--family bamba|granitemoehybrid] [--layers 8]
-        [--hidden 512] [--requests 12] [--new 24]
+        [--hidden 512] [--requests 12] [--new 24] [--interval 4]
 """
 
 from __future__ import annotations
@@ -61,18 +65,25 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--new", type=int, default=24)
+    p.add_argument("--interval", type=int, default=4)
     a = p.parse_args()
     kernels = [k for k in ("mamba_ssm", "causal_conv1d") if importlib.util.find_spec(k)]
     print(f"transformers {transformers.__version__}; its mixer kernels here: "
           f"{', '.join(kernels) or 'none (its PyTorch path)'}")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 1024, int(n)).tolist() for n in rng.integers(3, 300, a.requests)]
+    system = rng.integers(1, 1024, 200).tolist()
+    half = a.requests // 2
+    prompts = prompts[:half] + [system + p[:40] for p in prompts[half:]]
     bad = 0
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         model = model_of(a.family, a.layers, a.hidden, dtype)
         engine = Engine(model, backend="cuda", device="cuda", max_batch_size=8,
-                        prefill_chunk_size=128)
-        out = [o[0] for o in engine.generate(prompts, max_new_tokens=a.new, ignore_eos=True)]
+                        prefill_chunk_size=128, state_checkpoint_interval=a.interval)
+        out = [o[0] for o in engine.generate(prompts[:half + 1], max_new_tokens=a.new,
+                                             ignore_eos=True)]
+        out += [o[0] for o in engine.generate(prompts[half + 1:], max_new_tokens=a.new,
+                                              ignore_eos=True)]
         same, ties, parted = 0, 0, 0
         for prompt, got in zip(prompts, out):
             with torch.no_grad():
@@ -98,7 +109,8 @@ def main() -> None:
               f"to transformers' generate"
               + (f", {parted} parted at near-ties only ({ties} tokens, teacher-forced re-score)"
                  if parted else "") + f"; graphs {bool(engine.graphs)}; "
-              f"{engine.state_layers_off}")
+              f"{engine.state_layers_off}; prefix cache: {engine.stats.prefix_hit_tokens} "
+              f"tokens hit, misses {engine.stats.prefix_miss_tokens_by_reason}")
         del engine, model
         torch.cuda.empty_cache()
     print("OK" if not bad else f"FAILED ({bad})")

@@ -56,15 +56,23 @@ recording layer caches: each layer must call ``update_and_fetch`` once, and eith
 and no mask array (the cache's kernels attend), or attend itself (own-attention mode). The
 probe also reads the cache configuration off the calls (query and KV heads, q/k and value
 head dims, dtype, sinks). Refused, with the reason: a layer that never uses its cache
-object, recurrent or chunked caches, layers of different head shapes, sinks on a backend
+object, recurrent or chunked caches (LFM2's
+short convolutions excepted), layers of different head shapes, sinks on a backend
 without ``attention_sinks``.
+
+* **State layers.** LFM2's short convolutions (``lfm2``, ``lfm2_moe``: their
+  ``ArraysCache`` layers in ``make_cache()``) run on the cache's state slots
+  (``State({"conv": (conv_L_cache - 1, hidden)})``, ``state_kinds``): the conv class's call
+  with a ``LayerCache`` convolves each sequence's tokens after its own state
+  (``kvcache.integrations.mlx_lm.states``). Every other recurrent cache (``ArraysCache``,
+  ``MambaCache`` of Mamba, Qwen3-Next, Falcon-H1, ...) is refused naming the family.
 
 For a loop of your own: ``layer_caches(model, cache)`` inside ``cache.forward(...)`` gives the
 list to pass as ``model(tokens[:, None], cache=...)``. The cache uses ``rope_mode="none"``.
 
 The package's modules: ``model`` (what is read off a model, ``ModelDescription``),
-``protocol`` (``LayerCache``), ``routing`` (``route``, ``layer_caches``, ``describe``,
-``cache_config``) and ``adapter`` (``MlxLmAdapter``); this module checks the requirements,
+``protocol`` (``LayerCache``), ``states`` (LFM2's short convolutions), ``routing``
+(``route``, ``layer_caches``, ``describe``, ``cache_config``) and ``adapter`` (``MlxLmAdapter``); this module checks the requirements,
 holds ``Engine`` and re-exports their names.
 """
 
@@ -85,8 +93,9 @@ from mlx_lm.models import base as _mlx_base  # noqa: E402
 from mlx_lm.models import cache as _mlx_cache  # noqa: E402
 
 __all__ = ["Engine", "LayerCache", "MlxLmAdapter", "ModelDescription", "RequestOutput",
-           "SamplingParams", "cache_config",
-           "describe", "eos_token_ids", "layer_caches", "layer_kinds", "sliding_windows"]
+           "STATE_FAMILIES", "SamplingParams", "cache_config",
+           "describe", "eos_token_ids", "layer_caches", "layer_kinds", "route_state_layers",
+           "sliding_windows", "state_kinds"]
 
 # the package's modules, imported once the requirements are checked; every name the module had
 # stays importable from here
@@ -99,6 +108,7 @@ from .protocol import (LayerCache, _Forward, _from_cache, _mx_dtype,  # noqa: E4
 from .routing import (_DESCRIBED, _ROUTED_ATTR, _described, _one_dtype,  # noqa: E402
                       _own_attention, _routed, _RowsOf, _run, cache_config, describe,
                       layer_caches, route)
+from .states import STATE_FAMILIES, route_state_layers, state_kinds  # noqa: E402
 
 
 class Engine(_Engine):

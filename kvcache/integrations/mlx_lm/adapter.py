@@ -23,7 +23,9 @@ mx = require("mlx.core", "mlx-lm")
 # ---------------------------------------------------------------------- engine adapter
 class MlxLmAdapter(ModelAdapter):
     """An mlx-lm model as the engine's model: any model whose attention reaches the cache
-    through mlx-lm's cache protocol (``describe`` checks it at construction)."""
+    through mlx-lm's cache protocol (``describe`` checks it at construction) and that keeps no
+    other state than LFM2's short convolutions, which run on the cache's state slots
+    (``state_layers``)."""
 
     def __init__(self, model, tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None):
         self.model = model
@@ -31,8 +33,11 @@ class MlxLmAdapter(ModelAdapter):
         self.description = describe(model)
         self.vocab_size = self.description.vocab_size
         self.windows = dict(self.description.windows)
+        self.states = dict(self.description.states)
+        """``{layer: State}``: the model's state layers (LFM2's short convolutions)."""
         self._forward = _Forward(model, self.windows, self.description.num_layers,
-                                 own_attention=self.description.own_attention)
+                                 own_attention=self.description.own_attention,
+                                 states=self.states)
         self._caches = [LayerCache(i, self._forward) for i in range(self.description.num_layers)]
         if eos_token_ids is not None:
             ids = [eos_token_ids] if isinstance(eos_token_ids, (int, np.integer)) else eos_token_ids
@@ -48,6 +53,9 @@ class MlxLmAdapter(ModelAdapter):
 
     def layer_kinds(self) -> dict:
         return layer_kinds(self.windows)
+
+    def state_layers(self) -> dict:
+        return dict(self.states)
 
     def default_device(self) -> Optional[str]:
         return "gpu" if mx.default_device() == mx.gpu else "cpu"

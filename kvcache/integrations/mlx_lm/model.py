@@ -64,10 +64,14 @@ def sliding_windows(model) -> dict:
     """``{layer: window}`` of the model's sliding-window layers (empty: none), as mlx-lm's own
     generation builds them (``model.make_cache()``): a ``RotatingKVCache(max_size=w)`` layer
     attends to the previous ``w`` positions, itself included; a ``KVCache`` layer to all of
-    them. Any other cache type raises ``UnsupportedFeatureError`` naming it."""
+    them; the ``ArraysCache`` of an LFM2 short convolution is a state layer (``state_kinds``),
+    not a window. Any other cache type raises ``UnsupportedFeatureError`` naming it and the
+    family."""
+    from .states import STATE_FAMILIES, state_kinds
+    states = state_kinds(model)
     windows = {}
     for i, c in enumerate(_mlx_caches(model)):
-        if type(c) is _mlx_cache.KVCache:
+        if type(c) is _mlx_cache.KVCache or i in states:
             continue
         if type(c) is _mlx_cache.RotatingKVCache and not getattr(c, "keep", 0):
             windows[i] = int(c.max_size)
@@ -76,8 +80,9 @@ def sliding_windows(model) -> dict:
                 f"window)" if isinstance(c, _mlx_cache.RotatingKVCache) else type(c).__name__)
         raise UnsupportedFeatureError(
             f"{_label(model, i)} of the {_family(model)} model uses mlx-lm's {what} (from "
-            f"model.make_cache()): the paged cache stands in for KVCache (full attention) and "
-            f"RotatingKVCache (a sliding window) only")
+            f"model.make_cache()): the paged cache stands in for KVCache (full attention), "
+            f"RotatingKVCache (a sliding window) and, as state layers, the ArraysCache of the "
+            f"short convolutions of {', '.join(STATE_FAMILIES)} only")
     return windows
 
 
@@ -140,3 +145,6 @@ class ModelDescription:
     keys, which are then what the cache stores): the cache holds K/V, the model attends, one
     sequence per model call. ``num_qo_heads`` is then ``num_kv_heads`` (queries never reach
     the cache)."""
+    states: dict = dataclasses.field(default_factory=dict)
+    """``{layer: kvcache.State}``: the model's state layers (LFM2's short convolutions,
+    ``state_kinds``), which neither fetch nor attend; empty: none."""

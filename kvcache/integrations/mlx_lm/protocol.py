@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 class _Forward:
     """What the ``LayerCache`` objects of one model read during one forward (or the probe)."""
 
-    def __init__(self, model, windows: dict, num_layers: int, own_attention: bool = False):
+    def __init__(self, model, windows: dict, num_layers: int, own_attention: bool = False,
+                 states=()):
         self.model = model
         self.windows = windows
+        self.states = frozenset(states)     # state layers (a conv): no K/V, no attention
         self.own_attention = own_attention  # the model attends over fetched history itself
         self.cache: Optional[PagedKVCache] = None   # the cache whose forward is open
         self.probe: Optional[dict] = None  # {layer: record} while probing
@@ -63,9 +65,10 @@ class _Forward:
                     f"attention cannot run on the paged cache")
 
     def check_all_attended(self) -> None:
-        """Every layer called ``update_and_fetch`` and ``scaled_dot_product_attention`` once."""
+        """Every layer called ``update_and_fetch`` and ``scaled_dot_product_attention`` once
+        (state layers: neither)."""
         for layer, (f, a) in enumerate(zip(self.fetched, self.attended)):
-            if f == 1 and a == 1:
+            if (f == 1 and a == 1) or (layer in self.states and f == a == 0):
                 continue
             label = _label(self.model, layer)
             if a == 0 and f:

@@ -18,6 +18,7 @@ from .. import require
 from .model import (_DTYPES, ModelDescription, _family, _label, _mlx_caches, layer_kinds,
                     sliding_windows)
 from .protocol import LayerCache, _Forward
+from .states import route_state_layers, state_kinds
 
 mx = require("mlx.core", "mlx-lm")
 
@@ -54,8 +55,10 @@ def _routed(original):
 def route(model) -> None:
     """Wrap mlx-lm's ``scaled_dot_product_attention`` where ``model``'s classes call it (the
     modules defining them, and ``mlx_lm.models.base``) so that a call with a ``LayerCache``
-    reaches the paged cache. Once per module, idempotent; calls with any other cache run
-    mlx-lm's own function, so the wrapper stays installed."""
+    reaches the paged cache, and the calls of its state layers' classes with a ``LayerCache``
+    (LFM2's short convolutions: ``route_state_layers``). Once per module / class, idempotent;
+    calls with any other cache run mlx-lm's own code, so the wrappers stay installed."""
+    route_state_layers(model)
     modules = {sys.modules.get(type(m).__module__) for m in [model, *model.modules()]}
     modules.add(_mlx_base)
     for module in modules:
@@ -69,9 +72,11 @@ def layer_caches(model, cache, positions=None) -> list:
     attention to ``cache``'s open forward. Call the model with the forward's T tokens as T
     batch rows: ``model(tokens.reshape(-1, 1), cache=layer_caches(model, cache))``; logits come
     back ``(T, 1, vocab)``. ``positions``: each token's position (None: the cache's
-    ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``).
-    A model that computes attention itself (``describe(model).own_attention``) needs one call
-    per sequence: it is refused here (``MlxLmAdapter(model).forward`` runs it)."""
+    ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``);
+    LFM2's short convolutions read and write their states on the cache (``state_kinds``: the
+    cache must have them, as ``cache_config(model)`` gives). A model that computes attention
+    itself (``describe(model).own_attention``) needs one call per sequence: it is refused here
+    (``MlxLmAdapter(model).forward`` runs it)."""
     if cache.config.rope_mode != "none":
         raise InvalidArgumentError(
             f"the cache has rope_mode={cache.config.rope_mode!r}, but an mlx-lm model applies "
@@ -85,7 +90,7 @@ def layer_caches(model, cache, positions=None) -> list:
     windows = sliding_windows(model)
     route(model)
     slots = len(_mlx_caches(model))
-    forward = _Forward(model, windows, slots)
+    forward = _Forward(model, windows, slots, states=_described(model).states)
     forward.begin(cache, to_numpy(cache.query_positions()) if positions is None else positions)
     return [LayerCache(i, forward) for i in range(slots)]
 
@@ -146,9 +151,10 @@ def describe(model) -> ModelDescription:
     attention cannot reach the paged cache this way (see the module docstring)."""
     family = _family(model)
     windows = sliding_windows(model)
+    states = state_kinds(model)
     route(model)
     slots = len(_mlx_caches(model))
-    forward = _Forward(model, windows, slots)
+    forward = _Forward(model, windows, slots, states=states)
     forward.probe = {}
     forward.positions = mx.array([0, 1], mx.int32)
     caches = [LayerCache(i, forward) for i in range(slots)]
@@ -169,6 +175,10 @@ def describe(model) -> ModelDescription:
                 raise UnsupportedFeatureError(
                     f"{_label(model, layer)} of the {family} model {r['attend']}")
     except UnsupportedFeatureError as exc:
+        if states:          # a conv runs over every sequence's tokens at once: one call
+            raise UnsupportedFeatureError(
+                f"{exc}; with the state layers {sorted(states)} the model cannot attend itself "
+                f"one sequence per call") from None
         return _own_attention(model, forward, windows, int(logits.shape[-1]), exc)
     shapes = {r["attend"]["heads"] for r in records.values()}
     if len(shapes) != 1:
@@ -180,7 +190,8 @@ def describe(model) -> ModelDescription:
         num_layers=slots, num_qo_heads=int(H), num_kv_heads=int(Hkv), head_dim=int(D),
         head_dim_v=int(Dv), dtype=_one_dtype(family, {r["attend"]["dtype"] for r in records.values()}),
         vocab_size=int(logits.shape[-1]), windows=windows,
-        sinks=tuple(sorted(i for i, r in records.items() if r["attend"]["sinks"])))
+        sinks=tuple(sorted(i for i, r in records.items() if r["attend"]["sinks"])),
+        states=states)
 
 
 def _one_dtype(family: str, dtypes: set) -> str:
@@ -224,12 +235,15 @@ def cache_config(model, *, dtype: Optional[str] = None, page_size: int = 16,
                  max_total_tokens: int = 65536, max_batch_size: int = 64,
                  prefill_chunk_size: int = 2048,
                  description: Optional[ModelDescription] = None,
-                 window_groups: bool = False) -> CacheConfig:
+                 window_groups: bool = False, max_state_slots: int = 0) -> CacheConfig:
     """A ``CacheConfig`` for an mlx-lm model: layers, query/KV heads, head dims (values: their
     own, ``head_dim_v``) as its attention calls show them (``describe``), ``rope_mode="none"``
     (the model rotates q and k itself), ``dtype`` (None: the model's) and the given sizes.
     ``window_groups``: the sliding-window layers (``RotatingKVCache`` in ``make_cache()``) get
-    ``layer_kinds`` and keep only the pages their windows still see; False: every page kept."""
+    ``layer_kinds`` and keep only the pages their windows still see; False: every page kept.
+    The short convolutions of LFM2 (``STATE_FAMILIES``) are state layers: they always get
+    their ``State`` kinds (``state_kinds(model)``), in ``max_state_slots`` slots (0:
+    ``max_batch_size``, the sequences the cache holds at once)."""
     d = description if description is not None else describe(model)
     args = getattr(model, "args", None)
     return CacheConfig(
@@ -238,4 +252,5 @@ def cache_config(model, *, dtype: Optional[str] = None, page_size: int = 16,
         page_size=page_size, max_batch_size=max_batch_size, max_total_tokens=max_total_tokens,
         prefill_chunk_size=prefill_chunk_size, dtype=dtype if dtype is not None else d.dtype,
         rope_mode="none", rope_theta=float(getattr(args, "rope_theta", None) or 10000.0),
-        layer_kinds=layer_kinds(d.windows) if window_groups else ())
+        max_state_slots=max_state_slots,
+        layer_kinds={**(layer_kinds(d.windows) if window_groups else {}), **d.states})

@@ -34,6 +34,7 @@ import numpy as np
 from ...arrays import to_numpy
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
+from ..conv_states import checkpoint_columns, conv_indices as _indices
 
 torch = require("torch", "transformers")
 
@@ -418,40 +419,6 @@ def _routed_call(module, cache, args: tuple, kwargs: dict, names: tuple = _NAMES
     return (run or conv_forward)(module, cache, hidden_states)
 
 
-@functools.lru_cache(maxsize=64)
-def _indices(lengths: tuple, k1: int) -> tuple:
-    """Host index arrays of one forward's conv (``conv_forward``), for the sequences'
-    ``lengths`` (their new tokens, in forward order) and ``k1`` state columns: ``(order (S*k1 +
-    T,), out (T,), keep (S*k1,))``. ``order`` lays the sources (the S states' columns, then
-    the T new columns) out as one block per sequence, its state then its tokens; ``out`` picks
-    each token's output of the convolution over that layout (the window that ends at the
-    token and starts in its own block); ``keep`` the last ``k1`` columns of each block, the
-    sequence's new state."""
-    lens = np.asarray(lengths, np.int64)
-    s, t = len(lens), int(lens.sum())
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])         # first token of each sequence
-    block = np.arange(s) * k1 + starts                            # where each block begins
-    seq_of = np.repeat(np.arange(s), lens)                        # each token's sequence
-    order = np.empty(s * k1 + t, np.int64)
-    cols = np.arange(k1)
-    order[(block[:, None] + cols).ravel()] = np.arange(s * k1)    # the states' columns
-    order[np.arange(t) + (seq_of + 1) * k1] = s * k1 + np.arange(t)
-    out = np.arange(t) + seq_of * k1
-    keep = (block + lens)[:, None] + cols
-    return order, out, keep.ravel()
-
-
-def _checkpoint_columns(lengths: tuple, k1: int, inner: tuple) -> np.ndarray:
-    """The columns of ``_indices``' layout holding each boundary's state (``inner``:
-    ``cache.state_checkpoints()``, ``(row, n)`` pairs): the ``k1`` inputs before the row's
-    ``n``-th new token, its block's columns ``n .. n + k1 - 1`` (the state's own columns
-    where ``n < k1``)."""
-    lens = np.asarray(lengths, np.int64)
-    block = np.arange(len(lens)) * k1 + np.concatenate([[0], np.cumsum(lens)[:-1]])
-    first = np.array([block[row] + n for row, n in inner], np.int64)
-    return (first[:, None] + np.arange(k1)).ravel()
-
-
 def _state_to_torch(cache, state, device, dtype):
     if torch.is_tensor(state):
         return state.to(device=device, dtype=dtype)
@@ -511,7 +478,7 @@ def conv_forward(module, cache, hidden_states):
     cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new))
     inner = cache.state_checkpoints()
     if inner:   # the prefix cache's checkpoints inside the appends: the k1 inputs before each
-        at = torch.from_numpy(_checkpoint_columns(lengths, k1, inner)).to(device)
+        at = torch.from_numpy(checkpoint_columns(lengths, k1, inner)).to(device)
         kept = laid.index_select(1, at).view(hid, len(inner), k1).permute(1, 0, 2)
         cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, kept))
     y = (c[0] * y).transpose(0, 1).unsqueeze(0).contiguous()      # (1, T, H)
@@ -711,7 +678,7 @@ def mamba_forward(module, cache, hidden_states):
     cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv))
     cache.set_state(layer, SSM_STATE, _state_to_cache(cache, new_ssm))
     if marks:
-        cols = torch.from_numpy(_checkpoint_columns(lengths, k1, marks)).to(device)
+        cols = torch.from_numpy(checkpoint_columns(lengths, k1, marks)).to(device)
         conv_at = laid.index_select(1, cols).view(conv_dim, len(marks), k1).permute(1, 0, 2)
         cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at))
         cache.set_state_checkpoints(layer, SSM_STATE, _state_to_cache(

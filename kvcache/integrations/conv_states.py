@@ -1,0 +1,45 @@
+"""The packed layout of a short convolution over a forward of many sequences, shared by the
+integrations that serve LFM2's convolutions on the cache's state slots (transformers' and
+mlx-lm's; docs/hybrid.md "Built: increment 5" and "Built: increment 6"). Host index arrays
+only: no array library."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=64)
+def conv_indices(lengths: tuple, k1: int) -> tuple:
+    """Host index arrays of one forward's convolution, for the sequences' ``lengths`` (their
+    new tokens, in forward order) and ``k1`` state columns (the kernel's taps less one):
+    ``(order (S*k1 + T,), out (T,), keep (S*k1,))``. The sources are the S states' columns
+    (``s * k1 + c``: sequence ``s``'s column ``c``, the oldest first) then the T new columns.
+    ``order`` lays them out as one block per sequence, its state then its tokens; ``out``
+    picks each token's output of an unpadded convolution over that layout (the window that
+    ends at the token and starts in its own block: no sequence reads another's inputs);
+    ``keep`` the last ``k1`` columns of each block, the sequence's new state."""
+    lens = np.asarray(lengths, np.int64)
+    s, t = len(lens), int(lens.sum())
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])         # first token of each sequence
+    block = np.arange(s) * k1 + starts                            # where each block begins
+    seq_of = np.repeat(np.arange(s), lens)                        # each token's sequence
+    order = np.empty(s * k1 + t, np.int64)
+    cols = np.arange(k1)
+    order[(block[:, None] + cols).ravel()] = np.arange(s * k1)    # the states' columns
+    order[np.arange(t) + (seq_of + 1) * k1] = s * k1 + np.arange(t)
+    out = np.arange(t) + seq_of * k1
+    keep = (block + lens)[:, None] + cols
+    return order, out, keep.ravel()
+
+
+def checkpoint_columns(lengths: tuple, k1: int, marks: tuple) -> np.ndarray:
+    """The columns of ``conv_indices``' layout holding each prefix-cache boundary's state
+    (``marks``: ``cache.state_checkpoints()``, ``(row, n)`` pairs; docs/hybrid.md increment
+    8): the ``k1`` inputs before the row's ``n``-th new token, its block's columns ``n .. n +
+    k1 - 1`` (the state's own columns where ``n < k1``), ``k1`` per mark, marks in order."""
+    lens = np.asarray(lengths, np.int64)
+    block = np.arange(len(lens)) * k1 + np.concatenate([[0], np.cumsum(lens)[:-1]])
+    first = np.array([block[row] + n for row, n in marks], np.int64)
+    return (first[:, None] + np.arange(k1)).ravel()

@@ -1,0 +1,340 @@
+"""mlx-lm's LFM2 short convolutions on the cache's state slots (issue 56, docs/hybrid.md "Built:
+increment 6"): a small random-weight mlx-lm LFM2 (conv and attention layers, float32) generates
+greedily on the metal backend (MLX's CPU device) through the Engine (queued requests of
+different lengths sharing forwards, prompts in chunks of 8 tokens, the host one step ahead or
+not, preemption, forks) and through the adapter in a loop of one's own, token for token equal
+to mlx-lm's own generation with its own ``ArraysCache``; and what is refused, by name."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
+from conftest import own_loop_greedy
+
+import kvcache  # noqa: E402
+from kvcache.integrations import SamplingParams  # noqa: E402
+from kvcache.integrations.mlx_lm import (Engine, MlxLmAdapter, cache_config,  # noqa: E402
+                                         layer_caches, route_state_layers, sliding_windows,
+                                         state_kinds)
+
+PAGE = 4
+NEW = 10
+CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
+LENGTHS = (1, 2, 5, 19, 37)
+TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
+SMALL = dict(vocab_size=128, num_hidden_layers=len(TYPES), hidden_size=64, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, norm_eps=1e-5, conv_bias=True,
+             conv_L_cache=3, block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=None,
+             block_auto_adjust_ff_dim=False, block_ff_dim=128, intermediate_size=128,
+             layer_types=TYPES)
+MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+           use_expert_bias=True, num_dense_layers=1)
+
+
+def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
+    """A float32 mlx-lm LFM2-family model with seeded random weights (5 layers: conv,
+    attention, conv, conv, attention; hidden 64, a kernel of 3 taps): matrices drawn with
+    variance 1 / fan-in and every 1-D parameter moved off its initial value, so that the
+    greedy tokens vary (mlx-lm's own initialisation repeats one token)."""
+    from mlx.utils import tree_flatten
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    kw = dict(SMALL, **(MOE if model_type == "lfm2_moe" else {}), **overrides)
+    args = module.ModelArgs.from_dict({"model_type": model_type, **kw})
+    mx.random.seed(seed)
+    model = module.Model(args)
+    updates = []
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim == 1:
+            updates.append((name, p + 0.3 * mx.random.normal(p.shape)))
+        elif "conv.weight" not in name:
+            updates.append((name, mx.random.normal(p.shape) / np.sqrt(p.shape[-1])))
+    model.load_weights(updates, strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def _prompts(seed=7):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
+
+
+_CASES: dict = {}
+
+
+def _case(model_type="lfm2"):
+    """(model, prompts, mlx-lm's greedy tokens), once per family."""
+    if model_type not in _CASES:
+        model = make_lfm2(model_type)
+        prompts = _prompts()
+        _CASES[model_type] = (model, prompts, [mlx_greedy(model, p, NEW) for p in prompts])
+    return _CASES[model_type]
+
+
+def _engine(model, **kw):
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    opts = dict(backend="metal", device="cpu", page_size=PAGE, max_total_tokens=512,
+                prefill_chunk_size=CHUNK, max_batch_size=4)
+    return Engine(model, **{**opts, **kw})
+
+
+def test_the_conv_layers_are_state_layers():
+    model, _, _ = _case()
+    kinds = state_kinds(model)
+    # mlx-lm's ArraysCache entry: (batch, conv_L_cache - 1, hidden), time first
+    assert kinds == {i: kvcache.State({"conv": (2, 64)}) for i in (0, 2, 3)}
+    assert sliding_windows(model) == {}
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
+    assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 4)
+    assert cfg.num_state_slots == 3 and cfg.state_bytes == 3 * 3 * 2 * 64 * 4
+    assert (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert route_state_layers(model) == [0, 2, 3]
+    # the routed class still runs mlx-lm's own convolution with mlx-lm's own cache
+    assert mlx_greedy(model, _prompts()[2], NEW) == _case()[2][2]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_greedy_equals_mlx_lm(overlap):
+    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
+    prefill chunks and decode tokens of several sequences share forwards, and each sequence's
+    convolution runs from its own state."""
+    model, prompts, want = _case()
+    engine = _engine(model, overlap=overlap)
+    assert dict(engine.config.layer_kinds) == state_kinds(model)
+    assert engine.config.num_state_slots == 8          # 2 * max_batch_size
+    # the prefix cache stays on (state checkpoints); nothing else was on here
+    assert engine.config.prefix_cache and engine.host_tier is None
+    assert engine.state_layers_off is None
+    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
+    got: dict = {rid: [] for rid in ids}
+    shared, mixed = 0, 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        shared = max(shared, engine.cache.num_sequences)
+        for out in outs:
+            got[out.request_id].extend(out.new_token_ids)
+        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
+    for i, rid in enumerate(ids):
+        assert got[rid] == want[i], f"prompt {i} ({len(prompts[i])} tokens)"
+    assert shared == 4 and mixed
+    assert engine.cache.is_empty
+    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+
+
+def test_adapter_loop_greedy_equals_mlx_lm():
+    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
+    come with it): every prompt prefilled in chunks of 8 together, then decoded together."""
+    model, prompts, want = _case()
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    adapter = MlxLmAdapter(model)
+    assert adapter.state_layers() == state_kinds(model)
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
+                       prefill_chunk_size=64)
+    cache = kvcache.PagedKVCache(cfg, backend="metal", device="cpu")
+    out = own_loop_greedy(adapter, cache, prompts, NEW, chunk=CHUNK)
+    for i in range(len(prompts)):
+        assert out[i][:NEW] == want[i], f"prompt {i}"
+    for i in range(len(prompts)):
+        cache.remove_sequence(i)
+    assert cache.num_available_state_slots == cfg.num_state_slots
+
+
+def test_layer_caches_loop_greedy_equals_mlx_lm():
+    """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
+    forward, then decoded together."""
+    model, prompts, want = _case()
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=2)
+    cache = kvcache.PagedKVCache(cfg, backend="metal", device="cpu")
+    seqs = [prompts[2], prompts[3]]
+    toks = [list(p) for p in seqs]
+    for s in (0, 1):
+        cache.add_sequence(s)
+    feed = [list(p) for p in seqs]
+    for _ in range(NEW):
+        flat = mx.array(np.concatenate(feed).astype(np.int32))
+        with cache.forward([0, 1], [len(f) for f in feed]):
+            logits = model(flat[:, None], cache=layer_caches(model, cache))
+        ends = np.cumsum([len(f) for f in feed]) - 1
+        picks = [int(mx.argmax(logits[int(e), -1])) for e in ends]
+        feed = [[t] for t in picks]
+        for s, t in enumerate(picks):
+            toks[s].append(t)
+    assert [t[len(p):] for t, p in zip(toks, seqs)] == [want[2], want[3]]
+
+
+def test_preemption_and_forks_recompute_the_state():
+    """Four requests in a cache of 48 tokens: the scheduler preempts (the state slot comes back,
+    the preempted request recomputes from a fresh state), and ``n = 3`` samples fork at the
+    prompt's end (the child's slot takes a copy of the state); the tokens are mlx-lm's."""
+    model, _, _ = _case()
+    engine = _engine(model, max_total_tokens=48)
+    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
+    out = engine.generate(prompts, max_new_tokens=NEW)
+    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
+    for i, p in enumerate(prompts):
+        assert out[i][0] == mlx_greedy(model, p, NEW), f"prompt {i}"
+    small = _engine(model, max_total_tokens=256, max_batch_size=1)
+    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
+    assert three[0] == [mlx_greedy(model, prompts[0][:11], NEW)] * 3
+    assert small.stats.forks >= 3 and small.cache.is_empty
+    assert small.cache.num_available_state_slots == 2
+
+
+def test_lfm2_moe_greedy_equals_mlx_lm():
+    model, prompts, want = _case("lfm2_moe")
+    engine = _engine(model)
+    assert dict(engine.config.layer_kinds) == state_kinds(model)
+    assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
+
+
+def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch):
+    """One state slot per batch row and ``n = 5`` samples of two prompts with 3 rows: the
+    samples' prefixes and samples need more slots than the cache has; the forwards wait for
+    slots and the tokens are mlx-lm's."""
+    import kvcache.integrations.engine as engine_module
+    monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
+    model, prompts, want = _case()
+    engine = _engine(model, max_batch_size=3)
+    assert engine.config.num_state_slots == 3
+    out = engine.generate(prompts[3:], SamplingParams(max_tokens=NEW, n=5))
+    assert out == [[want[3]] * 5, [want[4]] * 5]
+    assert engine.stats.forks >= 8 and engine.cache.num_available_state_slots == 3
+
+
+def test_what_does_not_compose_is_refused_by_name(tmp_path):
+    model, _, _ = _case()
+    for bad in ("offload", "deterministic"):
+        with pytest.raises(kvcache.UnsupportedFeatureError,
+                           match=f"{bad}=True with the lfm2 model's state layers"):
+            _engine(model, **{bad: True})
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="prefix_file=None"):
+        _engine(model, prefix_file=tmp_path / "none.kvp")
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="no sliding-window layer"):
+        _engine(model, window_groups=True)
+    engine = _engine(model, max_total_tokens=256)
+    # what the cache refuses for state layers: popn, a fork below the length, exports
+    cache, adapter = engine.cache, engine.adapter
+    cache.add_sequence(0)
+    with adapter.session(cache), adapter.step_context(cache), cache.forward([0], [5]):
+        adapter.forward(cache, np.arange(1, 6, dtype=np.int64), np.arange(5, dtype=np.int64),
+                        np.asarray([4], np.int64))
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
+        cache.popn(0, 1)
+    with pytest.raises(kvcache.UnsupportedFeatureError):
+        cache.fork_sequence(0, 1, 3)
+    with pytest.raises(kvcache.UnsupportedFeatureError):
+        cache.export_sequence(0)
+    assert cache.sequence_length(0) == 5
+
+
+def test_what_is_not_understood_is_refused():
+    # a layer type the family's state layers do not know
+    other = make_lfm2(seed=1)
+    other.args.layer_types = ["conv", "sliding_attention", "conv", "conv", "full_attention"]
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*'sliding_attention'"):
+        state_kinds(other)
+    # a replaced conv module (a subclass computes what it likes)
+    model = make_lfm2(seed=1)
+    conv = model.layers[2].conv
+    conv.__class__ = type("ShortConv", (type(conv),), {})
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*a subclass"):
+        Engine(model, backend="metal", device="cpu", max_total_tokens=256)
+    # a kernel of one tap keeps no state: not what was read
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="kernel of 1 taps"):
+        cache_config(make_lfm2(seed=1, conv_L_cache=1))
+    # not depthwise: a full convolution over the channels
+    import mlx.nn as nn
+    model = make_lfm2(seed=1)
+    model.layers[3].conv.conv = nn.Conv1d(64, 64, 3, bias=True)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 3 .*groups=1"):
+        state_kinds(model)
+    # a conv layer that make_cache() gives another cache
+    model = make_lfm2(seed=1)
+    from mlx_lm.models.cache import KVCache
+    object.__setattr__(model, "make_cache", lambda: [KVCache() for _ in model.layers])
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"make_cache\(\) gives layer 0 .*a KVCache"):
+        state_kinds(model)
+    # the conv called with a mask array (padding)
+    model, _, _ = _case()
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
+                                              max_batch_size=1), backend="metal", device="cpu")
+    cache.add_sequence(0)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="mask"):
+        with cache.forward([0], [3]):
+            caches = layer_caches(model, cache)
+            model.layers[0].conv(mx.zeros((3, 1, 64)), mask=mx.ones((3, 1), mx.bool_),
+                                 cache=caches[0])
+    assert cache.sequence_length(0) == 0
+
+
+S = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+OTHERS = {
+    "mamba": dict(S, state_size=4, conv_kernel=4, use_bias=False, use_conv_bias=True,
+                  time_step_rank=4),
+    "mamba2": dict(S, num_heads=4, head_dim=16, state_size=4, layer_norm_epsilon=1e-5,
+                   conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True,
+                   tie_word_embeddings=True, time_step_limit=(0.0, float("inf")),
+                   time_step_rank=4),
+    "qwen3_next": dict(S, num_attention_heads=2, linear_num_value_heads=2,
+                       linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                       linear_conv_kernel_dim=4, num_experts=2, num_experts_per_tok=1,
+                       decoder_sparse_step=1, shared_expert_intermediate_size=32,
+                       mlp_only_layers=[], moe_intermediate_size=16, rms_norm_eps=1e-5,
+                       num_key_value_heads=1, rope_theta=10000.0, partial_rotary_factor=0.5,
+                       max_position_embeddings=128, head_dim=16, full_attention_interval=2),
+    "jamba": dict(S, num_attention_heads=2, num_key_value_heads=1, attn_layer_offset=1,
+                  attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
+                  mamba_d_conv=4, mamba_d_state=4, mamba_expand=2, num_experts=2,
+                  num_experts_per_tok=1, rms_norm_eps=1e-5, max_position_embeddings=128),
+    "granitemoehybrid": dict(S, max_position_embeddings=128, num_attention_heads=2,
+                             num_key_value_heads=1, attention_bias=False,
+                             embedding_multiplier=1.0, attention_multiplier=1.0,
+                             logits_scaling=1.0, residual_multiplier=1.0,
+                             layer_types=["mamba", "attention"], rms_norm_eps=1e-5,
+                             mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1,
+                             mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+                             mamba_chunk_size=8, mamba_conv_bias=True, mamba_proj_bias=False,
+                             num_local_experts=0, num_experts_per_tok=0,
+                             shared_intermediate_size=64, position_embedding_type="rope"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(OTHERS))
+def test_other_recurrent_families_stay_refused(family):
+    """mlx-lm's other families with recurrent caches (Mamba, Mamba-2, Qwen3-Next's gated
+    DeltaNet, Jamba, Granite-4.0-H) are refused at construction, naming the family and the
+    cache, never run with a wrong state."""
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    model = module.Model(module.ModelArgs.from_dict({"model_type": family, **OTHERS[family]}))
+    assert state_kinds(model) == {}
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=f"of the {family} model uses mlx-lm's (ArraysCache|MambaCache)"
+                             f".*short convolutions of lfm2, lfm2_moe only"):
+        Engine(model, backend="metal", device="cpu", max_total_tokens=64)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match=f"{family} model"):
+        cache_config(model)
+
+
+def test_shared_prefixes_hit_through_state_checkpoints():
+    """Requests sharing a 22-token prefix through the Engine's default (prefix cache on): the
+    first one's forwards keep the conv states at every page boundary, the one at 20 inside the
+    prefill chunk 16..24 too (the conv gives it, ``set_state_checkpoints``), so the later
+    ones start from 20 cached tokens with the states restored; the greedy tokens are mlx-lm's
+    own."""
+    model, _, _ = _case()
+    rng = np.random.default_rng(5)
+    shared = rng.integers(1, 128, 22).tolist()
+    prompts = [shared + rng.integers(1, 128, n).tolist() for n in (5, 9, 2, 13)]
+    want = [mlx_greedy(model, p, NEW) for p in prompts]
+    engine = _engine(model)
+    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
+    out = engine.generate(prompts[1:], max_new_tokens=NEW)
+    assert [o[0] for o in out] == want[1:]
+    assert engine.stats.prefix_hit_tokens == 3 * 20
+    assert engine.stats.prefix_miss_tokens_by_reason == {}
+    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
