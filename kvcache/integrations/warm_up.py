@@ -116,6 +116,14 @@ class _Runs:
             self.engine.adapter.to_numpy(logits)       # the step ran (and its errors surface)
         self.forwards += 1
 
+    def prefill(self, sid, n: int) -> None:
+        """``n`` tokens of sequence ``sid`` from its start, in forwards of at most the cache's
+        ``prefill_chunk_size`` (a warm-up step longer than a chunk, in a cache of small
+        chunks)."""
+        chunk = self.cache.config.prefill_chunk_size
+        for start in range(0, n, chunk):
+            self.forward([sid], [min(chunk, n - start)], [start], decode=False)
+
 
 def _run_step(runs: _Runs, what: str, size: int, ps: int) -> None:
     if what == "decode":
@@ -124,11 +132,11 @@ def _run_step(runs: _Runs, what: str, size: int, ps: int) -> None:
         runs.forward(ids, [1] * size, [1] * size, decode=True)
     elif what == "fork":            # forked inside a page: the partial page's rows are copied
         ids = runs.new(1)
-        runs.forward(ids, [size], [0], decode=False)
+        runs.prefill(ids[0], size)
         ids += runs.fork(ids[0], 1)
     elif what == "host tier":       # parked and restored: the tier's copy kernels
         ids = runs.new(1)
-        runs.forward(ids, [size], [0], decode=False)
+        runs.prefill(ids[0], size)
         tier = runs.engine.host_tier
         tier.offload(ids[0])
         tier.restore(ids[0])
@@ -138,7 +146,7 @@ def _run_step(runs: _Runs, what: str, size: int, ps: int) -> None:
     else:       # two samples forked from a prompt of whole pages, then a step of them both
         root = runs.new(1)
         prompt = 4 * ps
-        runs.forward(root, [prompt], [0], decode=False)
+        runs.prefill(root[0], prompt)
         ids = runs.fork(root[0], 2)
         half = max(1, size // 2)
         runs.forward(ids, [half, max(1, size - half)], [prompt, prompt], decode=False)

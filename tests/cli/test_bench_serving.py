@@ -114,6 +114,27 @@ def test_kv_budget_quantized_pages_hold_more_at_the_same_budget(capsys):
     assert f"{res['verdicts']['higher tokens/s']} higher tokens/s" in out
 
 
+def test_window_budget_window_groups_hold_more_at_the_same_budget(capsys):
+    # one budget in bytes for both runs: with window groups the windowed layers keep only their
+    # windows' pages, so the full layer holds more tokens and more sequences run at once
+    from kvcache.bench.serving import print_window_budget_result
+    assert main(["bench", "--serving", "--tiny", "--device", "cpu", "--workload",
+                 "window-budget", "--kv-budget-mib", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    w, pages, window = res["workload"], res["systems"]["pages"], res["systems"]["window"]
+    assert w["kind"] == "window-budget" and w["layers"] == 6 and w["kv_budget_given"]
+    assert pages["kv_bytes"] <= w["kv_budget_bytes"] >= window["kv_bytes"]
+    assert window["token_capacity"] > 2 * pages["token_capacity"]
+    assert not pages["window_groups"] and window["window_groups"]
+    assert window["peak_running"] >= pages["peak_running"]
+    for r in (pages, window):
+        assert r["new_tokens"] == w["requests"] * w["new_tokens"]
+    assert res["same_tokens"] == res["compared"] == w["requests"]      # float32 on the CPU
+    print_window_budget_result(res)
+    out = capsys.readouterr().out
+    assert "every page" in out and "window groups" in out and "not judged" in out
+
+
 def test_serving_kv_dtype_reaches_the_engine_on_the_random_workload(capsys):
     assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c",
                         "--kv-dtype", "int8", "--json"]) == 0
@@ -143,7 +164,7 @@ def test_kv_budget_mistakes_are_usage_errors(capsys, monkeypatch, extra, error):
 
 def test_kv_budget_mib_is_only_for_the_kv_budget_workload(capsys):
     assert main(TINY + ["--kv-budget-mib", "1"]) == 2
-    assert "only with --workload kv-budget" in capsys.readouterr().err
+    assert "only with --workload kv-budget or window-budget" in capsys.readouterr().err
 
 
 @pytest.mark.slow       # 20 s on 2 cores; the TP engine itself runs in CI through tests/distributed

@@ -81,3 +81,19 @@ def test_warm_up_is_refused_while_requests_run_and_skips_what_does_not_fit(monke
     assert result.skipped and result.steps
     assert ("decode", 1) in result.steps and ("shared prefix", 64) in result.skipped
     assert small.cache.num_available_pages == free and small.stats == EngineStats()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_warm_up_with_chunks_smaller_than_its_steps(monkeypatch, graphs):
+    """A ``prefill_chunk_size`` below the warm-up's own prompts (a fork inside the second page,
+    a prompt of four pages): they prefill in chunks of it (the old warm-up's first forward
+    longer than a chunk was refused with InvalidArgumentError)."""
+    model, prompts, _, _ = family_case("llama")
+    eng = _engine(model, monkeypatch, graphs=graphs, mixed_graphs=graphs, page_size=16,
+                  prefill_chunk_size=16)
+    result = eng.warm_up()
+    assert ("fork", 24) in result.steps and not result.skipped
+    if graphs:
+        assert ("shared prefix", 16) in result.steps
+    assert eng.stats == EngineStats() and eng.cache.num_available_pages == \
+        eng.cache.num_total_pages

@@ -21,7 +21,9 @@ Per system:
 
 ``--kv-dtype`` (default auto: the compute dtype) is the storage format of (a)'s pages on any
 workload; ``--workload kv-budget`` (``kv_budget``) runs (a) with 16-bit and with quantized pages
-at one KV memory budget in bytes. ``--workload shared-prefix | multi-turn``: ``prefix``.
+at one KV memory budget in bytes; ``--workload window-budget`` (``window_budget``) runs (a) on a
+Gemma-3-like model with every page kept and with window groups at one budget.
+``--workload shared-prefix | multi-turn``: ``prefix``.
 
 ``--tiny`` is the CI smoke run (seconds on a CPU): tiny dims and tiny work (4 requests of 8-32
 tokens, 6 new tokens, 1 layer, batch 4, no profiler off the GPU); its targets are not judged.
@@ -29,7 +31,7 @@ Progress goes to stderr (``say``), a line per phase; the results to stdout.
 
 The package's modules: ``model`` (the workload, the model, the roofline's inputs), ``runners``
 (the systems), ``measure`` (timing one system), ``report`` (the table and its targets),
-``prefix``, ``kv_budget`` and ``tp`` (the other workloads); this module holds the command (its options,
+``prefix``, ``kv_budget``, ``window_budget`` and ``tp`` (the other workloads); this module holds the command (its options,
 ``run``, ``main``) and re-exports their names.
 """
 
@@ -50,6 +52,8 @@ from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate
 from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_budget_result,
                         run_kv_budget)
 from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
+from .window_budget import (WINDOW_BUDGET_SIZES, build_window_model, print_window_budget_result,
+                            run_window_budget)
 from .tp import TP_SIZES, print_tp_result, run_tp
 from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
 from .runners import (ASKED, SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
@@ -102,7 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shared-prefix: requests sharing a system prompt, arriving one per step; "
                         "multi-turn: conversations whose turns extend the last; both run the "
                         "Engine with the prefix cache on and off, and (b); kv-budget: the Engine "
-                        "with auto and with --kv-dtype pages at one KV memory budget; tp: the "
+                        "with auto and with --kv-dtype pages at one KV memory budget; "
+                        "window-budget: the Engine on a Gemma-3-like model with every page kept "
+                        "and with window groups at one KV memory budget; tp: the "
                         "Engine at TP=1 and TP=2 (two GPUs; --layers default 32)")
     g.add_argument("--system", type=_pos, default=None, metavar="N",
                    help="shared-prefix: the system prompt's tokens (default 2000; --tiny: 40); "
@@ -116,7 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "backend declares it, else int8)")
     g.add_argument("--kv-budget-mib", type=_pos_float, default=None, metavar="MIB",
                    help="kv-budget: the KV memory budget of each run in MiB (default: half of "
-                        "what --batch sequences need at once, in auto KV)")
+                        "what --batch sequences need at once, in auto KV); window-budget: the "
+                        "same (default: a third of what they need with every page kept)")
     g.add_argument("--static-compile", action="store_true",
                    help="let (c) compile its forward (transformers' auto-compile; off by default)")
     g.add_argument("--deterministic", action="store_true",
@@ -192,11 +199,14 @@ def run(args) -> dict:
     import transformers
     from ...cli_kit import UsageError
     kind = getattr(args, "workload", "random")
-    if kind in ("random", "kv-budget") and getattr(args, "system", None) is not None:
+    if kind in ("random", "kv-budget", "window-budget") \
+            and getattr(args, "system", None) is not None:
         raise ValueError("--system: only with --workload shared-prefix or multi-turn")
-    if kind != "kv-budget" and getattr(args, "kv_budget_mib", None) is not None:
-        raise UsageError("--kv-budget-mib: only with --workload kv-budget")
-    sizes = {**PREFIX_SIZES, "kv-budget": KV_BUDGET_SIZES, "tp": TP_SIZES}.get(kind, {})
+    if kind not in ("kv-budget", "window-budget") \
+            and getattr(args, "kv_budget_mib", None) is not None:
+        raise UsageError("--kv-budget-mib: only with --workload kv-budget or window-budget")
+    sizes = {**PREFIX_SIZES, "kv-budget": KV_BUDGET_SIZES, "window-budget": WINDOW_BUDGET_SIZES,
+             "tp": TP_SIZES}.get(kind, {})
     for name, (full, tiny) in [*sizes.items(), *SIZES.items()]:
         if getattr(args, name, None) is None:
             setattr(args, name, tiny if args.tiny else full)
@@ -216,6 +226,8 @@ def run(args) -> dict:
         return res
     if kind == "kv-budget":
         return _run_prefix(args, device, backend, dtype, skip, kv_dtype)
+    if kind == "window-budget":
+        return _run_prefix(args, device, backend, dtype, skip)
     if kind != "random":
         return _run_prefix(args, device, backend, dtype, skip)
     prompt_range = random_prompt_range(args.tiny)
@@ -347,12 +359,18 @@ def _run_prefix(args, device: str, backend: str, dtype: str, skip: set,
     run's environment added to the result."""
     import torch
     import transformers
-    say(f"building the model ({args.model}, {args.layers} layers, "
-        f"{'tiny dims' if args.tiny else 'Llama-3-8B layer shapes'}, {dtype} on {device})")
-    net = build_model(args.model, args.layers, args.tiny, device, dtype, args.seed)
-    if kv_dtype is not None:
+    window = args.workload == "window-budget"
+    say(f"building the model ({'Gemma-3-like' if window else args.model}, {args.layers} "
+        f"layers, {'tiny dims' if args.tiny else 'Llama-3-8B layer shapes'}, {dtype} on "
+        f"{device})")
+    if window:
+        net = build_window_model(args.layers, args.tiny, device, dtype, args.seed)
+        res = run_window_budget(args, net, device, backend, say)
+    elif kv_dtype is not None:
+        net = build_model(args.model, args.layers, args.tiny, device, dtype, args.seed)
         res = run_kv_budget(args, net, device, backend, kv_dtype, say)
     else:
+        net = build_model(args.model, args.layers, args.tiny, device, dtype, args.seed)
         res = run_prefix(args, net, device, backend, skip, say)
     res.update(command=f"kvcache bench --serving --workload {args.workload}",
                date=time.strftime("%Y-%m-%d %H:%M:%S"), machine=platform.node(),
@@ -371,6 +389,8 @@ def main(args) -> int:
         print_tp_result(res)
     elif res["workload"].get("kind") == "kv-budget":
         print_kv_budget_result(res)
+    elif res["workload"].get("kind") == "window-budget":
+        print_window_budget_result(res)
     elif "kind" in res["workload"]:
         print_prefix_result(res)
     else:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "kv-budget", "tp")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "kv-budget", "window-budget", "tp")
 TARGET_TOKENS = 3.0
 """Shared prefix: tokens/s with the cache over without: at least this."""
 TARGET_TTFT = 5.0
