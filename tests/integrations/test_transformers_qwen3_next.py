@@ -144,6 +144,16 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
         assert out[i][:NEW] == want[i], f"{name}: prompt {i}"
 
 
+def test_as_many_key_heads_as_value_heads():
+    """Key heads that are not repeated over value heads (4 of each): the same tokens as
+    ``generate`` through the Engine."""
+    model = make_qwen3_next(seed=4, linear_num_key_heads=4)
+    assert state_kinds(model)[0] == kvcache.State({"conv": (192, 3), "recurrent": (4, 16, 16)})
+    prompts = _prompts(9)[2:]
+    out = _engine(model).generate(prompts, max_new_tokens=NEW)
+    assert [o[0] for o in out] == [hf_greedy(model, p) for p in prompts]
+
+
 def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
     """A 37-token prompt prefilled in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens (a new
     sequence's one token, one-token chunks that take the recurrent form, chunks continuing
