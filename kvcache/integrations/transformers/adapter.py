@@ -45,10 +45,10 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     state the cache does not hold beside its attention (a hybrid: Mamba mixers, linear
     attention, position biases) raises ``UnsupportedFeatureError`` naming the layers and the
     reason (``refuse_hybrid``). The short convolutions of LFM2, the Mamba-2 mixers of Bamba
-    and Granite-4.0-H and Qwen3-Next's gated DeltaNet (``STATE_FAMILIES``) are state layers: they always get their ``State``
-    kinds (``state_kinds(model)``), in ``max_state_slots`` slots (0: ``max_batch_size``, the
-    sequences the cache holds at once), and the model's state modules are routed to the cache
-    (``route_state_layers``).
+    and Granite-4.0-H and Qwen3-Next's gated DeltaNet (``STATE_FAMILIES``) are state layers:
+    they always get their ``State`` kinds (``state_kinds(model)``), in ``max_state_slots``
+    slots (0: ``max_batch_size``, the sequences the cache holds at once), and the model's state
+    modules are routed to the cache (``route_state_layers``).
     ``window_groups``: the model's sliding-window layers get ``layer_kinds``
     (``layer_kinds(model)``: each keeps only the pages its window still sees; raises
     ``UnsupportedFeatureError`` when the model's windowing is not understood); False: every

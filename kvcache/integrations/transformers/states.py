@@ -79,9 +79,10 @@ SSM_STATE = "ssm"
 RECURRENT_STATE = "recurrent"
 """The name of a gated DeltaNet layer's recurrent state (``(value heads, key head dim, value
 head dim)``)."""
-# the chunk length of transformers' chunked gated delta rule: its forward passes none, so the
-# function's default (64 in 5.24; checked against the installed one by gdn_layers)
 GDN_CHUNK = 64
+"""The chunk length of transformers' chunked gated delta rule: the layer's forward passes
+none, so the function's default (64 in 5.24 and 5.17; ``gdn_layers`` checks the installed
+one)."""
 _LAYER_TYPES = ("conv", "full_attention")
 # a Mamba-2 family's layer types: transformers 5.24 names them linear_attention / full_attention,
 # older releases' configs mamba / attention
@@ -493,9 +494,9 @@ def route_state_layers(model) -> list:
     forward, called with ``kvcache=cache`` (the keyword the ``"kvcache"`` attention reads,
     passed down by the decoder layers) or inside ``serving(cache)``, runs ``conv_forward`` /
     ``mamba_forward`` / ``gdn_forward`` on the cache's state slots; called without it
-    (transformers' own ``generate``, a plain forward) it is transformers' own, unchanged. Idempotent (a module is wrapped once). Returns the layers
-    routed ([] for a family without state layers). ``cache_config`` and
-    ``TransformersAdapter`` call it."""
+    (transformers' own ``generate``, a plain forward) it is transformers' own, unchanged.
+    Idempotent (a module is wrapped once). Returns the layers routed ([] for a family without
+    state layers). ``cache_config`` and ``TransformersAdapter`` call it."""
     layers = state_modules(model)
     family = _family(model)
     run = (mamba_forward if family in _MAMBA_CLASSES
