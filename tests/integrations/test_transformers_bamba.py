@@ -352,7 +352,8 @@ def test_the_families_still_not_served_are_refused_by_name():
             continue
         with pytest.raises(kvcache.UnsupportedFeatureError,
                            match=f"the {model_type} model .*keeps state the cache does not hold"
-                                 f".*Mamba-2 mixers of bamba, granitemoehybrid only"):
+                                 f".*Mamba-2 mixers of bamba, granitemoehybrid and the gated "
+                                 f"DeltaNet layers of qwen3_next only"):
             cache_config(build(model_type))
 
 

@@ -44,11 +44,11 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     standard); run the model inside ``fused_rope(model, cache)`` then. A model that keeps
     state the cache does not hold beside its attention (a hybrid: Mamba mixers, linear
     attention, position biases) raises ``UnsupportedFeatureError`` naming the layers and the
-    reason (``refuse_hybrid``). The short convolutions of LFM2 and the Mamba-2 mixers of Bamba
-    and Granite-4.0-H (``STATE_FAMILIES``) are state layers: they always get their ``State``
-    kinds (``state_kinds(model)``), in ``max_state_slots`` slots (0: ``max_batch_size``, the
-    sequences the cache holds at once), and the model's state modules are routed to the cache
-    (``route_state_layers``).
+    reason (``refuse_hybrid``). The short convolutions of LFM2, the Mamba-2 mixers of Bamba
+    and Granite-4.0-H and Qwen3-Next's gated DeltaNet (``STATE_FAMILIES``) are state layers:
+    they always get their ``State`` kinds (``state_kinds(model)``), in ``max_state_slots``
+    slots (0: ``max_batch_size``, the sequences the cache holds at once), and the model's state
+    modules are routed to the cache (``route_state_layers``).
     ``window_groups``: the model's sliding-window layers get ``layer_kinds``
     (``layer_kinds(model)``: each keeps only the pages its window still sees; raises
     ``UnsupportedFeatureError`` when the model's windowing is not understood); False: every
@@ -140,8 +140,8 @@ class TransformersAdapter(ModelAdapter):
     layers call transformers' attention interface (checked: ``attention_layers``; refused with
     the reason otherwise) and keep no other state from token to token (a hybrid's Mamba mixer,
     linear attention or position bias: refused, ``refuse_hybrid``) than the short
-    convolutions of LFM2 and the Mamba-2 mixers of Bamba and Granite-4.0-H, which run on the
-    cache's state slots (``state_layers``)."""
+    convolutions of LFM2, the Mamba-2 mixers of Bamba and Granite-4.0-H and Qwen3-Next's
+    gated DeltaNet, which run on the cache's state slots (``state_layers``)."""
 
     def __init__(self, model, rope: str = "model"):
         config = getattr(model, "config", None)

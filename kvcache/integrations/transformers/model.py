@@ -257,12 +257,12 @@ def stateful_layers(model) -> list:
 def refuse_hybrid(model) -> None:
     """Raise ``UnsupportedFeatureError`` naming the model type, the layers and modules and the
     reason when ``model`` keeps state the cache does not hold (``stateful_layers``): a hybrid
-    (Falcon-H1, Jamba, Zamba, Nemotron-H, Qwen3-Next ...) or a recurrent model. The cache holds
+    (Falcon-H1, Jamba, Zamba, Nemotron-H, Qwen3.5 ...) or a recurrent model. The cache holds
     attention K/V and the state of the layers ``state_kinds`` gives (``STATE_FAMILIES``: LFM2's
-    short convolutions, the Mamba-2 mixers of Bamba and Granite-4.0-H); any other state would
-    be lost between steps, and the tokens would differ from the model's own generation without
-    an error. A model of a served family whose state modules are not what was read is refused
-    too (``state_modules``)."""
+    short convolutions, the Mamba-2 mixers of Bamba and Granite-4.0-H, Qwen3-Next's gated
+    DeltaNet); any other state would be lost between steps, and the tokens would differ from
+    the model's own generation without an error. A model of a served family whose state
+    modules are not what was read is refused too (``state_modules``)."""
     from .states import SERVED_STATE_LAYERS, state_modules
     found = stateful_layers(model)
     if not found:

@@ -19,7 +19,14 @@ selective SSM over them, whose state ``(heads, head_dim, d_state)`` carries from
 token: on the cache ``State({"conv": (conv_dim, conv_kernel_size - 1), "ssm": (heads,
 head_dim, d_state)})``, run per sequence by ``mamba_forward``. Anything about a family these
 functions do not know is refused with ``UnsupportedFeatureError`` naming it
-(``state_kinds``)."""
+(``state_kinds``).
+
+A gated DeltaNet layer of Qwen3-Next (``Qwen3NextGatedDeltaNet``, ``qwen3_next``) convolves its
+``q, k, v`` the same way (``linear_conv_kernel_dim`` taps, then the activation) and runs the
+gated delta rule, a linear attention whose state ``(value heads, key head dim, value head dim)``
+carries from token to token: on the cache ``State({"conv": (conv_dim, kernel - 1),
+"recurrent": (value heads, key head dim, value head dim)})``, run per sequence by
+``gdn_forward`` (docs/hybrid.md "Built: increment 9")."""
 
 from __future__ import annotations
 
@@ -55,14 +62,28 @@ _MAMBA_CLASSES = {
     "granitemoehybrid": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid",
                          "GraniteMoeHybridMambaLayer"),
 }
-STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES}))
+# family -> (the module, the class) of its gated DeltaNet: read line by line (transformers 5.24:
+# projections, conv, the chunked / recurrent gated delta rule, the gated norm)
+_GDN_CLASSES = {
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next",
+                   "Qwen3NextGatedDeltaNet"),
+}
+STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES}))
 """The model types whose recurrent-state layers run on the cache (LFM2's short convolutions,
-the Mamba-2 mixers of Bamba and Granite-4.0-H)."""
-SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))} and the "
-                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))}")
+the Mamba-2 mixers of Bamba and Granite-4.0-H, Qwen3-Next's gated DeltaNet)."""
+SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))}, the "
+                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))} and the gated "
+                       f"DeltaNet layers of {', '.join(sorted(_GDN_CLASSES))}")
 """What ``refuse_hybrid``'s message names as served."""
 SSM_STATE = "ssm"
 """The name of a Mamba-2 layer's SSM state (``(heads, head_dim, d_state)``)."""
+RECURRENT_STATE = "recurrent"
+"""The name of a gated DeltaNet layer's recurrent state (``(value heads, key head dim, value
+head dim)``)."""
+GDN_CHUNK = 64
+"""The chunk length of transformers' chunked gated delta rule: the layer's forward passes
+none, so the function's default (64 in 5.24 and 5.17; ``gdn_layers`` checks the installed
+one)."""
 _LAYER_TYPES = ("conv", "full_attention")
 # a Mamba-2 family's layer types: transformers 5.24 names them linear_attention / full_attention,
 # older releases' configs mamba / attention
@@ -301,12 +322,146 @@ def _check_mixer(family: str, where: str, m, hidden: int) -> None:
                 f"device")
 
 
+def gdn_layers(model) -> dict:
+    """``{layer: (path, module)}``: the gated DeltaNet layers of a Qwen3-Next ``model``
+    (``qwen3_next``), by decoder layer; empty for any other family. Raises
+    ``UnsupportedFeatureError`` naming the layer and the value when the model is of that family
+    but something is not what was read: a layer type other than ``linear_attention`` /
+    ``full_attention``, a module of another class (a subclass too), value heads that the key
+    heads do not divide, a conv that is not depthwise over ``2 * key_dim + value_dim``
+    channels, strided or dilated, a kernel below 2 taps or not ``conv_kernel_size``,
+    projections, parameters or a gated norm of other sizes, an activation transformers does
+    not name, a chunk length of transformers' chunked rule other than ``GDN_CHUNK``,
+    accelerate hooks, or modules not exactly at the ``linear_attention`` layers."""
+    family = _family(model)
+    known = _GDN_CLASSES.get(family)
+    if known is None:
+        return {}
+    config = model.config
+    n = int(config.num_hidden_layers)
+    types = list(getattr(config, "layer_types", None) or ())
+    if len(types) < n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(types)} layer_types for {n} layers: which layers are "
+            f"gated DeltaNet layers is not understood")
+    for i, kind in enumerate(types[:n]):
+        if kind not in ("linear_attention", "full_attention"):
+            raise UnsupportedFeatureError(
+                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
+                f"'linear_attention' and 'full_attention' layers of this family only")
+    _check_gdn_rule(family, known[0])
+    found: dict = {}
+    for path, m in model.named_modules():
+        cls = type(m)
+        if not any(c.__name__ == known[1] for c in cls.__mro__):
+            continue
+        where = f"{path} ({cls.__name__})"
+        if (cls.__module__, cls.__name__) != known:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} is not transformers' {known[1]} (a subclass or "
+                f"a replacement): its linear attention is not understood")
+        layer = getattr(m, "layer_idx", None)
+        if not isinstance(layer, int) or not 0 <= layer < n or types[layer] != "linear_attention":
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} has layer_idx={layer!r}, not a "
+                f"'linear_attention' layer of its {n} layers")
+        if layer in found:
+            raise UnsupportedFeatureError(
+                f"the {family} model has two gated DeltaNet modules in layer {layer} "
+                f"({found[layer][0]}, {path}); the cache holds one state per layer")
+        _check_gdn(family, where, m, int(config.hidden_size))
+        found[layer] = (path, m)
+    want = [i for i in range(n) if types[i] == "linear_attention"]
+    if sorted(found) != want:
+        raise UnsupportedFeatureError(
+            f"the {family} model's layer_types name the linear_attention layers {want}, but "
+            f"gated DeltaNet modules were found in layers {sorted(found)}")
+    return {i: found[i] for i in want}
+
+
+def _check_gdn_rule(family: str, module_name: str) -> None:
+    """The chunk length transformers' chunked rule runs with (its forward passes none: the
+    function's default) must be ``GDN_CHUNK``, the one the cache's copy of the rule uses."""
+    import importlib
+    import inspect
+    rule = getattr(importlib.import_module(module_name), "torch_chunk_gated_delta_rule", None)
+    try:
+        default = inspect.signature(rule).parameters["chunk_size"].default  # type: ignore[arg-type]
+    except (TypeError, ValueError, KeyError):
+        default = None
+    if default != GDN_CHUNK:
+        raise UnsupportedFeatureError(
+            f"the {family} model's torch_chunk_gated_delta_rule runs chunks of {default!r} "
+            f"tokens: the cache's gated delta rule was read with chunks of {GDN_CHUNK}")
+
+
+def _check_gdn(family: str, where: str, m, hidden: int) -> None:
+    def refuse(what: str) -> NoReturn:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where}: {what}; the cache's gated DeltaNet serves what was "
+            f"read (docs/hybrid.md increment 9) only")
+    try:
+        nv, nk = int(m.num_v_heads), int(m.num_k_heads)
+        dk, dv = int(m.head_k_dim), int(m.head_v_dim)
+        key_dim, value_dim, conv_dim = int(m.key_dim), int(m.value_dim), int(m.conv_dim)
+        taps, activation = int(m.conv_kernel_size), m.activation
+        conv, norm, qkvz, ba, out_proj = m.conv1d, m.norm, m.in_proj_qkvz, m.in_proj_ba, m.out_proj
+        params = (m.A_log, m.dt_bias)
+        if not callable(m.fix_query_key_value_ordering):
+            raise TypeError("fix_query_key_value_ordering is not a method")
+    except (AttributeError, TypeError) as e:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where} lacks what its layer was read with ({e})") from None
+    if nk < 1 or nv % nk or key_dim != nk * dk or value_dim != nv * dv:
+        refuse(f"num_k_heads={nk}, num_v_heads={nv}, head_k_dim={dk}, head_v_dim={dv}, "
+               f"key_dim={key_dim}, value_dim={value_dim}: the key heads must divide the value "
+               f"heads and the heads tile key_dim and value_dim")
+    if conv_dim != 2 * key_dim + value_dim:
+        refuse(f"conv_dim={conv_dim} is not 2 * key_dim + value_dim ({2 * key_dim + value_dim})")
+    weight = getattr(conv, "weight", None)
+    if not isinstance(conv, torch.nn.Conv1d) or weight is None:
+        refuse("no Conv1d conv1d")
+    k = int(weight.shape[-1])
+    if k < 2 or k != taps:
+        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}): the cache serves kernels of "
+               f">= 2 taps equal to conv_kernel_size")
+    if (tuple(weight.shape) != (conv_dim, 1, k) or conv.groups != conv_dim
+            or tuple(conv.stride) != (1,) or tuple(conv.dilation) != (1,)):
+        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride="
+               f"{tuple(conv.stride)}, dilation={tuple(conv.dilation)}: not a depthwise causal "
+               f"convolution over conv_dim={conv_dim} channels")
+    for name, proj, size in (("in_proj_qkvz", qkvz, 2 * key_dim + 2 * value_dim),
+                             ("in_proj_ba", ba, 2 * nv)):
+        if (not isinstance(proj, torch.nn.Linear) or proj.in_features != hidden
+                or proj.out_features != size):
+            refuse(f"{name} must be a Linear {hidden} -> {size}, got {proj!r:.80}")
+    if not isinstance(out_proj, torch.nn.Linear) or out_proj.in_features != value_dim:
+        refuse(f"out_proj must be a Linear from {value_dim}, got {out_proj!r:.80}")
+    if any(tuple(p.shape) != (nv,) for p in params):
+        refuse(f"A_log, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({nv},)")
+    from transformers.activations import ACT2FN
+    if activation not in ACT2FN:
+        refuse(f"activation {activation!r}: not one transformers names (ACT2FN)")
+    # the gated norm runs as the model's own module, per head of each token
+    if (type(norm).__name__ != "Qwen3NextRMSNormGated"
+            or tuple(getattr(getattr(norm, "weight", None), "shape", ())) != (dv,)):
+        refuse(f"norm {type(norm).__name__}: the cache runs the layer's gated RMS norm "
+               f"(Qwen3NextRMSNormGated of weight ({dv},)) only")
+    for part in (m, conv):
+        if getattr(part, "_hf_hook", None) is not None:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} has accelerate hooks (device_map offloading): the "
+                f"cache's linear attention reads the weights where they are; load the model "
+                f"whole on one device")
+
+
 def state_modules(model) -> dict:
     """``{layer: (path, module)}``: the modules whose state the cache keeps for ``model``, by
-    decoder layer: LFM2's short convolutions (``conv_layers``) or a Bamba-family model's
-    Mamba-2 mixers (``mamba_layers``); empty for any other family. Raises
-    ``UnsupportedFeatureError`` for what about a served family is not understood."""
-    return conv_layers(model) or mamba_layers(model)
+    decoder layer: LFM2's short convolutions (``conv_layers``), a Bamba-family model's
+    Mamba-2 mixers (``mamba_layers``) or Qwen3-Next's gated DeltaNet layers (``gdn_layers``);
+    empty for any other family. Raises ``UnsupportedFeatureError`` for what about a served
+    family is not understood."""
+    return conv_layers(model) or mamba_layers(model) or gdn_layers(model)
 
 
 def state_kinds(model) -> dict:
@@ -316,29 +471,37 @@ def state_kinds(model) -> dict:
     ``State({"conv": (hidden_size, conv_L_cache - 1)})``; a Bamba-family Mamba-2 mixer
     (``mamba_layers``): ``State({"conv": (conv_dim, conv_kernel_size - 1), "ssm": (num_heads,
     head_dim, ssm_state_size)})``, the conv's last inputs channels first (oldest first) and the
-    SSM state as the model keeps it. Raises ``UnsupportedFeatureError`` for what is not
-    understood."""
+    SSM state as the model keeps it; a Qwen3-Next gated DeltaNet layer (``gdn_layers``):
+    ``State({"conv": (conv_dim, conv_kernel_size - 1), "recurrent": (num_v_heads, head_k_dim,
+    head_v_dim)})``. Raises ``UnsupportedFeatureError`` for what is not understood."""
     from ...config import State
     layers = conv_layers(model)
     if layers:
         hidden, taps = int(model.config.hidden_size), int(model.config.conv_L_cache)
         return {i: State({CONV_STATE: (hidden, taps - 1)}) for i in layers}
+    mixers = mamba_layers(model)
+    if mixers:
+        return {i: State({CONV_STATE: (int(m.conv_dim), int(m.conv_kernel_size) - 1),
+                          SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))})
+                for i, (_, m) in mixers.items()}
     return {i: State({CONV_STATE: (int(m.conv_dim), int(m.conv_kernel_size) - 1),
-                      SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))})
-            for i, (_, m) in mamba_layers(model).items()}
+                      RECURRENT_STATE: (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))})
+            for i, (_, m) in gdn_layers(model).items()}
 
 
 def route_state_layers(model) -> list:
     """Route the state modules of ``model`` (``state_modules``: LFM2's short convolutions,
-    Bamba-family Mamba-2 mixers) through the cache: each module's forward, called with
-    ``kvcache=cache`` (the keyword the ``"kvcache"`` attention reads, passed down by the decoder
-    layers) or inside ``serving(cache)``, runs ``conv_forward`` / ``mamba_forward`` on the
-    cache's state slots; called without it (transformers' own ``generate``, a plain forward) it
-    is transformers' own, unchanged. Idempotent (a module is wrapped once). Returns the layers
-    routed ([] for a family without state layers). ``cache_config`` and
-    ``TransformersAdapter`` call it."""
+    Bamba-family Mamba-2 mixers, Qwen3-Next's gated DeltaNet) through the cache: each module's
+    forward, called with ``kvcache=cache`` (the keyword the ``"kvcache"`` attention reads,
+    passed down by the decoder layers) or inside ``serving(cache)``, runs ``conv_forward`` /
+    ``mamba_forward`` / ``gdn_forward`` on the cache's state slots; called without it
+    (transformers' own ``generate``, a plain forward) it is transformers' own, unchanged.
+    Idempotent (a module is wrapped once). Returns the layers routed ([] for a family without
+    state layers). ``cache_config`` and ``TransformersAdapter`` call it."""
     layers = state_modules(model)
-    run = mamba_forward if _family(model) in _MAMBA_CLASSES else conv_forward
+    family = _family(model)
+    run = (mamba_forward if family in _MAMBA_CLASSES
+           else gdn_forward if family in _GDN_CLASSES else conv_forward)
     for _, (_, module) in layers.items():
         if module in _ROUTED:
             continue
@@ -388,7 +551,7 @@ def _routed_call(module, cache, args: tuple, kwargs: dict, names: tuple = _NAMES
                  run=None):
     """A state module's call with ``kvcache=cache``: its arguments checked (transformers'
     ``(hidden_states, cache=None, attention_mask=None, **kwargs)``; ``names`` its positional
-    parameters), then ``run`` (``conv_forward`` or ``mamba_forward``)."""
+    parameters), then ``run`` (``conv_forward``, ``mamba_forward`` or ``gdn_forward``)."""
     layer = module.layer_idx
     kw = dict(kwargs)
     if len(args) > len(names):
@@ -697,3 +860,199 @@ def mamba_forward(module, cache, hidden_states):
             rest = ~is_step
             out[:, rest] = module.norm(flat[:, rest], gate[:, rest]).to(dtype)
     return module.out_proj(out)
+
+
+def _l2norm(x, eps: float = 1e-6):
+    """transformers' ``l2norm`` of the gated delta rule (last dim, in x's dtype)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _gdn_inputs(q, k, v, g, beta):
+    """The gated delta rule's inputs as both of transformers' forms prepare them: ``q``/``k``
+    (N, L, key heads, dk), ``v`` (N, L, value heads, dv), ``g``/``beta`` (N, L, value heads) ->
+    float32 (N, value heads, L, ...), keys repeated over their value heads, ``q``/``k``
+    L2-normalized, ``q`` scaled by ``dk ** -0.5`` (returned unscaled too: the recurrent form
+    divides, the chunked form multiplies)."""
+    nk, nv = k.shape[2], v.shape[2]
+    if nk != nv:
+        q = q.repeat_interleave(nv // nk, dim=2)
+        k = k.repeat_interleave(nv // nk, dim=2)
+    q, k, v, beta, g = (t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for t in (q, k, v, beta, g))
+    return _l2norm(q), _l2norm(k), v, g, beta
+
+
+def _gdn_step(q, k, v, g, beta, state):
+    """transformers' recurrent gated delta rule for one token of each of ``N`` sequences, in
+    its order of operations (so float32 tokens match its decode step): ``q``/``k`` (N, 1, key
+    heads, dk), ``v`` (N, 1, value heads, dv), ``g``/``beta`` (N, 1, value heads), ``state``
+    (N, value heads, dk, dv) float32. Returns ``(out (N, 1, value heads, dv) in q's dtype, new
+    state float32)``."""
+    dtype = q.dtype
+    q, k, v, g, beta = _gdn_inputs(q, k, v, g, beta)
+    q = q / (q.shape[-1] ** 0.5)
+    s = state.to(v)
+    q_t, k_t, v_t = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+    s = s * g[:, :, 0].exp()[..., None, None]
+    kv_mem = (s * k_t.unsqueeze(-1)).sum(dim=-2)
+    delta = (v_t - kv_mem) * beta[:, :, 0].unsqueeze(-1)
+    s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (s * q_t.unsqueeze(-1)).sum(dim=-2)                   # (N, heads, dv)
+    return out[:, None].contiguous().to(dtype), s
+
+
+def _gdn_rule(q, k, v, g, beta, state, size: int):
+    """transformers' chunked gated delta rule over one sequence's ``L`` tokens (the inputs as
+    ``_gdn_inputs`` gives them, batch 1) from ``state`` (1, heads, dk, dv) float32, in chunks of
+    ``size`` tokens, in its order of operations. Returns ``(out (1, heads, L, dv) float32,
+    final state, starts)``, ``starts`` the states before each chunk."""
+    length = q.shape[2]
+    q = q * (q.shape[-1] ** -0.5)
+    pad = (size - length % size) % size
+    q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    beta, g = (torch.nn.functional.pad(t, (0, pad)) for t in (beta, g))
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (t.reshape(t.shape[0], t.shape[1], -1, size, t.shape[-1])
+                            for t in (q, k, k_beta, v_beta))
+    g = g.reshape(g.shape[0], g.shape[1], -1, size)
+    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=3)
+    pair = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, decayed_k_beta, upper=False,
+                                               unitriangular=True)
+    s = state.to(new_values)
+    out = torch.zeros_like(new_values)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    starts = []
+    for i in range(new_values.shape[2]):
+        starts.append(s)
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
+        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(out.shape[0], out.shape[1], -1, out.shape[-1])[:, :, :length]
+    return out, s, starts
+
+
+def _gdn_chunked(q, k, v, g, beta, state, size: int = GDN_CHUNK, at: tuple = ()):
+    """The chunked gated delta rule over one sequence's ``L`` tokens from ``state`` (1, value
+    heads, dk, dv) float32 (zeros: a new sequence), as transformers' prefill computes it:
+    ``q``/``k`` (1, L, key heads, dk), ``v`` (1, L, value heads, dv), ``g``/``beta`` (1, L,
+    value heads). A chunk continuing a sequence is what transformers gives a prefill that
+    continues from ``initial_state``. Returns ``(out (1, L, value heads, dv) in q's dtype,
+    final state (1, value heads, dk, dv) float32, states)``, ``states`` the states (value
+    heads, dk, dv) float32 after the first ``r`` tokens for each ``r`` of ``at`` (``0 < r <
+    L``: the prefix cache's checkpoints inside the chunk). Such a state is the one a run over
+    the first ``r`` tokens reaches, computed as that run computes it: the state before ``r``'s
+    rule chunk, then the rule over that chunk's tokens before ``r`` (zero padding adds nothing
+    to the state, and the padded chunk has the same shape)."""
+    dtype = q.dtype
+    q, k, v, g, beta = _gdn_inputs(q, k, v, g, beta)
+    out, final, starts = _gdn_rule(q, k, v, g, beta, state, size)
+    inner = []
+    for r in at:
+        c, o = divmod(int(r), size)
+        if o == 0:
+            inner.append(starts[c][0])
+            continue
+        a = c * size
+        _, s, _ = _gdn_rule(q[:, :, a:r], k[:, :, a:r], v[:, :, a:r], g[:, :, a:r],
+                            beta[:, :, a:r], starts[c], size)
+        inner.append(s[0])
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), final, inner
+
+
+def gdn_forward(module, cache, hidden_states):
+    """A Qwen3-Next gated DeltaNet layer over the open forward of ``cache``, per sequence.
+
+    ``module``: the layer's ``Qwen3NextGatedDeltaNet`` (``gdn_layers``); ``hidden_states``
+    (1, T, hidden): the T new tokens of the forward's sequences packed in ``begin_forward``
+    order (prefill chunks and decode tokens alike). The projections (the layer's own
+    ``fix_query_key_value_ordering``) and the gated norm run on the packed row; the causal
+    depthwise conv (then the layer's activation) over one block per sequence that starts with
+    its conv state (``cache.get_state(layer, "conv")``, (B, conv_dim, kernel - 1): zeros for a
+    new sequence), as ``conv_forward`` does; the gated delta rule per sequence from its state
+    (``"recurrent"``, (B, value heads, dk, dv)): one token of a sequence with a past in the
+    recurrent form (all such tokens at once), anything else in the chunked form, as
+    transformers' decode step and prefill compute them. The new states are written with
+    ``cache.set_state`` (committed at ``end_forward``), and the states at the prefix cache's
+    boundaries inside the appends with ``cache.set_state_checkpoints``. Returns the layer's
+    output (1, T, hidden) in ``hidden_states``' dtype. Raises ``InvalidArgumentError`` when
+    ``hidden_states`` is not the open forward's packed row."""
+    from transformers.activations import ACT2FN
+    layer = module.layer_idx
+    plan, lengths = _open_forward(module, cache, hidden_states, "a gated DeltaNet layer")
+    past = np.asarray(plan.tokens.k_rope_offset)[:len(lengths)]   # committed lengths
+    dtype, device = hidden_states.dtype, hidden_states.device
+    nk, nv = module.num_k_heads, module.num_v_heads
+    dk, dv = module.head_k_dim, module.head_v_dim
+    key_dim, value_dim, conv_dim = module.key_dim, module.value_dim, module.conv_dim
+    query, key, value, z, b, a = module.fix_query_key_value_ordering(
+        module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
+    t = hidden_states.shape[1]
+    mixed = torch.cat([part.reshape(1, t, -1) for part in (query, key, value)], dim=-1)[0]
+    # the conv: one block per sequence (its state's columns, then its tokens), as conv_forward
+    conv = module.conv1d
+    weight = conv.weight                                          # (conv_dim, 1, K)
+    k1, s = int(weight.shape[-1]) - 1, len(lengths)
+    states = _state_to_torch(cache, cache.get_state(layer, CONV_STATE), device, dtype)
+    order, out, keep = (torch.from_numpy(a_).to(device) for a_ in _indices(lengths, k1))
+    src = torch.cat([states.permute(1, 0, 2).reshape(conv_dim, s * k1), mixed.t()], dim=1)
+    laid = src.index_select(1, order)
+    y = torch.nn.functional.conv1d(laid.unsqueeze(0).to(weight.dtype), weight, conv.bias,
+                                   groups=conv_dim)[0]
+    y = ACT2FN[module.activation](y.index_select(1, out)).to(dtype).t()   # (T, conv_dim)
+    new_conv = laid.index_select(1, keep).view(conv_dim, s, k1).permute(1, 0, 2)
+    q, k, v = y.split([key_dim, key_dim, value_dim], dim=-1)
+    q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)
+    beta = b.sigmoid()[0]                                         # (T, value heads)
+    g = (-module.A_log.float().exp() * torch.nn.functional.softplus(
+        a.float() + module.dt_bias))[0]
+    rec = _state_to_torch(cache, cache.get_state(layer, RECURRENT_STATE), device, torch.float32)
+    core = torch.empty(t, nv, dv, dtype=dtype, device=device)
+    new_rec = torch.empty_like(rec)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
+    if step:
+        rows = torch.from_numpy(starts[step]).to(device)
+        seqs = torch.as_tensor(step, device=device)
+        qs, ks, vs, gs, bs = (x_.index_select(0, rows)[:, None] for x_ in (q, k, v, g, beta))
+        ys, st = _gdn_step(qs, ks, vs, gs, bs, rec.index_select(0, seqs))
+        core[rows] = ys[:, 0]
+        new_rec[seqs] = st
+    chosen = set(step)
+    marks = cache.state_checkpoints()      # the prefix cache's boundaries inside the chunks
+    wanted: dict = {}
+    for row, n in marks:
+        wanted.setdefault(row, []).append(n)
+    kept: dict = {}
+    for i in range(s):
+        if i in chosen or lengths[i] == 0:
+            if lengths[i] == 0:
+                new_rec[i] = rec[i]
+            continue
+        lo, n = int(starts[i]), lengths[i]
+        qs, ks, vs, gs, bs = (x_[lo:lo + n][None] for x_ in (q, k, v, g, beta))
+        ys, st, at = _gdn_chunked(qs, ks, vs, gs, bs, rec[i:i + 1], GDN_CHUNK,
+                                  tuple(wanted.get(i, ())))
+        core[lo:lo + n] = ys[0]
+        new_rec[i] = st[0]
+        kept.update(((i, r), state) for r, state in zip(wanted.get(i, ()), at))
+    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv))
+    cache.set_state(layer, RECURRENT_STATE, _state_to_cache(cache, new_rec))
+    if marks:
+        cols = torch.from_numpy(checkpoint_columns(lengths, k1, marks)).to(device)
+        conv_at = laid.index_select(1, cols).view(conv_dim, len(marks), k1).permute(1, 0, 2)
+        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at))
+        cache.set_state_checkpoints(layer, RECURRENT_STATE, _state_to_cache(
+            cache, torch.stack([kept[w] for w in marks])))
+    # the gated norm per head of each token (both of transformers' forms hand it the rule's
+    # output in the model dtype), then the projection
+    normed = module.norm(core.reshape(-1, dv), z.reshape(-1, dv))
+    return module.out_proj(normed.reshape(1, t, value_dim))

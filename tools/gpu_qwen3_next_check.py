@@ -1,0 +1,128 @@
+"""Qwen3-Next (gated DeltaNet layers on state slots, issue 56, docs/hybrid.md increment 9) on a
+GPU: a random-weight Qwen3-Next (linear-attention and gated full-attention layers, MoE MLPs)
+served by the Engine on the cuda backend, greedy, against transformers' own ``generate`` on
+the same model, in bfloat16 then float32; then half the prompts again behind a shared system
+prompt sent twice, to count the prefix hits through state checkpoints (the Engine's own
+checkpoint interval: the pages whose KV takes a checkpoint's bytes, some hundreds of tokens
+for these states, so the system prompt is longer than that).
+
+In bfloat16 a request whose tokens differ is judged by a teacher-forced re-score
+(``kvcache.demo.check.rescore_greedy``: every token the argmax or within the bfloat16 near-tie
+margin), and the report says how many parted that way: the cache keeps the recurrent state in
+the cache dtype (bfloat16) where transformers keeps it in float32, so near-ties may part. In
+float32 the tokens must be equal, unless transformers runs the layer with the
+``flash-linear-attention`` (``fla``) / ``causal_conv1d`` kernels here (other summation orders
+than its PyTorch path, which the cache follows): then differing requests are judged by the
+re-score at float32's margin and counted.
+
+    python tools/gpu_qwen3_next_check.py [--layers 8] [--hidden 512] [--requests 12]
+        [--new 24] [--experts 8] [--system 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import numpy as np
+import torch
+import transformers
+
+from kvcache.demo.check import rescore_greedy
+from kvcache.integrations.transformers import Engine, state_kinds
+
+
+def model_of(layers: int, hidden: int, experts: int, dtype, seed: int = 0):
+    """A random Qwen3-Next on the GPU: every fourth layer full attention (its order in the
+    released model), the others gated DeltaNet (4 key heads and 8 value heads of 64, a conv of
+    4 taps), MoE MLPs of ``experts`` experts (2 per token) beside a shared expert, ``dt_bias``
+    drawn."""
+    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    kw = dict(vocab_size=1024, num_hidden_layers=layers, hidden_size=hidden,
+              intermediate_size=2 * hidden, num_attention_heads=8, num_key_value_heads=2,
+              head_dim=64, num_experts=experts, num_experts_per_tok=2,
+              moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
+              linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+              linear_num_key_heads=4, linear_num_value_heads=8, layer_types=types,
+              pad_token_id=0, bos_token_id=None, eos_token_id=None, initializer_range=0.05,
+              tie_word_embeddings=False, max_position_embeddings=4096)
+    config = transformers.AutoConfig.for_model("qwen3_next", **kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log"):
+                m.dt_bias.normal_(0.0, 1.0)
+    return model.to("cuda", dtype).eval()
+
+
+def _generate(model, prompt, new: int) -> list:
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
+                              max_new_tokens=new, min_new_tokens=new)[0, len(prompt):].tolist()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--new", type=int, default=24)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--system", type=int, default=600)
+    a = p.parse_args()
+    kernels = [k for k in ("fla", "causal_conv1d") if importlib.util.find_spec(k)]
+    print(f"transformers {transformers.__version__}; its gated DeltaNet kernels here: "
+          f"{', '.join(kernels) or 'none (its PyTorch path)'}")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 1024, int(n)).tolist() for n in rng.integers(3, 300, a.requests)]
+    system = rng.integers(1, 1024, a.system).tolist()
+    bad = 0
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        model = model_of(a.layers, a.hidden, a.experts, dtype)
+        engine = Engine(model, backend="cuda", device="cuda", max_batch_size=8,
+                        prefill_chunk_size=128)
+        out = [o[0] for o in engine.generate(prompts, max_new_tokens=a.new, ignore_eos=True)]
+        # a shared system prompt: the first call computes its checkpoints, the second hits them
+        behind = [system + q[:20] for q in prompts[: len(prompts) // 2]]
+        engine.generate(behind[:1], max_new_tokens=a.new, ignore_eos=True)
+        hits0 = engine.stats.prefix_hit_tokens
+        later = [o[0] for o in engine.generate(behind[1:], max_new_tokens=a.new,
+                                               ignore_eos=True)]
+        hits = engine.stats.prefix_hit_tokens - hits0
+        same, ties, parted = 0, 0, 0
+        for prompt, got in zip(prompts + behind[1:], out + later):
+            want = _generate(model, prompt, a.new)
+            if got == want:
+                same += 1
+                continue
+            if name == "float32" and not kernels:
+                print(f"  float32: a request's tokens differ from generate's: {got} vs {want}")
+                bad += 1
+                continue
+            n, problem = rescore_greedy(model, prompt, got, name)
+            if problem is not None:
+                print(f"  {name}: a request's tokens fail the re-score: {problem}")
+                bad += 1
+            else:
+                parted += 1
+                ties += n
+        total = len(prompts) + len(behind) - 1
+        print(f"qwen3_next {a.layers} layers ({len(state_kinds(model))} gated DeltaNet), hidden "
+              f"{a.hidden}, {a.experts} experts, {name} on the GPU: {same}/{total} requests "
+              f"token-identical to transformers' generate"
+              + (f", {parted} parted at near-ties only ({ties} tokens, teacher-forced re-score)"
+                 if parted else "")
+              + f"; {hits} prompt tokens hit the prefix cache behind the shared system prompt of "
+              f"{a.system} (a checkpoint every "
+              f"{engine.config.state_checkpoint_interval * engine.config.page_size} tokens; "
+              f"misses {dict(engine.stats.prefix_miss_tokens_by_reason)}); graphs "
+              f"{bool(engine.graphs)}; {engine.state_layers_off}")
+        del engine, model
+        torch.cuda.empty_cache()
+    print("OK" if not bad else f"FAILED ({bad})")
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
