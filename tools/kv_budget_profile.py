@@ -3,8 +3,8 @@ bf16): the same two Engines as ``kvcache bench --serving --workload kv-budget --
 float8_e4m3`` (Llama-3-8B layer shapes, 8 layers, bf16 compute, 256 requests of 128-1024
 tokens, 128 new each, batch 64, 704 MiB of pages each), each timed, then its engine counters,
 the GPU busy fraction under torch.profiler with the kernels by total time, and cProfile's host
-functions by own time. Each Engine is warmed up as the bench does (``Engine.warm_up()``: every
-graph bucket captured, then other prompts).
+functions by own time. Each Engine is warmed up as the bench does (other prompts, which
+calibrate the fp8 scales, then ``Engine.warm_up()``: every graph bucket captured).
 
     python tools/kv_budget_profile.py [--requests 256] [--kv-dtype float8_e4m3] [--top 15]
 """
@@ -47,9 +47,9 @@ def main() -> None:
                         max_total_tokens=budget_tokens(budget, tb[kv]), kv_dtype=kv)
         engine.progress = False
         runner = Online(engine, a.new, track_running=True)
+        runner.run([warm])
         if not a.no_warm_up:
             engine.warm_up()
-        runner.run([warm])
 
         def whole():
             torch.cuda.synchronize()

@@ -162,6 +162,15 @@ def warm_up(engine) -> WarmUp:
         raise InvalidArgumentError(
             "Engine.warm_up(): the engine has unfinished requests; warm it up before adding "
             "requests (or once they are done)")
+    scales = engine.cache.scales
+    if engine.graphs and scales is not None and not scales.all_calibrated():
+        # its steps' tokens are zeros: they must not set the scales real requests are stored
+        # with, and a captured step cannot calibrate them
+        raise InvalidArgumentError(
+            f"Engine.warm_up(): the fp8 scales (kv_dtype={engine.cache.config.kv_dtype!r}) are "
+            f"not calibrated yet, and the warm-up's dummy tokens must not set them; serve a "
+            f"first request (its forward calibrates them) or give them with "
+            f"cache.set_kv_scales, then warm up")
     cache, stats = engine.cache, engine.stats
     saved = dataclasses.asdict(stats)
     result = WarmUp()

@@ -12,10 +12,10 @@ format of fewer bytes holds more tokens. The default budget holds half of what t
 at once in the auto format: ``batch * (mean prompt + new tokens) / 2`` tokens (at least the
 longest request), so the auto run must queue or preempt.
 
-Per run, measured after ``Engine.warm_up()`` and a warm-up run of the same shape on other
-prompts: tokens/s, the median and p90 time to first token (from the moment every request was
-added), the peak number of
-sequences in the cache at once (``Scheduler.num_running`` after each step), the Engine's
+Per run, measured after a warm-up run of the same shape on other prompts (it calibrates fp8
+scales) and ``Engine.warm_up()`` (every graph bucket): tokens/s, the median and p90 time to
+first token (from the moment every request was added), the peak number of sequences in
+the cache at once (``Scheduler.num_running`` after each step), the Engine's
 preemptions and recomputed tokens, the pages and their token capacity, and whether preempted
 sequences were parked in the host tier (the Engine's default on a GPU, every format). For
 the pair: the ratios
@@ -113,11 +113,12 @@ def run_kv_budget(args, net, device: str, backend: str, kv_dtype: str, say: Call
             say(f"({key}) kvcache Engine, kv_dtype {cfg.kv_dtype}: {engine.cache.num_total_pages} "
                 f"pages in {cfg.kv_bytes / 2**20:.2f} MiB; warm-up run")
             runner = Online(engine, args.new_tokens, track_running=True)
-            # every graph bucket captured first (other prompts meet fewer batch sizes than
-            # the measured run: the fp8 run, holding more sequences, captured 9 graphs inside
-            # its timed run, 0.61x then, 1.48x without), then other prompts: calibration
-            engine.warm_up()
+            # other prompts first (they calibrate fp8 scales from real tokens), then every
+            # graph bucket (other prompts meet fewer batch sizes than the measured run: the
+            # fp8 run, holding more sequences, captured 9 graphs inside its timed run, 0.61x
+            # then, 1.48x without)
             runner.run([warm])
+            engine.warm_up()
             before = dataclasses.replace(engine.stats)
             runner.peak_running = 0
             say(f"({key}) measured run")

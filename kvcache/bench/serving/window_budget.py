@@ -15,8 +15,8 @@ memory. The budget becomes each run's ``max_total_tokens``: the most whose page 
 of what the batch needs at once when every page is kept (at least the window pools and the
 longest request), so that run must queue or preempt.
 
-Per run, after ``Engine.warm_up()`` and a warm-up run on other prompts: tokens/s, time to first
-token, the peak number of sequences at once, preemptions, the tokens the cache holds. For the
+Per run, after a warm-up run on other prompts and ``Engine.warm_up()``: tokens/s, time to
+first token, the peak number of sequences at once, preemptions, the tokens the cache holds. For the
 pair: window groups / every page of tokens/s (target >= 1.5x) and peak concurrency, and the
 requests whose greedy tokens are equal (a count: the batches differ between the runs, and
 bfloat16 on a GPU parts at near-ties).
@@ -142,8 +142,8 @@ def run_window_budget(args, net, device: str, backend: str, say: Callable) -> di
             say(f"({key}) kvcache Engine, window_groups={groups}: {tokens[key]} tokens in "
                 f"{cfg.kv_bytes / 2**20:.2f} MiB; warm-up")
             runner = Online(engine, args.new_tokens, track_running=True)
-            engine.warm_up()
             runner.run([warm])
+            engine.warm_up()
             before = dataclasses.replace(engine.stats)
             runner.peak_running = 0
             say(f"({key}) measured run")
