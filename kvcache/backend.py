@@ -553,11 +553,13 @@ class Backend(abc.ABC):
         return False
 
     # ------------------------------------------------------------------ state slots
-    def allocate_state(self, num_slots: int, shape: tuple):
-        """A zeroed array of shape ``(num_slots, *shape)`` in the config's ``dtype`` on the
-        device: one named state of one state layer (``CacheConfig.layer_kinds`` with
-        ``State``), row ``s`` the state of the sequence holding slot ``s``. Capability
-        ``state_slots``; this default raises UnsupportedFeatureError."""
+    def allocate_state(self, num_slots: int, shape: tuple, dtype: Optional[str] = None):
+        """A zeroed array of shape ``(num_slots, *shape)`` in ``dtype`` (a ``DTYPES`` name;
+        None: the config's ``dtype``) on the device: one named state of one state layer
+        (``CacheConfig.layer_kinds`` with ``State``; ``State.dtype``), row ``s`` the state of
+        the sequence holding slot ``s``. The cache passes ``dtype`` only for a state whose
+        dtype differs from the config's. Capability ``state_slots``; this default raises
+        UnsupportedFeatureError."""
         raise UnsupportedFeatureError(
             f"backend {self.name!r} does not implement allocate_state: "
             f"{Capabilities.reason('state_slots')}")

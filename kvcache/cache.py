@@ -24,7 +24,7 @@ import numpy as np
 from .backend import Capabilities
 from . import files, layer_groups, prefix_files
 from .cache_calls import busy_error, doc_of, exclusive, part_call, part_view, run_call
-from .config import CacheConfig
+from .config import DTYPES, CacheConfig
 from .core.aux import MergedAuxManager, PlainAuxManager
 from .core.groups import group_specs
 from .core.imports import ImportReservation
@@ -182,8 +182,9 @@ class PagedKVCache:
                 f"free_pages={pt.num_free})")
 
     # ------------------------------------------------------------------ arrays
-    def from_numpy(self, array: Any) -> Array:
-        """A native array on the cache's device: floats in the cache dtype, ints as int32."""
+    def from_numpy(self, array: Any, dtype: Optional[str] = None) -> Array:
+        """A native array on the cache's device: floats in ``dtype`` (a ``DTYPES`` name; None:
+        the cache dtype), ints as int32."""
         try:
             host = np.asarray(array)
         except Exception as e:
@@ -191,7 +192,10 @@ class PagedKVCache:
         if host.dtype.kind in "OUSMmc":
             raise InvalidArgumentError(
                 f"from_numpy needs a real numeric array, got dtype {host.dtype} from {type(array).__name__}")
-        return self.backend.from_numpy(host)
+        if dtype is not None and dtype not in DTYPES:
+            raise InvalidArgumentError(f"from_numpy: dtype={dtype!r:.40} must be None or one "
+                                       f"of {DTYPES}")
+        return self.backend.from_numpy(host, dtype)
 
     def _no_forward(self, what: str) -> None:
         if self._run is not None:

@@ -66,14 +66,22 @@ class State:
     ``shapes``: ``{name: shape}``, at least one named array per layer, each shape a tuple of
     ints >= 1 (``()``: one value per sequence), e.g. Mamba-2's ``{"conv": (d_conv - 1,
     conv_dim), "ssm": (heads, head_dim, d_state)}``; a sequence's state of ``name`` is an array
-    of that shape in the cache ``dtype``. Read back ``shapes`` is a tuple of ``(name, shape)``
-    pairs sorted by name (hashable: equal kinds form one group). InvalidArgumentError for an
-    empty mapping, a name that is not a non-empty string, or a shape that is not a tuple of
-    ints >= 1."""
+    of that shape in ``dtype``. Read back ``shapes`` is a tuple of ``(name, shape)``
+    pairs sorted by name (hashable: equal kinds form one group). ``dtype``: the states'
+    storage dtype, one of ``DTYPES`` (None, the default: the cache ``dtype``); a recurrence
+    whose model keeps its state in float32 under a 16-bit model (Mamba-2's SSM state, a gated
+    DeltaNet's) asks for ``"float32"``, so rounding does not compound step after step.
+    InvalidArgumentError for an empty mapping, a name that is not a non-empty string, a shape
+    that is not a tuple of ints >= 1, or a dtype not in ``DTYPES``."""
 
     shapes: Union[Mapping, tuple]
+    dtype: Optional[str] = None
 
     def __post_init__(self):
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InvalidArgumentError(
+                f"State.dtype={self.dtype!r:.40} must be None (the cache dtype) or one of "
+                f"{DTYPES}")
         value = self.shapes
         pairs = list(value.items()) if isinstance(value, Mapping) else value
         if not isinstance(pairs, (list, tuple)) or not pairs:
@@ -117,8 +125,13 @@ class State:
             total += n
         return total
 
+    def storage(self, cache_dtype: str) -> str:
+        """The dtype the states are stored in, in a cache of ``cache_dtype``."""
+        return self.dtype or cache_dtype
+
     def __repr__(self) -> str:
-        return f"State({dict(self.shapes)})"
+        extra = "" if self.dtype is None else f", dtype={self.dtype!r}"
+        return f"State({dict(self.shapes)}{extra})"
 
 
 _UNSET = type("RopeModeUnset", (), {"__repr__": lambda self: "'normal' (unset)"})()
@@ -514,9 +527,9 @@ class CacheConfig:
         """Bytes of the state arrays: ``num_state_slots`` slots and ``num_state_checkpoints``
         checkpoints of every state layer's arrays (``State.shapes``) in ``dtype``; 0 without
         state layers. The pages (``kv_bytes``) are separate: state layers have none."""
-        per_slot = sum(kind.elements() for kind in self.state_layers.values())
-        return ((self.num_state_slots + self.num_state_checkpoints) * per_slot
-                * itemsize(self.dtype))
+        per_slot = sum(kind.elements() * itemsize(kind.storage(self.dtype))
+                       for kind in self.state_layers.values())
+        return (self.num_state_slots + self.num_state_checkpoints) * per_slot
 
     @property
     def window_groups(self) -> tuple:

@@ -167,12 +167,13 @@ class ForwardRun:
         layer_id, name = self._state_arg(plan, layer_id, name, "set_state")
         want = (len(plan.seq_ids),) + self.state_layers[layer_id].shape(name)
         self._check_values(f"set_state({layer_id}, {name!r})", values, want,
-                           f"one state per sequence of {plan.seq_ids}")
+                           f"one state per sequence of {plan.seq_ids}", layer_id)
         self.staged[layer_id, name] = values
 
-    def _check_values(self, what: str, values, want: tuple, rows: str) -> None:
+    def _check_values(self, what: str, values, want: tuple, rows: str, layer: int) -> None:
         """InvalidArgumentError unless ``values`` is a backend array of shape ``want`` in the
-        cache dtype (``rows``: what its rows are, for the message)."""
+        dtype of state layer ``layer``'s states (``rows``: what its rows are, for the
+        message)."""
         b = self.backend
         if not b.is_native(values):
             raise InvalidArgumentError(
@@ -181,10 +182,11 @@ class ForwardRun:
         if b.shape_of(values) != want:
             raise InvalidArgumentError(
                 f"{what}: values has shape {b.shape_of(values)}, expected {want} ({rows})")
-        if b.dtype_name(values) != self.config.dtype:
+        dtype = self.state_layers[layer].storage(self.config.dtype)
+        if b.dtype_name(values) != dtype:
             raise InvalidArgumentError(
-                f"{what}: values has dtype {b.dtype_name(values)}, the cache stores "
-                f"{self.config.dtype}")
+                f"{what}: values has dtype {b.dtype_name(values)}, the cache stores these "
+                f"states in {dtype}")
 
     def _wanted(self) -> list:
         if self.wanted is None:
@@ -228,7 +230,7 @@ class ForwardRun:
         layer_id, name = self._state_arg(plan, layer_id, name, "set_state_checkpoints")
         want = (len(self._inner()),) + self.state_layers[layer_id].shape(name)
         self._check_values(f"set_state_checkpoints({layer_id}, {name!r})", values, want,
-                           f"one state per position of state_checkpoints()")
+                           "one state per position of state_checkpoints()", layer_id)
         self.staged_checkpoints[layer_id, name] = values
 
     def commit_checkpoints(self) -> None:

@@ -394,14 +394,15 @@ class ReferenceBackend(Backend):
                     out[layer, full:] = p[rest // ps, which, :, rest % ps, :dim]
         return True
 
-    def allocate_state(self, num_slots, shape):
-        return np.zeros((num_slots,) + tuple(shape), dtype=self.dtype)
+    def allocate_state(self, num_slots, shape, dtype=None):
+        return np.zeros((num_slots,) + tuple(shape),
+                        dtype=self.dtype if dtype is None else np_dtype(dtype))
 
     def gather_state(self, states, slots):
         return states[np.asarray(slots, np.int64)]          # fancy indexing: a copy
 
     def scatter_state(self, states, slots, values):
-        states[np.asarray(slots, np.int64)] = np.asarray(values).astype(self.dtype)
+        states[np.asarray(slots, np.int64)] = np.asarray(values).astype(states.dtype)
 
     def _gather(self, pages_per_layer, slots):
         ps = self.config.page_size

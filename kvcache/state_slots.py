@@ -25,10 +25,15 @@ class StateArrays:
     def __init__(self, backend, config):
         self.backend = backend
         n, c = config.num_state_slots, config.num_state_checkpoints
-        self.arrays: dict = {layer: {name: backend.allocate_state(n, shape)
-                                     for name, shape in kind.shapes}
+
+        def allocate(rows: int, shape: tuple, kind) -> Array:
+            # a dtype is passed only where it differs (backends written before State.dtype)
+            if kind.storage(config.dtype) == config.dtype:
+                return backend.allocate_state(rows, shape)
+            return backend.allocate_state(rows, shape, kind.dtype)
+        self.arrays: dict = {layer: {name: allocate(n, shape, kind) for name, shape in kind.shapes}
                              for layer, kind in config.state_layers.items()}
-        self.checkpoints: dict = {layer: {name: backend.allocate_state(c, shape)
+        self.checkpoints: dict = {layer: {name: allocate(c, shape, kind)
                                           for name, shape in kind.shapes}
                                   for layer, kind in config.state_layers.items()} if c else {}
         self._zeros: dict = {}      # shape -> a (1, *shape) zero array (a new slot's state)

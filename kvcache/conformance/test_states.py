@@ -235,6 +235,36 @@ class TestStateSlots(Conformance):
         t.forward([3, 1], [1, 1])
         t.finish()
 
+    def test_a_state_dtype_of_its_own(self, twin):
+        """``State(..., dtype="float32")`` beside the cache dtype's states: its arrays are
+        float32 on the backend (``allocate_state``'s ``dtype``), values float32 can hold and
+        the cache dtype cannot come back bit for bit after a fork, queued and read at the end."""
+        import dataclasses
+        t = twin()
+        wide = {1: State({"ssm": (2, 3)}, dtype="float32"), 2: KINDS[2]}
+        config = dataclasses.replace(t.config, layer_kinds=wide)
+        cache = PagedKVCache(config, backend=t.cache.backend.name, device=t.cache.backend.device)
+        fine = (1 + np.arange(12, dtype=np.float32).reshape(2, 2, 3) * np.float32(2.0 ** -20))
+        cache.add_sequence(0)
+        cache.add_sequence(1)
+        cache.begin_forward([0, 1], [3, 2])
+        c = cache.config
+        q, k, v = (cache.from_numpy(t.rng.standard_normal((5, h, c.head_dim)))
+                   for h in (c.num_qo_heads, c.num_kv_heads, c.num_kv_heads))
+        cache.attention(0, q, k, v)
+        cache.set_state(1, "ssm", cache.from_numpy(fine, "float32"))
+        cache.set_state(2, "conv", cache.from_numpy(np.zeros((2, 6))))
+        cache.end_forward()
+        cache.fork_sequence(1, 2)
+        cache.begin_forward([2, 0], [1, 1])
+        got = cache.get_state(1, "ssm")
+        cache.abort_forward()
+        read = to_numpy(got)
+        if read.dtype != np.float32 or not np.array_equal(read, fine[::-1]):
+            raise Mismatch(f"a float32 state in a {t.dtype} cache read back "
+                           f"{read.dtype} {read.ravel()[:4]}..., not the float32 values written"
+                           f"{t.context()}")
+
     def test_refusals(self, twin):
         """Out of slots is CacheFullError naming the limit, and a slot comes back at remove;
         ``popn``, a fork below the length and token trees are refused (no checkpoint); each

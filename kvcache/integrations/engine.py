@@ -68,7 +68,8 @@ def checkpoints_for(config, states: dict, slots: int, interval: Optional[int] = 
     (``EngineConfig.state_checkpoint_interval``). Empty without state layers."""
     if not states:
         return {}
-    state = sum(kind.elements() for kind in states.values()) * itemsize(config.dtype)
+    state = sum(kind.elements() * itemsize(kind.storage(config.dtype))
+                for kind in states.values())
     layers = max(1, config.num_layers - len(states))       # the layers with pages
     attention = max(1, config.token_kv_bytes // config.num_layers * layers * config.page_size)
     return dict(max_state_checkpoints=slots,

@@ -341,3 +341,37 @@ def test_window_groups_and_state_layers_compose():
     assert all((x == 4).all() for x in states(cache, [0, 1]).values())
     with pytest.raises(kvcache.UnsupportedFeatureError, match="window groups"):
         cache.export_sequence(0)
+
+
+def test_a_state_dtype_of_its_own_keeps_its_bits_in_a_16_bit_cache():
+    """``State(..., dtype="float32")`` in a float16 cache: its slots and checkpoints are float32
+    arrays (counted so in ``state_bytes``), it takes float32 values only, and reads back a value
+    float16 cannot hold bit for bit, restored from a checkpoint too; the other state layer
+    stays float16 (the old cache stored every state in the cache dtype)."""
+    wide = State({"ssm": (3,)}, dtype="float32")
+    assert repr(wide) == "State({'ssm': (3,)}, dtype='float32')"
+    with pytest.raises(kvcache.InvalidArgumentError, match="State.dtype='int8'"):
+        State({"ssm": (3,)}, dtype="int8")
+    c = config(dtype="float16", layer_kinds={1: wide, 2: SHORT}, prefix_cache=True)
+    assert c.state_bytes == (2 + 8) * (3 * 4 + 2 * 2)
+    cache = PagedKVCache(c, backend="reference")
+    arrays, ck = cache.state_arrays.arrays, cache.state_arrays.checkpoints
+    assert arrays[1]["ssm"].dtype == ck[1]["ssm"].dtype == np.float32
+    assert arrays[2]["conv"].dtype == np.float16
+    fine = np.array([[1 + 2.0 ** -20, -3 - 2.0 ** -18, 2.0 ** -30]], np.float32)
+    cache.add_sequence(0, list(range(1, 10)))
+    with cache.forward([0], [8]):
+        attend(cache, 8)
+        with pytest.raises(kvcache.InvalidArgumentError, match="stores these states in float32"):
+            cache.set_state(1, "ssm", cache.from_numpy(fine))            # float16 values
+        cache.set_state(1, "ssm", cache.from_numpy(fine, "float32"))
+        cache.set_state(2, "conv", cache.from_numpy(np.zeros((1, 2))))
+        assert cache.state_checkpoints() == ((0, 4),)
+        cache.set_state_checkpoints(1, "ssm", cache.from_numpy(2 * fine, "float32"))
+        cache.set_state_checkpoints(2, "conv", cache.from_numpy(np.ones((1, 2))))
+    got = states(cache, [0])
+    assert got[1, "ssm"].dtype == np.float32 and np.array_equal(got[1, "ssm"], fine)
+    cache.remove_sequence(0)
+    assert cache.add_sequence(1, list(range(1, 6)) + [99]) == 4        # the checkpoint at 4
+    got = states(cache, [1])
+    assert np.array_equal(got[1, "ssm"], 2 * fine) and np.array_equal(got[2, "conv"], [[1, 1]])

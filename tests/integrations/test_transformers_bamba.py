@@ -85,7 +85,9 @@ def _engine(model, **kw):
 def test_the_mamba_layers_are_state_layers():
     model, _, _ = _case()
     kinds = state_kinds(model)
-    assert kinds == {i: kvcache.State({"conv": (192, 3), "ssm": (4, 32, 16)}) for i in MAMBA}
+    # the SSM state in float32 (the model keeps it so under a 16-bit model)
+    assert kinds == {i: kvcache.State({"conv": (192, 3), "ssm": (4, 32, 16)}, dtype="float32")
+                     for i in MAMBA}
     cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
     assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 4)
     assert cfg.num_state_slots == 3
@@ -216,8 +218,8 @@ def test_granitemoehybrid_greedy_equals_generate(backend, monkeypatch):
     """Granite-4.0-H's mixer is Bamba's code: the same layers (its config names them mamba /
     attention), no rotary, residual multipliers; through the Engine as above."""
     model, prompts, want = _case("granitemoehybrid")
-    assert state_kinds(model) == {i: kvcache.State({"conv": (192, 3), "ssm": (4, 32, 16)})
-                                  for i in MAMBA}
+    assert state_kinds(model) == {i: kvcache.State({"conv": (192, 3), "ssm": (4, 32, 16)},
+                                                   dtype="float32") for i in MAMBA}
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     engine = _engine(model, backend=name, device=device)
     assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]

@@ -88,7 +88,8 @@ def _engine(model, **kw):
 def test_the_linear_attention_layers_are_state_layers():
     model, _, _ = _case()
     kinds = state_kinds(model)
-    assert kinds == {i: kvcache.State({"conv": (128, 3), "recurrent": (4, 16, 16)})
+    assert kinds == {i: kvcache.State({"conv": (128, 3), "recurrent": (4, 16, 16)},
+                                      dtype="float32")
                      for i in LINEAR}
     cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
     assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1,)
@@ -148,7 +149,8 @@ def test_as_many_key_heads_as_value_heads():
     """Key heads that are not repeated over value heads (4 of each): the same tokens as
     ``generate`` through the Engine."""
     model = make_qwen3_next(seed=4, linear_num_key_heads=4)
-    assert state_kinds(model)[0] == kvcache.State({"conv": (192, 3), "recurrent": (4, 16, 16)})
+    assert state_kinds(model)[0] == kvcache.State({"conv": (192, 3), "recurrent": (4, 16, 16)},
+                                                  dtype="float32")
     prompts = _prompts(9)[2:]
     out = _engine(model).generate(prompts, max_new_tokens=NEW)
     assert [o[0] for o in out] == [hf_greedy(model, p) for p in prompts]

@@ -528,9 +528,10 @@ class CudaBackend(Backend):
 
 
     # ------------------------------------------------------------------ state slots
-    def allocate_state(self, num_slots, shape):
+    def allocate_state(self, num_slots, shape, dtype=None):
         with torch.inference_mode(False):       # written in place by later forwards
-            return torch.zeros((num_slots,) + tuple(shape), dtype=self.dtype,
+            return torch.zeros((num_slots,) + tuple(shape),
+                               dtype=self.dtype if dtype is None else _torch_dtypes()[dtype],
                                device=self.torch_device)
 
     def gather_state(self, states, slots):

@@ -607,9 +607,10 @@ class MetalBackend(Backend, metaclass=_PriorityMeta):
             return k, v
 
     # ------------------------------------------------------------------ state slots
-    def allocate_state(self, num_slots, shape):
+    def allocate_state(self, num_slots, shape, dtype=None):
         with mx.stream(self.stream):
-            states = mx.zeros((num_slots,) + tuple(shape), dtype=self.dtype)
+            states = mx.zeros((num_slots,) + tuple(shape),
+                              dtype=self.dtype if dtype is None else self._ops.MX_DTYPES[dtype])
             mx.eval(states)
         return states
 

@@ -45,6 +45,9 @@ from ..conv_states import checkpoint_columns, conv_indices as _indices
 
 torch = require("torch", "transformers")
 
+WIDE_STATE = "float32"
+"""The ``State.dtype`` of the Mamba-2 and gated DeltaNet layers' states (their models keep the
+recurrent state in float32)."""
 CONV_STATE = "conv"
 """The name of a conv layer's state (``State({"conv": (hidden_size, conv_L_cache - 1)})``)."""
 
@@ -473,7 +476,10 @@ def state_kinds(model) -> dict:
     head_dim, ssm_state_size)})``, the conv's last inputs channels first (oldest first) and the
     SSM state as the model keeps it; a Qwen3-Next gated DeltaNet layer (``gdn_layers``):
     ``State({"conv": (conv_dim, conv_kernel_size - 1), "recurrent": (num_v_heads, head_k_dim,
-    head_v_dim)})``. Raises ``UnsupportedFeatureError`` for what is not understood."""
+    head_v_dim)})``. The last two are stored in float32 (``State.dtype``): the model keeps its
+    recurrent state in float32 under a 16-bit model, and a 16-bit state's rounding compounds
+    over the steps (a bfloat16 GPU run of Qwen3-Next parted from ``generate`` beyond the
+    near-tie margin so). Raises ``UnsupportedFeatureError`` for what is not understood."""
     from ...config import State
     layers = conv_layers(model)
     if layers:
@@ -482,10 +488,12 @@ def state_kinds(model) -> dict:
     mixers = mamba_layers(model)
     if mixers:
         return {i: State({CONV_STATE: (int(m.conv_dim), int(m.conv_kernel_size) - 1),
-                          SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))})
+                          SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))},
+                         dtype=WIDE_STATE)
                 for i, (_, m) in mixers.items()}
     return {i: State({CONV_STATE: (int(m.conv_dim), int(m.conv_kernel_size) - 1),
-                      RECURRENT_STATE: (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))})
+                      RECURRENT_STATE: (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))},
+                     dtype=WIDE_STATE)
             for i, (_, m) in gdn_layers(model).items()}
 
 
@@ -588,10 +596,17 @@ def _state_to_torch(cache, state, device, dtype):
     return torch.from_numpy(np.asarray(to_numpy(state), np.float32)).to(device=device, dtype=dtype)
 
 
-def _state_to_cache(cache, values):
+def _state_to_cache(cache, values, layer: int):
+    """``values`` as the cache stores state layer ``layer``'s states (``State.dtype``)."""
+    dtype = _storage(cache.config, layer)
     if cache.backend.is_native(values):
-        return values.to(getattr(torch, cache.config.dtype)).contiguous()
-    return cache.from_numpy(values.detach().to("cpu", torch.float32).numpy())
+        return values.to(getattr(torch, dtype)).contiguous()
+    return cache.from_numpy(values.detach().to("cpu", torch.float32).numpy(), dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _storage(config, layer: int) -> str:
+    return config.state_layers[layer].storage(config.dtype)
 
 
 def conv_forward(module, cache, hidden_states):
@@ -638,12 +653,12 @@ def conv_forward(module, cache, hidden_states):
                                    groups=hid)[0]
     y = y.index_select(1, out).to(hidden_states.dtype)            # (H, T)
     new = laid.index_select(1, keep).view(hid, s, k1).permute(1, 0, 2)
-    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new))
+    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new, layer))
     inner = cache.state_checkpoints()
     if inner:   # the prefix cache's checkpoints inside the appends: the k1 inputs before each
         at = torch.from_numpy(checkpoint_columns(lengths, k1, inner)).to(device)
         kept = laid.index_select(1, at).view(hid, len(inner), k1).permute(1, 0, 2)
-        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, kept))
+        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, kept, layer))
     y = (c[0] * y).transpose(0, 1).unsqueeze(0).contiguous()      # (1, T, H)
     return module.out_proj(y)
 
@@ -838,14 +853,14 @@ def mamba_forward(module, cache, hidden_states):
         scan[a:a + n] = ys[0]
         new_ssm[i] = st[0]
         kept.update(((i, r), state) for r, state in zip(wanted.get(i, ()), at))
-    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv))
-    cache.set_state(layer, SSM_STATE, _state_to_cache(cache, new_ssm))
+    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv, layer))
+    cache.set_state(layer, SSM_STATE, _state_to_cache(cache, new_ssm, layer))
     if marks:
         cols = torch.from_numpy(checkpoint_columns(lengths, k1, marks)).to(device)
         conv_at = laid.index_select(1, cols).view(conv_dim, len(marks), k1).permute(1, 0, 2)
-        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at))
+        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at, layer))
         cache.set_state_checkpoints(layer, SSM_STATE, _state_to_cache(
-            cache, torch.stack([kept[w] for w in marks])))
+            cache, torch.stack([kept[w] for w in marks]), layer))
     flat = scan.view(1, -1, inner)
     if not step:
         out = module.norm(flat, gate).to(dtype)
@@ -1044,14 +1059,14 @@ def gdn_forward(module, cache, hidden_states):
         core[lo:lo + n] = ys[0]
         new_rec[i] = st[0]
         kept.update(((i, r), state) for r, state in zip(wanted.get(i, ()), at))
-    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv))
-    cache.set_state(layer, RECURRENT_STATE, _state_to_cache(cache, new_rec))
+    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv, layer))
+    cache.set_state(layer, RECURRENT_STATE, _state_to_cache(cache, new_rec, layer))
     if marks:
         cols = torch.from_numpy(checkpoint_columns(lengths, k1, marks)).to(device)
         conv_at = laid.index_select(1, cols).view(conv_dim, len(marks), k1).permute(1, 0, 2)
-        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at))
+        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at, layer))
         cache.set_state_checkpoints(layer, RECURRENT_STATE, _state_to_cache(
-            cache, torch.stack([kept[w] for w in marks])))
+            cache, torch.stack([kept[w] for w in marks]), layer))
     # the gated norm per head of each token (both of transformers' forms hand it the rule's
     # output in the model dtype), then the projection
     normed = module.norm(core.reshape(-1, dv), z.reshape(-1, dv))
