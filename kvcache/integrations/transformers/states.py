@@ -143,33 +143,50 @@ def conv_layers(model) -> dict:
             raise UnsupportedFeatureError(
                 f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
                 f"{' and '.join(map(repr, _LAYER_TYPES))} layers of this family only")
-    hidden = int(config.hidden_size)
+    hidden, taps = int(config.hidden_size), int(config.conv_L_cache)
+    return _state_modules(
+        model, family, known, types, ("conv",), "conv module", "convolution",
+        lambda where, m: _check_conv(family, where, m, hidden, taps),
+        match=lambda cls: cls.__name__.endswith("ShortConv"))
+
+
+def _state_modules(model, family: str, known: tuple, types: list, kinds: tuple, noun: str,
+                   what: str, check, match=None) -> dict:
+    """``{layer: (path, module)}``: the modules of class ``known`` (``(module, class name)``,
+    read line by line) of ``model``, one at each layer whose type is in ``kinds``, each
+    passed to ``check(where, module)``. ``match(cls)``: which classes are candidates (None:
+    a class named ``known``'s name, subclasses too). Raises ``UnsupportedFeatureError`` naming
+    the module for a subclass or replacement, a ``layer_idx`` not of such a layer, two in one
+    layer, or such layers without one (``noun``: the modules in words; ``what``: what they
+    compute)."""
+    n = len(types)
     found: dict = {}
     for path, m in model.named_modules():
         cls = type(m)
-        if not cls.__name__.endswith("ShortConv"):
+        if not (match(cls) if match is not None
+                else any(c.__name__ == known[1] for c in cls.__mro__)):
             continue
         where = f"{path} ({cls.__name__})"
         if (cls.__module__, cls.__name__) != known:
             raise UnsupportedFeatureError(
                 f"the {family} model's {where} is not transformers' {known[1]} (a subclass or "
-                f"a replacement): its convolution is not understood")
+                f"a replacement): its {what} is not understood")
         layer = getattr(m, "layer_idx", None)
-        if not isinstance(layer, int) or not 0 <= layer < n or types[layer] != "conv":
+        if not isinstance(layer, int) or not 0 <= layer < n or types[layer] not in kinds:
             raise UnsupportedFeatureError(
-                f"the {family} model's {where} has layer_idx={layer!r}, not a 'conv' layer of "
-                f"its {n} layers")
+                f"the {family} model's {where} has layer_idx={layer!r}, not a "
+                f"{'/'.join(map(repr, kinds))} layer of its {n} layers")
         if layer in found:
             raise UnsupportedFeatureError(
-                f"the {family} model has two conv modules in layer {layer} "
-                f"({found[layer][0]}, {path}); the cache holds one state per layer")
-        _check_conv(family, where, m, hidden, int(config.conv_L_cache))
+                f"the {family} model has two {noun}s in layer {layer} ({found[layer][0]}, "
+                f"{path}); the cache holds one state per layer")
+        check(where, m)
         found[layer] = (path, m)
-    want = [i for i in range(n) if types[i] == "conv"]
+    want = [i for i in range(n) if types[i] in kinds]
     if sorted(found) != want:
         raise UnsupportedFeatureError(
-            f"the {family} model's layer_types name the conv layers {want}, but conv modules "
-            f"were found in layers {sorted(found)}")
+            f"the {family} model's layer types name the {'/'.join(kinds)} layers {want}, but "
+            f"{noun}s were found in layers {sorted(found)}")
     return {i: found[i] for i in want}
 
 
@@ -232,33 +249,9 @@ def mamba_layers(model) -> dict:
                 f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
                 f"{', '.join(map(repr, _MAMBA_TYPES + _ATTENTION_TYPES))} layers of this family "
                 f"only")
-    found: dict = {}
-    for path, m in model.named_modules():
-        cls = type(m)
-        if not any(c.__name__ == known[1] for c in cls.__mro__):
-            continue
-        where = f"{path} ({cls.__name__})"
-        if (cls.__module__, cls.__name__) != known:
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} is not transformers' {known[1]} (a subclass or "
-                f"a replacement): its mixer is not understood")
-        layer = getattr(m, "layer_idx", None)
-        if not isinstance(layer, int) or not 0 <= layer < n or types[layer] not in _MAMBA_TYPES:
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} has layer_idx={layer!r}, not a mamba layer of "
-                f"its {n} layers")
-        if layer in found:
-            raise UnsupportedFeatureError(
-                f"the {family} model has two mixers in layer {layer} ({found[layer][0]}, "
-                f"{path}); the cache holds one state per layer")
-        _check_mixer(family, where, m, int(config.hidden_size))
-        found[layer] = (path, m)
-    want = [i for i in range(n) if types[i] in _MAMBA_TYPES]
-    if sorted(found) != want:
-        raise UnsupportedFeatureError(
-            f"the {family} model's layer types name the mamba layers {want}, but mixers were "
-            f"found in layers {sorted(found)}")
-    return {i: found[i] for i in want}
+    return _state_modules(model, family, known, types, _MAMBA_TYPES, "mixer", "mixer",
+                          lambda where, m: _check_mixer(family, where, m,
+                                                        int(config.hidden_size)))
 
 
 def _check_mixer(family: str, where: str, m, hidden: int) -> None:
@@ -353,33 +346,9 @@ def gdn_layers(model) -> dict:
                 f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
                 f"'linear_attention' and 'full_attention' layers of this family only")
     _check_gdn_rule(family, known[0])
-    found: dict = {}
-    for path, m in model.named_modules():
-        cls = type(m)
-        if not any(c.__name__ == known[1] for c in cls.__mro__):
-            continue
-        where = f"{path} ({cls.__name__})"
-        if (cls.__module__, cls.__name__) != known:
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} is not transformers' {known[1]} (a subclass or "
-                f"a replacement): its linear attention is not understood")
-        layer = getattr(m, "layer_idx", None)
-        if not isinstance(layer, int) or not 0 <= layer < n or types[layer] != "linear_attention":
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} has layer_idx={layer!r}, not a "
-                f"'linear_attention' layer of its {n} layers")
-        if layer in found:
-            raise UnsupportedFeatureError(
-                f"the {family} model has two gated DeltaNet modules in layer {layer} "
-                f"({found[layer][0]}, {path}); the cache holds one state per layer")
-        _check_gdn(family, where, m, int(config.hidden_size))
-        found[layer] = (path, m)
-    want = [i for i in range(n) if types[i] == "linear_attention"]
-    if sorted(found) != want:
-        raise UnsupportedFeatureError(
-            f"the {family} model's layer_types name the linear_attention layers {want}, but "
-            f"gated DeltaNet modules were found in layers {sorted(found)}")
-    return {i: found[i] for i in want}
+    return _state_modules(model, family, known, types, ("linear_attention",),
+                          "gated DeltaNet module", "linear attention",
+                          lambda where, m: _check_gdn(family, where, m, int(config.hidden_size)))
 
 
 def _check_gdn_rule(family: str, module_name: str) -> None:
@@ -623,44 +592,41 @@ def conv_forward(module, cache, hidden_states):
     dtype, ``C *``, ``out_proj``). Raises ``InvalidArgumentError`` when ``hidden_states`` is not
     the open forward's packed row."""
     layer = module.layer_idx
-    plan = cache.open_plan
-    if plan is None:
-        cache.get_state(layer, CONV_STATE)          # raises ForwardStateError: no forward
-    if cache.static_bucket is not None:
-        raise UnsupportedFeatureError(
-            f"layer {layer}: a static-shape (captured) step cannot run a short convolution on "
-            f"the cache; graphs are off for models with state layers")
-    lengths = tuple(int(n) for n in plan.append_lengths)
-    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 \
-            or hidden_states.shape[1] != sum(lengths):
-        raise InvalidArgumentError(
-            f"layer {layer}: hidden_states {tuple(hidden_states.shape)} is not the forward's "
-            f"packed row (1, {sum(lengths)}, hidden) of sequences {plan.seq_ids}")
-    conv = module.conv
-    weight = conv.weight                                          # (H, 1, K)
-    hid, k1 = int(weight.shape[0]), int(weight.shape[-1]) - 1
-    device = hidden_states.device
+    _, lengths = _open_forward(module, cache, hidden_states, "a short convolution")
     bcx = module.in_proj(hidden_states).transpose(-1, -2)        # (1, 3H, T)
     b, c, x = bcx.chunk(3, dim=-2)
-    bx = (b * x)[0]                                               # (H, T)
-    states = _state_to_torch(cache, cache.get_state(layer, CONV_STATE), device, bx.dtype)
-    s = len(lengths)
+    y = _packed_conv(cache, layer, lengths, (b * x)[0], module.conv)
+    y = (c[0] * y.to(hidden_states.dtype)).transpose(0, 1).unsqueeze(0).contiguous()
+    return module.out_proj(y)                                     # (1, T, H)
+
+
+def _packed_conv(cache, layer: int, lengths: tuple, inputs, conv):
+    """A causal depthwise ``conv`` (weight (C, 1, K)) of state layer ``layer`` over ``inputs``
+    (C, T), the open forward's new inputs packed in ``begin_forward`` order (``lengths`` per
+    sequence): one block per sequence, its conv state's ``K - 1`` columns
+    (``cache.get_state(layer, "conv")``) then its inputs, one conv over every block, the
+    windows that cross a block boundary dropped (no sequence reads another's inputs). Writes
+    each sequence's last ``K - 1`` inputs as its new state (``cache.set_state``) and the
+    ``K - 1`` inputs before each prefix-cache boundary inside the appends
+    (``cache.set_state_checkpoints``). Returns the conv's outputs (C, T) in its weight's dtype,
+    before any activation."""
+    weight = conv.weight
+    c, k1, s = int(weight.shape[0]), int(weight.shape[-1]) - 1, len(lengths)
+    device = inputs.device
+    states = _state_to_torch(cache, cache.get_state(layer, CONV_STATE), device, inputs.dtype)
     order, out, keep = (torch.from_numpy(a).to(device) for a in _indices(lengths, k1))
-    src = torch.cat([states.permute(1, 0, 2).reshape(hid, s * k1), bx], dim=1)
-    laid = src.index_select(1, order)                             # (H, S*k1 + T)
-    # one depthwise conv over every block; the windows that cross a block boundary are dropped
+    src = torch.cat([states.permute(1, 0, 2).reshape(c, s * k1), inputs], dim=1)
+    laid = src.index_select(1, order)                             # (C, S*k1 + T)
     y = torch.nn.functional.conv1d(laid.unsqueeze(0).to(weight.dtype), weight, conv.bias,
-                                   groups=hid)[0]
-    y = y.index_select(1, out).to(hidden_states.dtype)            # (H, T)
-    new = laid.index_select(1, keep).view(hid, s, k1).permute(1, 0, 2)
+                                   groups=c)[0].index_select(1, out)
+    new = laid.index_select(1, keep).view(c, s, k1).permute(1, 0, 2)
     cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new, layer))
-    inner = cache.state_checkpoints()
-    if inner:   # the prefix cache's checkpoints inside the appends: the k1 inputs before each
-        at = torch.from_numpy(checkpoint_columns(lengths, k1, inner)).to(device)
-        kept = laid.index_select(1, at).view(hid, len(inner), k1).permute(1, 0, 2)
+    marks = cache.state_checkpoints()
+    if marks:
+        at = torch.from_numpy(checkpoint_columns(lengths, k1, marks)).to(device)
+        kept = laid.index_select(1, at).view(c, len(marks), k1).permute(1, 0, 2)
         cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, kept, layer))
-    y = (c[0] * y).transpose(0, 1).unsqueeze(0).contiguous()      # (1, T, H)
-    return module.out_proj(y)
+    return y
 
 
 def _open_forward(module, cache, hidden_states, what: str) -> tuple:
@@ -806,18 +772,9 @@ def mamba_forward(module, cache, hidden_states):
     inner, conv_dim, heads = module.intermediate_size, module.conv_dim, module.num_heads
     hd, groups, ds = module.head_dim, module.n_groups, module.ssm_state_size
     gate, xbc, dt = module.in_proj(hidden_states).split([inner, conv_dim, heads], dim=-1)
-    # the conv: one block per sequence (its state's columns, then its tokens), as conv_forward
-    conv = module.conv1d
-    weight = conv.weight                                          # (conv_dim, 1, K)
-    k1, s = int(weight.shape[-1]) - 1, len(lengths)
-    states = _state_to_torch(cache, cache.get_state(layer, CONV_STATE), device, dtype)
-    order, out, keep = (torch.from_numpy(a).to(device) for a in _indices(lengths, k1))
-    src = torch.cat([states.permute(1, 0, 2).reshape(conv_dim, s * k1), xbc[0].t()], dim=1)
-    laid = src.index_select(1, order)
-    y = torch.nn.functional.conv1d(laid.unsqueeze(0).to(weight.dtype), weight, conv.bias,
-                                   groups=conv_dim)[0]
-    y = torch.nn.functional.silu(y.index_select(1, out)).to(dtype).t()   # (T, conv_dim)
-    new_conv = laid.index_select(1, keep).view(conv_dim, s, k1).permute(1, 0, 2)
+    s = len(lengths)
+    y = torch.nn.functional.silu(_packed_conv(cache, layer, lengths, xbc[0].t(),
+                                              module.conv1d)).to(dtype).t()   # (T, conv_dim)
     x, B, C = y.split([inner, groups * ds, groups * ds], dim=-1)
     A = -torch.exp(module.A_log.float())
     ssm = _state_to_torch(cache, cache.get_state(layer, SSM_STATE), device, torch.float32)
@@ -853,12 +810,8 @@ def mamba_forward(module, cache, hidden_states):
         scan[a:a + n] = ys[0]
         new_ssm[i] = st[0]
         kept.update(((i, r), state) for r, state in zip(wanted.get(i, ()), at))
-    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv, layer))
     cache.set_state(layer, SSM_STATE, _state_to_cache(cache, new_ssm, layer))
     if marks:
-        cols = torch.from_numpy(checkpoint_columns(lengths, k1, marks)).to(device)
-        conv_at = laid.index_select(1, cols).view(conv_dim, len(marks), k1).permute(1, 0, 2)
-        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at, layer))
         cache.set_state_checkpoints(layer, SSM_STATE, _state_to_cache(
             cache, torch.stack([kept[w] for w in marks]), layer))
     flat = scan.view(1, -1, inner)
@@ -1007,23 +960,14 @@ def gdn_forward(module, cache, hidden_states):
     dtype, device = hidden_states.dtype, hidden_states.device
     nk, nv = module.num_k_heads, module.num_v_heads
     dk, dv = module.head_k_dim, module.head_v_dim
-    key_dim, value_dim, conv_dim = module.key_dim, module.value_dim, module.conv_dim
+    key_dim, value_dim = module.key_dim, module.value_dim
     query, key, value, z, b, a = module.fix_query_key_value_ordering(
         module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
     t = hidden_states.shape[1]
     mixed = torch.cat([part.reshape(1, t, -1) for part in (query, key, value)], dim=-1)[0]
-    # the conv: one block per sequence (its state's columns, then its tokens), as conv_forward
-    conv = module.conv1d
-    weight = conv.weight                                          # (conv_dim, 1, K)
-    k1, s = int(weight.shape[-1]) - 1, len(lengths)
-    states = _state_to_torch(cache, cache.get_state(layer, CONV_STATE), device, dtype)
-    order, out, keep = (torch.from_numpy(a_).to(device) for a_ in _indices(lengths, k1))
-    src = torch.cat([states.permute(1, 0, 2).reshape(conv_dim, s * k1), mixed.t()], dim=1)
-    laid = src.index_select(1, order)
-    y = torch.nn.functional.conv1d(laid.unsqueeze(0).to(weight.dtype), weight, conv.bias,
-                                   groups=conv_dim)[0]
-    y = ACT2FN[module.activation](y.index_select(1, out)).to(dtype).t()   # (T, conv_dim)
-    new_conv = laid.index_select(1, keep).view(conv_dim, s, k1).permute(1, 0, 2)
+    s = len(lengths)
+    y = ACT2FN[module.activation](_packed_conv(cache, layer, lengths, mixed.t(),
+                                               module.conv1d)).to(dtype).t()   # (T, conv_dim)
     q, k, v = y.split([key_dim, key_dim, value_dim], dim=-1)
     q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)
     beta = b.sigmoid()[0]                                         # (T, value heads)
@@ -1059,12 +1003,8 @@ def gdn_forward(module, cache, hidden_states):
         core[lo:lo + n] = ys[0]
         new_rec[i] = st[0]
         kept.update(((i, r), state) for r, state in zip(wanted.get(i, ()), at))
-    cache.set_state(layer, CONV_STATE, _state_to_cache(cache, new_conv, layer))
     cache.set_state(layer, RECURRENT_STATE, _state_to_cache(cache, new_rec, layer))
     if marks:
-        cols = torch.from_numpy(checkpoint_columns(lengths, k1, marks)).to(device)
-        conv_at = laid.index_select(1, cols).view(conv_dim, len(marks), k1).permute(1, 0, 2)
-        cache.set_state_checkpoints(layer, CONV_STATE, _state_to_cache(cache, conv_at, layer))
         cache.set_state_checkpoints(layer, RECURRENT_STATE, _state_to_cache(
             cache, torch.stack([kept[w] for w in marks]), layer))
     # the gated norm per head of each token (both of transformers' forms hand it the rule's
