@@ -649,6 +649,49 @@ def _open_forward(module, cache, hidden_states, what: str) -> tuple:
     return plan, lengths
 
 
+def _recurrence(cache, layer: int, name: str, lengths: tuple, past, state, out, one_step,
+                chunked):
+    """A recurrent layer's state ``name`` over the open forward, in transformers' two forms:
+    the decode tokens of sequences with a past (``past``: each sequence's length before the
+    forward) all at once, ``one_step(rows, seqs) -> (outputs, new states)`` (``rows``: their
+    rows of the packed tokens, ``seqs``: their sequences); every other sequence alone,
+    ``chunked(i, first row, n, at) -> (outputs (n, ...), final state, states after the first
+    ``r`` tokens for each ``r`` of ``at``)``, from ``state`` (S, ...) float32. Puts the outputs
+    in ``out``'s rows, writes the new states (``cache.set_state``) and those at the prefix
+    cache's boundaries inside the appends (``cache.set_state_checkpoints``). Returns the
+    decode tokens' rows (a tensor), or None."""
+    device, s = state.device, len(lengths)
+    new = torch.empty_like(state)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
+    rows = None
+    if step:
+        rows = torch.from_numpy(starts[step]).to(device)
+        seqs = torch.as_tensor(step, device=device)
+        ys, st = one_step(rows, seqs)
+        out[rows] = ys.to(out.dtype)
+        new[seqs] = st
+    marks = cache.state_checkpoints()      # the prefix cache's boundaries inside the chunks
+    wanted: dict = {}
+    for row, n in marks:
+        wanted.setdefault(row, []).append(n)
+    kept: dict = {}
+    chosen = set(step)
+    for i in range(s):
+        if i in chosen:
+            continue
+        lo, n = int(starts[i]), lengths[i]
+        ys, st, at = chunked(i, lo, n, tuple(wanted.get(i, ())))
+        out[lo:lo + n] = ys
+        new[i] = st
+        kept.update(((i, r), inner) for r, inner in zip(wanted.get(i, ()), at))
+    cache.set_state(layer, name, _state_to_cache(cache, new, layer))
+    if marks:
+        cache.set_state_checkpoints(layer, name, _state_to_cache(
+            cache, torch.stack([kept[w] for w in marks]), layer))
+    return rows
+
+
 def _ssm_step(m, state, x, dt, A, B, C):
     """The mixer's recurrent form for one token of each of ``N`` sequences, in the order of
     transformers' own decode step (so float32 tokens match it): ``state`` (N, heads, head_dim,
@@ -772,50 +815,28 @@ def mamba_forward(module, cache, hidden_states):
     inner, conv_dim, heads = module.intermediate_size, module.conv_dim, module.num_heads
     hd, groups, ds = module.head_dim, module.n_groups, module.ssm_state_size
     gate, xbc, dt = module.in_proj(hidden_states).split([inner, conv_dim, heads], dim=-1)
-    s = len(lengths)
     y = torch.nn.functional.silu(_packed_conv(cache, layer, lengths, xbc[0].t(),
                                               module.conv1d)).to(dtype).t()   # (T, conv_dim)
     x, B, C = y.split([inner, groups * ds, groups * ds], dim=-1)
     A = -torch.exp(module.A_log.float())
     ssm = _state_to_torch(cache, cache.get_state(layer, SSM_STATE), device, torch.float32)
     scan = torch.empty(len(y), heads, hd, dtype=torch.float32, device=device)
-    new_ssm = torch.empty_like(ssm)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
-    if step:
-        rows = torch.from_numpy(starts[step]).to(device)
-        seqs = torch.as_tensor(step, device=device)
-        ys, st = _ssm_step(module, ssm.index_select(0, seqs),
-                           x.index_select(0, rows).view(len(step), heads, hd),
-                           dt[0].index_select(0, rows), A,
-                           B.index_select(0, rows).view(len(step), groups, ds),
-                           C.index_select(0, rows).view(len(step), groups, ds))
-        scan[rows] = ys.float()
-        new_ssm[seqs] = st
-    chosen = set(step)
-    marks = cache.state_checkpoints()      # the prefix cache's boundaries inside the chunks
-    wanted: dict = {}
-    for row, n in marks:
-        wanted.setdefault(row, []).append(n)
-    kept: dict = {}
-    for i in range(s):
-        if i in chosen or lengths[i] == 0:
-            if lengths[i] == 0:
-                new_ssm[i] = ssm[i]
-            continue
-        a, n = int(starts[i]), lengths[i]
-        ys, st, at = _ssm_chunked(module, ssm[i:i + 1], x[a:a + n].view(1, n, heads, hd),
-                                  dt[:, a:a + n], A, B[a:a + n].view(1, n, groups, ds),
-                                  C[a:a + n].view(1, n, groups, ds), tuple(wanted.get(i, ())))
-        scan[a:a + n] = ys[0]
-        new_ssm[i] = st[0]
-        kept.update(((i, r), state) for r, state in zip(wanted.get(i, ()), at))
-    cache.set_state(layer, SSM_STATE, _state_to_cache(cache, new_ssm, layer))
-    if marks:
-        cache.set_state_checkpoints(layer, SSM_STATE, _state_to_cache(
-            cache, torch.stack([kept[w] for w in marks]), layer))
+
+    def one_step(rows, seqs):
+        m = len(rows)
+        return _ssm_step(module, ssm.index_select(0, seqs),
+                         x.index_select(0, rows).view(m, heads, hd), dt[0].index_select(0, rows),
+                         A, B.index_select(0, rows).view(m, groups, ds),
+                         C.index_select(0, rows).view(m, groups, ds))
+
+    def chunked(i, a, n, at):
+        ys, st, inner_states = _ssm_chunked(
+            module, ssm[i:i + 1], x[a:a + n].view(1, n, heads, hd), dt[:, a:a + n], A,
+            B[a:a + n].view(1, n, groups, ds), C[a:a + n].view(1, n, groups, ds), at)
+        return ys[0], st[0], inner_states
+    rows = _recurrence(cache, layer, SSM_STATE, lengths, past, ssm, scan, one_step, chunked)
     flat = scan.view(1, -1, inner)
-    if not step:
+    if rows is None:
         out = module.norm(flat, gate).to(dtype)
     else:
         # transformers' decode step hands the norm its output in the model dtype, its prefill
@@ -824,7 +845,7 @@ def mamba_forward(module, cache, hidden_states):
         is_step[rows] = True
         out = torch.empty(1, len(y), inner, dtype=dtype, device=device)
         out[:, is_step] = module.norm(flat[:, is_step].to(dtype), gate[:, is_step]).to(dtype)
-        if len(step) < len(y):
+        if len(rows) < len(y):
             rest = ~is_step
             out[:, rest] = module.norm(flat[:, rest], gate[:, rest]).to(dtype)
     return module.out_proj(out)
@@ -965,7 +986,6 @@ def gdn_forward(module, cache, hidden_states):
         module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
     t = hidden_states.shape[1]
     mixed = torch.cat([part.reshape(1, t, -1) for part in (query, key, value)], dim=-1)[0]
-    s = len(lengths)
     y = ACT2FN[module.activation](_packed_conv(cache, layer, lengths, mixed.t(),
                                                module.conv1d)).to(dtype).t()   # (T, conv_dim)
     q, k, v = y.split([key_dim, key_dim, value_dim], dim=-1)
@@ -975,38 +995,17 @@ def gdn_forward(module, cache, hidden_states):
         a.float() + module.dt_bias))[0]
     rec = _state_to_torch(cache, cache.get_state(layer, RECURRENT_STATE), device, torch.float32)
     core = torch.empty(t, nv, dv, dtype=dtype, device=device)
-    new_rec = torch.empty_like(rec)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
-    if step:
-        rows = torch.from_numpy(starts[step]).to(device)
-        seqs = torch.as_tensor(step, device=device)
+
+    def one_step(rows, seqs):
         qs, ks, vs, gs, bs = (x_.index_select(0, rows)[:, None] for x_ in (q, k, v, g, beta))
         ys, st = _gdn_step(qs, ks, vs, gs, bs, rec.index_select(0, seqs))
-        core[rows] = ys[:, 0]
-        new_rec[seqs] = st
-    chosen = set(step)
-    marks = cache.state_checkpoints()      # the prefix cache's boundaries inside the chunks
-    wanted: dict = {}
-    for row, n in marks:
-        wanted.setdefault(row, []).append(n)
-    kept: dict = {}
-    for i in range(s):
-        if i in chosen or lengths[i] == 0:
-            if lengths[i] == 0:
-                new_rec[i] = rec[i]
-            continue
-        lo, n = int(starts[i]), lengths[i]
+        return ys[:, 0], st
+
+    def chunked(i, lo, n, at):
         qs, ks, vs, gs, bs = (x_[lo:lo + n][None] for x_ in (q, k, v, g, beta))
-        ys, st, at = _gdn_chunked(qs, ks, vs, gs, bs, rec[i:i + 1], GDN_CHUNK,
-                                  tuple(wanted.get(i, ())))
-        core[lo:lo + n] = ys[0]
-        new_rec[i] = st[0]
-        kept.update(((i, r), state) for r, state in zip(wanted.get(i, ()), at))
-    cache.set_state(layer, RECURRENT_STATE, _state_to_cache(cache, new_rec, layer))
-    if marks:
-        cache.set_state_checkpoints(layer, RECURRENT_STATE, _state_to_cache(
-            cache, torch.stack([kept[w] for w in marks]), layer))
+        ys, st, inner_states = _gdn_chunked(qs, ks, vs, gs, bs, rec[i:i + 1], GDN_CHUNK, at)
+        return ys[0], st[0], inner_states
+    _recurrence(cache, layer, RECURRENT_STATE, lengths, past, rec, core, one_step, chunked)
     # the gated norm per head of each token (both of transformers' forms hand it the rule's
     # output in the model dtype), then the projection
     normed = module.norm(core.reshape(-1, dv), z.reshape(-1, dv))
