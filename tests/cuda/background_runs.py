@@ -108,9 +108,22 @@ def result(name: str) -> subprocess.CompletedProcess:
 
 
 def clean_env(drop=("KVCACHE_CUDA_IMPL", "KVCACHE_CUDA_TEST_DEVICE"), **changes) -> dict:
-    """This process's environment without ``drop``, with ``changes``."""
+    """This process's environment without ``drop``, with ``changes`` (and, for a child under
+    the Triton interpreter, ``interpreter_blas``)."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(changes)
+    return interpreter_blas(env)
+
+
+def interpreter_blas(env: dict) -> dict:
+    """``env`` for a child that runs Triton kernels under the interpreter
+    (``TRITON_INTERPRET=1``): OpenBLAS's Sandybridge kernels unless the caller chose others.
+    The interpreter's ``tl.dot`` is numpy's matmul, and OpenBLAS's FMA kernels (its Haswell /
+    Zen paths, e.g. on an AMD EPYC) round a tile's tail rows other than its first ones, so in
+    the emulator a row's bits depend on the rows beside it and the batch-invariance tests fail
+    there (not on a GPU); the Sandybridge kernels round every row alike."""
+    if env.get("TRITON_INTERPRET") == "1":
+        env.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
     return env
 
 

@@ -19,7 +19,7 @@ import cuda_cases as cc
 
 
 def _command(env_extra: dict, device: str, full: bool = False) -> tuple:
-    env = dict(os.environ, **env_extra)
+    env = background_runs.interpreter_blas(dict(os.environ, **env_extra))
     cmd = [sys.executable, "-m", "kvcache.cli", "conformance", "--backend", "cuda", "--device",
            device, "--jobs", "1", "-k", "TestBatchInvariance"]
     if full:
