@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--new", type=int, default=24)
     p.add_argument("--interval", type=int, default=4)
+    p.add_argument("--dtypes", default="bfloat16,float32",
+                   help="the halves to run, comma-separated")
     a = p.parse_args()
     kernels = [k for k in ("mamba_ssm", "causal_conv1d") if importlib.util.find_spec(k)]
     print(f"transformers {transformers.__version__}; its mixer kernels here: "
@@ -76,7 +78,8 @@ def main() -> None:
     half = a.requests // 2
     prompts = prompts[:half] + [system + p[:40] for p in prompts[half:]]
     bad = 0
-    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+    halves = (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+    for name, dtype in [h for h in halves if h[0] in a.dtypes.split(",")]:
         model = model_of(a.family, a.layers, a.hidden, dtype)
         engine = Engine(model, backend="cuda", device="cuda", max_batch_size=8,
                         prefill_chunk_size=128, state_checkpoint_interval=a.interval)

@@ -70,6 +70,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=24)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--system", type=int, default=600)
+    p.add_argument("--dtypes", default="bfloat16,float32",
+                   help="the halves to run, comma-separated")
     a = p.parse_args()
     kernels = [k for k in ("fla", "causal_conv1d") if importlib.util.find_spec(k)]
     print(f"transformers {transformers.__version__}; its gated DeltaNet kernels here: "
@@ -78,7 +80,8 @@ def main() -> None:
     prompts = [rng.integers(1, 1024, int(n)).tolist() for n in rng.integers(3, 300, a.requests)]
     system = rng.integers(1, 1024, a.system).tolist()
     bad = 0
-    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+    halves = (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+    for name, dtype in [h for h in halves if h[0] in a.dtypes.split(",")]:
         model = model_of(a.layers, a.hidden, a.experts, dtype)
         engine = Engine(model, backend="cuda", device="cuda", max_batch_size=8,
                         prefill_chunk_size=128)
@@ -90,9 +93,12 @@ def main() -> None:
         later = [o[0] for o in engine.generate(behind[1:], max_new_tokens=a.new,
                                                ignore_eos=True)]
         hits = engine.stats.prefix_hit_tokens - hits0
-        same, ties, parted = 0, 0, 0
+        same, ties, parted, own_bad, own_all = 0, 0, 0, 0, 0
         for prompt, got in zip(prompts + behind[1:], out + later):
             want = _generate(model, prompt, a.new)
+            if name != "float32":
+                # the control: transformers' own generate judged by the same re-score
+                own_all += rescore_greedy(model, prompt, want, name)[1] is not None
             if got == want:
                 same += 1
                 continue
@@ -102,12 +108,18 @@ def main() -> None:
                 continue
             n, problem = rescore_greedy(model, prompt, got, name)
             if problem is not None:
-                print(f"  {name}: a request's tokens fail the re-score: {problem}")
+                _, own = rescore_greedy(model, prompt, want, name)
+                print(f"  {name}: a request's tokens fail the re-score: {problem}; "
+                      f"transformers' own generate on it: {own or 'passes'}")
                 bad += 1
+                own_bad += own is not None
             else:
                 parted += 1
                 ties += n
         total = len(prompts) + len(behind) - 1
+        if name != "float32":
+            print(f"  {name}: transformers' own generate fails the same re-score on {own_all}/"
+                  f"{total} requests ({own_bad} of those whose Engine tokens fail it)")
         print(f"qwen3_next {a.layers} layers ({len(state_kinds(model))} gated DeltaNet), hidden "
               f"{a.hidden}, {a.experts} experts, {name} on the GPU: {same}/{total} requests "
               f"token-identical to transformers' generate"

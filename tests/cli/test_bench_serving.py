@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvcache.bench.serving import tail_busy, union_length  # noqa: E402
@@ -133,6 +133,26 @@ def test_window_budget_window_groups_hold_more_at_the_same_budget(capsys):
     print_window_budget_result(res)
     out = capsys.readouterr().out
     assert "every page" in out and "window groups" in out and "not judged" in out
+
+
+def test_window_budget_rescore_judges_the_requests_whose_tokens_differ():
+    # the runs' batches differ, so bfloat16 tokens may part at near-ties: the requests that
+    # differ are judged by the model's own teacher-forced logits, and a token far from the
+    # argmax (a key wrongly kept or dropped) fails, naming the request and the run
+    from kvcache.bench.serving.window_budget import _rescore, build_window_model
+    from kvcache.demo.check import teacher_forced_logits
+    net = build_window_model(6, True, "cpu", "float32", 0)
+    prompt = list(range(1, 30))
+    with torch.no_grad():
+        good = net.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=4,
+                            min_new_tokens=4)[0, len(prompt):].tolist()
+    worst = int(teacher_forced_logits(net, prompt, good)[2].argmin())
+    bad = good[:2] + [worst] + good[3:]
+    res = _rescore(net, [prompt, prompt], {"pages": [good, good], "window": [good, bad]})
+    assert (res["differ"], res["judged"], res["passed"]) == (1, 1, 0)
+    assert res["problems"][0].startswith("request 1 (window): new token 2 is")
+    res = _rescore(net, [prompt, prompt], {"pages": [good, good], "window": [good, good]})
+    assert (res["differ"], res["judged"], res["passed"], res["problems"]) == (0, 0, 0, [])
 
 
 def test_serving_kv_dtype_reaches_the_engine_on_the_random_workload(capsys):

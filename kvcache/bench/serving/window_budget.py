@@ -19,7 +19,8 @@ Per run, after a warm-up run on other prompts and ``Engine.warm_up()``: tokens/s
 first token, the peak number of sequences at once, preemptions, the tokens the cache holds. For the
 pair: window groups / every page of tokens/s (target >= 1.5x) and peak concurrency, and the
 requests whose greedy tokens are equal (a count: the batches differ between the runs, and
-bfloat16 on a GPU parts at near-ties).
+bfloat16 on a GPU parts at near-ties); up to ``RESCORE`` of those that differ are judged by a
+teacher-forced re-score of both runs' tokens (a verdict: a key wrongly kept or dropped fails it).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ CHUNK = {False: 2048, True: 16}
 """Both Engines' ``prefill_chunk_size`` (the window pools hold a chunk's keys), by --tiny."""
 TARGET_RATIO = 1.5
 """Window groups over every page kept, tokens/s: at least this."""
+RESCORE = 8
+"""Requests whose tokens differ between the runs judged by the teacher-forced re-score."""
 
 
 def build_window_model(layers: int, tiny: bool, device: str, dtype: str, seed: int):
@@ -164,14 +167,42 @@ def run_window_budget(args, net, device: str, backend: str, say: Callable) -> di
     pages, window = result["systems"]["pages"], result["systems"]["window"]
     result["same_tokens"] = sum(x == y for x, y in zip(outs["pages"], outs["window"]))
     result["compared"] = len(prompts)
+    result["rescore"] = _rescore(net, prompts, outs)
     rt = result["ratios"] = {
         "tokens_per_s_window_over_pages": window["tokens_per_s"] / pages["tokens_per_s"],
         "peak_running_window_over_pages": window["peak_running"] / pages["peak_running"],
         "tokens_window_over_pages": window["token_capacity"] / pages["token_capacity"]}
+    rs = result["rescore"]
     result["verdicts"] = {"tokens/s at one KV budget": (
-        "PASS" if rt["tokens_per_s_window_over_pages"] >= TARGET_RATIO else "MISS")}
+        "PASS" if rt["tokens_per_s_window_over_pages"] >= TARGET_RATIO else "MISS"),
+        "tokens of both runs pass the teacher-forced re-score": (
+        "PASS" if rs["passed"] == rs["judged"] else "FAIL")}
     result["targets_judged"] = not tiny
     return result
+
+
+def _rescore(net, prompts: list, outs: dict) -> dict:
+    """The requests whose tokens differ between the runs (up to ``RESCORE``) judged by a
+    teacher-forced re-score (``kvcache.demo.check.rescore_greedy``): each run's tokens the
+    model's own argmax at every position, or within its dtype's near-tie margin. A bfloat16
+    near-tie may part two batches' tokens; a wrong key kept or dropped by window groups makes a
+    run's tokens fail it."""
+    from ...demo.check import rescore_greedy
+    dtype = str(net.dtype).replace("torch.", "")
+    differ = [i for i, (x, y) in enumerate(zip(outs["pages"], outs["window"])) if x != y]
+    judged = differ[:RESCORE]
+    passed, ties, problems = 0, 0, []
+    for i in judged:
+        found = []
+        for key in ("pages", "window"):
+            n, problem = rescore_greedy(net, prompts[i], outs[key][i], dtype)
+            ties += n
+            if problem is not None:
+                found.append(f"request {i} ({key}): {problem}")
+        passed += not found
+        problems += found
+    return {"differ": len(differ), "judged": len(judged), "passed": passed, "near_ties": ties,
+            "problems": problems}
 
 
 def print_window_budget_result(res: dict) -> None:
@@ -195,6 +226,13 @@ def print_window_budget_result(res: dict) -> None:
               f"{r['preemptions']:>10} {r['forwards']:>9}")
     print(f"greedy tokens equal in both runs: {res['same_tokens']}/{res['compared']} requests "
           f"(a count: the batches differ between the runs)")
+    rs = res["rescore"]
+    if rs["judged"]:
+        print(f"teacher-forced re-score of {rs['judged']} of the {rs['differ']} requests whose "
+              f"tokens differ: {rs['passed']}/{rs['judged']} pass in both runs ({rs['near_ties']} "
+              f"tokens at near-ties)")
+        for problem in rs["problems"]:
+            print(f"  {problem}")
     rt = res["ratios"]
     ratios = (f"tokens/s {rt['tokens_per_s_window_over_pages']:.2f}, tokens held "
               f"{rt['tokens_window_over_pages']:.2f}, peak concurrency "
