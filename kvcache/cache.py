@@ -31,7 +31,7 @@ from .core.imports import ImportReservation
 from .core.plan import ForwardAux, ForwardPlan
 from .core.planner import Planner
 from .core.static import static_capacity
-from .core.slots import StateSlots
+from .core.slots import ZEROS, StateSlots
 from .core.state import CacheState
 from .errors import CacheFullError, ForwardStateError, InvalidArgumentError, UnsupportedFeatureError
 from .forward_run import ForwardRun, layer_arg
@@ -262,11 +262,15 @@ class PagedKVCache:
         if slots is not None:   # a new sequence's state: zeros, or a cached prefix's checkpoint
             sid = self.state.seq(seq_id).seq_id
             ck = slots.restore.pop(sid, None)
-            if ck is None:
-                self.state_arrays.zero(slots.slot[sid])
-            else:
-                self.state_arrays.restore(ck, slots.slot[sid])
+            self._restore_slot(ZEROS if ck is None else ck, slots.slot[sid])
         return start
+
+    def _restore_slot(self, ck: int, slot: int) -> None:
+        """State slot ``slot`` takes checkpoint row ``ck`` (``ZEROS``: zeros)."""
+        if ck == ZEROS:
+            self.state_arrays.zero(slot)
+        else:
+            self.state_arrays.restore(ck, slot)
 
     @exclusive
     @doc_of(KVManager.fork_sequence)
@@ -283,6 +287,11 @@ class PagedKVCache:
     def popn(self, seq_id: int, n: int) -> None:
         self._no_forward("popn")
         self._copy_pages(self.manager.popn(seq_id, n))
+        slots = self.state.slots
+        if slots is not None:           # popped back to known states: the slot takes them
+            ck = slots.restore.pop(self.state.seq(seq_id).seq_id, None)
+            if ck is not None:
+                self._restore_slot(ck, slots.slot[self.state.seq(seq_id).seq_id])
 
     @exclusive
     @doc_of(KVManager.commit_accepted_token_tree_nodes)

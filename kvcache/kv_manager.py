@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional, Union
 import numpy as np
 
 from .core.prefix import Ghost, PrefixIndex, Prompt
+from .core.slots import ZEROS
 from .core.validate import bool_arg, int_arg, int_values, seq_id_arg
 from .errors import (CacheFullError, InvalidArgumentError, SequenceExistsError,
                      UnsupportedFeatureError)
@@ -149,12 +150,23 @@ class KVManager:
         page shared with a fork, that partial page is copied first, so the other sequence keeps
         its tokens. Raises SequenceNotFoundError, InvalidArgumentError for ``n`` outside
         [0, length], ForwardStateError inside a forward or on an uncommitted token tree,
-        CacheFullError when a partial page must be copied and no page is free,
-        UnsupportedFeatureError for ``n > 0`` in a cache with ``State`` layers (a state cannot
-        be rewound); nothing changes then. Returns the page copies for the device."""
+        CacheFullError when a partial page must be copied and no page is free; nothing
+        changes then. Returns the page copies for the device.
+        In a cache with ``State`` layers the sequence's states must be known at the new end:
+        at 0 (the slot goes back to zeros) or at a page boundary whose state checkpoint the
+        prefix cache holds on the sequence's own prefix (the slot takes it); any other ``n >
+        0`` raises UnsupportedFeatureError naming the position (a state cannot be rewound)."""
+        slots = self.state.slots
+        rewind = None
+        if slots is not None and n:                # refused before the ghost is made
+            try:                                   # the arguments' errors first
+                seq, count = self.state.check_popn(seq_id, n)
+            except CacheFullError:                 # eviction may make room: popn says
+                seq, count = self.state.seq(seq_id), int(n)
+            if count:
+                rewind = self._rewind_to(seq, self.state.pt.length(seq) - count,
+                                         f"popn({seq.seq_id}, {count})")
         if self.prefix is not None:                # the pages it pops stay cached
-            if self.state.slots is not None and n:     # refused before the ghost is made
-                self.state.slots.refuse_rewind(f"popn({self.state.seq(seq_id).seq_id}, {n})")
             try:
                 seq, count = self.state.check_popn(seq_id, n)
             except CacheFullError:              # eviction may make room: popn says
@@ -165,11 +177,25 @@ class KVManager:
                 except CacheFullError:
                     pass
             self.prefix.detach(seq, (int(self.state.pt.s_len[seq.slot]) - count) // self.config.page_size)
-        copies = self.with_room(lambda: self.state.popn(seq_id, n),
+        copies = self.with_room(lambda: self.state.popn(seq_id, n, rewind is not None),
                                 lambda: 1 - self.state.pt.num_free)
         if self.prefix is not None:
             self.prefix.truncated(self.state.seq(seq_id))
+        if rewind is not None:                     # the cache copies it into the slot
+            slots.restore[self.state.seq(seq_id).seq_id] = rewind
         return copies
+
+    def _rewind_to(self, seq, at: int, what: str) -> int:
+        """The states of ``seq`` at position ``at``: ``slots.ZEROS`` at 0, else the checkpoint
+        row the prefix cache holds at that page boundary of its prefix; UnsupportedFeatureError
+        (``refuse_rewind``) where there is none."""
+        if at == 0:
+            return ZEROS
+        ps = self.config.page_size
+        ck = -1 if self.prefix is None or at % ps else self.prefix.checkpoint_at(seq, at // ps)
+        if ck < 0:
+            self.state.slots.refuse_rewind(what, at)
+        return ck
 
     def enable_sliding_window(self, seq_id: int, window_size: int, sink_size: int) -> None:
         """Give sequence ``seq_id`` a sliding window (eviction): after each forward it keeps its

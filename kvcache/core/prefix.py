@@ -621,6 +621,15 @@ class PrefixIndex(BasePrefixCache):
             out.append((i, ck))
         return out
 
+    def checkpoint_at(self, seq, depth: int) -> int:
+        """The checkpoint row holding ``seq``'s states after its first ``depth`` pages (the
+        node of that page on its chain, alive, with a checkpoint), else -1 (``popn`` to it)."""
+        t = seq.prefix
+        if self.ckpts is None or t is None or depth < 1 or len(t.chain) < depth:
+            return -1
+        node = t.chain[depth - 1]
+        return node.ck if node.alive and node.depth == depth else -1
+
     # ------------------------------------------------------------------ files
     def chains(self, tips: Optional[list] = None) -> list:
         """The indexed prefixes as a forest of chains, each written once (the prefix cache's

@@ -226,9 +226,11 @@ class SequenceOps(EpochCounted):
             b = int(pt.b_parent[b])
         return n > 0
 
-    def popn(self, seq_id, n) -> list[PageCopy]:
+    def popn(self, seq_id, n, rewound: bool = False) -> list[PageCopy]:
+        """``rewound``: the caller found the states at the new end (a checkpoint, or zeros at
+        0; ``KVManager.popn``), so a cache with state layers may pop."""
         seq, n = self.check_popn(seq_id, n)
-        if self.slots is not None and n:
+        if self.slots is not None and n and not rewound:
             self.slots.refuse_rewind(f"popn({seq.seq_id}, {n})")
         groups = self.pt.groups
         if groups is None:

@@ -8,7 +8,9 @@ module knows no array library and hands out slot numbers only.
 
 A recurrence cannot be rewound: a state is the state after the sequence's last token, so
 anything that moves a sequence's end backwards (``popn``, a fork below the parent's length,
-token trees) is refused by ``refuse_rewind`` (UnsupportedFeatureError).
+token trees) is refused by ``refuse_rewind`` (UnsupportedFeatureError), except a ``popn`` to
+a position whose states are known: 0 (zeros) or a page boundary whose checkpoint the prefix
+cache holds (the slot takes it, through ``restore``).
 
 With the prefix cache, ``StateCheckpoints`` hands out the rows of the checkpoint arrays: the
 states of a prefix at a page boundary, each held by the prefix index's node of that boundary
@@ -17,7 +19,13 @@ states of a prefix at a page boundary, each held by the prefix index's node of t
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..errors import CacheFullError, UnsupportedFeatureError
+
+
+ZEROS = -1
+"""``StateSlots.restore``'s value for a slot that goes back to zeros (``popn`` to 0)."""
 
 
 class StateSlots:
@@ -30,8 +38,9 @@ class StateSlots:
         # free slots: a stack popped from the end, so slots 0, 1, 2 ... are handed out first
         self.free: list = list(range(num_slots - 1, -1, -1))
         self.slot: dict = {}
-        # a sequence attached at a cached prefix: {sequence id: the checkpoint its slot takes}
-        # (the cache copies it on the device and pops it; absent: the slot starts at zeros)
+        # a sequence attached at a cached prefix, or popped back to a checkpoint: {sequence
+        # id: the checkpoint row its slot takes, or ZEROS} (the cache copies it on the device
+        # and pops it; absent after add_sequence: the slot starts at zeros)
         self.restore: dict = {}
         self.checkpoints = (StateCheckpoints(num_checkpoints, interval)
                             if num_checkpoints else None)
@@ -61,14 +70,16 @@ class StateSlots:
         self.free.append(self.slot.pop(sid))
         self.restore.pop(sid, None)
 
-    def refuse_rewind(self, what: str) -> None:
+    def refuse_rewind(self, what: str, at: Optional[int] = None) -> None:
         """UnsupportedFeatureError for ``what``, a call that would move a sequence's end back
-        (a recurrent state holds no earlier position)."""
+        (to position ``at``, where known): a recurrent state holds no earlier position unless
+        a checkpoint of it is held."""
+        where = "an earlier position" if at is None else f"position {at}"
         raise UnsupportedFeatureError(
             f"{what} in a cache with state layers {list(self.layers)}: a recurrent state is the "
-            f"state after the sequence's last token, and no checkpoint of an earlier position "
-            f"exists (the prefix cache keeps checkpoints of page boundaries for prefix hits only; "
-            f"docs/hybrid.md)")
+            f"state after the sequence's last token, and no checkpoint of {where} is held "
+            f"(popn may go back to a page boundary whose state checkpoint the prefix cache "
+            f"holds, or to 0; docs/hybrid.md)")
 
     def check_invariants(self, sids) -> None:
         """AssertionError if the slots are not one per sequence of ``sids`` plus the free."""

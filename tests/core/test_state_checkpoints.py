@@ -90,7 +90,8 @@ def forward(cache, batch: dict, seen: dict, give_inner: bool = True) -> None:
                         layer, name, cache.from_numpy(np.stack([at[w] for w in inner])))
     for sid in ids:
         seen[sid] = seen[sid] + list(batch[sid])
-    cache.manager.prefix.check()
+    if cache.manager.prefix is not None:
+        cache.manager.prefix.check()
     cache.state.slots.check_invariants(cache.sequence_ids)
 
 
@@ -231,8 +232,8 @@ def test_forks_keep_the_parents_state_and_popn_is_refused_with_nothing_changed()
     assert same(states_of(cache, 2), judge(PROMPT[:10]))
     before = (cache.num_available_pages, cache.num_cached_pages, cache.sequence_length(1),
               cache.manager.prefix.count, len(cache.state.pt.seqs))
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="no checkpoint"):
-        cache.popn(1, 2)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="no checkpoint of position 9"):
+        cache.popn(1, 1)                # not a page boundary
     assert before == (cache.num_available_pages, cache.num_cached_pages,
                       cache.sequence_length(1), cache.manager.prefix.count,
                       len(cache.state.pt.seqs))
@@ -278,15 +279,16 @@ def test_clear_forgets_the_checkpoints():
 @pytest.mark.parametrize("seed", range(6))
 def test_random_programs_read_the_judges_states(seed):
     """Prompts drawn from a few shared stems, added (hits), prefilled in random chunks beside
-    each other, given inner checkpoints or not, removed; small page and checkpoint pools. Every
-    state read equals the judge's, and the index and slots stay whole."""
+    each other, given inner checkpoints or not, popped back (to a page boundary or anywhere:
+    refused where no checkpoint holds the states there), removed; small page and checkpoint
+    pools. Every state read equals the judge's, and the index and slots stay whole."""
     rng = np.random.default_rng(seed)
     cache = cache_of(max_total_tokens=96, max_state_checkpoints=5, max_batch_size=3,
                      state_checkpoint_interval=int(rng.integers(1, 3)))
     stems = [[int(t) for t in rng.integers(1, 40, 24)] for _ in range(3)]
     seen: dict = {}
     want: dict = {}
-    hits = 0
+    hits = popped = 0
     for sid in range(40):
         while len(seen) >= 3 or (seen and rng.random() < 0.6):
             live = list(seen)
@@ -295,6 +297,21 @@ def test_random_programs_read_the_judges_states(seed):
                 s = done[int(rng.integers(len(done)))]
                 cache.remove_sequence(s)
                 del seen[s], want[s]
+                continue
+            if live and rng.random() < 0.25:     # popn back: allowed where the states are known
+                s = live[int(rng.integers(len(live)))]
+                at = int(rng.integers(0, len(seen[s]) + 1))
+                if rng.random() < 0.5:
+                    at = at // PS * PS            # half the time a page boundary
+                n = len(seen[s]) - at
+                try:
+                    cache.popn(s, n)
+                except kvcache.UnsupportedFeatureError:
+                    assert cache.sequence_length(s) == len(seen[s])
+                    continue
+                popped += n > 0
+                seen[s] = seen[s][:len(seen[s]) - n]   # the next forward reads its states
+                assert cache.sequence_length(s) == len(seen[s])
                 continue
             batch = {}
             for s in live:
@@ -322,4 +339,47 @@ def test_random_programs_read_the_judges_states(seed):
         except kvcache.CacheFullError:
             pass            # no page for the read's token: its first forward checks it
         cache.manager.prefix.check()
-    assert hits > 3
+    assert hits > 3 and popped > 0
+
+
+# ---------------------------------------------------------------------------- popn
+@pytest.mark.parametrize("inner", [True, False], ids=["inner", "end-only"])
+def test_popn_to_a_boundary_with_a_checkpoint_restores_its_states(inner):
+    # boundaries 4 and 8 get checkpoints inside the forward (given), 12 at its end: popn back
+    # to one of them takes its states, and the sequence goes on from there as the judge says
+    cache = cache_of()
+    seen = {1: []}
+    cache.add_sequence(1, PROMPT)
+    forward(cache, {1: PROMPT[:12]}, seen, give_inner=inner)
+    forward(cache, {1: PROMPT[12:14]}, seen)
+    cache.fork_sequence(1, 2)           # a fork keeps its own states
+    for n, at in ((2, 12), (4, 8)):
+        if at == 8 and not inner:
+            with pytest.raises(kvcache.UnsupportedFeatureError,
+                               match=r"popn\(1, 4\) .*no checkpoint of position 8 is held"):
+                cache.popn(1, n)
+            assert cache.sequence_length(1) == 12
+            continue
+        cache.popn(1, n)
+        assert cache.sequence_length(1) == at
+        assert same(states_of(cache, 1), judge(PROMPT[:at]))
+        seen[1] = PROMPT[:at]
+    assert same(states_of(cache, 2), judge(PROMPT[:14]))
+    at = cache.sequence_length(1)
+    forward(cache, {1: PROMPT[at:at + 5], 2: [7, 7]}, seen | {2: PROMPT[:14]})
+    cache.manager.prefix.check()
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "no-prefix"])
+def test_popn_to_zero_takes_the_states_back_to_zeros(prefix):
+    cache = cache_of(prefix_cache=prefix)
+    seen = {1: []}
+    cache.add_sequence(1, PROMPT)
+    forward(cache, {1: PROMPT[:6]}, seen)
+    if not prefix:                      # no checkpoint anywhere without the prefix cache
+        with pytest.raises(kvcache.UnsupportedFeatureError, match="no checkpoint of position 4"):
+            cache.popn(1, 2)
+    cache.popn(1, 6)
+    assert cache.sequence_length(1) == 0
+    assert same(states_of(cache, 1), judge([]))
+    forward(cache, {1: [5, 6, 7]}, {1: []})

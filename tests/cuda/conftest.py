@@ -82,6 +82,18 @@ def _runs_child(item) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in needs)     # their importorskips
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # the tests that only wait for a child run last: the children run on the second core in
+    # the session's order from collection's end, while the first core runs every other test;
+    # a spawner met early would keep the first core waiting for its child instead
+    if cc.INTERPRET or cc.ON_GPU:
+        return
+    names = set(background_runs.RUNS) | {INTERPRETER_TEST}
+    waits = [item for item in items if item.name in names]
+    if waits:
+        items[:] = [item for item in items if item.name not in names] + waits
+
+
 def pytest_collection_finish(session):
     config = session.config
     if config.option.collectonly or _QUEUE in config.stash:
@@ -101,6 +113,17 @@ def pytest_sessionfinish(session):
     queue = session.config.stash.get(_QUEUE, None)
     if queue is not None:
         queue.stop()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    # each child's own wall time: they share CI's second core, so their sum bounds the suite's
+    queue = config.stash.get(_QUEUE, None)
+    if queue is None or config.option.verbose < 0 and not config.getoption("durations"):
+        return
+    walls = [(run.wall, run.name) for run in queue.runs if run.wall is not None]
+    terminalreporter.write_line(f"background children: {sum(w for w, _ in walls):.0f} s in all")
+    for wall, name in sorted(walls, reverse=True):
+        terminalreporter.write_line(f"  {wall:7.1f} s  {name}")
 
 
 @pytest.fixture
