@@ -268,6 +268,32 @@ def test_shared_prefixes_hit_through_state_checkpoints():
     assert _engine(model).config.state_checkpoint_interval > 1
 
 
+def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
+    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
+    boundary the warm one starts from): the warm request restores that boundary's conv and
+    SSM states beside the cached pages, and every logits row equals the cold run's bit for
+    bit."""
+    from engine_cases import logit_rows
+    model, _, _ = _case()
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 128, 4 * PAGE).tolist()
+    question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
+    kw = dict(prefill_chunk_size=4 * PAGE, overlap=False, state_checkpoint_interval=1)
+    cold = _engine(model, **kw)
+    cold_rows = logit_rows(cold)
+    want = cold.generate([system + question], max_new_tokens=6)
+    assert cold.stats.prefix_hit_tokens == 0
+    warm = _engine(model, **kw)
+    warm.generate([system + other], max_new_tokens=3)
+    warm_rows = logit_rows(warm)
+    got = warm.generate([system + question], max_new_tokens=6)
+    assert warm.stats.prefix_hit_tokens == 4 * PAGE
+    assert got == want == [[mlx_greedy(model, system + question, 6)]]
+    assert len(warm_rows) == len(cold_rows) == 6
+    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
+        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
+
+
 def test_without_inner_checkpoints_the_hits_stop_at_chunk_ends(monkeypatch):
     """The control of the test above: with the mixer's states inside a prefill chunk not given
     (``state_checkpoints()`` read as none), the boundary at 20 holds no checkpoint and the
