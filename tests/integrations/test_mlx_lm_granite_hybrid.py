@@ -1,11 +1,13 @@
-"""mlx-lm's Granite-4.0-H (``granitemoehybrid``) Mamba-2 mixers on the cache's state slots
-(issue 56 item 4, docs/hybrid.md "Built: increment 10"): a small random-weight mlx-lm
-Granite-4.0-H (mamba and attention layers, float32) generates greedily on the metal backend
-(MLX's CPU device) through the Engine (queued requests of different lengths sharing forwards,
-prompts in chunks of 8 tokens, the host one step ahead or not, preemption, forks, the prefix
-cache on) and through the adapter in a loop of one's own, token for token equal to mlx-lm's own
-generation with its own ``ArraysCache``; prefix hits through state checkpoints inside a
-prefill chunk; and what is refused, by name."""
+"""mlx-lm's Granite-4.0-H (``granitemoehybrid``) and Nemotron-H (``nemotron_h``) Mamba-2
+mixers on the cache's state slots (issue 56 item 4, docs/hybrid.md "Built: increment 10"): a
+small random-weight mlx-lm Granite-4.0-H (mamba and attention layers, float32) generates
+greedily on the metal backend (MLX's CPU device) through the Engine (queued requests of
+different lengths sharing forwards, prompts in chunks of 8 tokens, the host one step ahead or
+not, preemption, forks, the prefix cache on) and through the adapter in a loop of one's own,
+token for token equal to mlx-lm's own generation with its own ``ArraysCache``; prefix hits
+through state checkpoints inside a prefill chunk; a Nemotron-H (mixers, attention, MLP and
+MoE blocks: cache slots that are not decoder layers) the same through the Engine; and what is
+refused, by name."""
 
 from __future__ import annotations
 
@@ -46,17 +48,25 @@ MOE = dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=
            logits_scaling=4.0, tie_word_embeddings=True)
 
 
-def make_granite(seed: int = 0, **overrides):
-    """A float32 mlx-lm Granite-4.0-H with seeded random weights (5 layers: mamba, attention,
-    mamba, mamba, attention): matrices drawn with variance 1 / fan-in and every 1-D parameter
-    (``A_log``, ``D``, ``dt_bias``, norms, biases) moved off its initial value, so that every
-    head's step size differs and the greedy tokens vary."""
+# Nemotron-H: blocks M (Mamba-2 mixer), * (attention, no rotary), - (MLP), E (MoE); only M and
+# * take a cache slot, so the slots are 0 M, 1 *, 2 M, 3 M, 4 *
+NEMOTRON = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                max_position_embeddings=256, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, attention_bias=False, mamba_num_heads=4, mamba_head_dim=32,
+                mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2,
+                mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
+                hybrid_override_pattern=["M", "*", "-", "M", "M", "E", "*", "-"],
+                moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+                topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+
+
+def _randomized(model, seed: int):
+    """``model`` with seeded random weights: matrices drawn with variance 1 / fan-in and every
+    1-D parameter (``A_log``, ``D``, ``dt_bias``, norms, biases) moved off its initial value,
+    so that every head's step size differs and the greedy tokens vary."""
     from mlx.utils import tree_flatten
-    module = importlib.import_module("mlx_lm.models.granitemoehybrid")
-    args = module.ModelArgs.from_dict({"model_type": "granitemoehybrid",
-                                       **dict(SMALL, **overrides)})
     mx.random.seed(seed)
-    model = module.Model(args)
     updates = []
     for name, p in tree_flatten(model.parameters()):
         if p.ndim == 1:
@@ -66,6 +76,27 @@ def make_granite(seed: int = 0, **overrides):
     model.load_weights(updates, strict=False)
     mx.eval(model.parameters())
     return model
+
+
+def make_nemotron(seed: int = 0, **overrides):
+    """A float32 mlx-lm Nemotron-H with seeded random weights (``NEMOTRON``'s 8 blocks)."""
+    module = importlib.import_module("mlx_lm.models.nemotron_h")
+    args = module.ModelArgs.from_dict({"model_type": "nemotron_h",
+                                       **dict(NEMOTRON, **overrides)})
+    mx.random.seed(seed)
+    return _randomized(module.Model(args), seed)
+
+
+def make_granite(seed: int = 0, **overrides):
+    """A float32 mlx-lm Granite-4.0-H with seeded random weights (5 layers: mamba, attention,
+    mamba, mamba, attention): matrices drawn with variance 1 / fan-in and every 1-D parameter
+    (``A_log``, ``D``, ``dt_bias``, norms, biases) moved off its initial value, so that every
+    head's step size differs and the greedy tokens vary."""
+    module = importlib.import_module("mlx_lm.models.granitemoehybrid")
+    args = module.ModelArgs.from_dict({"model_type": "granitemoehybrid",
+                                       **dict(SMALL, **overrides)})
+    mx.random.seed(seed)
+    return _randomized(module.Model(args), seed)
 
 
 def _prompts(seed=7):
@@ -79,7 +110,8 @@ _CASES: dict = {}
 def _case(kind="dense"):
     """(model, prompts, mlx-lm's greedy tokens), once per kind."""
     if kind not in _CASES:
-        model = make_granite(**(MOE if kind == "moe" else {}))
+        model = (make_nemotron() if kind == "nemotron_h"
+                 else make_granite(**(MOE if kind == "moe" else {})))
         prompts = _prompts()
         _CASES[kind] = (model, prompts, [mlx_greedy(model, p, NEW) for p in prompts])
     return _CASES[kind]
@@ -237,20 +269,60 @@ def test_granite_moe_without_rope_greedy_equals_mlx_lm():
     assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
 
 
-def _shared_prefix_case():
-    model, _, _ = _case()
+def test_nemotron_h_greedy_equals_mlx_lm():
+    """Nemotron-H: the same mixer code, its gated norm per group; MLP and MoE blocks take no
+    cache slot, so the state layers are cache slots 0, 2 and 3 (decoder layers 0, 3 and 4)
+    and the attention slots 1 and 4 (layers 1 and 6)."""
+    model, prompts, want = _case("nemotron_h")
+    kinds = state_kinds(model)
+    assert kinds == {i: kvcache.State({"conv": (3, 192), "ssm": (4, 32, 16)}, dtype="float32")
+                     for i in (0, 2, 3)}
+    assert route_state_layers(model) == [0, 2, 3]
+    engine = _engine(model)
+    assert engine.config.num_layers == 5 and engine.config.full_layers == (1, 4)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
+    got: dict = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert [got[rid] for rid in ids] == want
+    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+
+
+def test_nemotron_h_blocks_not_read_are_refused():
+    model = make_nemotron(seed=1)
+    model.args.hybrid_override_pattern = ["M", "*", "-", "M", "M", "E", "*", "X"]
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 7 .*'X'"):
+        state_kinds(model)
+    model = make_nemotron(seed=1)
+    mixer = model.layers[3].mixer
+    mixer.__class__ = type("NemotronHMamba2Mixer", (type(mixer),), {})
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 3 .*a subclass"):
+        state_kinds(model)
+    model = make_nemotron(seed=1)
+    model.layers[4].mixer.norm = importlib.import_module(
+        "mlx_lm.models.granitemoehybrid").GraniteMoeHybridRMSNormGated(128)
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match="layer 4 .*norm GraniteMoeHybridRMSNormGated"):
+        state_kinds(model)
+
+
+def _shared_prefix_case(kind="dense"):
+    model, _, _ = _case(kind)
     rng = np.random.default_rng(5)
     shared = rng.integers(1, 128, 22).tolist()
     prompts = [shared + rng.integers(1, 128, n).tolist() for n in (5, 9, 2, 13)]
     return model, prompts, [mlx_greedy(model, p, NEW) for p in prompts]
 
 
-def test_shared_prefixes_hit_through_state_checkpoints():
+@pytest.mark.parametrize("kind", ["dense", "nemotron_h"])
+def test_shared_prefixes_hit_through_state_checkpoints(kind):
     """Requests sharing a 22-token prefix through the Engine, checkpoints every page: the first
     request's prefill chunk 16..24 gives the conv and SSM states at 20 (inside the chunk: the
     mixer splits its SSM call there), so the later ones start from 20 cached tokens with both
-    states restored; warm tokens equal the cold ones and mlx-lm's own."""
-    model, prompts, want = _shared_prefix_case()
+    states restored; warm tokens equal the cold ones and mlx-lm's own (Granite-4.0-H and
+    Nemotron-H)."""
+    model, prompts, want = _shared_prefix_case(kind)
     engine = _engine(model, state_checkpoint_interval=1)
     assert engine.config.prefix_cache and engine.config.state_checkpoint_interval == 1
     cold = engine.generate(prompts[:1], max_new_tokens=NEW)

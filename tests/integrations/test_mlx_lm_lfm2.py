@@ -298,7 +298,7 @@ OTHERS = {
 def test_other_recurrent_families_stay_refused(family):
     """mlx-lm's other families with recurrent caches (Mamba, Mamba-2, Qwen3-Next's gated
     DeltaNet, Jamba) are refused at construction, naming the family and the cache, never run
-    with a wrong state (Granite-4.0-H's Mamba-2 mixers are served:
+    with a wrong state (Granite-4.0-H's and Nemotron-H's Mamba-2 mixers are served:
     test_mlx_lm_granite_hybrid.py)."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
     model = module.Model(module.ModelArgs.from_dict({"model_type": family, **OTHERS[family]}))
@@ -306,7 +306,7 @@ def test_other_recurrent_families_stay_refused(family):
     with pytest.raises(kvcache.UnsupportedFeatureError,
                        match=f"of the {family} model uses mlx-lm's (ArraysCache|MambaCache)"
                              f".*short convolutions of lfm2, lfm2_moe and the Mamba-2 "
-                             f"mixers of granitemoehybrid only"):
+                             f"mixers of granitemoehybrid, nemotron_h only"):
         Engine(model, backend="metal", device="cpu", max_total_tokens=64)
     with pytest.raises(kvcache.UnsupportedFeatureError, match=f"{family} model"):
         cache_config(model)

@@ -13,14 +13,15 @@ batch rows) runs per sequence from that state (``conv_forward``; ``route_state_l
 routes the class's calls). What these functions do not know is refused with
 ``UnsupportedFeatureError`` naming it.
 
-A mamba layer of mlx-lm's Granite-4.0-H (``granitemoehybrid``: ``GraniteMoeHybridMamba2Mixer``)
-projects ``gate, xBC, dt`` (``in_proj``), convolves ``xBC`` causally with a depthwise
-``nn.Conv1d`` of ``mamba_d_conv`` taps (then SiLU), splits it into ``x, B, C`` and runs the
-selective SSM (``mlx_lm.models.ssm.ssm_update``) whose state ``(heads, head_dim, d_state)``
-carries from token to token, then a gated RMS norm and ``out_proj``. mlx-lm keeps, in the
-layer's ``ArraysCache(size=2)``, entry 0 ``(batch, mamba_d_conv - 1, conv_dim)`` (the conv's
-last inputs, time first, as LFM2's) and entry 1 the SSM state, float32. On the cache each such
-layer is ``State({"conv": (mamba_d_conv - 1, conv_dim), "ssm": (heads, head_dim, d_state)},
+A mamba layer of mlx-lm's Granite-4.0-H (``granitemoehybrid``: ``GraniteMoeHybridMamba2Mixer``;
+Nemotron-H's ``NemotronHMamba2Mixer`` is the same code with a gated norm per group) projects
+``gate, xBC, dt`` (``in_proj``), convolves ``xBC`` causally with a depthwise ``nn.Conv1d`` of
+``mamba_d_conv`` taps (then SiLU), splits it into ``x, B, C`` and runs the selective SSM
+(``mlx_lm.models.ssm.ssm_update``) whose state ``(heads, head_dim, d_state)`` carries from token
+to token, then a gated RMS norm and ``out_proj``. mlx-lm keeps, in the layer's
+``ArraysCache(size=2)``, entry 0 ``(batch, mamba_d_conv - 1, conv_dim)`` (the conv's last
+inputs, time first, as LFM2's) and entry 1 the SSM state, float32. On the cache each such layer
+is ``State({"conv": (mamba_d_conv - 1, conv_dim), "ssm": (heads, head_dim, d_state)},
 dtype="float32")``, run per sequence by ``mamba_forward`` (docs/hybrid.md "Built: increment
 10")."""
 
@@ -52,12 +53,16 @@ _CONV_CLASSES = {
 }
 # family -> (module, class) of its Mamba-2 mixer: the class whose __call__ (and the
 # module's ssm_update, mlx_lm.models.ssm's) was read line by line (mlx-lm 0.32.2)
+# (and the module's gated norm class; mlx-lm 0.32.2: the same mixer code in both modules, the
+# norm Granite's over all channels, Nemotron-H's per group)
 _MAMBA_CLASSES = {
-    "granitemoehybrid": ("mlx_lm.models.granitemoehybrid", "GraniteMoeHybridMamba2Mixer"),
+    "granitemoehybrid": ("mlx_lm.models.granitemoehybrid", "GraniteMoeHybridMamba2Mixer",
+                         "GraniteMoeHybridRMSNormGated"),
+    "nemotron_h": ("mlx_lm.models.nemotron_h", "NemotronHMamba2Mixer", "MambaRMSNormGated"),
 }
 STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES}))
 """The mlx-lm model types whose recurrent-state layers run on the cache (LFM2's short
-convolutions, Granite-4.0-H's Mamba-2 mixers)."""
+convolutions, the Mamba-2 mixers of Granite-4.0-H and Nemotron-H)."""
 SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))} and the "
                        f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))}")
 """What the refusal of another recurrent cache names as served (``sliding_windows``)."""
@@ -152,12 +157,14 @@ def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
 
 
 def mamba_layers(model) -> dict:
-    """``{layer: module}``: the Mamba-2 mixers of a Granite-4.0-H mlx-lm ``model``
-    (``granitemoehybrid``), by decoder layer; empty for any other family. Raises
-    ``UnsupportedFeatureError`` naming the layer and the value when the model is of that family
-    but something is not what was read: a ``layer_types`` entry other than ``"mamba"`` /
-    ``"attention"`` (or not one per layer), a decoder layer whose ``layer_type`` or modules do
-    not match its entry, a mixer of another class (a subclass too), the module's
+    """``{slot: module}``: the Mamba-2 mixers of a Granite-4.0-H (``granitemoehybrid``) or
+    Nemotron-H (``nemotron_h``) mlx-lm ``model``, by cache slot (the index of the layer's
+    entry in ``model.make_cache()``: Granite's decoder layer; Nemotron-H's MLP and MoE blocks
+    take no slot); empty for any other family. Raises ``UnsupportedFeatureError`` naming the
+    layer and the value when the model is of such a family but something is not what was
+    read: a layer type other than Granite's ``"mamba"`` / ``"attention"`` or Nemotron-H's
+    ``M`` / ``*`` / ``-`` / ``E`` blocks (or not one per layer), a decoder layer whose type
+    and modules do not match, a mixer of another class (a subclass too), the module's
     ``ssm_update`` not mlx-lm's ``mlx_lm.models.ssm.ssm_update``, heads that do not tile
     ``intermediate_size`` or groups that do not divide them, ``conv_dim`` other than
     ``intermediate_size + 2 * n_groups * d_state``, a kernel below 2 taps or not
@@ -171,56 +178,74 @@ def mamba_layers(model) -> dict:
         return {}
     from mlx_lm.models import cache as mlx_cache
     from mlx_lm.models import ssm as mlx_ssm
-    args = model.args
-    layers = list(model.layers)
-    n = int(args.num_hidden_layers)
-    types = list(getattr(args, "layer_types", None) or ())
-    if len(types) != n or len(layers) != n:
-        raise UnsupportedFeatureError(
-            f"the {family} model has {len(types)} layer_types and {len(layers)} layers for "
-            f"num_hidden_layers={n}: which layers are Mamba mixers is not understood")
-    for i, kind in enumerate(types):
-        if kind not in ("mamba", "attention"):
-            raise UnsupportedFeatureError(
-                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
-                f"'mamba' and 'attention' layers of this family only")
     source = importlib.import_module(known[0])
     cls = getattr(source, known[1])
     if getattr(source, "ssm_update", None) is not mlx_ssm.ssm_update:
         raise UnsupportedFeatureError(
             f"the {family} model's module {known[0]} calls an ssm_update other than "
             f"mlx_lm.models.ssm.ssm_update: its SSM is not understood")
-    hidden = int(args.hidden_size)
+    hidden = int(model.args.hidden_size)
     caches = list(model.make_cache())
     found = {}
-    for i, block in enumerate(layers):
-        mixer: Any = getattr(block, "mamba", None)
-        attention = getattr(block, "self_attn", None)
-        if getattr(block, "layer_type", None) != types[i] or (
-                (mixer is None) == (types[i] == "mamba")) or (
-                attention is not None and mixer is not None):
-            raise UnsupportedFeatureError(
-                f"layer {i} ({type(block).__name__}) of the {family} model is not a plain "
-                f"{types[i]!r} layer (layer_type={getattr(block, 'layer_type', None)!r}, "
-                f"mamba: {type(mixer).__name__}, self_attn: {type(attention).__name__})")
-        if mixer is None:
-            continue
+    for slot, i, mixer in _mamba_walk(model, family):
         where = f"layer {i} ({type(mixer).__module__}.{type(mixer).__name__})"
         if type(mixer) is not cls:
             raise UnsupportedFeatureError(
                 f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
                 f"subclass or a replacement): its mixer is not understood")
-        _check_mixer(family, where, mixer, hidden)
-        c = caches[i] if i < len(caches) else None
+        _check_mixer(family, where, mixer, hidden, getattr(source, known[2]))
+        c = caches[slot] if slot < len(caches) else None
         if type(c) is not mlx_cache.ArraysCache or len(c.cache) != 2:
             raise UnsupportedFeatureError(
                 f"the {family} model's make_cache() gives {where} a {type(c).__name__}, not "
                 f"the ArraysCache(size=2) its mixer keeps its conv and SSM states in")
-        found[i] = mixer
+        found[slot] = mixer
     return found
 
 
-def _check_mixer(family: str, where: str, m, hidden: int) -> None:
+# Nemotron-H's blocks: M a Mamba-2 mixer, * attention (each one cache slot), - an MLP, E MoE
+_NEMOTRON_BLOCKS = {"M": True, "*": True, "-": False, "E": False}
+
+
+def _mamba_walk(model, family: str) -> list:
+    """``[(slot, layer, mixer)]``: the mamba layers of a ``_MAMBA_CLASSES`` family's
+    ``model``, each with its cache slot and decoder layer; the layer stack checked against its
+    config (raises ``UnsupportedFeatureError`` naming the layer)."""
+    args, layers = model.args, list(model.layers)
+    if family == "nemotron_h":
+        types = list(getattr(args, "hybrid_override_pattern", None) or ())
+        attrs = [("block_type", "mixer")] * len(layers)
+        known, mamba = _NEMOTRON_BLOCKS, "M"
+    else:
+        types = list(getattr(args, "layer_types", None) or ())
+        attrs = [("layer_type", "mamba")] * len(layers)
+        known, mamba = {"mamba": True, "attention": True}, "mamba"
+    n = int(args.num_hidden_layers)
+    if len(types) != n or len(layers) != n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(types)} layer types and {len(layers)} layers for "
+            f"num_hidden_layers={n}: which layers are Mamba mixers is not understood")
+    out, slot = [], 0
+    for i, (kind, block, (kind_attr, mixer_attr)) in enumerate(zip(types, layers, attrs)):
+        if kind not in known:
+            raise UnsupportedFeatureError(
+                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
+                f"{', '.join(map(repr, known))} layers of this family only")
+        mixer: Any = getattr(block, mixer_attr, None)
+        if getattr(block, kind_attr, None) != kind or (
+                family != "nemotron_h" and ((mixer is None) == (kind == mamba) or (
+                    mixer is not None and getattr(block, "self_attn", None) is not None))):
+            raise UnsupportedFeatureError(
+                f"layer {i} ({type(block).__name__}) of the {family} model is not a plain "
+                f"{kind!r} layer ({kind_attr}={getattr(block, kind_attr, None)!r}, "
+                f"{mixer_attr}: {type(mixer).__name__})")
+        if kind == mamba:
+            out.append((slot, i, mixer))
+        slot += known[kind]
+    return out
+
+
+def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
     def refuse(what: str) -> NoReturn:
         raise UnsupportedFeatureError(
             f"the {family} model's {where}: {what}; the cache's Mamba-2 mixer serves what was "
@@ -265,19 +290,17 @@ def _check_mixer(family: str, where: str, m, hidden: int) -> None:
     if len(limit) != 2:
         refuse(f"time_step_limit={m.time_step_limit!r}: not (low, high)")
     # the gated norm runs as the model's own module (per token)
-    expected = getattr(importlib.import_module(type(m).__module__),
-                       "GraniteMoeHybridRMSNormGated", None)
-    if (type(norm) is not expected
+    if (type(norm) is not norm_class
             or tuple(getattr(norm.get("weight"), "shape", ())) != (inner,)):
         refuse(f"norm {type(norm).__name__}: the cache runs the mixer's gated RMS norm "
-               f"(GraniteMoeHybridRMSNormGated of weight ({inner},)) only")
+               f"({norm_class.__name__} of weight ({inner},)) only")
 
 
 def state_modules(model) -> dict:
     """``{layer: module}``: the modules whose state the cache keeps for ``model``: LFM2's short
-    convolutions (``conv_layers``) or Granite-4.0-H's Mamba-2 mixers (``mamba_layers``); empty
-    for any other family. Raises ``UnsupportedFeatureError`` for what about a served family is
-    not understood."""
+    convolutions (``conv_layers``) or Granite-4.0-H's / Nemotron-H's Mamba-2 mixers
+    (``mamba_layers``), by cache slot; empty for any other family. Raises
+    ``UnsupportedFeatureError`` for what about a served family is not understood."""
     return conv_layers(model) or mamba_layers(model)
 
 
@@ -285,11 +308,11 @@ def state_kinds(model) -> dict:
     """The ``CacheConfig.layer_kinds`` entries of ``model``'s state layers (the model cannot run
     on the cache without them); empty for other families. An LFM2 short convolution
     (``conv_layers``): ``State({"conv": (conv_L_cache - 1, hidden_size)})`` in the cache dtype;
-    a Granite-4.0-H Mamba-2 mixer (``mamba_layers``): ``State({"conv": (conv_kernel_size - 1,
-    conv_dim), "ssm": (num_heads, head_dim, ssm_state_size)}, dtype="float32")`` (mlx-lm keeps
-    the SSM state in float32). The layouts are mlx-lm's ``ArraysCache`` entries' (the conv's
-    inputs time first, the oldest first). Raises ``UnsupportedFeatureError`` for what is not
-    understood."""
+    a Granite-4.0-H / Nemotron-H Mamba-2 mixer (``mamba_layers``, by cache slot):
+    ``State({"conv": (conv_kernel_size - 1, conv_dim), "ssm": (num_heads, head_dim,
+    ssm_state_size)}, dtype="float32")`` (mlx-lm keeps the SSM state in float32). The layouts
+    are mlx-lm's ``ArraysCache`` entries' (the conv's inputs time first, the oldest first).
+    Raises ``UnsupportedFeatureError`` for what is not understood."""
     from ...config import State
     layers = conv_layers(model)
     if layers:
@@ -303,12 +326,12 @@ def state_kinds(model) -> dict:
 
 def route_state_layers(model) -> list:
     """Route the state modules of ``model`` (``state_modules``: LFM2's short convolutions,
-    Granite-4.0-H's Mamba-2 mixers) through the cache: the module class's ``__call__`` is
-    wrapped (once per class, idempotent) so that a call whose ``cache`` is a kvcache
-    ``LayerCache`` runs ``conv_forward`` / ``mamba_forward`` on the cache's state slots, and
-    any other call (mlx-lm's own generation with its ``ArraysCache``) is mlx-lm's own,
-    unchanged. Returns the layers routed ([] for a family without state layers).
-    ``routing.route`` calls it."""
+    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers) through the cache: the module class's
+    ``__call__`` is wrapped (once per class, idempotent) so that a call whose ``cache`` is a
+    kvcache ``LayerCache`` runs ``conv_forward`` / ``mamba_forward`` on the cache's state slots,
+    and any other call (mlx-lm's own generation with its ``ArraysCache``) is mlx-lm's own,
+    unchanged. Returns the layers routed ([] for a family without state layers). ``routing.route``
+    calls it."""
     layers = state_modules(model)
     run = mamba_forward if _family(model) in _MAMBA_CLASSES else conv_forward
     for cls in {type(m) for m in layers.values()}:
@@ -436,8 +459,8 @@ def conv_forward(module, layer_cache, x, mask=None):
 
 
 def mamba_forward(module, layer_cache, x, mask=None):
-    """A Granite-4.0-H Mamba-2 mixer of an mlx-lm model over the open forward of the cache
-    behind ``layer_cache`` (a ``LayerCache``), per sequence.
+    """A Granite-4.0-H / Nemotron-H Mamba-2 mixer of an mlx-lm model over the open forward of
+    the cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
 
     ``x`` ``(T, 1, hidden)``: the forward's T new tokens as batch rows in ``begin_forward``
     order (prefill chunks and decode tokens alike). ``in_proj``, the gated norm and
@@ -483,14 +506,13 @@ def mamba_forward(module, layer_cache, x, mask=None):
         wanted.setdefault(row, []).append(n)
     ys, rows_of, finals, seqs_of, kept = [], [], [], [], {}
     step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
-    if step:
-        rows = starts[step]
-        y, st = update(xs[mx.array(rows.astype(np.int32))][:, None], module.A_log,
-                       *(a[mx.array(rows.astype(np.int32))][:, None] for a in (B, C)), D,
-                       dt[mx.array(rows.astype(np.int32))][:, None], module.dt_bias,
+    if step:    # a batch row of one token per sequence: mlx-lm's decode step (its GPU kernel)
+        idx = mx.array(starts[step].astype(np.int32))
+        y, st = update(xs[idx][:, None], module.A_log, B[idx][:, None], C[idx][:, None], D,
+                       dt[idx][:, None], module.dt_bias,
                        ssm[mx.array(np.asarray(step, np.int32))], module.time_step_limit)
         ys.append(y[:, 0])
-        rows_of.append(rows)
+        rows_of.append(starts[step])
         finals.append(st)
         seqs_of += step
     chosen = set(step)
@@ -498,10 +520,11 @@ def mamba_forward(module, layer_cache, x, mask=None):
         if i in chosen:
             continue
         lo, n = int(starts[i]), lengths[i]
+        # a new sequence starts from None, as mlx-lm's first call (zeros would add zeros)
         state = ssm[i:i + 1] if past[i] > 0 else None
         cuts = sorted({r for r in wanted.get(i, ()) if 0 < r < n})
         a = 0
-        for b in cuts + [n]:
+        for b in cuts + [n]:    # one call per segment: each boundary's state is a call's end
             y, state = run(mx.arange(lo + a, lo + b), state)
             ys.append(y[0])
             if b < n:
