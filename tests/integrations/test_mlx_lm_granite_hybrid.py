@@ -260,6 +260,37 @@ def test_preemption_and_forks_recompute_the_state():
     assert small.stats.forks >= 3 and small.cache.is_empty
 
 
+def test_an_aborted_forward_keeps_the_states():
+    """A forward that raises after the model ran (its conv and SSM states staged) is aborted:
+    the sequence keeps its states and length, and the prompt's rest sent again, then decoded,
+    gives mlx-lm's tokens (states advanced over the aborted tokens would not)."""
+    model, prompts, want = _case()
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    prompt = prompts[4]
+    adapter = MlxLmAdapter(model)
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=128,
+                                              max_batch_size=1), backend="metal", device="cpu")
+    cache.add_sequence(0)
+
+    def forward(tokens, at, fail=False):
+        n = len(tokens)
+        with adapter.session(cache), adapter.step_context(cache), cache.forward([0], [n]):
+            logits = adapter.forward(cache, np.asarray(tokens, np.int64),
+                                     np.arange(at, at + n, dtype=np.int64),
+                                     np.asarray([n - 1], np.int64))
+            if fail:
+                raise RuntimeError("the step failed after the model ran")
+        return int(adapter.greedy(logits, logprobs=False)[0][0])
+    forward(prompt[:20], 0)
+    with pytest.raises(RuntimeError, match="after the model ran"):
+        forward(prompt[20:28], 20, fail=True)
+    assert cache.sequence_length(0) == 20
+    out = [forward(prompt[20:], 20)]
+    while len(out) < NEW:
+        out.append(forward(out[-1:], len(prompt) + len(out) - 1))
+    assert out == want[4]
+
+
 def test_granite_moe_without_rope_greedy_equals_mlx_lm():
     """Granite-4.0-H's own layer shape: no rotary, MoE experts beside a shared MLP, the
     embedding / residual / logits multipliers, tied embeddings."""
