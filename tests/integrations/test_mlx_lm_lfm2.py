@@ -291,30 +291,22 @@ OTHERS = {
                   attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
                   mamba_d_conv=4, mamba_d_state=4, mamba_expand=2, num_experts=2,
                   num_experts_per_tok=1, rms_norm_eps=1e-5, max_position_embeddings=128),
-    "granitemoehybrid": dict(S, max_position_embeddings=128, num_attention_heads=2,
-                             num_key_value_heads=1, attention_bias=False,
-                             embedding_multiplier=1.0, attention_multiplier=1.0,
-                             logits_scaling=1.0, residual_multiplier=1.0,
-                             layer_types=["mamba", "attention"], rms_norm_eps=1e-5,
-                             mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1,
-                             mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
-                             mamba_chunk_size=8, mamba_conv_bias=True, mamba_proj_bias=False,
-                             num_local_experts=0, num_experts_per_tok=0,
-                             shared_intermediate_size=64, position_embedding_type="rope"),
 }
 
 
 @pytest.mark.parametrize("family", sorted(OTHERS))
 def test_other_recurrent_families_stay_refused(family):
     """mlx-lm's other families with recurrent caches (Mamba, Mamba-2, Qwen3-Next's gated
-    DeltaNet, Jamba, Granite-4.0-H) are refused at construction, naming the family and the
-    cache, never run with a wrong state."""
+    DeltaNet, Jamba) are refused at construction, naming the family and the cache, never run
+    with a wrong state (Granite-4.0-H's and Nemotron-H's Mamba-2 mixers are served:
+    test_mlx_lm_granite_hybrid.py)."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
     model = module.Model(module.ModelArgs.from_dict({"model_type": family, **OTHERS[family]}))
     assert state_kinds(model) == {}
     with pytest.raises(kvcache.UnsupportedFeatureError,
                        match=f"of the {family} model uses mlx-lm's (ArraysCache|MambaCache)"
-                             f".*short convolutions of lfm2, lfm2_moe only"):
+                             f".*short convolutions of lfm2, lfm2_moe and the Mamba-2 "
+                             f"mixers of granitemoehybrid, nemotron_h only"):
         Engine(model, backend="metal", device="cpu", max_total_tokens=64)
     with pytest.raises(kvcache.UnsupportedFeatureError, match=f"{family} model"):
         cache_config(model)

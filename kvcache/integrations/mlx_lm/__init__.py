@@ -56,22 +56,27 @@ recording layer caches: each layer must call ``update_and_fetch`` once, and eith
 and no mask array (the cache's kernels attend), or attend itself (own-attention mode). The
 probe also reads the cache configuration off the calls (query and KV heads, q/k and value
 head dims, dtype, sinks). Refused, with the reason: a layer that never uses its cache
-object, recurrent or chunked caches (LFM2's
-short convolutions excepted), layers of different head shapes, sinks on a backend
-without ``attention_sinks``.
+object, recurrent or chunked caches (LFM2's short convolutions and the Mamba-2 mixers of
+Granite-4.0-H and Nemotron-H excepted), layers of different head shapes, sinks on a backend without
+``attention_sinks``.
 
-* **State layers.** LFM2's short convolutions (``lfm2``, ``lfm2_moe``: their
-  ``ArraysCache`` layers in ``make_cache()``) run on the cache's state slots
-  (``State({"conv": (conv_L_cache - 1, hidden)})``, ``state_kinds``): the conv class's call
-  with a ``LayerCache`` convolves each sequence's tokens after its own state
-  (``kvcache.integrations.mlx_lm.states``). Every other recurrent cache (``ArraysCache``,
-  ``MambaCache`` of Mamba, Qwen3-Next, Falcon-H1, ...) is refused naming the family.
+* **State layers.** LFM2's short convolutions (``lfm2``, ``lfm2_moe``: their ``ArraysCache``
+  layers in ``make_cache()``) run on the cache's state slots (``State({"conv": (conv_L_cache -
+  1, hidden)})``, ``state_kinds``): the conv class's call with a ``LayerCache`` convolves each
+  sequence's tokens after its own state (``kvcache.integrations.mlx_lm.states``). So do the
+  Mamba-2 mixers of Granite-4.0-H and Nemotron-H (``granitemoehybrid``, ``nemotron_h``:
+  ``State({"conv": (d_conv - 1, conv_dim), "ssm": (heads, head_dim, d_state)},
+  dtype="float32")``, the conv per sequence after its state, the SSM by mlx-lm's own
+  ``ssm_update`` per sequence from its state). Every other recurrent cache (``ArraysCache``,
+  ``MambaCache`` of Mamba, Mamba-2, Qwen3-Next, Jamba, Falcon-H1, ...) is refused naming the
+  family.
 
 For a loop of your own: ``layer_caches(model, cache)`` inside ``cache.forward(...)`` gives the
 list to pass as ``model(tokens[:, None], cache=...)``. The cache uses ``rope_mode="none"``.
 
 The package's modules: ``model`` (what is read off a model, ``ModelDescription``),
-``protocol`` (``LayerCache``), ``states`` (LFM2's short convolutions), ``routing``
+``protocol`` (``LayerCache``), ``states`` (LFM2's short convolutions, the Mamba-2 mixers
+of Granite-4.0-H and Nemotron-H), ``routing``
 (``route``, ``layer_caches``, ``describe``, ``cache_config``) and ``adapter`` (``MlxLmAdapter``); this module checks the requirements,
 holds ``Engine`` and re-exports their names.
 """

@@ -64,10 +64,10 @@ def sliding_windows(model) -> dict:
     """``{layer: window}`` of the model's sliding-window layers (empty: none), as mlx-lm's own
     generation builds them (``model.make_cache()``): a ``RotatingKVCache(max_size=w)`` layer
     attends to the previous ``w`` positions, itself included; a ``KVCache`` layer to all of
-    them; the ``ArraysCache`` of an LFM2 short convolution is a state layer (``state_kinds``),
-    not a window. Any other cache type raises ``UnsupportedFeatureError`` naming it and the
-    family."""
-    from .states import STATE_FAMILIES, state_kinds
+    them; the ``ArraysCache`` of an LFM2 short convolution or a Granite-4.0-H / Nemotron-H Mamba-2
+    mixer is a state layer (``state_kinds``), not a window. Any other cache type raises
+    ``UnsupportedFeatureError`` naming it and the family."""
+    from .states import SERVED_STATE_LAYERS, state_kinds
     states = state_kinds(model)
     windows = {}
     for i, c in enumerate(_mlx_caches(model)):
@@ -81,8 +81,8 @@ def sliding_windows(model) -> dict:
         raise UnsupportedFeatureError(
             f"{_label(model, i)} of the {_family(model)} model uses mlx-lm's {what} (from "
             f"model.make_cache()): the paged cache stands in for KVCache (full attention), "
-            f"RotatingKVCache (a sliding window) and, as state layers, the ArraysCache of the "
-            f"short convolutions of {', '.join(STATE_FAMILIES)} only")
+            f"RotatingKVCache (a sliding window) and, as state layers, the ArraysCache of "
+            f"{SERVED_STATE_LAYERS} only")
     return windows
 
 
@@ -147,4 +147,5 @@ class ModelDescription:
     the cache)."""
     states: dict = dataclasses.field(default_factory=dict)
     """``{layer: kvcache.State}``: the model's state layers (LFM2's short convolutions,
-    ``state_kinds``), which neither fetch nor attend; empty: none."""
+    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers; ``state_kinds``), which neither fetch nor
+    attend; empty: none."""

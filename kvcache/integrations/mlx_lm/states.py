@@ -11,13 +11,25 @@ conv layer is ``kvcache.State({"conv": (conv_L_cache - 1, hidden)})``, the same 
 (``state_kinds``), and a call of the conv with a ``LayerCache`` (the forward's tokens as
 batch rows) runs per sequence from that state (``conv_forward``; ``route_state_layers``
 routes the class's calls). What these functions do not know is refused with
-``UnsupportedFeatureError`` naming it."""
+``UnsupportedFeatureError`` naming it.
+
+A mamba layer of mlx-lm's Granite-4.0-H (``granitemoehybrid``: ``GraniteMoeHybridMamba2Mixer``;
+Nemotron-H's ``NemotronHMamba2Mixer`` is the same code with a gated norm per group) projects
+``gate, xBC, dt`` (``in_proj``), convolves ``xBC`` causally with a depthwise ``nn.Conv1d`` of
+``mamba_d_conv`` taps (then SiLU), splits it into ``x, B, C`` and runs the selective SSM
+(``mlx_lm.models.ssm.ssm_update``) whose state ``(heads, head_dim, d_state)`` carries from token
+to token, then a gated RMS norm and ``out_proj``. mlx-lm keeps, in the layer's
+``ArraysCache(size=2)``, entry 0 ``(batch, mamba_d_conv - 1, conv_dim)`` (the conv's last
+inputs, time first, as LFM2's) and entry 1 the SSM state, float32. On the cache each such layer
+is ``State({"conv": (mamba_d_conv - 1, conv_dim), "ssm": (heads, head_dim, d_state)},
+dtype="float32")``, run per sequence by ``mamba_forward`` (docs/hybrid.md "Built: increment
+10")."""
 
 from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -39,9 +51,26 @@ _CONV_CLASSES = {
     "lfm2": ("mlx_lm.models.lfm2", "ShortConv"),
     "lfm2_moe": ("mlx_lm.models.lfm2_moe", "ShortConv"),
 }
-STATE_FAMILIES = tuple(sorted(_CONV_CLASSES))
-"""The mlx-lm model types whose recurrent-state layers run on the cache (their short
-convolutions)."""
+# family -> (module, class) of its Mamba-2 mixer: the class whose __call__ (and the
+# module's ssm_update, mlx_lm.models.ssm's) was read line by line (mlx-lm 0.32.2)
+# (and the module's gated norm class; mlx-lm 0.32.2: the same mixer code in both modules, the
+# norm Granite's over all channels, Nemotron-H's per group)
+_MAMBA_CLASSES = {
+    "granitemoehybrid": ("mlx_lm.models.granitemoehybrid", "GraniteMoeHybridMamba2Mixer",
+                         "GraniteMoeHybridRMSNormGated"),
+    "nemotron_h": ("mlx_lm.models.nemotron_h", "NemotronHMamba2Mixer", "MambaRMSNormGated"),
+}
+STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES}))
+"""The mlx-lm model types whose recurrent-state layers run on the cache (LFM2's short
+convolutions, the Mamba-2 mixers of Granite-4.0-H and Nemotron-H)."""
+SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))} and the "
+                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))}")
+"""What the refusal of another recurrent cache names as served (``sliding_windows``)."""
+SSM_STATE = "ssm"
+"""The name of a Mamba-2 layer's SSM state (``(heads, head_dim, d_state)``, float32)."""
+WIDE_STATE = "float32"
+"""The ``State.dtype`` of the Mamba-2 layers' states: mlx-lm keeps the SSM state in float32
+(its ``dt`` is float32) whatever the model dtype; the conv's inputs fit float32 exactly."""
 _ROUTED_ATTR = "__kvcache_routed_conv__"     # marks a conv class's wrapped __call__
 
 
@@ -127,57 +156,282 @@ def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
             f"{tuple(w.shape) if w is not None else ''}")
 
 
+def mamba_layers(model) -> dict:
+    """``{slot: module}``: the Mamba-2 mixers of a Granite-4.0-H (``granitemoehybrid``) or
+    Nemotron-H (``nemotron_h``) mlx-lm ``model``, by cache slot (the index of the layer's
+    entry in ``model.make_cache()``: Granite's decoder layer; Nemotron-H's MLP and MoE blocks
+    take no slot); empty for any other family. Raises ``UnsupportedFeatureError`` naming the
+    layer and the value when the model is of such a family but something is not what was
+    read: a layer type other than Granite's ``"mamba"`` / ``"attention"`` or Nemotron-H's
+    ``M`` / ``*`` / ``-`` / ``E`` blocks (or not one per layer), a decoder layer whose type
+    and modules do not match, a mixer of another class (a subclass too), the module's
+    ``ssm_update`` not mlx-lm's ``mlx_lm.models.ssm.ssm_update``, heads that do not tile
+    ``intermediate_size`` or groups that do not divide them, ``conv_dim`` other than
+    ``intermediate_size + 2 * n_groups * d_state``, a kernel below 2 taps or not
+    ``conv_kernel_size``, a conv that is not depthwise, padded, strided or dilated,
+    ``in_proj`` / ``A_log`` / ``D`` / ``dt_bias`` / the gated norm of other sizes or classes, a
+    ``time_step_limit`` that is not two numbers, or a ``make_cache()`` entry other than
+    ``ArraysCache(size=2)`` at a mamba layer."""
+    family = _family(model)
+    known = _MAMBA_CLASSES.get(family)
+    if known is None:
+        return {}
+    from mlx_lm.models import cache as mlx_cache
+    from mlx_lm.models import ssm as mlx_ssm
+    source = importlib.import_module(known[0])
+    cls = getattr(source, known[1])
+    if getattr(source, "ssm_update", None) is not mlx_ssm.ssm_update:
+        raise UnsupportedFeatureError(
+            f"the {family} model's module {known[0]} calls an ssm_update other than "
+            f"mlx_lm.models.ssm.ssm_update: its SSM is not understood")
+    hidden = int(model.args.hidden_size)
+    caches = list(model.make_cache())
+    found = {}
+    for slot, i, mixer in _mamba_walk(model, family):
+        where = f"layer {i} ({type(mixer).__module__}.{type(mixer).__name__})"
+        if type(mixer) is not cls:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
+                f"subclass or a replacement): its mixer is not understood")
+        _check_mixer(family, where, mixer, hidden, getattr(source, known[2]))
+        c = caches[slot] if slot < len(caches) else None
+        if type(c) is not mlx_cache.ArraysCache or len(c.cache) != 2:
+            raise UnsupportedFeatureError(
+                f"the {family} model's make_cache() gives {where} a {type(c).__name__}, not "
+                f"the ArraysCache(size=2) its mixer keeps its conv and SSM states in")
+        found[slot] = mixer
+    return found
+
+
+# Nemotron-H's blocks: M a Mamba-2 mixer, * attention (each one cache slot), - an MLP, E MoE
+_NEMOTRON_BLOCKS = {"M": True, "*": True, "-": False, "E": False}
+
+
+def _mamba_walk(model, family: str) -> list:
+    """``[(slot, layer, mixer)]``: the mamba layers of a ``_MAMBA_CLASSES`` family's
+    ``model``, each with its cache slot and decoder layer; the layer stack checked against its
+    config (raises ``UnsupportedFeatureError`` naming the layer)."""
+    args, layers = model.args, list(model.layers)
+    if family == "nemotron_h":
+        types = list(getattr(args, "hybrid_override_pattern", None) or ())
+        attrs = [("block_type", "mixer")] * len(layers)
+        known, mamba = _NEMOTRON_BLOCKS, "M"
+    else:
+        types = list(getattr(args, "layer_types", None) or ())
+        attrs = [("layer_type", "mamba")] * len(layers)
+        known, mamba = {"mamba": True, "attention": True}, "mamba"
+    n = int(args.num_hidden_layers)
+    if len(types) != n or len(layers) != n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(types)} layer types and {len(layers)} layers for "
+            f"num_hidden_layers={n}: which layers are Mamba mixers is not understood")
+    out, slot = [], 0
+    for i, (kind, block, (kind_attr, mixer_attr)) in enumerate(zip(types, layers, attrs)):
+        if kind not in known:
+            raise UnsupportedFeatureError(
+                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
+                f"{', '.join(map(repr, known))} layers of this family only")
+        mixer: Any = getattr(block, mixer_attr, None)
+        if getattr(block, kind_attr, None) != kind or (
+                family != "nemotron_h" and ((mixer is None) == (kind == mamba) or (
+                    mixer is not None and getattr(block, "self_attn", None) is not None))):
+            raise UnsupportedFeatureError(
+                f"layer {i} ({type(block).__name__}) of the {family} model is not a plain "
+                f"{kind!r} layer ({kind_attr}={getattr(block, kind_attr, None)!r}, "
+                f"{mixer_attr}: {type(mixer).__name__})")
+        if kind == mamba:
+            out.append((slot, i, mixer))
+        slot += known[kind]
+    return out
+
+
+def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
+    def refuse(what: str) -> NoReturn:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where}: {what}; the cache's Mamba-2 mixer serves what was "
+            f"read (docs/hybrid.md increment 10) only")
+    try:
+        heads, head_dim, d_state = int(m.num_heads), int(m.head_dim), int(m.ssm_state_size)
+        groups, inner, conv_dim = int(m.n_groups), int(m.intermediate_size), int(m.conv_dim)
+        taps, limit = int(m.conv_kernel_size), tuple(float(v) for v in m.time_step_limit)
+        conv, norm, in_proj, out_proj = m.conv1d, m.norm, m.in_proj, m.out_proj
+        params = (m.A_log, m.D, m.dt_bias)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
+    if heads < 1 or groups < 1 or heads % groups or heads * head_dim != inner:
+        refuse(f"num_heads={heads}, head_dim={head_dim}, n_groups={groups}, "
+               f"intermediate_size={inner}: the heads must tile intermediate_size and the groups "
+               f"divide the heads")
+    if conv_dim != inner + 2 * groups * d_state:
+        refuse(f"conv_dim={conv_dim} is not intermediate_size + 2 * n_groups * ssm_state_size "
+               f"({inner + 2 * groups * d_state})")
+    weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
+    if weight is None:
+        refuse("no nn.Conv1d conv1d")
+    k = int(weight.shape[1])
+    if k < 2 or k != taps:
+        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}): the cache serves kernels of "
+               f">= 2 taps equal to conv_kernel_size")
+    if (tuple(weight.shape) != (conv_dim, k, 1) or conv.groups != conv_dim or conv.stride != 1
+            or conv.padding != 0 or conv.dilation != 1):
+        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride={conv.stride}, "
+               f"padding={conv.padding}, dilation={conv.dilation}: not a depthwise causal "
+               f"convolution over conv_dim={conv_dim} channels without padding")
+    w = in_proj.get("weight") if isinstance(in_proj, nn.Module) else None
+    if w is None or int(w.shape[0]) != inner + conv_dim + heads:
+        refuse(f"in_proj must be a linear layer of {inner + conv_dim + heads} outputs (gate, "
+               f"x B C, dt), got {type(in_proj).__name__} "
+               f"{tuple(w.shape) if w is not None else ''}")
+    if not isinstance(out_proj, nn.Module):
+        refuse(f"out_proj {type(out_proj).__name__} is not a module")
+    if any(tuple(p.shape) != (heads,) for p in params):
+        refuse(f"A_log, D, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({heads},)")
+    if len(limit) != 2:
+        refuse(f"time_step_limit={m.time_step_limit!r}: not (low, high)")
+    # the gated norm runs as the model's own module (per token)
+    if (type(norm) is not norm_class
+            or tuple(getattr(norm.get("weight"), "shape", ())) != (inner,)):
+        refuse(f"norm {type(norm).__name__}: the cache runs the mixer's gated RMS norm "
+               f"({norm_class.__name__} of weight ({inner},)) only")
+
+
+def state_modules(model) -> dict:
+    """``{layer: module}``: the modules whose state the cache keeps for ``model``: LFM2's short
+    convolutions (``conv_layers``) or Granite-4.0-H's / Nemotron-H's Mamba-2 mixers
+    (``mamba_layers``), by cache slot; empty for any other family. Raises
+    ``UnsupportedFeatureError`` for what about a served family is not understood."""
+    return conv_layers(model) or mamba_layers(model)
+
+
 def state_kinds(model) -> dict:
-    """``{layer: kvcache.State({"conv": (conv_L_cache - 1, hidden_size)})}`` for the short
-    convolutions of an LFM2-family mlx-lm ``model`` (``conv_layers``: raises
-    ``UnsupportedFeatureError`` for what is not understood); empty for other families. The
-    ``CacheConfig.layer_kinds`` entries a cache for the model must have: the model cannot run
-    on the cache without them. The layout is mlx-lm's ``ArraysCache`` entry's (time first,
-    the oldest input first)."""
+    """The ``CacheConfig.layer_kinds`` entries of ``model``'s state layers (the model cannot run
+    on the cache without them); empty for other families. An LFM2 short convolution
+    (``conv_layers``): ``State({"conv": (conv_L_cache - 1, hidden_size)})`` in the cache dtype;
+    a Granite-4.0-H / Nemotron-H Mamba-2 mixer (``mamba_layers``, by cache slot):
+    ``State({"conv": (conv_kernel_size - 1, conv_dim), "ssm": (num_heads, head_dim,
+    ssm_state_size)}, dtype="float32")`` (mlx-lm keeps the SSM state in float32). The layouts
+    are mlx-lm's ``ArraysCache`` entries' (the conv's inputs time first, the oldest first).
+    Raises ``UnsupportedFeatureError`` for what is not understood."""
     from ...config import State
     layers = conv_layers(model)
-    if not layers:
-        return {}
-    hidden, taps = int(model.args.hidden_size), int(model.args.conv_L_cache)
-    return {i: State({CONV_STATE: (taps - 1, hidden)}) for i in layers}
+    if layers:
+        hidden, taps = int(model.args.hidden_size), int(model.args.conv_L_cache)
+        return {i: State({CONV_STATE: (taps - 1, hidden)}) for i in layers}
+    return {i: State({CONV_STATE: (int(m.conv_kernel_size) - 1, int(m.conv_dim)),
+                      SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))},
+                     dtype=WIDE_STATE)
+            for i, m in mamba_layers(model).items()}
 
 
 def route_state_layers(model) -> list:
-    """Route the short convolutions of ``model`` (``conv_layers``) through the cache: the conv
-    class's ``__call__`` is wrapped (once per class, idempotent) so that a call whose
-    ``cache`` is a kvcache ``LayerCache`` runs ``conv_forward`` on the cache's state slots, and
-    any other call (mlx-lm's own generation with its ``ArraysCache``) is mlx-lm's own,
-    unchanged. Returns the layers routed ([] for a family without state layers).
-    ``routing.route`` calls it."""
-    layers = conv_layers(model)
+    """Route the state modules of ``model`` (``state_modules``: LFM2's short convolutions,
+    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers) through the cache: the module class's
+    ``__call__`` is wrapped (once per class, idempotent) so that a call whose ``cache`` is a
+    kvcache ``LayerCache`` runs ``conv_forward`` / ``mamba_forward`` on the cache's state slots,
+    and any other call (mlx-lm's own generation with its ``ArraysCache``) is mlx-lm's own,
+    unchanged. Returns the layers routed ([] for a family without state layers). ``routing.route``
+    calls it."""
+    layers = state_modules(model)
+    run = mamba_forward if _family(model) in _MAMBA_CLASSES else conv_forward
     for cls in {type(m) for m in layers.values()}:
         original = cls.__call__
         if getattr(original, _ROUTED_ATTR, False):
             continue
-        cls.__call__ = _routed(original)
+        cls.__call__ = _routed(original, run)
     return sorted(layers)
 
 
-def _routed(original):
+def _routed(original, run):
     from .protocol import LayerCache
 
     @functools.wraps(original)
     def __call__(self, x, mask=None, cache=None):
         if isinstance(cache, LayerCache):
-            return conv_forward(self, cache, x, mask)
+            return run(self, cache, x, mask)
         return original(self, x, mask=mask, cache=cache)
 
     setattr(__call__, _ROUTED_ATTR, True)
     return __call__
 
 
-def _states(forward, layer: int, s: int, k1: int, hidden: int, dtype):
-    """The forward's ``s`` states of ``layer`` as an mx array ``(s, k1, hidden)`` of
-    ``dtype`` (zeros while probing)."""
+def _states(forward, layer: int, name: str, shape: tuple, dtype):
+    """The forward's states ``name`` of ``layer`` as an mx array ``(S, *shape)`` of ``dtype``
+    (zeros of one sequence while probing)."""
     from .protocol import _from_cache
     if forward.probe is not None:
-        return mx.zeros((s, k1, hidden), dtype)
-    return _from_cache(forward.cache, forward.cache.get_state(layer, CONV_STATE), dtype)
+        return mx.zeros((1, *shape), dtype)
+    return _from_cache(forward.cache, forward.cache.get_state(layer, name), dtype)
+
+
+def _to_state(cache, layer: int, values):
+    """``values`` (an mx array) as ``cache`` stores state layer ``layer``'s states (its
+    ``State.dtype``, else the cache dtype)."""
+    from .protocol import _mx_dtype
+    dtype = cache.config.state_layers[layer].storage(cache.config.dtype)
+    if cache.backend.is_native(values):
+        return values.astype(_mx_dtype(dtype))
+    return cache.from_numpy(np.asarray(values.astype(mx.float32)), dtype)
+
+
+def _open(module, layer_cache, x, mask, what: str) -> tuple:
+    """``(forward, layer, T, lengths)`` of a state module's call with a ``LayerCache``, checked:
+    no mask array, not an own-attention model, a forward open (or the probe), ``x`` its ``T``
+    tokens as batch rows ``(T, 1, hidden)``. ``lengths``: the sequences' new tokens (the
+    probe: one sequence)."""
+    f = layer_cache._forward
+    layer = layer_cache.layer
+    if mask is not None:
+        raise UnsupportedFeatureError(
+            f"layer {layer} ({type(module).__name__}) of the {_family(f.model)} model got a "
+            f"mask: the cache's batches are packed, without padding")
+    if f.own_attention and f.probe is None:
+        raise UnsupportedFeatureError(
+            f"layer {layer} ({type(module).__name__}): a model that attends itself (one call "
+            f"per sequence) does not run {what} on the cache")
+    if f.positions is None:
+        raise InvalidArgumentError(
+            f"layer {layer}: a kvcache LayerCache is used outside a forward (run the model "
+            f"through Engine.generate, or take layer_caches(model, cache) inside "
+            f"cache.forward(...))")
+    T = int(f.positions.shape[0])
+    if f.probe is not None:
+        lengths: tuple = (T,)
+    else:
+        lengths = tuple(int(n) for n in f.cache.open_plan.append_lengths)
+    if x.ndim != 3 or x.shape[1] != 1 or x.shape[0] != T or sum(lengths) != T:
+        raise InvalidArgumentError(
+            f"layer {layer}: the input {tuple(x.shape)} of {what} is not the forward's {T} "
+            f"tokens as batch rows ({T}, 1, hidden)")
+    return f, layer, T, lengths
+
+
+def _packed_conv(f, layer: int, lengths: tuple, inputs, conv):
+    """A depthwise causal ``conv`` (an ``nn.Conv1d``, weight ``(C, K, 1)``, no padding) of
+    state layer ``layer`` over ``inputs`` ``(T, C)``, the forward's new inputs in
+    ``begin_forward`` order (``lengths`` per sequence): one block per sequence, its conv
+    state's ``K - 1`` columns (``"conv"``, ``(S, K - 1, C)``, time first) then its inputs, the
+    module's own conv once over every block, the windows that cross a block boundary dropped
+    (no sequence reads another's inputs). Writes each sequence's last ``K - 1`` inputs as its
+    new state and the ``K - 1`` inputs before each prefix-cache boundary inside the appends
+    (``set_state_checkpoints``); nothing while probing. Returns the conv's outputs ``(T,
+    C)``, before any activation."""
+    c, k1, s = int(inputs.shape[-1]), int(conv.weight.shape[1]) - 1, len(lengths)
+    states = _states(f, layer, CONV_STATE, (k1, c), inputs.dtype)          # (S, k1, C)
+    order, out, keep = (mx.array(a.astype(np.int32)) for a in conv_indices(lengths, k1))
+    laid = mx.concatenate([states.reshape(s * k1, c), inputs])[order]      # (S*k1 + T, C)
+    # one unpadded depthwise conv over every block; the windows that cross a block boundary
+    # are dropped (out), so no sequence reads another's inputs
+    conv_out = conv(laid[None])[0][out]                                    # (T, C)
+    if f.probe is None:
+        new = laid[keep].reshape(s, k1, c)
+        f.cache.set_state(layer, CONV_STATE, _to_state(f.cache, layer, new))
+        marks = f.cache.state_checkpoints()
+        if marks:   # the prefix cache's boundaries inside the appends: the k1 inputs before each
+            at = mx.array(checkpoint_columns(lengths, k1, marks).astype(np.int32))
+            f.cache.set_state_checkpoints(layer, CONV_STATE, _to_state(
+                f.cache, layer, laid[at].reshape(len(marks), k1, c)))
+    return conv_out
 
 
 def conv_forward(module, layer_cache, x, mask=None):
@@ -195,50 +449,99 @@ def conv_forward(module, layer_cache, x, mask=None):
     zero state and nothing is written. Raises ``InvalidArgumentError`` when ``x`` is not the
     forward's rows and ``UnsupportedFeatureError`` for a mask array (the cache's batches are
     packed, without padding) or a model that attends itself (one call per sequence)."""
-    from .protocol import _to_cache
-    f = layer_cache._forward
-    layer = layer_cache.layer
-    if mask is not None:
-        raise UnsupportedFeatureError(
-            f"layer {layer} ({type(module).__name__}) of the {_family(f.model)} model got a "
-            f"mask: the cache's batches are packed, without padding")
-    if f.own_attention and f.probe is None:
-        raise UnsupportedFeatureError(
-            f"layer {layer} ({type(module).__name__}): a model that attends itself (one call "
-            f"per sequence) does not run short convolutions on the cache")
-    if f.positions is None:
-        raise InvalidArgumentError(
-            f"layer {layer}: a kvcache LayerCache is used outside a forward (run the model "
-            f"through Engine.generate, or take layer_caches(model, cache) inside "
-            f"cache.forward(...))")
-    T = int(f.positions.shape[0])
-    if f.probe is not None:
-        lengths: tuple = (T,)
-    else:
-        lengths = tuple(int(n) for n in f.cache.open_plan.append_lengths)
-    if x.ndim != 3 or x.shape[1] != 1 or x.shape[0] != T or sum(lengths) != T:
-        raise InvalidArgumentError(
-            f"layer {layer}: the conv's input {tuple(x.shape)} is not the forward's {T} "
-            f"tokens as batch rows ({T}, 1, hidden)")
+    f, layer, T, lengths = _open(module, layer_cache, x, mask, "short convolutions")
     BCx = module.in_proj(x)
     B, C, xs = mx.split(BCx, 3, axis=-1)
     Bx = (B * xs).reshape(T, -1)                                   # (T, H)
-    hidden, k1 = int(Bx.shape[-1]), int(module.L_cache) - 1
-    s = len(lengths)
-    states = _states(f, layer, s, k1, hidden, Bx.dtype)            # (S, k1, H)
-    order, out, keep = (mx.array(a.astype(np.int32)) for a in conv_indices(lengths, k1))
-    laid = mx.concatenate([states.reshape(s * k1, hidden), Bx])[order]    # (S*k1 + T, H)
-    # one unpadded depthwise conv over every block; the windows that cross a block boundary
-    # are dropped (out), so no sequence reads another's inputs
-    conv_out = module.conv(laid[None])[0][out]                     # (T, H)
-    if f.probe is None:
-        new = laid[keep].reshape(s, k1, hidden)
-        f.cache.set_state(layer, CONV_STATE, _to_cache(f.cache, new))
-        marks = f.cache.state_checkpoints()
-        if marks:   # the prefix cache's boundaries inside the appends: the k1 inputs before each
-            at = mx.array(checkpoint_columns(lengths, k1, marks).astype(np.int32))
-            f.cache.set_state_checkpoints(layer, CONV_STATE, _to_cache(
-                f.cache, laid[at].reshape(len(marks), k1, hidden)))
+    conv_out = _packed_conv(f, layer, lengths, Bx, module.conv)    # (T, H)
     y = C * conv_out[:, None, :]
     return module.out_proj(y)
 
+
+def mamba_forward(module, layer_cache, x, mask=None):
+    """A Granite-4.0-H / Nemotron-H Mamba-2 mixer of an mlx-lm model over the open forward of
+    the cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
+
+    ``x`` ``(T, 1, hidden)``: the forward's T new tokens as batch rows in ``begin_forward``
+    order (prefill chunks and decode tokens alike). ``in_proj``, the gated norm and
+    ``out_proj`` run on the rows (per token); the causal depthwise conv (then SiLU) over one
+    block per sequence that starts with its conv state (``"conv"``, ``(B, conv_kernel_size -
+    1, conv_dim)``: zeros for a new sequence), as ``conv_forward`` does; the SSM per sequence
+    from its state (``"ssm"``, ``(B, heads, head_dim, d_state)`` float32) by mlx-lm's own
+    ``ssm_update``: the one-token appends of sequences with a past in one call (batch rows,
+    mlx-lm's decode step), every other sequence's tokens in a call of its own (a new sequence
+    from no state, as mlx-lm's first call), split at the prefix cache's boundaries inside the
+    appends (``cache.state_checkpoints()``) so that the state at each boundary is the one a
+    call ending there gives (``cache.set_state_checkpoints``). The new states are written with
+    ``cache.set_state`` (committed at ``end_forward``). Returns ``(T, 1, hidden)``. While
+    ``describe`` probes, the rows are one new sequence and nothing is written. Raises as
+    ``conv_forward`` does."""
+    f, layer, T, lengths = _open(module, layer_cache, x, mask, "Mamba-2 mixers")
+    inner, conv_dim, heads = module.intermediate_size, module.conv_dim, module.num_heads
+    hd, groups, ds = module.head_dim, module.n_groups, module.ssm_state_size
+    s = len(lengths)
+    if f.probe is not None:
+        past = np.zeros(1, np.int64)
+    else:   # each sequence's committed length: 0 is a new sequence (no SSM state yet)
+        past = np.asarray(f.cache.open_plan.tokens.k_rope_offset)[:s]
+    projected = module.in_proj(x)                                          # (T, 1, P)
+    gate, conv_input, dt = mx.split(projected, [inner, inner + conv_dim], axis=-1)
+    conv_out = nn.silu(_packed_conv(f, layer, lengths, conv_input.reshape(T, conv_dim),
+                                    module.conv1d))                        # (T, conv_dim)
+    xs, B, C = mx.split(conv_out, [inner, inner + groups * ds], axis=-1)
+    xs, B, C = xs.reshape(T, heads, hd), B.reshape(T, groups, ds), C.reshape(T, groups, ds)
+    dt = dt.reshape(T, heads)
+    D = module.D.astype(xs.dtype)
+    update = importlib.import_module(type(module).__module__).ssm_update
+
+    def run(rows, state):       # mlx-lm's SSM over rows (one sequence's, or one per sequence)
+        return update(xs[rows][None], module.A_log, B[rows][None], C[rows][None], D,
+                      dt[rows][None], module.dt_bias, state, module.time_step_limit)
+
+    ssm = _states(f, layer, SSM_STATE, (heads, hd, ds), mx.float32)        # (S, h, hd, ds)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    marks = f.cache.state_checkpoints() if f.probe is None else ()
+    wanted: dict = {}
+    for row, n in marks:
+        wanted.setdefault(row, []).append(n)
+    ys, rows_of, finals, seqs_of, kept = [], [], [], [], {}
+    step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
+    if step:    # a batch row of one token per sequence: mlx-lm's decode step (its GPU kernel)
+        idx = mx.array(starts[step].astype(np.int32))
+        y, st = update(xs[idx][:, None], module.A_log, B[idx][:, None], C[idx][:, None], D,
+                       dt[idx][:, None], module.dt_bias,
+                       ssm[mx.array(np.asarray(step, np.int32))], module.time_step_limit)
+        ys.append(y[:, 0])
+        rows_of.append(starts[step])
+        finals.append(st)
+        seqs_of += step
+    chosen = set(step)
+    for i in range(s):
+        if i in chosen:
+            continue
+        lo, n = int(starts[i]), lengths[i]
+        # a new sequence starts from None, as mlx-lm's first call (zeros would add zeros)
+        state = ssm[i:i + 1] if past[i] > 0 else None
+        cuts = sorted({r for r in wanted.get(i, ()) if 0 < r < n})
+        a = 0
+        for b in cuts + [n]:    # one call per segment: each boundary's state is a call's end
+            y, state = run(mx.arange(lo + a, lo + b), state)
+            ys.append(y[0])
+            if b < n:
+                kept[(i, b)] = state[0]
+            a = b
+        rows_of.append(np.arange(lo, lo + n))
+        finals.append(state)
+        seqs_of.append(i)
+    order = np.argsort(np.concatenate(rows_of)).astype(np.int32)
+    y = mx.concatenate(ys)[mx.array(order)].reshape(T, 1, inner)
+    if f.probe is None:
+        new = mx.concatenate(finals)[mx.array(np.argsort(seqs_of).astype(np.int32))]
+        f.cache.set_state(layer, SSM_STATE, _to_state(f.cache, layer, new))
+        if marks:
+            def at(row, n):     # a boundary's state: inside the row's appends, or an end
+                return kept[(row, n)] if 0 < n < lengths[row] else (
+                    new[row] if n == lengths[row] else ssm[row])
+            f.cache.set_state_checkpoints(layer, SSM_STATE, _to_state(
+                f.cache, layer, mx.stack([at(r, n) for r, n in marks])))
+    return module.out_proj(module.norm(y, gate))
