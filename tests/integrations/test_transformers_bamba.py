@@ -291,6 +291,13 @@ def test_what_is_not_understood_is_refused():
     model = make_bamba(seed=1)
     model.model.layers[3].mamba.n_groups = 1
     _refused(model, r"layers\.3\.mamba .*conv_dim=192 is not intermediate_size \+ 2 \* n_groups")
+    # not depthwise: a full convolution over the channels (a conv changed after it was built)
+    model = make_bamba(seed=1)
+    conv = model.model.layers[0].mamba.conv1d
+    model.model.layers[0].mamba.conv1d = torch.nn.Conv1d(
+        conv.in_channels, conv.out_channels, conv.kernel_size[0], padding=conv.padding)
+    _refused(model, r"layers\.0\.mamba .*groups=1.*not a depthwise causal convolution over "
+                    rf"conv_dim={conv.in_channels} channels")
     # a layer type the family does not know
     model = make_bamba("granitemoehybrid", seed=1)
     model.config.layer_types = ["mamba", "sliding_attention", "mamba", "mamba", "attention"]

@@ -200,6 +200,21 @@ def test_what_is_not_understood_is_refused():
     # a kernel of one tap keeps no state: not what was read
     with pytest.raises(kvcache.UnsupportedFeatureError, match="kernel of 1 taps"):
         cache_config(make_lfm2(seed=1, conv_L_cache=1))
+    # not depthwise: a full convolution over the channels (a conv changed after it was built)
+    model = make_lfm2(seed=1)
+    conv = model.model.layers[3].conv.conv
+    model.model.layers[3].conv.conv = torch.nn.Conv1d(
+        conv.in_channels, conv.out_channels, conv.kernel_size[0], padding=conv.padding)
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"layers\.3\.conv .*groups=1.*not a depthwise causal convolution "
+                             r"over hidden_size=64 channels"):
+        cache_config(model)
+    # a module whose kernel size is not its conv's
+    model = make_lfm2(seed=1)
+    model.model.layers[0].conv.conv_kernel_size += 1
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"layers\.0\.conv .*conv_kernel_size=\d+ is not config\.conv_L_cache"):
+        cache_config(model)
     # the conv called with a padding mask
     model, prompts, _ = _case()
     cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,

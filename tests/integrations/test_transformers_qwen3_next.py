@@ -312,6 +312,13 @@ def test_what_is_not_understood_is_refused(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(hf, "torch_chunk_gated_delta_rule", other)
         _refused(make_qwen3_next(seed=1), "chunks of 32 tokens")
+    # not depthwise: a full convolution over the channels (a conv changed after it was built)
+    model = make_qwen3_next(seed=1)
+    conv = model.model.layers[0].linear_attn.conv1d
+    model.model.layers[0].linear_attn.conv1d = torch.nn.Conv1d(
+        conv.in_channels, conv.out_channels, conv.kernel_size[0], padding=conv.padding)
+    _refused(model, r"layers\.0\.linear_attn .*groups=1.*not a depthwise causal convolution over "
+                    rf"conv_dim={conv.in_channels} channels")
     # a layer type the family does not know
     model = make_qwen3_next(seed=1)
     model.config.layer_types = ["linear_attention", "sliding_attention", "linear_attention",
