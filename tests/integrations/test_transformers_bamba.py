@@ -11,18 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, own_loop_greedy, torch, transformers
+from conftest import backend_or_skip, hf_greedy, own_loop_greedy, torch, transformers
+from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, assert_engine_greedy,
+                          assert_preemption_and_forks, assert_prefix_hits, once_per_family,
+                          shared_prefix_prompts)
 
 import kvcache
-from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
                                                route_state_layers, state_kinds, stateful_layers)
 from kvcache.integrations.transformers import states as states_module
 
-PAGE = 4
-NEW = 10
-CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
-LENGTHS = (1, 2, 5, 19, 37)
 MAMBA = (0, 2, 3)               # layers 1 and 4 attend
 # hidden 64, 4 SSM heads of 32 (expand 2), 2 groups of a state of 16, a conv of 4 taps over
 # 128 + 2 * 2 * 16 = 192 channels, SSM chunks of 4 (a prefill chunk of 8 spans two)
@@ -53,33 +51,12 @@ def make_bamba(model_type: str = "bamba", seed: int = 0, **overrides):
     return model.to(torch.float32).eval()
 
 
-def hf_greedy(model, prompt, new=NEW) -> list:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new)
-    return out[0, len(prompt):].tolist()
-
-
-def _prompts(seed=7):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
-
-
-_CASES: dict = {}
-
-
-def _case(model_type="bamba"):
-    """(model, prompts, transformers' greedy tokens), once per family."""
-    if model_type not in _CASES:
-        model = make_bamba(model_type)
-        prompts = _prompts()
-        _CASES[model_type] = (model, prompts, [hf_greedy(model, p) for p in prompts])
-    return _CASES[model_type]
+# (model, prompts, transformers' greedy tokens), once per family (none: bamba)
+_case = once_per_family(make_bamba, lambda model, prompt: hf_greedy(model, prompt, NEW))
 
 
 def _engine(model, **kw):
-    return Engine(model, **{**dict(backend="reference", page_size=PAGE, max_total_tokens=512,
-                                   prefill_chunk_size=CHUNK, max_batch_size=4), **kw})
+    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
 
 
 def test_the_mamba_layers_are_state_layers():
@@ -111,20 +88,7 @@ def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
     # the prefix cache stays on (state checkpoints); nothing else was on here
     assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
     assert engine.state_layers_off is None
-    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
-    got: dict = {rid: [] for rid in ids}
-    shared, mixed = 0, 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        shared = max(shared, engine.cache.num_sequences)
-        for out in outs:
-            got[out.request_id].extend(out.new_token_ids)
-        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
-    for i, rid in enumerate(ids):
-        assert got[rid] == want[i], f"{name}: prompt {i} ({len(prompts[i])} tokens)"
-    assert shared == 4 and mixed
-    assert engine.cache.is_empty
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_engine_greedy(engine, prompts, want, f"{name}: ")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -200,17 +164,8 @@ def test_preemption_and_forks_recompute_the_state():
     prompt's end (the children's slots take copies of both states); the tokens are
     transformers'."""
     model, _, _ = _case()
-    engine = _engine(model, max_total_tokens=48)
-    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
-    out = engine.generate(prompts, max_new_tokens=NEW)
-    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
-    for i, p in enumerate(prompts):
-        assert out[i][0] == hf_greedy(model, p), f"prompt {i}"
-    small = _engine(model, max_total_tokens=256, max_batch_size=1)
-    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
-    assert three[0] == [hf_greedy(model, prompts[0][:11])] * 3
-    assert small.stats.forks >= 3 and small.cache.is_empty
-    assert small.cache.num_available_state_slots == 2
+    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
+                                lambda prompt: hf_greedy(model, prompt, NEW))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -243,7 +198,7 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
     finally:
         for h in hooks:
             h.remove()
-    assert hf_greedy(model, prompts[2]) == greedy[2]
+    assert hf_greedy(model, prompts[2], NEW) == greedy[2]
 
 
 def test_what_does_not_compose_is_refused_by_name():
@@ -398,18 +353,11 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     transformers' own."""
     model = make_bamba(seed=2, mamba_chunk_size=8)
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    rng = np.random.default_rng(5)
-    shared = rng.integers(1, 128, 22).tolist()
-    prompts = [shared + rng.integers(1, 128, k).tolist() for k in (5, 9, 2, 13)]
-    want = [hf_greedy(model, p) for p in prompts]
+    prompts = shared_prefix_prompts()
+    want = [hf_greedy(model, p, NEW) for p in prompts]
     engine = _engine(model, backend=name, device=device, state_checkpoint_interval=1)
     assert engine.config.prefix_cache and engine.config.state_checkpoint_interval == 1
-    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
-    out = engine.generate(prompts[1:], max_new_tokens=NEW)
-    assert [o[0] for o in out] == want[1:]
-    assert engine.stats.prefix_hit_tokens == 3 * 20
-    assert engine.stats.prefix_miss_tokens_by_reason == {}
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_prefix_hits(engine, prompts, want)
     # the engine's own interval for these states: a checkpoint costs more than a page's KV
     assert _engine(model).config.state_checkpoint_interval > 1
 

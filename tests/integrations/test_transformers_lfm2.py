@@ -10,18 +10,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, own_loop_greedy, torch, transformers
+from conftest import backend_or_skip, hf_greedy, own_loop_greedy, torch, transformers
 from engine_cases import logit_rows
+from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, assert_engine_greedy,
+                          assert_preemption_and_forks, assert_prefix_hits, once_per_family,
+                          shared_prefix_prompts)
 
 import kvcache
 from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
                                                route_state_layers, state_kinds, stateful_layers)
 
-PAGE = 4
-NEW = 10
-CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
-LENGTHS = (1, 2, 5, 19, 37)
 TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 SMALL = dict(vocab_size=128, num_hidden_layers=len(TYPES), hidden_size=64, intermediate_size=128,
              num_attention_heads=4, num_key_value_heads=2, layer_types=TYPES, conv_L_cache=3,
@@ -42,28 +41,12 @@ def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
     return model.to(torch.float32).eval()
 
 
-def hf_greedy(model, prompt, new=NEW) -> list:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new)
-    return out[0, len(prompt):].tolist()
+# (model, prompts, transformers' greedy tokens), once per family (none: lfm2)
+_case = once_per_family(make_lfm2, lambda model, prompt: hf_greedy(model, prompt, NEW))
 
 
-def _prompts(seed=7):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
-
-
-_CASES: dict = {}
-
-
-def _case(model_type="lfm2"):
-    """(model, prompts, transformers' greedy tokens), once per family."""
-    if model_type not in _CASES:
-        model = make_lfm2(model_type)
-        prompts = _prompts()
-        _CASES[model_type] = (model, prompts, [hf_greedy(model, p) for p in prompts])
-    return _CASES[model_type]
+def _engine(model, **kw):
+    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
 
 
 def test_the_conv_layers_are_state_layers():
@@ -86,27 +69,13 @@ def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
     convolution runs from its own state."""
     model, prompts, want = _case()
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=4, overlap=overlap)
+    engine = _engine(model, backend=name, device=device, overlap=overlap)
     assert dict(engine.config.layer_kinds) == state_kinds(model)
     assert engine.config.num_state_slots == 8          # 2 * max_batch_size
     # the prefix cache stays on (its hits restore state checkpoints); nothing else was on here
     assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
     assert engine.state_layers_off is None
-    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
-    got: dict = {rid: [] for rid in ids}
-    shared, mixed = 0, 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        shared = max(shared, engine.cache.num_sequences)
-        for out in outs:
-            got[out.request_id].extend(out.new_token_ids)
-        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
-    for i, rid in enumerate(ids):
-        assert got[rid] == want[i], f"{name}: prompt {i} ({len(prompts[i])} tokens)"
-    assert shared == 4 and mixed
-    assert engine.cache.is_empty
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_engine_greedy(engine, prompts, want, f"{name}: ")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -130,26 +99,14 @@ def test_preemption_and_forks_recompute_the_state():
     the preempted request recomputes from a fresh state), and ``n = 2`` samples fork at the
     prompt's end (the child's slot takes a copy of the state); the tokens are transformers'."""
     model, _, _ = _case()
-    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=48,
-                    prefill_chunk_size=CHUNK, max_batch_size=4)
-    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
-    out = engine.generate(prompts, max_new_tokens=NEW)
-    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
-    for i, p in enumerate(prompts):
-        assert out[i][0] == hf_greedy(model, p), f"prompt {i}"
     # three samples of one prompt, one sequence per forward: the prefix and one sample hold slots
-    small = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=256,
-                   prefill_chunk_size=CHUNK, max_batch_size=1)
-    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
-    assert three[0] == [hf_greedy(model, prompts[0][:11])] * 3
-    assert small.stats.forks >= 3 and small.cache.is_empty
-    assert small.cache.num_available_state_slots == 2
+    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
+                                lambda prompt: hf_greedy(model, prompt, NEW))
 
 
 def test_lfm2_moe_greedy_equals_generate():
     model, prompts, want = _case("lfm2_moe")
-    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=4)
+    engine = _engine(model)
     assert dict(engine.config.layer_kinds) == state_kinds(model)
     assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
 
@@ -253,7 +210,7 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
     finally:
         for h in hooks:
             h.remove()
-    assert hf_greedy(model, prompts[0]) == greedy[0]        # outside: transformers' own again
+    assert hf_greedy(model, prompts[0], NEW) == greedy[0]        # outside: transformers' own again
 
 
 def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch):
@@ -284,21 +241,13 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     restored; the greedy tokens are transformers' own, within a call and across calls."""
     model, _, _ = _case()
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    rng = np.random.default_rng(5)
-    shared = rng.integers(1, 128, 22).tolist()
-    prompts = [shared + rng.integers(1, 128, n).tolist() for n in (5, 9, 2, 13)]
-    want = [hf_greedy(model, p) for p in prompts]
-    engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=4)
+    prompts = shared_prefix_prompts()
+    want = [hf_greedy(model, p, NEW) for p in prompts]
+    engine = _engine(model, backend=name, device=device)
     # as many checkpoints as slots, one page apart (a conv state is smaller than a page's KV)
     assert engine.config.prefix_cache and engine.config.num_state_checkpoints == 8
     assert engine.config.state_checkpoint_interval == 1
-    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
-    assert engine.stats.prefix_hit_tokens == 0
-    out = engine.generate(prompts[1:], max_new_tokens=NEW)
-    assert [o[0] for o in out] == want[1:]
-    assert engine.stats.prefix_hit_tokens == 3 * 20
-    assert engine.stats.prefix_miss_tokens_by_reason == {}      # no miss
+    assert_prefix_hits(engine, prompts, want)
     out = engine.generate(prompts[:2], max_new_tokens=NEW)     # cached across calls
     assert [o[0] for o in out] == want[:2]
     assert engine.stats.prefix_hit_tokens >= 3 * 20 + 2 * 20   # (8 rows: 24 may be gone)

@@ -14,18 +14,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, own_loop_greedy, torch, transformers
+from conftest import backend_or_skip, hf_greedy, own_loop_greedy, torch, transformers
+from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, assert_engine_greedy,
+                          assert_preemption_and_forks, assert_prefix_hits, once_per_family,
+                          prompts as _prompts, shared_prefix_prompts)
 
 import kvcache
-from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
                                                route_state_layers, state_kinds, stateful_layers)
 from kvcache.integrations.transformers import states as states_module
 
-PAGE = 4
-NEW = 10
-CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
-LENGTHS = (1, 2, 5, 19, 37)
 LINEAR = (0, 2, 3)              # layer 1 attends
 TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 # hidden 64; 2 key heads and 4 value heads of 16 (each key head serves two value heads); a
@@ -56,33 +54,12 @@ def make_qwen3_next(seed: int = 0, **overrides):
     return model.to(torch.float32).eval()
 
 
-def hf_greedy(model, prompt, new=NEW) -> list:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new)
-    return out[0, len(prompt):].tolist()
-
-
-def _prompts(seed=7):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
-
-
-_CASE: list = []
-
-
-def _case():
-    """(model, prompts, transformers' greedy tokens), once."""
-    if not _CASE:
-        model = make_qwen3_next()
-        prompts = _prompts()
-        _CASE.append((model, prompts, [hf_greedy(model, p) for p in prompts]))
-    return _CASE[0]
+# (model, prompts, transformers' greedy tokens), once
+_case = once_per_family(make_qwen3_next, lambda model, prompt: hf_greedy(model, prompt, NEW))
 
 
 def _engine(model, **kw):
-    return Engine(model, **{**dict(backend="reference", page_size=PAGE, max_total_tokens=512,
-                                   prefill_chunk_size=CHUNK, max_batch_size=4), **kw})
+    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
 
 
 def test_the_linear_attention_layers_are_state_layers():
@@ -113,20 +90,7 @@ def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
     assert engine.config.num_state_slots == 8          # 2 * max_batch_size
     assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
     assert engine.state_layers_off is None
-    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
-    got: dict = {rid: [] for rid in ids}
-    shared, mixed = 0, 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        shared = max(shared, engine.cache.num_sequences)
-        for out in outs:
-            got[out.request_id].extend(out.new_token_ids)
-        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
-    for i, rid in enumerate(ids):
-        assert got[rid] == want[i], f"{name}: prompt {i} ({len(prompts[i])} tokens)"
-    assert shared == 4 and mixed
-    assert engine.cache.is_empty
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_engine_greedy(engine, prompts, want, f"{name}: ")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -153,7 +117,7 @@ def test_as_many_key_heads_as_value_heads():
                                                   dtype="float32")
     prompts = _prompts(9)[2:]
     out = _engine(model).generate(prompts, max_new_tokens=NEW)
-    assert [o[0] for o in out] == [hf_greedy(model, p) for p in prompts]
+    assert [o[0] for o in out] == [hf_greedy(model, p, NEW) for p in prompts]
 
 
 def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
@@ -225,17 +189,8 @@ def test_preemption_and_forks_recompute_the_state():
     prompt's end (the children's slots take copies of both states); the tokens are
     transformers'."""
     model, _, _ = _case()
-    engine = _engine(model, max_total_tokens=48)
-    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
-    out = engine.generate(prompts, max_new_tokens=NEW)
-    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
-    for i, p in enumerate(prompts):
-        assert out[i][0] == hf_greedy(model, p), f"prompt {i}"
-    small = _engine(model, max_total_tokens=256, max_batch_size=1)
-    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
-    assert three[0] == [hf_greedy(model, prompts[0][:11])] * 3
-    assert small.stats.forks >= 3 and small.cache.is_empty
-    assert small.cache.num_available_state_slots == 2
+    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
+                                lambda prompt: hf_greedy(model, prompt, NEW))
 
 
 def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_states():
@@ -255,7 +210,7 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
     finally:
         for h in hooks:
             h.remove()
-    assert hf_greedy(model, prompts[2]) == greedy[2]
+    assert hf_greedy(model, prompts[2], NEW) == greedy[2]
 
 
 def test_what_does_not_compose_is_refused_by_name():
@@ -415,15 +370,8 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     tokens with both states restored; the greedy tokens are transformers' own."""
     model = make_qwen3_next(seed=2)
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    rng = np.random.default_rng(5)
-    shared = rng.integers(1, 128, 22).tolist()
-    prompts = [shared + rng.integers(1, 128, k).tolist() for k in (5, 9, 2, 13)]
-    want = [hf_greedy(model, p) for p in prompts]
+    prompts = shared_prefix_prompts()
+    want = [hf_greedy(model, p, NEW) for p in prompts]
     engine = _engine(model, backend=name, device=device, state_checkpoint_interval=1)
     assert engine.config.prefix_cache and engine.config.state_checkpoint_interval == 1
-    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
-    out = engine.generate(prompts[1:], max_new_tokens=NEW)
-    assert [o[0] for o in out] == want[1:]
-    assert engine.stats.prefix_hit_tokens == 3 * 20
-    assert engine.stats.prefix_miss_tokens_by_reason == {}
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_prefix_hits(engine, prompts, want)
