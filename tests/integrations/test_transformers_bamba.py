@@ -258,6 +258,11 @@ def test_what_is_not_understood_is_refused():
     model.config.layer_types = ["mamba", "sliding_attention", "mamba", "mamba", "attention"]
     with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*'sliding_attention'"):
         state_kinds(model)
+    model.config.layer_types = ["mamba", "attention"]
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"has 2 layers_block_type / layer_types for 5 layers: which layers "
+                             r"are Mamba mixers"):
+        state_kinds(model)
     # the mixer called with a padding mask, or with its own cache beside the cache's
     model, _, _ = _case()
     cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,

@@ -148,6 +148,12 @@ def test_what_is_not_understood_is_refused():
     other.config.layer_types = ["conv", "sliding_attention", "conv", "conv", "full_attention"]
     with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*'sliding_attention'"):
         state_kinds(other)
+    # fewer layer types than layers: which layers convolve is not known
+    other.config.layer_types = ["conv", "full_attention", "conv"]
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"has 3 layer_types for 5 layers: which layers are short "
+                             r"convolutions is not understood"):
+        state_kinds(other)
     # a replaced conv module (a subclass computes what it likes)
     model = make_lfm2(seed=1)
     conv = model.model.layers[2].conv

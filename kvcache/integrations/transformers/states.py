@@ -132,22 +132,35 @@ def conv_layers(model) -> dict:
     if known is None:
         return {}
     config = model.config
-    n = int(config.num_hidden_layers)
-    types = list(getattr(config, "layer_types", None) or ())
-    if len(types) < n:
-        raise UnsupportedFeatureError(
-            f"the {family} model has {len(types)} layer_types for {n} layers: which layers are "
-            f"short convolutions is not understood")
-    for i, kind in enumerate(types[:n]):
-        if kind not in _LAYER_TYPES:
-            raise UnsupportedFeatureError(
-                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
-                f"{' and '.join(map(repr, _LAYER_TYPES))} layers of this family only")
+    types = _layer_types(family, config, ("layer_types",), _LAYER_TYPES, "short convolutions")
     hidden, taps = int(config.hidden_size), int(config.conv_L_cache)
     return _state_modules(
         model, family, known, types, ("conv",), "conv module", "convolution",
         lambda where, m: _check_conv(family, where, m, hidden, taps),
         match=lambda cls: cls.__name__.endswith("ShortConv"))
+
+
+def _layer_types(family: str, config, attrs: tuple, allowed: tuple, what: str) -> list:
+    """The layer types of ``config`` (the first of its fields ``attrs`` that is set), one per
+    layer. Raises ``UnsupportedFeatureError`` for fewer than ``config.num_hidden_layers`` of
+    them (``what``: the family's state layers in words) or a type not in ``allowed``."""
+    n = int(config.num_hidden_layers)
+    types: list = []
+    for attr in attrs:
+        types = list(getattr(config, attr, None) or ())
+        if types:
+            break
+    if len(types) < n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(types)} {' / '.join(attrs)} for {n} layers: which "
+            f"layers are {what} is not understood")
+    for i, kind in enumerate(types[:n]):
+        if kind not in allowed:
+            names = [repr(k) for k in allowed]
+            raise UnsupportedFeatureError(
+                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
+                f"{', '.join(names[:-1])} and {names[-1]} layers of this family only")
+    return types
 
 
 def _state_modules(model, family: str, known: tuple, types: list, kinds: tuple, noun: str,
@@ -262,19 +275,8 @@ def mamba_layers(model) -> dict:
     if known is None:
         return {}
     config = model.config
-    n = int(config.num_hidden_layers)
-    types = list(getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
-                 or ())
-    if len(types) < n:
-        raise UnsupportedFeatureError(
-            f"the {family} model has {len(types)} layer types for {n} layers: which layers are "
-            f"Mamba mixers is not understood")
-    for i, kind in enumerate(types[:n]):
-        if kind not in _MAMBA_TYPES + _ATTENTION_TYPES:
-            raise UnsupportedFeatureError(
-                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
-                f"{', '.join(map(repr, _MAMBA_TYPES + _ATTENTION_TYPES))} layers of this family "
-                f"only")
+    types = _layer_types(family, config, ("layers_block_type", "layer_types"),
+                         _MAMBA_TYPES + _ATTENTION_TYPES, "Mamba mixers")
     return _state_modules(model, family, known, types, _MAMBA_TYPES, "mixer", "mixer",
                           lambda where, m: _check_mixer(family, where, m,
                                                         int(config.hidden_size)))
@@ -341,17 +343,8 @@ def gdn_layers(model) -> dict:
     if known is None:
         return {}
     config = model.config
-    n = int(config.num_hidden_layers)
-    types = list(getattr(config, "layer_types", None) or ())
-    if len(types) < n:
-        raise UnsupportedFeatureError(
-            f"the {family} model has {len(types)} layer_types for {n} layers: which layers are "
-            f"gated DeltaNet layers is not understood")
-    for i, kind in enumerate(types[:n]):
-        if kind not in ("linear_attention", "full_attention"):
-            raise UnsupportedFeatureError(
-                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
-                f"'linear_attention' and 'full_attention' layers of this family only")
+    types = _layer_types(family, config, ("layer_types",), ("linear_attention", "full_attention"),
+                         "gated DeltaNet layers")
     _check_gdn_rule(family, known[0])
     return _state_modules(model, family, known, types, ("linear_attention",),
                           "gated DeltaNet module", "linear attention",
