@@ -9,7 +9,9 @@ own model factory, Engine and the library's greedy generation."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from kvcache import UnsupportedFeatureError
 from kvcache.integrations import SamplingParams
 
 PAGE = 4
@@ -106,3 +108,86 @@ def assert_prefix_hits(engine, prompts: list, want: list) -> None:
     assert engine.stats.prefix_hit_tokens == 3 * 20
     assert engine.stats.prefix_miss_tokens_by_reason == {}      # no miss
     assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+
+
+def assert_state_edits_refused(engine, fork: bool = True) -> None:
+    """What the cache refuses for state layers, on a fresh ``engine``: after one forward of 5
+    tokens, ``popn`` (no checkpoint to go back to), a fork below the length (``fork``: the
+    families whose cache checks it) and an export; the sequence keeps its 5 tokens."""
+    cache, adapter = engine.cache, engine.adapter
+    cache.add_sequence(0)
+    with adapter.session(cache), adapter.step_context(cache), cache.forward([0], [5]):
+        adapter.forward(cache, np.arange(1, 6, dtype=np.int64), np.arange(5, dtype=np.int64),
+                        np.asarray([4], np.int64))
+    with pytest.raises(UnsupportedFeatureError, match="checkpoint"):
+        cache.popn(0, 1)
+    if fork:
+        with pytest.raises(UnsupportedFeatureError):
+            cache.fork_sequence(0, 1, 3)
+    with pytest.raises(UnsupportedFeatureError):
+        cache.export_sequence(0)
+    assert cache.sequence_length(0) == 5
+
+
+def assert_refused(make_engine, cache_config, model, match: str) -> None:
+    """``model`` refused (``UnsupportedFeatureError`` matching ``match``) by an Engine
+    (``make_engine(model)``) and by ``cache_config(model)`` alike."""
+    with pytest.raises(UnsupportedFeatureError, match=match):
+        make_engine(model)
+    with pytest.raises(UnsupportedFeatureError, match=match):
+        cache_config(model)
+
+
+class KeywordDropped:
+    """A context in which every module of ``modules`` (torch modules) loses its ``kvcache=``
+    keyword on the way in, as under a decoder layer that does not pass its keywords down."""
+
+    def __init__(self, modules):
+        self.modules = list(modules)
+        self.hooks: list = []
+
+    @staticmethod
+    def _drop(module, args, kwargs):
+        kwargs.pop("kvcache", None)
+        return args, kwargs
+
+    def __enter__(self):
+        self.hooks = [m.register_forward_pre_hook(self._drop, with_kwargs=True)
+                      for m in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+
+
+def forgetting(forward, zeroed: str):
+    """A state layer's cache forward (``forward(module, cache, hidden_states)``) that reads its
+    state ``zeroed`` as zeros at every forward (a sequence that forgets it)."""
+    def run(module, cache, hidden_states):
+        get = cache.get_state
+
+        def zeros(layer, name):
+            value = get(layer, name)
+            return value * 0 if name == zeroed else value
+        cache.get_state = zeros
+        try:
+            return forward(module, cache, hidden_states)
+        finally:
+            del cache.get_state
+    return run
+
+
+def assert_state_slots_wait(engine_of, prompts: list, want: list, monkeypatch) -> None:
+    """One state slot per batch row (``STATE_SLOTS_PER_ROW = 1``, patched before
+    ``engine_of(**options)`` builds an Engine of 3 rows) and ``n = 5`` samples of ``prompts`` (two): the samples' prefixes and
+    samples need more slots than the cache has; the scheduler admits no more sequences to a
+    forward than there are free slots, and the tokens are ``want``'s (the library's)."""
+    import kvcache.integrations.engine as engine_module
+    monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
+    eng = engine_of(max_batch_size=3)
+    assert eng.config.num_state_slots == 3
+    out = eng.generate(prompts, SamplingParams(max_tokens=NEW, n=5))
+    assert out == [[w] * 5 for w in want]
+    assert eng.stats.forks >= 8
+    assert eng.cache.num_available_state_slots == 3

@@ -15,11 +15,11 @@ import pytest
 from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
 from conftest import own_loop_greedy
 from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, assert_engine_greedy,
-                          assert_preemption_and_forks, assert_prefix_hits, once_per_family,
+                          assert_preemption_and_forks, assert_prefix_hits,
+                          assert_state_edits_refused, assert_state_slots_wait, once_per_family,
                           prompts as _prompts, shared_prefix_prompts)
 
 import kvcache  # noqa: E402
-from kvcache.integrations import SamplingParams  # noqa: E402
 from kvcache.integrations.mlx_lm import (Engine, MlxLmAdapter, cache_config,  # noqa: E402
                                          layer_caches, route_state_layers, sliding_windows,
                                          state_kinds)
@@ -157,14 +157,9 @@ def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch)
     """One state slot per batch row and ``n = 5`` samples of two prompts with 3 rows: the
     samples' prefixes and samples need more slots than the cache has; the forwards wait for
     slots and the tokens are mlx-lm's."""
-    import kvcache.integrations.engine as engine_module
-    monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
     model, prompts, want = _case()
-    engine = _engine(model, max_batch_size=3)
-    assert engine.config.num_state_slots == 3
-    out = engine.generate(prompts[3:], SamplingParams(max_tokens=NEW, n=5))
-    assert out == [[want[3]] * 5, [want[4]] * 5]
-    assert engine.stats.forks >= 8 and engine.cache.num_available_state_slots == 3
+    assert_state_slots_wait(lambda **kw: _engine(model, **kw), prompts[3:], want[3:],
+                            monkeypatch)
 
 
 def test_what_does_not_compose_is_refused_by_name(tmp_path):
@@ -179,18 +174,7 @@ def test_what_does_not_compose_is_refused_by_name(tmp_path):
         _engine(model, window_groups=True)
     engine = _engine(model, max_total_tokens=256)
     # what the cache refuses for state layers: popn, a fork below the length, exports
-    cache, adapter = engine.cache, engine.adapter
-    cache.add_sequence(0)
-    with adapter.session(cache), adapter.step_context(cache), cache.forward([0], [5]):
-        adapter.forward(cache, np.arange(1, 6, dtype=np.int64), np.arange(5, dtype=np.int64),
-                        np.asarray([4], np.int64))
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
-        cache.popn(0, 1)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.fork_sequence(0, 1, 3)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.export_sequence(0)
-    assert cache.sequence_length(0) == 5
+    assert_state_edits_refused(engine)
 
 
 def test_what_is_not_understood_is_refused():

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import backend_or_skip, hf_greedy, own_loop_greedy, torch, transformers
-from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, assert_engine_greedy,
-                          assert_preemption_and_forks, assert_prefix_hits, once_per_family,
+from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_engine_greedy,
+                          assert_preemption_and_forks, assert_prefix_hits, assert_refused,
+                          assert_state_edits_refused, forgetting, once_per_family,
                           shared_prefix_prompts)
 
 import kvcache
@@ -138,20 +139,7 @@ def test_each_state_carries(zeroed, monkeypatch):
     that forgets its conv inputs, or its SSM state) gets the long prompts' tokens wrong: both
     states carry from forward to forward."""
     model, prompts, want = _case()
-    real = states_module.mamba_forward
-
-    def forgetting(module, cache, hidden_states):
-        get = cache.get_state
-
-        def zeros(layer, name):
-            value = get(layer, name)
-            return value * 0 if name == zeroed else value
-        cache.get_state = zeros
-        try:
-            return real(module, cache, hidden_states)
-        finally:
-            del cache.get_state
-    monkeypatch.setattr(states_module, "mamba_forward", forgetting)
+    monkeypatch.setattr(states_module, "mamba_forward", forgetting(states_module.mamba_forward, zeroed))
     model = make_bamba()          # routed afresh: its wrappers call the patched function
     engine = _engine(model)
     out = engine.generate(prompts, max_new_tokens=NEW)
@@ -186,18 +174,9 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
     pass its keywords down): the adapter's ``serving`` still routes it; outside the Engine the
     mixer is transformers' own again."""
     model, prompts, greedy = _case()
-
-    def drop(module, args, kwargs):
-        kwargs.pop("kvcache", None)
-        return args, kwargs
-    hooks = [m.register_forward_pre_hook(drop, with_kwargs=True)
-             for _, m in states_module.mamba_layers(model).values()]
-    try:
+    with KeywordDropped(m for _, m in states_module.mamba_layers(model).values()):
         out = _engine(model, max_batch_size=3).generate(prompts, max_new_tokens=NEW)
         assert [o[0] for o in out] == greedy
-    finally:
-        for h in hooks:
-            h.remove()
     assert hf_greedy(model, prompts[2], NEW) == greedy[2]
 
 
@@ -211,24 +190,12 @@ def test_what_does_not_compose_is_refused_by_name():
     with pytest.raises(kvcache.UnsupportedFeatureError, match="rope='cache' with the bamba"):
         Engine(model, rope="cache", **kw)
     engine = Engine(model, **kw)
-    cache = engine.cache
-    cache.add_sequence(0)
-    with engine.adapter.session(cache), engine.adapter.step_context(cache), \
-            cache.forward([0], [5]):
-        engine.adapter.forward(cache, np.arange(1, 6, dtype=np.int64),
-                               np.arange(5, dtype=np.int64), np.asarray([4], np.int64))
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
-        cache.popn(0, 1)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.export_sequence(0)
-    assert cache.sequence_length(0) == 5
+    assert_state_edits_refused(engine, fork=False)
 
 
 def _refused(model, match):
-    with pytest.raises(kvcache.UnsupportedFeatureError, match=match):
-        Engine(model, backend="reference", max_total_tokens=256)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match=match):
-        cache_config(model)
+    assert_refused(lambda m: Engine(m, backend="reference", max_total_tokens=256), cache_config,
+                   model, match)
 
 
 def test_what_is_not_understood_is_refused():

@@ -12,12 +12,12 @@ import pytest
 
 from conftest import backend_or_skip, hf_greedy, own_loop_greedy, torch, transformers
 from engine_cases import logit_rows
-from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, assert_engine_greedy,
-                          assert_preemption_and_forks, assert_prefix_hits, once_per_family,
+from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_engine_greedy,
+                          assert_preemption_and_forks, assert_prefix_hits,
+                          assert_state_edits_refused, assert_state_slots_wait, once_per_family,
                           shared_prefix_prompts)
 
 import kvcache
-from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
                                                route_state_layers, state_kinds, stateful_layers)
 
@@ -127,19 +127,7 @@ def test_what_does_not_compose_is_refused_by_name(tmp_path):
     engine = Engine(model, **kw)
     assert engine.state_layers_off is None and engine.window_groups_off is None
     # what the cache refuses for state layers: popn, a fork below the length, exports
-    cache = engine.cache
-    cache.add_sequence(0)
-    with engine.adapter.session(cache), engine.adapter.step_context(cache), \
-            cache.forward([0], [5]):
-        engine.adapter.forward(cache, np.arange(1, 6, dtype=np.int64),
-                               np.arange(5, dtype=np.int64), np.asarray([4], np.int64))
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
-        cache.popn(0, 1)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.fork_sequence(0, 1, 3)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.export_sequence(0)
-    assert cache.sequence_length(0) == 5
+    assert_state_edits_refused(engine)
 
 
 def test_what_is_not_understood_is_refused():
@@ -202,20 +190,9 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
     ``generate``."""
     model, prompts, greedy = _case()
     from kvcache.integrations.transformers.states import conv_layers
-
-    def drop(module, args, kwargs):
-        kwargs.pop("kvcache", None)
-        return args, kwargs
-    hooks = [m.register_forward_pre_hook(drop, with_kwargs=True)
-             for _, m in conv_layers(model).values()]
-    try:
-        engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
-                        max_batch_size=3, prefill_chunk_size=CHUNK)
-        out = engine.generate(prompts, max_new_tokens=NEW)
+    with KeywordDropped(m for _, m in conv_layers(model).values()):
+        out = _engine(model, max_batch_size=3).generate(prompts, max_new_tokens=NEW)
         assert [o[0] for o in out] == greedy
-    finally:
-        for h in hooks:
-            h.remove()
     assert hf_greedy(model, prompts[0], NEW) == greedy[0]        # outside: transformers' own again
 
 
@@ -225,16 +202,9 @@ def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch)
     The scheduler admits no more sequences to a forward than there are free slots (before the
     fix an admission failed, preempted the sequence admitted just before it and the same
     forward was planned again, forever); the tokens are transformers'."""
-    import kvcache.integrations.engine as engine_module
-    monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
     model, prompts, want = _case()
-    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=3)
-    assert engine.config.num_state_slots == 3
-    out = engine.generate(prompts[3:], SamplingParams(max_tokens=NEW, n=5))
-    assert out == [[want[3]] * 5, [want[4]] * 5]
-    assert engine.stats.forks >= 8
-    assert engine.cache.num_available_state_slots == 3
+    assert_state_slots_wait(lambda **kw: _engine(model, **kw), prompts[3:], want[3:],
+                            monkeypatch)
 
 
 # ---------------------------------------------------------------------------- prefix hits
