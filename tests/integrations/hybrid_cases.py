@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcache import UnsupportedFeatureError
+from kvcache import PagedKVCache, UnsupportedFeatureError
 from kvcache.integrations import SamplingParams
 
 PAGE = 4
@@ -65,6 +65,23 @@ def assert_engine_greedy(engine, prompts: list, want: list, label: str = "",
     assert most == shared and mixed
     assert engine.cache.is_empty
     assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+
+
+def assert_adapter_loop_greedy(adapter, cache_config, model, prompts: list, want: list,
+                               label: str = "", chunk: int = CHUNK, **backend):
+    """``adapter``'s forward in a loop of one's own (``conftest.own_loop_greedy``) on a cache of
+    ``cache_config(model)`` (its state layers come with it; ``backend``: the cache's backend
+    and device): every prompt prefilled in chunks of ``chunk`` together, then decoded
+    together; each prompt's ``NEW`` tokens are ``want``'s (``label`` begins the message).
+    Returns the cache."""
+    from conftest import own_loop_greedy
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
+                       prefill_chunk_size=64)
+    cache = PagedKVCache(cfg, **backend)
+    out = own_loop_greedy(adapter, cache, prompts, NEW, chunk=chunk)
+    for i in range(len(prompts)):
+        assert out[i][:NEW] == want[i], f"{label}prompt {i}"
+    return cache
 
 
 def assert_preemption_and_forks(engine_of, greedy) -> None:
@@ -180,9 +197,11 @@ def forgetting(forward, zeroed: str):
 
 def assert_state_slots_wait(engine_of, prompts: list, want: list, monkeypatch) -> None:
     """One state slot per batch row (``STATE_SLOTS_PER_ROW = 1``, patched before
-    ``engine_of(**options)`` builds an Engine of 3 rows) and ``n = 5`` samples of ``prompts`` (two): the samples' prefixes and
-    samples need more slots than the cache has; the scheduler admits no more sequences to a
-    forward than there are free slots, and the tokens are ``want``'s (the library's)."""
+    ``engine_of(**options)`` builds an Engine of 3 rows) and ``n = 5`` samples of each of the
+    two ``prompts``: the samples' prefixes and samples need more slots than the cache has; the
+    scheduler admits no more sequences to a forward than there are free slots (before the fix
+    an admission failed, preempted the sequence admitted just before it and the same forward
+    was planned again, forever), and the tokens are ``want``'s (the library's)."""
     import kvcache.integrations.engine as engine_module
     monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
     eng = engine_of(max_batch_size=3)

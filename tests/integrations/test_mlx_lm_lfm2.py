@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
-from conftest import own_loop_greedy
-from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, assert_engine_greedy,
-                          assert_preemption_and_forks, assert_prefix_hits,
+from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
                           assert_state_edits_refused, assert_state_slots_wait, once_per_family,
                           prompts as _prompts, shared_prefix_prompts)
 
@@ -102,15 +101,11 @@ def test_adapter_loop_greedy_equals_mlx_lm():
     metal_cpu_or_skip(cache_config(model).head_dim)
     adapter = MlxLmAdapter(model)
     assert adapter.state_layers() == state_kinds(model)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
-                       prefill_chunk_size=64)
-    cache = kvcache.PagedKVCache(cfg, backend="metal", device="cpu")
-    out = own_loop_greedy(adapter, cache, prompts, NEW, chunk=CHUNK)
-    for i in range(len(prompts)):
-        assert out[i][:NEW] == want[i], f"prompt {i}"
+    cache = assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want,
+                                       backend="metal", device="cpu")
     for i in range(len(prompts)):
         cache.remove_sequence(i)
-    assert cache.num_available_state_slots == cfg.num_state_slots
+    assert cache.num_available_state_slots == cache.config.num_state_slots
 
 
 def test_layer_caches_loop_greedy_equals_mlx_lm():

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, hf_greedy, own_loop_greedy, torch, transformers
-from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_engine_greedy,
-                          assert_preemption_and_forks, assert_prefix_hits, assert_refused,
-                          assert_state_edits_refused, forgetting, once_per_family,
+from conftest import backend_or_skip, hf_greedy, torch, transformers
+from hybrid_cases import (ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
+                          assert_refused, assert_state_edits_refused, forgetting, once_per_family,
                           shared_prefix_prompts)
 
 import kvcache
@@ -100,12 +100,8 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     adapter = TransformersAdapter(model)
     assert adapter.state_layers() == state_kinds(model)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
-                       prefill_chunk_size=64)
-    cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
-    out = own_loop_greedy(adapter, cache, prompts, NEW, chunk=CHUNK)
-    for i in range(len(prompts)):
-        assert out[i][:NEW] == want[i], f"{name}: prompt {i}"
+    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, f"{name}: ",
+                               backend=name, device=device)
 
 
 def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
@@ -139,7 +135,8 @@ def test_each_state_carries(zeroed, monkeypatch):
     that forgets its conv inputs, or its SSM state) gets the long prompts' tokens wrong: both
     states carry from forward to forward."""
     model, prompts, want = _case()
-    monkeypatch.setattr(states_module, "mamba_forward", forgetting(states_module.mamba_forward, zeroed))
+    monkeypatch.setattr(states_module, "mamba_forward",
+                        forgetting(states_module.mamba_forward, zeroed))
     model = make_bamba()          # routed afresh: its wrappers call the patched function
     engine = _engine(model)
     out = engine.generate(prompts, max_new_tokens=NEW)
@@ -339,22 +336,11 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
     boundary the warm one starts from): the warm request restores that boundary's conv and
     SSM states beside the cached pages, and every logits row equals the cold run's bit for
     bit."""
-    from engine_cases import logit_rows
+    from engine_cases import assert_warm_prefix_equals_cold
     model, _, _ = _case()
     rng = np.random.default_rng(3)
     system = rng.integers(1, 128, 4 * PAGE).tolist()
     question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
     kw = dict(prefill_chunk_size=4 * PAGE, overlap=False, state_checkpoint_interval=1)
-    cold = _engine(model, **kw)
-    cold_rows = logit_rows(cold)
-    want = cold.generate([system + question], max_new_tokens=6)
-    assert cold.stats.prefix_hit_tokens == 0
-    warm = _engine(model, **kw)
-    warm.generate([system + other], max_new_tokens=3)
-    warm_rows = logit_rows(warm)
-    got = warm.generate([system + question], max_new_tokens=6)
-    assert warm.stats.prefix_hit_tokens == 4 * PAGE
-    assert got == want
-    assert len(warm_rows) == len(cold_rows) == 6
-    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
-        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
+    assert_warm_prefix_equals_cold(lambda: _engine(model, **kw), system, question, other,
+                                   4 * PAGE)

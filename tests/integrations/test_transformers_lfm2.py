@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, hf_greedy, own_loop_greedy, torch, transformers
-from engine_cases import logit_rows
-from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_engine_greedy,
-                          assert_preemption_and_forks, assert_prefix_hits,
+from conftest import backend_or_skip, hf_greedy, torch, transformers
+from engine_cases import assert_warm_prefix_equals_cold
+from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
                           assert_state_edits_refused, assert_state_slots_wait, once_per_family,
                           shared_prefix_prompts)
 
@@ -85,13 +85,8 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
     model, prompts, want = _case()
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     adapter = TransformersAdapter(model)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
-                       prefill_chunk_size=64)
-    cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
-    out = own_loop_greedy(adapter, cache, prompts, NEW)
-    seqs = list(range(len(prompts)))
-    for i in seqs:
-        assert out[i][:NEW] == want[i], f"prompt {i}"
+    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, chunk=16,
+                               backend=name, device=device)
 
 
 def test_preemption_and_forks_recompute_the_state():
@@ -241,19 +236,8 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit_with_state_layers(
     question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
     kw = dict(backend="reference", page_size=PAGE, max_total_tokens=512,
               prefill_chunk_size=4 * PAGE, overlap=False)
-    cold = Engine(model, **kw)
-    cold_rows = logit_rows(cold)
-    want = cold.generate([system + question], max_new_tokens=6)
-    assert cold.stats.prefix_hit_tokens == 0
-    warm = Engine(model, **kw)
-    warm.generate([system + other], max_new_tokens=3)
-    warm_rows = logit_rows(warm)
-    got = warm.generate([system + question], max_new_tokens=6)
-    assert warm.stats.prefix_hit_tokens == 4 * PAGE
-    assert got == want
-    assert len(warm_rows) == len(cold_rows) == 6
-    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
-        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
+    assert_warm_prefix_equals_cold(lambda: Engine(model, **kw), system, question, other,
+                                   4 * PAGE)
 
 
 def test_a_checkpoint_miss_is_counted_and_recomputed():

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, hf_greedy, own_loop_greedy, torch, transformers
-from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_engine_greedy,
-                          assert_preemption_and_forks, assert_prefix_hits, assert_refused,
-                          assert_state_edits_refused, forgetting, once_per_family,
+from conftest import backend_or_skip, hf_greedy, torch, transformers
+from hybrid_cases import (ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
+                          assert_refused, assert_state_edits_refused, forgetting, once_per_family,
                           prompts as _prompts, shared_prefix_prompts)
 
 import kvcache
@@ -102,12 +102,8 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     adapter = TransformersAdapter(model)
     assert adapter.state_layers() == state_kinds(model)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
-                       prefill_chunk_size=64)
-    cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
-    out = own_loop_greedy(adapter, cache, prompts, NEW, chunk=CHUNK)
-    for i in range(len(prompts)):
-        assert out[i][:NEW] == want[i], f"{name}: prompt {i}"
+    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, f"{name}: ",
+                               backend=name, device=device)
 
 
 def test_as_many_key_heads_as_value_heads():
@@ -163,7 +159,8 @@ def test_each_state_carries(zeroed, monkeypatch):
     that forgets its conv inputs, or its recurrent state) gets the long prompts' tokens wrong:
     both states carry from forward to forward."""
     model, prompts, want = _case()
-    monkeypatch.setattr(states_module, "gdn_forward", forgetting(states_module.gdn_forward, zeroed))
+    monkeypatch.setattr(states_module, "gdn_forward",
+                        forgetting(states_module.gdn_forward, zeroed))
     model = make_qwen3_next()     # routed afresh: its wrappers call the patched function
     engine = _engine(model)
     out = engine.generate(prompts, max_new_tokens=NEW)
