@@ -155,6 +155,16 @@ def assert_refused(make_engine, cache_config, model, match: str) -> None:
         cache_config(model)
 
 
+def full_conv(module, attr: str) -> int:
+    """Replaces ``module``'s depthwise conv ``attr`` (a ``Conv1d``) by a full one (groups 1)
+    of the same channels, taps and padding: what the cache's convolution does not compute (a
+    conv changed after the model was built). Returns its channels."""
+    conv = getattr(module, attr)
+    setattr(module, attr, type(conv)(conv.in_channels, conv.out_channels, conv.kernel_size[0],
+                                     padding=conv.padding))
+    return conv.in_channels
+
+
 class KeywordDropped:
     """A context in which every module of ``modules`` (torch modules) loses its ``kvcache=``
     keyword on the way in, as under a decoder layer that does not pass its keywords down."""

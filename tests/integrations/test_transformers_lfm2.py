@@ -14,8 +14,8 @@ from conftest import backend_or_skip, hf_greedy, torch, transformers
 from engine_cases import assert_warm_prefix_equals_cold
 from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
                           assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
-                          assert_state_edits_refused, assert_state_slots_wait, once_per_family,
-                          shared_prefix_prompts)
+                          assert_state_edits_refused, assert_state_slots_wait, full_conv,
+                          once_per_family, shared_prefix_prompts)
 
 import kvcache
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
@@ -148,9 +148,7 @@ def test_what_is_not_understood_is_refused():
         cache_config(make_lfm2(seed=1, conv_L_cache=1))
     # not depthwise: a full convolution over the channels (a conv changed after it was built)
     model = make_lfm2(seed=1)
-    conv = model.model.layers[3].conv.conv
-    model.model.layers[3].conv.conv = torch.nn.Conv1d(
-        conv.in_channels, conv.out_channels, conv.kernel_size[0], padding=conv.padding)
+    assert full_conv(model.model.layers[3].conv, "conv") == 64
     with pytest.raises(kvcache.UnsupportedFeatureError,
                        match=r"layers\.3\.conv .*groups=1.*not a depthwise causal convolution "
                              r"over hidden_size=64 channels"):

@@ -17,8 +17,8 @@ import pytest
 from conftest import backend_or_skip, hf_greedy, torch, transformers
 from hybrid_cases import (ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
                           assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
-                          assert_refused, assert_state_edits_refused, forgetting, once_per_family,
-                          prompts as _prompts, shared_prefix_prompts)
+                          assert_refused, assert_state_edits_refused, forgetting, full_conv,
+                          once_per_family, prompts as _prompts, shared_prefix_prompts)
 
 import kvcache
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
@@ -233,11 +233,9 @@ def test_what_is_not_understood_is_refused(monkeypatch):
         _refused(make_qwen3_next(seed=1), "chunks of 32 tokens")
     # not depthwise: a full convolution over the channels (a conv changed after it was built)
     model = make_qwen3_next(seed=1)
-    conv = model.model.layers[0].linear_attn.conv1d
-    model.model.layers[0].linear_attn.conv1d = torch.nn.Conv1d(
-        conv.in_channels, conv.out_channels, conv.kernel_size[0], padding=conv.padding)
+    channels = full_conv(model.model.layers[0].linear_attn, "conv1d")
     _refused(model, r"layers\.0\.linear_attn .*groups=1.*not a depthwise causal convolution over "
-                    rf"conv_dim={conv.in_channels} channels")
+                    rf"conv_dim={channels} channels")
     # a layer type the family does not know
     model = make_qwen3_next(seed=1)
     model.config.layer_types = ["linear_attention", "sliding_attention", "linear_attention",
