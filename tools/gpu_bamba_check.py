@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import transformers
 
-from kvcache.demo.check import rescore_greedy
+from kvcache.demo.check import check_greedy
 from kvcache.integrations.transformers import Engine, state_kinds
 
 
@@ -87,31 +87,14 @@ def main() -> None:
                                              ignore_eos=True)]
         out += [o[0] for o in engine.generate(prompts[half + 1:], max_new_tokens=a.new,
                                               ignore_eos=True)]
-        same, ties, parted = 0, 0, 0
-        for prompt, got in zip(prompts, out):
-            with torch.no_grad():
-                want = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
-                                      max_new_tokens=a.new,
-                                      min_new_tokens=a.new)[0, len(prompt):].tolist()
-            if got == want:
-                same += 1
-                continue
-            if name == "float32" and not kernels:
-                print(f"  float32: a request's tokens differ from generate's: {got} vs {want}")
-                bad += 1
-                continue
-            n, problem = rescore_greedy(model, prompt, got, name)
-            if problem is not None:
-                print(f"  {name}: a request's tokens fail the re-score: {problem}")
-                bad += 1
-            else:
-                parted += 1
-                ties += n
+        # float32 on transformers' PyTorch path (no mixer kernels) sums in the cache's order
+        res = check_greedy(model, prompts, out, a.new, name,
+                           strict=name == "float32" and not kernels)
+        bad += res.failed
         print(f"{a.family} {a.layers} layers ({len(state_kinds(model))} mamba), hidden "
-              f"{a.hidden}, {name} on the GPU: {same}/{len(prompts)} requests token-identical "
-              f"to transformers' generate"
-              + (f", {parted} parted at near-ties only ({ties} tokens, teacher-forced re-score)"
-                 if parted else "") + f"; graphs {bool(engine.graphs)}; "
+              f"{a.hidden}, {name} on the GPU: {res.same}/{len(prompts)} requests "
+              f"token-identical to transformers' generate" + res.parted_text()
+              + f"; graphs {bool(engine.graphs)}; "
               f"{engine.state_layers_off}; prefix cache: {engine.stats.prefix_hit_tokens} "
               f"tokens hit, misses {engine.stats.prefix_miss_tokens_by_reason}")
         del engine, model

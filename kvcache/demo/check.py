@@ -135,6 +135,70 @@ def rescore_greedy(model, prompt: list, tokens: list, dtype: str) -> tuple:
     return judge_greedy(tokens, teacher_forced_logits(model, prompt, tokens), dtype)
 
 
+def greedy_generate(model, prompt: list, new_tokens: int) -> list:
+    """A transformers causal LM's own greedy ``generate`` of exactly ``new_tokens`` tokens after
+    ``prompt`` (on the model's device; the new tokens only)."""
+    import torch
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return model.generate(torch.tensor([list(prompt)], device=device), do_sample=False,
+                              max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens)[0, len(prompt):].tolist()
+
+
+@dataclasses.dataclass
+class GreedyCheck:
+    """``check_greedy``'s counts over the requests."""
+    requests: int = 0
+    same: int = 0                    # token-identical to transformers' generate
+    parted: int = 0                  # other tokens, every one passing the re-score
+    ties: int = 0                    # the near-tie tokens of those
+    failed: int = 0                  # other tokens, failing (strict: any difference)
+    own_failed: int = 0              # control: transformers' own tokens failing the re-score
+    own_failed_of_failed: int = 0    # control: of the ``failed`` requests
+
+    def parted_text(self) -> str:
+        """``", N parted at near-ties only (M tokens, teacher-forced re-score)"``; "" if none."""
+        return (f", {self.parted} parted at near-ties only ({self.ties} tokens, teacher-forced "
+                f"re-score)" if self.parted else "")
+
+
+def check_greedy(model, prompts: list, outs: list, new_tokens: int, dtype: str,
+                 strict: bool = False, control: bool = False, say=print) -> GreedyCheck:
+    """The Engine's greedy tokens against transformers' own ``generate`` on ``model``: each
+    request of ``prompts`` whose tokens ``outs`` (``new_tokens`` each, the Engine's) differ
+    from ``greedy_generate``'s is judged by ``rescore_greedy`` at ``dtype``'s margin (a
+    near-tie the dtype's rounding may flip passes, counted in ``parted`` and ``ties``), or with
+    ``strict`` (float32 on the PyTorch path: the same summation order) fails outright.
+    ``control``: transformers' own tokens are judged by the same re-score too (how often the
+    judge fails the library itself: ``own_failed``, ``own_failed_of_failed``), and each
+    failure names that verdict. ``say``: where each failure is reported, one line each.
+    Returns the counts (``GreedyCheck``)."""
+    res = GreedyCheck()
+    for prompt, got in zip(prompts, outs):
+        res.requests += 1
+        want = greedy_generate(model, prompt, new_tokens)
+        own = rescore_greedy(model, prompt, want, dtype)[1] if control else None
+        res.own_failed += own is not None
+        if got == want:
+            res.same += 1
+            continue
+        if strict:
+            say(f"  {dtype}: a request's tokens differ from generate's: {got} vs {want}")
+            res.failed += 1
+            continue
+        n, problem = rescore_greedy(model, prompt, got, dtype)
+        if problem is not None:
+            say(f"  {dtype}: a request's tokens fail the re-score: {problem}"
+                + (f"; transformers' own generate on it: {own or 'passes'}" if control else ""))
+            res.failed += 1
+            res.own_failed_of_failed += own is not None
+        else:
+            res.parted += 1
+            res.ties += n
+    return res
+
+
 def choose(workload, k: int, seed: int) -> list:
     """Up to ``k`` requests to check (0: all): one of each feature first, then random ones."""
     reqs = workload.requests

@@ -210,3 +210,49 @@ def test_judge_greedy_accepts_argmax_and_near_ties_and_names_the_first_real_miss
     far[4] = int(np.argmin(logits[4]))
     ties, problem = judge_greedy(far, logits, "bfloat16")
     assert ties == 0 and problem.startswith(f"new token 4 is {far[4]}, the re-score's argmax is {best[4]}")
+
+
+def test_check_greedy_counts_identical_near_tie_and_failed_requests_against_generate():
+    # the GPU family checks' loop (tools/gpu_*_check.py), on the CPU with a tiny random Llama
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from kvcache.demo.check import check_greedy, greedy_generate, teacher_forced_logits
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    prompts = [[3, 9, 27, 17], [5, 1, 44]]
+    new = 4
+    want = [greedy_generate(model, p, new) for p in prompts]
+    assert all(len(w) == new for w in want)
+    # the second request's last token another: one within bfloat16's near-tie margin (0.5
+    # logits) but beyond float32's (2e-3), as the cache's bfloat16 state may part it
+    last = teacher_forced_logits(model, prompts[1], want[1])[-1]
+    gaps = last.max() - last
+    near = [int(t) for t in np.flatnonzero((gaps > 0.01) & (gaps < 0.4))]
+    assert near, "the tiny model has no near-tie token: choose another seed"
+    parted = [want[0], want[1][:-1] + [near[0]]]
+    said: list = []
+    res = check_greedy(model, prompts, parted, new, "bfloat16", say=said.append)
+    assert (res.requests, res.same, res.parted, res.ties, res.failed) == (2, 1, 1, 1, 0)
+    assert not said and res.parted_text().startswith(", 1 parted at near-ties only (1 tokens")
+    # float32's margin: the same tokens fail the re-score, named
+    res = check_greedy(model, prompts, parted, new, "float32", control=True, say=said.append)
+    assert (res.same, res.parted, res.failed) == (1, 0, 1) and res.parted_text() == ""
+    assert res.own_failed == 0 and res.own_failed_of_failed == 0       # generate's own pass
+    assert len(said) == 1 and said[0].startswith("  float32: a request's tokens fail the "
+                                                 "re-score: new token 3 is")
+    assert said[0].endswith("transformers' own generate on it: passes")
+    # strict: any difference fails, without a re-score
+    said.clear()
+    res = check_greedy(model, prompts, parted, new, "float32", strict=True, say=said.append)
+    assert (res.same, res.parted, res.failed) == (1, 0, 1)
+    assert said == [f"  float32: a request's tokens differ from generate's: {parted[1]} vs "
+                    f"{want[1]}"]
+    # identical tokens pass in every mode
+    res = check_greedy(model, prompts, want, new, "float32", strict=True, say=said.append)
+    assert (res.same, res.failed) == (2, 0)

@@ -38,6 +38,29 @@ def logit_rows(engine) -> list:
     return rows
 
 
+def assert_warm_prefix_equals_cold(make, system: list, question: list, other: list,
+                                   hit: int) -> tuple:
+    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
+    boundary the warm one starts from): ``system + question`` through a fresh Engine
+    (``make()``; overlap off), and through another after ``system + other`` hit the cache
+    there (``hit`` tokens): the same 6 greedy tokens, every logits row equal to the cold
+    run's bit for bit. Returns ``(cold, warm)``, the two Engines."""
+    cold = make()
+    cold_rows = logit_rows(cold)
+    want = cold.generate([system + question], max_new_tokens=6)
+    assert cold.stats.prefix_hit_tokens == 0
+    warm = make()
+    warm.generate([system + other], max_new_tokens=3)
+    warm_rows = logit_rows(warm)
+    got = warm.generate([system + question], max_new_tokens=6)
+    assert warm.stats.prefix_hit_tokens == hit
+    assert got == want
+    assert len(warm_rows) == len(cold_rows) == 6
+    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
+        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
+    return cold, warm
+
+
 def first_step_logits(engine, prompts) -> list:
     """Each prompt's first-step logits through ``engine`` (one prompt per generate, the logits
     row seen by wrapping the adapter's forward); the adapter is restored afterwards."""

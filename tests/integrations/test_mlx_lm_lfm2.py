@@ -13,18 +13,16 @@ import numpy as np
 import pytest
 
 from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
-from conftest import own_loop_greedy
+from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
+                          assert_state_edits_refused, assert_state_slots_wait, once_per_family,
+                          prompts as _prompts, shared_prefix_prompts)
 
 import kvcache  # noqa: E402
-from kvcache.integrations import SamplingParams  # noqa: E402
 from kvcache.integrations.mlx_lm import (Engine, MlxLmAdapter, cache_config,  # noqa: E402
                                          layer_caches, route_state_layers, sliding_windows,
                                          state_kinds)
 
-PAGE = 4
-NEW = 10
-CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
-LENGTHS = (1, 2, 5, 19, 37)
 TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 SMALL = dict(vocab_size=128, num_hidden_layers=len(TYPES), hidden_size=64, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, norm_eps=1e-5, conv_bias=True,
@@ -57,28 +55,13 @@ def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
     return model
 
 
-def _prompts(seed=7):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
-
-
-_CASES: dict = {}
-
-
-def _case(model_type="lfm2"):
-    """(model, prompts, mlx-lm's greedy tokens), once per family."""
-    if model_type not in _CASES:
-        model = make_lfm2(model_type)
-        prompts = _prompts()
-        _CASES[model_type] = (model, prompts, [mlx_greedy(model, p, NEW) for p in prompts])
-    return _CASES[model_type]
+# (model, prompts, mlx-lm's greedy tokens), once per family (none: lfm2)
+_case = once_per_family(make_lfm2, lambda model, prompt: mlx_greedy(model, prompt, NEW))
 
 
 def _engine(model, **kw):
     metal_cpu_or_skip(cache_config(model).head_dim)
-    opts = dict(backend="metal", device="cpu", page_size=PAGE, max_total_tokens=512,
-                prefill_chunk_size=CHUNK, max_batch_size=4)
-    return Engine(model, **{**opts, **kw})
+    return Engine(model, **{**ENGINE, "backend": "metal", "device": "cpu", **kw})
 
 
 def test_the_conv_layers_are_state_layers():
@@ -108,20 +91,7 @@ def test_engine_greedy_equals_mlx_lm(overlap):
     # the prefix cache stays on (state checkpoints); nothing else was on here
     assert engine.config.prefix_cache and engine.host_tier is None
     assert engine.state_layers_off is None
-    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
-    got: dict = {rid: [] for rid in ids}
-    shared, mixed = 0, 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        shared = max(shared, engine.cache.num_sequences)
-        for out in outs:
-            got[out.request_id].extend(out.new_token_ids)
-        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
-    for i, rid in enumerate(ids):
-        assert got[rid] == want[i], f"prompt {i} ({len(prompts[i])} tokens)"
-    assert shared == 4 and mixed
-    assert engine.cache.is_empty
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_engine_greedy(engine, prompts, want)
 
 
 def test_adapter_loop_greedy_equals_mlx_lm():
@@ -131,15 +101,11 @@ def test_adapter_loop_greedy_equals_mlx_lm():
     metal_cpu_or_skip(cache_config(model).head_dim)
     adapter = MlxLmAdapter(model)
     assert adapter.state_layers() == state_kinds(model)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
-                       prefill_chunk_size=64)
-    cache = kvcache.PagedKVCache(cfg, backend="metal", device="cpu")
-    out = own_loop_greedy(adapter, cache, prompts, NEW, chunk=CHUNK)
-    for i in range(len(prompts)):
-        assert out[i][:NEW] == want[i], f"prompt {i}"
+    cache = assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want,
+                                       backend="metal", device="cpu")
     for i in range(len(prompts)):
         cache.remove_sequence(i)
-    assert cache.num_available_state_slots == cfg.num_state_slots
+    assert cache.num_available_state_slots == cache.config.num_state_slots
 
 
 def test_layer_caches_loop_greedy_equals_mlx_lm():
@@ -171,17 +137,8 @@ def test_preemption_and_forks_recompute_the_state():
     the preempted request recomputes from a fresh state), and ``n = 3`` samples fork at the
     prompt's end (the child's slot takes a copy of the state); the tokens are mlx-lm's."""
     model, _, _ = _case()
-    engine = _engine(model, max_total_tokens=48)
-    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
-    out = engine.generate(prompts, max_new_tokens=NEW)
-    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
-    for i, p in enumerate(prompts):
-        assert out[i][0] == mlx_greedy(model, p, NEW), f"prompt {i}"
-    small = _engine(model, max_total_tokens=256, max_batch_size=1)
-    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
-    assert three[0] == [mlx_greedy(model, prompts[0][:11], NEW)] * 3
-    assert small.stats.forks >= 3 and small.cache.is_empty
-    assert small.cache.num_available_state_slots == 2
+    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
+                                lambda prompt: mlx_greedy(model, prompt, NEW))
 
 
 def test_lfm2_moe_greedy_equals_mlx_lm():
@@ -195,14 +152,9 @@ def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch)
     """One state slot per batch row and ``n = 5`` samples of two prompts with 3 rows: the
     samples' prefixes and samples need more slots than the cache has; the forwards wait for
     slots and the tokens are mlx-lm's."""
-    import kvcache.integrations.engine as engine_module
-    monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
     model, prompts, want = _case()
-    engine = _engine(model, max_batch_size=3)
-    assert engine.config.num_state_slots == 3
-    out = engine.generate(prompts[3:], SamplingParams(max_tokens=NEW, n=5))
-    assert out == [[want[3]] * 5, [want[4]] * 5]
-    assert engine.stats.forks >= 8 and engine.cache.num_available_state_slots == 3
+    assert_state_slots_wait(lambda **kw: _engine(model, **kw), prompts[3:], want[3:],
+                            monkeypatch)
 
 
 def test_what_does_not_compose_is_refused_by_name(tmp_path):
@@ -217,18 +169,7 @@ def test_what_does_not_compose_is_refused_by_name(tmp_path):
         _engine(model, window_groups=True)
     engine = _engine(model, max_total_tokens=256)
     # what the cache refuses for state layers: popn, a fork below the length, exports
-    cache, adapter = engine.cache, engine.adapter
-    cache.add_sequence(0)
-    with adapter.session(cache), adapter.step_context(cache), cache.forward([0], [5]):
-        adapter.forward(cache, np.arange(1, 6, dtype=np.int64), np.arange(5, dtype=np.int64),
-                        np.asarray([4], np.int64))
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
-        cache.popn(0, 1)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.fork_sequence(0, 1, 3)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.export_sequence(0)
-    assert cache.sequence_length(0) == 5
+    assert_state_edits_refused(engine)
 
 
 def test_what_is_not_understood_is_refused():
@@ -319,14 +260,6 @@ def test_shared_prefixes_hit_through_state_checkpoints():
     ones start from 20 cached tokens with the states restored; the greedy tokens are mlx-lm's
     own."""
     model, _, _ = _case()
-    rng = np.random.default_rng(5)
-    shared = rng.integers(1, 128, 22).tolist()
-    prompts = [shared + rng.integers(1, 128, n).tolist() for n in (5, 9, 2, 13)]
+    prompts = shared_prefix_prompts()
     want = [mlx_greedy(model, p, NEW) for p in prompts]
-    engine = _engine(model)
-    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
-    out = engine.generate(prompts[1:], max_new_tokens=NEW)
-    assert [o[0] for o in out] == want[1:]
-    assert engine.stats.prefix_hit_tokens == 3 * 20
-    assert engine.stats.prefix_miss_tokens_by_reason == {}
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_prefix_hits(_engine(model), prompts, want)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, own_loop_greedy, torch, transformers
+from conftest import backend_or_skip, hf_greedy, torch, transformers
+from hybrid_cases import (ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
+                          assert_refused, assert_state_edits_refused, forgetting, full_conv,
+                          once_per_family, shared_prefix_prompts)
 
 import kvcache
-from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
                                                route_state_layers, state_kinds, stateful_layers)
 from kvcache.integrations.transformers import states as states_module
 
-PAGE = 4
-NEW = 10
-CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
-LENGTHS = (1, 2, 5, 19, 37)
 MAMBA = (0, 2, 3)               # layers 1 and 4 attend
 # hidden 64, 4 SSM heads of 32 (expand 2), 2 groups of a state of 16, a conv of 4 taps over
 # 128 + 2 * 2 * 16 = 192 channels, SSM chunks of 4 (a prefill chunk of 8 spans two)
@@ -53,33 +52,12 @@ def make_bamba(model_type: str = "bamba", seed: int = 0, **overrides):
     return model.to(torch.float32).eval()
 
 
-def hf_greedy(model, prompt, new=NEW) -> list:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new)
-    return out[0, len(prompt):].tolist()
-
-
-def _prompts(seed=7):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
-
-
-_CASES: dict = {}
-
-
-def _case(model_type="bamba"):
-    """(model, prompts, transformers' greedy tokens), once per family."""
-    if model_type not in _CASES:
-        model = make_bamba(model_type)
-        prompts = _prompts()
-        _CASES[model_type] = (model, prompts, [hf_greedy(model, p) for p in prompts])
-    return _CASES[model_type]
+# (model, prompts, transformers' greedy tokens), once per family (none: bamba)
+_case = once_per_family(make_bamba, lambda model, prompt: hf_greedy(model, prompt, NEW))
 
 
 def _engine(model, **kw):
-    return Engine(model, **{**dict(backend="reference", page_size=PAGE, max_total_tokens=512,
-                                   prefill_chunk_size=CHUNK, max_batch_size=4), **kw})
+    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
 
 
 def test_the_mamba_layers_are_state_layers():
@@ -111,20 +89,7 @@ def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
     # the prefix cache stays on (state checkpoints); nothing else was on here
     assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
     assert engine.state_layers_off is None
-    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
-    got: dict = {rid: [] for rid in ids}
-    shared, mixed = 0, 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        shared = max(shared, engine.cache.num_sequences)
-        for out in outs:
-            got[out.request_id].extend(out.new_token_ids)
-        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
-    for i, rid in enumerate(ids):
-        assert got[rid] == want[i], f"{name}: prompt {i} ({len(prompts[i])} tokens)"
-    assert shared == 4 and mixed
-    assert engine.cache.is_empty
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_engine_greedy(engine, prompts, want, f"{name}: ")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -135,12 +100,8 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     adapter = TransformersAdapter(model)
     assert adapter.state_layers() == state_kinds(model)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
-                       prefill_chunk_size=64)
-    cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
-    out = own_loop_greedy(adapter, cache, prompts, NEW, chunk=CHUNK)
-    for i in range(len(prompts)):
-        assert out[i][:NEW] == want[i], f"{name}: prompt {i}"
+    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, f"{name}: ",
+                               backend=name, device=device)
 
 
 def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
@@ -174,20 +135,8 @@ def test_each_state_carries(zeroed, monkeypatch):
     that forgets its conv inputs, or its SSM state) gets the long prompts' tokens wrong: both
     states carry from forward to forward."""
     model, prompts, want = _case()
-    real = states_module.mamba_forward
-
-    def forgetting(module, cache, hidden_states):
-        get = cache.get_state
-
-        def zeros(layer, name):
-            value = get(layer, name)
-            return value * 0 if name == zeroed else value
-        cache.get_state = zeros
-        try:
-            return real(module, cache, hidden_states)
-        finally:
-            del cache.get_state
-    monkeypatch.setattr(states_module, "mamba_forward", forgetting)
+    monkeypatch.setattr(states_module, "mamba_forward",
+                        forgetting(states_module.mamba_forward, zeroed))
     model = make_bamba()          # routed afresh: its wrappers call the patched function
     engine = _engine(model)
     out = engine.generate(prompts, max_new_tokens=NEW)
@@ -200,17 +149,8 @@ def test_preemption_and_forks_recompute_the_state():
     prompt's end (the children's slots take copies of both states); the tokens are
     transformers'."""
     model, _, _ = _case()
-    engine = _engine(model, max_total_tokens=48)
-    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
-    out = engine.generate(prompts, max_new_tokens=NEW)
-    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
-    for i, p in enumerate(prompts):
-        assert out[i][0] == hf_greedy(model, p), f"prompt {i}"
-    small = _engine(model, max_total_tokens=256, max_batch_size=1)
-    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
-    assert three[0] == [hf_greedy(model, prompts[0][:11])] * 3
-    assert small.stats.forks >= 3 and small.cache.is_empty
-    assert small.cache.num_available_state_slots == 2
+    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
+                                lambda prompt: hf_greedy(model, prompt, NEW))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -231,19 +171,10 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
     pass its keywords down): the adapter's ``serving`` still routes it; outside the Engine the
     mixer is transformers' own again."""
     model, prompts, greedy = _case()
-
-    def drop(module, args, kwargs):
-        kwargs.pop("kvcache", None)
-        return args, kwargs
-    hooks = [m.register_forward_pre_hook(drop, with_kwargs=True)
-             for _, m in states_module.mamba_layers(model).values()]
-    try:
+    with KeywordDropped(m for _, m in states_module.mamba_layers(model).values()):
         out = _engine(model, max_batch_size=3).generate(prompts, max_new_tokens=NEW)
         assert [o[0] for o in out] == greedy
-    finally:
-        for h in hooks:
-            h.remove()
-    assert hf_greedy(model, prompts[2]) == greedy[2]
+    assert hf_greedy(model, prompts[2], NEW) == greedy[2]
 
 
 def test_what_does_not_compose_is_refused_by_name():
@@ -256,24 +187,12 @@ def test_what_does_not_compose_is_refused_by_name():
     with pytest.raises(kvcache.UnsupportedFeatureError, match="rope='cache' with the bamba"):
         Engine(model, rope="cache", **kw)
     engine = Engine(model, **kw)
-    cache = engine.cache
-    cache.add_sequence(0)
-    with engine.adapter.session(cache), engine.adapter.step_context(cache), \
-            cache.forward([0], [5]):
-        engine.adapter.forward(cache, np.arange(1, 6, dtype=np.int64),
-                               np.arange(5, dtype=np.int64), np.asarray([4], np.int64))
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
-        cache.popn(0, 1)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.export_sequence(0)
-    assert cache.sequence_length(0) == 5
+    assert_state_edits_refused(engine, fork=False)
 
 
 def _refused(model, match):
-    with pytest.raises(kvcache.UnsupportedFeatureError, match=match):
-        Engine(model, backend="reference", max_total_tokens=256)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match=match):
-        cache_config(model)
+    assert_refused(lambda m: Engine(m, backend="reference", max_total_tokens=256), cache_config,
+                   model, match)
 
 
 def test_what_is_not_understood_is_refused():
@@ -291,10 +210,20 @@ def test_what_is_not_understood_is_refused():
     model = make_bamba(seed=1)
     model.model.layers[3].mamba.n_groups = 1
     _refused(model, r"layers\.3\.mamba .*conv_dim=192 is not intermediate_size \+ 2 \* n_groups")
+    # not depthwise: a full convolution over the channels (a conv changed after it was built)
+    model = make_bamba(seed=1)
+    channels = full_conv(model.model.layers[0].mamba, "conv1d")
+    _refused(model, r"layers\.0\.mamba .*groups=1.*not a depthwise causal convolution over "
+                    rf"conv_dim={channels} channels")
     # a layer type the family does not know
     model = make_bamba("granitemoehybrid", seed=1)
     model.config.layer_types = ["mamba", "sliding_attention", "mamba", "mamba", "attention"]
     with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*'sliding_attention'"):
+        state_kinds(model)
+    model.config.layer_types = ["mamba", "attention"]
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"has 2 layers_block_type / layer_types for 5 layers: which layers "
+                             r"are Mamba mixers"):
         state_kinds(model)
     # the mixer called with a padding mask, or with its own cache beside the cache's
     model, _, _ = _case()
@@ -391,18 +320,11 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     transformers' own."""
     model = make_bamba(seed=2, mamba_chunk_size=8)
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    rng = np.random.default_rng(5)
-    shared = rng.integers(1, 128, 22).tolist()
-    prompts = [shared + rng.integers(1, 128, k).tolist() for k in (5, 9, 2, 13)]
-    want = [hf_greedy(model, p) for p in prompts]
+    prompts = shared_prefix_prompts()
+    want = [hf_greedy(model, p, NEW) for p in prompts]
     engine = _engine(model, backend=name, device=device, state_checkpoint_interval=1)
     assert engine.config.prefix_cache and engine.config.state_checkpoint_interval == 1
-    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
-    out = engine.generate(prompts[1:], max_new_tokens=NEW)
-    assert [o[0] for o in out] == want[1:]
-    assert engine.stats.prefix_hit_tokens == 3 * 20
-    assert engine.stats.prefix_miss_tokens_by_reason == {}
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_prefix_hits(engine, prompts, want)
     # the engine's own interval for these states: a checkpoint costs more than a page's KV
     assert _engine(model).config.state_checkpoint_interval > 1
 
@@ -412,22 +334,11 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
     boundary the warm one starts from): the warm request restores that boundary's conv and
     SSM states beside the cached pages, and every logits row equals the cold run's bit for
     bit."""
-    from engine_cases import logit_rows
+    from engine_cases import assert_warm_prefix_equals_cold
     model, _, _ = _case()
     rng = np.random.default_rng(3)
     system = rng.integers(1, 128, 4 * PAGE).tolist()
     question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
     kw = dict(prefill_chunk_size=4 * PAGE, overlap=False, state_checkpoint_interval=1)
-    cold = _engine(model, **kw)
-    cold_rows = logit_rows(cold)
-    want = cold.generate([system + question], max_new_tokens=6)
-    assert cold.stats.prefix_hit_tokens == 0
-    warm = _engine(model, **kw)
-    warm.generate([system + other], max_new_tokens=3)
-    warm_rows = logit_rows(warm)
-    got = warm.generate([system + question], max_new_tokens=6)
-    assert warm.stats.prefix_hit_tokens == 4 * PAGE
-    assert got == want
-    assert len(warm_rows) == len(cold_rows) == 6
-    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
-        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
+    assert_warm_prefix_equals_cold(lambda: _engine(model, **kw), system, question, other,
+                                   4 * PAGE)

@@ -10,18 +10,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, own_loop_greedy, torch, transformers
-from engine_cases import logit_rows
+from conftest import backend_or_skip, hf_greedy, torch, transformers
+from engine_cases import assert_warm_prefix_equals_cold
+from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
+                          assert_state_edits_refused, assert_state_slots_wait, full_conv,
+                          once_per_family, shared_prefix_prompts)
 
 import kvcache
-from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
                                                route_state_layers, state_kinds, stateful_layers)
 
-PAGE = 4
-NEW = 10
-CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
-LENGTHS = (1, 2, 5, 19, 37)
 TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 SMALL = dict(vocab_size=128, num_hidden_layers=len(TYPES), hidden_size=64, intermediate_size=128,
              num_attention_heads=4, num_key_value_heads=2, layer_types=TYPES, conv_L_cache=3,
@@ -42,28 +41,12 @@ def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
     return model.to(torch.float32).eval()
 
 
-def hf_greedy(model, prompt, new=NEW) -> list:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new)
-    return out[0, len(prompt):].tolist()
+# (model, prompts, transformers' greedy tokens), once per family (none: lfm2)
+_case = once_per_family(make_lfm2, lambda model, prompt: hf_greedy(model, prompt, NEW))
 
 
-def _prompts(seed=7):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
-
-
-_CASES: dict = {}
-
-
-def _case(model_type="lfm2"):
-    """(model, prompts, transformers' greedy tokens), once per family."""
-    if model_type not in _CASES:
-        model = make_lfm2(model_type)
-        prompts = _prompts()
-        _CASES[model_type] = (model, prompts, [hf_greedy(model, p) for p in prompts])
-    return _CASES[model_type]
+def _engine(model, **kw):
+    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
 
 
 def test_the_conv_layers_are_state_layers():
@@ -86,27 +69,13 @@ def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
     convolution runs from its own state."""
     model, prompts, want = _case()
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=4, overlap=overlap)
+    engine = _engine(model, backend=name, device=device, overlap=overlap)
     assert dict(engine.config.layer_kinds) == state_kinds(model)
     assert engine.config.num_state_slots == 8          # 2 * max_batch_size
     # the prefix cache stays on (its hits restore state checkpoints); nothing else was on here
     assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
     assert engine.state_layers_off is None
-    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
-    got: dict = {rid: [] for rid in ids}
-    shared, mixed = 0, 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        shared = max(shared, engine.cache.num_sequences)
-        for out in outs:
-            got[out.request_id].extend(out.new_token_ids)
-        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
-    for i, rid in enumerate(ids):
-        assert got[rid] == want[i], f"{name}: prompt {i} ({len(prompts[i])} tokens)"
-    assert shared == 4 and mixed
-    assert engine.cache.is_empty
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_engine_greedy(engine, prompts, want, f"{name}: ")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -116,13 +85,8 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
     model, prompts, want = _case()
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     adapter = TransformersAdapter(model)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
-                       prefill_chunk_size=64)
-    cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
-    out = own_loop_greedy(adapter, cache, prompts, NEW)
-    seqs = list(range(len(prompts)))
-    for i in seqs:
-        assert out[i][:NEW] == want[i], f"prompt {i}"
+    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, chunk=16,
+                               backend=name, device=device)
 
 
 def test_preemption_and_forks_recompute_the_state():
@@ -130,26 +94,14 @@ def test_preemption_and_forks_recompute_the_state():
     the preempted request recomputes from a fresh state), and ``n = 2`` samples fork at the
     prompt's end (the child's slot takes a copy of the state); the tokens are transformers'."""
     model, _, _ = _case()
-    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=48,
-                    prefill_chunk_size=CHUNK, max_batch_size=4)
-    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
-    out = engine.generate(prompts, max_new_tokens=NEW)
-    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
-    for i, p in enumerate(prompts):
-        assert out[i][0] == hf_greedy(model, p), f"prompt {i}"
     # three samples of one prompt, one sequence per forward: the prefix and one sample hold slots
-    small = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=256,
-                   prefill_chunk_size=CHUNK, max_batch_size=1)
-    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
-    assert three[0] == [hf_greedy(model, prompts[0][:11])] * 3
-    assert small.stats.forks >= 3 and small.cache.is_empty
-    assert small.cache.num_available_state_slots == 2
+    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
+                                lambda prompt: hf_greedy(model, prompt, NEW))
 
 
 def test_lfm2_moe_greedy_equals_generate():
     model, prompts, want = _case("lfm2_moe")
-    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=4)
+    engine = _engine(model)
     assert dict(engine.config.layer_kinds) == state_kinds(model)
     assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
 
@@ -170,19 +122,7 @@ def test_what_does_not_compose_is_refused_by_name(tmp_path):
     engine = Engine(model, **kw)
     assert engine.state_layers_off is None and engine.window_groups_off is None
     # what the cache refuses for state layers: popn, a fork below the length, exports
-    cache = engine.cache
-    cache.add_sequence(0)
-    with engine.adapter.session(cache), engine.adapter.step_context(cache), \
-            cache.forward([0], [5]):
-        engine.adapter.forward(cache, np.arange(1, 6, dtype=np.int64),
-                               np.arange(5, dtype=np.int64), np.asarray([4], np.int64))
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
-        cache.popn(0, 1)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.fork_sequence(0, 1, 3)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.export_sequence(0)
-    assert cache.sequence_length(0) == 5
+    assert_state_edits_refused(engine)
 
 
 def test_what_is_not_understood_is_refused():
@@ -190,6 +130,12 @@ def test_what_is_not_understood_is_refused():
     other = make_lfm2(seed=1)
     other.config.layer_types = ["conv", "sliding_attention", "conv", "conv", "full_attention"]
     with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*'sliding_attention'"):
+        state_kinds(other)
+    # fewer layer types than layers: which layers convolve is not known
+    other.config.layer_types = ["conv", "full_attention", "conv"]
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"has 3 layer_types for 5 layers: which layers are short "
+                             r"convolutions is not understood"):
         state_kinds(other)
     # a replaced conv module (a subclass computes what it likes)
     model = make_lfm2(seed=1)
@@ -200,6 +146,19 @@ def test_what_is_not_understood_is_refused():
     # a kernel of one tap keeps no state: not what was read
     with pytest.raises(kvcache.UnsupportedFeatureError, match="kernel of 1 taps"):
         cache_config(make_lfm2(seed=1, conv_L_cache=1))
+    # not depthwise: a full convolution over the channels (a conv changed after it was built)
+    model = make_lfm2(seed=1)
+    assert full_conv(model.model.layers[3].conv, "conv") == 64
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"layers\.3\.conv .*groups=1.*not a depthwise causal convolution "
+                             r"over hidden_size=64 channels"):
+        cache_config(model)
+    # a module whose kernel size is not its conv's
+    model = make_lfm2(seed=1)
+    model.model.layers[0].conv.conv_kernel_size += 1
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"layers\.0\.conv .*conv_kernel_size=\d+ is not config\.conv_L_cache"):
+        cache_config(model)
     # the conv called with a padding mask
     model, prompts, _ = _case()
     cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
@@ -224,21 +183,10 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
     ``generate``."""
     model, prompts, greedy = _case()
     from kvcache.integrations.transformers.states import conv_layers
-
-    def drop(module, args, kwargs):
-        kwargs.pop("kvcache", None)
-        return args, kwargs
-    hooks = [m.register_forward_pre_hook(drop, with_kwargs=True)
-             for _, m in conv_layers(model).values()]
-    try:
-        engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
-                        max_batch_size=3, prefill_chunk_size=CHUNK)
-        out = engine.generate(prompts, max_new_tokens=NEW)
+    with KeywordDropped(m for _, m in conv_layers(model).values()):
+        out = _engine(model, max_batch_size=3).generate(prompts, max_new_tokens=NEW)
         assert [o[0] for o in out] == greedy
-    finally:
-        for h in hooks:
-            h.remove()
-    assert hf_greedy(model, prompts[0]) == greedy[0]        # outside: transformers' own again
+    assert hf_greedy(model, prompts[0], NEW) == greedy[0]        # outside: transformers' own again
 
 
 def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch):
@@ -247,16 +195,9 @@ def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch)
     The scheduler admits no more sequences to a forward than there are free slots (before the
     fix an admission failed, preempted the sequence admitted just before it and the same
     forward was planned again, forever); the tokens are transformers'."""
-    import kvcache.integrations.engine as engine_module
-    monkeypatch.setattr(engine_module, "STATE_SLOTS_PER_ROW", 1)
     model, prompts, want = _case()
-    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=3)
-    assert engine.config.num_state_slots == 3
-    out = engine.generate(prompts[3:], SamplingParams(max_tokens=NEW, n=5))
-    assert out == [[want[3]] * 5, [want[4]] * 5]
-    assert engine.stats.forks >= 8
-    assert engine.cache.num_available_state_slots == 3
+    assert_state_slots_wait(lambda **kw: _engine(model, **kw), prompts[3:], want[3:],
+                            monkeypatch)
 
 
 # ---------------------------------------------------------------------------- prefix hits
@@ -269,21 +210,13 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     restored; the greedy tokens are transformers' own, within a call and across calls."""
     model, _, _ = _case()
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    rng = np.random.default_rng(5)
-    shared = rng.integers(1, 128, 22).tolist()
-    prompts = [shared + rng.integers(1, 128, n).tolist() for n in (5, 9, 2, 13)]
-    want = [hf_greedy(model, p) for p in prompts]
-    engine = Engine(model, backend=name, device=device, page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=4)
+    prompts = shared_prefix_prompts()
+    want = [hf_greedy(model, p, NEW) for p in prompts]
+    engine = _engine(model, backend=name, device=device)
     # as many checkpoints as slots, one page apart (a conv state is smaller than a page's KV)
     assert engine.config.prefix_cache and engine.config.num_state_checkpoints == 8
     assert engine.config.state_checkpoint_interval == 1
-    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
-    assert engine.stats.prefix_hit_tokens == 0
-    out = engine.generate(prompts[1:], max_new_tokens=NEW)
-    assert [o[0] for o in out] == want[1:]
-    assert engine.stats.prefix_hit_tokens == 3 * 20
-    assert engine.stats.prefix_miss_tokens_by_reason == {}      # no miss
+    assert_prefix_hits(engine, prompts, want)
     out = engine.generate(prompts[:2], max_new_tokens=NEW)     # cached across calls
     assert [o[0] for o in out] == want[:2]
     assert engine.stats.prefix_hit_tokens >= 3 * 20 + 2 * 20   # (8 rows: 24 may be gone)
@@ -301,19 +234,8 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit_with_state_layers(
     question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
     kw = dict(backend="reference", page_size=PAGE, max_total_tokens=512,
               prefill_chunk_size=4 * PAGE, overlap=False)
-    cold = Engine(model, **kw)
-    cold_rows = logit_rows(cold)
-    want = cold.generate([system + question], max_new_tokens=6)
-    assert cold.stats.prefix_hit_tokens == 0
-    warm = Engine(model, **kw)
-    warm.generate([system + other], max_new_tokens=3)
-    warm_rows = logit_rows(warm)
-    got = warm.generate([system + question], max_new_tokens=6)
-    assert warm.stats.prefix_hit_tokens == 4 * PAGE
-    assert got == want
-    assert len(warm_rows) == len(cold_rows) == 6
-    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
-        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
+    assert_warm_prefix_equals_cold(lambda: Engine(model, **kw), system, question, other,
+                                   4 * PAGE)
 
 
 def test_a_checkpoint_miss_is_counted_and_recomputed():

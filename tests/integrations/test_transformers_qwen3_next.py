@@ -14,18 +14,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, own_loop_greedy, torch, transformers
+from conftest import backend_or_skip, hf_greedy, torch, transformers
+from hybrid_cases import (ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
+                          assert_refused, assert_state_edits_refused, forgetting, full_conv,
+                          once_per_family, prompts as _prompts, shared_prefix_prompts)
 
 import kvcache
-from kvcache.integrations import SamplingParams
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
                                                route_state_layers, state_kinds, stateful_layers)
 from kvcache.integrations.transformers import states as states_module
 
-PAGE = 4
-NEW = 10
-CHUNK = 8                       # prompts of 19 and 37 tokens span 3 and 5 chunks
-LENGTHS = (1, 2, 5, 19, 37)
 LINEAR = (0, 2, 3)              # layer 1 attends
 TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 # hidden 64; 2 key heads and 4 value heads of 16 (each key head serves two value heads); a
@@ -56,33 +55,12 @@ def make_qwen3_next(seed: int = 0, **overrides):
     return model.to(torch.float32).eval()
 
 
-def hf_greedy(model, prompt, new=NEW) -> list:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new)
-    return out[0, len(prompt):].tolist()
-
-
-def _prompts(seed=7):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 128, n).tolist() for n in LENGTHS]
-
-
-_CASE: list = []
-
-
-def _case():
-    """(model, prompts, transformers' greedy tokens), once."""
-    if not _CASE:
-        model = make_qwen3_next()
-        prompts = _prompts()
-        _CASE.append((model, prompts, [hf_greedy(model, p) for p in prompts]))
-    return _CASE[0]
+# (model, prompts, transformers' greedy tokens), once
+_case = once_per_family(make_qwen3_next, lambda model, prompt: hf_greedy(model, prompt, NEW))
 
 
 def _engine(model, **kw):
-    return Engine(model, **{**dict(backend="reference", page_size=PAGE, max_total_tokens=512,
-                                   prefill_chunk_size=CHUNK, max_batch_size=4), **kw})
+    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
 
 
 def test_the_linear_attention_layers_are_state_layers():
@@ -113,20 +91,7 @@ def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
     assert engine.config.num_state_slots == 8          # 2 * max_batch_size
     assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
     assert engine.state_layers_off is None
-    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
-    got: dict = {rid: [] for rid in ids}
-    shared, mixed = 0, 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        shared = max(shared, engine.cache.num_sequences)
-        for out in outs:
-            got[out.request_id].extend(out.new_token_ids)
-        mixed += engine.stats.prefill_tokens > 0 and engine.stats.decode_tokens > 0
-    for i, rid in enumerate(ids):
-        assert got[rid] == want[i], f"{name}: prompt {i} ({len(prompts[i])} tokens)"
-    assert shared == 4 and mixed
-    assert engine.cache.is_empty
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_engine_greedy(engine, prompts, want, f"{name}: ")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -137,12 +102,8 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     adapter = TransformersAdapter(model)
     assert adapter.state_layers() == state_kinds(model)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
-                       prefill_chunk_size=64)
-    cache = kvcache.PagedKVCache(cfg, backend=name, device=device)
-    out = own_loop_greedy(adapter, cache, prompts, NEW, chunk=CHUNK)
-    for i in range(len(prompts)):
-        assert out[i][:NEW] == want[i], f"{name}: prompt {i}"
+    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, f"{name}: ",
+                               backend=name, device=device)
 
 
 def test_as_many_key_heads_as_value_heads():
@@ -153,7 +114,7 @@ def test_as_many_key_heads_as_value_heads():
                                                   dtype="float32")
     prompts = _prompts(9)[2:]
     out = _engine(model).generate(prompts, max_new_tokens=NEW)
-    assert [o[0] for o in out] == [hf_greedy(model, p) for p in prompts]
+    assert [o[0] for o in out] == [hf_greedy(model, p, NEW) for p in prompts]
 
 
 def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
@@ -198,20 +159,8 @@ def test_each_state_carries(zeroed, monkeypatch):
     that forgets its conv inputs, or its recurrent state) gets the long prompts' tokens wrong:
     both states carry from forward to forward."""
     model, prompts, want = _case()
-    real = states_module.gdn_forward
-
-    def forgetting(module, cache, hidden_states):
-        get = cache.get_state
-
-        def zeros(layer, name):
-            value = get(layer, name)
-            return value * 0 if name == zeroed else value
-        cache.get_state = zeros
-        try:
-            return real(module, cache, hidden_states)
-        finally:
-            del cache.get_state
-    monkeypatch.setattr(states_module, "gdn_forward", forgetting)
+    monkeypatch.setattr(states_module, "gdn_forward",
+                        forgetting(states_module.gdn_forward, zeroed))
     model = make_qwen3_next()     # routed afresh: its wrappers call the patched function
     engine = _engine(model)
     out = engine.generate(prompts, max_new_tokens=NEW)
@@ -225,17 +174,8 @@ def test_preemption_and_forks_recompute_the_state():
     prompt's end (the children's slots take copies of both states); the tokens are
     transformers'."""
     model, _, _ = _case()
-    engine = _engine(model, max_total_tokens=48)
-    prompts = [list(range(i, i + 18)) for i in range(1, 5)]
-    out = engine.generate(prompts, max_new_tokens=NEW)
-    assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
-    for i, p in enumerate(prompts):
-        assert out[i][0] == hf_greedy(model, p), f"prompt {i}"
-    small = _engine(model, max_total_tokens=256, max_batch_size=1)
-    three = small.generate([prompts[0][:11]], SamplingParams(max_tokens=NEW, n=3))
-    assert three[0] == [hf_greedy(model, prompts[0][:11])] * 3
-    assert small.stats.forks >= 3 and small.cache.is_empty
-    assert small.cache.num_available_state_slots == 2
+    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
+                                lambda prompt: hf_greedy(model, prompt, NEW))
 
 
 def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_states():
@@ -243,19 +183,10 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
     does not pass its keywords down): the adapter's ``serving`` still routes it; outside the
     Engine the layer is transformers' own again."""
     model, prompts, greedy = _case()
-
-    def drop(module, args, kwargs):
-        kwargs.pop("kvcache", None)
-        return args, kwargs
-    hooks = [m.register_forward_pre_hook(drop, with_kwargs=True)
-             for _, m in states_module.gdn_layers(model).values()]
-    try:
+    with KeywordDropped(m for _, m in states_module.gdn_layers(model).values()):
         out = _engine(model, max_batch_size=3).generate(prompts, max_new_tokens=NEW)
         assert [o[0] for o in out] == greedy
-    finally:
-        for h in hooks:
-            h.remove()
-    assert hf_greedy(model, prompts[2]) == greedy[2]
+    assert hf_greedy(model, prompts[2], NEW) == greedy[2]
 
 
 def test_what_does_not_compose_is_refused_by_name():
@@ -268,24 +199,12 @@ def test_what_does_not_compose_is_refused_by_name():
     with pytest.raises(kvcache.UnsupportedFeatureError, match="rope='cache' with the qwen3_next"):
         Engine(model, rope="cache", **kw)
     engine = Engine(model, **kw)
-    cache = engine.cache
-    cache.add_sequence(0)
-    with engine.adapter.session(cache), engine.adapter.step_context(cache), \
-            cache.forward([0], [5]):
-        engine.adapter.forward(cache, np.arange(1, 6, dtype=np.int64),
-                               np.arange(5, dtype=np.int64), np.asarray([4], np.int64))
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="checkpoint"):
-        cache.popn(0, 1)
-    with pytest.raises(kvcache.UnsupportedFeatureError):
-        cache.export_sequence(0)
-    assert cache.sequence_length(0) == 5
+    assert_state_edits_refused(engine, fork=False)
 
 
 def _refused(model, match):
-    with pytest.raises(kvcache.UnsupportedFeatureError, match=match):
-        Engine(model, backend="reference", max_total_tokens=256)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match=match):
-        cache_config(model)
+    assert_refused(lambda m: Engine(m, backend="reference", max_total_tokens=256), cache_config,
+                   model, match)
 
 
 def test_what_is_not_understood_is_refused(monkeypatch):
@@ -312,6 +231,11 @@ def test_what_is_not_understood_is_refused(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(hf, "torch_chunk_gated_delta_rule", other)
         _refused(make_qwen3_next(seed=1), "chunks of 32 tokens")
+    # not depthwise: a full convolution over the channels (a conv changed after it was built)
+    model = make_qwen3_next(seed=1)
+    channels = full_conv(model.model.layers[0].linear_attn, "conv1d")
+    _refused(model, r"layers\.0\.linear_attn .*groups=1.*not a depthwise causal convolution over "
+                    rf"conv_dim={channels} channels")
     # a layer type the family does not know
     model = make_qwen3_next(seed=1)
     model.config.layer_types = ["linear_attention", "sliding_attention", "linear_attention",
@@ -408,15 +332,8 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     tokens with both states restored; the greedy tokens are transformers' own."""
     model = make_qwen3_next(seed=2)
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    rng = np.random.default_rng(5)
-    shared = rng.integers(1, 128, 22).tolist()
-    prompts = [shared + rng.integers(1, 128, k).tolist() for k in (5, 9, 2, 13)]
-    want = [hf_greedy(model, p) for p in prompts]
+    prompts = shared_prefix_prompts()
+    want = [hf_greedy(model, p, NEW) for p in prompts]
     engine = _engine(model, backend=name, device=device, state_checkpoint_interval=1)
     assert engine.config.prefix_cache and engine.config.state_checkpoint_interval == 1
-    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
-    out = engine.generate(prompts[1:], max_new_tokens=NEW)
-    assert [o[0] for o in out] == want[1:]
-    assert engine.stats.prefix_hit_tokens == 3 * 20
-    assert engine.stats.prefix_miss_tokens_by_reason == {}
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert_prefix_hits(engine, prompts, want)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import backend_or_skip, hf_greedy, make_model, model_needs_or_skip, own_loop_greedy
-from engine_cases import logit_rows
+from engine_cases import assert_warm_prefix_equals_cold
 
 import kvcache  # noqa: E402
 from kvcache.integrations.transformers import (Engine, TransformersAdapter,  # noqa: E402
@@ -267,17 +267,6 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit_with_window_groups
     question, other = rng.integers(1, 512, 7).tolist(), rng.integers(1, 512, 9).tolist()
     kw = dict(backend="reference", page_size=PAGE, max_total_tokens=1024,
               prefill_chunk_size=4 * PAGE, overlap=False)
-    cold = Engine(model, **kw)
+    cold, _ = assert_warm_prefix_equals_cold(lambda: Engine(model, **kw), system, question,
+                                             other, 4 * PAGE)
     assert cold.config.layer_kinds and cold.config.prefix_cache
-    cold_rows = logit_rows(cold)
-    want = cold.generate([system + question], max_new_tokens=6)
-    assert cold.stats.prefix_hit_tokens == 0
-    warm = Engine(model, **kw)
-    warm.generate([system + other], max_new_tokens=3)
-    warm_rows = logit_rows(warm)
-    got = warm.generate([system + question], max_new_tokens=6)
-    assert warm.stats.prefix_hit_tokens == 4 * PAGE
-    assert got == want
-    assert len(warm_rows) == len(cold_rows) == 6
-    for step, (a, b) in enumerate(zip(cold_rows, warm_rows)):
-        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"

@@ -30,7 +30,7 @@ from typing import Callable
 
 from ...config import KV_FORMATS
 from .model import random_prompt_range, workload
-from .prefix import Online, _free, _row
+from .prefix import budget_run
 
 KV_DTYPES = ("auto",) + KV_FORMATS
 """``--kv-dtype``'s choices: "auto" is the compute dtype (for kv-budget's quantized run:
@@ -102,43 +102,21 @@ def run_kv_budget(args, net, device: str, backend: str, kv_dtype: str, say: Call
                     "systems": {}, "skipped": {}, "ratios": {}}
     outs = {}
     for key, kv in (("auto", "auto"), ("quantized", kv_dtype)):
-        engine = Engine(net, backend=backend, device=device, page_size=PAGE,
-                        max_batch_size=args.batch, max_total_tokens=budget_tokens(budget, tb[kv]),
-                        rope=args.rope, prefix_cache=args.prefix_cache == "on", kv_dtype=kv)
-        engine.progress = False
-        cfg = engine.config
-        if cfg.kv_bytes > budget:           # token_bytes disagrees with the Engine's config
-            raise RuntimeError(f"kv_dtype {kv}: {cfg.kv_bytes} bytes of pages over the budget")
-        try:
-            say(f"({key}) kvcache Engine, kv_dtype {cfg.kv_dtype}: {engine.cache.num_total_pages} "
-                f"pages in {cfg.kv_bytes / 2**20:.2f} MiB; warm-up run")
-            runner = Online(engine, args.new_tokens, track_running=True)
-            # other prompts first (they calibrate fp8 scales from real tokens), then every
-            # graph bucket (other prompts meet fewer batch sizes than the measured run: the
-            # fp8 run, holding more sequences, captured 9 graphs inside its timed run, 0.61x
-            # then, 1.48x without)
-            runner.run([warm])
-            engine.warm_up()
-            before = dataclasses.replace(engine.stats)
-            runner.peak_running = 0
-            say(f"({key}) measured run")
-            tokens, ttft, wall = runner.run([prompts])
-            row = _row(f"kvcache Engine, kv_dtype {cfg.kv_dtype} ({engine.cache.backend.name})",
-                       tokens, ttft, wall, None, None)
-            row.update(kv_dtype=cfg.kv_dtype, peak_running=runner.peak_running,
-                       preemptions=engine.stats.preemptions - before.preemptions,
-                       recomputed_tokens=engine.stats.recomputed_tokens - before.recomputed_tokens,
-                       kv_pages=engine.cache.num_total_pages,
-                       token_capacity=engine.cache.num_total_pages * PAGE,
-                       token_kv_bytes=cfg.token_kv_bytes, kv_bytes=cfg.kv_bytes,
-                       offload=engine.host_tier is not None)
-            result["systems"][key] = row
-            outs[key] = tokens
-            say(f"({key}) {row['tokens_per_s']:.1f} tokens/s, peak {row['peak_running']} "
-                f"sequences, {row['preemptions']} preemptions")
-        finally:
-            del engine
-            _free(device)
+        def make(kv=kv):
+            return Engine(net, backend=backend, device=device, page_size=PAGE,
+                          max_batch_size=args.batch,
+                          max_total_tokens=budget_tokens(budget, tb[kv]), rope=args.rope,
+                          prefix_cache=args.prefix_cache == "on", kv_dtype=kv)
+
+        def describe(engine):
+            cfg, pages = engine.config, engine.cache.num_total_pages
+            return (f"kv_dtype {cfg.kv_dtype}", f"{pages} pages",
+                    dict(kv_dtype=cfg.kv_dtype, kv_pages=pages, token_capacity=pages * PAGE,
+                         token_kv_bytes=cfg.token_kv_bytes, kv_bytes=cfg.kv_bytes,
+                         offload=engine.host_tier is not None))
+        result["systems"][key], outs[key] = budget_run(
+            make, describe, key, budget, warm, prompts, args.new_tokens, device, say,
+            counters=("preemptions", "recomputed_tokens"))
     base, quant = result["systems"]["auto"], result["systems"]["quantized"]
     result["same_tokens"] = sum(x == y for x, y in zip(outs["auto"], outs["quantized"]))
     result["compared"] = len(prompts)

@@ -20,6 +20,7 @@ computed before it arrived). Greedy tokens of the two Engine runs are compared.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Callable, Optional
@@ -263,6 +264,53 @@ def _free(device: str) -> None:
     if device.startswith("cuda"):
         import torch
         torch.cuda.empty_cache()
+
+
+def budget_run(make: Callable, describe: Callable, key: str, budget: int, warm: list,
+               prompts: list, new_tokens: int, device: str, say: Callable,
+               counters: tuple = ("preemptions",)) -> tuple:
+    """One Engine's measured run of a fixed-budget workload (kv-budget, window-budget): the
+    Engine ``make()`` builds, its page arrays refused over ``budget`` bytes, a warm-up run on
+    the ``warm`` prompts and ``Engine.warm_up()`` (every graph bucket), then the timed run of
+    ``prompts`` (all added at once, ``new_tokens`` greedy tokens each). ``describe(engine)``:
+    ``(label, held, fields)``: the run in words (``"kv_dtype int8"``), what its pages hold in
+    words (``"512 tokens"``), and the row's own fields. ``key``: the run's name in ``say``'s
+    progress lines; ``counters``: the ``engine.stats`` fields counted over the timed run;
+    ``device``: freed after. Returns ``(row, tokens)``: ``_row``'s row with ``fields``,
+    ``peak_running`` and the counters, and the greedy tokens per prompt."""
+    # the Engine lives in this frame only (its runner too), so that it is freed (del, _free)
+    # before the caller builds the next one
+    engine = make()
+    engine.progress = False
+    cfg = engine.config
+    label, held, fields = describe(engine)
+    if cfg.kv_bytes > budget:           # the caller's sizing disagrees with the Engine's config
+        raise RuntimeError(f"{label}: {cfg.kv_bytes} bytes of pages over the budget")
+    runner = None
+    try:
+        say(f"({key}) kvcache Engine, {label}: {held} in {cfg.kv_bytes / 2**20:.2f} MiB; "
+            f"warm-up run")
+        runner = Online(engine, new_tokens, track_running=True)
+        # other prompts first (they calibrate fp8 scales from real tokens), then every graph
+        # bucket (other prompts meet fewer batch sizes than the measured run: the fp8 run of
+        # kv-budget, holding more sequences, captured 9 graphs inside its timed run, 0.61x
+        # then, 1.48x without)
+        runner.run([warm])
+        engine.warm_up()
+        before = dataclasses.replace(engine.stats)
+        runner.peak_running = 0
+        say(f"({key}) measured run")
+        tokens, ttft, wall = runner.run([prompts])
+        row = _row(f"kvcache Engine, {label} ({engine.cache.backend.name})", tokens, ttft, wall,
+                   None, None)
+        row.update(fields, peak_running=runner.peak_running,
+                   **{c: getattr(engine.stats, c) - getattr(before, c) for c in counters})
+        say(f"({key}) {row['tokens_per_s']:.1f} tokens/s, peak {row['peak_running']} "
+            f"sequences, {row['preemptions']} preemptions")
+        return row, tokens
+    finally:
+        del engine, runner
+        _free(device)
 
 
 def print_prefix_result(res: dict) -> None:

@@ -25,12 +25,11 @@ teacher-forced re-score of both runs' tokens (a verdict: a key wrongly kept or d
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 from .kv_budget import PAGE
 from .model import workload
-from .prefix import Online, _free, _row
+from .prefix import budget_run
 
 WINDOW_BUDGET_SIZES = {"requests": (128, 4), "batch": (64, 4), "new_tokens": (256, 4),
                        "layers": (8, 6)}
@@ -132,38 +131,19 @@ def run_window_budget(args, net, device: str, backend: str, say: Callable) -> di
                     "systems": {}, "skipped": {}, "ratios": {}}
     outs = {}
     for key, groups in runs:
-        engine = Engine(net, backend=backend, device=device, page_size=PAGE,
-                        max_batch_size=args.batch, max_total_tokens=tokens[key],
-                        prefill_chunk_size=chunk, window_groups=groups, graphs=False,
-                        mixed_graphs=False, offload=False)
-        engine.progress = False
-        cfg = engine.config
-        if cfg.kv_bytes > budget:           # tokens_in disagrees with the Engine's config
-            raise RuntimeError(f"window_groups={groups}: {cfg.kv_bytes} bytes of pages over "
-                               f"the budget")
-        try:
-            say(f"({key}) kvcache Engine, window_groups={groups}: {tokens[key]} tokens in "
-                f"{cfg.kv_bytes / 2**20:.2f} MiB; warm-up")
-            runner = Online(engine, args.new_tokens, track_running=True)
-            runner.run([warm])
-            engine.warm_up()
-            before = dataclasses.replace(engine.stats)
-            runner.peak_running = 0
-            say(f"({key}) measured run")
-            out, ttft, wall = runner.run([prompts])
-            row = _row(f"kvcache Engine, window_groups={groups} "
-                       f"({engine.cache.backend.name})", out, ttft, wall, None, None)
-            row.update(window_groups=groups, peak_running=runner.peak_running,
-                       preemptions=engine.stats.preemptions - before.preemptions,
-                       forwards=engine.stats.forwards - before.forwards,
-                       token_capacity=tokens[key], kv_bytes=cfg.kv_bytes)
-            result["systems"][key] = row
-            outs[key] = out
-            say(f"({key}) {row['tokens_per_s']:.1f} tokens/s, peak {row['peak_running']} "
-                f"sequences, {row['preemptions']} preemptions")
-        finally:
-            del engine
-            _free(device)
+        def make(key=key, groups=groups):
+            return Engine(net, backend=backend, device=device, page_size=PAGE,
+                          max_batch_size=args.batch, max_total_tokens=tokens[key],
+                          prefill_chunk_size=chunk, window_groups=groups, graphs=False,
+                          mixed_graphs=False, offload=False)
+
+        def describe(engine, key=key, groups=groups):
+            return (f"window_groups={groups}", f"{tokens[key]} tokens",
+                    dict(window_groups=groups, token_capacity=tokens[key],
+                         kv_bytes=engine.config.kv_bytes))
+        result["systems"][key], outs[key] = budget_run(
+            make, describe, key, budget, warm, prompts, args.new_tokens, device, say,
+            counters=("preemptions", "forwards"))
     pages, window = result["systems"]["pages"], result["systems"]["window"]
     result["same_tokens"] = sum(x == y for x, y in zip(outs["pages"], outs["window"]))
     result["compared"] = len(prompts)

@@ -34,7 +34,7 @@ import contextlib
 import contextvars
 import functools
 import weakref
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 import numpy as np
 
@@ -132,22 +132,35 @@ def conv_layers(model) -> dict:
     if known is None:
         return {}
     config = model.config
-    n = int(config.num_hidden_layers)
-    types = list(getattr(config, "layer_types", None) or ())
-    if len(types) < n:
-        raise UnsupportedFeatureError(
-            f"the {family} model has {len(types)} layer_types for {n} layers: which layers are "
-            f"short convolutions is not understood")
-    for i, kind in enumerate(types[:n]):
-        if kind not in _LAYER_TYPES:
-            raise UnsupportedFeatureError(
-                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
-                f"{' and '.join(map(repr, _LAYER_TYPES))} layers of this family only")
+    types = _layer_types(family, config, ("layer_types",), _LAYER_TYPES, "short convolutions")
     hidden, taps = int(config.hidden_size), int(config.conv_L_cache)
     return _state_modules(
         model, family, known, types, ("conv",), "conv module", "convolution",
         lambda where, m: _check_conv(family, where, m, hidden, taps),
         match=lambda cls: cls.__name__.endswith("ShortConv"))
+
+
+def _layer_types(family: str, config, attrs: tuple, allowed: tuple, what: str) -> list:
+    """The layer types of ``config`` (the first of its fields ``attrs`` that is set), one per
+    layer. Raises ``UnsupportedFeatureError`` for fewer than ``config.num_hidden_layers`` of
+    them (``what``: the family's state layers in words) or a type not in ``allowed``."""
+    n = int(config.num_hidden_layers)
+    types: list = []
+    for attr in attrs:
+        types = list(getattr(config, attr, None) or ())
+        if types:
+            break
+    if len(types) < n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(types)} {' / '.join(attrs)} for {n} layers: which "
+            f"layers are {what} is not understood")
+    for i, kind in enumerate(types[:n]):
+        if kind not in allowed:
+            names = [repr(k) for k in allowed]
+            raise UnsupportedFeatureError(
+                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
+                f"{', '.join(names[:-1])} and {names[-1]} layers of this family only")
+    return types
 
 
 def _state_modules(model, family: str, known: tuple, types: list, kinds: tuple, noun: str,
@@ -190,35 +203,61 @@ def _state_modules(model, family: str, known: tuple, types: list, kinds: tuple, 
     return {i: found[i] for i in want}
 
 
-def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
-    conv = getattr(m, "conv", None)
+def _refuser(family: str, where: str, what: str, increment: int) -> Callable[[str], NoReturn]:
+    """A ``refuse(problem)`` that raises ``UnsupportedFeatureError`` naming the module and the
+    problem (``what``: the cache's copy of the module in words, ``increment``: its section of
+    docs/hybrid.md)."""
+    def refuse(problem: str) -> NoReturn:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where}: {problem}; the cache's {what} serves what was read "
+            f"(docs/hybrid.md increment {increment}) only")
+    return refuse
+
+
+def _check_depthwise(refuse: Callable[[str], NoReturn], conv, attr: str, channels: tuple,
+                     taps: tuple) -> None:
+    """Refuses (``refuse(problem)``) a module's conv ``conv`` (its attribute ``attr``) that is
+    not what the cache's packed convolution computes: a ``Conv1d`` with weight ``(C, 1, k)``,
+    ``groups == C``, stride 1, dilation 1 and ``k >= 2`` taps equal to the config's.
+    ``channels``, ``taps``: ``(name, value)`` of ``C`` and of the config's taps, named in the
+    messages."""
+    (c_name, c), (t_name, t) = channels, taps
     weight = getattr(conv, "weight", None)
     if not isinstance(conv, torch.nn.Conv1d) or weight is None:
-        raise UnsupportedFeatureError(f"the {family} model's {where} has no Conv1d `conv`")
+        refuse(f"no Conv1d `{attr}`")
     k = int(weight.shape[-1])
-    if k < 2 or k != taps or int(m.conv_kernel_size) != taps:
-        raise UnsupportedFeatureError(
-            f"the {family} model's {where} has a kernel of {k} taps (conv_kernel_size="
-            f"{m.conv_kernel_size}, config.conv_L_cache={taps}): the cache serves kernels of "
-            f">= 2 taps equal to conv_L_cache")
-    if (tuple(weight.shape) != (hidden, 1, k) or conv.groups != hidden
+    if k < 2 or k != t:
+        refuse(f"a kernel of {k} taps ({t_name}={t}): the cache serves kernels of >= 2 taps "
+               f"equal to {t_name}")
+    if (tuple(weight.shape) != (c, 1, k) or conv.groups != c
             or tuple(conv.stride) != (1,) or tuple(conv.dilation) != (1,)):
-        raise UnsupportedFeatureError(
-            f"the {family} model's {where}: conv weight {tuple(weight.shape)}, groups="
-            f"{conv.groups}, stride={tuple(conv.stride)}, dilation={tuple(conv.dilation)}; the "
-            f"cache serves a depthwise causal convolution over hidden_size={hidden} channels "
-            f"(weight ({hidden}, 1, {k}), groups={hidden}, stride 1, dilation 1) only")
-    proj = getattr(m, "in_proj", None)
-    if not isinstance(proj, torch.nn.Linear) or proj.out_features != 3 * hidden:
-        raise UnsupportedFeatureError(
-            f"the {family} model's {where}: in_proj must be a Linear of 3 * {hidden} outputs "
-            f"(B, C, x), got {proj!r:.80}")
-    for part in (m, conv):
+        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride="
+               f"{tuple(conv.stride)}, dilation={tuple(conv.dilation)}: not a depthwise causal "
+               f"convolution over {c_name}={c} channels (weight ({c}, 1, {k}), groups={c}, "
+               f"stride 1, dilation 1)")
+
+
+def _check_unhooked(family: str, where: str, parts: tuple, what: str) -> None:
+    # the cache's forward reads the weights (conv.weight first) where they are: an offloaded
+    # module's weights are not there between accelerate's hooks
+    for part in parts:
         if getattr(part, "_hf_hook", None) is not None:
             raise UnsupportedFeatureError(
                 f"the {family} model's {where} has accelerate hooks (device_map offloading): the "
-                f"cache's convolution reads the weights where they are; load the model whole "
-                f"on one device")
+                f"cache's {what} reads the weights where they are; load the model whole on one "
+                f"device")
+
+
+def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
+    refuse = _refuser(family, where, "short convolution", 5)
+    conv = getattr(m, "conv", None)
+    _check_depthwise(refuse, conv, "conv", ("hidden_size", hidden), ("config.conv_L_cache", taps))
+    if int(m.conv_kernel_size) != taps:
+        refuse(f"conv_kernel_size={m.conv_kernel_size} is not config.conv_L_cache={taps}")
+    proj = getattr(m, "in_proj", None)
+    if not isinstance(proj, torch.nn.Linear) or proj.out_features != 3 * hidden:
+        refuse(f"in_proj must be a Linear of 3 * {hidden} outputs (B, C, x), got {proj!r:.80}")
+    _check_unhooked(family, where, (m, conv), "convolution")
 
 
 def mamba_layers(model) -> dict:
@@ -236,29 +275,15 @@ def mamba_layers(model) -> dict:
     if known is None:
         return {}
     config = model.config
-    n = int(config.num_hidden_layers)
-    types = list(getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
-                 or ())
-    if len(types) < n:
-        raise UnsupportedFeatureError(
-            f"the {family} model has {len(types)} layer types for {n} layers: which layers are "
-            f"Mamba mixers is not understood")
-    for i, kind in enumerate(types[:n]):
-        if kind not in _MAMBA_TYPES + _ATTENTION_TYPES:
-            raise UnsupportedFeatureError(
-                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
-                f"{', '.join(map(repr, _MAMBA_TYPES + _ATTENTION_TYPES))} layers of this family "
-                f"only")
+    types = _layer_types(family, config, ("layers_block_type", "layer_types"),
+                         _MAMBA_TYPES + _ATTENTION_TYPES, "Mamba mixers")
     return _state_modules(model, family, known, types, _MAMBA_TYPES, "mixer", "mixer",
                           lambda where, m: _check_mixer(family, where, m,
                                                         int(config.hidden_size)))
 
 
 def _check_mixer(family: str, where: str, m, hidden: int) -> None:
-    def refuse(what: str) -> NoReturn:
-        raise UnsupportedFeatureError(
-            f"the {family} model's {where}: {what}; the cache's Mamba-2 mixer serves what was "
-            f"read (docs/hybrid.md increment 7) only")
+    refuse = _refuser(family, where, "Mamba-2 mixer", 7)
     try:
         heads, head_dim, d_state = int(m.num_heads), int(m.head_dim), int(m.ssm_state_size)
         groups, inner, conv_dim = int(m.n_groups), int(m.intermediate_size), int(m.conv_dim)
@@ -276,18 +301,7 @@ def _check_mixer(family: str, where: str, m, hidden: int) -> None:
     if conv_dim != inner + 2 * groups * d_state:
         refuse(f"conv_dim={conv_dim} is not intermediate_size + 2 * n_groups * ssm_state_size "
                f"({inner + 2 * groups * d_state})")
-    weight = getattr(conv, "weight", None)
-    if not isinstance(conv, torch.nn.Conv1d) or weight is None:
-        refuse("no Conv1d conv1d")
-    k = int(weight.shape[-1])
-    if k < 2 or k != taps:
-        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}): the cache serves kernels of "
-               f">= 2 taps equal to conv_kernel_size")
-    if (tuple(weight.shape) != (conv_dim, 1, k) or conv.groups != conv_dim
-            or tuple(conv.stride) != (1,) or tuple(conv.dilation) != (1,)):
-        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride="
-               f"{tuple(conv.stride)}, dilation={tuple(conv.dilation)}: not a depthwise causal "
-               f"convolution over conv_dim={conv_dim} channels")
+    _check_depthwise(refuse, conv, "conv1d", ("conv_dim", conv_dim), ("conv_kernel_size", taps))
     if (not isinstance(in_proj, torch.nn.Linear) or in_proj.in_features != hidden
             or in_proj.out_features != inner + conv_dim + heads):
         refuse(f"in_proj must be a Linear {hidden} -> {inner + conv_dim + heads} (gate, x B C, "
@@ -310,12 +324,7 @@ def _check_mixer(family: str, where: str, m, hidden: int) -> None:
             or tuple(getattr(getattr(norm, "weight", None), "shape", ())) != (inner,)):
         refuse(f"norm {type(norm).__name__}: the cache runs the mixer's gated RMS norm "
                f"(a *RMSNormGated of weight ({inner},)) only")
-    for part in (m, conv):
-        if getattr(part, "_hf_hook", None) is not None:
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} has accelerate hooks (device_map offloading): the "
-                f"cache's mixer reads the weights where they are; load the model whole on one "
-                f"device")
+    _check_unhooked(family, where, (m, conv), "mixer")
 
 
 def gdn_layers(model) -> dict:
@@ -334,17 +343,8 @@ def gdn_layers(model) -> dict:
     if known is None:
         return {}
     config = model.config
-    n = int(config.num_hidden_layers)
-    types = list(getattr(config, "layer_types", None) or ())
-    if len(types) < n:
-        raise UnsupportedFeatureError(
-            f"the {family} model has {len(types)} layer_types for {n} layers: which layers are "
-            f"gated DeltaNet layers is not understood")
-    for i, kind in enumerate(types[:n]):
-        if kind not in ("linear_attention", "full_attention"):
-            raise UnsupportedFeatureError(
-                f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
-                f"'linear_attention' and 'full_attention' layers of this family only")
+    types = _layer_types(family, config, ("layer_types",), ("linear_attention", "full_attention"),
+                         "gated DeltaNet layers")
     _check_gdn_rule(family, known[0])
     return _state_modules(model, family, known, types, ("linear_attention",),
                           "gated DeltaNet module", "linear attention",
@@ -368,10 +368,7 @@ def _check_gdn_rule(family: str, module_name: str) -> None:
 
 
 def _check_gdn(family: str, where: str, m, hidden: int) -> None:
-    def refuse(what: str) -> NoReturn:
-        raise UnsupportedFeatureError(
-            f"the {family} model's {where}: {what}; the cache's gated DeltaNet serves what was "
-            f"read (docs/hybrid.md increment 9) only")
+    refuse = _refuser(family, where, "gated DeltaNet", 9)
     try:
         nv, nk = int(m.num_v_heads), int(m.num_k_heads)
         dk, dv = int(m.head_k_dim), int(m.head_v_dim)
@@ -390,18 +387,7 @@ def _check_gdn(family: str, where: str, m, hidden: int) -> None:
                f"heads and the heads tile key_dim and value_dim")
     if conv_dim != 2 * key_dim + value_dim:
         refuse(f"conv_dim={conv_dim} is not 2 * key_dim + value_dim ({2 * key_dim + value_dim})")
-    weight = getattr(conv, "weight", None)
-    if not isinstance(conv, torch.nn.Conv1d) or weight is None:
-        refuse("no Conv1d conv1d")
-    k = int(weight.shape[-1])
-    if k < 2 or k != taps:
-        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}): the cache serves kernels of "
-               f">= 2 taps equal to conv_kernel_size")
-    if (tuple(weight.shape) != (conv_dim, 1, k) or conv.groups != conv_dim
-            or tuple(conv.stride) != (1,) or tuple(conv.dilation) != (1,)):
-        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride="
-               f"{tuple(conv.stride)}, dilation={tuple(conv.dilation)}: not a depthwise causal "
-               f"convolution over conv_dim={conv_dim} channels")
+    _check_depthwise(refuse, conv, "conv1d", ("conv_dim", conv_dim), ("conv_kernel_size", taps))
     for name, proj, size in (("in_proj_qkvz", qkvz, 2 * key_dim + 2 * value_dim),
                              ("in_proj_ba", ba, 2 * nv)):
         if (not isinstance(proj, torch.nn.Linear) or proj.in_features != hidden
@@ -419,12 +405,7 @@ def _check_gdn(family: str, where: str, m, hidden: int) -> None:
             or tuple(getattr(getattr(norm, "weight", None), "shape", ())) != (dv,)):
         refuse(f"norm {type(norm).__name__}: the cache runs the layer's gated RMS norm "
                f"(Qwen3NextRMSNormGated of weight ({dv},)) only")
-    for part in (m, conv):
-        if getattr(part, "_hf_hook", None) is not None:
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} has accelerate hooks (device_map offloading): the "
-                f"cache's linear attention reads the weights where they are; load the model "
-                f"whole on one device")
+    _check_unhooked(family, where, (m, conv), "linear attention")
 
 
 def state_modules(model) -> dict:
