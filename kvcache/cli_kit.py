@@ -40,6 +40,10 @@ def backend_for(name: str, device: Optional[str] = None) -> type[Backend]:
             return resolve_backend("auto", device)
         except BackendNotAvailableError:
             raise UsageError(f"no backend is available{on}; run `kvcache info` to see why") from None
+    try:            # loads only the plugins of that name: no other backend's framework imported
+        return resolve_backend(name, device)
+    except BackendNotAvailableError:
+        pass        # the table says why (a typo's close match, the backend's reason)
     rows = list_backends(device)
     row = next((r for r in rows if r["name"] == name), None)
     if row is None:

@@ -16,6 +16,9 @@ import dataclasses
 TARGET = 3.0
 """The ratio docs/hybrid.md asks of a 5:1 mix at 32k context (tokens per GiB, grouped over
 plain)."""
+TARGET_LOCAL = 5
+"""The mix ``TARGET`` is asked of (windowed layers per full one); another mix (gpt-oss's 1:1)
+is printed against its ceiling, ``local + 1``: a full layer keeps every page either way."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,10 +80,14 @@ def print_memory(rows: list) -> None:
     print(f"{'sequences':>9}  {'tokens':>9}  {'plain GiB':>9}  {'grouped GiB':>11}  "
           f"{'plain tok/GiB':>13}  {'grouped tok/GiB':>15}  {'ratio':>6}  target")
     for r in rows:
-        ok = "met" if r["ratio"] >= TARGET else "MISSED"
+        if r["local"] == TARGET_LOCAL:
+            verdict = f">= {TARGET}x {'met' if r['ratio'] >= TARGET else 'MISSED'}"
+        else:       # another mix: its ceiling, every windowed layer's pages saved
+            ceiling = r["local"] + 1
+            verdict = f"not judged ({r['ratio'] / ceiling:.0%} of this mix's {ceiling}x ceiling)"
         print(f"{r['sequences']:>9}  {r['tokens']:>9}  {r['plain_bytes'] / 2**30:>9.2f}  "
               f"{r['grouped_bytes'] / 2**30:>11.2f}  {r['plain_tokens_per_gib']:>13,.0f}  "
-              f"{r['grouped_tokens_per_gib']:>15,.0f}  {r['ratio']:>5.2f}x  >= {TARGET}x {ok}")
+              f"{r['grouped_tokens_per_gib']:>15,.0f}  {r['ratio']:>5.2f}x  {verdict}")
 
 
 def main(args) -> int:

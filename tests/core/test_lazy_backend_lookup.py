@@ -35,6 +35,16 @@ def test_a_named_reference_backend_imports_no_framework():
     assert not any(loaded.values()), loaded
 
 
+def test_a_command_naming_the_reference_backend_imports_no_framework():
+    # `kvcache conformance --backend reference` / `kvcache demo --backend reference` resolve the
+    # name through the named plugin alone (each spawned command paid seconds of torch imports)
+    loaded = _run("""
+        from kvcache.cli_kit import backend_for
+        assert backend_for("reference").name == "reference"
+    """)
+    assert not any(loaded.values()), loaded
+
+
 def test_auto_and_listing_still_ask_every_plugin():
     loaded = _run("""
         names = [row["name"] for row in kvcache.list_backends()]

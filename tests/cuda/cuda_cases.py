@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 import kvcache
 from kvcache.backend import DepthAux, RopeSpec, TreeMask
@@ -24,6 +25,23 @@ elif INTERPRET:
 else:
     IMPLS = ["torch"]
     DTYPES = ["float32", "float16", "bfloat16"]
+
+SLOW_IN_INTERPRETER = [pytest.mark.slow] if INTERPRET else []
+"""The marks of a case `make test` leaves out under Triton's interpreter (each costs 10-30 s
+there): a sample of each matrix stays in CI, and `make test-all`, the CPU torch mode and a GPU
+run take every case."""
+
+
+slow_in_interpreter = pytest.mark.slow if INTERPRET else (lambda test: test)
+"""A test decorator: the whole test ``SLOW_IN_INTERPRETER``."""
+
+
+def interpreter_sample(cases: list, keep: list) -> list:
+    """``cases`` (parameter values or tuples) as ``pytest.param``s, those not in ``keep``
+    marked slow under the interpreter (``SLOW_IN_INTERPRETER``)."""
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)),
+                         marks=[] if c in keep else SLOW_IN_INTERPRETER) for c in cases]
+
 
 def config(hq=4, hkv=2, d=64, ps=16, dtype="float32", layers=1, **kw):
     kw.setdefault("rope_mode", "none")

@@ -18,7 +18,7 @@ E2E_DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
 # compaction (test_compact_kv_overlapping), strided q/k/v views of a fused qkv through the Triton
 # append (test_append_strided_views), and the backend choosing Triton for CPU tensors end to end
 # (test_graph_mode_decode_equals_with_window_left[20]); both scenarios run in the CPU mode here.
-slow_in_interpreter = pytest.mark.slow if cc.INTERPRET else (lambda test: test)
+slow_in_interpreter = cc.slow_in_interpreter
 
 
 def twin(dtype, seed=0, **kw):

@@ -245,6 +245,7 @@ def test_fp8_without_scales_is_refused():
         mine.paged_attention(case.q, mine.allocate_pages(8)[0], case.depth, 0.125)
 
 
+@cc.slow_in_interpreter      # 23 s there: the kernels' fp8 indexing is the tests above
 def test_queued_forwards_over_fp8_pages_read_at_the_end():
     """A serving loop's shape: prefills and many decode steps over fp8 pages queued on the
     device with no output read in between (a stream race between the append that writes the

@@ -21,7 +21,7 @@ DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
 # (the same forked histories, bucket 8 padded and unpadded, buckets 1 and 2, through the Triton
 # decode kernel, plus a window) and `make test-all` runs the other two; a window of 0 through
 # the Triton kernels is test_ragged_window_left[triton-0]. The CPU torch mode and a GPU run all.
-SLOW_IN_INTERPRETER = [pytest.mark.slow] if cc.INTERPRET else []
+SLOW_IN_INTERPRETER = cc.SLOW_IN_INTERPRETER
 
 
 def make(dtype, graph, backend="cuda", rope="normal", buckets=(), max_tokens=8192,

@@ -20,7 +20,7 @@ DTYPES = ["float32"] if cc.INTERPRET else cc.DTYPES
 # under Triton's interpreter (the spawned run of test_cuda_triton_interpreter.py) the five-step
 # scenario takes about a minute: `make test` keeps the prefix-hit scenario (the same kernels:
 # a padded chain-tree paged pass beside a decode row), `make test-all` runs both
-SLOW_IN_INTERPRETER = [pytest.mark.slow] if cc.INTERPRET else []
+SLOW_IN_INTERPRETER = cc.SLOW_IN_INTERPRETER
 
 
 def make(dtype, static, backend="cuda", **kw):
@@ -97,7 +97,7 @@ def test_mixed_steps_equal_eager_and_reference(dtype):
     t.check(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=SLOW_IN_INTERPRETER) for d in DTYPES])
 def test_nan_v_of_later_tokens_stays_masked(dtype):
     t = Trio(dtype)
     t.each("add_sequence", 0)
@@ -112,7 +112,7 @@ def test_nan_v_of_later_tokens_stays_masked(dtype):
     t.check(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=SLOW_IN_INTERPRETER) for d in DTYPES])
 def test_per_layer_window_in_mixed_steps(dtype):
     t = Trio(dtype)
     t.each("add_sequence", 0)
