@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import own_loop_greedy   # at import: in a whole run `conftest` is another dir's later
 from kvcache import PagedKVCache, UnsupportedFeatureError
 from kvcache.integrations import SamplingParams
 
@@ -74,7 +75,6 @@ def assert_adapter_loop_greedy(adapter, cache_config, model, prompts: list, want
     and device): every prompt prefilled in chunks of ``chunk`` together, then decoded
     together; each prompt's ``NEW`` tokens are ``want``'s (``label`` begins the message).
     Returns the cache."""
-    from conftest import own_loop_greedy
     cfg = cache_config(model, page_size=PAGE, max_total_tokens=512, max_batch_size=len(prompts),
                        prefill_chunk_size=64)
     cache = PagedKVCache(cfg, **backend)
