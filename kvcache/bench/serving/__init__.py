@@ -115,7 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "multi-turn: the first turn's prompt (default 512; --tiny: 24)")
     g.add_argument("--prefix-cache", default="on", choices=("on", "off"),
                    help="(a)'s automatic prefix cache on the random workload (default on, the "
-                        "Engine's default; its prompts share nothing, so this prices the index)")
+                        "Engine's default; its prompts share nothing and each run starts with "
+                        "an empty cache, so this prices the index)")
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="(a)'s KV storage format on any workload (default auto: the compute "
                         "dtype); kv-budget's quantized run (auto there: float8_e4m3 where the "
