@@ -24,6 +24,10 @@ class Runner:
     def run(self, prompts: list, new_tokens: int) -> list:
         raise NotImplementedError
 
+    def forget(self) -> None:
+        """Drop what an earlier run left that would serve the next one (a prefix cache's
+        pages), so that the timed run serves its prompts cold."""
+
     def close(self) -> None:
         """Undo what the runner changed on the model (its attention implementation)."""
 
@@ -59,11 +63,10 @@ class EngineRunner(Runner):
         self.name = (f"{SYSTEM_NAMES['a']} ({self.engine.cache.backend.name}, rope={rope}{kv}"
                      f"{compiled})")
 
-    def run(self, prompts, new_tokens):
-        # every run cold: the warm-ups serve these very prompts, so a run after one hit the
-        # prefix cache for most of its prompt pages (and as many as eviction left: the timed
-        # rows varied with it); the index stays on and is priced
+    def forget(self) -> None:
         self.engine.cache.clear_prefix_cache()
+
+    def run(self, prompts, new_tokens):
         out = self.engine.generate(prompts, max_new_tokens=new_tokens)
         return [o[0] for o in out]
 
