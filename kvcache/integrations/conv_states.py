@@ -1,7 +1,7 @@
 """The packed layout of a short convolution over a forward of many sequences, shared by the
-integrations that serve LFM2's convolutions on the cache's state slots (transformers' and
-mlx-lm's; docs/hybrid.md "Built: increment 5" and "Built: increment 6"). Host index arrays
-only: no array library."""
+integrations that serve convolutions on the cache's state slots (transformers' and mlx-lm's;
+docs/hybrid.md "Built: increment 5" and "Built: increment 6"), and the Mamba-2 mixers' shape
+rule both integrations check. Host index arrays and ints only: no array library."""
 
 from __future__ import annotations
 
@@ -43,3 +43,18 @@ def checkpoint_columns(lengths: tuple, k1: int, marks: tuple) -> np.ndarray:
     block = np.arange(len(lens)) * k1 + np.concatenate([[0], np.cumsum(lens)[:-1]])
     first = np.array([block[row] + n for row, n in marks], np.int64)
     return (first[:, None] + np.arange(k1)).ravel()
+
+
+def check_mamba_dims(refuse, heads: int, head_dim: int, groups: int, inner: int, conv_dim: int,
+                     d_state: int) -> None:
+    """A Mamba-2 mixer's sizes as both libraries' mixers lay them out: ``heads`` of
+    ``head_dim`` tile ``inner`` (``intermediate_size``), ``groups`` divide the heads, and the
+    conv runs over ``x``, ``B`` and ``C`` (``conv_dim = inner + 2 * groups * d_state``).
+    ``refuse(reason)`` raises (UnsupportedFeatureError naming the layer) where they do not."""
+    if heads < 1 or groups < 1 or heads % groups or heads * head_dim != inner:
+        refuse(f"num_heads={heads}, head_dim={head_dim}, n_groups={groups}, "
+               f"intermediate_size={inner}: the heads must tile intermediate_size and the groups "
+               f"divide the heads")
+    if conv_dim != inner + 2 * groups * d_state:
+        refuse(f"conv_dim={conv_dim} is not intermediate_size + 2 * n_groups * ssm_state_size "
+               f"({inner + 2 * groups * d_state})")

@@ -35,7 +35,7 @@ import numpy as np
 
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
-from ..conv_states import checkpoint_columns, conv_indices
+from ..conv_states import check_mamba_dims, checkpoint_columns, conv_indices
 from .model import _family
 
 mx = require("mlx.core", "mlx-lm")
@@ -89,7 +89,6 @@ def conv_layers(model) -> dict:
     known = _CONV_CLASSES.get(family)
     if known is None:
         return {}
-    from mlx_lm.models import cache as mlx_cache
     args = model.args
     layers = list(model.layers)
     n = int(args.num_hidden_layers)
@@ -119,13 +118,20 @@ def conv_layers(model) -> dict:
                 f"the {family} model's {where} has layer_idx="
                 f"{getattr(conv, 'layer_idx', None)!r}, not {i}")
         _check_conv(family, where, conv, hidden, taps)
-        c = caches[i] if i < len(caches) else None
-        if type(c) is not mlx_cache.ArraysCache or len(c.cache) != 1:
-            raise UnsupportedFeatureError(
-                f"the {family} model's make_cache() gives {where} a {type(c).__name__}, not "
-                f"the ArraysCache(size=1) its convolution keeps its inputs in")
+        _check_entry(family, where, caches, i, 1, "its convolution keeps its inputs in")
         found[i] = conv
     return found
+
+
+def _check_entry(family: str, where: str, caches: list, i: int, size: int, what: str) -> None:
+    """UnsupportedFeatureError unless ``make_cache()``'s entry ``i`` is an
+    ``ArraysCache(size=size)`` (``what``: what the layer keeps in it, for the message)."""
+    from mlx_lm.models import cache as mlx_cache
+    c = caches[i] if i < len(caches) else None
+    if type(c) is not mlx_cache.ArraysCache or len(c.cache) != size:
+        raise UnsupportedFeatureError(
+            f"the {family} model's make_cache() gives {where} a {type(c).__name__}, not "
+            f"the ArraysCache(size={size}) {what}")
 
 
 def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
@@ -176,7 +182,6 @@ def mamba_layers(model) -> dict:
     known = _MAMBA_CLASSES.get(family)
     if known is None:
         return {}
-    from mlx_lm.models import cache as mlx_cache
     from mlx_lm.models import ssm as mlx_ssm
     source = importlib.import_module(known[0])
     cls = getattr(source, known[1])
@@ -194,11 +199,7 @@ def mamba_layers(model) -> dict:
                 f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
                 f"subclass or a replacement): its mixer is not understood")
         _check_mixer(family, where, mixer, hidden, getattr(source, known[2]))
-        c = caches[slot] if slot < len(caches) else None
-        if type(c) is not mlx_cache.ArraysCache or len(c.cache) != 2:
-            raise UnsupportedFeatureError(
-                f"the {family} model's make_cache() gives {where} a {type(c).__name__}, not "
-                f"the ArraysCache(size=2) its mixer keeps its conv and SSM states in")
+        _check_entry(family, where, caches, slot, 2, "its mixer keeps its conv and SSM states in")
         found[slot] = mixer
     return found
 
@@ -259,13 +260,7 @@ def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
     except (AttributeError, TypeError, ValueError) as e:
         raise UnsupportedFeatureError(
             f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
-    if heads < 1 or groups < 1 or heads % groups or heads * head_dim != inner:
-        refuse(f"num_heads={heads}, head_dim={head_dim}, n_groups={groups}, "
-               f"intermediate_size={inner}: the heads must tile intermediate_size and the groups "
-               f"divide the heads")
-    if conv_dim != inner + 2 * groups * d_state:
-        refuse(f"conv_dim={conv_dim} is not intermediate_size + 2 * n_groups * ssm_state_size "
-               f"({inner + 2 * groups * d_state})")
+    check_mamba_dims(refuse, heads, head_dim, groups, inner, conv_dim, d_state)
     weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
     if weight is None:
         refuse("no nn.Conv1d conv1d")

@@ -41,7 +41,7 @@ import numpy as np
 from ...arrays import to_numpy
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
-from ..conv_states import checkpoint_columns, conv_indices as _indices
+from ..conv_states import check_mamba_dims, checkpoint_columns, conv_indices as _indices
 
 torch = require("torch", "transformers")
 
@@ -294,13 +294,7 @@ def _check_mixer(family: str, where: str, m, hidden: int) -> None:
     except (AttributeError, TypeError) as e:
         raise UnsupportedFeatureError(
             f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
-    if heads < 1 or groups < 1 or heads % groups or heads * head_dim != inner:
-        refuse(f"num_heads={heads}, head_dim={head_dim}, n_groups={groups}, "
-               f"intermediate_size={inner}: the heads must tile intermediate_size and the groups "
-               f"divide the heads")
-    if conv_dim != inner + 2 * groups * d_state:
-        refuse(f"conv_dim={conv_dim} is not intermediate_size + 2 * n_groups * ssm_state_size "
-               f"({inner + 2 * groups * d_state})")
+    check_mamba_dims(refuse, heads, head_dim, groups, inner, conv_dim, d_state)
     _check_depthwise(refuse, conv, "conv1d", ("conv_dim", conv_dim), ("conv_kernel_size", taps))
     if (not isinstance(in_proj, torch.nn.Linear) or in_proj.in_features != hidden
             or in_proj.out_features != inner + conv_dim + heads):
