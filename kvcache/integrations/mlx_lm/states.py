@@ -349,10 +349,11 @@ def gdn_layers(model) -> dict:
                 f"mlx_lm.models.gated_delta.{name}: its gated delta rule is not understood")
     args = model.args
     inner = model.get("model") if isinstance(model, dict) else None
-    if int(getattr(inner, "pipeline_size", 1) or 1) != 1:
+    ranks = int(getattr(inner, "pipeline_size", 1) or 1)
+    if ranks != 1:      # each rank holds some layers and passes hidden states between ranks
         raise UnsupportedFeatureError(
-            f"the {family} model is split over a pipeline of {inner.pipeline_size} ranks: the "
-            f"cache serves the whole model on one device")
+            f"the {family} model is split over a pipeline of {ranks} ranks: the cache serves "
+            f"the whole model on one device")
     layers, n = list(model.layers), int(args.num_hidden_layers)
     interval = int(getattr(args, "full_attention_interval", 0) or 0)
     if len(layers) != n or interval < 1:
