@@ -184,6 +184,21 @@ def test_preemption_and_forks_recompute_the_state():
                                 lambda prompt: mlx_greedy(model, prompt, NEW))
 
 
+def test_dense_mlps_and_as_many_key_heads_as_value_heads():
+    """Another shape of the family: dense MLPs (``num_experts=0``), 4 key heads and 4 value
+    heads (no key head repeated), a conv of 3 taps, full attention every third layer (6
+    layers: linear 0, 1, 3, 4): the Engine's tokens are mlx-lm's."""
+    model = make_qwen3_next(seed=2, num_experts=0, linear_num_key_heads=4,
+                            linear_conv_kernel_dim=3, num_hidden_layers=6,
+                            full_attention_interval=3)
+    kinds = state_kinds(model)
+    assert kinds == {i: kvcache.State({"conv": (2, 192), "recurrent": (4, 16, 16)},
+                                      dtype="float32") for i in (0, 1, 3, 4)}
+    prompts = list(_case()[1])
+    want = [mlx_greedy(model, p, NEW) for p in prompts]
+    assert _engine(model).generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
+
+
 def test_an_aborted_forward_keeps_the_states():
     """A forward that raises after the model ran (its conv and recurrent states staged) is
     aborted: the sequence keeps its states and length, and the prompt's rest sent again, then
