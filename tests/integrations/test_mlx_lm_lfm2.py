@@ -221,13 +221,6 @@ OTHERS = {
                    conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True,
                    tie_word_embeddings=True, time_step_limit=(0.0, float("inf")),
                    time_step_rank=4),
-    "qwen3_next": dict(S, num_attention_heads=2, linear_num_value_heads=2,
-                       linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                       linear_conv_kernel_dim=4, num_experts=2, num_experts_per_tok=1,
-                       decoder_sparse_step=1, shared_expert_intermediate_size=32,
-                       mlp_only_layers=[], moe_intermediate_size=16, rms_norm_eps=1e-5,
-                       num_key_value_heads=1, rope_theta=10000.0, partial_rotary_factor=0.5,
-                       max_position_embeddings=128, head_dim=16, full_attention_interval=2),
     "jamba": dict(S, num_attention_heads=2, num_key_value_heads=1, attn_layer_offset=1,
                   attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
                   mamba_d_conv=4, mamba_d_state=4, mamba_expand=2, num_experts=2,
@@ -237,17 +230,18 @@ OTHERS = {
 
 @pytest.mark.parametrize("family", sorted(OTHERS))
 def test_other_recurrent_families_stay_refused(family):
-    """mlx-lm's other families with recurrent caches (Mamba, Mamba-2, Qwen3-Next's gated
-    DeltaNet, Jamba) are refused at construction, naming the family and the cache, never run
-    with a wrong state (Granite-4.0-H's and Nemotron-H's Mamba-2 mixers are served:
-    test_mlx_lm_granite_hybrid.py)."""
+    """mlx-lm's other families with recurrent caches (Mamba, Mamba-2, Jamba) are refused at
+    construction, naming the family and the cache, never run with a wrong state
+    (Granite-4.0-H's and Nemotron-H's Mamba-2 mixers are served:
+    test_mlx_lm_granite_hybrid.py; Qwen3-Next's gated DeltaNet: test_mlx_lm_qwen3_next.py)."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
     model = module.Model(module.ModelArgs.from_dict({"model_type": family, **OTHERS[family]}))
     assert state_kinds(model) == {}
     with pytest.raises(kvcache.UnsupportedFeatureError,
                        match=f"of the {family} model uses mlx-lm's (ArraysCache|MambaCache)"
-                             f".*short convolutions of lfm2, lfm2_moe and the Mamba-2 "
-                             f"mixers of granitemoehybrid, nemotron_h only"):
+                             f".*short convolutions of lfm2, lfm2_moe, the Mamba-2 "
+                             f"mixers of granitemoehybrid, nemotron_h and the gated DeltaNet "
+                             f"layers of qwen3_next only"):
         Engine(model, backend="metal", device="cpu", max_total_tokens=64)
     with pytest.raises(kvcache.UnsupportedFeatureError, match=f"{family} model"):
         cache_config(model)

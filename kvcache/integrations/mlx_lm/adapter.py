@@ -24,8 +24,9 @@ mx = require("mlx.core", "mlx-lm")
 class MlxLmAdapter(ModelAdapter):
     """An mlx-lm model as the engine's model: any model whose attention reaches the cache
     through mlx-lm's cache protocol (``describe`` checks it at construction) and that keeps no
-    other state than LFM2's short convolutions or the Mamba-2 mixers of Granite-4.0-H and
-    Nemotron-H, which run on the cache's state slots (``state_layers``)."""
+    other state than LFM2's short convolutions, the Mamba-2 mixers of Granite-4.0-H and
+    Nemotron-H or Qwen3-Next's gated DeltaNet layers, which run on the cache's state slots
+    (``state_layers``)."""
 
     def __init__(self, model, tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None):
         self.model = model
@@ -35,7 +36,7 @@ class MlxLmAdapter(ModelAdapter):
         self.windows = dict(self.description.windows)
         self.states = dict(self.description.states)
         """``{layer: State}``: the model's state layers (LFM2's short convolutions,
-        the Mamba-2 mixers of Granite-4.0-H and Nemotron-H)."""
+        the Mamba-2 mixers of Granite-4.0-H and Nemotron-H, Qwen3-Next's gated DeltaNet)."""
         self._forward = _Forward(model, self.windows, self.description.num_layers,
                                  own_attention=self.description.own_attention,
                                  states=self.states)

@@ -64,8 +64,8 @@ def sliding_windows(model) -> dict:
     """``{layer: window}`` of the model's sliding-window layers (empty: none), as mlx-lm's own
     generation builds them (``model.make_cache()``): a ``RotatingKVCache(max_size=w)`` layer
     attends to the previous ``w`` positions, itself included; a ``KVCache`` layer to all of
-    them; the ``ArraysCache`` of an LFM2 short convolution or a Granite-4.0-H / Nemotron-H Mamba-2
-    mixer is a state layer (``state_kinds``), not a window. Any other cache type raises
+    them; the ``ArraysCache`` of an LFM2 short convolution, a Granite-4.0-H / Nemotron-H Mamba-2
+    mixer or a Qwen3-Next gated DeltaNet layer is a state layer (``state_kinds``), not a window. Any other cache type raises
     ``UnsupportedFeatureError`` naming it and the family."""
     from .states import SERVED_STATE_LAYERS, state_kinds
     states = state_kinds(model)
@@ -147,5 +147,5 @@ class ModelDescription:
     the cache)."""
     states: dict = dataclasses.field(default_factory=dict)
     """``{layer: kvcache.State}``: the model's state layers (LFM2's short convolutions,
-    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers; ``state_kinds``), which neither fetch nor
-    attend; empty: none."""
+    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers, Qwen3-Next's gated DeltaNet layers;
+    ``state_kinds``), which neither fetch nor attend; empty: none."""

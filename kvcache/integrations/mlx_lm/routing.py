@@ -56,7 +56,8 @@ def route(model) -> None:
     """Wrap mlx-lm's ``scaled_dot_product_attention`` where ``model``'s classes call it (the
     modules defining them, and ``mlx_lm.models.base``) so that a call with a ``LayerCache``
     reaches the paged cache, and the calls of its state layers' classes with a ``LayerCache``
-    (LFM2's short convolutions, Mamba-2 mixers: ``route_state_layers``). Once
+    (LFM2's short convolutions, Mamba-2 mixers, gated DeltaNet layers:
+    ``route_state_layers``). Once
     per module / class, idempotent; calls with any other cache run mlx-lm's own code, so the
     wrappers stay installed."""
     route_state_layers(model)
@@ -74,7 +75,8 @@ def layer_caches(model, cache, positions=None) -> list:
     batch rows: ``model(tokens.reshape(-1, 1), cache=layer_caches(model, cache))``; logits come
     back ``(T, 1, vocab)``. ``positions``: each token's position (None: the cache's
     ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``);
-    state layers (LFM2's convolutions, the Mamba-2 mixers) read and write their states on
+    state layers (LFM2's convolutions, the Mamba-2 mixers, the gated DeltaNet layers) read
+    and write their states on
     the cache (``state_kinds``: the
     cache must have them, as ``cache_config(model)`` gives). A model that computes attention
     itself (``describe(model).own_attention``) needs one call per sequence: it is refused here
@@ -243,7 +245,8 @@ def cache_config(model, *, dtype: Optional[str] = None, page_size: int = 16,
     (the model rotates q and k itself), ``dtype`` (None: the model's) and the given sizes.
     ``window_groups``: the sliding-window layers (``RotatingKVCache`` in ``make_cache()``) get
     ``layer_kinds`` and keep only the pages their windows still see; False: every page kept.
-    LFM2's short convolutions and the Mamba-2 mixers (``STATE_FAMILIES``)
+    LFM2's short convolutions, the Mamba-2 mixers and the gated DeltaNet layers
+    (``STATE_FAMILIES``)
     are state layers: they always get
     their ``State`` kinds (``state_kinds(model)``), in ``max_state_slots`` slots (0:
     ``max_batch_size``, the sequences the cache holds at once)."""

@@ -23,7 +23,20 @@ to token, then a gated RMS norm and ``out_proj``. mlx-lm keeps, in the layer's
 inputs, time first, as LFM2's) and entry 1 the SSM state, float32. On the cache each such layer
 is ``State({"conv": (mamba_d_conv - 1, conv_dim), "ssm": (heads, head_dim, d_state)},
 dtype="float32")``, run per sequence by ``mamba_forward`` (docs/hybrid.md "Built: increment
-10")."""
+10").
+
+A gated DeltaNet layer of mlx-lm's Qwen3-Next (``qwen3_next``: ``Qwen3NextGatedDeltaNet``)
+projects ``q, k, v, z`` (``in_proj_qkvz``) and ``b, a`` (``in_proj_ba``), ordered per key head
+by the layer's own ``fix_query_key_value_ordering``, convolves ``q, k, v`` causally with a
+depthwise ``nn.Conv1d`` of ``linear_conv_kernel_dim`` taps (then SiLU), L2-normalizes ``q``
+and ``k`` (``normalize_qk``) and runs the gated delta rule
+(``mlx_lm.models.gated_delta.gated_delta_update``, token by token from the state ``(value
+heads, head_v_dim, head_k_dim)``, float32), then a gated RMS norm per value head and
+``out_proj``. mlx-lm keeps, in the layer's ``ArraysCache(size=2)``, entry 0 ``(batch, kernel -
+1, conv_dim)`` (the conv's last inputs, time first) and entry 1 the recurrent state, float32.
+On the cache each such layer is ``State({"conv": (kernel - 1, conv_dim), "recurrent":
+(value heads, head_v_dim, head_k_dim)}, dtype="float32")``, run per sequence by
+``gdn_forward`` (docs/hybrid.md "Built: increment 11")."""
 
 from __future__ import annotations
 
@@ -60,17 +73,29 @@ _MAMBA_CLASSES = {
                          "GraniteMoeHybridRMSNormGated"),
     "nemotron_h": ("mlx_lm.models.nemotron_h", "NemotronHMamba2Mixer", "MambaRMSNormGated"),
 }
-STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES}))
+# family -> (module, class) of its gated DeltaNet layer and its gated norm: the class whose
+# __call__ (and mlx_lm.models.gated_delta's gated_delta_update and normalize_qk) was read line by
+# line (mlx-lm 0.32.2)
+_GDN_CLASSES = {
+    "qwen3_next": ("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet", "Qwen3NextRMSNormGated"),
+}
+STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES}))
 """The mlx-lm model types whose recurrent-state layers run on the cache (LFM2's short
-convolutions, the Mamba-2 mixers of Granite-4.0-H and Nemotron-H)."""
-SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))} and the "
-                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))}")
+convolutions, the Mamba-2 mixers of Granite-4.0-H and Nemotron-H, Qwen3-Next's gated
+DeltaNet)."""
+SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))}, the "
+                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))} and the gated "
+                       f"DeltaNet layers of {', '.join(sorted(_GDN_CLASSES))}")
 """What the refusal of another recurrent cache names as served (``sliding_windows``)."""
 SSM_STATE = "ssm"
 """The name of a Mamba-2 layer's SSM state (``(heads, head_dim, d_state)``, float32)."""
+RECURRENT_STATE = "recurrent"
+"""The name of a gated DeltaNet layer's recurrent state (``(value heads, head_v_dim,
+head_k_dim)``, float32: mlx-lm's layout)."""
 WIDE_STATE = "float32"
-"""The ``State.dtype`` of the Mamba-2 layers' states: mlx-lm keeps the SSM state in float32
-(its ``dt`` is float32) whatever the model dtype; the conv's inputs fit float32 exactly."""
+"""The ``State.dtype`` of the Mamba-2 and gated DeltaNet layers' states: mlx-lm keeps the SSM
+and the delta rule's state in float32 (their decays are float32) whatever the model dtype;
+the conv's inputs fit float32 exactly."""
 _ROUTED_ATTR = "__kvcache_routed_conv__"     # marks a conv class's wrapped __call__
 
 
@@ -291,12 +316,140 @@ def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
                f"({norm_class.__name__} of weight ({inner},)) only")
 
 
+def gdn_layers(model) -> dict:
+    """``{layer: module}``: the gated DeltaNet layers of a Qwen3-Next (``qwen3_next``) mlx-lm
+    ``model``, by decoder layer (= cache slot); empty for any other family. Raises
+    ``UnsupportedFeatureError`` naming the layer and the value when the model is of that family
+    but something is not what was read: the module's ``gated_delta_update`` /
+    ``normalize_qk`` not mlx-lm's (``mlx_lm.models.gated_delta``), a model split over a
+    pipeline, not one layer per ``num_hidden_layers``, a decoder layer of another class or
+    whose ``is_linear`` is not ``full_attention_interval``'s or disagrees with its modules, a
+    layer of another class (a subclass too), key heads that do not divide the value heads or
+    heads that do not tile ``key_dim`` / ``value_dim``, ``conv_dim`` other than ``2 * key_dim
+    + value_dim``, a kernel below 2 taps or not ``linear_conv_kernel_dim``, a conv that is not
+    depthwise, padded, strided or dilated, projections of other sizes, ``A_log`` /
+    ``dt_bias`` not one per value head, a gated norm of another class or size, or a
+    ``make_cache()`` entry other than ``ArraysCache(size=2)`` at a linear layer."""
+    family = _family(model)
+    known = _GDN_CLASSES.get(family)
+    if known is None:
+        return {}
+    from mlx_lm.models import cache as mlx_cache
+    from mlx_lm.models import gated_delta
+    source = importlib.import_module(known[0])
+    for name in ("gated_delta_update", "normalize_qk"):
+        if getattr(source, name, None) is not getattr(gated_delta, name):
+            raise UnsupportedFeatureError(
+                f"the {family} model's module {known[0]} calls a {name} other than "
+                f"mlx_lm.models.gated_delta.{name}: its gated delta rule is not understood")
+    args = model.args
+    inner = model.get("model") if isinstance(model, dict) else None
+    ranks = int(getattr(inner, "pipeline_size", 1) or 1)
+    if ranks != 1:      # each rank holds some layers and passes hidden states between ranks
+        raise UnsupportedFeatureError(
+            f"the {family} model is split over a pipeline of {ranks} ranks: the cache serves "
+            f"the whole model on one device")
+    layers, n = list(model.layers), int(args.num_hidden_layers)
+    interval = int(getattr(args, "full_attention_interval", 0) or 0)
+    if len(layers) != n or interval < 1:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(layers)} layers for num_hidden_layers={n} "
+            f"(full_attention_interval={interval}): which layers are gated DeltaNet layers is "
+            f"not understood")
+    cls = getattr(source, known[1])
+    block_cls = getattr(source, "Qwen3NextDecoderLayer", None)
+    caches = list(model.make_cache())
+    found = {}
+    for i, block in enumerate(layers):
+        linear = (i + 1) % interval != 0
+        gdn: Any = getattr(block, "linear_attn", None)
+        attn = getattr(block, "self_attn", None)
+        if (type(block) is not block_cls or getattr(block, "is_linear", None) is not linear
+                or (gdn is None) == linear or (attn is None) != linear):
+            raise UnsupportedFeatureError(
+                f"layer {i} ({type(block).__module__}.{type(block).__name__}) of the {family} "
+                f"model is not a plain {'linear' if linear else 'full'}-attention decoder layer "
+                f"of {known[0]} (is_linear={getattr(block, 'is_linear', None)!r}, "
+                f"linear_attn: {type(gdn).__name__}, self_attn: {type(attn).__name__}; "
+                f"full_attention_interval={interval})")
+        if not linear:
+            continue
+        where = f"layer {i} ({type(gdn).__module__}.{type(gdn).__name__})"
+        if type(gdn) is not cls:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
+                f"subclass or a replacement): its gated DeltaNet is not understood")
+        _check_gdn(family, where, gdn, int(args.linear_conv_kernel_dim),
+                   getattr(source, known[2]))
+        c = caches[i] if i < len(caches) else None
+        if type(c) is not mlx_cache.ArraysCache or len(c.cache) != 2:
+            raise UnsupportedFeatureError(
+                f"the {family} model's make_cache() gives {where} a {type(c).__name__}, not "
+                f"the ArraysCache(size=2) its layer keeps its conv and recurrent states in")
+        found[i] = gdn
+    return found
+
+
+def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
+    def refuse(what: str) -> NoReturn:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where}: {what}; the cache's gated DeltaNet serves what was "
+            f"read (docs/hybrid.md increment 11) only")
+    try:
+        nv, nk = int(m.num_v_heads), int(m.num_k_heads)
+        dk, dv = int(m.head_k_dim), int(m.head_v_dim)
+        key_dim, value_dim, conv_dim = int(m.key_dim), int(m.value_dim), int(m.conv_dim)
+        taps = int(m.conv_kernel_size)
+        conv, norm, qkvz, ba, out_proj = m.conv1d, m.norm, m.in_proj_qkvz, m.in_proj_ba, m.out_proj
+        params = (m.A_log, m.dt_bias)
+        if not callable(m.fix_query_key_value_ordering):
+            raise TypeError("fix_query_key_value_ordering is not a method")
+    except (AttributeError, TypeError, ValueError) as e:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where} lacks what its layer was read with ({e})") from None
+    if nk < 1 or nv % nk or key_dim != nk * dk or value_dim != nv * dv:
+        refuse(f"num_k_heads={nk}, num_v_heads={nv}, head_k_dim={dk}, head_v_dim={dv}, "
+               f"key_dim={key_dim}, value_dim={value_dim}: the key heads must divide the value "
+               f"heads and the heads tile key_dim and value_dim")
+    if conv_dim != 2 * key_dim + value_dim:
+        refuse(f"conv_dim={conv_dim} is not 2 * key_dim + value_dim ({2 * key_dim + value_dim})")
+    weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
+    if weight is None:
+        refuse("no nn.Conv1d conv1d")
+    k = int(weight.shape[1])
+    if k < 2 or k != taps or taps != taps_arg:
+        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}, linear_conv_kernel_dim="
+               f"{taps_arg}): the cache serves kernels of >= 2 taps equal to both")
+    if (tuple(weight.shape) != (conv_dim, k, 1) or conv.groups != conv_dim or conv.stride != 1
+            or conv.padding != 0 or conv.dilation != 1):
+        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride={conv.stride}, "
+               f"padding={conv.padding}, dilation={conv.dilation}: not a depthwise causal "
+               f"convolution over conv_dim={conv_dim} channels without padding")
+    for name, proj, size in (("in_proj_qkvz", qkvz, 2 * key_dim + 2 * value_dim),
+                             ("in_proj_ba", ba, 2 * nv)):
+        # a quantized linear layer keeps packed columns: its rows (outputs) are what is read
+        w = proj.get("weight") if isinstance(proj, nn.Module) else None
+        if w is None or int(w.shape[0]) != size:
+            refuse(f"{name} must be a linear layer of {size} outputs, got "
+                   f"{type(proj).__name__} {tuple(w.shape) if w is not None else ''}")
+    if not isinstance(out_proj, nn.Module):
+        refuse(f"out_proj {type(out_proj).__name__} is not a module")
+    if any(tuple(p.shape) != (nv,) for p in params):
+        refuse(f"A_log, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({nv},)")
+    # the gated norm runs as the model's own module, per value head of each token
+    if (type(norm) is not norm_class
+            or tuple(getattr(norm.get("weight"), "shape", ())) != (dv,)):
+        refuse(f"norm {type(norm).__name__}: the cache runs the layer's gated RMS norm "
+               f"({norm_class.__name__} of weight ({dv},)) only")
+
+
 def state_modules(model) -> dict:
     """``{layer: module}``: the modules whose state the cache keeps for ``model``: LFM2's short
-    convolutions (``conv_layers``) or Granite-4.0-H's / Nemotron-H's Mamba-2 mixers
-    (``mamba_layers``), by cache slot; empty for any other family. Raises
-    ``UnsupportedFeatureError`` for what about a served family is not understood."""
-    return conv_layers(model) or mamba_layers(model)
+    convolutions (``conv_layers``), Granite-4.0-H's / Nemotron-H's Mamba-2 mixers
+    (``mamba_layers``) or Qwen3-Next's gated DeltaNet layers (``gdn_layers``), by cache slot;
+    empty for any other family. Raises ``UnsupportedFeatureError`` for what about a served
+    family is not understood."""
+    return conv_layers(model) or mamba_layers(model) or gdn_layers(model)
 
 
 def state_kinds(model) -> dict:
@@ -305,30 +458,42 @@ def state_kinds(model) -> dict:
     (``conv_layers``): ``State({"conv": (conv_L_cache - 1, hidden_size)})`` in the cache dtype;
     a Granite-4.0-H / Nemotron-H Mamba-2 mixer (``mamba_layers``, by cache slot):
     ``State({"conv": (conv_kernel_size - 1, conv_dim), "ssm": (num_heads, head_dim,
-    ssm_state_size)}, dtype="float32")`` (mlx-lm keeps the SSM state in float32). The layouts
-    are mlx-lm's ``ArraysCache`` entries' (the conv's inputs time first, the oldest first).
-    Raises ``UnsupportedFeatureError`` for what is not understood."""
+    ssm_state_size)}, dtype="float32")`` (mlx-lm keeps the SSM state in float32); a Qwen3-Next
+    gated DeltaNet layer (``gdn_layers``): ``State({"conv": (conv_kernel_size - 1, conv_dim),
+    "recurrent": (num_v_heads, head_v_dim, head_k_dim)}, dtype="float32")`` (mlx-lm keeps the
+    recurrent state in float32). The layouts are mlx-lm's ``ArraysCache`` entries' (the conv's
+    inputs time first, the oldest first). Raises ``UnsupportedFeatureError`` for what is not
+    understood."""
     from ...config import State
     layers = conv_layers(model)
     if layers:
         hidden, taps = int(model.args.hidden_size), int(model.args.conv_L_cache)
         return {i: State({CONV_STATE: (taps - 1, hidden)}) for i in layers}
+    mixers = mamba_layers(model)
+    if mixers:
+        return {i: State({CONV_STATE: (int(m.conv_kernel_size) - 1, int(m.conv_dim)),
+                          SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))},
+                         dtype=WIDE_STATE)
+                for i, m in mixers.items()}
     return {i: State({CONV_STATE: (int(m.conv_kernel_size) - 1, int(m.conv_dim)),
-                      SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))},
+                      RECURRENT_STATE: (int(m.num_v_heads), int(m.head_v_dim),
+                                        int(m.head_k_dim))},
                      dtype=WIDE_STATE)
-            for i, m in mamba_layers(model).items()}
+            for i, m in gdn_layers(model).items()}
 
 
 def route_state_layers(model) -> list:
     """Route the state modules of ``model`` (``state_modules``: LFM2's short convolutions,
-    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers) through the cache: the module class's
-    ``__call__`` is wrapped (once per class, idempotent) so that a call whose ``cache`` is a
-    kvcache ``LayerCache`` runs ``conv_forward`` / ``mamba_forward`` on the cache's state slots,
-    and any other call (mlx-lm's own generation with its ``ArraysCache``) is mlx-lm's own,
-    unchanged. Returns the layers routed ([] for a family without state layers). ``routing.route``
-    calls it."""
+    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers, Qwen3-Next's gated DeltaNet layers)
+    through the cache: the module class's ``__call__`` is wrapped (once per class, idempotent)
+    so that a call whose ``cache`` is a kvcache ``LayerCache`` runs ``conv_forward`` /
+    ``mamba_forward`` / ``gdn_forward`` on the cache's state slots, and any other call (mlx-lm's
+    own generation with its ``ArraysCache``) is mlx-lm's own, unchanged. Returns the layers
+    routed ([] for a family without state layers). ``routing.route`` calls it."""
     layers = state_modules(model)
-    run = mamba_forward if _family(model) in _MAMBA_CLASSES else conv_forward
+    family = _family(model)
+    run = (mamba_forward if family in _MAMBA_CLASSES
+           else gdn_forward if family in _GDN_CLASSES else conv_forward)
     for cls in {type(m) for m in layers.values()}:
         original = cls.__call__
         if getattr(original, _ROUTED_ATTR, False):
@@ -453,6 +618,78 @@ def conv_forward(module, layer_cache, x, mask=None):
     return module.out_proj(y)
 
 
+def _past(f, s: int):
+    """Each of the forward's ``s`` sequences' committed length, ``(s,)`` int64 (0: a new
+    sequence, no recurrent state yet; the probe: one new sequence)."""
+    if f.probe is not None:
+        return np.zeros(1, np.int64)
+    return np.asarray(f.cache.open_plan.tokens.k_rope_offset)[:s]
+
+
+def _per_sequence(f, layer: int, name: str, lengths: tuple, past, states, call):
+    """A recurrence of state layer ``layer`` (its state ``name``) over the forward's tokens,
+    per sequence, by the model library's own function ``call``, and its new states written.
+
+    ``lengths``: the sequences' new tokens in ``begin_forward`` order; ``past``: their
+    committed lengths (``_past``); ``states``: the states before the forward, ``(S, *shape)``.
+    ``call(rows, state, decode)`` runs the library's function over the token rows ``rows``
+    (int32, ``(n,)``) and returns ``(outputs (n, ...), new state)``: ``decode`` True, one token
+    of each of ``n`` sequences as batch rows from ``state`` ``(n, *shape)`` (the library's
+    decode step); False, one sequence's tokens as one batch row from ``state`` ``(1, *shape)``,
+    or None for a new sequence (the library's first call). The one-token appends of sequences
+    with a past go in one decode call; every other sequence in calls of its own, split at the
+    prefix cache's boundaries inside its appends (``cache.state_checkpoints()``), so that the
+    state at each boundary is exactly the one a call ending there gives (a warm request that
+    starts there computes what the cold one did). Writes the new states (``cache.set_state``,
+    committed at ``end_forward``) and the boundaries' (``cache.set_state_checkpoints``);
+    nothing while probing. Returns the outputs of every token ``(T, ...)`` in row order."""
+    s = len(lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    marks = f.cache.state_checkpoints() if f.probe is None else ()
+    wanted: dict = {}
+    for row, n in marks:
+        wanted.setdefault(row, []).append(n)
+    ys, rows_of, finals, seqs_of, kept = [], [], [], [], {}
+    step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
+    if step:    # a batch row of one token per sequence: the library's decode step
+        y, st = call(mx.array(starts[step].astype(np.int32)),
+                     states[mx.array(np.asarray(step, np.int32))], True)
+        ys.append(y)
+        rows_of.append(starts[step])
+        finals.append(st)
+        seqs_of += step
+    chosen = set(step)
+    for i in range(s):
+        if i in chosen:
+            continue
+        lo, n = int(starts[i]), lengths[i]
+        # a new sequence starts from None, as the library's first call
+        state = states[i:i + 1] if past[i] > 0 else None
+        cuts = sorted({r for r in wanted.get(i, ()) if 0 < r < n})
+        a = 0
+        for b in cuts + [n]:    # one call per segment: each boundary's state is a call's end
+            y, state = call(mx.arange(lo + a, lo + b), state, False)
+            ys.append(y)
+            if b < n:
+                kept[(i, b)] = state[0]
+            a = b
+        rows_of.append(np.arange(lo, lo + n))
+        finals.append(state)
+        seqs_of.append(i)
+    order = np.argsort(np.concatenate(rows_of)).astype(np.int32)
+    out = mx.concatenate(ys)[mx.array(order)]
+    if f.probe is None:
+        new = mx.concatenate(finals)[mx.array(np.argsort(seqs_of).astype(np.int32))]
+        f.cache.set_state(layer, name, _to_state(f.cache, layer, new))
+        if marks:
+            def at(row, n):     # a boundary's state: inside the row's appends, or an end
+                return kept[(row, n)] if 0 < n < lengths[row] else (
+                    new[row] if n == lengths[row] else states[row])
+            f.cache.set_state_checkpoints(layer, name, _to_state(
+                f.cache, layer, mx.stack([at(r, n) for r, n in marks])))
+    return out
+
+
 def mamba_forward(module, layer_cache, x, mask=None):
     """A Granite-4.0-H / Nemotron-H Mamba-2 mixer of an mlx-lm model over the open forward of
     the cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
@@ -467,18 +704,13 @@ def mamba_forward(module, layer_cache, x, mask=None):
     mlx-lm's decode step), every other sequence's tokens in a call of its own (a new sequence
     from no state, as mlx-lm's first call), split at the prefix cache's boundaries inside the
     appends (``cache.state_checkpoints()``) so that the state at each boundary is the one a
-    call ending there gives (``cache.set_state_checkpoints``). The new states are written with
-    ``cache.set_state`` (committed at ``end_forward``). Returns ``(T, 1, hidden)``. While
-    ``describe`` probes, the rows are one new sequence and nothing is written. Raises as
-    ``conv_forward`` does."""
+    call ending there gives (``cache.set_state_checkpoints``; ``_per_sequence``). The new
+    states are written with ``cache.set_state`` (committed at ``end_forward``). Returns ``(T,
+    1, hidden)``. While ``describe`` probes, the rows are one new sequence and nothing is
+    written. Raises as ``conv_forward`` does."""
     f, layer, T, lengths = _open(module, layer_cache, x, mask, "Mamba-2 mixers")
     inner, conv_dim, heads = module.intermediate_size, module.conv_dim, module.num_heads
     hd, groups, ds = module.head_dim, module.n_groups, module.ssm_state_size
-    s = len(lengths)
-    if f.probe is not None:
-        past = np.zeros(1, np.int64)
-    else:   # each sequence's committed length: 0 is a new sequence (no SSM state yet)
-        past = np.asarray(f.cache.open_plan.tokens.k_rope_offset)[:s]
     projected = module.in_proj(x)                                          # (T, 1, P)
     gate, conv_input, dt = mx.split(projected, [inner, inner + conv_dim], axis=-1)
     conv_out = nn.silu(_packed_conv(f, layer, lengths, conv_input.reshape(T, conv_dim),
@@ -489,54 +721,59 @@ def mamba_forward(module, layer_cache, x, mask=None):
     D = module.D.astype(xs.dtype)
     update = importlib.import_module(type(module).__module__).ssm_update
 
-    def run(rows, state):       # mlx-lm's SSM over rows (one sequence's, or one per sequence)
-        return update(xs[rows][None], module.A_log, B[rows][None], C[rows][None], D,
-                      dt[rows][None], module.dt_bias, state, module.time_step_limit)
+    def call(rows, state, decode):  # mlx-lm's SSM over the rows (batch rows, or one sequence)
+        def pick(t):
+            return t[rows][:, None] if decode else t[rows][None]
+        y, st = update(pick(xs), module.A_log, pick(B), pick(C), D, pick(dt), module.dt_bias,
+                       state, module.time_step_limit)
+        return (y[:, 0] if decode else y[0]), st
 
     ssm = _states(f, layer, SSM_STATE, (heads, hd, ds), mx.float32)        # (S, h, hd, ds)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    marks = f.cache.state_checkpoints() if f.probe is None else ()
-    wanted: dict = {}
-    for row, n in marks:
-        wanted.setdefault(row, []).append(n)
-    ys, rows_of, finals, seqs_of, kept = [], [], [], [], {}
-    step = [i for i in range(s) if lengths[i] == 1 and past[i] > 0]
-    if step:    # a batch row of one token per sequence: mlx-lm's decode step (its GPU kernel)
-        idx = mx.array(starts[step].astype(np.int32))
-        y, st = update(xs[idx][:, None], module.A_log, B[idx][:, None], C[idx][:, None], D,
-                       dt[idx][:, None], module.dt_bias,
-                       ssm[mx.array(np.asarray(step, np.int32))], module.time_step_limit)
-        ys.append(y[:, 0])
-        rows_of.append(starts[step])
-        finals.append(st)
-        seqs_of += step
-    chosen = set(step)
-    for i in range(s):
-        if i in chosen:
-            continue
-        lo, n = int(starts[i]), lengths[i]
-        # a new sequence starts from None, as mlx-lm's first call (zeros would add zeros)
-        state = ssm[i:i + 1] if past[i] > 0 else None
-        cuts = sorted({r for r in wanted.get(i, ()) if 0 < r < n})
-        a = 0
-        for b in cuts + [n]:    # one call per segment: each boundary's state is a call's end
-            y, state = run(mx.arange(lo + a, lo + b), state)
-            ys.append(y[0])
-            if b < n:
-                kept[(i, b)] = state[0]
-            a = b
-        rows_of.append(np.arange(lo, lo + n))
-        finals.append(state)
-        seqs_of.append(i)
-    order = np.argsort(np.concatenate(rows_of)).astype(np.int32)
-    y = mx.concatenate(ys)[mx.array(order)].reshape(T, 1, inner)
-    if f.probe is None:
-        new = mx.concatenate(finals)[mx.array(np.argsort(seqs_of).astype(np.int32))]
-        f.cache.set_state(layer, SSM_STATE, _to_state(f.cache, layer, new))
-        if marks:
-            def at(row, n):     # a boundary's state: inside the row's appends, or an end
-                return kept[(row, n)] if 0 < n < lengths[row] else (
-                    new[row] if n == lengths[row] else ssm[row])
-            f.cache.set_state_checkpoints(layer, SSM_STATE, _to_state(
-                f.cache, layer, mx.stack([at(r, n) for r, n in marks])))
-    return module.out_proj(module.norm(y, gate))
+    y = _per_sequence(f, layer, SSM_STATE, lengths, _past(f, len(lengths)), ssm, call)
+    return module.out_proj(module.norm(y.reshape(T, 1, inner), gate))
+
+
+def gdn_forward(module, layer_cache, x, mask=None):
+    """A Qwen3-Next gated DeltaNet layer (``Qwen3NextGatedDeltaNet``) of an mlx-lm model over
+    the open forward of the cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
+
+    ``x`` ``(T, 1, hidden)``: the forward's T new tokens as batch rows in ``begin_forward``
+    order (prefill chunks and decode tokens alike). The projections (the layer's own
+    ``fix_query_key_value_ordering``), ``normalize_qk``, the gated norm and ``out_proj`` run on
+    the rows (per token); the causal depthwise conv of ``q, k, v`` (then SiLU) over one block
+    per sequence that starts with its conv state (``"conv"``, ``(B, conv_kernel_size - 1,
+    conv_dim)``: zeros for a new sequence), as ``conv_forward`` does; the gated delta rule per
+    sequence from its state (``"recurrent"``, ``(B, num_v_heads, head_v_dim, head_k_dim)``
+    float32) by mlx-lm's own ``gated_delta_update`` (``use_kernel`` as the layer passes it):
+    the one-token appends of sequences with a past in one call (batch rows, mlx-lm's decode
+    step), every other sequence's tokens in calls of its own split at the prefix cache's
+    boundaries inside the appends (``_per_sequence``: the states there are written with
+    ``cache.set_state_checkpoints``). The new states are written with ``cache.set_state``
+    (committed at ``end_forward``). Returns ``(T, 1, hidden)`` in ``x``'s dtype. While
+    ``describe`` probes, the rows are one new sequence and nothing is written. Raises as
+    ``conv_forward`` does."""
+    f, layer, T, lengths = _open(module, layer_cache, x, mask, "gated DeltaNet layers")
+    nk, nv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    key_dim = module.key_dim
+    source = importlib.import_module(type(module).__module__)
+    q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x),
+                                                           module.in_proj_ba(x))
+    mixed = mx.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)
+    conv_out = nn.silu(_packed_conv(f, layer, lengths, mixed, module.conv1d))   # (T, conv_dim)
+    q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
+    q, k, v = q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv)
+    q, k = source.normalize_qk(q, k, inv_scale=dk ** -0.5, eps=1e-6)   # as the layer calls it
+    a, b = a.reshape(T, nv), b.reshape(T, nv)
+
+    def call(rows, state, decode):  # mlx-lm's rule over the rows (batch rows, or one sequence)
+        def pick(t):
+            return t[rows][:, None] if decode else t[rows][None]
+        y, st = source.gated_delta_update(pick(q), pick(k), pick(v), pick(a), pick(b),
+                                          module.A_log, module.dt_bias, state, None,
+                                          use_kernel=not module.training)
+        return (y[:, 0] if decode else y[0]), st
+
+    rec = _states(f, layer, RECURRENT_STATE, (nv, dv, dk), mx.float32)     # (S, nv, dv, dk)
+    out = _per_sequence(f, layer, RECURRENT_STATE, lengths, _past(f, len(lengths)), rec, call)
+    out = module.norm(out.reshape(T, 1, nv, dv), z)                        # per value head
+    return module.out_proj(out.reshape(T, 1, -1))

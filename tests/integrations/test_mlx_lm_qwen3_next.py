@@ -1,0 +1,381 @@
+"""mlx-lm's Qwen3-Next (``qwen3_next``) gated DeltaNet layers on the cache's state slots
+(issue 56 item 4, docs/hybrid.md "Built: increment 11"): a small random-weight mlx-lm
+Qwen3-Next (gated DeltaNet and gated full-attention layers with partial rotary, MoE MLPs,
+float32) generates greedily on the metal backend (MLX's CPU device) through the Engine (queued
+requests of different lengths sharing forwards, prompts in chunks of 8 tokens, the host one
+step ahead or not, preemption, forks, the prefix cache on) and through the adapter in a loop
+of one's own, token for token equal to mlx-lm's own generation with its own ``ArraysCache``;
+prefix hits through state checkpoints inside a prefill chunk; each state carries; and what is
+refused, by name."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mlx_logits, mx
+from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy,
+                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
+                          assert_state_edits_refused, once_per_family, shared_prefix_prompts)
+
+import kvcache  # noqa: E402
+from kvcache.integrations.mlx_lm import (Engine, MlxLmAdapter, cache_config,  # noqa: E402
+                                         layer_caches, route_state_layers, sliding_windows,
+                                         state_kinds)
+from kvcache.integrations.mlx_lm import states as states_module  # noqa: E402
+
+# 4 layers, every second one full attention: linear 0 and 2, attention 1 and 3. Gated
+# DeltaNet: 2 key heads of 16, 4 value heads of 16 (each key head serves two value heads), a
+# conv of 4 taps over 2 * 32 + 64 = 128 channels. Attention: 4 query heads and 2 KV heads of
+# 16, a quarter of each head rotated (Qwen3-Next's partial_rotary_factor), the output gated.
+# MoE MLPs (4 experts, 2 a token) beside a gated shared expert.
+SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+             linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+             num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=32,
+             mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+             partial_rotary_factor=0.25, max_position_embeddings=256, norm_topk_prob=True,
+             tie_word_embeddings=False, full_attention_interval=2)
+LINEAR = (0, 2)
+KIND = kvcache.State({"conv": (3, 128), "recurrent": (4, 16, 16)}, dtype="float32")
+
+
+def make_qwen3_next(seed: int = 0, **overrides):
+    """A float32 mlx-lm Qwen3-Next with seeded random weights (``SMALL``): matrices drawn with
+    variance 1 / fan-in and every 1-D parameter (``A_log``, ``dt_bias``, norms) moved off its
+    initial value, so that every head's decay differs and the greedy tokens vary."""
+    from mlx.utils import tree_flatten
+    module = importlib.import_module("mlx_lm.models.qwen3_next")
+    args = module.ModelArgs.from_dict({"model_type": "qwen3_next", **dict(SMALL, **overrides)})
+    mx.random.seed(seed)
+    model = module.Model(args)
+    updates = []
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim == 1:
+            updates.append((name, p + 0.3 * mx.random.normal(p.shape)))
+        elif "conv1d.weight" not in name:
+            updates.append((name, mx.random.normal(p.shape) / np.sqrt(p.shape[-1])))
+    model.load_weights(updates, strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+# (model, prompts, mlx-lm's greedy tokens), built once
+_case = once_per_family(make_qwen3_next, lambda model, prompt: mlx_greedy(model, prompt, NEW))
+
+
+def _engine(model, **kw):
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    return Engine(model, **{**ENGINE, "backend": "metal", "device": "cpu", **kw})
+
+
+def test_the_gated_deltanet_layers_are_state_layers():
+    model, prompts, want = _case()
+    kinds = state_kinds(model)
+    # mlx-lm's ArraysCache entries: the conv's last inputs (batch, kernel - 1, conv_dim), time
+    # first, and the recurrent state (batch, value heads, head_v_dim, head_k_dim), float32
+    assert kinds == {i: KIND for i in LINEAR}
+    assert sliding_windows(model) == {}
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
+    assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 3)
+    assert (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert route_state_layers(model) == list(LINEAR)
+    # the routed class still runs mlx-lm's own layer with mlx-lm's own cache
+    assert mlx_greedy(model, prompts[3], NEW) == want[3]
+    assert len({tuple(w) for w in want}) == len(want)     # the prompts' tokens differ
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_greedy_equals_mlx_lm(overlap):
+    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
+    prefill chunks and decode tokens of several sequences share forwards, each sequence's
+    conv and delta rule run from its own states, and the tokens are mlx-lm's own."""
+    model, prompts, want = _case()
+    engine = _engine(model, overlap=overlap)
+    assert dict(engine.config.layer_kinds) == state_kinds(model)
+    assert engine.config.prefix_cache and engine.state_layers_off is None
+    assert_engine_greedy(engine, prompts, want)
+
+
+def test_adapter_loop_greedy_equals_mlx_lm():
+    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
+    come with it): every prompt prefilled in chunks of 8 together, then decoded together."""
+    model, prompts, want = _case()
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    adapter = MlxLmAdapter(model)
+    assert adapter.state_layers() == state_kinds(model)
+    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, backend="metal",
+                               device="cpu")
+
+
+def test_layer_caches_loop_greedy_equals_mlx_lm():
+    """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
+    forward, then decoded together."""
+    model, prompts, want = _case()
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=2)
+    cache = kvcache.PagedKVCache(cfg, backend="metal", device="cpu")
+    seqs = [prompts[2], prompts[4]]
+    toks = [list(p) for p in seqs]
+    for s in (0, 1):
+        cache.add_sequence(s)
+    feed = [list(p) for p in seqs]
+    for _ in range(NEW):
+        flat = mx.array(np.concatenate(feed).astype(np.int32))
+        with cache.forward([0, 1], [len(f) for f in feed]):
+            logits = model(flat[:, None], cache=layer_caches(model, cache))
+        ends = np.cumsum([len(f) for f in feed]) - 1
+        picks = [int(mx.argmax(logits[int(e), -1])) for e in ends]
+        feed = [[t] for t in picks]
+        for s, t in enumerate(picks):
+            toks[s].append(t)
+    assert [t[len(p):] for t, p in zip(toks, seqs)] == [want[2], want[4]]
+
+
+def test_odd_chunks_give_the_logits_of_one_forward():
+    """A 37-token prompt in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens (a one-token chunk with a
+    past takes mlx-lm's decode step): every position's logits are those of mlx-lm's forward
+    over the whole prompt without a cache, within float32 rounding."""
+    model, prompts, _ = _case()
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    prompt = prompts[4]
+    adapter = MlxLmAdapter(model)
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=128,
+                                              max_batch_size=1), backend="metal", device="cpu")
+    cache.add_sequence(0)
+    rows, at = [], 0
+    with adapter.session(cache):
+        for n in (1, 8, 1, 5, 8, 3, 11):
+            with adapter.step_context(cache), cache.forward([0], [n]):
+                logits = adapter.forward(cache, np.asarray(prompt[at:at + n], np.int64),
+                                         np.arange(at, at + n, dtype=np.int64),
+                                         np.arange(n, dtype=np.int64))
+            rows.append(adapter.to_numpy(logits))
+            at += n
+    assert at == len(prompt)
+    got, want = np.concatenate(rows), mlx_logits(model, prompt)
+    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("zeroed", ["conv", "recurrent"])
+def test_each_state_carries(zeroed, monkeypatch):
+    """The Engine with one of the states read as zeros at every forward gets the long prompts'
+    tokens wrong: both states carry from chunk to chunk and step to step."""
+    model, prompts, want = _case()
+    original = states_module._states
+
+    def zeros(forward, layer, name, shape, dtype):
+        got = original(forward, layer, name, shape, dtype)
+        return mx.zeros_like(got) if name == zeroed else got
+    monkeypatch.setattr(states_module, "_states", zeros)
+    out = _engine(model).generate(prompts, max_new_tokens=NEW)
+    assert out[3][0] != want[3] and out[4][0] != want[4]
+
+
+def test_preemption_and_forks_recompute_the_state():
+    """Four requests in a cache of 48 tokens: the scheduler preempts (the preempted request
+    recomputes from fresh states), and ``n = 3`` samples fork at the prompt's end (the child's
+    slot takes a copy of both states); the tokens are mlx-lm's."""
+    model, _, _ = _case()
+    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
+                                lambda prompt: mlx_greedy(model, prompt, NEW))
+
+
+def test_dense_mlps_and_as_many_key_heads_as_value_heads():
+    """Another shape of the family: dense MLPs (``num_experts=0``), 4 key heads and 4 value
+    heads (no key head repeated), a conv of 3 taps, full attention every third layer (6
+    layers: linear 0, 1, 3, 4): the Engine's tokens are mlx-lm's."""
+    model = make_qwen3_next(seed=2, num_experts=0, linear_num_key_heads=4,
+                            linear_conv_kernel_dim=3, num_hidden_layers=6,
+                            full_attention_interval=3)
+    kinds = state_kinds(model)
+    assert kinds == {i: kvcache.State({"conv": (2, 192), "recurrent": (4, 16, 16)},
+                                      dtype="float32") for i in (0, 1, 3, 4)}
+    prompts = list(_case()[1])
+    want = [mlx_greedy(model, p, NEW) for p in prompts]
+    assert _engine(model).generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
+
+
+def test_an_aborted_forward_keeps_the_states():
+    """A forward that raises after the model ran (its conv and recurrent states staged) is
+    aborted: the sequence keeps its states and length, and the prompt's rest sent again, then
+    decoded, gives mlx-lm's tokens."""
+    model, prompts, want = _case()
+    metal_cpu_or_skip(cache_config(model).head_dim)
+    prompt = prompts[4]
+    adapter = MlxLmAdapter(model)
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=128,
+                                              max_batch_size=1), backend="metal", device="cpu")
+    cache.add_sequence(0)
+
+    def forward(tokens, at, fail=False):
+        n = len(tokens)
+        with adapter.session(cache), adapter.step_context(cache), cache.forward([0], [n]):
+            logits = adapter.forward(cache, np.asarray(tokens, np.int64),
+                                     np.arange(at, at + n, dtype=np.int64),
+                                     np.asarray([n - 1], np.int64))
+            if fail:
+                raise RuntimeError("the step failed after the model ran")
+        return int(adapter.greedy(logits, logprobs=False)[0][0])
+    forward(prompt[:20], 0)
+    with pytest.raises(RuntimeError, match="after the model ran"):
+        forward(prompt[20:28], 20, fail=True)
+    assert cache.sequence_length(0) == 20
+    out = [forward(prompt[20:], 20)]
+    while len(out) < NEW:
+        out.append(forward(out[-1:], len(prompt) + len(out) - 1))
+    assert out == want[4]
+
+
+def _shared_prefix_case():
+    model, _, _ = _case()
+    prompts = shared_prefix_prompts()
+    return model, prompts, [mlx_greedy(model, p, NEW) for p in prompts]
+
+
+def test_shared_prefixes_hit_through_state_checkpoints():
+    """Requests sharing a 22-token prefix through the Engine, checkpoints every page: the first
+    request's prefill chunk 16..24 gives the conv and recurrent states at 20 (inside the chunk:
+    the layer splits its ``gated_delta_update`` call there), so the later ones start from 20
+    cached tokens with both states restored; warm tokens equal the cold ones and mlx-lm's
+    own."""
+    model, prompts, want = _shared_prefix_case()
+    engine = _engine(model, state_checkpoint_interval=1)
+    assert engine.config.prefix_cache and engine.config.state_checkpoint_interval == 1
+    assert_prefix_hits(engine, prompts, want)
+    # the first prompt again, warm: the cold run's tokens
+    again = engine.generate(prompts[:1], max_new_tokens=NEW)
+    assert again == [[want[0]]] and engine.stats.prefix_hit_tokens >= 3 * 20 + 20
+
+
+def test_without_inner_checkpoints_the_hits_stop_at_chunk_ends(monkeypatch):
+    """The control of the test above: with the states inside a prefill chunk not given
+    (``state_checkpoints()`` read as none), the boundary at 20 holds no checkpoint and the
+    later requests hit at 16, a chunk's end, only (so the test above fails: 48 hit tokens,
+    not 60); the tokens stay mlx-lm's."""
+    model, prompts, want = _shared_prefix_case()
+    engine = _engine(model, state_checkpoint_interval=1)
+    monkeypatch.setattr(type(engine.cache), "state_checkpoints", lambda self: ())
+    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
+    out = engine.generate(prompts[1:], max_new_tokens=NEW)
+    assert [o[0] for o in out] == want[1:]
+    assert engine.stats.prefix_hit_tokens == 3 * 16
+
+
+def test_a_wrong_checkpoint_state_gives_wrong_warm_logits(monkeypatch):
+    """The hits above restore the recurrent state from the checkpoint: with every checkpoint
+    of the recurrent state stored as zeros, the warm requests hit as many tokens but their
+    logits part from those of the same run with the true checkpoints (the restored state is
+    what the warm tokens are computed from; the tests' model forgets fast, so the greedy
+    tokens may survive the difference: the logits are compared)."""
+    from engine_cases import logit_rows
+    model, prompts, want = _shared_prefix_case()
+    cls = type(_engine(model).cache)
+    original = cls.set_state_checkpoints
+
+    def warm_rows(zero: bool):
+        engine = _engine(model, state_checkpoint_interval=1)
+
+        def stored(self, layer, name, values):
+            return original(self, layer, name,
+                            values * 0 if zero and name == "recurrent" else values)
+        monkeypatch.setattr(cls, "set_state_checkpoints", stored)
+        assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
+        rows = logit_rows(engine)
+        out = engine.generate(prompts[1:], max_new_tokens=NEW)
+        monkeypatch.undo()
+        assert engine.stats.prefix_hit_tokens == 3 * 20
+        return rows, [o[0] for o in out]
+    true_rows, true_tokens = warm_rows(False)
+    zero_rows, _ = warm_rows(True)
+    assert true_tokens == want[1:] and len(true_rows) == len(zero_rows)
+    assert max(np.abs(a - b).max() for a, b in zip(true_rows, zero_rows)) > 1e-3
+
+
+def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
+    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
+    boundary the warm one starts from): the warm request restores that boundary's conv and
+    recurrent states beside the cached pages, and every logits row equals the cold run's bit
+    for bit."""
+    from engine_cases import assert_warm_prefix_equals_cold
+    model, _, _ = _case()
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 128, 4 * PAGE).tolist()
+    question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
+    kw = dict(prefill_chunk_size=4 * PAGE, overlap=False, state_checkpoint_interval=1)
+    cold, _ = assert_warm_prefix_equals_cold(lambda: _engine(model, **kw), system, question,
+                                             other, hit=4 * PAGE)
+    assert cold.generate([system + question], max_new_tokens=6) == [
+        [mlx_greedy(model, system + question, 6)]]
+
+
+def test_what_does_not_compose_is_refused_by_name():
+    model, _, _ = _case()
+    for bad in ("offload", "deterministic"):
+        with pytest.raises(kvcache.UnsupportedFeatureError,
+                           match=f"{bad}=True with the qwen3_next model's state layers"):
+            _engine(model, **{bad: True})
+    assert_state_edits_refused(_engine(model, max_total_tokens=256))
+
+
+def test_what_is_not_understood_is_refused(monkeypatch):
+    import mlx.nn as nn
+    module = importlib.import_module("mlx_lm.models.qwen3_next")
+    # a replaced layer (a subclass computes what it likes)
+    model = make_qwen3_next(seed=1)
+    gdn = model.layers[2].linear_attn
+    gdn.__class__ = type("Qwen3NextGatedDeltaNet", (type(gdn),), {})
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*a subclass"):
+        Engine(model, backend="metal", device="cpu", max_total_tokens=256)
+    # a decoder layer whose kind is not full_attention_interval's
+    model = make_qwen3_next(seed=1)
+    model.args.full_attention_interval = 4
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*full_attention_interval=4"):
+        state_kinds(model)
+    # not depthwise: a full convolution over the channels
+    model = make_qwen3_next(seed=1)
+    model.layers[0].linear_attn.conv1d = nn.Conv1d(128, 128, 4, bias=False)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 0 .*groups=1"):
+        state_kinds(model)
+    # value heads that the key heads do not divide
+    model = make_qwen3_next(seed=1)
+    model.layers[0].linear_attn.num_v_heads = 3
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 0 .*num_v_heads=3"):
+        cache_config(model)
+    # another gated norm
+    model = make_qwen3_next(seed=1)
+    model.layers[2].linear_attn.norm = nn.RMSNorm(16)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*norm RMSNorm"):
+        state_kinds(model)
+    # a linear layer that make_cache() gives another cache
+    model = make_qwen3_next(seed=1)
+    from mlx_lm.models.cache import KVCache
+    object.__setattr__(model, "make_cache", lambda: [KVCache() for _ in model.layers])
+    with pytest.raises(kvcache.UnsupportedFeatureError,
+                       match=r"make_cache\(\) gives layer 0 .*a KVCache"):
+        state_kinds(model)
+    # a model split over a pipeline
+    model = make_qwen3_next(seed=1)
+    model.model.pipeline_size = 2
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="pipeline"):
+        state_kinds(model)
+    # the module's delta rule replaced: not the one read
+    model = make_qwen3_next(seed=1)
+    monkeypatch.setattr(module, "gated_delta_update", lambda *a, **k: None)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="gated_delta_update"):
+        state_kinds(model)
+    monkeypatch.undo()
+    # the layer called with a mask array (padding)
+    model, _, _ = _case()
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
+                                              max_batch_size=1), backend="metal", device="cpu")
+    cache.add_sequence(0)
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="mask"):
+        with cache.forward([0], [3]):
+            caches = layer_caches(model, cache)
+            model.layers[0].linear_attn(mx.zeros((3, 1, 64)), mask=mx.ones((3, 1), mx.bool_),
+                                        cache=caches[0])
+    assert cache.sequence_length(0) == 0
