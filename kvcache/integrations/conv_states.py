@@ -1,7 +1,8 @@
 """The packed layout of a short convolution over a forward of many sequences, shared by the
 integrations that serve convolutions on the cache's state slots (transformers' and mlx-lm's;
-docs/hybrid.md "Built: increment 5" and "Built: increment 6"), and the Mamba-2 mixers' shape
-rule both integrations check. Host index arrays and ints only: no array library."""
+docs/hybrid.md "Built: increment 5" and "Built: increment 6"), and the Mamba-2 mixers' and
+gated DeltaNet layers' size rules both integrations check. Host index arrays and ints only: no
+array library."""
 
 from __future__ import annotations
 
@@ -58,3 +59,17 @@ def check_mamba_dims(refuse, heads: int, head_dim: int, groups: int, inner: int,
     if conv_dim != inner + 2 * groups * d_state:
         refuse(f"conv_dim={conv_dim} is not intermediate_size + 2 * n_groups * ssm_state_size "
                f"({inner + 2 * groups * d_state})")
+
+
+def check_gdn_dims(refuse, nk: int, nv: int, dk: int, dv: int, key_dim: int, value_dim: int,
+                   conv_dim: int) -> None:
+    """A gated DeltaNet layer's sizes as both libraries lay them out: ``nk`` key heads of
+    ``dk`` tile ``key_dim``, ``nv`` value heads of ``dv`` tile ``value_dim``, the key heads
+    divide the value heads, and the conv runs over q, k and v (``conv_dim = 2 * key_dim +
+    value_dim``). ``refuse(reason)`` raises where they do not."""
+    if nk < 1 or nv % nk or key_dim != nk * dk or value_dim != nv * dv:
+        refuse(f"num_k_heads={nk}, num_v_heads={nv}, head_k_dim={dk}, head_v_dim={dv}, "
+               f"key_dim={key_dim}, value_dim={value_dim}: the key heads must divide the value "
+               f"heads and the heads tile key_dim and value_dim")
+    if conv_dim != 2 * key_dim + value_dim:
+        refuse(f"conv_dim={conv_dim} is not 2 * key_dim + value_dim ({2 * key_dim + value_dim})")

@@ -48,7 +48,7 @@ import numpy as np
 
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
-from ..conv_states import check_mamba_dims, checkpoint_columns, conv_indices
+from ..conv_states import check_gdn_dims, check_mamba_dims, checkpoint_columns, conv_indices
 from .model import _family
 
 mx = require("mlx.core", "mlx-lm")
@@ -334,7 +334,6 @@ def gdn_layers(model) -> dict:
     known = _GDN_CLASSES.get(family)
     if known is None:
         return {}
-    from mlx_lm.models import cache as mlx_cache
     from mlx_lm.models import gated_delta
     source = importlib.import_module(known[0])
     for name in ("gated_delta_update", "normalize_qk"):
@@ -381,11 +380,7 @@ def gdn_layers(model) -> dict:
                 f"subclass or a replacement): its gated DeltaNet is not understood")
         _check_gdn(family, where, gdn, int(args.linear_conv_kernel_dim),
                    getattr(source, known[2]))
-        c = caches[i] if i < len(caches) else None
-        if type(c) is not mlx_cache.ArraysCache or len(c.cache) != 2:
-            raise UnsupportedFeatureError(
-                f"the {family} model's make_cache() gives {where} a {type(c).__name__}, not "
-                f"the ArraysCache(size=2) its layer keeps its conv and recurrent states in")
+        _check_entry(family, where, caches, i, 2, "its layer keeps its conv and recurrent states in")
         found[i] = gdn
     return found
 
@@ -407,12 +402,7 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
     except (AttributeError, TypeError, ValueError) as e:
         raise UnsupportedFeatureError(
             f"the {family} model's {where} lacks what its layer was read with ({e})") from None
-    if nk < 1 or nv % nk or key_dim != nk * dk or value_dim != nv * dv:
-        refuse(f"num_k_heads={nk}, num_v_heads={nv}, head_k_dim={dk}, head_v_dim={dv}, "
-               f"key_dim={key_dim}, value_dim={value_dim}: the key heads must divide the value "
-               f"heads and the heads tile key_dim and value_dim")
-    if conv_dim != 2 * key_dim + value_dim:
-        refuse(f"conv_dim={conv_dim} is not 2 * key_dim + value_dim ({2 * key_dim + value_dim})")
+    check_gdn_dims(refuse, nk, nv, dk, dv, key_dim, value_dim, conv_dim)
     weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
     if weight is None:
         refuse("no nn.Conv1d conv1d")

@@ -41,7 +41,8 @@ import numpy as np
 from ...arrays import to_numpy
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
-from ..conv_states import check_mamba_dims, checkpoint_columns, conv_indices as _indices
+from ..conv_states import (check_gdn_dims, check_mamba_dims, checkpoint_columns,
+                           conv_indices as _indices)
 
 torch = require("torch", "transformers")
 
@@ -375,12 +376,7 @@ def _check_gdn(family: str, where: str, m, hidden: int) -> None:
     except (AttributeError, TypeError) as e:
         raise UnsupportedFeatureError(
             f"the {family} model's {where} lacks what its layer was read with ({e})") from None
-    if nk < 1 or nv % nk or key_dim != nk * dk or value_dim != nv * dv:
-        refuse(f"num_k_heads={nk}, num_v_heads={nv}, head_k_dim={dk}, head_v_dim={dv}, "
-               f"key_dim={key_dim}, value_dim={value_dim}: the key heads must divide the value "
-               f"heads and the heads tile key_dim and value_dim")
-    if conv_dim != 2 * key_dim + value_dim:
-        refuse(f"conv_dim={conv_dim} is not 2 * key_dim + value_dim ({2 * key_dim + value_dim})")
+    check_gdn_dims(refuse, nk, nv, dk, dv, key_dim, value_dim, conv_dim)
     _check_depthwise(refuse, conv, "conv1d", ("conv_dim", conv_dim), ("conv_kernel_size", taps))
     for name, proj, size in (("in_proj_qkvz", qkvz, 2 * key_dim + 2 * value_dim),
                              ("in_proj_ba", ba, 2 * nv)):
