@@ -16,7 +16,9 @@ import importlib
 import numpy as np
 import pytest
 
-from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mlx_logits, mx
+from mlx_hybrid_cases import (assert_layer_caches_loop_greedy, assert_odd_chunks_equal_one_forward,
+                              read_state_as_zeros)
+from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
 from conftest import own_loop_greedy
 
 import kvcache  # noqa: E402
@@ -24,7 +26,6 @@ from kvcache.integrations import SamplingParams  # noqa: E402
 from kvcache.integrations.mlx_lm import (Engine, MlxLmAdapter, cache_config,  # noqa: E402
                                          layer_caches, route_state_layers, sliding_windows,
                                          state_kinds)
-from kvcache.integrations.mlx_lm import states as states_module  # noqa: E402
 
 PAGE = 4
 NEW = 10
@@ -183,24 +184,7 @@ def test_layer_caches_loop_greedy_equals_mlx_lm():
     """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
     forward, then decoded together."""
     model, prompts, want = _case()
-    metal_cpu_or_skip(cache_config(model).head_dim)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=2)
-    cache = kvcache.PagedKVCache(cfg, backend="metal", device="cpu")
-    seqs = [prompts[2], prompts[4]]
-    toks = [list(p) for p in seqs]
-    for s in (0, 1):
-        cache.add_sequence(s)
-    feed = [list(p) for p in seqs]
-    for _ in range(NEW):
-        flat = mx.array(np.concatenate(feed).astype(np.int32))
-        with cache.forward([0, 1], [len(f) for f in feed]):
-            logits = model(flat[:, None], cache=layer_caches(model, cache))
-        ends = np.cumsum([len(f) for f in feed]) - 1
-        picks = [int(mx.argmax(logits[int(e), -1])) for e in ends]
-        feed = [[t] for t in picks]
-        for s, t in enumerate(picks):
-            toks[s].append(t)
-    assert [t[len(p):] for t, p in zip(toks, seqs)] == [want[2], want[4]]
+    assert_layer_caches_loop_greedy(model, prompts, want, (2, 4))
 
 
 def test_odd_chunks_give_the_logits_of_one_forward():
@@ -208,24 +192,7 @@ def test_odd_chunks_give_the_logits_of_one_forward():
     past takes mlx-lm's decode step): every position's logits are those of mlx-lm's forward
     over the whole prompt without a cache, within float32 rounding."""
     model, prompts, _ = _case()
-    metal_cpu_or_skip(cache_config(model).head_dim)
-    prompt = prompts[4]
-    adapter = MlxLmAdapter(model)
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=128,
-                                              max_batch_size=1), backend="metal", device="cpu")
-    cache.add_sequence(0)
-    rows, at = [], 0
-    with adapter.session(cache):
-        for n in (1, 8, 1, 5, 8, 3, 11):
-            with adapter.step_context(cache), cache.forward([0], [n]):
-                logits = adapter.forward(cache, np.asarray(prompt[at:at + n], np.int64),
-                                         np.arange(at, at + n, dtype=np.int64),
-                                         np.arange(n, dtype=np.int64))
-            rows.append(adapter.to_numpy(logits))
-            at += n
-    assert at == len(prompt)
-    got, want = np.concatenate(rows), mlx_logits(model, prompt)
-    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+    assert_odd_chunks_equal_one_forward(model, prompts[4])
 
 
 @pytest.mark.parametrize("zeroed", ["conv", "ssm"])
@@ -233,12 +200,7 @@ def test_each_state_carries(zeroed, monkeypatch):
     """The Engine with one of the states read as zeros at every forward gets the long prompts'
     tokens wrong: both states carry from chunk to chunk and step to step."""
     model, prompts, want = _case()
-    original = states_module._states
-
-    def zeros(forward, layer, name, shape, dtype):
-        got = original(forward, layer, name, shape, dtype)
-        return mx.zeros_like(got) if name == zeroed else got
-    monkeypatch.setattr(states_module, "_states", zeros)
+    read_state_as_zeros(monkeypatch, zeroed)
     out = _engine(model).generate(prompts, max_new_tokens=NEW)
     assert out[3][0] != want[3] and out[4][0] != want[4]
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
+from mlx_hybrid_cases import assert_layer_caches_loop_greedy
 from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy,
                           assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
                           assert_state_edits_refused, assert_state_slots_wait, once_per_family,
@@ -112,24 +113,7 @@ def test_layer_caches_loop_greedy_equals_mlx_lm():
     """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
     forward, then decoded together."""
     model, prompts, want = _case()
-    metal_cpu_or_skip(cache_config(model).head_dim)
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=2)
-    cache = kvcache.PagedKVCache(cfg, backend="metal", device="cpu")
-    seqs = [prompts[2], prompts[3]]
-    toks = [list(p) for p in seqs]
-    for s in (0, 1):
-        cache.add_sequence(s)
-    feed = [list(p) for p in seqs]
-    for _ in range(NEW):
-        flat = mx.array(np.concatenate(feed).astype(np.int32))
-        with cache.forward([0, 1], [len(f) for f in feed]):
-            logits = model(flat[:, None], cache=layer_caches(model, cache))
-        ends = np.cumsum([len(f) for f in feed]) - 1
-        picks = [int(mx.argmax(logits[int(e), -1])) for e in ends]
-        feed = [[t] for t in picks]
-        for s, t in enumerate(picks):
-            toks[s].append(t)
-    assert [t[len(p):] for t, p in zip(toks, seqs)] == [want[2], want[3]]
+    assert_layer_caches_loop_greedy(model, prompts, want, (2, 3))
 
 
 def test_preemption_and_forks_recompute_the_state():
