@@ -70,3 +70,19 @@ def read_state_as_zeros(monkeypatch, zeroed):
         got = original(forward, layer, name, shape, dtype)
         return mx.zeros_like(got) if name == zeroed else got
     monkeypatch.setattr(states_module, "_states", zeros)
+
+
+def randomize_weights(model, conv: str = "conv1d.weight"):
+    """``model`` with random weights from mlx's current random state: matrices drawn with
+    variance 1 / fan-in and every 1-D parameter moved off its initial value (weights named
+    with ``conv`` kept), so that the greedy tokens vary."""
+    from mlx.utils import tree_flatten
+    updates = []
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim == 1:
+            updates.append((name, p + 0.3 * mx.random.normal(p.shape)))
+        elif conv not in name:
+            updates.append((name, mx.random.normal(p.shape) / np.sqrt(p.shape[-1])))
+    model.load_weights(updates, strict=False)
+    mx.eval(model.parameters())
+    return model

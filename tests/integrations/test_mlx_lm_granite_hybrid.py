@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mlx_hybrid_cases import (assert_layer_caches_loop_greedy, assert_odd_chunks_equal_one_forward,
-                              read_state_as_zeros)
+                              randomize_weights, read_state_as_zeros)
 from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
 from conftest import own_loop_greedy
 
@@ -66,17 +66,8 @@ def _randomized(model, seed: int):
     """``model`` with seeded random weights: matrices drawn with variance 1 / fan-in and every
     1-D parameter (``A_log``, ``D``, ``dt_bias``, norms, biases) moved off its initial value,
     so that every head's step size differs and the greedy tokens vary."""
-    from mlx.utils import tree_flatten
     mx.random.seed(seed)
-    updates = []
-    for name, p in tree_flatten(model.parameters()):
-        if p.ndim == 1:
-            updates.append((name, p + 0.3 * mx.random.normal(p.shape)))
-        elif "conv1d.weight" not in name:
-            updates.append((name, mx.random.normal(p.shape) / np.sqrt(p.shape[-1])))
-    model.load_weights(updates, strict=False)
-    mx.eval(model.parameters())
-    return model
+    return randomize_weights(model)
 
 
 def make_nemotron(seed: int = 0, **overrides):

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import importlib
 
-import numpy as np
 import pytest
 
 from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
-from mlx_hybrid_cases import assert_layer_caches_loop_greedy
+from mlx_hybrid_cases import assert_layer_caches_loop_greedy, randomize_weights
 from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy,
                           assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
                           assert_state_edits_refused, assert_state_slots_wait, once_per_family,
@@ -39,21 +38,11 @@ def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
     attention, conv, conv, attention; hidden 64, a kernel of 3 taps): matrices drawn with
     variance 1 / fan-in and every 1-D parameter moved off its initial value, so that the
     greedy tokens vary (mlx-lm's own initialisation repeats one token)."""
-    from mlx.utils import tree_flatten
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     kw = dict(SMALL, **(MOE if model_type == "lfm2_moe" else {}), **overrides)
     args = module.ModelArgs.from_dict({"model_type": model_type, **kw})
     mx.random.seed(seed)
-    model = module.Model(args)
-    updates = []
-    for name, p in tree_flatten(model.parameters()):
-        if p.ndim == 1:
-            updates.append((name, p + 0.3 * mx.random.normal(p.shape)))
-        elif "conv.weight" not in name:
-            updates.append((name, mx.random.normal(p.shape) / np.sqrt(p.shape[-1])))
-    model.load_weights(updates, strict=False)
-    mx.eval(model.parameters())
-    return model
+    return randomize_weights(module.Model(args), "conv.weight")
 
 
 # (model, prompts, mlx-lm's greedy tokens), once per family (none: lfm2)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mlx_hybrid_cases import (assert_layer_caches_loop_greedy, assert_odd_chunks_equal_one_forward,
-                              read_state_as_zeros)
+                              randomize_weights, read_state_as_zeros)
 from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
 from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy,
                           assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
@@ -48,20 +48,10 @@ def make_qwen3_next(seed: int = 0, **overrides):
     """A float32 mlx-lm Qwen3-Next with seeded random weights (``SMALL``): matrices drawn with
     variance 1 / fan-in and every 1-D parameter (``A_log``, ``dt_bias``, norms) moved off its
     initial value, so that every head's decay differs and the greedy tokens vary."""
-    from mlx.utils import tree_flatten
     module = importlib.import_module("mlx_lm.models.qwen3_next")
     args = module.ModelArgs.from_dict({"model_type": "qwen3_next", **dict(SMALL, **overrides)})
     mx.random.seed(seed)
-    model = module.Model(args)
-    updates = []
-    for name, p in tree_flatten(model.parameters()):
-        if p.ndim == 1:
-            updates.append((name, p + 0.3 * mx.random.normal(p.shape)))
-        elif "conv1d.weight" not in name:
-            updates.append((name, mx.random.normal(p.shape) / np.sqrt(p.shape[-1])))
-    model.load_weights(updates, strict=False)
-    mx.eval(model.parameters())
-    return model
+    return randomize_weights(module.Model(args))
 
 
 # (model, prompts, mlx-lm's greedy tokens), built once
