@@ -88,7 +88,7 @@ $(DEMO_STAMP): pyproject.toml backends/cuda/pyproject.toml tools/install_torch.s
 # classes on the CPU test mode) run on the second core beside the session (tests/cuda/
 # background_runs.py).
 test: $(STAMP)
-	@echo "make: running the suite (tests/; about 9 min here; collection takes 20-30 s, then a dot per test)"
+	@echo "make: running the suite (tests/; about 19 min on a 2-core AMD EPYC; collection takes 20-30 s, then a dot per test)"
 	$(PY) -m pytest -q tests -m "not slow and not tools"
 
 # the fast lane (about 2-3 min here): mypy once over the core and the backends, then the quick suite
