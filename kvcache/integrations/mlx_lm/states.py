@@ -271,6 +271,18 @@ def _mamba_walk(model, family: str) -> list:
     return out
 
 
+def _check_depthwise(refuse, conv, weight, conv_dim: int) -> None:
+    """``refuse(reason)`` unless ``conv`` (weight ``weight``, ``(C, taps, 1)`` in MLX's layout)
+    is a depthwise causal convolution over ``conv_dim`` channels without padding (the Mamba-2
+    mixer's and the gated DeltaNet layer's conv)."""
+    k = int(weight.shape[1])
+    if (tuple(weight.shape) != (conv_dim, k, 1) or conv.groups != conv_dim or conv.stride != 1
+            or conv.padding != 0 or conv.dilation != 1):
+        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride={conv.stride}, "
+               f"padding={conv.padding}, dilation={conv.dilation}: not a depthwise causal "
+               f"convolution over conv_dim={conv_dim} channels without padding")
+
+
 def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
     def refuse(what: str) -> NoReturn:
         raise UnsupportedFeatureError(
@@ -293,11 +305,7 @@ def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
     if k < 2 or k != taps:
         refuse(f"a kernel of {k} taps (conv_kernel_size={taps}): the cache serves kernels of "
                f">= 2 taps equal to conv_kernel_size")
-    if (tuple(weight.shape) != (conv_dim, k, 1) or conv.groups != conv_dim or conv.stride != 1
-            or conv.padding != 0 or conv.dilation != 1):
-        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride={conv.stride}, "
-               f"padding={conv.padding}, dilation={conv.dilation}: not a depthwise causal "
-               f"convolution over conv_dim={conv_dim} channels without padding")
+    _check_depthwise(refuse, conv, weight, conv_dim)
     w = in_proj.get("weight") if isinstance(in_proj, nn.Module) else None
     if w is None or int(w.shape[0]) != inner + conv_dim + heads:
         refuse(f"in_proj must be a linear layer of {inner + conv_dim + heads} outputs (gate, "
@@ -410,11 +418,7 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
     if k < 2 or k != taps or taps != taps_arg:
         refuse(f"a kernel of {k} taps (conv_kernel_size={taps}, linear_conv_kernel_dim="
                f"{taps_arg}): the cache serves kernels of >= 2 taps equal to both")
-    if (tuple(weight.shape) != (conv_dim, k, 1) or conv.groups != conv_dim or conv.stride != 1
-            or conv.padding != 0 or conv.dilation != 1):
-        refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride={conv.stride}, "
-               f"padding={conv.padding}, dilation={conv.dilation}: not a depthwise causal "
-               f"convolution over conv_dim={conv_dim} channels without padding")
+    _check_depthwise(refuse, conv, weight, conv_dim)
     for name, proj, size in (("in_proj_qkvz", qkvz, 2 * key_dim + 2 * value_dim),
                              ("in_proj_ba", ba, 2 * nv)):
         # a quantized linear layer keeps packed columns: its rows (outputs) are what is read
