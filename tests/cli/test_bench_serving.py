@@ -258,3 +258,184 @@ def test_deterministic_shared_prefix_asks_every_request_equal(capsys):
     out = capsys.readouterr().out
     assert "greedy tokens equal with the cache on and off: 4/4 requests (deterministic=True" in out
     assert "every request's tokens equal with the cache on and off: met" in out
+
+
+# ---------------------------------------------------------------- --runs N
+RUNS = TINY + ["--requests", "3", "--new-tokens", "3", "--skip", "b,c", "--deterministic"]
+"""(a) and (d), 3 requests (the whole run) apart from the decode step's 2 (--batch 2)."""
+
+
+class Clock:
+    """The serving bench's timed runs, recorded in order as (system, prompts, new tokens), each
+    given its wall from ``walls`` ((system, prompts, new tokens): one wall per round) where it
+    has one, else the clock's. The (a)/(d) Engines are told apart by (d)'s name."""
+
+    def __init__(self, monkeypatch, walls=None):
+        import importlib
+
+        from kvcache.bench.serving.runners import EngineRunner
+        # the module: the package's name ``measure`` is its function
+        timing = importlib.import_module("kvcache.bench.serving.measure")
+        self.calls, self.walls, self.last = [], walls or {}, None
+        real_run, real_timed = EngineRunner.run, timing._timed
+
+        def run(runner, prompts, new_tokens):
+            self.ran(("d" if "deterministic" in runner.name else "a", len(prompts), new_tokens))
+            return real_run(runner, prompts, new_tokens)
+
+        def timed(fn, device):
+            wall, out = real_timed(fn, device)
+            self.calls.append(self.last)
+            given = self.walls.get(self.last)
+            # round by round (a wall list of one: every run's)
+            return (wall if given is None
+                    else given[(self.calls.count(self.last) - 1) % len(given)]), out
+        monkeypatch.setattr(EngineRunner, "run", run)
+        monkeypatch.setattr(timing, "_timed", timed)
+
+    def ran(self, call: tuple) -> None:
+        self.last = call
+
+
+def test_runs_interleave_the_systems_timed_calls(capsys, monkeypatch):
+    """``--runs 3``: after their warm-up the systems' timed measurements (the decode
+    difference's two runs, the whole run) take turns round by round, a, b, c, a, b, c, ...,
+    the Engine's whole run cold every round."""
+    import kvcache.bench.serving as serving
+    from kvcache.bench.serving.runners import Runner
+    clock = Clock(monkeypatch)
+
+    def peer(key):
+        class Peer(Runner):         # (b) and (c) stand-ins: the order is what is asked here
+            name = key
+
+            def __init__(self, *args):
+                pass
+
+            def run(self, prompts, new_tokens):
+                clock.ran((key, len(prompts), new_tokens))
+                return [[1] * new_tokens for _ in prompts]
+        return Peer
+    monkeypatch.setattr(serving, "GenerateBatchRunner", peer("b"))
+    monkeypatch.setattr(serving, "StaticRunner", peer("c"))
+    forgot = []
+    monkeypatch.setattr(serving.EngineRunner, "forget", lambda self: forgot.append(1))
+    assert main(TINY + ["--requests", "3", "--new-tokens", "3", "--runs", "3", "--json"]) == 0
+    one = [(key, n, tokens) for key in "abc" for n, tokens in ((2, 1), (2, 3), (3, 3))]
+    assert clock.calls == one * 3
+    assert len(forgot) == 3             # before each of (a)'s timed whole runs
+    res = json.loads(capsys.readouterr().out)
+    assert res["runs"] == 3 and set(res["systems"]) == {"a", "b", "c"}
+    assert len(res["ratio_runs"]["a_over_b_tokens_per_s"]) == 3
+
+
+# (a)'s and (d)'s walls per round: their medians, their ratios' medians, the last round's and
+# the means all differ, and the targets' verdicts with them
+WALLS = {("a", 2, 1): [0.1] * 3, ("a", 2, 3): [0.3, 0.5, 0.2], ("a", 3, 3): [0.7, 1.44, 2.0],
+         ("d", 2, 1): [0.1] * 3, ("d", 2, 3): [0.5, 0.3, 0.3], ("d", 3, 3): [1.0, 2.0, 1.0]}
+
+
+def test_runs_report_the_medians_of_the_rounds(capsys, monkeypatch):
+    """``--runs 3 --deterministic``: (a) and (d) interleaved; each system's value is the median
+    of its rounds, each ratio the median of the per-round ratios (not the ratio of the medians,
+    not the mean, not the last round's); JSON carries the rounds' lists; the targets are judged
+    on the medians and say so."""
+    from kvcache.bench.serving import print_result
+    clock = Clock(monkeypatch, WALLS)
+    assert main(RUNS + ["--runs", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert clock.calls == [(key, n, tokens) for key in "ad"
+                           for n, tokens in ((2, 1), (2, 3), (3, 3))] * 3
+    a, d = res["systems"]["a"], res["systems"]["d"]
+    assert res["runs"] == 3
+    assert a["runs"]["tokens_per_s"] == pytest.approx([9 / 0.7, 9 / 1.44, 9 / 2.0])
+    assert a["tokens_per_s"] == pytest.approx(9 / 1.44) and a["wall_s"] == pytest.approx(1.44)
+    assert a["runs"]["decode_step_ms"] == pytest.approx([100, 200, 50])
+    assert a["decode_step_ms"] == pytest.approx(100) and d["decode_step_ms"] == pytest.approx(100)
+    rr, rt = res["ratio_runs"], res["ratios"]
+    assert rr["d_over_a_tokens_per_s"] == pytest.approx([0.7, 0.72, 2.0])
+    assert rt["d_over_a_tokens_per_s"] == pytest.approx(0.72)      # the medians' ratio: 1.44
+    assert rr["d_decode_step_over_a"] == pytest.approx([2.0, 0.5, 2.0])
+    assert rt["d_decode_step_over_a"] == pytest.approx(2.0)        # the medians' ratio: 1.0
+    assert len(rr["a_decode_step_over_roofline"]) == 3 and "a_gpu_busy" not in rr
+    # the table: the medians, each round's values and ratios; a full run's targets on the medians
+    res["workload"]["tiny"] = False
+    print_result(res)
+    out = capsys.readouterr().out
+    assert "runs: 3, the systems interleaved round by round" in out
+    assert "  (d) tokens/s / (a)'s: 0.70, 0.72, 2.00 (median 0.72)" in out
+    assert "  (a) tokens/s 12.9, 6.2, 4.5; decode step ms 100.000, 200.000, 50.000" in out
+    assert "(d) tokens/s / (a)'s: 0.72 (median of 3 runs, target >= 0.75) MISSED" in out
+    assert "(d) decode step / (a)'s: 2.00 (median of 3 runs, target <= 1.3) MISSED" in out
+
+
+def test_runs_1_output_is_unchanged(capsys, monkeypatch):
+    """``--runs 1`` (the default) prints the table and JSON of a run without it: no rounds."""
+    import time
+
+    import kvcache.bench.serving as serving
+    from kvcache.bench.serving import print_result
+    monkeypatch.setattr(serving, "copy_rate", lambda device, nbytes: 1e10)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "2026-01-01 00:00:00")
+    Clock(monkeypatch, {key: walls[:1] for key, walls in WALLS.items()})
+    outs = []
+    for extra in ([], ["--runs", "1"]):
+        assert main(RUNS + extra + ["--json"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]           # the table is print_result's of this JSON
+    res = json.loads(outs[1])
+    assert "runs" not in res and "ratio_runs" not in res and "runs" not in res["systems"]["a"]
+    assert res["systems"]["a"]["tokens_per_s"] == pytest.approx(9 / 0.7)
+    assert res["ratios"]["d_over_a_tokens_per_s"] == pytest.approx(0.7)
+    res["workload"]["tiny"] = False
+    print_result(res)
+    out = capsys.readouterr().out
+    assert "runs" not in out and "median" not in out
+    assert "(d) tokens/s / (a)'s: 0.70 (target >= 0.75) MISSED" in out
+
+
+@pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn", "window-budget", "tp"])
+def test_runs_refused_where_a_workload_times_once(capsys, workload):
+    assert main(TINY + ["--workload", workload, "--runs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"--runs 2: --workload {workload} times each system once" in err
+    assert "--workload random or kv-budget" in err
+
+
+def test_kv_budget_runs_interleave_the_two_formats(capsys, monkeypatch):
+    """``--workload kv-budget --runs 3``: the 16-bit and the quantized Engine's timed runs take
+    turns after their warm-ups, each from an empty prefix cache; the ratio is the median of the
+    rounds' ratios, judged as such."""
+    from kvcache.bench.serving import print_kv_budget_result
+    from kvcache.bench.serving.prefix import Online
+    real = Online.run
+    timed, walls = [], {"float32": [1.0, 2.0, 4.0], "int8": [3.0, 1.0, 1.0]}
+
+    def run(self, groups, wait_for_group=False):
+        tokens, ttft, wall = real(self, groups, wait_for_group)
+        if len(groups) == 1 and groups[0] is prompts[0]:        # the measured run
+            kv = self.engine.config.kv_dtype
+            timed.append((kv, self.engine.cache.num_cached_pages))
+            wall = walls[kv][sum(k == kv for k, _ in timed) - 1]
+        return tokens, ttft, wall
+    prompts = []
+    import kvcache.bench.serving.kv_budget as kv_budget
+    real_workload = kv_budget.workload
+    monkeypatch.setattr(kv_budget, "workload", lambda *a: prompts.append(real_workload(*a))
+                        or prompts[-1])
+    monkeypatch.setattr(Online, "run", run)
+    assert main(KV_BUDGET + ["--kv-dtype", "int8", "--runs", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [kv for kv, _ in timed] == ["float32", "int8"] * 3
+    auto, quant = res["systems"]["auto"], res["systems"]["quantized"]
+    new = res["workload"]["requests"] * res["workload"]["new_tokens"]
+    assert auto["runs"]["tokens_per_s"] == pytest.approx([new, new / 2, new / 4])
+    assert auto["tokens_per_s"] == pytest.approx(new / 2)
+    assert res["ratio_runs"]["tokens_per_s_quantized_over_auto"] == pytest.approx([1 / 3, 2, 4])
+    assert res["ratios"]["tokens_per_s_quantized_over_auto"] == pytest.approx(2)  # medians': 1
+    assert len(res["ratio_runs"]["peak_running_quantized_over_auto"]) == 3
+    res["targets_judged"] = True
+    print_kv_budget_result(res)
+    out = capsys.readouterr().out
+    assert "quantized / auto tokens/s: 0.33, 2.00, 4.00 (median 2.00)" in out
+    assert "tokens/s 2.00" in out and "(median of 3 runs)" in out and "PASS higher tokens/s" in out

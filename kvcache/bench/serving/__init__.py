@@ -46,7 +46,8 @@ import time
 from typing import Any, Optional
 
 # the private names too: everything stays importable from kvcache.bench.serving as before
-from .measure import _check, _gpu_spans, _timed, measure, tail_busy, union_length
+from .measure import (_check, _gpu_spans, _timed, measure, measure_rounds, tail_busy,
+                      union_length)
 from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate, decode_bytes,
                     random_prompt_range, workload)
 from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_budget_result,
@@ -55,6 +56,7 @@ from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
 from .window_budget import (WINDOW_BUDGET_SIZES, build_window_model, print_window_budget_result,
                             run_window_budget)
 from .tp import TP_SIZES, print_tp_result, run_tp
+from .rounds import combine, interleave, per_round, put_ratio
 from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
 from .runners import (ASKED, SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
                       StaticRunner, _quiet_transformers, mixed_graphs_arg)
@@ -134,6 +136,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "step, at least 0.75x the tokens/s); shared-prefix and multi-turn: "
                         "both Engines deterministic, every request's tokens equal with the "
                         "cache on and off")
+    g.add_argument("--runs", type=_pos, default=1, metavar="N",
+                   help="time each system N times (default 1), the systems interleaved round by "
+                        "round after their warm-up, and judge the targets on the medians (one "
+                        "run's ratios move 10-28%% run to run on a GPU); random (default) and "
+                        "kv-budget workloads")
     g.add_argument("--compile-step", action="store_true",
                    help="(a) with Engine(compile_step=True): its captured decode step's model "
                         "code through torch.compile (a GPU)")
@@ -190,6 +197,9 @@ def parse_skip(text: str) -> set:
     return skip
 
 
+RUNS_WORKLOADS = ("random", "kv-budget")
+"""The workloads that take ``--runs`` > 1."""
+
 SIZES = {"requests": (256, 4), "new_tokens": (128, 6), "layers": (8, 1), "batch": (64, 4)}
 """Option: (default, default with --tiny)."""
 
@@ -206,6 +216,9 @@ def run(args) -> dict:
     if kind not in ("kv-budget", "window-budget") \
             and getattr(args, "kv_budget_mib", None) is not None:
         raise UsageError("--kv-budget-mib: only with --workload kv-budget or window-budget")
+    if kind not in RUNS_WORKLOADS and getattr(args, "runs", 1) > 1:
+        raise UsageError(f"--runs {args.runs}: --workload {kind} times each system once; "
+                         f"--runs > 1 is for --workload {' or '.join(RUNS_WORKLOADS)}")
     sizes = {**PREFIX_SIZES, "kv-budget": KV_BUDGET_SIZES, "window-budget": WINDOW_BUDGET_SIZES,
              "tp": TP_SIZES}.get(kind, {})
     for name, (full, tiny) in [*sizes.items(), *SIZES.items()]:
@@ -265,13 +278,13 @@ def run(args) -> dict:
                      "decode_step_ms": roof_s * 1e3, "tokens_per_s": args.batch / roof_s},
         "systems": {}, "skipped": {}, "ratios": {},
     }
-    a_out: Optional[list] = None
-    for key in SYSTEMS:
-        if key in ASKED and not getattr(args, ASKED[key], False):
-            continue                            # not asked for: not in the table at all
-        if key in skip:
-            result["skipped"][key] = "--skip"
-            continue
+    # a system not asked for (ASKED) is not in the table at all
+    keys = [key for key in SYSTEMS if key not in ASKED or getattr(args, ASKED[key], False)]
+    result["skipped"].update((key, "--skip") for key in keys if key in skip)
+    runs = getattr(args, "runs", 1)
+
+    def rounds(key: str):
+        """System ``key``'s rounds (``measure_rounds``); the runner closed when they are."""
         runner: Optional[Runner] = None
         say(f"({key}) {SYSTEM_NAMES[key]}: starting")
         try:
@@ -285,29 +298,19 @@ def run(args) -> dict:
                     "num_blocks": -(-args.batch * max_len // 32) + 8, "block_size": 32,
                     "max_batch_tokens": 256})
             else:
-                runner = StaticRunner(net, args.batch, args.static_compile)
-            # (c): the decode measurement at its own width, the whole run at the longest prompt's
-            static = runner
-            before = (lambda: setattr(static, "pad_to", prompt_range[1])) if key == "c" else None
+                # (c): the decode measurement at its own width, the whole run at the longest
+                # prompt's
+                runner = StaticRunner(net, args.batch, args.static_compile, prompt_range[1])
             t0 = time.perf_counter()
-            r, out = measure(runner, prompts, n2, decode_prompts, n1, n2, device,
-                             on_gpu and not args.no_busy, before,
-                             lambda msg: say(f"({key}) {msg}"))
-            say(f"({key}) done in {time.perf_counter() - t0:.1f} s: "
-                f"{r['tokens_per_s']:.1f} tokens/s")
-            if isinstance(runner, EngineRunner):     # the format the Engine stores
-                r["kv_dtype"] = runner.engine.config.kv_dtype
-            a_out = out if key == "a" else a_out
-            if key != "a" and a_out is not None:    # a count, not a verdict: bf16 on a GPU
-                r["same_tokens_as_a"] = sum(x == y for x, y in zip(out, a_out))  # may part on ties
-            if not on_gpu or args.no_busy:
-                r["gpu_busy_note"] = "not measured: " + ("no GPU" if not on_gpu else "--no-busy")
-            result["systems"][key] = r
-        except Exception as exc:        # a peer that cannot run here is reported, not hidden
-            if key == "a":
-                raise
-            result["skipped"][key] = f"failed: {type(exc).__name__}: {exc}"[:300]
-            say(f"({key}) {result['skipped'][key]}")
+            for r, out in measure_rounds(runner, prompts, n2, decode_prompts, n1, n2, device,
+                                         on_gpu and not args.no_busy, runs,
+                                         lambda msg: say(f"({key}) {msg}")):
+                say(f"({key}) done in {time.perf_counter() - t0:.1f} s: "
+                    f"{r['tokens_per_s']:.1f} tokens/s")
+                if isinstance(runner, EngineRunner):     # the format the Engine stores
+                    r["kv_dtype"] = runner.engine.config.kv_dtype
+                yield r, out
+                t0 = time.perf_counter()
         finally:
             if runner is not None:
                 runner.close()
@@ -316,16 +319,37 @@ def run(args) -> dict:
             gc.collect()
             if on_gpu:
                 torch.cuda.empty_cache()
-    a, b = result["systems"].get("a"), result["systems"].get("b")
+
+    def failed(key: str, exc: Exception) -> None:
+        if key == "a":
+            raise exc
+        # a peer that cannot run here is reported, not hidden
+        result["skipped"][key] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        say(f"({key}) {result['skipped'][key]}")
+
+    done = interleave({key: (lambda key=key: rounds(key)) for key in keys if key not in skip},
+                      runs, failed)
+    a_out = done["a"][0][1] if "a" in done else None
+    for key, measured in done.items():
+        r = combine([row for row, _ in measured], ("tokens_per_s", "wall_s", "decode_step_ms",
+                                                  "decode_walls_s"))
+        if key != "a" and a_out is not None:    # a count, not a verdict: bf16 on a GPU
+            r["same_tokens_as_a"] = sum(x == y for x, y in zip(measured[0][1], a_out))  # ties
+        if not on_gpu or args.no_busy:
+            r["gpu_busy_note"] = "not measured: " + ("no GPU" if not on_gpu else "--no-busy")
+        result["systems"][key] = r
+    if runs > 1:
+        result["runs"] = runs
+    a, b, d = (result["systems"].get(key) for key in ("a", "b", "d"))
     if a is not None:
-        result["ratios"]["a_decode_step_over_roofline"] = a["decode_step_ms"] / (roof_s * 1e3)
+        a_steps, a_tokens = per_round(a, "decode_step_ms"), per_round(a, "tokens_per_s")
+        put_ratio(result, "a_decode_step_over_roofline", a_steps, [roof_s * 1e3] * len(a_steps))
         result["ratios"]["a_gpu_busy"] = a["gpu_busy"]
         if b is not None:
-            result["ratios"]["a_over_b_tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"]
-        d = result["systems"].get("d")
+            put_ratio(result, "a_over_b_tokens_per_s", a_tokens, per_round(b, "tokens_per_s"))
         if d is not None:
-            result["ratios"]["d_decode_step_over_a"] = d["decode_step_ms"] / a["decode_step_ms"]
-            result["ratios"]["d_over_a_tokens_per_s"] = d["tokens_per_s"] / a["tokens_per_s"]
+            put_ratio(result, "d_decode_step_over_a", per_round(d, "decode_step_ms"), a_steps)
+            put_ratio(result, "d_over_a_tokens_per_s", per_round(d, "tokens_per_s"), a_tokens)
     return result
 
 

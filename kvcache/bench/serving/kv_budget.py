@@ -29,8 +29,10 @@ import dataclasses
 from typing import Callable
 
 from ...config import KV_FORMATS
+from .report import print_runs
 from .model import random_prompt_range, workload
-from .prefix import budget_run
+from .prefix import budget_rounds
+from .rounds import combine, interleave, per_round, put_ratio, runs_note
 
 KV_DTYPES = ("auto",) + KV_FORMATS
 """``--kv-dtype``'s choices: "auto" is the compute dtype (for kv-budget's quantized run:
@@ -100,9 +102,10 @@ def run_kv_budget(args, net, device: str, backend: str, kv_dtype: str, say: Call
                                  "a_rope": args.rope, "a_prefix_cache": args.prefix_cache,
                                  "arrival": "all added at once"},
                     "systems": {}, "skipped": {}, "ratios": {}}
-    outs = {}
-    for key, kv in (("auto", "auto"), ("quantized", kv_dtype)):
-        def make(kv=kv):
+
+    def rounds(key: str, kv: str):
+        """One format's runs (``budget_rounds``) at the budget."""
+        def make():
             return Engine(net, backend=backend, device=device, page_size=PAGE,
                           max_batch_size=args.batch,
                           max_total_tokens=budget_tokens(budget, tb[kv]), rope=args.rope,
@@ -114,15 +117,27 @@ def run_kv_budget(args, net, device: str, backend: str, kv_dtype: str, say: Call
                     dict(kv_dtype=cfg.kv_dtype, kv_pages=pages, token_capacity=pages * PAGE,
                          token_kv_bytes=cfg.token_kv_bytes, kv_bytes=cfg.kv_bytes,
                          offload=engine.host_tier is not None))
-        result["systems"][key], outs[key] = budget_run(
-            make, describe, key, budget, warm, prompts, args.new_tokens, device, say,
-            counters=("preemptions", "recomputed_tokens"))
+        return budget_rounds(make, describe, key, budget, warm, prompts, args.new_tokens,
+                             device, say, ("preemptions", "recomputed_tokens"), runs)
+
+    runs = getattr(args, "runs", 1)
+    done = interleave({"auto": lambda: rounds("auto", "auto"),
+                       "quantized": lambda: rounds("quantized", kv_dtype)}, runs)
+    for key, measured in done.items():
+        result["systems"][key] = combine(
+            [row for row, _ in measured], ("tokens_per_s", "wall_s", "ttft_median_ms",
+                                           "ttft_p90_ms", "peak_running", "preemptions",
+                                           "recomputed_tokens"))
+    if runs > 1:
+        result["runs"] = runs
     base, quant = result["systems"]["auto"], result["systems"]["quantized"]
-    result["same_tokens"] = sum(x == y for x, y in zip(outs["auto"], outs["quantized"]))
+    # the greedy tokens of the first round (a count, not a verdict)
+    result["same_tokens"] = sum(x == y for x, y in zip(done["auto"][0][1],
+                                                       done["quantized"][0][1]))
     result["compared"] = len(prompts)
-    result["ratios"] = {
-        "tokens_per_s_quantized_over_auto": quant["tokens_per_s"] / base["tokens_per_s"],
-        "peak_running_quantized_over_auto": quant["peak_running"] / base["peak_running"]}
+    for name, field in (("tokens_per_s_quantized_over_auto", "tokens_per_s"),
+                        ("peak_running_quantized_over_auto", "peak_running")):
+        put_ratio(result, name, per_round(quant, field), per_round(base, field))
     rt = result["ratios"]
     result["verdicts"] = {
         "more concurrent sequences": _verdict(rt["peak_running_quantized_over_auto"]),
@@ -159,6 +174,13 @@ def print_kv_budget_result(res: dict) -> None:
     rt = res["ratios"]
     ratios = (f"tokens/s {rt['tokens_per_s_quantized_over_auto']:.2f}, peak concurrency "
               f"{rt['peak_running_quantized_over_auto']:.2f}")
+    note = runs_note(res)
+    if note:
+        print_runs(res, {f"{r['kv_dtype']:<12}": r for r in res["systems"].values()},
+                   (("tokens/s", "tokens_per_s", ".1f"), ("peak seqs", "peak_running", "g")),
+                   {"tokens_per_s_quantized_over_auto": "quantized / auto tokens/s",
+                    "peak_running_quantized_over_auto": "quantized / auto peak concurrency"})
+        ratios += f" ({note})"
     if not res["targets_judged"]:
         print(f"targets: not judged on a --tiny smoke run (quantized / auto: {ratios})")
         return

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -269,15 +269,29 @@ def _free(device: str) -> None:
 def budget_run(make: Callable, describe: Callable, key: str, budget: int, warm: list,
                prompts: list, new_tokens: int, device: str, say: Callable,
                counters: tuple = ("preemptions",)) -> tuple:
-    """One Engine's measured run of a fixed-budget workload (kv-budget, window-budget): the
+    """One Engine's measured run of a fixed-budget workload (kv-budget, window-budget): the one
+    round of ``budget_rounds`` (its arguments)."""
+    rounds = budget_rounds(make, describe, key, budget, warm, prompts, new_tokens, device, say,
+                           counters)
+    try:
+        return next(rounds)
+    finally:
+        rounds.close()
+
+
+def budget_rounds(make: Callable, describe: Callable, key: str, budget: int, warm: list,
+                  prompts: list, new_tokens: int, device: str, say: Callable,
+                  counters: tuple = ("preemptions",), rounds: int = 1) -> Iterator[tuple]:
+    """One Engine's measured runs of a fixed-budget workload (kv-budget, window-budget): the
     Engine ``make()`` builds, its page arrays refused over ``budget`` bytes, a warm-up run on
-    the ``warm`` prompts and ``Engine.warm_up()`` (every graph bucket), then the timed run of
-    ``prompts`` (all added at once, ``new_tokens`` greedy tokens each). ``describe(engine)``:
-    ``(label, held, fields)``: the run in words (``"kv_dtype int8"``), what its pages hold in
-    words (``"512 tokens"``), and the row's own fields. ``key``: the run's name in ``say``'s
-    progress lines; ``counters``: the ``engine.stats`` fields counted over the timed run;
-    ``device``: freed after. Returns ``(row, tokens)``: ``_row``'s row with ``fields``,
-    ``peak_running`` and the counters, and the greedy tokens per prompt."""
+    the ``warm`` prompts and ``Engine.warm_up()`` (every graph bucket), then ``rounds`` timed
+    runs of ``prompts`` (all added at once, ``new_tokens`` greedy tokens each), each from an
+    empty prefix cache. ``describe(engine)``: ``(label, held, fields)``: the run in words
+    (``"kv_dtype int8"``), what its pages hold in words (``"512 tokens"``), and the row's own
+    fields. ``key``: the run's name in ``say``'s progress lines; ``counters``: the
+    ``engine.stats`` fields counted over each timed run; ``device``: freed when closed. Yields
+    ``(row, tokens)`` per round: ``_row``'s row with ``fields``, ``peak_running`` and the
+    counters, and the greedy tokens per prompt."""
     # the Engine lives in this frame only (its runner too), so that it is freed (del, _free)
     # before the caller builds the next one
     engine = make()
@@ -297,17 +311,21 @@ def budget_run(make: Callable, describe: Callable, key: str, budget: int, warm: 
         # then, 1.48x without)
         runner.run([warm])
         engine.warm_up()
-        before = dataclasses.replace(engine.stats)
-        runner.peak_running = 0
-        say(f"({key}) measured run")
-        tokens, ttft, wall = runner.run([prompts])
-        row = _row(f"kvcache Engine, {label} ({engine.cache.backend.name})", tokens, ttft, wall,
-                   None, None)
-        row.update(fields, peak_running=runner.peak_running,
-                   **{c: getattr(engine.stats, c) - getattr(before, c) for c in counters})
-        say(f"({key}) {row['tokens_per_s']:.1f} tokens/s, peak {row['peak_running']} "
-            f"sequences, {row['preemptions']} preemptions")
-        return row, tokens
+        for i in range(rounds):
+            # every round cold and alike: an earlier round left the same prompts' pages (the
+            # warm-up run, other prompts' pages that the budget had to evict)
+            engine.cache.clear_prefix_cache()
+            before = dataclasses.replace(engine.stats)
+            runner.peak_running = 0
+            say(f"({key}) measured run" + (f" {i + 1}/{rounds}" if rounds > 1 else ""))
+            tokens, ttft, wall = runner.run([prompts])
+            row = _row(f"kvcache Engine, {label} ({engine.cache.backend.name})", tokens, ttft,
+                       wall, None, None)
+            row.update(fields, peak_running=runner.peak_running,
+                       **{c: getattr(engine.stats, c) - getattr(before, c) for c in counters})
+            say(f"({key}) {row['tokens_per_s']:.1f} tokens/s, peak {row['peak_running']} "
+                f"sequences, {row['preemptions']} preemptions")
+            yield row, tokens
     finally:
         del engine, runner
         _free(device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .rounds import runs_note
 from .runners import SYSTEM_NAMES, SYSTEMS
 
 TARGET_ROOFLINE = 1.3
@@ -14,6 +15,13 @@ TARGET_DET_STEP = 1.3
 """(d)'s decode step (deterministic) over (a)'s: at most this."""
 TARGET_DET_TOKENS = 0.75
 """(d)'s tokens/s over (a)'s: at least this."""
+
+RATIO_LABELS = {"a_decode_step_over_roofline": "(a) decode step / roofline",
+                "a_over_b_tokens_per_s": "(a) / (b) tokens/s",
+                "a_gpu_busy": "(a) gpu busy during decode",
+                "d_decode_step_over_a": "(d) decode step / (a)'s",
+                "d_over_a_tokens_per_s": "(d) tokens/s / (a)'s"}
+"""The result's ratios (``res["ratios"]``) in the report's words."""
 
 
 def print_result(res: dict) -> None:
@@ -47,6 +55,12 @@ def print_result(res: dict) -> None:
             if "same_tokens_as_a" in r]
     if same:
         print(f"requests whose greedy tokens equal (a)'s: {', '.join(same)}")
+    note = runs_note(res)
+    if note:
+        print_runs(res, {f"({k})": r for k, r in res["systems"].items()},
+                   (("tokens/s", "tokens_per_s", ".1f"), ("decode step ms", "decode_step_ms",
+                                                          ".3f")),
+                   RATIO_LABELS)
     if w["tiny"]:
         print(f"targets: not judged on a --tiny smoke run (tiny dims on the host: "
               f"{w['decode_n2'] - w['decode_n1']} decode steps of a tiny model sit inside the "
@@ -54,20 +68,39 @@ def print_result(res: dict) -> None:
         return
     rt, a = res["ratios"], res["systems"].get("a", {})
     print("targets (ratios; met when the comparison holds):")
-    for label, x, op, target, skipped in (
-            (f"(a) decode step / roofline at B={w['batch']}",
-             rt.get("a_decode_step_over_roofline"), "<=", TARGET_ROOFLINE, "(a) skipped"),
-            ("(a) / (b) tokens/s", rt.get("a_over_b_tokens_per_s"), ">=", TARGET_VS_B,
-             "(b) skipped"),
-            ("(a) gpu busy during decode", rt.get("a_gpu_busy"), ">=", TARGET_BUSY,
-             a.get("gpu_busy_note", "(a) skipped"))) + (
-            (("(d) decode step / (a)'s", rt.get("d_decode_step_over_a"), "<=", TARGET_DET_STEP,
+    for name, op, target, skipped in (
+            ("a_decode_step_over_roofline", "<=", TARGET_ROOFLINE, "(a) skipped"),
+            ("a_over_b_tokens_per_s", ">=", TARGET_VS_B, "(b) skipped"),
+            ("a_gpu_busy", ">=", TARGET_BUSY, a.get("gpu_busy_note", "(a) skipped"))) + (
+            (("d_decode_step_over_a", "<=", TARGET_DET_STEP,
               res["skipped"].get("d", "(d) skipped")),
-             ("(d) tokens/s / (a)'s", rt.get("d_over_a_tokens_per_s"), ">=", TARGET_DET_TOKENS,
+             ("d_over_a_tokens_per_s", ">=", TARGET_DET_TOKENS,
               res["skipped"].get("d", "(d) skipped")))
             if "d" in res["systems"] or "d" in res["skipped"] else ()):
+        label, x = RATIO_LABELS[name], rt.get(name)
+        if name == "a_decode_step_over_roofline":
+            label += f" at B={w['batch']}"
         if x is None:
             print(f"  {label}: n/a ({skipped})")
             continue
         met = x <= target if op == "<=" else x >= target
-        print(f"  {label}: {x:.2f} (target {op} {target}) {'met' if met else 'MISSED'}")
+        of = f"{note}, " if name in res.get("ratio_runs", {}) else ""
+        print(f"  {label}: {x:.2f} ({of}target {op} {target}) {'met' if met else 'MISSED'}")
+
+
+def print_runs(res: dict, rows: dict, fields: tuple, ratios: dict) -> None:
+    """``--runs N`` > 1: each round's values of ``rows`` (label: a system's row) for ``fields``
+    ((label, field, format)) and each round's ``ratios`` (name in ``res["ratio_runs"]``:
+    label), with their medians (the values of the table above)."""
+    print(f"runs: {res['runs']}, the systems interleaved round by round; each value above is "
+          f"the median of its rounds; per round:")
+    for label, r in rows.items():
+        if "runs" in r:
+            print(f"  {label} " + "; ".join(
+                f"{name} {', '.join(format(v, fmt) for v in r['runs'][field])}"
+                for name, field, fmt in fields))
+    for name, label in ratios.items():
+        values = res.get("ratio_runs", {}).get(name)
+        if values is not None:
+            print(f"  {label}: {', '.join(f'{v:.2f}' for v in values)} (median "
+                  f"{res['ratios'][name]:.2f})")

@@ -28,6 +28,10 @@ class Runner:
         """Drop what an earlier run left that would serve the next one (a prefix cache's
         pages), so that the timed run serves its prompts cold."""
 
+    def phase(self, whole: bool) -> None:
+        """Called before the decode-step runs (``whole`` False) and before the whole workload's
+        runs (True), which may want another shape ((c) pads the whole workload to one width)."""
+
     def close(self) -> None:
         """Undo what the runner changed on the model (its attention implementation)."""
 
@@ -89,13 +93,13 @@ class GenerateBatchRunner(Runner):
             if "page_size" in fields and "block_size" in cb_config:      # renamed in 5.17
                 cb_config = dict(cb_config, page_size=cb_config.pop("block_size"))
             self.cb = ContinuousBatchingConfig(**cb_config)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")     # 5.2x deprecates the prefix 5.17 needs
-            net.set_attn_implementation("paged|sdpa")
+        _use_attention(net, "paged|sdpa")
+        self.attn = net.config._attn_implementation      # what transformers made of it
         self.config = GenerationConfig
         self.sdpa = "sdpa"
 
     def run(self, prompts, new_tokens):
+        _use_attention(self.net, self.attn)
         cfg = self.config(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                          pad_token_id=0)
         # no inference_mode: the manager's own thread updates tensors made here in place
@@ -111,18 +115,25 @@ class GenerateBatchRunner(Runner):
 
 
 class StaticRunner(Runner):
-    """(c): ``generate`` with a static cache, ``batch`` prompts at a time, left-padded to
-    ``pad_to`` tokens (one static shape for the whole run)."""
+    """(c): ``generate`` with a static cache, ``batch`` prompts at a time, left-padded to the
+    longest prompt, the whole workload's to ``whole_width`` tokens (one static shape for the
+    whole run)."""
 
     name = SYSTEM_NAMES["c"]
 
-    def __init__(self, net, batch: int, compile_forward: bool):
+    def __init__(self, net, batch: int, compile_forward: bool,
+                 whole_width: Optional[int] = None):
         self.net, self.batch, self.compile = net, batch, compile_forward
-        self.net.set_attn_implementation("sdpa")
+        _use_attention(net, "sdpa")
+        self.whole_width = whole_width
         self.pad_to: Optional[int] = None
+
+    def phase(self, whole: bool) -> None:
+        self.pad_to = self.whole_width if whole else None
 
     def run(self, prompts, new_tokens):
         import torch
+        _use_attention(self.net, "sdpa")
         dev = next(self.net.parameters()).device
         out = []
         width = self.pad_to or max(len(p) for p in prompts)
@@ -138,6 +149,15 @@ class StaticRunner(Runner):
                                         disable_compile=not self.compile)
             out.extend(gen[:, width:].tolist())
         return out
+
+
+def _use_attention(net, name: str) -> None:
+    """Switch ``net``, the model every runner shares, to attention ``name`` unless it runs that
+    already: with ``--runs`` the runners take turns on it, each run in its own."""
+    if net.config._attn_implementation != name:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # 5.2x deprecates the prefix 5.17 needs
+            net.set_attn_implementation(name)
 
 
 @contextlib.contextmanager
