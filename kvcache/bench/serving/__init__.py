@@ -25,14 +25,20 @@ at one KV memory budget in bytes; ``--workload window-budget`` (``window_budget`
 Gemma-3-like model with every page kept and with window groups at one budget.
 ``--workload shared-prefix | multi-turn``: ``prefix``.
 
+``--runs N`` (random and kv-budget workloads; ``rounds``): each system's timed measurement N
+times, the systems interleaved round by round (each warmed up once, in its first round), each
+value the median of its rounds and each ratio the median of the per-round ratios (one run's
+ratios move 10-28% on a GPU); the targets are judged on the medians.
+
 ``--tiny`` is the CI smoke run (seconds on a CPU): tiny dims and tiny work (4 requests of 8-32
 tokens, 6 new tokens, 1 layer, batch 4, no profiler off the GPU); its targets are not judged.
 Progress goes to stderr (``say``), a line per phase; the results to stdout.
 
 The package's modules: ``model`` (the workload, the model, the roofline's inputs), ``runners``
 (the systems), ``measure`` (timing one system), ``report`` (the table and its targets),
-``prefix``, ``kv_budget``, ``window_budget`` and ``tp`` (the other workloads); this module holds the command (its options,
-``run``, ``main``) and re-exports their names.
+``rounds`` (``--runs``), ``prefix``, ``kv_budget``, ``window_budget`` and ``tp`` (the other
+workloads); this module holds the command (its options, ``run``, ``main``) and re-exports their
+names.
 """
 
 from __future__ import annotations
@@ -138,9 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cache on and off")
     g.add_argument("--runs", type=_pos, default=1, metavar="N",
                    help="time each system N times (default 1), the systems interleaved round by "
-                        "round after their warm-up, and judge the targets on the medians (one "
-                        "run's ratios move 10-28%% run to run on a GPU); random (default) and "
-                        "kv-budget workloads")
+                        "round (each warmed up once, in its first round), and judge the targets "
+                        "on the medians (one run's ratios move 10-28%% run to run on a GPU); "
+                        "random (default) and kv-budget workloads")
     g.add_argument("--compile-step", action="store_true",
                    help="(a) with Engine(compile_step=True): its captured decode step's model "
                         "code through torch.compile (a GPU)")

@@ -20,7 +20,8 @@ preemptions and recomputed tokens, the pages and their token capacity, and wheth
 sequences were parked in the host tier (the Engine's default on a GPU, every format). For
 the pair: the ratios
 quantized / auto of tokens/s and peak concurrency (targets: > 1.0 each) and the requests whose
-greedy tokens are equal (a count, not a verdict: quantization changes tokens).
+greedy tokens are equal (a count, not a verdict: quantization changes tokens). ``--runs N``:
+each Engine's timed run N times, the two interleaved, the ratios the medians of the rounds'.
 """
 
 from __future__ import annotations
