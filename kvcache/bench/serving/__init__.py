@@ -62,7 +62,7 @@ from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
 from .window_budget import (WINDOW_BUDGET_SIZES, build_window_model, print_window_budget_result,
                             run_window_budget)
 from .tp import TP_SIZES, print_tp_result, run_tp
-from .rounds import combine, interleave, per_round, put_ratio
+from .rounds import interleave, per_round, put_ratio, put_rows
 from .report import TARGET_BUSY, TARGET_ROOFLINE, TARGET_VS_B, print_result
 from .runners import (ASKED, SYSTEM_NAMES, SYSTEMS, EngineRunner, GenerateBatchRunner, Runner,
                       StaticRunner, _quiet_transformers, mixed_graphs_arg)
@@ -335,17 +335,13 @@ def run(args) -> dict:
 
     done = interleave({key: (lambda key=key: rounds(key)) for key in keys if key not in skip},
                       runs, failed)
-    a_out = done["a"][0][1] if "a" in done else None
-    for key, measured in done.items():
-        r = combine([row for row, _ in measured], ("tokens_per_s", "wall_s", "decode_step_ms",
-                                                  "decode_walls_s"))
+    put_rows(result, done, ("tokens_per_s", "wall_s", "decode_step_ms", "decode_walls_s"))
+    a_out = done["a"][0][1] if "a" in done else None     # the first round's tokens
+    for key, r in result["systems"].items():
         if key != "a" and a_out is not None:    # a count, not a verdict: bf16 on a GPU
-            r["same_tokens_as_a"] = sum(x == y for x, y in zip(measured[0][1], a_out))  # ties
+            r["same_tokens_as_a"] = sum(x == y for x, y in zip(done[key][0][1], a_out))  # ties
         if not on_gpu or args.no_busy:
             r["gpu_busy_note"] = "not measured: " + ("no GPU" if not on_gpu else "--no-busy")
-        result["systems"][key] = r
-    if runs > 1:
-        result["runs"] = runs
     a, b, d = (result["systems"].get(key) for key in ("a", "b", "d"))
     if a is not None:
         a_steps, a_tokens = per_round(a, "decode_step_ms"), per_round(a, "tokens_per_s")

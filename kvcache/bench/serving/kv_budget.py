@@ -33,7 +33,7 @@ from ...config import KV_FORMATS
 from .report import print_runs
 from .model import random_prompt_range, workload
 from .prefix import budget_rounds
-from .rounds import combine, interleave, per_round, put_ratio, runs_note
+from .rounds import interleave, per_round, put_ratio, put_rows, runs_note
 
 KV_DTYPES = ("auto",) + KV_FORMATS
 """``--kv-dtype``'s choices: "auto" is the compute dtype (for kv-budget's quantized run:
@@ -124,13 +124,8 @@ def run_kv_budget(args, net, device: str, backend: str, kv_dtype: str, say: Call
     runs = getattr(args, "runs", 1)
     done = interleave({"auto": lambda: rounds("auto", "auto"),
                        "quantized": lambda: rounds("quantized", kv_dtype)}, runs)
-    for key, measured in done.items():
-        result["systems"][key] = combine(
-            [row for row, _ in measured], ("tokens_per_s", "wall_s", "ttft_median_ms",
-                                           "ttft_p90_ms", "peak_running", "preemptions",
-                                           "recomputed_tokens"))
-    if runs > 1:
-        result["runs"] = runs
+    put_rows(result, done, ("tokens_per_s", "wall_s", "ttft_median_ms", "ttft_p90_ms",
+                            "peak_running", "preemptions", "recomputed_tokens"))
     base, quant = result["systems"]["auto"], result["systems"]["quantized"]
     # the greedy tokens of the first round (a count, not a verdict)
     result["same_tokens"] = sum(x == y for x, y in zip(done["auto"][0][1],

@@ -5,7 +5,7 @@ arithmetic behind the busy fraction (``union_length``, ``tail_busy``)."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Generator, Optional
 
 from .model import _sync
 from .runners import Runner
@@ -65,7 +65,7 @@ def measure(runner: Runner, prompts: list, new_tokens: int, decode_prompts: list
 
 def measure_rounds(runner: Runner, prompts: list, new_tokens: int, decode_prompts: list, n1: int,
                    n2: int, device: str, profile_busy: bool, rounds: int,
-                   say: Callable = lambda msg: None) -> Iterator[tuple]:
+                   say: Callable = lambda msg: None) -> Generator[tuple, None, None]:
     """``measure``'s timed measurement ``rounds`` times: yields (row, tokens) per round, so that
     a caller can interleave systems round by round (``rounds.interleave``). The first round is
     ``measure``'s, warm-ups included; a later one repeats the timed runs only (the decode

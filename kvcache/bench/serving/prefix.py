@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Generator, Optional
 
 import numpy as np
 
@@ -281,7 +281,8 @@ def budget_run(make: Callable, describe: Callable, key: str, budget: int, warm: 
 
 def budget_rounds(make: Callable, describe: Callable, key: str, budget: int, warm: list,
                   prompts: list, new_tokens: int, device: str, say: Callable,
-                  counters: tuple = ("preemptions",), rounds: int = 1) -> Iterator[tuple]:
+                  counters: tuple = ("preemptions",),
+                  rounds: int = 1) -> Generator[tuple, None, None]:
     """One Engine's measured runs of a fixed-budget workload (kv-budget, window-budget): the
     Engine ``make()`` builds, its page arrays refused over ``budget`` bytes, a warm-up run on
     the ``warm`` prompts and ``Engine.warm_up()`` (every graph bucket), then ``rounds`` timed

@@ -4,8 +4,8 @@ alike, and the medians the targets are judged on (one run's ratio moved 10-28% r
 the GPU).
 
 ``interleave`` drives the systems' rounds; ``combine`` makes one row of a system's rounds (the
-medians, the per-round values under ``runs``); ``put_ratio`` a ratio of two systems as the
-median of its per-round values; ``runs_note`` says so in a report.
+medians, the per-round values under ``runs``); ``put_rows`` puts them in a result; ``put_ratio`` a
+ratio of two systems as the median of its per-round values; ``runs_note`` says so in a report.
 """
 
 from __future__ import annotations
@@ -60,6 +60,17 @@ def combine(rows: list, fields: tuple) -> dict:
         row[f] = ({k: statistics.median(v[k] for v in values) for k in values[0]}
                   if isinstance(values[0], dict) else statistics.median(values))
     return row
+
+
+def put_rows(result: dict, done: dict, fields: tuple) -> None:
+    """``result["systems"][key]``: ``combine``'s row (over ``fields``) of each system's rounds in
+    ``done`` (``interleave``'s, each round a (row, tokens) pair); ``result["runs"]``: their
+    count, where over one (a result without it is one run's)."""
+    for key, measured in done.items():
+        result["systems"][key] = combine([row for row, _ in measured], fields)
+    runs = max(map(len, done.values()), default=1)
+    if runs > 1:
+        result["runs"] = runs
 
 
 def per_round(row: dict, field: str) -> list:
