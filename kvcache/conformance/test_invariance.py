@@ -80,6 +80,92 @@ class _Run:
         return out
 
 
+def check_invariance(config, fresh, n: int = 0, steps: int = 3) -> None:
+    """The class's runs of one sequence (the module's docstring) on caches made by ``fresh()``
+    (a ``_Run`` of a new batch-invariant cache with ``config``, its prefix cache on): its
+    prompt of ``n`` tokens (0: three pages and a part, at least 24) and ``steps`` decode steps;
+    raises AssertionError naming the first token whose output or lse differs from its run
+    alone. A backend's own tests call it with longer prompts (its kernels' splits)."""
+    ps = config.page_size
+    n = n or max(3 * ps + 5, 24)        # the prompt: three pages and a part, or more
+
+    # alone: the prompt in one forward, then decode steps
+    alone = fresh()
+    alone.add(1, TARGET, n)
+    alone.forward([(1, TARGET, 0, n)])
+    for i in range(steps):
+        alone.forward([(1, TARGET, n + i, 1)])
+    want = alone.outputs()
+    assert len(want) == (n + steps) * config.num_layers
+
+    runs = {}
+    # beside others, in seven uneven chunks, then decoding in a batch
+    run = fresh()
+    run.add(1, TARGET, n)
+    run.add(2, 1, 2 * ps + 1)
+    run.add(3, 2, 7)
+    sizes = [1, 4, max(1, ps - 3), 2, ps + 1, 6]
+    sizes.append(n - sum(sizes))
+    assert sizes[-1] > 0
+    done, other = 0, {2: [1, 0, 2 * ps + 1], 3: [2, 0, 7]}     # content, at, prompt
+    for size in sizes + [1] * steps:
+        items = [(1, TARGET, done, size)]
+        for sid, (content, at, prompt) in other.items():
+            take = min(prompt - at, 5) if at < prompt else 1       # prefill, then decode
+            items.append((sid, content, at, take))
+            other[sid][1] = at + take
+        run.forward(items[1:2] + items[:1] + items[2:])     # the target not always first
+        done += size
+    runs["batched and chunked"] = run
+
+    # the prompt's whole pages from the prefix cache: another sequence computed them
+    run = fresh()
+    run.add(5, TARGET, n)
+    run.forward([(5, TARGET, 0, n)])
+    run.cache.remove_sequence(5)
+    run.pending.clear()
+    cached = run.add(1, TARGET, n)
+    assert cached >= ps, f"expected a prefix-cache hit, got {cached} cached tokens"
+    run.forward([(1, TARGET, cached, n - cached)])
+    for i in range(steps):
+        run.forward([(1, TARGET, n + i, 1)])
+    runs["from the prefix cache"] = run
+
+    # forked from a parent inside a page; the parent goes on with other content beside it
+    run = fresh()
+    cut = ps + 3
+    run.add(6, TARGET, cut)
+    run.forward([(6, TARGET, 0, cut)])
+    run.cache.fork_sequence(6, 1)
+    run.pending.clear()
+    run.forward([(6, 9, cut, 4), (1, TARGET, cut, n - cut)])
+    for i in range(steps):
+        run.forward([(1, TARGET, n + i, 1), (6, 9, cut + 4 + i, 1)])
+    runs["forked inside a page"] = run
+
+    # decoding beside two forks of itself (a shared prefix of three pages)
+    run = fresh()
+    run.add(1, TARGET, n)
+    run.forward([(1, TARGET, 0, n)])
+    for sid in (7, 8):
+        run.cache.fork_sequence(1, sid)
+    for i in range(steps):
+        run.forward([(7, 7, n + i, 1), (1, TARGET, n + i, 1), (8, 8, n + i, 1)])
+    runs["decoding beside its forks"] = run
+
+    for what, run in runs.items():
+        got = run.outputs()
+        assert got, what
+        for key, bits in sorted(got.items()):
+            if bits != want[key]:
+                pos, layer = key
+                o_got = np.frombuffer(bits[0], dtype=np.uint8)
+                raise AssertionError(
+                    f"{what}: the token at position {pos}, layer {layer}, differs from the "
+                    f"same token computed alone ({int((o_got != np.frombuffer(want[key][0], np.uint8)).sum())} "
+                    f"output bytes differ; lse equal: {bits[1] == want[key][1]})")
+
+
 class TestBatchInvariance(Conformance):
     """A sequence's tokens: the same bits alone, batched, chunked, from the prefix cache, forked
     and decoding beside its forks."""
@@ -96,86 +182,7 @@ class TestBatchInvariance(Conformance):
     def test_a_tokens_bits_do_not_depend_on_the_forward_around_it(self, make_pair,
                                                                    kvcache_device):
         config, fresh = self._cache(make_pair, kvcache_device)
-        ps = config.page_size
-        n = max(3 * ps + 5, 24)             # the prompt: three pages and a part, or more
-        steps = 3                           # decode steps after it
-
-        # alone: the prompt in one forward, then decode steps
-        alone = fresh()
-        alone.add(1, TARGET, n)
-        alone.forward([(1, TARGET, 0, n)])
-        for i in range(steps):
-            alone.forward([(1, TARGET, n + i, 1)])
-        want = alone.outputs()
-        assert len(want) == (n + steps) * config.num_layers
-
-        runs = {}
-        # beside others, in seven uneven chunks, then decoding in a batch
-        run = fresh()
-        run.add(1, TARGET, n)
-        run.add(2, 1, 2 * ps + 1)
-        run.add(3, 2, 7)
-        sizes = [1, 4, max(1, ps - 3), 2, ps + 1, 6]
-        sizes.append(n - sum(sizes))
-        assert sizes[-1] > 0
-        done, other = 0, {2: [1, 0, 2 * ps + 1], 3: [2, 0, 7]}     # content, at, prompt
-        for size in sizes + [1] * steps:
-            items = [(1, TARGET, done, size)]
-            for sid, (content, at, prompt) in other.items():
-                take = min(prompt - at, 5) if at < prompt else 1       # prefill, then decode
-                items.append((sid, content, at, take))
-                other[sid][1] = at + take
-            run.forward(items[1:2] + items[:1] + items[2:])     # the target not always first
-            done += size
-        runs["batched and chunked"] = run
-
-        # the prompt's whole pages from the prefix cache: another sequence computed them
-        run = fresh()
-        run.add(5, TARGET, n)
-        run.forward([(5, TARGET, 0, n)])
-        run.cache.remove_sequence(5)
-        run.pending.clear()
-        cached = run.add(1, TARGET, n)
-        assert cached >= ps, f"expected a prefix-cache hit, got {cached} cached tokens"
-        run.forward([(1, TARGET, cached, n - cached)])
-        for i in range(steps):
-            run.forward([(1, TARGET, n + i, 1)])
-        runs["from the prefix cache"] = run
-
-        # forked from a parent inside a page; the parent goes on with other content beside it
-        run = fresh()
-        cut = ps + 3
-        run.add(6, TARGET, cut)
-        run.forward([(6, TARGET, 0, cut)])
-        run.cache.fork_sequence(6, 1)
-        run.pending.clear()
-        run.forward([(6, 9, cut, 4), (1, TARGET, cut, n - cut)])
-        for i in range(steps):
-            run.forward([(1, TARGET, n + i, 1), (6, 9, cut + 4 + i, 1)])
-        runs["forked inside a page"] = run
-
-        # decoding beside two forks of itself (a shared prefix of three pages)
-        run = fresh()
-        run.add(1, TARGET, n)
-        run.forward([(1, TARGET, 0, n)])
-        for sid in (7, 8):
-            run.cache.fork_sequence(1, sid)
-        for i in range(steps):
-            run.forward([(7, 7, n + i, 1), (1, TARGET, n + i, 1), (8, 8, n + i, 1)])
-        runs["decoding beside its forks"] = run
-
-        for what, run in runs.items():
-            got = run.outputs()
-            assert got, what
-            for key, bits in sorted(got.items()):
-                if bits != want[key]:
-                    pos, layer = key
-                    o_got = np.frombuffer(bits[0], dtype=np.uint8)
-                    raise AssertionError(
-                        f"{what}: the token at position {pos}, layer {layer}, differs from the "
-                        f"same token computed alone ({int((o_got != np.frombuffer(want[key][0], np.uint8)).sum())} "
-                        f"output bytes differ; lse equal: {bits[1] == want[key][1]})")
-
+        check_invariance(config, fresh)
     def test_token_trees_are_refused(self, make_pair, kvcache_device):
         config, fresh = self._cache(make_pair, kvcache_device)
         run = fresh()

@@ -62,6 +62,7 @@ def _register_interpreter_run(markexpr: str) -> None:
            str(here / "test_cuda_end_to_end.py"), str(here / "test_cuda_graph_mode.py"),
            str(here / "test_cuda_fp8.py"), str(here / "test_cuda_static_mixed.py"),
            str(here / "test_invariant_triton_ops.py"), str(here / "test_cuda_flash.py"),
+           str(here / "test_cuda_batch_invariant.py"),
            "-k", "(not end_to_end and not graph) or token_tree or fused_qkv "
                  "or graph_mode_decode_equals",
            "-m", markexpr]

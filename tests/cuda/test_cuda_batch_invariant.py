@@ -97,3 +97,42 @@ def test_invariant_decode_steps_take_fewer_rows_with_the_prefill_key_step():
     assert (c.inv_block_r, c.inv_m_tok) == (64, 16)
     off = cfg(dataclasses.replace(sm90, invariant_decode_rows=0))
     assert off.inv_tiles == off.pre_tiles and off.inv_m_tok == off.pre_m_tok == 32
+
+
+@pytest.mark.parametrize("dtype,ps,split", cc.interpreter_sample(
+    [(d, ps, split) for d in cc.DTYPES for ps in (16, 1) for split in (True, False)],
+    keep=[("float32", 16, True)]))
+def test_a_tokens_bits_hold_across_key_segments(impl, dtype, ps, split):
+    """Batch-invariant attention cuts a row's keys into segments of a fixed size from key 0,
+    each its own softmax, folded in key order. A prompt chunk folds its rows' segments in its
+    program; a decode step does the same, or (``split``, the default) runs one program per
+    (sequence, segment) and folds their partials in a second kernel. The conformance class's runs of one sequence (alone; chunked beside others, so
+    its decode steps share a step with prompt chunks; from the prefix cache; forked; beside
+    its forks) on a prompt of several segments, whose decode steps cross into a new one, give
+    the same bits: small tiles and 32-key segments, so the interpreter covers several. (The
+    decode steps take the prefill tile's rows here: tiles of other rows must share its MMA
+    layout, which the shipped pair does: the conformance run on the GPU checks those.) With
+    the fold kernel taking the segments in reverse order the forked run's first decode token
+    differs."""
+    import kvcache
+    from kvcache.conformance.test_invariance import _Run, check_invariance
+    from kvcache_cuda.tuning import AttnTiles
+
+    cfg = kvcache.CacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                              page_size=ps, dtype=dtype, max_total_tokens=1024, max_batch_size=8,
+                              batch_invariant=True, prefix_cache=True, rope_mode="none")
+    tiles = {64: {"prefill": AttnTiles(32, 16, 4, 1)}}
+
+    def fresh():
+        cache = kvcache.PagedKVCache(cfg, backend="cuda", device=cc.DEVICE)
+        cache.backend.impl = impl
+        t = cache.backend.tuning
+        cache.backend.tuning = t.with_(
+            invariant_segment_keys=32, by_head_dim={**t.by_head_dim, **tiles},
+            float32_by_head_dim={**t.float32_by_head_dim, **tiles}, invariant_decode_rows=32,
+            invariant_split_programs=0 if split else 1)
+        return _Run(cache)
+
+    # 62 prompt tokens: segments of 32 and 30 keys; the third decode step (key 64) opens a
+    # third
+    check_invariance(cfg, fresh, n=62)

@@ -297,6 +297,33 @@ def _finish(acc, m_i, l_i, sink2, SINKS: tl.constexpr):
 
 
 @triton.jit
+def _segment_result(acc, m_i, l_i):
+    """A key segment's result alone (batch-invariant mode): (o, lse2), o = acc / l and lse2 =
+    m + log2(l) in log2 units, float32; a row that saw no key of it: o 0, lse2 -inf (it then
+    folds in as nothing, bit for bit)."""
+    empty = l_i == 0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    return o, lse2
+
+
+@triton.jit
+def _segment_fold(m_f, l_f, acc_f, o_s, lse2_s):
+    """Fold one segment's (o_s, lse2_s) into a row's running (m, l, acc), segments in key order.
+    The one definition of the fold: the paged prefill kernel folds a row's segments in its
+    program, the segment merge folds the partials of a decode step's programs, and a token
+    gets the same bits either way (explicit FMAs: no contraction the two kernels could do
+    differently)."""
+    m_new = tl.maximum(m_f, lse2_s)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_f - m_use)
+    w = tl.exp2(lse2_s - m_use)
+    acc_f = tl.fma(acc_f, alpha[:, None], o_s * w[:, None])
+    l_f = tl.fma(l_f, alpha, w)
+    return m_new, l_f, acc_f
+
+
+@triton.jit
 def _row_sinks(sinks_ptr, head, row_ok, SINKS: tl.constexpr):
     """Per row, its head's sink logit in log2 units (any float dtype in memory); 0 unused."""
     sink2 = tl.zeros(head.shape, tl.float32)
@@ -874,6 +901,31 @@ def _ragged_nonfinite_kernel(v_ptr, bad_ptr, any_ptr, o_ptr, qo_ptr, tind_ptr, t
 
 
 @triton.jit
+def _paged_segment(q1, q2, seg_lo, seg_hi, sink, gap, pind_ptr, pages_ptr, kvh, sp_page, sp_kv,
+                   sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale, v_scale,
+                   softcap_log2, krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order,
+                   kfloor, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, ROPE: tl.constexpr,
+                   TREE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                   QUANT: tl.constexpr):
+    """One key segment of batch-invariant attention (keys ``seg_lo`` .. ``seg_hi``): its own
+    online softmax over BLOCK_N masked steps in key order, as ``_segment_result``'s (o, lse2);
+    QUANT: V's scale applied per segment. The one body of both ways of computing segments."""
+    m_i = tl.zeros([BLOCK_R], tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for j0 in range(seg_lo, seg_hi, BLOCK_N):
+        m_i, l_i, acc = _paged_step(
+            q1, q2, m_i, l_i, acc, j0, seg_hi, sink, gap, pind_ptr, pages_ptr, kvh, sp_page,
+            sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale, softcap_log2,
+            krope, inv_freq, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor, HALF,
+            PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE, SOFTCAP, QUANT)
+    if QUANT:
+        acc = acc * v_scale
+    return _segment_result(acc, m_i, l_i)
+
+
+@triton.jit
 def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr, pind_ptr,
                           kvlen_ptr, sink_ptr, gap_ptr, krope_ptr, qpos_ptr, tind_ptr, tmask_ptr,
                           sinks_ptr, n_entries, sq_t, sq_h, sp_page, sp_kv, sp_head, sp_row, so_t,
@@ -886,7 +938,9 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                           IEEE: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                           SOFTCAP: tl.constexpr, SINKS: tl.constexpr, QUANT: tl.constexpr,
                           CHAINS: tl.constexpr, KV_SPLITS: tl.constexpr, UNIFORM: tl.constexpr,
-                          INVARIANT: tl.constexpr = False, GUARD: tl.constexpr = False):
+                          INVARIANT: tl.constexpr = False, GUARD: tl.constexpr = False,
+                          SEG: tl.constexpr = 0, SEG_SPLIT: tl.constexpr = False,
+                          SEG_K: tl.constexpr = 1):
     """Entries with many queries; grid (sum of q tiles upper bound, Hkv, KV_SPLITS). Tile ->
     entry by a vector prefix sum over all entries (no host-side tile plan, no extra launches).
     UNIFORM: the entry's scalars and the lean loop's bounds through ``_warp_uniform``.
@@ -898,12 +952,17 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
     so the loop stops there; the keys every row of the tile sees (the history before the tree,
     and with CHAINS, causal chains, the tree keys up to the tile's first query) run unmasked,
     only the rest through the tree mask and the masked non-finite V handling.
-    INVARIANT (``CacheConfig(batch_invariant=True)``, KV_SPLITS 1): no unmasked run (``full``
-    0), so every row's keys go through the masked loop in BLOCK_N tiles from key 0, in key
-    order, each masked per key: a row's online softmax
-    takes the same steps whatever the other rows of its tile (the tiles past its last key
-    change nothing: p = 0, alpha = 1), so a token gets the same bits in a prompt chunk or a
-    decode step (the launcher sends decode entries here too).
+    INVARIANT (``CacheConfig(batch_invariant=True)``, KV_SPLITS 1): a row's keys fall in
+    segments of SEG keys (a multiple of BLOCK_N) from key 0, whatever the batch; each segment
+    is its own online softmax over BLOCK_N tiles in key order, masked per key, and the
+    segments' results fold in key order (``_segment_result``, ``_segment_fold``). A row's
+    steps do not depend on the other rows of its tile (the tiles past its last key change
+    nothing: p = 0, alpha = 1; a segment past it folds in as nothing), so a token gets the
+    same bits in a prompt chunk (the program folds its segments itself) and in a decode step
+    (SEG_SPLIT: grid 0 is entries x SEG_K, program k of an entry takes its segments k, k +
+    SEG_K, ... and stores each one's fp32 (o, lse2) at row (the entry's first partial + the
+    segment) of ``o_ptr`` / ``lse_ptr``, the entries' segments in entry order, folded by
+    ``_fold_segments_kernel``): a fixed split size, whatever programs compute the segments.
     GUARD (KV_SPLITS 1): as the ragged kernel's."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -911,14 +970,22 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
     e_ok = ei < n_entries
     e_lo = tl.load(qo_ptr + ei, mask=e_ok, other=0)
     e_hi = tl.load(qo_ptr + ei + 1, mask=e_ok, other=0)
-    nb = (e_hi - e_lo + M_TOK - 1) // M_TOK
-    cum = tl.cumsum(nb, 0)
-    e = _warp_uniform(tl.sum((cum <= pid).to(tl.int32), 0), UNIFORM)
+    if SEG_SPLIT:       # SEG_K programs an entry; nb: the entries' key segments
+        nb = (tl.load(kvlen_ptr + ei, mask=e_ok, other=0) + SEG - 1) // SEG
+        e = _warp_uniform(pid // SEG_K, UNIFORM)
+    else:               # a program per query tile of an entry
+        nb = (e_hi - e_lo + M_TOK - 1) // M_TOK
+        cum = tl.cumsum(nb, 0)
+        e = _warp_uniform(tl.sum((cum <= pid).to(tl.int32), 0), UNIFORM)
     go = e < n_entries
     if GUARD:
         go = go & (tl.load(guard_ptr) != 0)
     if go:
-        m0 = _warp_uniform((pid - tl.sum(tl.where(ei < e, nb, 0), 0)) * M_TOK, UNIFORM)
+        if SEG_SPLIT:
+            first = _warp_uniform(tl.sum(tl.where(ei < e, nb, 0), 0), UNIFORM)
+            m0 = 0
+        else:
+            m0 = _warp_uniform((pid - tl.sum(tl.where(ei < e, nb, 0), 0)) * M_TOK, UNIFORM)
         lo = _warp_uniform(tl.load(qo_ptr + e), UNIFORM)
         nq = _warp_uniform(tl.load(qo_ptr + e + 1), UNIFORM) - lo
         kv_len = _warp_uniform(tl.load(kvlen_ptr + e), UNIFORM)
@@ -969,64 +1036,101 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
                 full = tree_start
             full = tl.where(ts > 0, tl.minimum(full, hi), kv_len)
         if INVARIANT:
-            # no unmasked run: every key tile, from key 0, through the masked loop at the end
-            full = hi * 0
-        # this program's run of the keys (all of them without a split)
-        s_lo = 0
-        s_hi = hi
-        if KV_SPLITS > 1:
-            span = tl.cdiv(hi, KV_SPLITS * BLOCK_N) * BLOCK_N
-            s_lo = tl.program_id(2) * span
-            s_hi = tl.minimum(hi, s_lo + span)
-        u_hi = tl.minimum(full, s_hi)
-        # keys s_lo .. u_hi need no tree mask. Of them, whole tiles every row of this tile
-        # sees (below u_hi, at or above every row's window floor, none of the sinks) run with
-        # no mask per key or score (EDGE False); the tiles before (under some row's floor,
-        # holding sinks) and the last, partial one (keys past u_hi load as 0 and are not
-        # seen) run masked, in one loop. The masked tree loop starts at ``full``: a decode
-        # row's chain ends in its only query, so it never takes that loop.
-        top = sink               # the lowest key every row sees in full
-        if window_left >= 0:     # at or above the highest floor
-            top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
-        lean_lo, lean_hi = _lean_tiles(s_lo, u_hi, top, BLOCK_N)
-        # (a window's top comes from the rows' floors, a vector: broadcast again)
-        lean_lo = _warp_uniform(lean_lo, UNIFORM)
-        lean_hi = _warp_uniform(lean_hi, UNIFORM)
-        for j0 in range(lean_lo, lean_hi, BLOCK_N):
-            m_i, l_i, acc = _paged_step(
-                q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-                sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
-                softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
-                HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
-        edges, heads = _edge_tiles(s_lo, u_hi, lean_lo, lean_hi, BLOCK_N)
-        # the guard skips the masked loop's pipeline prologue (its first stages' address and
-        # mask arithmetic run even for no trip): where every tile is lean (keys a multiple of
-        # BLOCK_N, no window or sinks) that was most of a program's fixed instructions
-        if edges > 0:
-            for i in range(0, edges):
-                j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
+            # fixed key segments from key 0, each a masked online softmax of its own, folded
+            # in key order (the docstring); no unmasked run, no split by count
+            if SEG_SPLIT:      # segments k, k + SEG_K, ... of one decode entry: partials
+                rs = tl.arange(0, BLOCK_R)
+                head = rs % GROUP + kvh * GROUP
+                row_ok = rs < GROUP                 # the entry's one query
+                for seg in range(pid % SEG_K, (hi + SEG - 1) // SEG, SEG_K):
+                    seg_lo = seg * SEG
+                    seg_hi = tl.minimum(hi, seg_lo + SEG)
+                    o_s, lse2 = _paged_segment(
+                        q1, q2, seg_lo, seg_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                        sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                        qk_scale * ks, vs, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, BLOCK_R, BLOCK_DV,
+                        ROPE, TREE, IEEE, SOFTCAP, QUANT)
+                    part = (first + seg).to(tl.int64)
+                    tl.store(o_ptr + part * so_t + head[:, None] * so_h + dv[None, :], o_s,
+                             mask=row_ok[:, None] & dv_ok[None, :])
+                    tl.store(lse_ptr + part * sl_t + head, lse2, mask=row_ok)
+            else:              # every segment of the tile's rows, folded here
+                m_f = tl.zeros([BLOCK_R], tl.float32) - float("inf")
+                l_f = tl.zeros([BLOCK_R], tl.float32)
+                acc_f = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+                for seg_lo in range(0, hi, SEG):
+                    seg_hi = tl.minimum(hi, seg_lo + SEG)
+                    o_s, lse2 = _paged_segment(
+                        q1, q2, seg_lo, seg_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                        sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                        qk_scale * ks, vs, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, BLOCK_R, BLOCK_DV,
+                        ROPE, TREE, IEEE, SOFTCAP, QUANT)
+                    m_f, l_f, acc_f = _segment_fold(m_f, l_f, acc_f, o_s, lse2)
+                tok, head, row_ok = _out_rows(lo, m0, nq, kvh, GROUP, M_TOK, BLOCK_R)
+                o, lse = _finish(acc_f, m_f, l_f, _row_sinks(sinks_ptr, head, row_ok, SINKS),
+                                 SINKS)
+                tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + dv[None, :],
+                         o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+                tl.store(lse_ptr + tok * sl_t + head, lse, mask=row_ok)
+        else:
+            # this program's run of the keys (all of them without a split)
+            s_lo = 0
+            s_hi = hi
+            if KV_SPLITS > 1:
+                span = tl.cdiv(hi, KV_SPLITS * BLOCK_N) * BLOCK_N
+                s_lo = tl.program_id(2) * span
+                s_hi = tl.minimum(hi, s_lo + span)
+            u_hi = tl.minimum(full, s_hi)
+            # keys s_lo .. u_hi need no tree mask. Of them, whole tiles every row of this tile
+            # sees (below u_hi, at or above every row's window floor, none of the sinks) run with
+            # no mask per key or score (EDGE False); the tiles before (under some row's floor,
+            # holding sinks) and the last, partial one (keys past u_hi load as 0 and are not
+            # seen) run masked, in one loop. The masked tree loop starts at ``full``: a decode
+            # row's chain ends in its only query, so it never takes that loop.
+            top = sink               # the lowest key every row sees in full
+            if window_left >= 0:     # at or above the highest floor
+                top = tl.maximum(top, tl.max(tl.where(row_ok, kfloor, -1073741824), 0) - krope)
+            lean_lo, lean_hi = _lean_tiles(s_lo, u_hi, top, BLOCK_N)
+            # (a window's top comes from the rows' floors, a vector: broadcast again)
+            lean_lo = _warp_uniform(lean_lo, UNIFORM)
+            lean_hi = _warp_uniform(lean_hi, UNIFORM)
+            for j0 in range(lean_lo, lean_hi, BLOCK_N):
                 m_i, l_i, acc = _paged_step(
-                    q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr,
-                    kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
-                    qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
-                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE,
-                    SOFTCAP, QUANT)
-        if TREE or INVARIANT:
-            for j0 in range(tl.maximum(full, s_lo), s_hi, BLOCK_N):
-                m_i, l_i, acc = _paged_step(
-                    q1, q2, m_i, l_i, acc, j0, s_hi, sink, gap, pind_ptr + pstart, pages_ptr,
-                    kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
-                    qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
-                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE,
-                    SOFTCAP, QUANT)
-        if QUANT:
-            acc = acc * vs
-        tok, head, row_ok = _out_rows(lo, m0, nq, kvh, GROUP, M_TOK, BLOCK_R)
-        o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
-        split = tl.program_id(2).to(tl.int64)
-        tl.store(o_ptr + tok[:, None] * so_t + split * so_s + head[:, None] * so_h + dv[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-        tl.store(lse_ptr + tok * sl_t + split * sl_s + head, lse, mask=row_ok)
+                    q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                    sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok, qk_scale * ks,
+                    softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo, tree_start, q_order, kfloor,
+                    HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE, SOFTCAP, QUANT, False)
+            edges, heads = _edge_tiles(s_lo, u_hi, lean_lo, lean_hi, BLOCK_N)
+            # the guard skips the masked loop's pipeline prologue (its first stages' address and
+            # mask arithmetic run even for no trip): where every tile is lean (keys a multiple of
+            # BLOCK_N, no window or sinks) that was most of a program's fixed instructions
+            if edges > 0:
+                for i in range(0, edges):
+                    j0 = _edge_tile(i, heads, s_lo, lean_hi, BLOCK_N)
+                    m_i, l_i, acc = _paged_step(
+                        q1, q2, m_i, l_i, acc, j0, u_hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                        kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                        qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, False, IEEE,
+                        SOFTCAP, QUANT)
+            if TREE:
+                for j0 in range(tl.maximum(full, s_lo), s_hi, BLOCK_N):
+                    m_i, l_i, acc = _paged_step(
+                        q1, q2, m_i, l_i, acc, j0, s_hi, sink, gap, pind_ptr + pstart, pages_ptr,
+                        kvh, sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                        qk_scale * ks, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, ROPE, TREE, IEEE,
+                        SOFTCAP, QUANT)
+            if QUANT:
+                acc = acc * vs
+            tok, head, row_ok = _out_rows(lo, m0, nq, kvh, GROUP, M_TOK, BLOCK_R)
+            o, lse = _finish(acc, m_i, l_i, _row_sinks(sinks_ptr, head, row_ok, SINKS), SINKS)
+            split = tl.program_id(2).to(tl.int64)
+            tl.store(o_ptr + tok[:, None] * so_t + split * so_s + head[:, None] * so_h + dv[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+            tl.store(lse_ptr + tok * sl_t + split * sl_s + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -1067,6 +1171,44 @@ def _merge_splits_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, sinks_ptr, n_heads, so_
     tl.store(o_ptr + t * n_heads * HEAD_DIM_V + h[:, None] * HEAD_DIM_V + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=hd_ok)
     tl.store(lse_ptr + t * n_heads + h, lse, mask=h_ok)
+
+
+@triton.jit
+def _fold_segments_kernel(po_ptr, pl_ptr, o_ptr, lse_ptr, qo_ptr, kvlen_ptr, sinks_ptr,
+                          n_entries, n_heads, spo_p, spo_h, spl_p,
+                          SEG: tl.constexpr, BLOCK_E: tl.constexpr, HEADS: tl.constexpr,
+                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, SINKS: tl.constexpr):
+    """o (T, Hq, Dv) / lse (T, Hq) of a batch-invariant decode step's one query an entry: its
+    segments' fp32 partials (the paged prefill kernel's SEG_SPLIT programs, one per (entry,
+    segment) in entry order) folded in key order by ``_segment_fold``, as the prefill kernel
+    folds a prompt row's segments in its program; grid (entries, heads / HEADS). The sink
+    joins once, in ``_finish``. Rows no entry covers are not written (the caller's fill)."""
+    e = tl.program_id(0)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    h_ok = h < n_heads
+    d = tl.arange(0, BLOCK_DV)
+    hd_ok = h_ok[:, None] & (d < HEAD_DIM_V)[None, :]
+    if e < n_entries:
+        lo = tl.load(qo_ptr + e)
+        if tl.load(qo_ptr + e + 1) > lo:
+            ei = tl.arange(0, BLOCK_E)
+            nb = (tl.load(kvlen_ptr + ei, mask=ei < n_entries, other=0) + SEG - 1) // SEG
+            first = tl.sum(tl.where(ei < e, nb, 0), 0)
+            count = (tl.load(kvlen_ptr + e) + SEG - 1) // SEG
+            m_f = tl.zeros([HEADS], tl.float32) - float("inf")
+            l_f = tl.zeros([HEADS], tl.float32)
+            acc_f = tl.zeros([HEADS, BLOCK_DV], tl.float32)
+            for i in range(0, count):
+                part = (first + i).to(tl.int64)
+                o_s = tl.load(po_ptr + part * spo_p + h[:, None] * spo_h + d[None, :],
+                              mask=hd_ok, other=0.0)
+                lse2 = tl.load(pl_ptr + part * spl_p + h, mask=h_ok, other=float("-inf"))
+                m_f, l_f, acc_f = _segment_fold(m_f, l_f, acc_f, o_s, lse2)
+            o, lse = _finish(acc_f, m_f, l_f, _row_sinks(sinks_ptr, h, h_ok, SINKS), SINKS)
+            tok = lo.to(tl.int64)
+            tl.store(o_ptr + tok * n_heads * HEAD_DIM_V + h[:, None] * HEAD_DIM_V + d[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=hd_ok)
+            tl.store(lse_ptr + tok * n_heads + h, lse, mask=h_ok)
 
 
 @triton.jit
@@ -1333,7 +1475,7 @@ class _Cfg:
     __slots__ = ("half", "block_half", "block_d", "dv", "block_dv", "ieee", "rope_hb", "ew_warps",
                  "dec_tiles", "dec_block_r", "pre_tiles", "pre_block_r", "pre_m_tok", "rag_tiles",
                  "rag_block_r", "rag_m_tok", "merge_rows", "inv_tiles", "inv_block_r", "inv_m_tok",
-                 "rope_runs", "merge", "quant", "uniform")
+                 "inv_seg", "rope_runs", "merge", "quant", "uniform")
 
     def __init__(self, ctx):
         d = ctx.head_dim
@@ -1357,6 +1499,8 @@ class _Cfg:
             t, block_rows=min(t.block_rows, max(rows, _p2(ctx.group))),
             num_warps=min(t.num_warps, 4))
         self.inv_block_r, self.inv_m_tok = _prefill_rows(self.inv_tiles, ctx.group)
+        # batch-invariant key segments: whole key steps (both tiles share the prefill's step)
+        self.inv_seg = -(-max(ctx.tuning.invariant_segment_keys, 1) // t.block_n) * t.block_n
         # the ragged kernel's own tiles (16-bit pages; over fp8 ones it keeps the prefill tiles)
         self.rag_tiles = (self.pre_tiles if ctx.kv_quant else
                           ctx.tuning.tiles("ragged", tile_d, self.ieee))
@@ -1622,7 +1766,8 @@ class _Record:
 
     __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl", "mrun",
                  "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
-                 "v_out", "bad", "any_bad", "variants", "kgrid", "krun", "k_in", "decode")
+                 "v_out", "bad", "any_bad", "variants", "kgrid", "krun", "k_in", "decode",
+                 "seg_split", "parts")
     # the slots' types, for mypy (annotations only: no class attributes next to the slots)
     grid: Any
     pre: Any
@@ -1650,6 +1795,8 @@ class _Record:
     krun: Any
     k_in: Any
     decode: Any
+    seg_split: Any
+    parts: Any
 
 
 def _variant(rec, mode, sinks, guard=False):
@@ -1841,6 +1988,7 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
     rec.splits = 1
     # batch-invariant: every entry, decode ones too, through the prefill kernel's one loop
     rec.decode = depth.use_decode and not ctx.batch_invariant
+    rec.seg_split = False
     if rec.decode:
         tiles = cfg.dec_tiles
         splits = rec.splits = num_splits(ctx.tuning, n * ctx.num_kv_heads, int(depth.max_kv_len),
@@ -1864,11 +2012,25 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             **flags, num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     else:
         tiles, block_r, m_tok = cfg.pre_tiles, cfg.pre_block_r, cfg.pre_m_tok
-        if ctx.batch_invariant and depth.use_decode:
+        # batch-invariant steps of one query an entry (decode; also where the planner chose
+        # the prefill kernel for them) take the smaller tiles and (Tuning says when) a program
+        # per (entry, key segment), then the fold kernel. The segments are fixed, so where
+        # they are computed changes no bit
+        one_query = ctx.batch_invariant and (depth.use_decode or depth.max_qo_len == 1)
+        if one_query:
             tiles, block_r, m_tok = cfg.inv_tiles, cfg.inv_block_r, cfg.inv_m_tok
+        below = ctx.tuning.invariant_split_programs
+        rec.seg_split = one_query and (not below or n * ctx.num_kv_heads < below)
         splits = rec.splits = 1 if ctx.batch_invariant else \
             prefill_splits(ctx.tuning, depth.shared, int(depth.max_kv_len))
         rec.grid = (triton.cdiv(t_total, m_tok) + n, ctx.num_kv_heads, splits)
+        if rec.seg_split:
+            rec.parts = 0           # partial rows held; sized per call (_segment_partials)
+            heads = min(_p2(hq), 16)
+            rec.mrun = ({sinks: _Kernel(_fold_segments_kernel, dict(
+                SEG=cfg.inv_seg, BLOCK_E=_p2(n), HEADS=heads, HEAD_DIM_V=dv,
+                BLOCK_DV=cfg.block_dv, SINKS=sinks, num_warps=cfg.ew_warps))
+                for sinks in (False, True)}, (n, triton.cdiv(hq, heads), 1))
         if splits > 1:         # fp32 partials (T, splits, Hq, Dv) / (T, splits, Hq), merged
             rec.so = (splits * hq * dv, dv, hq * dv)
             rec.sl = (splits * hq, hq)
@@ -1885,8 +2047,41 @@ def _paged_record(ctx, q, depth, rope, use_qpos):
             GROUP=ctx.group, M_TOK=m_tok, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
             BLOCK_E=_p2(n), **flags, CHAINS=depth.tree is not None and depth.tree.chains,
             KV_SPLITS=splits, UNIFORM=cfg.uniform, INVARIANT=ctx.batch_invariant, GUARD=False,
+            SEG=cfg.inv_seg if ctx.batch_invariant else 0, SEG_SPLIT=rec.seg_split, SEG_K=1,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     return _keep(launch, key, (depth, rope), rec, q)
+
+
+def _segment_partials(ctx, rec, depth, q):
+    """(programs an entry, partial o, partial lse) of a batch-invariant decode step's segment
+    programs. Programs an entry: as many as its longest sequence has segments (the host's
+    ``max_kv_len``; a static cache's is its capacity), at most enough for entries x KV heads x
+    programs to fill the GPU ``split_programs_per_sm`` times over. The partials number at most
+    the entries plus their keys over the segment size, and an entry's keys are at most its
+    pages' slots: ``page_indices`` bounds them on the host with no read of the lengths (a
+    static cache's buffer bounds every replay of its graph alike); that many rows of (Hq, Dv)
+    float32, about 1% of a layer's KV bytes."""
+    cfg, n = _cfg(ctx), depth.num_entries
+    fill = ctx.tuning.split_programs_per_sm * ctx.num_sms
+    k = max(1, min(triton.cdiv(int(depth.max_kv_len), cfg.inv_seg),
+                   triton.cdiv(fill, max(n * ctx.num_kv_heads, 1))))
+    parts = triton.cdiv(depth.page_indices.numel() * ctx.page_size, cfg.inv_seg) + n
+    if parts > rec.parts or _capturing(q):
+        hq, dv = rec.o_shape[1], rec.o_shape[2]
+        rec.po, rec.pl = _scratch(ctx, q.device, (((parts, hq, dv), torch.float32),
+                                                  ((parts, hq), torch.float32)))
+        rec.parts = parts
+    return k, rec.po, rec.pl
+
+
+def _segment_kernel(rec, mode, k):
+    """The record's segment-split kernel for softcap ``mode`` and ``k`` programs an entry."""
+    key = ("segments", mode, k)
+    run = rec.variants.get(key)
+    if run is None:
+        run = rec.variants[key] = _Kernel(rec.run.jit, dict(rec.run.kw, SOFTCAP=mode,
+                                                            SINKS=False, SEG_K=k))
+    return run
 
 
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
@@ -1950,6 +2145,18 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
         if t_total == 0 or depth.num_entries == 0:
             return o, lse
     tind, tmask, n = rec.post
+    if rec.seg_split:
+        k, po, pl = _segment_partials(ctx, rec, depth, q)
+        no_sinks = spec[:len(spec) - len(_sinks_spec(sinks))]
+        _segment_kernel(rec, mode, k)(
+            (n * k,) + rec.grid[1:], no_sinks, q, pages, po, pl, *rec.pre, qpos, tind, tmask, depth.qo_indptr, n,
+            sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], po.stride(0), po.stride(1), 0,
+            pl.stride(0), 0, *scales, *rec.rope, int(window_left), scale_arg, scale_arg)
+        folds, fgrid = rec.mrun
+        folds[sinks is not None](fgrid, (o.dtype, *_sinks_spec(sinks)), po, pl, o, lse,
+                                 depth.qo_indptr, depth.kv_len, sinks_arg, n, rec.o_shape[1],
+                                 po.stride(0), po.stride(1), pl.stride(0))
+        return o, lse
     if rec.splits > 1:
         # the partials carry no sink (the merge adds it once); a split that sees no key of a
         # row leaves lse -inf, and rows no entry covers keep the fill: the merge skips both

@@ -68,6 +68,18 @@ class Tuning:
     # MMA rows; conformance's TestBatchInvariance checks the bits), the work wasted on rows of
     # no query a fraction of the prefill tile's. 0: the prefill tiles
     invariant_decode_rows: int = 64
+    # and the keys of a row fall in segments of this many keys from key 0 (rounded up to whole
+    # key steps), each its own softmax, folded in key order: a decode step can run one program
+    # per (entry, segment), a prompt chunk folds them in its program, and the bits are the
+    # same. Fixed per architecture and cache: a split size, not a split count chosen by the
+    # batch (H200, tools/invariant_attention_lab.py: 1,024 was the best of 512 / 1,024 / 2,048
+    # over B=1-64; docs/determinism.md)
+    invariant_segment_keys: int = 1024
+    # a batch-invariant step of one query an entry runs a program per (entry, segment) while
+    # entries x KV heads are under this many programs, else one program an entry (no partials
+    # to write and read); 0: always split (on the H200 as fast or faster at every batch).
+    # Either gives the same bits (the tests force both)
+    invariant_split_programs: int = 0
 
     # float32 caches: twice the bytes per tile, so the 2-byte defaults can exceed shared memory
     float32_by_head_dim: dict = field(default_factory=lambda: {
@@ -161,7 +173,7 @@ architecture's entry): ``{arch: entry}``, an entry overriding a backend's base `
 _TILE_TABLES = ("by_head_dim", "float32_by_head_dim", "fp8_by_head_dim")
 _SCALARS = ("split_programs_per_sm", "split_min_keys", "split_max", "fp8_min_splits",
             "flash_ragged_min_rows", "flash_paged_min_rows", "flash_batch_min_len",
-            "flash_batch_min_rows")
+            "flash_batch_min_rows", "invariant_segment_keys", "invariant_split_programs")
 _FLAGS = ("warp_uniform_scalars",)
 _KINDS = ("prefill", "ragged", "decode")
 
@@ -199,7 +211,8 @@ def for_arch(base: Tuning, arch: Optional[str], table: Optional[dict] = None,
     tables (``{"by_head_dim": {"128": {"decode": [block_rows, block_n, warps, stages]}}}``,
     likewise ``float32_by_head_dim`` / ``fp8_by_head_dim``) merged per head_dim and kind over
     the base's, its split-K numbers (``split_programs_per_sm``, ``split_min_keys``,
-    ``split_max``, ``fp8_min_splits``), library thresholds (``flash_ragged_min_rows``,
+    ``split_max``, ``fp8_min_splits``, ``invariant_segment_keys``,
+    ``invariant_split_programs``), library thresholds (``flash_ragged_min_rows``,
     ``flash_paged_min_rows``) and flags (``warp_uniform_scalars``) replacing the
     base's. No entry: ``base``. Raises
     ValueError naming ``where``, the architecture and the key for an entry it cannot read."""
