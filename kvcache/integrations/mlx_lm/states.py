@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 
@@ -283,11 +283,19 @@ def _check_depthwise(refuse, conv, weight, conv_dim: int) -> None:
                f"convolution over conv_dim={conv_dim} channels without padding")
 
 
-def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
-    def refuse(what: str) -> NoReturn:
+def _refuser(family: str, where: str, what: str, increment: int) -> Callable[[str], NoReturn]:
+    """A ``refuse(problem)`` raising ``UnsupportedFeatureError`` that names the family's module
+    ``where`` and the problem (``what``: the cache's copy of the module in words,
+    ``increment``: its section of docs/hybrid.md); the transformers side words it alike."""
+    def refuse(problem: str) -> NoReturn:
         raise UnsupportedFeatureError(
-            f"the {family} model's {where}: {what}; the cache's Mamba-2 mixer serves what was "
-            f"read (docs/hybrid.md increment 10) only")
+            f"the {family} model's {where}: {problem}; the cache's {what} serves what was read "
+            f"(docs/hybrid.md increment {increment}) only")
+    return refuse
+
+
+def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
+    refuse = _refuser(family, where, "Mamba-2 mixer", 10)
     try:
         heads, head_dim, d_state = int(m.num_heads), int(m.head_dim), int(m.ssm_state_size)
         groups, inner, conv_dim = int(m.n_groups), int(m.intermediate_size), int(m.conv_dim)
@@ -394,10 +402,7 @@ def gdn_layers(model) -> dict:
 
 
 def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
-    def refuse(what: str) -> NoReturn:
-        raise UnsupportedFeatureError(
-            f"the {family} model's {where}: {what}; the cache's gated DeltaNet serves what was "
-            f"read (docs/hybrid.md increment 11) only")
+    refuse = _refuser(family, where, "gated DeltaNet", 11)
     try:
         nv, nk = int(m.num_v_heads), int(m.num_k_heads)
         dk, dv = int(m.head_k_dim), int(m.head_v_dim)
