@@ -15,17 +15,11 @@ import importlib
 
 import pytest
 
-from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_subclass_refused,
-                              assert_adapter_loop_equals_mlx_lm,
-                              assert_an_aborted_forward_keeps_the_states,
-                              assert_another_make_cache_refused, assert_each_state_carries,
-                              assert_engine_greedy_equals_mlx_lm, assert_generate_equals_mlx_lm,
-                              assert_hits_stop_at_chunk_ends, assert_layer_caches_loop_greedy,
-                              assert_not_composing_refused, assert_odd_chunks_equal_one_forward,
-                              assert_preemption_and_forks_equal_mlx_lm,
+from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_replaced_function_refused,
+                              assert_a_subclass_refused, assert_another_make_cache_refused,
+                              assert_edit_refused, assert_generate_equals_mlx_lm,
                               assert_prefix_hits_at_every_page, assert_state_layers,
-                              assert_warm_prefix_equals_cold_and_mlx_lm, engine as _engine,
-                              randomize_weights)
+                              engine as _engine, family_tests, randomize_weights)
 from mlx_lm_cases import mlx_greedy, mx
 from hybrid_cases import NEW, assert_engine_greedy, once_per_family
 
@@ -108,6 +102,11 @@ def _case(kind: str = "dense"):
     return _cases(kind)
 
 
+# the tests every mlx-lm hybrid family file runs, under this file's ids
+globals().update(family_tests(_case, "granitemoehybrid", pair=(2, 4),
+                             states=("conv", "ssm")))
+
+
 KIND = kvcache.State({"conv": (3, 192), "ssm": (4, 32, 16)}, dtype="float32")
 
 
@@ -115,56 +114,6 @@ def test_the_mamba_layers_are_state_layers():
     # mlx-lm's ArraysCache entries: the conv's last inputs (batch, d_conv - 1, conv_dim), time
     # first, and the SSM state (batch, heads, head_dim, d_state), float32
     assert_state_layers(_case(), {i: KIND for i in MAMBA}, (1, 4))
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_greedy_equals_mlx_lm(overlap):
-    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
-    prefill chunks and decode tokens of several sequences share forwards, each sequence's
-    conv and SSM run from its own states, and the tokens are mlx-lm's own."""
-    assert_engine_greedy_equals_mlx_lm(_case(), overlap)
-
-
-def test_adapter_loop_greedy_equals_mlx_lm():
-    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
-    come with it): every prompt prefilled in chunks of 8 together, then decoded together."""
-    assert_adapter_loop_equals_mlx_lm(_case())
-
-
-def test_layer_caches_loop_greedy_equals_mlx_lm():
-    """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
-    forward, then decoded together."""
-    model, prompts, want = _case()
-    assert_layer_caches_loop_greedy(model, prompts, want, (2, 4))
-
-
-def test_odd_chunks_give_the_logits_of_one_forward():
-    """A 37-token prompt in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens (a one-token chunk with a
-    past takes mlx-lm's decode step): every position's logits are those of mlx-lm's forward
-    over the whole prompt without a cache, within float32 rounding."""
-    model, prompts, _ = _case()
-    assert_odd_chunks_equal_one_forward(model, prompts[4])
-
-
-@pytest.mark.parametrize("zeroed", ["conv", "ssm"])
-def test_each_state_carries(zeroed, monkeypatch):
-    """The Engine with one of the states read as zeros at every forward gets the long prompts'
-    tokens wrong: both states carry from chunk to chunk and step to step."""
-    assert_each_state_carries(_case(), zeroed, monkeypatch)
-
-
-def test_preemption_and_forks_recompute_the_state():
-    """Four requests in a cache of 48 tokens: the scheduler preempts (the preempted request
-    recomputes from fresh states), and ``n = 3`` samples fork at the prompt's end (the child's
-    slot takes a copy of both states); the tokens are mlx-lm's."""
-    assert_preemption_and_forks_equal_mlx_lm(_case()[0])
-
-
-def test_an_aborted_forward_keeps_the_states():
-    """A forward that raises after the model ran (its conv and SSM states staged) is aborted:
-    the sequence keeps its states and length, and the prompt's rest sent again, then decoded,
-    gives mlx-lm's tokens (states advanced over the aborted tokens would not)."""
-    assert_an_aborted_forward_keeps_the_states(_case())
 
 
 def test_granite_moe_without_rope_greedy_equals_mlx_lm():
@@ -186,18 +135,13 @@ def test_nemotron_h_greedy_equals_mlx_lm():
 
 
 def test_nemotron_h_blocks_not_read_are_refused():
-    model = make_nemotron(seed=1)
-    model.args.hybrid_override_pattern = ["M", "*", "-", "M", "M", "E", "*", "X"]
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 7 .*'X'"):
-        state_kinds(model)
+    assert_edit_refused(make_nemotron(seed=1), "args.hybrid_override_pattern",
+                        ["M", "*", "-", "M", "M", "E", "*", "X"], "layer 7 .*'X'")
     assert_a_subclass_refused(make_nemotron(seed=1), 3, "mixer", "NemotronHMamba2Mixer",
                               state_kinds)
-    model = make_nemotron(seed=1)
-    model.layers[4].mixer.norm = importlib.import_module(
-        "mlx_lm.models.granitemoehybrid").GraniteMoeHybridRMSNormGated(128)
-    with pytest.raises(kvcache.UnsupportedFeatureError,
-                       match="layer 4 .*norm GraniteMoeHybridRMSNormGated"):
-        state_kinds(model)
+    gated = importlib.import_module("mlx_lm.models.granitemoehybrid").GraniteMoeHybridRMSNormGated
+    assert_edit_refused(make_nemotron(seed=1), "layers.4.mixer.norm", gated(128),
+                        "layer 4 .*norm GraniteMoeHybridRMSNormGated")
 
 
 @pytest.mark.parametrize("kind", ["dense", "nemotron_h"])
@@ -214,60 +158,29 @@ def test_shared_prefixes_hit_through_state_checkpoints(kind):
     assert _engine(model).config.state_checkpoint_interval > 1
 
 
-def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
-    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
-    boundary the warm one starts from): the warm request restores that boundary's conv and
-    SSM states beside the cached pages, and every logits row equals the cold run's bit for
-    bit."""
-    assert_warm_prefix_equals_cold_and_mlx_lm(_case()[0])
-
-
-def test_without_inner_checkpoints_the_hits_stop_at_chunk_ends(monkeypatch):
-    """The control of the test above: with the mixer's states inside a prefill chunk not given
-    (``state_checkpoints()`` read as none), the boundary at 20 holds no checkpoint and the
-    later requests hit at 16, a chunk's end, only; the tokens stay mlx-lm's."""
-    assert_hits_stop_at_chunk_ends(_case()[0], monkeypatch)
-
-
-def test_what_does_not_compose_is_refused_by_name():
-    assert_not_composing_refused(_case()[0], "granitemoehybrid")
-
-
-def test_what_is_not_understood_is_refused(monkeypatch):
+def test_what_is_not_understood_is_refused():
     import mlx.nn as nn
-    module = importlib.import_module("mlx_lm.models.granitemoehybrid")
     # a layer type the family's state layers do not know
-    other = make_granite(seed=1)
-    other.args.layer_types = ["mamba", "attention", "mamba", "hybrid", "attention"]
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 3 .*'hybrid'"):
-        state_kinds(other)
+    assert_edit_refused(make_granite(seed=1), "args.layer_types",
+                        ["mamba", "attention", "mamba", "hybrid", "attention"],
+                        "layer 3 .*'hybrid'")
     # a replaced mixer
     assert_a_subclass_refused(make_granite(seed=1), 2, "mamba", "GraniteMoeHybridMamba2Mixer")
     # not depthwise: a full convolution over the channels
-    model = make_granite(seed=1)
-    model.layers[3].mamba.conv1d = nn.Conv1d(192, 192, 4, bias=True)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 3 .*groups=1"):
-        state_kinds(model)
+    assert_edit_refused(make_granite(seed=1), "layers.3.mamba.conv1d",
+                        nn.Conv1d(192, 192, 4, bias=True), "layer 3 .*groups=1")
     # a time-step limit that is not (low, high)
-    model = make_granite(seed=1)
-    model.layers[0].mamba.time_step_limit = (0.0,)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 0 .*time_step_limit"):
-        cache_config(model)
+    assert_edit_refused(make_granite(seed=1), "layers.0.mamba.time_step_limit", (0.0,),
+                        "layer 0 .*time_step_limit", cache_config)
     # another gated norm
-    model = make_granite(seed=1)
-    model.layers[0].mamba.norm = nn.RMSNorm(128)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 0 .*norm RMSNorm"):
-        state_kinds(model)
+    assert_edit_refused(make_granite(seed=1), "layers.0.mamba.norm", nn.RMSNorm(128),
+                        "layer 0 .*norm RMSNorm")
     # groups that do not divide the heads
     with pytest.raises(kvcache.UnsupportedFeatureError, match="n_groups=3"):
         state_kinds(make_granite(seed=1, mamba_n_heads=4, mamba_n_groups=3))
     # a mamba layer that make_cache() gives another cache
     assert_another_make_cache_refused(make_granite(seed=1))
     # the module's SSM function replaced: not the one read
-    model = make_granite(seed=1)
-    monkeypatch.setattr(module, "ssm_update", lambda *a, **k: None)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="ssm_update"):
-        state_kinds(model)
-    monkeypatch.undo()
+    assert_a_replaced_function_refused(make_granite(seed=1), "ssm_update")
     # the mixer called with a mask array (padding)
     assert_a_mask_refused(_case()[0], "mamba")

@@ -13,11 +13,9 @@ import pytest
 
 from mlx_lm_cases import mlx_greedy, mx
 from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_subclass_refused,
-                              assert_adapter_loop_equals_mlx_lm, assert_another_make_cache_refused,
-                              assert_engine_greedy_equals_mlx_lm, assert_generate_equals_mlx_lm,
-                              assert_layer_caches_loop_greedy, assert_not_composing_refused,
-                              assert_preemption_and_forks_equal_mlx_lm, assert_state_layers,
-                              engine as _engine, randomize_weights, shared_prefix_case)
+                              assert_another_make_cache_refused, assert_edit_refused,
+                              assert_generate_equals_mlx_lm, assert_state_layers, engine as _engine,
+                              family_tests, randomize_weights, shared_prefix_case)
 from hybrid_cases import (NEW, assert_prefix_hits, assert_state_slots_wait, once_per_family)
 
 import kvcache  # noqa: E402
@@ -47,6 +45,8 @@ def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
 
 # (model, prompts, mlx-lm's greedy tokens), once per family (none: lfm2)
 _case = once_per_family(make_lfm2, lambda model, prompt: mlx_greedy(model, prompt, NEW))
+# the tests every mlx-lm hybrid family file runs, under this file's ids
+globals().update(family_tests(_case, "lfm2", pair=(2, 3)))
 
 
 def test_the_conv_layers_are_state_layers():
@@ -54,39 +54,6 @@ def test_the_conv_layers_are_state_layers():
     cfg = assert_state_layers(_case(), {i: kvcache.State({"conv": (2, 64)}) for i in (0, 2, 3)},
                               (1, 4), routed=2)
     assert cfg.num_state_slots == 3 and cfg.state_bytes == 3 * 3 * 2 * 64 * 4
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_greedy_equals_mlx_lm(overlap):
-    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
-    prefill chunks and decode tokens of several sequences share forwards, and each sequence's
-    convolution runs from its own state."""
-    engine = assert_engine_greedy_equals_mlx_lm(_case(), overlap)
-    assert engine.config.num_state_slots == 8          # 2 * max_batch_size
-    assert engine.host_tier is None                    # nothing else was on here
-
-
-def test_adapter_loop_greedy_equals_mlx_lm():
-    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
-    come with it): every prompt prefilled in chunks of 8 together, then decoded together."""
-    cache = assert_adapter_loop_equals_mlx_lm(_case())
-    for i in range(len(_case()[1])):
-        cache.remove_sequence(i)
-    assert cache.num_available_state_slots == cache.config.num_state_slots
-
-
-def test_layer_caches_loop_greedy_equals_mlx_lm():
-    """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
-    forward, then decoded together."""
-    model, prompts, want = _case()
-    assert_layer_caches_loop_greedy(model, prompts, want, (2, 3))
-
-
-def test_preemption_and_forks_recompute_the_state():
-    """Four requests in a cache of 48 tokens: the scheduler preempts (the state slot comes back,
-    the preempted request recomputes from a fresh state), and ``n = 3`` samples fork at the
-    prompt's end (the child's slot takes a copy of the state); the tokens are mlx-lm's."""
-    assert_preemption_and_forks_equal_mlx_lm(_case()[0])
 
 
 def test_lfm2_moe_greedy_equals_mlx_lm():
@@ -102,23 +69,11 @@ def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch)
                             monkeypatch)
 
 
-def test_what_does_not_compose_is_refused_by_name(tmp_path):
-    model, _, _ = _case()
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="prefix_file=None"):
-        _engine(model, prefix_file=tmp_path / "none.kvp")
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="no sliding-window layer"):
-        _engine(model, window_groups=True)
-    # offload, deterministic; what the cache refuses for state layers: popn, a fork below the
-    # length, exports
-    assert_not_composing_refused(model, "lfm2")
-
-
 def test_what_is_not_understood_is_refused():
     # a layer type the family's state layers do not know
-    other = make_lfm2(seed=1)
-    other.args.layer_types = ["conv", "sliding_attention", "conv", "conv", "full_attention"]
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*'sliding_attention'"):
-        state_kinds(other)
+    assert_edit_refused(make_lfm2(seed=1), "args.layer_types",
+                        ["conv", "sliding_attention", "conv", "conv", "full_attention"],
+                        "layer 1 .*'sliding_attention'")
     # a replaced conv module
     assert_a_subclass_refused(make_lfm2(seed=1), 2, "conv", "ShortConv")
     # a kernel of one tap keeps no state: not what was read
@@ -126,10 +81,8 @@ def test_what_is_not_understood_is_refused():
         cache_config(make_lfm2(seed=1, conv_L_cache=1))
     # not depthwise: a full convolution over the channels
     import mlx.nn as nn
-    model = make_lfm2(seed=1)
-    model.layers[3].conv.conv = nn.Conv1d(64, 64, 3, bias=True)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 3 .*groups=1"):
-        state_kinds(model)
+    assert_edit_refused(make_lfm2(seed=1), "layers.3.conv.conv", nn.Conv1d(64, 64, 3, bias=True),
+                        "layer 3 .*groups=1")
     # a conv layer that make_cache() gives another cache
     assert_another_make_cache_refused(make_lfm2(seed=1))
     # the conv called with a mask array (padding)

@@ -13,18 +13,11 @@ from __future__ import annotations
 import importlib
 
 import numpy as np
-import pytest
 
-from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_subclass_refused,
-                              assert_adapter_loop_equals_mlx_lm,
-                              assert_an_aborted_forward_keeps_the_states,
-                              assert_another_make_cache_refused, assert_each_state_carries,
-                              assert_engine_greedy_equals_mlx_lm, assert_hits_stop_at_chunk_ends,
-                              assert_layer_caches_loop_greedy, assert_not_composing_refused,
-                              assert_odd_chunks_equal_one_forward,
-                              assert_preemption_and_forks_equal_mlx_lm,
-                              assert_prefix_hits_at_every_page, assert_state_layers,
-                              assert_warm_prefix_equals_cold_and_mlx_lm, engine as _engine,
+from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_replaced_function_refused,
+                              assert_a_subclass_refused, assert_another_make_cache_refused,
+                              assert_edit_refused, assert_prefix_hits_at_every_page,
+                              assert_state_layers, engine as _engine, family_tests,
                               randomize_weights, shared_prefix_case)
 from mlx_lm_cases import mlx_greedy, mx
 from hybrid_cases import NEW, once_per_family
@@ -61,6 +54,9 @@ def make_qwen3_next(seed: int = 0, **overrides):
 
 # (model, prompts, mlx-lm's greedy tokens), built once
 _case = once_per_family(make_qwen3_next, lambda model, prompt: mlx_greedy(model, prompt, NEW))
+# the tests every mlx-lm hybrid family file runs, under this file's ids
+globals().update(family_tests(_case, "qwen3_next", pair=(2, 4),
+                             states=("conv", "recurrent")))
 
 
 def test_the_gated_deltanet_layers_are_state_layers():
@@ -69,49 +65,6 @@ def test_the_gated_deltanet_layers_are_state_layers():
     assert_state_layers(_case(), {i: KIND for i in LINEAR}, (1, 3))
     want = _case()[2]
     assert len({tuple(w) for w in want}) == len(want)     # the prompts' tokens differ
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_greedy_equals_mlx_lm(overlap):
-    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
-    prefill chunks and decode tokens of several sequences share forwards, each sequence's
-    conv and delta rule run from its own states, and the tokens are mlx-lm's own."""
-    assert_engine_greedy_equals_mlx_lm(_case(), overlap)
-
-
-def test_adapter_loop_greedy_equals_mlx_lm():
-    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
-    come with it): every prompt prefilled in chunks of 8 together, then decoded together."""
-    assert_adapter_loop_equals_mlx_lm(_case())
-
-
-def test_layer_caches_loop_greedy_equals_mlx_lm():
-    """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
-    forward, then decoded together."""
-    model, prompts, want = _case()
-    assert_layer_caches_loop_greedy(model, prompts, want, (2, 4))
-
-
-def test_odd_chunks_give_the_logits_of_one_forward():
-    """A 37-token prompt in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens (a one-token chunk with a
-    past takes mlx-lm's decode step): every position's logits are those of mlx-lm's forward
-    over the whole prompt without a cache, within float32 rounding."""
-    model, prompts, _ = _case()
-    assert_odd_chunks_equal_one_forward(model, prompts[4])
-
-
-@pytest.mark.parametrize("zeroed", ["conv", "recurrent"])
-def test_each_state_carries(zeroed, monkeypatch):
-    """The Engine with one of the states read as zeros at every forward gets the long prompts'
-    tokens wrong: both states carry from chunk to chunk and step to step."""
-    assert_each_state_carries(_case(), zeroed, monkeypatch)
-
-
-def test_preemption_and_forks_recompute_the_state():
-    """Four requests in a cache of 48 tokens: the scheduler preempts (the preempted request
-    recomputes from fresh states), and ``n = 3`` samples fork at the prompt's end (the child's
-    slot takes a copy of both states); the tokens are mlx-lm's."""
-    assert_preemption_and_forks_equal_mlx_lm(_case()[0])
 
 
 def test_dense_mlps_and_as_many_key_heads_as_value_heads():
@@ -129,13 +82,6 @@ def test_dense_mlps_and_as_many_key_heads_as_value_heads():
     assert _engine(model).generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
 
 
-def test_an_aborted_forward_keeps_the_states():
-    """A forward that raises after the model ran (its conv and recurrent states staged) is
-    aborted: the sequence keeps its states and length, and the prompt's rest sent again, then
-    decoded, gives mlx-lm's tokens."""
-    assert_an_aborted_forward_keeps_the_states(_case())
-
-
 def test_shared_prefixes_hit_through_state_checkpoints():
     """Requests sharing a 22-token prefix through the Engine, checkpoints every page: the first
     request's prefill chunk 16..24 gives the conv and recurrent states at 20 (inside the chunk:
@@ -143,14 +89,6 @@ def test_shared_prefixes_hit_through_state_checkpoints():
     cached tokens with both states restored; warm tokens equal the cold ones and mlx-lm's
     own."""
     assert_prefix_hits_at_every_page(_case()[0])
-
-
-def test_without_inner_checkpoints_the_hits_stop_at_chunk_ends(monkeypatch):
-    """The control of the test above: with the states inside a prefill chunk not given
-    (``state_checkpoints()`` read as none), the boundary at 20 holds no checkpoint and the
-    later requests hit at 16, a chunk's end, only (so the test above fails: 48 hit tokens,
-    not 60); the tokens stay mlx-lm's."""
-    assert_hits_stop_at_chunk_ends(_case()[0], monkeypatch)
 
 
 def test_a_wrong_checkpoint_state_gives_wrong_warm_logits(monkeypatch):
@@ -184,56 +122,28 @@ def test_a_wrong_checkpoint_state_gives_wrong_warm_logits(monkeypatch):
     assert max(np.abs(a - b).max() for a, b in zip(true_rows, zero_rows)) > 1e-3
 
 
-def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
-    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
-    boundary the warm one starts from): the warm request restores that boundary's conv and
-    recurrent states beside the cached pages, and every logits row equals the cold run's bit
-    for bit."""
-    assert_warm_prefix_equals_cold_and_mlx_lm(_case()[0])
-
-
-def test_what_does_not_compose_is_refused_by_name():
-    assert_not_composing_refused(_case()[0], "qwen3_next")
-
-
-def test_what_is_not_understood_is_refused(monkeypatch):
+def test_what_is_not_understood_is_refused():
     import mlx.nn as nn
-    module = importlib.import_module("mlx_lm.models.qwen3_next")
     # a replaced layer
     assert_a_subclass_refused(make_qwen3_next(seed=1), 2, "linear_attn",
                               "Qwen3NextGatedDeltaNet")
     # a decoder layer whose kind is not full_attention_interval's
-    model = make_qwen3_next(seed=1)
-    model.args.full_attention_interval = 4
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*full_attention_interval=4"):
-        state_kinds(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "args.full_attention_interval", 4,
+                        "layer 1 .*full_attention_interval=4")
     # not depthwise: a full convolution over the channels
-    model = make_qwen3_next(seed=1)
-    model.layers[0].linear_attn.conv1d = nn.Conv1d(128, 128, 4, bias=False)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 0 .*groups=1"):
-        state_kinds(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "layers.0.linear_attn.conv1d",
+                        nn.Conv1d(128, 128, 4, bias=False), "layer 0 .*groups=1")
     # value heads that the key heads do not divide
-    model = make_qwen3_next(seed=1)
-    model.layers[0].linear_attn.num_v_heads = 3
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 0 .*num_v_heads=3"):
-        cache_config(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "layers.0.linear_attn.num_v_heads", 3,
+                        "layer 0 .*num_v_heads=3", cache_config)
     # another gated norm
-    model = make_qwen3_next(seed=1)
-    model.layers[2].linear_attn.norm = nn.RMSNorm(16)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*norm RMSNorm"):
-        state_kinds(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "layers.2.linear_attn.norm", nn.RMSNorm(16),
+                        "layer 2 .*norm RMSNorm")
     # a linear layer that make_cache() gives another cache
     assert_another_make_cache_refused(make_qwen3_next(seed=1))
     # a model split over a pipeline
-    model = make_qwen3_next(seed=1)
-    model.model.pipeline_size = 2
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="pipeline"):
-        state_kinds(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "model.pipeline_size", 2, "pipeline")
     # the module's delta rule replaced: not the one read
-    model = make_qwen3_next(seed=1)
-    monkeypatch.setattr(module, "gated_delta_update", lambda *a, **k: None)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="gated_delta_update"):
-        state_kinds(model)
-    monkeypatch.undo()
+    assert_a_replaced_function_refused(make_qwen3_next(seed=1), "gated_delta_update")
     # the layer called with a mask array (padding)
     assert_a_mask_refused(_case()[0], "linear_attn")

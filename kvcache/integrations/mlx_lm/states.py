@@ -294,6 +294,16 @@ def _refuser(family: str, where: str, what: str, increment: int) -> Callable[[st
     return refuse
 
 
+def _check_gated_norm(refuse, norm, norm_class, size: int, whose: str) -> None:
+    """``refuse(reason)`` unless ``norm`` is a ``norm_class`` of weight ``(size,)``: the gated
+    RMS norm the cache runs as the model's own module (``whose``: the mixer's or the layer's,
+    for the message)."""
+    if (type(norm) is not norm_class
+            or tuple(getattr(norm.get("weight"), "shape", ())) != (size,)):
+        refuse(f"norm {type(norm).__name__}: the cache runs the {whose} gated RMS norm "
+               f"({norm_class.__name__} of weight ({size},)) only")
+
+
 def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
     refuse = _refuser(family, where, "Mamba-2 mixer", 10)
     try:
@@ -325,11 +335,7 @@ def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
         refuse(f"A_log, D, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({heads},)")
     if len(limit) != 2:
         refuse(f"time_step_limit={m.time_step_limit!r}: not (low, high)")
-    # the gated norm runs as the model's own module (per token)
-    if (type(norm) is not norm_class
-            or tuple(getattr(norm.get("weight"), "shape", ())) != (inner,)):
-        refuse(f"norm {type(norm).__name__}: the cache runs the mixer's gated RMS norm "
-               f"({norm_class.__name__} of weight ({inner},)) only")
+    _check_gated_norm(refuse, norm, norm_class, inner, "mixer's")     # per token
 
 
 def gdn_layers(model) -> dict:
@@ -435,11 +441,7 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
         refuse(f"out_proj {type(out_proj).__name__} is not a module")
     if any(tuple(p.shape) != (nv,) for p in params):
         refuse(f"A_log, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({nv},)")
-    # the gated norm runs as the model's own module, per value head of each token
-    if (type(norm) is not norm_class
-            or tuple(getattr(norm.get("weight"), "shape", ())) != (dv,)):
-        refuse(f"norm {type(norm).__name__}: the cache runs the layer's gated RMS norm "
-               f"({norm_class.__name__} of weight ({dv},)) only")
+    _check_gated_norm(refuse, norm, norm_class, dv, "layer's")  # per value head of each token
 
 
 def state_modules(model) -> dict:
