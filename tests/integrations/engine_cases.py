@@ -39,16 +39,18 @@ def logit_rows(engine) -> list:
 
 
 def assert_warm_prefix_equals_cold(make, system: list, question: list, other: list,
-                                   hit: int) -> tuple:
+                                   hit: int, expect: list | None = None) -> tuple:
     """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
     boundary the warm one starts from): ``system + question`` through a fresh Engine
     (``make()``; overlap off), and through another after ``system + other`` hit the cache
-    there (``hit`` tokens): the same 6 greedy tokens, every logits row equal to the cold
-    run's bit for bit. Returns ``(cold, warm)``, the two Engines."""
+    there (``hit`` tokens): the same 6 greedy tokens (``expect``'s, when given: ``generate``'s
+    output), every logits row equal to the cold run's bit for bit. Returns ``(cold, warm)``,
+    the two Engines."""
     cold = make()
     cold_rows = logit_rows(cold)
     want = cold.generate([system + question], max_new_tokens=6)
     assert cold.stats.prefix_hit_tokens == 0
+    assert expect is None or want == expect
     warm = make()
     warm.generate([system + other], max_new_tokens=3)
     warm_rows = logit_rows(warm)

@@ -11,17 +11,15 @@ import importlib
 
 import pytest
 
-from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
-from mlx_hybrid_cases import assert_layer_caches_loop_greedy, randomize_weights
-from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy,
-                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
-                          assert_state_edits_refused, assert_state_slots_wait, once_per_family,
-                          prompts as _prompts, shared_prefix_prompts)
+from mlx_lm_cases import mlx_greedy, mx
+from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_subclass_refused,
+                              assert_another_make_cache_refused, assert_edit_refused,
+                              assert_generate_equals_mlx_lm, assert_state_layers, engine as _engine,
+                              family_tests, randomize_weights, shared_prefix_case)
+from hybrid_cases import (NEW, assert_prefix_hits, assert_state_slots_wait, once_per_family)
 
 import kvcache  # noqa: E402
-from kvcache.integrations.mlx_lm import (Engine, MlxLmAdapter, cache_config,  # noqa: E402
-                                         layer_caches, route_state_layers, sliding_windows,
-                                         state_kinds)
+from kvcache.integrations.mlx_lm import Engine, cache_config, state_kinds  # noqa: E402
 
 TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 SMALL = dict(vocab_size=128, num_hidden_layers=len(TYPES), hidden_size=64, num_attention_heads=4,
@@ -47,78 +45,19 @@ def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
 
 # (model, prompts, mlx-lm's greedy tokens), once per family (none: lfm2)
 _case = once_per_family(make_lfm2, lambda model, prompt: mlx_greedy(model, prompt, NEW))
-
-
-def _engine(model, **kw):
-    metal_cpu_or_skip(cache_config(model).head_dim)
-    return Engine(model, **{**ENGINE, "backend": "metal", "device": "cpu", **kw})
+# the tests every mlx-lm hybrid family file runs, under this file's ids
+globals().update(family_tests(_case, "lfm2", pair=(2, 3)))
 
 
 def test_the_conv_layers_are_state_layers():
-    model, _, _ = _case()
-    kinds = state_kinds(model)
     # mlx-lm's ArraysCache entry: (batch, conv_L_cache - 1, hidden), time first
-    assert kinds == {i: kvcache.State({"conv": (2, 64)}) for i in (0, 2, 3)}
-    assert sliding_windows(model) == {}
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
-    assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 4)
+    cfg = assert_state_layers(_case(), {i: kvcache.State({"conv": (2, 64)}) for i in (0, 2, 3)},
+                              (1, 4), routed=2)
     assert cfg.num_state_slots == 3 and cfg.state_bytes == 3 * 3 * 2 * 64 * 4
-    assert (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
-    assert route_state_layers(model) == [0, 2, 3]
-    # the routed class still runs mlx-lm's own convolution with mlx-lm's own cache
-    assert mlx_greedy(model, _prompts()[2], NEW) == _case()[2][2]
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_greedy_equals_mlx_lm(overlap):
-    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
-    prefill chunks and decode tokens of several sequences share forwards, and each sequence's
-    convolution runs from its own state."""
-    model, prompts, want = _case()
-    engine = _engine(model, overlap=overlap)
-    assert dict(engine.config.layer_kinds) == state_kinds(model)
-    assert engine.config.num_state_slots == 8          # 2 * max_batch_size
-    # the prefix cache stays on (state checkpoints); nothing else was on here
-    assert engine.config.prefix_cache and engine.host_tier is None
-    assert engine.state_layers_off is None
-    assert_engine_greedy(engine, prompts, want)
-
-
-def test_adapter_loop_greedy_equals_mlx_lm():
-    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
-    come with it): every prompt prefilled in chunks of 8 together, then decoded together."""
-    model, prompts, want = _case()
-    metal_cpu_or_skip(cache_config(model).head_dim)
-    adapter = MlxLmAdapter(model)
-    assert adapter.state_layers() == state_kinds(model)
-    cache = assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want,
-                                       backend="metal", device="cpu")
-    for i in range(len(prompts)):
-        cache.remove_sequence(i)
-    assert cache.num_available_state_slots == cache.config.num_state_slots
-
-
-def test_layer_caches_loop_greedy_equals_mlx_lm():
-    """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
-    forward, then decoded together."""
-    model, prompts, want = _case()
-    assert_layer_caches_loop_greedy(model, prompts, want, (2, 3))
-
-
-def test_preemption_and_forks_recompute_the_state():
-    """Four requests in a cache of 48 tokens: the scheduler preempts (the state slot comes back,
-    the preempted request recomputes from a fresh state), and ``n = 3`` samples fork at the
-    prompt's end (the child's slot takes a copy of the state); the tokens are mlx-lm's."""
-    model, _, _ = _case()
-    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
-                                lambda prompt: mlx_greedy(model, prompt, NEW))
 
 
 def test_lfm2_moe_greedy_equals_mlx_lm():
-    model, prompts, want = _case("lfm2_moe")
-    engine = _engine(model)
-    assert dict(engine.config.layer_kinds) == state_kinds(model)
-    assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
+    assert_generate_equals_mlx_lm(_case("lfm2_moe"))
 
 
 def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch):
@@ -130,60 +69,24 @@ def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch)
                             monkeypatch)
 
 
-def test_what_does_not_compose_is_refused_by_name(tmp_path):
-    model, _, _ = _case()
-    for bad in ("offload", "deterministic"):
-        with pytest.raises(kvcache.UnsupportedFeatureError,
-                           match=f"{bad}=True with the lfm2 model's state layers"):
-            _engine(model, **{bad: True})
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="prefix_file=None"):
-        _engine(model, prefix_file=tmp_path / "none.kvp")
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="no sliding-window layer"):
-        _engine(model, window_groups=True)
-    engine = _engine(model, max_total_tokens=256)
-    # what the cache refuses for state layers: popn, a fork below the length, exports
-    assert_state_edits_refused(engine)
-
-
 def test_what_is_not_understood_is_refused():
     # a layer type the family's state layers do not know
-    other = make_lfm2(seed=1)
-    other.args.layer_types = ["conv", "sliding_attention", "conv", "conv", "full_attention"]
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*'sliding_attention'"):
-        state_kinds(other)
-    # a replaced conv module (a subclass computes what it likes)
-    model = make_lfm2(seed=1)
-    conv = model.layers[2].conv
-    conv.__class__ = type("ShortConv", (type(conv),), {})
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*a subclass"):
-        Engine(model, backend="metal", device="cpu", max_total_tokens=256)
+    assert_edit_refused(make_lfm2(seed=1), "args.layer_types",
+                        ["conv", "sliding_attention", "conv", "conv", "full_attention"],
+                        "layer 1 .*'sliding_attention'")
+    # a replaced conv module
+    assert_a_subclass_refused(make_lfm2(seed=1), 2, "conv", "ShortConv")
     # a kernel of one tap keeps no state: not what was read
     with pytest.raises(kvcache.UnsupportedFeatureError, match="kernel of 1 taps"):
         cache_config(make_lfm2(seed=1, conv_L_cache=1))
     # not depthwise: a full convolution over the channels
     import mlx.nn as nn
-    model = make_lfm2(seed=1)
-    model.layers[3].conv.conv = nn.Conv1d(64, 64, 3, bias=True)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 3 .*groups=1"):
-        state_kinds(model)
+    assert_edit_refused(make_lfm2(seed=1), "layers.3.conv.conv", nn.Conv1d(64, 64, 3, bias=True),
+                        "layer 3 .*groups=1")
     # a conv layer that make_cache() gives another cache
-    model = make_lfm2(seed=1)
-    from mlx_lm.models.cache import KVCache
-    object.__setattr__(model, "make_cache", lambda: [KVCache() for _ in model.layers])
-    with pytest.raises(kvcache.UnsupportedFeatureError,
-                       match=r"make_cache\(\) gives layer 0 .*a KVCache"):
-        state_kinds(model)
+    assert_another_make_cache_refused(make_lfm2(seed=1))
     # the conv called with a mask array (padding)
-    model, _, _ = _case()
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="metal", device="cpu")
-    cache.add_sequence(0)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="mask"):
-        with cache.forward([0], [3]):
-            caches = layer_caches(model, cache)
-            model.layers[0].conv(mx.zeros((3, 1, 64)), mask=mx.ones((3, 1), mx.bool_),
-                                 cache=caches[0])
-    assert cache.sequence_length(0) == 0
+    assert_a_mask_refused(_case()[0], "conv")
 
 
 S = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -227,6 +130,4 @@ def test_shared_prefixes_hit_through_state_checkpoints():
     ones start from 20 cached tokens with the states restored; the greedy tokens are mlx-lm's
     own."""
     model, _, _ = _case()
-    prompts = shared_prefix_prompts()
-    want = [mlx_greedy(model, p, NEW) for p in prompts]
-    assert_prefix_hits(_engine(model), prompts, want)
+    assert_prefix_hits(_engine(model), *shared_prefix_case(model))

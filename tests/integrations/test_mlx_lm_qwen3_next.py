@@ -13,19 +13,17 @@ from __future__ import annotations
 import importlib
 
 import numpy as np
-import pytest
 
-from mlx_hybrid_cases import (assert_layer_caches_loop_greedy, assert_odd_chunks_equal_one_forward,
-                              randomize_weights, read_state_as_zeros)
-from mlx_lm_cases import metal_cpu_or_skip, mlx_greedy, mx
-from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy,
-                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
-                          assert_state_edits_refused, once_per_family, shared_prefix_prompts)
+from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_replaced_function_refused,
+                              assert_a_subclass_refused, assert_another_make_cache_refused,
+                              assert_edit_refused, assert_prefix_hits_at_every_page,
+                              assert_state_layers, engine as _engine, family_tests,
+                              randomize_weights, shared_prefix_case)
+from mlx_lm_cases import mlx_greedy, mx
+from hybrid_cases import NEW, once_per_family
 
 import kvcache  # noqa: E402
-from kvcache.integrations.mlx_lm import (Engine, MlxLmAdapter, cache_config,  # noqa: E402
-                                         layer_caches, route_state_layers, sliding_windows,
-                                         state_kinds)
+from kvcache.integrations.mlx_lm import cache_config, state_kinds  # noqa: E402
 
 # 4 layers, every second one full attention: linear 0 and 2, attention 1 and 3. Gated
 # DeltaNet: 2 key heads of 16, 4 value heads of 16 (each key head serves two value heads), a
@@ -56,84 +54,17 @@ def make_qwen3_next(seed: int = 0, **overrides):
 
 # (model, prompts, mlx-lm's greedy tokens), built once
 _case = once_per_family(make_qwen3_next, lambda model, prompt: mlx_greedy(model, prompt, NEW))
-
-
-def _engine(model, **kw):
-    metal_cpu_or_skip(cache_config(model).head_dim)
-    return Engine(model, **{**ENGINE, "backend": "metal", "device": "cpu", **kw})
+# the tests every mlx-lm hybrid family file runs, under this file's ids
+globals().update(family_tests(_case, "qwen3_next", pair=(2, 4),
+                             states=("conv", "recurrent")))
 
 
 def test_the_gated_deltanet_layers_are_state_layers():
-    model, prompts, want = _case()
-    kinds = state_kinds(model)
     # mlx-lm's ArraysCache entries: the conv's last inputs (batch, kernel - 1, conv_dim), time
     # first, and the recurrent state (batch, value heads, head_v_dim, head_k_dim), float32
-    assert kinds == {i: KIND for i in LINEAR}
-    assert sliding_windows(model) == {}
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
-    assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 3)
-    assert (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
-    assert route_state_layers(model) == list(LINEAR)
-    # the routed class still runs mlx-lm's own layer with mlx-lm's own cache
-    assert mlx_greedy(model, prompts[3], NEW) == want[3]
+    assert_state_layers(_case(), {i: KIND for i in LINEAR}, (1, 3))
+    want = _case()[2]
     assert len({tuple(w) for w in want}) == len(want)     # the prompts' tokens differ
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_greedy_equals_mlx_lm(overlap):
-    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
-    prefill chunks and decode tokens of several sequences share forwards, each sequence's
-    conv and delta rule run from its own states, and the tokens are mlx-lm's own."""
-    model, prompts, want = _case()
-    engine = _engine(model, overlap=overlap)
-    assert dict(engine.config.layer_kinds) == state_kinds(model)
-    assert engine.config.prefix_cache and engine.state_layers_off is None
-    assert_engine_greedy(engine, prompts, want)
-
-
-def test_adapter_loop_greedy_equals_mlx_lm():
-    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
-    come with it): every prompt prefilled in chunks of 8 together, then decoded together."""
-    model, prompts, want = _case()
-    metal_cpu_or_skip(cache_config(model).head_dim)
-    adapter = MlxLmAdapter(model)
-    assert adapter.state_layers() == state_kinds(model)
-    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, backend="metal",
-                               device="cpu")
-
-
-def test_layer_caches_loop_greedy_equals_mlx_lm():
-    """The model's own call with ``layer_caches`` (no adapter): two prompts prefilled in one
-    forward, then decoded together."""
-    model, prompts, want = _case()
-    assert_layer_caches_loop_greedy(model, prompts, want, (2, 4))
-
-
-def test_odd_chunks_give_the_logits_of_one_forward():
-    """A 37-token prompt in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens (a one-token chunk with a
-    past takes mlx-lm's decode step): every position's logits are those of mlx-lm's forward
-    over the whole prompt without a cache, within float32 rounding."""
-    model, prompts, _ = _case()
-    assert_odd_chunks_equal_one_forward(model, prompts[4])
-
-
-@pytest.mark.parametrize("zeroed", ["conv", "recurrent"])
-def test_each_state_carries(zeroed, monkeypatch):
-    """The Engine with one of the states read as zeros at every forward gets the long prompts'
-    tokens wrong: both states carry from chunk to chunk and step to step."""
-    model, prompts, want = _case()
-    read_state_as_zeros(monkeypatch, zeroed)
-    out = _engine(model).generate(prompts, max_new_tokens=NEW)
-    assert out[3][0] != want[3] and out[4][0] != want[4]
-
-
-def test_preemption_and_forks_recompute_the_state():
-    """Four requests in a cache of 48 tokens: the scheduler preempts (the preempted request
-    recomputes from fresh states), and ``n = 3`` samples fork at the prompt's end (the child's
-    slot takes a copy of both states); the tokens are mlx-lm's."""
-    model, _, _ = _case()
-    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
-                                lambda prompt: mlx_greedy(model, prompt, NEW))
 
 
 def test_dense_mlps_and_as_many_key_heads_as_value_heads():
@@ -151,70 +82,13 @@ def test_dense_mlps_and_as_many_key_heads_as_value_heads():
     assert _engine(model).generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
 
 
-def test_an_aborted_forward_keeps_the_states():
-    """A forward that raises after the model ran (its conv and recurrent states staged) is
-    aborted: the sequence keeps its states and length, and the prompt's rest sent again, then
-    decoded, gives mlx-lm's tokens."""
-    model, prompts, want = _case()
-    metal_cpu_or_skip(cache_config(model).head_dim)
-    prompt = prompts[4]
-    adapter = MlxLmAdapter(model)
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=128,
-                                              max_batch_size=1), backend="metal", device="cpu")
-    cache.add_sequence(0)
-
-    def forward(tokens, at, fail=False):
-        n = len(tokens)
-        with adapter.session(cache), adapter.step_context(cache), cache.forward([0], [n]):
-            logits = adapter.forward(cache, np.asarray(tokens, np.int64),
-                                     np.arange(at, at + n, dtype=np.int64),
-                                     np.asarray([n - 1], np.int64))
-            if fail:
-                raise RuntimeError("the step failed after the model ran")
-        return int(adapter.greedy(logits, logprobs=False)[0][0])
-    forward(prompt[:20], 0)
-    with pytest.raises(RuntimeError, match="after the model ran"):
-        forward(prompt[20:28], 20, fail=True)
-    assert cache.sequence_length(0) == 20
-    out = [forward(prompt[20:], 20)]
-    while len(out) < NEW:
-        out.append(forward(out[-1:], len(prompt) + len(out) - 1))
-    assert out == want[4]
-
-
-def _shared_prefix_case():
-    model, _, _ = _case()
-    prompts = shared_prefix_prompts()
-    return model, prompts, [mlx_greedy(model, p, NEW) for p in prompts]
-
-
 def test_shared_prefixes_hit_through_state_checkpoints():
     """Requests sharing a 22-token prefix through the Engine, checkpoints every page: the first
     request's prefill chunk 16..24 gives the conv and recurrent states at 20 (inside the chunk:
     the layer splits its ``gated_delta_update`` call there), so the later ones start from 20
     cached tokens with both states restored; warm tokens equal the cold ones and mlx-lm's
     own."""
-    model, prompts, want = _shared_prefix_case()
-    engine = _engine(model, state_checkpoint_interval=1)
-    assert engine.config.prefix_cache and engine.config.state_checkpoint_interval == 1
-    assert_prefix_hits(engine, prompts, want)
-    # the first prompt again, warm: the cold run's tokens
-    again = engine.generate(prompts[:1], max_new_tokens=NEW)
-    assert again == [[want[0]]] and engine.stats.prefix_hit_tokens >= 3 * 20 + 20
-
-
-def test_without_inner_checkpoints_the_hits_stop_at_chunk_ends(monkeypatch):
-    """The control of the test above: with the states inside a prefill chunk not given
-    (``state_checkpoints()`` read as none), the boundary at 20 holds no checkpoint and the
-    later requests hit at 16, a chunk's end, only (so the test above fails: 48 hit tokens,
-    not 60); the tokens stay mlx-lm's."""
-    model, prompts, want = _shared_prefix_case()
-    engine = _engine(model, state_checkpoint_interval=1)
-    monkeypatch.setattr(type(engine.cache), "state_checkpoints", lambda self: ())
-    assert engine.generate(prompts[:1], max_new_tokens=NEW) == [[want[0]]]
-    out = engine.generate(prompts[1:], max_new_tokens=NEW)
-    assert [o[0] for o in out] == want[1:]
-    assert engine.stats.prefix_hit_tokens == 3 * 16
+    assert_prefix_hits_at_every_page(_case()[0])
 
 
 def test_a_wrong_checkpoint_state_gives_wrong_warm_logits(monkeypatch):
@@ -224,7 +98,8 @@ def test_a_wrong_checkpoint_state_gives_wrong_warm_logits(monkeypatch):
     what the warm tokens are computed from; the tests' model forgets fast, so the greedy
     tokens may survive the difference: the logits are compared)."""
     from engine_cases import logit_rows
-    model, prompts, want = _shared_prefix_case()
+    model, _, _ = _case()
+    prompts, want = shared_prefix_case(model)
     cls = type(_engine(model).cache)
     original = cls.set_state_checkpoints
 
@@ -247,87 +122,28 @@ def test_a_wrong_checkpoint_state_gives_wrong_warm_logits(monkeypatch):
     assert max(np.abs(a - b).max() for a, b in zip(true_rows, zero_rows)) > 1e-3
 
 
-def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
-    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
-    boundary the warm one starts from): the warm request restores that boundary's conv and
-    recurrent states beside the cached pages, and every logits row equals the cold run's bit
-    for bit."""
-    from engine_cases import assert_warm_prefix_equals_cold
-    model, _, _ = _case()
-    rng = np.random.default_rng(3)
-    system = rng.integers(1, 128, 4 * PAGE).tolist()
-    question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
-    kw = dict(prefill_chunk_size=4 * PAGE, overlap=False, state_checkpoint_interval=1)
-    cold, _ = assert_warm_prefix_equals_cold(lambda: _engine(model, **kw), system, question,
-                                             other, hit=4 * PAGE)
-    assert cold.generate([system + question], max_new_tokens=6) == [
-        [mlx_greedy(model, system + question, 6)]]
-
-
-def test_what_does_not_compose_is_refused_by_name():
-    model, _, _ = _case()
-    for bad in ("offload", "deterministic"):
-        with pytest.raises(kvcache.UnsupportedFeatureError,
-                           match=f"{bad}=True with the qwen3_next model's state layers"):
-            _engine(model, **{bad: True})
-    assert_state_edits_refused(_engine(model, max_total_tokens=256))
-
-
-def test_what_is_not_understood_is_refused(monkeypatch):
+def test_what_is_not_understood_is_refused():
     import mlx.nn as nn
-    module = importlib.import_module("mlx_lm.models.qwen3_next")
-    # a replaced layer (a subclass computes what it likes)
-    model = make_qwen3_next(seed=1)
-    gdn = model.layers[2].linear_attn
-    gdn.__class__ = type("Qwen3NextGatedDeltaNet", (type(gdn),), {})
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*a subclass"):
-        Engine(model, backend="metal", device="cpu", max_total_tokens=256)
+    # a replaced layer
+    assert_a_subclass_refused(make_qwen3_next(seed=1), 2, "linear_attn",
+                              "Qwen3NextGatedDeltaNet")
     # a decoder layer whose kind is not full_attention_interval's
-    model = make_qwen3_next(seed=1)
-    model.args.full_attention_interval = 4
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 1 .*full_attention_interval=4"):
-        state_kinds(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "args.full_attention_interval", 4,
+                        "layer 1 .*full_attention_interval=4")
     # not depthwise: a full convolution over the channels
-    model = make_qwen3_next(seed=1)
-    model.layers[0].linear_attn.conv1d = nn.Conv1d(128, 128, 4, bias=False)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 0 .*groups=1"):
-        state_kinds(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "layers.0.linear_attn.conv1d",
+                        nn.Conv1d(128, 128, 4, bias=False), "layer 0 .*groups=1")
     # value heads that the key heads do not divide
-    model = make_qwen3_next(seed=1)
-    model.layers[0].linear_attn.num_v_heads = 3
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 0 .*num_v_heads=3"):
-        cache_config(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "layers.0.linear_attn.num_v_heads", 3,
+                        "layer 0 .*num_v_heads=3", cache_config)
     # another gated norm
-    model = make_qwen3_next(seed=1)
-    model.layers[2].linear_attn.norm = nn.RMSNorm(16)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*norm RMSNorm"):
-        state_kinds(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "layers.2.linear_attn.norm", nn.RMSNorm(16),
+                        "layer 2 .*norm RMSNorm")
     # a linear layer that make_cache() gives another cache
-    model = make_qwen3_next(seed=1)
-    from mlx_lm.models.cache import KVCache
-    object.__setattr__(model, "make_cache", lambda: [KVCache() for _ in model.layers])
-    with pytest.raises(kvcache.UnsupportedFeatureError,
-                       match=r"make_cache\(\) gives layer 0 .*a KVCache"):
-        state_kinds(model)
+    assert_another_make_cache_refused(make_qwen3_next(seed=1))
     # a model split over a pipeline
-    model = make_qwen3_next(seed=1)
-    model.model.pipeline_size = 2
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="pipeline"):
-        state_kinds(model)
+    assert_edit_refused(make_qwen3_next(seed=1), "model.pipeline_size", 2, "pipeline")
     # the module's delta rule replaced: not the one read
-    model = make_qwen3_next(seed=1)
-    monkeypatch.setattr(module, "gated_delta_update", lambda *a, **k: None)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="gated_delta_update"):
-        state_kinds(model)
-    monkeypatch.undo()
+    assert_a_replaced_function_refused(make_qwen3_next(seed=1), "gated_delta_update")
     # the layer called with a mask array (padding)
-    model, _, _ = _case()
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="metal", device="cpu")
-    cache.add_sequence(0)
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="mask"):
-        with cache.forward([0], [3]):
-            caches = layer_caches(model, cache)
-            model.layers[0].linear_attn(mx.zeros((3, 1, 64)), mask=mx.ones((3, 1), mx.bool_),
-                                        cache=caches[0])
-    assert cache.sequence_length(0) == 0
+    assert_a_mask_refused(_case()[0], "linear_attn")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 
@@ -283,11 +283,29 @@ def _check_depthwise(refuse, conv, weight, conv_dim: int) -> None:
                f"convolution over conv_dim={conv_dim} channels without padding")
 
 
-def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
-    def refuse(what: str) -> NoReturn:
+def _refuser(family: str, where: str, what: str, increment: int) -> Callable[[str], NoReturn]:
+    """A ``refuse(problem)`` raising ``UnsupportedFeatureError`` that names the family's module
+    ``where`` and the problem (``what``: the cache's copy of the module in words,
+    ``increment``: its section of docs/hybrid.md); the transformers side words it alike."""
+    def refuse(problem: str) -> NoReturn:
         raise UnsupportedFeatureError(
-            f"the {family} model's {where}: {what}; the cache's Mamba-2 mixer serves what was "
-            f"read (docs/hybrid.md increment 10) only")
+            f"the {family} model's {where}: {problem}; the cache's {what} serves what was read "
+            f"(docs/hybrid.md increment {increment}) only")
+    return refuse
+
+
+def _check_gated_norm(refuse, norm, norm_class, size: int, whose: str) -> None:
+    """``refuse(reason)`` unless ``norm`` is a ``norm_class`` of weight ``(size,)``: the gated
+    RMS norm the cache runs as the model's own module (``whose``: the mixer's or the layer's,
+    for the message)."""
+    if (type(norm) is not norm_class
+            or tuple(getattr(norm.get("weight"), "shape", ())) != (size,)):
+        refuse(f"norm {type(norm).__name__}: the cache runs the {whose} gated RMS norm "
+               f"({norm_class.__name__} of weight ({size},)) only")
+
+
+def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
+    refuse = _refuser(family, where, "Mamba-2 mixer", 10)
     try:
         heads, head_dim, d_state = int(m.num_heads), int(m.head_dim), int(m.ssm_state_size)
         groups, inner, conv_dim = int(m.n_groups), int(m.intermediate_size), int(m.conv_dim)
@@ -317,11 +335,7 @@ def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
         refuse(f"A_log, D, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({heads},)")
     if len(limit) != 2:
         refuse(f"time_step_limit={m.time_step_limit!r}: not (low, high)")
-    # the gated norm runs as the model's own module (per token)
-    if (type(norm) is not norm_class
-            or tuple(getattr(norm.get("weight"), "shape", ())) != (inner,)):
-        refuse(f"norm {type(norm).__name__}: the cache runs the mixer's gated RMS norm "
-               f"({norm_class.__name__} of weight ({inner},)) only")
+    _check_gated_norm(refuse, norm, norm_class, inner, "mixer's")     # per token
 
 
 def gdn_layers(model) -> dict:
@@ -394,10 +408,7 @@ def gdn_layers(model) -> dict:
 
 
 def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
-    def refuse(what: str) -> NoReturn:
-        raise UnsupportedFeatureError(
-            f"the {family} model's {where}: {what}; the cache's gated DeltaNet serves what was "
-            f"read (docs/hybrid.md increment 11) only")
+    refuse = _refuser(family, where, "gated DeltaNet", 11)
     try:
         nv, nk = int(m.num_v_heads), int(m.num_k_heads)
         dk, dv = int(m.head_k_dim), int(m.head_v_dim)
@@ -430,11 +441,7 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
         refuse(f"out_proj {type(out_proj).__name__} is not a module")
     if any(tuple(p.shape) != (nv,) for p in params):
         refuse(f"A_log, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({nv},)")
-    # the gated norm runs as the model's own module, per value head of each token
-    if (type(norm) is not norm_class
-            or tuple(getattr(norm.get("weight"), "shape", ())) != (dv,)):
-        refuse(f"norm {type(norm).__name__}: the cache runs the layer's gated RMS norm "
-               f"({norm_class.__name__} of weight ({dv},)) only")
+    _check_gated_norm(refuse, norm, norm_class, dv, "layer's")  # per value head of each token
 
 
 def state_modules(model) -> dict:
