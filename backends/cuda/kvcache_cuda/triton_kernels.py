@@ -1038,36 +1038,36 @@ def _paged_prefill_kernel(q_ptr, pages_ptr, o_ptr, lse_ptr, qo_ptr, pindptr_ptr,
         if INVARIANT:
             # fixed key segments from key 0, each a masked online softmax of its own, folded
             # in key order (the docstring); no unmasked run, no split by count
-            if SEG_SPLIT:      # segments k, k + SEG_K, ... of one decode entry: partials
-                rs = tl.arange(0, BLOCK_R)
-                head = rs % GROUP + kvh * GROUP
-                row_ok = rs < GROUP                 # the entry's one query
-                for seg in range(pid % SEG_K, (hi + SEG - 1) // SEG, SEG_K):
-                    seg_lo = seg * SEG
-                    seg_hi = tl.minimum(hi, seg_lo + SEG)
-                    o_s, lse2 = _paged_segment(
-                        q1, q2, seg_lo, seg_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-                        sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
-                        qk_scale * ks, vs, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
-                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, BLOCK_R, BLOCK_DV,
-                        ROPE, TREE, IEEE, SOFTCAP, QUANT)
+            # SEG_SPLIT: segments k, k + SEG_K, ... of one decode entry, each stored as a
+            # partial; else every segment of the tile's rows, folded here
+            seg0 = 0
+            step = 1
+            if SEG_SPLIT:
+                seg0 = pid % SEG_K
+                step = SEG_K
+            rs = tl.arange(0, BLOCK_R)
+            m_f = tl.zeros([BLOCK_R], tl.float32) - float("inf")
+            l_f = tl.zeros([BLOCK_R], tl.float32)
+            acc_f = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+            for seg in range(seg0, (hi + SEG - 1) // SEG, step):
+                seg_lo = seg * SEG
+                seg_hi = tl.minimum(hi, seg_lo + SEG)
+                o_s, lse2 = _paged_segment(
+                    q1, q2, seg_lo, seg_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
+                    sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
+                    qk_scale * ks, vs, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
+                    tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, BLOCK_R, BLOCK_DV,
+                    ROPE, TREE, IEEE, SOFTCAP, QUANT)
+                if SEG_SPLIT:
+                    head = rs % GROUP + kvh * GROUP
+                    row_ok = rs < GROUP                 # the entry's one query
                     part = (first + seg).to(tl.int64)
                     tl.store(o_ptr + part * so_t + head[:, None] * so_h + dv[None, :], o_s,
                              mask=row_ok[:, None] & dv_ok[None, :])
                     tl.store(lse_ptr + part * sl_t + head, lse2, mask=row_ok)
-            else:              # every segment of the tile's rows, folded here
-                m_f = tl.zeros([BLOCK_R], tl.float32) - float("inf")
-                l_f = tl.zeros([BLOCK_R], tl.float32)
-                acc_f = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-                for seg_lo in range(0, hi, SEG):
-                    seg_hi = tl.minimum(hi, seg_lo + SEG)
-                    o_s, lse2 = _paged_segment(
-                        q1, q2, seg_lo, seg_hi, sink, gap, pind_ptr + pstart, pages_ptr, kvh,
-                        sp_page, sp_kv, sp_head, sp_row, dh, dh_ok, dd, dd_ok, dv, dv_ok,
-                        qk_scale * ks, vs, softcap_log2, krope, inv, rope_scale, tmask_ptr, tlo,
-                        tree_start, q_order, kfloor, HALF, PAGE_SIZE, BLOCK_N, BLOCK_R, BLOCK_DV,
-                        ROPE, TREE, IEEE, SOFTCAP, QUANT)
+                else:
                     m_f, l_f, acc_f = _segment_fold(m_f, l_f, acc_f, o_s, lse2)
+            if not SEG_SPLIT:
                 tok, head, row_ok = _out_rows(lo, m0, nq, kvh, GROUP, M_TOK, BLOCK_R)
                 o, lse = _finish(acc_f, m_f, l_f, _row_sinks(sinks_ptr, head, row_ok, SINKS),
                                  SINKS)
