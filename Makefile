@@ -7,6 +7,12 @@
 #   nvidia-smi answers, also Triton and the cuda plugin, so that the demo runs on the GPU.
 # tools/install_torch.sh installs torch in both and says which build it took.
 PYTHON ?= python3
+# Python writes the bytecode (.pyc) of what it imports when it first does (the installs below
+# pass --no-compile), but not where PYTHONDONTWRITEBYTECODE is set, as it is on some CI
+# machines: there every process of the suite compiled torch, transformers and Triton from
+# source again (about 12 s of CPU a process that imports torch and transformers on a 2-core
+# AMD EPYC, and the suite starts some 50 such children). The targets run without it.
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcache-installed
