@@ -65,10 +65,12 @@ def test_good_example_passes(tmp_path):
     assert total["failed"] == 0 and total["passed"] > 20
 
 
+# a run of the suite's subset each (6-8 s on 2 cores): CI keeps the page-index defect (an
+# indexing bug, caught through the attention output), `make test-all` all three
 @pytest.mark.parametrize("defect, expect", [
     ("page-index", "attention output"),
-    ("causal-mask", "attention output"),
-    ("unwritten-output", "lse"),
+    pytest.param("causal-mask", "attention output", marks=pytest.mark.slow),
+    pytest.param("unwritten-output", "lse", marks=pytest.mark.slow),
 ])
 def test_planted_defect_fails(defect, expect, tmp_path):
     rc, out = run_suite(f"example-broken-{defect}", broken=defect, tmp_path=tmp_path)
