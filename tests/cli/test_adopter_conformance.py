@@ -13,13 +13,10 @@ that skips for an undocumented reason, or warns, fails here.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,8 +50,7 @@ sys.path.append(str(ROOT / "tests" / "cuda"))          # tests/ has no packages
 import background_runs  # noqa: E402
 
 RUN = "test_every_skip_is_of_a_kind_the_guide_names"
-_WHERE = Path(tempfile.mkdtemp(prefix="adopter-conformance-"))
-atexit.register(shutil.rmtree, _WHERE, True)
+_WHERE = Path(background_runs.folder("adopter-conformance-"))
 _ENV = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVCACHE_CONFORMANCE_"))}
 _ENV.update(KVCACHE_PLUGINS="reference", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
 background_runs.register(

@@ -14,7 +14,9 @@ A child still running when the session ends is killed."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -104,6 +106,14 @@ def register(name: str, cmd: list, env: dict, cwd=None, timeout: float = 900.0,
               tuple(needs))
     for test in (name, *readers):
         RUNS[test] = run
+
+
+def folder(prefix: str) -> str:
+    """A fresh empty folder for a registered child to run in (as a test's ``tmp_path``),
+    removed when the session's process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def result(name: str) -> subprocess.CompletedProcess:
