@@ -90,8 +90,9 @@ $(DEMO_STAMP): pyproject.toml backends/cuda/pyproject.toml tools/install_torch.s
 #   scenarios marked slow for the interpreter); the bad-input catalogue on the example plugin;
 #   the reference backend's TP and disaggregated spawns (the cuda CPU mode's run in CI);
 # * hypothesis state machines: each in CI, the long runs marked slow.
-# The children that a few tests/cuda tests only spawn and read (the interpreter run, conformance
-# classes on the CPU test mode) run on the second core beside the session (tests/cuda/
+# The children that tests only spawn and read (the interpreter runs, conformance classes on the
+# CPU test mode, the conformance CLI's runs of tests/conformance and tests/cli, the disaggregated
+# demo's CLI, the README's blocks) run on the second core beside the session (tests/cuda/
 # background_runs.py).
 test: $(STAMP)
 	@echo "make: running the suite (tests/; about 19 min on a 2-core AMD EPYC; collection takes 20-30 s, then a dot per test)"
