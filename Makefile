@@ -7,6 +7,12 @@
 #   nvidia-smi answers, also Triton and the cuda plugin, so that the demo runs on the GPU.
 # tools/install_torch.sh installs torch in both and says which build it took.
 PYTHON ?= python3
+# Python writes the bytecode (.pyc) of what it imports when it first does (the installs below
+# pass --no-compile), but not where PYTHONDONTWRITEBYTECODE is set, as it is on some CI
+# machines: there every process of the suite compiled torch, transformers and Triton from
+# source again (about 12 s of CPU a process that imports torch and transformers on a 2-core
+# AMD EPYC, and the suite starts some 50 such children). The targets run without it.
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcache-installed
@@ -84,11 +90,12 @@ $(DEMO_STAMP): pyproject.toml backends/cuda/pyproject.toml tools/install_torch.s
 #   scenarios marked slow for the interpreter); the bad-input catalogue on the example plugin;
 #   the reference backend's TP and disaggregated spawns (the cuda CPU mode's run in CI);
 # * hypothesis state machines: each in CI, the long runs marked slow.
-# The children that a few tests/cuda tests only spawn and read (the interpreter run, conformance
-# classes on the CPU test mode) run on the second core beside the session (tests/cuda/
+# The children that tests only spawn and read (the interpreter runs, conformance classes on the
+# CPU test mode, the conformance CLI's runs of tests/conformance and tests/cli, the disaggregated
+# demo's CLI, the README's blocks) run on the second core beside the session (tests/cuda/
 # background_runs.py).
 test: $(STAMP)
-	@echo "make: running the suite (tests/; about 19 min on a 2-core AMD EPYC; collection takes 20-30 s, then a dot per test)"
+	@echo "make: running the suite (tests/; about 1,840 CPU-seconds on a 2-core AMD EPYC, 21 min while shared; collection takes 20-30 s, then a dot per test)"
 	$(PY) -m pytest -q tests -m "not slow and not tools"
 
 # the fast lane (about 2-3 min here): mypy once over the core and the backends, then the quick suite

@@ -32,7 +32,10 @@ import background_runs  # noqa: E402
 TINY = "test_tiny_serving_bench_is_a_smoke_run_of_seconds"
 background_runs.register(
     TINY, [sys.executable, "-m", "kvcache.cli", "bench", "--serving", "--tiny", "--device", "cpu",
-           "--json"], {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT, timeout=5 * BUDGET_S)
+           "--json"], {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT, timeout=5 * BUDGET_S,
+    readers=("test_serving_json_runs_every_system_and_a_makes_every_token",
+             "test_tiny_serving_bench_says_what_it_is_doing",
+             "test_tiny_serving_table_does_not_judge_the_targets"))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -40,11 +41,15 @@ def _stale_entry_point():
                for dist in distributions() for ep in dist.entry_points)
 
 
-def run_pytest(args, cwd, **env):
+def pytest_command(args, **env):
+    """A fresh pytest's command line with ``args``, and its environment with ``env``."""
     block = ["-p", "no:kvcache"] if _stale_entry_point() else []
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *block, *args],
-                          capture_output=True, text=True, cwd=str(cwd), env=_env(**env),
-                          timeout=600)
+    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *block, *args], _env(**env)
+
+
+def run_pytest(args, cwd, **env):
+    cmd, env = pytest_command(args, **env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(cwd), env=env, timeout=600)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -89,18 +94,45 @@ def _target(name):
     return device
 
 
+# The runs of test_exact_form and test_environment_form (5-9 s each) start when collection ends
+# and run on CI's second core beside the session (tests/cuda/background_runs.py; at once, in the
+# test's wait, where that queue does not run), each in an empty folder of its own.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "cuda"))   # tests/ has no packages
+import background_runs  # noqa: E402
+
 # reference: the built-in backend; metal: a backend from another distribution, with
 # --kvcache-device. The example plugin (another distribution, no device) repeats what those two
 # show and runs with `make test-all`.
+EXACT = {"reference": (None, ()), "metal": ("cpu", ("kvcache_metal", "mlx")),
+         "example": (None, ("kvcache_example",))}
+"""backend: (the device the run names, the modules it needs); metal runs on the MLX CPU device
+here (``_target`` skips a backend that is not installed or cannot run)."""
+for _backend, (_device, _needs) in EXACT.items():
+    background_runs.register(
+        f"test_exact_form[{_backend}]",
+        *pytest_command(["-p", SUITE, "--pyargs", "kvcache.conformance", "--kvcache-backend",
+                         _backend, *(["--kvcache-device", _device] if _device else []),
+                         "-k", SELECTION, "-q"], KVCACHE_PLUGINS=f"reference,{_backend}"),
+        cwd=background_runs.folder(f"entry-point-{_backend}-"), timeout=600, needs=_needs)
+background_runs.register(
+    "test_environment_form",
+    *pytest_command(["--pyargs", "kvcache.conformance", "-k", "TestPrefill and test_batch", "-q"],
+                    KVCACHE_CONFORMANCE_BACKEND="reference"),
+    cwd=background_runs.folder("entry-point-environment-"), timeout=600)
+
+
+def background_pytest(test):
+    """``run_pytest``'s (exit status, output) of the registered run of ``test``."""
+    proc = background_runs.result(test)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("backend", ["reference", "metal",
                                      pytest.param("example", marks=pytest.mark.slow)])
-def test_exact_form(backend, selected, tmp_path):
+def test_exact_form(backend, selected, request):
     device = _target(backend)
-    args = ["-p", SUITE, "--pyargs", "kvcache.conformance", "--kvcache-backend", backend]
-    if device:
-        args += ["--kvcache-device", device]
-    rc, out = run_pytest(args + ["-k", SELECTION, "-q"], tmp_path,
-                         KVCACHE_PLUGINS=f"reference,{backend}")
+    assert device == EXACT[backend][0]
+    rc, out = background_pytest(request.node.name)
     assert rc == 0, out[-4000:]
     assert "unrecognized arguments" not in out
     got = counts(out)
@@ -125,9 +157,8 @@ def test_named_plugin_with_and_without_autoload(tmp_path):
         assert counts(out)["passed"] == 2 and "verdict: CONFORMS" in out, out[-4000:]
 
 
-def test_environment_form(tmp_path):
-    rc, out = run_pytest(["--pyargs", "kvcache.conformance", "-k", "TestPrefill and test_batch", "-q"],
-                         tmp_path, KVCACHE_CONFORMANCE_BACKEND="reference")
+def test_environment_form():
+    rc, out = background_pytest("test_environment_form")
     assert rc == 0, out[-4000:]
     assert counts(out)["passed"] == 2 and "backend 'reference' on default device" in out
 

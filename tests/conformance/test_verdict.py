@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from _conformance_runs import nonzero, pytest_counts, run, summary_tables, verdicts
+from _conformance_runs import clean_env, nonzero, pytest_counts, run, summary_tables, verdicts
 
 TOYS = textwrap.dedent('''
     import sys
@@ -95,17 +96,38 @@ def markdown_total(text: str) -> dict:
     return nonzero({("xfailed" if n == "expected failures" else n): v for n, v in zip(names, values)})
 
 
-@pytest.mark.parametrize("backend, rc, verdict", [
+VERDICT_CASES = [
     # old code: pytest 2 failed (float32 configs), the summary "failed 0, CONFORMS"
     ("toy-guide-caps", 0, "CONFORMS (partially"),
     # old code: the module-level failure left out, "CONFORMS" with exit status 1
     ("toy-module-fault", 1, "DOES NOT CONFORM (1 failed"),
     # old code: DOES NOT CONFORM, with counts that leave out the module-level tests
     ("toy-wrong-attention", 1, "DOES NOT CONFORM ("),
-])
-def test_summary_reports_and_exit_status_agree_with_pytest(tmp_path, backend, rc, verdict):
-    got_rc, out = conformance(tmp_path, "--backend", backend, "-k", SELECTION,
-                              "--report", tmp_path / "r.json", "--report", tmp_path / "r.md")
+]
+
+# These runs (4-5 s each) start when collection ends and run on CI's second core beside the
+# session (tests/cuda/background_runs.py; at once, in the test's wait, where that queue does not
+# run), each in an empty folder of its own with toys.py, as conformance() runs them.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "cuda"))   # tests/ has no packages
+import background_runs  # noqa: E402
+
+_VERDICT_FOLDERS = {}
+for _backend, _rc, _verdict in VERDICT_CASES:
+    _folder = _VERDICT_FOLDERS[_backend] = Path(background_runs.folder(f"verdict-{_backend}-"))
+    (_folder / "toys.py").write_text(TOYS)
+    background_runs.register(
+        f"test_summary_reports_and_exit_status_agree_with_pytest[{_backend}-{_rc}-{_verdict}]",
+        [sys.executable, "toys.py", "--backend", _backend, "-k", SELECTION,
+         "--report", _folder / "r.json", "--report", _folder / "r.md"],
+        clean_env(KVCACHE_PLUGINS="reference", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"),
+        cwd=_folder, timeout=600)
+
+
+@pytest.mark.parametrize("backend, rc, verdict", VERDICT_CASES)
+def test_summary_reports_and_exit_status_agree_with_pytest(request, backend, rc, verdict):
+    tmp_path = _VERDICT_FOLDERS[backend]
+    proc = background_runs.result(request.node.name)
+    got_rc, out = proc.returncode, proc.stdout + proc.stderr
     assert got_rc == rc, out[-4000:]
     counts = pytest_counts(out)
     assert bool(counts.get("failed")) == bool(rc), out[-4000:]

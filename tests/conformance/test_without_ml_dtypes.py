@@ -2,9 +2,9 @@
 of a backend that declares bfloat16, naming the reason, and does not call that conformance."""
 
 import os
-import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from kvcache.conformance.plugin import QUICK_SHAPES
 
@@ -40,22 +40,34 @@ CODE = textwrap.dedent("""
 """)
 
 
-def run(backend, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", CODE, backend], capture_output=True, text=True,
-                          cwd=str(tmp_path), timeout=600,
-                          env=dict(os.environ, KVCACHE_PLUGINS="reference"))
+# Each run (a child of 5-9 s) starts when collection ends and runs on CI's second core beside the
+# session (tests/cuda/background_runs.py; at once, in its test's wait, where that queue does not
+# run), in an empty folder of its own.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "cuda"))   # tests/ has no packages
+import background_runs  # noqa: E402
+
+RUNS = {"reference": "test_reference_skips_bfloat16_by_capability",
+        "declares-bf16": "test_bfloat16_backend_is_not_proven_without_the_oracle"}
+for _backend, _test in RUNS.items():
+    background_runs.register(_test, [sys.executable, "-c", CODE, _backend],
+                             dict(os.environ, KVCACHE_PLUGINS="reference"),
+                             cwd=background_runs.folder("without-ml-dtypes-"), timeout=600)
+
+
+def run(backend):
+    proc = background_runs.result(RUNS[backend])
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_reference_skips_bfloat16_by_capability(tmp_path):
-    rc, out = run("reference", tmp_path)
+def test_reference_skips_bfloat16_by_capability():
+    rc, out = run("reference")
     assert rc == 0, out[-4000:]
     assert BF16 and EXPECT in out
     assert "capability 'dtypes' not declared" in out and "verdict: CONFORMS (partially" in out
 
 
-def test_bfloat16_backend_is_not_proven_without_the_oracle(tmp_path):
-    rc, out = run("declares-bf16", tmp_path)
+def test_bfloat16_backend_is_not_proven_without_the_oracle():
+    rc, out = run("declares-bf16")
     assert rc == 0, out[-4000:]
     assert BF16 and EXPECT in out
     assert "the reference backend cannot store bfloat16 here: no bfloat16 storage: ml_dtypes" in out

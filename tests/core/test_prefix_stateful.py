@@ -301,9 +301,20 @@ class PrefixMachine(RuleBasedStateMachine):
                 np.testing.assert_array_equal(v, want[1])
 
 
+# 60 programs of 40 steps take ~16 s on 2 cores (30 over the shared keys ~8 s): CI runs a third
+# of them, of the same rules and length (fresh random ones every run), `make test-all` the full
+# counts as well (the ...Full classes); KVCACHE_FUZZ_EXAMPLES sets every count
+FUZZ_EXAMPLES = os.environ.get("KVCACHE_FUZZ_EXAMPLES")
+SETTINGS = settings(stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
 TestPrefixMachine = PrefixMachine.TestCase
-TestPrefixMachine.settings = settings(max_examples=int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", 60)), stateful_step_count=40, deadline=None,
-                                      suppress_health_check=[HealthCheck.too_slow])
+TestPrefixMachine.settings = settings(SETTINGS, max_examples=int(FUZZ_EXAMPLES or 20))
+
+
+@pytest.mark.slow
+class TestPrefixMachineFull(TestPrefixMachine):
+    settings = settings(SETTINGS, max_examples=int(FUZZ_EXAMPLES or 60))
 
 
 class SharedKeyPrefixMachine(PrefixMachine):
@@ -318,6 +329,9 @@ class SharedKeyPrefixMachine(PrefixMachine):
 
 
 TestSharedKeyPrefixMachine = SharedKeyPrefixMachine.TestCase
-TestSharedKeyPrefixMachine.settings = settings(
-    max_examples=int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", 30)), stateful_step_count=40,
-    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestSharedKeyPrefixMachine.settings = settings(SETTINGS, max_examples=int(FUZZ_EXAMPLES or 10))
+
+
+@pytest.mark.slow
+class TestSharedKeyPrefixMachineFull(TestSharedKeyPrefixMachine):
+    settings = settings(SETTINGS, max_examples=int(FUZZ_EXAMPLES or 30))

@@ -14,7 +14,9 @@ A child still running when the session ends is killed."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -90,16 +92,28 @@ class Run:
 
 
 RUNS: dict[str, Run] = {}
-"""The registered children, by the name of the test that asserts on each."""
+"""The registered children, by the name of each test that asserts on one (a child read by
+several tests is under each of their names)."""
 
 
 def register(name: str, cmd: list, env: dict, cwd=None, timeout: float = 900.0,
-             needs: tuple = ()) -> None:
+             needs: tuple = (), readers: tuple = ()) -> None:
     """Register the child of the test function ``name`` (call it where the test module is
     imported, under the same conditions as the test's skipif; ``needs``: the modules its test
-    importorskips)."""
-    RUNS[name] = Run(name, list(cmd), dict(env), None if cwd is None else str(cwd), timeout,
-                     tuple(needs))
+    importorskips; ``readers``: the other test functions that read the same child's output,
+    which wait for it last in the session as ``name`` does)."""
+    run = Run(name, list(cmd), dict(env), None if cwd is None else str(cwd), timeout,
+              tuple(needs))
+    for test in (name, *readers):
+        RUNS[test] = run
+
+
+def folder(prefix: str) -> str:
+    """A fresh empty folder for a registered child to run in (as a test's ``tmp_path``),
+    removed when the session's process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def result(name: str) -> subprocess.CompletedProcess:

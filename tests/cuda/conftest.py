@@ -101,11 +101,11 @@ def pytest_collection_finish(session):
         return
     if not (cc.INTERPRET or cc.ON_GPU):
         _register_interpreter_run(config.getoption("markexpr"))
-    runs, seen = [], set()
+    runs = []
     for item in session.items:
-        if _runs_child(item) and item.name not in seen:
-            seen.add(item.name)
-            runs.append(background_runs.RUNS[item.name])
+        run = background_runs.RUNS.get(item.name)
+        if _runs_child(item) and all(run is not r for r in runs):   # a child read by several
+            runs.append(run)
     if runs:
         config.stash[_QUEUE] = background_runs.Queue(runs)
 
