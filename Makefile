@@ -95,7 +95,7 @@ $(DEMO_STAMP): pyproject.toml backends/cuda/pyproject.toml tools/install_torch.s
 # demo's CLI, the README's blocks) run on the second core beside the session (tests/cuda/
 # background_runs.py).
 test: $(STAMP)
-	@echo "make: running the suite (tests/; about 1,840 CPU-seconds on a 2-core AMD EPYC, 21 min while shared; collection takes 20-30 s, then a dot per test)"
+	@echo "make: running the suite (tests/; about 17 min on a 2-core AMD EPYC; collection takes 20-30 s, then a dot per test)"
 	$(PY) -m pytest -q tests -m "not slow and not tools"
 
 # the fast lane (about 2-3 min here): mypy once over the core and the backends, then the quick suite
