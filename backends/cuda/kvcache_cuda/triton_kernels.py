@@ -1799,13 +1799,14 @@ class _Record:
     parts: Any
 
 
-def _variant(rec, mode, sinks, guard=False):
+def _variant(rec, mode, sinks, guard=False, seg_k=1):
     """The record's attention kernel for a call with softcap and / or sinks: the same constexprs
     as ``rec.run`` plus SOFTCAP / SINKS, built on first use (one record serves a forward's calls
     with and without them: the core passes sinks to one call of each layer). ``guard``: the
-    GUARD variant (the fallback behind the library, ``kvcache_cuda.flash``)."""
-    flags = (mode, sinks is not None, guard)
-    if flags == (0, False, False):
+    GUARD variant (the fallback behind the library, ``kvcache_cuda.flash``); ``seg_k``: a
+    batch-invariant decode step's programs an entry (the paged prefill kernel's SEG_K)."""
+    flags = (mode, sinks is not None, guard, seg_k)
+    if flags == (0, False, False, 1):
         return rec.run
     run = rec.variants.get(flags)
     if run is None:
@@ -1813,6 +1814,8 @@ def _variant(rec, mode, sinks, guard=False):
         kw = dict(base.kw, SOFTCAP=flags[0], SINKS=flags[1])
         if guard:                   # the decode kernel has no GUARD
             kw["GUARD"] = True
+        if seg_k != 1:              # nor SEG_K
+            kw["SEG_K"] = seg_k
         run = rec.variants[flags] = _Kernel(base.jit, kw)
     return run
 
@@ -2074,16 +2077,6 @@ def _segment_partials(ctx, rec, depth, q):
     return k, rec.po, rec.pl
 
 
-def _segment_kernel(rec, mode, k):
-    """The record's segment-split kernel for softcap ``mode`` and ``k`` programs an entry."""
-    key = ("segments", mode, k)
-    run = rec.variants.get(key)
-    if run is None:
-        run = rec.variants[key] = _Kernel(rec.run.jit, dict(rec.run.kw, SOFTCAP=mode,
-                                                            SINKS=False, SEG_K=k))
-    return run
-
-
 def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=None,
                     window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None, attend=None):
     """``Backend.paged_attention``. ``attend``: ``() -> (o, lse, guard)``, the library's result
@@ -2148,10 +2141,11 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     if rec.seg_split:
         k, po, pl = _segment_partials(ctx, rec, depth, q)
         no_sinks = spec[:len(spec) - len(_sinks_spec(sinks))]
-        _segment_kernel(rec, mode, k)(
-            (n * k,) + rec.grid[1:], no_sinks, q, pages, po, pl, *rec.pre, qpos, tind, tmask, depth.qo_indptr, n,
-            sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], po.stride(0), po.stride(1), 0,
-            pl.stride(0), 0, *scales, *rec.rope, int(window_left), scale_arg, scale_arg)
+        _variant(rec, mode, None, seg_k=k)(
+            (n * k,) + rec.grid[1:], no_sinks, q, pages, po, pl, *rec.pre, qpos, tind, tmask,
+            depth.qo_indptr, n, sq[0], sq[1], sp[0], sp[1], sp[2], sp[3], po.stride(0),
+            po.stride(1), 0, pl.stride(0), 0, *scales, *rec.rope, int(window_left), scale_arg,
+            scale_arg)
         folds, fgrid = rec.mrun
         folds[sinks is not None](fgrid, (o.dtype, *_sinks_spec(sinks)), po, pl, o, lse,
                                  depth.qo_indptr, depth.kv_len, sinks_arg, n, rec.o_shape[1],
