@@ -180,12 +180,23 @@ def test_the_timed_whole_run_serves_its_prompts_cold():
 
 
 def test_serving_kv_dtype_reaches_the_engine_on_the_random_workload(capsys):
+    """A quantized ``--kv-dtype`` reaches (a), and (p) runs the same Engine at the same batch
+    with pages of the compute dtype in the same run: quantized over 16-bit tokens/s and decode
+    step are ratios of one run (judged >= 1.0 on a full run); without one, no (p)."""
     assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c",
                         "--kv-dtype", "int8", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    a = res["systems"]["a"]
+    a, p = res["systems"]["a"], res["systems"]["p"]
     assert res["workload"]["a_kv_dtype"] == "int8" and a["kv_dtype"] == "int8"
     assert "kv int8" in a["system"] and a["tokens"] == 2 * 3
+    assert p["kv_dtype"] == "float32" and "kv " not in p["system"] and p["tokens"] == 2 * 3
+    assert res["ratios"]["a_over_p_tokens_per_s"] > 0 and "a_decode_step_over_p" in res["ratios"]
+    assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c,p",
+                        "--kv-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "(p) kvcache Engine, 16-bit pages (same batch)" in out and "skipped: --skip" in out
+    assert main(TINY + ["--requests", "2", "--new-tokens", "3", "--skip", "b,c", "--json"]) == 0
+    assert "p" not in json.loads(capsys.readouterr().out)["systems"]
 
 
 @pytest.mark.parametrize("extra, error", [

@@ -20,7 +20,8 @@ Per system:
 * ``same_tokens_as_a``: requests whose greedy tokens equal (a)'s.
 
 ``--kv-dtype`` (default auto: the compute dtype) is the storage format of (a)'s pages on any
-workload; ``--workload kv-budget`` (``kv_budget``) runs (a) with 16-bit and with quantized pages
+workload; on the random workload a quantized one adds (p), the same Engine at the same batch
+with pages of the compute dtype, and judges (a) / (p) tokens/s >= 1.0; ``--workload kv-budget`` (``kv_budget``) runs (a) with 16-bit and with quantized pages
 at one KV memory budget in bytes; ``--workload window-budget`` (``window_budget``) runs (a) on a
 Gemma-3-like model with every page kept and with window groups at one budget.
 ``--workload shared-prefix | multi-turn``: ``prefix``.
@@ -127,8 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "an empty cache, so this prices the index)")
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="(a)'s KV storage format on any workload (default auto: the compute "
-                        "dtype); kv-budget's quantized run (auto there: float8_e4m3 where the "
-                        "backend declares it, else int8)")
+                        "dtype; a quantized one adds (p), 16-bit pages at the same batch, on the "
+                        "random workload); kv-budget's quantized run (auto there: float8_e4m3 "
+                        "where the backend declares it, else int8)")
     g.add_argument("--kv-budget-mib", type=_pos_float, default=None, metavar="MIB",
                    help="kv-budget: the KV memory budget of each run in MiB (default: half of "
                         "what --batch sequences need at once, in auto KV); window-budget: the "
@@ -285,7 +287,12 @@ def run(args) -> dict:
         "systems": {}, "skipped": {}, "ratios": {},
     }
     # a system not asked for (ASKED) is not in the table at all
-    keys = [key for key in SYSTEMS if key not in ASKED or getattr(args, ASKED[key], False)]
+    # (p), the peer of quantized pages: the same Engine at the same batch with pages of the
+    # compute dtype, interleaved with (a) round by round (--runs), so that fp8's gain or loss
+    # at one batch is read in one run, not across two invocations' drift
+    quantized = kv_dtype not in ("auto", dtype)
+    keys = [key for key in SYSTEMS if (key not in ASKED or getattr(args, ASKED[key], False))
+            and (key != "p" or quantized)]
     result["skipped"].update((key, "--skip") for key in keys if key in skip)
     runs = getattr(args, "runs", 1)
 
@@ -294,9 +301,10 @@ def run(args) -> dict:
         runner: Optional[Runner] = None
         say(f"({key}) {SYSTEM_NAMES[key]}: starting")
         try:
-            if key in ("a", "d"):
+            if key in ("a", "d", "p"):
                 runner = EngineRunner(net, backend, device, args.batch, max_len, args.rope,
-                                      args.prefix_cache == "on", kv_dtype,
+                                      args.prefix_cache == "on",
+                                      "auto" if key == "p" else kv_dtype,
                                       key == "a" and getattr(args, "compile_step", False),
                                       mixed_graphs_arg(args), deterministic=key == "d")
             elif key == "b":
@@ -342,7 +350,7 @@ def run(args) -> dict:
             r["same_tokens_as_a"] = sum(x == y for x, y in zip(done[key][0][1], a_out))  # ties
         if not on_gpu or args.no_busy:
             r["gpu_busy_note"] = "not measured: " + ("no GPU" if not on_gpu else "--no-busy")
-    a, b, d = (result["systems"].get(key) for key in ("a", "b", "d"))
+    a, b, d, p = (result["systems"].get(key) for key in ("a", "b", "d", "p"))
     if a is not None:
         a_steps, a_tokens = per_round(a, "decode_step_ms"), per_round(a, "tokens_per_s")
         put_ratio(result, "a_decode_step_over_roofline", a_steps, [roof_s * 1e3] * len(a_steps))
@@ -352,6 +360,9 @@ def run(args) -> dict:
         if d is not None:
             put_ratio(result, "d_decode_step_over_a", per_round(d, "decode_step_ms"), a_steps)
             put_ratio(result, "d_over_a_tokens_per_s", per_round(d, "tokens_per_s"), a_tokens)
+        if p is not None:
+            put_ratio(result, "a_over_p_tokens_per_s", a_tokens, per_round(p, "tokens_per_s"))
+            put_ratio(result, "a_decode_step_over_p", a_steps, per_round(p, "decode_step_ms"))
     return result
 
 

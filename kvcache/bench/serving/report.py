@@ -15,12 +15,17 @@ TARGET_DET_STEP = 1.3
 """(d)'s decode step (deterministic) over (a)'s: at most this."""
 TARGET_DET_TOKENS = 0.75
 """(d)'s tokens/s over (a)'s: at least this."""
+TARGET_QUANT_TOKENS = 1.0
+"""(a)'s tokens/s with quantized pages over (p)'s, 16-bit pages at the same batch: at least
+this (quantized pages must not make the engine slower)."""
 
 RATIO_LABELS = {"a_decode_step_over_roofline": "(a) decode step / roofline",
                 "a_over_b_tokens_per_s": "(a) / (b) tokens/s",
                 "a_gpu_busy": "(a) gpu busy during decode",
                 "d_decode_step_over_a": "(d) decode step / (a)'s",
-                "d_over_a_tokens_per_s": "(d) tokens/s / (a)'s"}
+                "d_over_a_tokens_per_s": "(d) tokens/s / (a)'s",
+                "a_over_p_tokens_per_s": "(a) tokens/s / (p)'s (quantized / 16-bit pages)",
+                "a_decode_step_over_p": "(a) decode step / (p)'s"}
 """The result's ratios (``res["ratios"]``) in the report's words."""
 
 
@@ -76,7 +81,10 @@ def print_result(res: dict) -> None:
               res["skipped"].get("d", "(d) skipped")),
              ("d_over_a_tokens_per_s", ">=", TARGET_DET_TOKENS,
               res["skipped"].get("d", "(d) skipped")))
-            if "d" in res["systems"] or "d" in res["skipped"] else ()):
+            if "d" in res["systems"] or "d" in res["skipped"] else ()) + (
+            (("a_over_p_tokens_per_s", ">=", TARGET_QUANT_TOKENS,
+              res["skipped"].get("p", "(p) skipped")),)
+            if "p" in res["systems"] or "p" in res["skipped"] else ()):
         label, x = RATIO_LABELS[name], rt.get(name)
         if name == "a_decode_step_over_roofline":
             label += f" at B={w['batch']}"

@@ -1,6 +1,8 @@
 """The serving bench's systems: (a) ``EngineRunner``, (b) ``GenerateBatchRunner``, (c)
-``StaticRunner``, and with ``--deterministic`` (d), the ``EngineRunner`` in deterministic mode;
-each ``run(prompts, new_tokens)`` returns the new tokens of each prompt."""
+``StaticRunner``, with ``--deterministic`` (d), the ``EngineRunner`` in deterministic mode, and
+where (a) stores a quantized ``--kv-dtype`` (p), the ``EngineRunner`` with pages of the compute
+dtype at the same batch; each ``run(prompts, new_tokens)`` returns the new tokens of each
+prompt."""
 
 from __future__ import annotations
 
@@ -8,12 +10,14 @@ import contextlib
 import warnings
 from typing import Optional
 
-SYSTEMS = ("a", "b", "c", "d")
+SYSTEMS = ("a", "b", "c", "d", "p")
 SYSTEM_NAMES = {"a": "kvcache Engine", "b": "transformers generate_batch (paged|sdpa)",
                 "c": "transformers generate (static cache)",
-                "d": "kvcache Engine, deterministic=True"}
+                "d": "kvcache Engine, deterministic=True",
+                "p": "kvcache Engine, 16-bit pages (same batch)"}
 ASKED = {"d": "deterministic"}
-"""Systems that run only when their option is given (the option's ``args`` attribute)."""
+"""Systems that run only when their option is given (the option's ``args`` attribute); (p) runs
+where (a)'s ``--kv-dtype`` is a quantized format."""
 
 
 class Runner:
