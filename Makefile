@@ -13,6 +13,11 @@ PYTHON ?= python3
 # source again (about 12 s of CPU a process that imports torch and transformers on a 2-core
 # AMD EPYC, and the suite starts some 50 such children). The targets run without it.
 unexport PYTHONDONTWRITEBYTECODE
+# one torch / OpenMP thread a process: the suite runs two processes at once on CI's two cores (the
+# session and the children of tests/cuda/background_runs.py), and two threads each made four
+# threads spin on two cores (6% less CPU in one process's tests here with one); set it to
+# override
+export OMP_NUM_THREADS ?= 1
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcache-installed

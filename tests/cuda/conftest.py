@@ -119,7 +119,7 @@ def pytest_sessionfinish(session):
 def pytest_terminal_summary(terminalreporter, config):
     # each child's own wall time: they share CI's second core, so their sum bounds the suite's
     queue = config.stash.get(_QUEUE, None)
-    if queue is None or config.option.verbose < 0 and not config.getoption("durations"):
+    if queue is None or config.option.verbose < 0 and config.getoption("durations") is None:
         return
     walls = [(run.wall, run.name) for run in queue.runs if run.wall is not None]
     terminalreporter.write_line(f"background children: {sum(w for w, _ in walls):.0f} s in all")

@@ -36,6 +36,15 @@ slow_in_interpreter = pytest.mark.slow if INTERPRET else (lambda test: test)
 """A test decorator: the whole test ``SLOW_IN_INTERPRETER``."""
 
 
+def cpu_sample(cases: list, keep_torch: list, keep_interpreter: list) -> list:
+    """``cases`` as ``pytest.param``s: on the CPU those not in the mode's keep list (the torch
+    kernels', the interpreter's) marked slow, so `make test` runs a sample of the matrix; on a
+    GPU every case (its runs do not pass `-m`)."""
+    keep = keep_interpreter if INTERPRET else keep_torch
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)),
+                         marks=[] if ON_GPU or c in keep else [pytest.mark.slow]) for c in cases]
+
+
 def interpreter_sample(cases: list, keep: list) -> list:
     """``cases`` (parameter values or tuples) as ``pytest.param``s, those not in ``keep``
     marked slow under the interpreter (``SLOW_IN_INTERPRETER``)."""

@@ -38,11 +38,14 @@ def _run(env_extra: dict, device: str, full: bool = False) -> str:
     return _check(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900))
 
 
-# the CPU runs' children start when collection ends, on the second core (background_runs.py)
+# the CPU runs' children start when collection ends, on the second core (background_runs.py);
+# a slow test's child only under `make test-all` (the queue starts the selected tests' children)
 if not (cc.ON_GPU or cc.INTERPRET):
+    _TORCH = {"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "0"}
     background_runs.register("test_the_torch_fallback_is_batch_invariant",
-                             *_command({"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "0"}, "cpu",
-                                       full=True))
+                             *_command(_TORCH, "cpu"))
+    background_runs.register("test_the_torch_fallback_is_batch_invariant_in_every_variant",
+                             *_command(_TORCH, "cpu", full=True))
     background_runs.register("test_the_triton_kernels_are_batch_invariant_under_the_interpreter",
                              *_command({"KVCACHE_CUDA_CPU": "1", "TRITON_INTERPRET": "1"}, "cpu"))
 
@@ -50,10 +53,24 @@ if not (cc.ON_GPU or cc.INTERPRET):
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="the CPU test mode's torch fallback")
 def test_the_torch_fallback_is_batch_invariant():
     out = _check(background_runs.result("test_the_torch_fallback_is_batch_invariant"))
+    # the quick matrix: two tests (the variants' run is the slow test below)
+    assert "TestBatchInvariance          2       0       0        0" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="the CPU test mode's torch fallback")
+def test_the_torch_fallback_is_batch_invariant_in_every_variant():
+    out = _check(background_runs.result(
+        "test_the_torch_fallback_is_batch_invariant_in_every_variant"))
     # every dtype and page size: two tests each
     assert "TestBatchInvariance         18       0       0        0" in out, out[-3000:]
 
 
+# The class under the interpreter takes the shipped tiles (128-row prefill tiles: about 100 s of
+# a core); in CI test_a_tokens_bits_hold_across_key_segments runs its scenario
+# (check_invariance) through the same invariant kernels under the interpreter on small tiles,
+# segments split and folded
+@pytest.mark.slow
 @pytest.mark.skipif(cc.ON_GPU or cc.INTERPRET, reason="a child run under the interpreter")
 def test_the_triton_kernels_are_batch_invariant_under_the_interpreter():
     out = _check(background_runs.result(
@@ -99,9 +116,10 @@ def test_invariant_decode_steps_take_fewer_rows_with_the_prefill_key_step():
     assert off.inv_tiles == off.pre_tiles and off.inv_m_tok == off.pre_m_tok == 32
 
 
-@pytest.mark.parametrize("dtype,ps,split", cc.interpreter_sample(
+@pytest.mark.parametrize("dtype,ps,split", cc.cpu_sample(
     [(d, ps, split) for d in cc.DTYPES for ps in (16, 1) for split in (True, False)],
-    keep=[("float32", 16, True)]))
+    keep_torch=[("bfloat16", 16, True), ("float32", 1, False)],
+    keep_interpreter=[("float32", 16, True)]))
 def test_a_tokens_bits_hold_across_key_segments(impl, dtype, ps, split):
     """Batch-invariant attention cuts a row's keys into segments of a fixed size from key 0,
     each its own softmax, folded in key order. A prompt chunk folds its rows' segments in its
