@@ -91,6 +91,24 @@ class Run:
             self.proc.wait()
 
 
+CHILD_FILES = ("conformance/test_conformance_suite.py", "core/test_bad_input_catalogue.py")
+"""Whole test files (under tests/) that run in a child pytest on the second core when a session
+selects all of a file and its reader, ``test_child_file_passes[<file>]`` (tests/
+test_child_files.py), without -k: the file's tests pass or fail in the child, with the
+session's -m, and the reader asserts the child passed every one of them and shows its failures.
+The session's own process was the suite's longest path (about 1,080 s on CI's two cores against
+the children's 1,000 before these files moved). A session with -k, or one that selects a file
+without its reader, runs the file's tests in its own process as before."""
+
+CHILD_FILE_COUNTS: dict[str, int] = {}
+"""The number of tests each whole-file child runs, by its reader's name (the session
+deselected them)."""
+
+
+def child_file_reader(rel: str) -> str:
+    """The name of the reader test of CHILD_FILES' ``rel``."""
+    return f"test_child_file_passes[{rel}]"
+
 RUNS: dict[str, Run] = {}
 """The registered children, by the name of each test that asserts on one (a child read by
 several tests is under each of their names)."""

@@ -72,6 +72,28 @@ def _register_interpreter_run(markexpr: str) -> None:
                              needs=("triton",))
 
 
+def _register_child_files(config, items) -> None:
+    """Deselect the tests of each of background_runs.CHILD_FILES from ``items`` and register
+    its child, where the session selects every test of the file and its reader
+    (tests/test_child_files.py), without -k."""
+    if config.getoption("keyword"):
+        return
+    names = {item.name for item in items}
+    tests = Path(__file__).resolve().parents[1]
+    for rel in background_runs.CHILD_FILES:
+        reader, path = background_runs.child_file_reader(rel), tests / rel
+        mine = [item for item in items if Path(str(item.fspath)) == path]
+        if reader not in names or not mine or reader in background_runs.RUNS:
+            continue
+        items[:] = [item for item in items if Path(str(item.fspath)) != path]
+        config.hook.pytest_deselected(items=mine)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path),
+               "-m", config.getoption("markexpr")]
+        background_runs.register(reader, cmd, background_runs.clean_env(drop=()),
+                                 cwd=tests.parent, timeout=900)
+        background_runs.CHILD_FILE_COUNTS[reader] = len(mine)
+
+
 _QUEUE = pytest.StashKey["background_runs.Queue"]()
 
 
@@ -83,12 +105,14 @@ def _runs_child(item) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in needs)     # their importorskips
 
 
+@pytest.hookimpl(trylast=True)        # after -m / -k deselected: the children take what is left
 def pytest_collection_modifyitems(session, config, items):
     # the tests that only wait for a child run last: the children run on the second core in
     # the session's order from collection's end, while the first core runs every other test;
     # a spawner met early would keep the first core waiting for its child instead
     if cc.INTERPRET or cc.ON_GPU:
         return
+    _register_child_files(config, items)
     names = set(background_runs.RUNS) | {INTERPRETER_TEST}
     waits = [item for item in items if item.name in names]
     if waits:
