@@ -102,9 +102,9 @@ def build(model_type: str):
     return transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
 
 
-# the families whose state layers run on the cache (docs/hybrid.md, increments 5, 7 and 9):
+# the families whose state layers run on the cache (docs/hybrid.md, increments 5, 7, 9 and 12):
 # served, not refused (tests/integrations/test_transformers_lfm2.py, test_transformers_bamba.py,
-# test_transformers_qwen3_next.py)
+# test_transformers_qwen3_next.py, test_transformers_nemotron_h.py)
 SERVED = frozenset(STATE_FAMILIES)
 
 
@@ -122,7 +122,8 @@ def test_a_hybrid_family_is_refused_naming_the_layer_module_and_reason(model_typ
     assert "keeps state the cache does not hold" in text and "lost between steps" in text
     assert "layer 0: " in text and what in text.lower(), text
     assert ("served for the short convolutions of lfm2, lfm2_moe, the Mamba-2 mixers of "
-            "bamba, granitemoehybrid and the gated DeltaNet layers of qwen3_next only") in text
+            "bamba, granitemoehybrid, nemotron_h and the gated DeltaNet layers of qwen3_next "
+            "only") in text
     found = stateful_layers(model)
     assert found and found[0][0] == 0
     if not what.startswith("'"):                # the module by its path and class
@@ -136,9 +137,10 @@ def test_a_hybrid_family_is_refused_naming_the_layer_module_and_reason(model_typ
 
 @pytest.mark.parametrize("model_type", sorted(SERVED))
 def test_a_served_family_builds_its_state_layers(model_type):
-    """The same tiny LFM2, Bamba-family and Qwen3-Next models are accepted: their conv layers,
-    Mamba mixers and gated DeltaNet layers are state layers (their tokens:
-    test_transformers_lfm2.py, test_transformers_bamba.py, test_transformers_qwen3_next.py)."""
+    """The same tiny LFM2, Bamba-family, Nemotron-H and Qwen3-Next models are accepted: their
+    conv layers, Mamba mixers and gated DeltaNet layers are state layers (their tokens:
+    test_transformers_lfm2.py, test_transformers_bamba.py, test_transformers_nemotron_h.py,
+    test_transformers_qwen3_next.py)."""
     model = build(model_type)
     kinds = state_kinds(model)
     assert sorted(kinds) == [i for i, _, _ in stateful_layers(model)] == [0]

@@ -113,37 +113,54 @@ def _dtype_name(dtype) -> str:
     return _DTYPES[dtype]
 
 
+_QUERY_PROJECTIONS = ("q_proj", "qkv_proj", "q_a_proj", "query_key_value", "c_attn")
+
+
+def attention_modules(model) -> list:
+    """The attention modules of ``model``: those with an int ``layer_idx``, a config and a query
+    projection, in module order."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "config")
+            and any(hasattr(m, name) for name in _QUERY_PROJECTIONS)]
+
+
 def attention_layers(model) -> list:
-    """The model's attention modules, one per decoder layer in layer order (each with its
+    """The model's attention modules, one per cache layer in layer order (each with its
     ``layer_idx``); ``None`` at a state layer (an LFM2 short convolution, a Bamba-family
-    Mamba-2 mixer: ``state_kinds``), which has no attention. Raises
-    ``UnsupportedFeatureError`` with the reason when the model's layers do not map one to one
-    onto cache layers (layers without attention that are not state layers, or two attention
-    modules in one layer)."""
-    from .states import state_modules
+    Mamba-2 mixer: ``state_kinds``), which has no attention. The cache layers are the decoder
+    layers but for blocks that hold nothing (Nemotron-H's MLP and MoE blocks:
+    ``states.cache_layers``). Raises ``UnsupportedFeatureError`` with the reason when the
+    model's layers do not map one to one onto cache layers (layers without attention that are
+    not state layers, two attention modules in one layer, or one in a block that holds
+    nothing)."""
+    from .states import stateless_layers, state_modules
     config = model.config
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    skip = set(stateless_layers(model))
     found: dict = dict.fromkeys(state_modules(model))
-    for m in model.modules():
-        idx = getattr(m, "layer_idx", None)
-        if isinstance(idx, int) and hasattr(m, "config") and any(
-                hasattr(m, name) for name in ("q_proj", "qkv_proj", "q_a_proj", "query_key_value", "c_attn")):
-            if idx in found and found[idx] is None:
-                raise UnsupportedFeatureError(
-                    f"{type(model).__name__}: layer {idx} is a state layer (a recurrent state) "
-                    f"and has an attention module ({type(m).__name__}) too; the cache holds one "
-                    f"kind per layer")
-            if idx in found:
-                raise UnsupportedFeatureError(
-                    f"{type(model).__name__}: layer {idx} has two attention modules "
-                    f"({type(found[idx]).__name__}, {type(m).__name__}); the cache holds one per layer")
-            found[idx] = m
-    if sorted(found) != list(range(layers)):
+    for m in attention_modules(model):
+        idx = m.layer_idx
+        if idx in skip:
+            raise UnsupportedFeatureError(
+                f"{type(model).__name__}: layer {idx} is a block that holds nothing by its "
+                f"type (no cache layer), but has an attention module ({type(m).__name__})")
+        if idx in found and found[idx] is None:
+            raise UnsupportedFeatureError(
+                f"{type(model).__name__}: layer {idx} is a state layer (a recurrent state) "
+                f"and has an attention module ({type(m).__name__}) too; the cache holds one "
+                f"kind per layer")
+        if idx in found:
+            raise UnsupportedFeatureError(
+                f"{type(model).__name__}: layer {idx} has two attention modules "
+                f"({type(found[idx]).__name__}, {type(m).__name__}); the cache holds one per layer")
+        found[idx] = m
+    want = [i for i in range(layers) if i not in skip]
+    if sorted(found) != want:
         raise UnsupportedFeatureError(
             f"{type(model).__name__}: {layers} decoder layers, but attention modules with a "
             f"layer_idx in layers {sorted(found)} only (layers without attention, e.g. a hybrid "
             f"recurrent model, cannot run on the cache)")
-    return [found[i] for i in range(layers)]
+    return [found[i] for i in want]
 
 
 # ---------------------------------------------------------------------- hybrid models
@@ -205,8 +222,7 @@ def _decoder_layer_lists(model) -> list:
     attention module (``layer_idx``), and the other layers of the same lists."""
     attn = [name for name, m in model.named_modules()
             if isinstance(getattr(m, "layer_idx", None), int) and any(
-                hasattr(m, n) for n in ("q_proj", "qkv_proj", "q_a_proj", "query_key_value",
-                                        "c_attn"))]
+                hasattr(m, n) for n in _QUERY_PROJECTIONS)]
     lists: dict = {}
     modules = dict(model.named_modules())
     for name in attn:
@@ -257,9 +273,9 @@ def stateful_layers(model) -> list:
 def refuse_hybrid(model) -> None:
     """Raise ``UnsupportedFeatureError`` naming the model type, the layers and modules and the
     reason when ``model`` keeps state the cache does not hold (``stateful_layers``): a hybrid
-    (Falcon-H1, Jamba, Zamba, Nemotron-H, Qwen3.5 ...) or a recurrent model. The cache holds
-    attention K/V and the state of the layers ``state_kinds`` gives (``STATE_FAMILIES``: LFM2's
-    short convolutions, the Mamba-2 mixers of Bamba and Granite-4.0-H, Qwen3-Next's gated
+    (Falcon-H1, Jamba, Zamba, Qwen3.5 ...) or a recurrent model. The cache holds attention
+    K/V and the state of the layers ``state_kinds`` gives (``STATE_FAMILIES``: LFM2's short
+    convolutions, the Mamba-2 mixers of Bamba, Granite-4.0-H and Nemotron-H, Qwen3-Next's gated
     DeltaNet); any other state would be lost between steps, and the tokens would differ from
     the model's own generation without an error. A model of a served family whose state
     modules are not what was read is refused too (``state_modules``)."""
