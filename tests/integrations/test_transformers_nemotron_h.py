@@ -192,7 +192,8 @@ def test_preemption_and_forks_recompute_the_state():
                                 lambda prompt: hf_greedy(model, prompt, NEW))
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("cuda", marks=slow)])
+@slow
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
 def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     """Requests sharing a 22-token prefix through the Engine, checkpoints every page
     (``state_checkpoint_interval=1``), SSM chunks of 8: the first request's prefill chunk

@@ -128,16 +128,17 @@ def attention_layers(model) -> list:
     """The model's attention modules, one per cache layer in layer order (each with its
     ``layer_idx``); ``None`` at a state layer (an LFM2 short convolution, a Bamba-family
     Mamba-2 mixer: ``state_kinds``), which has no attention. The cache layers are the decoder
-    layers but for blocks that hold nothing (Nemotron-H's MLP and MoE blocks:
+    layers but for blocks that hold nothing (Nemotron-H's MLP and MoE blocks) and layers that
+    hold a mixer beside their attention (Falcon-H1's: two cache layers, the mixer's first;
     ``states.cache_layers``). Raises ``UnsupportedFeatureError`` with the reason when the
     model's layers do not map one to one onto cache layers (layers without attention that are
     not state layers, two attention modules in one layer, or one in a block that holds
     nothing)."""
-    from .states import stateless_layers, state_modules
+    from .states import parallel_layers, stateless_layers, state_modules
     config = model.config
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    skip = set(stateless_layers(model))
-    found: dict = dict.fromkeys(state_modules(model))
+    skip, both = set(stateless_layers(model)), set(parallel_layers(model))
+    found: dict = dict.fromkeys(i for i in state_modules(model) if i not in both)
     for m in attention_modules(model):
         idx = m.layer_idx
         if idx in skip:
@@ -160,7 +161,12 @@ def attention_layers(model) -> list:
             f"{type(model).__name__}: {layers} decoder layers, but attention modules with a "
             f"layer_idx in layers {sorted(found)} only (layers without attention, e.g. a hybrid "
             f"recurrent model, cannot run on the cache)")
-    return [found[i] for i in want]
+    out: list = []
+    for i in want:
+        if i in both:
+            out.append(None)            # the mixer's cache layer, then the attention's
+        out.append(found[i])
+    return out
 
 
 # ---------------------------------------------------------------------- hybrid models
@@ -273,9 +279,9 @@ def stateful_layers(model) -> list:
 def refuse_hybrid(model) -> None:
     """Raise ``UnsupportedFeatureError`` naming the model type, the layers and modules and the
     reason when ``model`` keeps state the cache does not hold (``stateful_layers``): a hybrid
-    (Falcon-H1, Jamba, Zamba, Qwen3.5 ...) or a recurrent model. The cache holds attention
-    K/V and the state of the layers ``state_kinds`` gives (``STATE_FAMILIES``: LFM2's short
-    convolutions, the Mamba-2 mixers of Bamba, Granite-4.0-H and Nemotron-H, Qwen3-Next's gated
+    (Jamba, Zamba, Qwen3.5 ...) or a recurrent model. The cache holds attention K/V and the
+    state of the layers ``state_kinds`` gives (``STATE_FAMILIES``: LFM2's short convolutions,
+    the Mamba-2 mixers of Bamba, Granite-4.0-H, Nemotron-H and Falcon-H1, Qwen3-Next's gated
     DeltaNet); any other state would be lost between steps, and the tokens would differ from
     the model's own generation without an error. A model of a served family whose state
     modules are not what was read is refused too (``state_modules``)."""
