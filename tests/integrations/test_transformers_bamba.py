@@ -275,16 +275,17 @@ def test_positional_arguments_are_read_off_the_mixers_signature():
 
 
 def test_the_families_still_not_served_are_refused_by_name():
-    """Falcon-H1 (a mixer beside attention in every layer), Nemotron-H, Zamba2 and Jamba keep
-    Mamba state the cache does not serve: refused, naming the served families."""
+    """Zamba2 and Jamba keep Mamba state the cache does not serve: refused, naming the served
+    families (Nemotron-H and Falcon-H1 are served since increment 12:
+    test_transformers_nemotron_h.py, test_transformers_falcon_h1.py)."""
     from test_transformers_hybrids import _installed, build
-    for model_type in ("falcon_h1", "nemotron_h", "zamba2", "jamba"):
+    for model_type in ("zamba2", "jamba"):
         if not _installed(model_type):
             continue
         with pytest.raises(kvcache.UnsupportedFeatureError,
                            match=f"the {model_type} model .*keeps state the cache does not hold"
-                                 f".*Mamba-2 mixers of bamba, granitemoehybrid and the gated "
-                                 f"DeltaNet layers of qwen3_next only"):
+                                 f".*Mamba-2 mixers of bamba, falcon_h1, granitemoehybrid, "
+                                 f"nemotron_h and the gated DeltaNet layers of qwen3_next only"):
             cache_config(build(model_type))
 
 

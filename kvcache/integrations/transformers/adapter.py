@@ -20,7 +20,8 @@ from .interface import ATTN_IMPLEMENTATION, register
 from .model import (_dtype_name, _model_needs, attention_layers, eos_token_ids, head_dims,
                     layer_kinds, refuse_hybrid, sliding_windows)
 from .rope import _check_rope, fused_rope, model_rotary
-from .states import route_state_layers, serving, state_kinds
+from .states import (map_cache_layers, num_cache_layers, route_state_layers, serving,
+                     state_kinds)
 
 torch = require("torch", "transformers")
 
@@ -44,11 +45,15 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     standard); run the model inside ``fused_rope(model, cache)`` then. A model that keeps
     state the cache does not hold beside its attention (a hybrid: Mamba mixers, linear
     attention, position biases) raises ``UnsupportedFeatureError`` naming the layers and the
-    reason (``refuse_hybrid``). The short convolutions of LFM2, the Mamba-2 mixers of Bamba
-    and Granite-4.0-H and Qwen3-Next's gated DeltaNet (``STATE_FAMILIES``) are state layers:
-    they always get their ``State`` kinds (``state_kinds(model)``), in ``max_state_slots``
-    slots (0: ``max_batch_size``, the sequences the cache holds at once), and the model's state
-    modules are routed to the cache (``route_state_layers``).
+    reason (``refuse_hybrid``). The short convolutions of LFM2, the Mamba-2 mixers of Bamba,
+    Granite-4.0-H, Nemotron-H and Falcon-H1 and Qwen3-Next's gated DeltaNet
+    (``STATE_FAMILIES``) are state layers: they always get their ``State`` kinds
+    (``state_kinds(model)``), in ``max_state_slots`` slots (0: ``max_batch_size``, the
+    sequences the cache holds at once), and the model's state modules are routed to the cache
+    (``route_state_layers``). Blocks
+    that hold nothing (Nemotron-H's MLP and MoE blocks) get no cache layer, a layer with a
+    mixer beside its attention (Falcon-H1) two (``states.cache_layers``; ``num_layers``
+    counts them).
     ``window_groups``: the model's sliding-window layers get ``layer_kinds``
     (``layer_kinds(model)``: each keeps only the pages its window still sees; raises
     ``UnsupportedFeatureError`` when the model's windowing is not understood); False: every
@@ -58,6 +63,7 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
     if states:
         _no_fused_rope_with_states(model, rope, states)
         route_state_layers(model)
+    map_cache_layers(model)
     config = model.config
     heads = int(config.num_attention_heads)
     head_dim, head_dim_v = head_dims(config)
@@ -66,7 +72,7 @@ def cache_config(model, *, dtype=None, page_size: int = 16, max_total_tokens: in
         freqs, rot = model_rotary(model)
         mode, inv_freq = "normal", tuple(freqs.tolist())
     return CacheConfig(
-        num_layers=int(config.num_hidden_layers), num_qo_heads=heads,
+        num_layers=num_cache_layers(model), num_qo_heads=heads,
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=head_dim, head_dim_v=head_dim_v, page_size=page_size,
         max_batch_size=max_batch_size,
@@ -140,8 +146,9 @@ class TransformersAdapter(ModelAdapter):
     layers call transformers' attention interface (checked: ``attention_layers``; refused with
     the reason otherwise) and keep no other state from token to token (a hybrid's Mamba mixer,
     linear attention or position bias: refused, ``refuse_hybrid``) than the short
-    convolutions of LFM2, the Mamba-2 mixers of Bamba and Granite-4.0-H and Qwen3-Next's
-    gated DeltaNet, which run on the cache's state slots (``state_layers``)."""
+    convolutions of LFM2, the Mamba-2 mixers of Bamba, Granite-4.0-H, Nemotron-H and
+    Falcon-H1 and Qwen3-Next's gated DeltaNet, which run on the cache's state slots
+    (``state_layers``)."""
 
     def __init__(self, model, rope: str = "model"):
         config = getattr(model, "config", None)
@@ -161,6 +168,7 @@ class TransformersAdapter(ModelAdapter):
         if self.states:
             _no_fused_rope_with_states(model, rope, self.states)
             route_state_layers(model)
+        map_cache_layers(model)
         self.model = model
         self.family = str(family or type(model).__name__)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])

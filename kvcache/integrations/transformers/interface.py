@@ -14,6 +14,7 @@ from ...backend import Capabilities
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
 from .rope import _FUSED
+from .states import layer_of
 
 torch = require("torch", "transformers")
 transformers = require("transformers", "transformers", "5.17")
@@ -160,7 +161,7 @@ def _compiled_attention(module, query, key, value, scaling, sliding_window, kwar
     window = -1 if sliding_window is None else int(sliding_window) - 1
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    out = _attention_op(query, key, value, id(cache), int(module.layer_idx),
+    out = _attention_op(query, key, value, id(cache), int(layer_of(module)),
                         float(scaling), window, float(softcap or 0.0), sinks)
     return out, None
 
@@ -195,10 +196,10 @@ def attention(module, query, key, value, attention_mask, scaling: Optional[float
             f"time. Create the cache with rope_mode='none' (kvcache.integrations.transformers."
             f"cache_config(model) does), or let the cache rotate with cache_config(model, "
             f"rope='cache') and run the model inside fused_rope(model, cache)")
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
+    if getattr(module, "layer_idx", None) is None:
         raise InvalidArgumentError(f"{type(module).__name__} has no layer_idx: cannot tell which "
                                    f"cache layer its attention uses")
+    layer = layer_of(module)
     if query.shape[0] != 1:
         raise InvalidArgumentError(
             f"the batch must be packed into one row (input_ids of shape (1, T)), got a batch "

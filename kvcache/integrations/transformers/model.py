@@ -113,37 +113,60 @@ def _dtype_name(dtype) -> str:
     return _DTYPES[dtype]
 
 
+_QUERY_PROJECTIONS = ("q_proj", "qkv_proj", "q_a_proj", "query_key_value", "c_attn")
+
+
+def attention_modules(model) -> list:
+    """The attention modules of ``model``: those with an int ``layer_idx``, a config and a query
+    projection, in module order."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "config")
+            and any(hasattr(m, name) for name in _QUERY_PROJECTIONS)]
+
+
 def attention_layers(model) -> list:
-    """The model's attention modules, one per decoder layer in layer order (each with its
+    """The model's attention modules, one per cache layer in layer order (each with its
     ``layer_idx``); ``None`` at a state layer (an LFM2 short convolution, a Bamba-family
-    Mamba-2 mixer: ``state_kinds``), which has no attention. Raises
-    ``UnsupportedFeatureError`` with the reason when the model's layers do not map one to one
-    onto cache layers (layers without attention that are not state layers, or two attention
-    modules in one layer)."""
-    from .states import state_modules
+    Mamba-2 mixer: ``state_kinds``), which has no attention. The cache layers are the decoder
+    layers but for blocks that hold nothing (Nemotron-H's MLP and MoE blocks) and layers that
+    hold a mixer beside their attention (Falcon-H1's: two cache layers, the mixer's first;
+    ``states.cache_layers``). Raises ``UnsupportedFeatureError`` with the reason when the
+    model's layers do not map one to one onto cache layers (layers without attention that are
+    not state layers, two attention modules in one layer, or one in a block that holds
+    nothing)."""
+    from .states import parallel_layers, stateless_layers, state_modules
     config = model.config
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    found: dict = dict.fromkeys(state_modules(model))
-    for m in model.modules():
-        idx = getattr(m, "layer_idx", None)
-        if isinstance(idx, int) and hasattr(m, "config") and any(
-                hasattr(m, name) for name in ("q_proj", "qkv_proj", "q_a_proj", "query_key_value", "c_attn")):
-            if idx in found and found[idx] is None:
-                raise UnsupportedFeatureError(
-                    f"{type(model).__name__}: layer {idx} is a state layer (a recurrent state) "
-                    f"and has an attention module ({type(m).__name__}) too; the cache holds one "
-                    f"kind per layer")
-            if idx in found:
-                raise UnsupportedFeatureError(
-                    f"{type(model).__name__}: layer {idx} has two attention modules "
-                    f"({type(found[idx]).__name__}, {type(m).__name__}); the cache holds one per layer")
-            found[idx] = m
-    if sorted(found) != list(range(layers)):
+    skip, both = set(stateless_layers(model)), set(parallel_layers(model))
+    found: dict = dict.fromkeys(i for i in state_modules(model) if i not in both)
+    for m in attention_modules(model):
+        idx = m.layer_idx
+        if idx in skip:
+            raise UnsupportedFeatureError(
+                f"{type(model).__name__}: layer {idx} is a block that holds nothing by its "
+                f"type (no cache layer), but has an attention module ({type(m).__name__})")
+        if idx in found and found[idx] is None:
+            raise UnsupportedFeatureError(
+                f"{type(model).__name__}: layer {idx} is a state layer (a recurrent state) "
+                f"and has an attention module ({type(m).__name__}) too; the cache holds one "
+                f"kind per layer")
+        if idx in found:
+            raise UnsupportedFeatureError(
+                f"{type(model).__name__}: layer {idx} has two attention modules "
+                f"({type(found[idx]).__name__}, {type(m).__name__}); the cache holds one per layer")
+        found[idx] = m
+    want = [i for i in range(layers) if i not in skip]
+    if sorted(found) != want:
         raise UnsupportedFeatureError(
             f"{type(model).__name__}: {layers} decoder layers, but attention modules with a "
             f"layer_idx in layers {sorted(found)} only (layers without attention, e.g. a hybrid "
             f"recurrent model, cannot run on the cache)")
-    return [found[i] for i in range(layers)]
+    out: list = []
+    for i in want:
+        if i in both:
+            out.append(None)            # the mixer's cache layer, then the attention's
+        out.append(found[i])
+    return out
 
 
 # ---------------------------------------------------------------------- hybrid models
@@ -205,8 +228,7 @@ def _decoder_layer_lists(model) -> list:
     attention module (``layer_idx``), and the other layers of the same lists."""
     attn = [name for name, m in model.named_modules()
             if isinstance(getattr(m, "layer_idx", None), int) and any(
-                hasattr(m, n) for n in ("q_proj", "qkv_proj", "q_a_proj", "query_key_value",
-                                        "c_attn"))]
+                hasattr(m, n) for n in _QUERY_PROJECTIONS)]
     lists: dict = {}
     modules = dict(model.named_modules())
     for name in attn:
@@ -257,9 +279,9 @@ def stateful_layers(model) -> list:
 def refuse_hybrid(model) -> None:
     """Raise ``UnsupportedFeatureError`` naming the model type, the layers and modules and the
     reason when ``model`` keeps state the cache does not hold (``stateful_layers``): a hybrid
-    (Falcon-H1, Jamba, Zamba, Nemotron-H, Qwen3.5 ...) or a recurrent model. The cache holds
-    attention K/V and the state of the layers ``state_kinds`` gives (``STATE_FAMILIES``: LFM2's
-    short convolutions, the Mamba-2 mixers of Bamba and Granite-4.0-H, Qwen3-Next's gated
+    (Jamba, Zamba, Qwen3.5 ...) or a recurrent model. The cache holds attention K/V and the
+    state of the layers ``state_kinds`` gives (``STATE_FAMILIES``: LFM2's short convolutions,
+    the Mamba-2 mixers of Bamba, Granite-4.0-H, Nemotron-H and Falcon-H1, Qwen3-Next's gated
     DeltaNet); any other state would be lost between steps, and the tokens would differ from
     the model's own generation without an error. A model of a served family whose state
     modules are not what was read is refused too (``state_modules``)."""

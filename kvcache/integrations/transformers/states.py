@@ -1,7 +1,8 @@
 """The recurrent-state layers of a transformers model on the cache's state slots (issue 56,
 docs/hybrid.md "Built: increment 5" and "Built: increment 7"): LFM2's short convolutions
-(``lfm2``, ``lfm2_moe``) and the Mamba-2 mixers of Bamba and Granite-4.0-H (``bamba``,
-``granitemoehybrid``; ``mamba_layers``, ``mamba_forward``).
+(``lfm2``, ``lfm2_moe``) and the Mamba-2 mixers of Bamba, Granite-4.0-H, Nemotron-H and
+Falcon-H1 (``bamba``, ``granitemoehybrid``, ``nemotron_h``, ``falcon_h1``; ``mamba_layers``,
+``mamba_forward``).
 
 A conv layer of LFM2 (``Lfm2ShortConv``) projects its input to ``B, C, x`` (``in_proj``),
 convolves ``B * x`` causally over time with a depthwise kernel of ``conv_L_cache`` taps, and
@@ -17,7 +18,11 @@ A mamba layer of Bamba (``BambaMixer``; Granite-4.0-H's ``GraniteMoeHybridMambaL
 same code) convolves ``x, B, C`` like that (``conv_kernel_size`` taps, then SiLU) and runs a
 selective SSM over them, whose state ``(heads, head_dim, d_state)`` carries from token to
 token: on the cache ``State({"conv": (conv_dim, conv_kernel_size - 1), "ssm": (heads,
-head_dim, d_state)})``, run per sequence by ``mamba_forward``. Anything about a family these
+head_dim, d_state)})``, run per sequence by ``mamba_forward``. Nemotron-H's mixer
+(``NemotronHMamba2Mixer``) is the same arithmetic with a lower time-step limit; its MLP and MoE
+blocks hold nothing and get no cache layer (``cache_layers``). Falcon-H1's (``FalconH1Mixer``)
+adds muP multipliers and an optional norm, and runs beside attention in every layer: two cache
+layers a layer, the mixer's state then the attention's pages. Anything about a family these
 functions do not know is refused with ``UnsupportedFeatureError`` naming it
 (``state_kinds``).
 
@@ -65,7 +70,21 @@ _MAMBA_CLASSES = {
     "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
     "granitemoehybrid": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid",
                          "GraniteMoeHybridMambaLayer"),
+    # Nemotron-H's mixer (5.24) computes what Bamba's does but for a lower time-step limit
+    # (``_LIMITED``); its blocks hold one mixer each, MLP and MoE blocks nothing (``_STATELESS``)
+    "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
+    # Falcon-H1's mixer (5.24) beside attention in every layer: Bamba's arithmetic with muP
+    # multipliers on its input and projections, and a plain SiLU gate unless mamba_rms_norm
+    "falcon_h1": ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
 }
+# family -> the layer types whose decoder layer holds a mixer and attention side by side
+# (Falcon-H1's "hybrid" layers): two cache layers, the mixer's state then the attention's pages
+_PARALLEL = {"falcon_h1": ("hybrid",)}
+# family -> the block types (``config.layers_block_type``) that keep neither K/V nor state:
+# Nemotron-H's MLP and MoE blocks get no cache layer (``cache_layers``)
+_STATELESS = {"nemotron_h": ("mlp", "moe")}
+# families whose mixer clamps dt from below (Nemotron-H: ``(time_step_min, inf)``, always set)
+_LIMITED = frozenset(("nemotron_h",))
 # family -> (the module, the class) of its gated DeltaNet: read line by line (transformers 5.24:
 # projections, conv, the chunked / recurrent gated delta rule, the gated norm)
 _GDN_CLASSES = {
@@ -74,7 +93,8 @@ _GDN_CLASSES = {
 }
 STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES}))
 """The model types whose recurrent-state layers run on the cache (LFM2's short convolutions,
-the Mamba-2 mixers of Bamba and Granite-4.0-H, Qwen3-Next's gated DeltaNet)."""
+the Mamba-2 mixers of Bamba, Granite-4.0-H, Nemotron-H and Falcon-H1, Qwen3-Next's gated
+DeltaNet)."""
 SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))}, the "
                        f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))} and the gated "
                        f"DeltaNet layers of {', '.join(sorted(_GDN_CLASSES))}")
@@ -263,28 +283,33 @@ def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
 
 def mamba_layers(model) -> dict:
     """``{layer: (path, module)}``: the Mamba-2 mixers of a Bamba-family ``model``
-    (``bamba``, ``granitemoehybrid``), by decoder layer; empty for any other family. Raises
-    ``UnsupportedFeatureError`` naming the layer and the value when the model is of such a family
-    but something is not what was read: a layer type other than a mamba or attention layer, a
-    mixer of another class (a subclass too), a kernel below 2 taps or not ``conv_kernel_size``,
-    a conv that is not depthwise over ``conv_dim`` channels, strided or dilated, projections,
-    heads, groups or parameters of other sizes, an activation other than SiLU, a
-    ``time_step_limit`` other than ``(0, inf)``, a gated norm of another class or size,
-    accelerate hooks on the mixer, or mixers not exactly at the mamba layers."""
+    (``bamba``, ``granitemoehybrid``, ``nemotron_h``, ``falcon_h1``), by decoder layer; empty
+    for any other family. Raises ``UnsupportedFeatureError`` naming the layer and the value
+    when the model is of such a family but something is not what was read: a layer type other
+    than a mamba or attention layer (or Nemotron-H's MLP and MoE blocks, which hold nothing,
+    and Falcon-H1's hybrid layers: ``cache_layers``), a mixer of another class (a subclass
+    too), a kernel below 2 taps or not ``conv_kernel_size``, a conv that is not depthwise over
+    ``conv_dim`` channels, strided or dilated, projections, heads, groups or parameters of
+    other sizes, an activation other than SiLU, a ``time_step_limit`` other than ``(0, inf)`` (Nemotron-H: ``(time_step_min >= 0,
+    inf)``), a gated norm of another class or size, Falcon-H1's multipliers not as read
+    (``_check_falcon_mixer``), accelerate hooks on the mixer, or mixers not exactly at the
+    mamba layers."""
     family = _family(model)
     known = _MAMBA_CLASSES.get(family)
     if known is None:
         return {}
     config = model.config
+    both = _PARALLEL.get(family, ())
     types = _layer_types(family, config, ("layers_block_type", "layer_types"),
-                         _MAMBA_TYPES + _ATTENTION_TYPES, "Mamba mixers")
-    return _state_modules(model, family, known, types, _MAMBA_TYPES, "mixer", "mixer",
+                         _MAMBA_TYPES + _ATTENTION_TYPES + _STATELESS.get(family, ()) + both,
+                         "Mamba mixers")
+    return _state_modules(model, family, known, types, _MAMBA_TYPES + both, "mixer", "mixer",
                           lambda where, m: _check_mixer(family, where, m,
                                                         int(config.hidden_size)))
 
 
 def _check_mixer(family: str, where: str, m, hidden: int) -> None:
-    refuse = _refuser(family, where, "Mamba-2 mixer", 7)
+    refuse = _refuser(family, where, "Mamba-2 mixer", 12 if family in _LIMITED else 7)
     try:
         heads, head_dim, d_state = int(m.num_heads), int(m.head_dim), int(m.ssm_state_size)
         groups, inner, conv_dim = int(m.n_groups), int(m.intermediate_size), int(m.conv_dim)
@@ -307,19 +332,54 @@ def _check_mixer(family: str, where: str, m, hidden: int) -> None:
         refuse(f"A_log, D, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({heads},)")
     if activation not in ("silu", "swish"):
         refuse(f"activation {activation!r}: the cache's mixer applies SiLU after the conv")
-    if limit is None or tuple(float(v) for v in limit) != (0.0, float("inf")):
+    try:
+        lo, hi = (float(v) for v in limit)
+    except (TypeError, ValueError):
+        refuse(f"time_step_limit={limit!r}: not two numbers")
+    if family in _LIMITED:
+        # the family's mixer always clamps dt from below (time_step_min) in its chunked form and
+        # never in its recurrent step: the cache's copies of the two forms do the same
+        # (docs/hybrid.md increment 12 says where that parts from generate)
+        if not 0.0 <= lo < float("inf") or hi != float("inf"):
+            refuse(f"time_step_limit={limit!r}: the cache serves (time_step_min >= 0, inf) only")
+    elif (lo, hi) != (0.0, float("inf")):
         # transformers clamps dt in its chunked form but not in its recurrent step: a limit
         # would make the token a prefill chunk ends on depend on where the chunk ends
         refuse(f"time_step_limit={limit!r}: the cache serves (0.0, inf) only")
     if chunk < 1:
         refuse(f"chunk_size={chunk}")
+    plain = False                       # Falcon-H1 without its norm: the gate alone
+    if family in _PARALLEL:
+        _check_falcon_mixer(refuse, m, inner + conv_dim + heads)
+        plain = m.mamba_rms_norm is False
     # the gated norm runs as the model's own module (per token): its class and size are checked,
     # not its grouping (releases differ; whatever it computes, generate computes too)
-    if (not type(norm).__name__.endswith("RMSNormGated")
-            or tuple(getattr(getattr(norm, "weight", None), "shape", ())) != (inner,)):
+    if not plain and (not type(norm).__name__.endswith("RMSNormGated")
+                      or tuple(getattr(getattr(norm, "weight", None), "shape", ())) != (inner,)):
         refuse(f"norm {type(norm).__name__}: the cache runs the mixer's gated RMS norm "
                f"(a *RMSNormGated of weight ({inner},)) only")
     _check_unhooked(family, where, (m, conv), "mixer")
+
+
+def _check_falcon_mixer(refuse: Callable[[str], NoReturn], m, projected: int) -> None:
+    """What Falcon-H1's mixer adds to Bamba's, as read: a number ``ssm_in_multiplier`` on its
+    input, a ``mup_vector`` buffer of ``(1, 1, projected)`` on ``in_proj``'s outputs, and
+    ``mamba_rms_norm`` (True: the gated norm; False: ``norm`` an ``nn.Identity``, the gate
+    alone)."""
+    mult = getattr(m, "ssm_in_multiplier", None)
+    mup = getattr(m, "mup_vector", None)
+    rms = getattr(m, "mamba_rms_norm", None)
+    if isinstance(mult, bool) or not isinstance(mult, (int, float)):
+        refuse(f"ssm_in_multiplier={mult!r:.40}: not a number")
+    shape = tuple(getattr(mup, "shape", ()))
+    if not torch.is_tensor(mup) or shape != (1, 1, projected):
+        refuse(f"mup_vector {shape}: not (1, 1, {projected}), one multiplier per projected "
+               f"value")
+    if rms not in (True, False):
+        refuse(f"mamba_rms_norm={rms!r:.40}: not a bool")
+    if rms is False and not isinstance(m.norm, torch.nn.Identity):
+        refuse(f"norm {type(m.norm).__name__} with mamba_rms_norm=False: the mixer's forward "
+               f"skips its norm then, the cache gates the output with SiLU alone")
 
 
 def gdn_layers(model) -> dict:
@@ -407,6 +467,86 @@ def state_modules(model) -> dict:
     return conv_layers(model) or mamba_layers(model) or gdn_layers(model)
 
 
+def stateless_layers(model) -> tuple:
+    """The decoder layers of ``model`` that keep neither K/V nor a state, which get no cache
+    layer: Nemotron-H's MLP and MoE blocks (``config.layers_block_type``); () for any other
+    family. Raises ``UnsupportedFeatureError`` for a block type the family's reading does not
+    know (as ``mamba_layers``)."""
+    family = _family(model)
+    kinds = _STATELESS.get(family)
+    if not kinds:
+        return ()
+    types = _layer_types(family, model.config, ("layers_block_type", "layer_types"),
+                         _MAMBA_TYPES + _ATTENTION_TYPES + kinds, "Mamba mixers")
+    return tuple(i for i, kind in enumerate(types[:int(model.config.num_hidden_layers)])
+                 if kind in kinds)
+
+
+def parallel_layers(model) -> tuple:
+    """The decoder layers of ``model`` that hold a mixer and attention side by side, each two
+    cache layers (``cache_layers``): every layer of Falcon-H1; () for any other family."""
+    family = _family(model)
+    kinds = _PARALLEL.get(family)
+    if not kinds:
+        return ()
+    types = _layer_types(family, model.config, ("layers_block_type", "layer_types"), kinds,
+                         "Mamba mixers")
+    return tuple(i for i, kind in enumerate(types[:int(model.config.num_hidden_layers)])
+                 if kind in kinds)
+
+
+def cache_layers(model) -> dict:
+    """``{decoder layer: its first cache layer}`` of the decoder layers that hold K/V or a
+    state, the cache's layers numbered in their order: the identity, unless the model has
+    blocks that hold nothing (``stateless_layers``: Nemotron-H's MLP and MoE blocks), which
+    the cache has no layer for (a layer of pages there would be memory no attention reads), or
+    layers that hold a mixer and attention side by side (``parallel_layers``: Falcon-H1), two
+    cache layers each (the mixer's state at the first, the attention's pages at the next)."""
+    skip, both = set(stateless_layers(model)), set(parallel_layers(model))
+    out, k = {}, 0
+    for i in range(int(model.config.num_hidden_layers)):
+        if i not in skip:
+            out[i] = k
+            k += 2 if i in both else 1
+    return out
+
+
+def num_cache_layers(model) -> int:
+    """The cache layers of ``model`` (``cache_layers``): ``CacheConfig.num_layers``."""
+    return len(cache_layers(model)) + len(parallel_layers(model))
+
+
+# module -> its cache layer, for the modules of models whose decoder layers are not one cache
+# layer each (``cache_layers``): their ``layer_idx`` counts decoder layers, MLP blocks too
+_CACHE_LAYER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def layer_of(module) -> int:
+    """The cache layer of an attention or state module: its ``layer_idx``, or where
+    ``map_cache_layers`` put it."""
+    layer = module.layer_idx
+    if _CACHE_LAYER:            # (empty unless such a model was mapped: no lookup otherwise)
+        layer = _CACHE_LAYER.get(module, layer)
+    return layer
+
+
+def map_cache_layers(model) -> None:
+    """Give the attention and state modules of a model with blocks that hold nothing
+    (``stateless_layers``) or layers that hold both (``parallel_layers``) their cache layers
+    (``cache_layers``; read by the ``"kvcache"`` attention and the state layers' forwards
+    through ``layer_of``). Nothing for any other model (its ``layer_idx`` is its cache layer).
+    ``cache_config`` and ``TransformersAdapter`` call it."""
+    both = set(parallel_layers(model))
+    if not both and not stateless_layers(model):
+        return
+    where = cache_layers(model)
+    from .model import attention_modules
+    for m in attention_modules(model):
+        _CACHE_LAYER[m] = where[m.layer_idx] + (m.layer_idx in both)
+    for _, m in state_modules(model).values():
+        _CACHE_LAYER[m] = where[m.layer_idx]
+
+
 def state_kinds(model) -> dict:
     """The ``CacheConfig.layer_kinds`` entries of ``model``'s state layers, beside any window
     groups (the model cannot run on the cache without them); empty for families without
@@ -419,7 +559,9 @@ def state_kinds(model) -> dict:
     head_v_dim)})``. The last two are stored in float32 (``State.dtype``): the model keeps its
     recurrent state in float32 under a 16-bit model, and a 16-bit state's rounding compounds
     over the steps (a bfloat16 GPU run of Qwen3-Next parted from ``generate`` beyond the
-    near-tie margin so). Raises ``UnsupportedFeatureError`` for what is not understood."""
+    near-tie margin so). Keyed by cache layer (``cache_layers``: the decoder layer but for
+    Nemotron-H, whose MLP and MoE blocks have none, and Falcon-H1, two a layer). Raises
+    ``UnsupportedFeatureError`` for what is not understood."""
     from ...config import State
     layers = conv_layers(model)
     if layers:
@@ -427,9 +569,10 @@ def state_kinds(model) -> dict:
         return {i: State({CONV_STATE: (hidden, taps - 1)}) for i in layers}
     mixers = mamba_layers(model)
     if mixers:
-        return {i: State({CONV_STATE: (int(m.conv_dim), int(m.conv_kernel_size) - 1),
-                          SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))},
-                         dtype=WIDE_STATE)
+        where = cache_layers(model)     # (the identity but for Nemotron-H and Falcon-H1)
+        return {where[i]: State({CONV_STATE: (int(m.conv_dim), int(m.conv_kernel_size) - 1),
+                                 SSM_STATE: (int(m.num_heads), int(m.head_dim),
+                                             int(m.ssm_state_size))}, dtype=WIDE_STATE)
                 for i, (_, m) in mixers.items()}
     return {i: State({CONV_STATE: (int(m.conv_dim), int(m.conv_kernel_size) - 1),
                       RECURRENT_STATE: (int(m.num_v_heads), int(m.head_k_dim), int(m.head_v_dim))},
@@ -562,7 +705,7 @@ def conv_forward(module, cache, hidden_states):
     token by token (same ops: ``in_proj``, ``B * x``, a depthwise ``conv1d`` in the weights'
     dtype, ``C *``, ``out_proj``). Raises ``InvalidArgumentError`` when ``hidden_states`` is not
     the open forward's packed row."""
-    layer = module.layer_idx
+    layer = layer_of(module)
     _, lengths = _open_forward(module, cache, hidden_states, "a short convolution")
     bcx = module.in_proj(hidden_states).transpose(-1, -2)        # (1, 3H, T)
     b, c, x = bcx.chunk(3, dim=-2)
@@ -603,7 +746,7 @@ def _packed_conv(cache, layer: int, lengths: tuple, inputs, conv):
 def _open_forward(module, cache, hidden_states, what: str) -> tuple:
     """``(plan, lengths)`` of ``cache``'s open forward for a state module's call, checked:
     a forward is open, not a static-shape step, and ``hidden_states`` is its packed row."""
-    layer = module.layer_idx
+    layer = layer_of(module)
     plan = cache.open_plan
     if plan is None:
         cache.get_state(layer, CONV_STATE)          # raises ForwardStateError: no forward
@@ -779,15 +922,23 @@ def mamba_forward(module, cache, hidden_states):
     ``end_forward``). Returns the mixer's output (1, T, hidden) in ``hidden_states``' dtype.
     Raises ``InvalidArgumentError`` when ``hidden_states`` is not the open forward's packed
     row."""
-    layer = module.layer_idx
+    layer = layer_of(module)
     plan, lengths = _open_forward(module, cache, hidden_states, "a Mamba mixer")
     past = np.asarray(plan.tokens.k_rope_offset)[:len(lengths)]   # committed lengths
     dtype, device = hidden_states.dtype, hidden_states.device
     inner, conv_dim, heads = module.intermediate_size, module.conv_dim, module.num_heads
     hd, groups, ds = module.head_dim, module.n_groups, module.ssm_state_size
-    gate, xbc, dt = module.in_proj(hidden_states).split([inner, conv_dim, heads], dim=-1)
+    if hasattr(module, "mup_vector"):
+        # Falcon-H1's muP multipliers, in its order: on the input, then per projected part
+        proj = module.in_proj(hidden_states * module.ssm_in_multiplier) * module.mup_vector
+    else:
+        proj = module.in_proj(hidden_states)
+    gate, xbc, dt = proj.split([inner, conv_dim, heads], dim=-1)
+    # (the conv's output in its input's dtype, as transformers': the model dtype, or float32
+    # where Falcon-H1's float32 multipliers promoted the projections)
+    sdtype = xbc.dtype
     y = torch.nn.functional.silu(_packed_conv(cache, layer, lengths, xbc[0].t(),
-                                              module.conv1d)).to(dtype).t()   # (T, conv_dim)
+                                              module.conv1d)).to(sdtype).t()  # (T, conv_dim)
     x, B, C = y.split([inner, groups * ds, groups * ds], dim=-1)
     A = -torch.exp(module.A_log.float())
     ssm = _state_to_torch(cache, cache.get_state(layer, SSM_STATE), device, torch.float32)
@@ -807,19 +958,27 @@ def mamba_forward(module, cache, hidden_states):
         return ys[0], st[0], inner_states
     rows = _recurrence(cache, layer, SSM_STATE, lengths, past, ssm, scan, one_step, chunked)
     flat = scan.view(1, -1, inner)
+    # Falcon-H1 without its norm: the gate alone
+    gated = _silu_gate if getattr(module, "mamba_rms_norm", True) is False else module.norm
     if rows is None:
-        out = module.norm(flat, gate).to(dtype)
+        out = gated(flat, gate).to(dtype)
     else:
-        # transformers' decode step hands the norm its output in the model dtype, its prefill
-        # in float32: the norm rounds where its input's dtype says (bfloat16 differs)
+        # transformers' decode step hands the norm (or gate) its output in the model dtype,
+        # its prefill in float32: it rounds where its input's dtype says (bfloat16 differs)
         is_step = torch.zeros(len(y), dtype=torch.bool, device=device)
         is_step[rows] = True
         out = torch.empty(1, len(y), inner, dtype=dtype, device=device)
-        out[:, is_step] = module.norm(flat[:, is_step].to(dtype), gate[:, is_step]).to(dtype)
+        out[:, is_step] = gated(flat[:, is_step].to(sdtype), gate[:, is_step]).to(dtype)
         if len(rows) < len(y):
             rest = ~is_step
-            out[:, rest] = module.norm(flat[:, rest], gate[:, rest]).to(dtype)
+            out[:, rest] = gated(flat[:, rest], gate[:, rest]).to(dtype)
     return module.out_proj(out)
+
+
+def _silu_gate(v, gate):
+    """Falcon-H1's mixer output without its gated norm (``mamba_rms_norm=False``): ``v *
+    silu(gate)``, in the order of both its forms."""
+    return v * torch.nn.functional.silu(gate)
 
 
 def _l2norm(x, eps: float = 1e-6):
@@ -946,7 +1105,7 @@ def gdn_forward(module, cache, hidden_states):
     output (1, T, hidden) in ``hidden_states``' dtype. Raises ``InvalidArgumentError`` when
     ``hidden_states`` is not the open forward's packed row."""
     from transformers.activations import ACT2FN
-    layer = module.layer_idx
+    layer = layer_of(module)
     plan, lengths = _open_forward(module, cache, hidden_states, "a gated DeltaNet layer")
     past = np.asarray(plan.tokens.k_rope_offset)[:len(lengths)]   # committed lengths
     dtype, device = hidden_states.dtype, hidden_states.device
