@@ -14,7 +14,8 @@ Half the prompts share a 200-token system prompt and come in a second call, with
 checkpoint every ``--interval`` pages, so that they hit the prefix cache through the
 checkpoints (docs/hybrid.md increment 8); the hit and miss tokens are printed.
 
-    python tools/gpu_bamba_check.py [--family bamba|granitemoehybrid] [--layers 8]
+    python tools/gpu_bamba_check.py [--family bamba|granitemoehybrid|nemotron_h|falcon_h1]
+        [--layers 8]
         [--hidden 512] [--requests 12] [--new 24] [--interval 4]
 """
 
@@ -42,7 +43,31 @@ def model_of(family: str, layers: int, hidden: int, dtype, seed: int = 0):
               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=64, pad_token_id=0,
               bos_token_id=None, eos_token_id=None, initializer_range=0.05,
               tie_word_embeddings=False, max_position_embeddings=4096)
-    if family == "bamba":
+    if family == "nemotron_h":
+        # blocks: mixer, attention, MLP, mixer, mixer, MoE, attention, MLP, ... (the tests'
+        # pattern); the older configs' spelling, which 5.24 still reads
+        pattern = "M*-MME*-" * (-(-layers // 8))
+        kw = dict(vocab_size=1024, hidden_size=hidden, hybrid_override_pattern=pattern[:layers],
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+                  intermediate_size=2 * hidden, mamba_num_heads=16, mamba_head_dim=2 * hidden // 16,
+                  ssm_state_size=64, n_groups=2, conv_kernel=4, chunk_size=64,
+                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+                  moe_shared_expert_intermediate_size=hidden // 2, pad_token_id=0,
+                  bos_token_id=None, eos_token_id=None, initializer_range=0.05,
+                  max_position_embeddings=4096)
+    elif family == "falcon_h1":
+        # every layer a Mamba-2 mixer beside attention; the muP multipliers all other than 1
+        kw = dict(vocab_size=1024, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+                  intermediate_size=2 * hidden, mamba_d_ssm=2 * hidden, mamba_n_heads=16,
+                  mamba_d_head=2 * hidden // 16, mamba_d_state=64, mamba_n_groups=2,
+                  mamba_d_conv=4, mamba_chunk_size=64, pad_token_id=0, bos_token_id=None,
+                  eos_token_id=None, initializer_range=0.05, max_position_embeddings=4096,
+                  tie_word_embeddings=False, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.7],
+                  ssm_in_multiplier=1.3, ssm_out_multiplier=0.9, attention_in_multiplier=1.1,
+                  attention_out_multiplier=0.8, key_multiplier=1.2, embedding_multiplier=1.5,
+                  lm_head_multiplier=0.7, mlp_multipliers=[1.2, 0.9])
+    elif family == "bamba":
         kw["attn_layer_indices"] = attn
     else:
         kw.update(layer_types=["attention" if i in attn else "mamba" for i in range(layers)],
@@ -60,7 +85,8 @@ def model_of(family: str, layers: int, hidden: int, dtype, seed: int = 0):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--family", choices=("bamba", "granitemoehybrid"), default="bamba")
+    p.add_argument("--family", choices=("bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"),
+                   default="bamba")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--requests", type=int, default=12)
