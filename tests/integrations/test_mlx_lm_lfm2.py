@@ -109,15 +109,16 @@ def test_other_recurrent_families_stay_refused(family):
     """mlx-lm's other families with recurrent caches (Mamba, Mamba-2, Jamba) are refused at
     construction, naming the family and the cache, never run with a wrong state
     (Granite-4.0-H's and Nemotron-H's Mamba-2 mixers are served:
-    test_mlx_lm_granite_hybrid.py; Qwen3-Next's gated DeltaNet: test_mlx_lm_qwen3_next.py)."""
+    test_mlx_lm_granite_hybrid.py; Qwen3-Next's gated DeltaNet: test_mlx_lm_qwen3_next.py;
+    Falcon-H1's mixers beside attention: test_mlx_lm_falcon_h1.py)."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
     model = module.Model(module.ModelArgs.from_dict({"model_type": family, **OTHERS[family]}))
     assert state_kinds(model) == {}
     with pytest.raises(kvcache.UnsupportedFeatureError,
                        match=f"of the {family} model uses mlx-lm's (ArraysCache|MambaCache)"
                              f".*short convolutions of lfm2, lfm2_moe, the Mamba-2 "
-                             f"mixers of granitemoehybrid, nemotron_h and the gated DeltaNet "
-                             f"layers of qwen3_next only"):
+                             f"mixers of falcon_h1, granitemoehybrid, nemotron_h and the gated "
+                             f"DeltaNet layers of qwen3_next only"):
         Engine(model, backend="metal", device="cpu", max_total_tokens=64)
     with pytest.raises(kvcache.UnsupportedFeatureError, match=f"{family} model"):
         cache_config(model)

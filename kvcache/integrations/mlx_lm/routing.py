@@ -16,7 +16,7 @@ from ...config import CacheConfig
 from ...errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from .. import require
 from .model import (_DTYPES, ModelDescription, _family, _label, _mlx_caches, layer_kinds,
-                    sliding_windows)
+                    model_caches, sliding_windows)
 from .protocol import LayerCache, _Forward
 from .states import route_state_layers, state_kinds
 
@@ -73,7 +73,9 @@ def layer_caches(model, cache, positions=None) -> list:
     """The mlx-lm cache objects (one ``LayerCache`` per layer) that route ``model``'s
     attention to ``cache``'s open forward. Call the model with the forward's T tokens as T
     batch rows: ``model(tokens.reshape(-1, 1), cache=layer_caches(model, cache))``; logits come
-    back ``(T, 1, vocab)``. ``positions``: each token's position (None: the cache's
+    back ``(T, 1, vocab)`` (a Falcon-H1's list holds one ``(mixer's, attention's)`` pair of
+    ``LayerCache`` objects per decoder layer, as its ``make_cache()`` holds ``CacheList``
+    pairs: ``model_caches``). ``positions``: each token's position (None: the cache's
     ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``);
     state layers (LFM2's convolutions, the Mamba-2 mixers, the gated DeltaNet layers) read
     and write their states on
@@ -96,7 +98,7 @@ def layer_caches(model, cache, positions=None) -> list:
     slots = len(_mlx_caches(model))
     forward = _Forward(model, windows, slots, states=_described(model).states)
     forward.begin(cache, to_numpy(cache.query_positions()) if positions is None else positions)
-    return [LayerCache(i, forward) for i in range(slots)]
+    return model_caches(model, [LayerCache(i, forward) for i in range(slots)])
 
 
 class _RowsOf:
@@ -161,7 +163,7 @@ def describe(model) -> ModelDescription:
     forward = _Forward(model, windows, slots, states=states)
     forward.probe = {}
     forward.positions = mx.array([0, 1], mx.int32)
-    caches = [LayerCache(i, forward) for i in range(slots)]
+    caches = model_caches(model, [LayerCache(i, forward) for i in range(slots)])
     try:
         logits, _ = _run(model, mx.zeros((2, 1), mx.int32), caches, mx.array([1], mx.int32))
     except KVCacheError:
