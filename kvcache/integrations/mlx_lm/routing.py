@@ -186,6 +186,8 @@ def describe(model) -> ModelDescription:
                 f"{exc}; with the state layers {sorted(states)} the model cannot attend itself "
                 f"one sequence per call") from None
         return _own_attention(model, forward, windows, int(logits.shape[-1]), exc)
+    if not records:     # every slot a state layer (checked above): no attention, no pages
+        return _attention_free(model, slots, logits, states)
     shapes = {r["attend"]["heads"] for r in records.values()}
     if len(shapes) != 1:
         raise UnsupportedFeatureError(
@@ -198,6 +200,23 @@ def describe(model) -> ModelDescription:
         vocab_size=int(logits.shape[-1]), windows=windows,
         sinks=tuple(sorted(i for i, r in records.items() if r["attend"]["sinks"])),
         states=states)
+
+
+ATTENTION_FREE_HEADS = (1, 1, 64)
+"""``(query heads, KV heads, head dim)`` of the cache of a model without attention layers
+(mlx-lm's ``mamba2``): its layers are all state layers, which have no pages, so no layer uses
+them; a shape every backend takes, so that ``CacheConfig`` stands."""
+
+
+def _attention_free(model, slots: int, logits, states: dict) -> ModelDescription:
+    """The description of a model whose every cache slot is a state layer (``states``): the
+    cache has no paged layer (``ATTENTION_FREE_HEADS``, never used) and the model's dtype is
+    its logits' (no attention call shows it)."""
+    H, Hkv, D = ATTENTION_FREE_HEADS
+    return ModelDescription(
+        num_layers=slots, num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, head_dim_v=D,
+        dtype=_one_dtype(_family(model), {logits.dtype}), vocab_size=int(logits.shape[-1]),
+        windows={}, sinks=(), states=states)
 
 
 def _one_dtype(family: str, dtypes: set) -> str:

@@ -27,7 +27,9 @@ dtype="float32")``, run per sequence by ``mamba_forward`` (docs/hybrid.md "Built
 the gate is SwiGLU alone) runs such a mixer beside attention in every decoder layer, whose
 ``make_cache()`` entry is a ``CacheList(ArraysCache(size=2), KVCache())``: the mixer is state
 layer ``2 i``, the attention the paged layer ``2 i + 1`` (``model.PAIRED_FAMILIES``;
-docs/hybrid.md "Built: increment 13").
+docs/hybrid.md "Built: increment 13"). Mamba-2 (``mamba2``: ``Mamba2Block``, the same code)
+has such a mixer in every layer and no attention: every cache layer is a state layer, and the
+cache has no pages.
 
 A gated DeltaNet layer of mlx-lm's Qwen3-Next (``qwen3_next``: ``Qwen3NextGatedDeltaNet``)
 projects ``q, k, v, z`` (``in_proj_qkvz``) and ``b, a`` (``in_proj_ba``), ordered per key head
@@ -80,6 +82,8 @@ _MAMBA_CLASSES = {
     # the same mixer code beside attention in every layer (mlx-lm 0.32.2); D not cast, and
     # without mamba_rms_norm the gate is swiglu alone
     "falcon_h1": ("mlx_lm.models.falcon_h1", "FalconH1Mixer", "FalconH1RMSNormGated"),
+    # the same mixer code in every layer, no attention (mlx-lm 0.32.2); D not cast
+    "mamba2": ("mlx_lm.models.mamba2", "Mamba2Block", "MambaRMSNormGated"),
 }
 # the families whose mixer casts D to the input's dtype before ssm_update (the others pass it
 # as it is: a 16-bit model's D then promotes differently)
@@ -92,8 +96,8 @@ _GDN_CLASSES = {
 }
 STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES}))
 """The mlx-lm model types whose recurrent-state layers run on the cache (LFM2's short
-convolutions, the Mamba-2 mixers of Granite-4.0-H, Nemotron-H and Falcon-H1, Qwen3-Next's
-gated DeltaNet)."""
+convolutions, the Mamba-2 mixers of Granite-4.0-H, Nemotron-H, Falcon-H1 and Mamba-2,
+Qwen3-Next's gated DeltaNet)."""
 SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))}, the "
                        f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))} and the gated "
                        f"DeltaNet layers of {', '.join(sorted(_GDN_CLASSES))}")
@@ -200,17 +204,19 @@ def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
 
 def mamba_layers(model) -> dict:
     """``{slot: module}``: the Mamba-2 mixers of a Granite-4.0-H (``granitemoehybrid``),
-    Nemotron-H (``nemotron_h``) or Falcon-H1 (``falcon_h1``) mlx-lm ``model``, by cache slot
-    (the index of the layer's entry in ``model.make_cache()``: Granite's decoder layer;
-    Nemotron-H's MLP and MoE blocks take no slot; Falcon-H1's layer ``i`` takes two, its mixer
-    ``2 i`` and its attention ``2 i + 1``); empty for any other family. Raises
+    Nemotron-H (``nemotron_h``), Falcon-H1 (``falcon_h1``) or Mamba-2 (``mamba2``) mlx-lm
+    ``model``, by cache slot (the index of the layer's entry in ``model.make_cache()``:
+    Granite's and Mamba-2's decoder layer; Nemotron-H's MLP and MoE blocks take no slot;
+    Falcon-H1's layer ``i`` takes two, its mixer ``2 i`` and its attention ``2 i + 1``); empty
+    for any other family. Raises
     ``UnsupportedFeatureError`` naming the layer and the value when the model is of such a
     family but something is not what was read: a layer type other than Granite's
     ``"mamba"`` / ``"attention"`` or Nemotron-H's ``M`` / ``*`` / ``-`` / ``E`` blocks (or not
     one per layer), a decoder layer whose type
     and modules do not match (Falcon-H1: a decoder layer of another class, a subclass too, or
-    without attention), a mixer of another class (a subclass too), the module's
-    ``ssm_update`` not mlx-lm's ``mlx_lm.models.ssm.ssm_update``, heads that do not tile
+    without attention; Mamba-2: a block of another class, a subclass too), a mixer of another
+    class (a subclass too), the module's ``ssm_update`` not mlx-lm's
+    ``mlx_lm.models.ssm.ssm_update``, heads that do not tile
     ``intermediate_size`` or groups that do not divide them, ``conv_dim`` other than
     ``intermediate_size + 2 * n_groups * d_state``, a kernel below 2 taps or not
     ``conv_kernel_size``, a conv that is not depthwise, padded, strided or dilated,
@@ -290,12 +296,35 @@ def _falcon_walk(model, family: str) -> list:
     return [(2 * i, i, getattr(block, "mamba", None)) for i, block in enumerate(layers)]
 
 
+def _mamba2_walk(model, family: str) -> list:
+    """``[(slot, layer, mixer)]`` of a Mamba-2 (``mamba2``): every decoder layer (a
+    ``ResidualBlock``: the mixer over the normed input, plus the input) is a mixer, its cache
+    slot its index (raises ``UnsupportedFeatureError`` naming the layer for a block of another
+    class, a subclass too)."""
+    module = _MAMBA_CLASSES[family][0]
+    block_cls = getattr(importlib.import_module(module), "ResidualBlock")
+    layers, n = list(model.layers), int(model.args.num_hidden_layers)
+    if len(layers) != n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(layers)} layers for num_hidden_layers={n}: which "
+            f"cache slots are its mixers is not understood")
+    for i, block in enumerate(layers):
+        if type(block) is not block_cls:
+            raise UnsupportedFeatureError(
+                f"layer {i} ({type(block).__module__}.{type(block).__name__}) of the {family} "
+                f"model is not mlx-lm's {module}.ResidualBlock (a subclass or a replacement): "
+                f"how it calls its mixer is not understood")
+    return [(i, i, getattr(block, "mixer", None)) for i, block in enumerate(layers)]
+
+
 def _mamba_walk(model, family: str) -> list:
     """``[(slot, layer, mixer)]``: the mamba layers of a ``_MAMBA_CLASSES`` family's
     ``model``, each with its cache slot and decoder layer; the layer stack checked against its
     config (raises ``UnsupportedFeatureError`` naming the layer)."""
     if family in PAIRED_FAMILIES:
         return _falcon_walk(model, family)
+    if family == "mamba2":
+        return _mamba2_walk(model, family)
     args, layers = model.args, list(model.layers)
     if family == "nemotron_h":
         types = list(getattr(args, "hybrid_override_pattern", None) or ())
