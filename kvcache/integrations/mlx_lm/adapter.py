@@ -25,9 +25,9 @@ class MlxLmAdapter(ModelAdapter):
     """An mlx-lm model as the engine's model: any model whose attention reaches the cache
     through mlx-lm's cache protocol (``describe`` checks it at construction) and that keeps no
     other state than LFM2's short convolutions, the Mamba-2 mixers of Granite-4.0-H,
-    Nemotron-H, Falcon-H1 and Mamba-2 or Qwen3-Next's gated DeltaNet layers, which run on the
-    cache's state slots (``state_layers``; a Mamba-2 has no attention: every layer a state
-    layer)."""
+    Nemotron-H, Falcon-H1 and Mamba-2, Mamba-1's mixers or Qwen3-Next's gated DeltaNet
+    layers, which run on the cache's state slots (``state_layers``; a Mamba-2 or Mamba has no
+    attention: every layer a state layer)."""
 
     def __init__(self, model, tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None):
         self.model = model

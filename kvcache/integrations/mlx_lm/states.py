@@ -31,6 +31,14 @@ docs/hybrid.md "Built: increment 13"). Mamba-2 (``mamba2``: ``Mamba2Block``, the
 has such a mixer in every layer and no attention: every cache layer is a state layer, and the
 cache has no pages.
 
+A Mamba (Mamba-1) mixer of mlx-lm's ``mamba`` (``MambaBlock``, every layer, no attention)
+projects ``x, z`` (``in_proj``), convolves ``x`` causally with a depthwise ``nn.Conv1d`` of
+``conv_kernel`` taps (then SiLU) and runs its own selective scan token by token
+(``ssm_step``) from the state ``(intermediate, d_state)``, in the model's dtype, then
+``out_proj(swiglu(z, y))``. mlx-lm keeps, in the layer's ``ArraysCache(size=2)``, the conv's
+last inputs (time first) and that state: ``State({"conv": (conv_kernel - 1, intermediate),
+"ssm": (intermediate, d_state)})`` in the cache dtype, run by ``mamba1_forward``.
+
 A gated DeltaNet layer of mlx-lm's Qwen3-Next (``qwen3_next``: ``Qwen3NextGatedDeltaNet``)
 projects ``q, k, v, z`` (``in_proj_qkvz``) and ``b, a`` (``in_proj_ba``), ordered per key head
 by the layer's own ``fix_query_key_value_ordering``, convolves ``q, k, v`` causally with a
@@ -94,12 +102,17 @@ _D_CAST = frozenset({"granitemoehybrid", "nemotron_h"})
 _GDN_CLASSES = {
     "qwen3_next": ("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet", "Qwen3NextRMSNormGated"),
 }
-STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES}))
+# family -> (module, class) of its Mamba (Mamba-1) mixer: the class whose __call__ and
+# ssm_step were read line by line (mlx-lm 0.32.2); its state stays in the model's dtype
+_MAMBA1_CLASSES = {"mamba": ("mlx_lm.models.mamba", "MambaBlock")}
+STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES,
+                               **_MAMBA1_CLASSES}))
 """The mlx-lm model types whose recurrent-state layers run on the cache (LFM2's short
 convolutions, the Mamba-2 mixers of Granite-4.0-H, Nemotron-H, Falcon-H1 and Mamba-2,
-Qwen3-Next's gated DeltaNet)."""
+Mamba-1's mixers, Qwen3-Next's gated DeltaNet)."""
 SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))}, the "
-                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))} and the gated "
+                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))}, the Mamba-1 "
+                       f"mixers of {', '.join(sorted(_MAMBA1_CLASSES))} and the gated "
                        f"DeltaNet layers of {', '.join(sorted(_GDN_CLASSES))}")
 """What the refusal of another recurrent cache names as served (``sliding_windows``)."""
 SSM_STATE = "ssm"
@@ -541,13 +554,85 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
     _check_gated_norm(refuse, norm, norm_class, dv, "layer's")  # per value head of each token
 
 
+def mamba1_layers(model) -> dict:
+    """``{layer: module}``: the Mamba (Mamba-1) mixers of a ``mamba`` mlx-lm ``model``, by
+    decoder layer (= cache slot; the model has no attention); empty for any other family.
+    Raises ``UnsupportedFeatureError`` naming the layer and the value when the model is of that
+    family but something is not what was read: not one layer per ``num_hidden_layers``, a
+    block or a mixer of another class (a subclass too), a kernel below 2 taps or not
+    ``conv_kernel``, a conv that is not depthwise over ``intermediate_size`` channels, padded,
+    strided or dilated, ``in_proj`` / ``x_proj`` / ``A_log`` / ``D`` of other sizes, or a
+    ``make_cache()`` entry other than ``ArraysCache(size=2)``."""
+    family = _family(model)
+    known = _MAMBA1_CLASSES.get(family)
+    if known is None:
+        return {}
+    source = importlib.import_module(known[0])
+    cls, block_cls = getattr(source, known[1]), getattr(source, "ResidualBlock")
+    layers, n = list(model.layers), int(model.args.num_hidden_layers)
+    if len(layers) != n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(layers)} layers for num_hidden_layers={n}: which "
+            f"cache slots are its mixers is not understood")
+    caches = list(model.make_cache())
+    found = {}
+    for i, block in enumerate(layers):
+        mixer: Any = getattr(block, "mixer", None)
+        if type(block) is not block_cls or type(mixer) is not cls:
+            raise UnsupportedFeatureError(
+                f"layer {i} ({type(block).__module__}.{type(block).__name__}, mixer "
+                f"{type(mixer).__name__}) of the {family} model is not mlx-lm's "
+                f"{known[0]}.ResidualBlock with a {known[1]} (a subclass or a replacement): "
+                f"its mixer is not understood")
+        where = f"layer {i} ({type(mixer).__module__}.{type(mixer).__name__})"
+        _check_mixer1(family, where, mixer, int(model.args.conv_kernel))
+        _check_entry(family, where, caches, i, 2, "its mixer keeps its conv and SSM states in")
+        found[i] = mixer
+    return found
+
+
+def _check_mixer1(family: str, where: str, m, taps_arg: int) -> None:
+    refuse = _refuser(family, where, "Mamba mixer", 13)
+    try:
+        inner, d_state = int(m.intermediate_size), int(m.ssm_state_size)
+        rank = int(m.time_step_rank)
+        taps = int(m.conv_kernel_size)
+        conv, in_proj, x_proj, out_proj = m.conv1d, m.in_proj, m.x_proj, m.out_proj
+        A_log, D = m.A_log, m.D
+        if not callable(m.ssm_step):
+            raise TypeError("ssm_step is not a method")
+    except (AttributeError, TypeError, ValueError) as e:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
+    weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
+    if weight is None:
+        refuse("no nn.Conv1d conv1d")
+    k = int(weight.shape[1])
+    if k < 2 or k != taps or taps != taps_arg:
+        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}, conv_kernel={taps_arg}): the "
+               f"cache serves kernels of >= 2 taps equal to both")
+    _check_depthwise(refuse, conv, weight, inner)
+    for name, proj, size in (("in_proj", in_proj, 2 * inner),
+                             ("x_proj", x_proj, rank + 2 * d_state)):
+        w = proj.get("weight") if isinstance(proj, nn.Module) else None
+        if w is None or int(w.shape[0]) != size:
+            refuse(f"{name} must be a linear layer of {size} outputs, got "
+                   f"{type(proj).__name__} {tuple(w.shape) if w is not None else ''}")
+    if not isinstance(out_proj, nn.Module):
+        refuse(f"out_proj {type(out_proj).__name__} is not a module")
+    if tuple(A_log.shape) != (inner, d_state) or tuple(D.shape) != (inner,):
+        refuse(f"A_log {tuple(A_log.shape)}, D {tuple(D.shape)}: not ({inner}, {d_state}) and "
+               f"({inner},)")
+
+
 def state_modules(model) -> dict:
     """``{layer: module}``: the modules whose state the cache keeps for ``model``: LFM2's short
     convolutions (``conv_layers``), Granite-4.0-H's / Nemotron-H's / Falcon-H1's Mamba-2
-    mixers (``mamba_layers``) or Qwen3-Next's gated DeltaNet layers (``gdn_layers``), by cache slot;
-    empty for any other family. Raises ``UnsupportedFeatureError`` for what about a served
-    family is not understood."""
-    return conv_layers(model) or mamba_layers(model) or gdn_layers(model)
+    mixers (``mamba_layers``), Qwen3-Next's gated DeltaNet layers (``gdn_layers``) or
+    Mamba-1's mixers (``mamba1_layers``), by cache slot; empty for any other family. Raises
+    ``UnsupportedFeatureError`` for what about a served family is not understood."""
+    return (conv_layers(model) or mamba_layers(model) or gdn_layers(model)
+            or mamba1_layers(model))
 
 
 def state_kinds(model) -> dict:
@@ -559,9 +644,11 @@ def state_kinds(model) -> dict:
     ssm_state_size)}, dtype="float32")`` (mlx-lm keeps the SSM state in float32); a Qwen3-Next
     gated DeltaNet layer (``gdn_layers``): ``State({"conv": (conv_kernel_size - 1, conv_dim),
     "recurrent": (num_v_heads, head_v_dim, head_k_dim)}, dtype="float32")`` (mlx-lm keeps the
-    recurrent state in float32). The layouts are mlx-lm's ``ArraysCache`` entries' (the conv's
-    inputs time first, the oldest first). Raises ``UnsupportedFeatureError`` for what is not
-    understood."""
+    recurrent state in float32); a Mamba-1 mixer (``mamba1_layers``): ``State({"conv":
+    (conv_kernel - 1, intermediate_size), "ssm": (intermediate_size, state_size)})`` in the
+    cache dtype (mlx-lm keeps the scan's state in the model's). The layouts are mlx-lm's
+    ``ArraysCache`` entries' (the conv's inputs time first, the oldest first). Raises
+    ``UnsupportedFeatureError`` for what is not understood."""
     from ...config import State
     layers = conv_layers(model)
     if layers:
@@ -572,6 +659,11 @@ def state_kinds(model) -> dict:
         return {i: State({CONV_STATE: (int(m.conv_kernel_size) - 1, int(m.conv_dim)),
                           SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))},
                          dtype=WIDE_STATE)
+                for i, m in mixers.items()}
+    mixers = mamba1_layers(model)
+    if mixers:      # mlx-lm keeps the scan's state in the model's dtype: the cache's
+        return {i: State({CONV_STATE: (int(m.conv_kernel_size) - 1, int(m.intermediate_size)),
+                          SSM_STATE: (int(m.intermediate_size), int(m.ssm_state_size))})
                 for i, m in mixers.items()}
     return {i: State({CONV_STATE: (int(m.conv_kernel_size) - 1, int(m.conv_dim)),
                       RECURRENT_STATE: (int(m.num_v_heads), int(m.head_v_dim),
@@ -591,7 +683,8 @@ def route_state_layers(model) -> list:
     layers = state_modules(model)
     family = _family(model)
     run = (mamba_forward if family in _MAMBA_CLASSES
-           else gdn_forward if family in _GDN_CLASSES else conv_forward)
+           else gdn_forward if family in _GDN_CLASSES
+           else mamba1_forward if family in _MAMBA1_CLASSES else conv_forward)
     for cls in {type(m) for m in layers.values()}:
         original = cls.__call__
         if getattr(original, _ROUTED_ATTR, False):
@@ -886,3 +979,40 @@ def gdn_forward(module, layer_cache, x, mask=None):
     out = _per_sequence(f, layer, RECURRENT_STATE, lengths, _past(f, len(lengths)), rec, call)
     out = module.norm(out.reshape(T, 1, nv, dv), z)                        # per value head
     return module.out_proj(out.reshape(T, 1, -1))
+
+
+def mamba1_forward(module, layer_cache, x, mask=None):
+    """A Mamba (Mamba-1) mixer (``MambaBlock``) of an mlx-lm model over the open forward of the
+    cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
+
+    ``x`` ``(T, 1, hidden)``: the forward's T new tokens as batch rows in ``begin_forward``
+    order. ``in_proj``, the gate (its module's ``swiglu``) and ``out_proj`` run on the rows;
+    the causal depthwise conv (then SiLU) over one block per sequence after its conv state
+    (``"conv"``, ``(B, conv_kernel - 1, intermediate)``), as ``conv_forward`` does; the
+    selective scan by the module's own ``ssm_step``, token by token per sequence from its
+    state (``"ssm"``, ``(B, intermediate, d_state)``, the model's dtype, as mlx-lm keeps it):
+    the one-token appends of sequences with a past in one step (batch rows), every other
+    sequence's tokens one step at a time from its state (None for a new sequence, as
+    mlx-lm's first call), split at the prefix cache's boundaries (``_per_sequence``; the scan
+    is sequential, so the split changes no bit). The new states are written with
+    ``cache.set_state``. Returns ``(T, 1, hidden)``. While ``describe`` probes, the rows are
+    one new sequence and nothing is written. Raises as ``conv_forward`` does."""
+    f, layer, T, lengths = _open(module, layer_cache, x, mask, "Mamba mixers")
+    inner, d_state = module.intermediate_size, module.ssm_state_size
+    xs, z = module.in_proj(x).split(2, axis=-1)                          # (T, 1, inner) each
+    u = nn.silu(_packed_conv(f, layer, lengths, xs.reshape(T, inner), module.conv1d))
+    A = -mx.exp(module.A_log)
+
+    def call(rows, state, decode):  # mlx-lm's scan over the rows (batch rows, or one sequence)
+        if decode:
+            return module.ssm_step(u[rows], A, state)
+        ys = []
+        for t in range(int(rows.shape[0])):     # mlx-lm's loop, one token at a time
+            y, state = module.ssm_step(u[rows[t:t + 1]], A, state)
+            ys.append(y)
+        return mx.concatenate(ys), state
+
+    ssm = _states(f, layer, SSM_STATE, (inner, d_state), x.dtype)          # (S, inner, N)
+    y = _per_sequence(f, layer, SSM_STATE, lengths, _past(f, len(lengths)), ssm, call)
+    source = importlib.import_module(type(module).__module__)
+    return module.out_proj(source.swiglu(z, y.reshape(T, 1, inner)))
