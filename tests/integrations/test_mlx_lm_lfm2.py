@@ -113,8 +113,8 @@ def test_other_recurrent_families_stay_refused(family):
                        match=f"of the {family} model uses mlx-lm's (ArraysCache|MambaCache)"
                              f".*short convolutions of lfm2, lfm2_moe, the Mamba-2 "
                              f"mixers of falcon_h1, granitemoehybrid, mamba2, nemotron_h, the "
-                             f"Mamba-1 mixers of mamba and the gated DeltaNet layers of "
-                             f"qwen3_next only"):
+                             f"Mamba-1 mixers of falcon_mamba, mamba and the gated DeltaNet "
+                             f"layers of qwen3_next only"):
         Engine(model, backend="metal", device="cpu", max_total_tokens=64)
     with pytest.raises(kvcache.UnsupportedFeatureError, match=f"{family} model"):
         cache_config(model)

@@ -15,8 +15,9 @@ import importlib
 import pytest
 
 from mlx_hybrid_cases import (assert_a_subclass_refused, assert_another_make_cache_refused,
-                              assert_edit_refused, assert_prefix_hits_at_every_page,
-                              family_tests, randomize_weights, slow_except)
+                              assert_edit_refused, assert_generate_equals_mlx_lm,
+                              assert_prefix_hits_at_every_page, family_tests,
+                              randomize_weights, slow_except)
 from mlx_lm_cases import mlx_greedy, mx
 from hybrid_cases import NEW, PAGE, once_per_family
 
@@ -31,18 +32,21 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, state_size=1
 KIND = kvcache.State({"conv": (3, 128), "ssm": (128, 16)})
 
 
-def make_mamba(seed: int = 0, **overrides):
-    """A float32 mlx-lm Mamba with seeded random weights (``SMALL``): matrices drawn with
+def make_mamba(seed: int = 0, model_type: str = "mamba", **overrides):
+    """A float32 mlx-lm Mamba (``model_type``: ``"falcon_mamba"``, mlx-lm's same classes with
+    ``use_bcdt_rms``) with seeded random weights (``SMALL``): matrices drawn with
     variance 1 / fan-in (``A_log`` too: any real one decays) and every 1-D parameter (``D``,
     norms, biases) moved off its initial value, so that the greedy tokens vary."""
     module = importlib.import_module("mlx_lm.models.mamba")
-    args = module.ModelArgs.from_dict({"model_type": "mamba", **dict(SMALL, **overrides)})
+    args = module.ModelArgs.from_dict({"model_type": model_type, **dict(SMALL, **overrides)})
     mx.random.seed(seed)
     return randomize_weights(module.Model(args))
 
 
 # (model, prompts, mlx-lm's greedy tokens), built once
 _case = once_per_family(make_mamba, lambda model, prompt: mlx_greedy(model, prompt, NEW))
+_falcon_mamba = once_per_family(lambda: make_mamba(seed=3, model_type="falcon_mamba"),
+                                lambda model, prompt: mlx_greedy(model, prompt, NEW))
 # the tests every mlx-lm hybrid family file runs, under this file's ids; CI keeps the Engine's
 globals().update(slow_except(family_tests(_case, "mamba", pair=(2, 4), states=("conv", "ssm")),
                              "test_engine_greedy_equals_mlx_lm"))
@@ -59,6 +63,15 @@ def test_every_layer_is_a_state_layer_without_pages():
     assert cfg.kv_bytes == 0 and cfg.dtype == "float32"
     assert route_state_layers(model) == [0, 1, 2]
     assert mlx_greedy(model, prompts[3], NEW) == want[3]
+
+
+@pytest.mark.slow
+def test_falcon_mamba_greedy_equals_mlx_lm():
+    """Falcon-Mamba (``falcon_mamba``): mlx-lm's Mamba classes with B, C and the time step
+    RMS-normed in ``ssm_step`` (``use_bcdt_rms``): the Engine's tokens are mlx-lm's."""
+    model = _falcon_mamba()[0]
+    assert model.args.use_bcdt_rms and state_kinds(model) == {i: KIND for i in range(3)}
+    assert_generate_equals_mlx_lm(_falcon_mamba())
 
 
 @pytest.mark.slow

@@ -58,8 +58,8 @@ probe also reads the cache configuration off the calls (query and KV heads, q/k 
 head dims, dtype, sinks). Refused, with the reason: a layer that never uses its cache
 object, recurrent or chunked caches (LFM2's short convolutions, the Mamba-2 mixers of
 Granite-4.0-H, Nemotron-H, Falcon-H1 and Mamba-2, Mamba-1's mixers and Qwen3-Next's gated
-DeltaNet layers excepted),
-layers of different head shapes, sinks on a backend without ``attention_sinks``.
+DeltaNet layers excepted), layers of different head shapes, sinks on a backend without
+``attention_sinks``.
 
 * **State layers.** LFM2's short convolutions (``lfm2``, ``lfm2_moe``: their ``ArraysCache``
   layers in ``make_cache()``) run on the cache's state slots (``State({"conv": (conv_L_cache -
@@ -72,13 +72,13 @@ layers of different head shapes, sinks on a backend without ``attention_sinks``.
   attention in every layer: its ``make_cache()`` gives each layer a ``CacheList`` of both, and
   the cache gives the mixer cache slot ``2 i`` and the attention slot ``2 i + 1``; Mamba-2's,
   ``mamba2``, in every layer without attention: a cache without pages; Mamba-1's mixers,
-  ``mamba``, the same way, ``State({"conv": ..., "ssm": (intermediate, d_state)})`` in the
-  cache dtype, the scan by the module's own ``ssm_step``), and Qwen3-Next's gated DeltaNet
-  layers
-  (``qwen3_next``: ``State({"conv": (kernel - 1, conv_dim), "recurrent": (value heads,
-  head_v_dim, head_k_dim)}, dtype="float32")``, the conv per sequence after its state, the
-  gated delta rule by mlx-lm's own ``gated_delta_update`` per sequence from its state). Every
-  other recurrent cache (``ArraysCache`` of Jamba, ...) is refused naming the family.
+  ``mamba`` and ``falcon_mamba``, the same way, ``State({"conv": ..., "ssm": (intermediate,
+  d_state)})`` in the cache dtype, the scan by the module's own ``ssm_step``), and
+  Qwen3-Next's gated DeltaNet layers (``qwen3_next``: ``State({"conv": (kernel - 1,
+  conv_dim), "recurrent": (value heads, head_v_dim, head_k_dim)}, dtype="float32")``, the
+  conv per sequence after its state, the gated delta rule by mlx-lm's own
+  ``gated_delta_update`` per sequence from its state). Every other recurrent cache
+  (``ArraysCache`` of Jamba, ...) is refused naming the family.
 
 For a loop of your own: ``layer_caches(model, cache)`` inside ``cache.forward(...)`` gives the
 list to pass as ``model(tokens[:, None], cache=...)``. The cache uses ``rope_mode="none"``.

@@ -31,7 +31,8 @@ docs/hybrid.md "Built: increment 13"). Mamba-2 (``mamba2``: ``Mamba2Block``, the
 has such a mixer in every layer and no attention: every cache layer is a state layer, and the
 cache has no pages.
 
-A Mamba (Mamba-1) mixer of mlx-lm's ``mamba`` (``MambaBlock``, every layer, no attention)
+A Mamba (Mamba-1) mixer of mlx-lm's ``mamba`` and ``falcon_mamba`` (``MambaBlock``, every
+layer, no attention)
 projects ``x, z`` (``in_proj``), convolves ``x`` causally with a depthwise ``nn.Conv1d`` of
 ``conv_kernel`` taps (then SiLU) and runs its own selective scan token by token
 (``ssm_step``) from the state ``(intermediate, d_state)``, in the model's dtype, then
@@ -104,7 +105,10 @@ _GDN_CLASSES = {
 }
 # family -> (module, class) of its Mamba (Mamba-1) mixer: the class whose __call__ and
 # ssm_step were read line by line (mlx-lm 0.32.2); its state stays in the model's dtype
-_MAMBA1_CLASSES = {"mamba": ("mlx_lm.models.mamba", "MambaBlock")}
+_MAMBA1_CLASSES = {"mamba": ("mlx_lm.models.mamba", "MambaBlock"),
+                   # mlx-lm loads it with mamba.py's classes, its ssm_step norming B, C and the
+                   # time step (use_bcdt_rms)
+                   "falcon_mamba": ("mlx_lm.models.mamba", "MambaBlock")}
 STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES,
                                **_MAMBA1_CLASSES}))
 """The mlx-lm model types whose recurrent-state layers run on the cache (LFM2's short
@@ -555,8 +559,9 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
 
 
 def mamba1_layers(model) -> dict:
-    """``{layer: module}``: the Mamba (Mamba-1) mixers of a ``mamba`` mlx-lm ``model``, by
-    decoder layer (= cache slot; the model has no attention); empty for any other family.
+    """``{layer: module}``: the Mamba (Mamba-1) mixers of a ``mamba`` / ``falcon_mamba``
+    mlx-lm ``model``, by decoder layer (= cache slot; the model has no attention); empty for
+    any other family.
     Raises ``UnsupportedFeatureError`` naming the layer and the value when the model is of that
     family but something is not what was read: not one layer per ``num_hidden_layers``, a
     block or a mixer of another class (a subclass too), a kernel below 2 taps or not
