@@ -37,8 +37,8 @@ class MlxLmAdapter(ModelAdapter):
         self.windows = dict(self.description.windows)
         self.states = dict(self.description.states)
         """``{layer: State}``: the model's state layers (LFM2's short convolutions,
-        the Mamba-2 mixers of Granite-4.0-H, Nemotron-H and Falcon-H1, Qwen3-Next's gated
-        DeltaNet)."""
+        the Mamba-2 mixers of Granite-4.0-H, Nemotron-H, Falcon-H1 and Mamba-2, Mamba-1's
+        mixers, Qwen3-Next's gated DeltaNet)."""
         self._forward = _Forward(model, self.windows, self.description.num_layers,
                                  own_attention=self.description.own_attention,
                                  states=self.states)

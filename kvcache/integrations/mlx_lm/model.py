@@ -93,10 +93,10 @@ def sliding_windows(model) -> dict:
     generation builds them (``model.make_cache()``): a ``RotatingKVCache(max_size=w)`` layer
     attends to the previous ``w`` positions, itself included; a ``KVCache`` layer to all of
     them; the ``ArraysCache`` of an LFM2 short convolution, a Granite-4.0-H / Nemotron-H /
-    Falcon-H1 Mamba-2 mixer or a Qwen3-Next gated DeltaNet layer is a state layer
-    (``state_kinds``), not a window (the layers are cache slots, ``_mlx_caches``: a Falcon-H1
-    layer's ``CacheList`` two of them). Any other cache type raises
-    ``UnsupportedFeatureError`` naming it and the family."""
+    Falcon-H1 / Mamba-2 Mamba-2 mixer, a Mamba-1 mixer or a Qwen3-Next gated DeltaNet layer is
+    a state layer (``state_kinds``), not a window (the layers are cache slots,
+    ``_mlx_caches``: a Falcon-H1 layer's ``CacheList`` two of them). Any other cache type
+    raises ``UnsupportedFeatureError`` naming it and the family."""
     from .states import SERVED_STATE_LAYERS, state_kinds
     states = state_kinds(model)
     windows = {}
@@ -177,5 +177,7 @@ class ModelDescription:
     the cache)."""
     states: dict = dataclasses.field(default_factory=dict)
     """``{layer: kvcache.State}``: the model's state layers (LFM2's short convolutions,
-    Granite-4.0-H's, Nemotron-H's and Falcon-H1's Mamba-2 mixers, Qwen3-Next's gated DeltaNet
-    layers; ``state_kinds``), which neither fetch nor attend; empty: none."""
+    Granite-4.0-H's, Nemotron-H's, Falcon-H1's and Mamba-2's Mamba-2 mixers, Mamba-1's
+    mixers, Qwen3-Next's gated DeltaNet layers; ``state_kinds``), which neither fetch nor
+    attend; empty: none. A model whose every layer is one (Mamba-2, Mamba) has no attention:
+    its head shape is a placeholder (``routing.ATTENTION_FREE_HEADS``)."""

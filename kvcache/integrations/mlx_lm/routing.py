@@ -204,8 +204,8 @@ def describe(model) -> ModelDescription:
 
 ATTENTION_FREE_HEADS = (1, 1, 64)
 """``(query heads, KV heads, head dim)`` of the cache of a model without attention layers
-(mlx-lm's ``mamba2``): its layers are all state layers, which have no pages, so no layer uses
-them; a shape every backend takes, so that ``CacheConfig`` stands."""
+(mlx-lm's ``mamba2``, ``mamba``): its layers are all state layers, which have no pages, so
+no layer uses them; a shape every backend takes, so that ``CacheConfig`` stands."""
 
 
 def _attention_free(model, slots: int, logits, states: dict) -> ModelDescription:
