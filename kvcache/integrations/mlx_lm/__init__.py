@@ -72,13 +72,13 @@ DeltaNet layers excepted), layers of different head shapes, sinks on a backend w
   attention in every layer: its ``make_cache()`` gives each layer a ``CacheList`` of both, and
   the cache gives the mixer cache slot ``2 i`` and the attention slot ``2 i + 1``; Mamba-2's,
   ``mamba2``, in every layer without attention: a cache without pages; Mamba-1's mixers,
-  ``mamba`` and ``falcon_mamba``, the same way, ``State({"conv": ..., "ssm": (intermediate,
-  d_state)})`` in the cache dtype, the scan by the module's own ``ssm_step``), and
-  Qwen3-Next's gated DeltaNet layers (``qwen3_next``: ``State({"conv": (kernel - 1,
-  conv_dim), "recurrent": (value heads, head_v_dim, head_k_dim)}, dtype="float32")``, the
-  conv per sequence after its state, the gated delta rule by mlx-lm's own
-  ``gated_delta_update`` per sequence from its state). Every other recurrent cache
-  (``ArraysCache`` of Jamba, ...) is refused naming the family.
+  ``mamba`` and ``falcon_mamba``, the same way (and Jamba's, ``jamba``, beside attention),
+  ``State({"conv": ..., "ssm": (intermediate, d_state)})`` in the cache dtype, the scan by the
+  module's own ``ssm_step``), and Qwen3-Next's gated DeltaNet layers (``qwen3_next``:
+  ``State({"conv": (kernel - 1, conv_dim), "recurrent": (value heads, head_v_dim, head_k_dim)},
+  dtype="float32")``, the conv per sequence after its state, the gated delta rule by mlx-lm's own
+  ``gated_delta_update`` per sequence from its state). Every other recurrent cache (``ArraysCache``
+  of RWKV-7, RecurrentGemma, ...) is refused naming the family.
 
 For a loop of your own: ``layer_caches(model, cache)`` inside ``cache.forward(...)`` gives the
 list to pass as ``model(tokens[:, None], cache=...)``. The cache uses ``rope_mode="none"``.

@@ -32,7 +32,8 @@ has such a mixer in every layer and no attention: every cache layer is a state l
 cache has no pages.
 
 A Mamba (Mamba-1) mixer of mlx-lm's ``mamba`` and ``falcon_mamba`` (``MambaBlock``, every
-layer, no attention)
+layer, no attention; Jamba's ``JambaMambaMixer``, the same beside attention layers, its scan
+over a call's tokens at once)
 projects ``x, z`` (``in_proj``), convolves ``x`` causally with a depthwise ``nn.Conv1d`` of
 ``conv_kernel`` taps (then SiLU) and runs its own selective scan token by token
 (``ssm_step``) from the state ``(intermediate, d_state)``, in the model's dtype, then
@@ -108,7 +109,10 @@ _GDN_CLASSES = {
 _MAMBA1_CLASSES = {"mamba": ("mlx_lm.models.mamba", "MambaBlock"),
                    # mlx-lm loads it with mamba.py's classes, its ssm_step norming B, C and the
                    # time step (use_bcdt_rms)
-                   "falcon_mamba": ("mlx_lm.models.mamba", "MambaBlock")}
+                   "falcon_mamba": ("mlx_lm.models.mamba", "MambaBlock"),
+                   # beside attention layers; its ssm_step scans a whole call's tokens (one
+                   # sequence) and RMS-norms the time step, B and C
+                   "jamba": ("mlx_lm.models.jamba", "JambaMambaMixer")}
 STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES,
                                **_MAMBA1_CLASSES}))
 """The mlx-lm model types whose recurrent-state layers run on the cache (LFM2's short
@@ -559,38 +563,54 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
 
 
 def mamba1_layers(model) -> dict:
-    """``{layer: module}``: the Mamba (Mamba-1) mixers of a ``mamba`` / ``falcon_mamba``
-    mlx-lm ``model``, by decoder layer (= cache slot; the model has no attention); empty for
-    any other family.
-    Raises ``UnsupportedFeatureError`` naming the layer and the value when the model is of that
-    family but something is not what was read: not one layer per ``num_hidden_layers``, a
-    block or a mixer of another class (a subclass too), a kernel below 2 taps or not
-    ``conv_kernel``, a conv that is not depthwise over ``intermediate_size`` channels, padded,
-    strided or dilated, ``in_proj`` / ``x_proj`` / ``A_log`` / ``D`` of other sizes, or a
+    """``{layer: module}``: the Mamba (Mamba-1) mixers of a ``mamba`` / ``falcon_mamba`` (no
+    attention) or ``jamba`` (mixers and attention, as ``layers_block_type`` says) mlx-lm
+    ``model``, by decoder layer (= cache slot); empty for any other family. Raises
+    ``UnsupportedFeatureError`` naming the layer and the value when the model is of that
+    family but something is not what was read: not one layer (and layer type) per
+    ``num_hidden_layers``, a layer type other than ``"mamba"`` / Jamba's ``"attention"``, a
+    block or a mixer of another class (a subclass too) or a block whose modules disagree with
+    its type, a kernel below 2 taps or not ``conv_kernel`` (Jamba: ``mamba_d_conv``), a conv
+    that is not depthwise over ``intermediate_size`` channels, padded, strided or dilated,
+    ``in_proj`` / ``x_proj`` / ``A_log`` / ``D`` of other sizes, or a
     ``make_cache()`` entry other than ``ArraysCache(size=2)``."""
     family = _family(model)
     known = _MAMBA1_CLASSES.get(family)
     if known is None:
         return {}
     source = importlib.import_module(known[0])
-    cls, block_cls = getattr(source, known[1]), getattr(source, "ResidualBlock")
-    layers, n = list(model.layers), int(model.args.num_hidden_layers)
-    if len(layers) != n:
+    cls = getattr(source, known[1])
+    jamba = family == "jamba"
+    block_cls = getattr(source, "JambaDecoderLayer" if jamba else "ResidualBlock")
+    args = model.args
+    layers, n = list(model.layers), int(args.num_hidden_layers)
+    # Jamba: a mixer or attention per layer, as layers_block_type says; Mamba: all mixers
+    types = list(args.layers_block_type) if jamba else ["mamba"] * n
+    if len(layers) != n or len(types) != n:
         raise UnsupportedFeatureError(
-            f"the {family} model has {len(layers)} layers for num_hidden_layers={n}: which "
-            f"cache slots are its mixers is not understood")
+            f"the {family} model has {len(layers)} layers and {len(types)} layer types for "
+            f"num_hidden_layers={n}: which cache slots are its mixers is not understood")
     caches = list(model.make_cache())
     found = {}
-    for i, block in enumerate(layers):
-        mixer: Any = getattr(block, "mixer", None)
-        if type(block) is not block_cls or type(mixer) is not cls:
+    for i, (kind, block) in enumerate(zip(types, layers)):
+        mixer: Any = getattr(block, "mamba" if jamba else "mixer", None)
+        attention = kind == "attention" and jamba
+        if (kind != "mamba" and not attention) or type(block) is not block_cls or (
+                jamba and (bool(getattr(block, "is_attn", None)) != attention
+                           or (mixer is None) != attention)):
             raise UnsupportedFeatureError(
-                f"layer {i} ({type(block).__module__}.{type(block).__name__}, mixer "
-                f"{type(mixer).__name__}) of the {family} model is not mlx-lm's "
-                f"{known[0]}.ResidualBlock with a {known[1]} (a subclass or a replacement): "
-                f"its mixer is not understood")
+                f"layer {i} ({type(block).__module__}.{type(block).__name__}, type {kind!r}) "
+                f"of the {family} model is not a plain {kind!r} layer of mlx-lm's {known[0]} "
+                f"(a subclass or a replacement, or its modules disagree with its type)")
+        if attention:
+            continue
         where = f"layer {i} ({type(mixer).__module__}.{type(mixer).__name__})"
-        _check_mixer1(family, where, mixer, int(model.args.conv_kernel))
+        if type(mixer) is not cls:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
+                f"subclass or a replacement): its mixer is not understood")
+        _check_mixer1(family, where, mixer,
+                      int(args.mamba_d_conv if jamba else args.conv_kernel))
         _check_entry(family, where, caches, i, 2, "its mixer keeps its conv and SSM states in")
         found[i] = mixer
     return found
@@ -987,28 +1007,33 @@ def gdn_forward(module, layer_cache, x, mask=None):
 
 
 def mamba1_forward(module, layer_cache, x, mask=None):
-    """A Mamba (Mamba-1) mixer (``MambaBlock``) of an mlx-lm model over the open forward of the
-    cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
+    """A Mamba (Mamba-1) mixer (``MambaBlock``, Jamba's ``JambaMambaMixer``) of an mlx-lm model
+    over the open forward of the cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
 
     ``x`` ``(T, 1, hidden)``: the forward's T new tokens as batch rows in ``begin_forward``
     order. ``in_proj``, the gate (its module's ``swiglu``) and ``out_proj`` run on the rows;
     the causal depthwise conv (then SiLU) over one block per sequence after its conv state
     (``"conv"``, ``(B, conv_kernel - 1, intermediate)``), as ``conv_forward`` does; the
-    selective scan by the module's own ``ssm_step``, token by token per sequence from its
-    state (``"ssm"``, ``(B, intermediate, d_state)``, the model's dtype, as mlx-lm keeps it):
-    the one-token appends of sequences with a past in one step (batch rows), every other
-    sequence's tokens one step at a time from its state (None for a new sequence, as
-    mlx-lm's first call), split at the prefix cache's boundaries (``_per_sequence``; the scan
-    is sequential, so the split changes no bit). The new states are written with
-    ``cache.set_state``. Returns ``(T, 1, hidden)``. While ``describe`` probes, the rows are
-    one new sequence and nothing is written. Raises as ``conv_forward`` does."""
+    selective scan by the module's own ``ssm_step`` (Jamba's: over a call's tokens at once),
+    token by token per sequence from its state (``"ssm"``, ``(B, intermediate, d_state)``,
+    the model's dtype, as mlx-lm keeps it): the one-token appends of sequences with a past in
+    one step (batch rows), every other sequence's tokens one step at a time from its state
+    (None for a new sequence, as mlx-lm's first call), split at the prefix cache's boundaries
+    (``_per_sequence``; the scan is sequential, so the split changes no bit). The new states
+    are written with ``cache.set_state``. Returns ``(T, 1, hidden)``. While ``describe``
+    probes, the rows are one new sequence and nothing is written. Raises as ``conv_forward``
+    does."""
     f, layer, T, lengths = _open(module, layer_cache, x, mask, "Mamba mixers")
     inner, d_state = module.intermediate_size, module.ssm_state_size
     xs, z = module.in_proj(x).split(2, axis=-1)                          # (T, 1, inner) each
     u = nn.silu(_packed_conv(f, layer, lengths, xs.reshape(T, inner), module.conv1d))
     A = -mx.exp(module.A_log)
+    whole = _family(f.model) == "jamba"
 
     def call(rows, state, decode):  # mlx-lm's scan over the rows (batch rows, or one sequence)
+        if whole:   # Jamba's ssm_step takes (batch, tokens, channels): one call, as mlx-lm's
+            y, st = module.ssm_step(u[rows][:, None] if decode else u[rows][None], A, state)
+            return (y[:, 0] if decode else y[0]), st
         if decode:
             return module.ssm_step(u[rows], A, state)
         ys = []
