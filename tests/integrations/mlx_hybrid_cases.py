@@ -126,9 +126,10 @@ def assert_another_make_cache_refused(model) -> None:
         state_kinds(model)
 
 
-def assert_a_mask_refused(model, attr: str) -> None:
+def assert_a_mask_refused(model, attr: str, slot=lambda caches: caches[0]) -> None:
     """Layer 0's state module ``attr`` called with a mask array (padding) inside a forward of 3
-    tokens: refused, and the sequence gains no token."""
+    tokens (its cache ``slot(layer_caches(...))``: the first entry; a Falcon-H1's first pair's
+    mixer cache): refused, and the sequence gains no token."""
     cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
                                               max_batch_size=1), backend="metal", device="cpu")
     cache.add_sequence(0)
@@ -136,7 +137,7 @@ def assert_a_mask_refused(model, attr: str) -> None:
         with cache.forward([0], [3]):
             caches = layer_caches(model, cache)
             getattr(model.layers[0], attr)(mx.zeros((3, 1, model.args.hidden_size)),
-                                           mask=mx.ones((3, 1), mx.bool_), cache=caches[0])
+                                           mask=mx.ones((3, 1), mx.bool_), cache=slot(caches))
     assert cache.sequence_length(0) == 0
 
 
@@ -290,6 +291,13 @@ def family_tests(case, family: str, pair: tuple, states: tuple = ()) -> dict:
 
     tests.update(locals())
     return {name: t for name, t in tests.items() if name.startswith("test_")}
+
+
+def slow_except(tests: dict, *kept: str) -> dict:
+    """``tests`` (``family_tests``' dict) with every test but those named ``kept`` marked
+    ``slow`` (``make test-all`` runs them, ``make test`` the ones kept): for a family whose
+    code paths the other families' files already run in CI."""
+    return {name: t if name in kept else pytest.mark.slow(t) for name, t in tests.items()}
 
 
 def assert_layer_caches_loop_greedy(model, prompts, want, pair):

@@ -91,33 +91,33 @@ def test_what_is_not_understood_is_refused():
 
 S = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 OTHERS = {
-    "mamba": dict(S, state_size=4, conv_kernel=4, use_bias=False, use_conv_bias=True,
-                  time_step_rank=4),
-    "mamba2": dict(S, num_heads=4, head_dim=16, state_size=4, layer_norm_epsilon=1e-5,
-                   conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True,
-                   tie_word_embeddings=True, time_step_limit=(0.0, float("inf")),
-                   time_step_rank=4),
-    "jamba": dict(S, num_attention_heads=2, num_key_value_heads=1, attn_layer_offset=1,
-                  attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
-                  mamba_d_conv=4, mamba_d_state=4, mamba_expand=2, num_experts=2,
-                  num_experts_per_tok=1, rms_norm_eps=1e-5, max_position_embeddings=128),
+    "rwkv7": dict(S, norm_eps=1e-5, head_dim=16, a_low_rank_dim=8, v_low_rank_dim=8,
+                  gate_low_rank_dim=8, decay_low_rank_dim=8),
+    "recurrent_gemma": dict(S, attention_bias=False, conv1d_width=4, logits_soft_cap=30.0,
+                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                            rope_theta=10000.0, attention_window_size=16,
+                            block_types=["recurrent", "attention"]),
 }
 
 
 @pytest.mark.parametrize("family", sorted(OTHERS))
 def test_other_recurrent_families_stay_refused(family):
-    """mlx-lm's other families with recurrent caches (Mamba, Mamba-2, Jamba) are refused at
+    """mlx-lm's other families with recurrent caches (RWKV-7, RecurrentGemma) are refused at
     construction, naming the family and the cache, never run with a wrong state
     (Granite-4.0-H's and Nemotron-H's Mamba-2 mixers are served:
-    test_mlx_lm_granite_hybrid.py; Qwen3-Next's gated DeltaNet: test_mlx_lm_qwen3_next.py)."""
+    test_mlx_lm_granite_hybrid.py; Qwen3-Next's gated DeltaNet: test_mlx_lm_qwen3_next.py;
+    Falcon-H1's mixers beside attention: test_mlx_lm_falcon_h1.py; Mamba-2's and Mamba-1's,
+    without attention: test_mlx_lm_mamba2.py, test_mlx_lm_mamba.py; Jamba's Mamba-1 mixers:
+    test_mlx_lm_jamba.py)."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
     model = module.Model(module.ModelArgs.from_dict({"model_type": family, **OTHERS[family]}))
     assert state_kinds(model) == {}
     with pytest.raises(kvcache.UnsupportedFeatureError,
                        match=f"of the {family} model uses mlx-lm's (ArraysCache|MambaCache)"
                              f".*short convolutions of lfm2, lfm2_moe, the Mamba-2 "
-                             f"mixers of granitemoehybrid, nemotron_h and the gated DeltaNet "
-                             f"layers of qwen3_next only"):
+                             f"mixers of falcon_h1, granitemoehybrid, mamba2, nemotron_h, the "
+                             f"Mamba-1 mixers of falcon_mamba, jamba, mamba and the gated "
+                             f"DeltaNet layers of qwen3_next only"):
         Engine(model, backend="metal", device="cpu", max_total_tokens=64)
     with pytest.raises(kvcache.UnsupportedFeatureError, match=f"{family} model"):
         cache_config(model)

@@ -57,7 +57,8 @@ and no mask array (the cache's kernels attend), or attend itself (own-attention 
 probe also reads the cache configuration off the calls (query and KV heads, q/k and value
 head dims, dtype, sinks). Refused, with the reason: a layer that never uses its cache
 object, recurrent or chunked caches (LFM2's short convolutions, the Mamba-2 mixers of
-Granite-4.0-H and Nemotron-H and Qwen3-Next's gated DeltaNet layers excepted), layers of different head shapes, sinks on a backend without
+Granite-4.0-H, Nemotron-H, Falcon-H1 and Mamba-2, Mamba-1's mixers and Qwen3-Next's gated
+DeltaNet layers excepted), layers of different head shapes, sinks on a backend without
 ``attention_sinks``.
 
 * **State layers.** LFM2's short convolutions (``lfm2``, ``lfm2_moe``: their ``ArraysCache``
@@ -67,19 +68,26 @@ Granite-4.0-H and Nemotron-H and Qwen3-Next's gated DeltaNet layers excepted), l
   Mamba-2 mixers of Granite-4.0-H and Nemotron-H (``granitemoehybrid``, ``nemotron_h``:
   ``State({"conv": (d_conv - 1, conv_dim), "ssm": (heads, head_dim, d_state)},
   dtype="float32")``, the conv per sequence after its state, the SSM by mlx-lm's own
-  ``ssm_update`` per sequence from its state), and Qwen3-Next's gated DeltaNet layers
-  (``qwen3_next``: ``State({"conv": (kernel - 1, conv_dim), "recurrent": (value heads,
-  head_v_dim, head_k_dim)}, dtype="float32")``, the conv per sequence after its state, the
-  gated delta rule by mlx-lm's own ``gated_delta_update`` per sequence from its state). Every
-  other recurrent cache (``ArraysCache``, ``MambaCache`` of Mamba, Mamba-2, Jamba, Falcon-H1,
-  ...) is refused naming the family.
+  ``ssm_update`` per sequence from its state; Falcon-H1's, ``falcon_h1``, the same beside
+  attention in every layer: its ``make_cache()`` gives each layer a ``CacheList`` of both, and
+  the cache gives the mixer cache slot ``2 i`` and the attention slot ``2 i + 1``; Mamba-2's,
+  ``mamba2``, in every layer without attention: a cache without pages; Mamba-1's mixers,
+  ``mamba`` and ``falcon_mamba``, the same way (and Jamba's, ``jamba``, beside attention),
+  ``State({"conv": ..., "ssm": (intermediate, d_state)})`` in the cache dtype, the scan by the
+  module's own ``ssm_step``), and Qwen3-Next's gated DeltaNet layers (``qwen3_next``:
+  ``State({"conv": (kernel - 1, conv_dim), "recurrent": (value heads, head_v_dim, head_k_dim)},
+  dtype="float32")``, the conv per sequence after its state, the gated delta rule by mlx-lm's own
+  ``gated_delta_update`` per sequence from its state). Every other recurrent cache (``ArraysCache``
+  of RWKV-7, RecurrentGemma, ...) is refused naming the family.
 
 For a loop of your own: ``layer_caches(model, cache)`` inside ``cache.forward(...)`` gives the
 list to pass as ``model(tokens[:, None], cache=...)``. The cache uses ``rope_mode="none"``.
 
 The package's modules: ``model`` (what is read off a model, ``ModelDescription``),
 ``protocol`` (``LayerCache``), ``states`` (LFM2's short convolutions, the Mamba-2 mixers
-of Granite-4.0-H and Nemotron-H, Qwen3-Next's gated DeltaNet), ``routing``
+of Granite-4.0-H, Nemotron-H, Falcon-H1 and Mamba-2, Mamba-1's mixers, Qwen3-Next's gated
+DeltaNet),
+``routing``
 (``route``, ``layer_caches``, ``describe``, ``cache_config``) and ``adapter`` (``MlxLmAdapter``); this module checks the requirements,
 holds ``Engine`` and re-exports their names.
 """

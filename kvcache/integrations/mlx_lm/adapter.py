@@ -13,7 +13,7 @@ from ...config import CacheConfig
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
 from ..engine import ModelAdapter
-from .model import _eos_ids, _family, layer_kinds
+from .model import _eos_ids, _family, layer_kinds, model_caches
 from .protocol import LayerCache, _Forward, _to_cache
 from .routing import _run, cache_config, describe, route
 
@@ -24,9 +24,10 @@ mx = require("mlx.core", "mlx-lm")
 class MlxLmAdapter(ModelAdapter):
     """An mlx-lm model as the engine's model: any model whose attention reaches the cache
     through mlx-lm's cache protocol (``describe`` checks it at construction) and that keeps no
-    other state than LFM2's short convolutions, the Mamba-2 mixers of Granite-4.0-H and
-    Nemotron-H or Qwen3-Next's gated DeltaNet layers, which run on the cache's state slots
-    (``state_layers``)."""
+    other state than LFM2's short convolutions, the Mamba-2 mixers of Granite-4.0-H,
+    Nemotron-H, Falcon-H1 and Mamba-2, Mamba-1's mixers or Qwen3-Next's gated DeltaNet
+    layers, which run on the cache's state slots (``state_layers``; a Mamba-2 or Mamba has no
+    attention: every layer a state layer)."""
 
     def __init__(self, model, tokenizer=None, eos_token_ids: Optional[Sequence[int]] = None):
         self.model = model
@@ -36,11 +37,13 @@ class MlxLmAdapter(ModelAdapter):
         self.windows = dict(self.description.windows)
         self.states = dict(self.description.states)
         """``{layer: State}``: the model's state layers (LFM2's short convolutions,
-        the Mamba-2 mixers of Granite-4.0-H and Nemotron-H, Qwen3-Next's gated DeltaNet)."""
+        the Mamba-2 mixers of Granite-4.0-H, Nemotron-H, Falcon-H1 and Mamba-2, Mamba-1's
+        mixers, Qwen3-Next's gated DeltaNet)."""
         self._forward = _Forward(model, self.windows, self.description.num_layers,
                                  own_attention=self.description.own_attention,
                                  states=self.states)
-        self._caches = [LayerCache(i, self._forward) for i in range(self.description.num_layers)]
+        self._caches = model_caches(model, [LayerCache(i, self._forward)
+                                            for i in range(self.description.num_layers)])
         if eos_token_ids is not None:
             ids = [eos_token_ids] if isinstance(eos_token_ids, (int, np.integer)) else eos_token_ids
             self._eos = tuple(sorted({int(t) for t in ids}))

@@ -32,14 +32,26 @@ def _layers(model) -> list:
     return list(layers)
 
 
+PAIRED_FAMILIES = ("falcon_h1",)
+"""The mlx-lm families whose ``make_cache()`` gives each decoder layer a ``CacheList`` of a
+Mamba-2 mixer's ``ArraysCache`` and an attention's ``KVCache`` (Falcon-H1: the mixer and
+attention run side by side in every layer): the cache gives each its own cache slot, the
+mixer ``2 i`` and the attention ``2 i + 1`` of decoder layer ``i`` (``_mlx_caches``,
+``model_caches``)."""
+
+
 def _label(model, layer: int) -> str:
-    """'layer i (module.Class)' of the attention module of cache slot ``layer``, for messages."""
+    """'layer i (module.Class)' of the attention module of cache slot ``layer``, for messages
+    (a paired family's: 'layer i (module.Class, cache slot s)')."""
     layers = _layers(model)
-    if layer < len(layers):
-        block = layers[layer]
+    paired = _family(model) in PAIRED_FAMILIES
+    i = layer // 2 if paired else layer
+    if i < len(layers):
+        block = layers[i]
         attn = next((getattr(block, a) for a in ("self_attn", "attention", "attn")
                      if getattr(block, a, None) is not None), block)
-        return f"layer {layer} ({type(attn).__module__}.{type(attn).__name__})"
+        slot = f", cache slot {layer}" if paired else ""
+        return f"layer {i} ({type(attn).__module__}.{type(attn).__name__}{slot})"
     return f"layer {layer}"
 
 
@@ -54,19 +66,37 @@ class _Label:
 
 
 def _mlx_caches(model) -> list:
-    """The cache objects mlx-lm's own generation would use (``make_prompt_cache``)."""
-    if hasattr(model, "make_cache"):
-        return list(model.make_cache())
-    return [_mlx_cache.KVCache() for _ in _layers(model)]
+    """The cache objects mlx-lm's own generation would use (``make_prompt_cache``), one per
+    cache slot: a ``PAIRED_FAMILIES`` model's ``CacheList`` entries of two taken apart (the
+    states' check, ``state_kinds``, refuses any other entry first)."""
+    if not hasattr(model, "make_cache"):
+        return [_mlx_cache.KVCache() for _ in _layers(model)]
+    caches = list(model.make_cache())
+    if _family(model) not in PAIRED_FAMILIES:
+        return caches
+    return [c for entry in caches for c in (
+        entry.caches if type(entry) is _mlx_cache.CacheList and len(entry.caches) == 2
+        else (entry,))]
+
+
+def model_caches(model, caches: list) -> list:
+    """``caches`` (one per cache slot, ``_mlx_caches``' order) as ``model``'s call takes them:
+    a ``PAIRED_FAMILIES`` model's as one ``(mixer's, attention's)`` pair per decoder layer (its
+    layers index ``cache[0]`` and ``cache[1]``), any other's as they are."""
+    if _family(model) not in PAIRED_FAMILIES:
+        return caches
+    return [tuple(caches[i:i + 2]) for i in range(0, len(caches), 2)]
 
 
 def sliding_windows(model) -> dict:
     """``{layer: window}`` of the model's sliding-window layers (empty: none), as mlx-lm's own
     generation builds them (``model.make_cache()``): a ``RotatingKVCache(max_size=w)`` layer
     attends to the previous ``w`` positions, itself included; a ``KVCache`` layer to all of
-    them; the ``ArraysCache`` of an LFM2 short convolution, a Granite-4.0-H / Nemotron-H Mamba-2
-    mixer or a Qwen3-Next gated DeltaNet layer is a state layer (``state_kinds``), not a window. Any other cache type raises
-    ``UnsupportedFeatureError`` naming it and the family."""
+    them; the ``ArraysCache`` of an LFM2 short convolution, a Granite-4.0-H / Nemotron-H /
+    Falcon-H1 / Mamba-2 Mamba-2 mixer, a Mamba-1 mixer or a Qwen3-Next gated DeltaNet layer is
+    a state layer (``state_kinds``), not a window (the layers are cache slots,
+    ``_mlx_caches``: a Falcon-H1 layer's ``CacheList`` two of them). Any other cache type
+    raises ``UnsupportedFeatureError`` naming it and the family."""
     from .states import SERVED_STATE_LAYERS, state_kinds
     states = state_kinds(model)
     windows = {}
@@ -147,5 +177,7 @@ class ModelDescription:
     the cache)."""
     states: dict = dataclasses.field(default_factory=dict)
     """``{layer: kvcache.State}``: the model's state layers (LFM2's short convolutions,
-    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers, Qwen3-Next's gated DeltaNet layers;
-    ``state_kinds``), which neither fetch nor attend; empty: none."""
+    Granite-4.0-H's, Nemotron-H's, Falcon-H1's and Mamba-2's Mamba-2 mixers, Mamba-1's
+    mixers, Qwen3-Next's gated DeltaNet layers; ``state_kinds``), which neither fetch nor
+    attend; empty: none. A model whose every layer is one (Mamba-2, Mamba) has no attention:
+    its head shape is a placeholder (``routing.ATTENTION_FREE_HEADS``)."""

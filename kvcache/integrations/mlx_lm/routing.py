@@ -16,7 +16,7 @@ from ...config import CacheConfig
 from ...errors import InvalidArgumentError, KVCacheError, UnsupportedFeatureError
 from .. import require
 from .model import (_DTYPES, ModelDescription, _family, _label, _mlx_caches, layer_kinds,
-                    sliding_windows)
+                    model_caches, sliding_windows)
 from .protocol import LayerCache, _Forward
 from .states import route_state_layers, state_kinds
 
@@ -73,7 +73,9 @@ def layer_caches(model, cache, positions=None) -> list:
     """The mlx-lm cache objects (one ``LayerCache`` per layer) that route ``model``'s
     attention to ``cache``'s open forward. Call the model with the forward's T tokens as T
     batch rows: ``model(tokens.reshape(-1, 1), cache=layer_caches(model, cache))``; logits come
-    back ``(T, 1, vocab)``. ``positions``: each token's position (None: the cache's
+    back ``(T, 1, vocab)`` (a Falcon-H1's list holds one ``(mixer's, attention's)`` pair of
+    ``LayerCache`` objects per decoder layer, as its ``make_cache()`` holds ``CacheList``
+    pairs: ``model_caches``). ``positions``: each token's position (None: the cache's
     ``query_positions()``). Sliding layers follow ``model.make_cache()`` (``sliding_windows``);
     state layers (LFM2's convolutions, the Mamba-2 mixers, the gated DeltaNet layers) read
     and write their states on
@@ -96,7 +98,7 @@ def layer_caches(model, cache, positions=None) -> list:
     slots = len(_mlx_caches(model))
     forward = _Forward(model, windows, slots, states=_described(model).states)
     forward.begin(cache, to_numpy(cache.query_positions()) if positions is None else positions)
-    return [LayerCache(i, forward) for i in range(slots)]
+    return model_caches(model, [LayerCache(i, forward) for i in range(slots)])
 
 
 class _RowsOf:
@@ -161,7 +163,7 @@ def describe(model) -> ModelDescription:
     forward = _Forward(model, windows, slots, states=states)
     forward.probe = {}
     forward.positions = mx.array([0, 1], mx.int32)
-    caches = [LayerCache(i, forward) for i in range(slots)]
+    caches = model_caches(model, [LayerCache(i, forward) for i in range(slots)])
     try:
         logits, _ = _run(model, mx.zeros((2, 1), mx.int32), caches, mx.array([1], mx.int32))
     except KVCacheError:
@@ -184,6 +186,8 @@ def describe(model) -> ModelDescription:
                 f"{exc}; with the state layers {sorted(states)} the model cannot attend itself "
                 f"one sequence per call") from None
         return _own_attention(model, forward, windows, int(logits.shape[-1]), exc)
+    if not records:     # every slot a state layer (checked above): no attention, no pages
+        return _attention_free(model, slots, logits, states)
     shapes = {r["attend"]["heads"] for r in records.values()}
     if len(shapes) != 1:
         raise UnsupportedFeatureError(
@@ -196,6 +200,23 @@ def describe(model) -> ModelDescription:
         vocab_size=int(logits.shape[-1]), windows=windows,
         sinks=tuple(sorted(i for i, r in records.items() if r["attend"]["sinks"])),
         states=states)
+
+
+ATTENTION_FREE_HEADS = (1, 1, 64)
+"""``(query heads, KV heads, head dim)`` of the cache of a model without attention layers
+(mlx-lm's ``mamba2``, ``mamba``): its layers are all state layers, which have no pages, so
+no layer uses them; a shape every backend takes, so that ``CacheConfig`` stands."""
+
+
+def _attention_free(model, slots: int, logits, states: dict) -> ModelDescription:
+    """The description of a model whose every cache slot is a state layer (``states``): the
+    cache has no paged layer (``ATTENTION_FREE_HEADS``, never used) and the model's dtype is
+    its logits' (no attention call shows it)."""
+    H, Hkv, D = ATTENTION_FREE_HEADS
+    return ModelDescription(
+        num_layers=slots, num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, head_dim_v=D,
+        dtype=_one_dtype(_family(model), {logits.dtype}), vocab_size=int(logits.shape[-1]),
+        windows={}, sinks=(), states=states)
 
 
 def _one_dtype(family: str, dtypes: set) -> str:

@@ -23,7 +23,23 @@ to token, then a gated RMS norm and ``out_proj``. mlx-lm keeps, in the layer's
 inputs, time first, as LFM2's) and entry 1 the SSM state, float32. On the cache each such layer
 is ``State({"conv": (mamba_d_conv - 1, conv_dim), "ssm": (heads, head_dim, d_state)},
 dtype="float32")``, run per sequence by ``mamba_forward`` (docs/hybrid.md "Built: increment
-10").
+10"). Falcon-H1 (``falcon_h1``: ``FalconH1Mixer``, the same code; without ``mamba_rms_norm``
+the gate is SwiGLU alone) runs such a mixer beside attention in every decoder layer, whose
+``make_cache()`` entry is a ``CacheList(ArraysCache(size=2), KVCache())``: the mixer is state
+layer ``2 i``, the attention the paged layer ``2 i + 1`` (``model.PAIRED_FAMILIES``;
+docs/hybrid.md "Built: increment 13"). Mamba-2 (``mamba2``: ``Mamba2Block``, the same code)
+has such a mixer in every layer and no attention: every cache layer is a state layer, and the
+cache has no pages.
+
+A Mamba (Mamba-1) mixer of mlx-lm's ``mamba`` and ``falcon_mamba`` (``MambaBlock``, every
+layer, no attention; Jamba's ``JambaMambaMixer``, the same beside attention layers, its scan
+over a call's tokens at once)
+projects ``x, z`` (``in_proj``), convolves ``x`` causally with a depthwise ``nn.Conv1d`` of
+``conv_kernel`` taps (then SiLU) and runs its own selective scan token by token
+(``ssm_step``) from the state ``(intermediate, d_state)``, in the model's dtype, then
+``out_proj(swiglu(z, y))``. mlx-lm keeps, in the layer's ``ArraysCache(size=2)``, the conv's
+last inputs (time first) and that state: ``State({"conv": (conv_kernel - 1, intermediate),
+"ssm": (intermediate, d_state)})`` in the cache dtype, run by ``mamba1_forward``.
 
 A gated DeltaNet layer of mlx-lm's Qwen3-Next (``qwen3_next``: ``Qwen3NextGatedDeltaNet``)
 projects ``q, k, v, z`` (``in_proj_qkvz``) and ``b, a`` (``in_proj_ba``), ordered per key head
@@ -42,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from typing import Any, Callable, NoReturn
 
 import numpy as np
@@ -49,7 +66,7 @@ import numpy as np
 from ...errors import InvalidArgumentError, UnsupportedFeatureError
 from .. import require
 from ..conv_states import check_gdn_dims, check_mamba_dims, checkpoint_columns, conv_indices
-from .model import _family
+from .model import PAIRED_FAMILIES, _family
 
 mx = require("mlx.core", "mlx-lm")
 nn = require("mlx.nn", "mlx-lm")
@@ -72,19 +89,38 @@ _MAMBA_CLASSES = {
     "granitemoehybrid": ("mlx_lm.models.granitemoehybrid", "GraniteMoeHybridMamba2Mixer",
                          "GraniteMoeHybridRMSNormGated"),
     "nemotron_h": ("mlx_lm.models.nemotron_h", "NemotronHMamba2Mixer", "MambaRMSNormGated"),
+    # the same mixer code beside attention in every layer (mlx-lm 0.32.2); D not cast, and
+    # without mamba_rms_norm the gate is swiglu alone
+    "falcon_h1": ("mlx_lm.models.falcon_h1", "FalconH1Mixer", "FalconH1RMSNormGated"),
+    # the same mixer code in every layer, no attention (mlx-lm 0.32.2); D not cast
+    "mamba2": ("mlx_lm.models.mamba2", "Mamba2Block", "MambaRMSNormGated"),
 }
+# the families whose mixer casts D to the input's dtype before ssm_update (the others pass it
+# as it is: a 16-bit model's D then promotes differently)
+_D_CAST = frozenset({"granitemoehybrid", "nemotron_h"})
 # family -> (module, class) of its gated DeltaNet layer and its gated norm: the class whose
 # __call__ (and mlx_lm.models.gated_delta's gated_delta_update and normalize_qk) was read line by
 # line (mlx-lm 0.32.2)
 _GDN_CLASSES = {
     "qwen3_next": ("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet", "Qwen3NextRMSNormGated"),
 }
-STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES}))
+# family -> (module, class) of its Mamba (Mamba-1) mixer: the class whose __call__ and
+# ssm_step were read line by line (mlx-lm 0.32.2); its state stays in the model's dtype
+_MAMBA1_CLASSES = {"mamba": ("mlx_lm.models.mamba", "MambaBlock"),
+                   # mlx-lm loads it with mamba.py's classes, its ssm_step norming B, C and the
+                   # time step (use_bcdt_rms)
+                   "falcon_mamba": ("mlx_lm.models.mamba", "MambaBlock"),
+                   # beside attention layers; its ssm_step scans a whole call's tokens (one
+                   # sequence) and RMS-norms the time step, B and C
+                   "jamba": ("mlx_lm.models.jamba", "JambaMambaMixer")}
+STATE_FAMILIES = tuple(sorted({**_CONV_CLASSES, **_MAMBA_CLASSES, **_GDN_CLASSES,
+                               **_MAMBA1_CLASSES}))
 """The mlx-lm model types whose recurrent-state layers run on the cache (LFM2's short
-convolutions, the Mamba-2 mixers of Granite-4.0-H and Nemotron-H, Qwen3-Next's gated
-DeltaNet)."""
+convolutions, the Mamba-2 mixers of Granite-4.0-H, Nemotron-H, Falcon-H1 and Mamba-2,
+Mamba-1's mixers, Qwen3-Next's gated DeltaNet)."""
 SERVED_STATE_LAYERS = (f"the short convolutions of {', '.join(sorted(_CONV_CLASSES))}, the "
-                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))} and the gated "
+                       f"Mamba-2 mixers of {', '.join(sorted(_MAMBA_CLASSES))}, the Mamba-1 "
+                       f"mixers of {', '.join(sorted(_MAMBA1_CLASSES))} and the gated "
                        f"DeltaNet layers of {', '.join(sorted(_GDN_CLASSES))}")
 """What the refusal of another recurrent cache names as served (``sliding_windows``)."""
 SSM_STATE = "ssm"
@@ -188,21 +224,27 @@ def _check_conv(family: str, where: str, m, hidden: int, taps: int) -> None:
 
 
 def mamba_layers(model) -> dict:
-    """``{slot: module}``: the Mamba-2 mixers of a Granite-4.0-H (``granitemoehybrid``) or
-    Nemotron-H (``nemotron_h``) mlx-lm ``model``, by cache slot (the index of the layer's
-    entry in ``model.make_cache()``: Granite's decoder layer; Nemotron-H's MLP and MoE blocks
-    take no slot); empty for any other family. Raises ``UnsupportedFeatureError`` naming the
-    layer and the value when the model is of such a family but something is not what was
-    read: a layer type other than Granite's ``"mamba"`` / ``"attention"`` or Nemotron-H's
-    ``M`` / ``*`` / ``-`` / ``E`` blocks (or not one per layer), a decoder layer whose type
-    and modules do not match, a mixer of another class (a subclass too), the module's
-    ``ssm_update`` not mlx-lm's ``mlx_lm.models.ssm.ssm_update``, heads that do not tile
+    """``{slot: module}``: the Mamba-2 mixers of a Granite-4.0-H (``granitemoehybrid``),
+    Nemotron-H (``nemotron_h``), Falcon-H1 (``falcon_h1``) or Mamba-2 (``mamba2``) mlx-lm
+    ``model``, by cache slot (the index of the layer's entry in ``model.make_cache()``:
+    Granite's and Mamba-2's decoder layer; Nemotron-H's MLP and MoE blocks take no slot;
+    Falcon-H1's layer ``i`` takes two, its mixer ``2 i`` and its attention ``2 i + 1``); empty
+    for any other family. Raises
+    ``UnsupportedFeatureError`` naming the layer and the value when the model is of such a
+    family but something is not what was read: a layer type other than Granite's
+    ``"mamba"`` / ``"attention"`` or Nemotron-H's ``M`` / ``*`` / ``-`` / ``E`` blocks (or not
+    one per layer), a decoder layer whose type
+    and modules do not match (Falcon-H1: a decoder layer of another class, a subclass too, or
+    without attention; Mamba-2: a block of another class, a subclass too), a mixer of another
+    class (a subclass too), the module's ``ssm_update`` not mlx-lm's
+    ``mlx_lm.models.ssm.ssm_update``, heads that do not tile
     ``intermediate_size`` or groups that do not divide them, ``conv_dim`` other than
     ``intermediate_size + 2 * n_groups * d_state``, a kernel below 2 taps or not
     ``conv_kernel_size``, a conv that is not depthwise, padded, strided or dilated,
     ``in_proj`` / ``A_log`` / ``D`` / ``dt_bias`` / the gated norm of other sizes or classes, a
     ``time_step_limit`` that is not two numbers, or a ``make_cache()`` entry other than
-    ``ArraysCache(size=2)`` at a mamba layer."""
+    ``ArraysCache(size=2)`` at a mamba layer (Falcon-H1: ``CacheList(ArraysCache(size=2),
+    KVCache())``)."""
     family = _family(model)
     known = _MAMBA_CLASSES.get(family)
     if known is None:
@@ -224,7 +266,11 @@ def mamba_layers(model) -> dict:
                 f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
                 f"subclass or a replacement): its mixer is not understood")
         _check_mixer(family, where, mixer, hidden, getattr(source, known[2]))
-        _check_entry(family, where, caches, slot, 2, "its mixer keeps its conv and SSM states in")
+        if family in PAIRED_FAMILIES:
+            _check_pair(family, where, caches, i)
+        else:
+            _check_entry(family, where, caches, slot, 2,
+                         "its mixer keeps its conv and SSM states in")
         found[slot] = mixer
     return found
 
@@ -233,10 +279,73 @@ def mamba_layers(model) -> dict:
 _NEMOTRON_BLOCKS = {"M": True, "*": True, "-": False, "E": False}
 
 
+def _check_pair(family: str, where: str, caches: list, i: int) -> None:
+    """UnsupportedFeatureError unless ``make_cache()``'s entry ``i`` is a ``CacheList`` of an
+    ``ArraysCache(size=2)`` and a ``KVCache`` (a Falcon-H1 layer's mixer and attention)."""
+    from mlx_lm.models import cache as mlx_cache
+    c = caches[i] if i < len(caches) else None
+    inner = tuple(c.caches) if type(c) is mlx_cache.CacheList else ()
+    if (len(inner) != 2 or type(inner[0]) is not mlx_cache.ArraysCache
+            or len(inner[0].cache) != 2 or type(inner[1]) is not mlx_cache.KVCache):
+        what = (f"CacheList({', '.join(type(x).__name__ for x in inner)})"
+                if type(c) is mlx_cache.CacheList else type(c).__name__)
+        raise UnsupportedFeatureError(
+            f"the {family} model's make_cache() gives {where} a {what}, not the CacheList("
+            f"ArraysCache(size=2), KVCache()) its mixer and attention keep their states and "
+            f"keys in")
+
+
+def _falcon_walk(model, family: str) -> list:
+    """``[(slot, layer, mixer)]`` of a Falcon-H1: every decoder layer ``i`` runs its mixer
+    (cache slot ``2 i``) beside its attention (slot ``2 i + 1``), the decoder layer class's
+    own call handing them ``cache[0]`` and ``cache[1]`` (raises ``UnsupportedFeatureError``
+    naming the layer for another class or no attention)."""
+    module = _MAMBA_CLASSES[family][0]
+    block_cls = getattr(importlib.import_module(module), "FalconH1DecoderLayer")
+    layers, n = list(model.layers), int(model.args.num_hidden_layers)
+    if len(layers) != n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(layers)} layers for num_hidden_layers={n}: which "
+            f"cache slots are its mixers is not understood")
+    for i, block in enumerate(layers):
+        if type(block) is not block_cls or getattr(block, "self_attn", None) is None:
+            raise UnsupportedFeatureError(
+                f"layer {i} ({type(block).__module__}.{type(block).__name__}) of the {family} "
+                f"model is not mlx-lm's {module}.FalconH1DecoderLayer with attention beside "
+                f"its mixer (a subclass or a replacement): which cache its mixer and attention "
+                f"are given is not understood")
+    return [(2 * i, i, getattr(block, "mamba", None)) for i, block in enumerate(layers)]
+
+
+def _mamba2_walk(model, family: str) -> list:
+    """``[(slot, layer, mixer)]`` of a Mamba-2 (``mamba2``): every decoder layer (a
+    ``ResidualBlock``: the mixer over the normed input, plus the input) is a mixer, its cache
+    slot its index (raises ``UnsupportedFeatureError`` naming the layer for a block of another
+    class, a subclass too)."""
+    module = _MAMBA_CLASSES[family][0]
+    block_cls = getattr(importlib.import_module(module), "ResidualBlock")
+    layers, n = list(model.layers), int(model.args.num_hidden_layers)
+    if len(layers) != n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(layers)} layers for num_hidden_layers={n}: which "
+            f"cache slots are its mixers is not understood")
+    for i, block in enumerate(layers):
+        if type(block) is not block_cls:
+            raise UnsupportedFeatureError(
+                f"layer {i} ({type(block).__module__}.{type(block).__name__}) of the {family} "
+                f"model is not mlx-lm's {module}.ResidualBlock (a subclass or a replacement): "
+                f"how it calls its mixer is not understood")
+    return [(i, i, getattr(block, "mixer", None)) for i, block in enumerate(layers)]
+
+
 def _mamba_walk(model, family: str) -> list:
     """``[(slot, layer, mixer)]``: the mamba layers of a ``_MAMBA_CLASSES`` family's
     ``model``, each with its cache slot and decoder layer; the layer stack checked against its
     config (raises ``UnsupportedFeatureError`` naming the layer)."""
+    if family in PAIRED_FAMILIES:
+        return _falcon_walk(model, family)
+    if family == "mamba2":
+        return _mamba2_walk(model, family)
     args, layers = model.args, list(model.layers)
     if family == "nemotron_h":
         types = list(getattr(args, "hybrid_override_pattern", None) or ())
@@ -310,7 +419,9 @@ def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
         heads, head_dim, d_state = int(m.num_heads), int(m.head_dim), int(m.ssm_state_size)
         groups, inner, conv_dim = int(m.n_groups), int(m.intermediate_size), int(m.conv_dim)
         taps, limit = int(m.conv_kernel_size), tuple(float(v) for v in m.time_step_limit)
-        conv, norm, in_proj, out_proj = m.conv1d, m.norm, m.in_proj, m.out_proj
+        conv, in_proj, out_proj = m.conv1d, m.in_proj, m.out_proj
+        gated = _gated_norm(family, m)
+        norm = m.norm if gated else None
         params = (m.A_log, m.D, m.dt_bias)
     except (AttributeError, TypeError, ValueError) as e:
         raise UnsupportedFeatureError(
@@ -335,7 +446,14 @@ def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
         refuse(f"A_log, D, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({heads},)")
     if len(limit) != 2:
         refuse(f"time_step_limit={m.time_step_limit!r}: not (low, high)")
-    _check_gated_norm(refuse, norm, norm_class, inner, "mixer's")     # per token
+    if gated:
+        _check_gated_norm(refuse, norm, norm_class, inner, "mixer's")     # per token
+
+
+def _gated_norm(family: str, m) -> bool:
+    """Whether mixer ``m`` gates through its gated norm (else by its module's ``swiglu``
+    alone: a Falcon-H1 mixer without ``mamba_rms_norm``)."""
+    return family != "falcon_h1" or bool(m.mamba_rms_norm)
 
 
 def gdn_layers(model) -> dict:
@@ -444,27 +562,118 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
     _check_gated_norm(refuse, norm, norm_class, dv, "layer's")  # per value head of each token
 
 
+def mamba1_layers(model) -> dict:
+    """``{layer: module}``: the Mamba (Mamba-1) mixers of a ``mamba`` / ``falcon_mamba`` (no
+    attention) or ``jamba`` (mixers and attention, as ``layers_block_type`` says) mlx-lm
+    ``model``, by decoder layer (= cache slot); empty for any other family. Raises
+    ``UnsupportedFeatureError`` naming the layer and the value when the model is of that
+    family but something is not what was read: not one layer (and layer type) per
+    ``num_hidden_layers``, a layer type other than ``"mamba"`` / Jamba's ``"attention"``, a
+    block or a mixer of another class (a subclass too) or a block whose modules disagree with
+    its type, a kernel below 2 taps or not ``conv_kernel`` (Jamba: ``mamba_d_conv``), a conv
+    that is not depthwise over ``intermediate_size`` channels, padded, strided or dilated,
+    ``in_proj`` / ``x_proj`` / ``A_log`` / ``D`` of other sizes, or a
+    ``make_cache()`` entry other than ``ArraysCache(size=2)``."""
+    family = _family(model)
+    known = _MAMBA1_CLASSES.get(family)
+    if known is None:
+        return {}
+    source = importlib.import_module(known[0])
+    cls = getattr(source, known[1])
+    jamba = family == "jamba"
+    block_cls = getattr(source, "JambaDecoderLayer" if jamba else "ResidualBlock")
+    args = model.args
+    layers, n = list(model.layers), int(args.num_hidden_layers)
+    # Jamba: a mixer or attention per layer, as layers_block_type says; Mamba: all mixers
+    types = list(args.layers_block_type) if jamba else ["mamba"] * n
+    if len(layers) != n or len(types) != n:
+        raise UnsupportedFeatureError(
+            f"the {family} model has {len(layers)} layers and {len(types)} layer types for "
+            f"num_hidden_layers={n}: which cache slots are its mixers is not understood")
+    caches = list(model.make_cache())
+    found = {}
+    for i, (kind, block) in enumerate(zip(types, layers)):
+        mixer: Any = getattr(block, "mamba" if jamba else "mixer", None)
+        attention = kind == "attention" and jamba
+        if (kind != "mamba" and not attention) or type(block) is not block_cls or (
+                jamba and (bool(getattr(block, "is_attn", None)) != attention
+                           or (mixer is None) != attention)):
+            raise UnsupportedFeatureError(
+                f"layer {i} ({type(block).__module__}.{type(block).__name__}, type {kind!r}) "
+                f"of the {family} model is not a plain {kind!r} layer of mlx-lm's {known[0]} "
+                f"(a subclass or a replacement, or its modules disagree with its type)")
+        if attention:
+            continue
+        where = f"layer {i} ({type(mixer).__module__}.{type(mixer).__name__})"
+        if type(mixer) is not cls:
+            raise UnsupportedFeatureError(
+                f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
+                f"subclass or a replacement): its mixer is not understood")
+        _check_mixer1(family, where, mixer,
+                      int(args.mamba_d_conv if jamba else args.conv_kernel))
+        _check_entry(family, where, caches, i, 2, "its mixer keeps its conv and SSM states in")
+        found[i] = mixer
+    return found
+
+
+def _check_mixer1(family: str, where: str, m, taps_arg: int) -> None:
+    refuse = _refuser(family, where, "Mamba mixer", 13)
+    try:
+        inner, d_state = int(m.intermediate_size), int(m.ssm_state_size)
+        rank = int(m.time_step_rank)
+        taps = int(m.conv_kernel_size)
+        conv, in_proj, x_proj, out_proj = m.conv1d, m.in_proj, m.x_proj, m.out_proj
+        A_log, D = m.A_log, m.D
+        if not callable(m.ssm_step):
+            raise TypeError("ssm_step is not a method")
+    except (AttributeError, TypeError, ValueError) as e:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
+    weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
+    if weight is None:
+        refuse("no nn.Conv1d conv1d")
+    k = int(weight.shape[1])
+    if k < 2 or k != taps or taps != taps_arg:
+        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}, conv_kernel={taps_arg}): the "
+               f"cache serves kernels of >= 2 taps equal to both")
+    _check_depthwise(refuse, conv, weight, inner)
+    for name, proj, size in (("in_proj", in_proj, 2 * inner),
+                             ("x_proj", x_proj, rank + 2 * d_state)):
+        w = proj.get("weight") if isinstance(proj, nn.Module) else None
+        if w is None or int(w.shape[0]) != size:
+            refuse(f"{name} must be a linear layer of {size} outputs, got "
+                   f"{type(proj).__name__} {tuple(w.shape) if w is not None else ''}")
+    if not isinstance(out_proj, nn.Module):
+        refuse(f"out_proj {type(out_proj).__name__} is not a module")
+    if tuple(A_log.shape) != (inner, d_state) or tuple(D.shape) != (inner,):
+        refuse(f"A_log {tuple(A_log.shape)}, D {tuple(D.shape)}: not ({inner}, {d_state}) and "
+               f"({inner},)")
+
+
 def state_modules(model) -> dict:
     """``{layer: module}``: the modules whose state the cache keeps for ``model``: LFM2's short
-    convolutions (``conv_layers``), Granite-4.0-H's / Nemotron-H's Mamba-2 mixers
-    (``mamba_layers``) or Qwen3-Next's gated DeltaNet layers (``gdn_layers``), by cache slot;
-    empty for any other family. Raises ``UnsupportedFeatureError`` for what about a served
-    family is not understood."""
-    return conv_layers(model) or mamba_layers(model) or gdn_layers(model)
+    convolutions (``conv_layers``), Granite-4.0-H's / Nemotron-H's / Falcon-H1's Mamba-2
+    mixers (``mamba_layers``), Qwen3-Next's gated DeltaNet layers (``gdn_layers``) or
+    Mamba-1's mixers (``mamba1_layers``), by cache slot; empty for any other family. Raises
+    ``UnsupportedFeatureError`` for what about a served family is not understood."""
+    return (conv_layers(model) or mamba_layers(model) or gdn_layers(model)
+            or mamba1_layers(model))
 
 
 def state_kinds(model) -> dict:
     """The ``CacheConfig.layer_kinds`` entries of ``model``'s state layers (the model cannot run
     on the cache without them); empty for other families. An LFM2 short convolution
     (``conv_layers``): ``State({"conv": (conv_L_cache - 1, hidden_size)})`` in the cache dtype;
-    a Granite-4.0-H / Nemotron-H Mamba-2 mixer (``mamba_layers``, by cache slot):
+    a Granite-4.0-H / Nemotron-H / Falcon-H1 Mamba-2 mixer (``mamba_layers``, by cache slot):
     ``State({"conv": (conv_kernel_size - 1, conv_dim), "ssm": (num_heads, head_dim,
     ssm_state_size)}, dtype="float32")`` (mlx-lm keeps the SSM state in float32); a Qwen3-Next
     gated DeltaNet layer (``gdn_layers``): ``State({"conv": (conv_kernel_size - 1, conv_dim),
     "recurrent": (num_v_heads, head_v_dim, head_k_dim)}, dtype="float32")`` (mlx-lm keeps the
-    recurrent state in float32). The layouts are mlx-lm's ``ArraysCache`` entries' (the conv's
-    inputs time first, the oldest first). Raises ``UnsupportedFeatureError`` for what is not
-    understood."""
+    recurrent state in float32); a Mamba-1 mixer (``mamba1_layers``): ``State({"conv":
+    (conv_kernel - 1, intermediate_size), "ssm": (intermediate_size, state_size)})`` in the
+    cache dtype (mlx-lm keeps the scan's state in the model's). The layouts are mlx-lm's
+    ``ArraysCache`` entries' (the conv's inputs time first, the oldest first). Raises
+    ``UnsupportedFeatureError`` for what is not understood."""
     from ...config import State
     layers = conv_layers(model)
     if layers:
@@ -476,6 +685,11 @@ def state_kinds(model) -> dict:
                           SSM_STATE: (int(m.num_heads), int(m.head_dim), int(m.ssm_state_size))},
                          dtype=WIDE_STATE)
                 for i, m in mixers.items()}
+    mixers = mamba1_layers(model)
+    if mixers:      # mlx-lm keeps the scan's state in the model's dtype: the cache's
+        return {i: State({CONV_STATE: (int(m.conv_kernel_size) - 1, int(m.intermediate_size)),
+                          SSM_STATE: (int(m.intermediate_size), int(m.ssm_state_size))})
+                for i, m in mixers.items()}
     return {i: State({CONV_STATE: (int(m.conv_kernel_size) - 1, int(m.conv_dim)),
                       RECURRENT_STATE: (int(m.num_v_heads), int(m.head_v_dim),
                                         int(m.head_k_dim))},
@@ -485,16 +699,17 @@ def state_kinds(model) -> dict:
 
 def route_state_layers(model) -> list:
     """Route the state modules of ``model`` (``state_modules``: LFM2's short convolutions,
-    Granite-4.0-H's and Nemotron-H's Mamba-2 mixers, Qwen3-Next's gated DeltaNet layers)
-    through the cache: the module class's ``__call__`` is wrapped (once per class, idempotent)
-    so that a call whose ``cache`` is a kvcache ``LayerCache`` runs ``conv_forward`` /
+    Granite-4.0-H's, Nemotron-H's and Falcon-H1's Mamba-2 mixers, Qwen3-Next's gated DeltaNet
+    layers) through the cache: the module class's ``__call__`` is wrapped (once per class,
+    idempotent) so that a call whose ``cache`` is a kvcache ``LayerCache`` runs ``conv_forward`` /
     ``mamba_forward`` / ``gdn_forward`` on the cache's state slots, and any other call (mlx-lm's
     own generation with its ``ArraysCache``) is mlx-lm's own, unchanged. Returns the layers
     routed ([] for a family without state layers). ``routing.route`` calls it."""
     layers = state_modules(model)
     family = _family(model)
     run = (mamba_forward if family in _MAMBA_CLASSES
-           else gdn_forward if family in _GDN_CLASSES else conv_forward)
+           else gdn_forward if family in _GDN_CLASSES
+           else mamba1_forward if family in _MAMBA1_CLASSES else conv_forward)
     for cls in {type(m) for m in layers.values()}:
         original = cls.__call__
         if getattr(original, _ROUTED_ATTR, False):
@@ -505,12 +720,18 @@ def route_state_layers(model) -> list:
 
 def _routed(original, run):
     from .protocol import LayerCache
+    # the classes name their input and order their arguments differently (Falcon-H1's mixer:
+    # (input_states, cache, mask), called by keyword): bind them as the class's call does
+    signature = inspect.signature(original)
+    first = list(signature.parameters)[1]
 
     @functools.wraps(original)
-    def __call__(self, x, mask=None, cache=None):
+    def __call__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        cache = bound.get("cache")
         if isinstance(cache, LayerCache):
-            return run(self, cache, x, mask)
-        return original(self, x, mask=mask, cache=cache)
+            return run(self, cache, bound[first], bound.get("mask"))
+        return original(self, *args, **kwargs)
 
     setattr(__call__, _ROUTED_ATTR, True)
     return __call__
@@ -692,12 +913,13 @@ def _per_sequence(f, layer: int, name: str, lengths: tuple, past, states, call):
 
 
 def mamba_forward(module, layer_cache, x, mask=None):
-    """A Granite-4.0-H / Nemotron-H Mamba-2 mixer of an mlx-lm model over the open forward of
-    the cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
+    """A Granite-4.0-H / Nemotron-H / Falcon-H1 Mamba-2 mixer of an mlx-lm model over the open
+    forward of the cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
 
     ``x`` ``(T, 1, hidden)``: the forward's T new tokens as batch rows in ``begin_forward``
-    order (prefill chunks and decode tokens alike). ``in_proj``, the gated norm and
-    ``out_proj`` run on the rows (per token); the causal depthwise conv (then SiLU) over one
+    order (prefill chunks and decode tokens alike). ``in_proj``, the gated norm (a Falcon-H1
+    mixer without ``mamba_rms_norm``: its module's ``swiglu``) and ``out_proj`` run on the rows
+    (per token); the causal depthwise conv (then SiLU) over one
     block per sequence that starts with its conv state (``"conv"``, ``(B, conv_kernel_size -
     1, conv_dim)``: zeros for a new sequence), as ``conv_forward`` does; the SSM per sequence
     from its state (``"ssm"``, ``(B, heads, head_dim, d_state)`` float32) by mlx-lm's own
@@ -710,6 +932,7 @@ def mamba_forward(module, layer_cache, x, mask=None):
     1, hidden)``. While ``describe`` probes, the rows are one new sequence and nothing is
     written. Raises as ``conv_forward`` does."""
     f, layer, T, lengths = _open(module, layer_cache, x, mask, "Mamba-2 mixers")
+    family = _family(f.model)
     inner, conv_dim, heads = module.intermediate_size, module.conv_dim, module.num_heads
     hd, groups, ds = module.head_dim, module.n_groups, module.ssm_state_size
     projected = module.in_proj(x)                                          # (T, 1, P)
@@ -719,8 +942,9 @@ def mamba_forward(module, layer_cache, x, mask=None):
     xs, B, C = mx.split(conv_out, [inner, inner + groups * ds], axis=-1)
     xs, B, C = xs.reshape(T, heads, hd), B.reshape(T, groups, ds), C.reshape(T, groups, ds)
     dt = dt.reshape(T, heads)
-    D = module.D.astype(xs.dtype)
-    update = importlib.import_module(type(module).__module__).ssm_update
+    D = module.D.astype(xs.dtype) if family in _D_CAST else module.D
+    source = importlib.import_module(type(module).__module__)
+    update = source.ssm_update
 
     def call(rows, state, decode):  # mlx-lm's SSM over the rows (batch rows, or one sequence)
         def pick(t):
@@ -731,7 +955,9 @@ def mamba_forward(module, layer_cache, x, mask=None):
 
     ssm = _states(f, layer, SSM_STATE, (heads, hd, ds), mx.float32)        # (S, h, hd, ds)
     y = _per_sequence(f, layer, SSM_STATE, lengths, _past(f, len(lengths)), ssm, call)
-    return module.out_proj(module.norm(y.reshape(T, 1, inner), gate))
+    y = y.reshape(T, 1, inner)
+    gated = module.norm(y, gate) if _gated_norm(family, module) else source.swiglu(gate, y)
+    return module.out_proj(gated)
 
 
 def gdn_forward(module, layer_cache, x, mask=None):
@@ -778,3 +1004,45 @@ def gdn_forward(module, layer_cache, x, mask=None):
     out = _per_sequence(f, layer, RECURRENT_STATE, lengths, _past(f, len(lengths)), rec, call)
     out = module.norm(out.reshape(T, 1, nv, dv), z)                        # per value head
     return module.out_proj(out.reshape(T, 1, -1))
+
+
+def mamba1_forward(module, layer_cache, x, mask=None):
+    """A Mamba (Mamba-1) mixer (``MambaBlock``, Jamba's ``JambaMambaMixer``) of an mlx-lm model
+    over the open forward of the cache behind ``layer_cache`` (a ``LayerCache``), per sequence.
+
+    ``x`` ``(T, 1, hidden)``: the forward's T new tokens as batch rows in ``begin_forward``
+    order. ``in_proj``, the gate (its module's ``swiglu``) and ``out_proj`` run on the rows;
+    the causal depthwise conv (then SiLU) over one block per sequence after its conv state
+    (``"conv"``, ``(B, conv_kernel - 1, intermediate)``), as ``conv_forward`` does; the
+    selective scan by the module's own ``ssm_step`` (Jamba's: over a call's tokens at once),
+    token by token per sequence from its state (``"ssm"``, ``(B, intermediate, d_state)``,
+    the model's dtype, as mlx-lm keeps it): the one-token appends of sequences with a past in
+    one step (batch rows), every other sequence's tokens one step at a time from its state
+    (None for a new sequence, as mlx-lm's first call), split at the prefix cache's boundaries
+    (``_per_sequence``; the scan is sequential, so the split changes no bit). The new states
+    are written with ``cache.set_state``. Returns ``(T, 1, hidden)``. While ``describe``
+    probes, the rows are one new sequence and nothing is written. Raises as ``conv_forward``
+    does."""
+    f, layer, T, lengths = _open(module, layer_cache, x, mask, "Mamba mixers")
+    inner, d_state = module.intermediate_size, module.ssm_state_size
+    xs, z = module.in_proj(x).split(2, axis=-1)                          # (T, 1, inner) each
+    u = nn.silu(_packed_conv(f, layer, lengths, xs.reshape(T, inner), module.conv1d))
+    A = -mx.exp(module.A_log)
+    whole = _family(f.model) == "jamba"
+
+    def call(rows, state, decode):  # mlx-lm's scan over the rows (batch rows, or one sequence)
+        if whole:   # Jamba's ssm_step takes (batch, tokens, channels): one call, as mlx-lm's
+            y, st = module.ssm_step(u[rows][:, None] if decode else u[rows][None], A, state)
+            return (y[:, 0] if decode else y[0]), st
+        if decode:
+            return module.ssm_step(u[rows], A, state)
+        ys = []
+        for t in range(int(rows.shape[0])):     # mlx-lm's loop, one token at a time
+            y, state = module.ssm_step(u[rows[t:t + 1]], A, state)
+            ys.append(y)
+        return mx.concatenate(ys), state
+
+    ssm = _states(f, layer, SSM_STATE, (inner, d_state), x.dtype)          # (S, inner, N)
+    y = _per_sequence(f, layer, SSM_STATE, lengths, _past(f, len(lengths)), ssm, call)
+    source = importlib.import_module(type(module).__module__)
+    return module.out_proj(source.swiglu(z, y.reshape(T, 1, inner)))
