@@ -98,7 +98,8 @@ $(DEMO_STAMP): pyproject.toml backends/cuda/pyproject.toml tools/install_torch.s
 # The children that tests only spawn and read (the interpreter runs, conformance classes on the
 # CPU test mode, the conformance CLI's runs of tests/conformance and tests/cli, the disaggregated
 # demo's CLI, the README's blocks) run on the second core beside the session (tests/cuda/
-# background_runs.py).
+# background_runs.py), and so do two whole files, the conformance suite and the bad-input
+# catalogue (background_runs.CHILD_FILES; tests/test_child_files.py reads them).
 test: $(STAMP)
 	@echo "make: running the suite (tests/; about 17 min on a 2-core AMD EPYC; collection takes 20-30 s, then a dot per test)"
 	$(PY) -m pytest -q tests -m "not slow and not tools"

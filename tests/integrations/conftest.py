@@ -86,6 +86,81 @@ def hf_greedy(model, prompt, new_tokens=NEW_TOKENS) -> list:
     return out[0, len(prompt):].tolist()
 
 
+def random_hybrid(model_type: str, config: dict, seed: int = 0, draw_d: bool = True):
+    """A float32 CPU ``model_type`` model of ``config`` (``AutoConfig.for_model``'s keywords)
+    with seeded random weights and eager attention. Its mixers' ``dt_bias`` (and ``D`` where
+    ``draw_d``), which transformers initializes to ones, are drawn from N(0, 1), so that every
+    head's step size (and skip) differ."""
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log"):
+                m.dt_bias.normal_(0.0, 1.0)
+                if draw_d:
+                    m.D.normal_(0.0, 1.0)
+    return model.to(torch.float32).eval()
+
+
+def chunked_logits(model, prompt: np.ndarray, chunks, page_size: int = 4) -> np.ndarray:
+    """The ``TransformersAdapter``'s logits for every position of ``prompt`` prefilled in
+    ``chunks`` (their sizes, in order) as one sequence on the reference backend."""
+    from kvcache.integrations.transformers import TransformersAdapter, cache_config
+    adapter = TransformersAdapter(model)
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=page_size, max_total_tokens=64,
+                                              max_batch_size=1), backend="reference")
+    cache.add_sequence(0)
+    rows, at = [], 0
+    with adapter.session(cache):
+        for n in chunks:
+            with adapter.step_context(cache), cache.forward([0], [n]):
+                logits = adapter.forward(cache, prompt[at:at + n].astype(np.int64),
+                                         np.arange(at, at + n, dtype=np.int64),
+                                         np.arange(n, dtype=np.int64))
+            rows.append(logits.numpy())
+            at += n
+    return np.concatenate(rows)
+
+
+def assert_state_engine_refusals(model, family: str) -> dict:
+    """An Engine on ``model`` (a ``family`` model with state layers) is refused by name with
+    ``graphs``, ``offload`` or ``deterministic`` on; returns the Engine options that were
+    accepted (reference backend, page 4, 256 tokens) for the caller's further checks."""
+    from kvcache.integrations.transformers import Engine
+    kw = dict(backend="reference", page_size=4, max_total_tokens=256)
+    for bad in ("graphs", "offload", "deterministic"):
+        with pytest.raises(kvcache.UnsupportedFeatureError,
+                           match=f"{bad}=True with the {family} model's state layers"):
+            Engine(model, **{**kw, bad: True})
+    return kw
+
+
+def assert_mixer_call_refusals(model, mixer, *bad_keywords, own_cache: bool = True) -> None:
+    """``mixer`` (a state layer's module of ``model``, hidden size 64) called inside a forward
+    of the cache with a padding mask, with transformers' own cache beside the cache's (its
+    second positional parameter; ``own_cache``), or with each of ``bad_keywords`` (name,
+    value) is refused by name, and the sequence stays empty."""
+    from kvcache.integrations.transformers import TransformersAdapter, cache_config
+    cache = kvcache.PagedKVCache(cache_config(model, page_size=4, max_total_tokens=64,
+                                              max_batch_size=1), backend="reference")
+    cache.add_sequence(0)
+    adapter = TransformersAdapter(model)
+    x = torch.zeros(1, 3, 64)
+    calls = [("padding mask", lambda: mixer(hidden_states=x, kvcache=cache,
+                                            attention_mask=torch.tensor([[0, 1, 1]]))),
+             ("own cache", lambda: mixer(x, transformers.DynamicCache(config=model.config),
+                                         kvcache=cache))][:2 if own_cache else 1]
+    calls += [(f"not implement '{name}'", lambda kw={name: value}: mixer(x, kvcache=cache, **kw))
+              for name, value in bad_keywords]
+    with adapter.session(cache), adapter.step_context(cache):
+        for match, call in calls:
+            with pytest.raises(kvcache.UnsupportedFeatureError, match=match):
+                with cache.forward([0], [3]):
+                    call()
+    assert cache.sequence_length(0) == 0
+
+
 def hf_logits(model, tokens) -> np.ndarray:
     """transformers' own forward (no cache) logits, (len(tokens), vocab) float64."""
     with torch.no_grad():

@@ -127,6 +127,19 @@ def assert_prefix_hits(engine, prompts: list, want: list) -> None:
     assert engine.cache.num_available_state_slots == engine.config.num_state_slots
 
 
+def assert_warm_prefix_bits(engine_of) -> None:
+    """docs/prefix-caching.md's condition on fresh ``engine_of()`` Engines (chunks of
+    ``4 * PAGE`` tokens: the cold prompt's first chunk ends at the page boundary the warm one
+    starts from): the warm request restores that boundary's state beside the cached pages, and
+    every logits row equals the cold run's bit for bit (``engine_cases``'
+    ``assert_warm_prefix_equals_cold`` on a random system prompt of four pages)."""
+    from engine_cases import assert_warm_prefix_equals_cold
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, VOCAB, 4 * PAGE).tolist()
+    question, other = rng.integers(1, VOCAB, 7).tolist(), rng.integers(1, VOCAB, 9).tolist()
+    assert_warm_prefix_equals_cold(engine_of, system, question, other, 4 * PAGE)
+
+
 def assert_state_edits_refused(engine, fork: bool = True) -> None:
     """What the cache refuses for state layers, on a fresh ``engine``: after one forward of 5
     tokens, ``popn`` (no checkpoint to go back to), a fork below the length (``fork``: the

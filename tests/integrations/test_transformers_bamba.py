@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, hf_greedy, torch, transformers
+from conftest import (assert_mixer_call_refusals, assert_state_engine_refusals, backend_or_skip,
+                      chunked_logits, hf_greedy, random_hybrid, torch, transformers)
 from hybrid_cases import (ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
                           assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
-                          assert_refused, assert_state_edits_refused, forgetting, full_conv,
-                          once_per_family, shared_prefix_prompts)
+                          assert_refused, assert_state_edits_refused, assert_warm_prefix_bits,
+                          forgetting, full_conv, once_per_family, shared_prefix_prompts)
 
 import kvcache
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
@@ -40,16 +41,7 @@ def make_bamba(model_type: str = "bamba", seed: int = 0, **overrides):
     """A float32 CPU Bamba-family model with seeded random weights (5 layers: mamba,
     attention, mamba, mamba, attention). The mixers' ``dt_bias`` and ``D`` (initialized to
     ones) are drawn too, so every head's step size and skip differ."""
-    kw = dict(SMALL, **FAMILY[model_type], **overrides)
-    config = transformers.AutoConfig.for_model(model_type, **kw)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "A_log"):
-                m.dt_bias.normal_(0.0, 1.0)
-                m.D.normal_(0.0, 1.0)
-    return model.to(torch.float32).eval()
+    return random_hybrid(model_type, dict(SMALL, **FAMILY[model_type], **overrides), seed)
 
 
 # (model, prompts, transformers' greedy tokens), once per family (none: bamba)
@@ -113,20 +105,8 @@ def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
     prompt = np.random.default_rng(1).integers(1, 128, 37)
     with torch.no_grad():
         whole = model(torch.from_numpy(prompt)[None]).logits[0].numpy()
-    adapter = TransformersAdapter(model)
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="reference")
-    cache.add_sequence(0)
-    rows, at = [], 0
-    with adapter.session(cache):
-        for n in (1, 8, 1, 5, 8, 3, 11):
-            with adapter.step_context(cache), cache.forward([0], [n]):
-                logits = adapter.forward(cache, prompt[at:at + n].astype(np.int64),
-                                         np.arange(at, at + n, dtype=np.int64),
-                                         np.arange(n, dtype=np.int64))
-            rows.append(logits.numpy())
-            at += n
-    np.testing.assert_allclose(np.concatenate(rows), whole, atol=2e-5, rtol=0)
+    got = chunked_logits(model, prompt, (1, 8, 1, 5, 8, 3, 11), PAGE)
+    np.testing.assert_allclose(got, whole, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("zeroed", ["conv", "ssm"])
@@ -179,11 +159,7 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
 
 def test_what_does_not_compose_is_refused_by_name():
     model, _, _ = _case()
-    kw = dict(backend="reference", page_size=PAGE, max_total_tokens=256)
-    for bad in ("graphs", "offload", "deterministic"):
-        with pytest.raises(kvcache.UnsupportedFeatureError,
-                           match=f"{bad}=True with the bamba model's state layers"):
-            Engine(model, **{**kw, bad: True})
+    kw = assert_state_engine_refusals(model, "bamba")
     with pytest.raises(kvcache.UnsupportedFeatureError, match="rope='cache' with the bamba"):
         Engine(model, rope="cache", **kw)
     engine = Engine(model, **kw)
@@ -227,25 +203,8 @@ def test_what_is_not_understood_is_refused():
         state_kinds(model)
     # the mixer called with a padding mask, or with its own cache beside the cache's
     model, _, _ = _case()
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="reference")
-    cache.add_sequence(0)
-    adapter = TransformersAdapter(model)
-    mixer = model.model.layers[0].mamba
-    with adapter.session(cache), adapter.step_context(cache):
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="padding mask"):
-            with cache.forward([0], [3]):
-                mixer(hidden_states=torch.zeros(1, 3, 64),
-                      attention_mask=torch.tensor([[0, 1, 1]]), kvcache=cache)
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="own cache"):
-            with cache.forward([0], [3]):
-                mixer(torch.zeros(1, 3, 64), transformers.DynamicCache(config=model.config),
-                      kvcache=cache)
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="not implement 'seq_idx'"):
-            with cache.forward([0], [3]):
-                mixer(torch.zeros(1, 3, 64), seq_idx=torch.zeros(1, 3, dtype=torch.int32),
-                      kvcache=cache)
-    assert cache.sequence_length(0) == 0
+    assert_mixer_call_refusals(model, model.model.layers[0].mamba,
+                               ("seq_idx", torch.zeros(1, 3, dtype=torch.int32)))
 
 
 def test_positional_arguments_are_read_off_the_mixers_signature():
@@ -335,11 +294,6 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
     boundary the warm one starts from): the warm request restores that boundary's conv and
     SSM states beside the cached pages, and every logits row equals the cold run's bit for
     bit."""
-    from engine_cases import assert_warm_prefix_equals_cold
     model, _, _ = _case()
-    rng = np.random.default_rng(3)
-    system = rng.integers(1, 128, 4 * PAGE).tolist()
-    question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
-    kw = dict(prefill_chunk_size=4 * PAGE, overlap=False, state_checkpoint_interval=1)
-    assert_warm_prefix_equals_cold(lambda: _engine(model, **kw), system, question, other,
-                                   4 * PAGE)
+    assert_warm_prefix_bits(lambda: _engine(model, prefill_chunk_size=4 * PAGE, overlap=False,
+                                            state_checkpoint_interval=1))

@@ -14,11 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, hf_greedy, torch, transformers
+from conftest import (assert_mixer_call_refusals, assert_state_engine_refusals, backend_or_skip,
+                      chunked_logits, hf_greedy, random_hybrid, torch, transformers)
 from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy, assert_engine_greedy,
                           assert_preemption_and_forks, assert_prefix_hits, assert_refused,
-                          assert_state_edits_refused, forgetting, once_per_family,
-                          shared_prefix_prompts)
+                          assert_state_edits_refused, assert_warm_prefix_bits, forgetting,
+                          once_per_family, shared_prefix_prompts)
 
 import kvcache
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
@@ -48,15 +49,7 @@ def make_falcon_h1(seed: int = 0, **overrides):
     """A float32 CPU Falcon-H1 with seeded random weights (``SMALL``; ``mamba_rms_norm``
     False, the family's default: the mixer's output gated by SiLU alone). The mixers'
     ``dt_bias`` and ``D`` are drawn too."""
-    config = transformers.AutoConfig.for_model("falcon_h1", **dict(SMALL, **overrides))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "A_log"):
-                m.dt_bias.normal_(0.0, 1.0)
-                m.D.normal_(0.0, 1.0)
-    return model.to(torch.float32).eval()
+    return random_hybrid("falcon_h1", dict(SMALL, **overrides), seed)
 
 
 # (model, prompts, transformers' greedy tokens), once per gated-norm setting (none: without)
@@ -131,20 +124,8 @@ def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
     prompt = np.random.default_rng(1).integers(1, 128, 37)
     with torch.no_grad():
         whole = model(torch.from_numpy(prompt)[None]).logits[0].numpy()
-    adapter = TransformersAdapter(model)
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="reference")
-    cache.add_sequence(0)
-    rows, at = [], 0
-    with adapter.session(cache):
-        for n in (1, 8, 1, 5, 8, 3, 11):
-            with adapter.step_context(cache), cache.forward([0], [n]):
-                logits = adapter.forward(cache, prompt[at:at + n].astype(np.int64),
-                                         np.arange(at, at + n, dtype=np.int64),
-                                         np.arange(n, dtype=np.int64))
-            rows.append(logits.numpy())
-            at += n
-    np.testing.assert_allclose(np.concatenate(rows), whole, atol=2e-5, rtol=0)
+    got = chunked_logits(model, prompt, (1, 8, 1, 5, 8, 3, 11), PAGE)
+    np.testing.assert_allclose(got, whole, atol=2e-5, rtol=0)
 
 
 @slow
@@ -190,14 +171,9 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
     """docs/prefix-caching.md's condition: the warm request restores the boundary's conv and
     SSM states beside the cached pages, and every logits row equals the cold run's bit for
     bit."""
-    from engine_cases import assert_warm_prefix_equals_cold
     model, _, _ = _case()
-    rng = np.random.default_rng(3)
-    system = rng.integers(1, 128, 4 * PAGE).tolist()
-    question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
-    kw = dict(prefill_chunk_size=4 * PAGE, overlap=False, state_checkpoint_interval=1)
-    assert_warm_prefix_equals_cold(lambda: _engine(model, **kw), system, question, other,
-                                   4 * PAGE)
+    assert_warm_prefix_bits(lambda: _engine(model, prefill_chunk_size=4 * PAGE, overlap=False,
+                                            state_checkpoint_interval=1))
 
 
 def _refused(model, match):
@@ -208,11 +184,7 @@ def _refused(model, match):
 @slow
 def test_what_is_not_understood_is_refused():
     model, _, _ = _case()
-    kw = dict(backend="reference", page_size=PAGE, max_total_tokens=256)
-    for bad in ("graphs", "offload", "deterministic"):
-        with pytest.raises(kvcache.UnsupportedFeatureError,
-                           match=f"{bad}=True with the falcon_h1 model's state layers"):
-            Engine(model, **{**kw, bad: True})
+    kw = assert_state_engine_refusals(model, "falcon_h1")
     assert_state_edits_refused(Engine(model, **kw), fork=False)
     # a replaced mixer (a subclass computes what it likes)
     model = make_falcon_h1(seed=1)
@@ -232,14 +204,4 @@ def test_what_is_not_understood_is_refused():
     _refused(model, r"norm FalconH1RMSNormGated with mamba_rms_norm=False")
     # the mixer called with a padding mask
     model, _, _ = _case()
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="reference")
-    cache.add_sequence(0)
-    adapter = TransformersAdapter(model)
-    with adapter.session(cache), adapter.step_context(cache):
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="padding mask"):
-            with cache.forward([0], [3]):
-                model.model.layers[0].mamba(hidden_states=torch.zeros(1, 3, 64),
-                                            attention_mask=torch.tensor([[0, 1, 1]]),
-                                            kvcache=cache)
-    assert cache.sequence_length(0) == 0
+    assert_mixer_call_refusals(model, model.model.layers[0].mamba, own_cache=False)

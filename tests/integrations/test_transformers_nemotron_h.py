@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, hf_greedy, torch, transformers
+from conftest import (assert_mixer_call_refusals, assert_state_engine_refusals, backend_or_skip,
+                      chunked_logits, hf_greedy, random_hybrid, torch, transformers)
 from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy, assert_engine_greedy,
                           assert_preemption_and_forks, assert_prefix_hits, assert_refused,
-                          assert_state_edits_refused, forgetting, once_per_family,
-                          shared_prefix_prompts)
+                          assert_state_edits_refused, assert_warm_prefix_bits, forgetting,
+                          once_per_family, shared_prefix_prompts)
 
 import kvcache
 from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
@@ -47,15 +48,7 @@ def make_nemotron_h(seed: int = 0, **overrides):
     """A float32 CPU Nemotron-H with seeded random weights (``BLOCKS``). The mixers' ``dt_bias``
     and ``D`` are drawn too, so every head's step size and skip differ (``dt_bias`` from
     N(0, 1): the mixers' lower time-step limit, ``time_step_min``, almost never bites)."""
-    config = transformers.AutoConfig.for_model("nemotron_h", **dict(SMALL, **overrides))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "A_log"):
-                m.dt_bias.normal_(0.0, 1.0)
-                m.D.normal_(0.0, 1.0)
-    return model.to(torch.float32).eval()
+    return random_hybrid("nemotron_h", dict(SMALL, **overrides), seed)
 
 
 # (model, prompts, transformers' greedy tokens), built once
@@ -112,24 +105,6 @@ def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
                                backend=name, device=device)
 
 
-def _chunked_logits(model, prompt, chunks):
-    """The adapter's logits for every position of ``prompt`` prefilled in ``chunks``."""
-    adapter = TransformersAdapter(model)
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="reference")
-    cache.add_sequence(0)
-    rows, at = [], 0
-    with adapter.session(cache):
-        for n in chunks:
-            with adapter.step_context(cache), cache.forward([0], [n]):
-                logits = adapter.forward(cache, prompt[at:at + n].astype(np.int64),
-                                         np.arange(at, at + n, dtype=np.int64),
-                                         np.arange(n, dtype=np.int64))
-            rows.append(logits.numpy())
-            at += n
-    return np.concatenate(rows)
-
-
 @slow
 def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
     """A 37-token prompt prefilled in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens (a new
@@ -140,7 +115,7 @@ def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
     prompt = np.random.default_rng(1).integers(1, 128, 37)
     with torch.no_grad():
         whole = model(torch.from_numpy(prompt)[None]).logits[0].numpy()
-    got = _chunked_logits(model, prompt, (1, 8, 1, 5, 8, 3, 11))
+    got = chunked_logits(model, prompt, (1, 8, 1, 5, 8, 3, 11), PAGE)
     np.testing.assert_allclose(got, whole, atol=2e-5, rtol=0)
 
 
@@ -163,7 +138,7 @@ def test_the_time_step_limit_is_applied_as_the_chunked_form_applies_it():
         for m in mixers:
             m.time_step_limit = (0.05, float("inf"))
     assert np.abs(loose - whole).max() > 1e-3          # the clamp changes the logits
-    got = _chunked_logits(model, prompt, (8, 5, 8, 3, 13))
+    got = chunked_logits(model, prompt, (8, 5, 8, 3, 13), PAGE)
     np.testing.assert_allclose(got, whole, atol=2e-5, rtol=0)
 
 
@@ -215,24 +190,15 @@ def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
     boundary the warm one starts from): the warm request restores that boundary's conv and
     SSM states beside the cached pages, and every logits row equals the cold run's bit for
     bit."""
-    from engine_cases import assert_warm_prefix_equals_cold
     model, _, _ = _case()
-    rng = np.random.default_rng(3)
-    system = rng.integers(1, 128, 4 * PAGE).tolist()
-    question, other = rng.integers(1, 128, 7).tolist(), rng.integers(1, 128, 9).tolist()
-    kw = dict(prefill_chunk_size=4 * PAGE, overlap=False, state_checkpoint_interval=1)
-    assert_warm_prefix_equals_cold(lambda: _engine(model, **kw), system, question, other,
-                                   4 * PAGE)
+    assert_warm_prefix_bits(lambda: _engine(model, prefill_chunk_size=4 * PAGE, overlap=False,
+                                            state_checkpoint_interval=1))
 
 
 @slow
 def test_what_does_not_compose_is_refused_by_name():
     model, _, _ = _case()
-    kw = dict(backend="reference", page_size=PAGE, max_total_tokens=256)
-    for bad in ("graphs", "offload", "deterministic"):
-        with pytest.raises(kvcache.UnsupportedFeatureError,
-                           match=f"{bad}=True with the nemotron_h model's state layers"):
-            Engine(model, **{**kw, bad: True})
+    kw = assert_state_engine_refusals(model, "nemotron_h")
     engine = Engine(model, **kw)
     assert_state_edits_refused(engine, fork=False)
 
@@ -270,18 +236,4 @@ def test_what_is_not_understood_is_refused():
         TransformersAdapter(model)
     # the mixer called with a padding mask, or with its own cache beside the cache's
     model, _, _ = _case()
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="reference")
-    cache.add_sequence(0)
-    adapter = TransformersAdapter(model)
-    mixer = model.model.layers[3].mixer
-    with adapter.session(cache), adapter.step_context(cache):
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="padding mask"):
-            with cache.forward([0], [3]):
-                mixer(hidden_states=torch.zeros(1, 3, 64),
-                      attention_mask=torch.tensor([[0, 1, 1]]), kvcache=cache)
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="own cache"):
-            with cache.forward([0], [3]):
-                mixer(torch.zeros(1, 3, 64), transformers.DynamicCache(config=model.config),
-                      kvcache=cache)
-    assert cache.sequence_length(0) == 0
+    assert_mixer_call_refusals(model, model.model.layers[3].mixer)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_or_skip, hf_greedy, torch, transformers
+from conftest import (assert_mixer_call_refusals, assert_state_engine_refusals, backend_or_skip,
+                      chunked_logits, hf_greedy, random_hybrid, torch, transformers)
 from hybrid_cases import (ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
                           assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
                           assert_refused, assert_state_edits_refused, forgetting, full_conv,
@@ -45,14 +46,7 @@ def make_qwen3_next(seed: int = 0, **overrides):
     """A float32 CPU Qwen3-Next with seeded random weights (4 layers: linear attention, full
     attention, linear attention, linear attention). The layers' ``dt_bias`` (initialized to
     ones) is drawn too, so every head's decay differs."""
-    config = transformers.AutoConfig.for_model("qwen3_next", **{**SMALL, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "A_log"):
-                m.dt_bias.normal_(0.0, 1.0)
-    return model.to(torch.float32).eval()
+    return random_hybrid("qwen3_next", {**SMALL, **overrides}, seed, draw_d=False)
 
 
 # (model, prompts, transformers' greedy tokens), once
@@ -136,21 +130,9 @@ def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
                                 use_cache=True, position_ids=torch.arange(at, at + n)[None]
                                 ).logits[0].numpy())
             at += n
-    adapter = TransformersAdapter(model)
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="reference")
-    cache.add_sequence(0)
-    rows, at = [], 0
-    with adapter.session(cache):
-        for n in chunks:
-            with adapter.step_context(cache), cache.forward([0], [n]):
-                logits = adapter.forward(cache, prompt[at:at + n].astype(np.int64),
-                                         np.arange(at, at + n, dtype=np.int64),
-                                         np.arange(n, dtype=np.int64))
-            rows.append(logits.numpy())
-            at += n
-    np.testing.assert_allclose(np.concatenate(rows), np.concatenate(theirs), atol=2e-5, rtol=0)
-    np.testing.assert_allclose(np.concatenate(rows), whole, atol=6e-5, rtol=0)
+    got = chunked_logits(model, prompt, chunks, PAGE)
+    np.testing.assert_allclose(got, np.concatenate(theirs), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got, whole, atol=6e-5, rtol=0)
 
 
 @pytest.mark.parametrize("zeroed", ["conv", "recurrent"])
@@ -191,11 +173,7 @@ def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_sta
 
 def test_what_does_not_compose_is_refused_by_name():
     model, _, _ = _case()
-    kw = dict(backend="reference", page_size=PAGE, max_total_tokens=256)
-    for bad in ("graphs", "offload", "deterministic"):
-        with pytest.raises(kvcache.UnsupportedFeatureError,
-                           match=f"{bad}=True with the qwen3_next model's state layers"):
-            Engine(model, **{**kw, bad: True})
+    kw = assert_state_engine_refusals(model, "qwen3_next")
     with pytest.raises(kvcache.UnsupportedFeatureError, match="rope='cache' with the qwen3_next"):
         Engine(model, rope="cache", **kw)
     engine = Engine(model, **kw)
@@ -245,24 +223,8 @@ def test_what_is_not_understood_is_refused(monkeypatch):
     # the layer called with a padding mask, with its own cache beside the cache's, or with a
     # keyword it does not implement on the cache
     model, _, _ = _case()
-    cache = kvcache.PagedKVCache(cache_config(model, page_size=PAGE, max_total_tokens=64,
-                                              max_batch_size=1), backend="reference")
-    cache.add_sequence(0)
-    adapter = TransformersAdapter(model)
-    gdn = model.model.layers[0].linear_attn
-    with adapter.session(cache), adapter.step_context(cache):
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="padding mask"):
-            with cache.forward([0], [3]):
-                gdn(hidden_states=torch.zeros(1, 3, 64),
-                    attention_mask=torch.tensor([[0, 1, 1]]), kvcache=cache)
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="own cache"):
-            with cache.forward([0], [3]):
-                gdn(torch.zeros(1, 3, 64), transformers.DynamicCache(config=model.config),
-                    kvcache=cache)
-        with pytest.raises(kvcache.UnsupportedFeatureError, match="not implement 'cu_seq_lens_q'"):
-            with cache.forward([0], [3]):
-                gdn(torch.zeros(1, 3, 64), cu_seq_lens_q=torch.tensor([0, 3]), kvcache=cache)
-    assert cache.sequence_length(0) == 0
+    assert_mixer_call_refusals(model, model.model.layers[0].linear_attn,
+                               ("cu_seq_lens_q", torch.tensor([0, 3])))
 
 
 def test_the_other_linear_attention_families_are_still_refused_by_name():

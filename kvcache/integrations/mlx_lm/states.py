@@ -295,18 +295,26 @@ def _check_pair(family: str, where: str, caches: list, i: int) -> None:
             f"keys in")
 
 
-def _falcon_walk(model, family: str) -> list:
-    """``[(slot, layer, mixer)]`` of a Falcon-H1: every decoder layer ``i`` runs its mixer
-    (cache slot ``2 i``) beside its attention (slot ``2 i + 1``), the decoder layer class's
-    own call handing them ``cache[0]`` and ``cache[1]`` (raises ``UnsupportedFeatureError``
-    naming the layer for another class or no attention)."""
+def _blocks(model, family: str, block: str) -> tuple:
+    """``(module, block class, decoder layers)`` of a ``family`` model whose decoder layers
+    are its module's class ``block``, one per ``num_hidden_layers`` (raises
+    ``UnsupportedFeatureError`` for another count; the caller checks the classes)."""
     module = _MAMBA_CLASSES[family][0]
-    block_cls = getattr(importlib.import_module(module), "FalconH1DecoderLayer")
+    block_cls = getattr(importlib.import_module(module), block)
     layers, n = list(model.layers), int(model.args.num_hidden_layers)
     if len(layers) != n:
         raise UnsupportedFeatureError(
             f"the {family} model has {len(layers)} layers for num_hidden_layers={n}: which "
             f"cache slots are its mixers is not understood")
+    return module, block_cls, layers
+
+
+def _falcon_walk(model, family: str) -> list:
+    """``[(slot, layer, mixer)]`` of a Falcon-H1: every decoder layer ``i`` runs its mixer
+    (cache slot ``2 i``) beside its attention (slot ``2 i + 1``), the decoder layer class's
+    own call handing them ``cache[0]`` and ``cache[1]`` (raises ``UnsupportedFeatureError``
+    naming the layer for another class or no attention)."""
+    module, block_cls, layers = _blocks(model, family, "FalconH1DecoderLayer")
     for i, block in enumerate(layers):
         if type(block) is not block_cls or getattr(block, "self_attn", None) is None:
             raise UnsupportedFeatureError(
@@ -322,13 +330,7 @@ def _mamba2_walk(model, family: str) -> list:
     ``ResidualBlock``: the mixer over the normed input, plus the input) is a mixer, its cache
     slot its index (raises ``UnsupportedFeatureError`` naming the layer for a block of another
     class, a subclass too)."""
-    module = _MAMBA_CLASSES[family][0]
-    block_cls = getattr(importlib.import_module(module), "ResidualBlock")
-    layers, n = list(model.layers), int(model.args.num_hidden_layers)
-    if len(layers) != n:
-        raise UnsupportedFeatureError(
-            f"the {family} model has {len(layers)} layers for num_hidden_layers={n}: which "
-            f"cache slots are its mixers is not understood")
+    module, block_cls, layers = _blocks(model, family, "ResidualBlock")
     for i, block in enumerate(layers):
         if type(block) is not block_cls:
             raise UnsupportedFeatureError(
