@@ -57,6 +57,7 @@ from .measure import (_check, _gpu_spans, _timed, measure, measure_rounds, tail_
                       union_length)
 from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate, decode_bytes,
                     random_prompt_range, workload)
+from ...config import KV_FORMATS
 from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_budget_result,
                         run_kv_budget)
 from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
@@ -290,7 +291,7 @@ def run(args) -> dict:
     # (p), the peer of quantized pages: the same Engine at the same batch with pages of the
     # compute dtype, interleaved with (a) round by round (--runs), so that fp8's gain or loss
     # at one batch is read in one run, not across two invocations' drift
-    quantized = kv_dtype not in ("auto", dtype)
+    quantized = kv_dtype in KV_FORMATS
     keys = [key for key in SYSTEMS if (key not in ASKED or getattr(args, ASKED[key], False))
             and (key != "p" or quantized)]
     result["skipped"].update((key, "--skip") for key in keys if key in skip)
