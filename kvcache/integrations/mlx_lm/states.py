@@ -382,11 +382,22 @@ def _mamba_walk(model, family: str) -> list:
     return out
 
 
-def _check_depthwise(refuse, conv, weight, conv_dim: int) -> None:
-    """``refuse(reason)`` unless ``conv`` (weight ``weight``, ``(C, taps, 1)`` in MLX's layout)
-    is a depthwise causal convolution over ``conv_dim`` channels without padding (the Mamba-2
-    mixer's and the gated DeltaNet layer's conv)."""
+def _check_depthwise(refuse: Callable[[str], NoReturn], conv, conv_dim: int, taps: int,
+                     also: tuple = ()) -> None:
+    """``refuse(reason)`` unless ``conv`` is an ``nn.Conv1d`` of ``taps`` (>= 2, the config's
+    ``conv_kernel_size``; ``also``: (name, value) of the args' own tap count, equal too) taps,
+    a depthwise causal convolution over ``conv_dim`` channels without padding (weight
+    ``(C, taps, 1)`` in MLX's layout): the Mamba mixers' and the gated DeltaNet layer's conv."""
+    weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
+    if weight is None:
+        refuse("no nn.Conv1d conv1d")
     k = int(weight.shape[1])
+    if not also and (k < 2 or k != taps):
+        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}): the cache serves kernels of "
+               f">= 2 taps equal to conv_kernel_size")
+    if also and (k < 2 or k != taps or taps != also[1]):
+        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}, {also[0]}={also[1]}): the "
+               f"cache serves kernels of >= 2 taps equal to both")
     if (tuple(weight.shape) != (conv_dim, k, 1) or conv.groups != conv_dim or conv.stride != 1
             or conv.padding != 0 or conv.dilation != 1):
         refuse(f"conv weight {tuple(weight.shape)}, groups={conv.groups}, stride={conv.stride}, "
@@ -429,14 +440,7 @@ def _check_mixer(family: str, where: str, m, hidden: int, norm_class) -> None:
         raise UnsupportedFeatureError(
             f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
     check_mamba_dims(refuse, heads, head_dim, groups, inner, conv_dim, d_state)
-    weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
-    if weight is None:
-        refuse("no nn.Conv1d conv1d")
-    k = int(weight.shape[1])
-    if k < 2 or k != taps:
-        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}): the cache serves kernels of "
-               f">= 2 taps equal to conv_kernel_size")
-    _check_depthwise(refuse, conv, weight, conv_dim)
+    _check_depthwise(refuse, conv, conv_dim, taps)
     w = in_proj.get("weight") if isinstance(in_proj, nn.Module) else None
     if w is None or int(w.shape[0]) != inner + conv_dim + heads:
         refuse(f"in_proj must be a linear layer of {inner + conv_dim + heads} outputs (gate, "
@@ -542,14 +546,7 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
         raise UnsupportedFeatureError(
             f"the {family} model's {where} lacks what its layer was read with ({e})") from None
     check_gdn_dims(refuse, nk, nv, dk, dv, key_dim, value_dim, conv_dim)
-    weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
-    if weight is None:
-        refuse("no nn.Conv1d conv1d")
-    k = int(weight.shape[1])
-    if k < 2 or k != taps or taps != taps_arg:
-        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}, linear_conv_kernel_dim="
-               f"{taps_arg}): the cache serves kernels of >= 2 taps equal to both")
-    _check_depthwise(refuse, conv, weight, conv_dim)
+    _check_depthwise(refuse, conv, conv_dim, taps, ("linear_conv_kernel_dim", taps_arg))
     for name, proj, size in (("in_proj_qkvz", qkvz, 2 * key_dim + 2 * value_dim),
                              ("in_proj_ba", ba, 2 * nv)):
         # a quantized linear layer keeps packed columns: its rows (outputs) are what is read
@@ -631,14 +628,7 @@ def _check_mixer1(family: str, where: str, m, taps_arg: int) -> None:
     except (AttributeError, TypeError, ValueError) as e:
         raise UnsupportedFeatureError(
             f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
-    weight = conv.get("weight") if isinstance(conv, nn.Conv1d) else None
-    if weight is None:
-        refuse("no nn.Conv1d conv1d")
-    k = int(weight.shape[1])
-    if k < 2 or k != taps or taps != taps_arg:
-        refuse(f"a kernel of {k} taps (conv_kernel_size={taps}, conv_kernel={taps_arg}): the "
-               f"cache serves kernels of >= 2 taps equal to both")
-    _check_depthwise(refuse, conv, weight, inner)
+    _check_depthwise(refuse, conv, inner, taps, ("conv_kernel", taps_arg))
     for name, proj, size in (("in_proj", in_proj, 2 * inner),
                              ("x_proj", x_proj, rank + 2 * d_state)):
         w = proj.get("weight") if isinstance(proj, nn.Module) else None
