@@ -21,8 +21,9 @@ Per system:
 
 ``--kv-dtype`` (default auto: the compute dtype) is the storage format of (a)'s pages on any
 workload; on the random workload a quantized one adds (p), the same Engine at the same batch
-with pages of the compute dtype, and judges (a) / (p) tokens/s >= 1.0; ``--workload kv-budget`` (``kv_budget``) runs (a) with 16-bit and with quantized pages
-at one KV memory budget in bytes; ``--workload window-budget`` (``window_budget``) runs (a) on a
+with pages of the compute dtype, and judges (a) / (p) tokens/s >= 1.0; ``--workload
+kv-budget`` (``kv_budget``) runs (a) with 16-bit and with quantized pages at one KV memory
+budget in bytes; ``--workload window-budget`` (``window_budget``) runs (a) on a
 Gemma-3-like model with every page kept and with window groups at one budget.
 ``--workload shared-prefix | multi-turn``: ``prefix``.
 
@@ -57,7 +58,6 @@ from .measure import (_check, _gpu_spans, _timed, measure, measure_rounds, tail_
                       union_length)
 from .model import (LLAMA3_8B_LAYER, MODELS, TINY, _sync, build_model, copy_rate, decode_bytes,
                     random_prompt_range, workload)
-from ...config import KV_FORMATS
 from .kv_budget import (KV_BUDGET_SIZES, KV_DTYPES, default_kv_dtype, print_kv_budget_result,
                         run_kv_budget)
 from .prefix import PREFIX_SIZES, WORKLOADS, print_prefix_result, run_prefix
@@ -288,12 +288,7 @@ def run(args) -> dict:
         "systems": {}, "skipped": {}, "ratios": {},
     }
     # a system not asked for (ASKED) is not in the table at all
-    # (p), the peer of quantized pages: the same Engine at the same batch with pages of the
-    # compute dtype, interleaved with (a) round by round (--runs), so that fp8's gain or loss
-    # at one batch is read in one run, not across two invocations' drift
-    quantized = kv_dtype in KV_FORMATS
-    keys = [key for key in SYSTEMS if (key not in ASKED or getattr(args, ASKED[key], False))
-            and (key != "p" or quantized)]
+    keys = [key for key in SYSTEMS if key not in ASKED or ASKED[key](args, kv_dtype)]
     result["skipped"].update((key, "--skip") for key in keys if key in skip)
     runs = getattr(args, "runs", 1)
 

@@ -10,14 +10,20 @@ import contextlib
 import warnings
 from typing import Optional
 
+from ...config import KV_FORMATS
+
 SYSTEMS = ("a", "b", "c", "d", "p")
 SYSTEM_NAMES = {"a": "kvcache Engine", "b": "transformers generate_batch (paged|sdpa)",
                 "c": "transformers generate (static cache)",
                 "d": "kvcache Engine, deterministic=True",
                 "p": "kvcache Engine, 16-bit pages (same batch)"}
-ASKED = {"d": "deterministic"}
-"""Systems that run only when their option is given (the option's ``args`` attribute); (p) runs
-where (a)'s ``--kv-dtype`` is a quantized format."""
+ASKED = {"d": lambda args, kv_dtype: bool(getattr(args, "deterministic", False)),
+         "p": lambda args, kv_dtype: kv_dtype in KV_FORMATS}
+"""Systems that run only when asked, by ``ASKED[key](args, kv_dtype)``: (d) with
+``--deterministic``; (p) where (a)'s ``--kv-dtype`` is a quantized format (the same Engine at
+the same batch with pages of the compute dtype, interleaved with (a) round by round under
+``--runs``, so that the format's gain or loss at one batch is read in one run, not across two
+invocations' drift)."""
 
 
 class Runner:
