@@ -164,5 +164,14 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
     det54cost) section "issue 54: what deterministic mode costs (random workload B=64, (a) and (d) in one run), then the shared-prefix check"
       timeout 330 python3 -m kvcache.cli bench --serving --model llama --skip b,c --deterministic > "$OUT/det_cost.log" 2>&1; tail -22 "$OUT/det_cost.log"
       timeout 250 python3 -m kvcache.cli bench --serving --workload shared-prefix --skip b --deterministic > "$OUT/det_prefix.log" 2>&1; tail -12 "$OUT/det_prefix.log" ;;
+    nonfinite55) section "issue 55 (2026-11-29, thirteenth session): cuDNN's calls unchecked; correctness side by side (flash tests, the whole quick conformance with the library on, Numerics with the default dispatch), then the prefill bench alone (about 6 minutes)"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_flash.py > "$OUT/flash_tests.log" 2>&1 &
+      timeout 300 python3 -m kvcache.cli conformance --backend cuda -k "Numerics or Forward" > "$OUT/conf_default.log" 2>&1 &
+      KVCACHE_CUDA_FLASH=on timeout 300 python3 -m kvcache.cli conformance --backend cuda --jobs 8 > "$OUT/conf_flash.log" 2>&1
+      echo "conformance flash=on rc $?"; grep -a "verdict\|pytest:" "$OUT/conf_flash.log" | tail -3
+      awk '/^  Test/ && NF == 5 && $3 != "0" {print "  failed in", $0}' "$OUT/conf_flash.log"; wait
+      grep -a "verdict\|pytest:" "$OUT/conf_default.log" | tail -3; tail -3 "$OUT/flash_tests.log"
+      grep -a "FAILED\|Error" "$OUT/flash_tests.log" | head -20
+      for i in 1 2; do timeout 200 python3 -m kvcache_cuda.bench --only prefill,fp8 2>&1 | grep -a "^prefill\|^fp8\|PASS\|MISS" | tee "$OUT/bench55_$i.log"; done ;;
   esac
 done

@@ -86,6 +86,8 @@ def nan_blind(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, uni
 class Counted:
     def __init__(self, fn):
         self.fn, self.n = fn, 0
+        if hasattr(fn, "keeps_nonfinite"):       # the declaration travels with the function
+            self.keeps_nonfinite = fn.keeps_nonfinite
 
     def __call__(self, *a, **kw):
         self.n += 1
@@ -435,6 +437,94 @@ def test_nonfinite_q_or_k_recomputed_by_the_kernel(where, bad):
         for (o, lse), (ro, rl) in zip(with_library, wants):
             cc.assert_close(mine, ref, o, ro)
             cc.assert_lse(mine, ref, lse, rl)
+
+
+def _bad_q_cases(ref, mine, bad):
+    """A ragged case (three sequences of 24 rows) and a paged one (one entry, 6 queries over 40
+    keys) with ``bad`` in q's row 12 / 2: (ragged args, paged args) for ``mine``."""
+    rng = np.random.default_rng(17)
+    case = cc.ragged_case(rng, ref, mine, [24, 24, 24])
+    q = cc.to_ref(ref, mine, case["q"]).copy()
+    q[12, 1, 5] = bad
+    ragged = (mine.from_numpy(q), case["k"], case["v"], cc.ints(mine, case["qo"]))
+    pc = cc.paged_case(rng, ref, mine, [Entry(6, 40)])
+    pc.depth = replace(pc.depth, max_qo_len=6)
+    pq = cc.to_ref(ref, mine, pc.q).copy()
+    pq[2, 1, 5] = bad
+    return ragged, (mine.from_numpy(pq), pc.pages, pc.depth)
+
+
+def _both_calls(backend, ragged, paged):
+    q, k, v, qo = ragged
+    return [backend.ragged_attention(q, k, v, qo, 0.1, num_seqs=3, max_len=24),
+            backend.paged_attention(*paged, 0.1)]
+
+
+@needs_triton
+def test_a_library_that_keeps_our_rules_is_not_checked(monkeypatch):
+    """An ``Attend`` that declares ``keeps_nonfinite`` for a call gets no pass over q or k and
+    no guarded recompute: its result stands as it returned it. Shown with ``nan_blind``
+    declared as keeping them (a false declaration, so that the difference shows): the rows of
+    the NaN q keep its finite results, where the checked path gives NaN."""
+    checks = []
+    real = flash.flag_nonfinite
+    monkeypatch.setattr(flash, "flag_nonfinite", lambda x, f: (checks.append(x.shape), real(x, f)))
+
+    def blind(*a, **kw):
+        return nan_blind(*a, **kw)
+    blind.keeps_nonfinite = lambda *call: True
+    ref, mine, fn = _backend("float16", blind)
+    ragged, paged = _bad_q_cases(ref, mine, np.nan)
+    got = _both_calls(mine, ragged, paged)
+    assert fn.n == 2 and checks == []
+    for (o, _), row in zip(got, (12, 2)):
+        assert np.isfinite(mine.to_numpy(o)[row]).all()
+    # the same calls through the checked path: flagged, recomputed, NaN in those rows
+    blind.keeps_nonfinite = lambda *call: False
+    _, checked, _ = _backend("float16", blind)
+    for (o, _), row in zip(_both_calls(checked, ragged, paged), (12, 2)):
+        assert np.isnan(mine.to_numpy(o)[row]).any()
+    assert len(checks) == 3                 # ragged: q and k; paged: q (the gather flags keys)
+
+
+@pytest.mark.skipif(not cc.ON_GPU, reason="the library runs on a GPU only")
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_the_library_keeps_our_nonfinite_rows(where, bad):
+    """What ``aten_attend.keeps_nonfinite`` declares, on this GPU's cuDNN: a NaN / inf in q or
+    in a key, at a sequence's first, middle and last row (ragged causal, three sequences of one
+    length) or in one entry's q / keys (paged): unchecked, the library marks non-finite exactly
+    the (row, head)s that our Triton kernels alone mark, and every other row agrees with them
+    to rounding."""
+    ref, mine, fn = _backend("float16", flash.aten_attend)
+    _, alone = cc.pair(ref.config, "triton")
+    alone.flash = None
+    rng = np.random.default_rng(19)
+    case = cc.ragged_case(rng, ref, mine, [24, 24, 24])
+    pc = cc.paged_case(rng, ref, mine, [Entry(6, 40)])
+    pc.depth = replace(pc.depth, max_qo_len=6)
+    for row in (24, 36, 47):
+        host = {x: cc.to_ref(ref, mine, case[x]).copy() for x in "qkv"}
+        host[where][row, 1, 5] = bad
+        q = cc.to_ref(ref, mine, pc.q).copy()
+        pages = cc.to_ref(ref, mine, pc.pages).copy()
+        if where == "q":
+            q[row % 6, 1, 5] = bad
+        else:
+            pages[pc.ref_depth.page_indices[row % 3], 0, 0, row % 8, 5] = bad
+        args = ({x: mine.from_numpy(host[x]) for x in "qkv"}, mine.from_numpy(q),
+                mine.from_numpy(pages))
+        calls = [_both_calls(b, (args[0]["q"], args[0]["k"], args[0]["v"],
+                                 cc.ints(mine, case["qo"])), (args[1], args[2], pc.depth))
+                 for b in (mine, alone)]
+        for (o, lse), (o_t, lse_t) in zip(*calls):
+            o, o_t = mine.to_numpy(o).astype(np.float32), mine.to_numpy(o_t).astype(np.float32)
+            lse, lse_t = mine.to_numpy(lse), mine.to_numpy(lse_t)
+            marks = ~np.isfinite(o).all(-1) | ~np.isfinite(lse)
+            marks_t = ~np.isfinite(o_t).all(-1) | ~np.isfinite(lse_t)
+            assert marks_t.any() and (marks == marks_t).all(), (where, bad, row)
+            np.testing.assert_allclose(o[~marks], o_t[~marks_t], atol=2e-3, rtol=2e-3)
+    assert fn.n == 6
 
 
 @needs_triton

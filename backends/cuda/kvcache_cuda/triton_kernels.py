@@ -1943,7 +1943,8 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
             sk = ski
     svi = v_in.stride()
     # with the library (``attend``) its result stands and the kernel, guarded, recomputes the
-    # call only where the library's inputs held a non-finite q or k (its NaN rules are not ours)
+    # call only where the library's inputs held a non-finite q or k (where its NaN rules are
+    # not ours; guard None: they are, and the kernel does not run)
     guard = None
     if attend is not None:
         o, lse, guard = attend(q, k_in, v_in)
@@ -1951,12 +1952,13 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         o = torch.empty(rec.o_shape, dtype=ctx.dtype, device=q.device)
         lse = torch.empty(rec.lse_shape, dtype=torch.float32, device=q.device)
     so = o.stride()
-    mode = _softcap_mode(rec, softcap, sm_scale)
-    _variant(rec, mode, sinks, guard is not None)(
-        rec.grid, spec, q, k_in, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
-        qo_indptr if sinks is None else sinks, sq[0], sq[1], sk[0], sk[1], svi[0], svi[1],
-        so[0], so[1], lse.stride(0), *_score_scales(sm_scale, softcap, mode), *rec.rope,
-        window_left, scales, qo_indptr if guard is None else guard)
+    if attend is None or guard is not None:
+        mode = _softcap_mode(rec, softcap, sm_scale)
+        _variant(rec, mode, sinks, guard is not None)(
+            rec.grid, spec, q, k_in, v_in, o, lse, qo_indptr, qpos, krope, tind, tmask,
+            qo_indptr if sinks is None else sinks, sq[0], sq[1], sk[0], sk[1], svi[0], svi[1],
+            so[0], so[1], lse.stride(0), *_score_scales(sm_scale, softcap, mode), *rec.rope,
+            window_left, scales, qo_indptr if guard is None else guard)
     if finite:
         rec.nrun(rec.grid, spec, v, bad, any_bad, o, qo_indptr, tind, tmask, sv[0], sv[1], so[0],
                  so[1], ctx.num_kv_heads, window_left, scales)
@@ -2081,8 +2083,8 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
                     window_left=-1, logit_softcap=0.0, sinks=None, kv_scale=None, attend=None):
     """``Backend.paged_attention``. ``attend``: ``() -> (o, lse, guard)``, the library's result
     for a prefill call its caller checked it computes (``kvcache_cuda.flash``): it stands, and
-    the kernel, guarded, recomputes the call where ``guard`` is set. Taken where the kernel
-    would run one key split (decode calls and split shared prefixes keep the kernel)."""
+    the kernel, guarded, recomputes the call where ``guard`` is set (None: never). Taken where
+    the kernel would run one key split (decode calls and split shared prefixes keep the kernel)."""
     softcap = float(logit_softcap or 0.0)
     if _partial(rope):
         return torch_kernels.paged_attention(ctx, q, pages, depth, sm_scale, rope=rope,
@@ -2121,6 +2123,8 @@ def paged_attention(ctx, q, pages, depth, sm_scale, *, rope=None, q_positions=No
     guard = None
     if attend is not None and rec.splits == 1:
         o, lse, guard = attend()
+        if guard is None:           # the library keeps our NaN rules: its result stands
+            return o, lse
         run = _variant(rec, mode, sinks, True)
     # prefill: rows no entry covers must read o = 0 / lse = -inf (the sink with sinks); where
     # the entries cover every row the kernel writes them all, and the fill (a pass over o as
