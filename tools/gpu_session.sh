@@ -173,5 +173,11 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       grep -a "verdict\|pytest:" "$OUT/conf_default.log" | tail -3; tail -3 "$OUT/flash_tests.log"
       grep -a "FAILED\|Error" "$OUT/flash_tests.log" | head -20
       for i in 1 2; do timeout 200 python3 -m kvcache_cuda.bench --only prefill,fp8 2>&1 | grep -a "^prefill\|^fp8\|PASS\|MISS" | tee "$OUT/bench55_$i.log"; done ;;
+    fp8values55) section "issue 55 (2026-11-29, thirteenth session): an fp8 ragged call's passes write code * scale for cuDNN; fp8 kernel and flash tests beside the quantized conformance classes with the library on, then the prefill and fp8 bench alone"
+      KVCACHE_CUDA_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_flash.py tests/cuda/test_cuda_fp8.py > "$OUT/fp8_tests.log" 2>&1 &
+      KVCACHE_CUDA_FLASH=on timeout 300 python3 -m kvcache.cli conformance --backend cuda --jobs 6 -k "Quantized or Numerics or Forward" > "$OUT/conf_fp8.log" 2>&1
+      echo "conformance flash=on rc $?"; grep -a "verdict\|pytest:" "$OUT/conf_fp8.log" | tail -3; wait
+      tail -2 "$OUT/fp8_tests.log"; grep -a "^FAILED\|Error" "$OUT/fp8_tests.log" | head -20
+      for i in 1 2; do timeout 200 python3 -m kvcache_cuda.bench --only prefill,fp8 2>&1 | grep -a "^prefill\|^fp8\|PASS\|MISS" | tee "$OUT/bench_fp8_$i.log"; done ;;
   esac
 done

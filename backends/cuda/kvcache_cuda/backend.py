@@ -483,7 +483,7 @@ class CudaBackend(Backend):
                 self.ctx, q, k, v, num_seqs=num_seqs, max_len=max_len, tree=tree, rope=rope,
                 softcap=logit_softcap, sinks=sinks, window_left=window_left, kv_scale=kv_scale):
             extra["attend"] = flash.ragged_attend(qo_indptr, max_len, sm_scale, int(window_left),
-                                                  num_seqs, kv_scale, sinks)
+                                                  num_seqs, int(q.shape[0]), kv_scale, sinks)
         with self._guard():
             return kernels.ragged_attention(
                 self.ctx, q, k, v, qo_indptr, sm_scale, num_seqs=num_seqs, max_len=max_len,

@@ -37,7 +37,7 @@ NaN / inf in q or in a key read sets a flag (``flag_nonfinite``, the gather), an
 kernel, launched with ``GUARD``, recomputes the call where it is set: its NaN rules are not
 ours. cuDNN's batch follows them for q and the keys (``cudnn_route``'s note), so its calls
 skip the checks and the guarded launch (B=8 L=2048 on an H200: ragged 0.86 -> 0.95 of
-SDPA's speed, paged 0.94 -> 0.95-0.99).
+SDPA's speed, paged 0.94 -> 0.93-0.99 in four runs).
 
 The results differ from the Triton kernels' by rounding only (both accumulate in float32); the
 conformance suite runs with ``KVCACHE_CUDA_FLASH=on`` on a GPU.
@@ -206,32 +206,37 @@ class FlashPrefill:
                          ctx.tuning, int(max_len), int(q.shape[0]))))
 
     def ragged_attend(self, qo_indptr, max_len: int, sm_scale: float, window_left: int,
-                      num_seqs: int, kv_scale=None, sinks=None):
+                      num_seqs: int, rows: int, kv_scale=None, sinks=None):
         """The attention step ``triton_kernels.ragged_attention`` runs instead of its kernel:
         ``(q, k, v) -> (o (T, Hq, D), lse (T, Hq) contiguous, guard)``, ``guard`` a (1,) int32
         flag set where q or k holds a NaN / inf (the kernel then recomputes the call), or None
         where the library keeps our rules for them (``Attend``'s ``keeps_nonfinite``: its
-        result stands, no check, no recompute).
+        result stands, no check, no recompute). ``rows``: the call's query rows.
         ``kv_scale``: an fp8 cache's (2, Hkv) scales; k and v then hold the codes (the kernel's
-        passes rounded them), and the library gets ``code * scale``. ``sinks``: (Hq,) sink
-        logits, joined to the library's result by ``apply_sinks``."""
+        passes rounded them), and the library gets ``code * scale``: made by ``scale_heads``
+        where the kernel may recompute the call (it reads the codes), else by the passes
+        themselves (``run.wants_values``, read by ``triton_kernels.ragged_attention``).
+        ``sinks``: (Hq,) sink logits, joined to the library's result by ``apply_sinks``."""
+        uniform = num_seqs > 0 and rows == num_seqs * int(max_len)
+        keeps = self.keeps_nonfinite(num_seqs, rows, rows, max_len, max_len, True, window_left,
+                                     uniform)
+
         def run(q, k, v):
             self.calls += 1
-            rows, uniform = int(q.shape[0]), _uniform_rows(q, num_seqs, max_len)
             guard = None
-            if not self.keeps_nonfinite(num_seqs, rows, rows, max_len, max_len, True,
-                                        window_left, uniform):
+            if not keeps:
                 guard = torch.zeros(1, dtype=torch.int32, device=q.device)
                 flag_nonfinite(q, guard)
                 flag_nonfinite(k, guard)
-            if kv_scale is not None:
-                k, v = scale_heads(k, kv_scale[0]), scale_heads(v, kv_scale[1])
+                if kv_scale is not None:
+                    k, v = scale_heads(k, kv_scale[0]), scale_heads(v, kv_scale[1])
             o, lse = self.attend(q, k, v, qo_indptr, qo_indptr, max_len, max_len, True, sm_scale,
                                  window_left, uniform=uniform)
             lse = lse.t().contiguous()              # every row sees itself: no empty rows
             if sinks is not None:
                 apply_sinks(o, lse, sinks)
             return o, lse, guard
+        run.wants_values = keeps and kv_scale is not None     # type: ignore[attr-defined]
         return run
 
     def paged_ok(self, ctx, q, depth, *, rope, window_left, softcap, sinks,

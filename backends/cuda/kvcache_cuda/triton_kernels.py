@@ -831,11 +831,14 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qo_ptr, qpos_ptr, krope_
 @triton.jit
 def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, so_h, HKV,
                      scale_ptr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FLAGS: tl.constexpr):
+                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FLAGS: tl.constexpr,
+                     VALUES: tl.constexpr):
     """out = v with NaN / +-inf set to 0; bad[t, h] = 1 where v[t, h] held one; any = 1 if one
     did anywhere (any must be 0 before). Grid (T tiles, Hkv). QUANT: out holds the fp8 codes
     of v (in its dtype; V's per-head scales from the (2, HKV) ``scale_ptr``; they saturate, so
-    only NaN is non-finite). Without FLAGS the input is K: out is its codes (K's scales), NaN
+    only NaN is non-finite); with VALUES their values, ``code * scale`` in float32 stored in
+    v's dtype (what ``flash.scale_heads`` makes of the codes: the library's operand where no
+    kernel reads the codes). Without FLAGS the input is K: out is its codes (K's scales), NaN
     kept, and bad / any are not written."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
@@ -844,18 +847,24 @@ def _finite_v_kernel(v_ptr, out_ptr, bad_ptr, any_ptr, n_tok, sv_t, sv_h, so_t, 
     m = t_ok[:, None] & (d < HEAD_DIM)[None, :]
     t64 = t.to(tl.int64)
     x = tl.load(v_ptr + t64[:, None] * sv_t + h * sv_h + d[None, :], mask=m, other=0.0)
+    sc = 1.0
     if QUANT:
         row = HKV if FLAGS else 0                 # V's scales, or K's
-        x = _widen(_fp8_code(x, tl.load(scale_ptr + row + h)), v_ptr.dtype.element_ty)
+        sc = tl.load(scale_ptr + row + h)
+        x = _widen(_fp8_code(x, sc), v_ptr.dtype.element_ty)
     if FLAGS:
         bad = (x - x) != 0.0                                      # NaN or +-inf
-        tl.store(out_ptr + t64[:, None] * so_t + h * so_h + d[None, :], tl.where(bad, 0.0, x),
-                 mask=m)
+        y = tl.where(bad, 0.0, x)
+        if VALUES:
+            y = (y.to(tl.float32) * sc).to(v_ptr.dtype.element_ty)
+        tl.store(out_ptr + t64[:, None] * so_t + h * so_h + d[None, :], y, mask=m)
         row_bad = tl.max(bad.to(tl.int32), 1)
         tl.store(bad_ptr + t64 * HKV + h, row_bad, mask=t_ok)
         if tl.max(row_bad, 0) > 0:
             tl.atomic_max(any_ptr, 1)
     else:
+        if VALUES:
+            x = (x.to(tl.float32) * sc).to(v_ptr.dtype.element_ty)
         tl.store(out_ptr + t64[:, None] * so_t + h * so_h + d[None, :], x, mask=m)
 
 
@@ -1767,7 +1776,7 @@ class _Record:
     __slots__ = ("grid", "pre", "post", "rope", "o_shape", "lse_shape", "so", "sl", "mrun",
                  "po", "pl", "splits", "sem", "sf", "run", "fgrid", "frun", "nrun",
                  "v_out", "bad", "any_bad", "variants", "kgrid", "krun", "k_in", "decode",
-                 "seg_split", "parts")
+                 "seg_split", "parts", "passes")
     # the slots' types, for mypy (annotations only: no class attributes next to the slots)
     grid: Any
     pre: Any
@@ -1797,6 +1806,7 @@ class _Record:
     decode: Any
     seg_split: Any
     parts: Any
+    passes: Any
 
 
 def _variant(rec, mode, sinks, guard=False, seg_k=1):
@@ -1852,20 +1862,26 @@ def _ragged_record(ctx, q, v, qo_indptr, num_seqs, max_len, tree, rope):
         HEAD_DIM=dv, BLOCK_D=cfg.block_dv, TREE=tree is not None, QUANT=cfg.quant,
         num_warps=cfg.ew_warps))
     rec.v_out = rec.bad = rec.any_bad = rec.frun = rec.krun = rec.k_in = None
+    rec.passes = {}
     if _finite_pass(cfg, max_len):
         hkv = v.shape[1]
         block_t = max(1, 4096 // cfg.block_dv)
         rec.fgrid = (triton.cdiv(t_total, block_t), hkv, 1)
-        rec.frun = _Kernel(_finite_v_kernel, dict(HEAD_DIM=dv, BLOCK_T=block_t,
-                                                  BLOCK_D=cfg.block_dv, QUANT=cfg.quant,
-                                                  FLAGS=True, num_warps=cfg.ew_warps))
+        # (V's pass, K's pass) writing codes (the kernels read them) or, with fp8 pages,
+        # values (``code * scale``: for a library that no kernel recomputes after)
+        for values in (False, True) if cfg.quant else (False,):
+            rec.passes[values] = (
+                _Kernel(_finite_v_kernel, dict(HEAD_DIM=dv, BLOCK_T=block_t, BLOCK_D=cfg.block_dv,
+                                               QUANT=cfg.quant, FLAGS=True, VALUES=values,
+                                               num_warps=cfg.ew_warps)),
+                _Kernel(_finite_v_kernel, dict(HEAD_DIM=d, BLOCK_T=max(1, 4096 // cfg.block_d),
+                                               BLOCK_D=cfg.block_d, QUANT=True, FLAGS=False,
+                                               VALUES=values, num_warps=cfg.ew_warps))
+                if cfg.quant else None)
+        rec.frun, rec.krun = rec.passes[False]
         specs = _finite_v_specs(v)
         if cfg.quant:     # K's codes too, once per call (not once per query tile)
-            block_tk = max(1, 4096 // cfg.block_d)
-            rec.kgrid = (triton.cdiv(t_total, block_tk), hkv, 1)
-            rec.krun = _Kernel(_finite_v_kernel, dict(HEAD_DIM=d, BLOCK_T=block_tk,
-                                                      BLOCK_D=cfg.block_d, QUANT=True,
-                                                      FLAGS=False, num_warps=cfg.ew_warps))
+            rec.kgrid = (triton.cdiv(t_total, max(1, 4096 // cfg.block_d)), hkv, 1)
             specs += (((t_total, hkv, d), v.dtype),)
         rec.v_out, rec.bad, rec.any_bad, *k_in = _scratch(ctx, v.device, specs)
         rec.k_in = k_in[0] if k_in else None
@@ -1933,13 +1949,14 @@ def ragged_attention(ctx, q, k, v, qo_indptr, sm_scale, *, num_seqs, max_len, tr
         v_in, bad, any_bad = rec.v_out, rec.bad, rec.any_bad
         any_bad.zero_()
         svi = v_in.stride()
-        rec.frun(rec.fgrid, spec, v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1],
-                 v.shape[1], scales)
-        if rec.krun is not None:
+        frun, krun = rec.passes[bool(getattr(attend, "wants_values", False)) and ctx.kv_quant]
+        frun(rec.fgrid, spec, v, v_in, bad, any_bad, t_total, sv[0], sv[1], svi[0], svi[1],
+             v.shape[1], scales)
+        if krun is not None:
             k_in = rec.k_in
             ski = k_in.stride()
-            rec.krun(rec.kgrid, spec, k, k_in, bad, any_bad, t_total, sk[0], sk[1], ski[0],
-                     ski[1], k.shape[1], scales)
+            krun(rec.kgrid, spec, k, k_in, bad, any_bad, t_total, sk[0], sk[1], ski[0], ski[1],
+                 k.shape[1], scales)
             sk = ski
     svi = v_in.stride()
     # with the library (``attend``) its result stands and the kernel, guarded, recomputes the
