@@ -8,19 +8,16 @@ own, on the reference backend and cuda's CPU mode, token for token equal to tran
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from conftest import (assert_mixer_call_refusals, assert_state_engine_refusals, backend_or_skip,
-                      chunked_logits, hf_greedy, random_hybrid, torch, transformers)
-from hybrid_cases import (ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
-                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
-                          assert_refused, assert_state_edits_refused, assert_warm_prefix_bits,
-                          forgetting, full_conv, once_per_family, shared_prefix_prompts)
+from conftest import (assert_mixer_call_refusals, backend_or_skip, hf_greedy, random_hybrid,
+                      torch)
+from hybrid_cases import NEW, PAGE, full_conv, once_per_family
+from transformers_hybrid_cases import (Family, assert_a_subclass_refused, assert_state_layers,
+                                       engine, family_tests, refused)
 
 import kvcache
-from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
-                                               route_state_layers, state_kinds, stateful_layers)
+from kvcache.integrations.transformers import cache_config, state_kinds
 from kvcache.integrations.transformers import states as states_module
 
 MAMBA = (0, 2, 3)               # layers 1 and 4 attend
@@ -35,6 +32,7 @@ FAMILY = {"bamba": dict(attn_layer_indices=[1, 4]),
           "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba", "mamba",
                                                 "attention"],
                                    shared_intermediate_size=64, num_local_experts=0)}
+KIND = kvcache.State({"conv": (192, 3), "ssm": (4, 32, 16)}, dtype="float32")
 
 
 def make_bamba(model_type: str = "bamba", seed: int = 0, **overrides):
@@ -46,91 +44,21 @@ def make_bamba(model_type: str = "bamba", seed: int = 0, **overrides):
 
 # (model, prompts, transformers' greedy tokens), once per family (none: bamba)
 _case = once_per_family(make_bamba, lambda model, prompt: hf_greedy(model, prompt, NEW))
-
-
-def _engine(model, **kw):
-    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
+# the tests every transformers hybrid family file runs, under this file's ids. Bamba's own
+# detail: the 37-token prompt spans 5 prefill chunks and 10 SSM chunks; the prefix-hit model
+# has SSM chunks of 8, so the checkpoint at 20 lies inside one
+globals().update(family_tests(Family(
+    "bamba", _case, make_bamba, cache_layers=5, states=("conv", "ssm"), forward="mamba_forward",
+    uneven_atol=2e-5, layer_modules="mamba_layers",
+    prefix_model=lambda: make_bamba(seed=2, mamba_chunk_size=8), own_interval_over_one=True,
+    warm_prefix=True, compose=True)))
 
 
 def test_the_mamba_layers_are_state_layers():
-    model, _, _ = _case()
-    kinds = state_kinds(model)
     # the SSM state in float32 (the model keeps it so under a 16-bit model)
-    assert kinds == {i: kvcache.State({"conv": (192, 3), "ssm": (4, 32, 16)}, dtype="float32")
-                     for i in MAMBA}
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
-    assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 4)
+    cfg = assert_state_layers(_case()[0], {i: KIND for i in MAMBA}, (1, 4), MAMBA)
     assert cfg.num_state_slots == 3
     assert cfg.state_bytes == 3 * 3 * (192 * 3 + 4 * 32 * 16) * 4
-    # the mixers still run transformers' own forward without the cache
-    assert route_state_layers(model) == list(MAMBA)
-    assert [i for i, _, _ in stateful_layers(model)] == list(MAMBA)
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
-    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
-    prefill chunks and decode tokens of several sequences share forwards, and each sequence's
-    conv and SSM run from its own states (the 37-token prompt: 5 chunks, 10 SSM chunks)."""
-    model, prompts, want = _case()
-    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    engine = _engine(model, backend=name, device=device, overlap=overlap)
-    assert dict(engine.config.layer_kinds) == state_kinds(model)
-    assert engine.config.num_state_slots == 8          # 2 * max_batch_size
-    # the prefix cache stays on (state checkpoints); nothing else was on here
-    assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
-    assert engine.state_layers_off is None
-    assert_engine_greedy(engine, prompts, want, f"{name}: ")
-
-
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
-    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
-    come with it): every prompt prefilled in chunks of 8 together, then decoded together."""
-    model, prompts, want = _case()
-    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    adapter = TransformersAdapter(model)
-    assert adapter.state_layers() == state_kinds(model)
-    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, f"{name}: ",
-                               backend=name, device=device)
-
-
-def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
-    """A 37-token prompt prefilled in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens (a new
-    sequence's one token, one-token chunks that take the recurrent step, chunks across SSM
-    chunk boundaries): every position's logits are those of one forward over the whole prompt
-    without a cache, within float32 rounding."""
-    model, _, _ = _case()
-    prompt = np.random.default_rng(1).integers(1, 128, 37)
-    with torch.no_grad():
-        whole = model(torch.from_numpy(prompt)[None]).logits[0].numpy()
-    got = chunked_logits(model, prompt, (1, 8, 1, 5, 8, 3, 11), PAGE)
-    np.testing.assert_allclose(got, whole, atol=2e-5, rtol=0)
-
-
-@pytest.mark.parametrize("zeroed", ["conv", "ssm"])
-def test_each_state_carries(zeroed, monkeypatch):
-    """The same Engine with one of the two states read as zeros at every forward (a sequence
-    that forgets its conv inputs, or its SSM state) gets the long prompts' tokens wrong: both
-    states carry from forward to forward."""
-    model, prompts, want = _case()
-    monkeypatch.setattr(states_module, "mamba_forward",
-                        forgetting(states_module.mamba_forward, zeroed))
-    model = make_bamba()          # routed afresh: its wrappers call the patched function
-    engine = _engine(model)
-    out = engine.generate(prompts, max_new_tokens=NEW)
-    assert [o[0] for o in out][3:] != want[3:]
-
-
-def test_preemption_and_forks_recompute_the_state():
-    """Four requests in a cache of 48 tokens: the scheduler preempts (the state slot comes back,
-    the preempted request recomputes from fresh states), and ``n = 3`` samples fork at the
-    prompt's end (the children's slots take copies of both states); the tokens are
-    transformers'."""
-    model, _, _ = _case()
-    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
-                                lambda prompt: hf_greedy(model, prompt, NEW))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -138,59 +66,30 @@ def test_granitemoehybrid_greedy_equals_generate(backend, monkeypatch):
     """Granite-4.0-H's mixer is Bamba's code: the same layers (its config names them mamba /
     attention), no rotary, residual multipliers; through the Engine as above."""
     model, prompts, want = _case("granitemoehybrid")
-    assert state_kinds(model) == {i: kvcache.State({"conv": (192, 3), "ssm": (4, 32, 16)},
-                                                   dtype="float32") for i in MAMBA}
+    assert state_kinds(model) == {i: KIND for i in MAMBA}
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    engine = _engine(model, backend=name, device=device)
-    assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
-
-
-def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_states():
-    """Each mixer loses ``kvcache=`` on its way in (as a release whose decoder layer does not
-    pass its keywords down): the adapter's ``serving`` still routes it; outside the Engine the
-    mixer is transformers' own again."""
-    model, prompts, greedy = _case()
-    with KeywordDropped(m for _, m in states_module.mamba_layers(model).values()):
-        out = _engine(model, max_batch_size=3).generate(prompts, max_new_tokens=NEW)
-        assert [o[0] for o in out] == greedy
-    assert hf_greedy(model, prompts[2], NEW) == greedy[2]
-
-
-def test_what_does_not_compose_is_refused_by_name():
-    model, _, _ = _case()
-    kw = assert_state_engine_refusals(model, "bamba")
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="rope='cache' with the bamba"):
-        Engine(model, rope="cache", **kw)
-    engine = Engine(model, **kw)
-    assert_state_edits_refused(engine, fork=False)
-
-
-def _refused(model, match):
-    assert_refused(lambda m: Engine(m, backend="reference", max_total_tokens=256), cache_config,
-                   model, match)
+    eng = engine(model, backend=name, device=device)
+    assert eng.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
+    assert eng.cache.num_available_state_slots == eng.config.num_state_slots
 
 
 def test_what_is_not_understood_is_refused():
     # a replaced mixer (a subclass computes what it likes)
-    model = make_bamba(seed=1)
-    mixer = model.model.layers[2].mamba
-    mixer.__class__ = type("BambaMixer", (type(mixer),), {})
-    _refused(model, r"layers\.2\.mamba \(BambaMixer\) is not transformers' BambaMixer")
+    assert_a_subclass_refused(make_bamba(seed=1), 2, "mamba")
     # a time-step limit: transformers clamps dt in its chunked form only
-    _refused(make_bamba(seed=1, time_step_limit=(0.0, 0.5)),
-             r"layers\.0\.mamba \(BambaMixer\): time_step_limit=\(0\.0, 0\.5\)")
+    refused(make_bamba(seed=1, time_step_limit=(0.0, 0.5)),
+            r"layers\.0\.mamba \(BambaMixer\): time_step_limit=\(0\.0, 0\.5\)")
     # another activation after the conv
-    _refused(make_bamba(seed=1, hidden_act="gelu"), "activation 'gelu'")
+    refused(make_bamba(seed=1, hidden_act="gelu"), "activation 'gelu'")
     # groups that do not match the conv (a mixer changed after it was built)
     model = make_bamba(seed=1)
     model.model.layers[3].mamba.n_groups = 1
-    _refused(model, r"layers\.3\.mamba .*conv_dim=192 is not intermediate_size \+ 2 \* n_groups")
+    refused(model, r"layers\.3\.mamba .*conv_dim=192 is not intermediate_size \+ 2 \* n_groups")
     # not depthwise: a full convolution over the channels (a conv changed after it was built)
     model = make_bamba(seed=1)
     channels = full_conv(model.model.layers[0].mamba, "conv1d")
-    _refused(model, r"layers\.0\.mamba .*groups=1.*not a depthwise causal convolution over "
-                    rf"conv_dim={channels} channels")
+    refused(model, r"layers\.0\.mamba .*groups=1.*not a depthwise causal convolution over "
+                   rf"conv_dim={channels} channels")
     # a layer type the family does not know
     model = make_bamba("granitemoehybrid", seed=1)
     model.config.layer_types = ["mamba", "sliding_attention", "mamba", "mamba", "attention"]
@@ -269,31 +168,3 @@ def test_a_checkpoint_inside_a_scan_is_the_state_a_scan_ending_there_reaches():
             _, want, _ = states_module._ssm_chunked(m, state, x[:, :r], dt[:, :r], A,
                                                     B[:, :r], C[:, :r])
             assert torch.allclose(got, want[0], atol=1e-5, rtol=1e-5), r
-
-
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
-    """Requests sharing a 22-token prefix through the Engine, checkpoints every page
-    (``state_checkpoint_interval=1``), SSM chunks of 8: the first request's prefill chunk
-    16..24 gives the conv and SSM states at 20 (inside an SSM chunk), so the later requests
-    start from 20 cached tokens with both states restored; the greedy tokens are
-    transformers' own."""
-    model = make_bamba(seed=2, mamba_chunk_size=8)
-    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    prompts = shared_prefix_prompts()
-    want = [hf_greedy(model, p, NEW) for p in prompts]
-    engine = _engine(model, backend=name, device=device, state_checkpoint_interval=1)
-    assert engine.config.prefix_cache and engine.config.state_checkpoint_interval == 1
-    assert_prefix_hits(engine, prompts, want)
-    # the engine's own interval for these states: a checkpoint costs more than a page's KV
-    assert _engine(model).config.state_checkpoint_interval > 1
-
-
-def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
-    """docs/prefix-caching.md's condition (the cold prompt's first chunk ends at the page
-    boundary the warm one starts from): the warm request restores that boundary's conv and
-    SSM states beside the cached pages, and every logits row equals the cold run's bit for
-    bit."""
-    model, _, _ = _case()
-    assert_warm_prefix_bits(lambda: _engine(model, prefill_chunk_size=4 * PAGE, overlap=False,
-                                            state_checkpoint_interval=1))

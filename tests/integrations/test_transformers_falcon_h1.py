@@ -11,19 +11,17 @@ test-all``): the suite's time budget."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from conftest import (assert_mixer_call_refusals, assert_state_engine_refusals, backend_or_skip,
-                      chunked_logits, hf_greedy, random_hybrid, torch, transformers)
-from hybrid_cases import (ENGINE, NEW, PAGE, assert_adapter_loop_greedy, assert_engine_greedy,
-                          assert_preemption_and_forks, assert_prefix_hits, assert_refused,
-                          assert_state_edits_refused, assert_warm_prefix_bits, forgetting,
-                          once_per_family, shared_prefix_prompts)
+                      hf_greedy, random_hybrid, torch)
+from hybrid_cases import (NEW, PAGE, assert_engine_greedy, assert_state_edits_refused,
+                          once_per_family)
+from transformers_hybrid_cases import (Family, assert_a_subclass_refused, assert_state_layers,
+                                       engine, family_tests, refused)
 
 import kvcache
-from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
-                                               route_state_layers, state_kinds, stateful_layers)
+from kvcache.integrations.transformers import Engine, cache_config
 from kvcache.integrations.transformers import states as states_module
 
 slow = pytest.mark.slow
@@ -55,41 +53,28 @@ def make_falcon_h1(seed: int = 0, **overrides):
 # (model, prompts, transformers' greedy tokens), once per gated-norm setting (none: without)
 _case = once_per_family(lambda *norm: make_falcon_h1(mamba_rms_norm=bool(norm and norm[0])),
                         lambda model, prompt: hf_greedy(model, prompt, NEW))
-
-
-def _engine(model, **kw):
-    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
+# the tests every transformers hybrid family file runs, under this file's ids, all but the
+# Engine's reference row slow. Falcon-H1's own detail: in every layer the mixer runs from its
+# states at cache layer 2i and the attention reads its pages at 2i + 1, so a preempted request
+# gives back a state slot and pages, a prefix hit restores both; the prefix-hit model has SSM
+# chunks of 8. Its refusals of what does not compose are in test_what_is_not_understood_is_refused
+globals().update(family_tests(Family(
+    "falcon_h1", _case, lambda: make_falcon_h1(mamba_rms_norm=False), cache_layers=6, slow=True,
+    states=("conv", "ssm"), forward="mamba_forward", uneven_atol=2e-5,
+    prefix_model=lambda: make_falcon_h1(seed=2, mamba_chunk_size=8), warm_prefix=True)))
 
 
 def test_each_layer_is_two_cache_layers():
     """Three layers, six cache layers: each layer's mixer state at cache layer 2i, its
     attention's pages at 2i + 1; the module list matches."""
     model, _, _ = _case()
-    kinds = state_kinds(model)
-    assert kinds == {i: KIND for i in STATES}
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
-    assert cfg.num_layers == 6 and dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 3, 5)
+    cfg = assert_state_layers(model, {i: KIND for i in STATES}, (1, 3, 5), (0, 1, 2))
+    assert cfg.num_layers == 6
     assert cfg.kv_bytes == cfg.num_pages * PAGE * 3 * 2 * 2 * 16 * 4     # 3 layers of pages
     assert states_module.cache_layers(model) == {0: 0, 1: 2, 2: 4}
     layers = [type(m).__name__ if m is not None else None
               for m in kvcache.integrations.transformers.attention_layers(model)]
     assert layers == [None, "FalconH1Attention"] * 3
-    assert route_state_layers(model) == [0, 1, 2]
-    assert [i for i, _, _ in stateful_layers(model)] == [0, 1, 2]
-
-
-@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=slow)])
-@pytest.mark.parametrize("backend", ["reference", pytest.param("cuda", marks=slow)])
-def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
-    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
-    in every layer the mixer runs from its states at cache layer 2i and the attention reads
-    its pages at 2i + 1, for prefill chunks and decode tokens of several sequences at once."""
-    model, prompts, want = _case()
-    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    engine = _engine(model, backend=name, device=device, overlap=overlap)
-    assert engine.config.num_layers == 6 and engine.config.num_state_slots == 8
-    assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
-    assert_engine_greedy(engine, prompts, want, f"{name}: ")
 
 
 @slow
@@ -99,86 +84,7 @@ def test_with_the_gated_norm_greedy_equals_generate(backend, monkeypatch):
     module, its input in the model dtype after a decode step, float32 after a prefill)."""
     model, prompts, want = _case(True)
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    assert_engine_greedy(_engine(model, backend=name, device=device), prompts, want, f"{name}: ")
-
-
-@slow
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
-    """The adapter's forward in a loop of one's own (``cache_config(model)``: six cache
-    layers): every prompt prefilled in chunks of 8 together, then decoded together."""
-    model, prompts, want = _case()
-    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    adapter = TransformersAdapter(model)
-    assert adapter.state_layers() == state_kinds(model)
-    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, f"{name}: ",
-                               backend=name, device=device)
-
-
-@slow
-def test_a_prompt_in_uneven_chunks_gives_the_whole_prompts_logits():
-    """A 37-token prompt prefilled in chunks of 1, 8, 1, 5, 8, 3 and 11 tokens: every
-    position's logits are those of one forward over the whole prompt without a cache, within
-    float32 rounding."""
-    model, _, _ = _case()
-    prompt = np.random.default_rng(1).integers(1, 128, 37)
-    with torch.no_grad():
-        whole = model(torch.from_numpy(prompt)[None]).logits[0].numpy()
-    got = chunked_logits(model, prompt, (1, 8, 1, 5, 8, 3, 11), PAGE)
-    np.testing.assert_allclose(got, whole, atol=2e-5, rtol=0)
-
-
-@slow
-@pytest.mark.parametrize("zeroed", ["conv", "ssm"])
-def test_each_state_carries(zeroed, monkeypatch):
-    """The same Engine with one of the two states read as zeros at every forward gets the long
-    prompts' tokens wrong: both states carry from forward to forward (the attention beside
-    them does not make up for them)."""
-    _, prompts, want = _case()
-    monkeypatch.setattr(states_module, "mamba_forward",
-                        forgetting(states_module.mamba_forward, zeroed))
-    model = make_falcon_h1(mamba_rms_norm=False)     # routed afresh: calls the patched function
-    out = _engine(model).generate(prompts, max_new_tokens=NEW)
-    assert [o[0] for o in out][3:] != want[3:]
-
-
-@slow
-def test_preemption_and_forks_recompute_the_state():
-    """Four requests in a cache of 48 tokens: the scheduler preempts (state slot and pages
-    back, recomputed from fresh states), and ``n = 3`` samples fork at the prompt's end; the
-    tokens are transformers'."""
-    model, _, _ = _case()
-    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
-                                lambda prompt: hf_greedy(model, prompt, NEW))
-
-
-@slow
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
-    """Requests sharing a 22-token prefix through the Engine, checkpoints every page, SSM
-    chunks of 8: the later requests start from 20 cached tokens, every layer's pages and both
-    mixer states restored; the greedy tokens are transformers' own."""
-    model = make_falcon_h1(seed=2, mamba_chunk_size=8)
-    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    prompts = shared_prefix_prompts()
-    want = [hf_greedy(model, p, NEW) for p in prompts]
-    engine = _engine(model, backend=name, device=device, state_checkpoint_interval=1)
-    assert_prefix_hits(engine, prompts, want)
-
-
-@slow
-def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit():
-    """docs/prefix-caching.md's condition: the warm request restores the boundary's conv and
-    SSM states beside the cached pages, and every logits row equals the cold run's bit for
-    bit."""
-    model, _, _ = _case()
-    assert_warm_prefix_bits(lambda: _engine(model, prefill_chunk_size=4 * PAGE, overlap=False,
-                                            state_checkpoint_interval=1))
-
-
-def _refused(model, match):
-    assert_refused(lambda m: Engine(m, backend="reference", max_total_tokens=256), cache_config,
-                   model, match)
+    assert_engine_greedy(engine(model, backend=name, device=device), prompts, want, f"{name}: ")
 
 
 @slow
@@ -187,21 +93,18 @@ def test_what_is_not_understood_is_refused():
     kw = assert_state_engine_refusals(model, "falcon_h1")
     assert_state_edits_refused(Engine(model, **kw), fork=False)
     # a replaced mixer (a subclass computes what it likes)
-    model = make_falcon_h1(seed=1)
-    mixer = model.model.layers[1].mamba
-    mixer.__class__ = type("FalconH1Mixer", (type(mixer),), {})
-    _refused(model, r"layers\.1\.mamba \(FalconH1Mixer\) is not transformers' FalconH1Mixer")
+    assert_a_subclass_refused(make_falcon_h1(seed=1), 1, "mamba")
     # a time-step limit, as Bamba's
-    _refused(make_falcon_h1(seed=1, time_step_limit=(0.0, 0.5)),
-             r"layers\.0\.mamba \(FalconH1Mixer\): time_step_limit=\(0\.0, 0\.5\)")
+    refused(make_falcon_h1(seed=1, time_step_limit=(0.0, 0.5)),
+            r"layers\.0\.mamba \(FalconH1Mixer\): time_step_limit=\(0\.0, 0\.5\)")
     # multipliers not one per projected value, a norm where the forward skips it
     model = make_falcon_h1(seed=1)
     model.model.layers[2].mamba.mup_vector = torch.ones(1, 1, 7)
-    _refused(model, r"layers\.2\.mamba .*mup_vector \(1, 1, 7\): not \(1, 1, 324\)")
+    refused(model, r"layers\.2\.mamba .*mup_vector \(1, 1, 7\): not \(1, 1, 324\)")
     model = make_falcon_h1(seed=1)
     model.model.layers[0].mamba.norm = make_falcon_h1(seed=1, mamba_rms_norm=True) \
         .model.layers[0].mamba.norm
-    _refused(model, r"norm FalconH1RMSNormGated with mamba_rms_norm=False")
+    refused(model, r"norm FalconH1RMSNormGated with mamba_rms_norm=False")
     # the mixer called with a padding mask
     model, _, _ = _case()
     assert_mixer_call_refusals(model, model.model.layers[0].mamba, own_cache=False)

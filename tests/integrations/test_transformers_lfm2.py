@@ -1,7 +1,7 @@
 """LFM2's short convolutions on the cache's state slots (issue 56, docs/hybrid.md "Built:
 increment 5"): a small random-weight LFM2 (conv and attention layers) generates greedily
 through the Engine (queued requests of different lengths sharing batches, prompts in chunks
-of 8 tokens, the host one step ahead or not, preemption, ``n = 2`` forks) and through the
+of 8 tokens, the host one step ahead or not, preemption, ``n = 3`` forks) and through the
 adapter in a loop of one's own, on the reference backend and cuda's CPU mode, token for token
 equal to transformers' own ``generate``; and what is refused, by name."""
 
@@ -11,15 +11,13 @@ import numpy as np
 import pytest
 
 from conftest import backend_or_skip, hf_greedy, torch, transformers
-from hybrid_cases import (CHUNK, ENGINE, NEW, PAGE, KeywordDropped, assert_adapter_loop_greedy,
-                          assert_engine_greedy, assert_preemption_and_forks, assert_prefix_hits,
-                          assert_state_edits_refused, assert_state_slots_wait,
-                          assert_warm_prefix_bits, full_conv, once_per_family,
-                          shared_prefix_prompts)
+from hybrid_cases import (CHUNK, NEW, PAGE, assert_prefix_hits, assert_state_edits_refused,
+                          assert_state_slots_wait, assert_warm_prefix_bits, full_conv,
+                          once_per_family, shared_prefix_prompts)
+from transformers_hybrid_cases import Family, assert_state_layers, engine, family_tests
 
 import kvcache
-from kvcache.integrations.transformers import (Engine, TransformersAdapter, cache_config,
-                                               route_state_layers, state_kinds, stateful_layers)
+from kvcache.integrations.transformers import Engine, TransformersAdapter, cache_config, state_kinds
 
 TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 SMALL = dict(vocab_size=128, num_hidden_layers=len(TYPES), hidden_size=64, intermediate_size=128,
@@ -43,67 +41,28 @@ def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
 
 # (model, prompts, transformers' greedy tokens), once per family (none: lfm2)
 _case = once_per_family(make_lfm2, lambda model, prompt: hf_greedy(model, prompt, NEW))
-
-
-def _engine(model, **kw):
-    return Engine(model, **{**ENGINE, "backend": "reference", **kw})
+# the tests every transformers hybrid family file runs, under this file's ids. LFM2's own
+# detail: one state a layer (the conv's), so no state to forget alone; the decoder-layer test
+# is the H200's failure (transformers 5.17): the Engine's memory probe called the conv layers
+# without ``kvcache=``, they ran transformers' own convolution and wrote no state
+# (``ForwardStateError`` at ``end_forward``), until the adapter named the forward's cache for
+# the routed convs of the call too
+globals().update(family_tests(Family(
+    "lfm2", _case, make_lfm2, cache_layers=5, adapter_chunk=16, layer_modules="conv_layers",
+    outside_prompt=0)))
 
 
 def test_the_conv_layers_are_state_layers():
-    model, _, _ = _case()
-    kinds = state_kinds(model)
-    assert kinds == {i: kvcache.State({"conv": (64, 2)}) for i in (0, 2, 3)}
-    cfg = cache_config(model, page_size=PAGE, max_total_tokens=256, max_batch_size=3)
-    assert dict(cfg.layer_kinds) == kinds and cfg.full_layers == (1, 4)
+    kinds = {i: kvcache.State({"conv": (64, 2)}) for i in (0, 2, 3)}
+    cfg = assert_state_layers(_case()[0], kinds, (1, 4), (0, 2, 3))
     assert cfg.num_state_slots == 3 and cfg.state_bytes == 3 * 3 * 64 * 2 * 4
-    # the conv modules still run transformers' own forward without the cache
-    assert route_state_layers(model) == [0, 2, 3]
-    assert [i for i, _, _ in stateful_layers(model)] == [0, 2, 3]
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_engine_greedy_equals_generate(backend, overlap, monkeypatch):
-    """Five queued requests of 1 to 37 tokens, at most 4 per forward, prompts in chunks of 8:
-    prefill chunks and decode tokens of several sequences share forwards, and each sequence's
-    convolution runs from its own state."""
-    model, prompts, want = _case()
-    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    engine = _engine(model, backend=name, device=device, overlap=overlap)
-    assert dict(engine.config.layer_kinds) == state_kinds(model)
-    assert engine.config.num_state_slots == 8          # 2 * max_batch_size
-    # the prefix cache stays on (its hits restore state checkpoints); nothing else was on here
-    assert engine.config.prefix_cache and not engine.graphs and engine.host_tier is None
-    assert engine.state_layers_off is None
-    assert_engine_greedy(engine, prompts, want, f"{name}: ")
-
-
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_adapter_loop_greedy_equals_generate(backend, monkeypatch):
-    """The adapter's forward in a loop of one's own (``cache_config(model)``: the state layers
-    come with it): every prompt prefilled in chunks together, then decoded together."""
-    model, prompts, want = _case()
-    name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
-    adapter = TransformersAdapter(model)
-    assert_adapter_loop_greedy(adapter, cache_config, model, prompts, want, chunk=16,
-                               backend=name, device=device)
-
-
-def test_preemption_and_forks_recompute_the_state():
-    """Four requests in a cache of 48 tokens: the scheduler preempts (the state slot comes back,
-    the preempted request recomputes from a fresh state), and ``n = 2`` samples fork at the
-    prompt's end (the child's slot takes a copy of the state); the tokens are transformers'."""
-    model, _, _ = _case()
-    # three samples of one prompt, one sequence per forward: the prefix and one sample hold slots
-    assert_preemption_and_forks(lambda **kw: _engine(model, **kw),
-                                lambda prompt: hf_greedy(model, prompt, NEW))
 
 
 def test_lfm2_moe_greedy_equals_generate():
     model, prompts, want = _case("lfm2_moe")
-    engine = _engine(model)
-    assert dict(engine.config.layer_kinds) == state_kinds(model)
-    assert engine.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
+    eng = engine(model)
+    assert dict(eng.config.layer_kinds) == state_kinds(model)
+    assert eng.generate(prompts, max_new_tokens=NEW) == [[w] for w in want]
 
 
 def test_what_does_not_compose_is_refused_by_name(tmp_path):
@@ -119,10 +78,10 @@ def test_what_does_not_compose_is_refused_by_name(tmp_path):
         Engine(model, rope="cache", **kw)
     with pytest.raises(kvcache.UnsupportedFeatureError, match="no sliding-window layer"):
         Engine(model, window_groups=True, **kw)
-    engine = Engine(model, **kw)
-    assert engine.state_layers_off is None and engine.window_groups_off is None
+    eng = Engine(model, **kw)
+    assert eng.state_layers_off is None and eng.window_groups_off is None
     # what the cache refuses for state layers: popn, a fork below the length, exports
-    assert_state_edits_refused(engine)
+    assert_state_edits_refused(eng)
 
 
 def test_what_is_not_understood_is_refused():
@@ -174,21 +133,6 @@ def test_what_is_not_understood_is_refused():
     assert cache.sequence_length(0) == 0
 
 
-def test_a_decoder_layer_that_does_not_pass_the_cache_down_still_reaches_the_states():
-    """On the H200 (transformers 5.17) the Engine's memory probe failed: its conv layers were
-    called without ``kvcache=`` (the decoder layer did not pass its keywords down), ran
-    transformers' own convolution and wrote no state (``ForwardStateError`` at
-    ``end_forward``). The adapter now names the forward's cache for the routed convs of the
-    call too; here each conv loses the keyword on its way in, and the tokens still equal
-    ``generate``."""
-    model, prompts, greedy = _case()
-    from kvcache.integrations.transformers.states import conv_layers
-    with KeywordDropped(m for _, m in conv_layers(model).values()):
-        out = _engine(model, max_batch_size=3).generate(prompts, max_new_tokens=NEW)
-        assert [o[0] for o in out] == greedy
-    assert hf_greedy(model, prompts[0], NEW) == greedy[0]        # outside: transformers' own again
-
-
 def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch):
     """One state slot per batch row (``STATE_SLOTS_PER_ROW = 1``) and ``n = 5`` samples of two
     prompts with 3 rows: the samples' prefixes and samples need more slots than the cache has.
@@ -196,7 +140,7 @@ def test_state_slots_running_short_wait_rather_than_preempt_forever(monkeypatch)
     fix an admission failed, preempted the sequence admitted just before it and the same
     forward was planned again, forever); the tokens are transformers'."""
     model, prompts, want = _case()
-    assert_state_slots_wait(lambda **kw: _engine(model, **kw), prompts[3:], want[3:],
+    assert_state_slots_wait(lambda **kw: engine(model, **kw), prompts[3:], want[3:],
                             monkeypatch)
 
 
@@ -212,15 +156,15 @@ def test_shared_prefixes_hit_through_state_checkpoints(backend, monkeypatch):
     name, device = backend_or_skip(backend, monkeypatch, cache_config(model).head_dim)
     prompts = shared_prefix_prompts()
     want = [hf_greedy(model, p, NEW) for p in prompts]
-    engine = _engine(model, backend=name, device=device)
+    eng = engine(model, backend=name, device=device)
     # as many checkpoints as slots, one page apart (a conv state is smaller than a page's KV)
-    assert engine.config.prefix_cache and engine.config.num_state_checkpoints == 8
-    assert engine.config.state_checkpoint_interval == 1
-    assert_prefix_hits(engine, prompts, want)
-    out = engine.generate(prompts[:2], max_new_tokens=NEW)     # cached across calls
+    assert eng.config.prefix_cache and eng.config.num_state_checkpoints == 8
+    assert eng.config.state_checkpoint_interval == 1
+    assert_prefix_hits(eng, prompts, want)
+    out = eng.generate(prompts[:2], max_new_tokens=NEW)     # cached across calls
     assert [o[0] for o in out] == want[:2]
-    assert engine.stats.prefix_hit_tokens >= 3 * 20 + 2 * 20   # (8 rows: 24 may be gone)
-    assert engine.cache.num_available_state_slots == engine.config.num_state_slots
+    assert eng.stats.prefix_hit_tokens >= 3 * 20 + 2 * 20   # (8 rows: 24 may be gone)
+    assert eng.cache.num_available_state_slots == eng.config.num_state_slots
 
 
 def test_a_warm_prefix_gives_the_cold_runs_logits_bit_for_bit_with_state_layers():
@@ -245,13 +189,13 @@ def test_a_checkpoint_miss_is_counted_and_recomputed():
     first = shared + rng.integers(1, 128, 3).tolist()
     others = [rng.integers(1, 128, 30).tolist() for _ in range(2)]
     second = shared + rng.integers(1, 128, 4).tolist()
-    engine = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
-                    prefill_chunk_size=CHUNK, max_batch_size=1)
-    engine.cache.clear()
-    assert engine.config.num_state_checkpoints == 2
+    eng = Engine(model, backend="reference", page_size=PAGE, max_total_tokens=512,
+                 prefill_chunk_size=CHUNK, max_batch_size=1)
+    eng.cache.clear()
+    assert eng.config.num_state_checkpoints == 2
     for p in [first] + others + [second]:
-        assert engine.generate([p], max_new_tokens=2)[0][0] == hf_greedy(model, p, 2)
-    assert engine.stats.prefix_miss_tokens_by_reason["checkpoint"] > 0
+        assert eng.generate([p], max_new_tokens=2)[0][0] == hf_greedy(model, p, 2)
+    assert eng.stats.prefix_miss_tokens_by_reason["checkpoint"] > 0
 
 
 def test_the_engines_checkpoint_interval_follows_the_state_size():
