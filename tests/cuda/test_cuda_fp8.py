@@ -234,6 +234,24 @@ def test_ragged_attention_rounds_new_rows(impl, dtype, variant):
     assert np.isfinite(got[:4]).all() and np.isnan(got[4, :3]).any()
 
 
+def test_float64_inputs_round_to_float16_once():
+    """``from_numpy`` rounds float64 to float16 once, as the reference (numpy) does: torch's
+    cast goes through float32, which puts -1.1596679414 on a float16 midpoint and then on
+    -1.16015625, one float16 step from the nearest value. Under fp8 pages that moved a code
+    (/ 0.02: -57.96 stores -56, -58.008 stores -60) and the full conformance matrix's fp8
+    float16 page-32 case failed on every path of this backend. (bfloat16: both go through
+    float32, the same values.)"""
+    ref, mine = _pair("float16")
+    x = np.array([-1.1596679414055664, 1.00390625 + 1e-12, 0.1, -3.0e-6])
+    got = mine.to_numpy(mine.from_numpy(x)).astype(np.float64)
+    np.testing.assert_array_equal(got, x.astype(np.float16).astype(np.float64))
+    np.testing.assert_array_equal(got, ref.from_numpy(x).astype(np.float64))
+    scale = mine.from_numpy(np.array([0.02, 0.02]), "float32")
+    from kvcache_cuda.torch_kernels import fp8_codes
+    codes = fp8_codes(mine.from_numpy(np.full((1, 2, 1), x[0])), scale, torch.float16)
+    assert codes.float().flatten().tolist() == [-56.0, -56.0]
+
+
 def test_fp8_without_scales_is_refused():
     """With fp8 pages the attention kernels need the layer's scales (the core always passes
     them): a call without them raises instead of reading codes as values."""
