@@ -8,29 +8,14 @@ take (``python3 -m kvcache_cuda.bench --only features`` after it, same machine).
 
 python3 tools/flex_softcap_probe.py
 """
-import statistics
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from cudnn_probe55 import timed     # tools/ on sys.path: run as python3 tools/flex_softcap_probe.py
+
 HQ, HKV, D, CAP = 32, 8, 128, 30.0
 dev, dt = "cuda", torch.bfloat16
-
-
-def timed(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 def reference(q, k, v, causal, cap):
