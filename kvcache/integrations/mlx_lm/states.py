@@ -146,10 +146,10 @@ def conv_layers(model) -> dict:
     ``conv_L_cache``, a conv that is not depthwise over ``hidden_size`` channels, padded,
     strided or dilated, an ``in_proj`` not of ``3 * hidden_size`` outputs, or a
     ``make_cache()`` entry other than ``ArraysCache(size=1)`` at a conv layer."""
-    family = _family(model)
-    known = _CONV_CLASSES.get(family)
-    if known is None:
+    found = _known(model, _CONV_CLASSES)
+    if found is None:
         return {}
+    family, known, _, cls = found
     args = model.args
     layers = list(model.layers)
     n = int(args.num_hidden_layers)
@@ -159,7 +159,6 @@ def conv_layers(model) -> dict:
             raise UnsupportedFeatureError(
                 f"layer {i} of the {family} model has layer type {kind!r}: the cache serves "
                 f"'conv' and 'full_attention' layers of this family only")
-    cls = getattr(importlib.import_module(known[0]), known[1])
     hidden, taps = int(args.hidden_size), int(args.conv_L_cache)
     caches = list(model.make_cache())
     found = {}
@@ -182,6 +181,30 @@ def conv_layers(model) -> dict:
         _check_entry(family, where, caches, i, 1, "its convolution keeps its inputs in")
         found[i] = conv
     return found
+
+
+def _known(model, table: dict):
+    """``(family, entry, module, class)`` of ``model``'s family where ``table`` (family ->
+    (mlx-lm module, state class name, ...)) has it: the entry, the imported module and its
+    state class; None for another family."""
+    family = _family(model)
+    known = table.get(family)
+    if known is None:
+        return None
+    source = importlib.import_module(known[0])
+    return family, known, source, getattr(source, known[1])
+
+
+def _exactly(family: str, i: int, module, known: tuple, cls, what: str) -> str:
+    """``where`` (``"layer i (module.Class)"``) of layer ``i``'s state ``module``, refused
+    unless it is exactly mlx-lm's class ``cls`` (``known``: its module and name): a subclass
+    or a replacement computes what it likes. ``what`` names it in the message."""
+    where = f"layer {i} ({type(module).__module__}.{type(module).__name__})"
+    if type(module) is not cls:
+        raise UnsupportedFeatureError(
+            f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
+            f"subclass or a replacement): {what} is not understood")
+    return where
 
 
 def _check_entry(family: str, where: str, caches: list, i: int, size: int, what: str) -> None:
@@ -245,13 +268,11 @@ def mamba_layers(model) -> dict:
     ``time_step_limit`` that is not two numbers, or a ``make_cache()`` entry other than
     ``ArraysCache(size=2)`` at a mamba layer (Falcon-H1: ``CacheList(ArraysCache(size=2),
     KVCache())``)."""
-    family = _family(model)
-    known = _MAMBA_CLASSES.get(family)
-    if known is None:
+    found = _known(model, _MAMBA_CLASSES)
+    if found is None:
         return {}
+    family, known, source, cls = found
     from mlx_lm.models import ssm as mlx_ssm
-    source = importlib.import_module(known[0])
-    cls = getattr(source, known[1])
     if getattr(source, "ssm_update", None) is not mlx_ssm.ssm_update:
         raise UnsupportedFeatureError(
             f"the {family} model's module {known[0]} calls an ssm_update other than "
@@ -260,11 +281,7 @@ def mamba_layers(model) -> dict:
     caches = list(model.make_cache())
     found = {}
     for slot, i, mixer in _mamba_walk(model, family):
-        where = f"layer {i} ({type(mixer).__module__}.{type(mixer).__name__})"
-        if type(mixer) is not cls:
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
-                f"subclass or a replacement): its mixer is not understood")
+        where = _exactly(family, i, mixer, known, cls, "its mixer")
         _check_mixer(family, where, mixer, hidden, getattr(source, known[2]))
         if family in PAIRED_FAMILIES:
             _check_pair(family, where, caches, i)
@@ -382,6 +399,20 @@ def _mamba_walk(model, family: str) -> list:
     return out
 
 
+def _check_projections(refuse: Callable[[str], NoReturn], projections: tuple,
+                       out_proj) -> None:
+    """``refuse(reason)`` unless each ``(name, module, size)`` of ``projections`` is a linear
+    layer of ``size`` outputs and ``out_proj`` a module (a quantized linear layer keeps packed
+    columns: its rows, the outputs, are what is read)."""
+    for name, proj, size in projections:
+        w = proj.get("weight") if isinstance(proj, nn.Module) else None
+        if w is None or int(w.shape[0]) != size:
+            refuse(f"{name} must be a linear layer of {size} outputs, got "
+                   f"{type(proj).__name__} {tuple(w.shape) if w is not None else ''}")
+    if not isinstance(out_proj, nn.Module):
+        refuse(f"out_proj {type(out_proj).__name__} is not a module")
+
+
 def _check_depthwise(refuse: Callable[[str], NoReturn], conv, conv_dim: int, taps: int,
                      also: tuple = ()) -> None:
     """``refuse(reason)`` unless ``conv`` is an ``nn.Conv1d`` of ``taps`` (>= 2, the config's
@@ -476,12 +507,11 @@ def gdn_layers(model) -> dict:
     depthwise, padded, strided or dilated, projections of other sizes, ``A_log`` /
     ``dt_bias`` not one per value head, a gated norm of another class or size, or a
     ``make_cache()`` entry other than ``ArraysCache(size=2)`` at a linear layer."""
-    family = _family(model)
-    known = _GDN_CLASSES.get(family)
-    if known is None:
+    found = _known(model, _GDN_CLASSES)
+    if found is None:
         return {}
+    family, known, source, cls = found
     from mlx_lm.models import gated_delta
-    source = importlib.import_module(known[0])
     for name in ("gated_delta_update", "normalize_qk"):
         if getattr(source, name, None) is not getattr(gated_delta, name):
             raise UnsupportedFeatureError(
@@ -501,7 +531,6 @@ def gdn_layers(model) -> dict:
             f"the {family} model has {len(layers)} layers for num_hidden_layers={n} "
             f"(full_attention_interval={interval}): which layers are gated DeltaNet layers is "
             f"not understood")
-    cls = getattr(source, known[1])
     block_cls = getattr(source, "Qwen3NextDecoderLayer", None)
     caches = list(model.make_cache())
     found = {}
@@ -519,11 +548,7 @@ def gdn_layers(model) -> dict:
                 f"full_attention_interval={interval})")
         if not linear:
             continue
-        where = f"layer {i} ({type(gdn).__module__}.{type(gdn).__name__})"
-        if type(gdn) is not cls:
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
-                f"subclass or a replacement): its gated DeltaNet is not understood")
+        where = _exactly(family, i, gdn, known, cls, "its gated DeltaNet")
         _check_gdn(family, where, gdn, int(args.linear_conv_kernel_dim),
                    getattr(source, known[2]))
         _check_entry(family, where, caches, i, 2, "its layer keeps its conv and recurrent states in")
@@ -547,15 +572,8 @@ def _check_gdn(family: str, where: str, m, taps_arg: int, norm_class) -> None:
             f"the {family} model's {where} lacks what its layer was read with ({e})") from None
     check_gdn_dims(refuse, nk, nv, dk, dv, key_dim, value_dim, conv_dim)
     _check_depthwise(refuse, conv, conv_dim, taps, ("linear_conv_kernel_dim", taps_arg))
-    for name, proj, size in (("in_proj_qkvz", qkvz, 2 * key_dim + 2 * value_dim),
-                             ("in_proj_ba", ba, 2 * nv)):
-        # a quantized linear layer keeps packed columns: its rows (outputs) are what is read
-        w = proj.get("weight") if isinstance(proj, nn.Module) else None
-        if w is None or int(w.shape[0]) != size:
-            refuse(f"{name} must be a linear layer of {size} outputs, got "
-                   f"{type(proj).__name__} {tuple(w.shape) if w is not None else ''}")
-    if not isinstance(out_proj, nn.Module):
-        refuse(f"out_proj {type(out_proj).__name__} is not a module")
+    _check_projections(refuse, (("in_proj_qkvz", qkvz, 2 * key_dim + 2 * value_dim),
+                                ("in_proj_ba", ba, 2 * nv)), out_proj)
     if any(tuple(p.shape) != (nv,) for p in params):
         refuse(f"A_log, dt_bias of shapes {[tuple(p.shape) for p in params]}, not ({nv},)")
     _check_gated_norm(refuse, norm, norm_class, dv, "layer's")  # per value head of each token
@@ -573,12 +591,10 @@ def mamba1_layers(model) -> dict:
     that is not depthwise over ``intermediate_size`` channels, padded, strided or dilated,
     ``in_proj`` / ``x_proj`` / ``A_log`` / ``D`` of other sizes, or a
     ``make_cache()`` entry other than ``ArraysCache(size=2)``."""
-    family = _family(model)
-    known = _MAMBA1_CLASSES.get(family)
-    if known is None:
+    found = _known(model, _MAMBA1_CLASSES)
+    if found is None:
         return {}
-    source = importlib.import_module(known[0])
-    cls = getattr(source, known[1])
+    family, known, source, cls = found
     jamba = family == "jamba"
     block_cls = getattr(source, "JambaDecoderLayer" if jamba else "ResidualBlock")
     args = model.args
@@ -603,11 +619,7 @@ def mamba1_layers(model) -> dict:
                 f"(a subclass or a replacement, or its modules disagree with its type)")
         if attention:
             continue
-        where = f"layer {i} ({type(mixer).__module__}.{type(mixer).__name__})"
-        if type(mixer) is not cls:
-            raise UnsupportedFeatureError(
-                f"the {family} model's {where} is not mlx-lm's {known[0]}.{known[1]} (a "
-                f"subclass or a replacement): its mixer is not understood")
+        where = _exactly(family, i, mixer, known, cls, "its mixer")
         _check_mixer1(family, where, mixer,
                       int(args.mamba_d_conv if jamba else args.conv_kernel))
         _check_entry(family, where, caches, i, 2, "its mixer keeps its conv and SSM states in")
@@ -629,14 +641,8 @@ def _check_mixer1(family: str, where: str, m, taps_arg: int) -> None:
         raise UnsupportedFeatureError(
             f"the {family} model's {where} lacks what its mixer was read with ({e})") from None
     _check_depthwise(refuse, conv, inner, taps, ("conv_kernel", taps_arg))
-    for name, proj, size in (("in_proj", in_proj, 2 * inner),
-                             ("x_proj", x_proj, rank + 2 * d_state)):
-        w = proj.get("weight") if isinstance(proj, nn.Module) else None
-        if w is None or int(w.shape[0]) != size:
-            refuse(f"{name} must be a linear layer of {size} outputs, got "
-                   f"{type(proj).__name__} {tuple(w.shape) if w is not None else ''}")
-    if not isinstance(out_proj, nn.Module):
-        refuse(f"out_proj {type(out_proj).__name__} is not a module")
+    _check_projections(refuse, (("in_proj", in_proj, 2 * inner),
+                                ("x_proj", x_proj, rank + 2 * d_state)), out_proj)
     if tuple(A_log.shape) != (inner, d_state) or tuple(D.shape) != (inner,):
         refuse(f"A_log {tuple(A_log.shape)}, D {tuple(D.shape)}: not ({inner}, {d_state}) and "
                f"({inner},)")
