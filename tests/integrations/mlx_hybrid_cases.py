@@ -356,6 +356,16 @@ def read_state_as_zeros(monkeypatch, zeroed):
     monkeypatch.setattr(states_module, "_states", zeros)
 
 
+def random_model(module: str, model_type: str, kw: dict, seed: int,
+                 conv: str = "conv1d.weight"):
+    """A float32 mlx-lm model of ``mlx_lm.models.<module>``, ``model_type`` and ModelArgs
+    ``kw``, its weights drawn by ``randomize_weights`` from ``seed``."""
+    source = importlib.import_module(f"mlx_lm.models.{module}")
+    args = source.ModelArgs.from_dict({"model_type": model_type, **kw})
+    mx.random.seed(seed)
+    return randomize_weights(source.Model(args), conv)
+
+
 def randomize_weights(model, conv: str = "conv1d.weight"):
     """``model`` with random weights from mlx's current random state: matrices drawn with
     variance 1 / fan-in and every 1-D parameter moved off its initial value (weights named

@@ -12,15 +12,13 @@ CI), so most of this file runs in ``make test-all`` only."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_replaced_function_refused,
                               assert_a_subclass_refused, assert_another_make_cache_refused,
                               assert_edit_refused, assert_generate_equals_mlx_lm,
                               assert_prefix_hits_at_every_page, assert_state_layers,
-                              engine as _engine, family_tests, randomize_weights, slow_except)
+                              engine as _engine, family_tests, random_model, slow_except)
 from mlx_lm_cases import mlx_greedy, mx
 from hybrid_cases import NEW, once_per_family
 
@@ -45,10 +43,7 @@ def make_falcon(seed: int = 0, **overrides):
     variance 1 / fan-in and every 1-D parameter (``A_log``, ``D``, ``dt_bias``, norms, biases)
     moved off its initial value, so that every head's step size differs and the greedy tokens
     vary."""
-    module = importlib.import_module("mlx_lm.models.falcon_h1")
-    args = module.ModelArgs.from_dict({"model_type": "falcon_h1", **dict(SMALL, **overrides)})
-    mx.random.seed(seed)
-    return randomize_weights(module.Model(args))
+    return random_model("falcon_h1", "falcon_h1", dict(SMALL, **overrides), seed)
 
 
 def _make(kind: str = "gated"):

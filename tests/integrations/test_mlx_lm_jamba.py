@@ -10,13 +10,11 @@ only."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from mlx_hybrid_cases import (assert_a_subclass_refused, assert_another_make_cache_refused,
                               assert_edit_refused, assert_prefix_hits_at_every_page,
-                              assert_state_layers, family_tests, randomize_weights, slow_except)
+                              assert_state_layers, family_tests, random_model, slow_except)
 from mlx_lm_cases import mlx_greedy, mx
 from hybrid_cases import NEW, once_per_family
 
@@ -41,10 +39,7 @@ def make_jamba(seed: int = 0, **overrides):
     """A float32 mlx-lm Jamba with seeded random weights (``SMALL``): matrices drawn with
     variance 1 / fan-in (``A_log`` too: any real one decays) and every 1-D parameter (``D``,
     norms, biases) moved off its initial value, so that the greedy tokens vary."""
-    module = importlib.import_module("mlx_lm.models.jamba")
-    args = module.ModelArgs.from_dict({"model_type": "jamba", **dict(SMALL, **overrides)})
-    mx.random.seed(seed)
-    return randomize_weights(module.Model(args))
+    return random_model("jamba", "jamba", dict(SMALL, **overrides), seed)
 
 
 # (model, prompts, mlx-lm's greedy tokens), built once

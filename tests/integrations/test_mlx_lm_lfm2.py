@@ -11,11 +11,11 @@ import importlib
 
 import pytest
 
-from mlx_lm_cases import mlx_greedy, mx
+from mlx_lm_cases import mlx_greedy
 from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_subclass_refused,
                               assert_another_make_cache_refused, assert_edit_refused,
                               assert_generate_equals_mlx_lm, assert_state_layers, engine as _engine,
-                              family_tests, randomize_weights, shared_prefix_case)
+                              family_tests, random_model, shared_prefix_case)
 from hybrid_cases import (NEW, assert_prefix_hits, assert_state_slots_wait, once_per_family)
 
 import kvcache  # noqa: E402
@@ -36,11 +36,8 @@ def make_lfm2(model_type: str = "lfm2", seed: int = 0, **overrides):
     attention, conv, conv, attention; hidden 64, a kernel of 3 taps): matrices drawn with
     variance 1 / fan-in and every 1-D parameter moved off its initial value, so that the
     greedy tokens vary (mlx-lm's own initialisation repeats one token)."""
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
     kw = dict(SMALL, **(MOE if model_type == "lfm2_moe" else {}), **overrides)
-    args = module.ModelArgs.from_dict({"model_type": model_type, **kw})
-    mx.random.seed(seed)
-    return randomize_weights(module.Model(args), "conv.weight")
+    return random_model(model_type, model_type, kw, seed, "conv.weight")
 
 
 # (model, prompts, mlx-lm's greedy tokens), once per family (none: lfm2)

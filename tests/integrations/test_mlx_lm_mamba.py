@@ -10,14 +10,12 @@ checkpoints; and what is refused, by name. Most of this file runs in ``make test
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from mlx_hybrid_cases import (assert_a_subclass_refused, assert_another_make_cache_refused,
                               assert_edit_refused, assert_generate_equals_mlx_lm,
                               assert_prefix_hits_at_every_page, family_tests,
-                              randomize_weights, slow_except)
+                              random_model, slow_except)
 from mlx_lm_cases import mlx_greedy, mx
 from hybrid_cases import NEW, PAGE, once_per_family
 
@@ -37,10 +35,7 @@ def make_mamba(seed: int = 0, model_type: str = "mamba", **overrides):
     ``use_bcdt_rms``) with seeded random weights (``SMALL``): matrices drawn with
     variance 1 / fan-in (``A_log`` too: any real one decays) and every 1-D parameter (``D``,
     norms, biases) moved off its initial value, so that the greedy tokens vary."""
-    module = importlib.import_module("mlx_lm.models.mamba")
-    args = module.ModelArgs.from_dict({"model_type": model_type, **dict(SMALL, **overrides)})
-    mx.random.seed(seed)
-    return randomize_weights(module.Model(args))
+    return random_model("mamba", model_type, dict(SMALL, **overrides), seed)
 
 
 # (model, prompts, mlx-lm's greedy tokens), built once

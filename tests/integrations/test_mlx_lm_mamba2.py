@@ -11,15 +11,13 @@ Granite-4.0-H's (test_mlx_lm_granite_hybrid.py runs it in CI), so most of this f
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from mlx_hybrid_cases import (assert_a_replaced_function_refused, assert_a_subclass_refused,
                               assert_another_make_cache_refused, assert_edit_refused,
                               assert_prefix_hits_at_every_page, family_tests,
-                              randomize_weights, slow_except)
-from mlx_lm_cases import mlx_greedy, mx
+                              random_model, slow_except)
+from mlx_lm_cases import mlx_greedy
 from hybrid_cases import NEW, PAGE, once_per_family
 
 import kvcache  # noqa: E402
@@ -40,10 +38,7 @@ def make_mamba2(seed: int = 0, **overrides):
     variance 1 / fan-in and every 1-D parameter (``A_log``, ``D``, ``dt_bias``, norms, biases)
     moved off its initial value, so that every head's step size differs and the greedy tokens
     vary."""
-    module = importlib.import_module("mlx_lm.models.mamba2")
-    args = module.ModelArgs.from_dict({"model_type": "mamba2", **dict(SMALL, **overrides)})
-    mx.random.seed(seed)
-    return randomize_weights(module.Model(args))
+    return random_model("mamba2", "mamba2", dict(SMALL, **overrides), seed)
 
 
 # (model, prompts, mlx-lm's greedy tokens), built once
