@@ -116,6 +116,21 @@ def assert_a_subclass_refused(model, layer: int, attr: str, name: str, build=Non
         build(model)
 
 
+def assert_residual_blocks_refused(make, mixer: str) -> None:
+    """A model of Mamba ``ResidualBlock`` layers (``make(seed=2)``, a fresh one each time) with
+    its layer 1 mixer replaced by a subclass named ``mixer``, its layer 2 block by a subclass
+    (the block decides how the mixer is called), or its layer 2 conv by one that is not
+    depthwise: each refused, naming the layer."""
+    import mlx.nn as nn
+    assert_a_subclass_refused(make(seed=2), 1, "mixer", mixer)
+    model = make(seed=2)
+    model.layers[2].__class__ = type("ResidualBlock", (type(model.layers[2]),), {})
+    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*a subclass"):
+        state_kinds(model)
+    assert_edit_refused(make(seed=2), "layers.2.mixer.conv1d",
+                        nn.Conv1d(128, 128, 4, bias=True), "layer 2 .*groups=1")
+
+
 def assert_another_make_cache_refused(model) -> None:
     """``model``'s ``make_cache()`` giving a ``KVCache`` at every layer: refused, naming the
     first state layer (0)."""

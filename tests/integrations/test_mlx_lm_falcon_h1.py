@@ -18,7 +18,7 @@ from mlx_hybrid_cases import (assert_a_mask_refused, assert_a_replaced_function_
                               assert_a_subclass_refused, assert_another_make_cache_refused,
                               assert_edit_refused, assert_generate_equals_mlx_lm,
                               assert_prefix_hits_at_every_page, assert_state_layers,
-                              engine as _engine, family_tests, random_model, slow_except)
+                              family_tests, random_model, slow_except)
 from mlx_lm_cases import mlx_greedy, mx
 from hybrid_cases import NEW, once_per_family
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_hybrid_cases import (assert_a_subclass_refused, assert_another_make_cache_refused,
-                              assert_edit_refused, assert_generate_equals_mlx_lm,
-                              assert_prefix_hits_at_every_page, family_tests,
-                              random_model, slow_except)
+from mlx_hybrid_cases import (assert_another_make_cache_refused, assert_edit_refused,
+                              assert_generate_equals_mlx_lm, assert_prefix_hits_at_every_page,
+                              assert_residual_blocks_refused, family_tests, random_model,
+                              slow_except)
 from mlx_lm_cases import mlx_greedy, mx
 from hybrid_cases import NEW, PAGE, once_per_family
 
@@ -78,16 +78,8 @@ def test_shared_prefixes_hit_through_state_checkpoints():
 
 
 def test_what_is_not_understood_is_refused():
-    import mlx.nn as nn
-    # a replaced mixer, a replaced block
-    assert_a_subclass_refused(make_mamba(seed=2), 1, "mixer", "MambaBlock")
-    model = make_mamba(seed=2)
-    model.layers[2].__class__ = type("ResidualBlock", (type(model.layers[2]),), {})
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*a subclass"):
-        state_kinds(model)
-    # not depthwise; A_log of another shape
-    assert_edit_refused(make_mamba(seed=2), "layers.2.mixer.conv1d",
-                        nn.Conv1d(128, 128, 4, bias=True), "layer 2 .*groups=1")
+    # a replaced mixer, a replaced block, a conv that is not depthwise; A_log of another shape
+    assert_residual_blocks_refused(make_mamba, "MambaBlock")
     assert_edit_refused(make_mamba(seed=2), "layers.0.mixer.A_log", mx.zeros((128,)),
                         r"layer 0 .*A_log \(128,\)")
     # a mixer that make_cache() gives another cache

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_hybrid_cases import (assert_a_replaced_function_refused, assert_a_subclass_refused,
-                              assert_another_make_cache_refused, assert_edit_refused,
-                              assert_prefix_hits_at_every_page, family_tests,
-                              random_model, slow_except)
+from mlx_hybrid_cases import (assert_a_replaced_function_refused, assert_another_make_cache_refused,
+                              assert_edit_refused, assert_prefix_hits_at_every_page,
+                              assert_residual_blocks_refused, family_tests, random_model,
+                              slow_except)
 from mlx_lm_cases import mlx_greedy
 from hybrid_cases import NEW, PAGE, once_per_family
 
@@ -73,15 +73,8 @@ def test_shared_prefixes_hit_through_state_checkpoints():
 
 def test_what_is_not_understood_is_refused():
     import mlx.nn as nn
-    # a replaced mixer, a replaced block (it decides how the mixer is called)
-    assert_a_subclass_refused(make_mamba2(seed=2), 1, "mixer", "Mamba2Block")
-    model = make_mamba2(seed=2)
-    model.layers[2].__class__ = type("ResidualBlock", (type(model.layers[2]),), {})
-    with pytest.raises(kvcache.UnsupportedFeatureError, match="layer 2 .*a subclass"):
-        state_kinds(model)
-    # not depthwise; another gated norm
-    assert_edit_refused(make_mamba2(seed=2), "layers.2.mixer.conv1d",
-                        nn.Conv1d(128, 128, 4, bias=True), "layer 2 .*groups=1")
+    # a replaced mixer, a replaced block, a conv that is not depthwise; another gated norm
+    assert_residual_blocks_refused(make_mamba2, "Mamba2Block")
     assert_edit_refused(make_mamba2(seed=2), "layers.0.mixer.norm", nn.RMSNorm(64),
                         "layer 0 .*norm RMSNorm")
     # a mixer that make_cache() gives another cache; the module's SSM function replaced
