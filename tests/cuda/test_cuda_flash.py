@@ -323,11 +323,12 @@ def test_calls_the_library_cannot_compute_stay_on_triton():
 
 
 @needs_triton
-def test_queued_prefills_read_at_the_end():
+@pytest.mark.parametrize("attend", ATTENDS)
+def test_queued_prefills_read_at_the_end(attend):
     """Several ragged and paged calls queued before any output is read (no sync between
     them), against the reference: sequences of several lengths, of one shape (the library's
-    batch over views) and with sinks (joined after it)."""
-    ref, mine, fn = _backend("float16", stand_in)
+    batch over views; on a GPU cuDNN's, unchecked) and with sinks (joined after it)."""
+    ref, mine, fn = _backend("float16", _attend(attend))
     rng = np.random.default_rng(9)
     outs, wants = [], []
     sinks_np = np.array([0.3, -1.0, 2.0, 0.0], np.float32)
