@@ -179,5 +179,15 @@ for step in ${STEPS:-tests conformance profile bench demo}; do
       echo "conformance flash=on rc $?"; grep -a "verdict\|pytest:" "$OUT/conf_fp8.log" | tail -3; wait
       tail -2 "$OUT/fp8_tests.log"; grep -a "^FAILED\|Error" "$OUT/fp8_tests.log" | head -20
       for i in 1 2; do timeout 200 python3 -m kvcache_cuda.bench --only prefill,fp8 2>&1 | grep -a "^prefill\|^fp8\|PASS\|MISS" | tee "$OUT/bench_fp8_$i.log"; done ;;
+    full55) section "issue 55 (2026-11-29, fourteenth session): the WHOLE conformance matrix (--full, about 1,700 tests) with the library on, in two halves by module (PART=A or B, one call each; about 8 minutes a half in 15 workers)"
+      case ${PART:-A} in
+        A) K="test_quantized or test_forward or test_graph or test_matrix" ;;
+        B) K="not (test_quantized or test_forward or test_graph or test_matrix)" ;;
+      esac
+      KVCACHE_CUDA_FLASH=on timeout ${FULL_S:-560} python3 -m kvcache.cli conformance --backend cuda --full --jobs ${JOBS:-15} -k "$K" \
+        --report "$OUT/conformance_full_${PART:-A}.md" > "$OUT/conformance_full_${PART:-A}.log" 2>&1
+      echo "conformance --full part ${PART:-A} rc $?"; grep -a "verdict\|pytest:" "$OUT/conformance_full_${PART:-A}.log" | tail -3
+      awk '/^  Test/ && NF == 5 && $3 != "0" {print "  failed in", $0}' "$OUT/conformance_full_${PART:-A}.log"
+      grep -a "^FAILED\|^ERROR" "$OUT/conformance_full_${PART:-A}.log" | head -30 ;;
   esac
 done

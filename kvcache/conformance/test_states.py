@@ -218,18 +218,23 @@ class TestStateSlots(Conformance):
         start from that boundary's states, all queued and read at the end."""
         t = twin(prefix=True)
         ps = t.config.page_size
-        ids = [int(x) for x in t.rng.integers(1, 1000, 3 * ps + 3)]
+        # the scenario's unit: whole pages, at least 4 tokens (one-token pages put a boundary
+        # at every token, and the forwards below need room on both sides of one)
+        u = ps * -(-4 // ps)
+        part = min(1, ps - 1)       # a matching partial page past the hit, where pages hold more
+        ids = [int(x) for x in t.rng.integers(1, 1000, 3 * u + 3)]
         t.add(0, ids)
-        t.forward([0], [ps + 2])                    # the boundary at ps inside
-        t.forward([0], [ps - 2])                    # ends at 2 ps
-        t.forward([0], [ps + 3])                    # 3 ps inside
+        t.forward([0], [u + 2])                     # the boundary at u inside
+        t.forward([0], [u - 2])                     # ends at 2 u
+        t.forward([0], [u + 3])                     # 3 u inside
         t.remove(0)
-        t.add(1, ids[:2 * ps + 1] + [7])            # starts at 2 ps (a forward's end)
-        t.add(2, ids[:ps + 3])                      # starts at ps (inside a forward)
-        t.add(3, ids)                               # starts at 3 ps
-        if [t.lengths[s] for s in (1, 2, 3)] != [2 * ps, ps, 3 * ps]:
+        # each new prompt parts from ids after its hit (token 0 is never an id of ids)
+        t.add(1, ids[:2 * u + part] + [0])          # starts at 2 u (a forward's end)
+        t.add(2, ids[:u + 3 * part] + [0])          # starts at u (inside a forward)
+        t.add(3, ids[:3 * u + 3 * part] + [0])      # starts at 3 u
+        if [t.lengths[s] for s in (1, 2, 3)] != [2 * u, u, 3 * u]:
             raise Mismatch(f"prefix hits at {[t.lengths[s] for s in (1, 2, 3)]}, expected "
-                           f"{[2 * ps, ps, 3 * ps]}{t.context()}")
+                           f"{[2 * u, u, 3 * u]}{t.context()}")
         t.forward([1, 2, 3], [2, 1, 3])
         t.remove(2)
         t.forward([3, 1], [1, 1])

@@ -345,7 +345,7 @@ def main(argv) -> int:
     from .real import check_model_name
     check_model_name(opts.model)                    # a bad --model: usage error, exit 2
     if opts.backend != "auto":
-        backend_for(opts.backend, None)
+        backend_for(opts.backend, opts.device)
     if opts.json:
         opts.quiet = True
     r = run(opts)

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from _conformance_runs import run
+from _conformance_runs import pytest_counts, run
 
 from kvcache.conformance import plugin
 
@@ -118,3 +118,17 @@ def test_the_time_of_each_class_is_printed(tmp_path):
     assert rows["total"][1] == pytest.approx(rows["TestFork"][1] + rows["TestLse"][1], abs=0.11)
     seconds = json.loads((tmp_path / "r.json").read_text())["backends"]["reference"]["seconds"]
     assert set(seconds) == {"TestFork", "TestLse"} and all(v >= 0 for v in seconds.values())
+
+
+# The full matrix holds cases the quick one never draws: its first whole run on a GPU (H200,
+# 2026-11-29) failed TestStateSlots' prefix-hit scenario at one-token pages on every backend,
+# the reference included (a forward of ps - 2 = -1 tokens: the scenario, not a backend, was
+# wrong). CI keeps that case; `make test-all` runs the whole matrix on the reference.
+@pytest.mark.parametrize("select", [
+    pytest.param(["-k", "test_prefix_hits_restore_checkpoints and ps1"], id="one-token-pages"),
+    pytest.param([], id="everything", marks=pytest.mark.slow)])
+def test_the_full_matrix_passes_on_the_reference(tmp_path, select):
+    rc, out = run([sys.executable, "-m", "kvcache.conformance", "--backend", "reference",
+                   "--full", "--jobs", "1", "-q", *select], tmp_path, timeout=1800, **ENV)
+    assert rc == 0 and "verdict: CONFORMS" in out, out[-4000:]
+    assert "failed" not in pytest_counts(out) and pytest_counts(out)["passed"] >= 3, out[-2000:]
