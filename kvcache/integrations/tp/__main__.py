@@ -57,8 +57,18 @@ def main(argv=None) -> int:
         # every group torn down before the interpreter exits: a rank done before the others
         # (rank 1 returns while rank 0 still reports) otherwise died in the process group's
         # threads at exit ("terminate called without an active exception", SIGABRT)
+        import gc
+
+        import torch
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
+            # on two H200s both ranks hung here after the report (the CUDA graphs that captured
+            # the model's all-reduces, still alive, the likely holders of the NCCL
+            # communicator): collect them, drain the device, every rank done, then tear down
+            gc.collect()
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            dist.barrier()
             dist.destroy_process_group()
 
 
