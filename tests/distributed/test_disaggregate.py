@@ -60,7 +60,7 @@ background_runs.register(
     "test_the_cli_reports_and_exits_zero",
     [sys.executable, "-m", "kvcache.cli", "demo", "--disaggregate", "--backend", "cuda",
      *WORKLOAD, "--deterministic"],
-    dict(os.environ, KVCACHE_CUDA_CPU="1"), timeout=600, needs=("torch", "transformers"))
+    dict(os.environ, KVCACHE_CUDA_CPU="1"), timeout=600, needs=("torch", "transformers", "triton"))
 
 
 def test_the_cli_reports_and_exits_zero():
