@@ -160,10 +160,12 @@ def interpreter_blas(env: dict) -> dict:
 
 
 class Queue:
-    """Runs ``runs`` one after another on a thread (a run its test started already is skipped)."""
+    """Runs ``runs`` one after another on a thread (a run its test started already is skipped;
+    one of ``started``, begun before the queue was, is waited for)."""
 
-    def __init__(self, runs: list[Run]):
+    def __init__(self, runs: list[Run], started: tuple = ()):
         self.runs = runs
+        self._started = tuple(started)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._work, name="background-runs", daemon=True)
         self.thread.start()
@@ -172,7 +174,7 @@ class Queue:
         for run in self.runs:
             if self._stop.is_set():
                 return
-            if run.start():
+            if run.start() or any(run is r for r in self._started):
                 run.wait()
 
     def stop(self) -> None:

@@ -119,19 +119,59 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = [item for item in items if item.name not in names] + waits
 
 
+_EARLY = pytest.StashKey["background_runs.Run"]()
+
+
+def pytest_configure(config):
+    # This conftest loads about 12 s into the whole suite's collection (26 s on CI's two cores),
+    # during which the second core has nothing to do: the interpreter child, the longest, starts
+    # here where the session is bound to select its test (this folder collected whole, no -k,
+    # an -m that keeps unmarked tests); collection's end kills it if the test was deselected.
+    if cc.INTERPRET or cc.ON_GPU or config.option.collectonly or config.getoption("keyword"):
+        return
+    if importlib.util.find_spec("triton") is None or not _keeps_unmarked(config):
+        return
+    here = Path(__file__).resolve().parent
+    args = [Path(a).resolve() for a in config.args if "::" not in a]
+    if not any(here == a or a in here.parents for a in args):
+        return
+    _register_interpreter_run(config.getoption("markexpr"))
+    run = background_runs.RUNS[INTERPRETER_TEST]
+    run.start()
+    config.stash[_EARLY] = run
+
+
+def _keeps_unmarked(config) -> bool:
+    """Whether the session's -m selects a test with no marks (False where it cannot be told)."""
+    expr = config.getoption("markexpr")
+    if not expr:
+        return True
+    try:
+        from _pytest.mark.expression import Expression
+        return bool(Expression.compile(expr).evaluate(lambda *a, **k: False))
+    except Exception:                   # noqa: BLE001 - pytest's private API moved: no early start
+        return False
+
+
 def pytest_collection_finish(session):
     config = session.config
     if config.option.collectonly or _QUEUE in config.stash:
         return
-    if not (cc.INTERPRET or cc.ON_GPU):
+    early = config.stash.get(_EARLY, None)
+    if not (cc.INTERPRET or cc.ON_GPU) and early is None:
         _register_interpreter_run(config.getoption("markexpr"))
     runs = []
     for item in session.items:
         run = background_runs.RUNS.get(item.name)
         if _runs_child(item) and all(run is not r for r in runs):   # a child read by several
             runs.append(run)
+    if early is not None:
+        if any(early is r for r in runs):   # first: the queue waits for it before the others
+            runs = [early] + [r for r in runs if r is not early]
+        else:
+            early.kill()                    # its test was deselected after all
     if runs:
-        config.stash[_QUEUE] = background_runs.Queue(runs)
+        config.stash[_QUEUE] = background_runs.Queue(runs, started=(early,) if early else ())
 
 
 def pytest_sessionfinish(session):
