@@ -101,7 +101,7 @@ $(DEMO_STAMP): pyproject.toml backends/cuda/pyproject.toml tools/install_torch.s
 # background_runs.py), and so do two whole files, the conformance suite and the bad-input
 # catalogue (background_runs.CHILD_FILES; tests/test_child_files.py reads them).
 test: $(STAMP)
-	@echo "make: running the suite (tests/; about 12.5 min on a 2-core AMD EPYC; collection takes 20-30 s, then a dot per test)"
+	@echo "make: running the suite (tests/; about 12 min on a 2-core AMD EPYC; collection takes 20-30 s, then a dot per test)"
 	$(PY) -m pytest -q tests -m "not slow and not tools"
 
 # the fast lane (about 2-3 min here): mypy once over the core and the backends, then the quick suite

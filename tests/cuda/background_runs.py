@@ -5,7 +5,9 @@ run) and assert on what it printed: 3-40 s each on 2 cores, most of it a core's 
 child while the session's own process waits. Each of those test modules registers its child's
 command at import time (``register``); when collection ends, conftest.py starts a queue that runs
 the registered children of the selected tests one after another, in the session's order, beside
-the session's other tests (one extra core, as the interpreter run alone took before). The test
+the session's other tests (one extra core, as the interpreter run alone took before). The
+interpreter child, the longest, starts earlier, when tests/cuda/conftest.py loads during
+collection, where the session is bound to select its test; the queue waits for it first. The test
 then calls ``result(name)``: the finished child as ``subprocess.run`` returns it (text output),
 waiting for it if it still runs, or starting it at once if the queue has not reached it (or was
 never started: the test selected alone, ``--collect-only`` before). The command, its environment
